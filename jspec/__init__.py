@@ -1,0 +1,37 @@
+"""jspec: exact speculative decoding in JAX.
+
+The logits at every position are a bitwise function of the tokens before it,
+whatever the batch, the number of positions in a call or the cache history
+(on the `pallas` backend), so greedy speculation reproduces serial decoding
+token for token.
+"""
+
+from jspec.cache import KVCache, init_cache, rollback
+from jspec.checkpoint import restore_params, save_params
+from jspec.config import ModelConfig, UnsupportedModelError, from_hf_config
+from jspec.generate import GenerateOutput, generate, generate_stream
+from jspec.loading import CheckpointError, load_hf, load_tokenizer
+from jspec.model import Model, forward
+from jspec.sampling import Greedy, Sample, make_sampler
+
+__all__ = [
+    "CheckpointError",
+    "GenerateOutput",
+    "Greedy",
+    "KVCache",
+    "Model",
+    "ModelConfig",
+    "Sample",
+    "UnsupportedModelError",
+    "forward",
+    "from_hf_config",
+    "generate",
+    "generate_stream",
+    "init_cache",
+    "load_hf",
+    "load_tokenizer",
+    "make_sampler",
+    "restore_params",
+    "rollback",
+    "save_params",
+]

@@ -1,0 +1,83 @@
+"""The immutable KV cache pytree.
+
+Layout: K and V buffers of all layers stacked, `[L, B, Hkv, S, D]`, so the
+forward pass scans over layers; one int32 length per row. Row b holds its tokens
+at absolute positions 0..lengths[b]-1. Entries at or beyond a row's length are
+never read: attention masks keys after each query's own position, and new K/V
+are written before attention reads them. Rollback is therefore just a new
+length (`rollback`), and nothing is ever erased.
+
+The buffers are allocated with zeros: a masked key contributes `0 * v`, which is
+only an exact zero if v is finite. The allocated capacity S is `max_len` rounded
+up to the attention key block; `max_len` is the logical limit that bad input is
+checked against.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+# Key-block granularity of the cache capacity: every attention kernel
+# configuration uses a key block that divides this.
+CACHE_ALIGN = 64
+
+
+@struct.dataclass
+class KVCache:
+    """Attributes:
+    k: [L, B, Hkv, S, D] keys, already rotated (RoPE) and normed.
+    v: [L, B, Hkv, S, D] values.
+    lengths: [B] int32, tokens committed per row.
+    max_len: static logical capacity (<= S).
+    """
+
+    k: jax.Array
+    v: jax.Array
+    lengths: jax.Array
+    max_len: int = struct.field(pytree_node=False)
+
+    @property
+    def batch_size(self) -> int:
+        return self.lengths.shape[0]
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[3]
+
+
+def init_cache(model, batch_size: int, max_len: int) -> KVCache:
+    """Zero K/V buffers for `batch_size` rows of up to `max_len` tokens each."""
+    cfg = model.config
+    if batch_size < 1:
+        raise ValueError(f"{batch_size=} must be >= 1")
+    if max_len < 1:
+        raise ValueError(f"{max_len=} must be >= 1")
+    if max_len > cfg.max_position:
+        raise ValueError(f"{max_len=} exceeds the model's max_position_embeddings "
+                         f"({cfg.max_position})")
+    capacity = -(-max_len // CACHE_ALIGN) * CACHE_ALIGN
+    shape = (cfg.num_layers, batch_size, cfg.num_kv_heads, capacity, cfg.head_dim)
+    zeros = jnp.zeros(shape, jnp.dtype(cfg.dtype))
+    return KVCache(k=zeros, v=jnp.zeros_like(zeros),
+                   lengths=jnp.zeros((batch_size,), jnp.int32), max_len=max_len)
+
+
+def rollback(cache: KVCache, lengths) -> KVCache:
+    """The same buffers with new per-row lengths ([B] or a scalar): rejected entries
+    beyond them are never read again."""
+    lengths = jnp.broadcast_to(jnp.asarray(lengths, jnp.int32), cache.lengths.shape)
+    return cache.replace(lengths=lengths)
+
+
+def write_kv(buf: jax.Array, new: jax.Array, lengths: jax.Array) -> jax.Array:
+    """Writes new entries at each row's length.
+
+    buf: [B, Hkv, S, D]; new: [B, Hkv, T, D]; lengths: [B] int32. The caller
+    guarantees lengths + T <= S (dynamic_update_slice would clamp silently).
+    """
+    def one(b, n, start):
+        return jax.lax.dynamic_update_slice(b, n.astype(b.dtype), (0, start, 0))
+
+    return jax.vmap(one)(buf, new, lengths)

@@ -1,0 +1,253 @@
+"""Static, hashable model configuration, read from a Hugging Face `config.json`.
+
+`ModelConfig` is passed straight to `jax.jit` as static data (it lives in the
+treedef of `Model`), so every field is a plain immutable Python value. It also
+carries the backend (`xla` or `pallas`) because the backend decides which
+kernels the forward pass traces.
+
+Supported families: Llama 3 (`llama`, with `llama3` RoPE scaling), Qwen3
+(`qwen3`, per-head q/k RMSNorm) and Gemma 3 text (`gemma3_text`: embedding
+scale, `(1 + w)` RMSNorm, four norms per layer, sliding-window layers with their
+own RoPE base, optional attention and final softcapping, gelu-tanh MLP).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import numpy as np
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen3", "gemma3_text")
+BACKENDS = ("xla", "pallas")
+DTYPES = ("float32", "bfloat16")
+
+
+class UnsupportedModelError(ValueError):
+    """The checkpoint's architecture or one of its options is not supported."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeSpec:
+    """One RoPE table: base, optional llama3 scaling (factor, low, high, original_max)."""
+
+    theta: float
+    llama3: tuple[float, float, float, int] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Everything that decides shapes or code paths of the forward pass.
+
+    Attributes:
+      family: "llama", "qwen3" or "gemma3".
+      layer_sliding: per layer, True if it uses the sliding window (Gemma 3).
+      norm_offset: 0.0 for `w * x_hat`, 1.0 for Gemma's `(1 + w) * x_hat`.
+      sandwich_norms: Gemma's post-attention and post-MLP norms.
+      attn_scale: multiplier of q.k (head_dim**-0.5 or query_pre_attn_scalar**-0.5).
+      embed_scale: multiplier of the embeddings (Gemma: sqrt(hidden)), or None.
+      dtype: parameter and activation dtype name; logits are always float32.
+      backend: "xla" (plain jnp) or "pallas" (the invariant kernels).
+      interpret: run Pallas kernels in interpret mode (CPU).
+    """
+
+    family: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_eps: float
+    rope: RopeSpec
+    rope_local: RopeSpec | None
+    sliding_window: int
+    layer_sliding: tuple[bool, ...]
+    qk_norm: bool
+    norm_offset: float
+    sandwich_norms: bool
+    attn_scale: float
+    embed_scale: float | None
+    attn_softcap: float | None
+    final_softcap: float | None
+    activation: str
+    tie_embeddings: bool
+    max_position: int
+    dtype: str = "bfloat16"
+    backend: str = "pallas"
+    interpret: bool = False
+
+    def __post_init__(self):
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend={self.backend!r}; expected one of {BACKENDS}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype={self.dtype!r}; expected one of {DTYPES}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"{self.num_heads=} is not a multiple of {self.num_kv_heads=}")
+        if len(self.layer_sliding) != self.num_layers:
+            raise ValueError(f"{len(self.layer_sliding)=} != {self.num_layers=}")
+
+    def replace(self, **kw) -> ModelConfig:
+        return dataclasses.replace(self, **kw)
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+
+def _get(hf: Any, name: str, default: Any = None) -> Any:
+    value = getattr(hf, name, default)
+    return default if value is None else value
+
+
+def _rope_spec(params: dict | None, fallback_theta: float | None, where: str) -> RopeSpec:
+    params = dict(params or {})
+    theta = params.get("rope_theta", fallback_theta)
+    if theta is None:
+        raise UnsupportedModelError(f"{where}: no rope_theta in rope_parameters")
+    kind = params.get("rope_type", params.get("type", "default")) or "default"
+    if kind == "default":
+        return RopeSpec(theta=float(theta))
+    if kind == "llama3":
+        return RopeSpec(
+            theta=float(theta),
+            llama3=(
+                float(params["factor"]),
+                float(params["low_freq_factor"]),
+                float(params["high_freq_factor"]),
+                int(params["original_max_position_embeddings"]),
+            ),
+        )
+    raise UnsupportedModelError(f"{where}: rope_type={kind!r} is not supported (default, llama3)")
+
+
+def _check_no_bias(hf: Any, model_type: str) -> None:
+    for flag in ("attention_bias", "mlp_bias"):
+        if _get(hf, flag, False):
+            raise UnsupportedModelError(f"{model_type}: {flag}=True is not supported")
+
+
+def from_hf_config(hf: Any, *, dtype: str = "bfloat16", backend: str = "pallas",
+                   interpret: bool = False) -> ModelConfig:
+    """Builds a ModelConfig from a transformers `PretrainedConfig`."""
+    model_type = getattr(hf, "model_type", None)
+    if model_type == "gemma3" and hasattr(hf, "text_config"):
+        raise UnsupportedModelError(
+            "model_type='gemma3' is the multimodal Gemma 3; jspec supports the text model "
+            "(model_type='gemma3_text', Gemma3ForCausalLM)")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedModelError(
+            f"unsupported architecture model_type={model_type!r} "
+            f"(architectures={getattr(hf, 'architectures', None)}); "
+            f"jspec supports {SUPPORTED_MODEL_TYPES}")
+    _check_no_bias(hf, model_type)
+    num_heads = hf.num_attention_heads
+    head_dim = _get(hf, "head_dim", hf.hidden_size // num_heads)
+    num_layers = hf.num_hidden_layers
+    common = dict(
+        vocab_size=hf.vocab_size,
+        hidden_size=hf.hidden_size,
+        intermediate_size=hf.intermediate_size,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=_get(hf, "num_key_value_heads", num_heads),
+        head_dim=head_dim,
+        rms_eps=float(hf.rms_norm_eps),
+        tie_embeddings=bool(_get(hf, "tie_word_embeddings", False)),
+        max_position=int(_get(hf, "max_position_embeddings", 1 << 20)),
+        dtype=dtype,
+        backend=backend,
+        interpret=interpret,
+    )
+    rope_params = _get(hf, "rope_parameters", None)
+    if model_type in ("llama", "qwen3"):
+        act = _get(hf, "hidden_act", "silu")
+        if act != "silu":
+            raise UnsupportedModelError(f"{model_type}: hidden_act={act!r} is not supported")
+        if model_type == "qwen3" and _get(hf, "use_sliding_window", False):
+            raise UnsupportedModelError("qwen3: use_sliding_window=True is not supported")
+        return ModelConfig(
+            family="llama" if model_type == "llama" else "qwen3",
+            rope=_rope_spec(rope_params, _get(hf, "rope_theta", None), model_type),
+            rope_local=None,
+            sliding_window=0,
+            layer_sliding=(False,) * num_layers,
+            qk_norm=model_type == "qwen3",
+            norm_offset=0.0,
+            sandwich_norms=False,
+            attn_scale=head_dim**-0.5,
+            embed_scale=None,
+            attn_softcap=None,
+            final_softcap=None,
+            activation="silu",
+            **common,
+        )
+    # gemma3_text
+    act = _get(hf, "hidden_activation", "gelu_pytorch_tanh")
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise UnsupportedModelError(f"gemma3_text: hidden_activation={act!r} is not supported")
+    if _get(hf, "use_bidirectional_attention", False):
+        raise UnsupportedModelError("gemma3_text: use_bidirectional_attention=True is not supported")
+    layer_types = list(_get(hf, "layer_types", []))
+    if len(layer_types) != num_layers:
+        raise UnsupportedModelError(f"gemma3_text: {len(layer_types)=} != {num_layers=}")
+    unknown = set(layer_types) - {"sliding_attention", "full_attention"}
+    if unknown:
+        raise UnsupportedModelError(f"gemma3_text: unknown layer_types {sorted(unknown)}")
+    rope_params = rope_params or {}
+    return ModelConfig(
+        family="gemma3",
+        rope=_rope_spec(rope_params.get("full_attention"), None, "gemma3 full_attention"),
+        rope_local=_rope_spec(rope_params.get("sliding_attention"), None,
+                              "gemma3 sliding_attention"),
+        sliding_window=int(_get(hf, "sliding_window", 0)),
+        layer_sliding=tuple(t == "sliding_attention" for t in layer_types),
+        qk_norm=True,
+        norm_offset=1.0,
+        sandwich_norms=True,
+        attn_scale=float(hf.query_pre_attn_scalar) ** -0.5,
+        embed_scale=float(hf.hidden_size) ** 0.5,
+        # transformers' Gemma 3 stores attn_logit_softcapping but never applies it
+        # (Gemma 2 did); jspec follows the reference implementation.
+        attn_softcap=None,
+        final_softcap=_float_or_none(_get(hf, "final_logit_softcapping", None)),
+        activation="gelu_tanh",
+        **common,
+    )
+
+
+def _float_or_none(x: Any) -> float | None:
+    return None if x is None else float(x)
+
+
+def rope_inv_freq(spec: RopeSpec, head_dim: int) -> np.ndarray:
+    """Inverse frequencies [head_dim // 2] in float32, as transformers computes them."""
+    exponents = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(head_dim)
+    inv_freq = (np.float32(1.0) / (np.float32(spec.theta) ** exponents)).astype(np.float32)
+    if spec.llama3 is None:
+        return inv_freq
+    factor, low, high, old_len = spec.llama3
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = np.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def rope_table(spec: RopeSpec, head_dim: int, length: int) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin tables [length, head_dim // 2] float32 for absolute positions 0..length-1.
+
+    Computed once on the host, so the value at a position never depends on how
+    many positions a call computes; the forward pass only gathers rows of it.
+    """
+    pos = np.arange(length, dtype=np.float32)[:, None]
+    freqs = (pos * rope_inv_freq(spec, head_dim)[None, :]).astype(np.float32)
+    return np.cos(freqs).astype(np.float32), np.sin(freqs).astype(np.float32)

@@ -1,0 +1,177 @@
+"""The decoder forward pass: one code path for prefill, decode and verify.
+
+`forward(model, tokens [B, T], cache)` appends T tokens to every row at that
+row's current length and returns float32 logits [B, T, V] and the new cache.
+Prefill is T = prompt length, decode T = 1, block verify T = gamma + 1.
+
+All numerics go through `ops_for(config)` (see ops.py); the glue between them
+(residual adds, casts, gathers, slices) is compiled with
+`xla_allow_excess_precision=False` so XLA rounds every bf16 op as written,
+whatever fusion it picks for a given shape (rule R4).
+
+Params layout (per-layer leaves stacked on a leading L axis, weights [in, out]):
+  embed [V, D]; final_norm [D]; lm_head [D, V] (a transposed copy when tied)
+  layers: attn_norm [L, D]; wqkv [L, D, (H + 2 Hkv) hd]; wo [L, H hd, D];
+          q_norm, k_norm [L, hd] (Qwen3, Gemma 3); mlp_norm [L, D];
+          w_gate_up [L, D, 2F]; w_down [L, F, D];
+          post_attn_norm, post_mlp_norm [L, D] (Gemma 3)
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from jspec.cache import KVCache, write_kv
+from jspec.config import ModelConfig, rope_table
+from jspec.ops import ops_for
+
+COMPILER_OPTIONS = {"xla_allow_excess_precision": False}
+
+
+@struct.dataclass
+class Model:
+    """A static, hashable config and a params pytree."""
+
+    config: ModelConfig = struct.field(pytree_node=False)
+    params: dict
+
+    def with_backend(self, backend: str, interpret: bool | None = None) -> Model:
+        interp = self.config.interpret if interpret is None else interpret
+        return self.replace(config=self.config.replace(backend=backend, interpret=interp))
+
+
+@functools.lru_cache(maxsize=64)
+def _rope_tables(cfg: ModelConfig, length: int) -> tuple[np.ndarray, np.ndarray]:
+    """cos, sin [2, length, hd/2]: global table first, local (sliding) table second."""
+    cos_g, sin_g = rope_table(cfg.rope, cfg.head_dim, length)
+    local = cfg.rope_local or cfg.rope
+    cos_l, sin_l = rope_table(local, cfg.head_dim, length)
+    return np.stack([cos_g, cos_l]), np.stack([sin_g, sin_l])
+
+
+def _norm(ops, cfg: ModelConfig, x, w):
+    return ops.rmsnorm(x, w, eps=cfg.rms_eps, offset=cfg.norm_offset)
+
+
+def _attention_block(ops, cfg: ModelConfig, lp, h, k_buf, v_buf, pos, lengths, cos, sin, window):
+    """h [B*T, D] -> attention output [B*T, D] and the layer's updated K/V buffers."""
+    B, T = pos.shape
+    dtype = h.dtype
+    hd, H, Hkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+    qkv = ops.matmul(h, lp["wqkv"], out_dtype=dtype)  # [B*T, (H + 2Hkv) hd]
+    q, k, v = jnp.split(qkv, [cfg.q_size, cfg.q_size + cfg.kv_size], axis=-1)
+    if cfg.qk_norm:
+        q = _norm(ops, cfg, q.reshape(-1, hd), lp["q_norm"])
+        k = _norm(ops, cfg, k.reshape(-1, hd), lp["k_norm"])
+    q = ops.rope(q.reshape(B * T, H, hd), cos, sin)  # [B*T, H, hd]
+    k = ops.rope(k.reshape(B * T, Hkv, hd), cos, sin)  # [B*T, Hkv, hd]
+    k_new = k.reshape(B, T, Hkv, hd).transpose(0, 2, 1, 3)  # [B, Hkv, T, hd]
+    v_new = v.reshape(B, T, Hkv, hd).transpose(0, 2, 1, 3)
+    # New K/V go into the cache before attention reads it (rule R3).
+    k_buf = write_kv(k_buf, k_new, lengths)
+    v_buf = write_kv(v_buf, v_new, lengths)
+    o = ops.attention(q.reshape(B, T, H, hd), k_buf, v_buf, pos, window,
+                      scale=cfg.attn_scale, softcap=cfg.attn_softcap)  # [B, T, H, hd]
+    o = ops.matmul(o.reshape(B * T, H * hd), lp["wo"], out_dtype=dtype)  # [B*T, D]
+    return o, k_buf, v_buf
+
+
+def _mlp_block(ops, cfg: ModelConfig, lp, h):
+    """h [B*T, D] -> [B*T, D]."""
+    gu = ops.matmul(h, lp["w_gate_up"], out_dtype=h.dtype)  # [B*T, 2F]
+    gate, up = jnp.split(gu, 2, axis=-1)
+    a = ops.glu(gate, up, activation=cfg.activation)  # [B*T, F]
+    return ops.matmul(a, lp["w_down"], out_dtype=h.dtype)
+
+
+def _forward(model: Model, tokens: jax.Array, cache: KVCache):
+    cfg, params = model.config, model.params
+    ops = ops_for(cfg)
+    B, T = tokens.shape
+    dtype = jnp.dtype(cfg.dtype)
+    lengths = cache.lengths
+    pos = lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]  # [B, T]
+
+    x = jnp.take(params["embed"], tokens.reshape(-1), axis=0)  # [B*T, D]
+    if cfg.embed_scale is not None:
+        x = x * jnp.asarray(cfg.embed_scale, dtype)
+
+    cos_tab, sin_tab = _rope_tables(cfg, cache.capacity)  # [2, S, hd/2]
+    flat_pos = pos.reshape(-1)
+    cos_all = jnp.asarray(cos_tab)[:, flat_pos]  # [2, B*T, hd/2]
+    sin_all = jnp.asarray(sin_tab)[:, flat_pos]
+    sliding = jnp.asarray(cfg.layer_sliding, jnp.int32)  # [L]
+
+    def layer(x, xs):
+        lp, k_buf, v_buf, is_sliding = xs
+        cos, sin = cos_all[is_sliding], sin_all[is_sliding]
+        window = jnp.where(is_sliding > 0, cfg.sliding_window, 0).astype(jnp.int32)
+        h = _norm(ops, cfg, x, lp["attn_norm"])
+        o, k_buf, v_buf = _attention_block(ops, cfg, lp, h, k_buf, v_buf, pos, lengths,
+                                           cos, sin, window)
+        if cfg.sandwich_norms:
+            o = _norm(ops, cfg, o, lp["post_attn_norm"])
+        x = x + o
+        h = _norm(ops, cfg, x, lp["mlp_norm"])
+        o = _mlp_block(ops, cfg, lp, h)
+        if cfg.sandwich_norms:
+            o = _norm(ops, cfg, o, lp["post_mlp_norm"])
+        return x + o, (k_buf, v_buf)
+
+    x, (k, v) = jax.lax.scan(layer, x, (params["layers"], cache.k, cache.v, sliding))
+    x = _norm(ops, cfg, x, params["final_norm"])
+    logits = ops.matmul(x, params["lm_head"], out_dtype=jnp.float32)  # [B*T, V]
+    if cfg.final_softcap is not None:
+        logits = ops.softcap(logits, cfg.final_softcap)
+    new_cache = cache.replace(k=k, v=v, lengths=lengths + T)
+    return logits.reshape(B, T, cfg.vocab_size), new_cache
+
+
+forward_jit = jax.jit(_forward, donate_argnames=("cache",), compiler_options=COMPILER_OPTIONS)
+forward_nodonate = jax.jit(_forward, compiler_options=COMPILER_OPTIONS)
+
+
+def check_tokens(model: Model, tokens, cache: KVCache) -> None:
+    """Host-side checks of a forward call; raises ValueError naming the problem."""
+    cfg = model.config
+    shape = np.shape(tokens)
+    if len(shape) != 2:
+        raise ValueError(f"tokens must be [B, T]; got shape {shape}")
+    B, T = shape
+    if B != cache.batch_size:
+        raise ValueError(f"tokens has batch {B} but the cache has {cache.batch_size} rows")
+    if T < 1:
+        raise ValueError(f"tokens has T={T}; need at least one token")
+    if not isinstance(tokens, jax.core.Tracer):
+        arr = np.asarray(tokens)
+        if not np.issubdtype(arr.dtype, np.integer):
+            raise ValueError(f"tokens must be integers; got dtype {arr.dtype}")
+        bad = (arr < 0) | (arr >= cfg.vocab_size)
+        if bad.any():
+            b, t = np.argwhere(bad)[0]
+            raise ValueError(f"token id {int(arr[b, t])} at [{b}, {t}] is out of range "
+                             f"[0, {cfg.vocab_size})")
+    if not isinstance(cache.lengths, jax.core.Tracer):
+        lengths = np.asarray(cache.lengths)
+        over = lengths + T > cache.max_len
+        if over.any():
+            b = int(np.argmax(over))
+            raise ValueError(f"row {b}: length {int(lengths[b])} + {T} new tokens exceeds the "
+                             f"cache max_len {cache.max_len}")
+
+
+def forward(model: Model, tokens, cache: KVCache, *, donate: bool = True):
+    """Appends tokens [B, T] at each row's length; returns (logits [B, T, V] f32, cache).
+
+    The input cache is donated (its buffers are reused) unless donate=False: keep
+    using the returned cache. Token ids and capacity are checked on the host.
+    """
+    check_tokens(model, tokens, cache)
+    tokens = jnp.asarray(tokens, jnp.int32)
+    fn = forward_jit if donate else forward_nodonate
+    return fn(model, tokens, cache)

@@ -1,0 +1,100 @@
+"""Samplers: tiny frozen dataclasses with one method.
+
+Every sampler is row-local (rule R5): the token of a row depends only on that
+row's logits, the seed, the row index and the absolute position being sampled.
+Random samplers draw Gumbel noise keyed by (seed, row, position), so the token
+chosen at a position is the same whether it is sampled by serial decoding or by
+a speculative verify block: `argmax(logits / T + G(seed, row, position))` is
+exactly sampling from softmax(logits / T) (the Gumbel-max trick).
+
+`jnp.argmax` returns the lowest index among equal maxima; every path in jspec
+uses it, so ties break the same way everywhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class Greedy:
+    """argmax of the logits, lowest index on ties."""
+
+    def __call__(self, logits, seed, rows, positions):
+        """logits [B, V] f32; seed [] int32; rows, positions [B] int32 -> tokens [B] int32."""
+        del seed, rows, positions
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class Sample:
+    """Temperature / top-k / top-p sampling with position-keyed Gumbel noise.
+
+    Attributes:
+      temperature: > 0.
+      top_k: keep the k largest logits (0: all).
+      top_p: keep the smallest set of largest-probability tokens whose mass >= top_p.
+    """
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self):
+        if not self.temperature > 0:
+            raise ValueError(f"temperature={self.temperature} must be > 0 (use Greedy for 0)")
+        if self.top_k < 0:
+            raise ValueError(f"top_k={self.top_k} must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
+
+    def filtered_logits(self, logits):
+        """logits [B, V] f32 -> logits / T with filtered entries at -inf."""
+        x = logits / jnp.float32(self.temperature)
+        return filter_top_k_top_p(x, self.top_k, self.top_p)
+
+    def __call__(self, logits, seed, rows, positions):
+        x = self.filtered_logits(logits)
+        g = gumbel_noise(seed, rows, positions, x.shape[-1])  # [B, V]
+        return jnp.argmax(x + g, axis=-1).astype(jnp.int32)
+
+
+def filter_top_k_top_p(x, top_k: int, top_p: float):
+    """x [B, V] f32 -> x with everything outside top-k / top-p set to -inf."""
+    V = x.shape[-1]
+    if top_k and top_k < V:
+        kth = jax.lax.top_k(x, top_k)[0][:, -1:]  # [B, 1]
+        x = jnp.where(x >= kth, x, -jnp.inf)
+    if top_p < 1.0:
+        order = jnp.argsort(-x, axis=-1, stable=True)
+        sorted_x = jnp.take_along_axis(x, order, axis=-1)
+        probs = jax.nn.softmax(sorted_x, axis=-1)
+        mass_before = jnp.cumsum(probs, axis=-1) - probs
+        keep_sorted = mass_before < top_p  # always keeps the first token
+        keep = jnp.zeros_like(keep_sorted).at[
+            jnp.arange(x.shape[0])[:, None], order].set(keep_sorted)
+        x = jnp.where(keep, x, -jnp.inf)
+    return x
+
+
+def gumbel_noise(seed, rows, positions, vocab: int):
+    """G(seed, row, position): [B, V] f32 standard Gumbel noise, one key per (row, position)."""
+    base = jax.random.key(seed)
+
+    def one(row, pos):
+        key = jax.random.fold_in(jax.random.fold_in(base, row), pos)
+        return jax.random.gumbel(key, (vocab,), jnp.float32)
+
+    return jax.vmap(one)(rows, positions)
+
+
+def make_sampler(temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0):
+    """Greedy for temperature 0, otherwise Sample."""
+    if temperature < 0:
+        raise ValueError(f"{temperature=} must be >= 0")
+    if temperature == 0:
+        return Greedy()
+    return Sample(temperature=temperature, top_k=top_k, top_p=top_p)

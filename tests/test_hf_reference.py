@@ -1,0 +1,70 @@
+"""jspec against transformers: logits within float32 tolerance, greedy tokens equal.
+
+The expected values were written by tests/fixtures/make_fixtures.py with
+transformers + torch on the CPU (float32). Tolerances belong here only: these
+compare two different implementations, not two computations of jspec.
+"""
+
+import numpy as np
+import pytest
+from conftest import FAMILIES, expected, fixture_path, load
+
+import jspec
+
+BACKENDS = ("xla", "pallas")
+
+
+def full_sequence(name):
+    e = expected(name)
+    return np.concatenate([e["prompt"], e["greedy"]]).astype(np.int32)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", FAMILIES)
+def test_logits_match_transformers(name, backend):
+    model = load(name, backend)
+    seq = full_sequence(name)
+    cache = jspec.init_cache(model, 1, len(seq))
+    logits, _ = jspec.forward(model, seq[None], cache)
+    np.testing.assert_allclose(np.asarray(logits[0]), expected(name)["logits"],
+                               rtol=2e-4, atol=2e-4)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_batched_logits_match_transformers(name):
+    model = load(name, "xla")
+    e = expected(name)
+    cache = jspec.init_cache(model, 2, e["batch_prompts"].shape[1])
+    logits, _ = jspec.forward(model, e["batch_prompts"], cache)
+    np.testing.assert_allclose(np.asarray(logits), e["batch_logits"], rtol=2e-4, atol=2e-4)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", FAMILIES)
+def test_greedy_matches_transformers_generate(name, backend):
+    e = expected(name)
+    n = len(e["greedy"])
+    assert n >= 32
+    out = jspec.generate(load(name, backend), [e["prompt"]], max_new_tokens=n)
+    assert out.row(0) == e["greedy"].tolist()
+
+
+def test_sharded_checkpoint_loads_same_params():
+    single = jspec.load_hf(fixture_path("qwen3"), dtype="float32", backend="xla")
+    sharded = jspec.load_hf(fixture_path("qwen3_sharded"), dtype="float32", backend="xla")
+    flat_a, tree_a = __import__("jax").tree.flatten(single.params)
+    flat_b, tree_b = __import__("jax").tree.flatten(sharded.params)
+    assert tree_a == tree_b
+    for a, b in zip(flat_a, flat_b, strict=True):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_family_features_are_read():
+    llama, qwen, gemma = (load(n, "xla").config for n in FAMILIES)
+    assert llama.rope.llama3 is not None and not llama.tie_embeddings
+    assert qwen.qk_norm and qwen.tie_embeddings and qwen.num_kv_heads < qwen.num_heads
+    assert gemma.sandwich_norms and gemma.norm_offset == 1.0
+    assert any(gemma.layer_sliding) and not all(gemma.layer_sliding)
+    assert gemma.sliding_window < len(full_sequence("gemma3"))
+    assert gemma.rope_local.theta != gemma.rope.theta
+    assert gemma.attn_softcap is None and gemma.final_softcap and gemma.embed_scale
