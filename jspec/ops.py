@@ -17,13 +17,13 @@ from __future__ import annotations
 import functools
 from typing import Callable, NamedTuple
 
-from pallas_kernels import attention as attention_k
-from pallas_kernels import glu as glu_k
-from pallas_kernels import logsumexp as logsumexp_k
-from pallas_kernels import matmul as matmul_k
-from pallas_kernels import rmsnorm as rmsnorm_k
-from pallas_kernels import rope as rope_k
-from pallas_kernels import softcap as softcap_k
+from pallas_kernels.attention import attention, attention_reference
+from pallas_kernels.glu import glu, glu_reference
+from pallas_kernels.logsumexp import logsumexp, logsumexp_reference
+from pallas_kernels.matmul import matmul, matmul_reference
+from pallas_kernels.rmsnorm import rmsnorm, rmsnorm_reference
+from pallas_kernels.rope import rope, rope_reference
+from pallas_kernels.softcap import softcap, softcap_reference
 
 
 class Ops(NamedTuple):
@@ -48,24 +48,24 @@ class Ops(NamedTuple):
 def get_ops(backend: str, interpret: bool = False) -> Ops:
     if backend == "xla":
         return Ops(
-            matmul=matmul_k.matmul_reference,
-            rmsnorm=rmsnorm_k.rmsnorm_reference,
-            rope=rope_k.rope_reference,
-            glu=glu_k.glu_reference,
-            softcap=softcap_k.softcap_reference,
-            logsumexp=logsumexp_k.logsumexp_reference,
-            attention=attention_k.attention_reference,
+            matmul=matmul_reference,
+            rmsnorm=rmsnorm_reference,
+            rope=rope_reference,
+            glu=glu_reference,
+            softcap=softcap_reference,
+            logsumexp=logsumexp_reference,
+            attention=attention_reference,
         )
     if backend == "pallas":
         p = functools.partial
         return Ops(
-            matmul=p(matmul_k.matmul, interpret=interpret),
-            rmsnorm=p(rmsnorm_k.rmsnorm, interpret=interpret),
-            rope=p(rope_k.rope, interpret=interpret),
-            glu=p(glu_k.glu, interpret=interpret),
-            softcap=p(softcap_k.softcap, interpret=interpret),
-            logsumexp=p(logsumexp_k.logsumexp, interpret=interpret),
-            attention=p(attention_k.attention, interpret=interpret),
+            matmul=p(matmul, interpret=interpret),
+            rmsnorm=p(rmsnorm, interpret=interpret),
+            rope=p(rope, interpret=interpret),
+            glu=p(glu, interpret=interpret),
+            softcap=p(softcap, interpret=interpret),
+            logsumexp=p(logsumexp, interpret=interpret),
+            attention=p(attention, interpret=interpret),
         )
     raise ValueError(f"{backend=}; expected 'xla' or 'pallas'")
 

@@ -27,7 +27,7 @@ def test_logits_match_transformers(name, backend):
     cache = jspec.init_cache(model, 1, len(seq))
     logits, _ = jspec.forward(model, seq[None], cache)
     np.testing.assert_allclose(np.asarray(logits[0]), expected(name)["logits"],
-                               rtol=2e-4, atol=2e-4)
+                               rtol=2e-4, atol=1e-3)
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -36,7 +36,7 @@ def test_batched_logits_match_transformers(name):
     e = expected(name)
     cache = jspec.init_cache(model, 2, e["batch_prompts"].shape[1])
     logits, _ = jspec.forward(model, e["batch_prompts"], cache)
-    np.testing.assert_allclose(np.asarray(logits), e["batch_logits"], rtol=2e-4, atol=2e-4)
+    np.testing.assert_allclose(np.asarray(logits), e["batch_logits"], rtol=2e-4, atol=1e-3)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

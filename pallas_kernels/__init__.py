@@ -1,0 +1,30 @@
+"""Row-invariant Pallas kernels for jspec.
+
+Each kernel's result for a row is a bitwise function of that row's inputs: the
+tiling is chosen from feature/weight shapes only, rows are padded up to a fixed
+row tile, and every reduction over features runs in a fixed order inside one
+program. Each module also has a plain-jnp `*_reference` for tolerance checks.
+"""
+
+from pallas_kernels.glu import glu, glu_reference
+from pallas_kernels.logsumexp import logsumexp, logsumexp_reference
+from pallas_kernels.matmul import matmul, matmul_config, matmul_reference
+from pallas_kernels.rmsnorm import rmsnorm, rmsnorm_reference
+from pallas_kernels.rope import rope, rope_reference
+from pallas_kernels.softcap import softcap, softcap_reference
+
+__all__ = [
+    "glu",
+    "glu_reference",
+    "logsumexp",
+    "logsumexp_reference",
+    "matmul",
+    "matmul_config",
+    "matmul_reference",
+    "rmsnorm",
+    "rmsnorm_reference",
+    "rope",
+    "rope_reference",
+    "softcap",
+    "softcap_reference",
+]

@@ -1,0 +1,65 @@
+"""Small helpers shared by the row-invariant Pallas kernels.
+
+Every kernel in this package pads its rows up to a row tile that depends only on
+the feature/weight shape, so the number of rows M changes the grid and nothing
+else. These helpers do that padding, pick power-of-2 tiles (Triton needs every
+loaded tile to have a power-of-2 number of elements) and build the Triton
+compiler parameters.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas import triton as plgpu
+
+
+def round_up(n: int, multiple: int) -> int:
+    """Smallest multiple of `multiple` that is >= n."""
+    return -(-n // multiple) * multiple
+
+
+def next_pow2(n: int) -> int:
+    """Smallest power of 2 that is >= max(n, 1)."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def pow2_tile(n: int, lo: int, hi: int) -> int:
+    """A power-of-2 tile for an axis of size n, between lo and hi (powers of 2).
+
+    Prefers the largest tile that divides n, so that no padding copy is needed
+    (real model dimensions are multiples of 128); otherwise the smallest tile
+    that covers n, capped at hi, and the caller pads the axis.
+    """
+    t = hi
+    while t >= lo:
+        if n % t == 0:
+            return t
+        t //= 2
+    return min(hi, max(lo, next_pow2(n)))
+
+
+def pad_axis(x: jax.Array, axis: int, size: int, value: float = 0.0) -> jax.Array:
+    """Pads `axis` of x at the end up to `size` with `value` (no-op when equal)."""
+    extra = size - x.shape[axis]
+    if extra == 0:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, extra)
+    return jnp.pad(x, widths, constant_values=value)
+
+
+def pad_rows(x: jax.Array, tile: int, value: float = 0.0) -> jax.Array:
+    """Pads axis 0 of x up to a multiple of `tile`."""
+    return pad_axis(x, 0, round_up(x.shape[0], tile), value)
+
+
+def triton_params(num_warps: int, num_stages: int) -> plgpu.CompilerParams:
+    """Triton compiler parameters; ignored by interpret mode."""
+    return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def check_float(name: str, x: jax.Array) -> None:
+    """Raises ValueError unless x is float32 or bfloat16."""
+    if x.dtype not in (jnp.float32, jnp.bfloat16):
+        raise ValueError(f"{name} must be float32 or bfloat16, got {name}.dtype={x.dtype}")

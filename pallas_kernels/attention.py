@@ -1,0 +1,284 @@
+"""Batch-invariant causal (optionally sliding-window, softcapped) GQA attention in Pallas.
+
+This is the attention used by every forward of the model: decode (T=1), verify (T=gamma+1)
+and prefill (T=prompt). Its promise is that the output row of a query at absolute position p
+is a BITWISE function of (q at p, keys/values at positions 0..p, window, scale, softcap):
+independent of T, of the batch, of which other rows share its tile, of the KV-cache
+capacity S, and of whatever the cache holds beyond p (rejected drafts leave garbage there).
+
+Why that holds:
+  * The configuration (key block, row tile, warps, stages) depends on head_dim only (and on
+    `interpret`), never on T, B or S. The compiled tile program is therefore the same in
+    every call; T, B and S only change the grid and the addressing.
+  * Keys are reduced in blocks of `block_k` aligned at absolute position 0, in ascending
+    order, with an f32 online softmax (running max m, sum l, accumulator acc) per row. A
+    row's arithmetic never mixes with another row's: both dots contract over D or over the
+    keys of one block, never over rows, and there are no atomics.
+  * Masking uses `jnp.where`, so masked probabilities are exact zeros, and a block that is
+    fully masked for a row leaves that row's (m, l, acc) bit-identical: the max is
+    unchanged, alpha = exp(0) = 1, and l + 0, acc + 0 are exact. Before a row's first
+    visible block (sliding window) m is -inf; the "safe max" (0 in place of -inf) keeps
+    alpha = exp(-inf) = 0 and p = 0 so no NaN appears and the state stays (−inf, 0, 0).
+    Hence the row tile may iterate any superset of a row's visible blocks: the loop runs
+    from the first block any row of the tile can see to the last block any row can see.
+  * Values of keys past the last position in the tile are zeroed before the p·v dot, so
+    even non-finite garbage there (an uninitialised cache) contributes 0 * 0, not NaN.
+
+The Triton lowering (NVIDIA) needs power-of-two tile shapes and >= 16 per dot dimension;
+`attention_config` only hands out such shapes and `head_dim` must be a power of two >= 16.
+`attention_reference` is the plain-jnp ("xla") path; it is accurate but NOT invariant.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+_NEG_INF = float("-inf")
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionConfig:
+    """Static tiling of the kernel. Must not depend on T, B or S (see module docstring)."""
+
+    block_k: int  # keys per block of the online softmax; S must be a multiple of it
+    block_rows: int  # query rows (tokens x heads of one kv head) per program
+    num_warps: int
+    num_stages: int
+
+
+def attention_config(
+    head_dim: int, group: int, dtype: jnp.dtype, interpret: bool
+) -> AttentionConfig:
+    """Returns the tiling for `head_dim`. A pure function of its arguments, never of T/B/S.
+
+    `group` (query heads per kv head) and `dtype` are accepted so the choice may use them
+    later without changing callers; today neither changes the tiling.
+    """
+    del group, dtype
+    if interpret:
+        # CPU interpretation: small tiles keep the tests fast and give several key blocks
+        # (and several row tiles) even for tiny caches, so block skipping is exercised.
+        return AttentionConfig(block_k=16, block_rows=16, num_warps=4, num_stages=2)
+    # GPU (Triton): 64-key blocks; fewer rows for head_dim 256 to bound the f32
+    # accumulator's registers (block_rows x head_dim x 4 bytes spread over the warps).
+    block_rows = 64 if head_dim <= 128 else 32
+    return AttentionConfig(block_k=64, block_rows=block_rows, num_warps=4, num_stages=2)
+
+
+def _dot(a: jax.Array, b: jax.Array, *, contract_b: int) -> jax.Array:
+    """2-D matmul contracting a's last axis with b's axis `contract_b`, f32 accumulation.
+
+    On Triton this is one tt.dot (IEEE for f32 inputs, not TF32), whose reduction order is
+    fixed by the tile shape; `pl.dot` is deprecated in jax 0.11, hence plain dot_general.
+    """
+    dims = (((1,), (contract_b,)), ((), ()))
+    return lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
+
+
+def _attention_kernel(
+    q_ref,  # [R, D] query rows of one (batch, kv head, row tile)
+    k_ref,  # [S, D] the whole key cache of that (batch, kv head)
+    v_ref,  # [S, D]
+    first_ref,  # [R] int32 first visible key per row (window start, 0 if none)
+    last_ref,  # [R] int32 last visible key per row (= its position; -1 for padding)
+    o_ref,  # [R, D]
+    *,
+    scale: float,
+    softcap: float | None,
+    block_k: int,
+):
+    block_rows, head_dim = q_ref.shape
+    num_blocks = k_ref.shape[0] // block_k
+    q = q_ref[...]  # [R, D]
+    first = first_ref[...]  # [R]
+    last = last_ref[...]  # [R]
+
+    # Key-block range of the tile. Blocks outside a row's own range are exact no-ops for
+    # it, so the bounds may depend on the other rows without changing any row's bits.
+    # Rows with first > last (padding) see nothing and do not widen the range.
+    valid = first <= last
+    first_key = jnp.min(jnp.where(valid, first, jnp.iinfo(jnp.int32).max))
+    last_key = jnp.max(jnp.where(valid, last, -1))
+    hi = jnp.minimum(lax.div(last_key + block_k, block_k), num_blocks)  # cdiv(last+1, bk)
+    lo = jnp.minimum(lax.div(first_key, block_k), hi)  # first_key >= 0: div is floor
+
+    def body(kb, carry):
+        m, denom, acc = carry  # [R], [R], [R, D] f32: max, softmax sum, p @ v
+        start = pl.multiple_of(kb * block_k, block_k)
+        k = k_ref[pl.ds(start, block_k), :]  # [K, D]
+        v = v_ref[pl.ds(start, block_k), :]  # [K, D]
+        s = _dot(q, k, contract_b=1) * scale  # [R, K] f32: q @ k.T
+        if softcap is not None:
+            s = jnp.tanh(s / softcap) * softcap
+        key = start + jnp.arange(block_k, dtype=jnp.int32)  # [K] absolute positions
+        mask = (key[None, :] >= first[:, None]) & (key[None, :] <= last[:, None])  # [R, K]
+        s = jnp.where(mask, s, _NEG_INF)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))  # [R]
+        # Safe max: while a row has seen nothing, m_new is -inf; offsetting by 0 instead
+        # keeps alpha = exp(-inf) = 0 and p = 0 rather than exp(-inf - -inf) = NaN.
+        m_safe = jnp.where(m_new == _NEG_INF, 0.0, m_new)
+        alpha = jnp.exp(m - m_safe)  # [R]; exactly 1 when the block changes nothing
+        p = jnp.where(mask, jnp.exp(s - m_safe[:, None]), 0.0)  # [R, K], masked: exact 0
+        denom_new = alpha * denom + jnp.sum(p, axis=-1)
+        # Keys past the tile's last position may be garbage from rejected drafts; zero
+        # their values so 0 * garbage cannot become NaN even if the garbage is not finite.
+        v = jnp.where((key <= last_key)[:, None], v, jnp.zeros_like(v))
+        pv = _dot(p.astype(v.dtype), v, contract_b=0)  # [R, D]: p @ v, like flash attention
+        return m_new, denom_new, alpha[:, None] * acc + pv
+
+    m0 = jnp.full((block_rows,), _NEG_INF, jnp.float32)
+    denom0 = jnp.zeros((block_rows,), jnp.float32)
+    acc0 = jnp.zeros((block_rows, head_dim), jnp.float32)
+    _, denom, acc = lax.fori_loop(lo, hi, body, (m0, denom0, acc0))
+
+    seen = denom > 0.0  # rows that saw no key (padding) output 0, not 0/0
+    out = acc / jnp.where(seen, denom, 1.0)[:, None]
+    o_ref[...] = jnp.where(seen[:, None], out, 0.0).astype(o_ref.dtype)
+
+
+def _check_inputs(q, k_cache, v_cache, q_pos, window) -> None:
+    if q.ndim != 4:
+        raise ValueError(f"q must be [B, T, H, D]; got {q.shape=}")
+    batch, seq, num_heads, head_dim = q.shape
+    if k_cache.ndim != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(
+            f"k_cache and v_cache must both be [B, Hkv, S, D]; got {k_cache.shape=}, "
+            f"{v_cache.shape=}"
+        )
+    kb, num_kv_heads, _, kd = k_cache.shape
+    if kb != batch or kd != head_dim:
+        raise ValueError(f"batch/head_dim mismatch: {q.shape=} vs {k_cache.shape=}")
+    if num_heads % num_kv_heads != 0:
+        raise ValueError(f"H must be a multiple of Hkv; got {num_heads=}, {num_kv_heads=}")
+    if q_pos.shape != (batch, seq):
+        raise ValueError(f"q_pos must be [B, T] = {(batch, seq)}; got {q_pos.shape=}")
+    if not jnp.issubdtype(q_pos.dtype, jnp.integer):
+        raise ValueError(f"q_pos must be integer; got {q_pos.dtype=}")
+    if jnp.shape(window) != ():
+        raise ValueError(f"window must be a scalar; got {jnp.shape(window)=}")
+    if not (q.dtype == k_cache.dtype == v_cache.dtype):
+        raise ValueError(f"dtype mismatch: {q.dtype=}, {k_cache.dtype=}, {v_cache.dtype=}")
+    if head_dim < 16 or head_dim & (head_dim - 1):
+        raise ValueError(f"head_dim must be a power of two >= 16 (Triton tiles); {head_dim=}")
+
+
+def _visible_range(q_pos, window, group: int, num_rows: int):
+    """Per-row [first, last] visible key range, rows in (token, head) order, padded."""
+    last = jnp.repeat(q_pos.astype(jnp.int32), group, axis=1)  # [B, T*G]
+    window = jnp.asarray(window, jnp.int32)
+    # Key j is visible iff j <= p and (window == 0 or j > p - window).
+    first = jnp.where(window > 0, jnp.maximum(last - window + 1, 0), 0)  # [B, T*G]
+    pad = ((0, 0), (0, num_rows - last.shape[1]))
+    # Padding rows (and q_pos < 0) get first=0 > last=-1: an empty range, output 0.
+    last = jnp.pad(jnp.maximum(last, -1), pad, constant_values=-1)  # [B, Rp]
+    first = jnp.pad(first, pad, constant_values=0)  # [B, Rp]
+    return first, last
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "softcap", "interpret", "config"))
+def attention(
+    q: jax.Array,  # [B, T, H, D]
+    k_cache: jax.Array,  # [B, Hkv, S, D]
+    v_cache: jax.Array,  # [B, Hkv, S, D]
+    q_pos: jax.Array,  # [B, T] int32 absolute positions, -1 = padding
+    window: jax.Array,  # [] int32, 0 = no sliding window
+    *,
+    scale: float,
+    softcap: float | None = None,
+    interpret: bool = False,
+    config: AttentionConfig | None = None,
+) -> jax.Array:
+    """Batch-invariant attention of T queries per sequence against a KV cache.
+
+    q: [B, T, H, D]; k_cache, v_cache: [B, Hkv, S, D] (H % Hkv == 0, GQA: query head h uses
+    kv head h // (H // Hkv)); q_pos: [B, T] absolute positions (-1: padding, output 0);
+    window: traced int32 scalar (0 = global attention). Returns [B, T, H, D] in q.dtype.
+    `config` overrides `attention_config` (tests, tuning); hold it fixed across calls.
+    """
+    _check_inputs(q, k_cache, v_cache, q_pos, window)
+    batch, seq, num_heads, head_dim = q.shape
+    _, num_kv_heads, cache_len, _ = k_cache.shape
+    group = num_heads // num_kv_heads
+    cfg = config or attention_config(head_dim, group, q.dtype, interpret)
+    if cache_len % cfg.block_k != 0:
+        raise ValueError(
+            f"KV cache length S must be a multiple of block_k; got S={cache_len}, "
+            f"block_k={cfg.block_k}"
+        )
+
+    # Rows of a tile: the T tokens x G query heads of one kv head, so decode (T=1) still
+    # fills G rows. Padding rows only add rows to the grid; the tile shape is fixed.
+    rows = seq * group
+    padded_rows = pl.cdiv(rows, cfg.block_rows) * cfg.block_rows
+    q_rows = q.reshape(batch, seq, num_kv_heads, group, head_dim)
+    q_rows = q_rows.transpose(0, 2, 1, 3, 4).reshape(batch, num_kv_heads, rows, head_dim)
+    q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, padded_rows - rows), (0, 0)))
+    first, last = _visible_range(q_pos, window, group, padded_rows)  # [B, Rp] each
+
+    kernel = functools.partial(
+        _attention_kernel, scale=float(scale), softcap=softcap, block_k=cfg.block_k
+    )
+    row_spec = pl.BlockSpec((None, None, cfg.block_rows, head_dim), lambda b, h, r: (b, h, r, 0))
+    kv_spec = pl.BlockSpec((None, None, cache_len, head_dim), lambda b, h, r: (b, h, 0, 0))
+    pos_spec = pl.BlockSpec((None, cfg.block_rows), lambda b, h, r: (b, r))
+    out = pl.pallas_call(
+        kernel,
+        grid=(batch, num_kv_heads, padded_rows // cfg.block_rows),
+        in_specs=[row_spec, kv_spec, kv_spec, pos_spec, pos_spec],
+        out_specs=row_spec,
+        out_shape=jax.ShapeDtypeStruct(q_rows.shape, q.dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+        interpret=interpret,
+        name="jspec_attention",
+    )(q_rows, k_cache, v_cache, first, last)  # [B, Hkv, Rp, D]
+
+    out = out[:, :, :rows].reshape(batch, num_kv_heads, seq, group, head_dim)
+    return out.transpose(0, 2, 1, 3, 4).reshape(batch, seq, num_heads, head_dim)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "softcap"))
+def attention_reference(
+    q: jax.Array,  # [B, T, H, D]
+    k_cache: jax.Array,  # [B, Hkv, S, D]
+    v_cache: jax.Array,  # [B, Hkv, S, D]
+    q_pos: jax.Array,  # [B, T]
+    window: jax.Array,  # []
+    *,
+    scale: float,
+    softcap: float | None = None,
+) -> jax.Array:
+    """Plain-jnp attention: full softmax over all S keys with the same mask, in f32.
+
+    Accurate, but XLA picks the reduction order per shape, so it is not invariant to T, B
+    or S; it is the "xla" path the kernel is checked against.
+    """
+    _check_inputs(q, k_cache, v_cache, q_pos, window)
+    batch, seq, num_heads, head_dim = q.shape
+    num_kv_heads, cache_len = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    qf = q.astype(jnp.float32).reshape(batch, seq, num_kv_heads, group, head_dim)
+    kf = k_cache.astype(jnp.float32)
+    vf = v_cache.astype(jnp.float32)
+    hi = lax.Precision.HIGHEST  # true f32 on GPU too (not TF32)
+    s = jnp.einsum("btkgd,bksd->bkgts", qf, kf, precision=hi) * scale  # [B, Hkv, G, T, S]
+    if softcap is not None:
+        s = jnp.tanh(s / softcap) * softcap
+    pos = q_pos.astype(jnp.int32)[:, None, None, :, None]  # [B, 1, 1, T, 1]
+    key = jnp.arange(cache_len, dtype=jnp.int32)  # [S]
+    window = jnp.asarray(window, jnp.int32)
+    mask = (key <= pos) & ((window <= 0) | (key > pos - window))  # [B, 1, 1, T, S]
+    s = jnp.where(mask, s, _NEG_INF)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    m = jnp.where(m == _NEG_INF, 0.0, m)
+    p = jnp.where(mask, jnp.exp(s - m), 0.0)
+    denom = jnp.moveaxis(jnp.sum(p, axis=-1, keepdims=True), 3, 1)  # [B, T, Hkv, G, 1]
+    o = jnp.einsum("bkgts,bksd->btkgd", p, vf, precision=hi)  # [B, T, Hkv, G, D]
+    o = jnp.where(denom > 0, o / jnp.where(denom > 0, denom, 1.0), 0.0)
+    return o.reshape(batch, seq, num_heads, head_dim).astype(q.dtype)

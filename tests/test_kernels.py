@@ -1,0 +1,341 @@
+"""Tests for the row-wise Pallas kernels (matmul, rmsnorm, rope, glu, softcap, logsumexp).
+
+Two kinds of check:
+- accuracy: kernel vs its plain-jnp reference, with a tolerance (the only place a
+  tolerance is allowed);
+- row invariance: BITWISE, np.array_equal on whole outputs, never allclose. A row must give
+  the same bits alone (M=1), inside blocks of 2..16 rows at different offsets, inside the
+  whole batch, and among different random neighbours.
+
+Runs on CPU with interpret=True. JSPEC_PALLAS_INTERPRET=0 runs the same tests compiled
+(Triton) on a GPU.
+"""
+
+import inspect
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import (
+    glu,
+    glu_reference,
+    logsumexp,
+    logsumexp_reference,
+    matmul,
+    matmul_config,
+    matmul_reference,
+    rmsnorm,
+    rmsnorm_reference,
+    rope,
+    rope_reference,
+    softcap,
+    softcap_reference,
+)
+from pallas_kernels._common import next_pow2, pow2_tile
+from pallas_kernels.rmsnorm import rmsnorm_config
+
+INTERPRET = os.environ.get("JSPEC_PALLAS_INTERPRET", "1") != "0"
+DTYPES = (jnp.float32, jnp.bfloat16)
+ROWS = (1, 7, 33)
+
+# Blocks (offset, length) of the ROW_TOTAL-row batch recomputed on their own.
+ROW_TOTAL = 40
+BLOCKS = ((0, 2), (3, 5), (13, 16), (31, 9), (38, 2))
+
+
+def _rand(rng, shape, dtype=jnp.float32, scale=1.0):
+    return jnp.asarray(scale * rng.standard_normal(shape), dtype)
+
+
+def _tol(dtype):
+    # One bf16 ulp is 2^-8 relative; the f32 paths differ only in summation order.
+    return dict(rtol=2e-2, atol=2e-2) if dtype == jnp.bfloat16 else dict(rtol=2e-5, atol=2e-5)
+
+
+def _np(x):
+    return np.asarray(x.astype(jnp.float32)) if x.dtype == jnp.bfloat16 else np.asarray(x)
+
+
+def _close(got, want, dtype):
+    assert got.shape == want.shape and got.dtype == want.dtype, (got.shape, want.shape)
+    np.testing.assert_allclose(_np(got), _np(want), **_tol(dtype))
+
+
+def _bits(x):
+    """Bit pattern of an array, so that array_equal also tells -0.0 from 0.0 and NaNs apart."""
+    x = np.asarray(x)
+    return x.view(np.uint16 if x.dtype.itemsize == 2 else np.uint32)
+
+
+def _same_bits(a, b, what):
+    assert np.array_equal(_bits(a), _bits(b)), f"{what}: bits differ"
+
+
+def assert_row_invariant(fn, row_args, make_rows):
+    """Bitwise: fn's row i never depends on M, on the row's offset, or on its neighbours.
+
+    fn: maps arrays whose axis 0 is the row axis (row_args) to an output whose axis 0 is
+    the row axis. make_rows(n): fresh random row_args with n rows.
+    """
+    m = row_args[0].shape[0]
+    full = fn(*row_args)
+    singles = [fn(*(a[i : i + 1] for a in row_args)) for i in range(m)]
+    for i in range(m):  # each row alone (decode, M=1) vs inside the whole batch
+        _same_bits(singles[i][0], full[i], f"row {i} alone vs in {m} rows")
+    for off, n in BLOCKS:  # blocks of 2..16 rows at various offsets (verify, prefill chunks)
+        part = fn(*(a[off : off + n] for a in row_args))
+        _same_bits(part, full[off : off + n], f"rows {off}:{off + n} vs in {m} rows")
+    # Different random neighbours around rows 0 and m-1, and the rows at other offsets.
+    for src, dst, n in ((0, 5, 12), (m - 1, 0, 3), (m // 2, 20, 21)):
+        other = make_rows(n)
+        mixed = [o.at[dst].set(a[src]) for o, a in zip(other, row_args, strict=True)]
+        _same_bits(fn(*mixed)[dst], full[src], f"row {src} placed at {dst} of {n} new rows")
+
+
+# --------------------------------------------------------------------------- matmul
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", ROWS)
+@pytest.mark.parametrize("k,n", [(64, 48), (100, 300), (1000, 513)])
+def test_matmul_matches_reference(dtype, m, k, n):
+    rng = np.random.default_rng(m * k + n)
+    x = _rand(rng, (m, k), dtype)
+    w = _rand(rng, (k, n), dtype, scale=k**-0.5)
+    got, want = matmul(x, w, interpret=INTERPRET), matmul_reference(x, w)
+    # bf16 products are exact in f32, so both dtypes differ only by f32 summation order.
+    assert got.dtype == want.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-4)
+
+
+def test_matmul_out_dtype_is_one_rounding_of_the_f32_result():
+    rng = np.random.default_rng(1)
+    x, w = _rand(rng, (9, 200), jnp.bfloat16), _rand(rng, (200, 130), jnp.bfloat16)
+    got = matmul(x, w, out_dtype=jnp.bfloat16, interpret=INTERPRET)
+    assert got.dtype == jnp.bfloat16
+    _same_bits(got, matmul(x, w, interpret=INTERPRET).astype(jnp.bfloat16), "out_dtype")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("k,n", [(256, 512), (1000, 300)])
+def test_matmul_row_invariant(dtype, k, n):
+    rng = np.random.default_rng(k + n)
+    w = _rand(rng, (k, n), dtype, scale=k**-0.5)
+    fn = lambda x: matmul(x, w, interpret=INTERPRET)  # noqa: E731
+    make = lambda r: (_rand(rng, (r, k), dtype),)  # noqa: E731
+    assert_row_invariant(fn, make(ROW_TOTAL), make)
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="documents this CPU's XLA dot")
+def test_plain_xla_matmul_is_not_row_invariant():
+    """The parity check can fail: XLA's own f32 dot gives 1 row different bits than 8 rows."""
+    rng = np.random.default_rng(0)
+    x, w = _rand(rng, (8, 256)), _rand(rng, (256, 512))
+    one = np.asarray(jnp.dot(x[:1], w))
+    eight = np.asarray(jnp.dot(x, w))[:1]
+    assert not np.array_equal(one, eight)
+    # ...while the kernel gives the same bits.
+    _same_bits(matmul(x[:1], w, interpret=True), matmul(x, w, interpret=True)[:1], "kernel")
+
+
+def test_matmul_config_depends_on_weight_shape_only():
+    assert list(inspect.signature(matmul_config).parameters) == ["K", "N", "dtype", "interpret"]
+    for interpret in (True, False):
+        for dtype in DTYPES:
+            for k, n in [(64, 48), (1000, 513), (2304, 9216), (4096, 151936)]:
+                cfg = matmul_config(k, n, dtype, interpret)
+                assert cfg == matmul_config(k, n, dtype, interpret)
+                for t in (cfg.bm, cfg.bn, cfg.bk):
+                    assert t == next_pow2(t) and t >= 16, cfg
+    gpu = matmul_config(4096, 4096, jnp.bfloat16, False)
+    assert (gpu.bm, gpu.num_warps) == (16, 4) and 64 <= gpu.bk <= 128 and gpu.num_stages >= 3
+
+
+def test_pow2_tile_prefers_divisors():
+    assert pow2_tile(4096, 32, 128) == 128
+    assert pow2_tile(2304, 32, 128) == 128  # 2304 = 18 * 128: no padding
+    assert pow2_tile(96, 32, 128) == 32
+    assert pow2_tile(100, 16, 512) == 128  # no divisor: cover and pad
+    assert pow2_tile(1000, 16, 512) == 512
+
+
+# --------------------------------------------------------------------------- rmsnorm
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", ROWS)
+@pytest.mark.parametrize("d", [64, 300])
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+def test_rmsnorm_matches_reference(dtype, m, d, offset):
+    rng = np.random.default_rng(m + d)
+    x = _rand(rng, (m, d), dtype, scale=3.0)
+    w = _rand(rng, (d,), dtype)
+    got = rmsnorm(x, w, eps=1e-6, offset=offset, interpret=INTERPRET)
+    _close(got, rmsnorm_reference(x, w, eps=1e-6, offset=offset), dtype)
+
+
+def test_rmsnorm_wide_rows_loop_over_feature_blocks():
+    d = 10000  # > 8192: several feature blocks, summed in ascending order
+    assert rmsnorm_config(d, jnp.float32, INTERPRET).nd > 1
+    rng = np.random.default_rng(2)
+    x, w = _rand(rng, (5, d)), _rand(rng, (d,))
+    got = rmsnorm(x, w, eps=1e-5, interpret=INTERPRET)
+    _close(got, rmsnorm_reference(x, w, eps=1e-5), jnp.float32)
+    fn = lambda x: rmsnorm(x, w, eps=1e-5, interpret=INTERPRET)  # noqa: E731
+    _same_bits(fn(x[3:4])[0], got[3], "wide row alone vs in 5 rows")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+@pytest.mark.parametrize("d", [128, 300])  # head_dim (q/k norm) and an odd model width
+def test_rmsnorm_row_invariant(dtype, offset, d):
+    rng = np.random.default_rng(d)
+    w = _rand(rng, (d,), dtype)
+    fn = lambda x: rmsnorm(x, w, eps=1e-6, offset=offset, interpret=INTERPRET)  # noqa: E731
+    make = lambda r: (_rand(rng, (r, d), dtype, scale=3.0),)  # noqa: E731
+    assert_row_invariant(fn, make(ROW_TOTAL), make)
+
+
+# --------------------------------------------------------------------------- rope
+
+
+def _tables(rng, m, half):
+    """Per-row cos/sin at random positions, as the caller gathers them."""
+    pos = rng.integers(0, 4096, size=(m, 1)).astype(np.float32)
+    ang = pos * (10000.0 ** (-np.arange(half, dtype=np.float32) / half))
+    return jnp.asarray(np.cos(ang)), jnp.asarray(np.sin(ang))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", ROWS)
+@pytest.mark.parametrize("h,d", [(4, 64), (3, 96)])  # pow2 half and padded half
+def test_rope_matches_reference(dtype, m, h, d):
+    rng = np.random.default_rng(m + d)
+    x = _rand(rng, (m, h, d), dtype)
+    cos, sin = _tables(rng, m, d // 2)
+    _close(rope(x, cos, sin, interpret=INTERPRET), rope_reference(x, cos, sin), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_row_invariant(dtype):
+    rng = np.random.default_rng(3)
+    h, d = 3, 96
+
+    def make(r):
+        return (_rand(rng, (r, h, d), dtype), *_tables(rng, r, d // 2))
+
+    assert_row_invariant(lambda *a: rope(*a, interpret=INTERPRET), make(ROW_TOTAL), make)
+
+
+# --------------------------------------------------------------------------- glu
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", ROWS)
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("f", [128, 700])
+def test_glu_matches_reference(dtype, m, activation, f):
+    rng = np.random.default_rng(m + f)
+    gate, up = _rand(rng, (m, f), dtype, scale=3.0), _rand(rng, (m, f), dtype)
+    got = glu(gate, up, activation=activation, interpret=INTERPRET)
+    _close(got, glu_reference(gate, up, activation=activation), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+def test_glu_row_invariant(dtype, activation):
+    rng = np.random.default_rng(4)
+    f = 700
+
+    def make(r):
+        return (_rand(rng, (r, f), dtype, scale=3.0), _rand(rng, (r, f), dtype))
+
+    fn = lambda g, u: glu(g, u, activation=activation, interpret=INTERPRET)  # noqa: E731
+    assert_row_invariant(fn, make(ROW_TOTAL), make)
+
+
+# --------------------------------------------------------------------------- softcap
+
+
+@pytest.mark.parametrize("m", ROWS)
+@pytest.mark.parametrize("n", [128, 1000])
+def test_softcap_matches_reference(m, n):
+    rng = np.random.default_rng(m + n)
+    x = _rand(rng, (m, n), scale=50.0)
+    _close(softcap(x, 30.0, interpret=INTERPRET), softcap_reference(x, 30.0), jnp.float32)
+
+
+def test_softcap_row_invariant():
+    rng = np.random.default_rng(5)
+    make = lambda r: (_rand(rng, (r, 1000), scale=50.0),)  # noqa: E731
+    assert_row_invariant(lambda x: softcap(x, 30.0, interpret=INTERPRET), make(ROW_TOTAL), make)
+
+
+# --------------------------------------------------------------------------- logsumexp
+
+
+def _logits(rng, m, v):
+    """Logits with masked (-inf) vocabulary: a masked stripe, sparse holes, all-masked rows."""
+    x = (10.0 * rng.standard_normal((m, v))).astype(np.float32)
+    x[:, v // 3 : v // 2] = -np.inf
+    x[rng.random((m, v)) < 0.05] = -np.inf
+    x[::4] = -np.inf  # whole rows masked
+    return jnp.asarray(x)
+
+
+@pytest.mark.parametrize("m", ROWS)
+@pytest.mark.parametrize("v", [100, 1000, 5000])
+def test_logsumexp_matches_reference(m, v):
+    rng = np.random.default_rng(m + v)
+    x = _logits(rng, m, v)
+    got, want = logsumexp(x, interpret=INTERPRET), logsumexp_reference(x)
+    assert got.shape == (m,) and not np.isnan(np.asarray(got)).any()
+    assert np.isneginf(np.asarray(got)[::4]).all()
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6)
+    finite = np.asarray(x)[1:2].astype(np.float64)
+    if m > 1:  # also against float64 numpy on a row with live entries
+        top = finite.max()
+        want64 = top + np.log(np.exp(finite - top).sum())
+        np.testing.assert_allclose(float(got[1]), want64, rtol=1e-6)
+
+
+def test_logsumexp_all_masked_is_neg_inf_not_nan():
+    x = jnp.full((3, 777), -jnp.inf, jnp.float32)
+    got = np.asarray(logsumexp(x, interpret=INTERPRET))
+    assert np.isneginf(got).all()
+
+
+def test_logsumexp_row_invariant():
+    rng = np.random.default_rng(6)
+    make = lambda r: (_logits(rng, r, 5000),)  # noqa: E731
+    assert_row_invariant(lambda x: logsumexp(x, interpret=INTERPRET), make(ROW_TOTAL), make)
+
+
+# --------------------------------------------------------------------------- bad shapes
+
+
+def _raises(match, fn, *args, **kw):
+    with pytest.raises(ValueError, match=match):
+        fn(*args, **kw)
+
+
+def test_bad_shapes_raise_value_error_naming_shapes():
+    f32 = lambda *s: jnp.zeros(s, jnp.float32)  # noqa: E731
+    kw = dict(interpret=INTERPRET)
+    _raises(r"x\.shape=\(4, 8\) w\.shape=\(9, 3\)", matmul, f32(4, 8), f32(9, 3), **kw)
+    _raises(r"x\.shape=\(8,\)", matmul, f32(8), f32(8, 3), **kw)
+    _raises(r"x\.dtype=", matmul, f32(4, 8), f32(8, 3).astype(jnp.bfloat16), **kw)
+    _raises(r"x\.dtype=.*int32", matmul, jnp.zeros((4, 8), jnp.int32), jnp.zeros((8, 3), jnp.int32))
+    _raises(r"x\.shape=\(4, 8\) w\.shape=\(7,\)", rmsnorm, f32(4, 8), f32(7), eps=1e-6, **kw)
+    _raises(r"offset=0\.5", rmsnorm, f32(4, 8), f32(8), eps=1e-6, offset=0.5, **kw)
+    _raises(r"x\.shape=\(4, 2, 7\)", rope, f32(4, 2, 7), f32(4, 3), f32(4, 3), **kw)
+    _raises(r"cos\.shape=\(4, 3\)", rope, f32(4, 2, 8), f32(4, 3), f32(4, 4), **kw)
+    _raises(r"gate\.shape=\(4, 8\) up\.shape=\(4, 9\)", glu, f32(4, 8), f32(4, 9),
+            activation="silu", **kw)
+    _raises(r"activation='relu'", glu, f32(4, 8), f32(4, 8), activation="relu", **kw)
+    _raises(r"x\.shape=\(4, 8, 2\)", softcap, f32(4, 8, 2), 30.0, **kw)
+    _raises(r"x\.dtype=.*bfloat16", softcap, f32(4, 8).astype(jnp.bfloat16), 30.0, **kw)
+    _raises(r"x\.shape=\(8,\)", logsumexp, f32(8), **kw)
