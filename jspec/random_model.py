@@ -1,0 +1,90 @@
+"""Random-weight models at real shapes, for benchmarks and parity runs at scale.
+
+Random weights measure speed and exercise every numeric path; they say nothing
+about acceptance. Shapes follow the public configs of the named models; the
+number of layers can be cut to save time (`num_layers=`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jspec.config import ModelConfig, RopeSpec
+from jspec.model import Model
+
+_COMMON = dict(rms_eps=1e-6, rope_local=None, sliding_window=0, norm_offset=0.0,
+               sandwich_norms=False, embed_scale=None, attn_softcap=None, final_softcap=None,
+               activation="silu", max_position=131072)
+
+PRESETS: dict[str, dict] = {
+    "qwen3-8b": dict(family="qwen3", vocab_size=151936, hidden_size=4096,
+                     intermediate_size=12288, num_layers=36, num_heads=32, num_kv_heads=8,
+                     head_dim=128, rope=RopeSpec(1e6), qk_norm=True, tie_embeddings=False),
+    "qwen3-0.6b": dict(family="qwen3", vocab_size=151936, hidden_size=1024,
+                       intermediate_size=3072, num_layers=28, num_heads=16, num_kv_heads=8,
+                       head_dim=128, rope=RopeSpec(1e6), qk_norm=True, tie_embeddings=True),
+    "llama3-8b": dict(family="llama", vocab_size=128256, hidden_size=4096,
+                      intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8,
+                      head_dim=128, rope=RopeSpec(5e5, (8.0, 1.0, 4.0, 8192)), qk_norm=False,
+                      tie_embeddings=False, rms_eps=1e-5),
+    # Gemma 3 4B text tower: 5 sliding layers (window 1024) per global layer.
+    "gemma3-4b": dict(family="gemma3", vocab_size=262208, hidden_size=2560,
+                      intermediate_size=10240, num_layers=34, num_heads=8, num_kv_heads=4,
+                      head_dim=256, rope=RopeSpec(1e6), rope_local=RopeSpec(1e4),
+                      sliding_window=1024, qk_norm=True, norm_offset=1.0, sandwich_norms=True,
+                      embed_scale=2560**0.5, activation="gelu_tanh", tie_embeddings=True),
+}
+
+
+def preset_config(name: str, *, num_layers: int | None = None, dtype: str = "bfloat16",
+                  backend: str = "pallas", interpret: bool = False) -> ModelConfig:
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; choose from {sorted(PRESETS)}")
+    kw = {**_COMMON, **PRESETS[name]}
+    if num_layers is not None:
+        kw["num_layers"] = num_layers
+    L = kw["num_layers"]
+    if kw["family"] == "gemma3":
+        kw["layer_sliding"] = tuple((i + 1) % 6 != 0 for i in range(L))
+        kw["attn_scale"] = 256**-0.5  # query_pre_attn_scalar
+    else:
+        kw["layer_sliding"] = (False,) * L
+        kw["attn_scale"] = kw["head_dim"] ** -0.5
+    return ModelConfig(dtype=dtype, backend=backend, interpret=interpret, **kw)
+
+
+def random_params(cfg: ModelConfig, seed: int = 0) -> dict:
+    """Random params in jspec's layout (see model.py), generated on the default device."""
+    dt = jnp.dtype(cfg.dtype)
+    D, F, V, L, hd = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.num_layers,
+                      cfg.head_dim)
+    keys = iter(jax.random.split(jax.random.key(seed), 16))
+
+    def w(*shape, fan_in):
+        return (jax.random.normal(next(keys), shape, jnp.float32) * fan_in**-0.5).astype(dt)
+
+    def norm(*shape):
+        base = 0.0 if cfg.norm_offset else 1.0
+        return (base + 0.1 * jax.random.normal(next(keys), shape, jnp.float32)).astype(dt)
+
+    layers = {
+        "attn_norm": norm(L, D),
+        "wqkv": w(L, D, cfg.q_size + 2 * cfg.kv_size, fan_in=D),
+        "wo": w(L, cfg.q_size, D, fan_in=cfg.q_size),
+        "mlp_norm": norm(L, D),
+        "w_gate_up": w(L, D, 2 * F, fan_in=D),
+        "w_down": w(L, F, D, fan_in=F),
+    }
+    if cfg.qk_norm:
+        layers |= {"q_norm": norm(L, hd), "k_norm": norm(L, hd)}
+    if cfg.sandwich_norms:
+        layers |= {"post_attn_norm": norm(L, D), "post_mlp_norm": norm(L, D)}
+    embed = w(V, D, fan_in=1)
+    lm_head = embed.T if cfg.tie_embeddings else w(D, V, fan_in=D)
+    return {"embed": embed, "layers": layers, "final_norm": norm(D), "lm_head": lm_head}
+
+
+def random_model(name: str, *, seed: int = 0, **kw) -> Model:
+    cfg = preset_config(name, **kw)
+    return Model(config=cfg, params=random_params(cfg, seed))
