@@ -15,6 +15,8 @@ Every function takes 2-D row-major operands (rows = tokens) except attention.
 from __future__ import annotations
 
 import functools
+
+import jax
 from typing import Callable, NamedTuple
 
 from pallas_kernels.attention import attention, attention_reference
@@ -44,6 +46,24 @@ class Ops(NamedTuple):
     attention: Callable
 
 
+def _fenced(fn: Callable) -> Callable:
+    """Wraps an interpret-mode kernel so XLA cannot fuse it with its neighbours.
+
+    On the CPU an interpreted kernel is ordinary XLA code: without a fence, a
+    kernel whose grid has one step is inlined and fused with the glue around it,
+    and LLVM may contract its last multiply with the following residual add into
+    an FMA, which it does not do when the grid has several steps. That would make
+    bits depend on the row count. On the GPU a kernel is an opaque call already.
+    """
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        args = jax.lax.optimization_barrier(args)
+        return jax.lax.optimization_barrier(fn(*args, **kwargs))
+
+    return wrapper
+
+
 @functools.cache
 def get_ops(backend: str, interpret: bool = False) -> Ops:
     if backend == "xla":
@@ -57,7 +77,10 @@ def get_ops(backend: str, interpret: bool = False) -> Ops:
             attention=attention_reference,
         )
     if backend == "pallas":
-        p = functools.partial
+        def p(fn, interpret):
+            kernel = functools.partial(fn, interpret=interpret)
+            return _fenced(kernel) if interpret else kernel
+
         return Ops(
             matmul=p(matmul, interpret=interpret),
             rmsnorm=p(rmsnorm, interpret=interpret),

@@ -32,18 +32,18 @@ class Step:
     accept: tuple[int, ...]
 
 
-def schedule_logits(model: Model, seqs: Sequence[np.ndarray], steps: Sequence[Step],
-                    max_len: int, *, seed: int = 0) -> list[np.ndarray]:
-    """Runs `steps` over rows `seqs`; returns per row the kept logits [n_b, V] float32.
+def run_schedule(model: Model, seqs: Sequence[np.ndarray], steps: Sequence[Step], cache,
+                 start: np.ndarray | None = None, *, seed: int = 0):
+    """Runs `steps` over rows `seqs` from `cache`, whose rows hold seqs[b][:start[b]].
 
-    Slots past a row's accepted tokens hold random token ids (seeded), so the
-    kept rows must not depend on them.
+    Yields (b, position of the first kept row, kept logits [a, V] on device) after
+    each call, and finally returns the cache (use `yield from`). Slots past a row's
+    accepted tokens hold random token ids (seeded): the kept rows must not
+    depend on them.
     """
     rng = np.random.default_rng(seed)
     B, V = len(seqs), model.config.vocab_size
-    done = np.zeros(B, np.int64)
-    kept: list[list[np.ndarray]] = [[] for _ in range(B)]
-    cache = init_cache(model, B, max_len)
+    done = np.zeros(B, np.int64) if start is None else np.asarray(start, np.int64).copy()
     for step in steps:
         if len(step.accept) != B:
             raise ValueError(f"{step=} has {len(step.accept)} accepts for {B} rows")
@@ -53,11 +53,22 @@ def schedule_logits(model: Model, seqs: Sequence[np.ndarray], steps: Sequence[St
                 raise ValueError(f"row {b}: accept {a} of T={step.T} at {done[b]} overruns")
             tokens[b, :a] = seqs[b][done[b]: done[b] + a]
         logits, cache = forward(model, tokens, cache)
-        logits = np.asarray(logits)
         for b, a in enumerate(step.accept):
-            kept[b].append(logits[b, :a])
+            if a:
+                yield b, int(done[b]), logits[b, :a]
         done += np.asarray(step.accept)
         cache = rollback(cache, done)
+    return cache
+
+
+def schedule_logits(model: Model, seqs: Sequence[np.ndarray], steps: Sequence[Step],
+                    max_len: int, *, seed: int = 0) -> list[np.ndarray]:
+    """Runs `steps` from an empty cache; returns per row the kept logits [n_b, V] f32."""
+    V = model.config.vocab_size
+    kept: list[list[np.ndarray]] = [[np.zeros((0, V), np.float32)] for _ in seqs]
+    cache = init_cache(model, len(seqs), max_len)
+    for b, _, rows in run_schedule(model, seqs, steps, cache, seed=seed):
+        kept[b].append(np.asarray(rows))
     return [np.concatenate(k, axis=0) for k in kept]
 
 

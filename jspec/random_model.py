@@ -28,6 +28,10 @@ PRESETS: dict[str, dict] = {
                       intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8,
                       head_dim=128, rope=RopeSpec(5e5, (8.0, 1.0, 4.0, 8192)), qk_norm=False,
                       tie_embeddings=False, rms_eps=1e-5),
+    # Tiny shapes for CPU smoke runs of the benchmark scripts.
+    "tiny-qwen3": dict(family="qwen3", vocab_size=512, hidden_size=128, intermediate_size=256,
+                       num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,
+                       rope=RopeSpec(1e6), qk_norm=True, tie_embeddings=True),
     # Gemma 3 4B text tower: 5 sliding layers (window 1024) per global layer.
     "gemma3-4b": dict(family="gemma3", vocab_size=262208, hidden_size=2560,
                       intermediate_size=10240, num_layers=34, num_heads=8, num_kv_heads=4,

@@ -1,0 +1,149 @@
+"""Kernel and decode-step benchmark: the parity tax and the verify/decode ratio.
+
+  python experiments/bench_kernels.py --preset=qwen3-8b --batches=1,8
+
+Side by side in one run, with random bf16 weights at the preset's real shape:
+  - each matmul of a layer and the LM head at M = batch rows: pallas / xla time;
+  - a whole forward step (all layers) at T = 1 (decode) and T = gamma + 1
+    (verify, gamma 1..8), batch 1 and 8, context `--context`: pallas / xla, and
+    verify(gamma + 1) / decode(1) per backend;
+  - achieved bandwidth of the decode step (weight + KV bytes read) against a
+    measured device-to-device copy.
+Times are medians over `--iters` runs after warm-up, each ended by
+`block_until_ready`. Prints a table; writes a JSON receipt under --out.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from jspec.cache import init_cache  # noqa: E402
+from jspec.model import forward_nodonate  # noqa: E402
+from jspec.ops import get_ops  # noqa: E402
+from jspec.random_model import random_model  # noqa: E402
+
+_PRESET = flags.DEFINE_string("preset", "qwen3-8b", "model shape preset")
+_LAYERS = flags.DEFINE_integer("layers", 0, "layers (0: the preset's)")
+_BATCHES = flags.DEFINE_list("batches", ["1", "8"], "batch sizes")
+_GAMMAS = flags.DEFINE_list("gammas", [str(g) for g in range(1, 9)], "verify gammas")
+_CONTEXT = flags.DEFINE_integer("context", 512, "tokens already in the cache")
+_ITERS = flags.DEFINE_integer("iters", 20, "timed runs per measurement")
+_OUT = flags.DEFINE_string("out", os.environ.get("OUT", "experiments/results"), "receipt dir")
+_INTERPRET = flags.DEFINE_bool("interpret", False, "CPU smoke run (tiny timings mean nothing)")
+
+
+def median_time(fn, *args, iters: int) -> float:
+    for _ in range(3):
+        jax.block_until_ready(fn(*args))
+    ts = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def copy_bandwidth(iters: int) -> float:
+    """Bytes read + written per second by a large device-to-device copy."""
+    n = 1 << 28 if not _INTERPRET.value else 1 << 20
+    x = jnp.arange(n, dtype=jnp.float32)
+    f = jax.jit(lambda a: a + 1.0)
+    t = median_time(f, x, iters=iters)
+    return 2 * 4 * n / t
+
+
+def bench_matmuls(model, batches, iters):
+    cfg, params = model.config, model.params
+    ops = {b: get_ops(b, cfg.interpret) for b in ("pallas", "xla")}
+    weights = {k: params["layers"][k][0] for k in ("wqkv", "wo", "w_gate_up", "w_down")}
+    weights["lm_head"] = params["lm_head"]
+    rows = []
+    for M in batches:
+        for name, w in weights.items():
+            x = jax.random.normal(jax.random.key(M), (M, w.shape[0]), jnp.float32).astype(w.dtype)
+            t = {}
+            for b, o in ops.items():
+                fn = jax.jit(lambda x, w, o=o: o.matmul(x, w, out_dtype=w.dtype))
+                t[b] = median_time(fn, x, w, iters=iters)
+            rows.append({"op": f"matmul {name} {tuple(w.shape)}", "M": M,
+                         "pallas_us": t["pallas"] * 1e6, "xla_us": t["xla"] * 1e6,
+                         "tax": t["pallas"] / t["xla"],
+                         "pallas_TBps": w.size * w.dtype.itemsize / t["pallas"] / 1e12})
+    return rows
+
+
+def bench_steps(model, batches, gammas, context, iters):
+    cfg = model.config
+    rows = []
+    for B in batches:
+        for backend in ("pallas", "xla"):
+            m = model.with_backend(backend)
+            cache = init_cache(m, B, context + 16)
+            prompt = jnp.zeros((B, context), jnp.int32)
+            _, cache = forward_nodonate(m, prompt, cache)
+            times = {}
+            for T in [1] + [g + 1 for g in gammas]:
+                tok = jnp.ones((B, T), jnp.int32)
+                times[T] = median_time(forward_nodonate, m, tok, cache, iters=iters)
+            for T, t in times.items():
+                rows.append({"backend": backend, "B": B, "T": T, "ms": t * 1e3,
+                             "vs_decode": t / times[1]})
+    # Bytes a decode step must read: every weight once, plus the KV cache.
+    wbytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(model.params))
+    wbytes -= model.params["embed"].size * model.params["embed"].dtype.itemsize  # gathered
+    kv = 2 * cfg.num_layers * cfg.num_kv_heads * context * cfg.head_dim * 2
+    return rows, wbytes, kv
+
+
+def main(argv):
+    del argv
+    batches = [int(b) for b in _BATCHES.value]
+    gammas = [int(g) for g in _GAMMAS.value]
+    kw = dict(interpret=_INTERPRET.value)
+    if _LAYERS.value:
+        kw["num_layers"] = _LAYERS.value
+    model = random_model(_PRESET.value, **kw)
+    iters = _ITERS.value
+    bw = copy_bandwidth(iters)
+    print(f"device {jax.devices()[0].device_kind}, jax {jax.__version__}, copy {bw / 1e12:.2f} TB/s")
+    mm = bench_matmuls(model, batches, iters)
+    print(f"\n{'op':44s} {'M':>3s} {'pallas us':>10s} {'xla us':>8s} {'tax':>6s} {'TB/s':>6s}")
+    for r in mm:
+        print(f"{r['op']:44s} {r['M']:3d} {r['pallas_us']:10.1f} {r['xla_us']:8.1f} "
+              f"{r['tax']:6.2f} {r['pallas_TBps']:6.2f}")
+    steps, wbytes, kv = bench_steps(model, batches, gammas, _CONTEXT.value, iters)
+    print(f"\nstep at context {_CONTEXT.value}: weights {wbytes / 1e9:.2f} GB, KV/row "
+          f"{kv / 1e9:.3f} GB")
+    print(f"{'backend':8s} {'B':>2s} {'T':>3s} {'ms':>8s} {'/decode':>8s} {'/xla':>6s} {'TB/s':>6s}")
+    by = {(r["backend"], r["B"], r["T"]): r for r in steps}
+    for r in steps:
+        xla = by[("xla", r["B"], r["T"])]["ms"]
+        r["tax"] = r["ms"] / xla
+        r["TBps"] = (wbytes + r["B"] * kv) / (r["ms"] / 1e3) / 1e12
+        r["roofline_frac"] = r["TBps"] * 1e12 / bw
+        print(f"{r['backend']:8s} {r['B']:2d} {r['T']:3d} {r['ms']:8.3f} {r['vs_decode']:8.3f} "
+              f"{r['tax']:6.2f} {r['TBps']:6.2f}")
+    report = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
+              "date": time.strftime("%Y-%m-%d"), "preset": _PRESET.value,
+              "layers": model.config.num_layers, "context": _CONTEXT.value,
+              "copy_TBps": bw / 1e12, "matmuls": mm, "steps": steps,
+              "weight_bytes": wbytes, "kv_bytes_per_row": kv}
+    os.makedirs(_OUT.value, exist_ok=True)
+    path = os.path.join(_OUT.value, f"bench_kernels_{_PRESET.value}.json")
+    with open(path, "w") as f:
+        json.dump(report, f, indent=1)
+    print(f"receipt: {path}")
+
+
+if __name__ == "__main__":
+    app.run(main)

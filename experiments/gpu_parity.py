@@ -1,0 +1,207 @@
+"""Property P at real shapes on a GPU: the parity matrix with random bf16 weights.
+
+  python experiments/gpu_parity.py --models=qwen3-8b:4,gemma3-4b:6 --context=8192
+
+For each model (preset:num_layers) and backend it builds a random token
+sequence of `--context` tokens and compares, bitwise on the device, the full
+logits vector of every checked position against one prefill of the whole
+sequence:
+  - chunked prefill (chunks of several sizes) covering every position;
+  - then, from that cache rolled back to `context - window`, the last `window`
+    positions by one-token steps, by accepted blocks of mixed sizes and by
+    verify blocks of k proposals (k in --ks) with random acceptance and random
+    tokens in the rejected slots (each schedule starts from a rollback, so the
+    cache holds the previous schedule's garbage past its length);
+  - a row alone vs the same row in a ragged batch of 4 (verify blocks of 4);
+  - the same prefix under a cache of twice the capacity.
+Prints a table and writes a JSON receipt (--out).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from jspec import parity  # noqa: E402
+from jspec.cache import init_cache, rollback  # noqa: E402
+from jspec.model import forward  # noqa: E402
+from jspec.random_model import random_model  # noqa: E402
+
+FLAGS = flags.DEFINE_string("models", "qwen3-8b:4,gemma3-4b:6", "preset:num_layers list")
+_CONTEXT = flags.DEFINE_integer("context", 8192, "sequence length checked")
+_WINDOW = flags.DEFINE_integer("window", 48, "tail positions checked by decode/verify schedules")
+_KS = flags.DEFINE_list("ks", ["1", "2", "4", "8", "16", "32"], "verify block sizes k")
+_BACKENDS = flags.DEFINE_list("backends", ["pallas", "xla"], "backends")
+_OUT = flags.DEFINE_string("out", os.environ.get("OUT", "experiments/results"), "receipt dir")
+_INTERPRET = flags.DEFINE_bool("interpret", False, "Pallas interpret mode (CPU smoke runs)")
+_SMALL = flags.DEFINE_bool("small", False, "tiny shapes (CPU smoke run of this script)")
+_XLA_FULL = flags.DEFINE_bool("xla_full", False, "run every check on xla too (else a subset)")
+
+
+def bits_equal_rows(a, b) -> jax.Array:
+    """[n, V] x [n, V] -> [n] bool: every bit of the row equal."""
+    ua = jax.lax.bitcast_convert_type(a, jnp.uint32)
+    ub = jax.lax.bitcast_convert_type(b, jnp.uint32)
+    return jnp.all(ua == ub, axis=-1)
+
+
+class Checker:
+    """Compares kept logits rows against the reference on the device."""
+
+    def __init__(self, ref):  # ref [n, V] f32 on device
+        self.ref = ref
+        self.checked = 0
+        self.bad: list[int] = []
+
+    def __call__(self, pos: int, rows) -> None:
+        eq = np.asarray(bits_equal_rows(rows, self.ref[pos: pos + rows.shape[0]]))
+        self.checked += eq.size
+        self.bad += [pos + int(i) for i in np.flatnonzero(~eq)]
+
+    def result(self) -> dict:
+        return {"positions": self.checked, "mismatches": len(self.bad),
+                "first_mismatch": self.bad[0] if self.bad else None}
+
+
+def run_steps(model, seqs, steps, cache, start=None, seed=0, checkers=None):
+    gen = parity.run_schedule(model, seqs, steps, cache, start, seed=seed)
+    while True:
+        try:
+            b, pos, rows = next(gen)
+        except StopIteration as stop:
+            return stop.value
+        if checkers is not None and checkers[b] is not None:
+            checkers[b](pos, rows)
+
+
+def chunk_schedule(n: int) -> list[parity.Step]:
+    sizes, out, pos, i = [1000, 7, 3000, 185, 513, 1], [], 0, 0
+    while pos < n:
+        k = min(sizes[i % len(sizes)], n - pos)
+        out.append(parity.Step(k, (k,)))
+        pos, i = pos + k, i + 1
+    return out
+
+
+def check_model(model, n: int, window: int, ks: list[int], full: bool = True) -> dict:
+    V = model.config.vocab_size
+    rng = np.random.default_rng(0)
+    seq = rng.integers(0, V, n).astype(np.int32)
+    max_len = n + 64
+    t0 = time.perf_counter()
+    ref, _ = forward(model, seq[None], init_cache(model, 1, max_len))
+    ref = ref[0]  # [n, V]
+    res: dict = {"reference": "one prefill of all positions"}
+
+    chk = Checker(ref)
+    chunks = chunk_schedule(n) if full else [parity.Step(n, (n,))]
+    cache = run_steps(model, [seq], chunks, init_cache(model, 1, max_len), checkers=[chk])
+    if full:
+        res["chunked prefill"] = chk.result()
+
+    tail = n - window
+    schedules = {"one-token steps": [(1, 1)] * window}
+    if full:
+        schedules["blocks 3,1,5,2,8"] = [(k, k) for k in parity_blocks(window, [3, 1, 5, 2, 8])]
+    for k in ks if full else ks[2:3]:
+        schedules[f"verify k={k}"] = [(s.T, s.accept[0]) for s in
+                                      parity.verify_schedule(window, k, prefix=0, seed=k)[1:]]
+    for label, sizes in schedules.items():
+        chk = Checker(ref)
+        cache = rollback(cache, tail)
+        cache = run_steps(model, [seq], parity.single_row(sizes), cache, start=[tail],
+                          seed=len(label), checkers=[chk])
+        res[label] = chk.result()
+
+    # A row alone vs in a ragged batch of 4, at a shorter context.
+    m = min(n, 1024)
+    others = [rng.integers(0, V, k).astype(np.int32) for k in (m // 3, m // 2, m - 5)]
+    seqs = [others[0], seq[:m], others[1], others[2]]
+    lens = [len(s) for s in seqs]
+    prefix = [min(x, m // 4) for x in lens]
+    batch_cache = init_cache(model, 4, max_len)
+    pre = [parity.Step(max(prefix), tuple(prefix))]
+    chk = Checker(ref)
+    checkers = [None, chk, None, None]
+    batch_cache = run_steps(model, seqs, pre, batch_cache, checkers=checkers)
+    steps = parity.batch_schedule([x - p for x, p in zip(lens, prefix, strict=True)], 5, seed=1)
+    run_steps(model, seqs, steps[:40], batch_cache, start=prefix, checkers=checkers)
+    res["row in ragged batch of 4"] = chk.result()
+
+    if not full:
+        res["seconds"] = round(time.perf_counter() - t0, 1)
+        return res
+    # Cache capacity: the same prefill under twice the capacity.
+    chk = Checker(ref)
+    run_steps(model, [seq[:m]], [parity.Step(m, (m,))], init_cache(model, 1, 2 * max_len),
+              checkers=[chk])
+    res["max_len x2"] = chk.result()
+    res["seconds"] = round(time.perf_counter() - t0, 1)
+    return res
+
+
+def parity_blocks(n: int, sizes: list[int]) -> list[int]:
+    return [s.T for s in parity.block_schedule(n, sizes)]
+
+
+def main(argv):
+    del argv
+    report = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
+              "date": time.strftime("%Y-%m-%d"), "context": _CONTEXT.value,
+              "window": _WINDOW.value, "results": {}}
+    ks = [int(k) for k in _KS.value]
+    for spec in FLAGS.value.split(","):
+        name, layers = spec.split(":")
+        for backend in _BACKENDS.value:
+            kw = dict(num_layers=int(layers), backend=backend, interpret=_INTERPRET.value)
+            if _SMALL.value:
+                kw["dtype"] = "float32"
+            model = random_model(name, **kw)
+            if _SMALL.value:
+                model = shrink(model)
+            key = f"{name}:{layers}:{backend}"
+            print(f"== {key}", flush=True)
+            full = backend == "pallas" or _XLA_FULL.value
+            report["results"][key] = check_model(model, _CONTEXT.value, _WINDOW.value, ks, full)
+            save(report)
+            print(json.dumps(report["results"][key]), flush=True)
+            del model
+    print_table(report)
+    print(f"receipt: {save(report)}")
+
+
+def save(report) -> str:
+    os.makedirs(_OUT.value, exist_ok=True)
+    path = os.path.join(_OUT.value, "gpu_parity.json")
+    with open(path, "w") as f:
+        json.dump(report, f, indent=1)
+    return path
+
+
+def shrink(model):
+    from jspec.random_model import random_params
+
+    cfg = model.config.replace(vocab_size=256, hidden_size=64, intermediate_size=128,
+                               num_heads=4, num_kv_heads=2, head_dim=16,
+                               sliding_window=min(model.config.sliding_window, 16) or 0)
+    return model.replace(config=cfg, params=random_params(cfg))
+
+
+def print_table(report):
+    print(f"\n{'model:layers:backend':28s} {'check':26s} {'positions':>9s} {'mismatch':>8s}")
+    for key, res in report["results"].items():
+        for label, r in res.items():
+            if isinstance(r, dict):
+                print(f"{key:28s} {label:26s} {r['positions']:9d} {r['mismatches']:8d}")
+
+
+if __name__ == "__main__":
+    app.run(main)
