@@ -13,7 +13,7 @@ import time
 
 import jax
 import numpy as np
-from absl import app, flags, logging
+from absl import app, logging
 from ml_collections import config_flags
 
 import jspec

@@ -1,7 +1,9 @@
 """The immutable KV cache pytree.
 
-Layout: K and V buffers of all layers stacked, `[L, B, Hkv, S, D]`, so the
-forward pass scans over layers; one int32 length per row. Row b holds its tokens
+Layout: one K and one V buffer per layer, `[B, Hkv, S, D]` each (a tuple of L),
+and one int32 length per row. Separate buffers let each layer's new entries be
+written in place (the cache is donated) and let attention read the buffer
+directly, with no per-step slicing copy of a stacked array. Row b holds its tokens
 at absolute positions 0..lengths[b]-1. Entries at or beyond a row's length are
 never read: attention masks keys after each query's own position, and new K/V
 are written before attention reads them. Rollback is therefore just a new
@@ -27,14 +29,14 @@ CACHE_ALIGN = 64
 @struct.dataclass
 class KVCache:
     """Attributes:
-    k: [L, B, Hkv, S, D] keys, already rotated (RoPE) and normed.
-    v: [L, B, Hkv, S, D] values.
+    k: L-tuple of [B, Hkv, S, D] keys, already rotated (RoPE) and normed.
+    v: L-tuple of [B, Hkv, S, D] values.
     lengths: [B] int32, tokens committed per row.
     max_len: static logical capacity (<= S).
     """
 
-    k: jax.Array
-    v: jax.Array
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
     lengths: jax.Array
     max_len: int = struct.field(pytree_node=False)
 
@@ -44,7 +46,7 @@ class KVCache:
 
     @property
     def capacity(self) -> int:
-        return self.k.shape[3]
+        return self.k[0].shape[2]
 
 
 def init_cache(model, batch_size: int, max_len: int) -> KVCache:
@@ -58,9 +60,11 @@ def init_cache(model, batch_size: int, max_len: int) -> KVCache:
         raise ValueError(f"{max_len=} exceeds the model's max_position_embeddings "
                          f"({cfg.max_position})")
     capacity = -(-max_len // CACHE_ALIGN) * CACHE_ALIGN
-    shape = (cfg.num_layers, batch_size, cfg.num_kv_heads, capacity, cfg.head_dim)
-    zeros = jnp.zeros(shape, jnp.dtype(cfg.dtype))
-    return KVCache(k=zeros, v=jnp.zeros_like(zeros),
+    shape = (batch_size, cfg.num_kv_heads, capacity, cfg.head_dim)
+    dtype = jnp.dtype(cfg.dtype)
+    L = cfg.num_layers
+    return KVCache(k=tuple(jnp.zeros(shape, dtype) for _ in range(L)),
+                   v=tuple(jnp.zeros(shape, dtype) for _ in range(L)),
                    lengths=jnp.zeros((batch_size,), jnp.int32), max_len=max_len)
 
 

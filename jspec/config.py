@@ -193,7 +193,8 @@ def from_hf_config(hf: Any, *, dtype: str = "bfloat16", backend: str = "pallas",
     if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
         raise UnsupportedModelError(f"gemma3_text: hidden_activation={act!r} is not supported")
     if _get(hf, "use_bidirectional_attention", False):
-        raise UnsupportedModelError("gemma3_text: use_bidirectional_attention=True is not supported")
+        raise UnsupportedModelError(
+            "gemma3_text: use_bidirectional_attention=True is not supported")
     layer_types = list(_get(hf, "layer_types", []))
     if len(layer_types) != num_layers:
         raise UnsupportedModelError(f"gemma3_text: {len(layer_types)=} != {num_layers=}")

@@ -26,6 +26,7 @@ from jspec.model import COMPILER_OPTIONS, Model, _forward, check_tokens
 from jspec.sampling import Greedy
 
 PAD = -1  # marks output slots after a row stopped
+GREEDY = Greedy()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,7 +154,7 @@ def _setup(model, prompts, max_new_tokens, max_len, stop_tokens):
     return tokens, lens, cache
 
 
-def generate(model: Model, prompts, *, max_new_tokens: int, sampler=Greedy(),
+def generate(model: Model, prompts, *, max_new_tokens: int, sampler=GREEDY,
              stop_tokens: Sequence[int] = (), seed: int = 0,
              max_len: int | None = None) -> GenerateOutput:
     """Serial decoding of ragged prompts ([B] token lists or a [B, P] array)."""
@@ -170,7 +171,7 @@ _step_jit = jax.jit(_step, static_argnames=("sampler", "stop_tokens"),
                     donate_argnames=("state",), compiler_options=COMPILER_OPTIONS)
 
 
-def generate_stream(model: Model, prompts, *, max_new_tokens: int, sampler=Greedy(),
+def generate_stream(model: Model, prompts, *, max_new_tokens: int, sampler=GREEDY,
                     stop_tokens: Sequence[int] = (), seed: int = 0,
                     max_len: int | None = None) -> Iterator[np.ndarray]:
     """Yields each step's tokens [B] (PAD for stopped rows) as they are produced.

@@ -3,7 +3,7 @@
 `load_hf(path)` reads `config.json` through transformers' `AutoConfig` and the
 weights from `model.safetensors` or a sharded `model.safetensors.index.json`,
 converts HF's `[out, in]` linear layout to jspec's `[in, out]`, fuses q/k/v and
-gate/up, stacks the layers, and checks every tensor's presence and shape
+gate/up, and checks every tensor's presence and shape
 (errors name the tensor and the file).
 """
 
@@ -90,12 +90,15 @@ def convert_params(cfg: ModelConfig, reader: _TensorReader) -> dict:
     def lin(name, out_dim, in_dim):  # HF [out, in] -> [in, out]
         return get(name, (out_dim, in_dim)).T
 
-    layers: dict[str, list] = {}
-
-    def put(key, value):
-        layers.setdefault(key, []).append(np.ascontiguousarray(value))
+    layers: list[dict] = []
 
     for i in range(cfg.num_layers):
+        layer: dict = {}
+        layers.append(layer)
+
+        def put(key, value, layer=layer):
+            layer[key] = np.ascontiguousarray(value)
+
         lp = f"{pre}layers.{i}."
         put("attn_norm", get(lp + "input_layernorm.weight", (D,)))
         put("wqkv", np.concatenate([
@@ -123,7 +126,7 @@ def convert_params(cfg: ModelConfig, reader: _TensorReader) -> dict:
         lm_head = lin("lm_head.weight", V, D)
     return {
         "embed": embed,
-        "layers": {k: np.stack(v) for k, v in layers.items()},
+        "layers": layers,
         "final_norm": get(pre + "norm.weight", (D,)),
         "lm_head": np.ascontiguousarray(lm_head),
     }

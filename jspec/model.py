@@ -9,12 +9,13 @@ All numerics go through `ops_for(config)` (see ops.py); the glue between them
 `xla_allow_excess_precision=False` so XLA rounds every bf16 op as written,
 whatever fusion it picks for a given shape (rule R4).
 
-Params layout (per-layer leaves stacked on a leading L axis, weights [in, out]):
+Params layout (weights [in, out]; one dict per layer, so every kernel reads a
+layer's weights in place rather than a slice copied out of a stacked array):
   embed [V, D]; final_norm [D]; lm_head [D, V] (a transposed copy when tied)
-  layers: attn_norm [L, D]; wqkv [L, D, (H + 2 Hkv) hd]; wo [L, H hd, D];
-          q_norm, k_norm [L, hd] (Qwen3, Gemma 3); mlp_norm [L, D];
-          w_gate_up [L, D, 2F]; w_down [L, F, D];
-          post_attn_norm, post_mlp_norm [L, D] (Gemma 3)
+  layers: list of L dicts: attn_norm [D]; wqkv [D, (H + 2 Hkv) hd]; wo [H hd, D];
+          q_norm, k_norm [hd] (Qwen3, Gemma 3); mlp_norm [D];
+          w_gate_up [D, 2F]; w_down [F, D];
+          post_attn_norm, post_mlp_norm [D] (Gemma 3)
 """
 
 from __future__ import annotations
@@ -105,30 +106,32 @@ def _forward(model: Model, tokens: jax.Array, cache: KVCache):
     flat_pos = pos.reshape(-1)
     cos_all = jnp.asarray(cos_tab)[:, flat_pos]  # [2, B*T, hd/2]
     sin_all = jnp.asarray(sin_tab)[:, flat_pos]
-    sliding = jnp.asarray(cfg.layer_sliding, jnp.int32)  # [L]
 
-    def layer(x, xs):
-        lp, k_buf, v_buf, is_sliding = xs
-        cos, sin = cos_all[is_sliding], sin_all[is_sliding]
-        window = jnp.where(is_sliding > 0, cfg.sliding_window, 0).astype(jnp.int32)
-        h = _norm(ops, cfg, x, lp["attn_norm"])
-        o, k_buf, v_buf = _attention_block(ops, cfg, lp, h, k_buf, v_buf, pos, lengths,
-                                           cos, sin, window)
-        if cfg.sandwich_norms:
-            o = _norm(ops, cfg, o, lp["post_attn_norm"])
-        x = x + o
-        h = _norm(ops, cfg, x, lp["mlp_norm"])
-        o = _mlp_block(ops, cfg, lp, h)
-        if cfg.sandwich_norms:
-            o = _norm(ops, cfg, o, lp["post_mlp_norm"])
-        return x + o, (k_buf, v_buf)
+    new_k, new_v = [], []
+    for i, lp in enumerate(params["layers"]):  # unrolled: L is static
+        with jax.named_scope(f"layer_{i}"):
+            sliding = cfg.layer_sliding[i]
+            window = jnp.int32(cfg.sliding_window if sliding else 0)
+            h = _norm(ops, cfg, x, lp["attn_norm"])
+            o, k_buf, v_buf = _attention_block(ops, cfg, lp, h, cache.k[i], cache.v[i], pos,
+                                               lengths, cos_all[int(sliding)],
+                                               sin_all[int(sliding)], window)
+            new_k.append(k_buf)
+            new_v.append(v_buf)
+            if cfg.sandwich_norms:
+                o = _norm(ops, cfg, o, lp["post_attn_norm"])
+            x = x + o
+            h = _norm(ops, cfg, x, lp["mlp_norm"])
+            o = _mlp_block(ops, cfg, lp, h)
+            if cfg.sandwich_norms:
+                o = _norm(ops, cfg, o, lp["post_mlp_norm"])
+            x = x + o
 
-    x, (k, v) = jax.lax.scan(layer, x, (params["layers"], cache.k, cache.v, sliding))
     x = _norm(ops, cfg, x, params["final_norm"])
     logits = ops.matmul(x, params["lm_head"], out_dtype=jnp.float32)  # [B*T, V]
     if cfg.final_softcap is not None:
         logits = ops.softcap(logits, cfg.final_softcap)
-    new_cache = cache.replace(k=k, v=v, lengths=lengths + T)
+    new_cache = cache.replace(k=tuple(new_k), v=tuple(new_v), lengths=lengths + T)
     return logits.reshape(B, T, cfg.vocab_size), new_cache
 
 

@@ -15,9 +15,10 @@ Every function takes 2-D row-major operands (rows = tokens) except attention.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
-from typing import Callable, NamedTuple
 
 from pallas_kernels.attention import attention, attention_reference
 from pallas_kernels.glu import glu, glu_reference
@@ -58,7 +59,11 @@ def _fenced(fn: Callable) -> Callable:
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        args = jax.lax.optimization_barrier(args)
+        arrays = [i for i, a in enumerate(args) if isinstance(a, jax.Array)]
+        fenced = jax.lax.optimization_barrier([args[i] for i in arrays])
+        args = list(args)
+        for i, a in zip(arrays, fenced, strict=True):
+            args[i] = a
         return jax.lax.optimization_barrier(fn(*args, **kwargs))
 
     return wrapper

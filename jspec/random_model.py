@@ -32,6 +32,12 @@ PRESETS: dict[str, dict] = {
     "tiny-qwen3": dict(family="qwen3", vocab_size=512, hidden_size=128, intermediate_size=256,
                        num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,
                        rope=RopeSpec(1e6), qk_norm=True, tie_embeddings=True),
+    "tiny-gemma3": dict(family="gemma3", vocab_size=256, hidden_size=64, intermediate_size=128,
+                        num_layers=4, num_heads=4, num_kv_heads=2, head_dim=16,
+                        rope=RopeSpec(1e6), rope_local=RopeSpec(1e4), sliding_window=16,
+                        global_every=2, qk_norm=True, norm_offset=1.0, sandwich_norms=True,
+                        embed_scale=8.0, activation="gelu_tanh", tie_embeddings=True,
+                        final_softcap=30.0),
     # Gemma 3 4B text tower: 5 sliding layers (window 1024) per global layer.
     "gemma3-4b": dict(family="gemma3", vocab_size=262208, hidden_size=2560,
                       intermediate_size=10240, num_layers=34, num_heads=8, num_kv_heads=4,
@@ -49,8 +55,9 @@ def preset_config(name: str, *, num_layers: int | None = None, dtype: str = "bfl
     if num_layers is not None:
         kw["num_layers"] = num_layers
     L = kw["num_layers"]
+    every = kw.pop("global_every", 6)
     if kw["family"] == "gemma3":
-        kw["layer_sliding"] = tuple((i + 1) % 6 != 0 for i in range(L))
+        kw["layer_sliding"] = tuple((i + 1) % every != 0 for i in range(L))
         kw["attn_scale"] = 256**-0.5  # query_pre_attn_scalar
     else:
         kw["layer_sliding"] = (False,) * L
@@ -63,7 +70,7 @@ def random_params(cfg: ModelConfig, seed: int = 0) -> dict:
     dt = jnp.dtype(cfg.dtype)
     D, F, V, L, hd = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.num_layers,
                       cfg.head_dim)
-    keys = iter(jax.random.split(jax.random.key(seed), 16))
+    keys = iter(jax.random.split(jax.random.key(seed), 16 * (L + 1)))
 
     def w(*shape, fan_in):
         return (jax.random.normal(next(keys), shape, jnp.float32) * fan_in**-0.5).astype(dt)
@@ -72,18 +79,21 @@ def random_params(cfg: ModelConfig, seed: int = 0) -> dict:
         base = 0.0 if cfg.norm_offset else 1.0
         return (base + 0.1 * jax.random.normal(next(keys), shape, jnp.float32)).astype(dt)
 
-    layers = {
-        "attn_norm": norm(L, D),
-        "wqkv": w(L, D, cfg.q_size + 2 * cfg.kv_size, fan_in=D),
-        "wo": w(L, cfg.q_size, D, fan_in=cfg.q_size),
-        "mlp_norm": norm(L, D),
-        "w_gate_up": w(L, D, 2 * F, fan_in=D),
-        "w_down": w(L, F, D, fan_in=F),
-    }
-    if cfg.qk_norm:
-        layers |= {"q_norm": norm(L, hd), "k_norm": norm(L, hd)}
-    if cfg.sandwich_norms:
-        layers |= {"post_attn_norm": norm(L, D), "post_mlp_norm": norm(L, D)}
+    layers = []
+    for _ in range(L):
+        lp = {
+            "attn_norm": norm(D),
+            "wqkv": w(D, cfg.q_size + 2 * cfg.kv_size, fan_in=D),
+            "wo": w(cfg.q_size, D, fan_in=cfg.q_size),
+            "mlp_norm": norm(D),
+            "w_gate_up": w(D, 2 * F, fan_in=D),
+            "w_down": w(F, D, fan_in=F),
+        }
+        if cfg.qk_norm:
+            lp |= {"q_norm": norm(hd), "k_norm": norm(hd)}
+        if cfg.sandwich_norms:
+            lp |= {"post_attn_norm": norm(D), "post_mlp_norm": norm(D)}
+        layers.append(lp)
     embed = w(V, D, fan_in=1)
     lm_head = embed.T if cfg.tie_embeddings else w(D, V, fan_in=D)
     return {"embed": embed, "layers": layers, "final_norm": norm(D), "lm_head": lm_head}

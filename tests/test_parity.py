@@ -88,3 +88,23 @@ def test_xla_batch_breaks_the_property():
     other = np.arange(20, dtype=np.int32)
     got = parity.schedule_logits(model, [seq, other], parity.batch_schedule([30, 20], 4), MAX_LEN)
     assert parity.count_mismatches(got[0], ref)[0] > 0
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_pallas_long_sequence_spanning_many_tiles(dtype):
+    """160 tokens: every kernel's grid has several row tiles and the attention walks
+    several key blocks past the sliding window. (This caught interpret-mode kernels
+    being fused with their neighbours when their grid had a single step.)"""
+    from jspec.random_model import random_model
+
+    model = random_model("tiny-gemma3", dtype=dtype, interpret=True)
+    n, max_len = 160, 192
+    seq = np.random.default_rng(1).integers(0, 256, n).astype(np.int32)
+    ref = _reference(model, seq, max_len)
+    for label, steps in [
+        ("serial tail", parity.single_row([(n - 12, n - 12)] + [(1, 1)] * 12)),
+        ("verify k=4", parity.verify_schedule(n, 4, prefix=130, seed=4)),
+        ("blocks", parity.block_schedule(n, [70, 1, 33, 5])),
+    ]:
+        got = parity.schedule_logits(model, [seq], steps, max_len)[0]
+        assert parity.count_mismatches(got, ref) == (0, None), label
