@@ -9,10 +9,12 @@ token for token.
 from jspec.cache import KVCache, init_cache, rollback
 from jspec.checkpoint import restore_params, save_params
 from jspec.config import ModelConfig, UnsupportedModelError, from_hf_config
+from jspec.drafters import ModelDrafter, OracleDrafter, PromptLookupDrafter
 from jspec.generate import GenerateOutput, generate, generate_stream
 from jspec.loading import CheckpointError, load_hf, load_tokenizer
 from jspec.model import Model, forward
 from jspec.sampling import Greedy, Sample, make_sampler
+from jspec.speculative import SpecConfig, SpecOutput, speculative_generate, speculative_stream
 
 __all__ = [
     "CheckpointError",
@@ -21,7 +23,12 @@ __all__ = [
     "KVCache",
     "Model",
     "ModelConfig",
+    "ModelDrafter",
+    "OracleDrafter",
+    "PromptLookupDrafter",
     "Sample",
+    "SpecConfig",
+    "SpecOutput",
     "UnsupportedModelError",
     "forward",
     "from_hf_config",
@@ -34,4 +41,6 @@ __all__ = [
     "restore_params",
     "rollback",
     "save_params",
+    "speculative_generate",
+    "speculative_stream",
 ]

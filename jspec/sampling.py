@@ -91,6 +91,16 @@ def gumbel_noise(seed, rows, positions, vocab: int):
     return jax.vmap(one)(rows, positions)
 
 
+def uniform_noise(seed, rows, positions):
+    """U(seed, row, position): [B] f32 uniforms in [0, 1), one key per (row, position)."""
+    base = jax.random.key(seed)
+
+    def one(row, pos):
+        return jax.random.uniform(jax.random.fold_in(jax.random.fold_in(base, row), pos))
+
+    return jax.vmap(one)(rows, positions)
+
+
 def make_sampler(temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0):
     """Greedy for temperature 0, otherwise Sample."""
     if temperature < 0:

@@ -1,0 +1,222 @@
+"""Drafters: pure functions over pytrees that propose gamma tokens per row.
+
+A drafter is a pytree (flax struct) with three methods, all traced inside the
+speculative loop:
+  init(tokens [B, P], lens [B], max_len, gamma) -> state       after the prompts
+  propose(state, ctx) -> (drafts [B, g], draft_logits [B, g, V], state)
+  commit(state, ctx, n_acc [B], nxt [B], drafts [B, g]) -> state
+`draft_logits` are the logits the proposals were drawn from (one-hot logits for
+deterministic drafters); only `rejection_sampling` reads them.
+
+How a drafter samples its proposals (`ProposeContext.draft_sampler`): argmax for
+exact_greedy; for gumbel_coupled, the target's own sampler with the same
+(seed, row, position) noise, so a good draft agrees with the target often; for
+rejection_sampling, the same sampler under an independent seed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from jspec.cache import init_cache, rollback
+from jspec.model import Model, _forward
+from jspec.sampling import uniform_noise
+
+_SALT_ORACLE = 0x0AC1E
+_SALT_ORACLE_TOKEN = 0x0AC1F
+
+
+@dataclasses.dataclass(frozen=True)
+class ProposeContext:
+    """Per-round inputs of a drafter (arrays are traced).
+
+    Attributes:
+      cur: [B] last committed token (its position is `pos`).
+      pos: [B] int32 position of `cur`; proposal i sits at pos + 1 + i.
+      rows: [B] int32 row ids (noise keys).
+      seed: [] int32 draft seed.
+      gamma: proposals per round.
+      vocab: the target's vocabulary size.
+      draft_sampler: how proposals are drawn from draft logits.
+    """
+
+    cur: jax.Array
+    pos: jax.Array
+    rows: jax.Array
+    seed: jax.Array
+    gamma: int
+    vocab: int
+    draft_sampler: object
+
+
+def one_hot_logits(tokens, vocab: int):
+    """[B, g] -> [B, g, V] f32 logits of the point mass at each token (0 there, -inf else)."""
+    return jnp.where(jax.nn.one_hot(tokens, vocab, dtype=bool), 0.0, -jnp.inf)
+
+
+@struct.dataclass
+class ModelDraftState:
+    """cache holds every committed token including `cur`; next_logits [B, V] follow `cur`."""
+
+    cache: object
+    next_logits: jax.Array
+
+
+@struct.dataclass
+class ModelDrafter:
+    """A small model sharing the target's vocabulary drafts autoregressively.
+
+    Per round: gamma - 1 one-token draft steps in `propose`, and one two-token
+    step in `commit` (the last accepted token again, at its own position, plus
+    the target's next token), so the draft catches up on a fully accepted block
+    and on the bonus token with static shapes: gamma draft forwards a round.
+    """
+
+    model: Model
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.config.vocab_size
+
+    def forwards_per_round(self, gamma: int) -> int:
+        return gamma
+
+    def init(self, tokens, lens, max_len: int, gamma: int) -> ModelDraftState:
+        cache = init_cache(self.model, tokens.shape[0], max_len)
+        logits, cache = _forward(self.model, tokens, cache)
+        last = jnp.take_along_axis(logits, (lens - 1)[:, None, None], axis=1)[:, 0]
+        return ModelDraftState(cache=rollback(cache, lens), next_logits=last)
+
+    def propose(self, state: ModelDraftState, ctx: ProposeContext):
+        sample = ctx.draft_sampler
+        d1 = sample(state.next_logits, ctx.seed, ctx.rows, ctx.pos + 1)
+
+        def step(carry, i):
+            cache, tok = carry
+            logits, cache = _forward(self.model, tok[:, None], cache)
+            nxt = sample(logits[:, 0], ctx.seed, ctx.rows, ctx.pos + 2 + i)
+            return (cache, nxt), (nxt, logits[:, 0])
+
+        (cache, _), (toks, logits) = jax.lax.scan(
+            step, (state.cache, d1), jnp.arange(ctx.gamma - 1, dtype=jnp.int32))
+        drafts = jnp.concatenate([d1[:, None], toks.T], axis=1)  # [B, g]
+        draft_logits = jnp.concatenate(
+            [state.next_logits[:, None], jnp.moveaxis(logits, 0, 1)], axis=1)  # [B, g, V]
+        return drafts, draft_logits, state.replace(cache=cache)
+
+    def commit(self, state: ModelDraftState, ctx: ProposeContext, n_acc, nxt, drafts):
+        last = jnp.where(n_acc == 0, ctx.cur,
+                         jnp.take_along_axis(drafts, jnp.maximum(n_acc - 1, 0)[:, None], 1)[:, 0])
+        cache = rollback(state.cache, ctx.pos + n_acc)
+        logits, cache = _forward(self.model, jnp.stack([last, nxt], axis=1), cache)
+        return ModelDraftState(cache=cache, next_logits=logits[:, 1])
+
+
+@struct.dataclass
+class LookupState:
+    """hist [B, H] committed tokens including `cur`; hlen [B]."""
+
+    hist: jax.Array
+    hlen: jax.Array
+
+
+@struct.dataclass
+class PromptLookupDrafter:
+    """n-gram prompt lookup: find the latest earlier occurrence of the last n tokens
+    (n from max_ngram down to min_ngram) in the prompt and output so far and
+    propose the tokens that followed it. No model; pure jnp."""
+
+    max_ngram: int = struct.field(pytree_node=False, default=3)
+    min_ngram: int = struct.field(pytree_node=False, default=1)
+
+    def __post_init__(self):
+        if not 1 <= self.min_ngram <= self.max_ngram:
+            raise ValueError(f"need 1 <= min_ngram ({self.min_ngram}) <= max_ngram "
+                             f"({self.max_ngram})")
+
+    def forwards_per_round(self, gamma: int) -> int:
+        return 0
+
+    def init(self, tokens, lens, max_len: int, gamma: int) -> LookupState:
+        B, P = tokens.shape
+        hist = jnp.zeros((B, max_len + gamma + 1), jnp.int32).at[:, :P].set(tokens)
+        return LookupState(hist=hist, hlen=lens.astype(jnp.int32))
+
+    def _match(self, hist, hlen, n: int):
+        """Latest start j with hist[j:j+n] == hist[hlen-n:hlen] and j + n < hlen; -1 if none."""
+        H = hist.shape[0]
+        tail = jax.lax.dynamic_slice(hist, (jnp.maximum(hlen - n, 0),), (n,))
+        starts = jnp.arange(H - n + 1)
+        windows = hist[starts[:, None] + jnp.arange(n)[None, :]]  # [H-n+1, n]
+        ok = jnp.all(windows == tail[None, :], axis=1) & (starts + n < hlen) & (hlen >= n)
+        return jnp.max(jnp.where(ok, starts, -1))
+
+    def propose(self, state: LookupState, ctx: ProposeContext):
+        g = ctx.gamma
+
+        def one(hist, hlen, cur):
+            follow = jnp.int32(-1)
+            for n in range(self.max_ngram, self.min_ngram - 1, -1):
+                j = self._match(hist, hlen, n)
+                follow = jnp.where((follow < 0) & (j >= 0), j + n, follow)
+            idx = jnp.clip(follow + jnp.arange(g), 0, jnp.maximum(hlen - 1, 0))
+            return jnp.where(follow >= 0, hist[idx], cur)
+
+        drafts = jax.vmap(one)(state.hist, state.hlen, ctx.cur)
+        return drafts, one_hot_logits(drafts, ctx.vocab), state
+
+    def commit(self, state: LookupState, ctx: ProposeContext, n_acc, nxt, drafts):
+        g = drafts.shape[1]
+        slot = jnp.arange(g + 1)[None, :]
+        padded = jnp.concatenate([drafts, drafts[:, :1]], axis=1)
+        emitted = jnp.where(slot < n_acc[:, None], padded, nxt[:, None])  # [B, g+1]
+        hist = jax.vmap(lambda h, e, s: jax.lax.dynamic_update_slice(h, e, (s,)))(
+            state.hist, emitted, state.hlen)
+        return LookupState(hist=hist, hlen=state.hlen + n_acc + 1)
+
+
+@struct.dataclass
+class OracleDrafter:
+    """Proposes the target's own serial continuation, each token replaced by another
+    with probability `corrupt_prob`, for benchmarks with controlled acceptance.
+
+    `reference` [B, R] holds each row's prompt followed by its serial output,
+    aligned at position 0. With `draft` attached the draft model really runs
+    (its proposals are discarded), so its cost is real.
+    """
+
+    reference: jax.Array
+    corrupt_prob: float = struct.field(pytree_node=False, default=0.0)
+    draft: ModelDrafter | None = None
+
+    def forwards_per_round(self, gamma: int) -> int:
+        return self.draft.forwards_per_round(gamma) if self.draft is not None else 0
+
+    def init(self, tokens, lens, max_len: int, gamma: int):
+        if self.draft is None:
+            return ()
+        return self.draft.init(tokens, lens, max_len, gamma)
+
+    def propose(self, state, ctx: ProposeContext):
+        if self.draft is not None:
+            _, _, state = self.draft.propose(state, ctx)
+        R = self.reference.shape[1]
+        pos = ctx.pos[:, None] + 1 + jnp.arange(ctx.gamma)[None, :]  # [B, g]
+        truth = jnp.take_along_axis(self.reference, jnp.minimum(pos, R - 1), axis=1)
+        B, g = pos.shape
+        rows = jnp.broadcast_to(ctx.rows[:, None], (B, g)).reshape(-1)
+        u = uniform_noise(ctx.seed + _SALT_ORACLE, rows, pos.reshape(-1)).reshape(B, g)
+        shift = uniform_noise(ctx.seed + _SALT_ORACLE_TOKEN, rows, pos.reshape(-1)).reshape(B, g)
+        V = ctx.vocab
+        other = (truth + 1 + (shift * (V - 1)).astype(jnp.int32)) % V  # never == truth
+        drafts = jnp.where(u < self.corrupt_prob, other, truth).astype(jnp.int32)
+        return drafts, one_hot_logits(drafts, V), state
+
+    def commit(self, state, ctx: ProposeContext, n_acc, nxt, drafts):
+        if self.draft is None:
+            return state
+        return self.draft.commit(state, ctx, n_acc, nxt, drafts)

@@ -1,0 +1,104 @@
+"""Verify policies: how many draft tokens to accept and which token comes next.
+
+One verify block gives the target's logits at gamma + 1 positions: row i
+conditions on the last committed token `cur` and proposals d_1..d_i, so it
+predicts the token at position pos(cur) + 1 + i. Every policy returns
+(n_acc [B], next [B]): the first n_acc proposals are accepted and `next` is the
+target's own token after them (the correction, or the bonus when all pass).
+
+- exact_greedy: t_i = argmax(logits_i); accept while d_{i+1} == t_i. With
+  property P the logits are those of serial decoding, so the output is the
+  serial greedy output.
+- gumbel_coupled: t_i = argmax(logits_i / T + G(seed, row, position)) with the
+  same position-keyed noise as the serial `Sample` sampler: sampled
+  speculative output == sampled serial output, bit for bit.
+- rejection_sampling: accept d_i with probability min(1, p_i(d_i) / q_i(d_i));
+  at the first rejection draw from norm(max(0, p - q)); if all pass draw from
+  p_{gamma+1} (Leviathan et al. 2023, Chen et al. 2023). Distribution-exact,
+  not token-exact.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jspec.sampling import Greedy, Sample, gumbel_noise, uniform_noise
+
+POLICIES = ("exact_greedy", "rejection_sampling", "gumbel_coupled")
+_SALT_UNIFORM = 0x5EED1
+_SALT_RESIDUAL = 0x5EED2
+
+
+def target_sampler(policy: str, temperature: float, top_k: int, top_p: float):
+    """The serial sampler whose output a policy reproduces (token- or distribution-wise)."""
+    if policy == "exact_greedy":
+        return Greedy()
+    if policy in ("gumbel_coupled", "rejection_sampling"):
+        return Sample(temperature=temperature, top_k=top_k, top_p=top_p)
+    raise ValueError(f"unknown verify policy {policy!r}; choose from {POLICIES}")
+
+
+def _flat(x):  # [B, G, ...] -> [B*G, ...]
+    return x.reshape((-1,) + x.shape[2:])
+
+
+def target_tokens(sampler, logits, seed, rows, positions):
+    """Per-row target tokens of a verify block: logits [B, G, V] -> [B, G].
+
+    Each row is sampled exactly as serial decoding samples it (same sampler,
+    same (seed, row, position) key), one row at a time in effect.
+    """
+    B, G, _ = logits.shape
+    rows_g = jnp.broadcast_to(rows[:, None], (B, G))
+    toks = sampler(_flat(logits), seed, _flat(rows_g), _flat(positions))
+    return toks.reshape(B, G)
+
+
+def accept_matching(drafts, targets):
+    """drafts [B, g], targets [B, g+1] -> (n_acc [B], next [B]): accept while equal."""
+    match = (drafts == targets[:, :-1]).astype(jnp.int32)
+    n_acc = jnp.sum(jnp.cumprod(match, axis=1), axis=1)
+    nxt = jnp.take_along_axis(targets, n_acc[:, None], axis=1)[:, 0]
+    return n_acc, nxt
+
+
+def _log_probs(sampler: Sample, logits):
+    x = sampler.filtered_logits(logits)  # [N, V], -inf outside top-k/top-p
+    return jax.nn.log_softmax(x, axis=-1)
+
+
+def rejection_sample(sampler: Sample, logits, draft_logits, drafts, seed, rows, positions):
+    """logits [B, g+1, V], draft_logits [B, g, V] (the q the drafts were drawn from),
+    drafts [B, g], positions [B, g+1] -> (n_acc [B], next [B])."""
+    B, G, V = logits.shape
+    g = G - 1
+    logp = _log_probs(sampler, _flat(logits)).reshape(B, G, V)
+    logq = _log_probs(sampler, _flat(draft_logits)).reshape(B, g, V)
+    p, q = jnp.exp(logp), jnp.exp(logq)
+    p_d = jnp.take_along_axis(p[:, :g], drafts[:, :, None], axis=2)[..., 0]  # [B, g]
+    q_d = jnp.take_along_axis(q, drafts[:, :, None], axis=2)[..., 0]
+    rows_g = jnp.broadcast_to(rows[:, None], (B, g))
+    u = uniform_noise(seed + _SALT_UNIFORM, _flat(rows_g), _flat(positions[:, :g])).reshape(B, g)
+    ok = (u * q_d < p_d).astype(jnp.int32)  # u < p/q without dividing by q = 0
+    n_acc = jnp.sum(jnp.cumprod(ok, axis=1), axis=1)  # [B]
+    q_pad = jnp.concatenate([q, jnp.zeros((B, 1, V), q.dtype)], axis=1)  # q := 0 at the bonus
+    p_j = jnp.take_along_axis(p, n_acc[:, None, None], axis=1)[:, 0]  # [B, V]
+    q_j = jnp.take_along_axis(q_pad, n_acc[:, None, None], axis=1)[:, 0]
+    resid = jnp.maximum(p_j - q_j, 0.0)
+    resid = jnp.where(jnp.sum(resid, -1, keepdims=True) > 0, resid, p_j)  # p == q: draw from p
+    pos_j = jnp.take_along_axis(positions, n_acc[:, None], axis=1)[:, 0]
+    noise = gumbel_noise(seed + _SALT_RESIDUAL, rows, pos_j, V)
+    logr = jnp.where(resid > 0, jnp.log(resid), -jnp.inf)
+    nxt = jnp.argmax(logr + noise, axis=-1).astype(jnp.int32)
+    return n_acc, nxt
+
+
+def verify(policy: str, sampler, logits, drafts, draft_logits, seed, rows, positions):
+    """Dispatches a policy. logits [B, g+1, V]; drafts [B, g]; positions [B, g+1]."""
+    if policy in ("exact_greedy", "gumbel_coupled"):
+        targets = target_tokens(sampler, logits, seed, rows, positions)
+        return accept_matching(drafts, targets)
+    if policy == "rejection_sampling":
+        return rejection_sample(sampler, logits, draft_logits, drafts, seed, rows, positions)
+    raise ValueError(f"unknown verify policy {policy!r}; choose from {POLICIES}")

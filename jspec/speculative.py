@@ -1,0 +1,299 @@
+"""Speculative generation: draft, verify, accept, commit, in one jitted while_loop.
+
+Invariant between rounds: the target cache holds every committed token of a row
+except the last one, `cur`, at positions 0..pos-1; `cur` sits at `pos`.
+
+One round (all rows at once, each with its own pos and acceptance):
+  draft   d_1..d_g = drafter.propose(...)                    g = gamma
+  verify  logits = target.forward([cur, d_1..d_g])           one call, T = g + 1
+          row i is the target's view after cur, d_1..d_i
+  accept  (n_acc, nxt) = policy(logits, drafts)             nxt: correction or bonus
+  commit  emit d_1..d_{n_acc}, nxt; target length -> pos + n_acc + 1 (a rollback:
+          the rejected entries past it are never read); cur <- nxt;
+          drafter.commit(...) catches the draft up.
+
+Under property P the verify logits of row i are bitwise the logits serial
+decoding computes at that position, so `exact_greedy` reproduces serial greedy
+and `gumbel_coupled` reproduces serial `Sample` output token for token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from collections.abc import Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from jspec.cache import init_cache, rollback
+from jspec.drafters import ModelDrafter, OracleDrafter, ProposeContext
+from jspec.generate import PAD, pad_prompts
+from jspec.model import COMPILER_OPTIONS, Model, _forward
+from jspec.policies import POLICIES, target_sampler, verify
+from jspec.sampling import Greedy
+
+_SALT_DRAFT = 0xD4AF7
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecConfig:
+    """Static settings of a speculative run (gamma decides shapes).
+
+    Attributes:
+      gamma: draft proposals per round (>= 1).
+      policy: "exact_greedy", "rejection_sampling" or "gumbel_coupled".
+      max_new_tokens: tokens generated per row (>= 1).
+      seed: sampling seed (noise is keyed by seed, row and position).
+      temperature, top_k, top_p: sampling parameters of the sampling policies.
+      stop_tokens: a row stops after emitting one of these (it is kept).
+    """
+
+    gamma: int = 4
+    policy: str = "exact_greedy"
+    max_new_tokens: int = 64
+    seed: int = 0
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    stop_tokens: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if not isinstance(self.gamma, int) or self.gamma < 1:
+            raise ValueError(f"gamma={self.gamma!r} must be an integer >= 1")
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown verify policy {self.policy!r}; choose from {POLICIES}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={self.max_new_tokens} must be >= 1")
+        if self.policy != "exact_greedy":
+            target_sampler(self.policy, self.temperature, self.top_k, self.top_p)  # validates
+        object.__setattr__(self, "stop_tokens", tuple(int(t) for t in self.stop_tokens))
+
+    def serial_sampler(self):
+        """The serial sampler this run reproduces (`jspec.generate(sampler=...)`)."""
+        return target_sampler(self.policy, self.temperature, self.top_k, self.top_p)
+
+    def draft_sampler(self):
+        return Greedy() if self.policy == "exact_greedy" else self.serial_sampler()
+
+
+@struct.dataclass
+class SpecState:
+    """Loop state of speculative decoding.
+
+    Attributes:
+      step: [] int32 rounds done.
+      cache: target KV cache (committed tokens except `cur`).
+      draft: the drafter's state pytree.
+      cur: [B] int32 last committed token.
+      out: [B, N] int32 generated tokens, PAD after a stop.
+      num: [B] int32 tokens generated per row.
+      done: [B] bool.
+      proposed, accepted: [B] int32 draft tokens proposed / accepted per row.
+      accepted_at: [gamma] int32 accepted proposals by draft position (all rows).
+      rounds_live: [B] int32 verify rounds in which the row was still live.
+    """
+
+    step: jax.Array
+    cache: object
+    draft: object
+    cur: jax.Array
+    out: jax.Array
+    num: jax.Array
+    done: jax.Array
+    proposed: jax.Array
+    accepted: jax.Array
+    accepted_at: jax.Array
+    rounds_live: jax.Array
+
+
+def _prefill(target: Model, drafter, tokens, lens, seed, *, spec: SpecConfig, max_len: int):
+    B = tokens.shape[0]
+    cache = init_cache(target, B, max_len)
+    _, cache = _forward(target, tokens, cache)
+    cache = rollback(cache, lens - 1)  # cur = the last prompt token, recomputed by verify
+    cur = jnp.take_along_axis(tokens, (lens - 1)[:, None], axis=1)[:, 0]
+    draft = drafter.init(tokens, lens, max_len, spec.gamma)
+    g, N = spec.gamma, spec.max_new_tokens
+    z = jnp.zeros((B,), jnp.int32)
+    return SpecState(step=jnp.int32(0), cache=cache, draft=draft, cur=cur,
+                     out=jnp.full((B, N), PAD, jnp.int32), num=z, done=jnp.zeros((B,), bool),
+                     proposed=z, accepted=z, accepted_at=jnp.zeros((g,), jnp.int32),
+                     rounds_live=z)
+
+
+def _round(target: Model, drafter, state: SpecState, seed, *, spec: SpecConfig) -> SpecState:
+    g, N = spec.gamma, spec.max_new_tokens
+    B = state.cur.shape[0]
+    V = target.config.vocab_size
+    rows = jnp.arange(B, dtype=jnp.int32)
+    pos = state.cache.lengths  # [B] position of cur
+    draft_seed = seed + _SALT_DRAFT if spec.policy == "rejection_sampling" else seed
+    ctx = ProposeContext(cur=state.cur, pos=pos, rows=rows, seed=draft_seed, gamma=g, vocab=V,
+                         draft_sampler=spec.draft_sampler())
+    drafts, draft_logits, dstate = drafter.propose(state.draft, ctx)  # [B, g], [B, g, V]
+    drafts = drafts.astype(jnp.int32)
+
+    tokens = jnp.concatenate([state.cur[:, None], drafts], axis=1)  # [B, g+1]
+    logits, cache = _forward(target, tokens, state.cache)  # [B, g+1, V]
+    positions = pos[:, None] + 1 + jnp.arange(g + 1, dtype=jnp.int32)[None, :]
+    n_acc, nxt = verify(spec.policy, spec.serial_sampler(), logits, drafts, draft_logits,
+                        seed, rows, positions)
+    live = ~state.done
+    n_acc = jnp.where(live, n_acc, 0)
+
+    # Emitted this round: d_1..d_{n_acc}, nxt; cut at max_new_tokens and at a stop token.
+    slot = jnp.arange(g + 1)[None, :]
+    emit = jnp.where(slot < n_acc[:, None], jnp.pad(drafts, ((0, 0), (0, 1))), nxt[:, None])
+    count = jnp.minimum(n_acc + 1, N - state.num)
+    if spec.stop_tokens:
+        is_stop = jnp.isin(emit, jnp.asarray(spec.stop_tokens, jnp.int32)) & (slot < count[:, None])
+        first_stop = jnp.argmax(is_stop, axis=1)
+        hit = jnp.any(is_stop, axis=1)
+        count = jnp.where(hit, first_stop + 1, count)
+    else:
+        hit = jnp.zeros((B,), bool)
+    count = jnp.where(live, count, 0)
+    dest = state.num[:, None] + slot  # [B, g+1]
+    keep = slot < count[:, None]
+    out = state.out.at[rows[:, None], jnp.where(keep, dest, N)].set(emit, mode="drop")
+    num = state.num + count
+    done = state.done | (live & (hit | (num >= N)))
+
+    cache = rollback(cache, jnp.where(live, pos + n_acc + 1, pos))
+    dstate = drafter.commit(dstate, ctx, n_acc, nxt, drafts)
+    acc_at = state.accepted_at + jnp.sum(
+        (jnp.arange(g)[None, :] < n_acc[:, None]) & live[:, None], axis=0, dtype=jnp.int32)
+    return SpecState(step=state.step + 1, cache=cache, draft=dstate,
+                     cur=jnp.where(live, nxt, state.cur), out=out, num=num, done=done,
+                     proposed=state.proposed + jnp.where(live, g, 0),
+                     accepted=state.accepted + n_acc, accepted_at=acc_at,
+                     rounds_live=state.rounds_live + live.astype(jnp.int32))
+
+
+prefill = jax.jit(_prefill, static_argnames=("spec", "max_len"),
+                  compiler_options=COMPILER_OPTIONS)
+one_round = jax.jit(_round, static_argnames=("spec",), donate_argnames=("state",),
+                    compiler_options=COMPILER_OPTIONS)
+
+
+@functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("state",),
+                   compiler_options=COMPILER_OPTIONS)
+def spec_loop(target: Model, drafter, state: SpecState, seed, *, spec: SpecConfig) -> SpecState:
+    """Rounds until every row is done: one lax.while_loop, no host sync inside."""
+
+    def cond(s):
+        return ~jnp.all(s.done) & (s.step < spec.max_new_tokens)
+
+    return jax.lax.while_loop(cond, lambda s: _round(target, drafter, s, seed, spec=spec), state)
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecOutput:
+    """Attributes:
+    tokens: [B, max_new_tokens] int32, PAD (-1) after a row's stop token.
+    num_tokens: [B] int32.
+    prompt_lens: [B] int32.
+    stats: proposed, accepted, acceptance_rate, acceptance_by_position,
+      tokens_per_target_step, target_forwards, draft_forwards, ttft_s, tpot_s,
+      tokens_per_s (timings include compilation on the first call of a shape).
+    """
+
+    tokens: np.ndarray
+    num_tokens: np.ndarray
+    prompt_lens: np.ndarray
+    stats: dict
+
+    def row(self, b: int) -> list[int]:
+        return [int(t) for t in self.tokens[b, : self.num_tokens[b]]]
+
+
+def _validate(target: Model, drafter, spec: SpecConfig) -> None:
+    if not isinstance(spec, SpecConfig):
+        raise TypeError(f"spec must be a jspec.SpecConfig; got {type(spec).__name__}")
+    models = [drafter] if isinstance(drafter, ModelDrafter) else []
+    if isinstance(drafter, OracleDrafter) and drafter.draft is not None:
+        models.append(drafter.draft)
+    for d in models:
+        if d.model.config.vocab_size != target.config.vocab_size:
+            raise ValueError(f"draft and target vocab mismatch: draft vocab_size="
+                             f"{d.model.config.vocab_size}, target vocab_size="
+                             f"{target.config.vocab_size}")
+    for t in spec.stop_tokens:
+        if not 0 <= t < target.config.vocab_size:
+            raise ValueError(f"stop token {t} is out of range [0, {target.config.vocab_size})")
+
+
+def _setup(target, drafter, prompts, spec, max_len):
+    _validate(target, drafter, spec)
+    tokens, lens = pad_prompts(prompts, target.config.vocab_size)
+    need = int(tokens.shape[1]) + spec.max_new_tokens + spec.gamma + 1
+    max_len = need if max_len is None else max_len
+    if need > max_len:
+        raise ValueError(f"the longest prompt ({tokens.shape[1]} tokens) + max_new_tokens "
+                         f"({spec.max_new_tokens}) + gamma + 1 = {need} exceeds max_len={max_len}")
+    if isinstance(drafter, OracleDrafter):
+        R = drafter.reference.shape
+        if R[0] != tokens.shape[0] or R[1] < int(lens.max()) + spec.max_new_tokens:
+            raise ValueError(f"OracleDrafter.reference has shape {R}; need [B={tokens.shape[0]}, "
+                             f">= {int(lens.max()) + spec.max_new_tokens}] (prompt + output)")
+    return tokens, lens, max_len
+
+
+def _stats(state: SpecState, spec: SpecConfig, drafter, prefill_s: float, loop_s: float) -> dict:
+    num = np.asarray(state.num)
+    proposed, accepted = int(np.sum(state.proposed)), int(np.sum(state.accepted))
+    rounds = int(state.step)
+    live_rounds = int(np.sum(state.rounds_live))
+    by_pos = np.asarray(state.accepted_at) / max(live_rounds, 1)
+    total = int(num.sum())
+    return {
+        "proposed": proposed, "accepted": accepted,
+        "acceptance_rate": accepted / max(proposed, 1),
+        "acceptance_by_position": [float(x) for x in by_pos],
+        "tokens_per_target_step": total / max(live_rounds, 1),
+        "target_forwards": rounds + 1, "draft_forwards":
+            rounds * drafter.forwards_per_round(spec.gamma) + int(
+                drafter.forwards_per_round(spec.gamma) > 0),
+        "rounds": rounds, "tokens": total,
+        "ttft_s": prefill_s, "tpot_s": loop_s / max(int(num.max()), 1),
+        "tokens_per_s": total / max(prefill_s + loop_s, 1e-9),
+    }
+
+
+def speculative_generate(target: Model, drafter, prompts, spec: SpecConfig, *,
+                         max_len: int | None = None) -> SpecOutput:
+    """Speculative decoding of ragged prompts; see the module docstring."""
+    tokens, lens, max_len = _setup(target, drafter, prompts, spec, max_len)
+    seed = jnp.int32(spec.seed)
+    t0 = time.perf_counter()
+    state = prefill(target, drafter, jnp.asarray(tokens), jnp.asarray(lens), seed,
+                    spec=spec, max_len=max_len)
+    jax.block_until_ready(state)
+    t1 = time.perf_counter()
+    state = spec_loop(target, drafter, state, seed, spec=spec)
+    jax.block_until_ready(state)
+    t2 = time.perf_counter()
+    return SpecOutput(tokens=np.asarray(state.out), num_tokens=np.asarray(state.num),
+                      prompt_lens=lens, stats=_stats(state, spec, drafter, t1 - t0, t2 - t1))
+
+
+def speculative_stream(target: Model, drafter, prompts, spec: SpecConfig, *,
+                       max_len: int | None = None) -> Iterator[list[list[int]]]:
+    """Yields, after every round, each row's newly accepted tokens (a list per row).
+
+    The concatenation equals `speculative_generate(...)` with the same arguments.
+    """
+    tokens, lens, max_len = _setup(target, drafter, prompts, spec, max_len)
+    seed = jnp.int32(spec.seed)
+    state = prefill(target, drafter, jnp.asarray(tokens), jnp.asarray(lens), seed,
+                    spec=spec, max_len=max_len)
+    seen = np.zeros(len(lens), np.int64)
+    while not bool(jnp.all(state.done)) and int(state.step) < spec.max_new_tokens:
+        state = one_round(target, drafter, state, seed, spec=spec)
+        num, out = np.asarray(state.num), np.asarray(state.out)
+        yield [out[b, seen[b]: num[b]].tolist() for b in range(len(lens))]
+        seen = num

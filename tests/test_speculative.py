@@ -1,0 +1,182 @@
+"""The speculative engine on tiny models (pallas backend, CPU interpret mode).
+
+exact_greedy speculative == serial greedy token for token, for gamma 1..8,
+every drafter (a perfect one, a poor one, prompt lookup, the oracle), batch
+mixes; gumbel_coupled == serial Sample; rejection_sampling reproduces the target
+distribution (a statistical test that a broken sampler fails).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import FAMILIES, expected, load
+
+import jspec
+from jspec import policies
+from jspec.sampling import Sample
+
+N = 24
+
+
+def _prompts(name):
+    p = expected(name)["prompt"]
+    return [p, p[:4], p[3:10]]  # ragged batch of 3
+
+
+def _poor_draft(name):
+    # Another family's tiny model with the same vocabulary: mostly rejected.
+    other = {"qwen3": "llama3", "llama3": "gemma3", "gemma3": "qwen3"}[name]
+    return jspec.ModelDrafter(load(other, "pallas"))
+
+
+def _drafter(kind, name, target, prompts, n):
+    if kind == "perfect":
+        return jspec.ModelDrafter(target)
+    if kind == "poor":
+        return _poor_draft(name)
+    if kind == "lookup":
+        return jspec.PromptLookupDrafter(max_ngram=3)
+    ref = jspec.generate(target, prompts, max_new_tokens=n)
+    seqs = np.zeros((len(prompts), max(len(p) for p in prompts) + n), np.int32)
+    for b, p in enumerate(prompts):
+        seqs[b, : len(p) + n] = np.concatenate([p, ref.tokens[b]])
+    return jspec.OracleDrafter(jnp.asarray(seqs), corrupt_prob=0.4,
+                               draft=_poor_draft(name) if kind == "oracle+draft" else None)
+
+
+CASES = [  # (gamma, family, drafter): every gamma 1..8, every drafter, every family
+    (1, "qwen3", "perfect"), (2, "llama3", "poor"), (3, "gemma3", "lookup"),
+    (4, "qwen3", "oracle"), (5, "llama3", "perfect"), (6, "gemma3", "poor"),
+    (7, "qwen3", "lookup"), (8, "llama3", "oracle+draft"), (4, "gemma3", "perfect"),
+]
+
+
+@pytest.mark.parametrize("gamma,name,kind", CASES)
+def test_exact_greedy_equals_serial_greedy(gamma, name, kind):
+    target = load(name, "pallas")
+    prompts = _prompts(name)
+    serial = jspec.generate(target, prompts, max_new_tokens=N)
+    drafter = _drafter(kind, name, target, prompts, N)
+    out = jspec.speculative_generate(target, drafter, prompts,
+                                     jspec.SpecConfig(gamma=gamma, max_new_tokens=N))
+    for b in range(len(prompts)):
+        assert out.row(b) == serial.row(b), (b, out.stats)
+    st = out.stats
+    assert st["tokens"] == N * len(prompts)
+    if kind == "perfect":
+        assert st["acceptance_rate"] == 1.0
+        assert st["accepted"] == st["proposed"]
+    if kind == "poor":
+        assert st["acceptance_rate"] < 0.5
+    assert len(st["acceptance_by_position"]) == gamma
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_gumbel_coupled_equals_serial_sampling(name):
+    target = load(name, "pallas")
+    prompts = _prompts(name)
+    spec = jspec.SpecConfig(gamma=3, policy="gumbel_coupled", max_new_tokens=N, seed=7,
+                            temperature=0.8, top_k=40)
+    serial = jspec.generate(target, prompts, max_new_tokens=N, sampler=spec.serial_sampler(),
+                            seed=7)
+    greedy = jspec.generate(target, prompts, max_new_tokens=N)
+    assert serial.row(0) != greedy.row(0)  # really sampling
+    for drafter in (jspec.ModelDrafter(target), _poor_draft(name)):
+        out = jspec.speculative_generate(target, drafter, prompts, spec)
+        for b in range(len(prompts)):
+            assert out.row(b) == serial.row(b)
+
+
+def test_stop_tokens_and_stream_match_serial():
+    target = load("llama3", "pallas")
+    prompts = _prompts("llama3")
+    serial_free = jspec.generate(target, prompts, max_new_tokens=N)
+    stop = serial_free.row(0)[6]
+    serial = jspec.generate(target, prompts, max_new_tokens=N, stop_tokens=[stop])
+    spec = jspec.SpecConfig(gamma=4, max_new_tokens=N, stop_tokens=(stop,))
+    drafter = jspec.ModelDrafter(target)
+    out = jspec.speculative_generate(target, drafter, prompts, spec)
+    assert [out.row(b) for b in range(3)] == [serial.row(b) for b in range(3)]
+    assert out.row(0)[-1] == stop and len(out.row(0)) <= 7
+    chunks = list(jspec.speculative_stream(target, drafter, prompts, spec))
+    streamed = [sum((c[b] for c in chunks), []) for b in range(3)]
+    assert streamed == [out.row(b) for b in range(3)]
+
+
+def test_rejection_sampling_end_to_end_runs_with_perfect_and_poor_drafts():
+    target = load("qwen3", "pallas")
+    prompts = _prompts("qwen3")
+    spec = jspec.SpecConfig(gamma=3, policy="rejection_sampling", max_new_tokens=N,
+                            temperature=1.0)
+    out = jspec.speculative_generate(target, jspec.ModelDrafter(target), prompts, spec)
+    assert out.stats["acceptance_rate"] > 0.9  # p == q: accepted up to float rounding
+    out = jspec.speculative_generate(target, _poor_draft("qwen3"), prompts, spec)
+    toks = np.concatenate([out.row(b) for b in range(3)])
+    assert len(toks) == 3 * N and toks.min() >= 0 and toks.max() < target.config.vocab_size
+
+
+def _first_token_hist(fn, p_logits, q_logits, trials, V, gamma=2, seed=0):
+    """Runs one verify round per row; returns counts of the first emitted token."""
+    B = trials
+    q = jax.nn.softmax(q_logits)
+    key = jax.random.key(seed)
+    drafts = jax.random.categorical(key, jnp.log(q), shape=(B, gamma)).astype(jnp.int32)
+    logits = jnp.broadcast_to(p_logits, (B, gamma + 1, V))
+    dlogits = jnp.broadcast_to(q_logits, (B, gamma, V))
+    rows = jnp.arange(B, dtype=jnp.int32)
+    positions = jnp.broadcast_to(10 + jnp.arange(gamma + 1), (B, gamma + 1)).astype(jnp.int32)
+    n_acc, nxt = fn(Sample(1.0), logits, dlogits, drafts, jnp.int32(seed), rows, positions)
+    first = jnp.where(n_acc > 0, drafts[:, 0], nxt)
+    return np.bincount(np.asarray(first), minlength=V)
+
+
+def _chi2(counts, p):
+    expect = p * counts.sum()
+    return float(np.sum((counts - expect) ** 2 / expect))
+
+
+def _broken_rejection(sampler, logits, dlogits, drafts, seed, rows, positions):
+    """A classic bug: on rejection, resample from p instead of norm(max(0, p - q))."""
+    n_acc, _ = policies.rejection_sample(sampler, logits, dlogits, drafts, seed, rows, positions)
+    redo = policies.target_tokens(sampler, logits, seed, rows, positions)
+    return n_acc, jnp.take_along_axis(redo, n_acc[:, None], axis=1)[:, 0]
+
+
+def test_rejection_sampling_reproduces_the_target_distribution():
+    V, trials = 6, 40000
+    p_logits = jnp.log(jnp.array([0.40, 0.25, 0.15, 0.10, 0.07, 0.03]))
+    q_logits = jnp.log(jnp.array([0.05, 0.10, 0.40, 0.05, 0.30, 0.10]))
+    p = np.asarray(jax.nn.softmax(p_logits), np.float64)
+    critical = 20.52  # chi-square, 5 degrees of freedom, p = 0.001
+    good = _first_token_hist(policies.rejection_sample, p_logits, q_logits, trials, V)
+    assert _chi2(good, p) < critical, good
+    bad = _first_token_hist(_broken_rejection, p_logits, q_logits, trials, V)
+    assert _chi2(bad, p) > 10 * critical, bad
+
+
+def test_bad_speculative_configs_get_clear_errors():
+    target = load("qwen3", "pallas")
+    p = _prompts("qwen3")
+    with pytest.raises(ValueError, match="gamma=0 must be an integer >= 1"):
+        jspec.SpecConfig(gamma=0)
+    with pytest.raises(ValueError, match="unknown verify policy 'typical'"):
+        jspec.SpecConfig(policy="typical")
+    with pytest.raises(ValueError, match="temperature=0.0 must be > 0"):
+        jspec.SpecConfig(policy="rejection_sampling", temperature=0.0)
+    with pytest.raises(ValueError, match="max_new_tokens=0"):
+        jspec.SpecConfig(max_new_tokens=0)
+    wide = load("qwen3", "pallas")
+    wide = wide.replace(config=wide.config.replace(vocab_size=300))
+    with pytest.raises(ValueError, match="draft and target vocab mismatch"):
+        jspec.speculative_generate(target, jspec.ModelDrafter(wide), p, jspec.SpecConfig())
+    with pytest.raises(ValueError, match="OracleDrafter.reference has shape"):
+        jspec.speculative_generate(target, jspec.OracleDrafter(jnp.zeros((3, 5), jnp.int32)),
+                                   p, jspec.SpecConfig())
+    with pytest.raises(ValueError, match="exceeds max_len"):
+        jspec.speculative_generate(target, jspec.PromptLookupDrafter(), p,
+                                   jspec.SpecConfig(max_new_tokens=8), max_len=16)
+    with pytest.raises(ValueError, match="min_ngram"):
+        jspec.PromptLookupDrafter(max_ngram=1, min_ngram=2)
+    with pytest.raises(TypeError, match="SpecConfig"):
+        jspec.speculative_generate(target, jspec.PromptLookupDrafter(), p, {"gamma": 4})
