@@ -6,6 +6,12 @@ row tile, and every reduction over features runs in a fixed order inside one
 program. Each module also has a plain-jnp `*_reference` for tolerance checks.
 """
 
+# Imported for its side effect: it registers a config option that joins JAX's
+# trace context. Left to load lazily (the interpreter imports it on first use),
+# it changes the trace context after the first jit, so every function traced
+# before that is traced and compiled a second time on its next call.
+import jax.experimental.pallas.fuser  # noqa: F401
+
 from pallas_kernels.glu import glu, glu_reference
 from pallas_kernels.logsumexp import logsumexp, logsumexp_reference
 from pallas_kernels.matmul import matmul, matmul_config, matmul_reference

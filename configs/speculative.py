@@ -1,0 +1,37 @@
+"""Speculative decoding from HF checkpoints: gamma, verify policy, drafter, sampling.
+
+Launch:
+  python experiments/speculative_decode.py --config=configs/speculative.py \
+      --config.target=/path/to/target_hf_dir --config.draft=/path/to/draft_hf_dir \
+      --config.gamma=4 --config.policy=exact_greedy --config.check_parity=True
+
+With no target, a tiny random-weight Qwen3 target is made on the fly and the
+draft is the target itself (every proposal accepted; it shows the pipeline).
+`--config=configs/speculative.py:runlocal` shrinks the run for a smoke test.
+"""
+
+import ml_collections
+
+
+def get_config(arg=None):
+    c = ml_collections.ConfigDict()
+    c.target = ""  # HF checkpoint dir; "" = tiny random Qwen3 made on the fly
+    c.draft = ""  # HF checkpoint dir of the draft model; "" = the target itself
+    c.drafter = "model"  # "model" | "prompt_lookup"
+    c.max_ngram = 3  # prompt lookup
+    c.prompt = "def fibonacci(n):"
+    c.gamma = 4
+    c.policy = "exact_greedy"  # | "gumbel_coupled" | "rejection_sampling"
+    c.max_new_tokens = 64
+    c.temperature = 0.8  # sampling policies only
+    c.top_k = 0
+    c.top_p = 1.0
+    c.seed = 0
+    c.stop_at_eos = True
+    c.backend = "pallas"
+    c.dtype = "bfloat16"
+    c.check_parity = True  # also run serial decoding and fail unless tokens are identical
+    if arg == "runlocal":
+        c.max_new_tokens = 16
+        c.gamma = 2
+    return c
