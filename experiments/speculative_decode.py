@@ -87,8 +87,8 @@ def main(argv):
         print(f"parity: rejection_sampling is distribution-exact; tokens identical: {same}")
         return 0
     if not same:
-        first = next(i for i, (a, b) in enumerate(zip(serial.row(0) + [-2], tokens + [-3]))
-                     if a != b)
+        a, b = serial.row(0), tokens
+        first = next((i for i in range(min(len(a), len(b))) if a[i] != b[i]), min(len(a), len(b)))
         logging.error("PARITY FAILURE at generated token %d: serial %s vs speculative %s",
                       first, serial.row(0)[first:first + 5], tokens[first:first + 5])
         print("PARITY: FAILED")
