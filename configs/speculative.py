@@ -30,6 +30,7 @@ def get_config(arg=None):
     c.stop_at_eos = True
     c.backend = "pallas"
     c.dtype = "bfloat16"
+    c.audit_every = 0  # >0: recompute every Nth verify block serially, stop on any difference
     c.check_parity = True  # also run serial decoding and fail unless tokens are identical
     if arg == "runlocal":
         c.max_new_tokens = 16

@@ -3,7 +3,9 @@
   python experiments/bench_kernels.py --preset=qwen3-8b --batches=1,8
 
 Side by side in one run, with random bf16 weights at the preset's real shape:
-  - each matmul of a layer and the LM head at M = batch rows: pallas / xla time;
+  - each matmul of a layer and the LM head at M = batch rows, and every other
+    kernel (RMSNorm, q/k norm, RoPE, GLU, logsumexp, attention at T = 1 and 5):
+    pallas / xla time;
   - a whole forward step (all layers) at T = 1 (decode) and T = gamma + 1
     (verify, gamma 1..8), batch 1 and 8, context `--context`: pallas / xla, and
     verify(gamma + 1) / decode(1) per backend;
@@ -55,14 +57,14 @@ def median_time(fn, *args, iters: int) -> float:
 REPS = 20  # kernel launches per timed call, so host dispatch does not dominate
 
 
-def looped(matmul):
-    """REPS dependent matmuls in one jitted loop (the carry feeds the next input so
-    nothing can be hoisted out of the loop)."""
+def looped(fn):
+    """REPS dependent calls of fn(x, *rest) in one jitted loop (the carry feeds the next
+    input, so nothing can be hoisted out of the loop)."""
 
-    def run(x, w):
+    def run(x, *rest):
         def body(_, c):
-            y = matmul(x + c.astype(x.dtype), w, out_dtype=w.dtype)
-            return c + y[0, 0].astype(jnp.float32) * 0.0
+            y = fn(x + c.astype(x.dtype), *rest)
+            return c + y.ravel()[0].astype(jnp.float32) * 0.0
 
         return jax.lax.fori_loop(0, REPS, body, jnp.float32(0.0))
 
@@ -89,11 +91,52 @@ def bench_matmuls(model, batches, iters):
             x = jax.random.normal(jax.random.key(M), (M, w.shape[0]), jnp.float32).astype(w.dtype)
             t = {}
             for b, o in ops.items():
-                t[b] = median_time(looped(o.matmul), x, w, iters=iters) / REPS
+                fn = looped(lambda x, w, o=o: o.matmul(x, w, out_dtype=w.dtype))
+                t[b] = median_time(fn, x, w, iters=iters) / REPS
             rows.append({"op": f"matmul {name} {tuple(w.shape)}", "M": M,
                          "pallas_us": t["pallas"] * 1e6, "xla_us": t["xla"] * 1e6,
                          "tax": t["pallas"] / t["xla"],
                          "pallas_TBps": w.size * w.dtype.itemsize / t["pallas"] / 1e12})
+    return rows
+
+
+def bench_other_ops(model, batches, context, iters):
+    """Every non-matmul kernel of a layer at M = batch rows (attention: T = 1 and 5)."""
+    cfg = model.config
+    dt = jnp.dtype(cfg.dtype)
+    D, F, H, Hkv, hd, V = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads,
+                           cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size)
+    ops = {b: get_ops(b, cfg.interpret) for b in ("pallas", "xla")}
+    S = -(-(context + 16) // 64) * 64
+    rows = []
+
+    def rnd(i, shape, dtype=dt):
+        return jax.random.normal(jax.random.key(i), shape, jnp.float32).astype(dtype)
+
+    for B in batches:
+        cases = {
+            f"rmsnorm [{B}, {D}]": (lambda o: lambda x, w: o.rmsnorm(x, w, eps=1e-6),
+                                    (rnd(0, (B, D)), rnd(1, (D,)))),
+            f"qk-norm [{B * H}, {hd}]": (lambda o: lambda x, w: o.rmsnorm(x, w, eps=1e-6),
+                                         (rnd(2, (B * H, hd)), rnd(3, (hd,)))),
+            f"rope [{B}, {H}, {hd}]": (lambda o: o.rope, (rnd(4, (B, H, hd)),
+                                                          rnd(5, (B, hd // 2), jnp.float32),
+                                                          rnd(6, (B, hd // 2), jnp.float32))),
+            f"glu [{B}, {F}]": (lambda o: lambda g, u: o.glu(g, u, activation=cfg.activation),
+                                (rnd(7, (B, F)), rnd(8, (B, F)))),
+            f"logsumexp [{B}, {V}]": (lambda o: o.logsumexp, (rnd(9, (B, V), jnp.float32),)),
+        }
+        for T in (1, 5):
+            pos = jnp.broadcast_to(context - T + jnp.arange(T, dtype=jnp.int32), (B, T))
+            cases[f"attention B={B} T={T} ctx={context}"] = (
+                lambda o, pos=pos: lambda q, k, v: o.attention(
+                    q, k, v, pos, jnp.int32(0), scale=cfg.attn_scale),
+                (rnd(10, (B, T, H, hd)), rnd(11, (B, Hkv, S, hd)), rnd(12, (B, Hkv, S, hd))))
+        for name, (make, args) in cases.items():
+            t = {b: median_time(looped(make(o)), *args, iters=iters) / REPS
+                 for b, o in ops.items()}
+            rows.append({"op": name, "M": B, "pallas_us": t["pallas"] * 1e6,
+                         "xla_us": t["xla"] * 1e6, "tax": t["pallas"] / t["xla"]})
     return rows
 
 
@@ -137,6 +180,12 @@ def main(argv):
     for r in mm:
         print(f"{r['op']:44s} {r['M']:3d} {r['pallas_us']:10.1f} {r['xla_us']:8.1f} "
               f"{r['tax']:6.2f} {r['pallas_TBps']:6.2f}")
+    other = bench_other_ops(model, batches, _CONTEXT.value, iters)
+    print(f"\n{'op':44s} {'M':>3s} {'pallas us':>10s} {'xla us':>8s} {'tax':>6s}")
+    for r in other:
+        print(f"{r['op']:44s} {r['M']:3d} {r['pallas_us']:10.1f} {r['xla_us']:8.1f} "
+              f"{r['tax']:6.2f}")
+    mm += other
     steps, wbytes, kv = bench_steps(model, batches, gammas, _CONTEXT.value, iters)
     print(f"\nstep at context {_CONTEXT.value}: weights {wbytes / 1e9:.2f} GB, KV/row "
           f"{kv / 1e9:.3f} GB")

@@ -55,7 +55,7 @@ def main(argv):
     stop = (tok.eos_token_id,) if c.stop_at_eos and tok.eos_token_id is not None else ()
     spec = jspec.SpecConfig(gamma=c.gamma, policy=c.policy, max_new_tokens=c.max_new_tokens,
                             seed=c.seed, temperature=c.temperature, top_k=c.top_k,
-                            top_p=c.top_p, stop_tokens=stop)
+                            top_p=c.top_p, stop_tokens=stop, audit_every=c.audit_every)
     print(f"target: {target.config.family} L={target.config.num_layers} "
           f"V={target.config.vocab_size} backend={c.backend} dtype={c.dtype} "
           f"device={jax.devices()[0].platform}; drafter={c.drafter} gamma={c.gamma} "
@@ -69,6 +69,9 @@ def main(argv):
           f"by position {[round(x, 3) for x in s['acceptance_by_position']]}")
     print(f"tokens per target step {s['tokens_per_target_step']:.2f}, target forwards "
           f"{s['target_forwards']}, draft forwards {s['draft_forwards']}")
+    if c.audit_every:
+        print(f"runtime audit: {s['audited_blocks']} verify blocks recomputed serially, "
+              "all bitwise equal")
     print(f"speculative: {s['tokens']} tokens, {s['tokens_per_s']:.1f} tokens/s, "
           f"TTFT {s['ttft_s'] * 1e3:.1f} ms, TPOT {s['tpot_s'] * 1e3:.2f} ms")
     if not c.check_parity:

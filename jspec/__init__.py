@@ -14,7 +14,13 @@ from jspec.generate import GenerateOutput, generate, generate_stream
 from jspec.loading import CheckpointError, load_hf, load_tokenizer
 from jspec.model import Model, forward
 from jspec.sampling import Greedy, Sample, make_sampler
-from jspec.speculative import SpecConfig, SpecOutput, speculative_generate, speculative_stream
+from jspec.speculative import (
+    ParityError,
+    SpecConfig,
+    SpecOutput,
+    speculative_generate,
+    speculative_stream,
+)
 
 __all__ = [
     "CheckpointError",
@@ -25,6 +31,7 @@ __all__ = [
     "ModelConfig",
     "ModelDrafter",
     "OracleDrafter",
+    "ParityError",
     "PromptLookupDrafter",
     "Sample",
     "SpecConfig",

@@ -16,8 +16,6 @@ rejection_sampling, the same sampler under an independent seed.
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 from flax import struct
@@ -30,7 +28,7 @@ _SALT_ORACLE = 0x0AC1E
 _SALT_ORACLE_TOKEN = 0x0AC1F
 
 
-@dataclasses.dataclass(frozen=True)
+@struct.dataclass
 class ProposeContext:
     """Per-round inputs of a drafter (arrays are traced).
 
@@ -48,9 +46,9 @@ class ProposeContext:
     pos: jax.Array
     rows: jax.Array
     seed: jax.Array
-    gamma: int
-    vocab: int
-    draft_sampler: object
+    gamma: int = struct.field(pytree_node=False)
+    vocab: int = struct.field(pytree_node=False)
+    draft_sampler: object = struct.field(pytree_node=False)
 
 
 def one_hot_logits(tokens, vocab: int):

@@ -50,6 +50,9 @@ class SpecConfig:
       seed: sampling seed (noise is keyed by seed, row and position).
       temperature, top_k, top_p: sampling parameters of the sampling policies.
       stop_tokens: a row stops after emitting one of these (it is kept).
+      audit_every: every Nth verify block (0: never) is recomputed by one-token
+        serial steps and compared bitwise, every row and position; the run stops
+        with a `ParityError` report on any difference.
     """
 
     gamma: int = 4
@@ -60,8 +63,11 @@ class SpecConfig:
     top_k: int = 0
     top_p: float = 1.0
     stop_tokens: tuple[int, ...] = ()
+    audit_every: int = 0
 
     def __post_init__(self):
+        if self.audit_every < 0:
+            raise ValueError(f"audit_every={self.audit_every} must be >= 0 (0: off)")
         if not isinstance(self.gamma, int) or self.gamma < 1:
             raise ValueError(f"gamma={self.gamma!r} must be an integer >= 1")
         if self.policy not in POLICIES:
@@ -95,6 +101,10 @@ class SpecState:
       proposed, accepted: [B] int32 draft tokens proposed / accepted per row.
       accepted_at: [gamma] int32 accepted proposals by draft position (all rows).
       rounds_live: [B] int32 verify rounds in which the row was still live.
+      audit_bad: [] bool, a runtime audit found a difference (the loop stops).
+      audit_at: [3] int32 (round, row, block row) of the first difference.
+      audit_logits: [2, V] f32 verify and serial logits of that position.
+      audits: [] int32 blocks audited.
     """
 
     step: jax.Array
@@ -108,6 +118,14 @@ class SpecState:
     accepted: jax.Array
     accepted_at: jax.Array
     rounds_live: jax.Array
+    audit_bad: jax.Array
+    audit_at: jax.Array
+    audit_logits: jax.Array
+    audits: jax.Array
+
+
+class ParityError(RuntimeError):
+    """A runtime audit found verify logits that differ from serial decoding."""
 
 
 def _prefill(target: Model, drafter, tokens, lens, seed, *, spec: SpecConfig, max_len: int):
@@ -122,47 +140,65 @@ def _prefill(target: Model, drafter, tokens, lens, seed, *, spec: SpecConfig, ma
     return SpecState(step=jnp.int32(0), cache=cache, draft=draft, cur=cur,
                      out=jnp.full((B, N), PAD, jnp.int32), num=z, done=jnp.zeros((B,), bool),
                      proposed=z, accepted=z, accepted_at=jnp.zeros((g,), jnp.int32),
-                     rounds_live=z)
+                     rounds_live=z, audit_bad=jnp.zeros((), bool),
+                     audit_at=jnp.full((3,), -1, jnp.int32),
+                     audit_logits=jnp.zeros((2, target.config.vocab_size), jnp.float32),
+                     audits=jnp.int32(0))
 
 
-def _round(target: Model, drafter, state: SpecState, seed, *, spec: SpecConfig) -> SpecState:
+def _context(target: Model, state: SpecState, seed, spec: SpecConfig) -> ProposeContext:
+    B = state.cur.shape[0]
+    draft_seed = seed + _SALT_DRAFT if spec.policy == "rejection_sampling" else seed
+    return ProposeContext(cur=state.cur, pos=state.cache.lengths,
+                          rows=jnp.arange(B, dtype=jnp.int32), seed=draft_seed,
+                          gamma=spec.gamma, vocab=target.config.vocab_size,
+                          draft_sampler=spec.draft_sampler())
+
+
+def _draft(drafter, dstate, ctx: ProposeContext):
+    """Phase 1: gamma proposals [B, g] (+ the logits they came from [B, g, V])."""
+    drafts, draft_logits, dstate = drafter.propose(dstate, ctx)
+    return drafts.astype(jnp.int32), draft_logits, dstate
+
+
+def _verify(target: Model, cache, cur, drafts):
+    """Phase 2: one target forward over [cur, d_1..d_g] -> logits [B, g+1, V], cache."""
+    tokens = jnp.concatenate([cur[:, None], drafts], axis=1)  # [B, g+1]
+    return _forward(target, tokens, cache)
+
+
+def _accept(logits, drafts, draft_logits, seed, pos, *, spec: SpecConfig):
+    """Phase 3: the policy's (n_acc [B], next token [B]); pos [B] is the position of cur."""
+    B, G, _ = logits.shape
+    rows = jnp.arange(B, dtype=jnp.int32)
+    positions = pos[:, None] + 1 + jnp.arange(G, dtype=jnp.int32)[None, :]
+    return verify(spec.policy, spec.serial_sampler(), logits, drafts, draft_logits, seed, rows,
+                  positions)
+
+
+def _commit(drafter, state: SpecState, ctx: ProposeContext, cache, dstate, drafts, n_acc, nxt,
+            *, spec: SpecConfig) -> SpecState:
+    """Phase 4: emit d_1..d_{n_acc}, nxt (cut at max_new_tokens and stop tokens), roll the
+    target back to pos + n_acc + 1, catch the drafter up, update statistics."""
     g, N = spec.gamma, spec.max_new_tokens
     B = state.cur.shape[0]
-    V = target.config.vocab_size
-    rows = jnp.arange(B, dtype=jnp.int32)
-    pos = state.cache.lengths  # [B] position of cur
-    draft_seed = seed + _SALT_DRAFT if spec.policy == "rejection_sampling" else seed
-    ctx = ProposeContext(cur=state.cur, pos=pos, rows=rows, seed=draft_seed, gamma=g, vocab=V,
-                         draft_sampler=spec.draft_sampler())
-    drafts, draft_logits, dstate = drafter.propose(state.draft, ctx)  # [B, g], [B, g, V]
-    drafts = drafts.astype(jnp.int32)
-
-    tokens = jnp.concatenate([state.cur[:, None], drafts], axis=1)  # [B, g+1]
-    logits, cache = _forward(target, tokens, state.cache)  # [B, g+1, V]
-    positions = pos[:, None] + 1 + jnp.arange(g + 1, dtype=jnp.int32)[None, :]
-    n_acc, nxt = verify(spec.policy, spec.serial_sampler(), logits, drafts, draft_logits,
-                        seed, rows, positions)
+    rows, pos = ctx.rows, ctx.pos
     live = ~state.done
     n_acc = jnp.where(live, n_acc, 0)
-
-    # Emitted this round: d_1..d_{n_acc}, nxt; cut at max_new_tokens and at a stop token.
     slot = jnp.arange(g + 1)[None, :]
     emit = jnp.where(slot < n_acc[:, None], jnp.pad(drafts, ((0, 0), (0, 1))), nxt[:, None])
     count = jnp.minimum(n_acc + 1, N - state.num)
     if spec.stop_tokens:
         is_stop = jnp.isin(emit, jnp.asarray(spec.stop_tokens, jnp.int32)) & (slot < count[:, None])
-        first_stop = jnp.argmax(is_stop, axis=1)
         hit = jnp.any(is_stop, axis=1)
-        count = jnp.where(hit, first_stop + 1, count)
+        count = jnp.where(hit, jnp.argmax(is_stop, axis=1) + 1, count)
     else:
         hit = jnp.zeros((B,), bool)
     count = jnp.where(live, count, 0)
-    dest = state.num[:, None] + slot  # [B, g+1]
-    keep = slot < count[:, None]
-    out = state.out.at[rows[:, None], jnp.where(keep, dest, N)].set(emit, mode="drop")
+    dest = jnp.where(slot < count[:, None], state.num[:, None] + slot, N)  # N: dropped
+    out = state.out.at[rows[:, None], dest].set(emit, mode="drop")
     num = state.num + count
     done = state.done | (live & (hit | (num >= N)))
-
     cache = rollback(cache, jnp.where(live, pos + n_acc + 1, pos))
     dstate = drafter.commit(dstate, ctx, n_acc, nxt, drafts)
     acc_at = state.accepted_at + jnp.sum(
@@ -171,11 +207,67 @@ def _round(target: Model, drafter, state: SpecState, seed, *, spec: SpecConfig) 
                      cur=jnp.where(live, nxt, state.cur), out=out, num=num, done=done,
                      proposed=state.proposed + jnp.where(live, g, 0),
                      accepted=state.accepted + n_acc, accepted_at=acc_at,
-                     rounds_live=state.rounds_live + live.astype(jnp.int32))
+                     rounds_live=state.rounds_live + live.astype(jnp.int32),
+                     audit_bad=state.audit_bad, audit_at=state.audit_at,
+                     audit_logits=state.audit_logits, audits=state.audits)
 
 
+def _serial_replay(target: Model, cache, tokens):
+    """tokens [B, G] fed one at a time from `cache` -> logits [B, G, V] (serial decoding)."""
+
+    def step(c, tok):  # tok [B]
+        logits, c = _forward(target, tok[:, None], c)
+        return c, logits[:, 0]
+
+    _, logits = jax.lax.scan(step, cache, tokens.T)
+    return jnp.moveaxis(logits, 0, 1)
+
+
+def _audit(target: Model, state: SpecState, cache, cur, drafts, logits, *, spec: SpecConfig):
+    """Every `audit_every`-th block: compare the verify logits with serial replay, bitwise."""
+    G = drafts.shape[1] + 1
+
+    def check(_):
+        tokens = jnp.concatenate([cur[:, None], drafts], axis=1)  # [B, G]
+        serial = _serial_replay(target, rollback(cache, state.cache.lengths), tokens)
+        diff = jnp.any(jax.lax.bitcast_convert_type(serial, jnp.uint32)
+                       != jax.lax.bitcast_convert_type(logits, jnp.uint32), axis=-1)  # [B, G]
+        diff = diff & ~state.done[:, None]
+        flat = jnp.argmax(diff.reshape(-1))
+        b, i = flat // G, flat % G
+        bad = jnp.any(diff)
+        return (bad, jnp.stack([state.step, b, i]).astype(jnp.int32),
+                jnp.stack([logits[b, i], serial[b, i]]))
+
+    def skip(_):
+        return jnp.zeros((), bool), state.audit_at, state.audit_logits
+
+    due = (state.step % spec.audit_every == 0) & ~state.audit_bad
+    bad, at, lg = jax.lax.cond(due, check, skip, None)
+    return state.replace(audit_bad=state.audit_bad | bad,
+                         audit_at=jnp.where(bad, at, state.audit_at),
+                         audit_logits=jnp.where(bad, lg, state.audit_logits),
+                         audits=state.audits + due.astype(jnp.int32))
+
+
+def _round(target: Model, drafter, state: SpecState, seed, *, spec: SpecConfig) -> SpecState:
+    """draft -> verify -> accept -> commit."""
+    ctx = _context(target, state, seed, spec)
+    drafts, draft_logits, dstate = _draft(drafter, state.draft, ctx)
+    logits, cache = _verify(target, state.cache, state.cur, drafts)
+    if spec.audit_every:
+        state = _audit(target, state, cache, state.cur, drafts, logits, spec=spec)
+    n_acc, nxt = _accept(logits, drafts, draft_logits, seed, ctx.pos, spec=spec)
+    return _commit(drafter, state, ctx, cache, dstate, drafts, n_acc, nxt, spec=spec)
+
+
+# The phases as jitted functions, for research scripts that compose them.
 prefill = jax.jit(_prefill, static_argnames=("spec", "max_len"),
                   compiler_options=COMPILER_OPTIONS)
+draft_step = jax.jit(_draft, compiler_options=COMPILER_OPTIONS)
+verify_step = jax.jit(_verify, donate_argnames=("cache",), compiler_options=COMPILER_OPTIONS)
+accept_step = jax.jit(_accept, static_argnames=("spec",), compiler_options=COMPILER_OPTIONS)
+commit_step = jax.jit(_commit, static_argnames=("spec",), compiler_options=COMPILER_OPTIONS)
 one_round = jax.jit(_round, static_argnames=("spec",), donate_argnames=("state",),
                     compiler_options=COMPILER_OPTIONS)
 
@@ -186,7 +278,7 @@ def spec_loop(target: Model, drafter, state: SpecState, seed, *, spec: SpecConfi
     """Rounds until every row is done: one lax.while_loop, no host sync inside."""
 
     def cond(s):
-        return ~jnp.all(s.done) & (s.step < spec.max_new_tokens)
+        return ~jnp.all(s.done) & (s.step < spec.max_new_tokens) & ~s.audit_bad
 
     return jax.lax.while_loop(cond, lambda s: _round(target, drafter, s, seed, spec=spec), state)
 
@@ -258,10 +350,24 @@ def _stats(state: SpecState, spec: SpecConfig, drafter, prefill_s: float, loop_s
         "target_forwards": rounds + 1, "draft_forwards":
             rounds * drafter.forwards_per_round(spec.gamma) + int(
                 drafter.forwards_per_round(spec.gamma) > 0),
-        "rounds": rounds, "tokens": total,
+        "rounds": rounds, "tokens": total, "audited_blocks": int(state.audits),
         "ttft_s": prefill_s, "tpot_s": loop_s / max(int(num.max()), 1),
         "tokens_per_s": total / max(prefill_s + loop_s, 1e-9),
     }
+
+
+def _raise_on_audit(state: SpecState) -> None:
+    if not bool(state.audit_bad):
+        return
+    rnd, b, i = (int(x) for x in np.asarray(state.audit_at))
+    lv, ls = (np.asarray(x) for x in state.audit_logits)
+    top = lambda x: [(int(j), float(x[j])) for j in np.argsort(-x, kind="stable")[:5]]  # noqa: E731
+    n = int(np.sum(lv.view(np.uint32) != ls.view(np.uint32)))
+    raise ParityError(
+        f"runtime audit: verify block of round {rnd}, row {b}, block row {i} differs from "
+        f"serial decoding in {n} of {lv.size} logits; argmax verify {int(np.argmax(lv))} vs "
+        f"serial {int(np.argmax(ls))}; top-5 verify {top(lv)}; top-5 serial {top(ls)}. "
+        "The backend breaks property P (the xla backend does; pallas must not).")
 
 
 def speculative_generate(target: Model, drafter, prompts, spec: SpecConfig, *,
@@ -277,6 +383,7 @@ def speculative_generate(target: Model, drafter, prompts, spec: SpecConfig, *,
     state = spec_loop(target, drafter, state, seed, spec=spec)
     jax.block_until_ready(state)
     t2 = time.perf_counter()
+    _raise_on_audit(state)
     return SpecOutput(tokens=np.asarray(state.out), num_tokens=np.asarray(state.num),
                       prompt_lens=lens, stats=_stats(state, spec, drafter, t1 - t0, t2 - t1))
 
@@ -294,6 +401,7 @@ def speculative_stream(target: Model, drafter, prompts, spec: SpecConfig, *,
     seen = np.zeros(len(lens), np.int64)
     while not bool(jnp.all(state.done)) and int(state.step) < spec.max_new_tokens:
         state = one_round(target, drafter, state, seed, spec=spec)
+        _raise_on_audit(state)
         num, out = np.asarray(state.num), np.asarray(state.out)
         yield [out[b, seen[b]: num[b]].tolist() for b in range(len(lens))]
         seen = num

@@ -180,3 +180,42 @@ def test_bad_speculative_configs_get_clear_errors():
         jspec.PromptLookupDrafter(max_ngram=1, min_ngram=2)
     with pytest.raises(TypeError, match="SpecConfig"):
         jspec.speculative_generate(target, jspec.PromptLookupDrafter(), p, {"gamma": 4})
+
+
+def test_phases_compose_in_a_research_script():
+    """prefill, draft_step, verify_step, accept_step, commit_step: the same as the loop."""
+    from jspec import speculative as S
+    from jspec.generate import pad_prompts
+
+    target = load("gemma3", "pallas")
+    prompts = _prompts("gemma3")
+    spec = jspec.SpecConfig(gamma=3, max_new_tokens=12)
+    drafter = _poor_draft("gemma3")
+    tokens, lens = pad_prompts(prompts, target.config.vocab_size)
+    seed = jnp.int32(0)
+    state = S.prefill(target, drafter, jnp.asarray(tokens), jnp.asarray(lens), seed, spec=spec,
+                      max_len=tokens.shape[1] + 12 + 4)
+    while not bool(jnp.all(state.done)):
+        ctx = S._context(target, state, seed, spec)
+        drafts, dlogits, dstate = S.draft_step(drafter, state.draft, ctx)
+        logits, cache = S.verify_step(target, state.cache, state.cur, drafts)
+        assert logits.shape == (3, 4, target.config.vocab_size)
+        n_acc, nxt = S.accept_step(logits, drafts, dlogits, seed, ctx.pos, spec=spec)
+        state = S.commit_step(drafter, state, ctx, cache, dstate, drafts, n_acc, nxt, spec=spec)
+    serial = jspec.generate(target, prompts, max_new_tokens=12)
+    assert np.array_equal(np.asarray(state.out), serial.tokens)
+
+
+def test_runtime_audit_passes_on_pallas_and_stops_xla_with_a_report():
+    prompts = _prompts("qwen3")
+    spec = jspec.SpecConfig(gamma=4, max_new_tokens=16, audit_every=2)
+    target = load("qwen3", "pallas")
+    out = jspec.speculative_generate(target, _poor_draft("qwen3"), prompts, spec)
+    assert out.stats["audited_blocks"] >= 3
+    serial = jspec.generate(target, prompts, max_new_tokens=16)
+    assert [out.row(b) for b in range(3)] == [serial.row(b) for b in range(3)]
+    xla = load("qwen3", "xla")
+    with pytest.raises(jspec.ParityError, match=r"round 0, row \d, block row \d differs"):
+        jspec.speculative_generate(xla, jspec.ModelDrafter(xla), prompts, spec)
+    with pytest.raises(ValueError, match="audit_every=-1"):
+        jspec.SpecConfig(audit_every=-1)

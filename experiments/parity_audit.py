@@ -1,0 +1,197 @@
+"""Prove property P on a checkpoint (or random weights), and explain any break.
+
+  python experiments/parity_audit.py --checkpoint=/path/to/hf_dir            # your model
+  python experiments/parity_audit.py --preset=qwen3-8b --layers=4 \
+      --contexts=512,2048,8192 --long_tokens=2048                          # on a GPU
+  python experiments/parity_audit.py --preset=tiny-qwen3 --backend=xla     # see it break
+
+Checks (full logits vectors compared bit for bit; argmax too):
+  1. same-prefix controls at each --contexts length and each k in --ks: the
+     cache built three ways (one-token commits, accepted blocks of k, one
+     prefill), then verify reference proposals, roll back, changed future
+     proposals, roll back, reference again; against one prefill of
+     prefix + proposals; the argmax-only path against the inspected logits;
+  2. a long generation (--long_tokens) by speculative exact_greedy against
+     serial greedy, token for token;
+  3. near ties: positions whose top-2 logits are within one bf16 ulp, each
+     re-checked with same-prefix controls;
+  4. exact ties: the model with duplicated LM-head columns for the tokens it
+     emits; the twins' logits must be bitwise equal and the argmax the lower
+     index, and speculative output must still equal serial output.
+Writes a JSON receipt (prefix digests, every comparison, counts, first
+differences with top-k logits) and prints a summary table. Exits 1 on any
+mismatch unless --expect_mismatch (for showing the xla backend break).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import jax
+import numpy as np
+from absl import app, flags
+from tqdm import tqdm
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import jspec  # noqa: E402
+from jspec import audit  # noqa: E402
+from jspec.loading import default_interpret  # noqa: E402
+from jspec.random_model import random_model  # noqa: E402
+
+_CKPT = flags.DEFINE_string("checkpoint", "", "HF checkpoint dir (else --preset)")
+_PRESET = flags.DEFINE_string("preset", "tiny-qwen3", "random-weight preset")
+_LAYERS = flags.DEFINE_integer("layers", 0, "layers of the preset (0: all)")
+_BACKEND = flags.DEFINE_string("backend", "pallas", "pallas | xla")
+_DTYPE = flags.DEFINE_string("dtype", "bfloat16", "parameter dtype")
+_CONTEXTS = flags.DEFINE_list("contexts", ["16", "100"], "prefix lengths (GPU: to 8192)")
+_KS = flags.DEFINE_list("ks", ["1", "2", "4", "8", "16", "32"], "verify block sizes")
+_LONG = flags.DEFINE_integer("long_tokens", 128, "tokens of the long generation (GPU: 2048)")
+_GAMMA = flags.DEFINE_integer("gamma", 4, "gamma of the long generation")
+_NEAR = flags.DEFINE_integer("near_ties", 4, "near-tie positions re-checked")
+_OUT = flags.DEFINE_string("out", os.environ.get("OUT", "experiments/results"), "receipt dir")
+_TAG = flags.DEFINE_string("tag", "", "receipt file name suffix")
+_EXPECT = flags.DEFINE_bool("expect_mismatch", False, "exit 0 only if a mismatch is found")
+
+
+def load():
+    if _CKPT.value:
+        return jspec.load_hf(_CKPT.value, dtype=_DTYPE.value, backend=_BACKEND.value)
+    kw = {"num_layers": _LAYERS.value} if _LAYERS.value else {}
+    return random_model(_PRESET.value, dtype=_DTYPE.value, backend=_BACKEND.value,
+                        interpret=default_interpret(), **kw)
+
+
+def controls(model, contexts, ks, rng):
+    out = []
+    V = model.config.vocab_size
+    for n in tqdm(contexts, desc="same-prefix controls"):
+        prefix = rng.integers(0, V, n).astype(np.int32)
+        cont = jspec.generate(model, [prefix], max_new_tokens=max(ks)).tokens[0]
+        for k in ks:
+            out.append(audit.same_prefix_controls(model, prefix, cont, k, seed=k))
+    return out
+
+
+def long_generation(model, rng, n_tokens, gamma):
+    V = model.config.vocab_size
+    prompt = rng.integers(0, V, 32).astype(np.int32)
+    serial = jspec.generate(model, [prompt], max_new_tokens=n_tokens)
+    spec = jspec.SpecConfig(gamma=gamma, max_new_tokens=n_tokens)
+    res = {"prompt_digest": audit.digest(prompt), "tokens": n_tokens, "gamma": gamma}
+    for name, drafter in (("self-draft", jspec.ModelDrafter(model)),
+                          ("prompt lookup", jspec.PromptLookupDrafter())):
+        out = jspec.speculative_generate(model, drafter, [prompt], spec)
+        a, b = np.asarray(serial.row(0)), np.asarray(out.row(0))
+        same = a.shape == b.shape and bool(np.all(a == b))
+        r = {"equal": same, "acceptance": out.stats["acceptance_rate"]}
+        if not same:
+            i = int(np.flatnonzero(a[: len(b)] != b[: len(a)])[0])
+            r["first_difference"] = {"index": i, "serial": int(a[i]), "speculative": int(b[i]),
+                                     "prefix_digest": audit.digest(np.concatenate(
+                                         [prompt, a[:i]]))}
+        res[name] = r
+    return res
+
+
+def near_tie_checks(model, rng, n_ctx, max_checks):
+    V = model.config.vocab_size
+    found = []
+    for _ in range(8):
+        prompt = rng.integers(0, V, n_ctx).astype(np.int32)
+        logits, _ = jspec.forward(model, prompt[None], jspec.init_cache(model, 1, n_ctx))
+        for p in audit.near_ties(np.asarray(logits[0])):
+            if p >= 1 and len(found) < max_checks:
+                found.append((prompt, p))
+        if len(found) >= max_checks:
+            break
+    res = []
+    for prompt, p in found:
+        r = audit.same_prefix_controls(model, prompt[: p + 1], prompt[p + 1:], 4)
+        r["near_tie_position"] = p
+        res.append(r)
+    return res
+
+
+def exact_ties(model, rng):
+    V = model.config.vocab_size
+    prompt = rng.integers(0, V, 24).astype(np.int32)
+    emitted = jspec.generate(model, [prompt], max_new_tokens=32).row(0)
+    tied, pairs = audit.tie_model(model, emitted)
+    serial = jspec.generate(tied, [prompt], max_new_tokens=32)
+    seq = np.concatenate([prompt, serial.tokens[0]]).astype(np.int32)
+    logits, _ = jspec.forward(tied, seq[None], jspec.init_cache(tied, 1, len(seq)))
+    res = audit.tie_breaks(np.asarray(logits[0]), pairs)
+    spec = jspec.speculative_generate(tied, jspec.ModelDrafter(tied), [prompt],
+                                      jspec.SpecConfig(gamma=4, max_new_tokens=32))
+    res["speculative_equals_serial"] = spec.row(0) == serial.row(0)
+    res["pairs"] = len(pairs)
+    res["equal"] = (res["speculative_equals_serial"]
+                    and res["bitwise_equal_twins"] == res["tie_rows"]
+                    and res["argmax_lowest_index"] == res["tie_rows"])
+    return res
+
+
+def summarize(report) -> tuple[int, int]:
+    positions = mismatches = 0
+    for c in report["same_prefix_controls"] + report["near_ties"]:
+        for h in c["histories"].values():
+            for v in h.values():
+                if isinstance(v, dict):
+                    positions += v["rows"]
+                    mismatches += v["mismatched_rows"]
+    return positions, mismatches
+
+
+def main(argv):
+    del argv
+    model = load()
+    rng = np.random.default_rng(0)
+    contexts = [int(c) for c in _CONTEXTS.value]
+    ks = [int(k) for k in _KS.value]
+    t0 = time.perf_counter()
+    report = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
+              "date": time.strftime("%Y-%m-%d"), "model": _CKPT.value or _PRESET.value,
+              "layers": model.config.num_layers, "backend": _BACKEND.value,
+              "dtype": _DTYPE.value, "contexts": contexts, "ks": ks}
+    report["same_prefix_controls"] = controls(model, contexts, ks, rng)
+    report["long_generation"] = long_generation(model, rng, _LONG.value, _GAMMA.value)
+    report["near_ties"] = near_tie_checks(model, rng, min(contexts[-1], 512), _NEAR.value)
+    report["exact_ties"] = exact_ties(model, rng)
+    positions, mismatches = summarize(report)
+    long_ok = all(v["equal"] for v in report["long_generation"].values()
+                  if isinstance(v, dict))
+    report["summary"] = {"positions_compared": positions, "mismatched_positions": mismatches,
+                         "long_generation_equal": long_ok,
+                         "near_tie_positions": len(report["near_ties"]),
+                         "exact_ties_ok": report["exact_ties"]["equal"],
+                         "seconds": round(time.perf_counter() - t0, 1)}
+    os.makedirs(_OUT.value, exist_ok=True)
+    path = os.path.join(_OUT.value, "parity_audit" + (f"_{_TAG.value}" if _TAG.value else "")
+                        + ".json")
+    with open(path, "w") as f:
+        json.dump(report, f, indent=1)
+    s = report["summary"]
+    print(f"\nmodel {report['model']} backend {_BACKEND.value} dtype {_DTYPE.value} "
+          f"on {report['device']}")
+    print(f"logits rows compared bitwise: {s['positions_compared']}, "
+          f"mismatched: {s['mismatched_positions']}")
+    for c in report["same_prefix_controls"]:
+        bad = sum(v["mismatched_rows"] for h in c["histories"].values() for v in h.values()
+                  if isinstance(v, dict))
+        print(f"  prefix {c['prefix_len']:5d} ({c['prefix_digest']}) k={c['k']:2d}: "
+              f"{'equal' if c['equal'] else f'{bad} rows differ'}")
+    print(f"long generation ({_LONG.value} tokens) speculative == serial: {long_ok}")
+    print(f"near-tie positions re-checked: {s['near_tie_positions']}; exact ties "
+          f"({report['exact_ties']['tie_rows']} tie rows): ok={s['exact_ties_ok']}")
+    print(f"receipt: {path}")
+    broken = mismatches > 0 or not long_ok or not s["exact_ties_ok"]
+    if _EXPECT.value:
+        sys.exit(0 if broken else 1)
+    sys.exit(1 if broken else 0)
+
+
+if __name__ == "__main__":
+    app.run(main)
