@@ -265,7 +265,7 @@ def _round(target: Model, drafter, state: SpecState, seed, *, spec: SpecConfig) 
 prefill = jax.jit(_prefill, static_argnames=("spec", "max_len"),
                   compiler_options=COMPILER_OPTIONS)
 draft_step = jax.jit(_draft, compiler_options=COMPILER_OPTIONS)
-verify_step = jax.jit(_verify, donate_argnames=("cache",), compiler_options=COMPILER_OPTIONS)
+verify_step = jax.jit(_verify, compiler_options=COMPILER_OPTIONS)
 accept_step = jax.jit(_accept, static_argnames=("spec",), compiler_options=COMPILER_OPTIONS)
 commit_step = jax.jit(_commit, static_argnames=("spec",), compiler_options=COMPILER_OPTIONS)
 one_round = jax.jit(_round, static_argnames=("spec",), donate_argnames=("state",),
