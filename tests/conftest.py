@@ -34,3 +34,12 @@ def expected(name: str) -> dict:
 @pytest.fixture(params=FAMILIES)
 def family(request):
     return request.param
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _free_compiled_programs():
+    """Drop JAX's compiled executables after each test file: the interpret-mode kernels
+    compile to many large CPU programs, and one process holding all of them grew
+    until XLA's compiler crashed late in the suite."""
+    yield
+    jax.clear_caches()
