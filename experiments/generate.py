@@ -8,7 +8,6 @@ Without --config.checkpoint it makes a tiny random-weight model on the fly
 """
 
 import os
-import tempfile
 import time
 
 import jax
@@ -17,7 +16,7 @@ from absl import app, logging
 from ml_collections import config_flags
 
 import jspec
-from jspec.tiny import write_tiny_qwen3
+from jspec.tiny import make_default_checkpoint
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", os.path.join(os.path.dirname(__file__), "..", "configs", "generate.py"),
@@ -27,11 +26,7 @@ _CONFIG = config_flags.DEFINE_config_file(
 def main(argv):
     del argv
     c = _CONFIG.value
-    path = c.checkpoint
-    if not path:
-        path = write_tiny_qwen3(os.path.join(tempfile.mkdtemp(prefix="jspec_tiny_"), "tiny"))
-        print(f"[no --config.checkpoint: made a tiny random-weight Qwen3 at {path}; "
-              "its text is gibberish]")
+    path = c.checkpoint or make_default_checkpoint()
     model = jspec.load_hf(path, dtype=c.dtype, backend=c.backend)
     tok = jspec.load_tokenizer(path)
     ids = tok.encode(c.prompt, add_special_tokens=False)

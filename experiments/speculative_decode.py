@@ -11,7 +11,6 @@ distribution-exact, so there it reports the comparison without failing).
 
 import os
 import sys
-import tempfile
 import time
 
 import jax
@@ -20,7 +19,7 @@ from ml_collections import config_flags
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import jspec  # noqa: E402
-from jspec.tiny import write_tiny_qwen3  # noqa: E402
+from jspec.tiny import make_default_checkpoint  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", os.path.join(os.path.dirname(__file__), "..", "configs", "speculative.py"),
@@ -28,11 +27,7 @@ _CONFIG = config_flags.DEFINE_config_file(
 
 
 def build(c):
-    target_path = c.target
-    if not target_path:
-        target_path = write_tiny_qwen3(os.path.join(tempfile.mkdtemp(prefix="jspec_"), "tiny"))
-        print(f"[no --config.target: made a tiny random-weight Qwen3 at {target_path}; "
-              "its text is gibberish and it drafts for itself]")
+    target_path = c.target or make_default_checkpoint()
     target = jspec.load_hf(target_path, dtype=c.dtype, backend=c.backend)
     tok = jspec.load_tokenizer(target_path)
     if c.drafter == "prompt_lookup":

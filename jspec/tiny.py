@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import tempfile
 
 import numpy as np
 from safetensors.numpy import save_file
@@ -89,4 +90,12 @@ def write_tiny_qwen3(path: str, *, seed: int = 0, **overrides) -> str:
         }
     save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
     write_tokenizer(path, V)
+    return path
+
+
+def make_default_checkpoint() -> str:
+    """Writes the tiny random model to a fresh temp dir and says so; returns its path."""
+    path = write_tiny_qwen3(os.path.join(tempfile.mkdtemp(prefix="jspec_tiny_"), "tiny"))
+    print(f"[no checkpoint given: made a tiny random-weight Qwen3 at {path}; "
+          "its text is gibberish]")
     return path
