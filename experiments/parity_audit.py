@@ -99,7 +99,7 @@ def long_generation(model, rng, n_tokens, gamma):
 def near_tie_checks(model, rng, n_ctx, max_checks):
     V = model.config.vocab_size
     found = []
-    for _ in range(8):
+    for _ in range(32):  # prompts searched
         prompt = rng.integers(0, V, n_ctx).astype(np.int32)
         logits, _ = jspec.forward(model, prompt[None], jspec.init_cache(model, 1, n_ctx))
         for p in audit.near_ties(np.asarray(logits[0])):
@@ -118,12 +118,13 @@ def near_tie_checks(model, rng, n_ctx, max_checks):
 def exact_ties(model, rng):
     V = model.config.vocab_size
     prompt = rng.integers(0, V, 24).astype(np.int32)
-    emitted = jspec.generate(model, [prompt], max_new_tokens=32).row(0)
-    tied, pairs = audit.tie_model(model, emitted)
-    serial = jspec.generate(tied, [prompt], max_new_tokens=32)
-    seq = np.concatenate([prompt, serial.tokens[0]]).astype(np.int32)
+    seq = np.concatenate([prompt, jspec.generate(model, [prompt], max_new_tokens=32).tokens[0]])
+    base, _ = jspec.forward(model, seq[None], jspec.init_cache(model, 1, len(seq)))
+    # Twin every token that is the argmax somewhere on seq: every row gets a tied maximum.
+    tied, pairs = audit.tie_model(model, np.argmax(np.asarray(base[0]), -1))
     logits, _ = jspec.forward(tied, seq[None], jspec.init_cache(tied, 1, len(seq)))
     res = audit.tie_breaks(np.asarray(logits[0]), pairs)
+    serial = jspec.generate(tied, [prompt], max_new_tokens=32)
     spec = jspec.speculative_generate(tied, jspec.ModelDrafter(tied), [prompt],
                                       jspec.SpecConfig(gamma=4, max_new_tokens=32))
     res["speculative_equals_serial"] = spec.row(0) == serial.row(0)
