@@ -78,6 +78,10 @@ class SpecConfig:
             target_sampler(self.policy, self.temperature, self.top_k, self.top_p)  # validates
         object.__setattr__(self, "stop_tokens", tuple(int(t) for t in self.stop_tokens))
 
+    def static(self) -> SpecConfig:
+        """The part that decides compiled code: the seed travels as an array instead."""
+        return dataclasses.replace(self, seed=0)
+
     def serial_sampler(self):
         """The serial sampler this run reproduces (`jspec.generate(sampler=...)`)."""
         return target_sampler(self.policy, self.temperature, self.top_k, self.top_p)
@@ -374,7 +378,7 @@ def speculative_generate(target: Model, drafter, prompts, spec: SpecConfig, *,
                          max_len: int | None = None) -> SpecOutput:
     """Speculative decoding of ragged prompts; see the module docstring."""
     tokens, lens, max_len = _setup(target, drafter, prompts, spec, max_len)
-    seed = jnp.int32(spec.seed)
+    seed, spec = jnp.int32(spec.seed), spec.static()
     t0 = time.perf_counter()
     state = prefill(target, drafter, jnp.asarray(tokens), jnp.asarray(lens), seed,
                     spec=spec, max_len=max_len)
@@ -395,7 +399,7 @@ def speculative_stream(target: Model, drafter, prompts, spec: SpecConfig, *,
     The concatenation equals `speculative_generate(...)` with the same arguments.
     """
     tokens, lens, max_len = _setup(target, drafter, prompts, spec, max_len)
-    seed = jnp.int32(spec.seed)
+    seed, spec = jnp.int32(spec.seed), spec.static()
     state = prefill(target, drafter, jnp.asarray(tokens), jnp.asarray(lens), seed,
                     spec=spec, max_len=max_len)
     seen = np.zeros(len(lens), np.int64)
