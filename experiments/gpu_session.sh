@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# One device call that runs the whole GPU programme and leaves receipts in $OUT.
+#   bash experiments/gpu_session.sh [parity|audit|kernels|spec ...]   (default: all)
+# Each step has its own time limit so a slow one cannot eat the others'.
+set -u
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-experiments/results}
+steps=${*:-parity audit kernels spec}
+quiet() { grep -v -i -E "warn|libtpu|^I[0-9]{4}"; }
+for s in $steps; do
+  echo "=== $s"
+  case $s in
+    parity) timeout 300 python3 experiments/gpu_parity.py --models=qwen3-8b:4,gemma3-4b:6 \
+              --context=8192 --window=48 --out="$OUT" 2>&1 | quiet | tail -40 ;;
+    audit) timeout 400 python3 experiments/parity_audit.py --preset=qwen3-8b --layers=4 \
+              --contexts=512,2048,8192 --long_tokens=2048 --out="$OUT" --tag=h200_qwen3-8b \
+              2>&1 | quiet | tail -30 ;;
+    kernels) timeout 300 python3 experiments/bench_kernels.py --preset=qwen3-8b \
+              --batches=1,8 --gammas=1,2,4,8 --context=512 --iters=10 --out="$OUT" \
+              2>&1 | quiet | tail -60 ;;
+    spec) timeout 500 python3 experiments/bench_speculative.py --target=qwen3-8b \
+              --draft=qwen3-0.6b --prompt_len=512 --max_new_tokens=256 --batch=1 \
+              --gammas=2,4,6,8 --oracle_gammas=2,4,6,8 --accept=0.5,0.7,0.8,0.9 --iters=3 \
+              --out="$OUT" --tag=h200_qwen3-8b_b1 2>&1 | quiet | tail -40 ;;
+    *) echo "unknown step $s" ;;
+  esac
+done
