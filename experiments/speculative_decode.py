@@ -14,7 +14,7 @@ import sys
 import time
 
 import jax
-from absl import app, logging
+from absl import app, flags, logging
 from ml_collections import config_flags
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
@@ -24,6 +24,9 @@ from jspec.tiny import make_default_checkpoint  # noqa: E402
 _CONFIG = config_flags.DEFINE_config_file(
     "config", os.path.join(os.path.dirname(__file__), "..", "configs", "speculative.py"),
     "Speculative decoding config file.")
+_CHECK = flags.DEFINE_bool("check_parity", None,
+                           "shorthand for --config.check_parity (run serial decoding too and "
+                           "fail unless the tokens are identical)")
 
 
 def build(c):
@@ -43,6 +46,8 @@ def build(c):
 def main(argv):
     del argv
     c = _CONFIG.value
+    if _CHECK.value is not None:
+        c.check_parity = _CHECK.value
     target, drafter, tok = build(c)
     ids = tok.encode(c.prompt, add_special_tokens=False)
     if not ids:
