@@ -1,6 +1,8 @@
 """Property P at real shapes on a GPU: the parity matrix with random bf16 weights.
 
   python experiments/gpu_parity.py --models=qwen3-8b:4,gemma3-4b:6 --context=8192
+  python experiments/gpu_parity.py --models=tiny-qwen3:2,tiny-gemma3:4 --interpret \
+      --dtype=float32 --context=150 --window=12 --ks=1,4      # CPU smoke run
 
 For each model (preset:num_layers) and backend it builds a random token
 sequence of `--context` tokens and compares, bitwise on the device, the full
@@ -42,7 +44,7 @@ _KS = flags.DEFINE_list("ks", ["1", "2", "4", "8", "16", "32"], "verify block si
 _BACKENDS = flags.DEFINE_list("backends", ["pallas", "xla"], "backends")
 _OUT = flags.DEFINE_string("out", os.environ.get("OUT", "experiments/results"), "receipt dir")
 _INTERPRET = flags.DEFINE_bool("interpret", False, "Pallas interpret mode (CPU smoke runs)")
-_SMALL = flags.DEFINE_bool("small", False, "tiny shapes (CPU smoke run of this script)")
+_DTYPE = flags.DEFINE_string("dtype", "bfloat16", "parameter dtype")
 _XLA_FULL = flags.DEFINE_bool("xla_full", False, "run every check on xla too (else a subset)")
 
 
@@ -161,12 +163,8 @@ def main(argv):
     for spec in FLAGS.value.split(","):
         name, layers = spec.split(":")
         for backend in _BACKENDS.value:
-            kw = dict(num_layers=int(layers), backend=backend, interpret=_INTERPRET.value)
-            if _SMALL.value:
-                kw["dtype"] = "float32"
-            model = random_model(name, **kw)
-            if _SMALL.value:
-                model = shrink(model)
+            model = random_model(name, num_layers=int(layers), backend=backend,
+                                 interpret=_INTERPRET.value, dtype=_DTYPE.value)
             key = f"{name}:{layers}:{backend}"
             print(f"== {key}", flush=True)
             full = backend == "pallas" or _XLA_FULL.value
@@ -184,15 +182,6 @@ def save(report) -> str:
     with open(path, "w") as f:
         json.dump(report, f, indent=1)
     return path
-
-
-def shrink(model):
-    from jspec.random_model import random_params
-
-    cfg = model.config.replace(vocab_size=256, hidden_size=64, intermediate_size=128,
-                               num_heads=4, num_kv_heads=2, head_dim=16,
-                               sliding_window=min(model.config.sliding_window, 16) or 0)
-    return model.replace(config=cfg, params=random_params(cfg))
 
 
 def print_table(report):

@@ -80,25 +80,22 @@ def filter_top_k_top_p(x, top_k: int, top_p: float):
     return x
 
 
-def gumbel_noise(seed, rows, positions, vocab: int):
-    """G(seed, row, position): [B, V] f32 standard Gumbel noise, one key per (row, position)."""
+def position_keys(seed, rows, positions):
+    """One PRNG key per (seed, row, position): [B] keys."""
     base = jax.random.key(seed)
+    return jax.vmap(lambda r, p: jax.random.fold_in(jax.random.fold_in(base, r), p))(
+        rows, positions)
 
-    def one(row, pos):
-        key = jax.random.fold_in(jax.random.fold_in(base, row), pos)
-        return jax.random.gumbel(key, (vocab,), jnp.float32)
 
-    return jax.vmap(one)(rows, positions)
+def gumbel_noise(seed, rows, positions, vocab: int):
+    """G(seed, row, position): [B, V] f32 standard Gumbel noise."""
+    keys = position_keys(seed, rows, positions)
+    return jax.vmap(lambda k: jax.random.gumbel(k, (vocab,), jnp.float32))(keys)
 
 
 def uniform_noise(seed, rows, positions):
-    """U(seed, row, position): [B] f32 uniforms in [0, 1), one key per (row, position)."""
-    base = jax.random.key(seed)
-
-    def one(row, pos):
-        return jax.random.uniform(jax.random.fold_in(jax.random.fold_in(base, row), pos))
-
-    return jax.vmap(one)(rows, positions)
+    """U(seed, row, position): [B] f32 uniforms in [0, 1)."""
+    return jax.vmap(jax.random.uniform)(position_keys(seed, rows, positions))
 
 
 def make_sampler(temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0):
