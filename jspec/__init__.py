@@ -11,7 +11,7 @@ from jspec.checkpoint import restore_params, save_params
 from jspec.config import ModelConfig, UnsupportedModelError, from_hf_config
 from jspec.drafters import ModelDrafter, OracleDrafter, PromptLookupDrafter
 from jspec.generate import GenerateOutput, generate, generate_stream
-from jspec.loading import CheckpointError, load_hf, load_tokenizer
+from jspec.loading import CheckpointError, default_pair, load_hf, load_tokenizer
 from jspec.model import Model, forward
 from jspec.sampling import Greedy, Sample, make_sampler
 from jspec.speculative import (
@@ -37,6 +37,7 @@ __all__ = [
     "SpecConfig",
     "SpecOutput",
     "UnsupportedModelError",
+    "default_pair",
     "forward",
     "from_hf_config",
     "generate",

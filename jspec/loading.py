@@ -142,6 +142,19 @@ def read_hf_config(path: str):
     return AutoConfig.from_pretrained(path, local_files_only=True)
 
 
+PAIR_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "codepair")
+
+
+def default_pair() -> tuple[str, str]:
+    """(target dir, draft dir) of the embedded code pair (see assets/codepair/MODEL_CARD.md)."""
+    dirs = os.path.join(PAIR_DIR, "target"), os.path.join(PAIR_DIR, "draft")
+    for d in dirs:
+        if not os.path.isfile(os.path.join(d, "model.safetensors")):
+            raise CheckpointError(f"the embedded code pair is missing: no {d}/model.safetensors "
+                                  "(make it with experiments/train_pair.py)")
+    return dirs
+
+
 def default_interpret() -> bool:
     """Pallas kernels run in interpret mode where there is no GPU."""
     return jax.default_backend() == "cpu"

@@ -1,0 +1,253 @@
+"""Acceptance and speedup of a target/draft pair on held-out code prompts.
+
+  python experiments/eval_pair.py                         # the embedded code pair, CPU or GPU
+  python experiments/eval_pair.py --pair=/path/to/pair --batch=1 --max_new_tokens=128
+
+For each policy (`exact_greedy`, `gumbel_coupled` at --temperature) and each
+gamma: acceptance (overall and by draft position), mean tokens per target
+step, tokens/s and speedup over serial decoding run side by side (medians of
+--iters after a warm-up), with parity asserted (speculative tokens == serial
+tokens, every row). Prompts are the pair's held-out prompts
+(`heldout_prompts.json`, from modules never trained on), each cut to its last
+--prompt_len tokens so one compile serves every batch. With torch installed
+(`--peers`), also transformers on the same checkpoints: the logits gap to
+jspec, greedy `generate` and assisted generation (`assistant_model=`) at each
+gamma, with their tokens/s and whether assisted output equals its own serial
+output. Writes a JSON receipt and a PNG plot under --out.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+
+import jax
+import numpy as np
+from absl import app, flags
+from tqdm import tqdm
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import jspec  # noqa: E402
+from jspec.loading import default_pair  # noqa: E402
+
+_PAIR = flags.DEFINE_string("pair", "", "dir with target/ and draft/ (default: embedded pair)")
+_BACKEND = flags.DEFINE_string("backend", "pallas", "pallas | xla")
+_DTYPE = flags.DEFINE_string("dtype", "bfloat16", "parameter dtype")
+_NUM = flags.DEFINE_integer("num_prompts", 16, "held-out prompts used")
+_BATCH = flags.DEFINE_integer("batch", 16, "prompts per call")
+_PROMPT_LEN = flags.DEFINE_integer("prompt_len", 64, "prompt tokens (the last ones are kept)")
+_NEW = flags.DEFINE_integer("max_new_tokens", 64, "tokens generated per prompt")
+_GAMMAS = flags.DEFINE_list("gammas", [str(g) for g in range(1, 9)], "gamma sweep")
+_POLICIES = flags.DEFINE_list("policies", ["exact_greedy", "gumbel_coupled"], "policies")
+_TEMP = flags.DEFINE_float("temperature", 0.8, "temperature of gumbel_coupled")
+_ITERS = flags.DEFINE_integer("iters", 3, "timed repetitions (median)")
+_PEERS = flags.DEFINE_bool("peers", True, "also run transformers (needs torch)")
+_PEER_GAMMAS = flags.DEFINE_list("peer_gammas", ["2", "4", "8"], "assisted-generation gammas")
+_OUT = flags.DEFINE_string("out", os.environ.get("OUT", "experiments/results"), "receipt dir")
+_TAG = flags.DEFINE_string("tag", "", "receipt file name suffix")
+
+
+def load_prompts(pair: str, tok) -> list[np.ndarray]:
+    with open(os.path.join(pair, "heldout_prompts.json")) as f:
+        items = json.load(f)
+    P = _PROMPT_LEN.value
+    rows = [np.asarray(tok.encode(it["text"], add_special_tokens=False)) for it in items]
+    rows = [r[-P:].astype(np.int32) for r in rows if len(r) >= P][: _NUM.value]
+    if not rows:
+        raise SystemExit(f"no held-out prompt has {P} tokens; lower --prompt_len")
+    return rows
+
+
+def timed(fn, iters):
+    out = fn()  # warm-up (compiles)
+    ts = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        out = fn()
+        ts.append(time.perf_counter() - t0)
+    return out, statistics.median(ts)
+
+
+def chunks(rows, B):
+    return [np.stack(rows[i: i + B]) for i in range(0, len(rows), B)]
+
+
+def run_jspec(target, draft, prompts, report, save):
+    N, iters = _NEW.value, _ITERS.value
+    batches = chunks(prompts, _BATCH.value)
+    for policy in _POLICIES.value:
+        spec0 = jspec.SpecConfig(policy=policy, max_new_tokens=N, temperature=_TEMP.value)
+        sampler = spec0.serial_sampler()
+
+        def serial_all(sampler=sampler):
+            return [jspec.generate(target, b, max_new_tokens=N, sampler=sampler, seed=0)
+                    for b in batches]
+
+        serial, t_serial = timed(serial_all, iters)
+        n_tok = sum(int(o.num_tokens.sum()) for o in serial)
+        base = {"policy": policy, "tokens": n_tok, "seconds": t_serial,
+                "tokens_per_s": n_tok / t_serial}
+        report["serial"].append(base)
+        print(f"serial {policy}: {base['tokens_per_s']:.1f} tokens/s")
+        for g in tqdm([int(x) for x in _GAMMAS.value], desc=f"{policy} gammas"):
+            spec = jspec.SpecConfig(gamma=g, policy=policy, max_new_tokens=N,
+                                    temperature=_TEMP.value)
+            drafter = jspec.ModelDrafter(draft)
+
+            def spec_all(spec=spec, drafter=drafter):
+                return [jspec.speculative_generate(target, drafter, b, spec) for b in batches]
+
+            outs, t = timed(spec_all, iters)
+            for o, s in zip(outs, serial, strict=True):
+                for r in range(o.tokens.shape[0]):
+                    if o.row(r) != s.row(r):
+                        raise SystemExit(f"PARITY FAILURE: {policy} gamma={g} row {r}")
+            acc = sum(o.stats["accepted"] for o in outs)
+            prop = sum(o.stats["proposed"] for o in outs)
+            # Row-rounds: every live row of every verify call counts one target step.
+            steps = sum(o.stats["tokens"] / o.stats["tokens_per_target_step"] for o in outs)
+            by_pos = np.mean([o.stats["acceptance_by_position"] for o in outs], axis=0)
+            report["runs"].append({
+                "policy": policy, "gamma": g, "acceptance": acc / max(prop, 1),
+                "acceptance_by_position": [round(float(x), 4) for x in by_pos],
+                "tokens_per_target_step": n_tok / max(steps, 1),
+                "tokens_per_s": n_tok / t, "seconds": t, "speedup": t_serial / t,
+                "parity": True})
+            save(report)
+
+
+def run_peers(pair, prompts, jtarget, report, save):
+    try:
+        import torch
+        import transformers
+    except ImportError as e:
+        report["peers"] = {"skipped": f"torch/transformers not importable: {e}"}
+        return
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    dt = {"bfloat16": torch.bfloat16, "float32": torch.float32}[_DTYPE.value]
+    kw = dict(dtype=dt)
+    tgt = transformers.AutoModelForCausalLM.from_pretrained(os.path.join(pair, "target"), **kw)
+    drf = transformers.AutoModelForCausalLM.from_pretrained(os.path.join(pair, "draft"), **kw)
+    tgt, drf = tgt.to(dev).eval(), drf.to(dev).eval()
+    peers = {"device": dev, "torch": torch.__version__,
+             "transformers": transformers.__version__, "runs": []}
+    report["peers"] = peers
+    # Same function? logits gap on the first prompt (bf16 transformers vs jspec's f32 head).
+    x = prompts[0][None]
+    with torch.no_grad():
+        hf = tgt(torch.from_numpy(x).long().to(dev)).logits.float().cpu().numpy()
+    cache = jspec.init_cache(jtarget, batch_size=1, max_len=x.shape[1])
+    js, _ = jspec.forward(jtarget, x, cache)
+    js = np.asarray(js)
+    peers["logits_max_abs_diff"] = float(np.abs(hf - js).max())
+    peers["argmax_agreement"] = float((hf.argmax(-1) == js.argmax(-1)).mean())
+    N, iters = _NEW.value, _ITERS.value
+
+    def sync():
+        if dev == "cuda":
+            torch.cuda.synchronize()
+
+    def gen(**extra):
+        outs = []
+        for p in prompts:
+            ids = torch.from_numpy(p[None]).long().to(dev)
+            with torch.no_grad():
+                o = tgt.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                 max_new_tokens=N, min_new_tokens=N, pad_token_id=0, **extra)
+            outs.append(o[0, ids.shape[1]:].tolist())
+        sync()
+        return outs
+
+    serial, t_serial = timed(gen, iters)
+    n_tok = sum(len(o) for o in serial)
+    peers["serial"] = {"tokens_per_s": n_tok / t_serial, "seconds": t_serial}
+    print(f"transformers serial greedy (batch 1): {n_tok / t_serial:.1f} tokens/s")
+    for g in [int(x) for x in _PEER_GAMMAS.value]:
+        drf.generation_config.num_assistant_tokens = g
+        drf.generation_config.num_assistant_tokens_schedule = "constant"
+        drf.generation_config.assistant_confidence_threshold = 0.0
+        outs, t = timed(lambda: gen(assistant_model=drf), iters)
+        peers["runs"].append({"gamma": g, "tokens_per_s": n_tok / t, "seconds": t,
+                              "speedup": t_serial / t,
+                              "equals_own_serial": outs == serial,
+                              "rows_equal": sum(a == b for a, b in zip(outs, serial,
+                                                                       strict=True))})
+        print(f"transformers assisted gamma={g}: {n_tok / t:.1f} tokens/s, "
+              f"equals its own serial: {outs == serial}")
+        save(report)
+
+
+def main(argv):
+    del argv
+    pair = _PAIR.value or os.path.dirname(default_pair()[0])
+    t0 = time.perf_counter()
+    target = jspec.load_hf(os.path.join(pair, "target"), dtype=_DTYPE.value,
+                           backend=_BACKEND.value)
+    draft = jspec.load_hf(os.path.join(pair, "draft"), dtype=_DTYPE.value,
+                          backend=_BACKEND.value)
+    tok = jspec.load_tokenizer(os.path.join(pair, "target"))
+    prompts = load_prompts(pair, tok)
+    report = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
+              "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv),
+              "pair": os.path.abspath(pair), "backend": _BACKEND.value, "dtype": _DTYPE.value,
+              "prompts": len(prompts), "batch": _BATCH.value, "prompt_len": _PROMPT_LEN.value,
+              "max_new_tokens": _NEW.value, "temperature": _TEMP.value, "iters": _ITERS.value,
+              "serial": [], "runs": []}
+    dev = jax.devices()[0].platform
+    stem = os.path.join(_OUT.value, f"eval_pair_{dev}" + (f"_{_TAG.value}" if _TAG.value else ""))
+    os.makedirs(_OUT.value, exist_ok=True)
+
+    def save(r):
+        with open(stem + ".json", "w") as f:
+            json.dump(r, f, indent=1)
+
+    print(f"{len(prompts)} held-out prompts x {_NEW.value} tokens, batch {_BATCH.value}, "
+          f"{_BACKEND.value}/{_DTYPE.value} on {dev} (load {time.perf_counter() - t0:.1f} s)")
+    run_jspec(target, draft, prompts, report, save)
+    if _PEERS.value:
+        run_peers(pair, prompts, target, report, save)
+    save(report)
+    print_table(report)
+    plot(report, stem)
+    print(f"receipt: {stem}.json, plot: {stem}.png")
+
+
+def print_table(report):
+    base = {s["policy"]: s for s in report["serial"]}
+    print(f"\n{'policy':14s} {'gamma':>5s} {'accept':>6s} {'tok/step':>8s} {'tok/s':>8s} "
+          f"{'serial':>8s} {'speedup':>7s} parity")
+    for r in report["runs"]:
+        print(f"{r['policy']:14s} {r['gamma']:5d} {r['acceptance']:6.3f} "
+              f"{r['tokens_per_target_step']:8.2f} {r['tokens_per_s']:8.1f} "
+              f"{base[r['policy']]['tokens_per_s']:8.1f} {r['speedup']:7.2f} {r['parity']}")
+
+
+def plot(report, stem):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
+    for policy in {r["policy"] for r in report["runs"]}:
+        rs = sorted((r for r in report["runs"] if r["policy"] == policy),
+                    key=lambda r: r["gamma"])
+        gs = [r["gamma"] for r in rs]
+        a1.plot(gs, [r["acceptance"] for r in rs], marker="o", label=policy)
+        a2.plot(gs, [r["speedup"] for r in rs], marker="o", label=policy)
+    a2.axhline(1.0, color="gray", lw=0.8, ls="--")
+    a1.set(xlabel="gamma", ylabel="acceptance rate", title="held-out code prompts")
+    a2.set(xlabel="gamma", ylabel="speedup over serial",
+           title=f"{report['device']}, batch {report['batch']}")
+    a1.legend(fontsize=8)
+    a2.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(stem + ".png", dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,72 @@
+"""The training script's model and export: nnx Qwen3 -> HF dir -> jspec.load_hf."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import jspec
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "experiments"))
+from nnx_qwen3 import PairModelConfig, Qwen3, export_hf, hf_tensors  # noqa: E402
+
+TINY = PairModelConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_layers=2,
+                       num_heads=4, num_kv_heads=2, head_dim=16)
+
+
+def _tokenizer_dir(path, vocab_size):
+    from jspec.tiny import write_tokenizer
+
+    write_tokenizer(path, vocab_size)
+    return path
+
+
+def test_export_loads_in_jspec_with_the_same_logits(tmp_path):
+    model = Qwen3(TINY, nnx.Rngs(params=0))
+    # Non-trivial norms, so a swapped norm name would show.
+    for layer in model.layers:
+        layer.q_norm[...] = layer.q_norm[...] * 1.5
+        layer.mlp_norm[...] = layer.mlp_norm[...] * 0.5
+    tok = _tokenizer_dir(str(tmp_path / "tok"), TINY.vocab_size)
+    path = export_hf(model, str(tmp_path / "m"), tok, dtype="float32")
+    assert json.load(open(os.path.join(path, "config.json")))["model_type"] == "qwen3"
+    tokens = np.random.default_rng(0).integers(0, TINY.vocab_size, (2, 12)).astype(np.int32)
+    want = np.asarray(model(jnp.asarray(tokens)))  # [2, 12, V]
+    for backend in ("xla", "pallas"):
+        m = jspec.load_hf(path, dtype="float32", backend=backend)
+        cache = jspec.init_cache(m, batch_size=2, max_len=32)
+        got, _ = jspec.forward(m, tokens, cache)
+        # A different implementation of the same function: a tolerance, not parity.
+        np.testing.assert_allclose(np.asarray(got), want, rtol=2e-4, atol=2e-4)
+
+
+def test_hf_tensor_names_and_layout():
+    model = Qwen3(TINY, nnx.Rngs(params=1))
+    t = hf_tensors(model)
+    hd, D = TINY.head_dim, TINY.hidden_size
+    assert t["model.layers.0.self_attn.q_proj.weight"].shape == (TINY.num_heads * hd, D)
+    assert t["model.layers.1.self_attn.k_proj.weight"].shape == (TINY.num_kv_heads * hd, D)
+    assert t["model.layers.0.mlp.down_proj.weight"].shape == (D, TINY.intermediate_size)
+    assert "lm_head.weight" not in t  # tied
+    assert sum(v.size for v in t.values()) == TINY.num_params()
+
+
+def test_train_pair_smoke_run(tmp_path):
+    out = tmp_path / "pair"
+    cmd = [sys.executable, os.path.join(ROOT, "experiments", "train_pair.py"), "--preset=cpu",
+           "--models=draft", "--steps=3", "--max_files=12", "--vocab_size=300",
+           "--seq_len=32", "--batch=2", f"--out_dir={out}", f"--workdir={tmp_path / 'work'}"]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    log = json.load(open(out / "train_log.json"))
+    assert log["models"]["draft"]["steps"] == 3
+    assert np.isfinite(log["models"]["draft"]["heldout_loss"])
+    assert os.path.isdir(tmp_path / "work" / "ckpt" / "draft" / "3")  # orbax checkpoint
+    assert json.load(open(out / "heldout_prompts.json"))
+    m = jspec.load_hf(str(out / "draft"))
+    assert m.config.vocab_size == 300 and m.config.num_layers == 2
