@@ -5,13 +5,24 @@ own dot picks its algorithm from the full shape, M included (on CPU, f32
 `jnp.dot` of 1 row differs in the last bits from the same row inside 8 rows),
 so the logits of a token would depend on how many rows were computed with it.
 
-Here the tiling (bm, bn, bk, warps, stages) is a pure function of the weight
-shape, dtype and interpret flag (`matmul_config`). Rows are padded up to bm, so
-M only changes the grid. Each program owns one [bm, bn] output tile and walks K
-from 0 upward in bk-wide blocks inside a `lax.fori_loop`, accumulating in f32;
-no grid axis, atomic or split runs over K, so every output element sees the
-same additions in the same order whatever M is. The f32 result is cast to
-`out_dtype` inside the kernel.
+Here the tiling (bm, bn, bk, warps, stages, split_k) is a pure function of the
+weight shape, dtype and interpret flag (`matmul_config`): a per-shape table
+(`TUNED`, filled from `experiments/sweep_matmul.py` on the GPU) and a default
+rule. Rows are padded up to bm, so M only changes the grid.
+
+split_k == 1 (the default): each program owns one [bm, bn] output tile and
+walks K from 0 upward in bk-wide blocks inside a `lax.fori_loop`, accumulating
+in f32; the f32 result is cast to `out_dtype` inside the kernel.
+
+split_k == s > 1 (rule R2: a split count fixed per weight shape, a fixed
+combine order): K is zero-padded to a multiple of s * bk and cut into s
+contiguous chunks of equal length, so the chunk boundaries depend on K, bk and
+s only. A third grid axis runs over the chunks; program (i, j, c) reduces chunk
+c sequentially in f32 exactly as above and writes the f32 partial p_c of its
+tile to a [s, Mp, Np] buffer. A second Pallas kernel then forms
+((p_0 + p_1) + p_2) + ... + p_{s-1} elementwise, left to right, and casts to
+`out_dtype`. Every output element therefore sees the same additions in the
+same order whatever M is. No atomics, no reduction across rows.
 """
 
 from __future__ import annotations
@@ -41,10 +52,28 @@ class MatmulConfig:
     bk: int  # K elements per step of the sequential K loop
     num_warps: int
     num_stages: int
+    split_k: int = 1  # fixed number of contiguous K chunks (1: no split)
+
+    def __post_init__(self):
+        for name in ("bm", "bn", "bk"):
+            t = getattr(self, name)
+            if t < 16 or t & (t - 1):
+                raise ValueError(f"MatmulConfig.{name}={t} must be a power of 2 >= 16")
+        if self.split_k < 1 or self.num_warps < 1 or self.num_stages < 1:
+            raise ValueError(f"MatmulConfig needs split_k, num_warps, num_stages >= 1: {self}")
 
 
-def matmul_config(K: int, N: int, dtype, interpret: bool) -> MatmulConfig:
-    """Tiles for a [K, N] weight; deliberately takes no M."""
+# Per-weight-shape GPU tiles, keyed by (K, N, dtype name), e.g.
+#   (4096, 4096, "bfloat16"): MatmulConfig(bm=16, bn=32, bk=128, num_warps=4,
+#                                          num_stages=4, split_k=2),
+# Entries come from `experiments/sweep_matmul.py` on the target GPU, which also
+# checks each winner's bits for row invariance there. Shapes not listed use the
+# default rule. Interpret mode (CPU) has its own rule and ignores the table.
+TUNED: dict[tuple[int, int, str], MatmulConfig] = {}
+
+
+def default_matmul_config(K: int, N: int, dtype, interpret: bool) -> MatmulConfig:
+    """The rule used for shapes that have no `TUNED` entry; takes no M either."""
     if interpret:
         # Few, large grid steps: the interpreter pays per step, not per FLOP.
         return MatmulConfig(
@@ -58,9 +87,18 @@ def matmul_config(K: int, N: int, dtype, interpret: bool) -> MatmulConfig:
     )
 
 
-def _matmul_kernel(x_ref, w_ref, o_ref, *, bk: int, nk: int):
-    # x_ref [bm, Kp], w_ref [Kp, bn], o_ref [bm, bn]
-    bm, bn = o_ref.shape
+def matmul_config(K: int, N: int, dtype, interpret: bool) -> MatmulConfig:
+    """Tiles for a [K, N] weight; deliberately takes no M."""
+    if not interpret:
+        tuned = TUNED.get((K, N, jnp.dtype(dtype).name))
+        if tuned is not None:
+            return tuned
+    return default_matmul_config(K, N, dtype, interpret)
+
+
+def _k_loop(x_ref, w_ref, *, bk: int, nk: int):
+    """f32 sum over k = 0, 1, ..., nk-1 of x_ref[:, k-th bk block] @ w_ref[k-th bk block, :]."""
+    bm, bn = x_ref.shape[0], w_ref.shape[1]
 
     def step(k, acc):  # acc [bm, bn] f32
         xs = x_ref[:, pl.ds(k * bk, bk)]  # [bm, bk]
@@ -71,7 +109,20 @@ def _matmul_kernel(x_ref, w_ref, o_ref, *, bk: int, nk: int):
         return acc + prod
 
     # Sequential k = 0, 1, ..., nk-1: the order of the K sum is fixed.
-    acc = lax.fori_loop(0, nk, step, jnp.zeros((bm, bn), jnp.float32))
+    return lax.fori_loop(0, nk, step, jnp.zeros((bm, bn), jnp.float32))
+
+
+def _matmul_kernel(x_ref, w_ref, o_ref, *, bk: int, nk: int):
+    # x_ref [bm, Kp] (split: [bm, Kp / s]), w_ref [Kp, bn] (split: [Kp / s, bn]),
+    # o_ref [bm, bn]: the tile itself, or chunk c's f32 partial of it.
+    o_ref[...] = _k_loop(x_ref, w_ref, bk=bk, nk=nk).astype(o_ref.dtype)
+
+
+def _combine_kernel(p_ref, o_ref, *, splits: int):
+    # p_ref [s, bm, bn] f32 partials, o_ref [bm, bn]: ((p0 + p1) + p2) + ..., unrolled.
+    acc = p_ref[0]
+    for c in range(1, splits):
+        acc = acc + p_ref[c]
     o_ref[...] = acc.astype(o_ref.dtype)
 
 
@@ -83,35 +134,79 @@ def _check_shapes(x: jax.Array, w: jax.Array) -> None:
     check_float("x", x)
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype", "interpret"))
-def matmul(x: jax.Array, w: jax.Array, *, out_dtype=None, interpret: bool = False) -> jax.Array:
-    """x [M, K] @ w [K, N] -> [M, N] in out_dtype (default float32)."""
+@functools.partial(jax.jit, static_argnames=("out_dtype", "interpret", "config"))
+def matmul(
+    x: jax.Array,
+    w: jax.Array,
+    *,
+    out_dtype=None,
+    interpret: bool = False,
+    config: MatmulConfig | None = None,
+) -> jax.Array:
+    """x [M, K] @ w [K, N] -> [M, N] in out_dtype (default float32).
+
+    `config` overrides `matmul_config(K, N, ...)` (the model never passes it; the
+    tuning sweep and the tests do). Any fixed config is row-invariant, but two
+    configs give different bits, so one weight must always use one config.
+    """
     _check_shapes(x, w)
     out_dtype = jnp.dtype(jnp.float32 if out_dtype is None else out_dtype)
     m, k = x.shape
     n = w.shape[1]
-    cfg = matmul_config(k, n, w.dtype, interpret)
+    cfg = matmul_config(k, n, w.dtype, interpret) if config is None else config
+    s = cfg.split_k
 
-    # Zero padding: extra K terms add exact zeros at the end of the sum; extra
-    # rows/columns are sliced away.
-    kp = round_up(k, cfg.bk)
+    # Zero padding: extra K terms add exact zeros at the end of the (last chunk's)
+    # sum; extra rows/columns are sliced away.
+    kp = round_up(k, s * cfg.bk)
+    kc = kp // s  # K elements per chunk
     xp = pad_rows(pad_axis(x, 1, kp), cfg.bm)  # [Mp, Kp]
     wp = pad_axis(pad_axis(w, 0, kp), 1, round_up(n, cfg.bn))  # [Kp, Np]
     mp, np_ = xp.shape[0], wp.shape[1]
+    kernel = functools.partial(_matmul_kernel, bk=cfg.bk, nk=kc // cfg.bk)
+    params = triton_params(cfg.num_warps, cfg.num_stages)
 
-    out = pl.pallas_call(
-        functools.partial(_matmul_kernel, bk=cfg.bk, nk=kp // cfg.bk),
-        out_shape=jax.ShapeDtypeStruct((mp, np_), out_dtype),
-        grid=(mp // cfg.bm, np_ // cfg.bn),
+    if s == 1:
+        out = pl.pallas_call(
+            kernel,
+            out_shape=jax.ShapeDtypeStruct((mp, np_), out_dtype),
+            grid=(mp // cfg.bm, np_ // cfg.bn),
+            in_specs=[
+                pl.BlockSpec((cfg.bm, kp), lambda i, j: (i, 0)),
+                pl.BlockSpec((kp, cfg.bn), lambda i, j: (0, j)),
+            ],
+            out_specs=pl.BlockSpec((cfg.bm, cfg.bn), lambda i, j: (i, j)),
+            compiler_params=params,
+            interpret=interpret,
+            name="jspec_matmul",
+        )(xp, wp)
+        return out[:m, :n]
+
+    partials = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((s, mp, np_), jnp.float32),
+        grid=(mp // cfg.bm, np_ // cfg.bn, s),
         in_specs=[
-            pl.BlockSpec((cfg.bm, kp), lambda i, j: (i, 0)),
-            pl.BlockSpec((kp, cfg.bn), lambda i, j: (0, j)),
+            pl.BlockSpec((cfg.bm, kc), lambda i, j, c: (i, c)),
+            pl.BlockSpec((kc, cfg.bn), lambda i, j, c: (c, j)),
         ],
-        out_specs=pl.BlockSpec((cfg.bm, cfg.bn), lambda i, j: (i, j)),
-        compiler_params=triton_params(cfg.num_warps, cfg.num_stages),
+        out_specs=pl.BlockSpec((None, cfg.bm, cfg.bn), lambda i, j, c: (c, i, j)),
+        compiler_params=params,
         interpret=interpret,
-        name="jspec_matmul",
+        name="jspec_matmul_splitk",
     )(xp, wp)
+    # The combine is elementwise, so its column tile only sets the launch size.
+    bnc = pow2_tile(np_, cfg.bn, max(cfg.bn, 1024))
+    out = pl.pallas_call(
+        functools.partial(_combine_kernel, splits=s),
+        out_shape=jax.ShapeDtypeStruct((mp, np_), out_dtype),
+        grid=(mp // cfg.bm, np_ // bnc),
+        in_specs=[pl.BlockSpec((s, cfg.bm, bnc), lambda i, j: (0, i, j))],
+        out_specs=pl.BlockSpec((cfg.bm, bnc), lambda i, j: (i, j)),
+        compiler_params=triton_params(4, 1),
+        interpret=interpret,
+        name="jspec_matmul_combine",
+    )(partials)
     return out[:m, :n]
 
 

@@ -11,8 +11,12 @@ Runs on CPU with interpret=True. JSPEC_PALLAS_INTERPRET=0 runs the same tests co
 (Triton) on a GPU.
 """
 
+import dataclasses
 import inspect
+import json
 import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +39,7 @@ from pallas_kernels import (
     softcap_reference,
 )
 from pallas_kernels._common import next_pow2, pow2_tile
+from pallas_kernels.matmul import TUNED, MatmulConfig, default_matmul_config
 from pallas_kernels.rmsnorm import rmsnorm_config
 
 INTERPRET = os.environ.get("JSPEC_PALLAS_INTERPRET", "1") != "0"
@@ -152,6 +157,88 @@ def test_matmul_config_depends_on_weight_shape_only():
                     assert t == next_pow2(t) and t >= 16, cfg
     gpu = matmul_config(4096, 4096, jnp.bfloat16, False)
     assert (gpu.bm, gpu.num_warps) == (16, 4) and 64 <= gpu.bk <= 128 and gpu.num_stages >= 3
+
+
+def test_matmul_config_has_no_m_and_defaults_to_no_split():
+    for fn in (matmul_config, default_matmul_config):
+        assert list(inspect.signature(fn).parameters) == ["K", "N", "dtype", "interpret"]
+    for interpret in (True, False):
+        for k, n in [(64, 48), (4096, 4096), (12288, 4096), (4096, 151936)]:
+            assert default_matmul_config(k, n, jnp.bfloat16, interpret).split_k == 1
+    for key, cfg in TUNED.items():  # the table itself: (K, N, dtype name) -> config
+        assert len(key) == 3 and isinstance(cfg, MatmulConfig) and cfg.bm == 16, (key, cfg)
+    with pytest.raises(ValueError, match="bn=48"):
+        MatmulConfig(bm=16, bn=48, bk=64, num_warps=4, num_stages=2)
+    with pytest.raises(ValueError, match="split_k"):
+        MatmulConfig(bm=16, bn=64, bk=64, num_warps=4, num_stages=2, split_k=0)
+
+
+def test_tuned_entry_is_used(monkeypatch):
+    k, n = 272, 208  # a shape no other test traces (jit caches traces by shape)
+    tuned = MatmulConfig(bm=16, bn=16, bk=32, num_warps=2, num_stages=3, split_k=3)
+    monkeypatch.setitem(TUNED, (k, n, "float32"), tuned)
+    assert matmul_config(k, n, jnp.float32, False) == tuned
+    assert matmul_config(k, n, jnp.bfloat16, False) == default_matmul_config(
+        k, n, jnp.bfloat16, False)  # keyed by dtype too
+    assert matmul_config(k, n, jnp.float32, True) == default_matmul_config(
+        k, n, jnp.float32, True)  # interpret mode keeps its own rule
+    # The GPU kernel (traced, not run) takes the entry: a split-K call with 3 chunks.
+    x, w = jnp.zeros((5, k), jnp.float32), jnp.zeros((k, n), jnp.float32)
+    jaxpr = str(jax.make_jaxpr(lambda x, w: matmul(x, w))(x, w))
+    assert "jspec_matmul_splitk" in jaxpr and "jspec_matmul_combine" in jaxpr
+
+
+SPLIT = MatmulConfig(bm=16, bn=64, bk=64, num_warps=4, num_stages=2, split_k=3)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_split_k_matmul_row_invariant_and_close(dtype):
+    # K = 1000 is no multiple of split_k * bk = 192: the last chunk ends in zero padding.
+    k, n = 1000, 300
+    rng = np.random.default_rng(7)
+    x = _rand(rng, (ROW_TOTAL, k), dtype)
+    w = _rand(rng, (k, n), dtype, scale=k**-0.5)
+    fn = lambda x: matmul(x, w, interpret=INTERPRET, config=SPLIT)  # noqa: E731
+    full = fn(x)
+    np.testing.assert_allclose(np.asarray(full), np.asarray(matmul_reference(x, w)),
+                               rtol=1e-4, atol=1e-4)
+    for i in range(ROW_TOTAL):  # M = 1
+        _same_bits(fn(x[i : i + 1])[0], full[i], f"split-K row {i} alone vs in {ROW_TOTAL}")
+    for m in (3, 16):
+        for off in (0, ROW_TOTAL - m):
+            _same_bits(fn(x[off : off + m]), full[off : off + m], f"split-K rows {off}+{m}")
+    bf16 = matmul(x[:3], w, out_dtype=jnp.bfloat16, interpret=INTERPRET, config=SPLIT)
+    _same_bits(bf16, full[:3].astype(jnp.bfloat16), "split-K out_dtype")
+
+
+def test_split_k_combines_chunk_partials_left_to_right():
+    # Chunk c of K (boundaries from K, bk and split_k only) reduced alone by the unsplit
+    # kernel gives the partial p_c bitwise; the result is ((p0 + p1) + p2) in f32.
+    k, n, s = 1000, 300, SPLIT.split_k
+    kc = -(-k // (s * SPLIT.bk)) * SPLIT.bk  # 384: chunks [0, 384) [384, 768) [768, 1000)
+    rng = np.random.default_rng(8)
+    x, w = _rand(rng, (5, k)), _rand(rng, (k, n), scale=k**-0.5)
+    one = dataclasses.replace(SPLIT, split_k=1)
+    parts = [np.asarray(matmul(x[:, c * kc : (c + 1) * kc], w[c * kc : (c + 1) * kc],
+                               interpret=INTERPRET, config=one)) for c in range(s)]
+    want = (parts[0] + parts[1]) + parts[2]
+    _same_bits(matmul(x, w, interpret=INTERPRET, config=SPLIT), want, "split-K combine order")
+
+
+def test_sweep_matmul_cli_smoke(tmp_path):
+    # Interpret-mode smoke run of the GPU tuning sweep (its timings mean nothing here).
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cmd = [sys.executable, os.path.join(root, "experiments", "sweep_matmul.py"), "--interpret",
+           "--presets=qwen3-0.6b", "--shapes=wo", "--rows=1,3", "--max_candidates=2",
+           "--finalists=0", "--iters=1", "--reps=1", f"--out={tmp_path}"]
+    r = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "TUNED: dict[tuple[int, int, str], MatmulConfig] = {" in r.stdout
+    with open(tmp_path / "sweep_matmul.json") as f:
+        [shape] = json.load(f)["shapes"]
+    assert (shape["K"], shape["N"]) == (2048, 1024) and shape["row_invariant"] is True
+    splits = [c for c in shape["candidates"] if c["config"]["split_k"] > 1]
+    assert splits and all(set(c["us"]) == {"1", "3"} for c in splits), shape["candidates"]
 
 
 def test_pow2_tile_prefers_divisors():

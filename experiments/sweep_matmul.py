@@ -1,0 +1,330 @@
+"""Per-weight-shape tuning of the row-invariant matmul: candidates for `TUNED`.
+
+  python experiments/sweep_matmul.py                       # qwen3-8b + qwen3-0.6b, M=1,8,16
+  python experiments/sweep_matmul.py --interpret --presets=tiny-qwen3 --shapes=wo \
+      --rows=1,3 --max_candidates=2 --iters=1 --reps=2     # CPU smoke run
+
+For each weight of the presets (fused wqkv, wo, fused gate/up, down, lm head;
+real shapes, random bf16 values) it times GPU tile configurations of
+`pallas_kernels.matmul` (bm 16; bn, bk, warps, stages, fixed split-K) at every
+row count in --rows. A config must not depend on M (rule R1), so the winner is
+the config with the smallest SUM of times over the row counts. To keep the run
+short, every candidate is timed at the largest row count first and only the
+--finalists best (plus the default rule) are timed at the other row counts.
+Configs that fail to compile (e.g. too much shared memory) are recorded.
+
+Each timed call is one jitted loop of --reps dependent launches; the time is the
+median of --iters calls after warm-up, each ended by `block_until_ready`.
+For each shape's winner it checks row invariance on the device, bitwise: each
+of the first max(rows) rows computed alone (M=1) equals the same row computed
+inside every M of --rows. Writes a JSON receipt under --out after every shape,
+prints a table and a ready-to-paste `TUNED` dict literal (winners that are
+row-invariant, differ from the default rule and beat it by --min_gain).
+Timings under --interpret mean nothing; that mode only smoke-tests the script.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from jspec.random_model import preset_config  # noqa: E402
+from pallas_kernels._common import round_up  # noqa: E402
+from pallas_kernels.matmul import (  # noqa: E402
+    MatmulConfig,
+    default_matmul_config,
+    matmul,
+    matmul_config,
+)
+
+_PRESETS = flags.DEFINE_list("presets", ["qwen3-8b", "qwen3-0.6b"], "model shape presets")
+_SHAPES = flags.DEFINE_list("shapes", ["wo", "w_down", "wqkv", "w_gate_up", "lm_head"],
+                            "weights to tune, in this order")
+_ROWS = flags.DEFINE_list("rows", ["1", "8", "16"], "row counts M; the winner minimises the sum")
+_DTYPE = flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "weight dtype")
+_MAX_CANDIDATES = flags.DEFINE_integer("max_candidates", 16, "candidate configs per shape")
+_FINALISTS = flags.DEFINE_integer(
+    "finalists", 4, "candidates timed at every M (0: all of them)")
+_ITERS = flags.DEFINE_integer("iters", 5, "timed calls per measurement (median)")
+_REPS = flags.DEFINE_integer("reps", 20, "kernel launches per timed call")
+_SMS = flags.DEFINE_integer("sms", 132, "streaming multiprocessors (H200: 132)")
+_MIN_GAIN = flags.DEFINE_float("min_gain", 0.03, "min. relative gain over the default rule")
+_BUDGET = flags.DEFINE_float("budget_s", 220.0, "no new shape is started after this many s")
+_OUT = flags.DEFINE_string("out", os.environ.get("OUT", "experiments/results"), "receipt dir")
+_TAG = flags.DEFINE_string("tag", "", "receipt name suffix")
+_INTERPRET = flags.DEFINE_bool("interpret", False, "CPU smoke run (timings mean nothing)")
+
+BM = 16  # decode rows; the row tile stays 16 (R1 forbids tying it to M)
+SMEM_LIMIT = 200 * 1024  # H200 allows 227 KiB per block; keep some headroom
+
+# (bn, bk, num_warps, num_stages, split_k), most promising first for a
+# memory-bound decode (M <= 16): more programs for N = 4096 weights (bn 32,
+# split-K), deeper K pipelining (bk x stages), and a few warp counts.
+HAND_LIST: tuple[tuple[int, int, int, int, int], ...] = (
+    (32, 128, 4, 4, 1),
+    (64, 128, 4, 4, 2),
+    (32, 128, 4, 4, 2),
+    (64, 256, 4, 3, 1),
+    (32, 256, 4, 3, 1),
+    (64, 128, 4, 4, 4),
+    (128, 128, 4, 4, 2),
+    (128, 128, 4, 4, 1),
+    (64, 256, 4, 3, 2),
+    (128, 128, 4, 4, 4),
+    (64, 128, 2, 5, 1),
+    (32, 128, 2, 5, 2),
+    (64, 128, 8, 4, 1),
+    (128, 256, 8, 3, 1),
+    (16, 256, 2, 4, 1),
+    (64, 64, 4, 5, 1),
+    (128, 64, 4, 5, 1),
+    (32, 64, 2, 5, 4),
+    (128, 256, 8, 3, 2),
+    (64, 128, 4, 2, 1),
+    (32, 128, 4, 4, 4),
+    (16, 128, 2, 4, 2),
+    (16, 128, 2, 4, 4),
+)
+
+
+def weight_shapes(preset: str) -> dict[str, tuple[int, int]]:
+    """[K, N] of each matmul weight of a preset, as jspec.random_model lays them out."""
+    c = preset_config(preset, num_layers=1)
+    D, F, V = c.hidden_size, c.intermediate_size, c.vocab_size
+    return {"wqkv": (D, c.q_size + 2 * c.kv_size), "wo": (c.q_size, D),
+            "w_gate_up": (D, 2 * F), "w_down": (F, D), "lm_head": (D, V)}
+
+
+def candidates(K: int, N: int, dtype, limit: int, sms: int) -> list[MatmulConfig]:
+    """The default rule, the current table entry, then HAND_LIST entries that make sense
+    for [K, N]: shared memory within the limit, at least 2 K steps per program (else
+    pipelining has nothing to overlap), at most 1/8 K padding, no split-K where the
+    output tiles alone already give 4 programs per SM, no tile wider than N needs.
+    Entries whose programs (at M <= 16) fill less than 3/4 of their last wave of SMs go
+    after the others; otherwise HAND_LIST order is kept."""
+    item = jnp.dtype(dtype).itemsize
+    out = [default_matmul_config(K, N, dtype, False)]
+    current = matmul_config(K, N, dtype, False)
+    if current not in out:
+        out.append(current)
+    pool = []
+    for bn, bk, warps, stages, s in HAND_LIST:
+        cfg = MatmulConfig(bm=BM, bn=bn, bk=bk, num_warps=warps, num_stages=stages, split_k=s)
+        kp = round_up(K, s * bk)
+        if (cfg in out or stages * (BM * bk + bk * bn) * item > SMEM_LIMIT
+                or kp // (s * bk) < 2 or kp - K > K // 8
+                or (s > 1 and math.ceil(N / bn) >= 4 * sms) or bn > max(16, N)):
+            continue
+        programs = math.ceil(N / bn) * s
+        fill = programs / (math.ceil(programs / sms) * sms)
+        pool.append((fill < 0.75, len(pool), cfg))
+    out += [cfg for *_, cfg in sorted(pool)]
+    return out[:max(limit, 1)]
+
+
+def median_time(fn, *args, iters: int) -> float:
+    for _ in range(2):
+        jax.block_until_ready(fn(*args))
+    ts = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def looped(cfg: MatmulConfig, out_dtype, reps: int, interpret: bool):
+    """reps dependent launches in one jitted loop (the carry feeds the next input)."""
+
+    def run(x, w):
+        def body(_, c):
+            y = matmul(x + c.astype(x.dtype), w, out_dtype=out_dtype, interpret=interpret,
+                       config=cfg)
+            return c + y[0, 0].astype(jnp.float32) * 0.0
+
+        return jax.lax.fori_loop(0, reps, body, jnp.float32(0.0))
+
+    return jax.jit(run)
+
+
+def time_config(cfg, x, w, out_dtype) -> dict:
+    """Compile (AOT, so compile time is separate) and time one config at x's M."""
+    t0 = time.perf_counter()
+    try:
+        fn = looped(cfg, out_dtype, _REPS.value, _INTERPRET.value).lower(x, w).compile()
+        compile_s = time.perf_counter() - t0
+        t = median_time(fn, x, w, iters=_ITERS.value) / _REPS.value
+    except Exception as e:  # noqa: BLE001 - a config that cannot compile/run is a result
+        return {"error": f"{type(e).__name__}: {str(e)[:400]}",
+                "compile_s": time.perf_counter() - t0}
+    return {"us": t * 1e6, "compile_s": compile_s}
+
+
+def bits(a) -> np.ndarray:
+    a = np.asarray(a)
+    return a.view(np.uint16 if a.dtype.itemsize == 2 else np.uint32)
+
+
+def row_invariant(cfg, w, out_dtype, rows: list[int], seed: int) -> bool:
+    """Bitwise, on the device: row i alone (M=1) == row i inside each M of rows."""
+    m = max(rows)
+    x = jax.random.normal(jax.random.key(seed), (m, w.shape[0]), jnp.float32).astype(w.dtype)
+    f = lambda a: matmul(a, w, out_dtype=out_dtype, interpret=_INTERPRET.value, config=cfg)
+    singles = np.stack([bits(f(x[i : i + 1]))[0] for i in range(m)])
+    return all(np.array_equal(bits(f(x[:r])), singles[:r]) for r in rows)
+
+
+def copy_bandwidth(iters: int) -> float:
+    """Bytes read + written per second by a large device-to-device copy."""
+    n = 1 << 30 if not _INTERPRET.value else 1 << 20
+    x = jnp.arange(n, dtype=jnp.float32)
+    t = median_time(jax.jit(lambda a: a + 1.0), x, iters=iters)
+    del x
+    return 2 * 4 * n / t
+
+
+def cfg_str(c: MatmulConfig) -> str:
+    return f"bn{c.bn} bk{c.bk} w{c.num_warps} s{c.num_stages} k{c.split_k}"
+
+
+def sweep_shape(name, K, N, dtype, rows, bw, seed) -> dict:
+    out_dtype = jnp.float32 if name.endswith("lm_head") else dtype
+    w = (jax.random.normal(jax.random.key(seed), (K, N), jnp.float32) * K**-0.5).astype(dtype)
+    xs = {m: jax.random.normal(jax.random.key(seed + m), (m, K), jnp.float32).astype(dtype)
+          for m in rows}
+    cands = candidates(K, N, dtype, _MAX_CANDIDATES.value, _SMS.value)
+    results = [{"config": dataclasses.asdict(c), "us": {}, "compile_s": 0.0} for c in cands]
+
+    def run(i, m):
+        r = time_config(cands[i], xs[m], w, out_dtype)
+        results[i]["compile_s"] += r["compile_s"]
+        if "error" in r:
+            results[i]["error"] = r["error"]
+        else:
+            results[i]["us"][m] = r["us"]
+
+    first = max(rows)  # largest M first: every candidate
+    for i in range(len(cands)):
+        run(i, first)
+    ok = [i for i in range(len(cands)) if first in results[i]["us"]]
+    ok.sort(key=lambda i: results[i]["us"][first])
+    n_fin = len(ok) if _FINALISTS.value <= 0 else _FINALISTS.value
+    finalists = sorted(set(ok[:n_fin]) | ({0} & set(ok)))
+    for i in finalists:
+        for m in rows:
+            if m != first and "error" not in results[i]:
+                run(i, m)
+    full = [i for i in finalists if len(results[i]["us"]) == len(rows)]
+    for i in full:
+        results[i]["sum_us"] = sum(results[i]["us"].values())
+    report = {"name": name, "K": K, "N": N, "dtype": jnp.dtype(dtype).name,
+              "out_dtype": jnp.dtype(out_dtype).name, "rows": rows, "candidates": results,
+              "weight_bytes": w.size * w.dtype.itemsize}
+    if not full:
+        report["error"] = "no candidate ran at every M"
+        return report
+    best = min(full, key=lambda i: results[i]["sum_us"])
+    wb = w.size * w.dtype.itemsize
+    best_us = results[best]["us"]
+    report |= {
+        "default": results[0] if 0 in full else None,
+        "best": results[best],
+        "best_is_default": best == 0,
+        "gain": (results[0]["sum_us"] / results[best]["sum_us"] - 1.0) if 0 in full else None,
+        "best_GBps": {m: wb / (best_us[m] * 1e-6) / 1e9 for m in rows},
+        "best_frac_of_copy": {m: wb / (best_us[m] * 1e-6) / bw for m in rows},
+        "row_invariant": row_invariant(cands[best], w, out_dtype, rows, seed + 1000),
+    }
+    return report
+
+
+def tuned_literal(reports, rows) -> str:
+    lines = ["TUNED: dict[tuple[int, int, str], MatmulConfig] = {"]
+    for r in reports:
+        if "best" not in r or r["best_is_default"] or not r["row_invariant"]:
+            continue
+        if r["gain"] is not None and r["gain"] < _MIN_GAIN.value:
+            continue
+        c = MatmulConfig(**r["best"]["config"])
+        d = r["default"]["sum_us"] if r["default"] else float("nan")
+        lines.append(f"    # {r['name']}: {d:.1f} -> {r['best']['sum_us']:.1f} us "
+                     f"(sum over M={','.join(map(str, rows))})")
+        lines.append(f"    ({r['K']}, {r['N']}, \"{r['dtype']}\"): {c!r},")
+    lines.append("}")
+    return "\n".join(lines)
+
+
+def main(argv):
+    del argv
+    t_start = time.perf_counter()
+    rows = sorted({int(r) for r in _ROWS.value})
+    dtype = jnp.dtype(_DTYPE.value)
+    bw = copy_bandwidth(max(_ITERS.value, 3))
+    dev = jax.devices()[0].device_kind
+    print(f"device {dev}, jax {jax.__version__}, copy {bw / 1e12:.2f} TB/s, rows {rows}")
+    todo, seen = [], set()
+    for p in _PRESETS.value:
+        shapes = weight_shapes(p)
+        for s in _SHAPES.value:
+            K, N = shapes[s]
+            if (K, N) not in seen:
+                seen.add((K, N))
+                todo.append((f"{p} {s}", K, N))
+    receipt = {"device": dev, "jax": jax.__version__, "date": time.strftime("%Y-%m-%d"),
+               "copy_TBps": bw / 1e12, "rows": rows, "reps": _REPS.value,
+               "iters": _ITERS.value, "finalists": _FINALISTS.value, "interpret":
+               _INTERPRET.value, "shapes": [], "skipped": []}
+    os.makedirs(_OUT.value, exist_ok=True)
+    tag = f"_{_TAG.value}" if _TAG.value else ""
+    path = os.path.join(_OUT.value, f"sweep_matmul{tag}.json")
+    for n, (name, K, N) in enumerate(todo):
+        if time.perf_counter() - t_start > _BUDGET.value:
+            receipt["skipped"].append(name)
+            continue
+        t0 = time.perf_counter()
+        r = sweep_shape(name, K, N, dtype, rows, bw, seed=17 * n)
+        r["wall_s"] = time.perf_counter() - t0
+        receipt["shapes"].append(r)
+        receipt["elapsed_s"] = time.perf_counter() - t_start
+        with open(path, "w") as f:
+            json.dump(receipt, f, indent=1)
+        errs = sum("error" in c for c in r["candidates"])
+        best = cfg_str(MatmulConfig(**r["best"]["config"])) if "best" in r else r.get("error")
+        print(f"[{receipt['elapsed_s']:6.1f}s] {name} [{K}, {N}]: {len(r['candidates'])} "
+              f"candidates, {errs} failed, best {best}", flush=True)
+
+    hdr = "  ".join(f"M={m:<3d} us" for m in rows)
+    print(f"\n{'weight':22s} {'[K, N]':>14s} {'default us':>10s} {'best config':26s} "
+          f"{'gain':>6s} {hdr}  {'GB/s@' + str(rows[0]):>9s} {'%copy':>5s} inv")
+    for r in receipt["shapes"]:
+        if "best" not in r:
+            print(f"{r['name']:22s} {r.get('error')}")
+            continue
+        b = r["best"]
+        d = f"{r['default']['sum_us']:.1f}" if r["default"] else "failed"
+        g = f"{100 * r['gain']:+.0f}%" if r["gain"] is not None else "-"
+        ts = "  ".join(f"{b['us'][m]:9.1f}" for m in rows)
+        print(f"{r['name']:22s} {str((r['K'], r['N'])):>14s} {d:>10s} "
+              f"{cfg_str(MatmulConfig(**b['config'])):26s} {g:>6s} {ts}  "
+              f"{r['best_GBps'][rows[0]]:9.0f} {100 * r['best_frac_of_copy'][rows[0]]:5.0f} "
+              f"{'yes' if r['row_invariant'] else 'NO'}")
+    if receipt["skipped"]:
+        print(f"skipped (over --budget_s): {', '.join(receipt['skipped'])}")
+    print(f"(default us / best: sums over M; {time.perf_counter() - t_start:.0f} s in all)")
+    print("\n" + tuned_literal(receipt["shapes"], rows))
+    print(f"receipt: {path}")
+
+
+if __name__ == "__main__":
+    app.run(main)
