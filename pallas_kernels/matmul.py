@@ -69,6 +69,7 @@ class MatmulConfig:
 # Entries come from `experiments/sweep_matmul.py` on the target GPU, which also
 # checks each winner's bits for row invariance there. Shapes not listed use the
 # default rule. Interpret mode (CPU) has its own rule and ignores the table.
+# The table is read when `matmul` is traced: fill it before the first call.
 TUNED: dict[tuple[int, int, str], MatmulConfig] = {}
 
 
