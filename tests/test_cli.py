@@ -1,5 +1,6 @@
 """The command-line entry points run end to end (tiny model made on the fly)."""
 
+import json
 import os
 import subprocess
 import sys
@@ -26,3 +27,20 @@ def test_speculative_cli_checks_parity(policy):
              f"--config.policy={policy}")
     assert r.returncode == 0, r.stderr[-2000:]
     assert "PARITY: OK" in r.stdout and "acceptance" in r.stdout
+
+
+def test_bench_e2e_smoke(tmp_path):
+    r = _run("bench_e2e.py", "--target=tiny-qwen3", "--draft=tiny-qwen3:1", "--batches=1",
+             "--prompt_len=16", "--max_new_tokens=8", "--gammas=2", "--accept=0.8", "--iters=1",
+             "--nopeers", f"--out={tmp_path}")
+    assert r.returncode == 0, r.stderr[-2000:]
+    with open(tmp_path / "bench_e2e.json") as f:
+        rep = json.load(f)
+    assert rep["complete"] and rep["copy_TBps"] > 0 and rep["peers"]["skipped"] == "--nopeers"
+    assert {(s["backend"], s["batch"]) for s in rep["serial"]} == {("pallas", 1), ("xla", 1)}
+    assert all(s["roofline_tokens_per_s"] > 0 for s in rep["serial"])
+    assert {(s["drafter"], s["gamma"]) for s in rep["speculative"]} == {("oracle", 2),
+                                                                        ("lookup", 2)}
+    assert all(s["parity"] for s in rep["speculative"])
+    for name in ("speedup_vs_gamma", "tokens_per_s_vs_acceptance"):
+        assert (tmp_path / f"bench_e2e_{name}.png").exists()

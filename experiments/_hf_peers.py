@@ -1,0 +1,217 @@
+"""transformers peers for bench_e2e: a jspec model's weights as a Hugging Face model.
+
+`hf_config_dict` and `hf_tensors` invert `jspec.loading` exactly: the fused
+`wqkv` and `w_gate_up` are split back into q/k/v and gate/up, `[in, out]`
+weights are transposed to HF's `[out, in]`, norms are renamed per family, and a
+tied LM head (a transposed copy of the embedding in jspec) is left out, as HF
+checkpoints do. `save_hf_dir` writes a checkpoint directory that `jspec.load_hf`
+reads back bitwise; `build_hf_model` copies the weights straight into a
+transformers model on a device, one tensor at a time.
+
+Only numpy is imported here; torch and transformers are imported by the
+functions that need them, so the converter runs where torch is absent.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable, Iterator
+
+import numpy as np
+
+ARCHITECTURES = {"llama": ("llama", "LlamaForCausalLM"), "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+                 "gemma3": ("gemma3_text", "Gemma3ForCausalLM")}
+
+
+def _rope(spec) -> dict:
+    if spec.llama3 is None:
+        return {"rope_type": "default", "rope_theta": spec.theta}
+    factor, low, high, old_len = spec.llama3
+    return {"rope_type": "llama3", "rope_theta": spec.theta, "factor": factor,
+            "low_freq_factor": low, "high_freq_factor": high,
+            "original_max_position_embeddings": old_len}
+
+
+def hf_config_dict(cfg) -> dict:
+    """config.json contents for a jspec `ModelConfig` (from_hf_config's inverse)."""
+    if cfg.family not in ARCHITECTURES:
+        raise ValueError(f"no HF architecture for family {cfg.family!r}")
+    model_type, arch = ARCHITECTURES[cfg.family]
+    d = {"architectures": [arch], "model_type": model_type, "vocab_size": cfg.vocab_size,
+         "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+         "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
+         "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
+         "rms_norm_eps": cfg.rms_eps, "tie_word_embeddings": cfg.tie_embeddings,
+         "max_position_embeddings": cfg.max_position, "attention_bias": False,
+         "dtype": cfg.dtype, "bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
+    if cfg.family in ("llama", "qwen3"):
+        if abs(cfg.attn_scale - cfg.head_dim**-0.5) > 0:
+            raise ValueError(f"{cfg.family}: attn_scale {cfg.attn_scale} != head_dim**-0.5")
+        d |= {"hidden_act": "silu", "rope_parameters": _rope(cfg.rope)}
+        if cfg.family == "llama":
+            d["mlp_bias"] = False
+        else:
+            d["use_sliding_window"] = False
+        return d
+    # gemma3_text: the embedding scale is always sqrt(hidden) in transformers.
+    if cfg.embed_scale != float(cfg.hidden_size) ** 0.5:
+        raise ValueError(f"gemma3: embed_scale {cfg.embed_scale} != sqrt(hidden_size); "
+                         "transformers cannot express it")
+    scalar = cfg.attn_scale**-2.0
+    if float(round(scalar)) ** -0.5 == cfg.attn_scale:
+        scalar = round(scalar)
+    d |= {"hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": scalar,
+          "sliding_window": cfg.sliding_window,
+          "layer_types": ["sliding_attention" if s else "full_attention"
+                          for s in cfg.layer_sliding],
+          "rope_parameters": {"full_attention": _rope(cfg.rope),
+                              "sliding_attention": _rope(cfg.rope_local or cfg.rope)},
+          "final_logit_softcapping": cfg.final_softcap, "attn_logit_softcapping": None,
+          "use_bidirectional_attention": False}
+    return d
+
+
+def _bits(a: np.ndarray) -> np.ndarray:
+    return a.view(f"u{a.dtype.itemsize}")
+
+
+def _t(a: np.ndarray) -> np.ndarray:  # jspec [in, out] -> HF [out, in]
+    return np.ascontiguousarray(a.T)
+
+
+def hf_tensors(cfg, params) -> Iterator[tuple[str, np.ndarray]]:
+    """(HF name, array) pairs, one tensor at a time; params may hold numpy or jax arrays
+    (each is brought to the host only when its turn comes)."""
+    q, kv, F = cfg.q_size, cfg.kv_size, cfg.intermediate_size
+    embed = np.asarray(params["embed"])
+    yield "model.embed_tokens.weight", embed
+    for i, lp in enumerate(params["layers"]):
+        pre = f"model.layers.{i}."
+        yield pre + "input_layernorm.weight", np.asarray(lp["attn_norm"])
+        wqkv = np.asarray(lp["wqkv"])
+        yield pre + "self_attn.q_proj.weight", _t(wqkv[:, :q])
+        yield pre + "self_attn.k_proj.weight", _t(wqkv[:, q: q + kv])
+        yield pre + "self_attn.v_proj.weight", _t(wqkv[:, q + kv:])
+        del wqkv
+        yield pre + "self_attn.o_proj.weight", _t(np.asarray(lp["wo"]))
+        if cfg.qk_norm:
+            yield pre + "self_attn.q_norm.weight", np.asarray(lp["q_norm"])
+            yield pre + "self_attn.k_norm.weight", np.asarray(lp["k_norm"])
+        if cfg.sandwich_norms:
+            yield pre + "post_attention_layernorm.weight", np.asarray(lp["post_attn_norm"])
+            yield pre + "pre_feedforward_layernorm.weight", np.asarray(lp["mlp_norm"])
+            yield pre + "post_feedforward_layernorm.weight", np.asarray(lp["post_mlp_norm"])
+        else:
+            yield pre + "post_attention_layernorm.weight", np.asarray(lp["mlp_norm"])
+        gu = np.asarray(lp["w_gate_up"])
+        yield pre + "mlp.gate_proj.weight", _t(gu[:, :F])
+        yield pre + "mlp.up_proj.weight", _t(gu[:, F:])
+        del gu
+        yield pre + "mlp.down_proj.weight", _t(np.asarray(lp["w_down"]))
+    yield "model.norm.weight", np.asarray(params["final_norm"])
+    lm_head = np.asarray(params["lm_head"])
+    if cfg.tie_embeddings:
+        # HF ties lm_head to the embedding; jspec's copy must be exactly its transpose.
+        if not np.array_equal(_bits(lm_head.T), _bits(embed)):
+            raise ValueError("tie_embeddings is set but lm_head is not the embedding's transpose")
+    else:
+        yield "lm_head.weight", _t(lm_head)
+
+
+def save_hf_dir(cfg, params, path: str) -> None:
+    """A checkpoint directory (config.json + model.safetensors) that jspec.load_hf reads."""
+    from safetensors.numpy import save_file
+
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(hf_config_dict(cfg), f, indent=1)
+    save_file(dict(hf_tensors(cfg, params)), os.path.join(path, "model.safetensors"))
+
+
+def to_torch(a: np.ndarray):
+    """numpy (ml_dtypes bfloat16 included) -> a CPU torch tensor sharing its bytes."""
+    import torch
+
+    a = np.ascontiguousarray(a)
+    if a.dtype.name == "bfloat16":
+        return torch.from_numpy(a.view(np.uint16)).view(torch.bfloat16)
+    return torch.from_numpy(a)
+
+
+def build_hf_model(cfg, params, device: str):
+    """A transformers causal LM on `device` holding exactly `params` (one device copy:
+    the model is built there and every tensor is copied into its parameter in place)."""
+    import torch
+    import transformers
+
+    d = hf_config_dict(cfg)
+    model_type = d.pop("model_type")
+    d.pop("dtype")
+    dtype = torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32
+    hf_cfg = transformers.AutoConfig.for_model(model_type, **d)
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(hf_cfg, dtype=dtype)
+    state = model.state_dict()
+    seen = set()
+    with torch.no_grad():
+        for name, arr in hf_tensors(cfg, params):
+            if name not in state:
+                raise KeyError(f"{type(model).__name__} has no tensor {name!r}")
+            dst, src = state[name], to_torch(arr)
+            if tuple(dst.shape) != tuple(src.shape) or dst.dtype != src.dtype:
+                raise ValueError(f"{name}: HF {tuple(dst.shape)} {dst.dtype} vs jspec "
+                                 f"{tuple(src.shape)} {src.dtype}")
+            dst.copy_(src)
+            seen.add(name)
+    if model.device.type != torch.device(device).type:  # built elsewhere: move it once
+        model = model.to(device)
+    missing = set(state) - seen - ({"lm_head.weight"} if cfg.tie_embeddings else set())
+    if missing:
+        raise ValueError(f"tensors not set from jspec params: {sorted(missing)[:5]}")
+    if cfg.tie_embeddings and (model.lm_head.weight.data_ptr()
+                               != model.get_input_embeddings().weight.data_ptr()):
+        raise ValueError("the HF model did not tie lm_head to the embedding")
+    gc = model.generation_config
+    gc.do_sample, gc.eos_token_id, gc.pad_token_id = False, None, 0
+    return model.eval()
+
+
+def set_assistant(model, gamma: int) -> None:
+    """Assisted generation drafts exactly `gamma` tokens a round (no schedule, no early stop
+    on low draft confidence)."""
+    gc = model.generation_config
+    gc.num_assistant_tokens = gamma
+    gc.num_assistant_tokens_schedule = "constant"
+    gc.assistant_confidence_threshold = 0.0
+
+
+def hf_generate(model, prompts: np.ndarray, max_new_tokens: int, **kw) -> np.ndarray:
+    """Greedy transformers `generate` of [B, P] prompts -> new tokens [B, N] (numpy)."""
+    import torch
+
+    ids = torch.as_tensor(np.asarray(prompts, np.int64), device=model.device)
+    with torch.inference_mode():
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                             max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+                             do_sample=False, **kw)
+    return out[:, ids.shape[1]:].cpu().numpy()
+
+
+def timed_torch(fn: Callable, iters: int) -> tuple[object, float, float]:
+    """(output, median seconds of `iters` runs, seconds of the warm-up run), synchronized."""
+    import torch
+
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    ts = []
+    for i in range(iters + 1):
+        sync()
+        t0 = time.perf_counter()
+        out = fn()
+        sync()
+        ts.append(time.perf_counter() - t0)
+        if i == 0:
+            warm = ts.pop()
+    return out, statistics.median(ts), warm

@@ -1,0 +1,510 @@
+"""End-to-end decoding speed at real shapes: serial, roofline, speculative, peers.
+
+  python experiments/bench_e2e.py --target=qwen3-8b --draft=qwen3-0.6b --batches=1,8 \
+      --prompt_len=512 --max_new_tokens=256 --out=$OUT                        # one H200
+  python experiments/bench_e2e.py --target=tiny-qwen3 --draft=tiny-qwen3:1 --batches=1 \
+      --prompt_len=16 --max_new_tokens=8 --gammas=2 --accept=0.8 --iters=1 --nopeers  # CPU
+
+--target / --draft take a random-weight preset (`name` or `name:layers`, see
+jspec/random_model.py) or an HF checkpoint dir. In one process:
+  1. serial greedy decoding on the `pallas` and `xla` backends (the same weights),
+     per batch size, against a roofline: the bytes one decode step must read
+     (every weight, LM head included, plus the KV cache at the run's mean
+     context; embedding rows are gathered, so negligible) over the copy
+     bandwidth measured in this process (`a + 1` over a large f32 array, read +
+     write, as bench_kernels.py);
+  2. speculative decoding (exact_greedy) with an oracle drafter at each --accept
+     rate (its draft model really runs, so its cost is real) and with prompt
+     lookup, for each gamma; every run's tokens must equal serial's;
+  3. peers (--peers): transformers with the same weights at batch 1: greedy
+     `generate` (eager, dynamic cache), greedy with a static cache (which
+     transformers compiles with torch.compile on a GPU), and assisted
+     generation with the target as its own assistant at --peer_gamma, against
+     jspec with the target drafting for itself (every proposal accepted); plain
+     greedy also at the other batch sizes.
+Times are medians of --iters runs after a warm-up (which compiles). The JSON
+receipt is rewritten after every measurement, so a run cut short keeps its data;
+at the end the script prints tables and writes two PNG plots next to it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+# With peers on, JAX must leave GPU memory for torch (two copies of the target's
+# weights exist at once); this has to happen before jax is imported.
+if not any(a in ("--nopeers", "--peers=false", "--peers=False", "--peers=0") for a in sys.argv):
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.45")
+
+import json  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from absl import app, flags  # noqa: E402
+from flax import struct  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
+import _hf_peers  # noqa: E402
+
+import jspec  # noqa: E402
+from jspec.generate import prefill as serial_prefill  # noqa: E402
+from jspec.loading import default_interpret  # noqa: E402
+from jspec.random_model import random_model  # noqa: E402
+
+_TARGET = flags.DEFINE_string("target", "tiny-qwen3", "preset[:layers] or HF dir")
+_DRAFT = flags.DEFINE_string("draft", "tiny-qwen3:1", "preset[:layers] or HF dir")
+_DTYPE = flags.DEFINE_string("dtype", "bfloat16", "parameter dtype")
+_BATCHES = flags.DEFINE_list("batches", ["1", "8"], "batch sizes")
+_PROMPT_LEN = flags.DEFINE_integer("prompt_len", 32, "prompt tokens")
+_NEW = flags.DEFINE_integer("max_new_tokens", 48, "tokens generated per row")
+_GAMMAS = flags.DEFINE_list("gammas", ["2", "4", "6", "8"], "gammas (oracle and lookup)")
+_ACCEPT = flags.DEFINE_list("accept", ["0.5", "0.7", "0.8", "0.9"], "oracle acceptance rates")
+_LOOKUP = flags.DEFINE_bool("lookup", True, "also run the prompt-lookup drafter")
+_PEERS = flags.DEFINE_bool("peers", True, "transformers peers (needs torch)")
+_PEER_GAMMA = flags.DEFINE_integer("peer_gamma", 4, "gamma of the matched speculative run")
+_PEER_COMPILE = flags.DEFINE_bool("peer_compile", True, "HF static cache + torch.compile run")
+_ITERS = flags.DEFINE_integer("iters", 3, "timed repetitions (median)")
+_OUT = flags.DEFINE_string("out", os.environ.get("OUT", "experiments/results"), "output dir")
+_TAG = flags.DEFINE_string("tag", "", "suffix of the receipt's file name")
+
+
+@struct.dataclass
+class RuntimeOracle(jspec.OracleDrafter):
+    """jspec.OracleDrafter with the corruption probability as an array leaf instead of
+    static data, so one compiled loop per gamma serves every acceptance rate."""
+
+    corrupt_prob: jax.Array = 0.0
+
+
+def load_model(spec: str, seed: int) -> jspec.Model:
+    if os.path.isdir(spec):
+        return jspec.load_hf(spec, dtype=_DTYPE.value)
+    name, _, layers = spec.partition(":")
+    kw = {"num_layers": int(layers)} if layers else {}
+    return random_model(name, seed=seed, dtype=_DTYPE.value, interpret=default_interpret(), **kw)
+
+
+def make_prompts(V: int, B: int, P: int) -> np.ndarray:
+    """Random prompts with a repeated phrase, so prompt lookup has something to find."""
+    rng = np.random.default_rng(0)
+    prompts = rng.integers(0, V, (B, P)).astype(np.int32)
+    phrase = rng.integers(0, V, 8)
+    for b in range(B):
+        for start in range(0, P - 8, 24):
+            prompts[b, start: start + 8] = phrase
+    return prompts
+
+
+def timed(fn, iters: int, warmup: bool = True):
+    """(output, median seconds, seconds of the warm-up run or None); fn must block."""
+    warm = None
+    if warmup:
+        t0 = time.perf_counter()
+        fn()
+        warm = time.perf_counter() - t0
+    ts, out = [], None
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        out = fn()
+        ts.append(time.perf_counter() - t0)
+    return out, statistics.median(ts), warm
+
+
+def copy_bandwidth(iters: int) -> float:
+    """Bytes read + written per second by `a + 1` over a large f32 array on the device."""
+    n = (1 << 30) if jax.default_backend() != "cpu" else (1 << 22)
+    x = jnp.arange(n, dtype=jnp.float32)
+    f = jax.jit(lambda a: a + 1.0)
+    _, t, _ = timed(lambda: jax.block_until_ready(f(x)), max(iters, 5))
+    return 2 * 4 * n / t
+
+
+def step_bytes(model: jspec.Model, context: float) -> tuple[int, float]:
+    """(weight bytes, KV bytes per row) one decode step reads at `context` tokens."""
+    cfg, params = model.config, model.params
+    w = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+    w -= params["embed"].size * params["embed"].dtype.itemsize  # rows gathered
+    per_tok = 2 * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(cfg.dtype).itemsize
+    kv = sum(per_tok * (min(context, cfg.sliding_window) if s else context)
+             for s in cfg.layer_sliding)
+    return w, kv
+
+
+def versions() -> dict:
+    import jaxlib
+
+    v = {"jax": jax.__version__, "jaxlib": jaxlib.__version__}
+    try:
+        import transformers
+        v["transformers"] = transformers.__version__
+    except Exception as e:  # noqa: BLE001
+        v["transformers"] = f"unavailable: {e}"
+    return v
+
+
+class Bench:
+    """Holds the models, serial outputs and the receipt; every job records and saves."""
+
+    def __init__(self):
+        t0 = time.perf_counter()
+        self.target = load_model(_TARGET.value, 0)
+        jax.block_until_ready(self.target.params)
+        t1 = time.perf_counter()
+        self.draft = load_model(_DRAFT.value, 1)
+        jax.block_until_ready(self.draft.params)
+        t2 = time.perf_counter()
+        self.batches = [int(b) for b in _BATCHES.value]
+        self.P, self.N, self.iters = _PROMPT_LEN.value, _NEW.value, _ITERS.value
+        V = self.target.config.vocab_size
+        self.all_prompts = make_prompts(V, max(self.batches + [1]), self.P)
+        self.serial: dict[int, jspec.GenerateOutput] = {}
+        self.compiled: set = set()
+        self.hf = None
+        self.hf_serial: dict[int, np.ndarray] = {}
+        bw = copy_bandwidth(self.iters)
+        t3 = time.perf_counter()
+        ctx = self.P + (self.N - 1) / 2
+        wbytes, kv = step_bytes(self.target, ctx)
+        self.report = {
+            "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+            "date": time.strftime("%Y-%m-%d %H:%M:%S"), "device": jax.devices()[0].device_kind,
+            "platform": jax.default_backend(), **versions(),
+            "xla_mem_fraction": os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"),
+            "target": _TARGET.value,
+            "draft": _DRAFT.value, "dtype": _DTYPE.value, "batches": self.batches,
+            "prompt_len": self.P, "max_new_tokens": self.N, "iters": self.iters,
+            "copy_TBps": bw / 1e12, "mean_context": ctx, "weight_bytes": wbytes,
+            "kv_bytes_per_row": kv, "phases_s": {"build_target": t1 - t0, "build_draft": t2 - t1,
+                                                 "copy_bandwidth": t3 - t2},
+            "serial": [], "speculative": [], "peers": {"runs": []}, "complete": False}
+        self.bw = bw
+        print(f"device {self.report['device']}, jax {jax.__version__}, copy "
+              f"{bw / 1e12:.3f} TB/s; build target {t1 - t0:.1f} s, draft {t2 - t1:.1f} s; "
+              f"decode step reads {wbytes / 1e9:.2f} GB weights + {kv / 1e9:.4f} GB KV/row")
+
+    def prompts(self, B: int) -> np.ndarray:
+        return self.all_prompts[:B]
+
+    def phase(self, name: str, seconds: float | None) -> None:
+        if seconds is not None:
+            self.report["phases_s"][name] = seconds
+            tqdm.write(f"  [{name}] {seconds:.1f} s")
+
+    def save(self) -> None:
+        os.makedirs(_OUT.value, exist_ok=True)
+        tmp = self.stem() + ".json.tmp"
+        with open(tmp, "w") as f:  # replaced whole, so a run killed mid-write keeps a receipt
+            json.dump(self.report, f, indent=1)
+        os.replace(tmp, self.stem() + ".json")
+
+    def stem(self) -> str:
+        return os.path.join(_OUT.value, "bench_e2e" + (f"_{_TAG.value}" if _TAG.value else ""))
+
+    # --- serial ----------------------------------------------------------------------
+    def run_serial(self, B: int, backend: str) -> None:
+        model = self.target.with_backend(backend)
+        prompts, N = self.prompts(B), self.N
+        out, t, warm = timed(lambda: jspec.generate(model, prompts, max_new_tokens=N), self.iters)
+        tokens, lens = jnp.asarray(prompts), jnp.full((B,), self.P, jnp.int32)
+
+        def prefill_only():  # the same compiled prefill that `generate` runs
+            cache = jspec.init_cache(model, B, self.P + N)
+            return jax.block_until_ready(serial_prefill(model, tokens, lens, cache)[0])
+
+        _, t_pre, _ = timed(prefill_only, self.iters)
+        self.phase(f"serial {backend} B={B} warm-up (compile + run)", warm)
+        n = int(out.num_tokens.sum())
+        _, kv = step_bytes(self.target, self.report["mean_context"])
+        roof = B * self.bw / (self.report["weight_bytes"] + B * kv)
+        # Decode alone = the run minus its prefill (None when prefill is nearly all of it).
+        decode = n / (t - t_pre) if t - t_pre > 0.1 * t else None
+        row = {"batch": B, "backend": backend, "tokens_per_s": n / t, "seconds": t,
+               "prefill_s": t_pre, "decode_tokens_per_s": decode, "warmup_s": warm,
+               "roofline_tokens_per_s": roof, "decode_roofline_frac": decode and decode / roof,
+               "e2e_roofline_frac": n / t / roof}
+        if backend == "pallas":
+            self.serial[B] = out
+        else:
+            row["tokens_equal_pallas"] = bool(np.array_equal(out.tokens, self.serial[B].tokens))
+        self.report["serial"].append(row)
+        self.save()
+
+    # --- speculative ---------------------------------------------------------------------
+    def drafter(self, kind: str, B: int, accept: float | None):
+        if kind == "oracle":
+            ref = jnp.asarray(np.concatenate([self.prompts(B), self.serial[B].tokens], axis=1))
+            return RuntimeOracle(ref, corrupt_prob=jnp.float32(1.0 - accept),
+                                 draft=jspec.ModelDrafter(self.draft))
+        if kind == "lookup":
+            return jspec.PromptLookupDrafter(max_ngram=3)
+        return jspec.ModelDrafter(self.target)  # "self": the target drafts for itself
+
+    def run_spec(self, kind: str, B: int, gamma: int, accept: float | None) -> dict:
+        drafter = self.drafter(kind, B, accept)
+        spec = jspec.SpecConfig(gamma=gamma, max_new_tokens=self.N)
+        key = (kind, B, gamma)
+        out, t, warm = timed(lambda: jspec.speculative_generate(
+            self.target, drafter, self.prompts(B), spec), self.iters, key not in self.compiled)
+        self.compiled.add(key)
+        self.phase(f"speculative {kind} B={B} gamma={gamma} warm-up (compile + run)", warm)
+        serial = self.serial[B]
+        parity = bool(np.array_equal(out.tokens, serial.tokens)
+                      and np.array_equal(out.num_tokens, serial.num_tokens))
+        n, st = int(out.num_tokens.sum()), out.stats
+        t_serial = next(r["seconds"] for r in self.report["serial"]
+                        if r["batch"] == B and r["backend"] == "pallas")
+        row = {"batch": B, "drafter": kind, "gamma": gamma, "oracle_accept": accept,
+               "acceptance": st["acceptance_rate"],
+               "tokens_per_target_step": st["tokens_per_target_step"],
+               "tokens_per_s": n / t, "seconds": t, "speedup": t_serial / t,
+               "ttft_s": st["ttft_s"], "warmup_s": warm, "parity": parity}
+        return row
+
+    def record_spec(self, kind: str, B: int, gamma: int, accept: float | None) -> None:
+        row = self.run_spec(kind, B, gamma, accept)
+        self.report["speculative"].append(row)
+        self.save()
+        if not row["parity"]:
+            raise SystemExit(f"PARITY FAILURE: speculative ({kind}, batch {B}, gamma {gamma}, "
+                             f"oracle acceptance {accept}) tokens differ from serial greedy "
+                             f"tokens; receipt: {self.stem()}.json")
+
+    # --- peers -----------------------------------------------------------------------------
+    def peer_skip(self, reason: str) -> None:
+        self.report["peers"]["skipped"] = reason
+        tqdm.write(f"peers skipped: {reason}")
+        self.save()
+
+    def peers_build(self) -> None:
+        try:
+            import torch
+        except Exception as e:  # noqa: BLE001
+            return self.peer_skip(f"import torch failed: {e!r}")
+        self.report["torch"] = torch.__version__
+        on_gpu = jax.default_backend() == "gpu"
+        if on_gpu and not torch.cuda.is_available():
+            return self.peer_skip("torch has no CUDA device (torch.cuda.is_available() is False)")
+        device = "cuda" if on_gpu else "cpu"
+        t0 = time.perf_counter()
+        try:
+            self.hf = _hf_peers.build_hf_model(self.target.config, self.target.params, device)
+        except Exception as e:  # noqa: BLE001
+            return self.peer_skip(f"building the transformers model failed: {e!r}")
+        self.phase("peers: build HF model with jspec's weights", time.perf_counter() - t0)
+        self.report["peers"] |= {"device": device, "class": type(self.hf).__name__,
+                                 "attn_implementation": self.hf.config._attn_implementation}
+        if on_gpu:
+            self.report["peers"]["torch_gpu_mem_GB"] = torch.cuda.memory_allocated() / 1e9
+        self.save()
+
+    def peer_run(self, engine: str, mode: str, B: int, fn) -> None:
+        """fn() -> (new tokens [B, N], median s, warm-up s, extra fields); errors recorded."""
+        if engine == "transformers" and self.hf is None:
+            return
+        row = {"engine": engine, "mode": mode, "batch": B}
+        try:
+            tokens, t, warm, extra = fn()
+            row |= {"tokens_per_s": B * self.N / t, "seconds": t, "warmup_s": warm, **extra}
+            if engine == "transformers":
+                self.phase(f"peers: {engine} {mode} B={B} warm-up", warm)
+        except Exception as e:  # noqa: BLE001
+            row["error"] = f"{type(e).__name__}: {e}"[:2000]
+            tqdm.write(f"peer run {engine} {mode} B={B} failed: {row['error'][:300]}")
+        self.report["peers"]["runs"].append(row)
+        self.save()
+
+    def hf_greedy(self, B: int, **kw):
+        out, t, warm = _hf_peers.timed_torch(
+            lambda: _hf_peers.hf_generate(self.hf, self.prompts(B), self.N, **kw), self.iters)
+        return out, t, warm
+
+    def peer_hf_eager(self, B: int):
+        def fn():
+            out, t, warm = self.hf_greedy(B)
+            self.hf_serial[B] = out
+            jspec_tokens = self.serial[B].tokens if B in self.serial else None
+            return out, t, warm, {"tokens_equal_jspec_serial": _agree(out, jspec_tokens)}
+        self.peer_run("transformers", "greedy eager (dynamic cache)", B, fn)
+
+    def peer_hf_static(self, B: int):
+        def fn():
+            out, t, warm = self.hf_greedy(B, cache_implementation="static")
+            # transformers compiles the decode step itself when the cache is static and
+            # the model sits on a GPU (CompileConfig defaults: inductor, reduce-overhead).
+            return out, t, warm, {"tokens_equal_own_eager": _agree(out, self.hf_serial.get(B)),
+                                  "compiled": self.hf.device.type == "cuda"}
+        self.peer_run("transformers", "greedy static cache + torch.compile", B, fn)
+
+    def peer_hf_assisted(self):
+        g = _PEER_GAMMA.value
+
+        def fn():
+            _hf_peers.set_assistant(self.hf, g)
+            out, t, warm = self.hf_greedy(1, assistant_model=self.hf)
+            return out, t, warm, {"gamma": g, "speculative_equals_own_serial":
+                                  _agree(out, self.hf_serial.get(1))}
+        self.peer_run("transformers", "assisted, target as its own assistant", 1, fn)
+
+    def peer_jspec_self(self):
+        g = _PEER_GAMMA.value
+
+        def fn():
+            row = self.run_spec("self", 1, g, None)
+            tokens = None
+            return tokens, row["seconds"], row["warmup_s"], {
+                "gamma": g, "speculative_equals_own_serial": row["parity"],
+                "acceptance": row["acceptance"], "speedup_vs_serial": row["speedup"]}
+        self.peer_run("jspec", "speculative, target as its own draft", 1, fn)
+
+
+def _agree(a, b) -> dict | None:
+    """Token agreement of two [B, N] outputs: all equal, and leading tokens equal per row."""
+    if a is None or b is None:
+        return None
+    a, b = np.asarray(a), np.asarray(b)
+    lead = [int(np.argmin(x == y)) if not np.all(x == y) else len(x)
+            for x, y in zip(a, b, strict=True)]
+    return {"equal": bool(np.array_equal(a, b)), "leading_equal_per_row": lead}
+
+
+def jobs_for(bench: Bench) -> list[tuple[str, object]]:
+    """Every measurement in priority order: serial at all batches, then per batch the
+    speculative sweep (the first batch followed by the peers), peers' greedy last."""
+    gammas = [int(g) for g in _GAMMAS.value]
+    accepts = [float(a) for a in _ACCEPT.value]
+    jobs = []
+    for B in bench.batches:
+        for backend in ("pallas", "xla"):
+            jobs.append((f"serial {backend} B={B}",
+                         lambda B=B, be=backend: bench.run_serial(B, be)))
+    if 1 not in bench.batches and _PEERS.value:
+        jobs.append(("serial pallas B=1 (peers)", lambda: bench.run_serial(1, "pallas")))
+    for i, B in enumerate(bench.batches):
+        for g in gammas:  # gamma-major: one compile per gamma serves every rate
+            for a in accepts:
+                jobs.append((f"oracle B={B} g={g} a={a}",
+                             lambda B=B, g=g, a=a: bench.record_spec("oracle", B, g, a)))
+        if _LOOKUP.value:
+            for g in gammas:
+                jobs.append((f"lookup B={B} g={g}",
+                             lambda B=B, g=g: bench.record_spec("lookup", B, g, None)))
+        if _PEERS.value and i == 0:
+            jobs += [("peers: build", bench.peers_build),
+                     ("peers: HF greedy B=1", lambda: bench.peer_hf_eager(1)),
+                     ("peers: HF assisted B=1", bench.peer_hf_assisted),
+                     ("peers: jspec self-draft B=1", bench.peer_jspec_self)]
+            if _PEER_COMPILE.value:
+                jobs.append(("peers: HF static+compile B=1", lambda: bench.peer_hf_static(1)))
+    if _PEERS.value:
+        for B in bench.batches:
+            if B != 1:
+                jobs.append((f"peers: HF greedy B={B}", lambda B=B: bench.peer_hf_eager(B)))
+    return jobs
+
+
+def main(argv):
+    del argv
+    bench = Bench()
+    if not _PEERS.value:
+        bench.report["peers"]["skipped"] = "--nopeers"
+    bench.save()
+    jobs = jobs_for(bench)
+    t0 = time.perf_counter()
+    for name, job in (bar := tqdm(jobs, desc="runs")):
+        bar.set_postfix_str(name)
+        job()
+    bench.report["complete"] = True
+    bench.report["phases_s"]["all runs"] = time.perf_counter() - t0
+    bench.save()
+    print_tables(bench.report)
+    plot(bench.report, bench.stem())
+    print(f"receipt: {bench.stem()}.json, plots: {bench.stem()}_*.png")
+
+
+def print_tables(rep: dict) -> None:
+    print(f"\nserial greedy ({rep['target']}, prompt {rep['prompt_len']}, {rep['max_new_tokens']} "
+          f"new, copy {rep['copy_TBps']:.2f} TB/s)")
+    print(f"{'B':>3s} {'backend':8s} {'tok/s':>9s} {'decode tok/s':>12s} {'roofline':>9s} "
+          f"{'frac':>5s}  (frac: decode tok/s / roofline)")
+    for r in rep["serial"]:
+        dec, frac = r["decode_tokens_per_s"], r["decode_roofline_frac"]
+        print(f"{r['batch']:3d} {r['backend']:8s} {r['tokens_per_s']:9.1f} "
+              f"{'-' if dec is None else f'{dec:.1f}':>12s} {r['roofline_tokens_per_s']:9.1f} "
+              f"{'-' if frac is None else f'{frac:.2f}':>5s}")
+    print(f"\n{'B':>3s} {'drafter':8s} {'gamma':>5s} {'oracle':>6s} {'accept':>6s} "
+          f"{'tok/step':>8s} {'tok/s':>9s} {'speedup':>7s} parity")
+    for r in rep["speculative"]:
+        oa = "-" if r["oracle_accept"] is None else f"{r['oracle_accept']:.1f}"
+        print(f"{r['batch']:3d} {r['drafter']:8s} {r['gamma']:5d} {oa:>6s} {r['acceptance']:6.3f} "
+              f"{r['tokens_per_target_step']:8.2f} {r['tokens_per_s']:9.1f} {r['speedup']:7.2f} "
+              f"{r['parity']}")
+    peers = rep["peers"]
+    if peers.get("skipped"):
+        print(f"\npeers: skipped ({peers['skipped']})")
+    elif peers["runs"]:
+        print(f"\npeers ({peers.get('class')}, {peers.get('attn_implementation')})")
+        for r in peers["runs"]:
+            res = (f"{r['tokens_per_s']:9.1f} tok/s" if "tokens_per_s" in r
+                   else f"error: {r.get('error', '')[:80]}")
+            same = r.get("speculative_equals_own_serial")
+            print(f"{r['batch']:3d} {r['engine']:12s} {r['mode']:40s} {res}"
+                  + ("" if same is None else f"  spec == own serial: {same}"))
+
+
+def plot(rep: dict, stem: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    batches = rep["batches"]
+    rows = rep["speculative"]
+    serial = {r["batch"]: r for r in rep["serial"] if r["backend"] == "pallas"}
+    fig, axes = plt.subplots(1, len(batches), figsize=(6 * len(batches), 4), squeeze=False)
+    for ax, B in zip(axes[0], batches, strict=True):
+        oracle = [r for r in rows if r["drafter"] == "oracle" and r["batch"] == B]
+        for g in sorted({r["gamma"] for r in oracle}):
+            rs = sorted((r for r in oracle if r["gamma"] == g), key=lambda r: r["acceptance"])
+            ax.plot([r["acceptance"] for r in rs], [r["tokens_per_s"] for r in rs], marker="o",
+                    label=f"gamma={g}")
+        if B in serial:
+            ax.axhline(serial[B]["tokens_per_s"], color="gray", lw=0.8, ls="--",
+                       label="serial pallas")
+            ax.axhline(serial[B]["roofline_tokens_per_s"], color="k", lw=0.8, ls=":",
+                       label="serial roofline")
+        ax.set(xlabel="measured acceptance rate", ylabel="tokens/s",
+               title=f"{rep['target']} / {rep['draft']}, B={B}, {rep['device']}")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(stem + "_tokens_per_s_vs_acceptance.png", dpi=120)
+    plt.close(fig)
+
+    fig, axes = plt.subplots(1, len(batches), figsize=(6 * len(batches), 4), squeeze=False)
+    for ax, B in zip(axes[0], batches, strict=True):
+        groups: dict[str, list] = {}
+        for r in rows:
+            if r["batch"] == B:
+                label = (r["drafter"] if r["oracle_accept"] is None
+                         else f"oracle a={r['oracle_accept']}")
+                groups.setdefault(label, []).append(r)
+        for label, rs in groups.items():
+            rs = sorted(rs, key=lambda r: r["gamma"])
+            ax.plot([r["gamma"] for r in rs], [r["speedup"] for r in rs], marker="o",
+                    label=label)
+        ax.axhline(1.0, color="gray", lw=0.8, ls="--")
+        ax.set(xlabel="gamma", ylabel="speedup over serial pallas",
+               title=f"{rep['target']} / {rep['draft']}, B={B}, {rep['device']}")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(stem + "_speedup_vs_gamma.png", dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    app.run(main)

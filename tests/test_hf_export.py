@@ -1,0 +1,57 @@
+"""jspec params -> HF checkpoint (experiments/_hf_peers.py) is the exact inverse of load_hf.
+
+bench_e2e gives transformers the target's weights through this converter, so a
+round trip must give back the same config and every parameter bit for bit.
+"""
+
+import os
+import sys
+
+import jax
+import numpy as np
+import pytest
+from conftest import fixture_path
+
+import jspec
+from jspec.random_model import random_model
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "experiments"))
+from _hf_peers import hf_config_dict, save_hf_dir  # noqa: E402
+
+
+def _assert_same(a: jspec.Model, b: jspec.Model):
+    assert a.config == b.config
+    la, lb = jax.tree.leaves_with_path(a.params), jax.tree.leaves_with_path(b.params)
+    assert [p for p, _ in la] == [p for p, _ in lb]
+    for (path, x), (_, y) in zip(la, lb, strict=True):
+        x, y = np.asarray(x), np.asarray(y)
+        assert x.dtype == y.dtype and x.shape == y.shape, path
+        bits = f"u{x.dtype.itemsize}"
+        assert np.array_equal(x.view(bits), y.view(bits)), jax.tree_util.keystr(path)
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-gemma3"])
+def test_random_preset_round_trip_bitwise(preset, tmp_path):
+    model = random_model(preset, dtype="bfloat16", interpret=True)
+    save_hf_dir(model.config, model.params, str(tmp_path))
+    _assert_same(model, jspec.load_hf(str(tmp_path), dtype="bfloat16", interpret=True))
+
+
+@pytest.mark.parametrize("name", ["llama3", "qwen3", "gemma3"])
+def test_fixture_checkpoint_round_trip_bitwise(name, tmp_path):
+    model = jspec.load_hf(fixture_path(name), dtype="float32", interpret=True)
+    save_hf_dir(model.config, model.params, str(tmp_path))
+    _assert_same(model, jspec.load_hf(str(tmp_path), dtype="float32", interpret=True))
+
+
+def test_real_shape_configs_convert():
+    """The presets bench_e2e hands to transformers map to an HF config and back unchanged."""
+    from transformers import AutoConfig
+
+    from jspec.random_model import preset_config
+
+    for name in ("qwen3-8b", "qwen3-0.6b", "llama3-8b", "gemma3-4b"):
+        cfg = preset_config(name)
+        d = hf_config_dict(cfg)
+        hf = AutoConfig.for_model(d.pop("model_type"), **d)
+        assert jspec.from_hf_config(hf) == cfg, name
