@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One device call that runs the whole GPU programme and leaves receipts in $OUT.
-#   bash experiments/gpu_session.sh [parity|audit|kernels|spec|e2e ...]
-# (default: parity audit kernels spec; e2e, the end-to-end benchmark with peers
-# (up to 560 s), only when named, in a call of its own)
+#   bash experiments/gpu_session.sh [parity|audit|kernels|spec|sweep|e2e ...]
+# (default: parity audit kernels spec; sweep, the matmul tile tuning, only when named;
+# e2e, the end-to-end benchmark with peers (up to 560 s), only when named, in a call of its own)
 # Each step has its own time limit so a slow one cannot eat the others'.
 set -u
 export PYTHONUNBUFFERED=1
@@ -24,6 +24,8 @@ for s in $steps; do
               --draft=qwen3-0.6b --prompt_len=512 --max_new_tokens=256 --batch=1 \
               --gammas=2,4,6,8 --oracle_gammas=2,4,6,8 --accept=0.5,0.7,0.8,0.9 --iters=3 \
               --out="$OUT" --tag=h200_qwen3-8b_b1 2>&1 | quiet | tail -40 ;;
+    sweep) timeout 300 python3 experiments/sweep_matmul.py --out="$OUT" \
+              2>&1 | quiet | tail -60 ;;
     e2e) timeout 560 python3 experiments/bench_e2e.py --target=qwen3-8b --draft=qwen3-0.6b \
               --batches=1,8 --prompt_len=512 --max_new_tokens=256 --out="$OUT" \
               2>&1 | quiet | tail -60 ;;
