@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call that runs the whole GPU programme and leaves receipts in $OUT.
-#   bash experiments/gpu_session.sh [parity|audit|audit_xla|kernels|spec|sweep|e2e|train|pair ...]
+#   bash experiments/gpu_session.sh [parity|audit|audit_qwen3|audit_gemma3|audit_xla|kernels|spec|sweep|e2e|train|pair ...]
 # (default: parity audit kernels spec; sweep, the matmul tile tuning, only when named;
 # e2e, the end-to-end benchmark with peers (up to 560 s), only when named, in a call of its own;
 # train trains the code pair into $OUT/codepair, pair audits and evaluates $PAIR or that pair)
@@ -10,17 +10,19 @@ export PYTHONUNBUFFERED=1
 OUT=${OUT:-experiments/results}
 steps=${*:-parity audit kernels spec}
 quiet() { grep -v -i -E "warn|libtpu|^I[0-9]{4}"; }
+audit() {  # preset layers: pallas audit at 512..8192 and a 2048-token generation
+  timeout 200 python3 experiments/parity_audit.py --preset="$1" --layers="$2" \
+    --contexts=512,2048,8192 --long_tokens=2048 --out="$OUT" --tag="h200_$1" \
+    2>&1 | quiet | grep -v "it/s" | tail -30
+}
 for s in $steps; do
   echo "=== $s"
   case $s in
     parity) timeout 300 python3 experiments/gpu_parity.py --models=qwen3-8b:4,gemma3-4b:6 \
               --context=8192 --window=48 --out="$OUT" 2>&1 | quiet | tail -40 ;;
-    audit) timeout 240 python3 experiments/parity_audit.py --preset=qwen3-8b --layers=4 \
-              --contexts=512,2048,8192 --long_tokens=2048 --out="$OUT" --tag=h200_qwen3-8b \
-              2>&1 | quiet | tail -30
-           timeout 240 python3 experiments/parity_audit.py --preset=gemma3-4b --layers=6 \
-              --contexts=512,2048,8192 --long_tokens=2048 --out="$OUT" --tag=h200_gemma3-4b \
-              2>&1 | quiet | tail -30 ;;
+    audit) audit qwen3-8b 4; audit gemma3-4b 6 ;;
+    audit_qwen3) audit qwen3-8b 4 ;;
+    audit_gemma3) audit gemma3-4b 6 ;;
     audit_xla) timeout 150 python3 experiments/parity_audit.py --preset=qwen3-8b --layers=4 \
               --backend=xla --expect_mismatch --contexts=512,2048 --long_tokens=512 \
               --out="$OUT" --tag=h200_qwen3-8b_xla 2>&1 | quiet | tail -30 ;;
@@ -28,11 +30,12 @@ for s in $steps; do
               --out_dir="$OUT/codepair" --workdir=/tmp/train_pair 2>&1 | quiet \
               | grep -v "it/s" | tail -30 ;;
     pair) P=${PAIR:-$OUT/codepair}
-          timeout 90 python3 experiments/parity_audit.py --checkpoint="$P/target" \
+          timeout 130 python3 experiments/parity_audit.py --checkpoint="$P/target" \
               --contexts=512,2048 --long_tokens=1024 --out="$OUT" --tag=h200_codepair \
-              2>&1 | quiet | tail -30
-          timeout 180 python3 experiments/eval_pair.py --pair="$P" --gammas=1,2,4,6,8 \
-              --iters=2 --out="$OUT" --tag=h200 2>&1 | quiet | grep -v "it/s" | tail -30 ;;
+              2>&1 | quiet | grep -v "it/s" | tail -30
+          timeout 170 python3 experiments/eval_pair.py --pair="$P" --gammas=1,2,3,4,6 \
+              --batch=1 --num_prompts=8 --peer_gammas=2,4 --iters=2 --out="$OUT" \
+              --tag=h200_b1 2>&1 | quiet | grep -v "it/s" | tail -30 ;;
     kernels) timeout 300 python3 experiments/bench_kernels.py --preset=qwen3-8b \
               --batches=1,8 --gammas=1,2,4,8 --context=512 --iters=10 --out="$OUT" \
               2>&1 | quiet | tail -60 ;;
@@ -48,3 +51,7 @@ for s in $steps; do
     *) echo "unknown step $s" ;;
   esac
 done
+# Many small files do not travel back well: pack the trained pair into one archive.
+if [ -d "$OUT/codepair" ]; then
+  tar -C "$OUT" -czf "$OUT/codepair.tgz" codepair && rm -rf "$OUT/codepair"
+fi

@@ -52,7 +52,7 @@ ARCH = {
                   num_kv_heads=1),
 }
 PRESETS = {  # steps per model, batch rows, window length
-    "gpu": dict(steps=4000, batch=64, seq_len=512, eval_windows=256, eval_every=250),
+    "gpu": dict(steps=1500, batch=64, seq_len=512, eval_windows=256, eval_every=100),
     "cpu": dict(steps=150, batch=8, seq_len=128, eval_windows=32, eval_every=50),
 }
 
