@@ -28,7 +28,11 @@ for s in $steps; do
               --out="$OUT" --tag=h200_qwen3-8b_xla 2>&1 | quiet | tail -30 ;;
     train) timeout 330 python3 experiments/train_pair.py --time_limit_s=120 \
               --out_dir="$OUT/codepair" --workdir=/tmp/train_pair 2>&1 | quiet \
-              | grep -v "it/s" | tail -30 ;;
+              | grep -v "it/s" | tail -30
+           tar -C "$OUT" -czf "$OUT/codepair.tgz" codepair ;;  # safe even if later steps time out
+    pair_eval) timeout 150 python3 experiments/eval_pair.py --pair="${PAIR:-$OUT/codepair}" \
+              --gammas=1,2,3,4,6 --batch=1 --num_prompts=8 --peer_gammas=2,4 --iters=2 \
+              --out="$OUT" --tag=h200_b1 2>&1 | quiet | grep -v "it/s" | tail -30 ;;
     pair) P=${PAIR:-$OUT/codepair}
           timeout 130 python3 experiments/parity_audit.py --checkpoint="$P/target" \
               --contexts=512,2048 --long_tokens=1024 --out="$OUT" --tag=h200_codepair \
@@ -55,3 +59,4 @@ done
 if [ -d "$OUT/codepair" ]; then
   tar -C "$OUT" -czf "$OUT/codepair.tgz" codepair && rm -rf "$OUT/codepair"
 fi
+true
