@@ -5,8 +5,8 @@ Launch:
       --config.checkpoint=/path/to/hf_dir --config.prompt="def fib(n):" \
       --config.max_new_tokens=64
 
-With no checkpoint, a tiny random-weight Qwen3 model and tokenizer are made on
-the fly (gibberish text; it shows the pipeline, not a language model).
+With no checkpoint, the target of the embedded code pair is used (a small Qwen3
+trained on the CPython standard library; see jspec/assets/codepair/MODEL_CARD.md).
 `--config=configs/generate.py:runlocal` shrinks the run for a smoke test.
 """
 
@@ -15,8 +15,9 @@ import ml_collections
 
 def get_config(arg=None):
     c = ml_collections.ConfigDict()
-    c.checkpoint = ""  # HF checkpoint dir; "" = tiny random model made on the fly
-    c.prompt = "def fibonacci(n):"
+    c.checkpoint = ""  # HF checkpoint dir; "" = the embedded code pair's target
+    # From colorsys.py, a module the embedded pair never saw in training.
+    c.prompt = "def rgb_to_hls(r, g, b):\n    maxc = max(r, g, b)\n    minc = min(r, g, b)"
     c.max_new_tokens = 64
     c.max_len = 0  # 0: prompt + max_new_tokens
     c.temperature = 0.0  # 0 = greedy

@@ -5,8 +5,9 @@ Launch:
       --config.target=/path/to/target_hf_dir --config.draft=/path/to/draft_hf_dir \
       --config.gamma=4 --config.policy=exact_greedy --config.check_parity=True
 
-With no target, a tiny random-weight Qwen3 target is made on the fly and the
-draft is the target itself (every proposal accepted; it shows the pipeline).
+With no target, the embedded code pair runs: a small Qwen3 target and draft
+trained on the CPython standard library (jspec/assets/codepair/MODEL_CARD.md),
+on a prompt from a module they never saw in training.
 `--config=configs/speculative.py:runlocal` shrinks the run for a smoke test.
 """
 
@@ -15,11 +16,12 @@ import ml_collections
 
 def get_config(arg=None):
     c = ml_collections.ConfigDict()
-    c.target = ""  # HF checkpoint dir; "" = tiny random Qwen3 made on the fly
-    c.draft = ""  # HF checkpoint dir of the draft model; "" = the target itself
+    c.target = ""  # HF checkpoint dir; "" = the embedded code pair (target and draft)
+    c.draft = ""  # HF checkpoint dir of the draft model; "" = the pair's draft, or the target
     c.drafter = "model"  # "model" | "prompt_lookup"
     c.max_ngram = 3  # prompt lookup
-    c.prompt = "def fibonacci(n):"
+    # From colorsys.py, a module the embedded pair never saw in training.
+    c.prompt = "def rgb_to_hls(r, g, b):\n    maxc = max(r, g, b)\n    minc = min(r, g, b)"
     c.gamma = 4
     c.policy = "exact_greedy"  # | "gumbel_coupled" | "rejection_sampling"
     c.max_new_tokens = 64

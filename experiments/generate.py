@@ -3,8 +3,8 @@
   python experiments/generate.py --config=configs/generate.py \
       --config.checkpoint=/path/to/hf_dir --config.prompt="def fib(n):"
 
-Without --config.checkpoint it makes a tiny random-weight model on the fly
-(see jspec/tiny.py).
+Without --config.checkpoint it uses the target of the embedded code pair
+(jspec/assets/codepair: a small Qwen3 trained on the CPython standard library).
 """
 
 import os
@@ -16,7 +16,6 @@ from absl import app, logging
 from ml_collections import config_flags
 
 import jspec
-from jspec.tiny import make_default_checkpoint
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", os.path.join(os.path.dirname(__file__), "..", "configs", "generate.py"),
@@ -26,7 +25,7 @@ _CONFIG = config_flags.DEFINE_config_file(
 def main(argv):
     del argv
     c = _CONFIG.value
-    path = c.checkpoint or make_default_checkpoint()
+    path = c.checkpoint or jspec.default_pair()[0]
     model = jspec.load_hf(path, dtype=c.dtype, backend=c.backend)
     tok = jspec.load_tokenizer(path)
     ids = tok.encode(c.prompt, add_special_tokens=False)

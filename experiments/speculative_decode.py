@@ -19,7 +19,6 @@ from ml_collections import config_flags
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import jspec  # noqa: E402
-from jspec.tiny import make_default_checkpoint  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", os.path.join(os.path.dirname(__file__), "..", "configs", "speculative.py"),
@@ -30,13 +29,19 @@ _CHECK = flags.DEFINE_bool("check_parity", None,
 
 
 def build(c):
-    target_path = c.target or make_default_checkpoint()
+    if c.target:
+        target_path, draft_path = c.target, c.draft  # no draft: the target drafts for itself
+    else:
+        target_path, draft_path = jspec.default_pair()
+        draft_path = c.draft or draft_path
+        print(f"[no target given: the embedded code pair, {os.path.dirname(target_path)}]")
     target = jspec.load_hf(target_path, dtype=c.dtype, backend=c.backend)
     tok = jspec.load_tokenizer(target_path)
     if c.drafter == "prompt_lookup":
         drafter = jspec.PromptLookupDrafter(max_ngram=c.max_ngram)
     elif c.drafter == "model":
-        draft = jspec.load_hf(c.draft, dtype=c.dtype, backend=c.backend) if c.draft else target
+        draft = (jspec.load_hf(draft_path, dtype=c.dtype, backend=c.backend) if draft_path
+                 else target)
         drafter = jspec.ModelDrafter(draft)
     else:
         raise app.UsageError(f"--config.drafter={c.drafter!r}: use 'model' or 'prompt_lookup'")

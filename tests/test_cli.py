@@ -18,7 +18,7 @@ def _run(script, *flags):
 def test_generate_cli_runs():
     r = _run("generate.py", f"--config={ROOT}/configs/generate.py:runlocal")
     assert r.returncode == 0, r.stderr[-2000:]
-    assert "tokens/s" in r.stdout and "tiny random-weight" in r.stdout
+    assert "tokens/s" in r.stdout and "def rgb_to_hls" in r.stdout
 
 
 @pytest.mark.parametrize("policy", ["exact_greedy", "gumbel_coupled"])
@@ -27,6 +27,7 @@ def test_speculative_cli_checks_parity(policy):
              f"--config.policy={policy}")
     assert r.returncode == 0, r.stderr[-2000:]
     assert "PARITY: OK" in r.stdout and "acceptance" in r.stdout
+    assert "embedded code pair" in r.stdout
 
 
 def test_bench_e2e_smoke(tmp_path):

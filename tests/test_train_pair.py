@@ -70,3 +70,17 @@ def test_train_pair_smoke_run(tmp_path):
     assert json.load(open(out / "heldout_prompts.json"))
     m = jspec.load_hf(str(out / "draft"))
     assert m.config.vocab_size == 300 and m.config.num_layers == 2
+
+
+def test_embedded_pair_ships_and_loads():
+    target, draft = jspec.default_pair()
+    pair = os.path.dirname(target)
+    size = sum(os.path.getsize(os.path.join(dp, f)) for dp, _, fs in os.walk(pair) for f in fs)
+    assert size <= 16 * 2**20, f"embedded pair is {size / 2**20:.2f} MiB"
+    assert os.path.isfile(os.path.join(pair, "MODEL_CARD.md"))
+    t, d = jspec.load_hf(target), jspec.load_hf(draft)
+    assert t.config.vocab_size == d.config.vocab_size
+    assert d.config.num_layers < t.config.num_layers
+    tok_t, tok_d = jspec.load_tokenizer(target), jspec.load_tokenizer(draft)
+    text = "def f(x):\n    return x + 1"
+    assert tok_t.encode(text) == tok_d.encode(text)  # one shared tokenizer
