@@ -45,7 +45,6 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
-from flax import struct  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
@@ -72,14 +71,6 @@ _PEER_COMPILE = flags.DEFINE_bool("peer_compile", True, "HF static cache + torch
 _ITERS = flags.DEFINE_integer("iters", 3, "timed repetitions (median)")
 _OUT = flags.DEFINE_string("out", os.environ.get("OUT", "experiments/results"), "output dir")
 _TAG = flags.DEFINE_string("tag", "", "suffix of the receipt's file name")
-
-
-@struct.dataclass
-class RuntimeOracle(jspec.OracleDrafter):
-    """jspec.OracleDrafter with the corruption probability as an array leaf instead of
-    static data, so one compiled loop per gamma serves every acceptance rate."""
-
-    corrupt_prob: jax.Array = 0.0
 
 
 def load_model(spec: str, seed: int) -> jspec.Model:
@@ -239,7 +230,7 @@ class Bench:
     def drafter(self, kind: str, B: int, accept: float | None):
         if kind == "oracle":
             ref = jnp.asarray(np.concatenate([self.prompts(B), self.serial[B].tokens], axis=1))
-            return RuntimeOracle(ref, corrupt_prob=jnp.float32(1.0 - accept),
+            return jspec.OracleDrafter(ref, corrupt_prob=jnp.float32(1.0 - accept),
                                  draft=jspec.ModelDrafter(self.draft))
         if kind == "lookup":
             return jspec.PromptLookupDrafter(max_ngram=3)

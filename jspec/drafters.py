@@ -184,11 +184,12 @@ class OracleDrafter:
 
     `reference` [B, R] holds each row's prompt followed by its serial output,
     aligned at position 0. With `draft` attached the draft model really runs
-    (its proposals are discarded), so its cost is real.
+    (its proposals are discarded), so its cost is real. `corrupt_prob` is a
+    runtime value (a pytree leaf): one compiled loop serves every rate.
     """
 
     reference: jax.Array
-    corrupt_prob: float = struct.field(pytree_node=False, default=0.0)
+    corrupt_prob: jax.Array | float = 0.0
     draft: ModelDrafter | None = None
 
     def forwards_per_round(self, gamma: int) -> int:
