@@ -50,6 +50,9 @@ class ModelConfig:
       dtype: parameter and activation dtype name; logits are always float32.
       backend: "xla" (plain jnp) or "pallas" (the invariant kernels).
       interpret: run Pallas kernels in interpret mode (CPU).
+      fuse_add_norm: run each residual add and the RMSNorm after it as one
+        `add_norm` op (one kernel on the pallas backend); Llama/Qwen3 layouts
+        only, ignored with sandwich norms. Off by default.
     """
 
     family: str
@@ -78,6 +81,7 @@ class ModelConfig:
     dtype: str = "bfloat16"
     backend: str = "pallas"
     interpret: bool = False
+    fuse_add_norm: bool = False
 
     def __post_init__(self):
         if self.backend not in BACKENDS:

@@ -59,6 +59,20 @@ def _norm(ops, cfg: ModelConfig, x, w):
     return ops.rmsnorm(x, w, eps=cfg.rms_eps, offset=cfg.norm_offset)
 
 
+def _add_norm(ops, cfg: ModelConfig, x, o, w):
+    """The residual add and the norm after it: (x + o, norm(x + o)); o None adds nothing.
+
+    One `add_norm` op when cfg.fuse_add_norm (not with sandwich norms), else the
+    add as glue and the norm; both give the same bits (tests/test_fused.py).
+    """
+    if o is None:
+        return x, _norm(ops, cfg, x, w)
+    if cfg.fuse_add_norm and not cfg.sandwich_norms:
+        return ops.add_norm(x, o, w, eps=cfg.rms_eps, offset=cfg.norm_offset)
+    x = x + o
+    return x, _norm(ops, cfg, x, w)
+
+
 def _attention_block(ops, cfg: ModelConfig, lp, h, k_buf, v_buf, pos, lengths, cos, sin, window):
     """h [B*T, D] -> attention output [B*T, D] and the layer's updated K/V buffers."""
     B, T = pos.shape
@@ -108,11 +122,12 @@ def _forward(model: Model, tokens: jax.Array, cache: KVCache):
     sin_all = jnp.asarray(sin_tab)[:, flat_pos]
 
     new_k, new_v = [], []
+    o = None  # the last block's output, added to x by the next norm
     for i, lp in enumerate(params["layers"]):  # unrolled: L is static
         with jax.named_scope(f"layer_{i}"):
             sliding = cfg.layer_sliding[i]
             window = jnp.int32(cfg.sliding_window if sliding else 0)
-            h = _norm(ops, cfg, x, lp["attn_norm"])
+            x, h = _add_norm(ops, cfg, x, o, lp["attn_norm"])
             o, k_buf, v_buf = _attention_block(ops, cfg, lp, h, cache.k[i], cache.v[i], pos,
                                                lengths, cos_all[int(sliding)],
                                                sin_all[int(sliding)], window)
@@ -120,15 +135,13 @@ def _forward(model: Model, tokens: jax.Array, cache: KVCache):
             new_v.append(v_buf)
             if cfg.sandwich_norms:
                 o = _norm(ops, cfg, o, lp["post_attn_norm"])
-            x = x + o
-            h = _norm(ops, cfg, x, lp["mlp_norm"])
+            x, h = _add_norm(ops, cfg, x, o, lp["mlp_norm"])
             o = _mlp_block(ops, cfg, lp, h)
             if cfg.sandwich_norms:
                 o = _norm(ops, cfg, o, lp["post_mlp_norm"])
-            x = x + o
 
-    x = _norm(ops, cfg, x, params["final_norm"])
-    logits = ops.matmul(x, params["lm_head"], out_dtype=jnp.float32)  # [B*T, V]
+    _, h = _add_norm(ops, cfg, x, o, params["final_norm"])
+    logits = ops.matmul(h, params["lm_head"], out_dtype=jnp.float32)  # [B*T, V]
     if cfg.final_softcap is not None:
         logits = ops.softcap(logits, cfg.final_softcap)
     new_cache = cache.replace(k=tuple(new_k), v=tuple(new_v), lengths=lengths + T)

@@ -20,6 +20,7 @@ from typing import NamedTuple
 
 import jax
 
+from pallas_kernels.add_rmsnorm import add_rmsnorm, add_rmsnorm_reference
 from pallas_kernels.attention import attention, attention_reference
 from pallas_kernels.glu import glu, glu_reference
 from pallas_kernels.logsumexp import logsumexp, logsumexp_reference
@@ -32,6 +33,7 @@ from pallas_kernels.softcap import softcap, softcap_reference
 class Ops(NamedTuple):
     """matmul(x [M,K], w [K,N], out_dtype) -> [M,N];
     rmsnorm(x [M,D], w [D], eps, offset) -> [M,D];
+    add_norm(x [M,D], o [M,D], w [D], eps, offset) -> (x + o, rmsnorm(x + o)), both [M,D];
     rope(x [M,H,D], cos [M,D/2], sin [M,D/2]) -> [M,H,D];
     glu(gate [M,F], up [M,F], activation) -> [M,F];
     softcap(x [M,N], cap) -> [M,N] f32;
@@ -40,6 +42,7 @@ class Ops(NamedTuple):
 
     matmul: Callable
     rmsnorm: Callable
+    add_norm: Callable
     rope: Callable
     glu: Callable
     softcap: Callable
@@ -75,6 +78,7 @@ def get_ops(backend: str, interpret: bool = False) -> Ops:
         return Ops(
             matmul=matmul_reference,
             rmsnorm=rmsnorm_reference,
+            add_norm=add_rmsnorm_reference,
             rope=rope_reference,
             glu=glu_reference,
             softcap=softcap_reference,
@@ -89,6 +93,7 @@ def get_ops(backend: str, interpret: bool = False) -> Ops:
         return Ops(
             matmul=p(matmul, interpret=interpret),
             rmsnorm=p(rmsnorm, interpret=interpret),
+            add_norm=p(add_rmsnorm, interpret=interpret),
             rope=p(rope, interpret=interpret),
             glu=p(glu, interpret=interpret),
             softcap=p(softcap, interpret=interpret),

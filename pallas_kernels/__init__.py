@@ -12,6 +12,7 @@ program. Each module also has a plain-jnp `*_reference` for tolerance checks.
 # before that is traced and compiled a second time on its next call.
 import jax.experimental.pallas.fuser  # noqa: F401
 
+from pallas_kernels.add_rmsnorm import add_rmsnorm, add_rmsnorm_reference
 from pallas_kernels.glu import glu, glu_reference
 from pallas_kernels.logsumexp import logsumexp, logsumexp_reference
 from pallas_kernels.matmul import matmul, matmul_config, matmul_reference
@@ -20,6 +21,8 @@ from pallas_kernels.rope import rope, rope_reference
 from pallas_kernels.softcap import softcap, softcap_reference
 
 __all__ = [
+    "add_rmsnorm",
+    "add_rmsnorm_reference",
     "glu",
     "glu_reference",
     "logsumexp",
