@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import sys
 import time
 
@@ -32,6 +31,9 @@ from tqdm import tqdm
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import jspec  # noqa: E402
 from jspec.loading import default_pair  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(__file__))
+from eval_pair_hf import held_out_prompts, hf_runs, load_hf_pair, timed  # noqa: E402
 
 _PAIR = flags.DEFINE_string("pair", "", "dir with target/ and draft/ (default: embedded pair)")
 _BACKEND = flags.DEFINE_string("backend", "pallas", "pallas | xla")
@@ -51,24 +53,8 @@ _TAG = flags.DEFINE_string("tag", "", "receipt file name suffix")
 
 
 def load_prompts(pair: str, tok) -> list[np.ndarray]:
-    with open(os.path.join(pair, "heldout_prompts.json")) as f:
-        items = json.load(f)
-    P = _PROMPT_LEN.value
-    rows = [np.asarray(tok.encode(it["text"], add_special_tokens=False)) for it in items]
-    rows = [r[-P:].astype(np.int32) for r in rows if len(r) >= P][: _NUM.value]
-    if not rows:
-        raise SystemExit(f"no held-out prompt has {P} tokens; lower --prompt_len")
-    return rows
-
-
-def timed(fn, iters):
-    out = fn()  # warm-up (compiles)
-    ts = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        out = fn()
-        ts.append(time.perf_counter() - t0)
-    return out, statistics.median(ts)
+    return held_out_prompts(pair, lambda t: tok.encode(t, add_special_tokens=False),
+                            _PROMPT_LEN.value, _NUM.value)
 
 
 def chunks(rows, B):
@@ -122,62 +108,28 @@ def run_jspec(target, draft, prompts, report, save):
 def run_peers(pair, prompts, jtarget, report, save):
     try:
         import torch
-        import transformers
+
+        tgt, drf, dev = load_hf_pair(pair, _DTYPE.value)
     except ImportError as e:
         report["peers"] = {"skipped": f"torch/transformers not importable: {e}"}
         return
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    dt = {"bfloat16": torch.bfloat16, "float32": torch.float32}[_DTYPE.value]
-    kw = dict(dtype=dt)
-    tgt = transformers.AutoModelForCausalLM.from_pretrained(os.path.join(pair, "target"), **kw)
-    drf = transformers.AutoModelForCausalLM.from_pretrained(os.path.join(pair, "draft"), **kw)
-    tgt, drf = tgt.to(dev).eval(), drf.to(dev).eval()
-    peers = {"device": dev, "torch": torch.__version__,
-             "transformers": transformers.__version__, "runs": []}
-    report["peers"] = peers
-    # Same function? logits gap on the first prompt (bf16 transformers vs jspec's f32 head).
+    # Same function? The logits gap on the first prompt (transformers' bf16 logits
+    # against jspec's f32 LM-head accumulator) and the argmax agreement.
     x = prompts[0][None]
     with torch.no_grad():
         hf = tgt(torch.from_numpy(x).long().to(dev)).logits.float().cpu().numpy()
-    cache = jspec.init_cache(jtarget, batch_size=1, max_len=x.shape[1])
-    js, _ = jspec.forward(jtarget, x, cache)
+    js, _ = jspec.forward(jtarget, x, jspec.init_cache(jtarget, batch_size=1,
+                                                       max_len=x.shape[1]))
     js = np.asarray(js)
-    peers["logits_max_abs_diff"] = float(np.abs(hf - js).max())
-    peers["argmax_agreement"] = float((hf.argmax(-1) == js.argmax(-1)).mean())
-    N, iters = _NEW.value, _ITERS.value
+    gap = {"logits_max_abs_diff": float(np.abs(hf - js).max()),
+           "argmax_agreement": float((hf.argmax(-1) == js.argmax(-1)).mean())}
 
-    def sync():
-        if dev == "cuda":
-            torch.cuda.synchronize()
-
-    def gen(**extra):
-        outs = []
-        for p in prompts:
-            ids = torch.from_numpy(p[None]).long().to(dev)
-            with torch.no_grad():
-                o = tgt.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                 max_new_tokens=N, min_new_tokens=N, pad_token_id=0, **extra)
-            outs.append(o[0, ids.shape[1]:].tolist())
-        sync()
-        return outs
-
-    serial, t_serial = timed(gen, iters)
-    n_tok = sum(len(o) for o in serial)
-    peers["serial"] = {"tokens_per_s": n_tok / t_serial, "seconds": t_serial}
-    print(f"transformers serial greedy (batch 1): {n_tok / t_serial:.1f} tokens/s")
-    for g in [int(x) for x in _PEER_GAMMAS.value]:
-        drf.generation_config.num_assistant_tokens = g
-        drf.generation_config.num_assistant_tokens_schedule = "constant"
-        drf.generation_config.assistant_confidence_threshold = 0.0
-        outs, t = timed(lambda: gen(assistant_model=drf), iters)
-        peers["runs"].append({"gamma": g, "tokens_per_s": n_tok / t, "seconds": t,
-                              "speedup": t_serial / t,
-                              "equals_own_serial": outs == serial,
-                              "rows_equal": sum(a == b for a, b in zip(outs, serial,
-                                                                       strict=True))})
-        print(f"transformers assisted gamma={g}: {n_tok / t:.1f} tokens/s, "
-              f"equals its own serial: {outs == serial}")
+    def save_peers(rep):
+        report["peers"] = {**rep, **gap}
         save(report)
+
+    hf_runs(tgt, drf, dev, prompts, max_new_tokens=_NEW.value, iters=_ITERS.value,
+            gammas=[int(g) for g in _PEER_GAMMAS.value], save=save_peers)
 
 
 def main(argv):

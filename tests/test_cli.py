@@ -45,3 +45,14 @@ def test_bench_e2e_smoke(tmp_path):
     assert all(s["parity"] for s in rep["speculative"])
     for name in ("speedup_vs_gamma", "tokens_per_s_vs_acceptance"):
         assert (tmp_path / f"bench_e2e_{name}.png").exists()
+
+
+def test_eval_pair_smoke(tmp_path):
+    r = _run("eval_pair.py", "--num_prompts=2", "--batch=2", "--max_new_tokens=8",
+             "--gammas=2", "--policies=exact_greedy", "--iters=1", "--nopeers",
+             f"--out={tmp_path}", "--tag=smoke")
+    assert r.returncode == 0, r.stderr[-2000:]
+    rep = json.load(open(tmp_path / "eval_pair_cpu_smoke.json"))
+    assert rep["runs"][0]["parity"] and rep["runs"][0]["gamma"] == 2
+    assert 0.0 <= rep["runs"][0]["acceptance"] <= 1.0
+    assert (tmp_path / "eval_pair_cpu_smoke.png").exists()
