@@ -50,6 +50,7 @@ from tqdm import tqdm  # noqa: E402
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 import _hf_peers  # noqa: E402
+from timing import copy_bandwidth  # noqa: E402
 
 import jspec  # noqa: E402
 from jspec.generate import prefill as serial_prefill  # noqa: E402
@@ -105,15 +106,6 @@ def timed(fn, iters: int, warmup: bool = True):
         out = fn()
         ts.append(time.perf_counter() - t0)
     return out, statistics.median(ts), warm
-
-
-def copy_bandwidth(iters: int) -> float:
-    """Bytes read + written per second by `a + 1` over a large f32 array on the device."""
-    n = (1 << 30) if jax.default_backend() != "cpu" else (1 << 22)
-    x = jnp.arange(n, dtype=jnp.float32)
-    f = jax.jit(lambda a: a + 1.0)
-    _, t, _ = timed(lambda: jax.block_until_ready(f(x)), max(iters, 5))
-    return 2 * 4 * n / t
 
 
 def step_bytes(model: jspec.Model, context: float) -> tuple[int, float]:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import sys
 import time
 
@@ -33,6 +32,9 @@ from jspec.model import forward_nodonate  # noqa: E402
 from jspec.ops import get_ops  # noqa: E402
 from jspec.random_model import random_model  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(__file__))
+from timing import copy_bandwidth, median_time  # noqa: E402
+
 _PRESET = flags.DEFINE_string("preset", "qwen3-8b", "model shape preset")
 _LAYERS = flags.DEFINE_integer("layers", 0, "layers (0: the preset's)")
 _BATCHES = flags.DEFINE_list("batches", ["1", "8"], "batch sizes")
@@ -41,17 +43,6 @@ _CONTEXT = flags.DEFINE_integer("context", 512, "tokens already in the cache")
 _ITERS = flags.DEFINE_integer("iters", 20, "timed runs per measurement")
 _OUT = flags.DEFINE_string("out", os.environ.get("OUT", "experiments/results"), "receipt dir")
 _INTERPRET = flags.DEFINE_bool("interpret", False, "CPU smoke run (tiny timings mean nothing)")
-
-
-def median_time(fn, *args, iters: int) -> float:
-    for _ in range(3):
-        jax.block_until_ready(fn(*args))
-    ts = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
 
 
 REPS = 20  # kernel launches per timed call, so host dispatch does not dominate
@@ -69,15 +60,6 @@ def looped(fn):
         return jax.lax.fori_loop(0, REPS, body, jnp.float32(0.0))
 
     return jax.jit(run)
-
-
-def copy_bandwidth(iters: int) -> float:
-    """Bytes read + written per second by a large device-to-device copy."""
-    n = 1 << 30 if not _INTERPRET.value else 1 << 20
-    x = jnp.arange(n, dtype=jnp.float32)
-    f = jax.jit(lambda a: a + 1.0)
-    t = median_time(f, x, iters=iters)
-    return 2 * 4 * n / t
 
 
 def bench_matmuls(model, batches, iters):

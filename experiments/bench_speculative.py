@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import sys
 import time
 
@@ -32,6 +31,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import jspec  # noqa: E402
 from jspec.loading import default_interpret  # noqa: E402
 from jspec.random_model import random_model  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(__file__))
+from timing import timed  # noqa: E402
 
 _TARGET = flags.DEFINE_string("target", "tiny-qwen3", "preset[:layers] or HF dir")
 _DRAFT = flags.DEFINE_string("draft", "tiny-qwen3:1", "preset[:layers] or HF dir")
@@ -68,16 +70,6 @@ def make_prompts(V: int) -> np.ndarray:
         for start in range(0, P - 8, 24):
             prompts[b, start: start + 8] = phrase
     return prompts
-
-
-def timed(fn, iters: int):
-    out = fn()  # warm-up (compiles)
-    ts = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        out = fn()
-        ts.append(time.perf_counter() - t0)
-    return out, statistics.median(ts)
 
 
 def reference_seqs(prompts, serial) -> jax.Array:

@@ -33,7 +33,8 @@ import jspec  # noqa: E402
 from jspec.loading import default_pair  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
-from eval_pair_hf import held_out_prompts, hf_runs, load_hf_pair, timed  # noqa: E402
+from eval_pair_hf import held_out_prompts, hf_runs, load_hf_pair  # noqa: E402
+from timing import timed  # noqa: E402
 
 _PAIR = flags.DEFINE_string("pair", "", "dir with target/ and draft/ (default: embedded pair)")
 _BACKEND = flags.DEFINE_string("backend", "pallas", "pallas | xla")

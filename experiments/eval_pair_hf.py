@@ -15,10 +15,13 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
+import sys
 import time
 
 import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from timing import timed  # noqa: E402
 
 
 def held_out_prompts(pair: str, encode, prompt_len: int, num: int) -> list[np.ndarray]:
@@ -30,16 +33,6 @@ def held_out_prompts(pair: str, encode, prompt_len: int, num: int) -> list[np.nd
     if not rows:
         raise SystemExit(f"no held-out prompt has {prompt_len} tokens; lower --prompt_len")
     return rows
-
-
-def timed(fn, iters: int):
-    out = fn()  # warm-up
-    ts = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        out = fn()
-        ts.append(time.perf_counter() - t0)
-    return out, statistics.median(ts)
 
 
 def load_hf_pair(pair: str, dtype: str):

@@ -29,7 +29,6 @@ import dataclasses
 import json
 import math
 import os
-import statistics
 import sys
 import time
 
@@ -47,6 +46,9 @@ from pallas_kernels.matmul import (  # noqa: E402
     matmul,
     matmul_config,
 )
+
+sys.path.insert(0, os.path.dirname(__file__))
+from timing import copy_bandwidth, median_time  # noqa: E402
 
 _PRESETS = flags.DEFINE_list("presets", ["qwen3-8b", "qwen3-0.6b"], "model shape presets")
 _SHAPES = flags.DEFINE_list("shapes", ["wo", "w_down", "wqkv", "w_gate_up", "lm_head"],
@@ -133,17 +135,6 @@ def candidates(K: int, N: int, dtype, limit: int, sms: int) -> list[MatmulConfig
     return out[:max(limit, 1)]
 
 
-def median_time(fn, *args, iters: int) -> float:
-    for _ in range(2):
-        jax.block_until_ready(fn(*args))
-    ts = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
-
-
 def looped(cfg: MatmulConfig, out_dtype, reps: int, interpret: bool):
     """reps dependent launches in one jitted loop (the carry feeds the next input)."""
 
@@ -164,7 +155,7 @@ def time_config(cfg, x, w, out_dtype) -> dict:
     try:
         fn = looped(cfg, out_dtype, _REPS.value, _INTERPRET.value).lower(x, w).compile()
         compile_s = time.perf_counter() - t0
-        t = median_time(fn, x, w, iters=_ITERS.value) / _REPS.value
+        t = median_time(fn, x, w, iters=_ITERS.value, warmup=2) / _REPS.value
     except Exception as e:  # noqa: BLE001 - a config that cannot compile/run is a result
         return {"error": f"{type(e).__name__}: {str(e)[:400]}",
                 "compile_s": time.perf_counter() - t0}
@@ -183,15 +174,6 @@ def row_invariant(cfg, w, out_dtype, rows: list[int], seed: int) -> bool:
     f = lambda a: matmul(a, w, out_dtype=out_dtype, interpret=_INTERPRET.value, config=cfg)
     singles = np.stack([bits(f(x[i : i + 1]))[0] for i in range(m)])
     return all(np.array_equal(bits(f(x[:r])), singles[:r]) for r in rows)
-
-
-def copy_bandwidth(iters: int) -> float:
-    """Bytes read + written per second by a large device-to-device copy."""
-    n = 1 << 30 if not _INTERPRET.value else 1 << 20
-    x = jnp.arange(n, dtype=jnp.float32)
-    t = median_time(jax.jit(lambda a: a + 1.0), x, iters=iters)
-    del x
-    return 2 * 4 * n / t
 
 
 def cfg_str(c: MatmulConfig) -> str:
