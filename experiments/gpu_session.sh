@@ -3,7 +3,8 @@
 #   bash experiments/gpu_session.sh [parity|audit|audit_qwen3|audit_gemma3|audit_xla|kernels|spec|sweep|e2e|train|pair ...]
 # (default: parity audit kernels spec; sweep, the matmul tile tuning, only when named;
 # e2e, the end-to-end benchmark with peers (up to 560 s), only when named, in a call of its own;
-# train trains the code pair into $OUT/codepair, pair audits and evaluates $PAIR or that pair)
+# train trains the code pair into $OUT/codepair; pair and pair_eval audit / evaluate $PAIR,
+# else a pair trained in this call, else the embedded one)
 # Each step has its own time limit so a slow one cannot eat the others'.
 set -u
 export PYTHONUNBUFFERED=1
@@ -15,6 +16,9 @@ audit() {  # preset layers: pallas audit at 512..8192 and a 2048-token generatio
     --contexts=512,2048,8192 --long_tokens=2048 --out="$OUT" --tag="h200_$1" \
     2>&1 | quiet | grep -v "it/s" | tail -30
 }
+pair_dir() { if [ -n "${PAIR:-}" ]; then echo "$PAIR";
+             elif [ -d "$OUT/codepair" ]; then echo "$OUT/codepair";
+             else echo jspec/assets/codepair; fi; }
 for s in $steps; do
   echo "=== $s"
   case $s in
@@ -30,10 +34,10 @@ for s in $steps; do
               --out_dir="$OUT/codepair" --workdir=/tmp/train_pair 2>&1 | quiet \
               | grep -v "it/s" | tail -30
            tar -C "$OUT" -czf "$OUT/codepair.tgz" codepair ;;  # safe even if later steps time out
-    pair_eval) timeout 150 python3 experiments/eval_pair.py --pair="${PAIR:-$OUT/codepair}" \
+    pair_eval) timeout 150 python3 experiments/eval_pair.py --pair="$(pair_dir)" \
               --gammas=1,2,3,4,6 --batch=1 --num_prompts=8 --peer_gammas=2,4 --iters=2 \
               --out="$OUT" --tag=h200_b1 2>&1 | quiet | grep -v "it/s" | tail -30 ;;
-    pair) P=${PAIR:-$OUT/codepair}
+    pair) P=$(pair_dir)
           timeout 130 python3 experiments/parity_audit.py --checkpoint="$P/target" \
               --contexts=512,2048 --long_tokens=1024 --out="$OUT" --tag=h200_codepair \
               2>&1 | quiet | grep -v "it/s" | tail -30
