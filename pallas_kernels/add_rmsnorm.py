@@ -29,46 +29,28 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels._common import check_float, pad_axis, pad_rows, triton_params
-from pallas_kernels.rmsnorm import rmsnorm_config, rmsnorm_reference
+from pallas_kernels.rmsnorm import norm_rows, rmsnorm_config, rmsnorm_reference
 
 
 def _add_rmsnorm_kernel(x_ref, o_ref, w_ref, xo_ref, h_ref, *, d: int, bd: int, nd: int,
                         eps: float, offset: float):
     # x_ref, o_ref, xo_ref, h_ref [bm, Dp]; w_ref [1, Dp]; Dp = nd * bd, zero padded.
-    bm = x_ref.shape[0]
-
-    def summed(cols):  # x + o rounded to the activation dtype, then widened to f32
+    def summed(cols):  # x + o rounded to the activation dtype
         xs = x_ref[:, cols].astype(jnp.float32) + o_ref[:, cols].astype(jnp.float32)
         return xs.astype(xo_ref.dtype)
 
-    def square_sum(j, acc):  # acc [bm, bd] f32: one running sum per lane
-        cols = pl.ds(j * bd, bd)
+    def load_and_store(cols):  # pass 1 also writes x + o out
         xn = summed(cols)
         xo_ref[:, cols] = xn
-        xs = xn.astype(jnp.float32)
-        return acc + xs * xs
+        return xn.astype(jnp.float32)
 
-    acc = lax.fori_loop(0, nd, square_sum, jnp.zeros((bm, bd), jnp.float32))
-    # Padded features are zeros and add nothing; divide by the true D.
-    ms = jnp.sum(acc, axis=1, keepdims=True) / jnp.float32(d)  # [bm, 1]
-    inv = lax.rsqrt(ms + jnp.float32(eps))  # [bm, 1]
+    def load(cols):  # pass 2 recomputes x + o instead of reading xo_ref back
+        return summed(cols).astype(jnp.float32)
 
-    def write(j, carry):
-        cols = pl.ds(j * bd, bd)
-        xs = summed(cols).astype(jnp.float32)  # [bm, bd]
-        ws = w_ref[:, cols].astype(jnp.float32)  # [1, bd]
-        if offset == 0.0:
-            normed = (xs * inv).astype(h_ref.dtype).astype(jnp.float32)
-            h_ref[:, cols] = (normed * ws).astype(h_ref.dtype)
-        else:
-            h_ref[:, cols] = (xs * inv * (jnp.float32(offset) + ws)).astype(h_ref.dtype)
-        return carry
-
-    lax.fori_loop(0, nd, write, 0)
+    norm_rows(load_and_store, load, w_ref, h_ref, d=d, bd=bd, nd=nd, eps=eps, offset=offset)
 
 
 def _check_args(x: jax.Array, o: jax.Array, w: jax.Array, offset: float) -> None:

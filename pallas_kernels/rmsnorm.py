@@ -61,12 +61,19 @@ def rmsnorm_config(D: int, dtype, interpret: bool) -> RMSNormConfig:
     )
 
 
-def _rmsnorm_kernel(x_ref, w_ref, o_ref, *, d: int, bd: int, nd: int, eps: float, offset: float):
-    # x_ref [bm, Dp], w_ref [1, Dp], o_ref [bm, Dp]; Dp = nd * bd, zero padded.
-    bm = x_ref.shape[0]
+def norm_rows(load_pass1, load_pass2, w_ref, h_ref, *, d: int, bd: int, nd: int, eps: float,
+              offset: float) -> None:
+    """RMSNorm of rows [bm, Dp] (Dp = nd * bd) into h_ref, in a fixed reduction order.
+
+    load_pass1(cols) / load_pass2(cols) give the rows' values at `cols` as f32 [bm, bd]
+    for the sum of squares and for the scaling pass. Pass 1 keeps one running sum
+    per lane over the nd blocks, then sums the lanes; the kernels that share this
+    (plain and fused-add RMSNorm) therefore round alike.
+    """
+    bm = h_ref.shape[0]
 
     def square_sum(j, acc):  # acc [bm, bd] f32: one running sum per lane
-        xs = x_ref[:, pl.ds(j * bd, bd)].astype(jnp.float32)
+        xs = load_pass1(pl.ds(j * bd, bd))
         return acc + xs * xs
 
     acc = lax.fori_loop(0, nd, square_sum, jnp.zeros((bm, bd), jnp.float32))
@@ -76,16 +83,24 @@ def _rmsnorm_kernel(x_ref, w_ref, o_ref, *, d: int, bd: int, nd: int, eps: float
 
     def write(j, carry):
         cols = pl.ds(j * bd, bd)
-        xs = x_ref[:, cols].astype(jnp.float32)  # [bm, bd]
+        xs = load_pass2(cols)  # [bm, bd]
         ws = w_ref[:, cols].astype(jnp.float32)  # [1, bd]
         if offset == 0.0:
-            normed = (xs * inv).astype(o_ref.dtype).astype(jnp.float32)
-            o_ref[:, cols] = (normed * ws).astype(o_ref.dtype)
+            normed = (xs * inv).astype(h_ref.dtype).astype(jnp.float32)
+            h_ref[:, cols] = (normed * ws).astype(h_ref.dtype)
         else:
-            o_ref[:, cols] = (xs * inv * (jnp.float32(offset) + ws)).astype(o_ref.dtype)
+            h_ref[:, cols] = (xs * inv * (jnp.float32(offset) + ws)).astype(h_ref.dtype)
         return carry
 
     lax.fori_loop(0, nd, write, 0)
+
+
+def _rmsnorm_kernel(x_ref, w_ref, o_ref, *, d: int, bd: int, nd: int, eps: float, offset: float):
+    # x_ref [bm, Dp], w_ref [1, Dp], o_ref [bm, Dp]; Dp = nd * bd, zero padded.
+    def load(cols):
+        return x_ref[:, cols].astype(jnp.float32)
+
+    norm_rows(load, load, w_ref, o_ref, d=d, bd=bd, nd=nd, eps=eps, offset=offset)
 
 
 def _check_shapes(x: jax.Array, w: jax.Array) -> None:
