@@ -56,6 +56,7 @@ import jspec  # noqa: E402
 from jspec.generate import prefill as serial_prefill  # noqa: E402
 from jspec.loading import default_interpret  # noqa: E402
 from jspec.random_model import random_model  # noqa: E402
+from pallas_kernels.matmul import TUNED, tuned_to_json  # noqa: E402
 
 _TARGET = flags.DEFINE_string("target", "tiny-qwen3", "preset[:layers] or HF dir")
 _DRAFT = flags.DEFINE_string("draft", "tiny-qwen3:1", "preset[:layers] or HF dir")
@@ -122,7 +123,8 @@ def step_bytes(model: jspec.Model, context: float) -> tuple[int, float]:
 def versions() -> dict:
     import jaxlib
 
-    v = {"jax": jax.__version__, "jaxlib": jaxlib.__version__}
+    v = {"jax": jax.__version__, "jaxlib": jaxlib.__version__,
+         "matmul_tuned": tuned_to_json(TUNED)}
     try:
         import transformers
         v["transformers"] = transformers.__version__
@@ -357,37 +359,43 @@ def _agree(a, b) -> dict | None:
 
 
 def jobs_for(bench: Bench) -> list[tuple[str, object]]:
-    """Every measurement in priority order: serial at all batches, then per batch the
-    speculative sweep (the first batch followed by the peers), peers' greedy last."""
+    """Every measurement, headline figures first, so a run cut short keeps what matters:
+    serial at every batch; per batch the oracle sweep at the headline gamma (4, or the
+    first), then (batch 1) the matched peer runs, then the other gammas (gamma-major:
+    one compile per gamma serves every rate) and prompt lookup; transformers' greedy
+    at the other batch sizes and its static-cache compiled run last. The matched
+    speculative runs (target as its own draft) are defined at batch 1 only."""
     gammas = [int(g) for g in _GAMMAS.value]
     accepts = [float(a) for a in _ACCEPT.value]
+    head = 4 if 4 in gammas else gammas[0]
     jobs = []
     for B in bench.batches:
         for backend in ("pallas", "xla"):
             jobs.append((f"serial {backend} B={B}",
                          lambda B=B, be=backend: bench.run_serial(B, be)))
-    if 1 not in bench.batches and _PEERS.value:
-        jobs.append(("serial pallas B=1 (peers)", lambda: bench.run_serial(1, "pallas")))
-    for i, B in enumerate(bench.batches):
-        for g in gammas:  # gamma-major: one compile per gamma serves every rate
-            for a in accepts:
-                jobs.append((f"oracle B={B} g={g} a={a}",
-                             lambda B=B, g=g, a=a: bench.record_spec("oracle", B, g, a)))
-        if _LOOKUP.value:
-            for g in gammas:
-                jobs.append((f"lookup B={B} g={g}",
-                             lambda B=B, g=g: bench.record_spec("lookup", B, g, None)))
-        if _PEERS.value and i == 0:
-            jobs += [("peers: build", bench.peers_build),
-                     ("peers: HF greedy B=1", lambda: bench.peer_hf_eager(1)),
-                     ("peers: HF assisted B=1", bench.peer_hf_assisted),
-                     ("peers: jspec self-draft B=1", bench.peer_jspec_self)]
-            if _PEER_COMPILE.value:
-                jobs.append(("peers: HF static+compile B=1", lambda: bench.peer_hf_static(1)))
+    matched = _PEERS.value and 1 in bench.batches
     if _PEERS.value:
-        for B in bench.batches:
-            if B != 1:
-                jobs.append((f"peers: HF greedy B={B}", lambda B=B: bench.peer_hf_eager(B)))
+        jobs.append(("peers: build", bench.peers_build))
+    tail = []
+    for B in bench.batches:
+        for g in [head] + [g for g in gammas if g != head]:
+            for a in accepts:
+                (jobs if g == head else tail).append(
+                    (f"oracle B={B} g={g} a={a}",
+                     lambda B=B, g=g, a=a: bench.record_spec("oracle", B, g, a)))
+            if g == head and B == 1 and matched:
+                jobs += [("peers: HF greedy B=1", lambda: bench.peer_hf_eager(1)),
+                         ("peers: HF assisted B=1", bench.peer_hf_assisted),
+                         ("peers: jspec self-draft B=1", bench.peer_jspec_self)]
+        if _LOOKUP.value:
+            tail += [(f"lookup B={B} g={g}",
+                      lambda B=B, g=g: bench.record_spec("lookup", B, g, None)) for g in gammas]
+    jobs += tail
+    if _PEERS.value:
+        jobs += [(f"peers: HF greedy B={B}", lambda B=B: bench.peer_hf_eager(B))
+                 for B in bench.batches if B != 1]
+        if matched and _PEER_COMPILE.value:
+            jobs.append(("peers: HF static+compile B=1", lambda: bench.peer_hf_static(1)))
     return jobs
 
 

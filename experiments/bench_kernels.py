@@ -24,6 +24,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from absl import app, flags
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
@@ -31,6 +32,7 @@ from jspec.cache import init_cache  # noqa: E402
 from jspec.model import forward_nodonate  # noqa: E402
 from jspec.ops import get_ops  # noqa: E402
 from jspec.random_model import random_model  # noqa: E402
+from pallas_kernels.matmul import TUNED, tuned_to_json  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 from timing import copy_bandwidth, median_time  # noqa: E402
@@ -43,6 +45,10 @@ _CONTEXT = flags.DEFINE_integer("context", 512, "tokens already in the cache")
 _ITERS = flags.DEFINE_integer("iters", 20, "timed runs per measurement")
 _OUT = flags.DEFINE_string("out", os.environ.get("OUT", "experiments/results"), "receipt dir")
 _INTERPRET = flags.DEFINE_bool("interpret", False, "CPU smoke run (tiny timings mean nothing)")
+_FUSED = flags.DEFINE_bool("fuse_add_norm", False, "also time (and check the bits of) the "
+                           "pallas step with the fused add+RMSNorm kernel")
+_OPS = flags.DEFINE_bool("ops", True, "time single ops (matmuls, norms, ...) before steps")
+_TAG = flags.DEFINE_string("tag", "", "receipt file name suffix")
 
 
 REPS = 20  # kernel launches per timed call, so host dispatch does not dominate
@@ -122,22 +128,37 @@ def bench_other_ops(model, batches, context, iters):
     return rows
 
 
-def bench_steps(model, batches, gammas, context, iters):
+def bench_steps(model, batches, gammas, context, iters, fused=False):
+    """Whole forward steps; with fused, also the pallas backend with fuse_add_norm=True,
+    whose logits must equal the unfused pallas logits bit for bit (row "fused_equal")."""
     cfg = model.config
     rows = []
+    variants = {"pallas": model.with_backend("pallas"), "xla": model.with_backend("xla")}
+    if fused:
+        variants["pallas+fused"] = variants["pallas"].replace(
+            config=cfg.replace(fuse_add_norm=True))
     for B in batches:
-        for backend in ("pallas", "xla"):
-            m = model.with_backend(backend)
+        ref_logits = {}
+        for backend, m in variants.items():
             cache = init_cache(m, B, context + 16)
-            prompt = jnp.zeros((B, context), jnp.int32)
+            prompt = (jnp.arange(B * context, dtype=jnp.int32).reshape(B, context) * 7919
+                      % cfg.vocab_size)
             _, cache = forward_nodonate(m, prompt, cache)
-            times = {}
+            times, equal = {}, {}
             for T in [1] + [g + 1 for g in gammas]:
                 tok = jnp.ones((B, T), jnp.int32)
                 times[T] = median_time(forward_nodonate, m, tok, cache, iters=iters)
+                if fused and backend != "xla":
+                    logits = np.asarray(forward_nodonate(m, tok, cache)[0])
+                    if backend == "pallas":
+                        ref_logits[T] = logits
+                    else:
+                        equal[T] = bool(np.array_equal(logits.view(np.uint32),
+                                                       ref_logits[T].view(np.uint32)))
             for T, t in times.items():
                 rows.append({"backend": backend, "B": B, "T": T, "ms": t * 1e3,
-                             "vs_decode": t / times[1]})
+                             "vs_decode": t / times[1]} | (
+                                 {"fused_equal_unfused": equal[T]} if T in equal else {}))
     # Bytes a decode step must read: every weight once, plus the KV cache.
     wbytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(model.params))
     wbytes -= model.params["embed"].size * model.params["embed"].dtype.itemsize  # gathered
@@ -157,21 +178,22 @@ def main(argv):
     bw = copy_bandwidth(iters)
     print(f"device {jax.devices()[0].device_kind}, jax {jax.__version__}, "
           f"copy {bw / 1e12:.2f} TB/s")
-    mm = bench_matmuls(model, batches, iters)
+    mm = bench_matmuls(model, batches, iters) if _OPS.value else []
     print(f"\n{'op':44s} {'M':>3s} {'pallas us':>10s} {'xla us':>8s} {'tax':>6s} {'TB/s':>6s}")
     for r in mm:
         print(f"{r['op']:44s} {r['M']:3d} {r['pallas_us']:10.1f} {r['xla_us']:8.1f} "
               f"{r['tax']:6.2f} {r['pallas_TBps']:6.2f}")
-    other = bench_other_ops(model, batches, _CONTEXT.value, iters)
+    other = bench_other_ops(model, batches, _CONTEXT.value, iters) if _OPS.value else []
     print(f"\n{'op':44s} {'M':>3s} {'pallas us':>10s} {'xla us':>8s} {'tax':>6s}")
     for r in other:
         print(f"{r['op']:44s} {r['M']:3d} {r['pallas_us']:10.1f} {r['xla_us']:8.1f} "
               f"{r['tax']:6.2f}")
     mm += other
-    steps, wbytes, kv = bench_steps(model, batches, gammas, _CONTEXT.value, iters)
+    steps, wbytes, kv = bench_steps(model, batches, gammas, _CONTEXT.value, iters,
+                                    fused=_FUSED.value)
     print(f"\nstep at context {_CONTEXT.value}: weights {wbytes / 1e9:.2f} GB, KV/row "
           f"{kv / 1e9:.3f} GB")
-    print(f"{'backend':8s} {'B':>2s} {'T':>3s} {'ms':>8s} {'/decode':>8s} {'/xla':>6s} "
+    print(f"{'backend':12s} {'B':>2s} {'T':>3s} {'ms':>8s} {'/decode':>8s} {'/xla':>6s} "
           f"{'TB/s':>6s}")
     by = {(r["backend"], r["B"], r["T"]): r for r in steps}
     for r in steps:
@@ -179,18 +201,25 @@ def main(argv):
         r["tax"] = r["ms"] / xla
         r["TBps"] = (wbytes + r["B"] * kv) / (r["ms"] / 1e3) / 1e12
         r["roofline_frac"] = r["TBps"] * 1e12 / bw
-        print(f"{r['backend']:8s} {r['B']:2d} {r['T']:3d} {r['ms']:8.3f} {r['vs_decode']:8.3f} "
-              f"{r['tax']:6.2f} {r['TBps']:6.2f}")
+        bits = {True: "  fused == unfused bits", False: "  FUSED != UNFUSED"}.get(
+            r.get("fused_equal_unfused"), "")
+        print(f"{r['backend']:12s} {r['B']:2d} {r['T']:3d} {r['ms']:8.3f} {r['vs_decode']:8.3f} "
+              f"{r['tax']:6.2f} {r['TBps']:6.2f}{bits}")
     report = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
+              "matmul_tuned": tuned_to_json(TUNED),
               "date": time.strftime("%Y-%m-%d"), "preset": _PRESET.value,
               "layers": model.config.num_layers, "context": _CONTEXT.value,
               "copy_TBps": bw / 1e12, "matmuls": mm, "steps": steps,
-              "weight_bytes": wbytes, "kv_bytes_per_row": kv}
+              "weight_bytes": wbytes, "kv_bytes_per_row": kv,
+              "fused_equal_unfused": all(r.get("fused_equal_unfused", True) for r in steps)}
     os.makedirs(_OUT.value, exist_ok=True)
-    path = os.path.join(_OUT.value, f"bench_kernels_{_PRESET.value}.json")
+    tag = f"_{_TAG.value}" if _TAG.value else ""
+    path = os.path.join(_OUT.value, f"bench_kernels_{_PRESET.value}{tag}.json")
     with open(path, "w") as f:
         json.dump(report, f, indent=1)
     print(f"receipt: {path}")
+    if not report["fused_equal_unfused"]:
+        sys.exit("PARITY FAILURE: fused add+RMSNorm logits differ from the unfused path")
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import jspec  # noqa: E402
 from jspec.loading import default_interpret  # noqa: E402
 from jspec.random_model import random_model  # noqa: E402
+from pallas_kernels.matmul import TUNED, tuned_to_json  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 from timing import timed  # noqa: E402
@@ -120,6 +121,7 @@ def main(argv):
                      "tokens_per_s": n_tokens / t, "seconds": t,
                      "speedup": t_serial / t, "parity": parity})
     report = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
+              "matmul_tuned": tuned_to_json(TUNED),
               "date": time.strftime("%Y-%m-%d"), "target": _TARGET.value,
               "draft": _DRAFT.value, "backend": _BACKEND.value, "dtype": _DTYPE.value,
               "batch": _BATCH.value, "prompt_len": _PROMPT_LEN.value, "max_new_tokens": N,

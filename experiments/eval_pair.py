@@ -31,6 +31,7 @@ from tqdm import tqdm
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import jspec  # noqa: E402
 from jspec.loading import default_pair  # noqa: E402
+from pallas_kernels.matmul import TUNED, tuned_to_json  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 from eval_pair_hf import held_out_prompts, hf_runs, load_hf_pair  # noqa: E402
@@ -144,6 +145,7 @@ def main(argv):
     tok = jspec.load_tokenizer(os.path.join(pair, "target"))
     prompts = load_prompts(pair, tok)
     report = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
+              "matmul_tuned": tuned_to_json(TUNED),
               "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv),
               "pair": os.path.abspath(pair), "backend": _BACKEND.value, "dtype": _DTYPE.value,
               "prompts": len(prompts), "batch": _BATCH.value, "prompt_len": _PROMPT_LEN.value,

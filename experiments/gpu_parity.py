@@ -36,6 +36,7 @@ from jspec import parity  # noqa: E402
 from jspec.cache import init_cache, rollback  # noqa: E402
 from jspec.model import forward  # noqa: E402
 from jspec.random_model import random_model  # noqa: E402
+from pallas_kernels.matmul import TUNED, tuned_to_json  # noqa: E402
 
 FLAGS = flags.DEFINE_string("models", "qwen3-8b:4,gemma3-4b:6", "preset:num_layers list")
 _CONTEXT = flags.DEFINE_integer("context", 8192, "sequence length checked")
@@ -157,6 +158,7 @@ def parity_blocks(n: int, sizes: list[int]) -> list[int]:
 def main(argv):
     del argv
     report = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
+              "matmul_tuned": tuned_to_json(TUNED),
               "date": time.strftime("%Y-%m-%d"), "context": _CONTEXT.value,
               "window": _WINDOW.value, "results": {}}
     ks = [int(k) for k in _KS.value]

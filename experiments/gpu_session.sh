@@ -1,18 +1,45 @@
 #!/usr/bin/env bash
 # One device call that runs the whole GPU programme and leaves receipts in $OUT.
-#   bash experiments/gpu_session.sh [parity|audit|audit_qwen3|audit_gemma3|audit_xla|kernels|spec|sweep|e2e|train|pair ...]
-# (default: parity audit kernels spec; sweep, the matmul tile tuning, only when named;
-# e2e, the end-to-end benchmark with peers (up to 560 s), only when named, in a call of its own;
-# train trains the code pair into $OUT/codepair; pair and pair_eval audit / evaluate $PAIR,
-# else a pair trained in this call, else the embedded one)
+#   bash experiments/gpu_session.sh [step ...]                  # one GPU, steps in order
+#   bash experiments/gpu_session.sh step ... :: step ... [:: ...]  # one lane per GPU
+# Steps: parity audit audit_qwen3 audit_gemma3 audit_xla kernels spec sweep tuned e2e
+# e2e_b1 e2e_b8 kernels_fused train pair pair_eval (default: parity audit kernels spec).
+# sweep: the matmul tile tuning; it writes $OUT/sweep_matmul_tuned.json, and `tuned`
+# makes the lane's later steps use that table ($JSPEC_MATMUL_TUNED) before it is pasted
+# into pallas_kernels/matmul.py. e2e (up to 560 s) wants a call or lane of its own;
+# e2e_b1 / e2e_b8 split it. kernels_fused: decode/verify steps with the fused
+# add+RMSNorm kernel, timed and checked bitwise against the unfused path. train trains the code pair into $OUT/codepair;
+# pair and pair_eval audit / evaluate $PAIR, else a pair trained in this call, else the
+# embedded one.
+# With lanes (`::`), lane i runs on GPU i (CUDA_VISIBLE_DEVICES=i) in parallel, logs to
+# $OUT/lane<i>.log, and every receipt is packed into $OUT/receipts.tgz at the end (only a
+# few files travel back from a device call).
 # Each step has its own time limit so a slow one cannot eat the others'.
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-experiments/results}
+mkdir -p "$OUT"
+if [[ " $* " == *" :: "* ]]; then  # lanes: one per GPU, in parallel
+  lanes=() cur=""
+  for a in "$@"; do
+    if [ "$a" = "::" ]; then lanes+=("$cur"); cur=""; else cur="$cur $a"; fi
+  done
+  lanes+=("$cur")
+  for i in "${!lanes[@]}"; do
+    # shellcheck disable=SC2086
+    CUDA_VISIBLE_DEVICES=$i bash "$0" ${lanes[$i]} > "$OUT/lane$i.log" 2>&1 &
+  done
+  wait
+  for i in "${!lanes[@]}"; do echo "##### lane $i (GPU $i):${lanes[$i]}"; cat "$OUT/lane$i.log"; done
+  tar -C "$OUT" -czf /tmp/receipts.tgz --exclude='lane*.log' . && mv /tmp/receipts.tgz "$OUT/"
+  find "$OUT" -mindepth 1 -maxdepth 1 ! -name receipts.tgz ! -name 'lane*.log' \
+    -exec rm -rf {} +
+  exit 0
+fi
 steps=${*:-parity audit kernels spec}
 quiet() { grep -v -i -E "warn|libtpu|^I[0-9]{4}"; }
 audit() {  # preset layers: pallas audit at 512..8192 and a 2048-token generation
-  timeout 200 python3 experiments/parity_audit.py --preset="$1" --layers="$2" \
+  timeout "${AUDIT_S:-190}" python3 experiments/parity_audit.py --preset="$1" --layers="$2" \
     --contexts=512,2048,8192 --long_tokens=2048 --out="$OUT" --tag="h200_$1" \
     2>&1 | quiet | grep -v "it/s" | tail -30
 }
@@ -22,12 +49,12 @@ pair_dir() { if [ -n "${PAIR:-}" ]; then echo "$PAIR";
 for s in $steps; do
   echo "=== $s"
   case $s in
-    parity) timeout 300 python3 experiments/gpu_parity.py --models=qwen3-8b:4,gemma3-4b:6 \
+    parity) timeout "${PARITY_S:-170}" python3 experiments/gpu_parity.py --models=qwen3-8b:4,gemma3-4b:6 \
               --context=8192 --window=48 --out="$OUT" 2>&1 | quiet | tail -40 ;;
     audit) audit qwen3-8b 4; audit gemma3-4b 6 ;;
     audit_qwen3) audit qwen3-8b 4 ;;
     audit_gemma3) audit gemma3-4b 6 ;;
-    audit_xla) timeout 150 python3 experiments/parity_audit.py --preset=qwen3-8b --layers=4 \
+    audit_xla) timeout 140 python3 experiments/parity_audit.py --preset=qwen3-8b --layers=4 \
               --backend=xla --expect_mismatch --contexts=512,2048 --long_tokens=512 \
               --out="$OUT" --tag=h200_qwen3-8b_xla 2>&1 | quiet | tail -30 ;;
     train) timeout 330 python3 experiments/train_pair.py --time_limit_s=120 \
@@ -51,11 +78,22 @@ for s in $steps; do
               --draft=qwen3-0.6b --prompt_len=512 --max_new_tokens=256 --batch=1 \
               --gammas=2,4,6,8 --oracle_gammas=2,4,6,8 --accept=0.5,0.7,0.8,0.9 --iters=3 \
               --out="$OUT" --tag=h200_qwen3-8b_b1 2>&1 | quiet | tail -40 ;;
-    sweep) timeout 300 python3 experiments/sweep_matmul.py --out="$OUT" \
+    sweep) timeout 210 python3 experiments/sweep_matmul.py --out="$OUT" --budget_s=150 \
               2>&1 | quiet | tail -60 ;;
     e2e) timeout 560 python3 experiments/bench_e2e.py --target=qwen3-8b --draft=qwen3-0.6b \
               --batches=1,8 --prompt_len=512 --max_new_tokens=256 --out="$OUT" \
               2>&1 | quiet | tail -60 ;;
+    e2e_b1|e2e_b8) B=${s#e2e_b}
+           timeout "${E2E_S:-520}" python3 experiments/bench_e2e.py --target=qwen3-8b \
+              --draft=qwen3-0.6b --batches="$B" --prompt_len=512 --max_new_tokens=256 \
+              --out="$OUT" --tag="h200_b$B" 2>&1 | quiet | grep -v "it/s" | tail -60 ;;
+    tuned) if [ -f "$OUT/sweep_matmul_tuned.json" ]; then
+             export JSPEC_MATMUL_TUNED="$OUT/sweep_matmul_tuned.json"
+             echo "JSPEC_MATMUL_TUNED=$JSPEC_MATMUL_TUNED:"; cat "$JSPEC_MATMUL_TUNED"
+           else echo "no $OUT/sweep_matmul_tuned.json: run sweep first"; fi ;;
+    kernels_fused) timeout 170 python3 experiments/bench_kernels.py --preset=qwen3-8b \
+              --batches=1,8 --gammas=4 --context=512 --iters=10 --noops --fuse_add_norm \
+              --out="$OUT" --tag=fused 2>&1 | quiet | tail -30 ;;
     *) echo "unknown step $s" ;;
   esac
 done

@@ -40,6 +40,7 @@ import jspec  # noqa: E402
 from jspec import audit  # noqa: E402
 from jspec.loading import default_interpret  # noqa: E402
 from jspec.random_model import random_model  # noqa: E402
+from pallas_kernels.matmul import TUNED, tuned_to_json  # noqa: E402
 
 _CKPT = flags.DEFINE_string("checkpoint", "", "HF checkpoint dir (else --preset)")
 _PRESET = flags.DEFINE_string("preset", "tiny-qwen3", "random-weight preset")
@@ -65,14 +66,15 @@ def load():
 
 
 def controls(model, contexts, ks, rng):
-    out = []
+    """Yields the controls of each context (one list of per-k results) as it finishes."""
     V = model.config.vocab_size
+    # One cache capacity for every context and k: the one-token and block-verify
+    # shapes compile once for the whole audit instead of once per (context, k).
+    max_len = audit.controls_max_len(max(contexts), max(ks))
     for n in tqdm(contexts, desc="same-prefix controls"):
         prefix = rng.integers(0, V, n).astype(np.int32)
         cont = jspec.generate(model, [prefix], max_new_tokens=max(ks)).tokens[0]
-        for k in ks:
-            out.append(audit.same_prefix_controls(model, prefix, cont, k, seed=k))
-    return out
+        yield audit.prefix_controls(model, prefix, cont, ks, max_len=max_len)
 
 
 def long_generation(model, rng, n_tokens, gamma):
@@ -103,13 +105,15 @@ def near_tie_checks(model, rng, n_ctx, max_checks):
         prompt = rng.integers(0, V, n_ctx).astype(np.int32)
         logits, _ = jspec.forward(model, prompt[None], jspec.init_cache(model, 1, n_ctx))
         for p in audit.near_ties(np.asarray(logits[0])):
-            if p >= 1 and len(found) < max_checks:
+            if 1 <= p <= n_ctx - 6 and len(found) < max_checks:  # 4 proposals after p
                 found.append((prompt, p))
         if len(found) >= max_checks:
             break
     res = []
+    max_len = audit.controls_max_len(n_ctx, 4)
     for prompt, p in found:
-        r = audit.same_prefix_controls(model, prompt[: p + 1], prompt[p + 1:], 4)
+        r = audit.same_prefix_controls(model, prompt[: p + 1], prompt[p + 1:], 4,
+                                       max_len=max_len)
         r["near_tie_position"] = p
         res.append(r)
     return res
@@ -154,13 +158,32 @@ def main(argv):
     ks = [int(k) for k in _KS.value]
     t0 = time.perf_counter()
     report = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
+              "matmul_tuned": tuned_to_json(TUNED),
               "date": time.strftime("%Y-%m-%d"), "model": _CKPT.value or _PRESET.value,
               "layers": model.config.num_layers, "backend": _BACKEND.value,
-              "dtype": _DTYPE.value, "contexts": contexts, "ks": ks}
-    report["same_prefix_controls"] = controls(model, contexts, ks, rng)
+              "dtype": _DTYPE.value, "contexts": contexts, "ks": ks, "complete": False,
+              "same_prefix_controls": [], "near_ties": []}
+    os.makedirs(_OUT.value, exist_ok=True)
+    path = os.path.join(_OUT.value, "parity_audit" + (f"_{_TAG.value}" if _TAG.value else "")
+                        + ".json")
+
+    def save():  # after every phase, so a run cut short keeps a receipt
+        with open(path + ".tmp", "w") as f:
+            json.dump(report, f, indent=1)
+        os.replace(path + ".tmp", path)
+
+    for part in controls(model, contexts, ks, rng):
+        report["same_prefix_controls"] += part
+        save()
+        tqdm.write(f"prefix {part[0]['prefix_len']}: " + ", ".join(
+            f"k={c['k']} {'equal' if c['equal'] else 'DIFFERS'}" for c in part)
+            + f" ({time.perf_counter() - t0:.0f} s)")
     report["long_generation"] = long_generation(model, rng, _LONG.value, _GAMMA.value)
+    save()
     report["near_ties"] = near_tie_checks(model, rng, min(contexts[-1], 512), _NEAR.value)
+    save()
     report["exact_ties"] = exact_ties(model, rng)
+    report["complete"] = True
     positions, mismatches = summarize(report)
     long_ok = all(v["equal"] for v in report["long_generation"].values()
                   if isinstance(v, dict))
@@ -169,11 +192,7 @@ def main(argv):
                          "near_tie_positions": len(report["near_ties"]),
                          "exact_ties_ok": report["exact_ties"]["equal"],
                          "seconds": round(time.perf_counter() - t0, 1)}
-    os.makedirs(_OUT.value, exist_ok=True)
-    path = os.path.join(_OUT.value, "parity_audit" + (f"_{_TAG.value}" if _TAG.value else "")
-                        + ".json")
-    with open(path, "w") as f:
-        json.dump(report, f, indent=1)
+    save()
     s = report["summary"]
     print(f"\nmodel {report['model']} backend {_BACKEND.value} dtype {_DTYPE.value} "
           f"on {report['device']}")

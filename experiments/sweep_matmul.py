@@ -41,10 +41,12 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from jspec.random_model import preset_config  # noqa: E402
 from pallas_kernels._common import round_up  # noqa: E402
 from pallas_kernels.matmul import (  # noqa: E402
+    TUNED_ENV,
     MatmulConfig,
     default_matmul_config,
     matmul,
     matmul_config,
+    tuned_to_json,
 )
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -231,13 +233,21 @@ def sweep_shape(name, K, N, dtype, rows, bw, seed) -> dict:
     return report
 
 
-def tuned_literal(reports, rows) -> str:
-    lines = ["TUNED: dict[tuple[int, int, str], MatmulConfig] = {"]
+def selected(reports) -> list[dict]:
+    """Winners worth a table entry: row-invariant, not the default, gain >= --min_gain."""
+    out = []
     for r in reports:
         if "best" not in r or r["best_is_default"] or not r["row_invariant"]:
             continue
         if r["gain"] is not None and r["gain"] < _MIN_GAIN.value:
             continue
+        out.append(r)
+    return out
+
+
+def tuned_literal(reports, rows) -> str:
+    lines = ["TUNED: dict[tuple[int, int, str], MatmulConfig] = {"]
+    for r in selected(reports):
         c = MatmulConfig(**r["best"]["config"])
         d = r["default"]["sum_us"] if r["default"] else float("nan")
         lines.append(f"    # {r['name']}: {d:.1f} -> {r['best']['sum_us']:.1f} us "
@@ -270,6 +280,7 @@ def main(argv):
     os.makedirs(_OUT.value, exist_ok=True)
     tag = f"_{_TAG.value}" if _TAG.value else ""
     path = os.path.join(_OUT.value, f"sweep_matmul{tag}.json")
+    tuned_path = os.path.join(_OUT.value, f"sweep_matmul{tag}_tuned.json")
     for n, (name, K, N) in enumerate(todo):
         if time.perf_counter() - t_start > _BUDGET.value:
             receipt["skipped"].append(name)
@@ -281,6 +292,10 @@ def main(argv):
         receipt["elapsed_s"] = time.perf_counter() - t_start
         with open(path, "w") as f:
             json.dump(receipt, f, indent=1)
+        table = {(r["K"], r["N"], r["dtype"]): MatmulConfig(**r["best"]["config"])
+                 for r in selected(receipt["shapes"])}
+        with open(tuned_path, "w") as f:  # for $JSPEC_MATMUL_TUNED
+            json.dump(tuned_to_json(table), f, indent=1)
         errs = sum("error" in c for c in r["candidates"])
         best = cfg_str(MatmulConfig(**r["best"]["config"])) if "best" in r else r.get("error")
         print(f"[{receipt['elapsed_s']:6.1f}s] {name} [{K}, {N}]: {len(r['candidates'])} "
@@ -305,7 +320,7 @@ def main(argv):
         print(f"skipped (over --budget_s): {', '.join(receipt['skipped'])}")
     print(f"(default us / best: sums over M; {time.perf_counter() - t_start:.0f} s in all)")
     print("\n" + tuned_literal(receipt["shapes"], rows))
-    print(f"receipt: {path}")
+    print(f"receipt: {path}; table for ${TUNED_ENV}: {tuned_path}")
 
 
 if __name__ == "__main__":

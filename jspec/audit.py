@@ -70,11 +70,11 @@ def _build(model: Model, prefix: np.ndarray, how: str, k: int, max_len: int):
     cache = init_cache(model, 1, max_len)
     if how == "prefill" or n == 0:
         if n:
-            _, cache = forward(model, prefix[None, :n], cache)
+            _, cache = forward(model, prefix[None, :n], cache, donate=False)
         return cache
     if how == "one-token":
         for t in prefix[:n]:
-            _, cache = forward(model, np.array([[t]], np.int32), cache)
+            _, cache = forward(model, np.array([[t]], np.int32), cache, donate=False)
         return cache
     # accepted blocks: verify calls of T = k + 1 that accept all k + 1 slots
     pos = 0
@@ -83,16 +83,46 @@ def _build(model: Model, prefix: np.ndarray, how: str, k: int, max_len: int):
         toks = np.zeros((1, T), np.int32)
         a = min(T, n - pos)
         toks[0, :a] = prefix[pos: pos + a]
-        _, cache = forward(model, toks, cache)
+        _, cache = forward(model, toks, cache, donate=False)
         pos += a
         cache = rollback(cache, pos)
     return cache
 
 
-def same_prefix_controls(model: Model, prefix: np.ndarray, proposals: np.ndarray, k: int,
-                         *, seed: int = 0) -> dict:
-    """prefix [n] committed tokens; proposals [>= k] reference continuation."""
-    rng = np.random.default_rng(seed)
+def controls_max_len(prefix_len: int, max_k: int) -> int:
+    """Cache capacity that serves every control of a prefix with blocks up to max_k."""
+    return prefix_len + 2 * (max_k + 1) + 64
+
+
+def prefix_controls(model: Model, prefix: np.ndarray, proposals: np.ndarray, ks,
+                    *, max_len: int | None = None) -> list[dict]:
+    """The same-prefix controls for every k in ks on one prefix [n] (proposals [>= max k]).
+
+    The k-independent histories (one-token commits, fresh prefill) and the ground
+    truth (one prefill of prefix + max(ks) proposals; by P its rows n..n+k are the
+    truth for every k) are built once; every forward is non-donating, so cache
+    buffers are shared. One max_len for all ks (and, if the caller passes one, for
+    all prefixes) keeps the number of compiled shapes small.
+    """
+    ks = [int(k) for k in ks]
+    n = len(prefix) - 1
+    max_len = max_len or controls_max_len(len(prefix), max(ks))
+    if max_len < controls_max_len(len(prefix), max(ks)):
+        raise ValueError(f"max_len {max_len} is too small for prefix {len(prefix)} and "
+                         f"k {max(ks)}: need {controls_max_len(len(prefix), max(ks))}")
+    if len(proposals) < max(ks):
+        raise ValueError(f"{len(proposals)} proposals given; k = {max(ks)} needs {max(ks)}")
+    full = np.concatenate([prefix, proposals[: max(ks)]])[None].astype(np.int32)
+    truth, _ = forward(model, full, init_cache(model, 1, max_len), donate=False)
+    truth = np.asarray(truth[0, n:])  # [max_k + 1, V]
+    shared = {"one-token": _build(model, prefix, "one-token", 0, max_len),
+              "prefill": _build(model, prefix, "prefill", 0, max_len)}
+    return [_controls_k(model, prefix, proposals, k, truth[: k + 1], shared, max_len)
+            for k in ks]
+
+
+def _controls_k(model, prefix, proposals, k, truth, shared, max_len) -> dict:
+    rng = np.random.default_rng(k)
     V = model.config.vocab_size
     ref_props = np.asarray(proposals[:k], np.int32)
     change_at = int(rng.integers(0, k)) if k > 1 else 0
@@ -101,25 +131,18 @@ def same_prefix_controls(model: Model, prefix: np.ndarray, proposals: np.ndarray
     block_ref = np.concatenate([prefix[-1:], ref_props])[None].astype(np.int32)  # [1, k+1]
     block_chg = np.concatenate([prefix[-1:], changed])[None].astype(np.int32)
     n = len(prefix) - 1
-    max_len = n + 2 * (k + 1) + 64
-
-    # Ground truth: one prefill of prefix + reference proposals.
-    full = np.concatenate([prefix, ref_props])[None].astype(np.int32)
-    truth, _ = forward(model, full, init_cache(model, 1, max_len))
-    truth = np.asarray(truth[0, n:])  # [k+1, V]
-
     res = {"prefix_len": len(prefix), "prefix_digest": digest(prefix), "k": k,
            "changed_from": change_at + 1, "histories": {}}
     first = None
     histories = {"one-token commits": "one-token", f"accepted blocks of {k}": "blocks",
                  "fresh prefill": "prefill"}
     for how, mode in histories.items():
-        cache = _build(model, prefix, mode, k, max_len)
-        ref, cache = forward(model, block_ref, cache)
+        cache = shared[mode] if mode in shared else _build(model, prefix, mode, k, max_len)
+        ref, cache = forward(model, block_ref, cache, donate=False)
         cache = rollback(cache, n)
-        chg, cache = forward(model, block_chg, cache)
+        chg, cache = forward(model, block_chg, cache, donate=False)
         cache = rollback(cache, n)
-        again, cache = forward(model, block_ref, cache)
+        again, cache = forward(model, block_ref, cache, donate=False)
         cache = rollback(cache, n)
         arg, _ = _argmax_only(model, jnp.asarray(block_ref), cache)
         ref, chg, again = (np.asarray(x[0]) for x in (ref, chg, again))
@@ -138,6 +161,12 @@ def same_prefix_controls(model: Model, prefix: np.ndarray, proposals: np.ndarray
         all(v["equal"] if isinstance(v, dict) else v for v in h.values())
         for h in res["histories"].values())
     return res
+
+
+def same_prefix_controls(model: Model, prefix: np.ndarray, proposals: np.ndarray, k: int,
+                         *, max_len: int | None = None) -> dict:
+    """prefix [n] committed tokens; proposals [>= k] reference continuation."""
+    return prefix_controls(model, prefix, proposals, [k], max_len=max_len)[0]
 
 
 def near_ties(logits: np.ndarray, max_count: int = 64) -> list[int]:

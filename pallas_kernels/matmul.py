@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
+import os
 
 import jax
 import jax.numpy as jnp
@@ -71,6 +73,32 @@ class MatmulConfig:
 # default rule. Interpret mode (CPU) has its own rule and ignores the table.
 # The table is read when `matmul` is traced: fill it before the first call.
 TUNED: dict[tuple[int, int, str], MatmulConfig] = {}
+
+TUNED_ENV = "JSPEC_MATMUL_TUNED"
+
+
+def tuned_to_json(table: dict[tuple[int, int, str], MatmulConfig]) -> list[dict]:
+    """A TUNED-style table as JSON rows {K, N, dtype, config}."""
+    return [{"K": K, "N": N, "dtype": d, "config": dataclasses.asdict(c)}
+            for (K, N, d), c in sorted(table.items())]
+
+
+def load_tuned(path: str) -> dict[tuple[int, int, str], MatmulConfig]:
+    """Reads a table written by `experiments/sweep_matmul.py` (`*_tuned.json`)."""
+    with open(path) as f:
+        rows = json.load(f)
+    try:
+        return {(int(r["K"]), int(r["N"]), str(r["dtype"])): MatmulConfig(**r["config"])
+                for r in rows}
+    except (KeyError, TypeError) as e:
+        raise ValueError(f"{path}: not a matmul tuning table (rows of K, N, dtype, "
+                         f"config): {e}") from e
+
+
+# A table file named by $JSPEC_MATMUL_TUNED extends TUNED at import, so a freshly
+# swept table can be proven (parity) and measured before it is pasted in above.
+if os.environ.get(TUNED_ENV):
+    TUNED.update(load_tuned(os.environ[TUNED_ENV]))
 
 
 def default_matmul_config(K: int, N: int, dtype, interpret: bool) -> MatmulConfig:

@@ -1,6 +1,7 @@
 """The parity-audit building blocks (jspec/audit.py) on tiny fixture models."""
 
 import numpy as np
+import pytest
 from conftest import expected, load
 
 import jspec
@@ -49,3 +50,18 @@ def test_near_ties_uses_one_bf16_ulp_at_the_logit_magnitude():
                      [0.5, 0.5 + 2**-10, 0.0]],    # ulp(0.5) = 2**-8: tie
                     np.float32)
     assert audit.near_ties(rows) == [0, 2]
+
+
+def test_prefix_controls_share_histories_across_ks_and_check_capacity():
+    seq = _seq()
+    model = load("qwen3", "pallas")
+    ks = [1, 3, 4]
+    res = audit.prefix_controls(model, seq[:14], seq[14:], ks)
+    assert [r["k"] for r in res] == ks and all(r["equal"] for r in res)
+    # k = 4 alone gives the same verdicts and rows as k = 4 among others.
+    alone = audit.same_prefix_controls(model, seq[:14], seq[14:], 4)
+    assert alone == res[-1]
+    with pytest.raises(ValueError, match="max_len 20 is too small"):
+        audit.prefix_controls(model, seq[:14], seq[14:], ks, max_len=20)
+    with pytest.raises(ValueError, match="proposals given"):
+        audit.prefix_controls(model, seq[:14], seq[14:16], ks)

@@ -39,7 +39,13 @@ from pallas_kernels import (
     softcap_reference,
 )
 from pallas_kernels._common import next_pow2, pow2_tile
-from pallas_kernels.matmul import TUNED, MatmulConfig, default_matmul_config
+from pallas_kernels.matmul import (
+    TUNED,
+    MatmulConfig,
+    default_matmul_config,
+    load_tuned,
+    tuned_to_json,
+)
 from pallas_kernels.rmsnorm import rmsnorm_config
 
 INTERPRET = os.environ.get("JSPEC_PALLAS_INTERPRET", "1") != "0"
@@ -239,6 +245,27 @@ def test_sweep_matmul_cli_smoke(tmp_path):
     assert (shape["K"], shape["N"]) == (2048, 1024) and shape["row_invariant"] is True
     splits = [c for c in shape["candidates"] if c["config"]["split_k"] > 1]
     assert splits and all(set(c["us"]) == {"1", "3"} for c in splits), shape["candidates"]
+    # The selected winners (maybe none here) as a table file for $JSPEC_MATMUL_TUNED.
+    assert isinstance(load_tuned(str(tmp_path / "sweep_matmul_tuned.json")), dict)
+
+
+def test_tuned_table_round_trips_and_loads_from_the_environment(tmp_path):
+    table = {(4096, 4096, "bfloat16"): MatmulConfig(bm=16, bn=32, bk=128, num_warps=4,
+                                                    num_stages=4, split_k=2)}
+    path = tmp_path / "tuned.json"
+    path.write_text(json.dumps(tuned_to_json(table)))
+    assert load_tuned(str(path)) == table
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = ("from pallas_kernels.matmul import matmul_config; "
+            "print(matmul_config(4096, 4096, 'bfloat16', False).split_k, "
+            "matmul_config(4096, 4096, 'bfloat16', True).split_k)")
+    env = dict(os.environ, JSPEC_MATMUL_TUNED=str(path))
+    r = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.split() == ["2", "1"], r.stderr[-2000:]
+    (tmp_path / "bad.json").write_text('[{"K": 1}]')
+    with pytest.raises(ValueError, match="not a matmul tuning table"):
+        load_tuned(str(tmp_path / "bad.json"))
 
 
 def test_pow2_tile_prefers_divisors():
