@@ -67,12 +67,18 @@ _NEW = flags.DEFINE_integer("max_new_tokens", 48, "tokens generated per row")
 _GAMMAS = flags.DEFINE_list("gammas", ["2", "4", "6", "8"], "gammas (oracle and lookup)")
 _ACCEPT = flags.DEFINE_list("accept", ["0.5", "0.7", "0.8", "0.9"], "oracle acceptance rates")
 _LOOKUP = flags.DEFINE_bool("lookup", True, "also run the prompt-lookup drafter")
+_DRAFT_BACKEND = flags.DEFINE_enum(
+    "draft_backend", "pallas", ["pallas", "xla"],
+    "backend of the draft model: its numerics change only which tokens are proposed, never "
+    "the output (the target's verify decides), so xla is a legitimate speed option")
 _PEERS = flags.DEFINE_bool("peers", True, "transformers peers (needs torch)")
 _PEER_GAMMA = flags.DEFINE_integer("peer_gamma", 4, "gamma of the matched speculative run")
 _PEER_COMPILE = flags.DEFINE_bool("peer_compile", True, "HF static cache + torch.compile run")
 _ITERS = flags.DEFINE_integer("iters", 3, "timed repetitions (median)")
 _OUT = flags.DEFINE_string("out", os.environ.get("OUT", "experiments/results"), "output dir")
 _TAG = flags.DEFINE_string("tag", "", "suffix of the receipt's file name")
+_REPLOT = flags.DEFINE_list("replot", [], "no runs: merge these receipts (runs cut short "
+                            "too), print the tables and draw the plots under --out/--tag")
 
 
 def load_model(spec: str, seed: int) -> jspec.Model:
@@ -141,7 +147,7 @@ class Bench:
         self.target = load_model(_TARGET.value, 0)
         jax.block_until_ready(self.target.params)
         t1 = time.perf_counter()
-        self.draft = load_model(_DRAFT.value, 1)
+        self.draft = load_model(_DRAFT.value, 1).with_backend(_DRAFT_BACKEND.value)
         jax.block_until_ready(self.draft.params)
         t2 = time.perf_counter()
         self.batches = [int(b) for b in _BATCHES.value]
@@ -162,7 +168,8 @@ class Bench:
             "platform": jax.default_backend(), **versions(),
             "xla_mem_fraction": os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"),
             "target": _TARGET.value,
-            "draft": _DRAFT.value, "dtype": _DTYPE.value, "batches": self.batches,
+            "draft": _DRAFT.value, "draft_backend": _DRAFT_BACKEND.value,
+            "dtype": _DTYPE.value, "batches": self.batches,
             "prompt_len": self.P, "max_new_tokens": self.N, "iters": self.iters,
             "copy_TBps": bw / 1e12, "mean_context": ctx, "weight_bytes": wbytes,
             "kv_bytes_per_row": kv, "phases_s": {"build_target": t1 - t0, "build_draft": t2 - t1,
@@ -399,8 +406,34 @@ def jobs_for(bench: Bench) -> list[tuple[str, object]]:
     return jobs
 
 
+def merge_receipts(paths: list[str]) -> dict:
+    """One report from several receipts of the same target/draft (e.g. one per batch)."""
+    reps = []
+    for p in paths:
+        with open(p) as f:
+            reps.append(json.load(f))
+    key = {(r["target"], r["draft"], r["prompt_len"], r["max_new_tokens"]) for r in reps}
+    if len(key) != 1:
+        raise SystemExit(f"--replot receipts differ in (target, draft, prompt, new tokens): {key}")
+    rep = dict(reps[0])
+    rep["batches"] = sorted({b for r in reps for b in r["batches"]})
+    for k in ("serial", "speculative"):
+        rep[k] = [row for r in reps for row in r[k]]
+    rep["peers"] = {k: v for r in reps for k, v in r["peers"].items() if k != "runs"}
+    rep["peers"]["runs"] = [row for r in reps for row in r["peers"]["runs"]]
+    rep["sources"] = [os.path.basename(p) for p in paths]
+    return rep
+
+
 def main(argv):
     del argv
+    if _REPLOT.value:
+        rep = merge_receipts(_REPLOT.value)
+        stem = os.path.join(_OUT.value, "bench_e2e" + (f"_{_TAG.value}" if _TAG.value else ""))
+        print_tables(rep)
+        plot(rep, stem)
+        print(f"plots: {stem}_*.png")
+        return
     bench = Bench()
     if not _PEERS.value:
         bench.report["peers"]["skipped"] = "--nopeers"

@@ -2,15 +2,19 @@
 # One device call that runs the whole GPU programme and leaves receipts in $OUT.
 #   bash experiments/gpu_session.sh [step ...]                  # one GPU, steps in order
 #   bash experiments/gpu_session.sh step ... :: step ... [:: ...]  # one lane per GPU
-# Steps: parity audit audit_qwen3 audit_gemma3 audit_xla kernels spec sweep tuned e2e
-# e2e_b1 e2e_b8 kernels_fused train pair pair_eval (default: parity audit kernels spec).
-# sweep: the matmul tile tuning; it writes $OUT/sweep_matmul_tuned.json, and `tuned`
-# makes the lane's later steps use that table ($JSPEC_MATMUL_TUNED) before it is pasted
-# into pallas_kernels/matmul.py. e2e (up to 560 s) wants a call or lane of its own;
-# e2e_b1 / e2e_b8 split it. kernels_fused: decode/verify steps with the fused
-# add+RMSNorm kernel, timed and checked bitwise against the unfused path. train trains the code pair into $OUT/codepair;
-# pair and pair_eval audit / evaluate $PAIR, else a pair trained in this call, else the
-# embedded one.
+# Steps: parity audit audit_qwen3 audit_gemma3 audit_xla kernels kernels_fused spec
+# sweep tuned e2e e2e_b1 e2e_b8 e2e_draftxla train pair pair_eval
+# (default: parity audit kernels spec).
+# - sweep: the matmul tile tuning; it writes $OUT/sweep_matmul_tuned.json, and `tuned`
+#   makes the lane's later steps use that table ($JSPEC_MATMUL_TUNED) before it is
+#   pasted into pallas_kernels/matmul.py.
+# - e2e (up to 560 s) wants a call or lane of its own; e2e_b1 / e2e_b8 split it;
+#   e2e_draftxla runs the draft model on the xla backend.
+# - kernels_fused: decode/verify steps with the fused add+RMSNorm kernel, timed and
+#   checked bitwise against the unfused path.
+# - train trains the code pair into $OUT/codepair; pair and pair_eval audit / evaluate
+#   $PAIR, else a pair trained in this call, else the embedded one.
+# XLA_FLAGS set by the caller reach every step.
 # With lanes (`::`), lane i runs on GPU i (CUDA_VISIBLE_DEVICES=i) in parallel, logs to
 # $OUT/lane<i>.log, and every receipt is packed into $OUT/receipts.tgz at the end (only a
 # few files travel back from a device call).
@@ -87,6 +91,10 @@ for s in $steps; do
            timeout "${E2E_S:-520}" python3 experiments/bench_e2e.py --target=qwen3-8b \
               --draft=qwen3-0.6b --batches="$B" --prompt_len=512 --max_new_tokens=256 \
               --out="$OUT" --tag="h200_b$B" 2>&1 | quiet | grep -v "it/s" | tail -60 ;;
+    e2e_draftxla) timeout "${E2E_S:-300}" python3 experiments/bench_e2e.py --target=qwen3-8b \
+              --draft=qwen3-0.6b --batches=1 --prompt_len=512 --max_new_tokens=256 \
+              --gammas=2,4 --accept=0.8,0.9 --nolookup --nopeers --draft_backend=xla \
+              --out="$OUT" --tag=h200_b1_draftxla 2>&1 | quiet | grep -v "it/s" | tail -40 ;;
     tuned) if [ -f "$OUT/sweep_matmul_tuned.json" ]; then
              export JSPEC_MATMUL_TUNED="$OUT/sweep_matmul_tuned.json"
              echo "JSPEC_MATMUL_TUNED=$JSPEC_MATMUL_TUNED:"; cat "$JSPEC_MATMUL_TUNED"

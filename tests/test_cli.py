@@ -33,11 +33,12 @@ def test_speculative_cli_checks_parity(policy):
 def test_bench_e2e_smoke(tmp_path):
     r = _run("bench_e2e.py", "--target=tiny-qwen3", "--draft=tiny-qwen3:1", "--batches=1",
              "--prompt_len=16", "--max_new_tokens=8", "--gammas=2", "--accept=0.8", "--iters=1",
-             "--nopeers", f"--out={tmp_path}")
+             "--nopeers", "--draft_backend=xla", f"--out={tmp_path}")
     assert r.returncode == 0, r.stderr[-2000:]
     with open(tmp_path / "bench_e2e.json") as f:
         rep = json.load(f)
     assert rep["complete"] and rep["copy_TBps"] > 0 and rep["peers"]["skipped"] == "--nopeers"
+    assert rep["draft_backend"] == "xla"
     assert {(s["backend"], s["batch"]) for s in rep["serial"]} == {("pallas", 1), ("xla", 1)}
     assert all(s["roofline_tokens_per_s"] > 0 for s in rep["serial"])
     assert {(s["drafter"], s["gamma"]) for s in rep["speculative"]} == {("oracle", 2),
@@ -45,6 +46,11 @@ def test_bench_e2e_smoke(tmp_path):
     assert all(s["parity"] for s in rep["speculative"])
     for name in ("speedup_vs_gamma", "tokens_per_s_vs_acceptance"):
         assert (tmp_path / f"bench_e2e_{name}.png").exists()
+    # Receipts (runs cut short too) re-drawn without running anything.
+    r = _run("bench_e2e.py", f"--replot={tmp_path / 'bench_e2e.json'}", f"--out={tmp_path}",
+             "--tag=again")
+    assert r.returncode == 0 and "serial greedy" in r.stdout, r.stderr[-2000:]
+    assert (tmp_path / "bench_e2e_again_speedup_vs_gamma.png").exists()
 
 
 def test_eval_pair_smoke(tmp_path):

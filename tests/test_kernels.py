@@ -179,6 +179,19 @@ def test_matmul_config_has_no_m_and_defaults_to_no_split():
         MatmulConfig(bm=16, bn=64, bk=64, num_warps=4, num_stages=2, split_k=0)
 
 
+def test_tuned_table_is_the_swept_and_proven_one():
+    # The table in the code is exactly the one the H200 sweep selected and the parity
+    # runs used (they ran it through $JSPEC_MATMUL_TUNED before it was pasted in).
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    receipt = os.path.join(root, "experiments", "results",
+                           "sweep_matmul_h200_tuned_2026-11-30.json")
+    with open(os.path.join(root, "experiments", "results",
+                           "gpu_parity_h200_tuned_2026-11-30.json")) as f:
+        proven = json.load(f)["matmul_tuned"]
+    assert load_tuned(receipt) == TUNED
+    assert tuned_to_json(TUNED) == proven
+
+
 def test_tuned_entry_is_used(monkeypatch):
     k, n = 272, 208  # a shape no other test traces (jit caches traces by shape)
     tuned = MatmulConfig(bm=16, bn=16, bk=32, num_warps=2, num_stages=3, split_k=3)
