@@ -67,6 +67,9 @@ _NEW = flags.DEFINE_integer("max_new_tokens", 48, "tokens generated per row")
 _GAMMAS = flags.DEFINE_list("gammas", ["2", "4", "6", "8"], "gammas (oracle and lookup)")
 _ACCEPT = flags.DEFINE_list("accept", ["0.5", "0.7", "0.8", "0.9"], "oracle acceptance rates")
 _LOOKUP = flags.DEFINE_bool("lookup", True, "also run the prompt-lookup drafter")
+_OPTIONS = flags.DEFINE_list(
+    "options", [], "ModelConfig speed options (fuse_add_norm, pad_rows_once) turned on for "
+    "the target and the draft")
 _DRAFT_BACKEND = flags.DEFINE_enum(
     "draft_backend", "pallas", ["pallas", "xla"],
     "backend of the draft model: its numerics change only which tokens are proposed, never "
@@ -83,10 +86,13 @@ _REPLOT = flags.DEFINE_list("replot", [], "no runs: merge these receipts (runs c
 
 def load_model(spec: str, seed: int) -> jspec.Model:
     if os.path.isdir(spec):
-        return jspec.load_hf(spec, dtype=_DTYPE.value)
-    name, _, layers = spec.partition(":")
-    kw = {"num_layers": int(layers)} if layers else {}
-    return random_model(name, seed=seed, dtype=_DTYPE.value, interpret=default_interpret(), **kw)
+        model = jspec.load_hf(spec, dtype=_DTYPE.value)
+    else:
+        name, _, layers = spec.partition(":")
+        kw = {"num_layers": int(layers)} if layers else {}
+        model = random_model(name, seed=seed, dtype=_DTYPE.value, interpret=default_interpret(),
+                             **kw)
+    return model.replace(config=model.config.replace(**{o: True for o in _OPTIONS.value}))
 
 
 def make_prompts(V: int, B: int, P: int) -> np.ndarray:
@@ -169,6 +175,7 @@ class Bench:
             "xla_mem_fraction": os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"),
             "target": _TARGET.value,
             "draft": _DRAFT.value, "draft_backend": _DRAFT_BACKEND.value,
+            "options": _OPTIONS.value,
             "dtype": _DTYPE.value, "batches": self.batches,
             "prompt_len": self.P, "max_new_tokens": self.N, "iters": self.iters,
             "copy_TBps": bw / 1e12, "mean_context": ctx, "weight_bytes": wbytes,

@@ -51,8 +51,9 @@ _CONTEXT = flags.DEFINE_integer("context", 512, "tokens already in the cache")
 _ITERS = flags.DEFINE_integer("iters", 20, "timed runs per measurement")
 _OUT = flags.DEFINE_string("out", os.environ.get("OUT", "experiments/results"), "receipt dir")
 _INTERPRET = flags.DEFINE_bool("interpret", False, "CPU smoke run (tiny timings mean nothing)")
-_FUSED = flags.DEFINE_bool("fuse_add_norm", False, "also time (and check the bits of) the "
-                           "pallas step with the fused add+RMSNorm kernel")
+_OPTIONS = flags.DEFINE_list(
+    "options", [], "ModelConfig speed options (fuse_add_norm, pad_rows_once) to time as extra "
+    "pallas variants, each checked bitwise against the plain pallas step")
 _OPS = flags.DEFINE_bool("ops", True, "time single ops (matmuls, norms, ...) before steps")
 _TAG = flags.DEFINE_string("tag", "", "receipt file name suffix")
 
@@ -150,15 +151,16 @@ def device_steps(model, tokens, cache):
     return jax.lax.fori_loop(0, STEP_REPS, body, (cache, jnp.float32(0)))[1]
 
 
-def bench_steps(model, batches, gammas, context, iters, fused=False):
-    """Whole forward steps; with fused, also the pallas backend with fuse_add_norm=True,
-    whose logits must equal the unfused pallas logits bit for bit (row "fused_equal")."""
+def bench_steps(model, batches, gammas, context, iters, options=()):
+    """Whole forward steps on pallas and xla, plus the pallas backend with each speed
+    option in `options` (ModelConfig fields such as fuse_add_norm, pad_rows_once),
+    whose logits must equal the plain pallas logits bit for bit ("bits_equal_pallas")."""
     cfg = model.config
     rows = []
     variants = {"pallas": model.with_backend("pallas"), "xla": model.with_backend("xla")}
-    if fused:
-        variants["pallas+fused"] = variants["pallas"].replace(
-            config=cfg.replace(fuse_add_norm=True))
+    for opt in options:
+        variants[f"pallas+{opt}"] = variants["pallas"].replace(
+            config=variants["pallas"].config.replace(**{opt: True}))
     for B in batches:
         ref_logits = {}
         for backend, m in variants.items():
@@ -174,7 +176,7 @@ def bench_steps(model, batches, gammas, context, iters, fused=False):
                 # run them; the host-dispatched single call is kept for comparison.
                 times[T] = median_time(device_steps, m, tok, cache, iters=iters) / STEP_REPS
                 host[T] = median_time(forward_nodonate, m, tok, cache, iters=iters)
-                if fused and backend != "xla":
+                if options and backend != "xla":
                     logits = np.asarray(forward_nodonate(m, tok, cache)[0])
                     if backend == "pallas":
                         ref_logits[T] = logits
@@ -184,7 +186,7 @@ def bench_steps(model, batches, gammas, context, iters, fused=False):
             for T, t in times.items():
                 rows.append({"backend": backend, "B": B, "T": T, "ms": t * 1e3,
                              "vs_decode": t / times[1], "host_dispatched_ms": host[T] * 1e3} | (
-                                 {"fused_equal_unfused": equal[T]} if T in equal else {}))
+                                 {"bits_equal_pallas": equal[T]} if T in equal else {}))
     # Bytes a decode step must read: every weight once, plus the KV cache.
     wbytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(model.params))
     wbytes -= model.params["embed"].size * model.params["embed"].dtype.itemsize  # gathered
@@ -216,11 +218,11 @@ def main(argv):
               f"{r['tax']:6.2f}")
     mm += other
     steps, wbytes, kv = bench_steps(model, batches, gammas, _CONTEXT.value, iters,
-                                    fused=_FUSED.value)
+                                    options=tuple(_OPTIONS.value))
     print(f"\nstep at context {_CONTEXT.value}: weights {wbytes / 1e9:.2f} GB, KV/row "
           f"{kv / 1e9:.3f} GB")
     print(f"(ms: device-side loop of {STEP_REPS} steps; host: one host-dispatched call)")
-    print(f"{'backend':12s} {'B':>2s} {'T':>3s} {'ms':>8s} {'/decode':>8s} {'/xla':>6s} "
+    print(f"{'backend':22s} {'B':>2s} {'T':>3s} {'ms':>8s} {'/decode':>8s} {'/xla':>6s} "
           f"{'TB/s':>6s} {'host ms':>8s}")
     by = {(r["backend"], r["B"], r["T"]): r for r in steps}
     for r in steps:
@@ -228,9 +230,9 @@ def main(argv):
         r["tax"] = r["ms"] / xla
         r["TBps"] = (wbytes + r["B"] * kv) / (r["ms"] / 1e3) / 1e12
         r["roofline_frac"] = r["TBps"] * 1e12 / bw
-        bits = {True: "  fused == unfused bits", False: "  FUSED != UNFUSED"}.get(
-            r.get("fused_equal_unfused"), "")
-        print(f"{r['backend']:12s} {r['B']:2d} {r['T']:3d} {r['ms']:8.3f} {r['vs_decode']:8.3f} "
+        bits = {True: "  bits == pallas", False: "  BITS != PALLAS"}.get(
+            r.get("bits_equal_pallas"), "")
+        print(f"{r['backend']:22s} {r['B']:2d} {r['T']:3d} {r['ms']:8.3f} {r['vs_decode']:8.3f} "
               f"{r['tax']:6.2f} {r['TBps']:6.2f} {r['host_dispatched_ms']:8.3f}{bits}")
     report = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
               "matmul_tuned": tuned_to_json(TUNED),
@@ -238,15 +240,15 @@ def main(argv):
               "layers": model.config.num_layers, "context": _CONTEXT.value,
               "copy_TBps": bw / 1e12, "matmuls": mm, "steps": steps,
               "weight_bytes": wbytes, "kv_bytes_per_row": kv,
-              "fused_equal_unfused": all(r.get("fused_equal_unfused", True) for r in steps)}
+              "options_bits_equal_pallas": all(r.get("bits_equal_pallas", True) for r in steps)}
     os.makedirs(_OUT.value, exist_ok=True)
     tag = f"_{_TAG.value}" if _TAG.value else ""
     path = os.path.join(_OUT.value, f"bench_kernels_{_PRESET.value}{tag}.json")
     with open(path, "w") as f:
         json.dump(report, f, indent=1)
     print(f"receipt: {path}")
-    if not report["fused_equal_unfused"]:
-        sys.exit("PARITY FAILURE: fused add+RMSNorm logits differ from the unfused path")
+    if not report["options_bits_equal_pallas"]:
+        sys.exit(f"PARITY FAILURE: logits with {_OPTIONS.value} differ from the plain pallas path")
 
 
 if __name__ == "__main__":

@@ -9,9 +9,11 @@
 #   makes the lane's later steps use that table ($JSPEC_MATMUL_TUNED) before it is
 #   pasted into pallas_kernels/matmul.py.
 # - e2e (up to 560 s) wants a call or lane of its own; e2e_b1 / e2e_b8 split it;
-#   e2e_draftxla runs the draft model on the xla backend.
-# - kernels_fused: decode/verify steps with the fused add+RMSNorm kernel, timed and
-#   checked bitwise against the unfused path.
+#   e2e_draftxla runs the draft model on the xla backend; $E2E_FLAGS are appended to
+#   e2e_b1 / e2e_b8 (e.g. "--options=pad_rows_once --gammas=4 --accept=0.8") and
+#   $E2E_TAG to their receipt names.
+# - kernels_fused: decode/verify steps with the opt-in speed options (fused
+#   add+RMSNorm, rows padded once), timed and checked bitwise against plain pallas.
 # - train trains the code pair into $OUT/codepair; pair and pair_eval audit / evaluate
 #   $PAIR, else a pair trained in this call, else the embedded one.
 # XLA_FLAGS set by the caller reach every step.
@@ -90,7 +92,8 @@ for s in $steps; do
     e2e_b1|e2e_b8) B=${s#e2e_b}
            timeout "${E2E_S:-520}" python3 experiments/bench_e2e.py --target=qwen3-8b \
               --draft=qwen3-0.6b --batches="$B" --prompt_len=512 --max_new_tokens=256 \
-              --out="$OUT" --tag="h200_b$B" 2>&1 | quiet | grep -v "it/s" | tail -60 ;;
+              --out="$OUT" --tag="h200_b$B${E2E_TAG:-}" ${E2E_FLAGS:-} 2>&1 | quiet \
+              | grep -v "it/s" | tail -60 ;;
     e2e_draftxla) timeout "${E2E_S:-300}" python3 experiments/bench_e2e.py --target=qwen3-8b \
               --draft=qwen3-0.6b --batches=1 --prompt_len=512 --max_new_tokens=256 \
               --gammas=2,4 --accept=0.8,0.9 --nolookup --nopeers --draft_backend=xla \
@@ -100,7 +103,7 @@ for s in $steps; do
              echo "JSPEC_MATMUL_TUNED=$JSPEC_MATMUL_TUNED:"; cat "$JSPEC_MATMUL_TUNED"
            else echo "no $OUT/sweep_matmul_tuned.json: run sweep first"; fi ;;
     kernels_fused) timeout 170 python3 experiments/bench_kernels.py --preset=qwen3-8b \
-              --batches=1,8 --gammas=4 --context=512 --iters=10 --noops --fuse_add_norm \
+              --batches=1,8 --gammas=4 --context=512 --iters=10 --noops --options=fuse_add_norm,pad_rows_once \
               --out="$OUT" --tag=fused 2>&1 | quiet | tail -30 ;;
     *) echo "unknown step $s" ;;
   esac

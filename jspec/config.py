@@ -53,6 +53,11 @@ class ModelConfig:
       fuse_add_norm: run each residual add and the RMSNorm after it as one
         `add_norm` op (one kernel on the pallas backend); Llama/Qwen3 layouts
         only, ignored with sandwich norms. Off by default.
+      pad_rows_once: pallas backend: pad the residual stream's rows once per
+        forward to a multiple of 16 (every kernel's GPU row tile divides it), so
+        the norm, matmul and GLU kernels get aligned rows and no pad or slice op
+        sits between them; padded rows are zeros and stay zeros. Same bits as
+        the default path (row-independent kernels). Off by default.
     """
 
     family: str
@@ -82,6 +87,7 @@ class ModelConfig:
     backend: str = "pallas"
     interpret: bool = False
     fuse_add_norm: bool = False
+    pad_rows_once: bool = False
 
     def __post_init__(self):
         if self.backend not in BACKENDS:

@@ -30,8 +30,10 @@ from flax import struct
 from jspec.cache import KVCache, write_kv
 from jspec.config import ModelConfig, rope_table
 from jspec.ops import ops_for
+from pallas_kernels._common import pad_axis, pad_rows
 
 COMPILER_OPTIONS = {"xla_allow_excess_precision": False}
+ROW_TILE = 16  # pad_rows_once: every kernel's GPU row tile divides this
 
 
 @struct.dataclass
@@ -74,11 +76,12 @@ def _add_norm(ops, cfg: ModelConfig, x, o, w):
 
 
 def _attention_block(ops, cfg: ModelConfig, lp, h, k_buf, v_buf, pos, lengths, cos, sin, window):
-    """h [B*T, D] -> attention output [B*T, D] and the layer's updated K/V buffers."""
+    """h [Mp, D] (Mp >= B*T rows, see pad_rows_once) -> attention output [Mp, D] and the
+    layer's updated K/V buffers."""
     B, T = pos.shape
     dtype = h.dtype
     hd, H, Hkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
-    qkv = ops.matmul(h, lp["wqkv"], out_dtype=dtype)  # [B*T, (H + 2Hkv) hd]
+    qkv = ops.matmul(h, lp["wqkv"], out_dtype=dtype)[: B * T]  # [B*T, (H + 2Hkv) hd]
     q, k, v = jnp.split(qkv, [cfg.q_size, cfg.q_size + cfg.kv_size], axis=-1)
     if cfg.qk_norm:
         q = _norm(ops, cfg, q.reshape(-1, hd), lp["q_norm"])
@@ -92,12 +95,13 @@ def _attention_block(ops, cfg: ModelConfig, lp, h, k_buf, v_buf, pos, lengths, c
     v_buf = write_kv(v_buf, v_new, lengths)
     o = ops.attention(q.reshape(B, T, H, hd), k_buf, v_buf, pos, window,
                       scale=cfg.attn_scale, softcap=cfg.attn_softcap)  # [B, T, H, hd]
-    o = ops.matmul(o.reshape(B * T, H * hd), lp["wo"], out_dtype=dtype)  # [B*T, D]
+    o = pad_axis(o.reshape(B * T, H * hd), 0, h.shape[0])  # [Mp, H*hd]
+    o = ops.matmul(o, lp["wo"], out_dtype=dtype)  # [Mp, D]
     return o, k_buf, v_buf
 
 
 def _mlp_block(ops, cfg: ModelConfig, lp, h):
-    """h [B*T, D] -> [B*T, D]."""
+    """h [Mp, D] -> [Mp, D]."""
     gu = ops.matmul(h, lp["w_gate_up"], out_dtype=h.dtype)  # [B*T, 2F]
     gate, up = jnp.split(gu, 2, axis=-1)
     a = ops.glu(gate, up, activation=cfg.activation)  # [B*T, F]
@@ -113,6 +117,8 @@ def _forward(model: Model, tokens: jax.Array, cache: KVCache):
     pos = lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]  # [B, T]
 
     x = jnp.take(params["embed"], tokens.reshape(-1), axis=0)  # [B*T, D]
+    if cfg.pad_rows_once and cfg.backend == "pallas":
+        x = pad_rows(x, ROW_TILE)  # [Mp, D]: zero rows, which every layer keeps zero
     if cfg.embed_scale is not None:
         x = x * jnp.asarray(cfg.embed_scale, dtype)
 
@@ -141,7 +147,7 @@ def _forward(model: Model, tokens: jax.Array, cache: KVCache):
                 o = _norm(ops, cfg, o, lp["post_mlp_norm"])
 
     _, h = _add_norm(ops, cfg, x, o, params["final_norm"])
-    logits = ops.matmul(h, params["lm_head"], out_dtype=jnp.float32)  # [B*T, V]
+    logits = ops.matmul(h, params["lm_head"], out_dtype=jnp.float32)[: B * T]  # [B*T, V]
     if cfg.final_softcap is not None:
         logits = ops.softcap(logits, cfg.final_softcap)
     new_cache = cache.replace(k=tuple(new_k), v=tuple(new_v), lengths=lengths + T)

@@ -1,0 +1,108 @@
+"""`ModelConfig.pad_rows_once`: the residual stream padded once per forward.
+
+(a) the traced pallas forward has fewer pad ops (the norm, matmul and GLU kernels
+    get aligned rows);
+(b) its logits are bitwise equal to the default path's, at prefill, one-token
+    steps, verify blocks and in a ragged batch, alone and with fuse_add_norm, so the
+    option is a pure speed change; P then follows from the default path's tests;
+(c) the xla backend ignores it (that baseline stays a plain JAX model).
+CPU, Pallas in interpret mode.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import expected, load
+
+from jspec import parity
+from jspec.cache import init_cache
+from jspec.model import _forward
+from jspec.random_model import random_model
+
+MAX_LEN = 40
+N = 21  # tokens per sequence: not a multiple of the 16-row tile
+
+
+def _with(model, **kw):
+    return model.replace(config=model.config.replace(**kw))
+
+
+def _bits(x):
+    return np.asarray(x, np.float32).view(np.uint32)
+
+
+@pytest.fixture(scope="module", params=("gemma3", "tiny-qwen3"))
+def case(request):
+    """A bf16 pallas model and a sequence of N tokens (gemma3: sandwich norms,
+    (1 + w), embedding scale, sliding windows)."""
+    if request.param == "tiny-qwen3":
+        model = random_model("tiny-qwen3", interpret=True)
+        seq = np.random.default_rng(5).integers(0, model.config.vocab_size, N)
+    else:
+        model = load(request.param, "pallas", "bfloat16")
+        e = expected(request.param)
+        seq = np.resize(np.concatenate([e["prompt"], e["greedy"]]), N)
+    return model, seq.astype(np.int32)
+
+
+def _count(jaxpr, prim: str) -> int:
+    """Equations of primitive `prim` in a jaxpr, sub-jaxprs counted at every call."""
+    n = 0
+    for e in jaxpr.eqns:
+        n += e.primitive.name == prim
+        for v in e.params.values():
+            for sub in v if isinstance(v, (list, tuple)) else [v]:
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    n += _count(inner, prim)
+    return n
+
+
+def _ops(model, T=1):
+    """(pads, slices, pallas calls) of a forward of T tokens, traced for the GPU."""
+    model = model.with_backend(model.config.backend, interpret=False)
+    cache = init_cache(model, 1, MAX_LEN)
+    j = jax.make_jaxpr(_forward)(model, jnp.zeros((1, T), jnp.int32), cache).jaxpr
+    return _count(j, "pad"), _count(j, "slice"), _count(j, "pallas_call")
+
+
+def test_pad_once_removes_pad_and_slice_ops(case):
+    model, _ = case
+    L = model.config.num_layers
+    for T in (1, 5):
+        (p0, s0, k0), (p1, s1, k1) = _ops(model, T), _ops(_with(model, pad_rows_once=True), T)
+        # The same kernels; per layer at least 5 pads and 5 slices fewer.
+        assert k1 == k0 and p0 - p1 >= 5 * L and s0 - s1 >= 5 * L, ((p0, s0, k0), (p1, s1, k1))
+    assert _ops(model, 16)[:2] == _ops(_with(model, pad_rows_once=True), 16)[:2]  # aligned
+    xla = model.with_backend("xla")
+    assert _ops(_with(xla, pad_rows_once=True)) == _ops(xla)  # (c): ignored on xla
+
+
+@pytest.mark.parametrize("fuse", [False, True])
+def test_pad_once_logits_equal_default_logits(case, fuse):
+    model, seq = case
+    if fuse and model.config.sandwich_norms:
+        pytest.skip("fuse_add_norm does not apply with sandwich norms")
+    base = _with(model, fuse_add_norm=fuse)
+    padded = _with(base, pad_rows_once=True)
+    schedules = [("prefill", parity.prefill_schedule(N)), ("serial", parity.serial_schedule(N)),
+                 ("verify k=4", parity.verify_schedule(N, 4, prefix=1, seed=4))]
+    for label, steps in schedules:
+        want = parity.schedule_logits(base, [seq], steps, MAX_LEN, seed=1)[0]
+        got = parity.schedule_logits(padded, [seq], steps, MAX_LEN, seed=1)[0]
+        assert np.array_equal(_bits(got), _bits(want)), label
+        assert np.isfinite(got).all(), label
+
+
+def test_pad_once_ragged_batch_equals_default(case):
+    model, seq = case
+    padded = _with(model, pad_rows_once=True)
+    rng = np.random.default_rng(6)
+    V = model.config.vocab_size
+    seqs = [seq, rng.integers(0, V, N).astype(np.int32), rng.integers(0, V, N).astype(np.int32)]
+    steps = parity.batch_schedule([N] * 3, 4, seed=7)
+    want = parity.schedule_logits(model, seqs, steps, MAX_LEN)
+    got = parity.schedule_logits(padded, seqs, steps, MAX_LEN)
+    for b in range(3):
+        assert np.array_equal(_bits(got[b]), _bits(want[b])), b
