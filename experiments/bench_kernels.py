@@ -52,8 +52,8 @@ _ITERS = flags.DEFINE_integer("iters", 20, "timed runs per measurement")
 _OUT = flags.DEFINE_string("out", os.environ.get("OUT", "experiments/results"), "receipt dir")
 _INTERPRET = flags.DEFINE_bool("interpret", False, "CPU smoke run (tiny timings mean nothing)")
 _OPTIONS = flags.DEFINE_list(
-    "options", [], "ModelConfig speed options (fuse_add_norm, pad_rows_once) to time as extra "
-    "pallas variants, each checked bitwise against the plain pallas step")
+    "options", [], "ModelConfig speed options (fuse_add_norm, pad_rows_once, fuse_qk_rope) "
+    "to time as extra pallas variants, each checked bitwise against the plain pallas step")
 _OPS = flags.DEFINE_bool("ops", True, "time single ops (matmuls, norms, ...) before steps")
 _TAG = flags.DEFINE_string("tag", "", "receipt file name suffix")
 

@@ -103,7 +103,8 @@ for s in $steps; do
              echo "JSPEC_MATMUL_TUNED=$JSPEC_MATMUL_TUNED:"; cat "$JSPEC_MATMUL_TUNED"
            else echo "no $OUT/sweep_matmul_tuned.json: run sweep first"; fi ;;
     kernels_fused) timeout 170 python3 experiments/bench_kernels.py --preset=qwen3-8b \
-              --batches=1,8 --gammas=4 --context=512 --iters=10 --noops --options=fuse_add_norm,pad_rows_once \
+              --batches=1,8 --gammas=4 --context=512 --iters=10 --noops \
+              --options=fuse_add_norm,pad_rows_once,fuse_qk_rope \
               --out="$OUT" --tag=fused 2>&1 | quiet | tail -30 ;;
     *) echo "unknown step $s" ;;
   esac

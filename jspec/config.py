@@ -58,6 +58,10 @@ class ModelConfig:
         the norm, matmul and GLU kernels get aligned rows and no pad or slice op
         sits between them; padded rows are zeros and stay zeros. Same bits as
         the default path (row-independent kernels). Off by default.
+      fuse_qk_rope: pallas backend: the q/k norms (if any) and the RoPE of q and k
+        in one kernel reading the fused qkv projection (`qk_norm_rope`) instead
+        of up to four; same bits as the separate kernels for power-of-2
+        head_dim on CPU (tests/test_qk_rope.py). Off by default.
     """
 
     family: str
@@ -88,6 +92,7 @@ class ModelConfig:
     interpret: bool = False
     fuse_add_norm: bool = False
     pad_rows_once: bool = False
+    fuse_qk_rope: bool = False
 
     def __post_init__(self):
         if self.backend not in BACKENDS:

@@ -82,12 +82,19 @@ def _attention_block(ops, cfg: ModelConfig, lp, h, k_buf, v_buf, pos, lengths, c
     dtype = h.dtype
     hd, H, Hkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
     qkv = ops.matmul(h, lp["wqkv"], out_dtype=dtype)[: B * T]  # [B*T, (H + 2Hkv) hd]
-    q, k, v = jnp.split(qkv, [cfg.q_size, cfg.q_size + cfg.kv_size], axis=-1)
-    if cfg.qk_norm:
-        q = _norm(ops, cfg, q.reshape(-1, hd), lp["q_norm"])
-        k = _norm(ops, cfg, k.reshape(-1, hd), lp["k_norm"])
-    q = ops.rope(q.reshape(B * T, H, hd), cos, sin)  # [B*T, H, hd]
-    k = ops.rope(k.reshape(B * T, Hkv, hd), cos, sin)  # [B*T, Hkv, hd]
+    if cfg.fuse_qk_rope and cfg.backend == "pallas":
+        heads = qkv.reshape(B * T, H + 2 * Hkv, hd)
+        ws = (lp["q_norm"], lp["k_norm"]) if cfg.qk_norm else (None, None)
+        qk = ops.qk_norm_rope(heads, *ws, cos, sin, num_q=H, num_k=Hkv, eps=cfg.rms_eps,
+                              offset=cfg.norm_offset)  # [B*T, H + Hkv, hd]
+        q, k, v = qk[:, :H], qk[:, H:], heads[:, H + Hkv:]
+    else:
+        q, k, v = jnp.split(qkv, [cfg.q_size, cfg.q_size + cfg.kv_size], axis=-1)
+        if cfg.qk_norm:
+            q = _norm(ops, cfg, q.reshape(-1, hd), lp["q_norm"])
+            k = _norm(ops, cfg, k.reshape(-1, hd), lp["k_norm"])
+        q = ops.rope(q.reshape(B * T, H, hd), cos, sin)  # [B*T, H, hd]
+        k = ops.rope(k.reshape(B * T, Hkv, hd), cos, sin)  # [B*T, Hkv, hd]
     k_new = k.reshape(B, T, Hkv, hd).transpose(0, 2, 1, 3)  # [B, Hkv, T, hd]
     v_new = v.reshape(B, T, Hkv, hd).transpose(0, 2, 1, 3)
     # New K/V go into the cache before attention reads it (rule R3).

@@ -25,6 +25,7 @@ from pallas_kernels.attention import attention, attention_reference
 from pallas_kernels.glu import glu, glu_reference
 from pallas_kernels.logsumexp import logsumexp, logsumexp_reference
 from pallas_kernels.matmul import matmul, matmul_reference
+from pallas_kernels.qk_rope import qk_norm_rope, qk_norm_rope_reference
 from pallas_kernels.rmsnorm import rmsnorm, rmsnorm_reference
 from pallas_kernels.rope import rope, rope_reference
 from pallas_kernels.softcap import softcap, softcap_reference
@@ -35,6 +36,8 @@ class Ops(NamedTuple):
     rmsnorm(x [M,D], w [D], eps, offset) -> [M,D];
     add_norm(x [M,D], o [M,D], w [D], eps, offset) -> (x + o, rmsnorm(x + o)), both [M,D];
     rope(x [M,H,D], cos [M,D/2], sin [M,D/2]) -> [M,H,D];
+    qk_norm_rope(qkv [M,>=Hq+Hk,D], q_w [D] | None, k_w, cos, sin, num_q, num_k, eps,
+                 offset) -> [M,Hq+Hk,D];
     glu(gate [M,F], up [M,F], activation) -> [M,F];
     softcap(x [M,N], cap) -> [M,N] f32;
     logsumexp(x [M,V]) -> [M] f32;
@@ -44,6 +47,7 @@ class Ops(NamedTuple):
     rmsnorm: Callable
     add_norm: Callable
     rope: Callable
+    qk_norm_rope: Callable
     glu: Callable
     softcap: Callable
     logsumexp: Callable
@@ -80,6 +84,7 @@ def get_ops(backend: str, interpret: bool = False) -> Ops:
             rmsnorm=rmsnorm_reference,
             add_norm=add_rmsnorm_reference,
             rope=rope_reference,
+            qk_norm_rope=qk_norm_rope_reference,
             glu=glu_reference,
             softcap=softcap_reference,
             logsumexp=logsumexp_reference,
@@ -95,6 +100,7 @@ def get_ops(backend: str, interpret: bool = False) -> Ops:
             rmsnorm=p(rmsnorm, interpret=interpret),
             add_norm=p(add_rmsnorm, interpret=interpret),
             rope=p(rope, interpret=interpret),
+            qk_norm_rope=p(qk_norm_rope, interpret=interpret),
             glu=p(glu, interpret=interpret),
             softcap=p(softcap, interpret=interpret),
             logsumexp=p(logsumexp, interpret=interpret),
