@@ -68,7 +68,8 @@ _GAMMAS = flags.DEFINE_list("gammas", ["2", "4", "6", "8"], "gammas (oracle and 
 _ACCEPT = flags.DEFINE_list("accept", ["0.5", "0.7", "0.8", "0.9"], "oracle acceptance rates")
 _LOOKUP = flags.DEFINE_bool("lookup", True, "also run the prompt-lookup drafter")
 _OPTIONS = flags.DEFINE_list(
-    "options", [], "ModelConfig speed options (fuse_add_norm, pad_rows_once, fuse_qk_rope) "
+    "options", [], "ModelConfig speed options (fuse_add_norm, pad_rows_once, fuse_qk_rope, "
+    "fuse_glu) "
     "turned on for the target and the draft")
 _DRAFT_BACKEND = flags.DEFINE_enum(
     "draft_backend", "pallas", ["pallas", "xla"],

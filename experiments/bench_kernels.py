@@ -52,8 +52,10 @@ _ITERS = flags.DEFINE_integer("iters", 20, "timed runs per measurement")
 _OUT = flags.DEFINE_string("out", os.environ.get("OUT", "experiments/results"), "receipt dir")
 _INTERPRET = flags.DEFINE_bool("interpret", False, "CPU smoke run (tiny timings mean nothing)")
 _OPTIONS = flags.DEFINE_list(
-    "options", [], "ModelConfig speed options (fuse_add_norm, pad_rows_once, fuse_qk_rope) "
-    "to time as extra pallas variants, each checked bitwise against the plain pallas step")
+    "options", [], "ModelConfig speed options (fuse_add_norm, pad_rows_once, fuse_qk_rope, "
+    "fuse_glu) "
+    "to time as extra pallas variants (a+b: both at once), each checked bitwise against "
+    "the plain pallas step")
 _OPS = flags.DEFINE_bool("ops", True, "time single ops (matmuls, norms, ...) before steps")
 _TAG = flags.DEFINE_string("tag", "", "receipt file name suffix")
 
@@ -158,9 +160,9 @@ def bench_steps(model, batches, gammas, context, iters, options=()):
     cfg = model.config
     rows = []
     variants = {"pallas": model.with_backend("pallas"), "xla": model.with_backend("xla")}
-    for opt in options:
+    for opt in options:  # "a+b" turns on a and b together
         variants[f"pallas+{opt}"] = variants["pallas"].replace(
-            config=variants["pallas"].config.replace(**{opt: True}))
+            config=variants["pallas"].config.replace(**{f: True for f in opt.split("+")}))
     for B in batches:
         ref_logits = {}
         for backend, m in variants.items():
@@ -222,7 +224,7 @@ def main(argv):
     print(f"\nstep at context {_CONTEXT.value}: weights {wbytes / 1e9:.2f} GB, KV/row "
           f"{kv / 1e9:.3f} GB")
     print(f"(ms: device-side loop of {STEP_REPS} steps; host: one host-dispatched call)")
-    print(f"{'backend':22s} {'B':>2s} {'T':>3s} {'ms':>8s} {'/decode':>8s} {'/xla':>6s} "
+    print(f"{'backend':30s} {'B':>2s} {'T':>3s} {'ms':>8s} {'/decode':>8s} {'/xla':>6s} "
           f"{'TB/s':>6s} {'host ms':>8s}")
     by = {(r["backend"], r["B"], r["T"]): r for r in steps}
     for r in steps:
@@ -232,7 +234,7 @@ def main(argv):
         r["roofline_frac"] = r["TBps"] * 1e12 / bw
         bits = {True: "  bits == pallas", False: "  BITS != PALLAS"}.get(
             r.get("bits_equal_pallas"), "")
-        print(f"{r['backend']:22s} {r['B']:2d} {r['T']:3d} {r['ms']:8.3f} {r['vs_decode']:8.3f} "
+        print(f"{r['backend']:30s} {r['B']:2d} {r['T']:3d} {r['ms']:8.3f} {r['vs_decode']:8.3f} "
               f"{r['tax']:6.2f} {r['TBps']:6.2f} {r['host_dispatched_ms']:8.3f}{bits}")
     report = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
               "matmul_tuned": tuned_to_json(TUNED),

@@ -102,9 +102,10 @@ for s in $steps; do
              export JSPEC_MATMUL_TUNED="$OUT/sweep_matmul_tuned.json"
              echo "JSPEC_MATMUL_TUNED=$JSPEC_MATMUL_TUNED:"; cat "$JSPEC_MATMUL_TUNED"
            else echo "no $OUT/sweep_matmul_tuned.json: run sweep first"; fi ;;
-    kernels_fused) timeout 170 python3 experiments/bench_kernels.py --preset=qwen3-8b \
+    kernels_fused) timeout 280 python3 experiments/bench_kernels.py --preset=qwen3-8b \
               --batches=1,8 --gammas=4 --context=512 --iters=10 --noops \
-              --options=fuse_add_norm,pad_rows_once,fuse_qk_rope \
+              --options=fuse_add_norm,pad_rows_once,fuse_qk_rope,fuse_glu,\
+pad_rows_once+fuse_qk_rope+fuse_glu+fuse_add_norm \
               --out="$OUT" --tag=fused 2>&1 | quiet | tail -30 ;;
     *) echo "unknown step $s" ;;
   esac

@@ -62,6 +62,10 @@ class ModelConfig:
         in one kernel reading the fused qkv projection (`qk_norm_rope`) instead
         of up to four; same bits as the separate kernels for power-of-2
         head_dim on CPU (tests/test_qk_rope.py). Off by default.
+      fuse_glu: pallas backend: the gate/up projection and the GLU in one
+        kernel (`matmul_glu`) instead of a matmul, a split and a GLU kernel; same
+        bits (the same tiles and K loop); weights whose tuned config splits K
+        stay unfused. Off by default.
     """
 
     family: str
@@ -93,6 +97,7 @@ class ModelConfig:
     fuse_add_norm: bool = False
     pad_rows_once: bool = False
     fuse_qk_rope: bool = False
+    fuse_glu: bool = False
 
     def __post_init__(self):
         if self.backend not in BACKENDS:

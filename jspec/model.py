@@ -109,9 +109,12 @@ def _attention_block(ops, cfg: ModelConfig, lp, h, k_buf, v_buf, pos, lengths, c
 
 def _mlp_block(ops, cfg: ModelConfig, lp, h):
     """h [Mp, D] -> [Mp, D]."""
-    gu = ops.matmul(h, lp["w_gate_up"], out_dtype=h.dtype)  # [B*T, 2F]
-    gate, up = jnp.split(gu, 2, axis=-1)
-    a = ops.glu(gate, up, activation=cfg.activation)  # [B*T, F]
+    if cfg.fuse_glu and cfg.backend == "pallas":
+        a = ops.matmul_glu(h, lp["w_gate_up"], activation=cfg.activation)  # [Mp, F]
+    else:
+        gu = ops.matmul(h, lp["w_gate_up"], out_dtype=h.dtype)  # [Mp, 2F]
+        gate, up = jnp.split(gu, 2, axis=-1)
+        a = ops.glu(gate, up, activation=cfg.activation)  # [Mp, F]
     return ops.matmul(a, lp["w_down"], out_dtype=h.dtype)
 
 

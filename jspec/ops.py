@@ -25,6 +25,7 @@ from pallas_kernels.attention import attention, attention_reference
 from pallas_kernels.glu import glu, glu_reference
 from pallas_kernels.logsumexp import logsumexp, logsumexp_reference
 from pallas_kernels.matmul import matmul, matmul_reference
+from pallas_kernels.matmul_glu import matmul_glu, matmul_glu_reference
 from pallas_kernels.qk_rope import qk_norm_rope, qk_norm_rope_reference
 from pallas_kernels.rmsnorm import rmsnorm, rmsnorm_reference
 from pallas_kernels.rope import rope, rope_reference
@@ -39,6 +40,7 @@ class Ops(NamedTuple):
     qk_norm_rope(qkv [M,>=Hq+Hk,D], q_w [D] | None, k_w, cos, sin, num_q, num_k, eps,
                  offset) -> [M,Hq+Hk,D];
     glu(gate [M,F], up [M,F], activation) -> [M,F];
+    matmul_glu(x [M,K], w [K,2F], activation) -> glu of x @ w's halves, [M,F] x.dtype;
     softcap(x [M,N], cap) -> [M,N] f32;
     logsumexp(x [M,V]) -> [M] f32;
     attention(q [B,T,H,D], k [B,Hkv,S,D], v, q_pos [B,T], window [], scale, softcap)."""
@@ -49,6 +51,7 @@ class Ops(NamedTuple):
     rope: Callable
     qk_norm_rope: Callable
     glu: Callable
+    matmul_glu: Callable
     softcap: Callable
     logsumexp: Callable
     attention: Callable
@@ -86,6 +89,7 @@ def get_ops(backend: str, interpret: bool = False) -> Ops:
             rope=rope_reference,
             qk_norm_rope=qk_norm_rope_reference,
             glu=glu_reference,
+            matmul_glu=matmul_glu_reference,
             softcap=softcap_reference,
             logsumexp=logsumexp_reference,
             attention=attention_reference,
@@ -102,6 +106,7 @@ def get_ops(backend: str, interpret: bool = False) -> Ops:
             rope=p(rope, interpret=interpret),
             qk_norm_rope=p(qk_norm_rope, interpret=interpret),
             glu=p(glu, interpret=interpret),
+            matmul_glu=p(matmul_glu, interpret=interpret),
             softcap=p(softcap, interpret=interpret),
             logsumexp=p(logsumexp, interpret=interpret),
             attention=p(attention, interpret=interpret),

@@ -16,6 +16,7 @@ from pallas_kernels.add_rmsnorm import add_rmsnorm, add_rmsnorm_reference
 from pallas_kernels.glu import glu, glu_reference
 from pallas_kernels.logsumexp import logsumexp, logsumexp_reference
 from pallas_kernels.matmul import matmul, matmul_config, matmul_reference
+from pallas_kernels.matmul_glu import matmul_glu, matmul_glu_reference
 from pallas_kernels.qk_rope import qk_norm_rope, qk_norm_rope_reference
 from pallas_kernels.rmsnorm import rmsnorm, rmsnorm_reference
 from pallas_kernels.rope import rope, rope_reference
@@ -31,6 +32,8 @@ __all__ = [
     "matmul",
     "matmul_config",
     "matmul_reference",
+    "matmul_glu",
+    "matmul_glu_reference",
     "qk_norm_rope",
     "qk_norm_rope_reference",
     "rmsnorm",

@@ -1,0 +1,83 @@
+"""The gate/up projection and the GLU in one row-invariant kernel.
+
+jspec keeps the MLP's gate and up weights fused as w [K, 2F] (gate columns first).
+Unfused, the MLP runs `matmul(x, w)` [M, 2F], splits it, and runs `glu`: two
+kernels with a split and pads between them. Here program (i, j) computes the
+gate tile j and the up tile j of rows block i, each with exactly the K loop of
+`matmul` (the same tiles, `matmul_config(K, 2F)`, the same sequential order, one
+loop after the other), rounds both to the dtype as `matmul` does, and applies
+the GLU arithmetic of `glu`, so the result equals `glu(matmul(x, w) split)`
+bit for bit on the CPU (tests/test_matmul_glu.py). Weight shapes whose tuned
+config splits K, or whose F is not a multiple of the column tile, use the
+unfused path (the same bits by definition).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels._common import pad_axis, pad_rows, round_up, triton_params
+from pallas_kernels.glu import ACTIVATIONS, _activation, glu, glu_reference
+from pallas_kernels.matmul import _check_shapes, _k_loop, matmul, matmul_config, matmul_reference
+
+
+def _kernel(x_ref, wg_ref, wu_ref, o_ref, *, bk: int, nk: int, activation: str):
+    # x_ref [bm, Kp]; wg_ref, wu_ref [Kp, bn] (gate and up columns of tile j); o_ref [bm, bn]
+    dtype = o_ref.dtype
+    gate = _k_loop(x_ref, wg_ref, bk=bk, nk=nk).astype(dtype)  # as matmul's output
+    up = _k_loop(x_ref, wu_ref, bk=bk, nk=nk).astype(dtype)
+    act = _activation(gate.astype(jnp.float32), activation).astype(dtype).astype(jnp.float32)
+    o_ref[...] = (act * up.astype(jnp.float32)).astype(dtype)
+
+
+def fusable(K: int, F: int, dtype, interpret: bool) -> bool:
+    """Whether [K, 2F] runs fused (else `matmul_glu` takes the unfused path)."""
+    cfg = matmul_config(K, 2 * F, dtype, interpret)
+    return cfg.split_k == 1 and F % cfg.bn == 0
+
+
+@functools.partial(jax.jit, static_argnames=("activation", "interpret"))
+def matmul_glu(x: jax.Array, w: jax.Array, *, activation: str,
+               interpret: bool = False) -> jax.Array:
+    """act(x @ w[:, :F]) * (x @ w[:, F:]) for x [M, K], w [K, 2F]; returns x.dtype."""
+    _check_shapes(x, w)
+    if w.shape[1] % 2:
+        raise ValueError(f"matmul_glu wants w [K, 2F] (gate, then up); got {w.shape=}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"matmul_glu activation must be one of {ACTIVATIONS}; got "
+                         f"{activation=}")
+    m, k = x.shape
+    f = w.shape[1] // 2
+    if not fusable(k, f, w.dtype, interpret):
+        gate, up = jnp.split(matmul(x, w, out_dtype=x.dtype, interpret=interpret), 2, axis=-1)
+        return glu(gate, up, activation=activation, interpret=interpret)
+    cfg = matmul_config(k, 2 * f, w.dtype, interpret)
+    kp = round_up(k, cfg.bk)
+    xp = pad_rows(pad_axis(x, 1, kp), cfg.bm)  # [Mp, Kp]
+    wp = pad_axis(w, 0, kp)  # [Kp, 2F]
+    mp, nf = xp.shape[0], f // cfg.bn  # column tiles of the gate half
+    out = pl.pallas_call(
+        functools.partial(_kernel, bk=cfg.bk, nk=kp // cfg.bk, activation=activation),
+        out_shape=jax.ShapeDtypeStruct((mp, f), x.dtype),
+        grid=(mp // cfg.bm, nf),
+        in_specs=[
+            pl.BlockSpec((cfg.bm, kp), lambda i, j: (i, 0)),
+            pl.BlockSpec((kp, cfg.bn), lambda i, j: (0, j)),  # gate columns
+            pl.BlockSpec((kp, cfg.bn), lambda i, j: (0, j + nf)),  # up columns
+        ],
+        out_specs=pl.BlockSpec((cfg.bm, cfg.bn), lambda i, j: (i, j)),
+        compiler_params=triton_params(cfg.num_warps, cfg.num_stages),
+        interpret=interpret,
+        name="jspec_matmul_glu",
+    )(xp, wp, wp)
+    return out[:m]
+
+
+def matmul_glu_reference(x: jax.Array, w: jax.Array, *, activation: str) -> jax.Array:
+    """Plain jnp: the reference matmul rounded to x.dtype, split, the reference GLU."""
+    gate, up = jnp.split(matmul_reference(x, w, out_dtype=x.dtype), 2, axis=-1)
+    return glu_reference(gate, up, activation=activation)
