@@ -1,5 +1,6 @@
 """Shared test helpers: fixture checkpoints and model loading (cached per session)."""
 
+import collections
 import functools
 import os
 
@@ -29,6 +30,33 @@ def load(name: str, backend: str = "pallas", dtype: str = "float32") -> jspec.Mo
 def expected(name: str) -> dict:
     with np.load(os.path.join(FIXTURES, name, "expected.npz")) as f:
         return {k: f[k] for k in f.files}
+
+
+def bits(x) -> np.ndarray:
+    """Bit pattern of an array, so that array_equal also tells -0.0 from 0.0 and NaNs apart."""
+    x = np.asarray(x)
+    return x.view(np.uint16 if x.dtype.itemsize == 2 else np.uint32)
+
+
+def with_config(model: jspec.Model, **fields) -> jspec.Model:
+    """The model with some ModelConfig fields replaced (the params are shared)."""
+    return model.replace(config=model.config.replace(**fields))
+
+
+def eqn_counts(jaxpr, counts: collections.Counter | None = None) -> collections.Counter:
+    """Equations per primitive name in a jaxpr, sub-jaxprs counted at every call site;
+    Pallas calls also under "pallas_call:<kernel name>"."""
+    counts = collections.Counter() if counts is None else counts
+    for e in jaxpr.eqns:
+        counts[e.primitive.name] += 1
+        if e.primitive.name == "pallas_call":
+            counts[f"pallas_call:{e.params.get('name', '')}"] += 1
+        for v in e.params.values():
+            for sub in v if isinstance(v, (list, tuple)) else [v]:
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    eqn_counts(inner, counts)
+    return counts
 
 
 @pytest.fixture(params=FAMILIES)

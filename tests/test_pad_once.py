@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import expected, load
+from conftest import bits, eqn_counts, expected, load, with_config
 
 from jspec import parity
 from jspec.cache import init_cache
@@ -22,14 +22,6 @@ from jspec.random_model import random_model
 
 MAX_LEN = 40
 N = 21  # tokens per sequence: not a multiple of the 16-row tile
-
-
-def _with(model, **kw):
-    return model.replace(config=model.config.replace(**kw))
-
-
-def _bits(x):
-    return np.asarray(x, np.float32).view(np.uint32)
 
 
 @pytest.fixture(scope="module", params=("gemma3", "tiny-qwen3"))
@@ -46,56 +38,43 @@ def case(request):
     return model, seq.astype(np.int32)
 
 
-def _count(jaxpr, prim: str) -> int:
-    """Equations of primitive `prim` in a jaxpr, sub-jaxprs counted at every call."""
-    n = 0
-    for e in jaxpr.eqns:
-        n += e.primitive.name == prim
-        for v in e.params.values():
-            for sub in v if isinstance(v, (list, tuple)) else [v]:
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    n += _count(inner, prim)
-    return n
-
-
 def _ops(model, T=1):
     """(pads, slices, pallas calls) of a forward of T tokens, traced for the GPU."""
     model = model.with_backend(model.config.backend, interpret=False)
     cache = init_cache(model, 1, MAX_LEN)
-    j = jax.make_jaxpr(_forward)(model, jnp.zeros((1, T), jnp.int32), cache).jaxpr
-    return _count(j, "pad"), _count(j, "slice"), _count(j, "pallas_call")
+    c = eqn_counts(jax.make_jaxpr(_forward)(model, jnp.zeros((1, T), jnp.int32), cache).jaxpr)
+    return c["pad"], c["slice"], c["pallas_call"]
 
 
 def test_pad_once_removes_pad_and_slice_ops(case):
     model, _ = case
     L = model.config.num_layers
     for T in (1, 5):
-        (p0, s0, k0), (p1, s1, k1) = _ops(model, T), _ops(_with(model, pad_rows_once=True), T)
+        (p0, s0, k0), (p1, s1, k1) = _ops(model, T), _ops(with_config(model, pad_rows_once=True), T)
         # The same kernels; per layer at least 5 pads and 5 slices fewer.
         assert k1 == k0 and p0 - p1 >= 5 * L and s0 - s1 >= 5 * L, ((p0, s0, k0), (p1, s1, k1))
-    assert _ops(model, 16)[:2] == _ops(_with(model, pad_rows_once=True), 16)[:2]  # aligned
+    assert _ops(model, 16)[:2] == _ops(with_config(model, pad_rows_once=True), 16)[:2]  # aligned
     xla = model.with_backend("xla")
-    assert _ops(_with(xla, pad_rows_once=True)) == _ops(xla)  # (c): ignored on xla
+    assert _ops(with_config(xla, pad_rows_once=True)) == _ops(xla)  # (c): ignored on xla
 
 
 @pytest.mark.parametrize("fuse", [False, True])
 def test_pad_once_logits_equal_default_logits(case, fuse):
     model, seq = case
-    base = _with(model, fuse_add_norm=fuse)  # ignored with (Gemma's) sandwich norms
-    padded = _with(base, pad_rows_once=True)
+    base = with_config(model, fuse_add_norm=fuse)  # ignored with (Gemma's) sandwich norms
+    padded = with_config(base, pad_rows_once=True)
     schedules = [("prefill", parity.prefill_schedule(N)), ("serial", parity.serial_schedule(N)),
                  ("verify k=4", parity.verify_schedule(N, 4, prefix=1, seed=4))]
     for label, steps in schedules:
         want = parity.schedule_logits(base, [seq], steps, MAX_LEN, seed=1)[0]
         got = parity.schedule_logits(padded, [seq], steps, MAX_LEN, seed=1)[0]
-        assert np.array_equal(_bits(got), _bits(want)), label
+        assert np.array_equal(bits(got), bits(want)), label
         assert np.isfinite(got).all(), label
 
 
 def test_pad_once_ragged_batch_equals_default(case):
     model, seq = case
-    padded = _with(model, pad_rows_once=True)
+    padded = with_config(model, pad_rows_once=True)
     rng = np.random.default_rng(6)
     V = model.config.vocab_size
     seqs = [seq, rng.integers(0, V, N).astype(np.int32), rng.integers(0, V, N).astype(np.int32)]
@@ -103,4 +82,4 @@ def test_pad_once_ragged_batch_equals_default(case):
     want = parity.schedule_logits(model, seqs, steps, MAX_LEN)
     got = parity.schedule_logits(padded, seqs, steps, MAX_LEN)
     for b in range(3):
-        assert np.array_equal(_bits(got[b]), _bits(want[b])), b
+        assert np.array_equal(bits(got[b]), bits(want[b])), b

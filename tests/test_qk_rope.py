@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import expected, load
+from conftest import bits, eqn_counts, expected, load, with_config
 
 from jspec import parity
 from jspec.cache import init_cache
@@ -29,11 +29,6 @@ from pallas_kernels.qk_rope import qk_norm_rope_unfused
 INTERPRET = os.environ.get("JSPEC_PALLAS_INTERPRET", "1") != "0"
 MAX_LEN = 40
 N = 21
-
-
-def _bits(x):
-    x = np.asarray(x)
-    return x.view(np.uint16 if x.dtype.itemsize == 2 else np.uint32)
 
 
 def _inputs(m, hq, hk, d, dtype, seed=0, extra=2):
@@ -64,7 +59,7 @@ def test_qk_norm_rope_matches_reference_and_separate_kernels(dtype, m, hq, hk, d
                                rtol=tol, atol=tol)
     if d & (d - 1) == 0:  # power-of-2 head_dim: the same bits as the separate kernels
         sep = qk_norm_rope_unfused(qkv, *ws, cos, sin, interpret=INTERPRET, **kw_)
-        assert np.array_equal(_bits(got), _bits(sep))
+        assert np.array_equal(bits(got), bits(sep))
 
 
 def test_qk_norm_rope_row_invariant():
@@ -73,7 +68,7 @@ def test_qk_norm_rope_row_invariant():
     full = f(qkv, cos, sin)
     for i in (0, 7, 18):
         alone = f(qkv[i: i + 1], cos[i: i + 1], sin[i: i + 1])
-        assert np.array_equal(_bits(alone[0]), _bits(full[i])), i
+        assert np.array_equal(bits(alone[0]), bits(full[i])), i
 
 
 def test_qk_norm_rope_bad_input():
@@ -90,10 +85,6 @@ def test_qk_norm_rope_bad_input():
 
 # ------------------------------------------------------------------ the model
 
-def _with(model, **kw):
-    return model.replace(config=model.config.replace(**kw))
-
-
 @pytest.fixture(scope="module", params=("llama3", "tiny-qwen3", "gemma3"))
 def case(request):
     if request.param == "tiny-qwen3":
@@ -108,39 +99,27 @@ def case(request):
 
 def test_fused_qk_rope_logits_equal_default(case):
     model, seq = case
-    fused = _with(model, fuse_qk_rope=True)
+    fused = with_config(model, fuse_qk_rope=True)
     for label, steps in [("prefill", parity.prefill_schedule(N)),
                          ("serial", parity.serial_schedule(N)),
                          ("verify k=4", parity.verify_schedule(N, 4, prefix=1, seed=2))]:
         want = parity.schedule_logits(model, [seq], steps, MAX_LEN, seed=3)[0]
         got = parity.schedule_logits(fused, [seq], steps, MAX_LEN, seed=3)[0]
-        assert np.array_equal(np.asarray(got).view(np.uint32),
-                              np.asarray(want).view(np.uint32)), label
+        assert np.array_equal(bits(got), bits(want)), label
 
 
 def test_fused_qk_rope_has_fewer_kernels(case):
     model, _ = case
 
-    def walk(jaxpr, out):  # pallas_call names, sub-jaxprs counted at every call
-        for e in jaxpr.eqns:
-            if e.primitive.name == "pallas_call":
-                name = str(e.params.get("name", ""))
-                out[name] = out.get(name, 0) + 1
-            for v in e.params.values():
-                for sub in v if isinstance(v, (list, tuple)) else [v]:
-                    inner = getattr(sub, "jaxpr", sub)
-                    if hasattr(inner, "eqns"):
-                        walk(inner, out)
-        return out
-
     def calls(m):
         m = m.with_backend("pallas", interpret=False)
         j = jax.make_jaxpr(_forward)(m, jnp.zeros((1, 1), jnp.int32), init_cache(m, 1, MAX_LEN))
-        got = walk(j.jaxpr, {})
-        return {n: got.get(n, 0) for n in ("jspec_rope", "jspec_rmsnorm", "jspec_qk_norm_rope")}
+        got = eqn_counts(j.jaxpr)
+        return {n: got[f"pallas_call:{n}"] for n in ("jspec_rope", "jspec_rmsnorm",
+                                                     "jspec_qk_norm_rope")}
 
     L = model.config.num_layers
-    plain, fused = calls(model), calls(_with(model, fuse_qk_rope=True))
+    plain, fused = calls(model), calls(with_config(model, fuse_qk_rope=True))
     assert fused["jspec_rope"] == 0 and fused["jspec_qk_norm_rope"] == L, fused
     qk_norms = 2 * L if model.config.qk_norm else 0
     assert plain["jspec_rmsnorm"] - fused["jspec_rmsnorm"] == qk_norms, (plain, fused)
@@ -150,8 +129,8 @@ def test_all_speed_options_together_equal_default(case):
     model, seq = case
     opts = dict(fuse_qk_rope=True, pad_rows_once=True,
                 fuse_add_norm=not model.config.sandwich_norms)
-    fast = _with(model, **opts)
+    fast = with_config(model, **opts)
     steps = parity.verify_schedule(N, 3, prefix=2, seed=5)
     want = parity.schedule_logits(model, [seq], steps, MAX_LEN, seed=6)[0]
     got = parity.schedule_logits(fast, [seq], steps, MAX_LEN, seed=6)[0]
-    assert np.array_equal(np.asarray(got).view(np.uint32), np.asarray(want).view(np.uint32))
+    assert np.array_equal(bits(got), bits(want))
