@@ -3,13 +3,15 @@
 #   bash experiments/gpu_session.sh [step ...]                  # one GPU, steps in order
 #   bash experiments/gpu_session.sh step ... :: step ... [:: ...]  # one lane per GPU
 # Steps: parity audit audit_qwen3 audit_gemma3 audit_xla kernels kernels_fused spec
-# sweep tuned e2e e2e_b1 e2e_b8 e2e_draftxla train pair pair_eval
+# sweep tuned e2e e2e_b1 e2e_b8 e2e_peers e2e_draftxla train pair pair_eval
 # (default: parity audit kernels spec).
 # - sweep: the matmul tile tuning; it writes $OUT/sweep_matmul_tuned.json, and `tuned`
 #   makes the lane's later steps use that table ($JSPEC_MATMUL_TUNED) before it is
 #   pasted into pallas_kernels/matmul.py.
 # - e2e (up to 560 s) wants a call or lane of its own; e2e_b1 / e2e_b8 split it;
-#   e2e_draftxla runs the draft model on the xla backend; $E2E_FLAGS are appended to
+#   e2e_peers is the batch-1 peer set alone (through transformers' static-cache +
+#   torch.compile run, which e2e_b1 reaches last); e2e_draftxla runs the draft model
+#   on the xla backend; $E2E_FLAGS are appended to
 #   e2e_b1 / e2e_b8 (e.g. "--options=pad_rows_once --gammas=4 --accept=0.8") and
 #   $E2E_TAG to their receipt names.
 # - kernels_fused: decode/verify steps with the opt-in speed options (fused
@@ -94,6 +96,10 @@ for s in $steps; do
               --draft=qwen3-0.6b --batches="$B" --prompt_len=512 --max_new_tokens=256 \
               --out="$OUT" --tag="h200_b$B${E2E_TAG:-}" ${E2E_FLAGS:-} 2>&1 | quiet \
               | grep -v "it/s" | tail -60 ;;
+    e2e_peers) timeout "${E2E_S:-500}" python3 experiments/bench_e2e.py --target=qwen3-8b \
+              --draft=qwen3-0.6b --batches=1 --prompt_len=512 --max_new_tokens=256 \
+              --gammas=4 --accept=0.8 --nolookup --out="$OUT" --tag=h200_b1_peers \
+              2>&1 | quiet | grep -v "it/s" | tail -40 ;;
     e2e_draftxla) timeout "${E2E_S:-300}" python3 experiments/bench_e2e.py --target=qwen3-8b \
               --draft=qwen3-0.6b --batches=1 --prompt_len=512 --max_new_tokens=256 \
               --gammas=2,4 --accept=0.8,0.9 --nolookup --nopeers --draft_backend=xla \
