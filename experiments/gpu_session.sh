@@ -11,11 +11,12 @@
 # - e2e (up to 560 s) wants a call or lane of its own; e2e_b1 / e2e_b8 split it;
 #   e2e_peers is the batch-1 peer set alone (through transformers' static-cache +
 #   torch.compile run, which e2e_b1 reaches last); e2e_draftxla runs the draft model
-#   on the xla backend; $E2E_FLAGS are appended to
-#   e2e_b1 / e2e_b8 (e.g. "--options=pad_rows_once --gammas=4 --accept=0.8") and
-#   $E2E_TAG to their receipt names.
-# - kernels_fused: decode/verify steps with the opt-in speed options (fused
-#   add+RMSNorm, rows padded once), timed and checked bitwise against plain pallas.
+#   on the xla backend; $E2E_FLAGS are appended to e2e_b1 / e2e_b8 (e.g.
+#   "--options=pad_rows_once --gammas=4 --accept=0.8") and $E2E_TAG to their
+#   receipt names.
+# - kernels_fused: decode/verify steps with each opt-in speed option (fuse_add_norm,
+#   pad_rows_once, fuse_qk_rope, fuse_glu) and all four at once, timed device-side
+#   and checked bitwise against plain pallas.
 # - train trains the code pair into $OUT/codepair; pair and pair_eval audit / evaluate
 #   $PAIR, else a pair trained in this call, else the embedded one.
 # XLA_FLAGS set by the caller reach every step.
