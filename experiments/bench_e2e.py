@@ -71,6 +71,9 @@ _OPTIONS = flags.DEFINE_list(
     "options", [], "ModelConfig speed options (fuse_add_norm, pad_rows_once, fuse_qk_rope, "
     "fuse_glu) "
     "turned on for the target and the draft")
+_ORACLE_DRAFT = flags.DEFINE_bool(
+    "oracle_draft", True, "run the draft model under the oracle (its real cost); "
+    "--nooracle_draft leaves it out, so the rounds cost verify + bookkeeping only")
 _DRAFT_BACKEND = flags.DEFINE_enum(
     "draft_backend", "pallas", ["pallas", "xla"],
     "backend of the draft model: its numerics change only which tokens are proposed, never "
@@ -176,6 +179,7 @@ class Bench:
             "xla_mem_fraction": os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"),
             "target": _TARGET.value,
             "draft": _DRAFT.value, "draft_backend": _DRAFT_BACKEND.value,
+            "oracle_draft": _ORACLE_DRAFT.value,
             "options": _OPTIONS.value,
             "dtype": _DTYPE.value, "batches": self.batches,
             "prompt_len": self.P, "max_new_tokens": self.N, "iters": self.iters,
@@ -239,8 +243,8 @@ class Bench:
     def drafter(self, kind: str, B: int, accept: float | None):
         if kind == "oracle":
             ref = jnp.asarray(np.concatenate([self.prompts(B), self.serial[B].tokens], axis=1))
-            return jspec.OracleDrafter(ref, corrupt_prob=jnp.float32(1.0 - accept),
-                                 draft=jspec.ModelDrafter(self.draft))
+            draft = jspec.ModelDrafter(self.draft) if _ORACLE_DRAFT.value else None
+            return jspec.OracleDrafter(ref, corrupt_prob=jnp.float32(1.0 - accept), draft=draft)
         if kind == "lookup":
             return jspec.PromptLookupDrafter(max_ngram=3)
         return jspec.ModelDrafter(self.target)  # "self": the target drafts for itself

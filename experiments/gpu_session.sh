@@ -3,7 +3,8 @@
 #   bash experiments/gpu_session.sh [step ...]                  # one GPU, steps in order
 #   bash experiments/gpu_session.sh step ... :: step ... [:: ...]  # one lane per GPU
 # Steps: parity audit audit_qwen3 audit_gemma3 audit_xla kernels kernels_fused spec
-# sweep tuned e2e e2e_b1 e2e_b8 e2e_peers e2e_draftxla train pair pair_eval
+# sweep tuned e2e e2e_b1 e2e_b8 e2e_peers e2e_draftxla e2e_decompose train pair
+# pair_eval
 # (default: parity audit kernels spec).
 # - sweep: the matmul tile tuning; it writes $OUT/sweep_matmul_tuned.json, and `tuned`
 #   makes the lane's later steps use that table ($JSPEC_MATMUL_TUNED) before it is
@@ -11,7 +12,8 @@
 # - e2e (up to 560 s) wants a call or lane of its own; e2e_b1 / e2e_b8 split it;
 #   e2e_peers is the batch-1 peer set alone (through transformers' static-cache +
 #   torch.compile run, which e2e_b1 reaches last); e2e_draftxla runs the draft model
-#   on the xla backend; $E2E_FLAGS are appended to e2e_b1 / e2e_b8 (e.g.
+#   on the xla backend; e2e_decompose times gamma 4 / a 0.8 with the draft on
+#   pallas, on xla and left out (what a round costs besides the forwards); $E2E_FLAGS are appended to e2e_b1 / e2e_b8 (e.g.
 #   "--options=pad_rows_once --gammas=4 --accept=0.8") and $E2E_TAG to their
 #   receipt names.
 # - kernels_fused: decode/verify steps with each opt-in speed option (fuse_add_norm,
@@ -101,6 +103,15 @@ for s in $steps; do
               --draft=qwen3-0.6b --batches=1 --prompt_len=512 --max_new_tokens=256 \
               --gammas=4 --accept=0.8 --nolookup --out="$OUT" --tag=h200_b1_peers \
               2>&1 | quiet | grep -v "it/s" | tail -40 ;;
+    e2e_decompose)  # the round's cost: draft on pallas, draft on xla, no draft at all
+           for v in "pallas:--oracle_draft" "xla:--oracle_draft" "none:--nooracle_draft"; do
+             timeout 150 python3 experiments/bench_e2e.py --target=qwen3-8b \
+               --draft=qwen3-0.6b --batches=1 --prompt_len=512 --max_new_tokens=256 \
+               --gammas=4 --accept=0.8 --nolookup --nopeers --iters=2 \
+               --draft_backend="$([ "${v%%:*}" = xla ] && echo xla || echo pallas)" \
+               "${v#*:}" --out="$OUT" --tag="h200_b1_draft_${v%%:*}" 2>&1 | quiet \
+               | grep -v "it/s" | tail -8
+           done ;;
     e2e_draftxla) timeout "${E2E_S:-300}" python3 experiments/bench_e2e.py --target=qwen3-8b \
               --draft=qwen3-0.6b --batches=1 --prompt_len=512 --max_new_tokens=256 \
               --gammas=2,4 --accept=0.8,0.9 --nolookup --nopeers --draft_backend=xla \
