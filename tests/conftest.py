@@ -32,6 +32,22 @@ def expected(name: str) -> dict:
         return {k: f[k] for k in f.files}
 
 
+def model_and_tokens(name: str, n: int, seed: int) -> tuple[jspec.Model, np.ndarray]:
+    """A bf16 pallas model and n tokens for it: "tiny-qwen3" is a random-weight preset
+    with random tokens (seeded), any other name a fixture with its prompt + greedy
+    continuation (repeated if shorter than n)."""
+    if name == "tiny-qwen3":
+        from jspec.random_model import random_model
+
+        model = random_model("tiny-qwen3", interpret=True)
+        seq = np.random.default_rng(seed).integers(0, model.config.vocab_size, n)
+    else:
+        model = load(name, "pallas", "bfloat16")
+        e = expected(name)
+        seq = np.resize(np.concatenate([e["prompt"], e["greedy"]]), n)
+    return model, seq.astype(np.int32)
+
+
 def bits(x) -> np.ndarray:
     """Bit pattern of an array, so that array_equal also tells -0.0 from 0.0 and NaNs apart."""
     x = np.asarray(x)

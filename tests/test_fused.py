@@ -21,12 +21,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import expected, load
+from conftest import model_and_tokens
 
 from jspec import parity
 from jspec.cache import init_cache
 from jspec.model import _forward
-from jspec.random_model import random_model
 from pallas_kernels import add_rmsnorm, add_rmsnorm_reference, rmsnorm
 from pallas_kernels.rmsnorm import rmsnorm_config
 
@@ -109,14 +108,8 @@ def _fused(model):
 @pytest.fixture(scope="module", params=("llama3", "tiny-qwen3"))
 def pair(request):
     """(unfused, fused) bf16 pallas models and a sequence of N tokens."""
-    if request.param == "tiny-qwen3":
-        model = random_model("tiny-qwen3", interpret=True)
-        seq = np.random.default_rng(2).integers(0, model.config.vocab_size, N)
-    else:
-        model = load(request.param, "pallas", "bfloat16")
-        e = expected(request.param)
-        seq = np.concatenate([e["prompt"], e["greedy"]])[:N]
-    return model, _fused(model), seq.astype(np.int32)
+    model, seq = model_and_tokens(request.param, N, seed=2)
+    return model, _fused(model), seq
 
 
 def _prefill(model, seqs):

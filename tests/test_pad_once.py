@@ -13,12 +13,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import bits, eqn_counts, expected, load, with_config
+from conftest import bits, eqn_counts, model_and_tokens, with_config
 
 from jspec import parity
 from jspec.cache import init_cache
 from jspec.model import _forward
-from jspec.random_model import random_model
 
 MAX_LEN = 40
 N = 21  # tokens per sequence: not a multiple of the 16-row tile
@@ -28,14 +27,7 @@ N = 21  # tokens per sequence: not a multiple of the 16-row tile
 def case(request):
     """A bf16 pallas model and a sequence of N tokens (gemma3: sandwich norms,
     (1 + w), embedding scale, sliding windows)."""
-    if request.param == "tiny-qwen3":
-        model = random_model("tiny-qwen3", interpret=True)
-        seq = np.random.default_rng(5).integers(0, model.config.vocab_size, N)
-    else:
-        model = load(request.param, "pallas", "bfloat16")
-        e = expected(request.param)
-        seq = np.resize(np.concatenate([e["prompt"], e["greedy"]]), N)
-    return model, seq.astype(np.int32)
+    return model_and_tokens(request.param, N, seed=5)
 
 
 def _ops(model, T=1):

@@ -17,12 +17,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import bits, eqn_counts, expected, load, with_config
+from conftest import bits, eqn_counts, model_and_tokens, with_config
 
 from jspec import parity
 from jspec.cache import init_cache
 from jspec.model import _forward
-from jspec.random_model import random_model
 from pallas_kernels import qk_norm_rope, qk_norm_rope_reference
 from pallas_kernels.qk_rope import qk_norm_rope_unfused
 
@@ -87,14 +86,7 @@ def test_qk_norm_rope_bad_input():
 
 @pytest.fixture(scope="module", params=("llama3", "tiny-qwen3", "gemma3"))
 def case(request):
-    if request.param == "tiny-qwen3":
-        model = random_model("tiny-qwen3", interpret=True)
-        seq = np.random.default_rng(8).integers(0, model.config.vocab_size, N)
-    else:
-        model = load(request.param, "pallas", "bfloat16")
-        e = expected(request.param)
-        seq = np.resize(np.concatenate([e["prompt"], e["greedy"]]), N)
-    return model, seq.astype(np.int32)
+    return model_and_tokens(request.param, N, seed=8)
 
 
 def test_fused_qk_rope_logits_equal_default(case):
