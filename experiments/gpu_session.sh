@@ -4,7 +4,7 @@
 #   bash experiments/gpu_session.sh step ... :: step ... [:: ...]  # one lane per GPU
 # Steps: parity audit audit_qwen3 audit_gemma3 audit_xla kernels kernels_fused spec
 # sweep tuned e2e e2e_b1 e2e_b8 e2e_peers e2e_draftxla e2e_decompose train pair
-# pair_eval
+# pair_eval profile_cboff profile_default profile_cbwhile profile_draftxla
 # (default: parity audit kernels spec).
 # - sweep: the matmul tile tuning; it writes $OUT/sweep_matmul_tuned.json, and `tuned`
 #   makes the lane's later steps use that table ($JSPEC_MATMUL_TUNED) before it is
@@ -16,11 +16,16 @@
 #   pallas, on xla and left out (what a round costs besides the forwards); $E2E_FLAGS are appended to e2e_b1 / e2e_b8 (e.g.
 #   "--options=pad_rows_once --gammas=4 --accept=0.8") and $E2E_TAG to their
 #   receipt names.
-# - kernels_fused: decode/verify steps with each opt-in speed option (fuse_add_norm,
-#   pad_rows_once, fuse_qk_rope, fuse_glu) and all four at once, timed device-side
-#   and checked bitwise against plain pallas.
+# - kernels_fused: decode/verify steps with opt-in speed options ($FUSED_OPTIONS, a
+#   bench_kernels --options list; default: fuse_add_norm, pad_rows_once, fuse_qk_rope
+#   and fuse_glu all at once), timed device-side and checked bitwise against plain pallas.
 # - train trains the code pair into $OUT/codepair; pair and pair_eval audit / evaluate
 #   $PAIR, else a pair trained in this call, else the embedded one.
+# - profile_cboff / profile_default / profile_cbwhile: profile_step.py (device trace of
+#   the serial loop and speculative rounds, both backends) with XLA command buffers off
+#   (every kernel visible; raw traces kept), at XLA's default, and with while loops and
+#   conditionals captured too; profile_draftxla: the speculative rounds with the draft on
+#   xla (XLA's default flags); $PROFILE_FLAGS are appended, $PROFILE_TAG names them.
 # XLA_FLAGS set by the caller reach every step.
 # With lanes (`::`), lane i runs on GPU i (CUDA_VISIBLE_DEVICES=i) in parallel, logs to
 # $OUT/lane<i>.log, and every receipt is packed into $OUT/receipts.tgz at the end (only a
@@ -122,9 +127,21 @@ for s in $steps; do
            else echo "no $OUT/sweep_matmul_tuned.json: run sweep first"; fi ;;
     kernels_fused) timeout 280 python3 experiments/bench_kernels.py --preset=qwen3-8b \
               --batches=1,8 --gammas=4 --context=512 --iters=10 --noops \
-              --options=fuse_add_norm,pad_rows_once,fuse_qk_rope,fuse_glu,\
-pad_rows_once+fuse_qk_rope+fuse_glu+fuse_add_norm \
+              --options=${FUSED_OPTIONS:-pad_rows_once+fuse_qk_rope+fuse_glu+fuse_add_norm} \
               --out="$OUT" --tag=fused 2>&1 | quiet | tail -30 ;;
+    profile_cboff|profile_default|profile_cbwhile|profile_draftxla)  # device traces
+           v=${s#profile_}
+           case $v in
+             cboff) f="--xla_gpu_enable_command_buffer=" k=--keep_traces ;;
+             default) f="" k=--nokeep_traces ;;
+             draftxla) f="" k="--nokeep_traces --draft_backend=xla --backends=pallas --workloads=spec" ;;
+             cbwhile) f="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"
+                      k=--nokeep_traces ;;
+           esac
+           XLA_FLAGS="$(echo ${XLA_FLAGS:-} $f)" timeout "${PROFILE_S:-170}" python3 \
+              experiments/profile_step.py --target=qwen3-8b --draft=qwen3-0.6b --steps=32 \
+              --iters=3 $k --out="$OUT" --tag="h200_$v${PROFILE_TAG:-}" ${PROFILE_FLAGS:-} \
+              2>&1 | quiet | grep -v "it/s" | tail -40 ;;
     *) echo "unknown step $s" ;;
   esac
 done

@@ -1,0 +1,298 @@
+"""Where a decode step and a speculative round spend their time, from a device trace.
+
+  python experiments/profile_step.py --target=qwen3-8b --draft=qwen3-0.6b --out=$OUT   # H200
+  python experiments/profile_step.py --target=tiny-qwen3 --draft=tiny-qwen3:1 \
+      --prompt_len=16 --steps=4 --backends=pallas --out=/tmp/prof                  # CPU smoke
+
+For each backend, three workloads run after their prefill, each compiled and
+warmed up first, then timed (median of --iters, untraced) and traced once with
+`jax.profiler`:
+  serial     jspec's serial decode loop, --steps tokens;
+  spec       the speculative loop, oracle drafter at --accept and --gamma, with the
+             draft model really running (its proposals discarded);
+  spec_nodraft  the same rounds without the draft model (verify + bookkeeping).
+From each trace's device timeline (kernel and memcpy events on the GPU's
+streams) it reports, per step or round: kernels launched, their summed time,
+the busy time (union of intervals), the span from the first kernel to the last,
+the idle share of the span (launch gaps, host syncs), time by kind (jspec Pallas
+kernels, XLA fusions, library GEMMs, copies), and the costliest kernels.
+XLA_FLAGS pass through (e.g. --xla_gpu_enable_command_buffer= to see every
+kernel; with command buffers on, captured kernels may show as graph launches).
+The JSON receipt holds the summaries; --keep_traces adds each run's device
+timeline ([{name, ts, dur}] in us) to one tar.gz. On a CPU there is no device
+timeline: the timings still run, the trace summaries say so.
+"""
+
+from __future__ import annotations
+
+import collections
+import glob
+import gzip
+import json
+import os
+import sys
+import tarfile
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+from tqdm import tqdm
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import jspec  # noqa: E402
+from jspec.generate import GREEDY, decode_loop  # noqa: E402
+from jspec.generate import prefill as serial_prefill  # noqa: E402
+from jspec.loading import default_interpret  # noqa: E402
+from jspec.random_model import random_model  # noqa: E402
+from jspec.speculative import prefill as spec_prefill  # noqa: E402
+from jspec.speculative import spec_loop  # noqa: E402
+from pallas_kernels.matmul import TUNED, tuned_to_json  # noqa: E402
+
+_TARGET = flags.DEFINE_string("target", "tiny-qwen3", "random-weight preset[:layers]")
+_DRAFT = flags.DEFINE_string("draft", "tiny-qwen3:1", "random-weight preset[:layers]")
+_BACKENDS = flags.DEFINE_list("backends", ["pallas", "xla"], "target backends")
+_DRAFT_BACKEND = flags.DEFINE_enum("draft_backend", "pallas", ["pallas", "xla"],
+                                   "backend of the draft model")
+_WORKLOADS = flags.DEFINE_list("workloads", ["serial", "spec", "spec_nodraft"],
+                               "serial, spec, spec_nodraft")
+_OPTIONS = flags.DEFINE_list("options", [], "ModelConfig speed options for target and draft")
+_BATCH = flags.DEFINE_integer("batch", 1, "rows")
+_PROMPT_LEN = flags.DEFINE_integer("prompt_len", 512, "prompt tokens")
+_STEPS = flags.DEFINE_integer("steps", 32, "tokens generated per row (serial and spec)")
+_GAMMA = flags.DEFINE_integer("gamma", 4, "draft proposals per round")
+_ACCEPT = flags.DEFINE_float("accept", 0.8, "oracle acceptance rate")
+_ITERS = flags.DEFINE_integer("iters", 3, "untraced timed repetitions (median)")
+_TOP = flags.DEFINE_integer("top", 12, "costliest kernels listed per workload")
+_KEEP = flags.DEFINE_bool("keep_traces", False, "pack the raw traces into one tar.gz")
+_OUT = flags.DEFINE_string("out", os.environ.get("OUT", "experiments/results"), "output dir")
+_TAG = flags.DEFINE_string("tag", "", "suffix of the receipt's file name")
+
+
+def kind_of(name: str) -> str:
+    """Coarse class of a device event by its name."""
+    low = name.lower()
+    if low.startswith("jspec_"):
+        return "pallas"
+    if "memcpy" in low or "memset" in low:
+        return "copy"
+    if any(s in low for s in ("gemm", "nvjet", "cutlass", "xmma", "cublas", "sm90_")):
+        return "gemm"
+    return "xla"
+
+
+def device_events(trace: dict) -> list[dict]:
+    """Kernel/memcpy events of the first GPU's streams: [{name, ts, dur}] (us)."""
+    procs, threads = {}, {}
+    for e in trace.get("traceEvents", []):
+        if e.get("ph") == "M" and e.get("name") == "process_name":
+            procs[e["pid"]] = e["args"]["name"]
+        elif e.get("ph") == "M" and e.get("name") == "thread_name":
+            threads[(e["pid"], e["tid"])] = e["args"]["name"]
+    gpus = sorted(p for p, n in procs.items() if "/device:GPU" in n)
+    if not gpus:
+        return []
+    pid = gpus[0]
+    names = {t: n for (p, t), n in threads.items() if p == pid}
+    streams = {t for t, n in names.items() if n.lower().startswith("stream")}
+    if not streams:  # unknown layout: every line except derived (module/op) lines
+        streams = {t for t, n in names.items()
+                   if not any(s in n for s in ("XLA", "Framework", "Step", "Module", "Op"))}
+    return [{"name": e["name"], "ts": float(e["ts"]), "dur": float(e.get("dur", 0.0))}
+            for e in trace["traceEvents"]
+            if e.get("ph") == "X" and e.get("pid") == pid and e.get("tid") in streams]
+
+
+def summarize(events: list[dict], per: int, top: int) -> dict:
+    """Per-step figures of a device timeline (`per` steps or rounds in it)."""
+    if not events:
+        return {"device_events": 0, "note": "no device timeline in the trace (CPU run, or the "
+                "profiler saw no GPU activity)"}
+    events = sorted(events, key=lambda e: e["ts"])
+    start = events[0]["ts"]
+    end = max(e["ts"] + e["dur"] for e in events)
+    busy, cur_s, cur_e = 0.0, None, None
+    for e in events:  # union of intervals
+        s, t = e["ts"], e["ts"] + e["dur"]
+        if cur_e is None or s > cur_e:
+            busy += 0.0 if cur_e is None else cur_e - cur_s
+            cur_s, cur_e = s, t
+        else:
+            cur_e = max(cur_e, t)
+    busy += cur_e - cur_s
+    by_kind, by_name = collections.Counter(), collections.defaultdict(lambda: [0, 0.0])
+    count_kind = collections.Counter()
+    for e in events:
+        k = kind_of(e["name"])
+        by_kind[k] += e["dur"]
+        count_kind[k] += 1
+        by_name[e["name"]][0] += 1
+        by_name[e["name"]][1] += e["dur"]
+    total = sum(e["dur"] for e in events)
+    span = end - start
+    costly = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]
+    return {
+        "device_events": len(events), "per": per,
+        "events_per_step": len(events) / per,
+        "kernel_us_per_step": total / per, "busy_us_per_step": busy / per,
+        "span_us_per_step": span / per, "idle_frac": 1.0 - busy / span if span else 0.0,
+        "us_per_step_by_kind": {k: v / per for k, v in by_kind.most_common()},
+        "events_per_step_by_kind": {k: v / per for k, v in count_kind.most_common()},
+        "top": [{"name": n[:120], "kind": kind_of(n), "calls_per_step": c / per,
+                 "us_per_step": t / per, "us_per_call": t / c} for n, (c, t) in costly],
+    }
+
+
+def traced(fn, log_dir: str):
+    """Runs fn() (which must block) under jax.profiler; returns the parsed trace json."""
+    jax.profiler.start_trace(log_dir)
+    try:
+        fn()
+    finally:
+        jax.profiler.stop_trace()
+    paths = sorted(glob.glob(os.path.join(log_dir, "plugins", "profile", "*",
+                                          "*.trace.json.gz")), key=os.path.getmtime)
+    if not paths:
+        return {}, None
+    with gzip.open(paths[-1], "rb") as f:
+        return json.load(f), paths[-1]
+
+
+def load(spec: str, seed: int, backend: str) -> jspec.Model:
+    name, _, layers = spec.partition(":")
+    kw = {"num_layers": int(layers)} if layers else {}
+    m = random_model(name, seed=seed, dtype="bfloat16", interpret=default_interpret(), **kw)
+    m = m.replace(config=m.config.replace(**{o: True for o in _OPTIONS.value}))
+    return m.with_backend(backend)
+
+
+def workloads(target: jspec.Model, draft: jspec.Model, B: int, P: int, N: int):
+    """name -> (run() blocking, steps or rounds counted by the last run)."""
+    V = target.config.vocab_size
+    prompts = jnp.asarray(np.random.default_rng(0).integers(0, V, (B, P)), jnp.int32)
+    lens = jnp.full((B,), P, jnp.int32)
+    max_len = P + N + _GAMMA.value + 1
+    ref = jnp.concatenate([prompts, jnp.asarray(np.random.default_rng(1).integers(
+        0, V, (B, N + _GAMMA.value + 1)), jnp.int32)], axis=1)
+    spec = jspec.SpecConfig(gamma=_GAMMA.value, max_new_tokens=N).static()
+    seed = jnp.int32(0)
+    counted = {}
+
+    def serial():
+        cache = jspec.init_cache(target, B, max_len)
+        logits, cache = serial_prefill(target, prompts, lens, cache)
+        jax.block_until_ready(logits)
+        t0 = time.perf_counter()
+        st = jax.block_until_ready(decode_loop(target, cache, logits, seed, max_new_tokens=N,
+                                               sampler=GREEDY, stop_tokens=()))
+        counted["serial"] = int(st.step)
+        return time.perf_counter() - t0
+
+    def make_spec(with_draft: bool, name: str):
+        drafter = jspec.OracleDrafter(
+            ref, corrupt_prob=jnp.float32(1.0 - _ACCEPT.value),
+            draft=jspec.ModelDrafter(draft) if with_draft else None)
+
+        def run():
+            state = spec_prefill(target, drafter, prompts, lens, seed, spec=spec,
+                                 max_len=max_len)
+            jax.block_until_ready(state)
+            t0 = time.perf_counter()
+            st = jax.block_until_ready(spec_loop(target, drafter, state, seed, spec=spec))
+            counted[name] = int(st.step)
+            return time.perf_counter() - t0
+        return run
+
+    fns = {"serial": serial, "spec": make_spec(True, "spec"),
+           "spec_nodraft": make_spec(False, "spec_nodraft")}
+    return {w: fns[w] for w in _WORKLOADS.value}, counted
+
+
+def main(argv):
+    del argv
+    B, P, N = _BATCH.value, _PROMPT_LEN.value, _STEPS.value
+    os.makedirs(_OUT.value, exist_ok=True)
+    stem = os.path.join(_OUT.value, "profile_step" + (f"_{_TAG.value}" if _TAG.value else ""))
+    report = {"command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+              "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+              "device": jax.devices()[0].device_kind, "jax": jax.__version__,
+              "xla_flags": os.environ.get("XLA_FLAGS", ""), "matmul_tuned": tuned_to_json(TUNED),
+              "target": _TARGET.value, "draft": _DRAFT.value,
+              "draft_backend": _DRAFT_BACKEND.value, "options": _OPTIONS.value, "batch": B,
+              "prompt_len": P, "steps": N, "gamma": _GAMMA.value, "accept": _ACCEPT.value,
+              "runs": [], "complete": False}
+    draft = load(_DRAFT.value, 1, _DRAFT_BACKEND.value)
+    tmp = tempfile.mkdtemp(prefix="jspec_profile_")
+    kept = []
+    todo = [(be, w) for be in _BACKENDS.value for w in _WORKLOADS.value]
+    models = {}
+    for be, w in tqdm(todo, desc="profile", unit="run"):
+        if be not in models:
+            models = {be: load(_TARGET.value, 0, be)}  # one target on the device at a time
+        fns, counted = workloads(models[be], draft, B, P, N)
+        run = fns[w]
+        t0 = time.perf_counter()
+        run()  # compile + warm-up
+        warm = time.perf_counter() - t0
+        times = [run() for _ in range(_ITERS.value)]
+        loop_s = float(np.median(times))
+        steps = counted[w]
+        log_dir = os.path.join(tmp, f"{be}_{w}")
+        trace, _ = traced(run, log_dir)
+        events = device_events(trace)
+        if _KEEP.value:  # the device timeline only: a full trace is mostly host events
+            path = os.path.join(tmp, f"{be}_{w}.events.json.gz")
+            with gzip.open(path, "wt") as f:
+                json.dump(events, f)
+            kept.append((path, os.path.basename(path)))
+        row = {"backend": be, "workload": w, "steps": steps, "warmup_s": warm,
+               "loop_s": loop_s, "ms_per_step": 1e3 * loop_s / max(steps, 1),
+               "tokens_per_s": B * N / loop_s,
+               "trace": summarize(events, max(steps, 1), _TOP.value)}
+        report["runs"].append(row)
+        with open(stem + ".json", "w") as f:
+            json.dump(report, f, indent=1)
+        tr = row["trace"]
+        tqdm.write(f"{be:6s} {w:12s} {steps:4d} steps  {row['ms_per_step']:8.3f} ms/step  "
+                   + (f"kernels {tr['events_per_step']:6.0f}/step  busy "
+                      f"{tr['busy_us_per_step'] / 1e3:7.3f} ms  idle {tr['idle_frac']:.2f}"
+                      if tr.get("device_events") else "(no device timeline)"))
+    if kept:
+        with tarfile.open(stem + "_traces.tar.gz", "w:gz") as tar:
+            for path, name in kept:
+                tar.add(path, arcname=name)
+    report["complete"] = True
+    with open(stem + ".json", "w") as f:
+        json.dump(report, f, indent=1)
+    print_table(report)
+
+
+def print_table(report: dict) -> None:
+    print(f"\n{report['device']}, jax {report['jax']}, XLA_FLAGS={report['xla_flags']!r}")
+    print("| backend | workload | ms/step | kernels/step | kernel ms | busy ms | span ms | idle "
+          "| pallas ms | xla ms | gemm ms | copy ms |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in report["runs"]:
+        t = r["trace"]
+        if not t.get("device_events"):
+            print(f"| {r['backend']} | {r['workload']} | {r['ms_per_step']:.3f} | - | - | - | "
+                  "- | - | - | - | - | - |")
+            continue
+        k = t["us_per_step_by_kind"]
+        print(f"| {r['backend']} | {r['workload']} | {r['ms_per_step']:.3f} | "
+              f"{t['events_per_step']:.0f} | {t['kernel_us_per_step'] / 1e3:.3f} | "
+              f"{t['busy_us_per_step'] / 1e3:.3f} | {t['span_us_per_step'] / 1e3:.3f} | "
+              f"{t['idle_frac']:.2f} | "
+              + " | ".join(f"{k.get(c, 0.0) / 1e3:.3f}" for c in ("pallas", "xla", "gemm", "copy"))
+              + " |")
+    for r in report["runs"]:
+        for e in r["trace"].get("top", [])[:8]:
+            print(f"  {r['backend']:6s} {r['workload']:12s} {e['us_per_step']:9.1f} us/step "
+                  f"{e['calls_per_step']:6.1f} calls {e['us_per_call']:8.2f} us/call  "
+                  f"{e['kind']:6s} {e['name'][:70]}")
+
+
+if __name__ == "__main__":
+    app.run(main)
