@@ -53,6 +53,7 @@ import _hf_peers  # noqa: E402
 from timing import copy_bandwidth  # noqa: E402
 
 import jspec  # noqa: E402
+from jspec.config import options as speed_options  # noqa: E402
 from jspec.generate import prefill as serial_prefill  # noqa: E402
 from jspec.loading import default_interpret  # noqa: E402
 from jspec.random_model import random_model  # noqa: E402
@@ -68,14 +69,13 @@ _GAMMAS = flags.DEFINE_list("gammas", ["2", "4", "6", "8"], "gammas (oracle and 
 _ACCEPT = flags.DEFINE_list("accept", ["0.5", "0.7", "0.8", "0.9"], "oracle acceptance rates")
 _LOOKUP = flags.DEFINE_bool("lookup", True, "also run the prompt-lookup drafter")
 _OPTIONS = flags.DEFINE_list(
-    "options", [], "ModelConfig speed options (fuse_add_norm, pad_rows_once, fuse_qk_rope, "
-    "fuse_glu) "
-    "turned on for the target and the draft")
+    "options", [], "speed options for the target and the draft (jspec.config.options: "
+    "x, no_x or plain; all four are on by default)")
 _ORACLE_DRAFT = flags.DEFINE_bool(
     "oracle_draft", True, "run the draft model under the oracle (its real cost); "
     "--nooracle_draft leaves it out, so the rounds cost verify + bookkeeping only")
 _DRAFT_BACKEND = flags.DEFINE_enum(
-    "draft_backend", "pallas", ["pallas", "xla"],
+    "draft_backend", "xla", ["pallas", "xla"],
     "backend of the draft model: its numerics change only which tokens are proposed, never "
     "the output (the target's verify decides), so xla is a legitimate speed option")
 _PEERS = flags.DEFINE_bool("peers", True, "transformers peers (needs torch)")
@@ -96,7 +96,7 @@ def load_model(spec: str, seed: int) -> jspec.Model:
         kw = {"num_layers": int(layers)} if layers else {}
         model = random_model(name, seed=seed, dtype=_DTYPE.value, interpret=default_interpret(),
                              **kw)
-    return model.replace(config=model.config.replace(**{o: True for o in _OPTIONS.value}))
+    return model.replace(config=model.config.replace(**speed_options(*_OPTIONS.value)))
 
 
 def make_prompts(V: int, B: int, P: int) -> np.ndarray:

@@ -35,6 +35,7 @@ from absl import app, flags
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from jspec.cache import init_cache, rollback  # noqa: E402
+from jspec.config import options as speed_options  # noqa: E402
 from jspec.model import COMPILER_OPTIONS, _forward, forward_nodonate  # noqa: E402
 from jspec.ops import get_ops  # noqa: E402
 from jspec.random_model import random_model  # noqa: E402
@@ -52,10 +53,9 @@ _ITERS = flags.DEFINE_integer("iters", 20, "timed runs per measurement")
 _OUT = flags.DEFINE_string("out", os.environ.get("OUT", "experiments/results"), "receipt dir")
 _INTERPRET = flags.DEFINE_bool("interpret", False, "CPU smoke run (tiny timings mean nothing)")
 _OPTIONS = flags.DEFINE_list(
-    "options", [], "ModelConfig speed options (fuse_add_norm, pad_rows_once, fuse_qk_rope, "
-    "fuse_glu) "
-    "to time as extra pallas variants (a+b: both at once), each checked bitwise against "
-    "the plain pallas step")
+    "options", [], "speed-option variants of the pallas step to time (jspec.config.options "
+    "names: x, no_x, plain; a+b: both), each checked bitwise against the default pallas "
+    "step (all options on); e.g. plain,no_fuse_glu")
 _OPS = flags.DEFINE_bool("ops", True, "time single ops (matmuls, norms, ...) before steps")
 _TAG = flags.DEFINE_string("tag", "", "receipt file name suffix")
 
@@ -154,15 +154,15 @@ def device_steps(model, tokens, cache):
 
 
 def bench_steps(model, batches, gammas, context, iters, options=()):
-    """Whole forward steps on pallas and xla, plus the pallas backend with each speed
-    option in `options` (ModelConfig fields such as fuse_add_norm, pad_rows_once),
-    whose logits must equal the plain pallas logits bit for bit ("bits_equal_pallas")."""
+    """Whole forward steps on pallas and xla, plus pallas variants with the speed options
+    set as each entry of `options` says (jspec.config.options names), whose logits must
+    equal the default pallas logits bit for bit ("bits_equal_pallas")."""
     cfg = model.config
     rows = []
     variants = {"pallas": model.with_backend("pallas"), "xla": model.with_backend("xla")}
-    for opt in options:  # "a+b" turns on a and b together
+    for opt in options:  # "a+no_b": a on and b off together
         variants[f"pallas+{opt}"] = variants["pallas"].replace(
-            config=variants["pallas"].config.replace(**{f: True for f in opt.split("+")}))
+            config=variants["pallas"].config.replace(**speed_options(opt)))
     for B in batches:
         ref_logits = {}
         for backend, m in variants.items():
@@ -250,7 +250,8 @@ def main(argv):
         json.dump(report, f, indent=1)
     print(f"receipt: {path}")
     if not report["options_bits_equal_pallas"]:
-        sys.exit(f"PARITY FAILURE: logits with {_OPTIONS.value} differ from the plain pallas path")
+        sys.exit(f"PARITY FAILURE: logits with {_OPTIONS.value} differ from the default "
+                 "pallas path")
 
 
 if __name__ == "__main__":

@@ -3,29 +3,33 @@
 #   bash experiments/gpu_session.sh [step ...]                  # one GPU, steps in order
 #   bash experiments/gpu_session.sh step ... :: step ... [:: ...]  # one lane per GPU
 # Steps: parity audit audit_qwen3 audit_gemma3 audit_xla kernels kernels_fused spec
-# sweep tuned e2e e2e_b1 e2e_b8 e2e_peers e2e_draftxla e2e_decompose train pair
-# pair_eval profile_cboff profile_default profile_cbwhile profile_draftxla
+# sweep tuned e2e e2e_b1 e2e_b8 e2e_peers e2e_draftpallas e2e_decompose train pair
+# pair_eval profile_cboff profile_default profile_cbwhile profile_draftpallas
 # (default: parity audit kernels spec).
 # - sweep: the matmul tile tuning; it writes $OUT/sweep_matmul_tuned.json, and `tuned`
 #   makes the lane's later steps use that table ($JSPEC_MATMUL_TUNED) before it is
 #   pasted into pallas_kernels/matmul.py.
 # - e2e (up to 560 s) wants a call or lane of its own; e2e_b1 / e2e_b8 split it;
 #   e2e_peers is the batch-1 peer set alone (through transformers' static-cache +
-#   torch.compile run, which e2e_b1 reaches last); e2e_draftxla runs the draft model
-#   on the xla backend; e2e_decompose times gamma 4 / a 0.8 with the draft on
+#   torch.compile run, which e2e_b1 reaches last); e2e_draftpallas runs the draft model
+#   on the pallas backend (bench_e2e's default is xla: the draft never changes the output); e2e_decompose times gamma 4 / a 0.8 with the draft on
 #   pallas, on xla and left out (what a round costs besides the forwards); $E2E_FLAGS are appended to e2e_b1 / e2e_b8 (e.g.
 #   "--options=pad_rows_once --gammas=4 --accept=0.8") and $E2E_TAG to their
 #   receipt names.
-# - kernels_fused: decode/verify steps with opt-in speed options ($FUSED_OPTIONS, a
-#   bench_kernels --options list; default: fuse_add_norm, pad_rows_once, fuse_qk_rope
-#   and fuse_glu all at once), timed device-side and checked bitwise against plain pallas.
+# - kernels_fused: decode/verify steps with the speed options set otherwise
+#   ($FUSED_OPTIONS, a bench_kernels --options list; default: plain, all four off),
+#   timed device-side and checked bitwise against the default pallas step (all on).
 # - train trains the code pair into $OUT/codepair; pair and pair_eval audit / evaluate
 #   $PAIR, else a pair trained in this call, else the embedded one.
 # - profile_cboff / profile_default / profile_cbwhile: profile_step.py (device trace of
 #   the serial loop and speculative rounds, both backends) with XLA command buffers off
 #   (every kernel visible; raw traces kept), at XLA's default, and with while loops and
-#   conditionals captured too; profile_draftxla: the speculative rounds with the draft on
-#   xla (XLA's default flags); $PROFILE_FLAGS are appended, $PROFILE_TAG names them.
+#   conditionals captured too; profile_draftpallas: the speculative rounds with the draft
+#   on pallas (profile_step's default draft backend is xla); $PROFILE_FLAGS are appended, $PROFILE_TAG names them.
+# - a step NAME=value (no spaces) exports that variable for the lane's later steps, so
+#   lanes can differ: `E2E_S=170 e2e_b1 :: E2E_S=300 e2e_b8`.
+# - sweep: $SWEEP_FLAGS are appended (e.g. "--presets=qwen3-8b --max_candidates=24"),
+#   $SWEEP_BUDGET (s) and $SWEEP_S (the step's limit) bound it.
 # XLA_FLAGS set by the caller reach every step.
 # With lanes (`::`), lane i runs on GPU i (CUDA_VISIBLE_DEVICES=i) in parallel, logs to
 # $OUT/lane<i>.log, and every receipt is packed into $OUT/receipts.tgz at the end (only a
@@ -65,6 +69,7 @@ pair_dir() { if [ -n "${PAIR:-}" ]; then echo "$PAIR";
 for s in $steps; do
   echo "=== $s"
   case $s in
+    *=*) export "${s?}" ;;  # NAME=value (no spaces) sets a variable for the lane's later steps
     parity) timeout "${PARITY_S:-170}" python3 experiments/gpu_parity.py --models=qwen3-8b:4,gemma3-4b:6 \
               --context=8192 --window=48 --out="$OUT" 2>&1 | quiet | tail -40 ;;
     audit) audit qwen3-8b 4; audit gemma3-4b 6 ;;
@@ -94,8 +99,8 @@ for s in $steps; do
               --draft=qwen3-0.6b --prompt_len=512 --max_new_tokens=256 --batch=1 \
               --gammas=2,4,6,8 --oracle_gammas=2,4,6,8 --accept=0.5,0.7,0.8,0.9 --iters=3 \
               --out="$OUT" --tag=h200_qwen3-8b_b1 2>&1 | quiet | tail -40 ;;
-    sweep) timeout 210 python3 experiments/sweep_matmul.py --out="$OUT" --budget_s=150 \
-              2>&1 | quiet | tail -60 ;;
+    sweep) timeout "${SWEEP_S:-210}" python3 experiments/sweep_matmul.py --out="$OUT" \
+              --budget_s="${SWEEP_BUDGET:-150}" ${SWEEP_FLAGS:-} 2>&1 | quiet | tail -60 ;;
     e2e) timeout 560 python3 experiments/bench_e2e.py --target=qwen3-8b --draft=qwen3-0.6b \
               --batches=1,8 --prompt_len=512 --max_new_tokens=256 --out="$OUT" \
               2>&1 | quiet | tail -60 ;;
@@ -117,24 +122,24 @@ for s in $steps; do
                "${v#*:}" --out="$OUT" --tag="h200_b1_draft_${v%%:*}" 2>&1 | quiet \
                | grep -v "it/s" | tail -8
            done ;;
-    e2e_draftxla) timeout "${E2E_S:-300}" python3 experiments/bench_e2e.py --target=qwen3-8b \
+    e2e_draftpallas) timeout "${E2E_S:-300}" python3 experiments/bench_e2e.py --target=qwen3-8b \
               --draft=qwen3-0.6b --batches=1 --prompt_len=512 --max_new_tokens=256 \
-              --gammas=2,4 --accept=0.8,0.9 --nolookup --nopeers --draft_backend=xla \
-              --out="$OUT" --tag=h200_b1_draftxla 2>&1 | quiet | grep -v "it/s" | tail -40 ;;
+              --gammas=2,4 --accept=0.8,0.9 --nolookup --nopeers --draft_backend=pallas \
+              --out="$OUT" --tag=h200_b1_draftpallas 2>&1 | quiet | grep -v "it/s" | tail -40 ;;
     tuned) if [ -f "$OUT/sweep_matmul_tuned.json" ]; then
              export JSPEC_MATMUL_TUNED="$OUT/sweep_matmul_tuned.json"
              echo "JSPEC_MATMUL_TUNED=$JSPEC_MATMUL_TUNED:"; cat "$JSPEC_MATMUL_TUNED"
            else echo "no $OUT/sweep_matmul_tuned.json: run sweep first"; fi ;;
     kernels_fused) timeout 280 python3 experiments/bench_kernels.py --preset=qwen3-8b \
               --batches=1,8 --gammas=4 --context=512 --iters=10 --noops \
-              --options=${FUSED_OPTIONS:-pad_rows_once+fuse_qk_rope+fuse_glu+fuse_add_norm} \
+              --options=${FUSED_OPTIONS:-plain} \
               --out="$OUT" --tag=fused 2>&1 | quiet | tail -30 ;;
-    profile_cboff|profile_default|profile_cbwhile|profile_draftxla)  # device traces
+    profile_cboff|profile_default|profile_cbwhile|profile_draftpallas)  # device traces
            v=${s#profile_}
            case $v in
              cboff) f="--xla_gpu_enable_command_buffer=" k=--keep_traces ;;
              default) f="" k=--nokeep_traces ;;
-             draftxla) f="" k="--nokeep_traces --draft_backend=xla --backends=pallas --workloads=spec" ;;
+             draftpallas) f="" k="--nokeep_traces --draft_backend=pallas --backends=pallas --workloads=spec" ;;
              cbwhile) f="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"
                       k=--nokeep_traces ;;
            esac

@@ -6,7 +6,7 @@
 
 For each backend, three workloads run after their prefill, each compiled and
 warmed up first, then timed (median of --iters, untraced) and traced once with
-`jax.profiler`:
+`jax.profiler`; the prefill is outside both the timing and the trace:
   serial     jspec's serial decode loop, --steps tokens;
   spec       the speculative loop, oracle drafter at --accept and --gamma, with the
              draft model really running (its proposals discarded);
@@ -43,6 +43,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import jspec  # noqa: E402
+from jspec.config import options as speed_options  # noqa: E402
 from jspec.generate import GREEDY, decode_loop  # noqa: E402
 from jspec.generate import prefill as serial_prefill  # noqa: E402
 from jspec.loading import default_interpret  # noqa: E402
@@ -54,11 +55,11 @@ from pallas_kernels.matmul import TUNED, tuned_to_json  # noqa: E402
 _TARGET = flags.DEFINE_string("target", "tiny-qwen3", "random-weight preset[:layers]")
 _DRAFT = flags.DEFINE_string("draft", "tiny-qwen3:1", "random-weight preset[:layers]")
 _BACKENDS = flags.DEFINE_list("backends", ["pallas", "xla"], "target backends")
-_DRAFT_BACKEND = flags.DEFINE_enum("draft_backend", "pallas", ["pallas", "xla"],
-                                   "backend of the draft model")
+_DRAFT_BACKEND = flags.DEFINE_enum("draft_backend", "xla", ["pallas", "xla"],
+                                   "backend of the draft model (never changes the output)")
 _WORKLOADS = flags.DEFINE_list("workloads", ["serial", "spec", "spec_nodraft"],
                                "serial, spec, spec_nodraft")
-_OPTIONS = flags.DEFINE_list("options", [], "ModelConfig speed options for target and draft")
+_OPTIONS = flags.DEFINE_list("options", [], "speed options (x, no_x, plain) for target and draft")
 _BATCH = flags.DEFINE_integer("batch", 1, "rows")
 _PROMPT_LEN = flags.DEFINE_integer("prompt_len", 512, "prompt tokens")
 _STEPS = flags.DEFINE_integer("steps", 32, "tokens generated per row (serial and spec)")
@@ -164,12 +165,13 @@ def load(spec: str, seed: int, backend: str) -> jspec.Model:
     name, _, layers = spec.partition(":")
     kw = {"num_layers": int(layers)} if layers else {}
     m = random_model(name, seed=seed, dtype="bfloat16", interpret=default_interpret(), **kw)
-    m = m.replace(config=m.config.replace(**{o: True for o in _OPTIONS.value}))
+    m = m.replace(config=m.config.replace(**speed_options(*_OPTIONS.value)))
     return m.with_backend(backend)
 
 
 def workloads(target: jspec.Model, draft: jspec.Model, B: int, P: int, N: int):
-    """name -> (run() blocking, steps or rounds counted by the last run)."""
+    """name -> (prep() -> state after the prefill, loop(state) -> steps or rounds run);
+    only `loop` is timed and traced."""
     V = target.config.vocab_size
     prompts = jnp.asarray(np.random.default_rng(0).integers(0, V, (B, P)), jnp.int32)
     lens = jnp.full((B,), P, jnp.int32)
@@ -178,36 +180,51 @@ def workloads(target: jspec.Model, draft: jspec.Model, B: int, P: int, N: int):
         0, V, (B, N + _GAMMA.value + 1)), jnp.int32)], axis=1)
     spec = jspec.SpecConfig(gamma=_GAMMA.value, max_new_tokens=N).static()
     seed = jnp.int32(0)
-    counted = {}
 
-    def serial():
+    def serial_prep():
         cache = jspec.init_cache(target, B, max_len)
-        logits, cache = serial_prefill(target, prompts, lens, cache)
-        jax.block_until_ready(logits)
-        t0 = time.perf_counter()
+        return jax.block_until_ready(serial_prefill(target, prompts, lens, cache))
+
+    def serial_loop(state):
+        logits, cache = state
         st = jax.block_until_ready(decode_loop(target, cache, logits, seed, max_new_tokens=N,
                                                sampler=GREEDY, stop_tokens=()))
-        counted["serial"] = int(st.step)
-        return time.perf_counter() - t0
+        return int(st.step)
 
-    def make_spec(with_draft: bool, name: str):
+    def make_spec(with_draft: bool):
         drafter = jspec.OracleDrafter(
             ref, corrupt_prob=jnp.float32(1.0 - _ACCEPT.value),
             draft=jspec.ModelDrafter(draft) if with_draft else None)
 
-        def run():
-            state = spec_prefill(target, drafter, prompts, lens, seed, spec=spec,
-                                 max_len=max_len)
-            jax.block_until_ready(state)
-            t0 = time.perf_counter()
-            st = jax.block_until_ready(spec_loop(target, drafter, state, seed, spec=spec))
-            counted[name] = int(st.step)
-            return time.perf_counter() - t0
-        return run
+        def prep():
+            return jax.block_until_ready(spec_prefill(target, drafter, prompts, lens, seed,
+                                                      spec=spec, max_len=max_len))
 
-    fns = {"serial": serial, "spec": make_spec(True, "spec"),
-           "spec_nodraft": make_spec(False, "spec_nodraft")}
-    return {w: fns[w] for w in _WORKLOADS.value}, counted
+        def loop(state):
+            st = jax.block_until_ready(spec_loop(target, drafter, state, seed, spec=spec))
+            return int(st.step)
+        return prep, loop
+
+    fns = {"serial": (serial_prep, serial_loop), "spec": make_spec(True),
+           "spec_nodraft": make_spec(False)}
+    return {w: fns[w] for w in _WORKLOADS.value}
+
+
+def measure(prep, loop, iters: int, log_dir: str):
+    """(warm-up s, median loop s, steps of the last run, trace of one more run): every
+    run starts from a fresh prep(); only loop(state) is timed and traced."""
+
+    def once():
+        state = prep()
+        t0 = time.perf_counter()
+        steps = loop(state)
+        return time.perf_counter() - t0, steps
+
+    warm = once()[0]  # compile + warm-up
+    runs = [once() for _ in range(iters)]
+    state = prep()
+    trace, _ = traced(lambda: loop(state), log_dir)
+    return warm, float(np.median([t for t, _ in runs])), runs[-1][1], trace
 
 
 def main(argv):
@@ -231,16 +248,10 @@ def main(argv):
     for be, w in tqdm(todo, desc="profile", unit="run"):
         if be not in models:
             models = {be: load(_TARGET.value, 0, be)}  # one target on the device at a time
-        fns, counted = workloads(models[be], draft, B, P, N)
-        run = fns[w]
-        t0 = time.perf_counter()
-        run()  # compile + warm-up
-        warm = time.perf_counter() - t0
-        times = [run() for _ in range(_ITERS.value)]
-        loop_s = float(np.median(times))
-        steps = counted[w]
-        log_dir = os.path.join(tmp, f"{be}_{w}")
-        trace, _ = traced(run, log_dir)
+        prep, loop = workloads(models[be], draft, B, P, N)[w]
+
+        warm, loop_s, steps, trace = measure(prep, loop, _ITERS.value,
+                                             os.path.join(tmp, f"{be}_{w}"))
         events = device_events(trace)
         if _KEEP.value:  # the device timeline only: a full trace is mostly host events
             path = os.path.join(tmp, f"{be}_{w}.events.json.gz")

@@ -40,8 +40,9 @@ def build(c):
     if c.drafter == "prompt_lookup":
         drafter = jspec.PromptLookupDrafter(max_ngram=c.max_ngram)
     elif c.drafter == "model":
-        draft = (jspec.load_hf(draft_path, dtype=c.dtype, backend=c.backend) if draft_path
-                 else target)
+        backend = c.draft_backend or c.backend
+        draft = (jspec.load_hf(draft_path, dtype=c.dtype, backend=backend) if draft_path
+                 else target.with_backend(backend))
         drafter = jspec.ModelDrafter(draft)
     else:
         raise app.UsageError(f"--config.drafter={c.drafter!r}: use 'model' or 'prompt_lookup'")

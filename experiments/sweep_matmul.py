@@ -29,6 +29,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import sys
 import time
 
@@ -68,6 +69,13 @@ _BUDGET = flags.DEFINE_float("budget_s", 220.0, "no new shape is started after t
 _OUT = flags.DEFINE_string("out", os.environ.get("OUT", "experiments/results"), "receipt dir")
 _TAG = flags.DEFINE_string("tag", "", "receipt name suffix")
 _INTERPRET = flags.DEFINE_bool("interpret", False, "CPU smoke run (timings mean nothing)")
+_COLD = flags.DEFINE_float(
+    "cold_mb", 256.0, "each timed loop cycles through enough copies of the weight to read at "
+    "least this many MB, so small weights are not served from L2 (the H200 has 50 MB) as they "
+    "never are inside a model step; 0: one copy (warm)")
+_XLA_PROBE = flags.DEFINE_bool(
+    "xla_probe", True, "also try the tiles XLA's autotuner picks for the same dot (read from "
+    "its compiled HLO at M=1 and at the largest M), as bm-16 configs")
 
 BM = 16  # decode rows; the row tile stays 16 (R1 forbids tying it to M)
 SMEM_LIMIT = 200 * 1024  # H200 allows 227 KiB per block; keep some headroom
@@ -99,6 +107,16 @@ HAND_LIST: tuple[tuple[int, int, int, int, int], ...] = (
     (32, 128, 4, 4, 4),
     (16, 128, 2, 4, 2),
     (16, 128, 2, 4, 4),
+    # Wider column tiles read longer contiguous runs of a [K, N] row-major weight;
+    # split-K keeps the program count up.
+    (128, 128, 8, 4, 2),
+    (256, 128, 8, 4, 2),
+    (256, 128, 8, 4, 4),
+    (128, 256, 4, 3, 2),
+    (256, 64, 4, 4, 4),
+    (64, 512, 4, 2, 1),
+    (32, 512, 4, 3, 1),
+    (64, 256, 8, 4, 1),
 )
 
 
@@ -110,8 +128,38 @@ def weight_shapes(preset: str) -> dict[str, tuple[int, int]]:
             "w_gate_up": (D, 2 * F), "w_down": (F, D), "lm_head": (D, V)}
 
 
-def candidates(K: int, N: int, dtype, limit: int, sms: int) -> list[MatmulConfig]:
-    """The default rule, the current table entry, then HAND_LIST entries that make sense
+def xla_configs(K: int, N: int, dtype, rows: list[int]) -> list[MatmulConfig]:
+    """The tiles XLA's GPU autotuner picks for x [M, K] @ w [K, N] (M = 1 and max(rows)),
+    read from the `triton_gemm_config` of its compiled HLO, as bm-16 MatmulConfigs
+    (empty where XLA chose a library GEMM or on a CPU)."""
+    out = []
+    if jax.default_backend() != "gpu":
+        return out
+    for m in sorted({1, max(rows)}):
+        x = jax.ShapeDtypeStruct((m, K), dtype)
+        w = jax.ShapeDtypeStruct((K, N), dtype)
+        try:
+            text = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32)
+                           ).lower(x, w).compile().as_text()
+        except Exception:  # noqa: BLE001 - a probe, not a result
+            continue
+        for hit in re.findall(r'"triton_gemm_config":(\{[^}]*\})', text):
+            c = {k: int(v) for k, v in json.loads(hit).items() if str(v).isdigit()}
+            try:
+                cfg = MatmulConfig(bm=BM, bn=c["block_n"], bk=c["block_k"],
+                                   num_warps=c["num_warps"], num_stages=c["num_stages"],
+                                   split_k=c.get("split_k", 1))
+            except (KeyError, ValueError):
+                continue
+            if cfg not in out:
+                out.append(cfg)
+    return out
+
+
+def candidates(K: int, N: int, dtype, limit: int, sms: int,
+               extra: list[MatmulConfig] = ()) -> list[MatmulConfig]:
+    """The default rule, the current table entry, `extra` (XLA's picks), then HAND_LIST
+    entries that make sense
     for [K, N]: shared memory within the limit, at least 2 K steps per program (else
     pipelining has nothing to overlap), at most 1/8 K padding, no split-K where the
     output tiles alone already give 4 programs per SM, no tile wider than N needs.
@@ -122,6 +170,9 @@ def candidates(K: int, N: int, dtype, limit: int, sms: int) -> list[MatmulConfig
     current = matmul_config(K, N, dtype, False)
     if current not in out:
         out.append(current)
+    item_ok = lambda c: c.num_stages * (BM * c.bk + c.bk * c.bn) * item <= SMEM_LIMIT  # noqa: E731
+    out += [c for c in extra if c not in out and item_ok(c) and round_up(K, c.split_k * c.bk)
+            - K <= K // 8]
     pool = []
     for bn, bk, warps, stages, s in HAND_LIST:
         cfg = MatmulConfig(bm=BM, bn=bn, bk=bk, num_warps=warps, num_stages=stages, split_k=s)
@@ -137,27 +188,32 @@ def candidates(K: int, N: int, dtype, limit: int, sms: int) -> list[MatmulConfig
     return out[:max(limit, 1)]
 
 
-def looped(cfg: MatmulConfig, out_dtype, reps: int, interpret: bool):
-    """reps dependent launches in one jitted loop (the carry feeds the next input)."""
+def looped(cfg: MatmulConfig, out_dtype, loops: int, interpret: bool):
+    """loops x len(ws) dependent launches in one jitted loop (the carry feeds the next
+    input); each loop iteration walks the weight copies ws in order."""
 
-    def run(x, w):
+    def run(x, *ws):
         def body(_, c):
-            y = matmul(x + c.astype(x.dtype), w, out_dtype=out_dtype, interpret=interpret,
-                       config=cfg)
-            return c + y[0, 0].astype(jnp.float32) * 0.0
+            for w in ws:
+                y = matmul(x + c.astype(x.dtype), w, out_dtype=out_dtype, interpret=interpret,
+                           config=cfg)
+                c = c + y[0, 0].astype(jnp.float32) * 0.0
+            return c
 
-        return jax.lax.fori_loop(0, reps, body, jnp.float32(0.0))
+        return jax.lax.fori_loop(0, loops, body, jnp.float32(0.0))
 
     return jax.jit(run)
 
 
-def time_config(cfg, x, w, out_dtype) -> dict:
-    """Compile (AOT, so compile time is separate) and time one config at x's M."""
+def time_config(cfg, x, ws, out_dtype) -> dict:
+    """Compile (AOT, so compile time is separate) and time one config at x's M: the
+    time of one launch, from loops over the weight copies ws (>= --reps launches)."""
     t0 = time.perf_counter()
+    loops = max(1, -(-_REPS.value // len(ws)))
     try:
-        fn = looped(cfg, out_dtype, _REPS.value, _INTERPRET.value).lower(x, w).compile()
+        fn = looped(cfg, out_dtype, loops, _INTERPRET.value).lower(x, *ws).compile()
         compile_s = time.perf_counter() - t0
-        t = median_time(fn, x, w, iters=_ITERS.value, warmup=2) / _REPS.value
+        t = median_time(fn, x, *ws, iters=_ITERS.value, warmup=2) / (loops * len(ws))
     except Exception as e:  # noqa: BLE001 - a config that cannot compile/run is a result
         return {"error": f"{type(e).__name__}: {str(e)[:400]}",
                 "compile_s": time.perf_counter() - t0}
@@ -185,13 +241,19 @@ def cfg_str(c: MatmulConfig) -> str:
 def sweep_shape(name, K, N, dtype, rows, bw, seed) -> dict:
     out_dtype = jnp.float32 if name.endswith("lm_head") else dtype
     w = (jax.random.normal(jax.random.key(seed), (K, N), jnp.float32) * K**-0.5).astype(dtype)
+    wb = w.size * w.dtype.itemsize
+    copies = (max(1, math.ceil(_COLD.value * 1e6 / wb))
+              if _COLD.value > 0 and not _INTERPRET.value else 1)
+    ws = [w] + [w + jnp.zeros((), dtype) * i for i in range(1, copies)]  # distinct buffers
     xs = {m: jax.random.normal(jax.random.key(seed + m), (m, K), jnp.float32).astype(dtype)
           for m in rows}
-    cands = candidates(K, N, dtype, _MAX_CANDIDATES.value, _SMS.value)
-    results = [{"config": dataclasses.asdict(c), "us": {}, "compile_s": 0.0} for c in cands]
+    probed = xla_configs(K, N, dtype, rows) if _XLA_PROBE.value else []
+    cands = candidates(K, N, dtype, _MAX_CANDIDATES.value, _SMS.value, probed)
+    results = [{"config": dataclasses.asdict(c), "us": {}, "compile_s": 0.0,
+                "xla_pick": c in probed} for c in cands]
 
     def run(i, m):
-        r = time_config(cands[i], xs[m], w, out_dtype)
+        r = time_config(cands[i], xs[m], ws, out_dtype)
         results[i]["compile_s"] += r["compile_s"]
         if "error" in r:
             results[i]["error"] = r["error"]
@@ -204,7 +266,8 @@ def sweep_shape(name, K, N, dtype, rows, bw, seed) -> dict:
     ok = [i for i in range(len(cands)) if first in results[i]["us"]]
     ok.sort(key=lambda i: results[i]["us"][first])
     n_fin = len(ok) if _FINALISTS.value <= 0 else _FINALISTS.value
-    finalists = sorted(set(ok[:n_fin]) | ({0} & set(ok)))
+    cur = cands.index(matmul_config(K, N, dtype, False))  # the config in force now
+    finalists = sorted(set(ok[:n_fin]) | ({0, cur} & set(ok)))
     for i in finalists:
         for m in rows:
             if m != first and "error" not in results[i]:
@@ -214,18 +277,22 @@ def sweep_shape(name, K, N, dtype, rows, bw, seed) -> dict:
         results[i]["sum_us"] = sum(results[i]["us"].values())
     report = {"name": name, "K": K, "N": N, "dtype": jnp.dtype(dtype).name,
               "out_dtype": jnp.dtype(out_dtype).name, "rows": rows, "candidates": results,
-              "weight_bytes": w.size * w.dtype.itemsize}
+              "weight_bytes": wb, "weight_copies": copies,
+              "xla_picks": [dataclasses.asdict(c) for c in probed]}
     if not full:
         report["error"] = "no candidate ran at every M"
         return report
     best = min(full, key=lambda i: results[i]["sum_us"])
-    wb = w.size * w.dtype.itemsize
     best_us = results[best]["us"]
     report |= {
         "default": results[0] if 0 in full else None,
+        "current": results[cur] if cur in full else None,
         "best": results[best],
         "best_is_default": best == 0,
+        "best_is_current": best == cur,
         "gain": (results[0]["sum_us"] / results[best]["sum_us"] - 1.0) if 0 in full else None,
+        "gain_vs_current": (results[cur]["sum_us"] / results[best]["sum_us"] - 1.0)
+        if cur in full else None,
         "best_GBps": {m: wb / (best_us[m] * 1e-6) / 1e9 for m in rows},
         "best_frac_of_copy": {m: wb / (best_us[m] * 1e-6) / bw for m in rows},
         "row_invariant": row_invariant(cands[best], w, out_dtype, rows, seed + 1000),
@@ -233,26 +300,41 @@ def sweep_shape(name, K, N, dtype, rows, bw, seed) -> dict:
     return report
 
 
-def selected(reports) -> list[dict]:
-    """Winners worth a table entry: row-invariant, not the default, gain >= --min_gain."""
+def chosen(r: dict) -> dict | None:
+    """The entry a swept shape should have: its winner if row-invariant and at least
+    --min_gain faster than the config in force (or than the default rule when the one in
+    force did not run), else the config in force; None if nothing ran."""
+    if "best" not in r:
+        return None
+    base = r.get("current") or r["default"]
+    gain = r.get("gain_vs_current") if r.get("current") else r["gain"]
+    if r["row_invariant"] and (base is None or gain is None or gain >= _MIN_GAIN.value):
+        return r["best"]
+    return base
+
+
+def selected(reports) -> list[tuple[dict, dict]]:
+    """(report, chosen result) for every swept shape whose choice is not the default rule
+    (the default needs no entry unless it replaces an older entry, which it then does)."""
     out = []
     for r in reports:
-        if "best" not in r or r["best_is_default"] or not r["row_invariant"]:
+        c = chosen(r)
+        if c is None:
             continue
-        if r["gain"] is not None and r["gain"] < _MIN_GAIN.value:
+        if c is r["default"] and r.get("current") in (None, r["default"]):
             continue
-        out.append(r)
+        out.append((r, c))
     return out
 
 
 def tuned_literal(reports, rows) -> str:
     lines = ["TUNED: dict[tuple[int, int, str], MatmulConfig] = {"]
-    for r in selected(reports):
-        c = MatmulConfig(**r["best"]["config"])
+    for r, c in selected(reports):
         d = r["default"]["sum_us"] if r["default"] else float("nan")
-        lines.append(f"    # {r['name']}: {d:.1f} -> {r['best']['sum_us']:.1f} us "
+        lines.append(f"    # {r['name']}: {d:.1f} -> {c['sum_us']:.1f} us "
                      f"(sum over M={','.join(map(str, rows))})")
-        lines.append(f"    ({r['K']}, {r['N']}, \"{r['dtype']}\"): {c!r},")
+        lines.append(f"    ({r['K']}, {r['N']}, \"{r['dtype']}\"): "
+                     f"{MatmulConfig(**c['config'])!r},")
     lines.append("}")
     return "\n".join(lines)
 
@@ -292,8 +374,8 @@ def main(argv):
         receipt["elapsed_s"] = time.perf_counter() - t_start
         with open(path, "w") as f:
             json.dump(receipt, f, indent=1)
-        table = {(r["K"], r["N"], r["dtype"]): MatmulConfig(**r["best"]["config"])
-                 for r in selected(receipt["shapes"])}
+        table = {(r["K"], r["N"], r["dtype"]): MatmulConfig(**c["config"])
+                 for r, c in selected(receipt["shapes"])}
         with open(tuned_path, "w") as f:  # for $JSPEC_MATMUL_TUNED
             json.dump(tuned_to_json(table), f, indent=1)
         errs = sum("error" in c for c in r["candidates"])

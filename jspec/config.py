@@ -50,22 +50,22 @@ class ModelConfig:
       dtype: parameter and activation dtype name; logits are always float32.
       backend: "xla" (plain jnp) or "pallas" (the invariant kernels).
       interpret: run Pallas kernels in interpret mode (CPU).
-      fuse_add_norm: run each residual add and the RMSNorm after it as one
-        `add_norm` op (one kernel on the pallas backend); Llama/Qwen3 layouts
-        only, ignored with sandwich norms. Off by default.
-      pad_rows_once: pallas backend: pad the residual stream's rows once per
-        forward to a multiple of 16 (every kernel's GPU row tile divides it), so
-        the norm, matmul and GLU kernels get aligned rows and no pad or slice op
-        sits between them; padded rows are zeros and stay zeros. Same bits as
-        the default path (row-independent kernels). Off by default.
-      fuse_qk_rope: pallas backend: the q/k norms (if any) and the RoPE of q and k
-        in one kernel reading the fused qkv projection (`qk_norm_rope`) instead
-        of up to four; same bits as the separate kernels for power-of-2
-        head_dim on CPU (tests/test_qk_rope.py). Off by default.
-      fuse_glu: pallas backend: the gate/up projection and the GLU in one
-        kernel (`matmul_glu`) instead of a matmul, a split and a GLU kernel; same
-        bits (the same tiles and K loop); weights whose tuned config splits K
-        stay unfused. Off by default.
+      fuse_add_norm, pad_rows_once, fuse_qk_rope, fuse_glu: the speed options
+        (`SPEED_OPTIONS`), all on by default. Each gives the same logits, bit for
+        bit, as the plain path with it off (tests/test_fused.py, test_pad_once.py,
+        test_qk_rope.py, test_matmul_glu.py on CPU; on the H200 at the Qwen3-8B
+        shape by bench_kernels.py); `options("plain")` turns them all off.
+        fuse_add_norm: each residual add and the RMSNorm after it as one `add_norm`
+          op (one kernel on pallas); ignored with sandwich norms (Gemma 3).
+        pad_rows_once: pallas: the residual stream's rows are padded once per
+          forward to a multiple of 16 (every kernel's GPU row tile divides it), so
+          no pad or slice op sits between the norm, matmul and GLU kernels; padded
+          rows are zeros and stay zeros.
+        fuse_qk_rope: pallas: the q/k norms (if any) and the RoPE of q and k in one
+          kernel reading the fused qkv projection (`qk_norm_rope`).
+        fuse_glu: pallas: the gate/up projection and the GLU in one kernel
+          (`matmul_glu`, the same tiles and K loop); weights whose tuned matmul
+          config splits K stay unfused.
     """
 
     family: str
@@ -94,10 +94,10 @@ class ModelConfig:
     dtype: str = "bfloat16"
     backend: str = "pallas"
     interpret: bool = False
-    fuse_add_norm: bool = False
-    pad_rows_once: bool = False
-    fuse_qk_rope: bool = False
-    fuse_glu: bool = False
+    fuse_add_norm: bool = True
+    pad_rows_once: bool = True
+    fuse_qk_rope: bool = True
+    fuse_glu: bool = True
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
@@ -119,6 +119,25 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+
+SPEED_OPTIONS = ("fuse_add_norm", "pad_rows_once", "fuse_qk_rope", "fuse_glu")
+
+
+def options(*names: str) -> dict[str, bool]:
+    """ModelConfig fields for speed options named as "x" (on), "no_x" (off) or "plain"
+    (all off), applied left to right; each name may join several with "+":
+    `cfg.replace(**options("plain+fuse_glu"))` is the plain path with only fuse_glu."""
+    out: dict[str, bool] = {}
+    for name in (n for group in names for n in group.split("+") if n):
+        if name == "plain":
+            out |= dict.fromkeys(SPEED_OPTIONS, False)
+        elif name.removeprefix("no_") in SPEED_OPTIONS:
+            out[name.removeprefix("no_")] = not name.startswith("no_")
+        else:
+            raise ValueError(f"unknown speed option {name!r}; expected one of "
+                             f"{SPEED_OPTIONS}, no_<option> or 'plain'")
+    return out
 
 
 def _get(hf: Any, name: str, default: Any = None) -> Any:

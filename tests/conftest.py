@@ -12,6 +12,7 @@ import pytest
 jax.config.update("jax_default_matmul_precision", "highest")
 
 import jspec  # noqa: E402
+from jspec.config import options  # noqa: E402
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 FAMILIES = ("llama3", "qwen3", "gemma3")
@@ -32,10 +33,17 @@ def expected(name: str) -> dict:
         return {k: f[k] for k in f.files}
 
 
+def plain(model: jspec.Model) -> jspec.Model:
+    """The model with every speed option off (jspec.config.SPEED_OPTIONS): the plain path
+    each option is checked against."""
+    return with_config(model, **options("plain"))
+
+
 def model_and_tokens(name: str, n: int, seed: int) -> tuple[jspec.Model, np.ndarray]:
-    """A bf16 pallas model and n tokens for it: "tiny-qwen3" is a random-weight preset
-    with random tokens (seeded), any other name a fixture with its prompt + greedy
-    continuation (repeated if shorter than n)."""
+    """A bf16 pallas model on the plain path (speed options off, so a test can turn one
+    on) and n tokens for it: "tiny-qwen3" is a random-weight preset with random tokens
+    (seeded), any other name a fixture with its prompt + greedy continuation (repeated if
+    shorter than n)."""
     if name == "tiny-qwen3":
         from jspec.random_model import random_model
 
@@ -45,7 +53,7 @@ def model_and_tokens(name: str, n: int, seed: int) -> tuple[jspec.Model, np.ndar
         model = load(name, "pallas", "bfloat16")
         e = expected(name)
         seq = np.resize(np.concatenate([e["prompt"], e["greedy"]]), n)
-    return model, seq.astype(np.int32)
+    return plain(model), seq.astype(np.int32)
 
 
 def bits(x) -> np.ndarray:

@@ -161,3 +161,16 @@ def test_fused_logits_equal_unfused_logits(pair):
     """Prefill suffices: each path is schedule invariant (above and tests/test_parity.py)."""
     model, fused, seq = pair
     _same_bits(_prefill(fused, [seq])[0], _prefill(model, [seq])[0], "fused vs unfused")
+
+
+def test_speed_options_are_on_by_default_and_named():
+    from jspec.config import SPEED_OPTIONS, options
+    from jspec.random_model import preset_config
+
+    assert all(getattr(preset_config("tiny-qwen3"), f) for f in SPEED_OPTIONS)
+    assert options("plain") == dict.fromkeys(SPEED_OPTIONS, False)
+    assert options("plain+fuse_glu") == dict.fromkeys(SPEED_OPTIONS, False) | {"fuse_glu": True}
+    assert options("no_pad_rows_once", "fuse_qk_rope") == {"pad_rows_once": False,
+                                                           "fuse_qk_rope": True}
+    with pytest.raises(ValueError, match="unknown speed option 'fuse_everything'"):
+        options("fuse_everything")

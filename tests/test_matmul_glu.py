@@ -21,6 +21,7 @@ from conftest import bits, eqn_counts, with_config
 
 from jspec import parity
 from jspec.cache import init_cache
+from jspec.config import options
 from jspec.model import Model, _forward
 from jspec.random_model import preset_config, random_params
 from pallas_kernels import glu, matmul, matmul_glu, matmul_glu_reference
@@ -80,7 +81,8 @@ def test_matmul_glu_falls_back_and_checks_input():
 @pytest.fixture(scope="module", params=("tiny-qwen3", "tiny-gemma3"))
 def model(request):
     """A tiny model whose MLP is wide enough (F = 512) for the interpret-mode tiles."""
-    cfg = preset_config(request.param, interpret=True).replace(intermediate_size=512)
+    cfg = preset_config(request.param, interpret=True).replace(intermediate_size=512,
+                                                               **options("plain"))
     return Model(config=cfg, params=random_params(cfg, 3))
 
 
