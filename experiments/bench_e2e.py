@@ -53,6 +53,7 @@ import _hf_peers  # noqa: E402
 from timing import copy_bandwidth  # noqa: E402
 
 import jspec  # noqa: E402
+from jspec.config import SPEED_OPTIONS  # noqa: E402
 from jspec.config import options as speed_options  # noqa: E402
 from jspec.generate import prefill as serial_prefill  # noqa: E402
 from jspec.loading import default_interpret  # noqa: E402
@@ -180,7 +181,8 @@ class Bench:
             "target": _TARGET.value,
             "draft": _DRAFT.value, "draft_backend": _DRAFT_BACKEND.value,
             "oracle_draft": _ORACLE_DRAFT.value,
-            "options": _OPTIONS.value,
+            "options": _OPTIONS.value, "speed_options": {
+                f: getattr(self.target.config, f) for f in SPEED_OPTIONS},
             "dtype": _DTYPE.value, "batches": self.batches,
             "prompt_len": self.P, "max_new_tokens": self.N, "iters": self.iters,
             "copy_TBps": bw / 1e12, "mean_context": ctx, "weight_bytes": wbytes,

@@ -43,6 +43,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import jspec  # noqa: E402
+from jspec.config import SPEED_OPTIONS  # noqa: E402
 from jspec.config import options as speed_options  # noqa: E402
 from jspec.generate import GREEDY, decode_loop  # noqa: E402
 from jspec.generate import prefill as serial_prefill  # noqa: E402
@@ -241,6 +242,7 @@ def main(argv):
               "prompt_len": P, "steps": N, "gamma": _GAMMA.value, "accept": _ACCEPT.value,
               "runs": [], "complete": False}
     draft = load(_DRAFT.value, 1, _DRAFT_BACKEND.value)
+    report["speed_options"] = {f: getattr(draft.config, f) for f in SPEED_OPTIONS}
     tmp = tempfile.mkdtemp(prefix="jspec_profile_")
     kept = []
     todo = [(be, w) for be in _BACKENDS.value for w in _WORKLOADS.value]

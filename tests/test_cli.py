@@ -62,3 +62,31 @@ def test_eval_pair_smoke(tmp_path):
     assert rep["runs"][0]["parity"] and rep["runs"][0]["gamma"] == 2
     assert 0.0 <= rep["runs"][0]["acceptance"] <= 1.0
     assert (tmp_path / "eval_pair_cpu_smoke.png").exists()
+
+
+def test_profile_step_summarizes_a_device_timeline_and_runs(tmp_path):
+    sys.path.insert(0, os.path.join(ROOT, "experiments"))
+    import profile_step
+
+    meta = [{"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/device:GPU:0"}},
+            {"ph": "M", "pid": 1, "tid": 7, "name": "thread_name", "args": {"name": "Stream #7"}},
+            {"ph": "M", "pid": 1, "tid": 8, "name": "thread_name", "args": {"name": "XLA Ops"}}]
+    ev = [{"ph": "X", "pid": 1, "tid": 7, "ts": 0, "dur": 10, "name": "jspec_matmul"},
+          {"ph": "X", "pid": 1, "tid": 7, "ts": 15, "dur": 5, "name": "loop_add_fusion"},
+          {"ph": "X", "pid": 1, "tid": 8, "ts": 15, "dur": 5, "name": "add.1"},  # derived line
+          {"ph": "X", "pid": 1, "tid": 7, "ts": 18, "dur": 4, "name": "MemcpyDtoH"}]
+    s = profile_step.summarize(profile_step.device_events({"traceEvents": meta + ev}), 2, 5)
+    assert s["device_events"] == 3 and s["events_per_step"] == 1.5
+    assert (s["kernel_us_per_step"], s["busy_us_per_step"], s["span_us_per_step"]) == (9.5, 8.5,
+                                                                                       11.0)
+    assert s["us_per_step_by_kind"] == {"pallas": 5.0, "xla": 2.5, "copy": 2.0}
+    assert profile_step.summarize([], 1, 5)["device_events"] == 0
+
+    r = _run("profile_step.py", "--target=tiny-qwen3", "--draft=tiny-qwen3:1", "--prompt_len=8",
+             "--steps=3", "--iters=1", "--backends=xla", "--workloads=serial,spec",
+             f"--out={tmp_path}")
+    assert r.returncode == 0, r.stderr[-2000:]
+    with open(tmp_path / "profile_step.json") as f:
+        rep = json.load(f)
+    assert rep["complete"] and [x["workload"] for x in rep["runs"]] == ["serial", "spec"]
+    assert rep["runs"][0]["steps"] == 3 and rep["runs"][0]["ms_per_step"] > 0
