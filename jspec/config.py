@@ -66,6 +66,13 @@ class ModelConfig:
         fuse_glu: pallas: the gate/up projection and the GLU in one kernel
           (`matmul_glu`, the same tiles and K loop); weights whose tuned matmul
           config splits K stay unfused.
+      attn_split: pallas: split-KV attention, keys per partition (a multiple of the
+        attention key block, 64 on a GPU, 16 in interpret mode); 0 (default): one
+        pass. Invariant like the one-pass kernel (fixed partitions aligned at
+        position 0, f32 partials folded in partition order; tests/
+        test_kernel_attention.py), but its bits differ from the one-pass path's,
+        so it is a different model numerically: off until a GPU parity matrix
+        and a timing justify it.
     """
 
     family: str
@@ -98,6 +105,7 @@ class ModelConfig:
     pad_rows_once: bool = True
     fuse_qk_rope: bool = True
     fuse_glu: bool = True
+    attn_split: int = 0
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
@@ -108,6 +116,8 @@ class ModelConfig:
             raise ValueError(f"{self.num_heads=} is not a multiple of {self.num_kv_heads=}")
         if len(self.layer_sliding) != self.num_layers:
             raise ValueError(f"{len(self.layer_sliding)=} != {self.num_layers=}")
+        if self.attn_split < 0:
+            raise ValueError(f"attn_split={self.attn_split} must be >= 0 (0: one pass)")
 
     def replace(self, **kw) -> ModelConfig:
         return dataclasses.replace(self, **kw)

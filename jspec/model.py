@@ -101,7 +101,8 @@ def _attention_block(ops, cfg: ModelConfig, lp, h, k_buf, v_buf, pos, lengths, c
     k_buf = write_kv(k_buf, k_new, lengths)
     v_buf = write_kv(v_buf, v_new, lengths)
     o = ops.attention(q.reshape(B, T, H, hd), k_buf, v_buf, pos, window,
-                      scale=cfg.attn_scale, softcap=cfg.attn_softcap)  # [B, T, H, hd]
+                      scale=cfg.attn_scale, softcap=cfg.attn_softcap,
+                      split=cfg.attn_split)  # [B, T, H, hd]
     o = pad_axis(o.reshape(B * T, H * hd), 0, h.shape[0])  # [Mp, H*hd]
     o = ops.matmul(o, lp["wo"], out_dtype=dtype)  # [Mp, D]
     return o, k_buf, v_buf

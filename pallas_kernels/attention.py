@@ -51,6 +51,7 @@ class AttentionConfig:
     block_rows: int  # query rows (tokens x heads of one kv head) per program
     num_warps: int
     num_stages: int
+    split: int = 0  # split-KV: keys per partition (a multiple of block_k); 0: one pass
 
 
 def attention_config(
@@ -88,32 +89,15 @@ def _dot(a: jax.Array, b: jax.Array, *, contract_b: int) -> jax.Array:
     )
 
 
-def _attention_kernel(
-    q_ref,  # [R, D] query rows of one (batch, kv head, row tile)
-    k_ref,  # [S, D] the whole key cache of that (batch, kv head)
-    v_ref,  # [S, D]
-    first_ref,  # [R] int32 first visible key per row (window start, 0 if none)
-    last_ref,  # [R] int32 last visible key per row (= its position; -1 for padding)
-    o_ref,  # [R, D]
-    *,
-    scale: float,
-    softcap: float | None,
-    block_k: int,
-):
-    block_rows, head_dim = q_ref.shape
-    num_blocks = k_ref.shape[0] // block_k
-    q = q_ref[...]  # [R, D]
-    first = first_ref[...]  # [R]
-    last = last_ref[...]  # [R]
+def _online_softmax(q, k_ref, v_ref, first, last, lo, hi, *, scale, softcap, block_k):
+    """(m [R], denom [R], acc [R, D]) f32 over key blocks lo..hi-1 (ascending) of the cache.
 
-    # Key-block range of the tile. Blocks outside a row's own range are exact no-ops for
-    # it, so the bounds may depend on the other rows without changing any row's bits.
-    # Rows with first > last (padding) see nothing and do not widen the range.
-    valid = first <= last
-    first_key = jnp.min(jnp.where(valid, first, jnp.iinfo(jnp.int32).max))
-    last_key = jnp.max(jnp.where(valid, last, -1))
-    hi = jnp.minimum(lax.div(last_key + block_k, block_k), num_blocks)  # cdiv(last+1, bk)
-    lo = jnp.minimum(lax.div(first_key, block_k), hi)  # first_key >= 0: div is floor
+    Starts from the empty state (-inf, 0, 0); a block fully masked for a row leaves that
+    row's state bit-identical (see the module docstring), so lo/hi may cover any superset
+    of a row's visible blocks.
+    """
+    block_rows, head_dim = q.shape
+    last_key = jnp.max(jnp.where(first <= last, last, -1))
 
     def body(kb, carry):
         m, denom, acc = carry  # [R], [R], [R, D] f32: max, softmax sum, p @ v
@@ -142,11 +126,83 @@ def _attention_kernel(
     m0 = jnp.full((block_rows,), _NEG_INF, jnp.float32)
     denom0 = jnp.zeros((block_rows,), jnp.float32)
     acc0 = jnp.zeros((block_rows, head_dim), jnp.float32)
-    _, denom, acc = lax.fori_loop(lo, hi, body, (m0, denom0, acc0))
+    return lax.fori_loop(lo, hi, body, (m0, denom0, acc0))
 
+
+def _block_range(first, last, num_blocks: int, block_k: int):
+    """[lo, hi) key blocks any row of the tile can see. Blocks outside a row's own range
+    are exact no-ops for it, so the bounds may depend on the other rows without changing
+    any row's bits. Rows with first > last (padding) see nothing and do not widen it."""
+    valid = first <= last
+    first_key = jnp.min(jnp.where(valid, first, jnp.iinfo(jnp.int32).max))
+    last_key = jnp.max(jnp.where(valid, last, -1))
+    hi = jnp.minimum(lax.div(last_key + block_k, block_k), num_blocks)  # cdiv(last+1, bk)
+    lo = jnp.minimum(lax.div(first_key, block_k), hi)  # first_key >= 0: div is floor
+    return lo, hi
+
+
+def _normalize(denom, acc):
     seen = denom > 0.0  # rows that saw no key (padding) output 0, not 0/0
     out = acc / jnp.where(seen, denom, 1.0)[:, None]
-    o_ref[...] = jnp.where(seen[:, None], out, 0.0).astype(o_ref.dtype)
+    return jnp.where(seen[:, None], out, 0.0)
+
+
+def _attention_kernel(
+    q_ref,  # [R, D] query rows of one (batch, kv head, row tile)
+    k_ref,  # [S, D] the whole key cache of that (batch, kv head)
+    v_ref,  # [S, D]
+    first_ref,  # [R] int32 first visible key per row (window start, 0 if none)
+    last_ref,  # [R] int32 last visible key per row (= its position; -1 for padding)
+    o_ref,  # [R, D]
+    *,
+    scale: float,
+    softcap: float | None,
+    block_k: int,
+):
+    first, last = first_ref[...], last_ref[...]
+    lo, hi = _block_range(first, last, k_ref.shape[0] // block_k, block_k)
+    _, denom, acc = _online_softmax(q_ref[...], k_ref, v_ref, first, last, lo, hi,
+                                    scale=scale, softcap=softcap, block_k=block_k)
+    o_ref[...] = _normalize(denom, acc).astype(o_ref.dtype)
+
+
+def _split_kernel(q_ref, k_ref, v_ref, first_ref, last_ref, m_ref, l_ref, acc_ref, *,
+                  scale: float, softcap: float | None, block_k: int, split: int):
+    """Split-KV phase 1: partition c (program axis 3) reduces only the key blocks of
+    [c * split, (c + 1) * split), from the empty state; writes its f32 partial
+    (m [R], denom [R], acc [R, D]). A partition no row of the tile can see writes the
+    empty state (-inf, 0, 0)."""
+    c = pl.program_id(3)
+    first, last = first_ref[...], last_ref[...]
+    lo, hi = _block_range(first, last, k_ref.shape[0] // block_k, block_k)
+    per = split // block_k
+    lo = jnp.maximum(lo, c * per)
+    hi = jnp.maximum(jnp.minimum(hi, (c + 1) * per), lo)
+    m, denom, acc = _online_softmax(q_ref[...], k_ref, v_ref, first, last, lo, hi,
+                                    scale=scale, softcap=softcap, block_k=block_k)
+    m_ref[...], l_ref[...], acc_ref[...] = m, denom, acc
+
+
+def _combine_kernel(m_ref, l_ref, acc_ref, o_ref, *, parts: int):
+    """Split-KV phase 2: folds the partials c = 0, 1, ..., parts-1 in that order into one
+    (m, denom, acc) and normalizes. Folding an empty partial is an exact no-op
+    (its weight exp(-inf - m) is 0 and the running state's is exp(0) = 1), and the
+    first non-empty partial passes through exactly (the empty state's weight is 0), so
+    partitions past a row's last key (a larger cache) change none of its bits."""
+
+    def fold(c, carry):
+        m, denom, acc = carry
+        m_c, l_c, acc_c = m_ref[c], l_ref[c], acc_ref[c]  # [R], [R], [R, D]
+        m_new = jnp.maximum(m, m_c)
+        m_safe = jnp.where(m_new == _NEG_INF, 0.0, m_new)
+        a, b = jnp.exp(m - m_safe), jnp.exp(m_c - m_safe)
+        return m_new, a * denom + b * l_c, a[:, None] * acc + b[:, None] * acc_c
+
+    rows, head_dim = acc_ref.shape[1:]
+    init = (jnp.full((rows,), _NEG_INF, jnp.float32), jnp.zeros((rows,), jnp.float32),
+            jnp.zeros((rows, head_dim), jnp.float32))
+    _, denom, acc = lax.fori_loop(0, parts, fold, init)
+    o_ref[...] = _normalize(denom, acc).astype(o_ref.dtype)
 
 
 def _check_inputs(q, k_cache, v_cache, q_pos, window) -> None:
@@ -188,7 +244,7 @@ def _visible_range(q_pos, window, group: int, num_rows: int):
     return first, last
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "softcap", "interpret", "config"))
+@functools.partial(jax.jit, static_argnames=("scale", "softcap", "interpret", "config", "split"))
 def attention(
     q: jax.Array,  # [B, T, H, D]
     k_cache: jax.Array,  # [B, Hkv, S, D]
@@ -200,6 +256,7 @@ def attention(
     softcap: float | None = None,
     interpret: bool = False,
     config: AttentionConfig | None = None,
+    split: int | None = None,
 ) -> jax.Array:
     """Batch-invariant attention of T queries per sequence against a KV cache.
 
@@ -207,17 +264,26 @@ def attention(
     kv head h // (H // Hkv)); q_pos: [B, T] absolute positions (-1: padding, output 0);
     window: traced int32 scalar (0 = global attention). Returns [B, T, H, D] in q.dtype.
     `config` overrides `attention_config` (tests, tuning); hold it fixed across calls.
+    `split` (if not None) overrides the config's split-KV partition size: keys per
+    partition, a multiple of block_k, aligned at position 0; 0 is one pass. A fixed
+    split is as invariant as one pass (partials of fixed key ranges, folded in a fixed
+    order), but its bits differ from the one-pass path's: one model, one split.
     """
     _check_inputs(q, k_cache, v_cache, q_pos, window)
     batch, seq, num_heads, head_dim = q.shape
     _, num_kv_heads, cache_len, _ = k_cache.shape
     group = num_heads // num_kv_heads
     cfg = config or attention_config(head_dim, group, q.dtype, interpret)
+    if split is not None:
+        cfg = dataclasses.replace(cfg, split=split)
     if cache_len % cfg.block_k != 0:
         raise ValueError(
             f"KV cache length S must be a multiple of block_k; got S={cache_len}, "
             f"block_k={cfg.block_k}"
         )
+    if cfg.split < 0 or cfg.split % cfg.block_k:
+        raise ValueError(f"split-KV partition size {cfg.split} must be 0 or a positive "
+                         f"multiple of block_k={cfg.block_k}")
 
     # Rows of a tile: the T tokens x G query heads of one kv head, so decode (T=1) still
     # fills G rows. Padding rows only add rows to the grid; the tile shape is fixed.
@@ -228,28 +294,91 @@ def attention(
     q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, padded_rows - rows), (0, 0)))
     first, last = _visible_range(q_pos, window, group, padded_rows)  # [B, Rp] each
 
-    kernel = functools.partial(
-        _attention_kernel, scale=float(scale), softcap=softcap, block_k=cfg.block_k
-    )
-    row_spec = pl.BlockSpec((None, None, cfg.block_rows, head_dim), lambda b, h, r: (b, h, r, 0))
-    kv_spec = pl.BlockSpec((None, None, cache_len, head_dim), lambda b, h, r: (b, h, 0, 0))
-    pos_spec = pl.BlockSpec((None, cfg.block_rows), lambda b, h, r: (b, r))
-    out = pl.pallas_call(
-        kernel,
-        grid=(batch, num_kv_heads, padded_rows // cfg.block_rows),
-        in_specs=[row_spec, kv_spec, kv_spec, pos_spec, pos_spec],
-        out_specs=row_spec,
-        out_shape=jax.ShapeDtypeStruct(q_rows.shape, q.dtype),
-        compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
-        interpret=interpret,
-        name="jspec_attention",
-    )(q_rows, k_cache, v_cache, first, last)  # [B, Hkv, Rp, D]
+    if cfg.split:
+        out = _split_attention(q_rows, k_cache, v_cache, first, last, cfg, scale=float(scale),
+                               softcap=softcap, interpret=interpret)
+    else:
+        kernel = functools.partial(
+            _attention_kernel, scale=float(scale), softcap=softcap, block_k=cfg.block_k
+        )
+        row_spec = pl.BlockSpec((None, None, cfg.block_rows, head_dim),
+                                lambda b, h, r: (b, h, r, 0))
+        kv_spec = pl.BlockSpec((None, None, cache_len, head_dim), lambda b, h, r: (b, h, 0, 0))
+        pos_spec = pl.BlockSpec((None, cfg.block_rows), lambda b, h, r: (b, r))
+        out = pl.pallas_call(
+            kernel,
+            grid=(batch, num_kv_heads, padded_rows // cfg.block_rows),
+            in_specs=[row_spec, kv_spec, kv_spec, pos_spec, pos_spec],
+            out_specs=row_spec,
+            out_shape=jax.ShapeDtypeStruct(q_rows.shape, q.dtype),
+            compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps,
+                                                 num_stages=cfg.num_stages),
+            interpret=interpret,
+            name="jspec_attention",
+        )(q_rows, k_cache, v_cache, first, last)  # [B, Hkv, Rp, D]
 
     out = out[:, :, :rows].reshape(batch, num_kv_heads, seq, group, head_dim)
     return out.transpose(0, 2, 1, 3, 4).reshape(batch, seq, num_heads, head_dim)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "softcap"))
+def _split_attention(q_rows, k_cache, v_cache, first, last, cfg: AttentionConfig, *,
+                     scale: float, softcap: float | None, interpret: bool):
+    """Split-KV (flash-decoding, rule R3): [B, Hkv, Rp, D] rows -> outputs, in two kernels.
+
+    Phase 1 has one program per (batch, kv head, row tile, partition) and writes f32
+    partials; phase 2 folds them in partition order. Partitions are fixed key ranges
+    [c * split, (c + 1) * split) aligned at position 0, so a row's partials and their
+    fold depend on its position, its keys and `split` only (the number of partitions
+    grows with S, but partitions past a row's last key are exact no-ops).
+    """
+    batch, num_kv_heads, rows, head_dim = q_rows.shape
+    cache_len = k_cache.shape[2]
+    parts = pl.cdiv(cache_len, cfg.split)
+    br = cfg.block_rows
+    params = plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    kernel = functools.partial(_split_kernel, scale=scale, softcap=softcap,
+                               block_k=cfg.block_k, split=cfg.split)
+    m, denom, acc = pl.pallas_call(
+        kernel,
+        grid=(batch, num_kv_heads, rows // br, parts),
+        in_specs=[
+            pl.BlockSpec((None, None, br, head_dim), lambda b, h, r, c: (b, h, r, 0)),
+            pl.BlockSpec((None, None, cache_len, head_dim), lambda b, h, r, c: (b, h, 0, 0)),
+            pl.BlockSpec((None, None, cache_len, head_dim), lambda b, h, r, c: (b, h, 0, 0)),
+            pl.BlockSpec((None, br), lambda b, h, r, c: (b, r)),
+            pl.BlockSpec((None, br), lambda b, h, r, c: (b, r)),
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, None, br), lambda b, h, r, c: (b, h, c, r)),
+            pl.BlockSpec((None, None, None, br), lambda b, h, r, c: (b, h, c, r)),
+            pl.BlockSpec((None, None, None, br, head_dim), lambda b, h, r, c: (b, h, c, r, 0)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((batch, num_kv_heads, parts, rows), jnp.float32),
+            jax.ShapeDtypeStruct((batch, num_kv_heads, parts, rows), jnp.float32),
+            jax.ShapeDtypeStruct((batch, num_kv_heads, parts, rows, head_dim), jnp.float32),
+        ],
+        compiler_params=params,
+        interpret=interpret,
+        name="jspec_attention_split",
+    )(q_rows, k_cache, v_cache, first, last)
+    return pl.pallas_call(
+        functools.partial(_combine_kernel, parts=parts),
+        grid=(batch, num_kv_heads, rows // br),
+        in_specs=[
+            pl.BlockSpec((None, None, parts, br), lambda b, h, r: (b, h, 0, r)),
+            pl.BlockSpec((None, None, parts, br), lambda b, h, r: (b, h, 0, r)),
+            pl.BlockSpec((None, None, parts, br, head_dim), lambda b, h, r: (b, h, 0, r, 0)),
+        ],
+        out_specs=pl.BlockSpec((None, None, br, head_dim), lambda b, h, r: (b, h, r, 0)),
+        out_shape=jax.ShapeDtypeStruct(q_rows.shape, q_rows.dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=1),
+        interpret=interpret,
+        name="jspec_attention_combine",
+    )(m, denom, acc)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "softcap", "split"))
 def attention_reference(
     q: jax.Array,  # [B, T, H, D]
     k_cache: jax.Array,  # [B, Hkv, S, D]
@@ -259,12 +388,15 @@ def attention_reference(
     *,
     scale: float,
     softcap: float | None = None,
+    split: int | None = None,
 ) -> jax.Array:
-    """Plain-jnp attention: full softmax over all S keys with the same mask, in f32.
+    """Plain-jnp attention: full softmax over all S keys with the same mask, in f32
+    (`split` is accepted for the backends' common signature and ignored).
 
     Accurate, but XLA picks the reduction order per shape, so it is not invariant to T, B
     or S; it is the "xla" path the kernel is checked against.
     """
+    del split
     _check_inputs(q, k_cache, v_cache, q_pos, window)
     batch, seq, num_heads, head_dim = q.shape
     num_kv_heads, cache_len = k_cache.shape[1], k_cache.shape[2]

@@ -242,3 +242,67 @@ def test_config_ignores_call_shape():
         assert isinstance(cfg, AttentionConfig) and cfg.block_k == 64
         for n in (cfg.block_k, cfg.block_rows):
             assert n >= 16 and n & (n - 1) == 0
+
+
+# 3. Split-KV (flash-decoding): fixed partitions aligned at 0, partials folded in order.
+
+SPLIT = 2 * BLOCK_K
+
+
+def _decode_split(p, window=0, dtype=jnp.float32):
+    return _attn([[p]], window=window, dtype=dtype, fill="zeros", split=SPLIT)[0, 0]
+
+
+def _assert_rows_match_split_decode(out, pos, **kw):
+    for (b, t), p in np.ndenumerate(np.asarray(pos)):
+        want = _decode_split(p, **kw) if p >= 0 else np.zeros((H, D), np.float32)
+        assert np.array_equal(out[b, t], want), f"row {(b, t)} at position {p} differs"
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_split_matches_reference(dtype):
+    rng = np.random.default_rng(3)
+    q = jnp.asarray(rng.standard_normal((3, 6, H, D)), dtype)
+    k = jnp.asarray(rng.standard_normal((3, HKV, 128, D)), dtype)
+    v = jnp.asarray(rng.standard_normal((3, HKV, 128, D)), dtype)
+    q_pos = jnp.asarray([[0, 1, 2, 3, 4, 5], [37, 38, 39, 40, 41, 42], [120, 121, -1, -1, -1, -1]])
+    tol = 1e-5 if dtype == jnp.float32 else 2e-2
+    for window in (0, 7, 40):
+        args = (q, k, v, q_pos, jnp.int32(window))
+        out = attention(*args, scale=SCALE, interpret=INTERPRET, split=SPLIT)
+        ref = attention_reference(*args, scale=SCALE)
+        np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32),
+                                   atol=tol, rtol=tol)
+        assert np.all(np.asarray(out)[2, 2:] == 0), "padding rows must be exactly 0"
+
+
+def test_split_rows_equal_decode_whatever_the_call():
+    """Blocks of T rows at any offset (across partition boundaries), other sequences in the
+    batch, cache capacity 64 vs 256 (2 vs 8 partitions) and garbage past the last
+    position: every row is bitwise its own split decode."""
+    for seq, start in ((5, 0), (5, SPLIT - 2), (16, 200), (2, 61)):
+        pos = [list(range(start, start + seq))]
+        _assert_rows_match_split_decode(_attn(pos, split=SPLIT), pos)
+    pos = [[3, 4, 5], [100, 101, 102], [17, 18, -1], [250, 251, 252]]
+    _assert_rows_match_split_decode(_attn(pos, split=SPLIT), pos)
+    pos = [[29, 30, 31, 32, 33], [40, 41, 42, 43, 44]]
+    outs = [_attn(pos, cache_len=s, fill=f, split=SPLIT) for s in (64, S_MAX)
+            for f in ("zeros", "garbage")]
+    for out in outs[1:]:
+        assert np.array_equal(out, outs[0])
+    _assert_rows_match_split_decode(outs[0], pos)
+
+
+def test_split_sliding_window_and_bfloat16():
+    window = SPLIT + 3  # whole partitions before the window are empty for late rows
+    pos = [[2, 3 * BLOCK_K + 1, 3 * BLOCK_K + 2, 200, 201, 255]]
+    _assert_rows_match_split_decode(_attn(pos, window=window, split=SPLIT), pos, window=window)
+    pos = [[60, 61, 62, 63], [7, 8, 9, 10]]
+    out = _attn(pos, dtype=jnp.bfloat16, window=9, split=SPLIT)
+    _assert_rows_match_split_decode(out, pos, dtype=jnp.bfloat16, window=9)
+
+
+def test_split_size_is_checked():
+    for bad in (BLOCK_K + 1, -BLOCK_K):
+        with pytest.raises(ValueError, match="split-KV partition size"):
+            _attn([[3]], split=bad)

@@ -1,0 +1,65 @@
+"""Split-KV attention in the model (`ModelConfig.attn_split`), CPU interpret mode.
+
+With a fixed partition size the logits keep property P: prefill == one-token steps ==
+verify blocks, a row alone == the same row in a ragged batch, and a larger cache
+(more partitions, all past the row) changes nothing. Full logits compared bitwise.
+The split path is a different numerical model from the one-pass path (its partials
+are folded, not accumulated), so it is compared with itself, never with one pass.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import bits, eqn_counts, model_and_tokens, with_config
+
+from jspec import parity
+from jspec.cache import init_cache
+from jspec.model import _forward
+
+MAX_LEN = 72
+N = 40
+SPLIT = 32  # two interpret-mode key blocks of 16: several partitions for 40 tokens
+
+
+@pytest.fixture(scope="module", params=("tiny-qwen3", "gemma3"))
+def case(request):
+    model, seq = model_and_tokens(request.param, N, seed=11)
+    return with_config(model, attn_split=SPLIT), seq
+
+
+def test_split_logits_schedule_invariant(case):
+    model, seq = case
+    want = parity.schedule_logits(model, [seq], parity.prefill_schedule(N), MAX_LEN, seed=1)[0]
+    for label, steps in [("serial", parity.serial_schedule(N)),
+                         ("blocks", parity.block_schedule(N, [3, 1, 5, 2, 8])),
+                         ("verify k=4", parity.verify_schedule(N, 4, prefix=2, seed=2))]:
+        got = parity.schedule_logits(model, [seq], steps, MAX_LEN, seed=1)[0]
+        assert np.array_equal(bits(got), bits(want)), label
+    bigger = parity.schedule_logits(model, [seq], parity.serial_schedule(N), 2 * MAX_LEN,
+                                    seed=1)[0]
+    assert np.array_equal(bits(bigger), bits(want)), "cache capacity x2"
+
+
+def test_split_row_alone_equals_row_in_ragged_batch(case):
+    model, seq = case
+    rng = np.random.default_rng(5)
+    others = [rng.integers(0, model.config.vocab_size, n).astype(np.int32) for n in (7, 33, 20)]
+    lengths = [N] + [len(o) for o in others]
+    batch = parity.schedule_logits(model, [seq] + others,
+                                   parity.batch_schedule(lengths, 4, seed=3), MAX_LEN, seed=1)
+    alone = parity.schedule_logits(model, [seq], parity.prefill_schedule(N), MAX_LEN, seed=1)
+    assert np.array_equal(bits(batch[0]), bits(alone[0]))
+
+
+def test_split_kernels_run_and_size_is_checked(case):
+    model, _ = case
+    j = jax.make_jaxpr(_forward)(model, jnp.zeros((1, 1), jnp.int32),
+                                 init_cache(model, 1, MAX_LEN))
+    counts = eqn_counts(j.jaxpr)
+    L = model.config.num_layers
+    assert counts["pallas_call:jspec_attention_split"] == L, counts
+    assert counts["pallas_call:jspec_attention_combine"] == L
+    assert counts["pallas_call:jspec_attention"] == 0
+    with pytest.raises(ValueError, match="attn_split=-1"):
+        with_config(model, attn_split=-1)
