@@ -34,6 +34,7 @@ from absl import app, flags
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from jspec import parity  # noqa: E402
 from jspec.cache import init_cache, rollback  # noqa: E402
+from jspec.config import NUMERIC_OPTIONS, SPEED_OPTIONS, options  # noqa: E402
 from jspec.model import forward  # noqa: E402
 from jspec.random_model import random_model  # noqa: E402
 from pallas_kernels.matmul import TUNED, tuned_to_json  # noqa: E402
@@ -47,6 +48,9 @@ _OUT = flags.DEFINE_string("out", os.environ.get("OUT", "experiments/results"), 
 _INTERPRET = flags.DEFINE_bool("interpret", False, "Pallas interpret mode (CPU smoke runs)")
 _DTYPE = flags.DEFINE_string("dtype", "bfloat16", "parameter dtype")
 _XLA_FULL = flags.DEFINE_bool("xla_full", False, "run every check on xla too (else a subset)")
+_TAG = flags.DEFINE_string("tag", "", "receipt name suffix")
+_OPTIONS = flags.DEFINE_list("options", [], "speed options of the models (jspec.config.options "
+                             "names, e.g. attn_split=256 to prove split-KV attention)")
 
 
 def bits_equal_rows(a, b) -> jax.Array:
@@ -160,13 +164,16 @@ def main(argv):
     report = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
               "matmul_tuned": tuned_to_json(TUNED),
               "date": time.strftime("%Y-%m-%d"), "context": _CONTEXT.value,
-              "window": _WINDOW.value, "results": {}}
+              "window": _WINDOW.value, "options": _OPTIONS.value, "results": {}}
     ks = [int(k) for k in _KS.value]
     for spec in FLAGS.value.split(","):
         name, layers = spec.split(":")
         for backend in _BACKENDS.value:
             model = random_model(name, num_layers=int(layers), backend=backend,
                                  interpret=_INTERPRET.value, dtype=_DTYPE.value)
+            model = model.replace(config=model.config.replace(**options(*_OPTIONS.value)))
+            report["speed_options"] = {f: getattr(model.config, f)
+                                       for f in SPEED_OPTIONS + NUMERIC_OPTIONS}
             key = f"{name}:{layers}:{backend}"
             print(f"== {key}", flush=True)
             full = backend == "pallas" or _XLA_FULL.value
@@ -180,7 +187,8 @@ def main(argv):
 
 def save(report) -> str:
     os.makedirs(_OUT.value, exist_ok=True)
-    path = os.path.join(_OUT.value, "gpu_parity.json")
+    path = os.path.join(_OUT.value, "gpu_parity" + (f"_{_TAG.value}" if _TAG.value else "")
+                        + ".json")
     with open(path, "w") as f:
         json.dump(report, f, indent=1)
     return path

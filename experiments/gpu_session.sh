@@ -2,7 +2,7 @@
 # One device call that runs the whole GPU programme and leaves receipts in $OUT.
 #   bash experiments/gpu_session.sh [step ...]                  # one GPU, steps in order
 #   bash experiments/gpu_session.sh step ... :: step ... [:: ...]  # one lane per GPU
-# Steps: parity audit audit_qwen3 audit_gemma3 audit_xla kernels kernels_fused spec
+# Steps: parity parity_split audit audit_qwen3 audit_gemma3 audit_xla kernels kernels_fused spec
 # sweep tuned e2e e2e_b1 e2e_b8 e2e_peers e2e_draftpallas e2e_decompose train pair
 # pair_eval profile_cboff profile_default profile_cbwhile profile_draftpallas
 # (default: parity audit kernels spec).
@@ -26,6 +26,10 @@
 #   (every kernel visible; raw traces kept), at XLA's default, and with while loops and
 #   conditionals captured too; profile_draftpallas: the speculative rounds with the draft
 #   on pallas (profile_step's default draft backend is xla); $PROFILE_FLAGS are appended, $PROFILE_TAG names them.
+# - parity_split: the parity matrix (pallas) with split-KV attention
+#   (attn_split=$ATTN_SPLIT, default 256 keys); time it with
+#   `FUSED_OPTIONS=attn_split=256 kernels_fused` (its logits differ from one pass by
+#   design: the step reports their largest difference instead of a bit check).
 # - a step NAME=value (no spaces) exports that variable for the lane's later steps, so
 #   lanes can differ: `E2E_S=170 e2e_b1 :: E2E_S=300 e2e_b8`.
 # - sweep: $SWEEP_FLAGS are appended (e.g. "--presets=qwen3-8b --max_candidates=24"),
@@ -72,6 +76,10 @@ for s in $steps; do
     *=*) export "${s?}" ;;  # NAME=value (no spaces) sets a variable for the lane's later steps
     parity) timeout "${PARITY_S:-170}" python3 experiments/gpu_parity.py --models=qwen3-8b:4,gemma3-4b:6 \
               --context=8192 --window=48 --out="$OUT" 2>&1 | quiet | tail -40 ;;
+    parity_split) timeout "${PARITY_S:-170}" python3 experiments/gpu_parity.py \
+              --models=qwen3-8b:4,gemma3-4b:6 --context=8192 --window=48 --backends=pallas \
+              --options="attn_split=${ATTN_SPLIT:-256}" --tag=split --out="$OUT" 2>&1 \
+              | quiet | tail -30 ;;
     audit) audit qwen3-8b 4; audit gemma3-4b 6 ;;
     audit_qwen3) audit qwen3-8b 4 ;;
     audit_gemma3) audit gemma3-4b 6 ;;

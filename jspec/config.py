@@ -134,19 +134,30 @@ class ModelConfig:
 SPEED_OPTIONS = ("fuse_add_norm", "pad_rows_once", "fuse_qk_rope", "fuse_glu")
 
 
-def options(*names: str) -> dict[str, bool]:
-    """ModelConfig fields for speed options named as "x" (on), "no_x" (off) or "plain"
-    (all off), applied left to right; each name may join several with "+":
+NUMERIC_OPTIONS = ("attn_split",)  # ModelConfig ints that change the logits' bits
+
+
+def options(*names: str) -> dict[str, bool | int]:
+    """ModelConfig fields for speed options named as "x" (on), "no_x" (off), "plain" (all
+    of SPEED_OPTIONS off) or "attn_split=N" (a numeric option), applied left to right;
+    each name may join several with "+":
     `cfg.replace(**options("plain+fuse_glu"))` is the plain path with only fuse_glu."""
-    out: dict[str, bool] = {}
+    out: dict[str, bool | int] = {}
     for name in (n for group in names for n in group.split("+") if n):
-        if name == "plain":
+        key, eq, value = name.partition("=")
+        if eq and key in NUMERIC_OPTIONS:
+            try:
+                out[key] = int(value)
+            except ValueError:
+                raise ValueError(f"option {name!r}: {key} takes an integer") from None
+        elif name == "plain":
             out |= dict.fromkeys(SPEED_OPTIONS, False)
-        elif name.removeprefix("no_") in SPEED_OPTIONS:
+        elif not eq and name.removeprefix("no_") in SPEED_OPTIONS:
             out[name.removeprefix("no_")] = not name.startswith("no_")
         else:
             raise ValueError(f"unknown speed option {name!r}; expected one of "
-                             f"{SPEED_OPTIONS}, no_<option> or 'plain'")
+                             f"{SPEED_OPTIONS}, no_<option>, 'plain' or "
+                             f"{'|'.join(f'{k}=<int>' for k in NUMERIC_OPTIONS)}")
     return out
 
 

@@ -174,3 +174,9 @@ def test_speed_options_are_on_by_default_and_named():
                                                            "fuse_qk_rope": True}
     with pytest.raises(ValueError, match="unknown speed option 'fuse_everything'"):
         options("fuse_everything")
+    assert options("plain", "attn_split=256") == dict.fromkeys(SPEED_OPTIONS, False) | {
+        "attn_split": 256}
+    with pytest.raises(ValueError, match="attn_split takes an integer"):
+        options("attn_split=many")
+    with pytest.raises(ValueError, match="unknown speed option 'fuse_glu=1'"):
+        options("fuse_glu=1")
