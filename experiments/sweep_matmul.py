@@ -73,11 +73,15 @@ _COLD = flags.DEFINE_float(
     "cold_mb", 256.0, "each timed loop cycles through enough copies of the weight to read at "
     "least this many MB, so small weights are not served from L2 (the H200 has 50 MB) as they "
     "never are inside a model step; 0: one copy (warm)")
+_BMS = flags.DEFINE_list(
+    "bm", ["16"], "row tiles to try (each candidate once per bm): a larger tile serves a "
+    "40-row verify block (batch 8, gamma 4) in one pass over the weights but does more "
+    "MMA work at M=1; any fixed bm is row-invariant, but the bits differ between bms")
 _XLA_PROBE = flags.DEFINE_bool(
     "xla_probe", True, "also try the tiles XLA's autotuner picks for the same dot (read from "
     "its compiled HLO at M=1 and at the largest M), as bm-16 configs")
 
-BM = 16  # decode rows; the row tile stays 16 (R1 forbids tying it to M)
+BM = 16  # decode rows; the row tile is one per weight shape (R1 forbids tying it to M)
 SMEM_LIMIT = 200 * 1024  # H200 allows 227 KiB per block; keep some headroom
 
 # (bn, bk, num_warps, num_stages, split_k), most promising first for a
@@ -170,14 +174,14 @@ def candidates(K: int, N: int, dtype, limit: int, sms: int,
     current = matmul_config(K, N, dtype, False)
     if current not in out:
         out.append(current)
-    item_ok = lambda c: c.num_stages * (BM * c.bk + c.bk * c.bn) * item <= SMEM_LIMIT  # noqa: E731
+    item_ok = lambda c: c.num_stages * (c.bm * c.bk + c.bk * c.bn) * item <= SMEM_LIMIT  # noqa: E731
     out += [c for c in extra if c not in out and item_ok(c) and round_up(K, c.split_k * c.bk)
             - K <= K // 8]
     pool = []
-    for bn, bk, warps, stages, s in HAND_LIST:
-        cfg = MatmulConfig(bm=BM, bn=bn, bk=bk, num_warps=warps, num_stages=stages, split_k=s)
+    for (bn, bk, warps, stages, s), bm in ((h, int(b)) for h in HAND_LIST for b in _BMS.value):
+        cfg = MatmulConfig(bm=bm, bn=bn, bk=bk, num_warps=warps, num_stages=stages, split_k=s)
         kp = round_up(K, s * bk)
-        if (cfg in out or stages * (BM * bk + bk * bn) * item > SMEM_LIMIT
+        if (cfg in out or stages * (bm * bk + bk * bn) * item > SMEM_LIMIT
                 or kp // (s * bk) < 2 or kp - K > K // 8
                 or (s > 1 and math.ceil(N / bn) >= 4 * sms) or bn > max(16, N)):
             continue
