@@ -24,6 +24,12 @@ Why that holds:
   * Values of keys past the last position in the tile are zeroed before the p·v dot, so
     even non-finite garbage there (an uninitialised cache) contributes 0 * 0, not NaN.
 
+Split-KV (`split` > 0, rule R3): the same online softmax, restarted from the empty state
+at every partition of `split` keys aligned at position 0, one program per partition;
+a second kernel folds the f32 partials in partition order. Empty partials (partitions
+past a row's last key, or before its window) fold as exact no-ops, so a larger cache
+changes nothing. Different bits from one pass, the same invariance.
+
 The Triton lowering (NVIDIA) needs power-of-two tile shapes and >= 16 per dot dimension;
 `attention_config` only hands out such shapes and `head_dim` must be a power of two >= 16.
 `attention_reference` is the plain-jnp ("xla") path; it is accurate but NOT invariant.
