@@ -58,8 +58,11 @@ _DRAFT = flags.DEFINE_string("draft", "tiny-qwen3:1", "random-weight preset[:lay
 _BACKENDS = flags.DEFINE_list("backends", ["pallas", "xla"], "target backends")
 _DRAFT_BACKEND = flags.DEFINE_enum("draft_backend", "xla", ["pallas", "xla"],
                                    "backend of the draft model (never changes the output)")
-_WORKLOADS = flags.DEFINE_list("workloads", ["serial", "spec", "spec_nodraft"],
-                               "serial, spec, spec_nodraft")
+WORKLOADS = ("serial", "spec", "spec_nodraft")
+_WORKLOADS = flags.DEFINE_list("workloads", list(WORKLOADS), "what to time and trace: "
+                               + ", ".join(WORKLOADS))
+flags.register_validator("workloads", lambda v: bool(v) and set(v) <= set(WORKLOADS),
+                         message=f"--workloads takes a list of {', '.join(WORKLOADS)}")
 _OPTIONS = flags.DEFINE_list("options", [], "speed options (x, no_x, plain) for target and draft")
 _BATCH = flags.DEFINE_integer("batch", 1, "rows")
 _PROMPT_LEN = flags.DEFINE_integer("prompt_len", 512, "prompt tokens")
