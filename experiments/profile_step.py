@@ -105,9 +105,19 @@ def device_events(trace: dict) -> list[dict]:
     if not streams:  # unknown layout: every line except derived (module/op) lines
         streams = {t for t, n in names.items()
                    if not any(s in n for s in ("XLA", "Framework", "Step", "Module", "Op"))}
-    return [{"name": e["name"], "ts": float(e["ts"]), "dur": float(e.get("dur", 0.0))}
+    return [{"name": e["name"], "ts": float(e["ts"]), "dur": float(e.get("dur", 0.0)),
+             "op": _op_of(e.get("args") or {})}
             for e in trace["traceEvents"]
             if e.get("ph") == "X" and e.get("pid") == pid and e.get("tid") in streams]
+
+
+def _op_of(args: dict) -> str:
+    """The framework op a kernel came from (JAX's name stack, e.g. ".../dot_general"), as
+    far as the profiler recorded it: maps XLA's fusion names back to the model's ops."""
+    for key in ("tf_op", "long_name", "hlo_op"):
+        if args.get(key):
+            return str(args[key])[:200]
+    return ""
 
 
 def summarize(events: list[dict], per: int, top: int) -> dict:
@@ -129,12 +139,15 @@ def summarize(events: list[dict], per: int, top: int) -> dict:
     busy += cur_e - cur_s
     by_kind, by_name = collections.Counter(), collections.defaultdict(lambda: [0, 0.0])
     count_kind = collections.Counter()
+    ops = collections.defaultdict(collections.Counter)
     for e in events:
         k = kind_of(e["name"])
         by_kind[k] += e["dur"]
         count_kind[k] += 1
         by_name[e["name"]][0] += 1
         by_name[e["name"]][1] += e["dur"]
+        if e.get("op"):
+            ops[e["name"]][e["op"]] += 1
     total = sum(e["dur"] for e in events)
     span = end - start
     costly = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]
@@ -146,7 +159,9 @@ def summarize(events: list[dict], per: int, top: int) -> dict:
         "us_per_step_by_kind": {k: v / per for k, v in by_kind.most_common()},
         "events_per_step_by_kind": {k: v / per for k, v in count_kind.most_common()},
         "top": [{"name": n[:120], "kind": kind_of(n), "calls_per_step": c / per,
-                 "us_per_step": t / per, "us_per_call": t / c} for n, (c, t) in costly],
+                 "us_per_step": t / per, "us_per_call": t / c,
+                 "op": ops[n].most_common(1)[0][0] if ops[n] else ""}
+                for n, (c, t) in costly],
     }
 
 
@@ -307,7 +322,7 @@ def print_table(report: dict) -> None:
         for e in r["trace"].get("top", [])[:8]:
             print(f"  {r['backend']:6s} {r['workload']:12s} {e['us_per_step']:9.1f} us/step "
                   f"{e['calls_per_step']:6.1f} calls {e['us_per_call']:8.2f} us/call  "
-                  f"{e['kind']:6s} {e['name'][:70]}")
+                  f"{e['kind']:6s} {e['name'][:50]}  {e.get('op', '')[-60:]}")
 
 
 if __name__ == "__main__":

@@ -71,7 +71,8 @@ def test_profile_step_summarizes_a_device_timeline_and_runs(tmp_path):
     meta = [{"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/device:GPU:0"}},
             {"ph": "M", "pid": 1, "tid": 7, "name": "thread_name", "args": {"name": "Stream #7"}},
             {"ph": "M", "pid": 1, "tid": 8, "name": "thread_name", "args": {"name": "XLA Ops"}}]
-    ev = [{"ph": "X", "pid": 1, "tid": 7, "ts": 0, "dur": 10, "name": "jspec_matmul"},
+    ev = [{"ph": "X", "pid": 1, "tid": 7, "ts": 0, "dur": 10, "name": "jspec_matmul",
+           "args": {"tf_op": "jit(decode_loop)/while/body/pallas_call"}},
           {"ph": "X", "pid": 1, "tid": 7, "ts": 15, "dur": 5, "name": "loop_add_fusion"},
           {"ph": "X", "pid": 1, "tid": 8, "ts": 15, "dur": 5, "name": "add.1"},  # derived line
           {"ph": "X", "pid": 1, "tid": 7, "ts": 18, "dur": 4, "name": "MemcpyDtoH"}]
@@ -80,6 +81,7 @@ def test_profile_step_summarizes_a_device_timeline_and_runs(tmp_path):
     assert (s["kernel_us_per_step"], s["busy_us_per_step"], s["span_us_per_step"]) == (9.5, 8.5,
                                                                                        11.0)
     assert s["us_per_step_by_kind"] == {"pallas": 5.0, "xla": 2.5, "copy": 2.0}
+    assert s["top"][0]["op"] == "jit(decode_loop)/while/body/pallas_call"
     assert profile_step.summarize([], 1, 5)["device_events"] == 0
 
     r = _run("profile_step.py", "--target=tiny-qwen3", "--draft=tiny-qwen3:1", "--prompt_len=8",
