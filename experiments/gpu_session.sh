@@ -2,8 +2,8 @@
 # One device call that runs the whole GPU programme and leaves receipts in $OUT.
 #   bash experiments/gpu_session.sh [step ...]                  # one GPU, steps in order
 #   bash experiments/gpu_session.sh step ... :: step ... [:: ...]  # one lane per GPU
-# Steps: parity parity_split audit audit_qwen3 audit_gemma3 audit_xla kernels kernels_fused spec
-# sweep tuned e2e e2e_b1 e2e_b8 e2e_peers e2e_draftpallas e2e_decompose train pair
+# Steps: parity parity_split audit audit_qwen3 audit_gemma3 audit_xla kernels
+# kernels_fused spec sweep tuned e2e e2e_b1 e2e_b8 e2e_peers e2e_draftpallas e2e_decompose train pair
 # pair_eval profile_cboff profile_default profile_cbwhile profile_draftpallas
 # (default: parity audit kernels spec).
 # - sweep: the matmul tile tuning; it writes $OUT/sweep_matmul_tuned.json, and `tuned`
@@ -11,11 +11,12 @@
 #   pasted into pallas_kernels/matmul.py.
 # - e2e (up to 560 s) wants a call or lane of its own; e2e_b1 / e2e_b8 split it;
 #   e2e_peers is the batch-1 peer set alone (through transformers' static-cache +
-#   torch.compile run, which e2e_b1 reaches last); e2e_draftpallas runs the draft model
-#   on the pallas backend (bench_e2e's default is xla: the draft never changes the output); e2e_decompose times gamma 4 / a 0.8 with the draft on
-#   pallas, on xla and left out (what a round costs besides the forwards); $E2E_FLAGS are appended to e2e_b1 / e2e_b8 (e.g.
-#   "--options=pad_rows_once --gammas=4 --accept=0.8") and $E2E_TAG to their
-#   receipt names.
+#   torch.compile run, which e2e_b1 reaches last); e2e_draftpallas runs the draft
+#   model on the pallas backend (bench_e2e's default is xla: the draft never changes
+#   the output); e2e_decompose times gamma 4 / a 0.8 with the draft on pallas, on xla
+#   and left out (what a round costs besides the forwards). $E2E_FLAGS are appended
+#   to e2e_b1 / e2e_b8 (e.g. "--options=plain --gammas=4 --accept=0.8") and $E2E_TAG
+#   to their receipt names.
 # - kernels_fused: decode/verify steps with the speed options set otherwise
 #   ($FUSED_OPTIONS, a bench_kernels --options list; default: plain, all four off),
 #   timed device-side and checked bitwise against the default pallas step (all on).
@@ -24,8 +25,9 @@
 # - profile_cboff / profile_default / profile_cbwhile: profile_step.py (device trace of
 #   the serial loop and speculative rounds, both backends) with XLA command buffers off
 #   (every kernel visible; raw traces kept), at XLA's default, and with while loops and
-#   conditionals captured too; profile_draftpallas: the speculative rounds with the draft
-#   on pallas (profile_step's default draft backend is xla); $PROFILE_FLAGS are appended, $PROFILE_TAG names them.
+#   conditionals captured too; profile_draftpallas: the speculative rounds with the
+#   draft on pallas (profile_step's default draft backend is xla). $PROFILE_FLAGS are
+#   appended, $PROFILE_TAG names them.
 # - parity_split: the parity matrix (pallas) with split-KV attention
 #   (attn_split=$ATTN_SPLIT, default 256 keys); time it with
 #   `FUSED_OPTIONS=attn_split=256 kernels_fused` (its logits differ from one pass by
