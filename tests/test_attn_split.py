@@ -63,3 +63,26 @@ def test_split_kernels_run_and_size_is_checked(case):
     assert counts["pallas_call:jspec_attention"] == 0
     with pytest.raises(ValueError, match="attn_split=-1"):
         with_config(model, attn_split=-1)
+
+
+def test_gpu_parity_matrix_runs_with_split_options(tmp_path):
+    # The H200 parity harness with split-KV on (`gpu_parity.py --options=attn_split=N`),
+    # smoke-run in interpret mode: every check finds 0 mismatches.
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, os.path.join(root, "experiments", "gpu_parity.py"),
+                        "--interpret", "--models=tiny-qwen3:1", "--context=64", "--window=6",
+                        "--ks=1,4", "--backends=pallas", f"--options=attn_split={SPLIT}",
+                        "--tag=split", f"--out={tmp_path}"],
+                       cwd=root, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    with open(tmp_path / "gpu_parity_split.json") as f:
+        rep = json.load(f)
+    assert rep["speed_options"]["attn_split"] == SPLIT
+    [res] = rep["results"].values()
+    checks = {k: v for k, v in res.items() if isinstance(v, dict)}
+    assert checks and all(v["mismatches"] == 0 and v["positions"] > 0 for v in checks.values())
