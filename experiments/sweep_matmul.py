@@ -181,7 +181,7 @@ def candidates(K: int, N: int, dtype, limit: int, sms: int,
     for (bn, bk, warps, stages, s), bm in ((h, int(b)) for h in HAND_LIST for b in _BMS.value):
         cfg = MatmulConfig(bm=bm, bn=bn, bk=bk, num_warps=warps, num_stages=stages, split_k=s)
         kp = round_up(K, s * bk)
-        if (cfg in out or stages * (bm * bk + bk * bn) * item > SMEM_LIMIT
+        if (cfg in out or not item_ok(cfg)
                 or kp // (s * bk) < 2 or kp - K > K // 8
                 or (s > 1 and math.ceil(N / bn) >= 4 * sms) or bn > max(16, N)):
             continue

@@ -7,6 +7,11 @@ The split path is a different numerical model from the one-pass path (its partia
 are folded, not accumulated), so it is compared with itself, never with one pass.
 """
 
+import json
+import os
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -68,11 +73,6 @@ def test_split_kernels_run_and_size_is_checked(case):
 def test_gpu_parity_matrix_runs_with_split_options(tmp_path):
     # The H200 parity harness with split-KV on (`gpu_parity.py --options=attn_split=N`),
     # smoke-run in interpret mode: every check finds 0 mismatches.
-    import json
-    import os
-    import subprocess
-    import sys
-
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     r = subprocess.run([sys.executable, os.path.join(root, "experiments", "gpu_parity.py"),
                         "--interpret", "--models=tiny-qwen3:1", "--context=64", "--window=6",
