@@ -99,8 +99,10 @@ class ModelDrafter:
             nxt = sample(logits[:, 0], ctx.seed, ctx.rows, ctx.pos + 2 + i)
             return (cache, nxt), (nxt, logits[:, 0])
 
+        # Unrolled: the steps join the round's straight-line code, which XLA captures in
+        # command buffers; a rolled scan is a nested while loop launched kernel by kernel.
         (cache, _), (toks, logits) = jax.lax.scan(
-            step, (state.cache, d1), jnp.arange(ctx.gamma - 1, dtype=jnp.int32))
+            step, (state.cache, d1), jnp.arange(ctx.gamma - 1, dtype=jnp.int32), unroll=True)
         drafts = jnp.concatenate([d1[:, None], toks.T], axis=1)  # [B, g]
         draft_logits = jnp.concatenate(
             [state.next_logits[:, None], jnp.moveaxis(logits, 0, 1)], axis=1)  # [B, g, V]

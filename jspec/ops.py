@@ -4,8 +4,10 @@ The model code calls `ops_for(config)` and uses only the functions of the
 returned `Ops`; it never calls jnp reductions itself. Two backends:
 
 - `xla`: the plain-jnp reference of each kernel (the `*_reference` function in
-  the kernel's own file). Fast to compile, numerically sound, and the baseline
-  that shows the problem: its reduction orders change with the number of rows.
+  the kernel's own file; for attention `attention_xla`, bf16 dots with f32
+  accumulation as a plain JAX model runs them, where `attention_reference` is all
+  f32). Fast to compile, numerically sound, and the baseline that shows the
+  problem: its reduction orders change with the number of rows.
 - `pallas`: the kernels in `pallas_kernels/`, whose reduction order is a
   function of the feature/weight shapes only (rules R1-R3 in the design).
 
@@ -21,7 +23,7 @@ from typing import NamedTuple
 import jax
 
 from pallas_kernels.add_rmsnorm import add_rmsnorm, add_rmsnorm_reference
-from pallas_kernels.attention import attention, attention_reference
+from pallas_kernels.attention import attention, attention_xla
 from pallas_kernels.glu import glu, glu_reference
 from pallas_kernels.logsumexp import logsumexp, logsumexp_reference
 from pallas_kernels.matmul import matmul, matmul_reference
@@ -92,7 +94,7 @@ def get_ops(backend: str, interpret: bool = False) -> Ops:
             matmul_glu=matmul_glu_reference,
             softcap=softcap_reference,
             logsumexp=logsumexp_reference,
-            attention=attention_reference,
+            attention=attention_xla,
         )
     if backend == "pallas":
         def p(fn, interpret):

@@ -58,6 +58,9 @@ class AttentionConfig:
     num_warps: int
     num_stages: int
     split: int = 0  # split-KV: keys per partition (a multiple of block_k); 0: one pass
+    # split-KV's row tile (both kernels). Smaller than one pass's: a decode step has only
+    # G real rows per kv head, and every partial is written and read back in f32.
+    split_rows: int = 16
 
 
 def attention_config(
@@ -189,12 +192,14 @@ def _split_kernel(q_ref, k_ref, v_ref, first_ref, last_ref, m_ref, l_ref, acc_re
     m_ref[...], l_ref[...], acc_ref[...] = m, denom, acc
 
 
-def _combine_kernel(m_ref, l_ref, acc_ref, o_ref, *, parts: int):
-    """Split-KV phase 2: folds the partials c = 0, 1, ..., parts-1 in that order into one
+def _combine_kernel(m_ref, l_ref, acc_ref, first_ref, last_ref, o_ref, *, split: int):
+    """Split-KV phase 2: folds the partials in ascending partition order into one
     (m, denom, acc) and normalizes. Folding an empty partial is an exact no-op
     (its weight exp(-inf - m) is 0 and the running state's is exp(0) = 1), and the
     first non-empty partial passes through exactly (the empty state's weight is 0), so
-    partitions past a row's last key (a larger cache) change none of its bits."""
+    partitions past a row's last key (a larger cache) change none of its bits. Hence
+    the fold may skip the partitions no row of the tile can see, like the key blocks of
+    one pass: it runs over the partitions of [first key, last key] of the tile only."""
 
     def fold(c, carry):
         m, denom, acc = carry
@@ -204,10 +209,11 @@ def _combine_kernel(m_ref, l_ref, acc_ref, o_ref, *, parts: int):
         a, b = jnp.exp(m - m_safe), jnp.exp(m_c - m_safe)
         return m_new, a * denom + b * l_c, a[:, None] * acc + b[:, None] * acc_c
 
-    rows, head_dim = acc_ref.shape[1:]
+    parts, rows, head_dim = acc_ref.shape
     init = (jnp.full((rows,), _NEG_INF, jnp.float32), jnp.zeros((rows,), jnp.float32),
             jnp.zeros((rows, head_dim), jnp.float32))
-    _, denom, acc = lax.fori_loop(0, parts, fold, init)
+    lo, hi = _block_range(first_ref[...], last_ref[...], parts, split)
+    _, denom, acc = lax.fori_loop(lo, hi, fold, init)
     o_ref[...] = _normalize(denom, acc).astype(o_ref.dtype)
 
 
@@ -294,7 +300,8 @@ def attention(
     # Rows of a tile: the T tokens x G query heads of one kv head, so decode (T=1) still
     # fills G rows. Padding rows only add rows to the grid; the tile shape is fixed.
     rows = seq * group
-    padded_rows = pl.cdiv(rows, cfg.block_rows) * cfg.block_rows
+    block_rows = cfg.split_rows if cfg.split else cfg.block_rows
+    padded_rows = pl.cdiv(rows, block_rows) * block_rows
     q_rows = q.reshape(batch, seq, num_kv_heads, group, head_dim)
     q_rows = q_rows.transpose(0, 2, 1, 3, 4).reshape(batch, num_kv_heads, rows, head_dim)
     q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, padded_rows - rows), (0, 0)))
@@ -340,7 +347,7 @@ def _split_attention(q_rows, k_cache, v_cache, first, last, cfg: AttentionConfig
     batch, num_kv_heads, rows, head_dim = q_rows.shape
     cache_len = k_cache.shape[2]
     parts = pl.cdiv(cache_len, cfg.split)
-    br = cfg.block_rows
+    br = cfg.split_rows
     params = plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     kernel = functools.partial(_split_kernel, scale=scale, softcap=softcap,
                                block_k=cfg.block_k, split=cfg.split)
@@ -369,19 +376,54 @@ def _split_attention(q_rows, k_cache, v_cache, first, last, cfg: AttentionConfig
         name="jspec_attention_split",
     )(q_rows, k_cache, v_cache, first, last)
     return pl.pallas_call(
-        functools.partial(_combine_kernel, parts=parts),
+        functools.partial(_combine_kernel, split=cfg.split),
         grid=(batch, num_kv_heads, rows // br),
         in_specs=[
             pl.BlockSpec((None, None, parts, br), lambda b, h, r: (b, h, 0, r)),
             pl.BlockSpec((None, None, parts, br), lambda b, h, r: (b, h, 0, r)),
             pl.BlockSpec((None, None, parts, br, head_dim), lambda b, h, r: (b, h, 0, r, 0)),
+            pl.BlockSpec((None, br), lambda b, h, r: (b, r)),
+            pl.BlockSpec((None, br), lambda b, h, r: (b, r)),
         ],
         out_specs=pl.BlockSpec((None, None, br, head_dim), lambda b, h, r: (b, h, r, 0)),
         out_shape=jax.ShapeDtypeStruct(q_rows.shape, q_rows.dtype),
         compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=1),
         interpret=interpret,
         name="jspec_attention_combine",
-    )(m, denom, acc)
+    )(m, denom, acc, first, last)
+
+
+def _plain_attention(q, k_cache, v_cache, q_pos, window, *, scale, softcap, upcast: bool):
+    """Full softmax over all S keys in plain jnp. upcast: q, k, v and p in f32 with IEEE
+    f32 dots (the accurate reference); else dots in the cache dtype with f32 accumulation
+    and p cast to the value dtype for p @ v (what a plain JAX model runs)."""
+    _check_inputs(q, k_cache, v_cache, q_pos, window)
+    batch, seq, num_heads, head_dim = q.shape
+    num_kv_heads, cache_len = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    f32 = jnp.float32
+    if upcast:
+        q, k_cache, v_cache = q.astype(f32), k_cache.astype(f32), v_cache.astype(f32)
+    # IEEE f32 dots for f32 operands (GPU DEFAULT would be TF32); bf16 ones are unaffected.
+    prec = lax.Precision.HIGHEST if k_cache.dtype == f32 else lax.Precision.DEFAULT
+    qg = q.reshape(batch, seq, num_kv_heads, group, head_dim)
+    s = jnp.einsum("btkgd,bksd->bkgts", qg, k_cache, precision=prec,
+                   preferred_element_type=f32) * scale  # [B, Hkv, G, T, S] f32
+    if softcap is not None:
+        s = jnp.tanh(s / softcap) * softcap
+    pos = q_pos.astype(jnp.int32)[:, None, None, :, None]  # [B, 1, 1, T, 1]
+    key = jnp.arange(cache_len, dtype=jnp.int32)  # [S]
+    window = jnp.asarray(window, jnp.int32)
+    mask = (key <= pos) & ((window <= 0) | (key > pos - window))  # [B, 1, 1, T, S]
+    s = jnp.where(mask, s, _NEG_INF)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    m = jnp.where(m == _NEG_INF, 0.0, m)
+    p = jnp.where(mask, jnp.exp(s - m), 0.0)
+    denom = jnp.moveaxis(jnp.sum(p, axis=-1, keepdims=True), 3, 1)  # [B, T, Hkv, G, 1]
+    o = jnp.einsum("bkgts,bksd->btkgd", p.astype(v_cache.dtype), v_cache, precision=prec,
+                   preferred_element_type=f32)  # [B, T, Hkv, G, D] f32
+    o = jnp.where(denom > 0, o / jnp.where(denom > 0, denom, 1.0), 0.0)
+    return o.reshape(batch, seq, num_heads, head_dim).astype(q.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "softcap", "split"))
@@ -396,33 +438,33 @@ def attention_reference(
     softcap: float | None = None,
     split: int | None = None,
 ) -> jax.Array:
-    """Plain-jnp attention: full softmax over all S keys with the same mask, in f32
-    (`split` is accepted for the backends' common signature and ignored).
-
-    Accurate, but XLA picks the reduction order per shape, so it is not invariant to T, B
-    or S; it is the "xla" path the kernel is checked against.
+    """Plain-jnp attention: full softmax over all S keys with the same mask, all in f32
+    with IEEE f32 dots (`split` is accepted for the backends' common signature and
+    ignored). The accurate reference the kernel is checked against; XLA picks the
+    reduction order per shape, so it is not invariant to T, B or S.
     """
     del split
-    _check_inputs(q, k_cache, v_cache, q_pos, window)
-    batch, seq, num_heads, head_dim = q.shape
-    num_kv_heads, cache_len = k_cache.shape[1], k_cache.shape[2]
-    group = num_heads // num_kv_heads
-    qf = q.astype(jnp.float32).reshape(batch, seq, num_kv_heads, group, head_dim)
-    kf = k_cache.astype(jnp.float32)
-    vf = v_cache.astype(jnp.float32)
-    hi = lax.Precision.HIGHEST  # true f32 on GPU too (not TF32)
-    s = jnp.einsum("btkgd,bksd->bkgts", qf, kf, precision=hi) * scale  # [B, Hkv, G, T, S]
-    if softcap is not None:
-        s = jnp.tanh(s / softcap) * softcap
-    pos = q_pos.astype(jnp.int32)[:, None, None, :, None]  # [B, 1, 1, T, 1]
-    key = jnp.arange(cache_len, dtype=jnp.int32)  # [S]
-    window = jnp.asarray(window, jnp.int32)
-    mask = (key <= pos) & ((window <= 0) | (key > pos - window))  # [B, 1, 1, T, S]
-    s = jnp.where(mask, s, _NEG_INF)
-    m = jnp.max(s, axis=-1, keepdims=True)
-    m = jnp.where(m == _NEG_INF, 0.0, m)
-    p = jnp.where(mask, jnp.exp(s - m), 0.0)
-    denom = jnp.moveaxis(jnp.sum(p, axis=-1, keepdims=True), 3, 1)  # [B, T, Hkv, G, 1]
-    o = jnp.einsum("bkgts,bksd->btkgd", p, vf, precision=hi)  # [B, T, Hkv, G, D]
-    o = jnp.where(denom > 0, o / jnp.where(denom > 0, denom, 1.0), 0.0)
-    return o.reshape(batch, seq, num_heads, head_dim).astype(q.dtype)
+    return _plain_attention(q, k_cache, v_cache, q_pos, window, scale=scale,
+                            softcap=softcap, upcast=True).astype(q.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "softcap", "split"))
+def attention_xla(
+    q: jax.Array,  # [B, T, H, D]
+    k_cache: jax.Array,  # [B, Hkv, S, D]
+    v_cache: jax.Array,  # [B, Hkv, S, D]
+    q_pos: jax.Array,  # [B, T]
+    window: jax.Array,  # []
+    *,
+    scale: float,
+    softcap: float | None = None,
+    split: int | None = None,
+) -> jax.Array:
+    """The `xla` backend's attention, as a plain JAX model writes it: q @ k and p @ v in
+    the cache dtype with f32 accumulation, the softmax in f32, p cast to the value dtype
+    (as the kernel does). Same mask and padding rules as `attention_reference`; for f32
+    caches the two are the same function. Not invariant (XLA picks reduction orders).
+    """
+    del split
+    return _plain_attention(q, k_cache, v_cache, q_pos, window, scale=scale,
+                            softcap=softcap, upcast=False)
