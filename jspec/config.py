@@ -67,12 +67,14 @@ class ModelConfig:
           (`matmul_glu`, the same tiles and K loop); weights whose tuned matmul
           config splits K stay unfused.
       attn_split: pallas: split-KV attention, keys per partition (a multiple of the
-        attention key block, 64 on a GPU, 16 in interpret mode); 0 (default): one
-        pass. Invariant like the one-pass kernel (fixed partitions aligned at
-        position 0, f32 partials folded in partition order; tests/
-        test_kernel_attention.py), but its bits differ from the one-pass path's,
-        so it is a different model numerically: off until a GPU parity matrix
-        and a timing justify it.
+        attention key block, 64 on a GPU, 16 in interpret mode); 0: one pass;
+        None (default): the kernel's own choice, 128-key partitions on a GPU
+        (proven by the H200 parity matrix, and faster: a decode step's attention
+        otherwise runs one program per kv head), one pass in interpret mode.
+        Invariant like the one-pass kernel (fixed partitions aligned at position
+        0, f32 partials folded in partition order; tests/test_kernel_attention.py),
+        but each split gives other bits than the one-pass path: one model, one
+        split.
     """
 
     family: str
@@ -105,7 +107,7 @@ class ModelConfig:
     pad_rows_once: bool = True
     fuse_qk_rope: bool = True
     fuse_glu: bool = True
-    attn_split: int = 0
+    attn_split: int | None = None
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
@@ -116,8 +118,9 @@ class ModelConfig:
             raise ValueError(f"{self.num_heads=} is not a multiple of {self.num_kv_heads=}")
         if len(self.layer_sliding) != self.num_layers:
             raise ValueError(f"{len(self.layer_sliding)=} != {self.num_layers=}")
-        if self.attn_split < 0:
-            raise ValueError(f"attn_split={self.attn_split} must be >= 0 (0: one pass)")
+        if self.attn_split is not None and self.attn_split < 0:
+            raise ValueError(f"attn_split={self.attn_split} must be >= 0 (0: one pass) "
+                             "or None (the kernel's default)")
 
     def replace(self, **kw) -> ModelConfig:
         return dataclasses.replace(self, **kw)

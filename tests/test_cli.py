@@ -66,7 +66,7 @@ def test_eval_pair_smoke(tmp_path):
 
 def test_profile_step_summarizes_a_device_timeline_and_runs(tmp_path):
     sys.path.insert(0, os.path.join(ROOT, "experiments"))
-    import profile_step
+    import trace_tools
 
     meta = [{"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/device:GPU:0"}},
             {"ph": "M", "pid": 1, "tid": 7, "name": "thread_name", "args": {"name": "Stream #7"}},
@@ -76,13 +76,13 @@ def test_profile_step_summarizes_a_device_timeline_and_runs(tmp_path):
           {"ph": "X", "pid": 1, "tid": 7, "ts": 15, "dur": 5, "name": "loop_add_fusion"},
           {"ph": "X", "pid": 1, "tid": 8, "ts": 15, "dur": 5, "name": "add.1"},  # derived line
           {"ph": "X", "pid": 1, "tid": 7, "ts": 18, "dur": 4, "name": "MemcpyDtoH"}]
-    s = profile_step.summarize(profile_step.device_events({"traceEvents": meta + ev}), 2, 5)
+    s = trace_tools.summarize(trace_tools.device_events({"traceEvents": meta + ev}), 2, 5)
     assert s["device_events"] == 3 and s["events_per_step"] == 1.5
     assert (s["kernel_us_per_step"], s["busy_us_per_step"], s["span_us_per_step"]) == (9.5, 8.5,
                                                                                        11.0)
     assert s["us_per_step_by_kind"] == {"pallas": 5.0, "xla": 2.5, "copy": 2.0}
     assert s["top"][0]["op"] == "jit(decode_loop)/while/body/pallas_call"
-    assert profile_step.summarize([], 1, 5)["device_events"] == 0
+    assert trace_tools.summarize([], 1, 5)["device_events"] == 0
 
     r = _run("profile_step.py", "--target=tiny-qwen3", "--draft=tiny-qwen3:1", "--prompt_len=8",
              "--steps=3", "--iters=1", "--backends=xla", "--workloads=serial,spec",
@@ -92,3 +92,39 @@ def test_profile_step_summarizes_a_device_timeline_and_runs(tmp_path):
         rep = json.load(f)
     assert rep["complete"] and [x["workload"] for x in rep["runs"]] == ["serial", "spec"]
     assert rep["runs"][0]["steps"] == 3 and rep["runs"][0]["ms_per_step"] > 0
+
+
+def test_hlo_kernels_matches_kernels_to_their_hlo_and_runs(tmp_path):
+    sys.path.insert(0, os.path.join(ROOT, "experiments"))
+    import hlo_kernels
+
+    text = """HloModule m
+
+%fused_computation.7 (p: bf16[8,64]) -> f32[8] {
+  %p = bf16[8,64]{1,0} parameter(0)
+  %c = f32[8,64]{1,0} convert(%p)
+  %z = f32[] constant(0)
+  ROOT %r.1 = f32[8]{0} reduce(%c, %z), dimensions={1}, to_apply=%add
+}
+
+ENTRY %main.3 (a: bf16[8,64]) -> f32[8] {
+  %a = bf16[8,64]{1,0} parameter(0)
+  ROOT %input_reduce_fusion.106 = f32[8]{0} fusion(%a), kind=kInput, \
+calls=%fused_computation.7, metadata={op_name="jit(f)/layer_3/attn/reduce_max"}
+}
+"""
+    lines, comps = hlo_kernels.hlo_index(text)
+    d = hlo_kernels.describe("input_reduce_fusion_106", lines, comps)
+    assert d["op_name"] == "jit(f)/layer_3/attn/reduce_max"
+    assert d["root"].startswith("ROOT %r.1 = f32[8]{0} reduce(")
+    assert d["ops"] == ["constant", "convert", "parameter", "reduce"]
+    assert "metadata" not in d["instruction"]
+    assert hlo_kernels.describe("no_such_kernel", lines, comps) == {"instruction": "",
+                                                                    "op_name": ""}
+
+    r = _run("hlo_kernels.py", "--preset=tiny-qwen3", "--context=16", "--iters=1",
+             "--backends=xla", f"--out={tmp_path}")
+    assert r.returncode == 0, r.stderr[-2000:]
+    rep = json.load(open(tmp_path / "hlo_kernels_tiny-qwen3.json"))
+    assert [x["backend"] for x in rep["runs"]] == ["xla"] and rep["runs"][0]["ms_host"] > 0
+    assert (tmp_path / "hlo_kernels_tiny-qwen3_xla.hlo.txt.gz").exists()

@@ -6,6 +6,7 @@ Runs on CPU with interpret=True. JSPEC_PALLAS_INTERPRET=0 runs the same tests co
 (Triton) on a GPU.
 """
 
+import dataclasses
 import itertools
 import os
 
@@ -157,9 +158,13 @@ def test_bfloat16_block_equals_decode():
     _assert_rows_match_decode(out, pos, dtype=jnp.bfloat16, window=9)
 
 
-def test_gpu_config_interpreted():
-    """The GPU tiling (block_k=64, 64-row tiles) is invariant too, interpreted on CPU."""
+@pytest.mark.parametrize("split", [None, 0])
+def test_gpu_config_interpreted(split):
+    """The GPU tiling (block_k=64, 64-row tiles; by default 128-key split-KV with 16-row
+    tiles, split=0: one pass) is invariant too, interpreted on CPU."""
     cfg = attention_config(D, H // HKV, jnp.float32, interpret=False)
+    if split is not None:
+        cfg = dataclasses.replace(cfg, split=split)
     pos = [[5, 6, 7, 8, 9], [130, 131, 132, 133, 134]]
     out = _attn(pos, window=70, config=cfg)
     for (b, t), p in np.ndenumerate(np.asarray(pos)):
@@ -240,7 +245,8 @@ def test_config_ignores_call_shape():
         assert len(cfgs) == 1
         (cfg,) = cfgs
         assert isinstance(cfg, AttentionConfig) and cfg.block_k == 64
-        for n in (cfg.block_k, cfg.block_rows):
+        assert cfg.split == 128 and cfg.split % cfg.block_k == 0
+        for n in (cfg.block_k, cfg.block_rows, cfg.split_rows):
             assert n >= 16 and n & (n - 1) == 0
 
 
