@@ -34,7 +34,7 @@ from absl import app, flags
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from jspec import parity  # noqa: E402
 from jspec.cache import init_cache, rollback  # noqa: E402
-from jspec.config import NUMERIC_OPTIONS, SPEED_OPTIONS, options  # noqa: E402
+from jspec.config import SPEED_OPTIONS, VALUE_OPTIONS, options  # noqa: E402
 from jspec.model import forward  # noqa: E402
 from jspec.random_model import random_model  # noqa: E402
 from pallas_kernels.matmul import TUNED, tuned_to_json  # noqa: E402
@@ -173,7 +173,7 @@ def main(argv):
                                  interpret=_INTERPRET.value, dtype=_DTYPE.value)
             model = model.replace(config=model.config.replace(**options(*_OPTIONS.value)))
             report["speed_options"] = {f: getattr(model.config, f)
-                                       for f in SPEED_OPTIONS + NUMERIC_OPTIONS}
+                                       for f in SPEED_OPTIONS + VALUE_OPTIONS}
             key = f"{name}:{layers}:{backend}"
             print(f"== {key}", flush=True)
             full = backend == "pallas" or _XLA_FULL.value

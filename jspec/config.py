@@ -75,6 +75,11 @@ class ModelConfig:
         0, f32 partials folded in partition order; tests/test_kernel_attention.py),
         but each split gives other bits than the one-pass path: one model, one
         split.
+      matmul_row_group: pallas: up to this many row tiles per matmul program, each
+        weight block loaded once for all of them (a batch-8 verify block is 3 row
+        tiles); 1 (default): one row tile per program. Scheduling only: the same
+        bits (tests/test_row_group.py); off until an H200 run has checked the bits
+        and timed it.
     """
 
     family: str
@@ -108,6 +113,7 @@ class ModelConfig:
     fuse_qk_rope: bool = True
     fuse_glu: bool = True
     attn_split: int | None = None
+    matmul_row_group: int = 1
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
@@ -118,6 +124,8 @@ class ModelConfig:
             raise ValueError(f"{self.num_heads=} is not a multiple of {self.num_kv_heads=}")
         if len(self.layer_sliding) != self.num_layers:
             raise ValueError(f"{len(self.layer_sliding)=} != {self.num_layers=}")
+        if self.matmul_row_group < 1:
+            raise ValueError(f"matmul_row_group={self.matmul_row_group} must be >= 1")
         if self.attn_split is not None and self.attn_split < 0:
             raise ValueError(f"attn_split={self.attn_split} must be >= 0 (0: one pass) "
                              "or None (the kernel's default)")
@@ -138,6 +146,7 @@ SPEED_OPTIONS = ("fuse_add_norm", "pad_rows_once", "fuse_qk_rope", "fuse_glu")
 
 
 NUMERIC_OPTIONS = ("attn_split",)  # ModelConfig ints that change the logits' bits
+VALUE_OPTIONS = NUMERIC_OPTIONS + ("matmul_row_group",)  # every "name=<int>" option
 
 
 def options(*names: str) -> dict[str, bool | int]:
@@ -148,7 +157,7 @@ def options(*names: str) -> dict[str, bool | int]:
     out: dict[str, bool | int] = {}
     for name in (n for group in names for n in group.split("+") if n):
         key, eq, value = name.partition("=")
-        if eq and key in NUMERIC_OPTIONS:
+        if eq and key in VALUE_OPTIONS:
             try:
                 out[key] = int(value)
             except ValueError:
@@ -160,7 +169,7 @@ def options(*names: str) -> dict[str, bool | int]:
         else:
             raise ValueError(f"unknown speed option {name!r}; expected one of "
                              f"{SPEED_OPTIONS}, no_<option>, 'plain' or "
-                             f"{'|'.join(f'{k}=<int>' for k in NUMERIC_OPTIONS)}")
+                             f"{'|'.join(f'{k}=<int>' for k in VALUE_OPTIONS)}")
     return out
 
 

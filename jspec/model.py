@@ -81,7 +81,8 @@ def _attention_block(ops, cfg: ModelConfig, lp, h, k_buf, v_buf, pos, lengths, c
     B, T = pos.shape
     dtype = h.dtype
     hd, H, Hkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
-    qkv = ops.matmul(h, lp["wqkv"], out_dtype=dtype)[: B * T]  # [B*T, (H + 2Hkv) hd]
+    rg = cfg.matmul_row_group
+    qkv = ops.matmul(h, lp["wqkv"], out_dtype=dtype, row_group=rg)[: B * T]  # [B*T, (H + 2Hkv) hd]
     if cfg.fuse_qk_rope and cfg.backend == "pallas":
         heads = qkv.reshape(B * T, H + 2 * Hkv, hd)
         ws = (lp["q_norm"], lp["k_norm"]) if cfg.qk_norm else (None, None)
@@ -104,19 +105,21 @@ def _attention_block(ops, cfg: ModelConfig, lp, h, k_buf, v_buf, pos, lengths, c
                       scale=cfg.attn_scale, softcap=cfg.attn_softcap,
                       split=cfg.attn_split)  # [B, T, H, hd]
     o = pad_axis(o.reshape(B * T, H * hd), 0, h.shape[0])  # [Mp, H*hd]
-    o = ops.matmul(o, lp["wo"], out_dtype=dtype)  # [Mp, D]
+    o = ops.matmul(o, lp["wo"], out_dtype=dtype, row_group=rg)  # [Mp, D]
     return o, k_buf, v_buf
 
 
 def _mlp_block(ops, cfg: ModelConfig, lp, h):
     """h [Mp, D] -> [Mp, D]."""
     if cfg.fuse_glu and cfg.backend == "pallas":
-        a = ops.matmul_glu(h, lp["w_gate_up"], activation=cfg.activation)  # [Mp, F]
+        a = ops.matmul_glu(h, lp["w_gate_up"], activation=cfg.activation,
+                           row_group=cfg.matmul_row_group)  # [Mp, F]
     else:
-        gu = ops.matmul(h, lp["w_gate_up"], out_dtype=h.dtype)  # [Mp, 2F]
+        gu = ops.matmul(h, lp["w_gate_up"], out_dtype=h.dtype,
+                        row_group=cfg.matmul_row_group)  # [Mp, 2F]
         gate, up = jnp.split(gu, 2, axis=-1)
         a = ops.glu(gate, up, activation=cfg.activation)  # [Mp, F]
-    return ops.matmul(a, lp["w_down"], out_dtype=h.dtype)
+    return ops.matmul(a, lp["w_down"], out_dtype=h.dtype, row_group=cfg.matmul_row_group)
 
 
 def _forward(model: Model, tokens: jax.Array, cache: KVCache):
@@ -158,7 +161,8 @@ def _forward(model: Model, tokens: jax.Array, cache: KVCache):
                 o = _norm(ops, cfg, o, lp["post_mlp_norm"])
 
     _, h = _add_norm(ops, cfg, x, o, params["final_norm"])
-    logits = ops.matmul(h, params["lm_head"], out_dtype=jnp.float32)[: B * T]  # [B*T, V]
+    logits = ops.matmul(h, params["lm_head"], out_dtype=jnp.float32,
+                        row_group=cfg.matmul_row_group)[: B * T]  # [B*T, V]
     if cfg.final_softcap is not None:
         logits = ops.softcap(logits, cfg.final_softcap)
     new_cache = cache.replace(k=tuple(new_k), v=tuple(new_v), lengths=lengths + T)

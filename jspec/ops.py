@@ -35,14 +35,15 @@ from pallas_kernels.softcap import softcap, softcap_reference
 
 
 class Ops(NamedTuple):
-    """matmul(x [M,K], w [K,N], out_dtype) -> [M,N];
+    """matmul(x [M,K], w [K,N], out_dtype, row_group=1) -> [M,N];
     rmsnorm(x [M,D], w [D], eps, offset) -> [M,D];
     add_norm(x [M,D], o [M,D], w [D], eps, offset) -> (x + o, rmsnorm(x + o)), both [M,D];
     rope(x [M,H,D], cos [M,D/2], sin [M,D/2]) -> [M,H,D];
     qk_norm_rope(qkv [M,>=Hq+Hk,D], q_w [D] | None, k_w, cos, sin, num_q, num_k, eps,
                  offset) -> [M,Hq+Hk,D];
     glu(gate [M,F], up [M,F], activation) -> [M,F];
-    matmul_glu(x [M,K], w [K,2F], activation) -> glu of x @ w's halves, [M,F] x.dtype;
+    matmul_glu(x [M,K], w [K,2F], activation, row_group=1) -> glu of x @ w's halves,
+      [M,F] x.dtype (row_group: row tiles per program, scheduling only);
     softcap(x [M,N], cap) -> [M,N] f32;
     logsumexp(x [M,V]) -> [M] f32;
     attention(q [B,T,H,D], k [B,Hkv,S,D], v, q_pos [B,T], window [], scale, softcap)."""

@@ -22,7 +22,15 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels._common import pad_axis, pad_rows, round_up, triton_params
 from pallas_kernels.glu import ACTIVATIONS, _activation, glu, glu_reference
-from pallas_kernels.matmul import _check_shapes, _k_loop, matmul, matmul_config, matmul_reference
+from pallas_kernels.matmul import (
+    _check_shapes,
+    _k_loop,
+    _k_loop_rows,
+    matmul,
+    matmul_config,
+    matmul_reference,
+    row_group_size,
+)
 
 
 def _kernel(x_ref, wg_ref, wu_ref, o_ref, *, bk: int, nk: int, activation: str):
@@ -30,8 +38,25 @@ def _kernel(x_ref, wg_ref, wu_ref, o_ref, *, bk: int, nk: int, activation: str):
     dtype = o_ref.dtype
     gate = _k_loop(x_ref, wg_ref, bk=bk, nk=nk).astype(dtype)  # as matmul's output
     up = _k_loop(x_ref, wu_ref, bk=bk, nk=nk).astype(dtype)
+    o_ref[...] = _glu_tile(gate, up, activation)
+
+
+def _glu_tile(gate, up, activation: str):
+    """`glu`'s arithmetic on one tile of gate and up already rounded to the dtype."""
+    dtype = gate.dtype
     act = _activation(gate.astype(jnp.float32), activation).astype(dtype).astype(jnp.float32)
-    o_ref[...] = (act * up.astype(jnp.float32)).astype(dtype)
+    return (act * up.astype(jnp.float32)).astype(dtype)
+
+
+def _rows_kernel(x_ref, wg_ref, wu_ref, o_ref, *, bm: int, bk: int, nk: int, g: int,
+                 activation: str):
+    # x_ref [g * bm, Kp]; wg_ref, wu_ref [Kp, bn]; o_ref [g * bm, bn]: `_kernel` for g
+    # row tiles at once, each weight block loaded once for all of them.
+    gates = _k_loop_rows(x_ref, wg_ref, bm=bm, bk=bk, nk=nk, g=g)
+    ups = _k_loop_rows(x_ref, wu_ref, bm=bm, bk=bk, nk=nk, g=g)
+    dtype = o_ref.dtype
+    for r, (gate, up) in enumerate(zip(gates, ups, strict=True)):
+        o_ref[pl.ds(r * bm, bm), :] = _glu_tile(gate.astype(dtype), up.astype(dtype), activation)
 
 
 def fusable(K: int, F: int, dtype, interpret: bool) -> bool:
@@ -40,10 +65,11 @@ def fusable(K: int, F: int, dtype, interpret: bool) -> bool:
     return cfg.split_k == 1 and F % cfg.bn == 0
 
 
-@functools.partial(jax.jit, static_argnames=("activation", "interpret"))
+@functools.partial(jax.jit, static_argnames=("activation", "interpret", "row_group"))
 def matmul_glu(x: jax.Array, w: jax.Array, *, activation: str,
-               interpret: bool = False) -> jax.Array:
-    """act(x @ w[:, :F]) * (x @ w[:, F:]) for x [M, K], w [K, 2F]; returns x.dtype."""
+               interpret: bool = False, row_group: int = 1) -> jax.Array:
+    """act(x @ w[:, :F]) * (x @ w[:, F:]) for x [M, K], w [K, 2F]; returns x.dtype.
+    `row_group` as in `matmul` (scheduling only, the same bits)."""
     _check_shapes(x, w)
     if w.shape[1] % 2:
         raise ValueError(f"matmul_glu wants w [K, 2F] (gate, then up); got {w.shape=}")
@@ -53,13 +79,32 @@ def matmul_glu(x: jax.Array, w: jax.Array, *, activation: str,
     m, k = x.shape
     f = w.shape[1] // 2
     if not fusable(k, f, w.dtype, interpret):
-        gate, up = jnp.split(matmul(x, w, out_dtype=x.dtype, interpret=interpret), 2, axis=-1)
+        gate, up = jnp.split(matmul(x, w, out_dtype=x.dtype, interpret=interpret,
+                                    row_group=row_group), 2, axis=-1)
         return glu(gate, up, activation=activation, interpret=interpret)
     cfg = matmul_config(k, 2 * f, w.dtype, interpret)
     kp = round_up(k, cfg.bk)
     xp = pad_rows(pad_axis(x, 1, kp), cfg.bm)  # [Mp, Kp]
     wp = pad_axis(w, 0, kp)  # [Kp, 2F]
     mp, nf = xp.shape[0], f // cfg.bn  # column tiles of the gate half
+    g = row_group_size(mp // cfg.bm, row_group)
+    if g > 1:
+        out = pl.pallas_call(
+            functools.partial(_rows_kernel, bm=cfg.bm, bk=cfg.bk, nk=kp // cfg.bk, g=g,
+                              activation=activation),
+            out_shape=jax.ShapeDtypeStruct((mp, f), x.dtype),
+            grid=(mp // (g * cfg.bm), nf),
+            in_specs=[
+                pl.BlockSpec((g * cfg.bm, kp), lambda i, j: (i, 0)),
+                pl.BlockSpec((kp, cfg.bn), lambda i, j: (0, j)),  # gate columns
+                pl.BlockSpec((kp, cfg.bn), lambda i, j: (0, j + nf)),  # up columns
+            ],
+            out_specs=pl.BlockSpec((g * cfg.bm, cfg.bn), lambda i, j: (i, j)),
+            compiler_params=triton_params(cfg.num_warps, cfg.num_stages),
+            interpret=interpret,
+            name="jspec_matmul_glu_rows",
+        )(xp, wp, wp)
+        return out[:m]
     out = pl.pallas_call(
         functools.partial(_kernel, bk=cfg.bk, nk=kp // cfg.bk, activation=activation),
         out_shape=jax.ShapeDtypeStruct((mp, f), x.dtype),
@@ -77,7 +122,9 @@ def matmul_glu(x: jax.Array, w: jax.Array, *, activation: str,
     return out[:m]
 
 
-def matmul_glu_reference(x: jax.Array, w: jax.Array, *, activation: str) -> jax.Array:
+def matmul_glu_reference(x: jax.Array, w: jax.Array, *, activation: str,
+                         row_group: int = 1) -> jax.Array:
     """Plain jnp: the reference matmul rounded to x.dtype, split, the reference GLU."""
+    del row_group
     gate, up = jnp.split(matmul_reference(x, w, out_dtype=x.dtype), 2, axis=-1)
     return glu_reference(gate, up, activation=activation)

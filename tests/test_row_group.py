@@ -1,0 +1,90 @@
+"""Row groups in the matmul kernels (`row_group`, `ModelConfig.matmul_row_group`).
+
+One program computing g row tiles (each weight block loaded once for all of them) must
+give the bits of the grid kernel, which computes each row tile in its own program:
+(a) `matmul` and `matmul_glu` at 1 to 4 row tiles and groups of 2..4,
+    bf16 and f32, against row_group=1, bitwise (and split-K configs, which ignore it);
+(b) the group size is the largest divisor of the row tiles not above row_group;
+(c) a model with matmul_row_group=4: prefill and a verify block bitwise equal to the
+    default model's, so the option is scheduling only.
+CPU, Pallas in interpret mode; JSPEC_PALLAS_INTERPRET=0 runs (a) compiled on a GPU.
+"""
+
+import os
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import bits, model_and_tokens, with_config
+
+from jspec.cache import init_cache
+from jspec.model import _forward
+from pallas_kernels.matmul import MatmulConfig, matmul, row_group_size
+from pallas_kernels.matmul_glu import fusable, matmul_glu
+
+INTERPRET = os.environ.get("JSPEC_PALLAS_INTERPRET", "1") != "0"
+
+
+def _rand(shape, dtype, seed):
+    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), dtype)
+
+
+def test_row_group_size():
+    assert [row_group_size(t, 4) for t in range(1, 9)] == [1, 2, 3, 4, 1, 3, 1, 4]
+    assert row_group_size(3, 1) == 1 and row_group_size(12, 5) == 4
+    with pytest.raises(ValueError, match="row_group must be >= 1"):
+        row_group_size(3, 0)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("m", [1, 17, 40, 96, 100])
+def test_matmul_row_group_is_bitwise_the_grid_kernel(dtype, m):
+    K, N = 96, 80
+    x, w = _rand((m, K), dtype, 0), _rand((K, N), dtype, 1)
+    base = matmul(x, w, out_dtype=dtype, interpret=INTERPRET)
+    for g in (2, 3, 4):
+        got = matmul(x, w, out_dtype=dtype, interpret=INTERPRET, row_group=g)
+        assert np.array_equal(bits(got), bits(base)), (m, g)
+
+
+def test_matmul_row_group_ignored_by_split_k():
+    x, w = _rand((40, 128), jnp.float32, 2), _rand((128, 48), jnp.float32, 3)
+    cfg = MatmulConfig(bm=16, bn=16, bk=32, num_warps=4, num_stages=2, split_k=2)
+    base = matmul(x, w, interpret=INTERPRET, config=cfg)
+    got = matmul(x, w, interpret=INTERPRET, config=cfg, row_group=4)
+    assert np.array_equal(bits(got), bits(base))
+
+
+@pytest.mark.parametrize("m", [1, 40, 96])
+def test_matmul_glu_row_group_is_bitwise_the_grid_kernel(m):
+    K = 64
+    F = next(f for f in (32, 64, 128, 256, 512) if fusable(K, f, jnp.bfloat16, INTERPRET))
+    x, w = _rand((m, K), jnp.bfloat16, 4), _rand((K, 2 * F), jnp.bfloat16, 5)
+    base = matmul_glu(x, w, activation="silu", interpret=INTERPRET)
+    for g in (2, 3, 4):
+        got = matmul_glu(x, w, activation="silu", interpret=INTERPRET, row_group=g)
+        assert np.array_equal(bits(got), bits(base)), (m, g)
+
+
+def test_model_with_row_groups_gives_the_same_logits():
+    model, seq = model_and_tokens("tiny-qwen3", 60, seed=7)
+    grouped = with_config(model, matmul_row_group=4)
+
+    def run(m):
+        cache = init_cache(m, 2, 64)
+        tokens = jnp.asarray(np.stack([seq[:48], seq[12:60]]))  # [2, 48]: 96 rows, 3 tiles
+        pre, cache = _forward(m, tokens, cache)
+        block, _ = _forward(m, jnp.asarray(np.stack([seq[48:53], seq[:5]])), cache)  # [2, 5]
+        return np.asarray(pre), np.asarray(block)
+
+    for a, b in zip(run(grouped), run(model), strict=True):
+        assert np.array_equal(bits(a), bits(b))
+
+
+def test_matmul_row_group_option_parses_and_validates():
+    from jspec.config import options
+
+    assert options("matmul_row_group=4") == {"matmul_row_group": 4}
+    model, _ = model_and_tokens("tiny-qwen3", 4, seed=0)
+    with pytest.raises(ValueError, match="matmul_row_group=0 must be >= 1"):
+        with_config(model, matmul_row_group=0)
