@@ -29,10 +29,11 @@
 #   conditionals captured too; profile_draftpallas: the speculative rounds with the
 #   draft on pallas (profile_step's default draft backend is xla). $PROFILE_FLAGS are
 #   appended, $PROFILE_TAG names them.
-# - parity_split: the parity matrix (pallas) with split-KV attention
-#   (attn_split=$ATTN_SPLIT, default 256 keys); time it with
-#   `FUSED_OPTIONS=attn_split=256 kernels_fused` (its logits differ from one pass by
-#   design: the step reports their largest difference instead of a bit check).
+# - parity_split: the parity matrix (pallas) with split-KV attention of another size
+#   (attn_split=$ATTN_SPLIT, default 256 keys; the default path, which `parity`
+#   proves, splits at 128 on a GPU); time it with `FUSED_OPTIONS=attn_split=256
+#   kernels_fused` (its logits differ from the default's by design: the step reports
+#   their largest difference instead of a bit check).
 # - hlo: hlo_kernels.py, one forward of $HLO_PRESET (default qwen3-0.6b, the draft) at
 #   768 keys on both backends: its costliest kernels matched to their HLO ops.
 # - a step NAME=value (no spaces) exports that variable for the lane's later steps, so

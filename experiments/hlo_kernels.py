@@ -12,6 +12,9 @@ instruction names with '.' turned into '_') and printed with the instruction's l
 and the root of its fused computation, so "input_reduce_fusion_106" reads as, say, a
 reduce over [1, 8, 2, 1, 576] of a multiply: the profile says what is slow, the HLO
 says what it is. The optimized HLO of each backend is saved beside the JSON receipt.
+The traced forward does not donate its cache (it runs again on the same one), so each
+layer also shows two device copies of its K/V buffers that the generation loops,
+which donate, do not have.
 """
 
 from __future__ import annotations

@@ -83,10 +83,11 @@ def attention_config(
     # Double-buffered f32 K and V tiles of 64 x 256 need 232 KiB of shared memory, over the
     # H200's limit (measured: Triton asked 237568 bytes of 232448); single-buffer those.
     num_stages = 1 if head_dim * jnp.dtype(dtype).itemsize > 512 else 2
-    # Split-KV in 128-key partitions: one pass runs a single program per (row, kv head),
-    # a serial loop over every key block (a Qwen3-8B decode step at 512 keys: 8 programs,
-    # 24.8 us per layer on the H200); 128-key partitions run 2 blocks each and cut the
-    # step 8% (H200, 2026-11-30c; 64 and 256 were slower).
+    # Split-KV in 128-key partitions: one pass runs a single program per (row tile, kv
+    # head), a serial loop over every key block (a Qwen3-8B decode step at 512 keys: 8
+    # programs, 24.8 us per layer on the H200); 128-key partitions run 2 blocks each and
+    # cut the B=1 decode step 8% (H200, 2026-11-30c: 128 beat 64 and 256 at B=1 and at
+    # B=8 decode; 256 was 1.5% faster for a B=8 verify block).
     return AttentionConfig(block_k=64, block_rows=block_rows, num_warps=4,
                            num_stages=num_stages, split=128)
 
@@ -283,10 +284,10 @@ def attention(
     window: traced int32 scalar (0 = global attention). Returns [B, T, H, D] in q.dtype.
     `config` overrides `attention_config` (tests, tuning); hold it fixed across calls.
     `split` (if not None) overrides the config's split-KV partition size (GPU: 128,
-    interpret mode: 0): keys per partition, a multiple of block_k, aligned at
-    position 0; 0 is one pass. A fixed
-    split is as invariant as one pass (partials of fixed key ranges, folded in a fixed
-    order), but its bits differ from the one-pass path's: one model, one split.
+    interpret mode: 0): keys per partition, a multiple of block_k, aligned at position
+    0; 0 is one pass. A fixed split is as invariant as one pass (partials of fixed key
+    ranges, folded in a fixed order), but its bits differ from the one-pass path's:
+    one model, one split.
     """
     _check_inputs(q, k_cache, v_cache, q_pos, window)
     batch, seq, num_heads, head_dim = q.shape
