@@ -271,36 +271,24 @@ def matmul(
     kernel = functools.partial(_matmul_kernel, bk=cfg.bk, nk=kc // cfg.bk)
     params = triton_params(cfg.num_warps, cfg.num_stages)
 
-    g = row_group_size(mp // cfg.bm, row_group) if s == 1 else 1
-    if g > 1:
-        out = pl.pallas_call(
-            functools.partial(_matmul_rows_kernel, bm=cfg.bm, bk=cfg.bk, nk=kc // cfg.bk, g=g),
-            out_shape=jax.ShapeDtypeStruct((mp, np_), out_dtype),
-            grid=(mp // (g * cfg.bm), np_ // cfg.bn),
-            in_specs=[
-                pl.BlockSpec((g * cfg.bm, kp), lambda i, j: (i, 0)),
-                pl.BlockSpec((kp, cfg.bn), lambda i, j: (0, j)),
-            ],
-            out_specs=pl.BlockSpec((g * cfg.bm, cfg.bn), lambda i, j: (i, j)),
-            compiler_params=params,
-            interpret=interpret,
-            name="jspec_matmul_rows",
-        )(xp, wp)
-        return out[:m, :n]
-
     if s == 1:
+        g = row_group_size(mp // cfg.bm, row_group)
+        rows = g * cfg.bm  # rows per program: g row tiles (1: the grid kernel)
+        if g > 1:
+            kernel = functools.partial(_matmul_rows_kernel, bm=cfg.bm, bk=cfg.bk,
+                                       nk=kc // cfg.bk, g=g)
         out = pl.pallas_call(
             kernel,
             out_shape=jax.ShapeDtypeStruct((mp, np_), out_dtype),
-            grid=(mp // cfg.bm, np_ // cfg.bn),
+            grid=(mp // rows, np_ // cfg.bn),
             in_specs=[
-                pl.BlockSpec((cfg.bm, kp), lambda i, j: (i, 0)),
+                pl.BlockSpec((rows, kp), lambda i, j: (i, 0)),
                 pl.BlockSpec((kp, cfg.bn), lambda i, j: (0, j)),
             ],
-            out_specs=pl.BlockSpec((cfg.bm, cfg.bn), lambda i, j: (i, j)),
+            out_specs=pl.BlockSpec((rows, cfg.bn), lambda i, j: (i, j)),
             compiler_params=params,
             interpret=interpret,
-            name="jspec_matmul",
+            name="jspec_matmul" if g == 1 else "jspec_matmul_rows",
         )(xp, wp)
         return out[:m, :n]
 

@@ -88,36 +88,25 @@ def matmul_glu(x: jax.Array, w: jax.Array, *, activation: str,
     wp = pad_axis(w, 0, kp)  # [Kp, 2F]
     mp, nf = xp.shape[0], f // cfg.bn  # column tiles of the gate half
     g = row_group_size(mp // cfg.bm, row_group)
-    if g > 1:
-        out = pl.pallas_call(
-            functools.partial(_rows_kernel, bm=cfg.bm, bk=cfg.bk, nk=kp // cfg.bk, g=g,
-                              activation=activation),
-            out_shape=jax.ShapeDtypeStruct((mp, f), x.dtype),
-            grid=(mp // (g * cfg.bm), nf),
-            in_specs=[
-                pl.BlockSpec((g * cfg.bm, kp), lambda i, j: (i, 0)),
-                pl.BlockSpec((kp, cfg.bn), lambda i, j: (0, j)),  # gate columns
-                pl.BlockSpec((kp, cfg.bn), lambda i, j: (0, j + nf)),  # up columns
-            ],
-            out_specs=pl.BlockSpec((g * cfg.bm, cfg.bn), lambda i, j: (i, j)),
-            compiler_params=triton_params(cfg.num_warps, cfg.num_stages),
-            interpret=interpret,
-            name="jspec_matmul_glu_rows",
-        )(xp, wp, wp)
-        return out[:m]
+    rows = g * cfg.bm  # rows per program: g row tiles (1: the grid kernel)
+    if g == 1:
+        kernel = functools.partial(_kernel, bk=cfg.bk, nk=kp // cfg.bk, activation=activation)
+    else:
+        kernel = functools.partial(_rows_kernel, bm=cfg.bm, bk=cfg.bk, nk=kp // cfg.bk, g=g,
+                                   activation=activation)
     out = pl.pallas_call(
-        functools.partial(_kernel, bk=cfg.bk, nk=kp // cfg.bk, activation=activation),
+        kernel,
         out_shape=jax.ShapeDtypeStruct((mp, f), x.dtype),
-        grid=(mp // cfg.bm, nf),
+        grid=(mp // rows, nf),
         in_specs=[
-            pl.BlockSpec((cfg.bm, kp), lambda i, j: (i, 0)),
+            pl.BlockSpec((rows, kp), lambda i, j: (i, 0)),
             pl.BlockSpec((kp, cfg.bn), lambda i, j: (0, j)),  # gate columns
             pl.BlockSpec((kp, cfg.bn), lambda i, j: (0, j + nf)),  # up columns
         ],
-        out_specs=pl.BlockSpec((cfg.bm, cfg.bn), lambda i, j: (i, j)),
+        out_specs=pl.BlockSpec((rows, cfg.bn), lambda i, j: (i, j)),
         compiler_params=triton_params(cfg.num_warps, cfg.num_stages),
         interpret=interpret,
-        name="jspec_matmul_glu",
+        name="jspec_matmul_glu" if g == 1 else "jspec_matmul_glu_rows",
     )(xp, wp, wp)
     return out[:m]
 
