@@ -199,6 +199,9 @@ def _split_kernel(q_ref, k_ref, v_ref, first_ref, last_ref, m_ref, l_ref, acc_re
     m_ref[...], l_ref[...], acc_ref[...] = m, denom, acc
 
 
+FOLD_UNROLL = 4  # partials folded per step of the combine's loop
+
+
 def _combine_kernel(m_ref, l_ref, acc_ref, first_ref, last_ref, o_ref, *, split: int):
     """Split-KV phase 2: folds the partials in ascending partition order into one
     (m, denom, acc) and normalizes. Folding an empty partial is an exact no-op
@@ -206,21 +209,40 @@ def _combine_kernel(m_ref, l_ref, acc_ref, first_ref, last_ref, o_ref, *, split:
     first non-empty partial passes through exactly (the empty state's weight is 0), so
     partitions past a row's last key (a larger cache) change none of its bits. Hence
     the fold may skip the partitions no row of the tile can see, like the key blocks of
-    one pass: it runs over the partitions of [first key, last key] of the tile only."""
+    one pass: it runs over the partitions of [first key, last key] of the tile only,
+    in steps of FOLD_UNROLL aligned at partition 0, so a step's loads issue together
+    rather than one round trip per partial. The partitions a step adds at either end
+    are ones no row of the tile sees (phase 1 wrote the empty state there: exact
+    no-ops); indices past the last partition fold the empty state itself."""
 
-    def fold(c, carry):
+    def fold(carry, part):
         m, denom, acc = carry
-        m_c, l_c, acc_c = m_ref[c], l_ref[c], acc_ref[c]  # [R], [R], [R, D]
+        m_c, l_c, acc_c = part  # [R], [R], [R, D]
         m_new = jnp.maximum(m, m_c)
         m_safe = jnp.where(m_new == _NEG_INF, 0.0, m_new)
         a, b = jnp.exp(m - m_safe), jnp.exp(m_c - m_safe)
         return m_new, a * denom + b * l_c, a[:, None] * acc + b[:, None] * acc_c
 
     parts, rows, head_dim = acc_ref.shape
+    u = FOLD_UNROLL
+
+    def step(i, carry):
+        loaded = []
+        for r in range(u):  # every load of the step first, then the folds in order
+            c = i * u + r
+            inside = c < parts
+            cc = jnp.minimum(c, parts - 1)
+            loaded.append((jnp.where(inside, m_ref[cc], _NEG_INF),
+                           jnp.where(inside, l_ref[cc], 0.0),
+                           jnp.where(inside, acc_ref[cc], 0.0)))
+        for part in loaded:
+            carry = fold(carry, part)
+        return carry
+
     init = (jnp.full((rows,), _NEG_INF, jnp.float32), jnp.zeros((rows,), jnp.float32),
             jnp.zeros((rows, head_dim), jnp.float32))
     lo, hi = _block_range(first_ref[...], last_ref[...], parts, split)
-    _, denom, acc = lax.fori_loop(lo, hi, fold, init)
+    _, denom, acc = lax.fori_loop(lax.div(lo, u), lax.div(hi + u - 1, u), step, init)
     o_ref[...] = _normalize(denom, acc).astype(o_ref.dtype)
 
 

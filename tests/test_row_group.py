@@ -5,8 +5,8 @@ give the bits of the grid kernel, which computes each row tile in its own progra
 (a) `matmul` and `matmul_glu` at 1 to 4 row tiles and groups of 2..4,
     bf16 and f32, against row_group=1, bitwise (and split-K configs, which ignore it);
 (b) the group size is the largest divisor of the row tiles not above row_group;
-(c) a model with matmul_row_group=4: prefill and a verify block bitwise equal to the
-    default model's, so the option is scheduling only.
+(c) a model with matmul_row_group=4 (the default): prefill and a verify block bitwise
+    equal to the row_group=1 model's, so the option is scheduling only.
 CPU, Pallas in interpret mode; JSPEC_PALLAS_INTERPRET=0 runs (a) compiled on a GPU.
 """
 
@@ -68,7 +68,8 @@ def test_matmul_glu_row_group_is_bitwise_the_grid_kernel(m):
 
 def test_model_with_row_groups_gives_the_same_logits():
     model, seq = model_and_tokens("tiny-qwen3", 60, seed=7)
-    grouped = with_config(model, matmul_row_group=4)
+    assert model.config.matmul_row_group == 4  # the default
+    grouped, model = model, with_config(model, matmul_row_group=1)
 
     def run(m):
         cache = init_cache(m, 2, 64)
