@@ -27,8 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jspec.cache import KVCache, write_kv
 from jspec import fused
+from jspec.cache import KVCache, write_kv
 from jspec.config import ModelConfig, rope_table
 from jspec.ops import ops_for
 from pallas_kernels._common import pad_axis, pad_rows
