@@ -83,14 +83,17 @@ def _attention_block(ops, cfg: ModelConfig, lp, h, k_buf, v_buf, pos, lengths, c
     dtype = h.dtype
     hd, H, Hkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
     rg = cfg.matmul_row_group
-    qkv = ops.matmul(h, lp["wqkv"], out_dtype=dtype, row_group=rg)[: B * T]  # [B*T, (H + 2Hkv) hd]
+    qkv = ops.matmul(h, lp["wqkv"], out_dtype=dtype, row_group=rg)  # [Mp, (H + 2Hkv) hd]
     if cfg.fuse_qk_rope and cfg.backend == "pallas":
-        heads = qkv.reshape(B * T, H + 2 * Hkv, hd)
+        # All Mp rows (cos/sin come padded to Mp alike): the kernel then needs no pad of its
+        # own, and rows past B*T (zero rows, see pad_rows_once) are sliced off after.
+        heads = qkv.reshape(-1, H + 2 * Hkv, hd)
         ws = (lp["q_norm"], lp["k_norm"]) if cfg.qk_norm else (None, None)
         qk = ops.qk_norm_rope(heads, *ws, cos, sin, num_q=H, num_k=Hkv, eps=cfg.rms_eps,
-                              offset=cfg.norm_offset)  # [B*T, H + Hkv, hd]
-        q, k, v = qk[:, :H], qk[:, H:], heads[:, H + Hkv:]
+                              offset=cfg.norm_offset)[: B * T]  # [B*T, H + Hkv, hd]
+        q, k, v = qk[:, :H], qk[:, H:], heads[: B * T, H + Hkv:]
     else:
+        qkv = qkv[: B * T]  # [B*T, (H + 2Hkv) hd]
         q, k, v = jnp.split(qkv, [cfg.q_size, cfg.q_size + cfg.kv_size], axis=-1)
         if cfg.qk_norm:
             q = _norm(ops, cfg, q.reshape(-1, hd), lp["q_norm"])
@@ -143,6 +146,9 @@ def _forward(model: Model, tokens: jax.Array, cache: KVCache):
     flat_pos = pos.reshape(-1)
     cos_all = jnp.asarray(cos_tab)[:, flat_pos]  # [2, B*T, hd/2]
     sin_all = jnp.asarray(sin_tab)[:, flat_pos]
+    if cfg.fuse_qk_rope and cfg.backend == "pallas":  # qk_norm_rope takes all x.shape[0] rows
+        cos_all = pad_axis(cos_all, 1, x.shape[0])  # [2, Mp, hd/2]
+        sin_all = pad_axis(sin_all, 1, x.shape[0])
 
     new_k, new_v = [], []
     o = None  # the last block's output, added to x by the next norm

@@ -60,12 +60,12 @@ def fused_config(K: int, N: int, kind: str, interpret: bool) -> FusedConfig:
 
 
 def _inv_rms(x_ref, *, bk: int, nk: int, d: int, eps: float):
-    """[bm] f32 1 / sqrt(mean(x^2) + eps) over the first d columns of x_ref [bm, nk*bk]."""
-    def step(k, ssq):
+    """[bm] f32 1 / sqrt(mean(x^2) + eps) over the first d columns of x_ref [bm, nk*bk].
+    Unrolled, so the nk loads issue together rather than one round trip each."""
+    ssq = jnp.zeros((x_ref.shape[0],), jnp.float32)
+    for k in range(nk):
         xs = x_ref[:, pl.ds(k * bk, bk)].astype(jnp.float32)
-        return ssq + jnp.sum(xs * xs, axis=1)
-
-    ssq = lax.fori_loop(0, nk, step, jnp.zeros((x_ref.shape[0],), jnp.float32))
+        ssq = ssq + jnp.sum(xs * xs, axis=1)
     return lax.rsqrt(ssq / jnp.float32(d) + jnp.float32(eps))
 
 
@@ -190,15 +190,16 @@ def _prep(x, norm_w, w, cfg: FusedConfig, n_pad: int):
     return xp, nw, wp, kp
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "offset", "out_dtype", "interpret"))
+@functools.partial(jax.jit, static_argnames=("eps", "offset", "out_dtype", "interpret",
+                                             "config"))
 def norm_matmul(x, norm_w, w, *, eps: float, offset: float = 0.0, out_dtype=None,
-                interpret: bool = False):
+                interpret: bool = False, config: FusedConfig | None = None):
     """rmsnorm(x, norm_w) @ w: x [M, K], norm_w [K], w [K, N] -> [M, N] out_dtype (x.dtype)."""
     _check("norm_matmul", x, w, norm_w)
     out_dtype = jnp.dtype(x.dtype if out_dtype is None else out_dtype)
     m, k = x.shape
     n = w.shape[1]
-    cfg = fused_config(k, n, "norm", interpret)
+    cfg = config or fused_config(k, n, "norm", interpret)
     xp, nw, wp, kp = _prep(x, norm_w, w, cfg, round_up(n, cfg.bn))
     mp, np_ = xp.shape[0], wp.shape[1]
     out = pl.pallas_call(
@@ -217,9 +218,10 @@ def norm_matmul(x, norm_w, w, *, eps: float, offset: float = 0.0, out_dtype=None
     return out[:m, :n]
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "offset", "activation", "interpret"))
+@functools.partial(jax.jit, static_argnames=("eps", "offset", "activation", "interpret",
+                                             "config"))
 def norm_matmul_glu(x, norm_w, w, *, eps: float, offset: float = 0.0, activation: str,
-                    interpret: bool = False):
+                    interpret: bool = False, config: FusedConfig | None = None):
     """act(h @ w[:, :F]) * (h @ w[:, F:]) with h = rmsnorm(x, norm_w): x [M, K], w [K, 2F]
     (gate columns first) -> [M, F] x.dtype."""
     _check("norm_matmul_glu", x, w, norm_w)
@@ -229,7 +231,7 @@ def norm_matmul_glu(x, norm_w, w, *, eps: float, offset: float = 0.0, activation
         raise ValueError(f"activation must be one of {ACTIVATIONS}; got {activation=}")
     m, k = x.shape
     f = w.shape[1] // 2
-    cfg = fused_config(k, f, "glu", interpret)
+    cfg = config or fused_config(k, f, "glu", interpret)
     fp = round_up(f, cfg.bn)
     gate, up = pad_axis(w[:, :f], 1, fp), pad_axis(w[:, f:], 1, fp)
     xp, nw, wp, kp = _prep(x, norm_w, jnp.concatenate([gate, up], axis=1) if fp != f else w,
@@ -252,9 +254,11 @@ def norm_matmul_glu(x, norm_w, w, *, eps: float, offset: float = 0.0, activation
     return out[:m, :f]
 
 
-@functools.partial(jax.jit, static_argnames=("num_q", "num_k", "eps", "offset", "interpret"))
+@functools.partial(jax.jit, static_argnames=("num_q", "num_k", "eps", "offset", "interpret",
+                                             "config"))
 def norm_matmul_qk_rope(x, norm_w, w, q_w, k_w, cos, sin, *, num_q: int, num_k: int,
-                        eps: float, offset: float = 0.0, interpret: bool = False):
+                        eps: float, offset: float = 0.0, interpret: bool = False,
+                        config: FusedConfig | None = None):
     """The attention input projection: h = rmsnorm(x, norm_w); qkv = h @ w; each q head
     and k head RMSNorm-ed (q_w, k_w [D]; both None: no norm) and rotated (HF rotate-half
     RoPE, cos/sin [M, D/2]); v heads as projected.
@@ -275,7 +279,9 @@ def norm_matmul_qk_rope(x, norm_w, w, q_w, k_w, cos, sin, *, num_q: int, num_k: 
     if (q_w is None) != (k_w is None):
         raise ValueError("norm_matmul_qk_rope needs both q_w and k_w, or neither")
     half = d // 2
-    cfg = fused_config(k, d, "rope", interpret)
+    cfg = config or fused_config(k, d, "rope", interpret)
+    if cfg.bn != d:
+        raise ValueError(f"norm_matmul_qk_rope's column tile is one head: bn={cfg.bn} != {d}")
     xp, nw, wp, kp = _prep(x, norm_w, w, cfg, w.shape[1])
     mp = xp.shape[0]
     cp = pad_rows(cos.astype(jnp.float32), cfg.bm)  # [Mp, half]
@@ -308,8 +314,8 @@ def norm_matmul_qk_rope(x, norm_w, w, q_w, k_w, cos, sin, *, num_q: int, num_k: 
     return out[:m].reshape(m, heads, d)
 
 
-@functools.partial(jax.jit, static_argnames=("interpret",))
-def matmul_residual(a, w, res, *, interpret: bool = False):
+@functools.partial(jax.jit, static_argnames=("interpret", "config"))
+def matmul_residual(a, w, res, *, interpret: bool = False, config: FusedConfig | None = None):
     """res + a @ w, the product rounded to res.dtype first: a [M, K], w [K, N], res [M, N]."""
     _check("matmul_residual", a, w)
     m, k = a.shape
@@ -317,7 +323,7 @@ def matmul_residual(a, w, res, *, interpret: bool = False):
     if res.shape != (m, n) or res.dtype != a.dtype:
         raise ValueError(f"matmul_residual wants res [M, N] = {(m, n)} of {a.dtype}; got "
                          f"{res.shape=} {res.dtype=}")
-    cfg = fused_config(k, n, "residual", interpret)
+    cfg = config or fused_config(k, n, "residual", interpret)
     kp, np_ = round_up(k, cfg.bk), round_up(n, cfg.bn)
     ap = pad_rows(pad_axis(a, 1, kp), cfg.bm)
     wp = pad_axis(pad_axis(w, 0, kp), 1, np_)

@@ -32,9 +32,9 @@ from pallas_kernels.rmsnorm import rmsnorm, rmsnorm_config
 from pallas_kernels.rope import rope, rope_config, rope_reference
 
 
-def _kernel(x_ref, w_ref, cos_ref, sin_ref, o_ref, *, half: int, d: int, eps: float,
+def _kernel(x_ref, qw_ref, kw_ref, cos_ref, sin_ref, o_ref, *, half: int, d: int, eps: float,
             offset: float, num_q: int, norm: bool):
-    # x_ref, o_ref [bm, 2*half]: one head; w_ref [2, 2*half] (q weight, k weight);
+    # x_ref, o_ref [bm, 2*half]: one head; qw_ref, kw_ref [1, 2*half] (q weight, k weight);
     # cos_ref, sin_ref [bm, half] f32.
     dtype = o_ref.dtype
     x1 = x_ref[:, :half].astype(jnp.float32)
@@ -44,10 +44,10 @@ def _kernel(x_ref, w_ref, cos_ref, sin_ref, o_ref, *, half: int, d: int, eps: fl
         acc = jnp.zeros(xs.shape, jnp.float32) + xs * xs
         ms = jnp.sum(acc, axis=1, keepdims=True) / jnp.float32(d)  # [bm, 1]
         inv = lax.rsqrt(ms + jnp.float32(eps))
-        row = jnp.where(pl.program_id(1) < num_q, 0, 1)
+        is_q = pl.program_id(1) < num_q
 
         def scaled(xh, cols):  # elementwise, exactly as rmsnorm's scaling pass
-            ws = w_ref[pl.ds(row, 1), cols].astype(jnp.float32)  # [1, half]
+            ws = jnp.where(is_q, qw_ref[:, cols], kw_ref[:, cols]).astype(jnp.float32)  # [1, half]
             if offset == 0.0:
                 normed = (xh * inv).astype(dtype).astype(jnp.float32)
                 return (normed * ws).astype(dtype).astype(jnp.float32)
@@ -97,11 +97,13 @@ def qk_norm_rope(qkv: jax.Array, q_w: jax.Array | None, k_w: jax.Array | None, c
     xp = pad_rows(qkv, cfg.bm)  # [Mp, heads, 2*half]
     cp = pad_rows(pad_axis(cos.astype(jnp.float32), 1, half), cfg.bm)  # [Mp, half]
     sp = pad_rows(pad_axis(sin.astype(jnp.float32), 1, half), cfg.bm)
-    if norm:
-        w = jnp.stack([q_w, k_w]).reshape(2, 2, d // 2)
-        w = pad_axis(w, 2, half).reshape(2, 2 * half).astype(qkv.dtype)  # [2, 2*half]
-    else:
-        w = jnp.zeros((2, 2 * half), qkv.dtype)
+    def weight(w):  # [D] -> [1, 2*half]: each half padded, as the heads
+        if w is None:
+            return jnp.zeros((1, 2 * half), qkv.dtype)
+        w = w.astype(qkv.dtype).reshape(1, 2, d // 2)
+        return pad_axis(w, 2, half).reshape(1, 2 * half) if 2 * half != d else w.reshape(1, d)
+
+    qw, kw = weight(q_w), weight(k_w)
     mp = xp.shape[0]
     num_warps = rmsnorm_config(2 * half, qkv.dtype, interpret).num_warps if norm else \
         cfg.num_warps
@@ -112,13 +114,13 @@ def qk_norm_rope(qkv: jax.Array, q_w: jax.Array | None, k_w: jax.Array | None, c
                           num_q=num_q, norm=norm),
         out_shape=jax.ShapeDtypeStruct((mp, num_q + num_k, 2 * half), qkv.dtype),
         grid=(mp // cfg.bm, num_q + num_k),
-        in_specs=[head_spec, pl.BlockSpec((2, 2 * half), lambda i, j: (0, 0)), table_spec,
-                  table_spec],
+        in_specs=[head_spec, pl.BlockSpec((1, 2 * half), lambda i, j: (0, 0)),
+                  pl.BlockSpec((1, 2 * half), lambda i, j: (0, 0)), table_spec, table_spec],
         out_specs=head_spec,
         compiler_params=triton_params(num_warps, cfg.num_stages),
         interpret=interpret,
         name="jspec_qk_norm_rope",
-    )(xp, w, cp, sp)
+    )(xp, qw, kw, cp, sp)
     out = out[:m]
     if 2 * half != d:
         out = out.reshape(m, -1, 2, half)[..., : d // 2].reshape(m, -1, d)
