@@ -129,7 +129,7 @@ def main(_):
                 continue
             try:
                 got = np.asarray(fn(w[0], c), np.float32)
-                us = 1e6 * median_time(over_copies(lambda w_, c=c: fn(w_, c), w), w,
+                us = 1e6 * median_time(over_copies(lambda w_, c=c, fn=fn: fn(w_, c), w), w,
                                        iters=_ITERS.value) / R
             except Exception as e:  # a config Triton cannot build: recorded, skipped
                 rows.append({"kernel": name, "config": None if c is None else vars(c),
