@@ -26,6 +26,7 @@ from absl import app, flags
 from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from timing import median_time  # noqa: E402
 
 from pallas_kernels import fused_decode as fd  # noqa: E402
