@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
+import os
 
 import jax
 import jax.numpy as jnp
@@ -47,11 +49,36 @@ class FusedConfig:
     num_stages: int
 
 
+# GPU tiles per (kind, K, N), filled from `experiments/bench_fused.py` (its
+# `bench_fused_tuned.json`); $JSPEC_FUSED_TUNED names such a file to extend it at import.
+TUNED: dict[tuple[str, int, int], FusedConfig] = {}
+TUNED_ENV = "JSPEC_FUSED_TUNED"
+
+
+def load_tuned(path: str) -> dict[tuple[str, int, int], FusedConfig]:
+    """Reads rows {kind, K, N, config} (bench_fused.py's `bench_fused_tuned.json`)."""
+    with open(path) as f:
+        rows = json.load(f)
+    try:
+        return {(str(r["kind"]), int(r["K"]), int(r["N"])): FusedConfig(**r["config"])
+                for r in rows}
+    except (KeyError, TypeError) as e:
+        raise ValueError(f"{path}: not a fused tile table (rows of kind, K, N, config): "
+                         f"{e}") from e
+
+
+if os.environ.get(TUNED_ENV):
+    TUNED.update(load_tuned(os.environ[TUNED_ENV]))
+
+
 def fused_config(K: int, N: int, kind: str, interpret: bool) -> FusedConfig:
-    """Tiles for a [K, N] weight used by `kind` ("norm", "glu", "rope", "residual")."""
+    """Tiles for a [K, N] weight used by `kind` ("norm", "glu", "rope", "residual"; for
+    "glu" N is F, the width of each half; for "rope" N is the head dim)."""
     if interpret:
         return FusedConfig(bm=16, bn=min(N, 256) if kind != "rope" else N, bk=min(K, 512),
                            num_warps=4, num_stages=1)
+    if (kind, K, N) in TUNED:
+        return TUNED[(kind, K, N)]
     if kind == "rope":  # N is the head dim: one head per program
         return FusedConfig(bm=16, bn=N, bk=64, num_warps=4, num_stages=4)
     if kind == "residual":  # N = hidden size (small): narrow tiles for more programs
