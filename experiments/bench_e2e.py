@@ -76,7 +76,7 @@ _ORACLE_DRAFT = flags.DEFINE_bool(
     "oracle_draft", True, "run the draft model under the oracle (its real cost); "
     "--nooracle_draft leaves it out, so the rounds cost verify + bookkeeping only")
 _DRAFT_BACKEND = flags.DEFINE_enum(
-    "draft_backend", "xla", ["pallas", "xla", "fused"],
+    "draft_backend", "xla", ["pallas", "xla"],
     "backend of the draft model: its numerics change only which tokens are proposed, never "
     "the output (the target's verify decides), so xla is a legitimate speed option")
 _PEERS = flags.DEFINE_bool("peers", True, "transformers peers (needs torch)")

@@ -57,7 +57,7 @@ from trace_tools import device_events, summarize, traced  # noqa: E402
 _TARGET = flags.DEFINE_string("target", "tiny-qwen3", "random-weight preset[:layers]")
 _DRAFT = flags.DEFINE_string("draft", "tiny-qwen3:1", "random-weight preset[:layers]")
 _BACKENDS = flags.DEFINE_list("backends", ["pallas", "xla"], "target backends")
-_DRAFT_BACKEND = flags.DEFINE_enum("draft_backend", "xla", ["pallas", "xla", "fused"],
+_DRAFT_BACKEND = flags.DEFINE_enum("draft_backend", "xla", ["pallas", "xla"],
                                    "backend of the draft model (never changes the output)")
 WORKLOADS = ("serial", "spec", "spec_nodraft")
 _WORKLOADS = flags.DEFINE_list("workloads", list(WORKLOADS), "what to time and trace: "

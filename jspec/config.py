@@ -2,7 +2,7 @@
 
 `ModelConfig` is passed straight to `jax.jit` as static data (it lives in the
 treedef of `Model`), so every field is a plain immutable Python value. It also
-carries the backend (`xla`, `pallas` or `fused`) because the backend decides which
+carries the backend (`xla` or `pallas`) because the backend decides which
 kernels the forward pass traces.
 
 Supported families: Llama 3 (`llama`, with `llama3` RoPE scaling), Qwen3
@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen3", "gemma3_text")
-BACKENDS = ("xla", "pallas", "fused")
+BACKENDS = ("xla", "pallas")
 DTYPES = ("float32", "bfloat16")
 
 
@@ -48,8 +48,7 @@ class ModelConfig:
       attn_scale: multiplier of q.k (head_dim**-0.5 or query_pre_attn_scalar**-0.5).
       embed_scale: multiplier of the embeddings (Gemma: sqrt(hidden)), or None.
       dtype: parameter and activation dtype name; logits are always float32.
-      backend: "xla" (plain jnp), "pallas" (the invariant kernels) or "fused" (few-row
-        fused kernels for a fast draft, not invariant; jspec/fused.py).
+      backend: "xla" (plain jnp) or "pallas" (the invariant kernels).
       interpret: run Pallas kernels in interpret mode (CPU).
       fuse_add_norm, pad_rows_once, fuse_qk_rope, fuse_glu: the speed options
         (`SPEED_OPTIONS`), all on by default. Each gives the same logits, bit for

@@ -27,7 +27,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jspec import fused
 from jspec.cache import KVCache, write_kv
 from jspec.config import ModelConfig, rope_table
 from jspec.ops import ops_for
@@ -133,9 +132,6 @@ def _forward(model: Model, tokens: jax.Array, cache: KVCache):
     dtype = jnp.dtype(cfg.dtype)
     lengths = cache.lengths
     pos = lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]  # [B, T]
-    cos_tab, sin_tab = _rope_tables(cfg, cache.capacity)  # [2, S, hd/2]
-    if fused.applies(cfg, B * T):
-        return fused.fused_forward(cfg, params, tokens, cache, cos_tab, sin_tab)
 
     x = jnp.take(params["embed"], tokens.reshape(-1), axis=0)  # [B*T, D]
     if cfg.pad_rows_once and cfg.backend == "pallas":
@@ -143,6 +139,7 @@ def _forward(model: Model, tokens: jax.Array, cache: KVCache):
     if cfg.embed_scale is not None:
         x = x * jnp.asarray(cfg.embed_scale, dtype)
 
+    cos_tab, sin_tab = _rope_tables(cfg, cache.capacity)  # [2, S, hd/2]
     flat_pos = pos.reshape(-1)
     cos_all = jnp.asarray(cos_tab)[:, flat_pos]  # [2, B*T, hd/2]
     sin_all = jnp.asarray(sin_tab)[:, flat_pos]

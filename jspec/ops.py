@@ -84,7 +84,7 @@ def _fenced(fn: Callable) -> Callable:
 
 @functools.cache
 def get_ops(backend: str, interpret: bool = False) -> Ops:
-    if backend in ("xla", "fused"):  # fused: its few-row path is jspec/fused.py
+    if backend == "xla":
         return Ops(
             matmul=matmul_reference,
             rmsnorm=rmsnorm_reference,
