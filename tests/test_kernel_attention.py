@@ -174,6 +174,27 @@ def test_gpu_config_interpreted(split):
     np.testing.assert_allclose(out, ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("window", [0, 37])
+def test_split_fold_steps_at_any_partition_range(window):
+    """The split-KV fold runs in steps of FOLD_UNROLL partitions aligned at 0: with 16-key
+    partitions over a 256-key cache (16 partitions), rows whose visible partitions
+    start and end anywhere in a step (a window moves the start) equal the same row
+    decoded alone in a cache of another capacity, bitwise."""
+    from pallas_kernels.attention import FOLD_UNROLL
+
+    assert FOLD_UNROLL > 1
+    cfg = AttentionConfig(block_k=16, block_rows=16, num_warps=4, num_stages=2, split=16)
+    pos = [[21, 22, 23], [70, 71, 72], [149, 150, 151], [250, 251, 252]]
+    out = _attn(pos, window=window, config=cfg)
+    for (b, t), p in np.ndenumerate(np.asarray(pos)):
+        cap = 16 * (p // 16 + 2)  # other partition counts: 3 .. 17 partitions
+        want = _attn([[p]], cache_len=min(cap, S_MAX), window=window, fill="zeros",
+                     config=cfg)[0, 0]
+        assert np.array_equal(out[b, t], want), (p, window)
+    ref = _attn(pos, window=window, fn=attention_reference)  # and the fold misses nothing
+    np.testing.assert_allclose(out, ref, atol=1e-5, rtol=1e-5)
+
+
 @settings(max_examples=12, deadline=None)
 @given(
     pos=st.lists(st.integers(-1, 127), min_size=16, max_size=16),
