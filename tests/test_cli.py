@@ -33,7 +33,7 @@ def test_speculative_cli_checks_parity(policy):
 def test_bench_e2e_smoke(tmp_path):
     r = _run("bench_e2e.py", "--target=tiny-qwen3", "--draft=tiny-qwen3:1", "--batches=1",
              "--prompt_len=16", "--max_new_tokens=8", "--gammas=2", "--accept=0.8", "--iters=1",
-             "--nopeers", "--draft_backend=xla", f"--out={tmp_path}")
+             "--nopeers", "--draft_backend=xla", "--oracle_seeds=2", f"--out={tmp_path}")
     assert r.returncode == 0, r.stderr[-2000:]
     with open(tmp_path / "bench_e2e.json") as f:
         rep = json.load(f)
@@ -44,6 +44,9 @@ def test_bench_e2e_smoke(tmp_path):
     assert {(s["drafter"], s["gamma"]) for s in rep["speculative"]} == {("oracle", 2),
                                                                         ("lookup", 2)}
     assert all(s["parity"] for s in rep["speculative"])
+    oracle = next(s for s in rep["speculative"] if s["drafter"] == "oracle")
+    assert [r["seed"] for r in oracle["seeds"]] == [0, 1] and rep["oracle_seeds"] == 2
+    assert all(r["parity"] for r in oracle["seeds"])
     for name in ("speedup_vs_gamma", "tokens_per_s_vs_acceptance"):
         assert (tmp_path / f"bench_e2e_{name}.png").exists()
     # Receipts (runs cut short too) re-drawn without running anything.
