@@ -4,7 +4,7 @@
 #   bash experiments/gpu_session.sh step ... :: step ... [:: ...]  # one lane per GPU
 # Steps: parity parity_split audit audit_qwen3 audit_gemma3 audit_xla kernels
 # kernels_fused spec sweep tuned e2e e2e_b1 e2e_b8 e2e_peers e2e_draftpallas e2e_decompose train pair
-# pair_eval profile_cboff profile_default profile_cbwhile profile_draftpallas hlo
+# pair_eval profile_cboff profile_default profile_cbwhile profile_draftpallas hlo schedsweep
 # (default: parity audit kernels spec).
 # - sweep: the matmul tile tuning; it writes $OUT/sweep_matmul_tuned.json, and `tuned`
 #   makes the lane's later steps use that table ($JSPEC_MATMUL_TUNED) before it is
@@ -36,6 +36,9 @@
 #   their largest difference instead of a bit check).
 # - hlo: hlo_kernels.py, one forward of $HLO_PRESET (default qwen3-0.6b, the draft) at
 #   768 keys on both backends: its costliest kernels matched to their HLO ops.
+# - schedsweep: sweep_schedule.py, whether a matmul's bn / warps / stages change its bits
+#   at M = 1 and 40 (row groups of 4) and which is fastest for the 40-row verify block;
+#   $SCHED_S bounds it, $SCHED_FLAGS appended.
 # - a step NAME=value (no spaces) exports that variable for the lane's later steps, so
 #   lanes can differ: `E2E_S=170 e2e_b1 :: E2E_S=300 e2e_b8`.
 # - sweep: $SWEEP_FLAGS are appended (e.g. "--presets=qwen3-8b --max_candidates=24"),
@@ -161,6 +164,9 @@ for s in $steps; do
               experiments/profile_step.py --target=qwen3-8b --draft=qwen3-0.6b --steps=32 \
               --iters=3 $k --out="$OUT" --tag="h200_$v${PROFILE_TAG:-}" ${PROFILE_FLAGS:-} \
               2>&1 | quiet | grep -v "it/s" | tail -40 ;;
+    schedsweep) timeout "${SCHED_S:-240}" python3 experiments/sweep_schedule.py --out="$OUT" \
+              --budget_s="$(( ${SCHED_S:-240} - 60 ))" ${SCHED_FLAGS:-} 2>&1 | quiet \
+              | grep -v "it/s" | tail -12 ;;
     hlo) timeout "${HLO_S:-150}" python3 experiments/hlo_kernels.py --preset="${HLO_PRESET:-qwen3-0.6b}" \
               --tokens=1 --context=768 --out="$OUT" ${HLO_FLAGS:-} 2>&1 | quiet | tail -80 ;;
     *) echo "unknown step $s" ;;

@@ -131,3 +131,16 @@ calls=%fused_computation.7, metadata={op_name="jit(f)/layer_3/attn/reduce_max"}
     rep = json.load(open(tmp_path / "hlo_kernels_tiny-qwen3.json"))
     assert [x["backend"] for x in rep["runs"]] == ["xla"] and rep["runs"][0]["ms_host"] > 0
     assert (tmp_path / "hlo_kernels_tiny-qwen3_xla.hlo.txt.gz").exists()
+
+
+def test_sweep_schedule_smoke(tmp_path):
+    r = _run("sweep_schedule.py", "--interpret", "--preset=tiny-qwen3", "--rows=1,40",
+             "--shapes=wo", "--max_candidates=2", "--iters=1", f"--out={tmp_path}")
+    assert r.returncode == 0, r.stderr[-2000:]
+    rep = json.load(open(tmp_path / "sweep_schedule.json"))
+    (w,) = rep["weights"]
+    assert w["weight"] == "wo" and len(w["variants"]) == 2 and w["base_us"] > 0
+    for v in w["variants"]:  # same bk: on CPU every variant keeps the table's bits
+        assert v["config"]["bk"] == w["base"]["bk"] and v["bits_equal"] == {"1": True,
+                                                                            "40": True}
+    assert w["all_bits_equal"] and w["fastest_equal"] is not None
