@@ -80,6 +80,11 @@ class ModelConfig:
         tiles); 4 (default) or 1 (one row tile per program). Scheduling only: the
         same bits (tests/test_row_group.py on CPU; on the H200, 2026-11-30d, bits equal
         to row_group=1 at B=1 and B=8, and a B=8 verify block 8.87 -> 7.83 ms).
+      matmul_schedule: pallas: 1 lets a matmul launch of more than one row tile use
+        the weight's `MULTI_TILE` warps / stages / column tile (pallas_kernels/
+        matmul.py); 0 (default): `matmul_config` for every launch. Scheduling only:
+        on the H200 every such variant gave the config's bits at M = 1 and 40
+        (2026-11-30d, per matmul); off until a whole step has been checked and timed.
     """
 
     family: str
@@ -114,6 +119,7 @@ class ModelConfig:
     fuse_glu: bool = True
     attn_split: int | None = None
     matmul_row_group: int = 4
+    matmul_schedule: int = 0
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
@@ -124,6 +130,8 @@ class ModelConfig:
             raise ValueError(f"{self.num_heads=} is not a multiple of {self.num_kv_heads=}")
         if len(self.layer_sliding) != self.num_layers:
             raise ValueError(f"{len(self.layer_sliding)=} != {self.num_layers=}")
+        if self.matmul_schedule not in (0, 1):
+            raise ValueError(f"matmul_schedule={self.matmul_schedule} must be 0 or 1")
         if self.matmul_row_group < 1:
             raise ValueError(f"matmul_row_group={self.matmul_row_group} must be >= 1")
         if self.attn_split is not None and self.attn_split < 0:
@@ -146,7 +154,7 @@ SPEED_OPTIONS = ("fuse_add_norm", "pad_rows_once", "fuse_qk_rope", "fuse_glu")
 
 
 NUMERIC_OPTIONS = ("attn_split",)  # ModelConfig ints that change the logits' bits
-VALUE_OPTIONS = NUMERIC_OPTIONS + ("matmul_row_group",)  # every "name=<int>" option
+VALUE_OPTIONS = NUMERIC_OPTIONS + ("matmul_row_group", "matmul_schedule")  # "name=<int>"
 
 
 def options(*names: str) -> dict[str, bool | int]:

@@ -81,8 +81,9 @@ def _attention_block(ops, cfg: ModelConfig, lp, h, k_buf, v_buf, pos, lengths, c
     B, T = pos.shape
     dtype = h.dtype
     hd, H, Hkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
-    rg = cfg.matmul_row_group
-    qkv = ops.matmul(h, lp["wqkv"], out_dtype=dtype, row_group=rg)  # [Mp, (H + 2Hkv) hd]
+    rg, sched = cfg.matmul_row_group, bool(cfg.matmul_schedule)
+    qkv = ops.matmul(h, lp["wqkv"], out_dtype=dtype, row_group=rg,
+                     schedule=sched)  # [Mp, (H + 2Hkv) hd]
     if cfg.fuse_qk_rope and cfg.backend == "pallas":
         # All Mp rows (cos/sin come padded to Mp alike): the kernel then needs no pad of its
         # own, and rows past B*T (zero rows, see pad_rows_once) are sliced off after.
@@ -108,7 +109,7 @@ def _attention_block(ops, cfg: ModelConfig, lp, h, k_buf, v_buf, pos, lengths, c
                       scale=cfg.attn_scale, softcap=cfg.attn_softcap,
                       split=cfg.attn_split)  # [B, T, H, hd]
     o = pad_axis(o.reshape(B * T, H * hd), 0, h.shape[0])  # [Mp, H*hd]
-    o = ops.matmul(o, lp["wo"], out_dtype=dtype, row_group=rg)  # [Mp, D]
+    o = ops.matmul(o, lp["wo"], out_dtype=dtype, row_group=rg, schedule=sched)  # [Mp, D]
     return o, k_buf, v_buf
 
 
@@ -118,11 +119,12 @@ def _mlp_block(ops, cfg: ModelConfig, lp, h):
         a = ops.matmul_glu(h, lp["w_gate_up"], activation=cfg.activation,
                            row_group=cfg.matmul_row_group)  # [Mp, F]
     else:
-        gu = ops.matmul(h, lp["w_gate_up"], out_dtype=h.dtype,
-                        row_group=cfg.matmul_row_group)  # [Mp, 2F]
+        gu = ops.matmul(h, lp["w_gate_up"], out_dtype=h.dtype, row_group=cfg.matmul_row_group,
+                        schedule=bool(cfg.matmul_schedule))  # [Mp, 2F]
         gate, up = jnp.split(gu, 2, axis=-1)
         a = ops.glu(gate, up, activation=cfg.activation)  # [Mp, F]
-    return ops.matmul(a, lp["w_down"], out_dtype=h.dtype, row_group=cfg.matmul_row_group)
+    return ops.matmul(a, lp["w_down"], out_dtype=h.dtype, row_group=cfg.matmul_row_group,
+                      schedule=bool(cfg.matmul_schedule))
 
 
 def _forward(model: Model, tokens: jax.Array, cache: KVCache):
@@ -168,7 +170,8 @@ def _forward(model: Model, tokens: jax.Array, cache: KVCache):
 
     _, h = _add_norm(ops, cfg, x, o, params["final_norm"])
     logits = ops.matmul(h, params["lm_head"], out_dtype=jnp.float32,
-                        row_group=cfg.matmul_row_group)[: B * T]  # [B*T, V]
+                        row_group=cfg.matmul_row_group,
+                        schedule=bool(cfg.matmul_schedule))[: B * T]  # [B*T, V]
     if cfg.final_softcap is not None:
         logits = ops.softcap(logits, cfg.final_softcap)
     new_cache = cache.replace(k=tuple(new_k), v=tuple(new_v), lengths=lengths + T)

@@ -35,7 +35,7 @@ from pallas_kernels.softcap import softcap, softcap_reference
 
 
 class Ops(NamedTuple):
-    """matmul(x [M,K], w [K,N], out_dtype, row_group=1) -> [M,N];
+    """matmul(x [M,K], w [K,N], out_dtype, row_group=1, schedule=False) -> [M,N];
     rmsnorm(x [M,D], w [D], eps, offset) -> [M,D];
     add_norm(x [M,D], o [M,D], w [D], eps, offset) -> (x + o, rmsnorm(x + o)), both [M,D];
     rope(x [M,H,D], cos [M,D/2], sin [M,D/2]) -> [M,H,D];

@@ -117,6 +117,23 @@ TUNED: dict[tuple[int, int, str], MatmulConfig] = {
 
 TUNED_ENV = "JSPEC_MATMUL_TUNED"
 
+# Scheduling overrides for launches of more than one row tile (`matmul(...,
+# schedule=True)`: a verify block of several rows per sequence, a prefill), per weight
+# shape: other warps / pipeline stages / column tile than its `matmul_config` (the
+# `TUNED` entry or the default rule), with the same bm, bk and split_k. A row's sum
+# order is set by bk and split_k alone: on the H200 every such variant of the Qwen3-8B
+# configs (bn 16-128, 2-8 warps, 2-5 stages; 36 variants) gave the config's bits at
+# M = 1 and M = 40 with row groups of 4
+# (experiments/results/sweep_schedule_qwen3-8b_h200_2026-11-30d.json). The values
+# are that sweep's fastest at M = 40; decode (one row tile) keeps the config.
+MULTI_TILE: dict[tuple[int, int, str], dict[str, int]] = {
+    (12288, 4096, "bfloat16"): {"num_warps": 2},  # w_down: 104.0 -> 87.9 us at M = 40
+    (4096, 4096, "bfloat16"): {"num_warps": 4},  # wo: 45.0 -> 40.6
+    (4096, 151936, "bfloat16"): {"num_stages": 3},  # lm_head: 308.8 -> 293.0
+    (4096, 6144, "bfloat16"): {"num_stages": 5},  # wqkv: 50.1 -> 48.5
+}
+SCHEDULE_FIELDS = ("bn", "num_warps", "num_stages")  # the only fields MULTI_TILE may set
+
 
 def tuned_to_json(table: dict[tuple[int, int, str], MatmulConfig]) -> list[dict]:
     """A TUNED-style table as JSON rows {K, N, dtype, config}."""
@@ -236,7 +253,16 @@ def _check_shapes(x: jax.Array, w: jax.Array) -> None:
     check_float("x", x)
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype", "interpret", "config", "row_group"))
+def multi_tile_config(cfg: MatmulConfig, K: int, N: int, dtype) -> MatmulConfig:
+    """`cfg` with the MULTI_TILE overrides of a [K, N] weight (scheduling fields only)."""
+    over = MULTI_TILE.get((K, N, jnp.dtype(dtype).name), {})
+    if set(over) - set(SCHEDULE_FIELDS):
+        raise ValueError(f"MULTI_TILE[{(K, N)}] may set only {SCHEDULE_FIELDS}; got {over}")
+    return dataclasses.replace(cfg, **over)
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype", "interpret", "config", "row_group",
+                                             "schedule"))
 def matmul(
     x: jax.Array,
     w: jax.Array,
@@ -245,6 +271,7 @@ def matmul(
     interpret: bool = False,
     config: MatmulConfig | None = None,
     row_group: int = 1,
+    schedule: bool = False,
 ) -> jax.Array:
     """x [M, K] @ w [K, N] -> [M, N] in out_dtype (default float32).
 
@@ -253,6 +280,8 @@ def matmul(
     configs give different bits, so one weight must always use one config.
     `row_group` > 1 lets one program compute up to that many row tiles, each weight
     block loaded once for them (split_k == 1 only); the bits do not change.
+    `schedule` lets a launch of more than one row tile take the MULTI_TILE overrides of
+    the table's config (warps, stages, column tile: scheduling only).
     """
     _check_shapes(x, w)
     out_dtype = jnp.dtype(jnp.float32 if out_dtype is None else out_dtype)
@@ -263,6 +292,8 @@ def matmul(
 
     # Zero padding: extra K terms add exact zeros at the end of the (last chunk's)
     # sum; extra rows/columns are sliced away.
+    if schedule and config is None and not interpret and round_up(m, cfg.bm) > cfg.bm:
+        cfg = multi_tile_config(cfg, k, n, w.dtype)
     kp = round_up(k, s * cfg.bk)
     kc = kp // s  # K elements per chunk
     xp = pad_rows(pad_axis(x, 1, kp), cfg.bm)  # [Mp, Kp]
@@ -321,7 +352,7 @@ def matmul(
 
 
 def matmul_reference(x: jax.Array, w: jax.Array, *, out_dtype=None,
-                     row_group: int = 1) -> jax.Array:
+                     row_group: int = 1, schedule: bool = False) -> jax.Array:
     """XLA's own dot with f32 accumulation (NOT row-invariant; the `xla` backend).
 
     bf16 operands take XLA's native bf16 path, as any JAX model would; f32
@@ -333,7 +364,7 @@ def matmul_reference(x: jax.Array, w: jax.Array, *, out_dtype=None,
     slower than a GEMM kernel. A Qwen3-0.6B decode step lost about 28 us a layer to
     it on the H200 (w_down: a materialised [3072, 1024] f32 product, 5.7 + 7.2 us).
     """
-    del row_group  # the kernel's scheduling knob; nothing to schedule here
+    del row_group, schedule  # the kernel's scheduling knobs; nothing to schedule here
     out_dtype = jnp.float32 if out_dtype is None else out_dtype
     precision = lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
 

@@ -89,3 +89,50 @@ def test_matmul_row_group_option_parses_and_validates():
     model, _ = model_and_tokens("tiny-qwen3", 4, seed=0)
     with pytest.raises(ValueError, match="matmul_row_group=0 must be >= 1"):
         with_config(model, matmul_row_group=0)
+
+
+# Multi-tile schedules (`matmul(..., schedule=True)`, `ModelConfig.matmul_schedule`): a
+# launch of more than one row tile may take other warps / stages / column tile than the
+# table's entry, never another bm, bk or split_k.
+
+
+def test_multi_tile_schedule_changes_scheduling_fields_only(monkeypatch):
+    import importlib
+
+    mm = importlib.import_module("pallas_kernels.matmul")  # the module, not the function
+
+    for (K, N, dt), over in mm.MULTI_TILE.items():
+        base = mm.matmul_config(K, N, jnp.dtype(dt), interpret=False)  # TUNED or the rule
+        got = mm.multi_tile_config(base, K, N, jnp.dtype(dt))
+        assert (got.bm, got.bk, got.split_k) == (base.bm, base.bk, base.split_k)
+        assert set(over) <= set(mm.SCHEDULE_FIELDS) and got != base
+    monkeypatch.setitem(mm.MULTI_TILE, (96, 80, "float32"), {"bk": 32})
+    with pytest.raises(ValueError, match="may set only"):
+        mm.multi_tile_config(MatmulConfig(16, 16, 16, 4, 2), 96, 80, jnp.float32)
+
+
+@pytest.mark.parametrize("m", [1, 40])
+def test_a_scheduling_variant_keeps_the_bits(m):
+    # The CPU side of the H200 sweep (experiments/sweep_schedule.py): other bn, warps and
+    # stages at the same bm, bk and split_k, row groups on, bitwise the same rows.
+    x, w = _rand((m, 256), jnp.bfloat16, 4), _rand((256, 128), jnp.bfloat16, 5)
+    base = MatmulConfig(bm=16, bn=64, bk=64, num_warps=4, num_stages=2)
+    want = matmul(x, w, out_dtype=jnp.bfloat16, interpret=INTERPRET, config=base, row_group=4)
+    for var in (MatmulConfig(16, 32, 64, 2, 3), MatmulConfig(16, 128, 64, 8, 5)):
+        got = matmul(x, w, out_dtype=jnp.bfloat16, interpret=INTERPRET, config=var, row_group=4)
+        assert np.array_equal(bits(got), bits(want)), var
+
+
+def test_model_with_matmul_schedule_gives_the_same_logits():
+    from jspec.config import options
+
+    assert options("matmul_schedule=1") == {"matmul_schedule": 1}
+    model, seq = model_and_tokens("tiny-qwen3", 40, seed=9)
+    assert model.config.matmul_schedule == 0  # the default
+    scheduled = with_config(model, matmul_schedule=1)
+    toks = jnp.asarray(np.stack([seq[:30], seq[10:40]]))  # [2, 30]: 60 rows, 4 tiles
+    a, _ = _forward(scheduled, toks, init_cache(scheduled, 2, 64))
+    b, _ = _forward(model, toks, init_cache(model, 2, 64))
+    assert np.array_equal(bits(a), bits(b))
+    with pytest.raises(ValueError, match="matmul_schedule=2 must be 0 or 1"):
+        with_config(model, matmul_schedule=2)
