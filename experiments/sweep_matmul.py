@@ -39,7 +39,7 @@ import numpy as np
 from absl import app, flags
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from jspec.random_model import preset_config  # noqa: E402
+from jspec.random_model import weight_shapes  # noqa: E402
 from pallas_kernels._common import round_up  # noqa: E402
 from pallas_kernels.matmul import (  # noqa: E402
     TUNED_ENV,
@@ -122,14 +122,6 @@ HAND_LIST: tuple[tuple[int, int, int, int, int], ...] = (
     (32, 512, 4, 3, 1),
     (64, 256, 8, 4, 1),
 )
-
-
-def weight_shapes(preset: str) -> dict[str, tuple[int, int]]:
-    """[K, N] of each matmul weight of a preset, as jspec.random_model lays them out."""
-    c = preset_config(preset, num_layers=1)
-    D, F, V = c.hidden_size, c.intermediate_size, c.vocab_size
-    return {"wqkv": (D, c.q_size + 2 * c.kv_size), "wo": (c.q_size, D),
-            "w_gate_up": (D, 2 * F), "w_down": (F, D), "lm_head": (D, V)}
 
 
 def xla_configs(K: int, N: int, dtype, rows: list[int]) -> list[MatmulConfig]:

@@ -39,7 +39,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from timing import median_time  # noqa: E402
 from trace_tools import device_events, summarize, traced  # noqa: E402
 
-from jspec.random_model import preset_config  # noqa: E402
+from jspec.random_model import weight_shapes  # noqa: E402
 from pallas_kernels.matmul import MatmulConfig, matmul, matmul_config  # noqa: E402
 
 _PRESET = flags.DEFINE_string("preset", "qwen3-8b", "model shape preset")
@@ -53,14 +53,6 @@ _COLD = flags.DEFINE_float("cold_mb", 256.0, "weight bytes cycled per timed loop
 _BUDGET = flags.DEFINE_float("budget_s", 200.0, "no new variant is started after this")
 _INTERPRET = flags.DEFINE_bool("interpret", False, "CPU smoke run (timings mean nothing)")
 _OUT = flags.DEFINE_string("out", os.environ.get("OUT", "experiments/results"), "receipt dir")
-
-
-def shapes(preset: str) -> dict[str, tuple[int, int]]:
-    c = preset_config(preset)
-    D, hd = c.hidden_size, c.head_dim
-    return {"wqkv": (D, (c.num_heads + 2 * c.num_kv_heads) * hd), "wo": (c.num_heads * hd, D),
-            "w_gate_up": (D, 2 * c.intermediate_size), "w_down": (c.intermediate_size, D),
-            "lm_head": (D, c.vocab_size)}
 
 
 def variants(base: MatmulConfig, N: int, limit: int) -> list[MatmulConfig]:
@@ -139,7 +131,7 @@ def main(_):
     report = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
               "date": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(sys.argv),
               "preset": _PRESET.value, "rows": rows, "row_group": rg, "weights": []}
-    all_shapes = shapes(_PRESET.value)
+    all_shapes = weight_shapes(_PRESET.value)
     for i, name in enumerate(_SHAPES.value):
         K, N = all_shapes[name]
         report["weights"].append(sweep_weight(name, K, N, rows, rg, jax.random.key(i), t0,

@@ -65,6 +65,14 @@ def preset_config(name: str, *, num_layers: int | None = None, dtype: str = "bfl
     return ModelConfig(dtype=dtype, backend=backend, interpret=interpret, **kw)
 
 
+def weight_shapes(preset: str) -> dict[str, tuple[int, int]]:
+    """[K, N] of each matmul weight of a preset, as `random_params` lays them out."""
+    c = preset_config(preset, num_layers=1)
+    D, F, V = c.hidden_size, c.intermediate_size, c.vocab_size
+    return {"wqkv": (D, c.q_size + 2 * c.kv_size), "wo": (c.q_size, D),
+            "w_gate_up": (D, 2 * F), "w_down": (F, D), "lm_head": (D, V)}
+
+
 def random_params(cfg: ModelConfig, seed: int = 0) -> dict:
     """Random params in jspec's layout (see model.py), generated on the default device."""
     dt = jnp.dtype(cfg.dtype)
