@@ -41,10 +41,14 @@ from trace_tools import device_events, summarize, traced  # noqa: E402
 
 from jspec.random_model import weight_shapes  # noqa: E402
 from pallas_kernels.matmul import MatmulConfig, matmul, matmul_config  # noqa: E402
+from pallas_kernels.matmul_glu import fusable, matmul_glu  # noqa: E402
 
 _PRESET = flags.DEFINE_string("preset", "qwen3-8b", "model shape preset")
-_SHAPES = flags.DEFINE_list("shapes", ["wo", "w_down", "wqkv", "w_gate_up", "lm_head"],
-                            "weights, in this order")
+_SHAPES = flags.DEFINE_list("shapes", ["wo", "w_down", "wqkv", "w_gate_up:glu", "lm_head"],
+                            "weights, in this order; NAME:glu runs a [K, 2F] weight through "
+                            "the fused matmul_glu kernel (as the model does) instead of matmul")
+_COMBOS = flags.DEFINE_bool("combos", True, "after the one-field variants, cross the two "
+                            "fastest bit-equal values of bn, warps and stages")
 _ROWS = flags.DEFINE_list("rows", ["1", "40"], "row counts compared bitwise; the largest is timed")
 _ROW_GROUP = flags.DEFINE_integer("row_group", 4, "row tiles per program (the model's default)")
 _MAX = flags.DEFINE_integer("max_candidates", 12, "variants per weight")
@@ -56,7 +60,8 @@ _OUT = flags.DEFINE_string("out", os.environ.get("OUT", "experiments/results"), 
 
 
 def variants(base: MatmulConfig, N: int, limit: int) -> list[MatmulConfig]:
-    """The base config with other bn / warps / stages (same bm, bk, split_k): bn first."""
+    """The base config with other bn / warps / stages (same bm, bk, split_k): bn first.
+    N: the columns bn must divide (F for the GLU kernel)."""
     out = []
     for bn in (base.bn // 2, base.bn * 2, base.bn // 4, base.bn * 4):
         if bn >= 16 and N % bn == 0:
@@ -70,29 +75,59 @@ def variants(base: MatmulConfig, N: int, limit: int) -> list[MatmulConfig]:
     return out[:limit]
 
 
+def combos(base: MatmulConfig, ran: list[dict], done: set) -> list[MatmulConfig]:
+    """Crosses of the two fastest bit-equal values of each field (the base's included)."""
+    ok = [(MatmulConfig(**v["config"]), v["us"]) for v in ran if all(v["bits_equal"].values())]
+    best = {}
+    for f in ("bn", "num_warps", "num_stages"):
+        times = {getattr(base, f): float("inf")}
+        for c, us in ok:
+            if all(getattr(c, g) == getattr(base, g) for g in ("bn", "num_warps", "num_stages")
+                   if g != f):
+                times[getattr(c, f)] = min(times.get(getattr(c, f), us), us)
+        best[f] = sorted(times, key=times.get)[:2]
+    out = []
+    for bn in best["bn"]:
+        for w in best["num_warps"]:
+            for st in best["num_stages"]:
+                c = dataclasses.replace(base, bn=bn, num_warps=w, num_stages=st)
+                if c not in done and c != base:
+                    out.append(c)
+    return out
+
+
 def bits(a) -> np.ndarray:
     a = np.asarray(a)
     return a.view(np.uint16 if a.dtype.itemsize == 2 else np.uint32)
 
 
 def sweep_weight(name: str, K: int, N: int, rows: list[int], rg: int, key, t0: float,
-                 interp: bool) -> dict:
-    """The table config of a [K, N] weight and its variants: bits at each M, time at max M."""
+                 interp: bool, glu: bool = False) -> dict:
+    """The table config of a [K, N] weight and its variants: bits at each M, time at max M.
+    glu: the weight is [K, 2F] and runs through matmul_glu (silu)."""
     dt = jnp.bfloat16
     base = matmul_config(K, N, dt, interp)
+    if glu and not fusable(K, N // 2, dt, interp):
+        return {"weight": name, "kernel": "matmul_glu", "K": K, "N": N, "base": vars(base),
+                "skipped": "not fusable with this config (the model runs matmul + glu)"}
     copies = max(1, int(np.ceil(_COLD.value * 2**20 / (K * N * 2)))) if not interp else 1
     k1, k2 = jax.random.split(key)
     ws = (jax.random.normal(k1, (copies, K, N), jnp.float32) * K**-0.5).astype(dt)
     xs = {m: jax.random.normal(jax.random.fold_in(k2, m), (m, K), jnp.float32).astype(dt)
           for m in rows}
 
+    def call(x, w, cfg):
+        if glu:
+            return matmul_glu(x, w, activation="silu", interpret=interp, config=cfg,
+                              row_group=rg)
+        return matmul(x, w, out_dtype=dt, interpret=interp, config=cfg, row_group=rg)
+
     def run(cfg, m):
-        return matmul(xs[m], ws[0], out_dtype=dt, interpret=interp, config=cfg, row_group=rg)
+        return call(xs[m], ws[0], cfg)
 
     def per_call_us(cfg) -> float:
         m = rows[-1]
-        fn = jax.jit(lambda w: [matmul(xs[m], w[c], out_dtype=dt, interpret=interp,
-                                       config=cfg, row_group=rg) for c in range(copies)])
+        fn = jax.jit(lambda w: [call(xs[m], w[c], cfg) for c in range(copies)])
         jax.block_until_ready(fn(ws))
         with tempfile.TemporaryDirectory() as d:
             trace, _ = traced(lambda: [jax.block_until_ready(fn(ws))
@@ -103,19 +138,30 @@ def sweep_weight(name: str, K: int, N: int, rows: list[int], rg: int, key, t0: f
         return summarize(events, _ITERS.value * copies, 1)["busy_us_per_step"]
 
     want = {m: bits(run(base, m)) for m in rows}
-    entry = {"weight": name, "K": K, "N": N, "base": vars(base), "copies": copies,
-             "base_us": per_call_us(base), "variants": []}
-    for cfg in tqdm(variants(base, N, _MAX.value), desc=name):
-        if time.time() - t0 > _BUDGET.value:
-            entry["variants"].append({"config": vars(cfg), "skipped": "budget"})
-            continue
-        try:
-            equal = {str(m): bool(np.array_equal(bits(run(cfg, m)), want[m])) for m in rows}
-            us = per_call_us(cfg)
-        except Exception as e:  # a config Triton cannot build: recorded
-            entry["variants"].append({"config": vars(cfg), "error": str(e).splitlines()[0][:200]})
-            continue
-        entry["variants"].append({"config": vars(cfg), "bits_equal": equal, "us": us})
+    entry = {"weight": name, "kernel": "matmul_glu" if glu else "matmul", "K": K, "N": N,
+             "base": vars(base), "copies": copies, "base_us": per_call_us(base),
+             "variants": []}
+
+    def try_all(cfgs, desc):
+        for cfg in tqdm(cfgs, desc=desc):
+            row = {"config": vars(cfg), "phase": desc}
+            if time.time() - t0 > _BUDGET.value:
+                entry["variants"].append({**row, "skipped": "budget"})
+                continue
+            try:
+                equal = {str(m): bool(np.array_equal(bits(run(cfg, m)), want[m]))
+                         for m in rows}
+                us = per_call_us(cfg)
+            except Exception as e:  # a config Triton cannot build: recorded
+                entry["variants"].append({**row, "error": str(e).splitlines()[0][:200]})
+                continue
+            entry["variants"].append({**row, "bits_equal": equal, "us": us})
+
+    try_all(variants(base, N // 2 if glu else N, _MAX.value), name)
+    if _COMBOS.value:
+        ran = [v for v in entry["variants"] if "us" in v]
+        done = {MatmulConfig(**v["config"]) for v in entry["variants"]}
+        try_all(combos(base, ran, done), name + " combos")
     ran = [v for v in entry["variants"] if "us" in v]
     same = [v for v in ran if all(v["bits_equal"].values())]
     entry["all_bits_equal"] = len(same) == len(ran)
@@ -132,23 +178,30 @@ def main(_):
               "date": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(sys.argv),
               "preset": _PRESET.value, "rows": rows, "row_group": rg, "weights": []}
     all_shapes = weight_shapes(_PRESET.value)
-    for i, name in enumerate(_SHAPES.value):
+    for i, spec in enumerate(_SHAPES.value):
+        name, _, kind = spec.partition(":")
+        if name not in all_shapes or kind not in ("", "glu"):
+            raise app.UsageError(f"--shapes: {spec!r} is not WEIGHT or WEIGHT:glu with "
+                                 f"WEIGHT one of {sorted(all_shapes)}")
         K, N = all_shapes[name]
-        report["weights"].append(sweep_weight(name, K, N, rows, rg, jax.random.key(i), t0,
-                                              interp))
+        report["weights"].append(sweep_weight(spec, K, N, rows, rg, jax.random.key(i), t0,
+                                              interp, glu=kind == "glu"))
         os.makedirs(_OUT.value, exist_ok=True)
         with open(os.path.join(_OUT.value, "sweep_schedule.json"), "w") as f:
             json.dump(report, f, indent=1)
 
     print(f"\n{report['device']}, jax {jax.__version__}, {_PRESET.value}, M = {rows}, "
           f"row groups of {rg}; us per call at M = {rows[-1]}")
-    print(f"{'weight':10s} {'table us':>9s} {'variants':>8s} {'bits equal':>10s} "
+    print(f"{'weight':14s} {'table us':>9s} {'variants':>8s} {'bits equal':>10s} "
           f"{'best equal us':>13s}  best equal config")
     for e in report["weights"]:
+        if "skipped" in e:
+            print(f"{e['weight']:14s} skipped: {e['skipped']}")
+            continue
         ran = [v for v in e["variants"] if "us" in v]
         n_eq = sum(all(v["bits_equal"].values()) for v in ran)
         b = e["fastest_equal"]
-        print(f"{e['weight']:10s} {e['base_us']:9.2f} {len(ran):8d} {n_eq:10d} "
+        print(f"{e['weight']:14s} {e['base_us']:9.2f} {len(ran):8d} {n_eq:10d} "
               f"{(b['us'] if b else float('nan')):13.2f}  {b['config'] if b else '-'}")
     print(f"receipt: {os.path.join(_OUT.value, 'sweep_schedule.json')}")
 

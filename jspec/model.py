@@ -117,7 +117,8 @@ def _mlp_block(ops, cfg: ModelConfig, lp, h):
     """h [Mp, D] -> [Mp, D]."""
     if cfg.fuse_glu and cfg.backend == "pallas":
         a = ops.matmul_glu(h, lp["w_gate_up"], activation=cfg.activation,
-                           row_group=cfg.matmul_row_group)  # [Mp, F]
+                           row_group=cfg.matmul_row_group,
+                           schedule=bool(cfg.matmul_schedule))  # [Mp, F]
     else:
         gu = ops.matmul(h, lp["w_gate_up"], out_dtype=h.dtype, row_group=cfg.matmul_row_group,
                         schedule=bool(cfg.matmul_schedule))  # [Mp, 2F]

@@ -42,8 +42,8 @@ class Ops(NamedTuple):
     qk_norm_rope(qkv [M,>=Hq+Hk,D], q_w [D] | None, k_w, cos, sin, num_q, num_k, eps,
                  offset) -> [M,Hq+Hk,D];
     glu(gate [M,F], up [M,F], activation) -> [M,F];
-    matmul_glu(x [M,K], w [K,2F], activation, row_group=1) -> glu of x @ w's halves,
-      [M,F] x.dtype (row_group: row tiles per program, scheduling only);
+    matmul_glu(x [M,K], w [K,2F], activation, row_group=1, schedule=False) -> glu of
+      x @ w's halves, [M,F] x.dtype (row_group, schedule: scheduling only);
     softcap(x [M,N], cap) -> [M,N] f32;
     logsumexp(x [M,V]) -> [M] f32;
     attention(q [B,T,H,D], k [B,Hkv,S,D], v, q_pos [B,T], window [], scale, softcap)."""

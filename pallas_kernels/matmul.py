@@ -253,11 +253,15 @@ def _check_shapes(x: jax.Array, w: jax.Array) -> None:
     check_float("x", x)
 
 
-def multi_tile_config(cfg: MatmulConfig, K: int, N: int, dtype) -> MatmulConfig:
-    """`cfg` with the MULTI_TILE overrides of a [K, N] weight (scheduling fields only)."""
-    over = MULTI_TILE.get((K, N, jnp.dtype(dtype).name), {})
+def multi_tile_config(cfg: MatmulConfig, K: int, N: int, dtype,
+                      table: dict | None = None) -> MatmulConfig:
+    """`cfg` with the overrides of a [K, N] weight in `table` (default MULTI_TILE;
+    scheduling fields only)."""
+    table = MULTI_TILE if table is None else table
+    over = table.get((K, N, jnp.dtype(dtype).name), {})
     if set(over) - set(SCHEDULE_FIELDS):
-        raise ValueError(f"MULTI_TILE[{(K, N)}] may set only {SCHEDULE_FIELDS}; got {over}")
+        raise ValueError(f"multi-tile overrides of {(K, N)} may set only {SCHEDULE_FIELDS}; "
+                         f"got {over}")
     return dataclasses.replace(cfg, **over)
 
 

@@ -29,8 +29,15 @@ from pallas_kernels.matmul import (
     matmul,
     matmul_config,
     matmul_reference,
+    multi_tile_config,
     row_group_size,
 )
+
+# Scheduling overrides of this kernel for launches of more than one row tile
+# (`schedule=True`), keyed like `matmul.MULTI_TILE` by the fused weight [K, 2F]: the
+# kernel runs two K loops a program, so its best warps / stages / column tile are its
+# own. Only bn, num_warps and num_stages (bits set by bk alone; see matmul.MULTI_TILE).
+MULTI_TILE_GLU: dict[tuple[int, int, str], dict[str, int]] = {}
 
 
 def _kernel(x_ref, wg_ref, wu_ref, o_ref, *, bk: int, nk: int, activation: str):
@@ -65,11 +72,15 @@ def fusable(K: int, F: int, dtype, interpret: bool) -> bool:
     return cfg.split_k == 1 and F % cfg.bn == 0
 
 
-@functools.partial(jax.jit, static_argnames=("activation", "interpret", "row_group"))
+@functools.partial(jax.jit, static_argnames=("activation", "interpret", "row_group",
+                                             "config", "schedule"))
 def matmul_glu(x: jax.Array, w: jax.Array, *, activation: str,
-               interpret: bool = False, row_group: int = 1) -> jax.Array:
+               interpret: bool = False, row_group: int = 1, config=None,
+               schedule: bool = False) -> jax.Array:
     """act(x @ w[:, :F]) * (x @ w[:, F:]) for x [M, K], w [K, 2F]; returns x.dtype.
-    `row_group` as in `matmul` (scheduling only, the same bits)."""
+    `row_group` as in `matmul` (scheduling only, the same bits). `config` overrides
+    `matmul_config(K, 2F)` (sweeps and tests; it must not split K); `schedule` lets a
+    launch of more than one row tile take the MULTI_TILE_GLU overrides."""
     _check_shapes(x, w)
     if w.shape[1] % 2:
         raise ValueError(f"matmul_glu wants w [K, 2F] (gate, then up); got {w.shape=}")
@@ -78,11 +89,16 @@ def matmul_glu(x: jax.Array, w: jax.Array, *, activation: str,
                          f"{activation=}")
     m, k = x.shape
     f = w.shape[1] // 2
-    if not fusable(k, f, w.dtype, interpret):
+    if config is None and not fusable(k, f, w.dtype, interpret):
         gate, up = jnp.split(matmul(x, w, out_dtype=x.dtype, interpret=interpret,
-                                    row_group=row_group), 2, axis=-1)
+                                    row_group=row_group, schedule=schedule), 2, axis=-1)
         return glu(gate, up, activation=activation, interpret=interpret)
-    cfg = matmul_config(k, 2 * f, w.dtype, interpret)
+    cfg = matmul_config(k, 2 * f, w.dtype, interpret) if config is None else config
+    if cfg.split_k != 1 or f % cfg.bn:
+        raise ValueError(f"matmul_glu config must not split K and its bn must divide "
+                         f"F={f}; got {cfg}")
+    if schedule and config is None and not interpret and round_up(m, cfg.bm) > cfg.bm:
+        cfg = multi_tile_config(cfg, k, 2 * f, w.dtype, MULTI_TILE_GLU)
     kp = round_up(k, cfg.bk)
     xp = pad_rows(pad_axis(x, 1, kp), cfg.bm)  # [Mp, Kp]
     wp = pad_axis(w, 0, kp)  # [Kp, 2F]
@@ -112,8 +128,8 @@ def matmul_glu(x: jax.Array, w: jax.Array, *, activation: str,
 
 
 def matmul_glu_reference(x: jax.Array, w: jax.Array, *, activation: str,
-                         row_group: int = 1) -> jax.Array:
+                         row_group: int = 1, schedule: bool = False) -> jax.Array:
     """Plain jnp: the reference matmul rounded to x.dtype, split, the reference GLU."""
-    del row_group
+    del row_group, schedule
     gate, up = jnp.split(matmul_reference(x, w, out_dtype=x.dtype), 2, axis=-1)
     return glu_reference(gate, up, activation=activation)

@@ -135,11 +135,15 @@ calls=%fused_computation.7, metadata={op_name="jit(f)/layer_3/attn/reduce_max"}
 
 def test_sweep_schedule_smoke(tmp_path):
     r = _run("sweep_schedule.py", "--interpret", "--preset=tiny-qwen3", "--rows=1,40",
-             "--shapes=wo", "--max_candidates=2", "--iters=1", f"--out={tmp_path}")
+             "--shapes=wo,w_gate_up:glu", "--max_candidates=3", "--iters=1",
+             f"--out={tmp_path}")
     assert r.returncode == 0, r.stderr[-2000:]
     rep = json.load(open(tmp_path / "sweep_schedule.json"))
-    (w,) = rep["weights"]
-    assert w["weight"] == "wo" and len(w["variants"]) == 2 and w["base_us"] > 0
+    w, g = rep["weights"]
+    assert w["weight"] == "wo" and w["base_us"] > 0
+    phases = [v["phase"] for v in w["variants"]]  # 3 one-field variants, then crosses
+    assert phases[:3] == ["wo"] * 3 and set(phases[3:]) == {"wo combos"}, phases
+    assert g["kernel"] == "matmul_glu" and "not fusable" in g["skipped"]  # interpret tiles
     for v in w["variants"]:  # same bk: on CPU every variant keeps the table's bits
         assert v["config"]["bk"] == w["base"]["bk"] and v["bits_equal"] == {"1": True,
                                                                             "40": True}

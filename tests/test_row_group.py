@@ -109,6 +109,12 @@ def test_multi_tile_schedule_changes_scheduling_fields_only(monkeypatch):
     monkeypatch.setitem(mm.MULTI_TILE, (96, 80, "float32"), {"bk": 32})
     with pytest.raises(ValueError, match="may set only"):
         mm.multi_tile_config(MatmulConfig(16, 16, 16, 4, 2), 96, 80, jnp.float32)
+    mg = importlib.import_module("pallas_kernels.matmul_glu")
+    for (K, N, dt), over in mg.MULTI_TILE_GLU.items():
+        base = mm.matmul_config(K, N, jnp.dtype(dt), interpret=False)
+        got = mm.multi_tile_config(base, K, N, jnp.dtype(dt), mg.MULTI_TILE_GLU)
+        assert (got.bm, got.bk, got.split_k) == (base.bm, base.bk, base.split_k)
+        assert set(over) <= set(mm.SCHEDULE_FIELDS) and got != base
 
 
 @pytest.mark.parametrize("m", [1, 40])
@@ -121,6 +127,20 @@ def test_a_scheduling_variant_keeps_the_bits(m):
     for var in (MatmulConfig(16, 32, 64, 2, 3), MatmulConfig(16, 128, 64, 8, 5)):
         got = matmul(x, w, out_dtype=jnp.bfloat16, interpret=INTERPRET, config=var, row_group=4)
         assert np.array_equal(bits(got), bits(want)), var
+
+
+@pytest.mark.parametrize("m", [1, 40])
+def test_a_glu_scheduling_variant_keeps_the_bits(m):
+    x, w = _rand((m, 256), jnp.bfloat16, 6), _rand((256, 256), jnp.bfloat16, 7)  # F = 128
+    base = MatmulConfig(bm=16, bn=64, bk=64, num_warps=4, num_stages=2)
+    want = matmul_glu(x, w, activation="silu", interpret=INTERPRET, config=base, row_group=4)
+    for var in (MatmulConfig(16, 32, 64, 2, 3), MatmulConfig(16, 128, 64, 8, 5)):
+        got = matmul_glu(x, w, activation="silu", interpret=INTERPRET, config=var,
+                         row_group=4)
+        assert np.array_equal(bits(got), bits(want)), var
+    with pytest.raises(ValueError, match="must not split K"):
+        matmul_glu(x, w, activation="silu", interpret=True,
+                   config=MatmulConfig(16, 64, 64, 4, 2, split_k=2))
 
 
 def test_model_with_matmul_schedule_gives_the_same_logits():
