@@ -148,3 +148,14 @@ def test_sweep_schedule_smoke(tmp_path):
         assert v["config"]["bk"] == w["base"]["bk"] and v["bits_equal"] == {"1": True,
                                                                             "40": True}
     assert w["all_bits_equal"] and w["fastest_equal"] is not None
+
+
+def test_launch_floor_smoke(tmp_path):
+    r = _run("launch_floor.py", "--interpret", "--mb=0,0.25", "--chain=3", "--iters=1",
+             f"--out={tmp_path}")
+    assert r.returncode == 0, r.stderr[-2000:]
+    rep = json.load(open(tmp_path / "launch_floor.json"))
+    assert [s["mb"] for s in rep["sizes"]] == [0.0, 0.25]
+    assert all(s["us_per_kernel"] > 0 and s["kernels"] == 3 for s in rep["sizes"])
+    bad = _run("launch_floor.py", "--interpret", "--mb=-1", f"--out={tmp_path}")
+    assert bad.returncode != 0 and "sizes must be >= 0" in bad.stderr
