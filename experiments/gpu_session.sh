@@ -36,7 +36,8 @@
 #   kernels_fused` (its logits differ from the default's by design: the step reports
 #   their largest difference instead of a bit check).
 # - hlo: hlo_kernels.py, one forward of $HLO_PRESET (default qwen3-0.6b, the draft) at
-#   768 keys on both backends: its costliest kernels matched to their HLO ops.
+#   768 keys on both backends: its costliest kernels matched to their HLO ops;
+#   $HLO_BATCH x $HLO_TOKENS rows (default 1 x 1), $HLO_FLAGS appended.
 # - schedsweep: sweep_schedule.py, whether a matmul's bn / warps / stages change its bits
 #   at M = 1 and 40 (row groups of 4) and which is fastest for the 40-row verify block;
 #   $SCHED_S bounds it, $SCHED_FLAGS appended.
@@ -173,7 +174,8 @@ for s in $steps; do
     floor) timeout "${FLOOR_S:-120}" python3 experiments/launch_floor.py --out="$OUT" \
               ${FLOOR_FLAGS:-} 2>&1 | quiet | tail -12 ;;
     hlo) timeout "${HLO_S:-150}" python3 experiments/hlo_kernels.py --preset="${HLO_PRESET:-qwen3-0.6b}" \
-              --tokens=1 --context=768 --out="$OUT" ${HLO_FLAGS:-} 2>&1 | quiet | tail -80 ;;
+              --batch="${HLO_BATCH:-1}" --tokens="${HLO_TOKENS:-1}" --context=768 --out="$OUT" \
+              ${HLO_FLAGS:-} 2>&1 | quiet | tail -80 ;;
     *) echo "unknown step $s" ;;
   esac
 done

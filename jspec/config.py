@@ -80,11 +80,13 @@ class ModelConfig:
         tiles); 4 (default) or 1 (one row tile per program). Scheduling only: the
         same bits (tests/test_row_group.py on CPU; on the H200, 2026-11-30d, bits equal
         to row_group=1 at B=1 and B=8, and a B=8 verify block 8.87 -> 7.83 ms).
-      matmul_schedule: pallas: 1 lets a matmul launch of more than one row tile use
-        the weight's `MULTI_TILE` warps / stages / column tile (pallas_kernels/
-        matmul.py); 0 (default): `matmul_config` for every launch. Scheduling only:
-        on the H200 every such variant gave the config's bits at M = 1 and 40
-        (2026-11-30d, per matmul); off until a whole step has been checked and timed.
+      matmul_schedule: pallas: 1 (default) lets a matmul launch of more than one row
+        tile use the weight's `MULTI_TILE` (`MULTI_TILE_GLU`) warps / stages /
+        column tile (pallas_kernels/matmul.py, matmul_glu.py); 0: `matmul_config`
+        for every launch. Scheduling only: on the H200 every such variant gave the
+        config's bits at M = 1 and 40 (per matmul), and whole decode and verify
+        steps at B = 1 and 8 equal the unscheduled ones bitwise; a B=8 verify
+        block 7.64 -> 6.77 ms (2026-11-30e).
     """
 
     family: str
@@ -119,7 +121,7 @@ class ModelConfig:
     fuse_glu: bool = True
     attn_split: int | None = None
     matmul_row_group: int = 4
-    matmul_schedule: int = 0
+    matmul_schedule: int = 1
 
     def __post_init__(self):
         if self.backend not in BACKENDS:

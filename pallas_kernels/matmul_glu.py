@@ -37,7 +37,11 @@ from pallas_kernels.matmul import (
 # (`schedule=True`), keyed like `matmul.MULTI_TILE` by the fused weight [K, 2F]: the
 # kernel runs two K loops a program, so its best warps / stages / column tile are its
 # own. Only bn, num_warps and num_stages (bits set by bk alone; see matmul.MULTI_TILE).
-MULTI_TILE_GLU: dict[tuple[int, int, str], dict[str, int]] = {}
+# H200 (experiments/results/sweep_schedule_qwen3-8b_h200_2026-11-30e.json: 16 variants,
+# all bits equal at M = 1 and 40):
+MULTI_TILE_GLU: dict[tuple[int, int, str], dict[str, int]] = {
+    (4096, 24576, "bfloat16"): {"bn": 128},  # Qwen3-8B gate/up: 159.6 -> 153.4 us at M = 40
+}
 
 
 def _kernel(x_ref, wg_ref, wu_ref, o_ref, *, bk: int, nk: int, activation: str):

@@ -148,11 +148,11 @@ def test_model_with_matmul_schedule_gives_the_same_logits():
 
     assert options("matmul_schedule=1") == {"matmul_schedule": 1}
     model, seq = model_and_tokens("tiny-qwen3", 40, seed=9)
-    assert model.config.matmul_schedule == 0  # the default
-    scheduled = with_config(model, matmul_schedule=1)
+    assert model.config.matmul_schedule == 1  # the default
+    unscheduled = with_config(model, matmul_schedule=0)
     toks = jnp.asarray(np.stack([seq[:30], seq[10:40]]))  # [2, 30]: 60 rows, 4 tiles
-    a, _ = _forward(scheduled, toks, init_cache(scheduled, 2, 64))
-    b, _ = _forward(model, toks, init_cache(model, 2, 64))
+    a, _ = _forward(model, toks, init_cache(model, 2, 64))
+    b, _ = _forward(unscheduled, toks, init_cache(unscheduled, 2, 64))
     assert np.array_equal(bits(a), bits(b))
     with pytest.raises(ValueError, match="matmul_schedule=2 must be 0 or 1"):
         with_config(model, matmul_schedule=2)
