@@ -124,15 +124,14 @@ TUNED_ENV = "JSPEC_MATMUL_TUNED"
 # order is set by bk and split_k alone: on the H200 every such variant of the Qwen3-8B
 # configs (bn 16-128, 2-8 warps, 2-5 stages; 36 variants) gave the config's bits at
 # M = 1 and M = 40 with row groups of 4
-# (experiments/results/sweep_schedule_qwen3-8b_h200_2026-11-30d.json; 2026-11-30e
-# with crosses of the fields: 72 variants, all equal). The values are the sweeps'
-# fastest at M = 40 (per call, cold; the 30d figures include a copy of the weight);
-# decode (one row tile) keeps the config.
+# (experiments/results/sweep_schedule_qwen3-8b_h200_2026-11-30d.json, 36 variants;
+# ..._copytimed_2026-11-30e.json, 72 with crosses of the fields: all equal). The values
+# are the fastest at M = 40 in the 2026-11-30e sweep (..._2026-11-30e.json: the kernel's
+# own device time, cold weights); decode (one row tile) keeps the config.
 MULTI_TILE: dict[tuple[int, int, str], dict[str, int]] = {
-    (12288, 4096, "bfloat16"): {"num_warps": 2},  # w_down: 104.0 -> 87.9 us at M = 40
-    (4096, 4096, "bfloat16"): {"bn": 32, "num_warps": 4, "num_stages": 4},  # wo: 45.1 -> 39.4
-    (4096, 151936, "bfloat16"): {"num_stages": 3},  # lm_head: 308.8 -> 293.0
-    (4096, 6144, "bfloat16"): {"num_stages": 5},  # wqkv: 50.1 -> 48.5
+    (12288, 4096, "bfloat16"): {"num_warps": 2},  # w_down: 54.6 -> 34.2 us at M = 40
+    (4096, 4096, "bfloat16"): {"bn": 32, "num_warps": 4, "num_stages": 4},  # wo: 27.1 -> 21.1
+    (4096, 151936, "bfloat16"): {"num_stages": 3},  # lm_head: 301.5 -> 284.1
 }
 SCHEDULE_FIELDS = ("bn", "num_warps", "num_stages")  # the only fields MULTI_TILE may set
 
