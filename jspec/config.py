@@ -87,11 +87,6 @@ class ModelConfig:
         config's bits at M = 1 and 40 (per matmul), and whole decode and verify
         steps at B = 1 and 8 equal the unscheduled ones bitwise; a B=8 verify
         block 7.64 -> 6.77 ms (2026-11-30e).
-      attn_row_group: pallas: up to this many row tiles of one (sequence, kv head) per
-        split-KV attention program, each key block loaded once for all of them (a
-        Qwen3-8B verify block's 5 x 4 rows are two 16-row tiles); 4 (default) or 1.
-        Scheduling only: each tile runs the one-tile arithmetic
-        (tests/test_kernel_attention.py).
     """
 
     family: str
@@ -127,7 +122,6 @@ class ModelConfig:
     attn_split: int | None = None
     matmul_row_group: int = 4
     matmul_schedule: int = 1
-    attn_row_group: int = 4
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
@@ -142,8 +136,6 @@ class ModelConfig:
             raise ValueError(f"matmul_schedule={self.matmul_schedule} must be 0 or 1")
         if self.matmul_row_group < 1:
             raise ValueError(f"matmul_row_group={self.matmul_row_group} must be >= 1")
-        if self.attn_row_group < 1:
-            raise ValueError(f"attn_row_group={self.attn_row_group} must be >= 1")
         if self.attn_split is not None and self.attn_split < 0:
             raise ValueError(f"attn_split={self.attn_split} must be >= 0 (0: one pass) "
                              "or None (the kernel's default)")
@@ -164,8 +156,7 @@ SPEED_OPTIONS = ("fuse_add_norm", "pad_rows_once", "fuse_qk_rope", "fuse_glu")
 
 
 NUMERIC_OPTIONS = ("attn_split",)  # ModelConfig ints that change the logits' bits
-# "name=<int>" options: the numeric ones and the scheduling ones (the same bits)
-VALUE_OPTIONS = NUMERIC_OPTIONS + ("matmul_row_group", "matmul_schedule", "attn_row_group")
+VALUE_OPTIONS = NUMERIC_OPTIONS + ("matmul_row_group", "matmul_schedule")  # "name=<int>"
 
 
 def options(*names: str) -> dict[str, bool | int]:

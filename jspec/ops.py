@@ -46,9 +46,7 @@ class Ops(NamedTuple):
       x @ w's halves, [M,F] x.dtype (row_group, schedule: scheduling only);
     softcap(x [M,N], cap) -> [M,N] f32;
     logsumexp(x [M,V]) -> [M] f32;
-    attention(q [B,T,H,D], k [B,Hkv,S,D], v, q_pos [B,T], window [], scale, softcap,
-      split=None, row_group=1) -> [B,T,H,D] (split, row_group: the kernel's; ignored by
-      the plain-jnp attentions)."""
+    attention(q [B,T,H,D], k [B,Hkv,S,D], v, q_pos [B,T], window [], scale, softcap)."""
 
     matmul: Callable
     rmsnorm: Callable

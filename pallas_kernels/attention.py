@@ -46,8 +46,6 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.matmul import row_group_size
-
 _NEG_INF = float("-inf")
 
 
@@ -112,49 +110,39 @@ def _online_softmax(q, k_ref, v_ref, first, last, lo, hi, *, scale, softcap, blo
 
     Starts from the empty state (-inf, 0, 0); a block fully masked for a row leaves that
     row's state bit-identical (see the module docstring), so lo/hi may cover any superset
-    of a row's visible blocks. q, first, last may also be lists of row tiles (a row
-    group): each key block is then loaded once and each tile updates its own state with
-    exactly the arithmetic of a one-tile call (its own rows, its own last key), so every
-    tile's bits equal those of running it alone; returns a list of states.
+    of a row's visible blocks.
     """
-    group = isinstance(q, list)
-    qs, firsts, lasts = (q, first, last) if group else ([q], [first], [last])
-    tiles = len(qs)
-    br, head_dim = qs[0].shape
-    last_keys = [jnp.max(jnp.where(f <= la, la, -1)) for f, la in zip(firsts, lasts, strict=True)]
+    block_rows, head_dim = q.shape
+    last_key = jnp.max(jnp.where(first <= last, last, -1))
 
-    def update(q, first, last, last_key, k, v, start, carry):
-        m, denom, acc = carry  # [br], [br], [br, D] f32: max, softmax sum, p @ v
-        s = _dot(q, k, contract_b=1) * scale  # [br, K] f32: q @ k.T
+    def body(kb, carry):
+        m, denom, acc = carry  # [R], [R], [R, D] f32: max, softmax sum, p @ v
+        start = pl.multiple_of(kb * block_k, block_k)
+        k = k_ref[pl.ds(start, block_k), :]  # [K, D]
+        v = v_ref[pl.ds(start, block_k), :]  # [K, D]
+        s = _dot(q, k, contract_b=1) * scale  # [R, K] f32: q @ k.T
         if softcap is not None:
             s = jnp.tanh(s / softcap) * softcap
         key = start + jnp.arange(block_k, dtype=jnp.int32)  # [K] absolute positions
-        mask = (key[None, :] >= first[:, None]) & (key[None, :] <= last[:, None])  # [br, K]
+        mask = (key[None, :] >= first[:, None]) & (key[None, :] <= last[:, None])  # [R, K]
         s = jnp.where(mask, s, _NEG_INF)
-        m_new = jnp.maximum(m, jnp.max(s, axis=-1))  # [br]
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))  # [R]
         # Safe max: while a row has seen nothing, m_new is -inf; offsetting by 0 instead
         # keeps alpha = exp(-inf) = 0 and p = 0 rather than exp(-inf - -inf) = NaN.
         m_safe = jnp.where(m_new == _NEG_INF, 0.0, m_new)
-        alpha = jnp.exp(m - m_safe)  # [br]; exactly 1 when the block changes nothing
-        p = jnp.where(mask, jnp.exp(s - m_safe[:, None]), 0.0)  # [br, K], masked: exact 0
+        alpha = jnp.exp(m - m_safe)  # [R]; exactly 1 when the block changes nothing
+        p = jnp.where(mask, jnp.exp(s - m_safe[:, None]), 0.0)  # [R, K], masked: exact 0
         denom_new = alpha * denom + jnp.sum(p, axis=-1)
         # Keys past the tile's last position may be garbage from rejected drafts; zero
         # their values so 0 * garbage cannot become NaN even if the garbage is not finite.
         v = jnp.where((key <= last_key)[:, None], v, jnp.zeros_like(v))
-        pv = _dot(p.astype(v.dtype), v, contract_b=0)  # [br, D]: p @ v, like flash attention
+        pv = _dot(p.astype(v.dtype), v, contract_b=0)  # [R, D]: p @ v, like flash attention
         return m_new, denom_new, alpha[:, None] * acc + pv
 
-    def body(kb, carries):
-        start = pl.multiple_of(kb * block_k, block_k)
-        k = k_ref[pl.ds(start, block_k), :]  # [K, D], loaded once for every tile
-        v = v_ref[pl.ds(start, block_k), :]  # [K, D]
-        return tuple(update(qs[r], firsts[r], lasts[r], last_keys[r], k, v, start, carries[r])
-                     for r in range(tiles))
-
-    empty = (jnp.full((br,), _NEG_INF, jnp.float32), jnp.zeros((br,), jnp.float32),
-             jnp.zeros((br, head_dim), jnp.float32))
-    states = lax.fori_loop(lo, hi, body, (empty,) * tiles)
-    return list(states) if group else states[0]
+    m0 = jnp.full((block_rows,), _NEG_INF, jnp.float32)
+    denom0 = jnp.zeros((block_rows,), jnp.float32)
+    acc0 = jnp.zeros((block_rows, head_dim), jnp.float32)
+    return lax.fori_loop(lo, hi, body, (m0, denom0, acc0))
 
 
 def _block_range(first, last, num_blocks: int, block_k: int):
@@ -195,32 +183,20 @@ def _attention_kernel(
 
 
 def _split_kernel(q_ref, k_ref, v_ref, first_ref, last_ref, m_ref, l_ref, acc_ref, *,
-                  scale: float, softcap: float | None, block_k: int, split: int,
-                  tiles: int = 1):
+                  scale: float, softcap: float | None, block_k: int, split: int):
     """Split-KV phase 1: partition c (program axis 3) reduces only the key blocks of
     [c * split, (c + 1) * split), from the empty state; writes its f32 partial
     (m [R], denom [R], acc [R, D]). A partition no row of the tile can see writes the
-    empty state (-inf, 0, 0). `tiles` > 1: the program holds a row group of that many
-    row tiles, which share each key block's load (see `_online_softmax`); the blocks
-    it walks are the union of its tiles', exact no-ops for a tile that sees none."""
+    empty state (-inf, 0, 0)."""
     c = pl.program_id(3)
     first, last = first_ref[...], last_ref[...]
     lo, hi = _block_range(first, last, k_ref.shape[0] // block_k, block_k)
     per = split // block_k
     lo = jnp.maximum(lo, c * per)
     hi = jnp.maximum(jnp.minimum(hi, (c + 1) * per), lo)
-    if tiles == 1:
-        m, denom, acc = _online_softmax(q_ref[...], k_ref, v_ref, first, last, lo, hi,
-                                        scale=scale, softcap=softcap, block_k=block_k)
-        m_ref[...], l_ref[...], acc_ref[...] = m, denom, acc
-        return
-    br = q_ref.shape[0] // tiles
-    at = [pl.ds(r * br, br) for r in range(tiles)]  # the row tiles of the group
-    states = _online_softmax([q_ref[t, :] for t in at], k_ref, v_ref,
-                             [first_ref[t] for t in at], [last_ref[t] for t in at], lo, hi,
-                             scale=scale, softcap=softcap, block_k=block_k)
-    for t, (m, denom, acc) in zip(at, states, strict=True):
-        m_ref[t], l_ref[t], acc_ref[t, :] = m, denom, acc
+    m, denom, acc = _online_softmax(q_ref[...], k_ref, v_ref, first, last, lo, hi,
+                                    scale=scale, softcap=softcap, block_k=block_k)
+    m_ref[...], l_ref[...], acc_ref[...] = m, denom, acc
 
 
 FOLD_UNROLL = 4  # partials folded per step of the combine's loop
@@ -309,8 +285,7 @@ def _visible_range(q_pos, window, group: int, num_rows: int):
     return first, last
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "softcap", "interpret", "config", "split",
-                                             "row_group"))
+@functools.partial(jax.jit, static_argnames=("scale", "softcap", "interpret", "config", "split"))
 def attention(
     q: jax.Array,  # [B, T, H, D]
     k_cache: jax.Array,  # [B, Hkv, S, D]
@@ -323,7 +298,6 @@ def attention(
     interpret: bool = False,
     config: AttentionConfig | None = None,
     split: int | None = None,
-    row_group: int = 1,
 ) -> jax.Array:
     """Batch-invariant attention of T queries per sequence against a KV cache.
 
@@ -336,9 +310,6 @@ def attention(
     0; 0 is one pass. A fixed split is as invariant as one pass (partials of fixed key
     ranges, folded in a fixed order), but its bits differ from the one-pass path's:
     one model, one split.
-    `row_group` (split-KV only): up to that many row tiles of one (sequence, kv head)
-    per phase-1 program, each key block loaded once for all of them (a verify block's
-    T x G rows span several tiles). Scheduling only: the same bits.
     """
     _check_inputs(q, k_cache, v_cache, q_pos, window)
     batch, seq, num_heads, head_dim = q.shape
@@ -368,7 +339,7 @@ def attention(
 
     if cfg.split:
         out = _split_attention(q_rows, k_cache, v_cache, first, last, cfg, scale=float(scale),
-                               softcap=softcap, interpret=interpret, row_group=row_group)
+                               softcap=softcap, interpret=interpret)
     else:
         kernel = functools.partial(
             _attention_kernel, scale=float(scale), softcap=softcap, block_k=cfg.block_k
@@ -394,8 +365,7 @@ def attention(
 
 
 def _split_attention(q_rows, k_cache, v_cache, first, last, cfg: AttentionConfig, *,
-                     scale: float, softcap: float | None, interpret: bool,
-                     row_group: int = 1):
+                     scale: float, softcap: float | None, interpret: bool):
     """Split-KV (flash-decoding, rule R3): [B, Hkv, Rp, D] rows -> outputs, in two kernels.
 
     Phase 1 has one program per (batch, kv head, row tile, partition) and writes f32
@@ -403,32 +373,28 @@ def _split_attention(q_rows, k_cache, v_cache, first, last, cfg: AttentionConfig
     [c * split, (c + 1) * split) aligned at position 0, so a row's partials and their
     fold depend on its position, its keys and `split` only (the number of partitions
     grows with S, but partitions past a row's last key are exact no-ops).
-    Phase 1 takes g = row_group_size(row tiles, row_group) tiles a program (scheduling
-    only: each tile's arithmetic is that of a one-tile program).
     """
     batch, num_kv_heads, rows, head_dim = q_rows.shape
     cache_len = k_cache.shape[2]
     parts = pl.cdiv(cache_len, cfg.split)
     br = cfg.split_rows
-    g = row_group_size(rows // br, row_group)
-    gr = g * br  # rows per phase-1 program
     params = plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     kernel = functools.partial(_split_kernel, scale=scale, softcap=softcap,
-                               block_k=cfg.block_k, split=cfg.split, tiles=g)
+                               block_k=cfg.block_k, split=cfg.split)
     m, denom, acc = pl.pallas_call(
         kernel,
-        grid=(batch, num_kv_heads, rows // gr, parts),
+        grid=(batch, num_kv_heads, rows // br, parts),
         in_specs=[
-            pl.BlockSpec((None, None, gr, head_dim), lambda b, h, r, c: (b, h, r, 0)),
+            pl.BlockSpec((None, None, br, head_dim), lambda b, h, r, c: (b, h, r, 0)),
             pl.BlockSpec((None, None, cache_len, head_dim), lambda b, h, r, c: (b, h, 0, 0)),
             pl.BlockSpec((None, None, cache_len, head_dim), lambda b, h, r, c: (b, h, 0, 0)),
-            pl.BlockSpec((None, gr), lambda b, h, r, c: (b, r)),
-            pl.BlockSpec((None, gr), lambda b, h, r, c: (b, r)),
+            pl.BlockSpec((None, br), lambda b, h, r, c: (b, r)),
+            pl.BlockSpec((None, br), lambda b, h, r, c: (b, r)),
         ],
         out_specs=[
-            pl.BlockSpec((None, None, None, gr), lambda b, h, r, c: (b, h, c, r)),
-            pl.BlockSpec((None, None, None, gr), lambda b, h, r, c: (b, h, c, r)),
-            pl.BlockSpec((None, None, None, gr, head_dim), lambda b, h, r, c: (b, h, c, r, 0)),
+            pl.BlockSpec((None, None, None, br), lambda b, h, r, c: (b, h, c, r)),
+            pl.BlockSpec((None, None, None, br), lambda b, h, r, c: (b, h, c, r)),
+            pl.BlockSpec((None, None, None, br, head_dim), lambda b, h, r, c: (b, h, c, r, 0)),
         ],
         out_shape=[
             jax.ShapeDtypeStruct((batch, num_kv_heads, parts, rows), jnp.float32),
@@ -437,7 +403,7 @@ def _split_attention(q_rows, k_cache, v_cache, first, last, cfg: AttentionConfig
         ],
         compiler_params=params,
         interpret=interpret,
-        name="jspec_attention_split" if g == 1 else "jspec_attention_split_rows",
+        name="jspec_attention_split",
     )(q_rows, k_cache, v_cache, first, last)
     return pl.pallas_call(
         functools.partial(_combine_kernel, split=cfg.split),
@@ -501,19 +467,18 @@ def attention_reference(
     scale: float,
     softcap: float | None = None,
     split: int | None = None,
-    row_group: int = 1,
 ) -> jax.Array:
     """Plain-jnp attention: full softmax over all S keys with the same mask, all in f32
-    with IEEE f32 dots (`split` and `row_group` are accepted for the backends' common
-    signature and ignored). The accurate reference the kernel is checked against; XLA picks the
+    with IEEE f32 dots (`split` is accepted for the backends' common signature and
+    ignored). The accurate reference the kernel is checked against; XLA picks the
     reduction order per shape, so it is not invariant to T, B or S.
     """
-    del split, row_group
+    del split
     return _plain_attention(q, k_cache, v_cache, q_pos, window, scale=scale,
                             softcap=softcap, upcast=True).astype(q.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "softcap", "split", "row_group"))
+@functools.partial(jax.jit, static_argnames=("scale", "softcap", "split"))
 def attention_xla(
     q: jax.Array,  # [B, T, H, D]
     k_cache: jax.Array,  # [B, Hkv, S, D]
@@ -524,13 +489,12 @@ def attention_xla(
     scale: float,
     softcap: float | None = None,
     split: int | None = None,
-    row_group: int = 1,
 ) -> jax.Array:
     """The `xla` backend's attention, as a plain JAX model writes it: q @ k and p @ v in
     the cache dtype with f32 accumulation, the softmax in f32, p cast to the value dtype
     (as the kernel does). Same mask and padding rules as `attention_reference`; for f32
     caches the two are the same function. Not invariant (XLA picks reduction orders).
     """
-    del split, row_group
+    del split
     return _plain_attention(q, k_cache, v_cache, q_pos, window, scale=scale,
                             softcap=softcap, upcast=False)

@@ -329,20 +329,6 @@ def test_split_sliding_window_and_bfloat16():
     _assert_rows_match_split_decode(out, pos, dtype=jnp.bfloat16, window=9)
 
 
-@pytest.mark.parametrize("row_group", [2, 4])
-def test_split_row_groups_change_no_bit(row_group):
-    """Row groups (several row tiles of one kv head in one phase-1 program, each key block
-    loaded once for all of them) are scheduling only: T x G = 64 rows are 4 tiles of 16
-    (groups of 2 or 4); with garbage past each row, padding rows, a window that empties
-    whole partitions for late tiles, and softcapping, every row keeps its bits."""
-    pos = [list(range(100, 132)), list(range(3, 27)) + [-1] * 8]  # [2, 32]
-    for window, softcap in ((0, None), (SPLIT + 3, None), (0, 5.0)):
-        one = _attn(pos, window=window, softcap=softcap, split=SPLIT)
-        grouped = _attn(pos, window=window, softcap=softcap, split=SPLIT, row_group=row_group)
-        assert np.array_equal(grouped, one), (window, softcap)
-    _assert_rows_match_split_decode(_attn(pos, split=SPLIT, row_group=row_group), pos)
-
-
 def test_split_size_is_checked():
     for bad in (BLOCK_K + 1, -BLOCK_K):
         with pytest.raises(ValueError, match="split-KV partition size"):

@@ -156,22 +156,3 @@ def test_model_with_matmul_schedule_gives_the_same_logits():
     assert np.array_equal(bits(a), bits(b))
     with pytest.raises(ValueError, match="matmul_schedule=2 must be 0 or 1"):
         with_config(model, matmul_schedule=2)
-
-
-def test_model_with_attention_row_groups_gives_the_same_logits():
-    # Split-KV attention (interpret mode runs one pass unless attn_split is set): a
-    # 30-token block is T x G rows of several 16-row tiles per kv head.
-    from jspec.config import options
-
-    assert options("attn_row_group=1") == {"attn_row_group": 1}
-    model, seq = model_and_tokens("tiny-qwen3", 40, seed=10)
-    assert model.config.attn_row_group == 4  # the default
-    split = with_config(model, attn_split=32)
-    assert (split.config.num_heads // split.config.num_kv_heads) * 30 > 2 * 16
-    toks = jnp.asarray(np.stack([seq[:30], seq[10:40]]))  # [2, 30]
-    a, _ = _forward(split, toks, init_cache(split, 2, 64))
-    ungrouped = with_config(split, attn_row_group=1)
-    b, _ = _forward(ungrouped, toks, init_cache(ungrouped, 2, 64))
-    assert np.array_equal(bits(a), bits(b))
-    with pytest.raises(ValueError, match="attn_row_group=0 must be >= 1"):
-        with_config(model, attn_row_group=0)
