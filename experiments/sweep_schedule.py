@@ -16,7 +16,8 @@ each M of --rows (row groups of --row_group, as the model runs them) and times i
 the largest M, device-side (the busy time of a profiler trace of a jitted loop over
 enough weight copies to miss the L2). Writes `sweep_schedule.json`: per weight, the
 table config's time, every variant's bits_equal and time, and the fastest variant
-with equal bits.
+with equal bits. `--bm=32,64` first tries the config with other row tiles (same bk): does
+a larger dot give every row the config's bits? (Not a MULTI_TILE field: asked, not used.)
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ _PRESET = flags.DEFINE_string("preset", "qwen3-8b", "model shape preset")
 _SHAPES = flags.DEFINE_list("shapes", ["wo", "w_down", "wqkv", "w_gate_up:glu", "lm_head"],
                             "weights, in this order; NAME:glu runs a [K, 2F] weight through "
                             "the fused matmul_glu kernel (as the model does) instead of matmul")
+_BM = flags.DEFINE_list("bm", [], "also try these row tiles first (same bk, bn, warps, stages): "
+                        "does a larger dot give every row the config's bits?")
 _COMBOS = flags.DEFINE_bool("combos", True, "after the one-field variants, cross the two "
                             "fastest bit-equal values of bn, warps and stages")
 _ROWS = flags.DEFINE_list("rows", ["1", "40"], "row counts compared bitwise; the largest is timed")
@@ -59,10 +62,11 @@ _INTERPRET = flags.DEFINE_bool("interpret", False, "CPU smoke run (timings mean 
 _OUT = flags.DEFINE_string("out", os.environ.get("OUT", "experiments/results"), "receipt dir")
 
 
-def variants(base: MatmulConfig, N: int, limit: int) -> list[MatmulConfig]:
-    """The base config with other bn / warps / stages (same bm, bk, split_k): bn first.
-    N: the columns bn must divide (F for the GLU kernel)."""
-    out = []
+def variants(base: MatmulConfig, N: int, limit: int, bms=()) -> list[MatmulConfig]:
+    """The base config with other bn / warps / stages (same bm, bk, split_k): bn first;
+    before them, the base with each row tile of `bms`. N: the columns bn must divide
+    (F for the GLU kernel)."""
+    out = [dataclasses.replace(base, bm=bm) for bm in bms if bm != base.bm]
     for bn in (base.bn // 2, base.bn * 2, base.bn // 4, base.bn * 4):
         if bn >= 16 and N % bn == 0:
             out.append(dataclasses.replace(base, bn=bn))
@@ -77,7 +81,8 @@ def variants(base: MatmulConfig, N: int, limit: int) -> list[MatmulConfig]:
 
 def combos(base: MatmulConfig, ran: list[dict], done: set) -> list[MatmulConfig]:
     """Crosses of the two fastest bit-equal values of each field (the base's included)."""
-    ok = [(MatmulConfig(**v["config"]), v["us"]) for v in ran if all(v["bits_equal"].values())]
+    ok = [(MatmulConfig(**v["config"]), v["us"]) for v in ran
+          if all(v["bits_equal"].values()) and v["config"]["bm"] == base.bm]
     best = {}
     for f in ("bn", "num_warps", "num_stages"):
         times = {getattr(base, f): float("inf")}
@@ -160,7 +165,8 @@ def sweep_weight(name: str, K: int, N: int, rows: list[int], rg: int, key, t0: f
                 continue
             entry["variants"].append({**row, "bits_equal": equal, "us": us})
 
-    try_all(variants(base, N // 2 if glu else N, _MAX.value), name)
+    try_all(variants(base, N // 2 if glu else N, _MAX.value, [int(b) for b in _BM.value]),
+            name)
     if _COMBOS.value:
         ran = [v for v in entry["variants"] if "us" in v]
         done = {MatmulConfig(**v["config"]) for v in entry["variants"]}
