@@ -86,7 +86,7 @@ class ModelConfig:
         for every launch. Scheduling only: on the H200 every such variant gave the
         config's bits at M = 1 and 40 (per matmul), and whole decode and verify
         steps at B = 1 and 8 equal the unscheduled ones bitwise; a B=8 verify
-        block 7.64 -> 6.77 ms (2026-11-30e).
+        block 7.70 -> 6.40 ms (2026-11-30e).
     """
 
     family: str

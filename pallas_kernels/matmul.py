@@ -125,7 +125,7 @@ TUNED_ENV = "JSPEC_MATMUL_TUNED"
 # configs (bn 16-128, 2-8 warps, 2-5 stages; 36 variants) gave the config's bits at
 # M = 1 and M = 40 with row groups of 4
 # (experiments/results/sweep_schedule_qwen3-8b_h200_2026-11-30d.json, 36 variants;
-# ..._copytimed_2026-11-30e.json, 72 with crosses of the fields: all equal). The values
+# ..._copytimed_2026-11-30e.json, 76 with crosses of the fields: all equal). The values
 # are the fastest at M = 40 in the 2026-11-30e sweep (..._2026-11-30e.json: the kernel's
 # own device time, cold weights); decode (one row tile) keeps the config.
 MULTI_TILE: dict[tuple[int, int, str], dict[str, int]] = {

@@ -98,11 +98,11 @@ def matmul_glu(x: jax.Array, w: jax.Array, *, activation: str,
                                     row_group=row_group, schedule=schedule), 2, axis=-1)
         return glu(gate, up, activation=activation, interpret=interpret)
     cfg = matmul_config(k, 2 * f, w.dtype, interpret) if config is None else config
+    if schedule and config is None and not interpret and round_up(m, cfg.bm) > cfg.bm:
+        cfg = multi_tile_config(cfg, k, 2 * f, w.dtype, MULTI_TILE_GLU)
     if cfg.split_k != 1 or f % cfg.bn:
         raise ValueError(f"matmul_glu config must not split K and its bn must divide "
                          f"F={f}; got {cfg}")
-    if schedule and config is None and not interpret and round_up(m, cfg.bm) > cfg.bm:
-        cfg = multi_tile_config(cfg, k, 2 * f, w.dtype, MULTI_TILE_GLU)
     kp = round_up(k, cfg.bk)
     xp = pad_rows(pad_axis(x, 1, kp), cfg.bm)  # [Mp, Kp]
     wp = pad_axis(w, 0, kp)  # [Kp, 2F]
