@@ -119,21 +119,24 @@ TUNED_ENV = "JSPEC_MATMUL_TUNED"
 
 # Scheduling overrides for launches of more than one row tile (`matmul(...,
 # schedule=True)`: a verify block of several rows per sequence, a prefill), per weight
-# shape: other warps / pipeline stages / column tile than its `matmul_config` (the
-# `TUNED` entry or the default rule), with the same bm, bk and split_k. A row's sum
-# order is set by bk and split_k alone: on the H200 every such variant of the Qwen3-8B
-# configs (bn 16-128, 2-8 warps, 2-5 stages; 36 variants) gave the config's bits at
-# M = 1 and M = 40 with row groups of 4
+# shape: another row tile / column tile / warps / pipeline stages than its
+# `matmul_config` (the `TUNED` entry or the default rule), with the same bk and
+# split_k. A row's sum order is set by bk and split_k: on the H200 every variant of
+# the Qwen3-8B configs with other bn (16-128), warps (2-8) or stages (2-5) gave the
+# config's bits at M = 1 and M = 40 with row groups of 4
 # (experiments/results/sweep_schedule_qwen3-8b_h200_2026-11-30d.json, 36 variants;
-# ..._copytimed_2026-11-30e.json, 76 with crosses of the fields: all equal). The values
-# are the fastest at M = 40 in the 2026-11-30e sweep (..._2026-11-30e.json: the kernel's
-# own device time, cold weights); decode (one row tile) keeps the config.
+# ..._copytimed_2026-11-30e.json and ..._2026-11-30e.json, 76 each with crosses of the
+# fields), and so did every one with a 32- or 64-row tile (..._bm_2026-11-30e.json, 9
+# that compiled: a row's result does not depend on how many rows share its dot). The
+# values are the fastest at M = 40 in those sweeps (the kernel's own device time, cold
+# weights); decode (one row tile) keeps the config.
 MULTI_TILE: dict[tuple[int, int, str], dict[str, int]] = {
     (12288, 4096, "bfloat16"): {"num_warps": 2},  # w_down: 54.6 -> 34.2 us at M = 40
     (4096, 4096, "bfloat16"): {"bn": 32, "num_warps": 4, "num_stages": 4},  # wo: 27.1 -> 21.1
     (4096, 151936, "bfloat16"): {"num_stages": 3},  # lm_head: 301.5 -> 284.1
+    (4096, 6144, "bfloat16"): {"bm": 64},  # wqkv: 23.3 -> 16.7 (one 64-row tile)
 }
-SCHEDULE_FIELDS = ("bn", "num_warps", "num_stages")  # the only fields MULTI_TILE may set
+SCHEDULE_FIELDS = ("bm", "bn", "num_warps", "num_stages")  # the only fields MULTI_TILE may set
 
 
 def tuned_to_json(table: dict[tuple[int, int, str], MatmulConfig]) -> list[dict]:
@@ -298,7 +301,11 @@ def matmul(
     # Zero padding: extra K terms add exact zeros at the end of the (last chunk's)
     # sum; extra rows/columns are sliced away.
     if schedule and config is None and not interpret and round_up(m, cfg.bm) > cfg.bm:
+        base_bm = cfg.bm
         cfg = multi_tile_config(cfg, k, n, w.dtype)
+        # A larger row tile stands in for a row group: a program holds at most
+        # row_group x the table's bm rows (its shared memory), as without the schedule.
+        row_group = max(1, row_group * base_bm // cfg.bm)
     kp = round_up(k, s * cfg.bk)
     kc = kp // s  # K elements per chunk
     xp = pad_rows(pad_axis(x, 1, kp), cfg.bm)  # [Mp, Kp]

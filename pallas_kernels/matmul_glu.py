@@ -36,7 +36,7 @@ from pallas_kernels.matmul import (
 # Scheduling overrides of this kernel for launches of more than one row tile
 # (`schedule=True`), keyed like `matmul.MULTI_TILE` by the fused weight [K, 2F]: the
 # kernel runs two K loops a program, so its best warps / stages / column tile are its
-# own. Only bn, num_warps and num_stages (bits set by bk alone; see matmul.MULTI_TILE).
+# own. Only bm, bn, num_warps and num_stages (bits set by bk; see matmul.MULTI_TILE).
 # H200 (experiments/results/sweep_schedule_qwen3-8b_h200_2026-11-30e.json: 16 variants,
 # all bits equal at M = 1 and 40):
 MULTI_TILE_GLU: dict[tuple[int, int, str], dict[str, int]] = {
@@ -99,7 +99,9 @@ def matmul_glu(x: jax.Array, w: jax.Array, *, activation: str,
         return glu(gate, up, activation=activation, interpret=interpret)
     cfg = matmul_config(k, 2 * f, w.dtype, interpret) if config is None else config
     if schedule and config is None and not interpret and round_up(m, cfg.bm) > cfg.bm:
+        base_bm = cfg.bm
         cfg = multi_tile_config(cfg, k, 2 * f, w.dtype, MULTI_TILE_GLU)
+        row_group = max(1, row_group * base_bm // cfg.bm)  # as in `matmul`
     if cfg.split_k != 1 or f % cfg.bn:
         raise ValueError(f"matmul_glu config must not split K and its bn must divide "
                          f"F={f}; got {cfg}")
