@@ -17,12 +17,14 @@ the largest M, device-side (the busy time of a profiler trace of a jitted loop o
 enough weight copies to miss the L2). Writes `sweep_schedule.json`: per weight, the
 table config's time, every variant's bits_equal and time, and the fastest variant
 with equal bits. `--bm=32,64` first tries the config with other row tiles (same bk): does
-a larger dot give every row the config's bits? (Not a MULTI_TILE field: asked, not used.)
+a larger dot give every row the config's bits? (On the H200 it did, so MULTI_TILE may set
+bm; the crosses then include the two best row tiles too.)
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import os
 import sys
@@ -79,25 +81,25 @@ def variants(base: MatmulConfig, N: int, limit: int, bms=()) -> list[MatmulConfi
     return out[:limit]
 
 
+FIELDS = ("bm", "bn", "num_warps", "num_stages")  # what a variant may change
+
+
 def combos(base: MatmulConfig, ran: list[dict], done: set) -> list[MatmulConfig]:
-    """Crosses of the two fastest bit-equal values of each field (the base's included)."""
-    ok = [(MatmulConfig(**v["config"]), v["us"]) for v in ran
-          if all(v["bits_equal"].values()) and v["config"]["bm"] == base.bm]
+    """Crosses of the two fastest bit-equal values of each field (the base's included),
+    each field's values timed with the others at the base's."""
+    ok = [(MatmulConfig(**v["config"]), v["us"]) for v in ran if all(v["bits_equal"].values())]
     best = {}
-    for f in ("bn", "num_warps", "num_stages"):
+    for f in FIELDS:
         times = {getattr(base, f): float("inf")}
         for c, us in ok:
-            if all(getattr(c, g) == getattr(base, g) for g in ("bn", "num_warps", "num_stages")
-                   if g != f):
+            if all(getattr(c, g) == getattr(base, g) for g in FIELDS if g != f):
                 times[getattr(c, f)] = min(times.get(getattr(c, f), us), us)
         best[f] = sorted(times, key=times.get)[:2]
     out = []
-    for bn in best["bn"]:
-        for w in best["num_warps"]:
-            for st in best["num_stages"]:
-                c = dataclasses.replace(base, bn=bn, num_warps=w, num_stages=st)
-                if c not in done and c != base:
-                    out.append(c)
+    for values in itertools.product(*(best[f] for f in FIELDS)):
+        c = dataclasses.replace(base, **dict(zip(FIELDS, values, strict=True)))
+        if c not in done and c != base:
+            out.append(c)
     return out
 
 
