@@ -269,6 +269,18 @@ def multi_tile_config(cfg: MatmulConfig, K: int, N: int, dtype,
     return dataclasses.replace(cfg, **over)
 
 
+def scheduled(cfg: MatmulConfig, m: int, K: int, N: int, dtype, row_group: int,
+              table: dict | None = None) -> tuple[MatmulConfig, int]:
+    """(config, row_group) of a launch of m rows under a multi-tile schedule: the
+    table's overrides when m spans more than one of cfg's row tiles, else cfg. A
+    larger row tile stands in for the row group: a program holds at most row_group x
+    cfg.bm rows (its shared memory), as without the schedule."""
+    if round_up(m, cfg.bm) <= cfg.bm:
+        return cfg, row_group
+    out = multi_tile_config(cfg, K, N, dtype, table)
+    return out, max(1, row_group * cfg.bm // out.bm)
+
+
 @functools.partial(jax.jit, static_argnames=("out_dtype", "interpret", "config", "row_group",
                                              "schedule"))
 def matmul(
@@ -289,7 +301,7 @@ def matmul(
     `row_group` > 1 lets one program compute up to that many row tiles, each weight
     block loaded once for them (split_k == 1 only); the bits do not change.
     `schedule` lets a launch of more than one row tile take the MULTI_TILE overrides of
-    the table's config (warps, stages, column tile: scheduling only).
+    the table's config (row tile, column tile, warps, stages: scheduling only).
     """
     _check_shapes(x, w)
     out_dtype = jnp.dtype(jnp.float32 if out_dtype is None else out_dtype)
@@ -300,12 +312,8 @@ def matmul(
 
     # Zero padding: extra K terms add exact zeros at the end of the (last chunk's)
     # sum; extra rows/columns are sliced away.
-    if schedule and config is None and not interpret and round_up(m, cfg.bm) > cfg.bm:
-        base_bm = cfg.bm
-        cfg = multi_tile_config(cfg, k, n, w.dtype)
-        # A larger row tile stands in for a row group: a program holds at most
-        # row_group x the table's bm rows (its shared memory), as without the schedule.
-        row_group = max(1, row_group * base_bm // cfg.bm)
+    if schedule and config is None and not interpret:
+        cfg, row_group = scheduled(cfg, m, k, n, w.dtype, row_group)
     kp = round_up(k, s * cfg.bk)
     kc = kp // s  # K elements per chunk
     xp = pad_rows(pad_axis(x, 1, kp), cfg.bm)  # [Mp, Kp]

@@ -29,8 +29,8 @@ from pallas_kernels.matmul import (
     matmul,
     matmul_config,
     matmul_reference,
-    multi_tile_config,
     row_group_size,
+    scheduled,
 )
 
 # Scheduling overrides of this kernel for launches of more than one row tile
@@ -98,10 +98,8 @@ def matmul_glu(x: jax.Array, w: jax.Array, *, activation: str,
                                     row_group=row_group, schedule=schedule), 2, axis=-1)
         return glu(gate, up, activation=activation, interpret=interpret)
     cfg = matmul_config(k, 2 * f, w.dtype, interpret) if config is None else config
-    if schedule and config is None and not interpret and round_up(m, cfg.bm) > cfg.bm:
-        base_bm = cfg.bm
-        cfg = multi_tile_config(cfg, k, 2 * f, w.dtype, MULTI_TILE_GLU)
-        row_group = max(1, row_group * base_bm // cfg.bm)  # as in `matmul`
+    if schedule and config is None and not interpret:
+        cfg, row_group = scheduled(cfg, m, k, 2 * f, w.dtype, row_group, MULTI_TILE_GLU)
     if cfg.split_k != 1 or f % cfg.bn:
         raise ValueError(f"matmul_glu config must not split K and its bn must divide "
                          f"F={f}; got {cfg}")
