@@ -5,7 +5,7 @@
 # Steps: parity parity_split audit audit_qwen3 audit_gemma3 audit_xla kernels
 # kernels_fused spec sweep tuned e2e e2e_b1 e2e_b8 e2e_peers e2e_draftpallas e2e_decompose train pair
 # pair_eval profile_cboff profile_default profile_cbwhile profile_draftpallas hlo schedsweep
-# floor
+# floor persistent
 # (default: parity audit kernels spec).
 # - sweep: the matmul tile tuning; it writes $OUT/sweep_matmul_tuned.json, and `tuned`
 #   makes the lane's later steps use that table ($JSPEC_MATMUL_TUNED) before it is
@@ -43,6 +43,9 @@
 #   $SCHED_S bounds it, $SCHED_FLAGS appended.
 # - floor: launch_floor.py, what one kernel of a dependent chain costs, empty and
 #   streaming 1-16 MB (the floor under a latency-bound draft forward); $FLOOR_FLAGS.
+# - persistent: persistent_floor.py, a Qwen3-0.6B forward's weight traffic as one
+#   persistent kernel with grid barriers against a chain of one kernel per phase;
+#   $PERSIST_FLAGS, $PERSIST_S.
 # - a step NAME=value (no spaces) exports that variable for the lane's later steps, so
 #   lanes can differ: `E2E_S=170 e2e_b1 :: E2E_S=300 e2e_b8`.
 # - sweep: $SWEEP_FLAGS are appended (e.g. "--presets=qwen3-8b --max_candidates=24"),
@@ -173,6 +176,8 @@ for s in $steps; do
               | grep -v "it/s" | tail -12 ;;
     floor) timeout "${FLOOR_S:-120}" python3 experiments/launch_floor.py --out="$OUT" \
               ${FLOOR_FLAGS:-} 2>&1 | quiet | tail -12 ;;
+    persistent) timeout "${PERSIST_S:-240}" python3 experiments/persistent_floor.py --out="$OUT" \
+              ${PERSIST_FLAGS:-} 2>&1 | quiet | tail -16 ;;
     hlo) timeout "${HLO_S:-150}" python3 experiments/hlo_kernels.py --preset="${HLO_PRESET:-qwen3-0.6b}" \
               --batch="${HLO_BATCH:-1}" --tokens="${HLO_TOKENS:-1}" --context=768 --out="$OUT" \
               ${HLO_FLAGS:-} 2>&1 | quiet | tail -80 ;;
