@@ -44,6 +44,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._common import (
     check_float,
@@ -188,12 +189,30 @@ def matmul_config(K: int, N: int, dtype, interpret: bool) -> MatmulConfig:
     return default_matmul_config(K, N, dtype, interpret)
 
 
-def _k_loop(x_ref, w_ref, *, bk: int, nk: int):
-    """f32 sum over k = 0, 1, ..., nk-1 of x_ref[:, k-th bk block] @ w_ref[k-th bk block, :]."""
+def _row_mask(first_row, bm: int, m: int | None, cols: int):
+    """[bm, cols] bool: rows first_row + i < m (None: no mask, every row is real)."""
+    if m is None:
+        return None
+    rows = first_row + lax.broadcasted_iota(jnp.int32, (bm, cols), 0)
+    return rows < m
+
+
+def _load_rows(ref, mask):
+    """ref's block, rows past the array's end (mask False) read as exact zeros: the
+    same tile a zero-padded array would give, without the pad copy."""
+    if mask is None:
+        return ref[...]
+    return plgpu.load(ref, mask=mask, other=0)
+
+
+def _k_loop(x_ref, w_ref, *, bk: int, nk: int, first_row=0, m: int | None = None):
+    """f32 sum over k = 0, 1, ..., nk-1 of x_ref[:, k-th bk block] @ w_ref[k-th bk block, :].
+    m: the rows that exist (rows first_row + i >= m are read as zeros)."""
     bm, bn = x_ref.shape[0], w_ref.shape[1]
+    mask = _row_mask(first_row, bm, m, bk)
 
     def step(k, acc):  # acc [bm, bn] f32
-        xs = x_ref[:, pl.ds(k * bk, bk)]  # [bm, bk]
+        xs = _load_rows(x_ref.at[:, pl.ds(k * bk, bk)], mask)  # [bm, bk]
         ws = w_ref[pl.ds(k * bk, bk), :]  # [bk, bn]
         # HIGHEST: f32 tiles use exact f32 products (IEEE), never TF32, whatever
         # the global default precision; bf16 tiles are unaffected.
@@ -204,17 +223,19 @@ def _k_loop(x_ref, w_ref, *, bk: int, nk: int):
     return lax.fori_loop(0, nk, step, jnp.zeros((bm, bn), jnp.float32))
 
 
-def _k_loop_rows(x_ref, w_ref, *, bm: int, bk: int, nk: int, g: int):
+def _k_loop_rows(x_ref, w_ref, *, bm: int, bk: int, nk: int, g: int, first_row=0,
+                 m: int | None = None):
     """`_k_loop` for the g row tiles x_ref[r * bm:(r + 1) * bm] at once: each weight block
     is loaded once per step and fed to g dots; tile r's f32 sum is `_k_loop`'s, term for
     term and in the same order. Returns g accumulators [bm, bn]."""
     bn = w_ref.shape[1]
+    masks = [_row_mask(first_row + r * bm, bm, m, bk) for r in range(g)]
 
     def step(k, accs):
         ws = w_ref[pl.ds(k * bk, bk), :]  # [bk, bn], shared by the g row tiles
         out = []
         for r, acc in enumerate(accs):
-            xs = x_ref[pl.ds(r * bm, bm), pl.ds(k * bk, bk)]  # [bm, bk]
+            xs = _load_rows(x_ref.at[pl.ds(r * bm, bm), pl.ds(k * bk, bk)], masks[r])
             out.append(acc + jnp.dot(xs, ws, precision=lax.Precision.HIGHEST,
                                      preferred_element_type=jnp.float32))
         return tuple(out)
@@ -223,10 +244,23 @@ def _k_loop_rows(x_ref, w_ref, *, bm: int, bk: int, nk: int, g: int):
     return lax.fori_loop(0, nk, step, zeros)
 
 
-def _matmul_rows_kernel(x_ref, w_ref, o_ref, *, bm: int, bk: int, nk: int, g: int):
+def _store_rows(ref, val, mask):
+    """Stores val [bm, bn] into ref's block, skipping rows past the array's end."""
+    if mask is None:
+        ref[...] = val
+    else:
+        plgpu.store(ref, val, mask=mask)
+
+
+def _matmul_rows_kernel(x_ref, w_ref, o_ref, *, bm: int, bk: int, nk: int, g: int,
+                        m: int | None = None):
     # x_ref [g * bm, Kp], w_ref [Kp, bn], o_ref [g * bm, bn]
-    for r, acc in enumerate(_k_loop_rows(x_ref, w_ref, bm=bm, bk=bk, nk=nk, g=g)):
-        o_ref[pl.ds(r * bm, bm), :] = acc.astype(o_ref.dtype)
+    first = pl.program_id(0) * (g * bm)
+    bn = o_ref.shape[1]
+    accs = _k_loop_rows(x_ref, w_ref, bm=bm, bk=bk, nk=nk, g=g, first_row=first, m=m)
+    for r, acc in enumerate(accs):
+        _store_rows(o_ref.at[pl.ds(r * bm, bm), :], acc.astype(o_ref.dtype),
+                    _row_mask(first + r * bm, bm, m, bn))
 
 
 def row_group_size(tiles: int, row_group: int) -> int:
@@ -236,10 +270,14 @@ def row_group_size(tiles: int, row_group: int) -> int:
     return max(d for d in range(1, min(tiles, row_group) + 1) if tiles % d == 0)
 
 
-def _matmul_kernel(x_ref, w_ref, o_ref, *, bk: int, nk: int):
+def _matmul_kernel(x_ref, w_ref, o_ref, *, bk: int, nk: int, m: int | None = None):
     # x_ref [bm, Kp] (split: [bm, Kp / s]), w_ref [Kp, bn] (split: [Kp / s, bn]),
-    # o_ref [bm, bn]: the tile itself, or chunk c's f32 partial of it.
-    o_ref[...] = _k_loop(x_ref, w_ref, bk=bk, nk=nk).astype(o_ref.dtype)
+    # o_ref [bm, bn]: the tile itself, or chunk c's f32 partial of it. m: rows that
+    # exist (the unsplit kernel's last row tile may reach past them; None: all do).
+    bm, bn = o_ref.shape[-2], o_ref.shape[-1]
+    first = pl.program_id(0) * bm
+    acc = _k_loop(x_ref, w_ref, bk=bk, nk=nk, first_row=first, m=m)
+    _store_rows(o_ref, acc.astype(o_ref.dtype), _row_mask(first, bm, m, bn))
 
 
 def _combine_kernel(p_ref, o_ref, *, splits: int):
@@ -317,22 +355,27 @@ def matmul(
         cfg, row_group = scheduled(cfg, m, k, n, w.dtype, row_group)
     kp = round_up(k, s * cfg.bk)
     kc = kp // s  # K elements per chunk
-    xp = pad_rows(pad_axis(x, 1, kp), cfg.bm)  # [Mp, Kp]
     wp = pad_axis(pad_axis(w, 0, kp), 1, round_up(n, cfg.bn))  # [Kp, Np]
-    mp, np_ = xp.shape[0], wp.shape[1]
-    kernel = functools.partial(_matmul_kernel, bk=cfg.bk, nk=kc // cfg.bk)
+    np_ = wp.shape[1]
     params = triton_params(cfg.num_warps, cfg.num_stages)
 
     if s == 1:
-        g = row_group_size(mp // cfg.bm, row_group)
+        # Rows are not padded: the last row tile masks the rows past M (read as zeros,
+        # not stored), which is the zero-padded tile's arithmetic without its copy.
+        xp = pad_axis(x, 1, kp)  # [M, Kp]
+        tiles = -(-m // cfg.bm)
+        g = row_group_size(tiles, row_group)
         rows = g * cfg.bm  # rows per program: g row tiles (1: the grid kernel)
+        ragged = m if m % rows else None
         if g > 1:
             kernel = functools.partial(_matmul_rows_kernel, bm=cfg.bm, bk=cfg.bk,
-                                       nk=kc // cfg.bk, g=g)
+                                       nk=kc // cfg.bk, g=g, m=ragged)
+        else:
+            kernel = functools.partial(_matmul_kernel, bk=cfg.bk, nk=kc // cfg.bk, m=ragged)
         out = pl.pallas_call(
             kernel,
-            out_shape=jax.ShapeDtypeStruct((mp, np_), out_dtype),
-            grid=(mp // rows, np_ // cfg.bn),
+            out_shape=jax.ShapeDtypeStruct((m, np_), out_dtype),
+            grid=(tiles // g, np_ // cfg.bn),
             in_specs=[
                 pl.BlockSpec((rows, kp), lambda i, j: (i, 0)),
                 pl.BlockSpec((kp, cfg.bn), lambda i, j: (0, j)),
@@ -342,8 +385,11 @@ def matmul(
             interpret=interpret,
             name="jspec_matmul" if g == 1 else "jspec_matmul_rows",
         )(xp, wp)
-        return out[:m, :n]
+        return out[:, :n]
 
+    xp = pad_rows(pad_axis(x, 1, kp), cfg.bm)  # [Mp, Kp]
+    mp = xp.shape[0]
+    kernel = functools.partial(_matmul_kernel, bk=cfg.bk, nk=kc // cfg.bk)
     partials = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((s, mp, np_), jnp.float32),

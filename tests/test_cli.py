@@ -159,3 +159,19 @@ def test_launch_floor_smoke(tmp_path):
     assert all(s["us_per_kernel"] > 0 and s["kernels"] == 3 for s in rep["sizes"])
     bad = _run("launch_floor.py", "--interpret", "--mb=-1", f"--out={tmp_path}")
     assert bad.returncode != 0 and "sizes must be >= 0" in bad.stderr
+
+
+def test_persistent_floor_smoke(tmp_path):
+    # The persistent kernel (P = 1: interpret mode runs programs one after another) and
+    # the chain of one kernel per phase at P = 1 and 2 compute the same bits.
+    r = _run("persistent_floor.py", "--interpret", "--layers=1", "--nolm_head",
+             "--programs=1,2", "--iters=1", f"--out={tmp_path}")
+    assert r.returncode == 0, r.stderr[-2000:]
+    rep = json.load(open(tmp_path / "persistent_floor.json"))
+    kinds = [(v["kind"], v["programs"], v["prefetch"]) for v in rep["variants"]]
+    assert kinds == [("chain", 1, False), ("persistent", 1, False), ("chain", 1, True),
+                     ("persistent", 1, True), ("chain", 2, False), ("chain", 2, True)]
+    assert all(v["equal_to_first"] and v["finite"] for v in rep["variants"])
+    assert "grid barrier would wait forever" in r.stdout
+    bad = _run("persistent_floor.py", "--interpret", "--programs=0", f"--out={tmp_path}")
+    assert bad.returncode != 0 and "every count must be >= 1" in bad.stderr
