@@ -111,8 +111,11 @@ LAYER_PHASES = (QKV, ATTN, WO, GU, DOWN)
 
 
 def _sum_rows(ref, k0, size):
-    """[S_pad, N] partials -> [size] f32: rows summed in order 0, 1, ... (pad rows are 0)."""
-    return jnp.sum(plgpu.load(ref.at[:, pl.ds(k0, size)], cache_modifier="cg"), axis=0)
+    """[S_pad, N] partials -> [size] f32: rows summed in order 0, 1, ... (pad rows are 0).
+    Data other programs wrote is loaded volatile (from the L2, never a stale L1 line);
+    jax 0.11.2's Triton lowering rejects every cache modifier ('.cg' is looked up in a
+    table keyed 'cg', and 'cg' is refused before the lookup)."""
+    return jnp.sum(plgpu.load(ref.at[:, pl.ds(k0, size)], volatile=True), axis=0)
 
 
 def _rms_scale(x):  # x [H] f32 -> scalar
@@ -188,7 +191,7 @@ def _acts(b: _Bufs, ph: Phase, layer, pid):
         base, parts, dst = b.Xmid.at[jnp.maximum(layer - 1, 0)], b.p_down, b.X.at[layer]
     else:  # the head: Xmid[L - 1] + down partials
         base, parts, dst = b.Xmid.at[jnp.int32(_LAYERS_STATIC[0] - 1)], b.p_down, None
-    full = plgpu.load(base, cache_modifier="cg") + _sum_rows(parts, 0, H)  # [H]
+    full = plgpu.load(base, volatile=True) + _sum_rows(parts, 0, H)  # [H]
     if ph is QKV:
         full = jnp.where(first, b.x0[...], full)
     scale = _rms_scale(full)
@@ -198,7 +201,7 @@ def _acts(b: _Bufs, ph: Phase, layer, pid):
             dst[...] = full
 
     def act(k0):
-        piece = plgpu.load(base.at[pl.ds(k0, ph.kc)], cache_modifier="cg") + _sum_rows(
+        piece = plgpu.load(base.at[pl.ds(k0, ph.kc)], volatile=True) + _sum_rows(
             parts, k0, ph.kc)
         if ph is QKV:
             piece = jnp.where(first, b.x0[pl.ds(k0, ph.kc)], piece)

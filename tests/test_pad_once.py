@@ -1,7 +1,7 @@
 """`ModelConfig.pad_rows_once`: the residual stream padded once per forward.
 
-(a) the traced pallas forward has fewer pad ops (the norm, matmul and GLU kernels
-    get aligned rows);
+(a) the traced pallas forward has fewer pad ops (the norm and GLU kernels get aligned
+    rows; the matmul pads no rows either way: its last row tile masks the rows past M);
 (b) its logits are bitwise equal to the default path's, at prefill, one-token
     steps, verify blocks and in a ragged batch, alone and with fuse_add_norm, so the
     option is a pure speed change; P then follows from the default path's tests;
@@ -43,8 +43,9 @@ def test_pad_once_removes_pad_and_slice_ops(case):
     L = model.config.num_layers
     for T in (1, 5):
         (p0, s0, k0), (p1, s1, k1) = _ops(model, T), _ops(with_config(model, pad_rows_once=True), T)
-        # The same kernels; per layer at least 5 pads and 5 slices fewer.
-        assert k1 == k0 and p0 - p1 >= 5 * L and s0 - s1 >= 5 * L, ((p0, s0, k0), (p1, s1, k1))
+        # The same kernels; per layer at least 2 pads and 2 slices fewer (5 of each
+        # while the matmul still padded its rows).
+        assert k1 == k0 and p0 - p1 >= 2 * L and s0 - s1 >= 2 * L, ((p0, s0, k0), (p1, s1, k1))
     assert _ops(model, 16)[:2] == _ops(with_config(model, pad_rows_once=True), 16)[:2]  # aligned
     xla = model.with_backend("xla")
     assert _ops(with_config(xla, pad_rows_once=True)) == _ops(xla)  # (c): ignored on xla

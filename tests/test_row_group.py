@@ -10,8 +10,10 @@ give the bits of the grid kernel, which computes each row tile in its own progra
 CPU, Pallas in interpret mode; JSPEC_PALLAS_INTERPRET=0 runs (a) compiled on a GPU.
 """
 
+import functools
 import os
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -157,3 +159,20 @@ def test_model_with_matmul_schedule_gives_the_same_logits():
     assert np.array_equal(bits(a), bits(b))
     with pytest.raises(ValueError, match="matmul_schedule=2 must be 0 or 1"):
         with_config(model, matmul_schedule=2)
+
+
+@pytest.mark.parametrize("m", [1, 5, 40, 48])
+@pytest.mark.parametrize("row_group", [1, 4])
+def test_ragged_rows_are_masked_not_padded(m, row_group):
+    # The last row tile masks the rows past M (read as zeros, not stored): no pad or
+    # slice of x or of the output, and the bits of a zero-padded input's rows.
+    from conftest import eqn_counts
+
+    x, w = _rand((m, 256), jnp.bfloat16, 6), _rand((256, 128), jnp.bfloat16, 7)
+    cfg = MatmulConfig(bm=64, bn=64, bk=64, num_warps=4, num_stages=2)
+    call = functools.partial(matmul, out_dtype=jnp.bfloat16, config=cfg, row_group=row_group)
+    c = eqn_counts(jax.make_jaxpr(functools.partial(call, interpret=False))(x, w).jaxpr)
+    assert c["pad"] == 0 and c["slice"] == 0 and c["pallas_call"] == 1, c
+    got = call(x, w, interpret=INTERPRET)
+    padded = call(jnp.pad(x, ((0, 128 - m), (0, 0))), w, interpret=INTERPRET)[:m]
+    assert got.shape == (m, 128) and np.array_equal(bits(got), bits(padded))
