@@ -135,8 +135,12 @@ def _tile(ph: Phase, w_ref, layer, i):
     i = jnp.minimum(i, ph.items - 1)
     s, nt = i % ph.splits, i // ph.splits
     k0, n0 = s * ph.kc, nt * ph.bn
-    w = w_ref.at[layer] if layer is not None else w_ref
-    return plgpu.load(w.at[pl.ds(k0, ph.kc), pl.ds(n0, ph.bn)]), s, k0, n0
+    # One indexer per access: the Triton lowering does not compose `.at` views.
+    if layer is None:
+        view = w_ref.at[pl.ds(k0, ph.kc), pl.ds(n0, ph.bn)]
+    else:
+        view = w_ref.at[jnp.asarray(layer, jnp.int32), pl.ds(k0, ph.kc), pl.ds(n0, ph.bn)]
+    return plgpu.load(view), s, k0, n0
 
 
 def _run_phase(ph: Phase, pid, programs: int, w_ref, layer, act, out_ref, pre, prefetch):
@@ -185,23 +189,23 @@ def _acts(b: _Bufs, ph: Phase, layer, pid):
     # qkv, gu and the head: residual + partials, RMSNorm (1 + w) in the prologue.
     first = False
     if ph is GU:  # X[l] + wo partials -> Xmid[l]
-        base, parts, dst = b.X.at[layer], b.p_wo, b.Xmid.at[layer]
+        (base, row), parts, dst = (b.X, layer), b.p_wo, (b.Xmid, layer)
     elif ph is QKV:  # Xmid[l - 1] + down partials -> X[l]; x0 at layer 0
         first = layer == 0
-        base, parts, dst = b.Xmid.at[jnp.maximum(layer - 1, 0)], b.p_down, b.X.at[layer]
+        (base, row), parts, dst = (b.Xmid, jnp.maximum(layer - 1, 0)), b.p_down, (b.X, layer)
     else:  # the head: Xmid[L - 1] + down partials
-        base, parts, dst = b.Xmid.at[jnp.int32(_LAYERS_STATIC[0] - 1)], b.p_down, None
-    full = plgpu.load(base, volatile=True) + _sum_rows(parts, 0, H)  # [H]
+        (base, row), parts, dst = (b.Xmid, jnp.int32(_LAYERS_STATIC[0] - 1)), b.p_down, None
+    full = plgpu.load(base.at[row, :], volatile=True) + _sum_rows(parts, 0, H)  # [H]
     if ph is QKV:
         full = jnp.where(first, b.x0[...], full)
     scale = _rms_scale(full)
     if dst is not None:
         @pl.when(pid == 0)
         def _():
-            dst[...] = full
+            dst[0][dst[1], :] = full
 
     def act(k0):
-        piece = plgpu.load(base.at[pl.ds(k0, ph.kc)], volatile=True) + _sum_rows(
+        piece = plgpu.load(base.at[row, pl.ds(k0, ph.kc)], volatile=True) + _sum_rows(
             parts, k0, ph.kc)
         if ph is QKV:
             piece = jnp.where(first, b.x0[pl.ds(k0, ph.kc)], piece)
