@@ -1,0 +1,116 @@
+"""Every Pallas kernel of the GPU path lowers to Triton IR for the H200, on a CPU.
+
+Interpret mode (the rest of the CPU suite) runs none of the Triton lowering, so an op
+that the lowering does not support (a load through two stacked `.at` views, a cache
+modifier jax 0.11.2 cannot map) would only surface on the device. Here
+`gpu_info.get_gpu_info` answers with the H200's entry (sm_90) and jax lowers the
+jitted functions for the "cuda" platform with abstract weights: nothing is
+allocated, compiled to PTX or run. Covered: the Qwen3-8B- and Gemma-3-4B-shaped
+forwards (2 layers; the tuned matmul table, multi-tile schedules with 64-row tiles,
+masked row tiles, split-KV attention, every speed option) at decode, verify and
+prefill shapes, B = 1 and 8; the logsumexp kernel; the experiment kernels of
+`launch_floor.py` and `persistent_floor.py`. Shared memory limits and register
+spills are checked by the Triton compiler on the device, not here.
+"""
+
+import functools
+import os
+import re
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax._src.pallas.triton import gpu_info, pallas_call_registration
+
+from jspec.cache import init_cache
+from jspec.model import Model, _forward
+from jspec.random_model import preset_config, random_params
+from pallas_kernels.logsumexp import logsumexp
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(autouse=True)
+def h200(monkeypatch):
+    info = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200)
+    monkeypatch.setattr(pallas_call_registration.gpu_info_lib, "get_gpu_info",
+                        lambda *a, **k: info)
+
+
+def _lower(fn, *args) -> str:
+    """StableHLO text of fn(*args) lowered for CUDA (args may be abstract)."""
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def _abstract_model(preset: str, layers: int = 2) -> Model:
+    cfg = preset_config(preset, num_layers=layers, interpret=False)
+    return Model(config=cfg, params=jax.eval_shape(lambda: random_params(cfg)))
+
+
+@pytest.mark.parametrize("preset", ["qwen3-8b", "gemma3-4b"])
+@pytest.mark.parametrize("batch,tokens", [(1, 1), (1, 5), (8, 1), (8, 5), (1, 70)])
+def test_model_forward_lowers_for_the_h200(preset, batch, tokens):
+    model = _abstract_model(preset)
+    cache = jax.eval_shape(lambda: init_cache(model, batch, 256))
+    toks = jax.ShapeDtypeStruct((batch, tokens), jnp.int32)
+    text = _lower(_forward, model, toks, cache)
+    names = set(re.findall(r'name = "(jspec_[a-z_0-9]*)"', text))
+    assert text.count("__gpu$xla.gpu.triton") >= 8
+    assert {"jspec_attention_split", "jspec_attention_combine", "jspec_qk_norm_rope"} <= names
+    assert names & {"jspec_matmul", "jspec_matmul_rows"}, names
+    assert names & {"jspec_rmsnorm", "jspec_add_rmsnorm"}, names
+    # The 64-row tiles of a multi-tile launch (wqkv and wo of Qwen3-8B) mask the rows
+    # past the residual stream's 48 (B=8 x T=5 padded once to 16s): no pad to 64.
+    assert "-> tensor<64x4096xbf16>" not in text
+
+
+def test_logsumexp_lowers_for_the_h200():
+    x = jax.ShapeDtypeStruct((8, 151936), jnp.float32)
+    assert "triton" in _lower(functools.partial(logsumexp, interpret=False), x)
+
+
+_EXPERIMENT = """
+import functools, sys
+import jax, jax.numpy as jnp
+from absl import flags
+from jax._src.pallas.triton import gpu_info, pallas_call_registration as reg
+info = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200)
+reg.gpu_info_lib.get_gpu_info = lambda *a, **k: info
+sys.path[:0] = ["experiments", "."]
+def lower(fn, *args):
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+"""
+
+_LAUNCH_FLOOR = _EXPERIMENT + """
+import launch_floor as lf
+flags.FLAGS(["x"])
+ws = [jax.ShapeDtypeStruct((512, lf.COLS), jnp.bfloat16)] * 2
+prev = jax.ShapeDtypeStruct((1, lf.COLS), jnp.float32)
+assert "triton" in lower(functools.partial(lf.chain, interpret=False), ws, prev)
+print("lowered: launch_floor")
+"""
+
+_PERSISTENT_FLOOR = _EXPERIMENT + """
+import persistent_floor as pf
+flags.FLAGS(["x", "--layers=2"])
+pf._LAYERS_STATIC[0] = 2
+ins = jax.eval_shape(lambda: pf.make_inputs(2))
+bufs = {k: jax.ShapeDtypeStruct(*v) for k, v in pf._buffers(2).items()}
+for fn in (pf.chain, pf.persistent):
+    for prefetch in (False, True):
+        f = functools.partial(fn, programs=132, prefetch=prefetch, lm_head=True,
+                              interpret=False)
+        assert "triton" in lower(f, ins, bufs)
+print("lowered: persistent_floor")
+"""
+
+
+@pytest.mark.parametrize("script", [_LAUNCH_FLOOR, _PERSISTENT_FLOOR],
+                         ids=["launch_floor", "persistent_floor"])
+def test_experiment_kernels_lower_for_the_h200(script):
+    # In a subprocess each: the scripts define absl flags of the same names.
+    r = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0 and "lowered:" in r.stdout, r.stderr[-3000:]
