@@ -64,6 +64,11 @@ _PROGRAMS = flags.DEFINE_list("programs", ["132", "264"], "programs of the persi
                               "kernel (all must be resident at once: <= SMs x CTAs/SM)")
 _WARPS = flags.DEFINE_integer("num_warps", 8, "warps per program")
 _PREFETCH = flags.DEFINE_list("prefetch", ["0", "1"], "prefetch variants to run (0/1)")
+_SCALE = flags.DEFINE_list("tile_scale", ["1"], "tile widths to run: bn x this (1: 32 KB "
+                           "tiles, 2: 64 KB, ...)")
+_VOLATILE = flags.DEFINE_bool("act_volatile", True, "load other programs' partials and "
+                              "residuals volatile (never from the L1); off relies on the "
+                              "barrier's acquire alone (a stale read shows as a difference)")
 _LM_HEAD = flags.DEFINE_bool("lm_head", True, "include the 1024 x 151,936 LM head")
 _ITERS = flags.DEFINE_integer("iters", 5, "traced forwards per variant")
 _INTERPRET = flags.DEFINE_bool("interpret", False, "CPU smoke run (timings mean nothing)")
@@ -110,12 +115,12 @@ LM = Phase("lm", H, VOCAB, 256, 64)          # 9496 tiles
 LAYER_PHASES = (QKV, ATTN, WO, GU, DOWN)
 
 
-def _sum_rows(ref, k0, size):
+def _sum_rows(ref, k0, size, volatile=True):
     """[S_pad, N] partials -> [size] f32: rows summed in order 0, 1, ... (pad rows are 0).
     Data other programs wrote is loaded volatile (from the L2, never a stale L1 line);
     jax 0.11.2's Triton lowering rejects every cache modifier ('.cg' is looked up in a
     table keyed 'cg', and 'cg' is refused before the lookup)."""
-    return jnp.sum(plgpu.load(ref.at[:, pl.ds(k0, size)], volatile=True), axis=0)
+    return jnp.sum(plgpu.load(ref.at[:, pl.ds(k0, size)], volatile=volatile), axis=0)
 
 
 def _rms_scale(x):  # x [H] f32 -> scalar
@@ -129,9 +134,10 @@ class _Bufs:
         self.__dict__.update(refs)
 
 
-def _tile(ph: Phase, w_ref, layer, i):
+def _tile(ph: Phase, w_ref, layer, i, scale: int = 1):
     """The weight tile of item i (clamped to the last item) -> [kc, bn] bf16, with its
-    split index, row and column offsets."""
+    split index, row and column offsets. scale: tiles scale x wider."""
+    ph = dataclasses.replace(ph, bn=ph.bn * scale)
     i = jnp.minimum(i, ph.items - 1)
     s, nt = i % ph.splits, i // ph.splits
     k0, n0 = s * ph.kc, nt * ph.bn
@@ -143,9 +149,11 @@ def _tile(ph: Phase, w_ref, layer, i):
     return plgpu.load(view), s, k0, n0
 
 
-def _run_phase(ph: Phase, pid, programs: int, w_ref, layer, act, out_ref, pre, prefetch):
+def _run_phase(ph: Phase, pid, programs: int, w_ref, layer, act, out_ref, pre, prefetch,
+               scale: int = 1):
     """Program pid's share of a phase: items pid, pid + P, ...; act(k0) -> [kc] f32.
     pre: this program's first tile, already loaded (or None)."""
+    ph = dataclasses.replace(ph, bn=ph.bn * scale)
     rounds = -(-ph.items // programs)
 
     def one(r, w):
@@ -173,17 +181,17 @@ def _run_phase(ph: Phase, pid, programs: int, w_ref, layer, act, out_ref, pre, p
         lax.fori_loop(1, rounds, body, 0)
 
 
-def _acts(b: _Bufs, ph: Phase, layer, pid):
+def _acts(b: _Bufs, ph: Phase, layer, pid, vol: bool = True):
     """The phase's prologue: act(k0) -> [kc] f32 from the previous phase's partials.
     Program 0 also writes the residual the phase produces (read two barriers later)."""
     if ph is ATTN:
-        return lambda k0: _sum_rows(b.p_qkv, k0, ph.kc)
+        return lambda k0: _sum_rows(b.p_qkv, k0, ph.kc, vol)
     if ph is WO:
-        return lambda k0: _sum_rows(b.p_attn, k0, ph.kc)
+        return lambda k0: _sum_rows(b.p_attn, k0, ph.kc, vol)
     if ph is DOWN:
         def act(k0):
-            g = _sum_rows(b.p_gu, k0, ph.kc)
-            u = _sum_rows(b.p_gu, F + k0, ph.kc)
+            g = _sum_rows(b.p_gu, k0, ph.kc, vol)
+            u = _sum_rows(b.p_gu, F + k0, ph.kc, vol)
             return g * jax.nn.sigmoid(g) * u
         return act
     # qkv, gu and the head: residual + partials, RMSNorm (1 + w) in the prologue.
@@ -195,7 +203,7 @@ def _acts(b: _Bufs, ph: Phase, layer, pid):
         (base, row), parts, dst = (b.Xmid, jnp.maximum(layer - 1, 0)), b.p_down, (b.X, layer)
     else:  # the head: Xmid[L - 1] + down partials
         (base, row), parts, dst = (b.Xmid, jnp.int32(_LAYERS_STATIC[0] - 1)), b.p_down, None
-    full = plgpu.load(base.at[row, :], volatile=True) + _sum_rows(parts, 0, H)  # [H]
+    full = plgpu.load(base.at[row, :], volatile=vol) + _sum_rows(parts, 0, H, vol)  # [H]
     if ph is QKV:
         full = jnp.where(first, b.x0[...], full)
     scale = _rms_scale(full)
@@ -205,8 +213,8 @@ def _acts(b: _Bufs, ph: Phase, layer, pid):
             dst[0][dst[1], :] = full
 
     def act(k0):
-        piece = plgpu.load(base.at[row, pl.ds(k0, ph.kc)], volatile=True) + _sum_rows(
-            parts, k0, ph.kc)
+        piece = plgpu.load(base.at[row, pl.ds(k0, ph.kc)], volatile=vol) + _sum_rows(
+            parts, k0, ph.kc, vol)
         if ph is QKV:
             piece = jnp.where(first, b.x0[pl.ds(k0, ph.kc)], piece)
         return piece * scale * (1.0 + b.norm_w[pl.ds(k0, ph.kc)])
@@ -272,7 +280,8 @@ def _unpack(refs) -> _Bufs:
     return _Bufs(d)
 
 
-def persistent(ins, bufs, *, programs: int, prefetch: bool, lm_head: bool, interpret: bool):
+def persistent(ins, bufs, *, programs: int, prefetch: bool, lm_head: bool, interpret: bool,
+               scale: int = 1, vol: bool = True):
     """The whole forward as one kernel of `programs` programs."""
     layers = ins["w_qkv"].shape[0]
 
@@ -282,32 +291,33 @@ def persistent(ins, bufs, *, programs: int, prefetch: bool, lm_head: bool, inter
 
         def layer_body(layer, pre):
             for j, ph in enumerate(LAYER_PHASES):
-                _run_phase(ph, pid, programs, _weights(b, ph), layer, _acts(b, ph, layer, pid),
-                           _out(b, ph), pre, prefetch)
+                _run_phase(ph, pid, programs, _weights(b, ph), layer,
+                           _acts(b, ph, layer, pid, vol), _out(b, ph), pre, prefetch, scale)
                 nxt = LAYER_PHASES[(j + 1) % len(LAYER_PHASES)]
                 nl = layer + 1 if j == len(LAYER_PHASES) - 1 else layer
                 if prefetch and nxt is not QKV:
-                    pre = _tile(nxt, _weights(b, nxt), nl, pid)[0]
+                    pre = _tile(nxt, _weights(b, nxt), nl, pid, scale)[0]
                 elif prefetch:  # next layer's qkv (clamped at the last layer)
-                    pre = _tile(QKV, b.w_qkv, jnp.minimum(nl, layers - 1), pid)[0]
+                    pre = _tile(QKV, b.w_qkv, jnp.minimum(nl, layers - 1), pid, scale)[0]
                 else:
                     pre = None
                 _barrier(b.bar, layer * PHASES_PER_LAYER + j, programs, interpret)
             return pre
 
-        pre0 = _tile(QKV, b.w_qkv, 0, pid)[0] if prefetch else None
+        pre0 = _tile(QKV, b.w_qkv, 0, pid, scale)[0] if prefetch else None
         if prefetch:
             lax.fori_loop(0, layers, layer_body, pre0)
         else:
             lax.fori_loop(0, layers, lambda lyr, c: (layer_body(lyr, None), c)[1], 0)
         if lm_head:
-            _run_phase(LM, pid, programs, b.w_lm, None, _acts(b, LM, None, pid), b.p_lm,
-                       None, prefetch)
+            _run_phase(LM, pid, programs, b.w_lm, None, _acts(b, LM, None, pid, vol), b.p_lm,
+                       None, prefetch, scale)
 
     return _call(kernel, ins, bufs, programs, interpret, "pfloor_persistent")
 
 
-def chain(ins, bufs, *, programs: int, prefetch: bool, lm_head: bool, interpret: bool):
+def chain(ins, bufs, *, programs: int, prefetch: bool, lm_head: bool, interpret: bool,
+          scale: int = 1, vol: bool = True):
     """The same phases as one kernel each (what a kernel-per-op forward pays). The layer
     index is an input, so each phase compiles once."""
     layers = ins["w_qkv"].shape[0]
@@ -316,8 +326,8 @@ def chain(ins, bufs, *, programs: int, prefetch: bool, lm_head: bool, interpret:
         b = _unpack(refs)
         pid = pl.program_id(0)
         lyr = None if ph is LM else b.lidx[0]
-        _run_phase(ph, pid, programs, _weights(b, ph), lyr, _acts(b, ph, lyr, pid),
-                   _out(b, ph), None, prefetch)
+        _run_phase(ph, pid, programs, _weights(b, ph), lyr, _acts(b, ph, lyr, pid, vol),
+                   _out(b, ph), None, prefetch, scale)
 
     calls = [(ph, layer) for layer in range(layers) for ph in LAYER_PHASES]
     calls += [(LM, 0)] if lm_head else []
@@ -374,74 +384,84 @@ def main(_):
     if any(int(p) < 1 for p in _PROGRAMS.value):
         raise app.UsageError(f"--programs: every count must be >= 1; got {_PROGRAMS.value}")
     _LAYERS_STATIC[0] = layers
-    for p in LAYER_PHASES + (LM,):
-        if p.k % p.kc or p.n % p.bn:
-            raise app.UsageError(f"phase {p.name}: tiles {p.kc}x{p.bn} do not divide "
-                                 f"{p.k}x{p.n}")
+    scales = [int(v) for v in _SCALE.value]
+    for sc in scales:
+        for p in LAYER_PHASES + (LM,):
+            if sc < 1 or p.k % p.kc or p.n % (p.bn * sc):
+                raise app.UsageError(f"--tile_scale={sc}: phase {p.name}'s tiles "
+                                     f"{p.kc}x{p.bn * sc} do not divide {p.k}x{p.n}")
     ins = make_inputs(layers)
     nbytes = weight_bytes(layers, _LM_HEAD.value)
     n_kernels = layers * PHASES_PER_LAYER + int(_LM_HEAD.value)
     report = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
               "date": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(sys.argv),
               "layers": layers, "lm_head": _LM_HEAD.value, "weight_bytes": nbytes,
-              "num_warps": _WARPS.value, "operating_point": {
+              "num_warps": _WARPS.value, "act_volatile": _VOLATILE.value,
+              "operating_point": {
                   "tokens_per_round": _TOKENS.value, "serial_ms": _SERIAL.value,
                   "verify_ms": _VERIFY.value, "overhead_ms": _OVERHEAD.value,
                   "gamma": _GAMMA.value}, "variants": []}
     ref = None
-    for programs in (int(p) for p in _PROGRAMS.value):
-        for pf in (bool(int(v)) for v in _PREFETCH.value):
-            for kind, fn in (("chain", chain), ("persistent", persistent)):
-                if kind == "persistent" and interp and programs > 1:
-                    print(f"persistent P={programs}: skipped (interpret mode runs the "
-                          "programs one after another, so a grid barrier would wait "
-                          "forever)")
-                    continue
-                f = jax.jit(functools.partial(fn, programs=programs, prefetch=pf,
-                                              lm_head=_LM_HEAD.value, interpret=interp))
-                t0 = time.perf_counter()
-                out, events = _run(f, ins, layers, iters)
-                wall = time.perf_counter() - t0
-                logits = np.asarray(jnp.sum(out[BUF_NAMES.index("p_lm")], axis=0))
-                resid = np.asarray(out[BUF_NAMES.index("Xmid")])
-                if ref is None:
-                    ref = (logits, resid)
-                equal = bool(np.array_equal(logits, ref[0]) and np.array_equal(resid, ref[1]))
-                # Two separately compiled kernels may reduce a tile's sum in another
-                # order, so bits can differ without a race; a barrier that let a phase
-                # read stale partials would be off by O(1), not by rounding.
-                rel = float(np.max(np.abs(logits - ref[0])) / np.max(np.abs(ref[0])))
-                finite = bool(np.isfinite(logits).all() and np.isfinite(resid).all())
-                per = n_kernels if kind == "chain" else 1
-                if events:
-                    spans = [events[i + per - 1]["ts"] + events[i + per - 1]["dur"]
-                             - events[i]["ts"] for i in range(0, len(events) - per + 1, per)]
-                    us = float(np.median(spans))
-                else:
-                    us = float("nan")
-                r = {"kind": kind, "programs": programs, "prefetch": pf, "us": us,
-                     "tb_s": nbytes / (us * 1e-6) / 1e12 if us == us else None,
-                     "us_per_layer": us / layers, "equal_to_first": equal,
-                     "max_rel_diff_to_first": rel,
-                     "finite": finite, "wall_s": wall,
-                     "speedup_at_operating_point": speedup(us / 1e3) if us == us else None}
-                report["variants"].append(r)
-                print(f"{kind:10s} P={programs:3d} prefetch={int(pf)}: {us:9.1f} us "
-                      f"({us / layers:6.2f} us/layer), equal={equal} max rel diff {rel:.1e} "
-                      f"finite={finite}",
-                      flush=True)
+    grid = [(int(p), bool(int(v)), sc) for p in _PROGRAMS.value for v in _PREFETCH.value
+            for sc in scales]
+    for programs, pf, sc in grid:
+        for kind, fn in (("chain", chain), ("persistent", persistent)):
+            if kind == "persistent" and interp and programs > 1:
+                print(f"persistent P={programs}: skipped (interpret mode runs the "
+                      "programs one after another, so a grid barrier would wait "
+                      "forever)")
+                continue
+            f = jax.jit(functools.partial(fn, programs=programs, prefetch=pf,
+                                          lm_head=_LM_HEAD.value, interpret=interp,
+                                          scale=sc, vol=_VOLATILE.value))
+            t0 = time.perf_counter()
+            out, events = _run(f, ins, layers, iters)
+            wall = time.perf_counter() - t0
+            logits = np.asarray(jnp.sum(out[BUF_NAMES.index("p_lm")], axis=0))
+            resid = np.asarray(out[BUF_NAMES.index("Xmid")])
+            if ref is None:
+                ref = (logits, resid)
+            equal = bool(np.array_equal(logits, ref[0]) and np.array_equal(resid, ref[1]))
+            # Two separately compiled kernels may reduce a tile's sum in another
+            # order, so bits can differ without a race; a barrier that let a phase
+            # read stale partials would be off by O(1), not by rounding.
+            diff = max(np.max(np.abs(logits - ref[0])), np.max(np.abs(resid - ref[1])))
+            scale_ = max(np.max(np.abs(ref[0])), np.max(np.abs(ref[1])), 1e-30)
+            rel = float(diff / scale_)
+            finite = bool(np.isfinite(logits).all() and np.isfinite(resid).all())
+            per = n_kernels if kind == "chain" else 1
+            if events:
+                spans = [events[i + per - 1]["ts"] + events[i + per - 1]["dur"]
+                         - events[i]["ts"] for i in range(0, len(events) - per + 1, per)]
+                us = float(np.median(spans))
+            else:
+                us = float("nan")
+            r = {"kind": kind, "programs": programs, "prefetch": pf, "tile_scale": sc,
+                 "us": us,
+                 "tb_s": nbytes / (us * 1e-6) / 1e12 if us == us else None,
+                 "us_per_layer": us / layers, "equal_to_first": equal,
+                 "max_rel_diff_to_first": rel,
+                 "finite": finite, "wall_s": wall,
+                 "speedup_at_operating_point": speedup(us / 1e3) if us == us else None}
+            report["variants"].append(r)
+            print(f"{kind:10s} P={programs:3d} prefetch={int(pf)} x{sc}: {us:9.1f} us "
+                  f"({us / layers:6.2f} us/layer), equal={equal} max rel diff {rel:.1e} "
+                  f"finite={finite}",
+                  flush=True)
     os.makedirs(_OUT.value, exist_ok=True)
     path = os.path.join(_OUT.value, "persistent_floor.json")
     with open(path, "w") as f:
         json.dump(report, f, indent=1)
     print(f"\n{report['device']}, jax {jax.__version__}: {layers} layers "
           f"{'+ LM head ' if _LM_HEAD.value else ''}({nbytes / 1e6:.0f} MB of weights)")
-    print(f"{'kind':10s} {'P':>4s} {'pf':>3s} {'us':>9s} {'us/layer':>9s} {'TB/s':>6s} "
-          f"{'equal':>6s} {'speedup':>8s}")
+    print(f"{'kind':10s} {'P':>4s} {'pf':>3s} {'x':>2s} {'us':>9s} {'us/layer':>9s} "
+          f"{'TB/s':>6s} {'equal':>6s} {'rel diff':>8s} {'speedup':>8s}")
     for r in report["variants"]:
-        print(f"{r['kind']:10s} {r['programs']:4d} {int(r['prefetch']):3d} {r['us']:9.1f} "
-              f"{r['us_per_layer']:9.2f} {r['tb_s'] or 0:6.2f} {str(r['equal_to_first']):>6s} "
+        print(f"{r['kind']:10s} {r['programs']:4d} {int(r['prefetch']):3d} {r['tile_scale']:2d} "
+              f"{r['us']:9.1f} {r['us_per_layer']:9.2f} {r['tb_s'] or 0:6.2f} "
+              f"{str(r['equal_to_first']):>6s} {r['max_rel_diff_to_first']:8.1e} "
               f"{r['speedup_at_operating_point'] or 0:8.2f}")
+    print("(equal / rel diff: against the first variant; tile widths x the scale)")
     print(f"(speedup: {_TOKENS.value} tokens a round x {_SERIAL.value} ms / (verify "
           f"{_VERIFY.value} + {_OVERHEAD.value} + {_GAMMA.value} x draft))")
     print(f"receipt: {path}")
