@@ -8,7 +8,9 @@ so the logits of a token would depend on how many rows were computed with it.
 Here the tiling (bm, bn, bk, warps, stages, split_k) is a pure function of the
 weight shape, dtype and interpret flag (`matmul_config`): a per-shape table
 (`TUNED`, filled from `experiments/sweep_matmul.py` on the GPU) and a default
-rule. Rows are padded up to bm, so M only changes the grid.
+rule. M only changes the grid: with split_k == 1 the last row tile masks the rows
+past M (they load as exact zeros, the padded tile's values, and are not stored), so
+no pad copy is made; split-K launches pad rows up to bm.
 
 split_k == 1 (the default): each program owns one [bm, bn] output tile and
 walks K from 0 upward in bk-wide blocks inside a `lax.fori_loop`, accumulating
@@ -58,7 +60,7 @@ from pallas_kernels._common import (
 
 @dataclasses.dataclass(frozen=True)
 class MatmulConfig:
-    bm: int  # rows per program (rows are padded to a multiple of this)
+    bm: int  # rows per program tile (the last tile masks the rows past M)
     bn: int  # output columns per program
     bk: int  # K elements per step of the sequential K loop
     num_warps: int
@@ -350,7 +352,7 @@ def matmul(
     s = cfg.split_k
 
     # Zero padding: extra K terms add exact zeros at the end of the (last chunk's)
-    # sum; extra rows/columns are sliced away.
+    # sum; extra columns (and split-K's extra rows) are sliced away.
     if schedule and config is None and not interpret:
         cfg, row_group = scheduled(cfg, m, k, n, w.dtype, row_group)
     kp = round_up(k, s * cfg.bk)
