@@ -155,11 +155,15 @@ def _run_phase(ph: Phase, pid, programs: int, w_ref, layer, act, out_ref, pre, p
     pre: this program's first tile, already loaded (or None)."""
     ph = dataclasses.replace(ph, bn=ph.bn * scale)
     rounds = -(-ph.items // programs)
+    # Item i is split i % S of column tile i // S. When S divides P, every item of a
+    # program has the split pid % S: its activation chunk is loaded once per phase.
+    fixed = act((pid % ph.splits) * ph.kc) if programs % ph.splits == 0 else None
 
     def one(r, w):
         i = pid + r * programs
         _, s, k0, n0 = _tile(ph, w_ref, layer, i)
-        y = jnp.sum(act(k0)[:, None] * w.astype(jnp.float32), axis=0)  # [bn]
+        a = fixed if fixed is not None else act(k0)  # [kc] f32
+        y = jnp.sum(a[:, None] * w.astype(jnp.float32), axis=0)  # [bn]
 
         @pl.when(i < ph.items)
         def _():
