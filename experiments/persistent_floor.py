@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import json
 import os
 import sys
@@ -66,6 +67,9 @@ _WARPS = flags.DEFINE_integer("num_warps", 8, "warps per program")
 _PREFETCH = flags.DEFINE_list("prefetch", ["0", "1"], "prefetch variants to run (0/1)")
 _SCALE = flags.DEFINE_list("tile_scale", ["1"], "tile widths to run: bn x this (1: 32 KB "
                            "tiles, 2: 64 KB, ...)")
+_MATVEC = flags.DEFINE_list("matvec", ["reduce"], "how a tile's dot is computed: reduce "
+                            "(f32 multiply + sum over the tile's rows) or dot (the tensor "
+                            "cores: the activation as row 0 of a 16-row bf16 operand)")
 _VOLATILE = flags.DEFINE_bool("act_volatile", True, "load other programs' partials and "
                               "residuals volatile (never from the L1); off relies on the "
                               "barrier's acquire alone (a stale read shows as a difference)")
@@ -115,6 +119,14 @@ LM = Phase("lm", H, VOCAB, 256, 64)          # 9496 tiles
 LAYER_PHASES = (QKV, ATTN, WO, GU, DOWN)
 
 
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """How the phases run (never what they compute, up to rounding)."""
+    scale: int = 1  # tiles `scale` x wider
+    vol: bool = True  # other programs' data loaded volatile
+    dot: bool = False  # tensor-core dot instead of multiply + reduce
+
+
 def _sum_rows(ref, k0, size, volatile=True):
     """[S_pad, N] partials -> [size] f32: rows summed in order 0, 1, ... (pad rows are 0).
     Data other programs wrote is loaded volatile (from the L2, never a stale L1 line);
@@ -150,10 +162,10 @@ def _tile(ph: Phase, w_ref, layer, i, scale: int = 1):
 
 
 def _run_phase(ph: Phase, pid, programs: int, w_ref, layer, act, out_ref, pre, prefetch,
-               scale: int = 1):
+               var: Variant = Variant()):
     """Program pid's share of a phase: items pid, pid + P, ...; act(k0) -> [kc] f32.
     pre: this program's first tile, already loaded (or None)."""
-    ph = dataclasses.replace(ph, bn=ph.bn * scale)
+    ph = dataclasses.replace(ph, bn=ph.bn * var.scale)
     rounds = -(-ph.items // programs)
     # Item i is split i % S of column tile i // S. When S divides P, every item of a
     # program has the split pid % S: its activation chunk is loaded once per phase.
@@ -163,7 +175,12 @@ def _run_phase(ph: Phase, pid, programs: int, w_ref, layer, act, out_ref, pre, p
         i = pid + r * programs
         _, s, k0, n0 = _tile(ph, w_ref, layer, i)
         a = fixed if fixed is not None else act(k0)  # [kc] f32
-        y = jnp.sum(a[:, None] * w.astype(jnp.float32), axis=0)  # [bn]
+        if var.dot:  # [16, kc] bf16 (row 0: a) @ [kc, bn] on the tensor cores
+            rows = lax.broadcasted_iota(jnp.int32, (16, ph.kc), 0)
+            a16 = jnp.where(rows == 0, a[None, :], 0.0).astype(w.dtype)
+            y = jnp.dot(a16, w, preferred_element_type=jnp.float32)[0]  # [bn]
+        else:
+            y = jnp.sum(a[:, None] * w.astype(jnp.float32), axis=0)  # [bn]
 
         @pl.when(i < ph.items)
         def _():
@@ -285,7 +302,7 @@ def _unpack(refs) -> _Bufs:
 
 
 def persistent(ins, bufs, *, programs: int, prefetch: bool, lm_head: bool, interpret: bool,
-               scale: int = 1, vol: bool = True):
+               var: Variant = Variant()):
     """The whole forward as one kernel of `programs` programs."""
     layers = ins["w_qkv"].shape[0]
 
@@ -296,32 +313,32 @@ def persistent(ins, bufs, *, programs: int, prefetch: bool, lm_head: bool, inter
         def layer_body(layer, pre):
             for j, ph in enumerate(LAYER_PHASES):
                 _run_phase(ph, pid, programs, _weights(b, ph), layer,
-                           _acts(b, ph, layer, pid, vol), _out(b, ph), pre, prefetch, scale)
+                           _acts(b, ph, layer, pid, var.vol), _out(b, ph), pre, prefetch, var)
                 nxt = LAYER_PHASES[(j + 1) % len(LAYER_PHASES)]
                 nl = layer + 1 if j == len(LAYER_PHASES) - 1 else layer
                 if prefetch and nxt is not QKV:
-                    pre = _tile(nxt, _weights(b, nxt), nl, pid, scale)[0]
+                    pre = _tile(nxt, _weights(b, nxt), nl, pid, var.scale)[0]
                 elif prefetch:  # next layer's qkv (clamped at the last layer)
-                    pre = _tile(QKV, b.w_qkv, jnp.minimum(nl, layers - 1), pid, scale)[0]
+                    pre = _tile(QKV, b.w_qkv, jnp.minimum(nl, layers - 1), pid, var.scale)[0]
                 else:
                     pre = None
                 _barrier(b.bar, layer * PHASES_PER_LAYER + j, programs, interpret)
             return pre
 
-        pre0 = _tile(QKV, b.w_qkv, 0, pid, scale)[0] if prefetch else None
+        pre0 = _tile(QKV, b.w_qkv, 0, pid, var.scale)[0] if prefetch else None
         if prefetch:
             lax.fori_loop(0, layers, layer_body, pre0)
         else:
             lax.fori_loop(0, layers, lambda lyr, c: (layer_body(lyr, None), c)[1], 0)
         if lm_head:
-            _run_phase(LM, pid, programs, b.w_lm, None, _acts(b, LM, None, pid, vol), b.p_lm,
-                       None, prefetch, scale)
+            _run_phase(LM, pid, programs, b.w_lm, None, _acts(b, LM, None, pid, var.vol),
+                       b.p_lm, None, prefetch, var)
 
     return _call(kernel, ins, bufs, programs, interpret, "pfloor_persistent")
 
 
 def chain(ins, bufs, *, programs: int, prefetch: bool, lm_head: bool, interpret: bool,
-          scale: int = 1, vol: bool = True):
+          var: Variant = Variant()):
     """The same phases as one kernel each (what a kernel-per-op forward pays). The layer
     index is an input, so each phase compiles once."""
     layers = ins["w_qkv"].shape[0]
@@ -330,8 +347,8 @@ def chain(ins, bufs, *, programs: int, prefetch: bool, lm_head: bool, interpret:
         b = _unpack(refs)
         pid = pl.program_id(0)
         lyr = None if ph is LM else b.lidx[0]
-        _run_phase(ph, pid, programs, _weights(b, ph), lyr, _acts(b, ph, lyr, pid, vol),
-                   _out(b, ph), None, prefetch, scale)
+        _run_phase(ph, pid, programs, _weights(b, ph), lyr, _acts(b, ph, lyr, pid, var.vol),
+                   _out(b, ph), None, prefetch, var)
 
     calls = [(ph, layer) for layer in range(layers) for ph in LAYER_PHASES]
     calls += [(LM, 0)] if lm_head else []
@@ -405,10 +422,14 @@ def main(_):
                   "tokens_per_round": _TOKENS.value, "serial_ms": _SERIAL.value,
                   "verify_ms": _VERIFY.value, "overhead_ms": _OVERHEAD.value,
                   "gamma": _GAMMA.value}, "variants": []}
-    ref = None
-    grid = [(int(p), bool(int(v)), sc) for p in _PROGRAMS.value for v in _PREFETCH.value
-            for sc in scales]
-    for programs, pf, sc in grid:
+    for mv in _MATVEC.value:
+        if mv not in ("reduce", "dot"):
+            raise app.UsageError(f"--matvec: 'reduce' or 'dot'; got {mv!r}")
+    grid = [(int(p), bool(int(v)), sc, mv) for p in _PROGRAMS.value for v in _PREFETCH.value
+            for sc in scales for mv in _MATVEC.value]
+    for programs, pf, sc, mv in grid:
+        ref = None  # the chain's output at this grid point: what the persistent kernel,
+        # the same item code, must reproduce
         for kind, fn in (("chain", chain), ("persistent", persistent)):
             if kind == "persistent" and interp and programs > 1:
                 print(f"persistent P={programs}: skipped (interpret mode runs the "
@@ -417,7 +438,7 @@ def main(_):
                 continue
             f = jax.jit(functools.partial(fn, programs=programs, prefetch=pf,
                                           lm_head=_LM_HEAD.value, interpret=interp,
-                                          scale=sc, vol=_VOLATILE.value))
+                                          var=Variant(sc, _VOLATILE.value, mv == "dot")))
             t0 = time.perf_counter()
             out, events = _run(f, ins, layers, iters)
             wall = time.perf_counter() - t0
@@ -428,7 +449,8 @@ def main(_):
             equal = bool(np.array_equal(logits, ref[0]) and np.array_equal(resid, ref[1]))
             # Two separately compiled kernels may reduce a tile's sum in another
             # order, so bits can differ without a race; a barrier that let a phase
-            # read stale partials would be off by O(1), not by rounding.
+            # read stale partials would be off by O(1), not by rounding. (The chain
+            # compares with itself: equal, 0.)
             diff = max(np.max(np.abs(logits - ref[0])), np.max(np.abs(resid - ref[1])))
             scale_ = max(np.max(np.abs(ref[0])), np.max(np.abs(ref[1])), 1e-30)
             rel = float(diff / scale_)
@@ -441,14 +463,16 @@ def main(_):
             else:
                 us = float("nan")
             r = {"kind": kind, "programs": programs, "prefetch": pf, "tile_scale": sc,
+                 "matvec": mv,
                  "us": us,
                  "tb_s": nbytes / (us * 1e-6) / 1e12 if us == us else None,
-                 "us_per_layer": us / layers, "equal_to_first": equal,
-                 "max_rel_diff_to_first": rel,
+                 "us_per_layer": us / layers, "equal_to_chain": equal,
+                 "max_rel_diff_to_chain": rel,
+                 "sha1": hashlib.sha1(logits.tobytes() + resid.tobytes()).hexdigest(),
                  "finite": finite, "wall_s": wall,
                  "speedup_at_operating_point": speedup(us / 1e3) if us == us else None}
             report["variants"].append(r)
-            print(f"{kind:10s} P={programs:3d} prefetch={int(pf)} x{sc}: {us:9.1f} us "
+            print(f"{kind:10s} P={programs:3d} prefetch={int(pf)} x{sc} {mv}: {us:9.1f} us "
                   f"({us / layers:6.2f} us/layer), equal={equal} max rel diff {rel:.1e} "
                   f"finite={finite}",
                   flush=True)
@@ -458,14 +482,15 @@ def main(_):
         json.dump(report, f, indent=1)
     print(f"\n{report['device']}, jax {jax.__version__}: {layers} layers "
           f"{'+ LM head ' if _LM_HEAD.value else ''}({nbytes / 1e6:.0f} MB of weights)")
-    print(f"{'kind':10s} {'P':>4s} {'pf':>3s} {'x':>2s} {'us':>9s} {'us/layer':>9s} "
-          f"{'TB/s':>6s} {'equal':>6s} {'rel diff':>8s} {'speedup':>8s}")
+    print(f"{'kind':10s} {'P':>4s} {'pf':>3s} {'x':>2s} {'matvec':>6s} {'us':>9s} "
+          f"{'us/layer':>9s} {'TB/s':>6s} {'equal':>6s} {'rel diff':>8s} {'speedup':>8s}")
     for r in report["variants"]:
         print(f"{r['kind']:10s} {r['programs']:4d} {int(r['prefetch']):3d} {r['tile_scale']:2d} "
+              f"{r['matvec']:>6s} "
               f"{r['us']:9.1f} {r['us_per_layer']:9.2f} {r['tb_s'] or 0:6.2f} "
-              f"{str(r['equal_to_first']):>6s} {r['max_rel_diff_to_first']:8.1e} "
+              f"{str(r['equal_to_chain']):>6s} {r['max_rel_diff_to_chain']:8.1e} "
               f"{r['speedup_at_operating_point'] or 0:8.2f}")
-    print("(equal / rel diff: against the first variant; tile widths x the scale)")
+    print("(equal / rel diff: against the chain of the same P, prefetch, tiles x and matvec)")
     print(f"(speedup: {_TOKENS.value} tokens a round x {_SERIAL.value} ms / (verify "
           f"{_VERIFY.value} + {_OVERHEAD.value} + {_GAMMA.value} x draft))")
     print(f"receipt: {path}")

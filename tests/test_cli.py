@@ -171,8 +171,9 @@ def test_persistent_floor_smoke(tmp_path):
     kinds = [(v["kind"], v["programs"], v["prefetch"]) for v in rep["variants"]]
     assert kinds == [("chain", 1, False), ("persistent", 1, False), ("chain", 1, True),
                      ("persistent", 1, True), ("chain", 2, False), ("chain", 2, True)]
-    assert all(v["equal_to_first"] and v["finite"] for v in rep["variants"])
-    assert all(v["max_rel_diff_to_first"] == 0.0 for v in rep["variants"])
+    assert all(v["equal_to_chain"] and v["finite"] for v in rep["variants"])
+    assert all(v["max_rel_diff_to_chain"] == 0.0 for v in rep["variants"])
+    assert len({v["sha1"] for v in rep["variants"]}) == 1  # P = 1 and 2, prefetch or not
     assert "grid barrier would wait forever" in r.stdout
     bad = _run("persistent_floor.py", "--interpret", "--programs=0", f"--out={tmp_path}")
     assert bad.returncode != 0 and "every count must be >= 1" in bad.stderr
