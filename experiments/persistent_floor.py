@@ -178,7 +178,10 @@ def _run_phase(ph: Phase, pid, programs: int, w_ref, layer, act, out_ref, pre, p
         if var.dot:  # [16, kc] bf16 (row 0: a) @ [kc, bn] on the tensor cores
             rows = lax.broadcasted_iota(jnp.int32, (16, ph.kc), 0)
             a16 = jnp.where(rows == 0, a[None, :], 0.0).astype(w.dtype)
-            y = jnp.dot(a16, w, preferred_element_type=jnp.float32)[0]  # [bn]
+            d = jnp.dot(a16, w, preferred_element_type=jnp.float32)  # [16, bn]
+            # Row 0 (Triton lowers no slice): a sum with 15 exact zeros.
+            pick = lax.broadcasted_iota(jnp.int32, d.shape, 0) == 0
+            y = jnp.sum(jnp.where(pick, d, 0.0), axis=0)  # [bn]
         else:
             y = jnp.sum(a[:, None] * w.astype(jnp.float32), axis=0)  # [bn]
 
