@@ -64,7 +64,9 @@ _LAYERS = flags.DEFINE_integer("layers", 28, "layers (Qwen3-0.6B: 28)")
 _PROGRAMS = flags.DEFINE_list("programs", ["132", "264"], "programs of the persistent "
                               "kernel (all must be resident at once: <= SMs x CTAs/SM)")
 _WARPS = flags.DEFINE_integer("num_warps", 8, "warps per program")
-_PREFETCH = flags.DEFINE_list("prefetch", ["0", "1"], "prefetch variants to run (0/1)")
+_PREFETCH = flags.DEFINE_list("prefetch", ["0", "1"], "prefetch depths to run: weight "
+                               "tiles a program loads ahead of the one it uses (0: none; "
+                               ">= 1 also loads the next phase's first tile before a barrier)")
 _SCALE = flags.DEFINE_list("tile_scale", ["1"], "tile widths to run: bn x this (1: 32 KB "
                            "tiles, 2: 64 KB, ...)")
 _MATVEC = flags.DEFINE_list("matvec", ["reduce"], "how a tile's dot is computed: reduce "
@@ -161,7 +163,7 @@ def _tile(ph: Phase, w_ref, layer, i, scale: int = 1):
     return plgpu.load(view), s, k0, n0
 
 
-def _run_phase(ph: Phase, pid, programs: int, w_ref, layer, act, out_ref, pre, prefetch,
+def _run_phase(ph: Phase, pid, programs: int, w_ref, layer, act, out_ref, pre, prefetch: int,
                var: Variant = Variant()):
     """Program pid's share of a phase: items pid, pid + P, ...; act(k0) -> [kc] f32.
     pre: this program's first tile, already loaded (or None)."""
@@ -190,13 +192,19 @@ def _run_phase(ph: Phase, pid, programs: int, w_ref, layer, act, out_ref, pre, p
             out_ref[s, pl.ds(n0, ph.bn)] = y
 
     w0 = pre if pre is not None else _tile(ph, w_ref, layer, pid)[0]
-    if prefetch:  # load tile r + 1 before using tile r; the last round loads nothing
-        def body(r, w):
-            nxt = _tile(ph, w_ref, layer, pid + (r + 1) * programs)[0]
-            one(r, w)
-            return nxt
-        w_last = lax.fori_loop(0, rounds - 1, body, w0)
-        one(rounds - 1, w_last)
+    depth = min(int(prefetch), rounds)  # tiles in flight ahead of the one in use
+    if depth:  # tiles r + 1 .. r + depth load before tile r is used; the tail loads none
+        def tile(r):
+            return _tile(ph, w_ref, layer, pid + r * programs)[0]
+
+        def body(r, win):
+            nxt = tile(r + depth)
+            one(r, win[0])
+            return (*win[1:], nxt)
+        win = (w0, *(tile(r) for r in range(1, depth)))
+        win = lax.fori_loop(0, rounds - depth, body, win)
+        for j, w in enumerate(win):
+            one(rounds - depth + j, w)
     else:
         def body(r, carry):
             one(r, _tile(ph, w_ref, layer, pid + r * programs)[0])
@@ -304,7 +312,7 @@ def _unpack(refs) -> _Bufs:
     return _Bufs(d)
 
 
-def persistent(ins, bufs, *, programs: int, prefetch: bool, lm_head: bool, interpret: bool,
+def persistent(ins, bufs, *, programs: int, prefetch: int, lm_head: bool, interpret: bool,
                var: Variant = Variant()):
     """The whole forward as one kernel of `programs` programs."""
     layers = ins["w_qkv"].shape[0]
@@ -340,7 +348,7 @@ def persistent(ins, bufs, *, programs: int, prefetch: bool, lm_head: bool, inter
     return _call(kernel, ins, bufs, programs, interpret, "pfloor_persistent")
 
 
-def chain(ins, bufs, *, programs: int, prefetch: bool, lm_head: bool, interpret: bool,
+def chain(ins, bufs, *, programs: int, prefetch: int, lm_head: bool, interpret: bool,
           var: Variant = Variant()):
     """The same phases as one kernel each (what a kernel-per-op forward pays). The layer
     index is an input, so each phase compiles once."""
@@ -428,7 +436,7 @@ def main(_):
     for mv in _MATVEC.value:
         if mv not in ("reduce", "dot"):
             raise app.UsageError(f"--matvec: 'reduce' or 'dot'; got {mv!r}")
-    grid = [(int(p), bool(int(v)), sc, mv) for p in _PROGRAMS.value for v in _PREFETCH.value
+    grid = [(int(p), int(v), sc, mv) for p in _PROGRAMS.value for v in _PREFETCH.value
             for sc in scales for mv in _MATVEC.value]
     for programs, pf, sc, mv in grid:
         ref = None  # the chain's output at this grid point: what the persistent kernel,

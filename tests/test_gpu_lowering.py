@@ -99,7 +99,7 @@ pf._LAYERS_STATIC[0] = 2
 ins = jax.eval_shape(lambda: pf.make_inputs(2))
 bufs = {k: jax.ShapeDtypeStruct(*v) for k, v in pf._buffers(2).items()}
 for fn in (pf.chain, pf.persistent):
-    for prefetch, var in ((False, pf.Variant()), (True, pf.Variant(2, False, True))):
+    for prefetch, var in ((0, pf.Variant()), (3, pf.Variant(2, False, True))):
         f = functools.partial(fn, programs=132, prefetch=prefetch, lm_head=True,
                               interpret=False, var=var)
         assert "triton" in lower(f, ins, bufs)
