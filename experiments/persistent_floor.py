@@ -22,10 +22,14 @@ and then the 1024 x 151,936 LM head (311 MB). Every phase is split into 32 KB we
 tiles (split-K): a tile's partial sums go to a [splits, N] buffer and the next phase
 reduces them in a fixed order in its prologue, so no atomics touch data and the result
 is deterministic. The same phase code also runs as a chain of one kernel per phase
-(`chain`), and the persistent kernel's output must equal the chain's bitwise: a barrier
-that let a phase start early would read stale partials and change the bits. With
---prefetch a program loads its first tile of the next phase before it waits at the
-barrier, and within a phase the next tile is loaded before the current one is used.
+(`chain`), and the persistent kernel's output is compared with the chain's: a barrier
+that let a phase start early would read stale partials, an O(1) error, while two
+separately compiled kernels may at most round a tile's sum differently (the report
+gives both the bit check and the largest relative difference). With --prefetch=d a
+program keeps d weight tiles in flight ahead of the one it uses and loads its first
+tile of the next phase before it waits at the barrier. --tile_scale widens the tiles,
+--matvec=dot runs them on the tensor cores, --noact_volatile reads other programs'
+data through the L1 (relying on the barrier's acquire alone).
 
 Timings are device events from a profiler trace (the chain: first start to last end).
 Writes `persistent_floor.json` and prints a table with the speedup each forward time
