@@ -132,6 +132,10 @@ class Variant:
     vol: bool = True  # other programs' data loaded volatile
     dot: bool = False  # tensor-core dot instead of multiply + reduce
 
+    def wide(self, ph: Phase) -> Phase:
+        """ph with this variant's tile width."""
+        return dataclasses.replace(ph, bn=ph.bn * self.scale)
+
 
 def _sum_rows(ref, k0, size, volatile=True):
     """[S_pad, N] partials -> [size] f32: rows summed in order 0, 1, ... (pad rows are 0).
@@ -152,26 +156,29 @@ class _Bufs:
         self.__dict__.update(refs)
 
 
-def _tile(ph: Phase, w_ref, layer, i, scale: int = 1):
-    """The weight tile of item i (clamped to the last item) -> [kc, bn] bf16, with its
-    split index, row and column offsets. scale: tiles scale x wider."""
-    ph = dataclasses.replace(ph, bn=ph.bn * scale)
+def _coords(ph: Phase, i):
+    """Item i (clamped to the last item) -> (split index, row offset, column offset)."""
     i = jnp.minimum(i, ph.items - 1)
     s, nt = i % ph.splits, i // ph.splits
-    k0, n0 = s * ph.kc, nt * ph.bn
+    return s, s * ph.kc, nt * ph.bn
+
+
+def _tile(ph: Phase, w_ref, layer, i):
+    """The weight tile of item i (clamped to the last item) -> [kc, bn] bf16."""
+    _, k0, n0 = _coords(ph, i)
     # One indexer per access: the Triton lowering does not compose `.at` views.
     if layer is None:
         view = w_ref.at[pl.ds(k0, ph.kc), pl.ds(n0, ph.bn)]
     else:
         view = w_ref.at[jnp.asarray(layer, jnp.int32), pl.ds(k0, ph.kc), pl.ds(n0, ph.bn)]
-    return plgpu.load(view), s, k0, n0
+    return plgpu.load(view)
 
 
 def _run_phase(ph: Phase, pid, programs: int, w_ref, layer, act, out_ref, pre, prefetch: int,
                var: Variant = Variant()):
     """Program pid's share of a phase: items pid, pid + P, ...; act(k0) -> [kc] f32.
     pre: this program's first tile, already loaded (or None)."""
-    ph = dataclasses.replace(ph, bn=ph.bn * var.scale)
+    ph = var.wide(ph)
     rounds = -(-ph.items // programs)
     # Item i is split i % S of column tile i // S. When S divides P, every item of a
     # program has the split pid % S: its activation chunk is loaded once per phase.
@@ -179,7 +186,7 @@ def _run_phase(ph: Phase, pid, programs: int, w_ref, layer, act, out_ref, pre, p
 
     def one(r, w):
         i = pid + r * programs
-        _, s, k0, n0 = _tile(ph, w_ref, layer, i)
+        s, k0, n0 = _coords(ph, i)
         a = fixed if fixed is not None else act(k0)  # [kc] f32
         if var.dot:  # [16, kc] bf16 (row 0: a) @ [kc, bn] on the tensor cores
             rows = lax.broadcasted_iota(jnp.int32, (16, ph.kc), 0)
@@ -195,11 +202,11 @@ def _run_phase(ph: Phase, pid, programs: int, w_ref, layer, act, out_ref, pre, p
         def _():
             out_ref[s, pl.ds(n0, ph.bn)] = y
 
-    w0 = pre if pre is not None else _tile(ph, w_ref, layer, pid)[0]
+    w0 = pre if pre is not None else _tile(ph, w_ref, layer, pid)
     depth = min(int(prefetch), rounds)  # tiles in flight ahead of the one in use
     if depth:  # tiles r + 1 .. r + depth load before tile r is used; the tail loads none
         def tile(r):
-            return _tile(ph, w_ref, layer, pid + r * programs)[0]
+            return _tile(ph, w_ref, layer, pid + r * programs)
 
         def body(r, win):
             nxt = tile(r + depth)
@@ -211,7 +218,7 @@ def _run_phase(ph: Phase, pid, programs: int, w_ref, layer, act, out_ref, pre, p
             one(rounds - depth + j, w)
     else:
         def body(r, carry):
-            one(r, _tile(ph, w_ref, layer, pid + r * programs)[0])
+            one(r, _tile(ph, w_ref, layer, pid + r * programs))
             return carry
         one(0, w0)
         lax.fori_loop(1, rounds, body, 0)
@@ -238,7 +245,7 @@ def _acts(b: _Bufs, ph: Phase, layer, pid, vol: bool = True):
         first = layer == 0
         (base, row), parts, dst = (b.Xmid, jnp.maximum(layer - 1, 0)), b.p_down, (b.X, layer)
     else:  # the head: Xmid[L - 1] + down partials
-        (base, row), parts, dst = (b.Xmid, jnp.int32(_LAYERS_STATIC[0] - 1)), b.p_down, None
+        (base, row), parts, dst = (b.Xmid, jnp.int32(b.Xmid.shape[0] - 1)), b.p_down, None
     full = plgpu.load(base.at[row, :], volatile=vol) + _sum_rows(parts, 0, H, vol)  # [H]
     if ph is QKV:
         full = jnp.where(first, b.x0[...], full)
@@ -255,9 +262,6 @@ def _acts(b: _Bufs, ph: Phase, layer, pid, vol: bool = True):
             piece = jnp.where(first, b.x0[pl.ds(k0, ph.kc)], piece)
         return piece * scale * (1.0 + b.norm_w[pl.ds(k0, ph.kc)])
     return act
-
-
-_LAYERS_STATIC = [28]  # set by main before tracing (the head reads Xmid[L - 1])
 
 
 def _weights(b: _Bufs, ph: Phase):
@@ -332,15 +336,15 @@ def persistent(ins, bufs, *, programs: int, prefetch: int, lm_head: bool, interp
                 nxt = LAYER_PHASES[(j + 1) % len(LAYER_PHASES)]
                 nl = layer + 1 if j == len(LAYER_PHASES) - 1 else layer
                 if prefetch and nxt is not QKV:
-                    pre = _tile(nxt, _weights(b, nxt), nl, pid, var.scale)[0]
+                    pre = _tile(var.wide(nxt), _weights(b, nxt), nl, pid)
                 elif prefetch:  # next layer's qkv (clamped at the last layer)
-                    pre = _tile(QKV, b.w_qkv, jnp.minimum(nl, layers - 1), pid, var.scale)[0]
+                    pre = _tile(var.wide(QKV), b.w_qkv, jnp.minimum(nl, layers - 1), pid)
                 else:
                     pre = None
                 _barrier(b.bar, layer * PHASES_PER_LAYER + j, programs, interpret)
             return pre
 
-        pre0 = _tile(QKV, b.w_qkv, 0, pid, var.scale)[0] if prefetch else None
+        pre0 = _tile(var.wide(QKV), b.w_qkv, 0, pid) if prefetch else None
         if prefetch:
             lax.fori_loop(0, layers, layer_body, pre0)
         else:
@@ -419,7 +423,6 @@ def main(_):
         raise app.UsageError(f"--layers and --iters must be >= 1; got {layers}, {iters}")
     if any(int(p) < 1 for p in _PROGRAMS.value):
         raise app.UsageError(f"--programs: every count must be >= 1; got {_PROGRAMS.value}")
-    _LAYERS_STATIC[0] = layers
     scales = [int(v) for v in _SCALE.value]
     for sc in scales:
         for p in LAYER_PHASES + (LM,):

@@ -95,7 +95,6 @@ print("lowered: launch_floor")
 _PERSISTENT_FLOOR = _EXPERIMENT + """
 import persistent_floor as pf
 flags.FLAGS(["x", "--layers=2"])
-pf._LAYERS_STATIC[0] = 2
 ins = jax.eval_shape(lambda: pf.make_inputs(2))
 bufs = {k: jax.ShapeDtypeStruct(*v) for k, v in pf._buffers(2).items()}
 for fn in (pf.chain, pf.persistent):
