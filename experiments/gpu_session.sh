@@ -30,6 +30,8 @@
 #   conditionals captured too; profile_draftpallas: the speculative rounds with the
 #   draft on pallas (profile_step's default draft backend is xla). $PROFILE_FLAGS are
 #   appended, $PROFILE_TAG names them.
+# - parity: $PARITY_OPTIONS (a gpu_parity --options list) and $PARITY_TAG (receipt
+#   suffix) prove another configuration, e.g. PARITY_OPTIONS=attn_split_rows=32.
 # - parity_split: the parity matrix (pallas) with split-KV attention of another size
 #   (attn_split=$ATTN_SPLIT, default 256 keys; the default path, which `parity`
 #   proves, splits at 128 on a GPU); time it with `FUSED_OPTIONS=attn_split=256
@@ -37,7 +39,8 @@
 #   their largest difference instead of a bit check).
 # - hlo: hlo_kernels.py, one forward of $HLO_PRESET (default qwen3-0.6b, the draft) at
 #   768 keys on both backends: its costliest kernels matched to their HLO ops;
-#   $HLO_BATCH x $HLO_TOKENS rows (default 1 x 1), $HLO_FLAGS appended.
+#   $HLO_BATCH x $HLO_TOKENS rows (default 1 x 1), $HLO_FLAGS appended; the receipt is
+#   tagged b<batch>t<tokens>$HLO_TAG.
 # - schedsweep: sweep_schedule.py, whether a matmul's bn / warps / stages change its bits
 #   at M = 1 and 40 (row groups of 4) and which is fastest for the 40-row verify block;
 #   $SCHED_S bounds it, $SCHED_FLAGS appended.
@@ -45,7 +48,8 @@
 #   streaming 1-16 MB (the floor under a latency-bound draft forward); $FLOOR_FLAGS.
 # - persistent: persistent_floor.py, a Qwen3-0.6B forward's weight traffic as one
 #   persistent kernel with grid barriers against a chain of one kernel per phase;
-#   $PERSIST_FLAGS, $PERSIST_S.
+#   $PERSIST_FLAGS, $PERSIST_S; $PERSIST_FLAGS2, if set, runs a second set of variants
+#   (receipt persistent_floor_2.json).
 # - a step NAME=value (no spaces) exports that variable for the lane's later steps, so
 #   lanes can differ: `E2E_S=170 e2e_b1 :: E2E_S=300 e2e_b8`.
 # - sweep: $SWEEP_FLAGS are appended (e.g. "--presets=qwen3-8b --max_candidates=24"),
@@ -91,7 +95,8 @@ for s in $steps; do
   case $s in
     *=*) export "${s?}" ;;  # NAME=value (no spaces) sets a variable for the lane's later steps
     parity) timeout "${PARITY_S:-170}" python3 experiments/gpu_parity.py --models=qwen3-8b:4,gemma3-4b:6 \
-              --context=8192 --window=48 --out="$OUT" 2>&1 | quiet | tail -40 ;;
+              --context=8192 --window=48 --options="${PARITY_OPTIONS:-}" --tag="${PARITY_TAG:-}" \
+              --out="$OUT" 2>&1 | quiet | tail -40 ;;
     parity_split) timeout "${PARITY_S:-170}" python3 experiments/gpu_parity.py \
               --models=qwen3-8b:4,gemma3-4b:6 --context=8192 --window=48 --backends=pallas \
               --options="attn_split=${ATTN_SPLIT:-256}" --tag=split --out="$OUT" 2>&1 \
@@ -177,10 +182,15 @@ for s in $steps; do
     floor) timeout "${FLOOR_S:-120}" python3 experiments/launch_floor.py --out="$OUT" \
               ${FLOOR_FLAGS:-} 2>&1 | quiet | tail -12 ;;
     persistent) timeout "${PERSIST_S:-240}" python3 experiments/persistent_floor.py --out="$OUT" \
-              ${PERSIST_FLAGS:-} 2>&1 | quiet | tail -16 ;;
+              ${PERSIST_FLAGS:-} 2>&1 | quiet | tail -16
+           if [ -n "${PERSIST_FLAGS2:-}" ]; then  # a second set of variants, its own receipt
+             timeout "${PERSIST_S:-240}" python3 experiments/persistent_floor.py --out="$OUT" \
+               --tag=2 ${PERSIST_FLAGS2} 2>&1 | quiet | tail -16
+           fi ;;
     hlo) timeout "${HLO_S:-150}" python3 experiments/hlo_kernels.py --preset="${HLO_PRESET:-qwen3-0.6b}" \
               --batch="${HLO_BATCH:-1}" --tokens="${HLO_TOKENS:-1}" --context=768 --out="$OUT" \
-              ${HLO_FLAGS:-} 2>&1 | quiet | tail -80 ;;
+              --tag="b${HLO_BATCH:-1}t${HLO_TOKENS:-1}${HLO_TAG:-}" ${HLO_FLAGS:-} 2>&1 | quiet \
+              | tail -80 ;;
     *) echo "unknown step $s" ;;
   esac
 done

@@ -32,7 +32,7 @@ tile of the next phase before it waits at the barrier. --tile_scale widens the t
 data through the L1 (relying on the barrier's acquire alone).
 
 Timings are device events from a profiler trace (the chain: first start to last end).
-Writes `persistent_floor.json` and prints a table with the speedup each forward time
+Writes `persistent_floor[_tag].json` and prints a table with the speedup each forward time
 would give at a = 0.8, gamma 4 (the issue's operating point; inputs in flags).
 It is a floor study of weight traffic and synchronisation, not a model: the attention
 phase is a matvec with attention's bytes, and nothing here is exact arithmetic of the
@@ -88,6 +88,7 @@ _SERIAL = flags.DEFINE_float("serial_ms", 5.27, "target decode step, ms (B=1)")
 _VERIFY = flags.DEFINE_float("verify_ms", 5.43, "target verify(5) step, ms (B=1)")
 _OVERHEAD = flags.DEFINE_float("overhead_ms", 0.3, "a round's bookkeeping, ms")
 _GAMMA = flags.DEFINE_integer("gamma", 4, "draft forwards per round")
+_TAG = flags.DEFINE_string("tag", "", "receipt name suffix")
 _OUT = flags.DEFINE_string("out", os.environ.get("OUT", "experiments/results"), "receipt dir")
 
 H, Q, F, KEYS, VOCAB = 1024, 2048, 3072, 768, 151936
@@ -495,7 +496,8 @@ def main(_):
                   f"finite={finite}",
                   flush=True)
     os.makedirs(_OUT.value, exist_ok=True)
-    path = os.path.join(_OUT.value, "persistent_floor.json")
+    path = os.path.join(_OUT.value, "persistent_floor"
+                        + (f"_{_TAG.value}" if _TAG.value else "") + ".json")
     with open(path, "w") as f:
         json.dump(report, f, indent=1)
     print(f"\n{report['device']}, jax {jax.__version__}: {layers} layers "

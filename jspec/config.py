@@ -75,6 +75,12 @@ class ModelConfig:
         0, f32 partials folded in partition order; tests/test_kernel_attention.py),
         but each split gives other bits than the one-pass path: one model, one
         split.
+      attn_split_rows: pallas: split-KV attention's row tile (tokens x query heads of
+        one kv head per program, a power of two >= 16); None (default): the kernel's
+        own, 16. A fixed tile shape like the others, so every value keeps property P
+        (tests/test_attn_split.py); two values may round a row's softmax sum
+        differently (the compiler lays out a tile's row sums by its shape), so it is
+        a numeric option like attn_split: one model, one row tile.
       matmul_row_group: pallas: up to this many row tiles per matmul program, each
         weight block loaded once for all of them (a batch-8 verify block is 3 row
         tiles); 4 (default) or 1 (one row tile per program). Scheduling only: the
@@ -120,6 +126,7 @@ class ModelConfig:
     fuse_qk_rope: bool = True
     fuse_glu: bool = True
     attn_split: int | None = None
+    attn_split_rows: int | None = None
     matmul_row_group: int = 4
     matmul_schedule: int = 1
 
@@ -139,6 +146,10 @@ class ModelConfig:
         if self.attn_split is not None and self.attn_split < 0:
             raise ValueError(f"attn_split={self.attn_split} must be >= 0 (0: one pass) "
                              "or None (the kernel's default)")
+        r = self.attn_split_rows
+        if r is not None and (r < 16 or r & (r - 1)):
+            raise ValueError(f"attn_split_rows={r} must be a power of two >= 16 or None "
+                             "(the kernel's default)")
 
     def replace(self, **kw) -> ModelConfig:
         return dataclasses.replace(self, **kw)
@@ -155,7 +166,7 @@ class ModelConfig:
 SPEED_OPTIONS = ("fuse_add_norm", "pad_rows_once", "fuse_qk_rope", "fuse_glu")
 
 
-NUMERIC_OPTIONS = ("attn_split",)  # ModelConfig ints that change the logits' bits
+NUMERIC_OPTIONS = ("attn_split", "attn_split_rows")  # ModelConfig ints that may change bits
 VALUE_OPTIONS = NUMERIC_OPTIONS + ("matmul_row_group", "matmul_schedule")  # "name=<int>"
 
 

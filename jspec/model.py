@@ -107,7 +107,7 @@ def _attention_block(ops, cfg: ModelConfig, lp, h, k_buf, v_buf, pos, lengths, c
     v_buf = write_kv(v_buf, v_new, lengths)
     o = ops.attention(q.reshape(B, T, H, hd), k_buf, v_buf, pos, window,
                       scale=cfg.attn_scale, softcap=cfg.attn_softcap,
-                      split=cfg.attn_split)  # [B, T, H, hd]
+                      split=cfg.attn_split, split_rows=cfg.attn_split_rows)  # [B, T, H, hd]
     o = pad_axis(o.reshape(B * T, H * hd), 0, h.shape[0])  # [Mp, H*hd]
     o = ops.matmul(o, lp["wo"], out_dtype=dtype, row_group=rg, schedule=sched)  # [Mp, D]
     return o, k_buf, v_buf

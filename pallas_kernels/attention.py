@@ -285,7 +285,8 @@ def _visible_range(q_pos, window, group: int, num_rows: int):
     return first, last
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "softcap", "interpret", "config", "split"))
+@functools.partial(jax.jit, static_argnames=("scale", "softcap", "interpret", "config", "split",
+                                             "split_rows"))
 def attention(
     q: jax.Array,  # [B, T, H, D]
     k_cache: jax.Array,  # [B, Hkv, S, D]
@@ -298,6 +299,7 @@ def attention(
     interpret: bool = False,
     config: AttentionConfig | None = None,
     split: int | None = None,
+    split_rows: int | None = None,
 ) -> jax.Array:
     """Batch-invariant attention of T queries per sequence against a KV cache.
 
@@ -309,7 +311,12 @@ def attention(
     interpret mode: 0): keys per partition, a multiple of block_k, aligned at position
     0; 0 is one pass. A fixed split is as invariant as one pass (partials of fixed key
     ranges, folded in a fixed order), but its bits differ from the one-pass path's:
-    one model, one split.
+    one model, one split. `split_rows` (if not None) overrides the split-KV row tile
+    (a power of two >= 16; default 16): the rows (tokens x query heads of one kv head)
+    per program of both split kernels. It is a fixed shape like the others, so any
+    value keeps the invariance; whether two values give the same bits depends on how
+    the compiler lays out a tile's row sums (the softmax denominator), so hold it
+    fixed per model like `split`.
     """
     _check_inputs(q, k_cache, v_cache, q_pos, window)
     batch, seq, num_heads, head_dim = q.shape
@@ -318,6 +325,11 @@ def attention(
     cfg = config or attention_config(head_dim, group, q.dtype, interpret)
     if split is not None:
         cfg = dataclasses.replace(cfg, split=split)
+    if split_rows is not None:
+        cfg = dataclasses.replace(cfg, split_rows=split_rows)
+    if cfg.split_rows < 16 or cfg.split_rows & (cfg.split_rows - 1):
+        raise ValueError(f"split-KV row tile split_rows={cfg.split_rows} must be a power of "
+                         "two >= 16 (Triton tiles)")
     if cache_len % cfg.block_k != 0:
         raise ValueError(
             f"KV cache length S must be a multiple of block_k; got S={cache_len}, "
@@ -456,7 +468,7 @@ def _plain_attention(q, k_cache, v_cache, q_pos, window, *, scale, softcap, upca
     return o.reshape(batch, seq, num_heads, head_dim).astype(q.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "softcap", "split"))
+@functools.partial(jax.jit, static_argnames=("scale", "softcap", "split", "split_rows"))
 def attention_reference(
     q: jax.Array,  # [B, T, H, D]
     k_cache: jax.Array,  # [B, Hkv, S, D]
@@ -467,18 +479,19 @@ def attention_reference(
     scale: float,
     softcap: float | None = None,
     split: int | None = None,
+    split_rows: int | None = None,
 ) -> jax.Array:
     """Plain-jnp attention: full softmax over all S keys with the same mask, all in f32
-    with IEEE f32 dots (`split` is accepted for the backends' common signature and
-    ignored). The accurate reference the kernel is checked against; XLA picks the
+    with IEEE f32 dots (`split` and `split_rows` are accepted for the backends' common
+    signature and ignored). The accurate reference the kernel is checked against; XLA picks the
     reduction order per shape, so it is not invariant to T, B or S.
     """
-    del split
+    del split, split_rows
     return _plain_attention(q, k_cache, v_cache, q_pos, window, scale=scale,
                             softcap=softcap, upcast=True).astype(q.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "softcap", "split"))
+@functools.partial(jax.jit, static_argnames=("scale", "softcap", "split", "split_rows"))
 def attention_xla(
     q: jax.Array,  # [B, T, H, D]
     k_cache: jax.Array,  # [B, Hkv, S, D]
@@ -489,12 +502,13 @@ def attention_xla(
     scale: float,
     softcap: float | None = None,
     split: int | None = None,
+    split_rows: int | None = None,
 ) -> jax.Array:
     """The `xla` backend's attention, as a plain JAX model writes it: q @ k and p @ v in
     the cache dtype with f32 accumulation, the softmax in f32, p cast to the value dtype
     (as the kernel does). Same mask and padding rules as `attention_reference`; for f32
     caches the two are the same function. Not invariant (XLA picks reduction orders).
     """
-    del split
+    del split, split_rows
     return _plain_attention(q, k_cache, v_cache, q_pos, window, scale=scale,
                             softcap=softcap, upcast=False)

@@ -1,4 +1,5 @@
-"""Split-KV attention in the model (`ModelConfig.attn_split`), CPU interpret mode.
+"""Split-KV attention in the model (`ModelConfig.attn_split`, `attn_split_rows`), CPU
+interpret mode.
 
 With a fixed partition size the logits keep property P: prefill == one-token steps ==
 verify blocks, a row alone == the same row in a ragged batch, and a larger cache
@@ -27,10 +28,13 @@ N = 40
 SPLIT = 32  # two interpret-mode key blocks of 16: several partitions for 40 tokens
 
 
-@pytest.fixture(scope="module", params=("tiny-qwen3", "gemma3"))
+@pytest.fixture(scope="module", params=(("tiny-qwen3", None), ("gemma3", None),
+                                        ("tiny-qwen3", 32)),
+                ids=("tiny-qwen3", "gemma3", "tiny-qwen3-rows32"))
 def case(request):
-    model, seq = model_and_tokens(request.param, N, seed=11)
-    return with_config(model, attn_split=SPLIT), seq
+    name, rows = request.param  # rows: the split row tile (None: the kernel's 16)
+    model, seq = model_and_tokens(name, N, seed=11)
+    return with_config(model, attn_split=SPLIT, attn_split_rows=rows), seq
 
 
 def test_split_logits_schedule_invariant(case):
@@ -57,10 +61,24 @@ def test_split_row_alone_equals_row_in_ragged_batch(case):
     assert np.array_equal(bits(batch[0]), bits(alone[0]))
 
 
+def _split_row_tile(jaxpr) -> int | None:
+    """Rows of the q block of the first split-KV phase-1 kernel in a jaxpr."""
+    for e in jaxpr.eqns:
+        if e.primitive.name == "pallas_call" and e.params.get("name") == "jspec_attention_split":
+            return e.params["grid_mapping"].block_mappings[0].block_shape[2].block_size
+        for v in e.params.values():
+            for sub in v if isinstance(v, (list, tuple)) else [v]:
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns") and (rows := _split_row_tile(inner)):
+                    return rows
+    return None
+
+
 def test_split_kernels_run_and_size_is_checked(case):
     model, _ = case
     j = jax.make_jaxpr(_forward)(model, jnp.zeros((1, 1), jnp.int32),
                                  init_cache(model, 1, MAX_LEN))
+    assert _split_row_tile(j.jaxpr) == (model.config.attn_split_rows or 16)
     counts = eqn_counts(j.jaxpr)
     L = model.config.num_layers
     assert counts["pallas_call:jspec_attention_split"] == L, counts
@@ -68,6 +86,9 @@ def test_split_kernels_run_and_size_is_checked(case):
     assert counts["pallas_call:jspec_attention"] == 0
     with pytest.raises(ValueError, match="attn_split=-1"):
         with_config(model, attn_split=-1)
+    for rows in (8, 24):
+        with pytest.raises(ValueError, match=f"attn_split_rows={rows} must be a power of two"):
+            with_config(model, attn_split_rows=rows)
 
 
 def test_gpu_parity_matrix_runs_with_split_options(tmp_path):

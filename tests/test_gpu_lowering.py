@@ -66,6 +66,20 @@ def test_model_forward_lowers_for_the_h200(preset, batch, tokens):
     assert "-> tensor<64x4096xbf16>" not in text
 
 
+@pytest.mark.parametrize("batch,tokens", [(1, 1), (8, 5), (8, 9)])
+def test_split_row_tile_32_lowers_for_the_h200(batch, tokens):
+    # attn_split_rows=32: a batch-8 verify block's 20 (gamma 4) or 36 (gamma 8) rows of a
+    # kv head in one or two 32-row tiles instead of two or three 16-row ones.
+    model = _abstract_model("qwen3-8b")
+    model = model.replace(config=model.config.replace(attn_split_rows=32))
+    cache = jax.eval_shape(lambda: init_cache(model, batch, 256))
+    text = _lower(_forward, model, jax.ShapeDtypeStruct((batch, tokens), jnp.int32), cache)
+    assert "jspec_attention_split" in text
+    # f32 partials [B, Hkv, partitions (256 keys / 128), rows padded to 32s, head_dim]
+    rows = -(-tokens * 4 // 32) * 32  # 4 query heads per kv head
+    assert f"tensor<{batch}x8x2x{rows}x128xf32>" in text
+
+
 def test_logsumexp_lowers_for_the_h200():
     x = jax.ShapeDtypeStruct((8, 151936), jnp.float32)
     assert "triton" in _lower(functools.partial(logsumexp, interpret=False), x)
