@@ -5,7 +5,7 @@
 # Steps: parity parity_split audit audit_qwen3 audit_gemma3 audit_xla kernels
 # kernels_fused spec sweep tuned e2e e2e_b1 e2e_b8 e2e_peers e2e_draftpallas e2e_decompose train pair
 # pair_eval profile_cboff profile_default profile_cbwhile profile_draftpallas hlo schedsweep
-# floor persistent
+# floor persistent attnsweep
 # (default: parity audit kernels spec).
 # - sweep: the matmul tile tuning; it writes $OUT/sweep_matmul_tuned.json, and `tuned`
 #   makes the lane's later steps use that table ($JSPEC_MATMUL_TUNED) before it is
@@ -50,6 +50,9 @@
 #   persistent kernel with grid barriers against a chain of one kernel per phase;
 #   $PERSIST_FLAGS, $PERSIST_S; $PERSIST_FLAGS2, if set, runs a second set of variants
 #   (receipt persistent_floor_2.json).
+# - attnsweep: sweep_attention.py, whether split-KV attention's warps, stages and V-tail
+#   masking change its bits (B = 1 and 8, T = 1 and 5) and which is fastest;
+#   $ATTN_SWEEP_FLAGS appended, $ATTN_SWEEP_S bounds it.
 # - a step NAME=value (no spaces) exports that variable for the lane's later steps, so
 #   lanes can differ: `E2E_S=170 e2e_b1 :: E2E_S=300 e2e_b8`.
 # - sweep: $SWEEP_FLAGS are appended (e.g. "--presets=qwen3-8b --max_candidates=24"),
@@ -187,6 +190,9 @@ for s in $steps; do
              timeout "${PERSIST_S:-240}" python3 experiments/persistent_floor.py --out="$OUT" \
                --tag=2 ${PERSIST_FLAGS2} 2>&1 | quiet | tail -16
            fi ;;
+    attnsweep) timeout "${ATTN_SWEEP_S:-300}" python3 experiments/sweep_attention.py --out="$OUT" \
+              --budget_s="$(( ${ATTN_SWEEP_S:-300} - 60 ))" ${ATTN_SWEEP_FLAGS:-} 2>&1 | quiet \
+              | grep -v "it/s" | tail -30 ;;
     hlo) timeout "${HLO_S:-150}" python3 experiments/hlo_kernels.py --preset="${HLO_PRESET:-qwen3-0.6b}" \
               --batch="${HLO_BATCH:-1}" --tokens="${HLO_TOKENS:-1}" --context=768 --out="$OUT" \
               --tag="b${HLO_BATCH:-1}t${HLO_TOKENS:-1}${HLO_TAG:-}" ${HLO_FLAGS:-} 2>&1 | quiet \

@@ -21,8 +21,9 @@ Why that holds:
     alpha = exp(-inf) = 0 and p = 0 so no NaN appears and the state stays (−inf, 0, 0).
     Hence the row tile may iterate any superset of a row's visible blocks: the loop runs
     from the first block any row of the tile can see to the last block any row can see.
-  * Values of keys past the last position in the tile are zeroed before the p·v dot, so
-    even non-finite garbage there (an uninitialised cache) contributes 0 * 0, not NaN.
+  * Values of keys past the last position in the tile are zeroed before the p·v dot (a
+    masked load that never reads them), so even non-finite garbage there (an
+    uninitialised cache) contributes 0 * 0, not NaN.
 
 Split-KV (`split` > 0, rule R3): the same online softmax, restarted from the empty state
 at every partition of `split` keys aligned at position 0, one program per partition;
@@ -61,6 +62,9 @@ class AttentionConfig:
     # split-KV's row tile (both kernels). Smaller than one pass's: a decode step has only
     # G real rows per kv head, and every partial is written and read back in f32.
     split_rows: int = 16
+    # How V rows past the tile's last key become zeros: True, a masked load (zero-filled,
+    # never read); False, a select on the loaded tile. The same operand bits either way.
+    v_masked_load: bool = True
 
 
 def attention_config(
@@ -105,7 +109,8 @@ def _dot(a: jax.Array, b: jax.Array, *, contract_b: int) -> jax.Array:
     )
 
 
-def _online_softmax(q, k_ref, v_ref, first, last, lo, hi, *, scale, softcap, block_k):
+def _online_softmax(q, k_ref, v_ref, first, last, lo, hi, *, scale, softcap, block_k,
+                    v_masked_load=False):
     """(m [R], denom [R], acc [R, D]) f32 over key blocks lo..hi-1 (ascending) of the cache.
 
     Starts from the empty state (-inf, 0, 0); a block fully masked for a row leaves that
@@ -119,7 +124,19 @@ def _online_softmax(q, k_ref, v_ref, first, last, lo, hi, *, scale, softcap, blo
         m, denom, acc = carry  # [R], [R], [R, D] f32: max, softmax sum, p @ v
         start = pl.multiple_of(kb * block_k, block_k)
         k = k_ref[pl.ds(start, block_k), :]  # [K, D]
-        v = v_ref[pl.ds(start, block_k), :]  # [K, D]
+        # Keys past the tile's last position may be garbage from rejected drafts; their
+        # values become zeros so 0 * garbage cannot become NaN even if the garbage is not
+        # finite. A masked load zero-fills them without reading them and leaves the tile
+        # a plain load the compiler can stage for the dot; a select after the load gives
+        # the same operand through registers.
+        if v_masked_load:
+            rows = start + lax.broadcasted_iota(jnp.int32, (block_k, head_dim), 0)
+            v = plgpu.load(v_ref.at[pl.ds(start, block_k), :], mask=rows <= last_key,
+                           other=0)  # [K, D]
+        else:
+            v = v_ref[pl.ds(start, block_k), :]  # [K, D]
+            key_v = start + jnp.arange(block_k, dtype=jnp.int32)
+            v = jnp.where((key_v <= last_key)[:, None], v, jnp.zeros_like(v))
         s = _dot(q, k, contract_b=1) * scale  # [R, K] f32: q @ k.T
         if softcap is not None:
             s = jnp.tanh(s / softcap) * softcap
@@ -133,9 +150,6 @@ def _online_softmax(q, k_ref, v_ref, first, last, lo, hi, *, scale, softcap, blo
         alpha = jnp.exp(m - m_safe)  # [R]; exactly 1 when the block changes nothing
         p = jnp.where(mask, jnp.exp(s - m_safe[:, None]), 0.0)  # [R, K], masked: exact 0
         denom_new = alpha * denom + jnp.sum(p, axis=-1)
-        # Keys past the tile's last position may be garbage from rejected drafts; zero
-        # their values so 0 * garbage cannot become NaN even if the garbage is not finite.
-        v = jnp.where((key <= last_key)[:, None], v, jnp.zeros_like(v))
         pv = _dot(p.astype(v.dtype), v, contract_b=0)  # [R, D]: p @ v, like flash attention
         return m_new, denom_new, alpha[:, None] * acc + pv
 
@@ -174,16 +188,19 @@ def _attention_kernel(
     scale: float,
     softcap: float | None,
     block_k: int,
+    v_masked_load: bool = False,
 ):
     first, last = first_ref[...], last_ref[...]
     lo, hi = _block_range(first, last, k_ref.shape[0] // block_k, block_k)
     _, denom, acc = _online_softmax(q_ref[...], k_ref, v_ref, first, last, lo, hi,
-                                    scale=scale, softcap=softcap, block_k=block_k)
+                                    scale=scale, softcap=softcap, block_k=block_k,
+                                    v_masked_load=v_masked_load)
     o_ref[...] = _normalize(denom, acc).astype(o_ref.dtype)
 
 
 def _split_kernel(q_ref, k_ref, v_ref, first_ref, last_ref, m_ref, l_ref, acc_ref, *,
-                  scale: float, softcap: float | None, block_k: int, split: int):
+                  scale: float, softcap: float | None, block_k: int, split: int,
+                  v_masked_load: bool = False):
     """Split-KV phase 1: partition c (program axis 3) reduces only the key blocks of
     [c * split, (c + 1) * split), from the empty state; writes its f32 partial
     (m [R], denom [R], acc [R, D]). A partition no row of the tile can see writes the
@@ -195,7 +212,8 @@ def _split_kernel(q_ref, k_ref, v_ref, first_ref, last_ref, m_ref, l_ref, acc_re
     lo = jnp.maximum(lo, c * per)
     hi = jnp.maximum(jnp.minimum(hi, (c + 1) * per), lo)
     m, denom, acc = _online_softmax(q_ref[...], k_ref, v_ref, first, last, lo, hi,
-                                    scale=scale, softcap=softcap, block_k=block_k)
+                                    scale=scale, softcap=softcap, block_k=block_k,
+                                    v_masked_load=v_masked_load)
     m_ref[...], l_ref[...], acc_ref[...] = m, denom, acc
 
 
@@ -354,7 +372,8 @@ def attention(
                                softcap=softcap, interpret=interpret)
     else:
         kernel = functools.partial(
-            _attention_kernel, scale=float(scale), softcap=softcap, block_k=cfg.block_k
+            _attention_kernel, scale=float(scale), softcap=softcap, block_k=cfg.block_k,
+            v_masked_load=cfg.v_masked_load,
         )
         row_spec = pl.BlockSpec((None, None, cfg.block_rows, head_dim),
                                 lambda b, h, r: (b, h, r, 0))
@@ -392,7 +411,8 @@ def _split_attention(q_rows, k_cache, v_cache, first, last, cfg: AttentionConfig
     br = cfg.split_rows
     params = plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     kernel = functools.partial(_split_kernel, scale=scale, softcap=softcap,
-                               block_k=cfg.block_k, split=cfg.split)
+                               block_k=cfg.block_k, split=cfg.split,
+                               v_masked_load=cfg.v_masked_load)
     m, denom, acc = pl.pallas_call(
         kernel,
         grid=(batch, num_kv_heads, rows // br, parts),

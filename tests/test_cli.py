@@ -177,3 +177,18 @@ def test_persistent_floor_smoke(tmp_path):
     assert "grid barrier would wait forever" in r.stdout
     bad = _run("persistent_floor.py", "--interpret", "--programs=0", f"--out={tmp_path}")
     assert bad.returncode != 0 and "every count must be >= 1" in bad.stderr
+
+
+def test_sweep_attention_smoke(tmp_path):
+    # Split-KV attention variants (masked V load or select, two stage counts) against
+    # the reference config: every variant bitwise equal at decode and verify shapes.
+    r = _run("sweep_attention.py", "--interpret", "--preset=tiny-qwen3", "--context=40",
+             "--batches=2", "--warps=4", "--stages=1,2", "--iters=1", "--tag=smoke",
+             f"--out={tmp_path}")
+    assert r.returncode == 0, r.stderr[-2000:]
+    rep = json.load(open(tmp_path / "sweep_attention_smoke.json"))
+    assert rep["reference"]["v_masked_load"] is False
+    got = {(v["config"]["v_masked_load"], v["config"]["num_stages"]) for v in rep["variants"]}
+    assert len(rep["variants"]) == 4 and got == {(m, s) for m in (False, True) for s in (1, 2)}
+    assert rep["all_bits_equal"] and all(
+        set(v["by_shape"]) == {"B2T1", "B2T5"} for v in rep["variants"])

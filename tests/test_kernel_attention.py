@@ -138,6 +138,28 @@ def test_cache_capacity_and_garbage():
     _assert_rows_match_decode(outs[0], pos)
 
 
+@pytest.mark.parametrize("split", [0, 2 * BLOCK_K])
+def test_non_finite_values_past_the_last_key(split):
+    """V slots past every row's last key hold NaN and inf (an uninitialised cache): the
+    masked load (default) and the select after a plain load both give exactly the
+    zeros-past-p output, with no NaN."""
+    pos = [[29, 30, 31, 32, 33], [40, 41, 42, 43, 44]]
+    q, k, v, qp = _inputs(pos, S_MAX, "zeros")
+    poison = np.asarray(v).copy()
+    for b, row in enumerate(pos):
+        poison[b, :, max(row) + 1:] = np.where(np.arange(D) % 2, np.nan, np.inf)
+    cfg = dataclasses.replace(attention_config(D, H // HKV, jnp.float32, INTERPRET),
+                              split=split)
+    outs = []
+    for values, masked in ((v, True), (jnp.asarray(poison), True), (jnp.asarray(poison), False)):
+        out = attention(q, k, values, qp, jnp.int32(0), scale=SCALE, interpret=INTERPRET,
+                        config=dataclasses.replace(cfg, v_masked_load=masked))
+        outs.append(np.asarray(out))
+    assert np.isfinite(outs[0]).all()
+    for out in outs[1:]:
+        assert np.array_equal(out.view(np.uint32), outs[0].view(np.uint32))
+
+
 @pytest.mark.parametrize("softcap", [None, 5.0])
 def test_sliding_window_skipped_blocks(softcap):
     """(f): with a window, blocks before it are fully masked (and skipped or not, depending
