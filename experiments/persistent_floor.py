@@ -60,6 +60,7 @@ from jax.experimental.pallas import triton as plgpu
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
+from grid_barrier import SPINS, grid_barrier  # noqa: E402
 from trace_tools import device_events, traced  # noqa: E402
 
 from pallas_kernels._common import triton_params  # noqa: E402
@@ -79,6 +80,8 @@ _MATVEC = flags.DEFINE_list("matvec", ["reduce"], "how a tile's dot is computed:
 _VOLATILE = flags.DEFINE_bool("act_volatile", True, "load other programs' partials and "
                               "residuals volatile (never from the L1); off relies on the "
                               "barrier's acquire alone (a stale read shows as a difference)")
+_SPIN = flags.DEFINE_list("spin", ["volatile"], "grid barrier polling variants to run "
+                         f"(persistent kernel only; {'/'.join(SPINS)}; barrier_check.py)")
 _LM_HEAD = flags.DEFINE_bool("lm_head", True, "include the 1024 x 151,936 LM head")
 _ITERS = flags.DEFINE_integer("iters", 5, "traced forwards per variant")
 _INTERPRET = flags.DEFINE_bool("interpret", False, "CPU smoke run (timings mean nothing)")
@@ -132,6 +135,7 @@ class Variant:
     scale: int = 1  # tiles `scale` x wider
     vol: bool = True  # other programs' data loaded volatile
     dot: bool = False  # tensor-core dot instead of multiply + reduce
+    spin: str = "volatile"  # how a grid barrier polls its counter (grid_barrier.SPINS)
 
     def wide(self, ph: Phase) -> Phase:
         """ph with this variant's tile width."""
@@ -275,21 +279,6 @@ def _out(b: _Bufs, ph: Phase):
             "lm": b.p_lm}[ph.name]
 
 
-def _barrier(bar_ref, idx, programs: int, interpret: bool):
-    """All programs reach barrier idx before any passes it. Every program's writes before
-    it are visible to every program after it (bar.sync, then one thread's release
-    arrival; acquire once the count is full)."""
-    if not interpret:  # (interpret mode runs one thread per program: nothing to sync)
-        plgpu.debug_barrier()
-    plgpu.atomic_add(bar_ref, (idx,), jnp.int32(1))
-    lax.while_loop(lambda v: v < programs,
-                   lambda v: plgpu.load(bar_ref.at[idx], volatile=True),
-                   plgpu.load(bar_ref.at[idx], volatile=True))
-    plgpu.atomic_add(bar_ref, (idx,), jnp.int32(0))  # acquire
-    if not interpret:
-        plgpu.debug_barrier()
-
-
 NAMES = ("x0", "norm_w", "w_qkv", "w_attn", "w_o", "w_gu", "w_down", "w_lm", "lidx")
 BUF_NAMES = ("p_qkv", "p_attn", "p_wo", "p_gu", "p_down", "p_lm", "X", "Xmid", "bar")
 
@@ -342,7 +331,8 @@ def persistent(ins, bufs, *, programs: int, prefetch: int, lm_head: bool, interp
                     pre = _tile(var.wide(QKV), b.w_qkv, jnp.minimum(nl, layers - 1), pid)
                 else:
                     pre = None
-                _barrier(b.bar, layer * PHASES_PER_LAYER + j, programs, interpret)
+                grid_barrier(b.bar, layer * PHASES_PER_LAYER + j, programs,
+                             interpret=interpret, spin=var.spin)
             return pre
 
         pre0 = _tile(var.wide(QKV), b.w_qkv, 0, pid) if prefetch else None
@@ -444,9 +434,12 @@ def main(_):
     for mv in _MATVEC.value:
         if mv not in ("reduce", "dot"):
             raise app.UsageError(f"--matvec: 'reduce' or 'dot'; got {mv!r}")
-    grid = [(int(p), int(v), sc, mv) for p in _PROGRAMS.value for v in _PREFETCH.value
-            for sc in scales for mv in _MATVEC.value]
-    for programs, pf, sc, mv in grid:
+    for sp in _SPIN.value:
+        if sp not in SPINS:
+            raise app.UsageError(f"--spin: each of {SPINS}; got {sp!r}")
+    grid = [(int(p), int(v), sc, mv, sp) for p in _PROGRAMS.value for v in _PREFETCH.value
+            for sc in scales for mv in _MATVEC.value for sp in _SPIN.value]
+    for programs, pf, sc, mv, sp in grid:
         ref = None  # the chain's output at this grid point: what the persistent kernel,
         # the same item code, must reproduce
         for kind, fn in (("chain", chain), ("persistent", persistent)):
@@ -457,7 +450,8 @@ def main(_):
                 continue
             f = jax.jit(functools.partial(fn, programs=programs, prefetch=pf,
                                           lm_head=_LM_HEAD.value, interpret=interp,
-                                          var=Variant(sc, _VOLATILE.value, mv == "dot")))
+                                          var=Variant(sc, _VOLATILE.value, mv == "dot",
+                                                      sp)))
             t0 = time.perf_counter()
             out, events = _run(f, ins, layers, iters)
             wall = time.perf_counter() - t0
@@ -482,7 +476,7 @@ def main(_):
             else:
                 us = float("nan")
             r = {"kind": kind, "programs": programs, "prefetch": pf, "tile_scale": sc,
-                 "matvec": mv,
+                 "matvec": mv, "spin": sp,
                  "us": us,
                  "tb_s": nbytes / (us * 1e-6) / 1e12 if us == us else None,
                  "us_per_layer": us / layers, "equal_to_chain": equal,
@@ -491,7 +485,7 @@ def main(_):
                  "finite": finite, "wall_s": wall,
                  "speedup_at_operating_point": speedup(us / 1e3) if us == us else None}
             report["variants"].append(r)
-            print(f"{kind:10s} P={programs:3d} prefetch={int(pf)} x{sc} {mv}: {us:9.1f} us "
+            print(f"{kind:10s} P={programs:3d} prefetch={int(pf)} x{sc} {mv} {sp}: {us:9.1f} us "
                   f"({us / layers:6.2f} us/layer), equal={equal} max rel diff {rel:.1e} "
                   f"finite={finite}",
                   flush=True)
@@ -502,11 +496,11 @@ def main(_):
         json.dump(report, f, indent=1)
     print(f"\n{report['device']}, jax {jax.__version__}: {layers} layers "
           f"{'+ LM head ' if _LM_HEAD.value else ''}({nbytes / 1e6:.0f} MB of weights)")
-    print(f"{'kind':10s} {'P':>4s} {'pf':>3s} {'x':>2s} {'matvec':>6s} {'us':>9s} "
+    print(f"{'kind':10s} {'P':>4s} {'pf':>3s} {'x':>2s} {'matvec':>6s} {'spin':>8s} {'us':>9s} "
           f"{'us/layer':>9s} {'TB/s':>6s} {'equal':>6s} {'rel diff':>8s} {'speedup':>8s}")
     for r in report["variants"]:
         print(f"{r['kind']:10s} {r['programs']:4d} {int(r['prefetch']):3d} {r['tile_scale']:2d} "
-              f"{r['matvec']:>6s} "
+              f"{r['matvec']:>6s} {r['spin']:>8s} "
               f"{r['us']:9.1f} {r['us_per_layer']:9.2f} {r['tb_s'] or 0:6.2f} "
               f"{str(r['equal_to_chain']):>6s} {r['max_rel_diff_to_chain']:8.1e} "
               f"{r['speedup_at_operating_point'] or 0:8.2f}")

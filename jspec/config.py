@@ -80,7 +80,10 @@ class ModelConfig:
         own, 16. A fixed tile shape like the others, so every value keeps property P
         (tests/test_attn_split.py); two values may round a row's softmax sum
         differently (the compiler lays out a tile's row sums by its shape), so it is
-        a numeric option like attn_split: one model, one row tile.
+        a numeric option like attn_split: one model, one row tile. On the H200 at the
+        Qwen3-8B shape 32 gave 16's bits but slower steps (B=8 decode 5.35 -> 5.64
+        ms, verify block 5.88 -> 5.95; 2026-11-30g): a program's time grows with
+        its rows, so a 20-row verify tile does not pay for a 4-row decode one.
       matmul_row_group: pallas: up to this many row tiles per matmul program, each
         weight block loaded once for all of them (a batch-8 verify block is 3 row
         tiles); 4 (default) or 1 (one row tile per program). Scheduling only: the

@@ -192,3 +192,17 @@ def test_sweep_attention_smoke(tmp_path):
     assert len(rep["variants"]) == 4 and got == {(m, s) for m in (False, True) for s in (1, 2)}
     assert rep["all_bits_equal"] and all(
         set(v["by_shape"]) == {"B2T1", "B2T5"} for v in rep["variants"])
+
+
+def test_barrier_check_smoke(tmp_path):
+    # The grid-barrier stress kernel at P = 1 (interpret mode runs programs one after
+    # another, so P > 1 would wait forever and is refused): no bad rounds.
+    r = _run("barrier_check.py", "--interpret", "--programs=1", "--rounds=3", "--repeats=2",
+             f"--out={tmp_path}")
+    assert r.returncode == 0, r.stderr[-2000:]
+    rep = json.load(open(tmp_path / "barrier_check.json"))
+    assert [(x["programs"], x["spin"]) for x in rep["results"]] == [(1, "volatile"),
+                                                                     (1, "atomic")]
+    assert all(x["bad_rounds_per_launch"] == [0, 0] for x in rep["results"])
+    bad = _run("barrier_check.py", "--interpret", "--programs=2", f"--out={tmp_path}")
+    assert bad.returncode != 0 and "interpret mode: only 1" in bad.stderr

@@ -9,7 +9,7 @@ allocated, compiled to PTX or run. Covered: the Qwen3-8B- and Gemma-3-4B-shaped
 forwards (2 layers; the tuned matmul table, multi-tile schedules with 64-row tiles,
 masked row tiles, split-KV attention, every speed option) at decode, verify and
 prefill shapes, B = 1 and 8; the logsumexp kernel; the experiment kernels of
-`launch_floor.py` and `persistent_floor.py`. Shared memory limits and register
+`launch_floor.py`, `persistent_floor.py` and `barrier_check.py`. Shared memory limits and register
 spills are checked by the Triton compiler on the device, not here.
 """
 
@@ -116,12 +116,24 @@ for fn in (pf.chain, pf.persistent):
         f = functools.partial(fn, programs=132, prefetch=prefetch, lm_head=True,
                               interpret=False, var=var)
         assert "triton" in lower(f, ins, bufs)
+f = functools.partial(pf.persistent, programs=132, prefetch=1, lm_head=False,
+                      interpret=False, var=pf.Variant(spin="atomic"))
+assert "triton" in lower(f, ins, bufs)
 print("lowered: persistent_floor")
 """
 
+_BARRIER_CHECK = _EXPERIMENT + """
+import barrier_check as bc
+flags.FLAGS(["x"])
+for spin in ("volatile", "atomic"):
+    assert "triton" in bc.stress(132, 8, spin, False).trace().lower(
+        lowering_platforms=("cuda",)).as_text()
+print("lowered: barrier_check")
+"""
 
-@pytest.mark.parametrize("script", [_LAUNCH_FLOOR, _PERSISTENT_FLOOR],
-                         ids=["launch_floor", "persistent_floor"])
+
+@pytest.mark.parametrize("script", [_LAUNCH_FLOOR, _PERSISTENT_FLOOR, _BARRIER_CHECK],
+                         ids=["launch_floor", "persistent_floor", "barrier_check"])
 def test_experiment_kernels_lower_for_the_h200(script):
     # In a subprocess each: the scripts define absl flags of the same names.
     r = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True,
