@@ -7,10 +7,12 @@ writes are ordered before the arrival; Triton runs a scalar atomic on one thread
 acquire/release semantics at GPU scope), then waits until the count reaches
 `programs`, acquires, and syncs its threads again.
 
-spin="volatile" polls the counter with volatile loads (never from the L1) and then
-acquires once with an atomic add of 0; spin="atomic" polls with the acquire RMW
-itself (interpret mode, which cannot discharge an atomic inside a loop, polls with
-loads either way). `barrier_check.py` tests both on the device.
+spin="atomic" (the default) polls with the acquire RMW itself (an atomic add of 0);
+spin="volatile" polls with volatile loads and acquires once after. On the H200
+(`barrier_check.py`, 2026-11-30g) only the atomic poll orders memory: with volatile
+polling ~99% of a stress test's rounds read stale rows, with atomic polling none in
+528,000 (interpret mode, which cannot discharge an atomic inside a loop, polls with
+loads either way).
 """
 
 from __future__ import annotations
@@ -19,10 +21,10 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental.pallas import triton as plgpu
 
-SPINS = ("volatile", "atomic")
+SPINS = ("atomic", "volatile")
 
 
-def grid_barrier(bar_ref, idx, programs: int, *, interpret: bool, spin: str = "volatile"):
+def grid_barrier(bar_ref, idx, programs: int, *, interpret: bool, spin: str = "atomic"):
     """All programs reach barrier idx before any passes it; every program's writes before
     it are visible to every program after it. (Interpret mode runs one thread per
     program and the programs one after another: only programs == 1 can pass.)"""

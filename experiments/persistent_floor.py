@@ -9,8 +9,9 @@ before its bytes, so a Qwen3-0.6B forward built kernel by kernel cannot get unde
 ~0.6 ms. This script measures the alternative: the same forward's weight traffic as
 ONE Pallas kernel of P programs (one or two per SM) that walks the layers itself and
 separates dependent phases with a grid-wide barrier (an arrival counter per barrier,
-atomics with acquire/release semantics, a volatile spin). Each layer has the draft's
-five dependent phases with its weight bytes:
+atomics with acquire/release semantics, polled with the acquire RMW:
+`grid_barrier.py`). Each layer has the draft's five dependent phases with its weight
+bytes:
 
   qkv    x[1024]   @ [1024, 4096]   (8 MB; RMSNorm of the residual in the prologue)
   attn   q[768]    @ [768, 2048]    (3 MB: a stand-in with a 768-key cache's bytes)
@@ -80,7 +81,7 @@ _MATVEC = flags.DEFINE_list("matvec", ["reduce"], "how a tile's dot is computed:
 _VOLATILE = flags.DEFINE_bool("act_volatile", True, "load other programs' partials and "
                               "residuals volatile (never from the L1); off relies on the "
                               "barrier's acquire alone (a stale read shows as a difference)")
-_SPIN = flags.DEFINE_list("spin", ["volatile"], "grid barrier polling variants to run "
+_SPIN = flags.DEFINE_list("spin", ["atomic"], "grid barrier polling variants to run "
                          f"(persistent kernel only; {'/'.join(SPINS)}; barrier_check.py)")
 _LM_HEAD = flags.DEFINE_bool("lm_head", True, "include the 1024 x 151,936 LM head")
 _ITERS = flags.DEFINE_integer("iters", 5, "traced forwards per variant")
@@ -135,7 +136,7 @@ class Variant:
     scale: int = 1  # tiles `scale` x wider
     vol: bool = True  # other programs' data loaded volatile
     dot: bool = False  # tensor-core dot instead of multiply + reduce
-    spin: str = "volatile"  # how a grid barrier polls its counter (grid_barrier.SPINS)
+    spin: str = "atomic"  # how a grid barrier polls its counter (grid_barrier.SPINS)
 
     def wide(self, ph: Phase) -> Phase:
         """ph with this variant's tile width."""

@@ -201,8 +201,8 @@ def test_barrier_check_smoke(tmp_path):
              f"--out={tmp_path}")
     assert r.returncode == 0, r.stderr[-2000:]
     rep = json.load(open(tmp_path / "barrier_check.json"))
-    assert [(x["programs"], x["spin"]) for x in rep["results"]] == [(1, "volatile"),
-                                                                     (1, "atomic")]
+    assert [(x["programs"], x["spin"]) for x in rep["results"]] == [(1, "atomic"),
+                                                                     (1, "volatile")]
     assert all(x["bad_rounds_per_launch"] == [0, 0] for x in rep["results"])
     bad = _run("barrier_check.py", "--interpret", "--programs=2", f"--out={tmp_path}")
     assert bad.returncode != 0 and "interpret mode: only 1" in bad.stderr

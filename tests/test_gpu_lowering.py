@@ -117,7 +117,7 @@ for fn in (pf.chain, pf.persistent):
                               interpret=False, var=var)
         assert "triton" in lower(f, ins, bufs)
 f = functools.partial(pf.persistent, programs=132, prefetch=1, lm_head=False,
-                      interpret=False, var=pf.Variant(spin="atomic"))
+                      interpret=False, var=pf.Variant(spin="volatile"))
 assert "triton" in lower(f, ins, bufs)
 print("lowered: persistent_floor")
 """
