@@ -22,7 +22,7 @@
 #   ($FUSED_OPTIONS, a bench_kernels --options list; default: plain, all four off),
 #   timed device-side and checked bitwise against the default pallas step (all on);
 #   $FUSED_S bounds the step (s), $FUSED_CONTEXT sets the context (default 512),
-#   $FUSED_GAMMAS the verify blocks (default 4: T = 5).
+#   $FUSED_GAMMAS the verify blocks (default 4: T = 5), $FUSED_BATCHES the batches.
 # - train trains the code pair into $OUT/codepair; pair and pair_eval audit / evaluate
 #   $PAIR, else a pair trained in this call, else the embedded one.
 # - profile_cboff / profile_default / profile_cbwhile: profile_step.py (device trace of
@@ -166,7 +166,8 @@ for s in $steps; do
              echo "JSPEC_MATMUL_TUNED=$JSPEC_MATMUL_TUNED:"; cat "$JSPEC_MATMUL_TUNED"
            else echo "no $OUT/sweep_matmul_tuned.json: run sweep first"; fi ;;
     kernels_fused) timeout "${FUSED_S:-280}" python3 experiments/bench_kernels.py --preset=qwen3-8b \
-              --batches=1,8 --gammas="${FUSED_GAMMAS:-4}" --context="${FUSED_CONTEXT:-512}" \
+              --batches="${FUSED_BATCHES:-1,8}" --gammas="${FUSED_GAMMAS:-4}" \
+              --context="${FUSED_CONTEXT:-512}" \
               --iters=10 --noops \
               --options=${FUSED_OPTIONS:-plain} \
               --out="$OUT" --tag=fused 2>&1 | quiet | tail -30 ;;

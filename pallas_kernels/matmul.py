@@ -31,8 +31,9 @@ tiles of one column tile, loading each weight block once for all g of them, so a
 block of 40 rows (a batch-8 verify) reads the weights once rather than once per
 row tile. Row tile r's sum has the terms of `_k_loop` in its order, each the
 same [bm, bk] x [bk, bn] dot, so the bits are the grid kernel's; g only changes
-which program computes a tile. g is the largest divisor of the number of row
-tiles not above `row_group` (1 row tile: the grid kernel itself).
+which program computes a tile. The row tiles are spread evenly over the fewest
+programs of at most `row_group` tiles (`row_group_size`; 1 row tile: the grid
+kernel itself); tiles of the last program past the rows are masked.
 """
 
 from __future__ import annotations
@@ -266,10 +267,13 @@ def _matmul_rows_kernel(x_ref, w_ref, o_ref, *, bm: int, bk: int, nk: int, g: in
 
 
 def row_group_size(tiles: int, row_group: int) -> int:
-    """Row tiles per program: the largest divisor of `tiles` that is <= row_group."""
+    """Row tiles per program: the fewest programs of at most row_group tiles each, with
+    the tiles spread evenly over them (cdiv(tiles, cdiv(tiles, row_group))). The last
+    program may hold fewer real tiles: its tiles past the rows are masked (read as
+    zeros, never stored), so every weight block is read once per program either way."""
     if row_group < 1:
         raise ValueError(f"row_group must be >= 1; got {row_group}")
-    return max(d for d in range(1, min(tiles, row_group) + 1) if tiles % d == 0)
+    return -(-tiles // -(-tiles // row_group))
 
 
 def _matmul_kernel(x_ref, w_ref, o_ref, *, bk: int, nk: int, m: int | None = None):
@@ -368,7 +372,7 @@ def matmul(
         tiles = -(-m // cfg.bm)
         g = row_group_size(tiles, row_group)
         rows = g * cfg.bm  # rows per program: g row tiles (1: the grid kernel)
-        ragged = m if m % rows else None
+        ragged = m if m % rows else None  # the last program reaches past the rows
         if g > 1:
             kernel = functools.partial(_matmul_rows_kernel, bm=cfg.bm, bk=cfg.bk,
                                        nk=kc // cfg.bk, g=g, m=ragged)
@@ -377,7 +381,7 @@ def matmul(
         out = pl.pallas_call(
             kernel,
             out_shape=jax.ShapeDtypeStruct((m, np_), out_dtype),
-            grid=(tiles // g, np_ // cfg.bn),
+            grid=(-(-tiles // g), np_ // cfg.bn),
             in_specs=[
                 pl.BlockSpec((rows, kp), lambda i, j: (i, 0)),
                 pl.BlockSpec((kp, cfg.bn), lambda i, j: (0, j)),

@@ -20,12 +20,14 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels._common import pad_axis, pad_rows, round_up, triton_params
+from pallas_kernels._common import pad_axis, round_up, triton_params
 from pallas_kernels.glu import ACTIVATIONS, _activation, glu, glu_reference
 from pallas_kernels.matmul import (
     _check_shapes,
     _k_loop,
     _k_loop_rows,
+    _row_mask,
+    _store_rows,
     matmul,
     matmul_config,
     matmul_reference,
@@ -44,12 +46,16 @@ MULTI_TILE_GLU: dict[tuple[int, int, str], dict[str, int]] = {
 }
 
 
-def _kernel(x_ref, wg_ref, wu_ref, o_ref, *, bk: int, nk: int, activation: str):
-    # x_ref [bm, Kp]; wg_ref, wu_ref [Kp, bn] (gate and up columns of tile j); o_ref [bm, bn]
+def _kernel(x_ref, wg_ref, wu_ref, o_ref, *, bk: int, nk: int, activation: str,
+            m: int | None = None):
+    # x_ref [bm, Kp]; wg_ref, wu_ref [Kp, bn] (gate and up columns of tile j); o_ref [bm, bn].
+    # m: rows that exist (the last row tile may reach past them; None: all do).
     dtype = o_ref.dtype
-    gate = _k_loop(x_ref, wg_ref, bk=bk, nk=nk).astype(dtype)  # as matmul's output
-    up = _k_loop(x_ref, wu_ref, bk=bk, nk=nk).astype(dtype)
-    o_ref[...] = _glu_tile(gate, up, activation)
+    bm, bn = o_ref.shape
+    first = pl.program_id(0) * bm
+    gate = _k_loop(x_ref, wg_ref, bk=bk, nk=nk, first_row=first, m=m).astype(dtype)
+    up = _k_loop(x_ref, wu_ref, bk=bk, nk=nk, first_row=first, m=m).astype(dtype)
+    _store_rows(o_ref, _glu_tile(gate, up, activation), _row_mask(first, bm, m, bn))
 
 
 def _glu_tile(gate, up, activation: str):
@@ -60,14 +66,18 @@ def _glu_tile(gate, up, activation: str):
 
 
 def _rows_kernel(x_ref, wg_ref, wu_ref, o_ref, *, bm: int, bk: int, nk: int, g: int,
-                 activation: str):
+                 activation: str, m: int | None = None):
     # x_ref [g * bm, Kp]; wg_ref, wu_ref [Kp, bn]; o_ref [g * bm, bn]: `_kernel` for g
     # row tiles at once, each weight block loaded once for all of them.
-    gates = _k_loop_rows(x_ref, wg_ref, bm=bm, bk=bk, nk=nk, g=g)
-    ups = _k_loop_rows(x_ref, wu_ref, bm=bm, bk=bk, nk=nk, g=g)
+    first = pl.program_id(0) * (g * bm)
+    bn = o_ref.shape[1]
+    gates = _k_loop_rows(x_ref, wg_ref, bm=bm, bk=bk, nk=nk, g=g, first_row=first, m=m)
+    ups = _k_loop_rows(x_ref, wu_ref, bm=bm, bk=bk, nk=nk, g=g, first_row=first, m=m)
     dtype = o_ref.dtype
     for r, (gate, up) in enumerate(zip(gates, ups, strict=True)):
-        o_ref[pl.ds(r * bm, bm), :] = _glu_tile(gate.astype(dtype), up.astype(dtype), activation)
+        _store_rows(o_ref.at[pl.ds(r * bm, bm), :],
+                    _glu_tile(gate.astype(dtype), up.astype(dtype), activation),
+                    _row_mask(first + r * bm, bm, m, bn))
 
 
 def fusable(K: int, F: int, dtype, interpret: bool) -> bool:
@@ -104,20 +114,25 @@ def matmul_glu(x: jax.Array, w: jax.Array, *, activation: str,
         raise ValueError(f"matmul_glu config must not split K and its bn must divide "
                          f"F={f}; got {cfg}")
     kp = round_up(k, cfg.bk)
-    xp = pad_rows(pad_axis(x, 1, kp), cfg.bm)  # [Mp, Kp]
+    # Rows are not padded: tiles past M are masked (read as zeros, not stored), as in
+    # `matmul`, which is the zero-padded tile's arithmetic without its copy.
+    xp = pad_axis(x, 1, kp)  # [M, Kp]
     wp = pad_axis(w, 0, kp)  # [Kp, 2F]
-    mp, nf = xp.shape[0], f // cfg.bn  # column tiles of the gate half
-    g = row_group_size(mp // cfg.bm, row_group)
+    nf = f // cfg.bn  # column tiles of the gate half
+    tiles = -(-m // cfg.bm)
+    g = row_group_size(tiles, row_group)
     rows = g * cfg.bm  # rows per program: g row tiles (1: the grid kernel)
+    ragged = m if m % rows else None  # the last program reaches past the rows
     if g == 1:
-        kernel = functools.partial(_kernel, bk=cfg.bk, nk=kp // cfg.bk, activation=activation)
+        kernel = functools.partial(_kernel, bk=cfg.bk, nk=kp // cfg.bk, activation=activation,
+                                   m=ragged)
     else:
         kernel = functools.partial(_rows_kernel, bm=cfg.bm, bk=cfg.bk, nk=kp // cfg.bk, g=g,
-                                   activation=activation)
+                                   activation=activation, m=ragged)
     out = pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((mp, f), x.dtype),
-        grid=(mp // rows, nf),
+        out_shape=jax.ShapeDtypeStruct((m, f), x.dtype),
+        grid=(-(-tiles // g), nf),
         in_specs=[
             pl.BlockSpec((rows, kp), lambda i, j: (i, 0)),
             pl.BlockSpec((kp, cfg.bn), lambda i, j: (0, j)),  # gate columns
@@ -128,7 +143,7 @@ def matmul_glu(x: jax.Array, w: jax.Array, *, activation: str,
         interpret=interpret,
         name="jspec_matmul_glu" if g == 1 else "jspec_matmul_glu_rows",
     )(xp, wp, wp)
-    return out[:m]
+    return out
 
 
 def matmul_glu_reference(x: jax.Array, w: jax.Array, *, activation: str,

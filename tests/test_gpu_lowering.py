@@ -50,7 +50,7 @@ def _abstract_model(preset: str, layers: int = 2) -> Model:
 
 
 @pytest.mark.parametrize("preset", ["qwen3-8b", "gemma3-4b"])
-@pytest.mark.parametrize("batch,tokens", [(1, 1), (1, 5), (8, 1), (8, 5), (1, 70)])
+@pytest.mark.parametrize("batch,tokens", [(1, 1), (1, 5), (8, 1), (8, 5), (8, 9), (1, 70)])
 def test_model_forward_lowers_for_the_h200(preset, batch, tokens):
     model = _abstract_model(preset)
     cache = jax.eval_shape(lambda: init_cache(model, batch, 256))

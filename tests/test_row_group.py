@@ -4,7 +4,8 @@ One program computing g row tiles (each weight block loaded once for all of them
 give the bits of the grid kernel, which computes each row tile in its own program:
 (a) `matmul` and `matmul_glu` at 1 to 4 row tiles and groups of 2..4,
     bf16 and f32, against row_group=1, bitwise (and split-K configs, which ignore it);
-(b) the group size is the largest divisor of the row tiles not above row_group;
+(b) the group size spreads the row tiles evenly over the fewest programs of at most
+    row_group tiles (the last program's tiles past the rows are masked);
 (c) a model with matmul_row_group=4 (the default): prefill and a verify block bitwise
     equal to the row_group=1 model's, so the option is scheduling only.
 CPU, Pallas in interpret mode; JSPEC_PALLAS_INTERPRET=0 runs (a) compiled on a GPU.
@@ -32,14 +33,17 @@ def _rand(shape, dtype, seed):
 
 
 def test_row_group_size():
-    assert [row_group_size(t, 4) for t in range(1, 9)] == [1, 2, 3, 4, 1, 3, 1, 4]
+    # 5 row tiles (a batch-8 verify block of gamma 8, 72 rows): two programs of 3 (the
+    # second with one masked tile), not five of 1, so each weight is read twice, not 5x.
+    assert [row_group_size(t, 4) for t in range(1, 11)] == [1, 2, 3, 4, 3, 3, 4, 4, 3, 4]
     assert row_group_size(3, 1) == 1 and row_group_size(12, 5) == 4
+    assert row_group_size(33, 4) == 4 and row_group_size(32, 8) == 8
     with pytest.raises(ValueError, match="row_group must be >= 1"):
         row_group_size(3, 0)
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-@pytest.mark.parametrize("m", [1, 17, 40, 96, 100])
+@pytest.mark.parametrize("m", [1, 17, 40, 72, 96, 100])
 def test_matmul_row_group_is_bitwise_the_grid_kernel(dtype, m):
     K, N = 96, 80
     x, w = _rand((m, K), dtype, 0), _rand((K, N), dtype, 1)
@@ -57,7 +61,7 @@ def test_matmul_row_group_ignored_by_split_k():
     assert np.array_equal(bits(got), bits(base))
 
 
-@pytest.mark.parametrize("m", [1, 40, 96])
+@pytest.mark.parametrize("m", [1, 40, 72, 96, 100])
 def test_matmul_glu_row_group_is_bitwise_the_grid_kernel(m):
     K = 64
     F = next(f for f in (32, 64, 128, 256, 512) if fusable(K, f, jnp.bfloat16, INTERPRET))
@@ -176,3 +180,19 @@ def test_ragged_rows_are_masked_not_padded(m, row_group):
     got = call(x, w, interpret=INTERPRET)
     padded = call(jnp.pad(x, ((0, 128 - m), (0, 0))), w, interpret=INTERPRET)[:m]
     assert got.shape == (m, 128) and np.array_equal(bits(got), bits(padded))
+
+
+@pytest.mark.parametrize("m", [5, 40, 72])
+def test_glu_ragged_rows_are_masked_not_padded(m):
+    # matmul_glu masks the rows past M like matmul: no pad or slice, a padded input's bits.
+    from conftest import eqn_counts
+
+    K = 64
+    F = next(f for f in (32, 64, 128, 256, 512) if fusable(K, f, jnp.bfloat16, INTERPRET))
+    x, w = _rand((m, K), jnp.bfloat16, 8), _rand((K, 2 * F), jnp.bfloat16, 9)
+    call = functools.partial(matmul_glu, activation="silu", row_group=4)
+    c = eqn_counts(jax.make_jaxpr(functools.partial(call, interpret=False))(x, w).jaxpr)
+    assert c["pad"] == 0 and c["slice"] == 0 and c["pallas_call"] == 1, c
+    got = call(x, w, interpret=INTERPRET)
+    padded = call(jnp.pad(x, ((0, 80 - m), (0, 0))), w, interpret=INTERPRET)[:m]
+    assert got.shape == (m, F) and np.array_equal(bits(got), bits(padded))
