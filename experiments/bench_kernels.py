@@ -11,12 +11,16 @@ Side by side in one run, with random bf16 weights at the preset's real shape:
     verify(gamma + 1) / decode(1) per backend;
   - achieved bandwidth of the decode step (weight + KV bytes read) against a
     measured device-to-device copy.
-Times are medians over `--iters` runs after warm-up, each ended by
-`block_until_ready`. Whole steps are timed as a device-side loop of 10 forwards in
-one jit (as generate and the speculative loop run them: no host dispatch between
-steps); the time of one host-dispatched call is recorded beside it ("host ms"),
-since at the Qwen3-8B shape dispatching the ~400-leaf params pytree and launching
-the step from the host costs about as much as the GPU work. Prints a table;
+Single ops run 20 times in a jitted loop; on a GPU their time is the device time of
+their kernels in a profiler trace, less that of the same loop around the identity
+(timed from the host, a few-us kernel would read as the loop's 15-30 us per trip);
+on a CPU it is the loop's host time. Step times are medians over `--iters` runs
+after warm-up, each ended by `block_until_ready`. Whole steps are timed as a
+device-side loop of 10 forwards in one jit (as generate and the speculative loop run
+them: no host dispatch between steps); the time of one host-dispatched call is
+recorded beside it ("host ms"), since at the Qwen3-8B shape dispatching the ~400-leaf
+params pytree and launching the step from the host costs about as much as the GPU
+work. Prints a table;
 writes a JSON receipt under --out (--tag suffix).
 """
 
@@ -26,6 +30,7 @@ import functools
 import json
 import os
 import sys
+import tempfile
 import time
 
 import jax
@@ -44,6 +49,7 @@ from pallas_kernels.matmul import TUNED, tuned_to_json  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 from timing import copy_bandwidth, median_time  # noqa: E402
+from trace_tools import device_events, traced  # noqa: E402
 
 _PRESET = flags.DEFINE_string("preset", "qwen3-8b", "model shape preset")
 _LAYERS = flags.DEFINE_integer("layers", 0, "layers (0: the preset's)")
@@ -53,6 +59,8 @@ _CONTEXT = flags.DEFINE_integer("context", 512, "tokens already in the cache")
 _ITERS = flags.DEFINE_integer("iters", 20, "timed runs per measurement")
 _OUT = flags.DEFINE_string("out", os.environ.get("OUT", "experiments/results"), "receipt dir")
 _INTERPRET = flags.DEFINE_bool("interpret", False, "CPU smoke run (tiny timings mean nothing)")
+_DTYPE = flags.DEFINE_string("dtype", "bfloat16", "weights and activations (a CPU smoke run "
+                             "needs float32: XLA's CPU runtime has no bf16 x bf16 -> f32 dot)")
 _OPTIONS = flags.DEFINE_list(
     "options", [], "speed-option variants of the pallas step to time (jspec.config.options "
     "names: x, no_x, plain; a+b: both), each checked bitwise against the default pallas "
@@ -78,6 +86,29 @@ def looped(fn):
     return jax.jit(run)
 
 
+def _kernel_us(jfn, args, iters: int) -> float | None:
+    """Device time of all of jfn's kernels per op call (jfn runs REPS calls), summed from
+    a profiler trace of `iters` runs; None without a device timeline (CPU)."""
+    jax.block_until_ready(jfn(*args))
+    with tempfile.TemporaryDirectory() as d:
+        trace, _ = traced(lambda: [jax.block_until_ready(jfn(*args)) for _ in range(iters)], d)
+    events = device_events(trace)
+    return sum(e["dur"] for e in events) / (iters * REPS) if events else None
+
+
+def op_time_us(fn, args, iters: int) -> tuple[float, str]:
+    """(us per call of fn(*args), how it was timed). On a GPU: the kernels' device time in
+    REPS looped calls minus that of the same loop around the identity (the loop's own
+    add and reduction kernels), so neither the host nor the loop's per-trip cost counts
+    (timed from the host, a few-us kernel reads 15-30 us). On a CPU: the loop's host
+    time per call."""
+    dev = _kernel_us(looped(fn), args, iters)
+    if dev is None:
+        return median_time(looped(fn), *args, iters=iters) / REPS * 1e6, "host"
+    base = _kernel_us(looped(lambda x, *rest: x), args[:1], iters)
+    return max(dev - base, 0.0), "device"
+
+
 def bench_matmuls(model, batches, iters):
     cfg, params = model.config, model.params
     ops = {b: get_ops(b, cfg.interpret) for b in ("pallas", "xla")}
@@ -87,14 +118,14 @@ def bench_matmuls(model, batches, iters):
     for M in batches:
         for name, w in weights.items():
             x = jax.random.normal(jax.random.key(M), (M, w.shape[0]), jnp.float32).astype(w.dtype)
-            t = {}
-            for b, o in ops.items():
-                fn = looped(lambda x, w, o=o: o.matmul(x, w, out_dtype=w.dtype))
-                t[b] = median_time(fn, x, w, iters=iters) / REPS
+            t = {b: op_time_us(lambda x, w, o=o: o.matmul(x, w, out_dtype=w.dtype), (x, w),
+                               iters) for b, o in ops.items()}
             rows.append({"op": f"matmul {name} {tuple(w.shape)}", "M": M,
-                         "pallas_us": t["pallas"] * 1e6, "xla_us": t["xla"] * 1e6,
-                         "tax": t["pallas"] / t["xla"],
-                         "pallas_TBps": w.size * w.dtype.itemsize / t["pallas"] / 1e12})
+                         "pallas_us": t["pallas"][0], "xla_us": t["xla"][0],
+                         "tax": t["pallas"][0] / max(t["xla"][0], 1e-9),
+                         "timing": t["pallas"][1],
+                         "pallas_TBps": w.size * w.dtype.itemsize
+                         / max(t["pallas"][0], 1e-9) / 1e6})
     return rows
 
 
@@ -131,10 +162,10 @@ def bench_other_ops(model, batches, context, iters):
                     q, k, v, pos, jnp.int32(0), scale=cfg.attn_scale),
                 (rnd(10, (B, T, H, hd)), rnd(11, (B, Hkv, S, hd)), rnd(12, (B, Hkv, S, hd))))
         for name, (make, args) in cases.items():
-            t = {b: median_time(looped(make(o)), *args, iters=iters) / REPS
-                 for b, o in ops.items()}
-            rows.append({"op": name, "M": B, "pallas_us": t["pallas"] * 1e6,
-                         "xla_us": t["xla"] * 1e6, "tax": t["pallas"] / t["xla"]})
+            t = {b: op_time_us(make(o), args, iters) for b, o in ops.items()}
+            rows.append({"op": name, "M": B, "pallas_us": t["pallas"][0],
+                         "xla_us": t["xla"][0], "timing": t["pallas"][1],
+                         "tax": t["pallas"][0] / max(t["xla"][0], 1e-9)})
     return rows
 
 
@@ -210,7 +241,7 @@ def main(argv):
     del argv
     batches = [int(b) for b in _BATCHES.value]
     gammas = [int(g) for g in _GAMMAS.value]
-    kw = dict(interpret=_INTERPRET.value)
+    kw = dict(interpret=_INTERPRET.value, dtype=_DTYPE.value)
     if _LAYERS.value:
         kw["num_layers"] = _LAYERS.value
     model = random_model(_PRESET.value, **kw)
@@ -219,6 +250,8 @@ def main(argv):
     print(f"device {jax.devices()[0].device_kind}, jax {jax.__version__}, "
           f"copy {bw / 1e12:.2f} TB/s")
     mm = bench_matmuls(model, batches, iters) if _OPS.value else []
+    if mm:
+        print(f"\nsingle ops, us per call ({mm[0]['timing']} time; see the docstring)")
     print(f"\n{'op':44s} {'M':>3s} {'pallas us':>10s} {'xla us':>8s} {'tax':>6s} {'TB/s':>6s}")
     for r in mm:
         print(f"{r['op']:44s} {r['M']:3d} {r['pallas_us']:10.1f} {r['xla_us']:8.1f} "

@@ -206,3 +206,19 @@ def test_barrier_check_smoke(tmp_path):
     assert all(x["bad_rounds_per_launch"] == [0, 0] for x in rep["results"])
     bad = _run("barrier_check.py", "--interpret", "--programs=2", f"--out={tmp_path}")
     assert bad.returncode != 0 and "interpret mode: only 1" in bad.stderr
+
+
+def test_bench_kernels_smoke(tmp_path):
+    # The kernel benchmark end to end on a tiny model (CPU: host timings, f32): single
+    # ops, steps at T = 1 and 2, and an option variant checked bitwise.
+    r = _run("bench_kernels.py", "--interpret", "--dtype=float32", "--preset=tiny-qwen3",
+             "--batches=2", "--gammas=1", "--iters=1", "--context=16",
+             "--options=matmul_row_group=1", "--tag=smoke", f"--out={tmp_path}")
+    assert r.returncode == 0, r.stderr[-2000:]
+    rep = json.load(open(tmp_path / "bench_kernels_tiny-qwen3_smoke.json"))
+    assert {m["timing"] for m in rep["matmuls"]} == {"host"}  # no device timeline on a CPU
+    assert all(m["pallas_us"] > 0 and m["xla_us"] > 0 for m in rep["matmuls"])
+    steps = {(s["backend"], s["T"]) for s in rep["steps"]}
+    assert steps == {(b, t) for b in ("pallas", "xla", "pallas+matmul_row_group=1")
+                     for t in (1, 2)}
+    assert rep["options_bits_equal_pallas"] is True
