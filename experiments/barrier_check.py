@@ -19,7 +19,6 @@ every program and the kernel's device time per barrier. Writes
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import tempfile
@@ -36,6 +35,7 @@ from jax.experimental.pallas import triton as plgpu
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 from grid_barrier import SPINS, grid_barrier  # noqa: E402
+from receipts import write_receipt  # noqa: E402
 from trace_tools import device_events, traced  # noqa: E402
 
 from pallas_kernels._common import triton_params  # noqa: E402
@@ -120,12 +120,7 @@ def main(_):
             print(f"P={p:4d} spin={spin:8s}: bad rounds per launch {r['bad_rounds_per_launch']}"
                   f" (of {p} x {_ROUNDS.value}), {r['us_per_barrier']:.2f} us a round",
                   flush=True)
-    os.makedirs(_OUT.value, exist_ok=True)
-    path = os.path.join(_OUT.value, "barrier_check"
-                        + (f"_{_TAG.value}" if _TAG.value else "") + ".json")
-    with open(path, "w") as f:
-        json.dump(report, f, indent=1)
-    print(f"receipt: {path}")
+    print(f"receipt: {write_receipt(_OUT.value, 'barrier_check', _TAG.value, report)}")
 
 
 if __name__ == "__main__":

@@ -39,6 +39,9 @@ from jspec.model import forward  # noqa: E402
 from jspec.random_model import random_model  # noqa: E402
 from pallas_kernels.matmul import TUNED, tuned_to_json  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(__file__))
+from receipts import write_receipt  # noqa: E402
+
 FLAGS = flags.DEFINE_string("models", "qwen3-8b:4,gemma3-4b:6", "preset:num_layers list")
 _CONTEXT = flags.DEFINE_integer("context", 8192, "sequence length checked")
 _WINDOW = flags.DEFINE_integer("window", 48, "tail positions checked by decode/verify schedules")
@@ -186,12 +189,7 @@ def main(argv):
 
 
 def save(report) -> str:
-    os.makedirs(_OUT.value, exist_ok=True)
-    path = os.path.join(_OUT.value, "gpu_parity" + (f"_{_TAG.value}" if _TAG.value else "")
-                        + ".json")
-    with open(path, "w") as f:
-        json.dump(report, f, indent=1)
-    return path
+    return write_receipt(_OUT.value, "gpu_parity", _TAG.value, report)
 
 
 def print_table(report):

@@ -45,7 +45,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
-import json
 import os
 import sys
 import tempfile
@@ -62,6 +61,7 @@ from jax.experimental.pallas import triton as plgpu
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 from grid_barrier import SPINS, grid_barrier  # noqa: E402
+from receipts import write_receipt  # noqa: E402
 from trace_tools import device_events, traced  # noqa: E402
 
 from pallas_kernels._common import triton_params  # noqa: E402
@@ -490,11 +490,7 @@ def main(_):
                   f"({us / layers:6.2f} us/layer), equal={equal} max rel diff {rel:.1e} "
                   f"finite={finite}",
                   flush=True)
-    os.makedirs(_OUT.value, exist_ok=True)
-    path = os.path.join(_OUT.value, "persistent_floor"
-                        + (f"_{_TAG.value}" if _TAG.value else "") + ".json")
-    with open(path, "w") as f:
-        json.dump(report, f, indent=1)
+    path = write_receipt(_OUT.value, "persistent_floor", _TAG.value, report)
     print(f"\n{report['device']}, jax {jax.__version__}: {layers} layers "
           f"{'+ LM head ' if _LM_HEAD.value else ''}({nbytes / 1e6:.0f} MB of weights)")
     print(f"{'kind':10s} {'P':>4s} {'pf':>3s} {'x':>2s} {'matvec':>6s} {'spin':>8s} {'us':>9s} "

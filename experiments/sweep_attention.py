@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import json
 import os
 import sys
 import tempfile
@@ -36,6 +35,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
+from receipts import write_receipt  # noqa: E402
 from timing import median_time  # noqa: E402
 from trace_tools import device_events, summarize, traced  # noqa: E402
 
@@ -150,11 +150,7 @@ def main(_):
     for v in ran:
         v["bits_equal"] = all(s["bits_equal"] for s in v["by_shape"].values())
     report["all_bits_equal"] = all(v["bits_equal"] for v in ran)
-    os.makedirs(_OUT.value, exist_ok=True)
-    path = os.path.join(_OUT.value, "sweep_attention"
-                        + (f"_{_TAG.value}" if _TAG.value else "") + ".json")
-    with open(path, "w") as f:
-        json.dump(report, f, indent=1)
+    path = write_receipt(_OUT.value, "sweep_attention", _TAG.value, report)
     print(f"{report['device']}, jax {jax.__version__}, {_PRESET.value} attention at "
           f"{_CONTEXT.value} keys; us per call (phase 1 + fold); bits vs the reference "
           f"(first row)")
