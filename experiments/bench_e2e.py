@@ -79,6 +79,9 @@ _DRAFT_BACKEND = flags.DEFINE_enum(
     "draft_backend", "xla", ["pallas", "xla"],
     "backend of the draft model: its numerics change only which tokens are proposed, never "
     "the output (the target's verify decides), so xla is a legitimate speed option")
+_DRAFT_OPTIONS = flags.DEFINE_list(
+    "draft_options", [], "options for the draft model alone, after --options (e.g. "
+    "l2_prefetch=1 with XLA_FLAGS=--xla_gpu_command_buffer_scheduling_mode=CONCURRENT)")
 _PEERS = flags.DEFINE_bool("peers", True, "transformers peers (needs torch)")
 _PEER_GAMMA = flags.DEFINE_integer("peer_gamma", 4, "gamma of the matched speculative run")
 _PEER_COMPILE = flags.DEFINE_bool("peer_compile", True, "HF static cache + torch.compile run")
@@ -163,6 +166,8 @@ class Bench:
         jax.block_until_ready(self.target.params)
         t1 = time.perf_counter()
         self.draft = load_model(_DRAFT.value, 1).with_backend(_DRAFT_BACKEND.value)
+        self.draft = self.draft.replace(config=self.draft.config.replace(
+            **speed_options(*_DRAFT_OPTIONS.value)))
         jax.block_until_ready(self.draft.params)
         t2 = time.perf_counter()
         self.batches = [int(b) for b in _BATCHES.value]
@@ -184,6 +189,7 @@ class Bench:
             "xla_mem_fraction": os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"),
             "target": _TARGET.value,
             "draft": _DRAFT.value, "draft_backend": _DRAFT_BACKEND.value,
+            "draft_options": _DRAFT_OPTIONS.value, "xla_flags": os.environ.get("XLA_FLAGS", ""),
             "oracle_draft": _ORACLE_DRAFT.value, "oracle_seeds": _ORACLE_SEEDS.value,
             "options": _OPTIONS.value, "speed_options": {
                 f: getattr(self.target.config, f) for f in SPEED_OPTIONS},

@@ -96,6 +96,13 @@ class ModelConfig:
         config's bits at M = 1 and 40 (per matmul), and whole decode and verify
         steps at B = 1 and 8 equal the unscheduled ones bitwise; a B=8 verify
         block 7.70 -> 6.40 ms (2026-11-30e).
+      l2_prefetch: n > 0: as each projection starts, a side reduction reads the
+        weight n projections ahead (weights up to `PREFETCH_MAX_BYTES`), so that
+        under XLA's CONCURRENT command-buffer scheduling
+        (`--xla_gpu_command_buffer_scheduling_mode=CONCURRENT`) the next weights
+        stream into the L2 while the current ones are used; its result only feeds
+        a select on the logits that never fires (the logits' bits are unchanged).
+        0 (default): off. Meant for the latency-bound draft forward.
     """
 
     family: str
@@ -132,6 +139,7 @@ class ModelConfig:
     attn_split_rows: int | None = None
     matmul_row_group: int = 4
     matmul_schedule: int = 1
+    l2_prefetch: int = 0
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
@@ -146,6 +154,8 @@ class ModelConfig:
             raise ValueError(f"matmul_schedule={self.matmul_schedule} must be 0 or 1")
         if self.matmul_row_group < 1:
             raise ValueError(f"matmul_row_group={self.matmul_row_group} must be >= 1")
+        if self.l2_prefetch < 0:
+            raise ValueError(f"l2_prefetch={self.l2_prefetch} must be >= 0 (0: off)")
         if self.attn_split is not None and self.attn_split < 0:
             raise ValueError(f"attn_split={self.attn_split} must be >= 0 (0: one pass) "
                              "or None (the kernel's default)")
@@ -170,7 +180,8 @@ SPEED_OPTIONS = ("fuse_add_norm", "pad_rows_once", "fuse_qk_rope", "fuse_glu")
 
 
 NUMERIC_OPTIONS = ("attn_split", "attn_split_rows")  # ModelConfig ints that may change bits
-VALUE_OPTIONS = NUMERIC_OPTIONS + ("matmul_row_group", "matmul_schedule")  # "name=<int>"
+VALUE_OPTIONS = NUMERIC_OPTIONS + ("matmul_row_group", "matmul_schedule",
+                                   "l2_prefetch")  # "name=<int>"
 
 
 def options(*names: str) -> dict[str, bool | int]:
