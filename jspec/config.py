@@ -103,6 +103,14 @@ class ModelConfig:
         stream into the L2 while the current ones are used; its result only feeds
         a select on the logits that never fires (the logits' bits are unchanged).
         0 (default): off. Meant for the latency-bound draft forward.
+      attn_fused_fold: pallas: 1 runs split-KV attention in one launch, the partials'
+        fold done by each row tile's last-arriving partition program (an atomic counter)
+        instead of a second kernel; the same partials and fold order, so the same bits
+        (tests/test_attn_split.py on CPU). 0 (default): two kernels.
+      xla_pallas_attention: xla: 1 sends attention through the Pallas split-KV kernel
+        (with attn_fused_fold if set) instead of `attention_xla`: for a draft model on
+        the xla backend, whose ~5 small attention kernels a layer cost more than the
+        Pallas one. 0 (default): attention_xla.
     """
 
     family: str
@@ -140,6 +148,8 @@ class ModelConfig:
     matmul_row_group: int = 4
     matmul_schedule: int = 1
     l2_prefetch: int = 0
+    attn_fused_fold: int = 0
+    xla_pallas_attention: int = 0
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
@@ -154,6 +164,9 @@ class ModelConfig:
             raise ValueError(f"matmul_schedule={self.matmul_schedule} must be 0 or 1")
         if self.matmul_row_group < 1:
             raise ValueError(f"matmul_row_group={self.matmul_row_group} must be >= 1")
+        for name in ("attn_fused_fold", "xla_pallas_attention"):
+            if getattr(self, name) not in (0, 1):
+                raise ValueError(f"{name}={getattr(self, name)} must be 0 or 1")
         if self.l2_prefetch < 0:
             raise ValueError(f"l2_prefetch={self.l2_prefetch} must be >= 0 (0: off)")
         if self.attn_split is not None and self.attn_split < 0:
@@ -181,7 +194,8 @@ SPEED_OPTIONS = ("fuse_add_norm", "pad_rows_once", "fuse_qk_rope", "fuse_glu")
 
 NUMERIC_OPTIONS = ("attn_split", "attn_split_rows")  # ModelConfig ints that may change bits
 VALUE_OPTIONS = NUMERIC_OPTIONS + ("matmul_row_group", "matmul_schedule",
-                                   "l2_prefetch")  # "name=<int>"
+                                   "l2_prefetch", "attn_fused_fold",
+                                   "xla_pallas_attention")  # "name=<int>"
 
 
 def options(*names: str) -> dict[str, bool | int]:

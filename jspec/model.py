@@ -29,7 +29,7 @@ from flax import struct
 
 from jspec.cache import KVCache, write_kv
 from jspec.config import ModelConfig, rope_table
-from jspec.ops import ops_for
+from jspec.ops import get_ops, ops_for
 from pallas_kernels._common import pad_axis, pad_rows
 
 COMPILER_OPTIONS = {"xla_allow_excess_precision": False}
@@ -151,9 +151,13 @@ def _attention_block(ops, cfg: ModelConfig, lp, h, k_buf, v_buf, pos, lengths, c
     # New K/V go into the cache before attention reads it (rule R3).
     k_buf = write_kv(k_buf, k_new, lengths)
     v_buf = write_kv(v_buf, v_new, lengths)
-    o = ops.attention(q.reshape(B, T, H, hd), k_buf, v_buf, pos, window,
-                      scale=cfg.attn_scale, softcap=cfg.attn_softcap,
-                      split=cfg.attn_split, split_rows=cfg.attn_split_rows)  # [B, T, H, hd]
+    attention = ops.attention
+    if cfg.backend == "xla" and cfg.xla_pallas_attention:
+        attention = get_ops("pallas", cfg.interpret).attention
+    o = attention(q.reshape(B, T, H, hd), k_buf, v_buf, pos, window,
+                  scale=cfg.attn_scale, softcap=cfg.attn_softcap, split=cfg.attn_split,
+                  split_rows=cfg.attn_split_rows,
+                  fused_fold=bool(cfg.attn_fused_fold))  # [B, T, H, hd]
     o = pad_axis(o.reshape(B * T, H * hd), 0, h.shape[0])  # [Mp, H*hd]
     o = ops.matmul(o, lp["wo"], out_dtype=dtype, row_group=rg, schedule=sched)  # [Mp, D]
     return o, k_buf, v_buf

@@ -65,6 +65,10 @@ class AttentionConfig:
     # How V rows past the tile's last key become zeros: True, a masked load (zero-filled,
     # never read); False, a select on the loaded tile. The same operand bits either way.
     v_masked_load: bool = True
+    # Split-KV in one launch: each partition's program writes its partial, then counts
+    # itself in (an atomic counter per row tile); the one that arrives last folds the
+    # tile's partials in partition order, the same fold as the two-kernel path's.
+    fused_fold: bool = False
 
 
 def attention_config(
@@ -220,6 +224,40 @@ def _split_kernel(q_ref, k_ref, v_ref, first_ref, last_ref, m_ref, l_ref, acc_re
 FOLD_UNROLL = 4  # partials folded per step of the combine's loop
 
 
+def _fold_partials(load, parts: int, first, last, split: int, head_dim: int):
+    """(denom [R], acc [R, D]) of the partials `load(c)` -> (m, l, acc) of partitions c,
+    folded in ascending partition order (see `_combine_kernel`)."""
+
+    def fold(carry, part):
+        m, denom, acc = carry
+        m_c, l_c, acc_c = part  # [R], [R], [R, D]
+        m_new = jnp.maximum(m, m_c)
+        m_safe = jnp.where(m_new == _NEG_INF, 0.0, m_new)
+        a, b = jnp.exp(m - m_safe), jnp.exp(m_c - m_safe)
+        return m_new, a * denom + b * l_c, a[:, None] * acc + b[:, None] * acc_c
+
+    u = FOLD_UNROLL
+
+    def step(i, carry):
+        loaded = []
+        for r in range(u):  # every load of the step first, then the folds in order
+            c = i * u + r
+            inside = c < parts
+            m_c, l_c, acc_c = load(jnp.minimum(c, parts - 1))
+            loaded.append((jnp.where(inside, m_c, _NEG_INF), jnp.where(inside, l_c, 0.0),
+                           jnp.where(inside, acc_c, 0.0)))
+        for part in loaded:
+            carry = fold(carry, part)
+        return carry
+
+    rows = first.shape[0]
+    init = (jnp.full((rows,), _NEG_INF, jnp.float32), jnp.zeros((rows,), jnp.float32),
+            jnp.zeros((rows, head_dim), jnp.float32))
+    lo, hi = _block_range(first, last, parts, split)
+    _, denom, acc = lax.fori_loop(lax.div(lo, u), lax.div(hi + u - 1, u), step, init)
+    return denom, acc
+
+
 def _combine_kernel(m_ref, l_ref, acc_ref, first_ref, last_ref, o_ref, *, split: int):
     """Split-KV phase 2: folds the partials in ascending partition order into one
     (m, denom, acc) and normalizes. Folding an empty partial is an exact no-op
@@ -232,36 +270,56 @@ def _combine_kernel(m_ref, l_ref, acc_ref, first_ref, last_ref, o_ref, *, split:
     rather than one round trip per partial. The partitions a step adds at either end
     are ones no row of the tile sees (phase 1 wrote the empty state there: exact
     no-ops); indices past the last partition fold the empty state itself."""
-
-    def fold(carry, part):
-        m, denom, acc = carry
-        m_c, l_c, acc_c = part  # [R], [R], [R, D]
-        m_new = jnp.maximum(m, m_c)
-        m_safe = jnp.where(m_new == _NEG_INF, 0.0, m_new)
-        a, b = jnp.exp(m - m_safe), jnp.exp(m_c - m_safe)
-        return m_new, a * denom + b * l_c, a[:, None] * acc + b[:, None] * acc_c
-
-    parts, rows, head_dim = acc_ref.shape
-    u = FOLD_UNROLL
-
-    def step(i, carry):
-        loaded = []
-        for r in range(u):  # every load of the step first, then the folds in order
-            c = i * u + r
-            inside = c < parts
-            cc = jnp.minimum(c, parts - 1)
-            loaded.append((jnp.where(inside, m_ref[cc], _NEG_INF),
-                           jnp.where(inside, l_ref[cc], 0.0),
-                           jnp.where(inside, acc_ref[cc], 0.0)))
-        for part in loaded:
-            carry = fold(carry, part)
-        return carry
-
-    init = (jnp.full((rows,), _NEG_INF, jnp.float32), jnp.zeros((rows,), jnp.float32),
-            jnp.zeros((rows, head_dim), jnp.float32))
-    lo, hi = _block_range(first_ref[...], last_ref[...], parts, split)
-    _, denom, acc = lax.fori_loop(lax.div(lo, u), lax.div(hi + u - 1, u), step, init)
+    parts, _, head_dim = acc_ref.shape
+    denom, acc = _fold_partials(lambda c: (m_ref[c], l_ref[c], acc_ref[c]), parts,
+                                first_ref[...], last_ref[...], split, head_dim)
     o_ref[...] = _normalize(denom, acc).astype(o_ref.dtype)
+
+
+def _fused_split_kernel(q_ref, k_ref, v_ref, first_ref, last_ref, count_in, count_ref,
+                        m_ref, l_ref, acc_ref, o_ref, *, scale: float, softcap: float | None,
+                        block_k: int, split: int, v_masked_load: bool, interpret: bool):
+    """Split-KV in one launch: phase 1 of partition c (`_split_kernel`), its partial
+    stored into whole-array buffers; then the program counts itself in on its row tile's
+    counter (a CTA-wide sync first, then one atomic add with acquire/release semantics
+    at GPU scope, the ordering `experiments/grid_barrier.py` relies on), and the program
+    that arrives last folds the tile's partials (`_fold_partials`, loads that bypass the
+    L1) and writes the output rows. Arrival order decides only which program folds, not
+    the order of the fold."""
+    del count_in  # aliased to count_ref
+    b, h, r, c = (pl.program_id(i) for i in range(4))
+    parts = acc_ref.shape[2]
+    br = q_ref.shape[0]
+    first, last = first_ref[...], last_ref[...]
+    lo, hi = _block_range(first, last, k_ref.shape[0] // block_k, block_k)
+    per = split // block_k
+    lo = jnp.maximum(lo, c * per)
+    hi = jnp.maximum(jnp.minimum(hi, (c + 1) * per), lo)
+    m, denom, acc = _online_softmax(q_ref[...], k_ref, v_ref, first, last, lo, hi,
+                                    scale=scale, softcap=softcap, block_k=block_k,
+                                    v_masked_load=v_masked_load)
+    rows = pl.ds(pl.multiple_of(r * br, br), br)
+    m_ref[b, h, c, rows] = m
+    l_ref[b, h, c, rows] = denom
+    acc_ref[b, h, c, rows, :] = acc
+    if not interpret:
+        plgpu.debug_barrier()
+    tile = (b * pl.num_programs(1) + h) * pl.num_programs(2) + r
+    arrived = plgpu.atomic_add(count_ref, (tile,), jnp.int32(1))
+
+    @pl.when(arrived == parts - 1)
+    def _():
+        if not interpret:
+            plgpu.debug_barrier()
+
+        def load(cc):
+            return (plgpu.load(m_ref.at[b, h, cc, rows], volatile=True),
+                    plgpu.load(l_ref.at[b, h, cc, rows], volatile=True),
+                    plgpu.load(acc_ref.at[b, h, cc, rows, :], volatile=True))
+
+        denom_all, acc_all = _fold_partials(load, parts, first, last, split,
+                                            acc_ref.shape[-1])
+        o_ref[...] = _normalize(denom_all, acc_all).astype(o_ref.dtype)
 
 
 def _check_inputs(q, k_cache, v_cache, q_pos, window) -> None:
@@ -304,7 +362,7 @@ def _visible_range(q_pos, window, group: int, num_rows: int):
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "softcap", "interpret", "config", "split",
-                                             "split_rows"))
+                                             "split_rows", "fused_fold"))
 def attention(
     q: jax.Array,  # [B, T, H, D]
     k_cache: jax.Array,  # [B, Hkv, S, D]
@@ -318,6 +376,7 @@ def attention(
     config: AttentionConfig | None = None,
     split: int | None = None,
     split_rows: int | None = None,
+    fused_fold: bool | None = None,
 ) -> jax.Array:
     """Batch-invariant attention of T queries per sequence against a KV cache.
 
@@ -334,7 +393,9 @@ def attention(
     per program of both split kernels. It is a fixed shape like the others, so any
     value keeps the invariance; whether two values give the same bits depends on how
     the compiler lays out a tile's row sums (the softmax denominator), so hold it
-    fixed per model like `split`.
+    fixed per model like `split`. `fused_fold` (if not None) overrides the config's:
+    split-KV in one launch whose last-arriving partition program per row tile folds the
+    partials (the same partials and fold order as the two kernels).
     """
     _check_inputs(q, k_cache, v_cache, q_pos, window)
     batch, seq, num_heads, head_dim = q.shape
@@ -345,6 +406,8 @@ def attention(
         cfg = dataclasses.replace(cfg, split=split)
     if split_rows is not None:
         cfg = dataclasses.replace(cfg, split_rows=split_rows)
+    if fused_fold is not None:
+        cfg = dataclasses.replace(cfg, fused_fold=fused_fold)
     if cfg.split_rows < 16 or cfg.split_rows & (cfg.split_rows - 1):
         raise ValueError(f"split-KV row tile split_rows={cfg.split_rows} must be a power of "
                          "two >= 16 (Triton tiles)")
@@ -410,6 +473,9 @@ def _split_attention(q_rows, k_cache, v_cache, first, last, cfg: AttentionConfig
     parts = pl.cdiv(cache_len, cfg.split)
     br = cfg.split_rows
     params = plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if cfg.fused_fold:
+        return _fused_split_attention(q_rows, k_cache, v_cache, first, last, cfg, scale=scale,
+                                      softcap=softcap, interpret=interpret)
     kernel = functools.partial(_split_kernel, scale=scale, softcap=softcap,
                                block_k=cfg.block_k, split=cfg.split,
                                v_masked_load=cfg.v_masked_load)
@@ -455,6 +521,51 @@ def _split_attention(q_rows, k_cache, v_cache, first, last, cfg: AttentionConfig
     )(m, denom, acc, first, last)
 
 
+def _fused_split_attention(q_rows, k_cache, v_cache, first, last, cfg: AttentionConfig, *,
+                           scale: float, softcap: float | None, interpret: bool):
+    """`_split_attention` in one launch (`_fused_split_kernel`): the same partials and the
+    same fold, the fold run by each row tile's last-arriving partition program. The
+    partials live in whole-array f32 buffers and the counters in a zeroed int32 array
+    (one per row tile), all outputs of the call."""
+    batch, num_kv_heads, rows, head_dim = q_rows.shape
+    cache_len = k_cache.shape[2]
+    parts = pl.cdiv(cache_len, cfg.split)
+    br = cfg.split_rows
+    tiles = batch * num_kv_heads * (rows // br)
+    kernel = functools.partial(_fused_split_kernel, scale=scale, softcap=softcap,
+                               block_k=cfg.block_k, split=cfg.split,
+                               v_masked_load=cfg.v_masked_load, interpret=interpret)
+    part_shapes = [(batch, num_kv_heads, parts, rows), (batch, num_kv_heads, parts, rows),
+                   (batch, num_kv_heads, parts, rows, head_dim)]
+
+    def whole(shape):
+        return pl.BlockSpec(shape, lambda b, h, r, c: (0,) * len(shape))
+
+    outs = pl.pallas_call(
+        kernel,
+        grid=(batch, num_kv_heads, rows // br, parts),
+        in_specs=[
+            pl.BlockSpec((None, None, br, head_dim), lambda b, h, r, c: (b, h, r, 0)),
+            pl.BlockSpec((None, None, cache_len, head_dim), lambda b, h, r, c: (b, h, 0, 0)),
+            pl.BlockSpec((None, None, cache_len, head_dim), lambda b, h, r, c: (b, h, 0, 0)),
+            pl.BlockSpec((None, br), lambda b, h, r, c: (b, r)),
+            pl.BlockSpec((None, br), lambda b, h, r, c: (b, r)),
+            whole((tiles,)),
+        ],
+        out_specs=[whole((tiles,))] + [whole(sh) for sh in part_shapes] + [
+            pl.BlockSpec((None, None, br, head_dim), lambda b, h, r, c: (b, h, r, 0))],
+        out_shape=[jax.ShapeDtypeStruct((tiles,), jnp.int32)]
+        + [jax.ShapeDtypeStruct(sh, jnp.float32) for sh in part_shapes]
+        + [jax.ShapeDtypeStruct(q_rows.shape, q_rows.dtype)],
+        input_output_aliases={5: 0},
+        compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps,
+                                             num_stages=cfg.num_stages),
+        interpret=interpret,
+        name="jspec_attention_fused",
+    )(q_rows, k_cache, v_cache, first, last, jnp.zeros((tiles,), jnp.int32))
+    return outs[-1]
+
+
 def _plain_attention(q, k_cache, v_cache, q_pos, window, *, scale, softcap, upcast: bool):
     """Full softmax over all S keys in plain jnp. upcast: q, k, v and p in f32 with IEEE
     f32 dots (the accurate reference); else dots in the cache dtype with f32 accumulation
@@ -488,7 +599,8 @@ def _plain_attention(q, k_cache, v_cache, q_pos, window, *, scale, softcap, upca
     return o.reshape(batch, seq, num_heads, head_dim).astype(q.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "softcap", "split", "split_rows"))
+@functools.partial(jax.jit, static_argnames=("scale", "softcap", "split", "split_rows",
+                                             "fused_fold"))
 def attention_reference(
     q: jax.Array,  # [B, T, H, D]
     k_cache: jax.Array,  # [B, Hkv, S, D]
@@ -500,18 +612,20 @@ def attention_reference(
     softcap: float | None = None,
     split: int | None = None,
     split_rows: int | None = None,
+    fused_fold: bool | None = None,
 ) -> jax.Array:
     """Plain-jnp attention: full softmax over all S keys with the same mask, all in f32
-    with IEEE f32 dots (`split` and `split_rows` are accepted for the backends' common
+    with IEEE f32 dots (`split`, `split_rows` and `fused_fold` are accepted for the backends' common
     signature and ignored). The accurate reference the kernel is checked against; XLA picks the
     reduction order per shape, so it is not invariant to T, B or S.
     """
-    del split, split_rows
+    del split, split_rows, fused_fold
     return _plain_attention(q, k_cache, v_cache, q_pos, window, scale=scale,
                             softcap=softcap, upcast=True).astype(q.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "softcap", "split", "split_rows"))
+@functools.partial(jax.jit, static_argnames=("scale", "softcap", "split", "split_rows",
+                                             "fused_fold"))
 def attention_xla(
     q: jax.Array,  # [B, T, H, D]
     k_cache: jax.Array,  # [B, Hkv, S, D]
@@ -523,12 +637,13 @@ def attention_xla(
     softcap: float | None = None,
     split: int | None = None,
     split_rows: int | None = None,
+    fused_fold: bool | None = None,
 ) -> jax.Array:
     """The `xla` backend's attention, as a plain JAX model writes it: q @ k and p @ v in
     the cache dtype with f32 accumulation, the softmax in f32, p cast to the value dtype
     (as the kernel does). Same mask and padding rules as `attention_reference`; for f32
     caches the two are the same function. Not invariant (XLA picks reduction orders).
     """
-    del split, split_rows
+    del split, split_rows, fused_fold
     return _plain_attention(q, k_cache, v_cache, q_pos, window, scale=scale,
                             softcap=softcap, upcast=False)

@@ -91,6 +91,51 @@ def test_split_kernels_run_and_size_is_checked(case):
             with_config(model, attn_split_rows=rows)
 
 
+def test_fused_fold_gives_the_two_kernels_bits(case):
+    # attn_fused_fold: one launch whose last-arriving partition program per row tile folds
+    # the partials; the same partials and fold order, so the same logits bit for bit, in
+    # steps and in a ragged batch (interpret mode runs the programs in grid order, so the
+    # last partition folds).
+    model, seq = case
+    fused = with_config(model, attn_fused_fold=1)
+    counts = eqn_counts(jax.make_jaxpr(_forward)(fused, jnp.zeros((1, 1), jnp.int32),
+                                                 init_cache(fused, 1, MAX_LEN)).jaxpr)
+    L = model.config.num_layers
+    assert counts["pallas_call:jspec_attention_fused"] == L, counts
+    assert counts["pallas_call:jspec_attention_split"] == 0
+    assert counts["pallas_call:jspec_attention_combine"] == 0
+    rng = np.random.default_rng(6)
+    seqs = [seq, rng.integers(0, model.config.vocab_size, 21).astype(np.int32)]
+    for label, steps in [("blocks", parity.block_schedule(N, [3, 1, 5, 2, 8])),
+                         ("ragged", parity.batch_schedule([N, 21], 4, seed=7))]:
+        rows = seqs[:1] if label == "blocks" else seqs
+        got = parity.schedule_logits(fused, rows, steps, MAX_LEN, seed=1)
+        want = parity.schedule_logits(model, rows, steps, MAX_LEN, seed=1)
+        for g, w in zip(got, want, strict=True):
+            assert np.array_equal(bits(g), bits(w)), label
+    with pytest.raises(ValueError, match="attn_fused_fold=2 must be 0 or 1"):
+        with_config(model, attn_fused_fold=2)
+
+
+def test_xla_backend_can_run_the_pallas_attention():
+    # xla_pallas_attention: a draft model on the xla backend with the Pallas split-KV
+    # kernel (fused fold) for its attention. Not a parity claim (the xla backend has
+    # none): the kernel replaces attention_xla, and its logits agree with it to f32
+    # rounding (f32 weights: the CPU's XLA runs no bf16 x bf16 -> f32 dots).
+    model, seq = model_and_tokens("tiny-qwen3", 12, seed=4)
+    model = with_config(model.with_backend("xla"), dtype="float32")
+    model = model.replace(params=jax.tree.map(lambda w: w.astype(jnp.float32), model.params))
+    fast = with_config(model, xla_pallas_attention=1, attn_split=SPLIT, attn_fused_fold=1)
+    toks = jnp.asarray(seq[None])
+    counts = eqn_counts(jax.make_jaxpr(_forward)(fast, toks, init_cache(fast, 1, MAX_LEN)).jaxpr)
+    assert counts["pallas_call:jspec_attention_fused"] == model.config.num_layers, counts
+    want = np.asarray(_forward(model, toks, init_cache(model, 1, MAX_LEN))[0])
+    got = np.asarray(_forward(fast, toks, init_cache(fast, 1, MAX_LEN))[0])
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max())
+    with pytest.raises(ValueError, match="xla_pallas_attention=3 must be 0 or 1"):
+        with_config(model, xla_pallas_attention=3)
+
+
 def test_gpu_parity_matrix_runs_with_split_options(tmp_path):
     # The H200 parity harness with split-KV on (`gpu_parity.py --options=attn_split=N`),
     # smoke-run in interpret mode: every check finds 0 mismatches.

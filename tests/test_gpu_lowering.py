@@ -80,6 +80,21 @@ def test_split_row_tile_32_lowers_for_the_h200(batch, tokens):
     assert f"tensor<{batch}x8x2x{rows}x128xf32>" in text
 
 
+@pytest.mark.parametrize("preset,backend,batch,tokens", [
+    ("qwen3-8b", "pallas", 1, 1), ("qwen3-8b", "pallas", 8, 5), ("gemma3-4b", "pallas", 1, 5),
+    ("qwen3-0.6b", "xla", 1, 1), ("qwen3-0.6b", "xla", 1, 2)])
+def test_fused_fold_attention_lowers_for_the_h200(preset, backend, batch, tokens):
+    # attn_fused_fold: split-KV in one launch (atomic counter, volatile loads of the
+    # partials); on the xla backend through xla_pallas_attention (the draft's path).
+    model = _abstract_model(preset)
+    model = model.replace(config=model.config.replace(
+        backend=backend, attn_fused_fold=1, xla_pallas_attention=int(backend == "xla")))
+    cache = jax.eval_shape(lambda: init_cache(model, batch, 256))
+    text = _lower(_forward, model, jax.ShapeDtypeStruct((batch, tokens), jnp.int32), cache)
+    assert 'name = "jspec_attention_fused"' in text
+    assert "jspec_attention_split" not in text and "jspec_attention_combine" not in text
+
+
 def test_logsumexp_lowers_for_the_h200():
     x = jax.ShapeDtypeStruct((8, 151936), jnp.float32)
     assert "triton" in _lower(functools.partial(logsumexp, interpret=False), x)
