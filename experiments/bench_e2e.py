@@ -81,7 +81,7 @@ _DRAFT_BACKEND = flags.DEFINE_enum(
     "the output (the target's verify decides), so xla is a legitimate speed option")
 _DRAFT_OPTIONS = flags.DEFINE_list(
     "draft_options", [], "options for the draft model alone, after --options (e.g. "
-    "l2_prefetch=1 with XLA_FLAGS=--xla_gpu_command_buffer_scheduling_mode=CONCURRENT)")
+    "xla_pallas_attention=1,attn_fused_fold=1)")
 _PEERS = flags.DEFINE_bool("peers", True, "transformers peers (needs torch)")
 _PEER_GAMMA = flags.DEFINE_integer("peer_gamma", 4, "gamma of the matched speculative run")
 _PEER_COMPILE = flags.DEFINE_bool("peer_compile", True, "HF static cache + torch.compile run")

@@ -96,13 +96,6 @@ class ModelConfig:
         config's bits at M = 1 and 40 (per matmul), and whole decode and verify
         steps at B = 1 and 8 equal the unscheduled ones bitwise; a B=8 verify
         block 7.70 -> 6.40 ms (2026-11-30e).
-      l2_prefetch: n > 0: as each projection starts, a side reduction reads the
-        weight n projections ahead (weights up to `PREFETCH_MAX_BYTES`), so that
-        under XLA's CONCURRENT command-buffer scheduling
-        (`--xla_gpu_command_buffer_scheduling_mode=CONCURRENT`) the next weights
-        stream into the L2 while the current ones are used; its result only feeds
-        a select on the logits that never fires (the logits' bits are unchanged).
-        0 (default): off. Meant for the latency-bound draft forward.
       attn_fused_fold: pallas: 1 runs split-KV attention in one launch, the partials'
         fold done by each row tile's last-arriving partition program (an atomic counter)
         instead of a second kernel; the same partials and fold order, so the same bits
@@ -147,7 +140,6 @@ class ModelConfig:
     attn_split_rows: int | None = None
     matmul_row_group: int = 4
     matmul_schedule: int = 1
-    l2_prefetch: int = 0
     attn_fused_fold: int = 0
     xla_pallas_attention: int = 0
 
@@ -167,8 +159,6 @@ class ModelConfig:
         for name in ("attn_fused_fold", "xla_pallas_attention"):
             if getattr(self, name) not in (0, 1):
                 raise ValueError(f"{name}={getattr(self, name)} must be 0 or 1")
-        if self.l2_prefetch < 0:
-            raise ValueError(f"l2_prefetch={self.l2_prefetch} must be >= 0 (0: off)")
         if self.attn_split is not None and self.attn_split < 0:
             raise ValueError(f"attn_split={self.attn_split} must be >= 0 (0: one pass) "
                              "or None (the kernel's default)")
@@ -194,7 +184,7 @@ SPEED_OPTIONS = ("fuse_add_norm", "pad_rows_once", "fuse_qk_rope", "fuse_glu")
 
 NUMERIC_OPTIONS = ("attn_split", "attn_split_rows")  # ModelConfig ints that may change bits
 VALUE_OPTIONS = NUMERIC_OPTIONS + ("matmul_row_group", "matmul_schedule",
-                                   "l2_prefetch", "attn_fused_fold",
+                                   "attn_fused_fold",
                                    "xla_pallas_attention")  # "name=<int>"
 
 

@@ -34,52 +34,6 @@ from pallas_kernels._common import pad_axis, pad_rows
 
 COMPILER_OPTIONS = {"xla_allow_excess_precision": False}
 ROW_TILE = 16  # pad_rows_once: every kernel's GPU row tile divides this
-PREFETCH_MAX_BYTES = 32 << 20  # l2_prefetch: larger weights (an LM head) do not fit the L2
-
-
-def _projections(params) -> list:
-    """The weights the forward multiplies by, in the order it uses them."""
-    order = [lp[k] for lp in params["layers"] for k in ("wqkv", "wo", "w_gate_up", "w_down")]
-    return order + [params["lm_head"]]
-
-
-def _prefetching(ops, order: list, ahead: int, touches: list):
-    """`ops` whose matmuls first read the weight `ahead` projections later in `order`.
-
-    The read is a column max of that weight (one reduction kernel, [N] out, appended to
-    `touches`) that takes a zero from the matmul's input, so it cannot start before the
-    matmul does; nothing the forward computes waits for it.
-    """
-    index = {id(w): i for i, w in enumerate(order)}
-
-    def touch(x, w):
-        i = index.get(id(w), -1)
-        if i < 0 or i + ahead >= len(order):
-            return
-        nxt = order[i + ahead]
-        if nxt.size * nxt.dtype.itemsize > PREFETCH_MAX_BYTES:
-            return
-        zero = (x[:1, :1] * 0).astype(nxt.dtype)  # [1, 1]
-        touches.append(jnp.max(nxt + zero, axis=0))  # [N]
-
-    def matmul(x, w, *args, **kw):
-        touch(x, w)
-        return ops.matmul(x, w, *args, **kw)
-
-    def matmul_glu(x, w, *args, **kw):
-        touch(x, w)
-        return ops.matmul_glu(x, w, *args, **kw)
-
-    return ops._replace(matmul=matmul, matmul_glu=matmul_glu)
-
-
-def _keep(logits, touches: list):
-    """logits, made to depend on the side reads (a select that fires only on a NaN
-    weight, whose logits would be NaN anyway): otherwise XLA drops them as dead code."""
-    if not touches:
-        return logits
-    seen = jnp.max(jnp.stack([jnp.max(t).astype(jnp.float32) for t in touches]))
-    return jnp.where(jnp.isnan(seen), jnp.float32(jnp.nan), logits)
 
 
 @struct.dataclass
@@ -181,9 +135,6 @@ def _mlp_block(ops, cfg: ModelConfig, lp, h):
 def _forward(model: Model, tokens: jax.Array, cache: KVCache):
     cfg, params = model.config, model.params
     ops = ops_for(cfg)
-    touches: list = []  # l2_prefetch's side reads
-    if cfg.l2_prefetch:
-        ops = _prefetching(ops, _projections(params), cfg.l2_prefetch, touches)
     B, T = tokens.shape
     dtype = jnp.dtype(cfg.dtype)
     lengths = cache.lengths
@@ -226,7 +177,6 @@ def _forward(model: Model, tokens: jax.Array, cache: KVCache):
     logits = ops.matmul(h, params["lm_head"], out_dtype=jnp.float32,
                         row_group=cfg.matmul_row_group,
                         schedule=bool(cfg.matmul_schedule))[: B * T]  # [B*T, V]
-    logits = _keep(logits, touches)
     if cfg.final_softcap is not None:
         logits = ops.softcap(logits, cfg.final_softcap)
     new_cache = cache.replace(k=tuple(new_k), v=tuple(new_v), lengths=lengths + T)

@@ -222,16 +222,3 @@ def test_bench_kernels_smoke(tmp_path):
     assert steps == {(b, t) for b in ("pallas", "xla", "pallas+matmul_row_group=1")
                      for t in (1, 2)}
     assert rep["options_bits_equal_pallas"] is True
-
-
-def test_draft_prefetch_smoke(tmp_path):
-    # The draft forward with l2_prefetch 0 and 1 in one scheduling mode (a child process):
-    # both timed, both with the same logits.
-    r = _run("draft_prefetch.py", "--preset=tiny-qwen3", "--context=16", "--steps=2",
-             "--iters=1", "--modes=CONCURRENT", "--prefetch=0,1", f"--out={tmp_path}")
-    assert r.returncode == 0, r.stderr[-2000:]
-    rep = json.load(open(tmp_path / "draft_prefetch.json"))
-    rows = rep["modes"]["CONCURRENT"]["rows"]
-    assert [x["prefetch"] for x in rows] == [0, 1] and all(x["bits_equal_first"] for x in rows)
-    bad = _run("draft_prefetch.py", "--modes=FAST", f"--out={tmp_path}")
-    assert bad.returncode != 0 and "is not one of" in bad.stderr

@@ -180,32 +180,3 @@ def test_speed_options_are_on_by_default_and_named():
         options("attn_split=many")
     with pytest.raises(ValueError, match="unknown speed option 'fuse_glu=1'"):
         options("fuse_glu=1")
-
-
-@pytest.mark.parametrize("backend", ["xla", "pallas"])
-def test_l2_prefetch_reads_ahead_and_keeps_the_logits(backend):
-    """l2_prefetch adds one side reduction per projection it reads ahead and the logits
-    keep their bits (the select that consumes the side reads never fires)."""
-    from conftest import bits, with_config
-
-    from jspec.config import options
-
-    model, seq = model_and_tokens("tiny-qwen3", 6, seed=5)
-    model = model.with_backend(backend)
-    L = model.config.num_layers
-    toks = jnp.asarray(seq[None, :])
-
-    def run(m):
-        cache = init_cache(m, 1, MAX_LEN)
-        text = str(jax.make_jaxpr(_forward)(m, toks, cache))
-        return np.asarray(jax.jit(_forward)(m, toks, cache)[0]), text.count("reduce_max")
-
-    ref, n0 = run(model)
-    for ahead in (1, 2):
-        got, n = run(with_config(model, l2_prefetch=ahead))
-        assert np.array_equal(bits(got), bits(ref)), ahead
-        reads = 4 * L + 1 - ahead  # projections with one `ahead` later (tiny's LM head fits)
-        assert n - n0 == 2 * reads + 1, (ahead, n, n0)  # a column max and its max each, + 1
-    assert options("l2_prefetch=2") == {"l2_prefetch": 2}
-    with pytest.raises(ValueError, match="l2_prefetch=-1 must be >= 0"):
-        with_config(model, l2_prefetch=-1)
