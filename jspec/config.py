@@ -96,10 +96,14 @@ class ModelConfig:
         config's bits at M = 1 and 40 (per matmul), and whole decode and verify
         steps at B = 1 and 8 equal the unscheduled ones bitwise; a B=8 verify
         block 7.70 -> 6.40 ms (2026-11-30e).
-      attn_fused_fold: pallas: 1 runs split-KV attention in one launch, the partials'
-        fold done by each row tile's last-arriving partition program (an atomic counter)
-        instead of a second kernel; the same partials and fold order, so the same bits
-        (tests/test_attn_split.py on CPU). 0 (default): two kernels.
+      attn_fused_fold: pallas: split-KV attention in one launch, the partials' fold done
+        by each row tile's last-arriving partition program (an atomic counter), or in a
+        second kernel; the same partials and fold order, so the same bits (scheduling
+        only; tests/test_attn_split.py on CPU; on the H200, 2026-11-30h, bits equal at
+        B = 1 and 8, T = 1 and 5, and the parity matrix with it everywhere, 0
+        mismatches). None (default): one launch for calls of at most 8 row tiles
+        (`AttentionConfig.fused_fold_tiles`: decode and verify at B=1, decode at B=8),
+        two kernels above; 1: always one launch; 0: always two kernels.
       xla_pallas_attention: xla: 1 sends attention through the Pallas split-KV kernel
         (with attn_fused_fold if set) instead of `attention_xla`: for a draft model on
         the xla backend, whose ~5 small attention kernels a layer cost more than the
@@ -140,7 +144,7 @@ class ModelConfig:
     attn_split_rows: int | None = None
     matmul_row_group: int = 4
     matmul_schedule: int = 1
-    attn_fused_fold: int = 0
+    attn_fused_fold: int | None = None
     xla_pallas_attention: int = 0
 
     def __post_init__(self):
@@ -156,9 +160,11 @@ class ModelConfig:
             raise ValueError(f"matmul_schedule={self.matmul_schedule} must be 0 or 1")
         if self.matmul_row_group < 1:
             raise ValueError(f"matmul_row_group={self.matmul_row_group} must be >= 1")
-        for name in ("attn_fused_fold", "xla_pallas_attention"):
-            if getattr(self, name) not in (0, 1):
-                raise ValueError(f"{name}={getattr(self, name)} must be 0 or 1")
+        if self.attn_fused_fold not in (None, 0, 1):
+            raise ValueError(f"attn_fused_fold={self.attn_fused_fold} must be 0, 1 or None "
+                             "(by the call's row tiles)")
+        if self.xla_pallas_attention not in (0, 1):
+            raise ValueError(f"xla_pallas_attention={self.xla_pallas_attention} must be 0 or 1")
         if self.attn_split is not None and self.attn_split < 0:
             raise ValueError(f"attn_split={self.attn_split} must be >= 0 (0: one pass) "
                              "or None (the kernel's default)")

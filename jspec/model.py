@@ -111,7 +111,8 @@ def _attention_block(ops, cfg: ModelConfig, lp, h, k_buf, v_buf, pos, lengths, c
     o = attention(q.reshape(B, T, H, hd), k_buf, v_buf, pos, window,
                   scale=cfg.attn_scale, softcap=cfg.attn_softcap, split=cfg.attn_split,
                   split_rows=cfg.attn_split_rows,
-                  fused_fold=bool(cfg.attn_fused_fold))  # [B, T, H, hd]
+                  fused_fold=None if cfg.attn_fused_fold is None
+                  else bool(cfg.attn_fused_fold))  # [B, T, H, hd]
     o = pad_axis(o.reshape(B * T, H * hd), 0, h.shape[0])  # [Mp, H*hd]
     o = ops.matmul(o, lp["wo"], out_dtype=dtype, row_group=rg, schedule=sched)  # [Mp, D]
     return o, k_buf, v_buf

@@ -65,10 +65,14 @@ class AttentionConfig:
     # How V rows past the tile's last key become zeros: True, a masked load (zero-filled,
     # never read); False, a select on the loaded tile. The same operand bits either way.
     v_masked_load: bool = True
-    # Split-KV in one launch: each partition's program writes its partial, then counts
-    # itself in (an atomic counter per row tile); the one that arrives last folds the
-    # tile's partials in partition order, the same fold as the two-kernel path's.
-    fused_fold: bool = False
+    # Split-KV in one launch when a call has at most this many row tiles (batch x row
+    # tiles of a kv head): each partition's program writes its partial, then counts itself
+    # in (an atomic counter per row tile); the one that arrives last folds the tile's
+    # partials in partition order, the same fold as the two-kernel path's, so the same
+    # bits. Larger grids run the two kernels (H200, 2026-11-30h: one launch saves 0.08 ms
+    # a Qwen3-8B decode step at B=1 and 0.20 ms a 5-token verify step, but costs 0.05 ms
+    # a B=8 verify step, 16 row tiles). 0: never.
+    fused_fold_tiles: int = 8
 
 
 def attention_config(
@@ -393,9 +397,10 @@ def attention(
     per program of both split kernels. It is a fixed shape like the others, so any
     value keeps the invariance; whether two values give the same bits depends on how
     the compiler lays out a tile's row sums (the softmax denominator), so hold it
-    fixed per model like `split`. `fused_fold` (if not None) overrides the config's:
-    split-KV in one launch whose last-arriving partition program per row tile folds the
-    partials (the same partials and fold order as the two kernels).
+    fixed per model like `split`. `fused_fold` (if not None) overrides the config's
+    choice (`fused_fold_tiles`) between split-KV in one launch, whose last-arriving
+    partition program per row tile folds the partials, and two kernels: the same
+    partials and fold order, so the same bits either way (scheduling only).
     """
     _check_inputs(q, k_cache, v_cache, q_pos, window)
     batch, seq, num_heads, head_dim = q.shape
@@ -406,8 +411,6 @@ def attention(
         cfg = dataclasses.replace(cfg, split=split)
     if split_rows is not None:
         cfg = dataclasses.replace(cfg, split_rows=split_rows)
-    if fused_fold is not None:
-        cfg = dataclasses.replace(cfg, fused_fold=fused_fold)
     if cfg.split_rows < 16 or cfg.split_rows & (cfg.split_rows - 1):
         raise ValueError(f"split-KV row tile split_rows={cfg.split_rows} must be a power of "
                          "two >= 16 (Triton tiles)")
@@ -431,8 +434,10 @@ def attention(
     first, last = _visible_range(q_pos, window, group, padded_rows)  # [B, Rp] each
 
     if cfg.split:
+        if fused_fold is None:
+            fused_fold = batch * (padded_rows // block_rows) <= cfg.fused_fold_tiles
         out = _split_attention(q_rows, k_cache, v_cache, first, last, cfg, scale=float(scale),
-                               softcap=softcap, interpret=interpret)
+                               softcap=softcap, interpret=interpret, fused_fold=fused_fold)
     else:
         kernel = functools.partial(
             _attention_kernel, scale=float(scale), softcap=softcap, block_k=cfg.block_k,
@@ -459,7 +464,8 @@ def attention(
 
 
 def _split_attention(q_rows, k_cache, v_cache, first, last, cfg: AttentionConfig, *,
-                     scale: float, softcap: float | None, interpret: bool):
+                     scale: float, softcap: float | None, interpret: bool,
+                     fused_fold: bool = False):
     """Split-KV (flash-decoding, rule R3): [B, Hkv, Rp, D] rows -> outputs, in two kernels.
 
     Phase 1 has one program per (batch, kv head, row tile, partition) and writes f32
@@ -473,7 +479,7 @@ def _split_attention(q_rows, k_cache, v_cache, first, last, cfg: AttentionConfig
     parts = pl.cdiv(cache_len, cfg.split)
     br = cfg.split_rows
     params = plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if cfg.fused_fold:
+    if fused_fold:
         return _fused_split_attention(q_rows, k_cache, v_cache, first, last, cfg, scale=scale,
                                       softcap=softcap, interpret=interpret)
     kernel = functools.partial(_split_kernel, scale=scale, softcap=softcap,

@@ -76,6 +76,7 @@ def _split_row_tile(jaxpr) -> int | None:
 
 def test_split_kernels_run_and_size_is_checked(case):
     model, _ = case
+    model = with_config(model, attn_fused_fold=0)  # two kernels (default: by row tiles)
     j = jax.make_jaxpr(_forward)(model, jnp.zeros((1, 1), jnp.int32),
                                  init_cache(model, 1, MAX_LEN))
     assert _split_row_tile(j.jaxpr) == (model.config.attn_split_rows or 16)
@@ -97,7 +98,7 @@ def test_fused_fold_gives_the_two_kernels_bits(case):
     # steps and in a ragged batch (interpret mode runs the programs in grid order, so the
     # last partition folds).
     model, seq = case
-    fused = with_config(model, attn_fused_fold=1)
+    fused, model = with_config(model, attn_fused_fold=1), with_config(model, attn_fused_fold=0)
     counts = eqn_counts(jax.make_jaxpr(_forward)(fused, jnp.zeros((1, 1), jnp.int32),
                                                  init_cache(fused, 1, MAX_LEN)).jaxpr)
     L = model.config.num_layers
@@ -113,8 +114,24 @@ def test_fused_fold_gives_the_two_kernels_bits(case):
         want = parity.schedule_logits(model, rows, steps, MAX_LEN, seed=1)
         for g, w in zip(got, want, strict=True):
             assert np.array_equal(bits(g), bits(w)), label
-    with pytest.raises(ValueError, match="attn_fused_fold=2 must be 0 or 1"):
+    with pytest.raises(ValueError, match="attn_fused_fold=2 must be 0, 1 or None"):
         with_config(model, attn_fused_fold=2)
+
+
+def test_fused_fold_by_default_for_small_grids(case):
+    # attn_fused_fold None: one launch when the call has at most 8 split row tiles
+    # (AttentionConfig.fused_fold_tiles), two kernels above.
+    model, _ = case
+    rows = model.config.attn_split_rows or 16
+    G = model.config.num_heads // model.config.num_kv_heads
+    for batch, tokens in ((1, 1), (2, 3), (9, 1), (1, 40)):
+        j = jax.make_jaxpr(_forward)(model, jnp.zeros((batch, tokens), jnp.int32),
+                                     init_cache(model, batch, MAX_LEN))
+        counts = eqn_counts(j.jaxpr)
+        fused = batch * -(-tokens * G // rows) <= 8
+        assert counts["pallas_call:jspec_attention_fused"] == fused * model.config.num_layers
+        assert counts["pallas_call:jspec_attention_split"] == (not fused) * \
+            model.config.num_layers, (batch, tokens, counts)
 
 
 def test_xla_backend_can_run_the_pallas_attention():
