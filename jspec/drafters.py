@@ -185,9 +185,10 @@ class OracleDrafter:
     with probability `corrupt_prob`, for benchmarks with controlled acceptance.
 
     `reference` [B, R] holds each row's prompt followed by its serial output,
-    aligned at position 0. With `draft` attached the draft model really runs
-    (its proposals are discarded), so its cost is real. `corrupt_prob` is a
-    runtime value (a pytree leaf): one compiled loop serves every rate.
+    aligned at position 0. With `draft` attached the draft model really runs (its
+    proposals are discarded, but the oracle's wait for them), so its cost is real.
+    `corrupt_prob` is a runtime value (a pytree leaf): one compiled loop serves every
+    rate.
     """
 
     reference: jax.Array
@@ -203,8 +204,9 @@ class OracleDrafter:
         return self.draft.init(tokens, lens, max_len, gamma)
 
     def propose(self, state, ctx: ProposeContext):
+        model_drafts = None
         if self.draft is not None:
-            _, _, state = self.draft.propose(state, ctx)
+            model_drafts, _, state = self.draft.propose(state, ctx)  # [B, g]
         R = self.reference.shape[1]
         pos = ctx.pos[:, None] + 1 + jnp.arange(ctx.gamma)[None, :]  # [B, g]
         truth = jnp.take_along_axis(self.reference, jnp.minimum(pos, R - 1), axis=1)
@@ -215,6 +217,12 @@ class OracleDrafter:
         V = ctx.vocab
         other = (truth + 1 + (shift * (V - 1)).astype(jnp.int32)) % V  # never == truth
         drafts = jnp.where(u < self.corrupt_prob, other, truth).astype(jnp.int32)
+        if model_drafts is not None:
+            # The proposals wait for the draft model's, as a real drafter's do: a select
+            # that never fires (token ids are >= 0). Without it nothing the round uses
+            # depends on the draft forwards, and a scheduler free to overlap independent
+            # work (XLA's CONCURRENT command buffers) hides them behind the verify.
+            drafts = jnp.where(model_drafts < 0, model_drafts, drafts)
         return drafts, one_hot_logits(drafts, V), state
 
     def commit(self, state, ctx: ProposeContext, n_acc, nxt, drafts):
