@@ -219,3 +219,38 @@ def test_runtime_audit_passes_on_pallas_and_stops_xla_with_a_report():
         jspec.speculative_generate(xla, jspec.ModelDrafter(xla), prompts, spec)
     with pytest.raises(ValueError, match="audit_every=-1"):
         jspec.SpecConfig(audit_every=-1)
+
+
+def _depends_on_inputs(jaxpr) -> list[bool]:
+    """Per output of a closed jaxpr: whether it is computed from any of its inputs
+    (an equation's outputs depend on its inputs if any input does; nested jaxprs are
+    taken as a whole)."""
+    dep = {id(v) for v in jaxpr.jaxpr.invars}
+    for e in jaxpr.jaxpr.eqns:
+        if any(id(v) in dep for v in e.invars):
+            dep.update(id(v) for v in e.outvars)
+    return [id(v) in dep for v in jaxpr.jaxpr.outvars]
+
+
+def test_oracle_proposals_wait_for_the_draft_model():
+    # The oracle runs its draft model for the draft's cost: its proposals must depend on
+    # the draft's forwards (as a real drafter's do), or the compiler may overlap those
+    # forwards with the verify and hide their cost (H200, 2026-11-30h: 1.64x -> 1.47x).
+    target = load("qwen3", "pallas")
+    prompts = _prompts("qwen3")
+    oracle = _drafter("oracle+draft", "qwen3", target, prompts, N)
+    B, P = len(prompts), max(len(p) for p in prompts)
+    toks = jnp.asarray(np.stack([np.resize(p, P) for p in prompts]))
+    lens = jnp.asarray([len(p) for p in prompts], jnp.int32)
+    state = oracle.init(toks, lens, P + N, 3)
+    ctx = jspec.drafters.ProposeContext(
+        cur=toks[:, -1], pos=lens - 1, rows=jnp.arange(B, dtype=jnp.int32),
+        seed=jnp.int32(0), gamma=3, vocab=target.config.vocab_size,
+        draft_sampler=jspec.SpecConfig(gamma=3).draft_sampler())
+
+    def proposals(draft_params):
+        model = oracle.draft.model.replace(params=draft_params)
+        o = oracle.replace(draft=oracle.draft.replace(model=model))
+        return o.propose(state, ctx)[0]
+
+    assert _depends_on_inputs(jax.make_jaxpr(proposals)(oracle.draft.model.params)) == [True]
