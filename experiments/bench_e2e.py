@@ -191,6 +191,9 @@ class Bench:
             "draft": _DRAFT.value, "draft_backend": _DRAFT_BACKEND.value,
             "draft_options": _DRAFT_OPTIONS.value, "xla_flags": os.environ.get("XLA_FLAGS", ""),
             "oracle_draft": _ORACLE_DRAFT.value, "oracle_seeds": _ORACLE_SEEDS.value,
+            # Receipts before 2026-11-30h lack this: their oracle's proposals did not
+            # wait for the draft's forwards, so their oracle speedups are upper bounds.
+            "oracle_waits_for_draft": True,
             "options": _OPTIONS.value, "speed_options": {
                 f: getattr(self.target.config, f) for f in SPEED_OPTIONS},
             "dtype": _DTYPE.value, "batches": self.batches,

@@ -38,6 +38,7 @@ def test_bench_e2e_smoke(tmp_path):
     with open(tmp_path / "bench_e2e.json") as f:
         rep = json.load(f)
     assert rep["complete"] and rep["copy_TBps"] > 0 and rep["peers"]["skipped"] == "--nopeers"
+    assert rep["oracle_waits_for_draft"] is True
     assert rep["draft_backend"] == "xla"
     assert {(s["backend"], s["batch"]) for s in rep["serial"]} == {("pallas", 1), ("xla", 1)}
     assert all(s["roofline_tokens_per_s"] > 0 for s in rep["serial"])
