@@ -206,6 +206,18 @@ def _attention_kernel(
     o_ref[...] = _normalize(denom, acc).astype(o_ref.dtype)
 
 
+def _partition_partial(q_ref, k_ref, v_ref, first, last, c, *, scale: float,
+                       softcap: float | None, block_k: int, split: int, v_masked_load: bool):
+    """(m [R], denom [R], acc [R, D]) of partition c: the online softmax over the key
+    blocks of [c * split, (c + 1) * split) that the tile's rows can see."""
+    lo, hi = _block_range(first, last, k_ref.shape[0] // block_k, block_k)
+    per = split // block_k
+    lo = jnp.maximum(lo, c * per)
+    hi = jnp.maximum(jnp.minimum(hi, (c + 1) * per), lo)
+    return _online_softmax(q_ref[...], k_ref, v_ref, first, last, lo, hi, scale=scale,
+                           softcap=softcap, block_k=block_k, v_masked_load=v_masked_load)
+
+
 def _split_kernel(q_ref, k_ref, v_ref, first_ref, last_ref, m_ref, l_ref, acc_ref, *,
                   scale: float, softcap: float | None, block_k: int, split: int,
                   v_masked_load: bool = False):
@@ -213,16 +225,9 @@ def _split_kernel(q_ref, k_ref, v_ref, first_ref, last_ref, m_ref, l_ref, acc_re
     [c * split, (c + 1) * split), from the empty state; writes its f32 partial
     (m [R], denom [R], acc [R, D]). A partition no row of the tile can see writes the
     empty state (-inf, 0, 0)."""
-    c = pl.program_id(3)
-    first, last = first_ref[...], last_ref[...]
-    lo, hi = _block_range(first, last, k_ref.shape[0] // block_k, block_k)
-    per = split // block_k
-    lo = jnp.maximum(lo, c * per)
-    hi = jnp.maximum(jnp.minimum(hi, (c + 1) * per), lo)
-    m, denom, acc = _online_softmax(q_ref[...], k_ref, v_ref, first, last, lo, hi,
-                                    scale=scale, softcap=softcap, block_k=block_k,
-                                    v_masked_load=v_masked_load)
-    m_ref[...], l_ref[...], acc_ref[...] = m, denom, acc
+    m_ref[...], l_ref[...], acc_ref[...] = _partition_partial(
+        q_ref, k_ref, v_ref, first_ref[...], last_ref[...], pl.program_id(3), scale=scale,
+        softcap=softcap, block_k=block_k, split=split, v_masked_load=v_masked_load)
 
 
 FOLD_UNROLL = 4  # partials folded per step of the combine's loop
@@ -295,13 +300,9 @@ def _fused_split_kernel(q_ref, k_ref, v_ref, first_ref, last_ref, count_in, coun
     parts = acc_ref.shape[2]
     br = q_ref.shape[0]
     first, last = first_ref[...], last_ref[...]
-    lo, hi = _block_range(first, last, k_ref.shape[0] // block_k, block_k)
-    per = split // block_k
-    lo = jnp.maximum(lo, c * per)
-    hi = jnp.maximum(jnp.minimum(hi, (c + 1) * per), lo)
-    m, denom, acc = _online_softmax(q_ref[...], k_ref, v_ref, first, last, lo, hi,
-                                    scale=scale, softcap=softcap, block_k=block_k,
-                                    v_masked_load=v_masked_load)
+    m, denom, acc = _partition_partial(q_ref, k_ref, v_ref, first, last, c, scale=scale,
+                                       softcap=softcap, block_k=block_k, split=split,
+                                       v_masked_load=v_masked_load)
     rows = pl.ds(pl.multiple_of(r * br, br), br)
     m_ref[b, h, c, rows] = m
     l_ref[b, h, c, rows] = denom
