@@ -223,3 +223,19 @@ def test_bench_kernels_smoke(tmp_path):
     assert steps == {(b, t) for b in ("pallas", "xla", "pallas+matmul_row_group=1")
                      for t in (1, 2)}
     assert rep["options_bits_equal_pallas"] is True
+
+
+def test_lowered_ir_fingerprints(tmp_path):
+    # Triton kernels fingerprinted on a CPU: the same code gives the same kernels; forcing
+    # split-KV into two kernels at B=1 (one launch by default) shows as that change.
+    fp = tmp_path / "fp.json"
+    r = _run("lowered_ir.py", "--shapes=qwen3-8b:1x1,gemma3-4b:8x5", f"--out={fp}")
+    assert r.returncode == 0, r.stderr[-2000:]
+    calls = json.load(open(fp))["kernels"]["qwen3-8b:1x1"]
+    assert any(c.startswith("jspec_attention_fused grid 8x1x2 warps 4 stages 2 ") for c in calls)
+    same = _run("lowered_ir.py", "--shapes=qwen3-8b:1x1,gemma3-4b:8x5", f"--compare={fp}")
+    assert same.returncode == 0 and "the same kernels" in same.stdout, same.stdout[-2000:]
+    other = _run("lowered_ir.py", "--shapes=qwen3-8b:1x1", "--options=attn_fused_fold=0",
+                 f"--compare={fp}")
+    assert other.returncode == 1 and "-jspec_attention_fused" in other.stdout
+    assert "+jspec_attention_combine" in other.stdout
