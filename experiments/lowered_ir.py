@@ -7,10 +7,12 @@ A refactor of kernel code, or a change meant to be scheduling only, is proven by
 the parity matrix on the device. This is the cheaper first check: jax lowers the
 Qwen3-8B and Gemma-3-4B forwards (2 layers, abstract weights) for the "cuda"
 platform with the H200's device description, as `tests/test_gpu_lowering.py` does,
-and each Pallas call's Triton IR (with its grid, warps and stages) is hashed.
+and each Pallas call's Triton IR (with its grid, warps and stages) is hashed, and
+so is the rest of the program (the XLA ops between the kernels, whose rounding the
+parity promise covers as well).
 Source locations are left out of the IR (`JAX_TRACEBACK_IN_LOCATIONS_LIMIT=0`, set
 before jax loads), so moving code or renaming a helper leaves the hashes alone, and
-equal hashes mean the device compiles the same kernels: same bits, no device time.
+equal hashes mean the device compiles the same program: same bits, no device time.
 A changed hash says which kernel to prove on the device. Nothing is compiled to PTX.
 """
 
@@ -95,7 +97,9 @@ def fingerprints(shape: str) -> list[str]:
         grid = "x".join(num.get(f"grid_{a}", "?") for a in "xyz")
         out.append(f"{num['name'].strip(chr(34))} grid {grid} warps {num.get('num_warps')} "
                    f"stages {num.get('num_stages')} {ir}")
-    return out
+    # Everything else of the program (the XLA ops between the kernels), kernels' IR blanked.
+    glue = re.sub(r'ir = "(?:[^"\\]|\\.)*"', 'ir = ""', text)
+    return out + [f"(the program around them) {hashlib.sha256(glue.encode()).hexdigest()[:16]}"]
 
 
 def main(argv):
