@@ -467,7 +467,8 @@ def attention(
 def _split_attention(q_rows, k_cache, v_cache, first, last, cfg: AttentionConfig, *,
                      scale: float, softcap: float | None, interpret: bool,
                      fused_fold: bool = False):
-    """Split-KV (flash-decoding, rule R3): [B, Hkv, Rp, D] rows -> outputs, in two kernels.
+    """Split-KV (flash-decoding, rule R3): [B, Hkv, Rp, D] rows -> outputs, in two kernels
+    (or in one launch with `fused_fold`: `_fused_split_attention`, the same bits).
 
     Phase 1 has one program per (batch, kv head, row tile, partition) and writes f32
     partials; phase 2 folds them in partition order. Partitions are fixed key ranges
@@ -477,12 +478,12 @@ def _split_attention(q_rows, k_cache, v_cache, first, last, cfg: AttentionConfig
     """
     batch, num_kv_heads, rows, head_dim = q_rows.shape
     cache_len = k_cache.shape[2]
-    parts = pl.cdiv(cache_len, cfg.split)
-    br = cfg.split_rows
-    params = plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if fused_fold:
         return _fused_split_attention(q_rows, k_cache, v_cache, first, last, cfg, scale=scale,
                                       softcap=softcap, interpret=interpret)
+    parts = pl.cdiv(cache_len, cfg.split)
+    br = cfg.split_rows
+    params = plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     kernel = functools.partial(_split_kernel, scale=scale, softcap=softcap,
                                block_k=cfg.block_k, split=cfg.split,
                                v_masked_load=cfg.v_masked_load)
