@@ -464,6 +464,18 @@ def attention(
     return out.transpose(0, 2, 1, 3, 4).reshape(batch, seq, num_heads, head_dim)
 
 
+def _partition_in_specs(br: int, head_dim: int, cache_len: int) -> list:
+    """Blocks of q rows, K, V, first and last for a (batch, kv head, row tile, partition)
+    program of split-KV phase 1."""
+    return [
+        pl.BlockSpec((None, None, br, head_dim), lambda b, h, r, c: (b, h, r, 0)),
+        pl.BlockSpec((None, None, cache_len, head_dim), lambda b, h, r, c: (b, h, 0, 0)),
+        pl.BlockSpec((None, None, cache_len, head_dim), lambda b, h, r, c: (b, h, 0, 0)),
+        pl.BlockSpec((None, br), lambda b, h, r, c: (b, r)),
+        pl.BlockSpec((None, br), lambda b, h, r, c: (b, r)),
+    ]
+
+
 def _split_attention(q_rows, k_cache, v_cache, first, last, cfg: AttentionConfig, *,
                      scale: float, softcap: float | None, interpret: bool,
                      fused_fold: bool = False):
@@ -490,13 +502,7 @@ def _split_attention(q_rows, k_cache, v_cache, first, last, cfg: AttentionConfig
     m, denom, acc = pl.pallas_call(
         kernel,
         grid=(batch, num_kv_heads, rows // br, parts),
-        in_specs=[
-            pl.BlockSpec((None, None, br, head_dim), lambda b, h, r, c: (b, h, r, 0)),
-            pl.BlockSpec((None, None, cache_len, head_dim), lambda b, h, r, c: (b, h, 0, 0)),
-            pl.BlockSpec((None, None, cache_len, head_dim), lambda b, h, r, c: (b, h, 0, 0)),
-            pl.BlockSpec((None, br), lambda b, h, r, c: (b, r)),
-            pl.BlockSpec((None, br), lambda b, h, r, c: (b, r)),
-        ],
+        in_specs=_partition_in_specs(br, head_dim, cache_len),
         out_specs=[
             pl.BlockSpec((None, None, None, br), lambda b, h, r, c: (b, h, c, r)),
             pl.BlockSpec((None, None, None, br), lambda b, h, r, c: (b, h, c, r)),
@@ -552,14 +558,7 @@ def _fused_split_attention(q_rows, k_cache, v_cache, first, last, cfg: Attention
     outs = pl.pallas_call(
         kernel,
         grid=(batch, num_kv_heads, rows // br, parts),
-        in_specs=[
-            pl.BlockSpec((None, None, br, head_dim), lambda b, h, r, c: (b, h, r, 0)),
-            pl.BlockSpec((None, None, cache_len, head_dim), lambda b, h, r, c: (b, h, 0, 0)),
-            pl.BlockSpec((None, None, cache_len, head_dim), lambda b, h, r, c: (b, h, 0, 0)),
-            pl.BlockSpec((None, br), lambda b, h, r, c: (b, r)),
-            pl.BlockSpec((None, br), lambda b, h, r, c: (b, r)),
-            whole((tiles,)),
-        ],
+        in_specs=_partition_in_specs(br, head_dim, cache_len) + [whole((tiles,))],
         out_specs=[whole((tiles,))] + [whole(sh) for sh in part_shapes] + [
             pl.BlockSpec((None, None, br, head_dim), lambda b, h, r, c: (b, h, r, 0))],
         out_shape=[jax.ShapeDtypeStruct((tiles,), jnp.int32)]
