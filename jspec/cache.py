@@ -75,12 +75,18 @@ def rollback(cache: KVCache, lengths) -> KVCache:
     return cache.replace(lengths=lengths)
 
 
-def write_kv(buf: jax.Array, new: jax.Array, lengths: jax.Array) -> jax.Array:
+def write_kv(buf: jax.Array, new: jax.Array, lengths: jax.Array, *,
+             single: bool = False) -> jax.Array:
     """Writes new entries at each row's length.
 
     buf: [B, Hkv, S, D]; new: [B, Hkv, T, D]; lengths: [B] int32. The caller
     guarantees lengths + T <= S (dynamic_update_slice would clamp silently).
+    single (B = 1 only): one dynamic_update_slice of the whole buffer instead of a
+    vmapped one, which XLA lowers as a scatter; the same entries are written.
     """
+    if single and buf.shape[0] == 1:
+        return jax.lax.dynamic_update_slice(buf, new.astype(buf.dtype), (0, 0, lengths[0], 0))
+
     def one(b, n, start):
         return jax.lax.dynamic_update_slice(b, n.astype(b.dtype), (0, start, 0))
 

@@ -109,6 +109,16 @@ class ModelConfig:
         xla backend: fewer kernels (a Qwen3-0.6B forward 650 -> 568 on the H200); whether
         the speculative round gets faster is not settled yet (2026-11-30h). 0 (default):
         attention_xla.
+      xla_two_rows: xla: 1 carries a zero second row through a one-row forward (B = T =
+        1), from the embedding to the logits, so every projection is a two-row GEMM
+        with no pad or slice around it (XLA's GPU simplifier turns a one-row dot of
+        fewer than 10M elements into a multiply and a reduce; `matmul_reference`
+        otherwise pads and slices around each one) and every norm reduces rows, not a
+        whole array. For a draft model on the xla backend. 0 (default): off.
+      kv_dus: 1 writes a batch-1 call's new K/V into the cache with one
+        dynamic_update_slice per buffer instead of a vmapped one (which XLA lowers as a
+        scatter: a select and an update per buffer). A write: the cache's bits are the
+        same either way. 0 (default): the vmapped write.
     """
 
     family: str
@@ -147,6 +157,8 @@ class ModelConfig:
     matmul_schedule: int = 1
     attn_fused_fold: int | None = None
     xla_pallas_attention: int = 0
+    xla_two_rows: int = 0
+    kv_dus: int = 0
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
@@ -164,8 +176,9 @@ class ModelConfig:
         if self.attn_fused_fold not in (None, 0, 1):
             raise ValueError(f"attn_fused_fold={self.attn_fused_fold} must be 0, 1 or None "
                              "(by the call's row tiles)")
-        if self.xla_pallas_attention not in (0, 1):
-            raise ValueError(f"xla_pallas_attention={self.xla_pallas_attention} must be 0 or 1")
+        for name in ("xla_pallas_attention", "xla_two_rows", "kv_dus"):
+            if getattr(self, name) not in (0, 1):
+                raise ValueError(f"{name}={getattr(self, name)} must be 0 or 1")
         if self.attn_split is not None and self.attn_split < 0:
             raise ValueError(f"attn_split={self.attn_split} must be >= 0 (0: one pass) "
                              "or None (the kernel's default)")
@@ -192,7 +205,8 @@ SPEED_OPTIONS = ("fuse_add_norm", "pad_rows_once", "fuse_qk_rope", "fuse_glu")
 NUMERIC_OPTIONS = ("attn_split", "attn_split_rows")  # ModelConfig ints that may change bits
 VALUE_OPTIONS = NUMERIC_OPTIONS + ("matmul_row_group", "matmul_schedule",
                                    "attn_fused_fold",
-                                   "xla_pallas_attention")  # "name=<int>"
+                                   "xla_pallas_attention", "xla_two_rows",
+                                   "kv_dus")  # "name=<int>"
 
 
 def options(*names: str) -> dict[str, bool | int]:

@@ -103,8 +103,8 @@ def _attention_block(ops, cfg: ModelConfig, lp, h, k_buf, v_buf, pos, lengths, c
     k_new = k.reshape(B, T, Hkv, hd).transpose(0, 2, 1, 3)  # [B, Hkv, T, hd]
     v_new = v.reshape(B, T, Hkv, hd).transpose(0, 2, 1, 3)
     # New K/V go into the cache before attention reads it (rule R3).
-    k_buf = write_kv(k_buf, k_new, lengths)
-    v_buf = write_kv(v_buf, v_new, lengths)
+    k_buf = write_kv(k_buf, k_new, lengths, single=bool(cfg.kv_dus))
+    v_buf = write_kv(v_buf, v_new, lengths, single=bool(cfg.kv_dus))
     attention = ops.attention
     if cfg.backend == "xla" and cfg.xla_pallas_attention:
         attention = get_ops("pallas", cfg.interpret).attention
@@ -144,6 +144,8 @@ def _forward(model: Model, tokens: jax.Array, cache: KVCache):
     x = jnp.take(params["embed"], tokens.reshape(-1), axis=0)  # [B*T, D]
     if cfg.pad_rows_once and cfg.backend == "pallas":
         x = pad_rows(x, ROW_TILE)  # [Mp, D]: zero rows, which every layer keeps zero
+    elif cfg.xla_two_rows and cfg.backend == "xla" and B * T == 1:
+        x = pad_axis(x, 0, 2)  # [2, D]: a zero row that every layer keeps zero
     if cfg.embed_scale is not None:
         x = x * jnp.asarray(cfg.embed_scale, dtype)
 
