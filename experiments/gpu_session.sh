@@ -5,7 +5,7 @@
 # Steps: parity parity_split audit audit_qwen3 audit_gemma3 audit_xla kernels
 # kernels_fused spec sweep tuned e2e e2e_b1 e2e_b8 e2e_peers e2e_draftpallas e2e_decompose train pair
 # pair_eval profile_cboff profile_default profile_cbwhile profile_draftpallas hlo schedsweep
-# floor persistent barriercheck attnsweep
+# floor persistent barriercheck attnsweep draft
 # (default: parity audit kernels spec).
 # - sweep: the matmul tile tuning; it writes $OUT/sweep_matmul_tuned.json, and `tuned`
 #   makes the lane's later steps use that table ($JSPEC_MATMUL_TUNED) before it is
@@ -58,6 +58,10 @@
 # - attnsweep: sweep_attention.py, whether split-KV attention's warps, stages and V-tail
 #   masking change its bits (B = 1 and 8, T = 1 and 5) and which is fastest;
 #   $ATTN_SWEEP_FLAGS appended, $ATTN_SWEEP_S bounds it.
+# - draft: bench_draft.py, one batch-1 draft round (Qwen3-0.6B, gamma 4) per variant of
+#   draft options ($DRAFT_VARIANTS: option lists separated by "/", e.g.
+#   "/xla_two_rows=1/xla_two_rows=1,kv_dus=1"; the empty one is the default), timed and
+#   traced; $DRAFT_S bounds it, $DRAFT_FLAGS appended, $DRAFT_TAG names the receipt.
 # - a step NAME=value (no spaces) exports that variable for the lane's later steps, so
 #   lanes can differ: `E2E_S=170 e2e_b1 :: E2E_S=300 e2e_b8`.
 # - sweep: $SWEEP_FLAGS are appended (e.g. "--presets=qwen3-8b --max_candidates=24"),
@@ -209,6 +213,9 @@ for s in $steps; do
               --batch="${HLO_BATCH:-1}" --tokens="${HLO_TOKENS:-1}" --context=768 --out="$OUT" \
               --tag="b${HLO_BATCH:-1}t${HLO_TOKENS:-1}${HLO_TAG:-}" ${HLO_FLAGS:-} 2>&1 | quiet \
               | tail -80 ;;
+    draft) timeout "${DRAFT_S:-240}" python3 experiments/bench_draft.py --draft=qwen3-0.6b \
+              --variants="${DRAFT_VARIANTS:-}" --out="$OUT" --tag="h200${DRAFT_TAG:-}" \
+              ${DRAFT_FLAGS:-} 2>&1 | quiet | grep -v "it/s" | tail -70 ;;
     *) echo "unknown step $s" ;;
   esac
 done

@@ -239,3 +239,15 @@ def test_lowered_ir_fingerprints(tmp_path):
                  f"--compare={fp}")
     assert other.returncode == 1 and "-jspec_attention_fused" in other.stdout
     assert "+jspec_attention_combine" in other.stdout
+
+
+def test_bench_draft_smoke(tmp_path):
+    r = _run("bench_draft.py", "--draft=tiny-qwen3:1", "--context=16", "--rounds=2",
+             "--iters=1", "--variants=/xla_two_rows=1,kv_dus=1", f"--out={tmp_path}")
+    assert r.returncode == 0, r.stderr[-2000:]
+    rep = json.load(open(tmp_path / "bench_draft_tiny-qwen3-1.json"))
+    base, fast = rep["runs"]
+    assert base["options"] == [] and fast["options"] == ["xla_two_rows=1", "kv_dus=1"]
+    assert base["ms_per_round_host"] > 0 and len(base["drafts"]) == 2 * rep["gamma"]
+    assert fast["logits_max_rel_diff"] < 1e-2  # bf16 weights, another XLA program
+    assert "per round" in r.stdout
