@@ -35,6 +35,9 @@ def get_config(arg=None):
     # target's verify decides every output token, so "xla" (faster for a small model,
     # and no interpret mode on a CPU) never changes the output.
     c.draft_backend = "xla"
+    # Options for the draft model alone (jspec.config.options names, comma-separated):
+    # "draft" = jspec.config.DRAFT_OPTIONS, fewer kernels for an xla-backend draft.
+    c.draft_options = "draft"
     c.dtype = "bfloat16"
     c.audit_every = 0  # >0: recompute every Nth verify block serially, stop on any difference
     c.check_parity = True  # also run serial decoding and fail unless tokens are identical

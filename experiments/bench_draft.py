@@ -62,12 +62,13 @@ def parse_variants(spec: str) -> list[list[str]]:
     return [[o for o in part.split(",") if o] for part in spec.split("/")]
 
 
-def round_fn(drafter: ModelDrafter, gamma: int, vocab: int):
-    """(state, cur [1], pos [1]) -> (state, cur, pos, drafts [1, gamma]): one round's
-    draft work with every proposal accepted."""
+def round_fn(gamma: int, vocab: int):
+    """(drafter, state, cur [1], pos [1]) -> (state, cur, pos, drafts [1, gamma]): one
+    round's draft work with every proposal accepted. The drafter (its weights) is an
+    argument: weights closed over would be compiled in as constants."""
     rows = jnp.zeros((1,), jnp.int32)
 
-    def run(state, cur, pos):
+    def run(drafter, state, cur, pos):
         ctx = ProposeContext(cur=cur, pos=pos, rows=rows, seed=jnp.int32(0), gamma=gamma,
                              vocab=vocab, draft_sampler=Greedy())
         drafts, _, state = drafter.propose(state, ctx)
@@ -76,7 +77,7 @@ def round_fn(drafter: ModelDrafter, gamma: int, vocab: int):
         state = drafter.commit(state, ctx, n_acc, nxt, drafts)
         return state, nxt, pos + gamma + 1, drafts
 
-    return jax.jit(run, donate_argnums=(0,))
+    return jax.jit(run, donate_argnums=(1,))
 
 
 def run_variant(base, opts: list[str], prompt, tmp: str, ref_logits) -> dict:
@@ -85,8 +86,15 @@ def run_variant(base, opts: list[str], prompt, tmp: str, ref_logits) -> dict:
     g, R, C = _GAMMA.value, _ROUNDS.value, _CONTEXT.value
     max_len = C + R * (g + 1) + 8
     lens = jnp.full((1,), C, jnp.int32)
-    init = jax.jit(lambda p: drafter.init(p, lens, max_len, g))
-    step = round_fn(drafter, g, model.config.vocab_size)
+    init_j = jax.jit(lambda d, p: d.init(p, lens, max_len, g))
+    step_j = round_fn(g, model.config.vocab_size)
+
+    def init(p):
+        return init_j(drafter, p)
+
+    def step(state, cur, pos):
+        return step_j(drafter, state, cur, pos)
+
     one = jax.jit(lambda m, t, c: _forward(m, t, c)[0])
 
     def block():

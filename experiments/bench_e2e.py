@@ -80,8 +80,8 @@ _DRAFT_BACKEND = flags.DEFINE_enum(
     "backend of the draft model: its numerics change only which tokens are proposed, never "
     "the output (the target's verify decides), so xla is a legitimate speed option")
 _DRAFT_OPTIONS = flags.DEFINE_list(
-    "draft_options", [], "options for the draft model alone, after --options (e.g. "
-    "xla_pallas_attention=1,attn_fused_fold=1)")
+    "draft_options", ["draft"], "options for the draft model alone, after --options; "
+    "'draft' is jspec.config.DRAFT_OPTIONS (xla_two_rows=1,xla_pallas_attention=1), '' none")
 _PEERS = flags.DEFINE_bool("peers", True, "transformers peers (needs torch)")
 _PEER_GAMMA = flags.DEFINE_integer("peer_gamma", 4, "gamma of the matched speculative run")
 _PEER_COMPILE = flags.DEFINE_bool("peer_compile", True, "HF static cache + torch.compile run")

@@ -65,6 +65,8 @@ _WORKLOADS = flags.DEFINE_list("workloads", list(WORKLOADS), "what to time and t
 flags.register_validator("workloads", lambda v: bool(v) and set(v) <= set(WORKLOADS),
                          message=f"--workloads takes a list of {', '.join(WORKLOADS)}")
 _OPTIONS = flags.DEFINE_list("options", [], "speed options (x, no_x, plain) for target and draft")
+_DRAFT_OPTIONS = flags.DEFINE_list("draft_options", ["draft"], "options for the draft alone, "
+                                   "after --options ('draft': jspec.config.DRAFT_OPTIONS)")
 _BATCH = flags.DEFINE_integer("batch", 1, "rows")
 _PROMPT_LEN = flags.DEFINE_integer("prompt_len", 512, "prompt tokens")
 _STEPS = flags.DEFINE_integer("steps", 32, "tokens generated per row (serial and spec)")
@@ -153,10 +155,12 @@ def main(argv):
               "device": jax.devices()[0].device_kind, "jax": jax.__version__,
               "xla_flags": os.environ.get("XLA_FLAGS", ""), "matmul_tuned": tuned_to_json(TUNED),
               "target": _TARGET.value, "draft": _DRAFT.value,
-              "draft_backend": _DRAFT_BACKEND.value, "options": _OPTIONS.value, "batch": B,
+              "draft_backend": _DRAFT_BACKEND.value, "options": _OPTIONS.value,
+              "draft_options": _DRAFT_OPTIONS.value, "batch": B,
               "prompt_len": P, "steps": N, "gamma": _GAMMA.value, "accept": _ACCEPT.value,
               "runs": [], "complete": False}
     draft = load(_DRAFT.value, 1, _DRAFT_BACKEND.value)
+    draft = draft.replace(config=draft.config.replace(**speed_options(*_DRAFT_OPTIONS.value)))
     report["speed_options"] = {f: getattr(draft.config, f) for f in SPEED_OPTIONS}
     tmp = tempfile.mkdtemp(prefix="jspec_profile_")
     kept = []

@@ -106,19 +106,21 @@ class ModelConfig:
         two kernels above; 1: always one launch; 0: always two kernels.
       xla_pallas_attention: xla: 1 sends attention through the Pallas split-KV kernel
         (one launch at small grids) instead of `attention_xla`, for a draft model on the
-        xla backend: fewer kernels (a Qwen3-0.6B forward 650 -> 568 on the H200); whether
-        the speculative round gets faster is not settled yet (2026-11-30h). 0 (default):
-        attention_xla.
+        xla backend (`DRAFT_OPTIONS`): fewer kernels (a Qwen3-0.6B forward 650 -> 568 on
+        the H200). 0 (default): attention_xla.
       xla_two_rows: xla: 1 carries a zero second row through a one-row forward (B = T =
         1), from the embedding to the logits, so every projection is a two-row GEMM
         with no pad or slice around it (XLA's GPU simplifier turns a one-row dot of
         fewer than 10M elements into a multiply and a reduce; `matmul_reference`
         otherwise pads and slices around each one) and every norm reduces rows, not a
-        whole array. For a draft model on the xla backend. 0 (default): off.
-      kv_dus: 1 writes a batch-1 call's new K/V into the cache with one
+        whole array. For a draft model on the xla backend (`DRAFT_OPTIONS`). 0 (default):
+        off.
+      kv_dus: 1 (default) writes a batch-1 call's new K/V into the cache with one
         dynamic_update_slice per buffer instead of a vmapped one (which XLA lowers as a
         scatter: a select and an update per buffer). A write: the cache's bits are the
-        same either way. 0 (default): the vmapped write.
+        same either way (tests/test_draft_options.py; on the H200, 2026-11-30i, logits
+        equal and a Qwen3-8B B=1 verify(5) step 5.361 -> 5.126 ms, decode 5.157 ->
+        5.109). 0: the vmapped write at every batch size.
     """
 
     family: str
@@ -158,7 +160,7 @@ class ModelConfig:
     attn_fused_fold: int | None = None
     xla_pallas_attention: int = 0
     xla_two_rows: int = 0
-    kv_dus: int = 0
+    kv_dus: int = 1
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
@@ -201,6 +203,12 @@ class ModelConfig:
 
 SPEED_OPTIONS = ("fuse_add_norm", "pad_rows_once", "fuse_qk_rope", "fuse_glu")
 
+# What `options("draft")` sets: a draft model on the xla backend with fewer kernels a
+# forward (its numerics only change proposals; the target's verify decides every token).
+# On the H200 (2026-11-30i) a Qwen3-0.6B draft with these took batch 1, gamma 4, a = 0.8
+# from 1.45x to 1.56x over serial decoding. Both options act on the xla backend only.
+DRAFT_OPTIONS = ("xla_two_rows=1", "xla_pallas_attention=1")
+
 
 NUMERIC_OPTIONS = ("attn_split", "attn_split_rows")  # ModelConfig ints that may change bits
 VALUE_OPTIONS = NUMERIC_OPTIONS + ("matmul_row_group", "matmul_schedule",
@@ -211,7 +219,8 @@ VALUE_OPTIONS = NUMERIC_OPTIONS + ("matmul_row_group", "matmul_schedule",
 
 def options(*names: str) -> dict[str, bool | int]:
     """ModelConfig fields for speed options named as "x" (on), "no_x" (off), "plain" (all
-    of SPEED_OPTIONS off) or "attn_split=N" (a numeric option), applied left to right;
+    of SPEED_OPTIONS off), "draft" (`DRAFT_OPTIONS`) or "attn_split=N" (a numeric
+    option), applied left to right;
     each name may join several with "+":
     `cfg.replace(**options("plain+fuse_glu"))` is the plain path with only fuse_glu."""
     out: dict[str, bool | int] = {}
@@ -224,11 +233,13 @@ def options(*names: str) -> dict[str, bool | int]:
                 raise ValueError(f"option {name!r}: {key} takes an integer") from None
         elif name == "plain":
             out |= dict.fromkeys(SPEED_OPTIONS, False)
+        elif name == "draft":
+            out |= options(*DRAFT_OPTIONS)
         elif not eq and name.removeprefix("no_") in SPEED_OPTIONS:
             out[name.removeprefix("no_")] = not name.startswith("no_")
         else:
             raise ValueError(f"unknown speed option {name!r}; expected one of "
-                             f"{SPEED_OPTIONS}, no_<option>, 'plain' or "
+                             f"{SPEED_OPTIONS}, no_<option>, 'plain', 'draft' or "
                              f"{'|'.join(f'{k}=<int>' for k in VALUE_OPTIONS)}")
     return out
 

@@ -1,4 +1,5 @@
-"""Options for a draft model's speed (`ModelConfig.kv_dus`, `xla_two_rows`), CPU.
+"""Options for a draft model's speed (`ModelConfig.kv_dus`, on by default, and
+`xla_two_rows`, one of `DRAFT_OPTIONS`), CPU.
 
 kv_dus changes how a batch-1 call writes its new K/V, not what it writes: logits and
 cache bitwise equal to the vmapped write, on both backends. xla_two_rows changes the
@@ -34,7 +35,7 @@ def _steps(model, seq, n_prompt):
 def test_kv_dus_gives_the_same_logits_and_cache(backend):
     model, seq = model_and_tokens("tiny-qwen3", 14, seed=3)
     model = model.with_backend(backend)
-    want, want_cache = _steps(model, seq, 10)
+    want, want_cache = _steps(with_config(model, kv_dus=0), seq, 10)
     got, got_cache = _steps(with_config(model, kv_dus=1), seq, 10)
     assert np.array_equal(bits(got), bits(want))
     for a, b in zip(jax.tree.leaves(got_cache), jax.tree.leaves(want_cache), strict=True):
@@ -107,6 +108,14 @@ def test_xla_two_rows_agrees_with_one_row():
         a, b = np.asarray(a), np.asarray(b)
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * np.abs(b).max())
         assert not np.any(a[:, :, 14:]), "nothing written past the last token"
+
+
+def test_draft_alias_names_the_draft_options():
+    from jspec.config import DRAFT_OPTIONS, options
+
+    assert options("draft") == options(*DRAFT_OPTIONS) == {"xla_two_rows": 1,
+                                                          "xla_pallas_attention": 1}
+    assert options("draft", "xla_two_rows=0")["xla_two_rows"] == 0  # left to right
 
 
 def test_draft_options_reject_other_values():
