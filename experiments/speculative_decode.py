@@ -44,7 +44,8 @@ def build(c):
         backend = c.draft_backend or c.backend
         draft = (jspec.load_hf(draft_path, dtype=c.dtype, backend=backend) if draft_path
                  else target.with_backend(backend))
-        draft = draft.replace(config=draft.config.replace(**options(*c.draft_options.split(","))))
+        names = c.get("draft_options", "draft").split(",")  # configs without the field: "draft"
+        draft = draft.replace(config=draft.config.replace(**options(*names)))
         drafter = jspec.ModelDrafter(draft)
     else:
         raise app.UsageError(f"--config.drafter={c.drafter!r}: use 'model' or 'prompt_lookup'")

@@ -205,8 +205,9 @@ SPEED_OPTIONS = ("fuse_add_norm", "pad_rows_once", "fuse_qk_rope", "fuse_glu")
 
 # What `options("draft")` sets: a draft model on the xla backend with fewer kernels a
 # forward (its numerics only change proposals; the target's verify decides every token).
-# On the H200 (2026-11-30i) a Qwen3-0.6B draft with these took batch 1, gamma 4, a = 0.8
-# from 1.45x to 1.56x over serial decoding. Both options act on the xla backend only.
+# On the H200 (2026-11-30i) a Qwen3-0.6B draft with these (and `kv_dus`) took batch 1,
+# gamma 4, a = 0.8 from 1.45x to 1.56-1.58x over serial decoding (two runs). Both act on
+# the xla backend only.
 DRAFT_OPTIONS = ("xla_two_rows=1", "xla_pallas_attention=1")
 
 
