@@ -5,6 +5,7 @@ import functools
 import os
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -65,6 +66,13 @@ def bits(x) -> np.ndarray:
 def with_config(model: jspec.Model, **fields) -> jspec.Model:
     """The model with some ModelConfig fields replaced (the params are shared)."""
     return model.replace(config=model.config.replace(**fields))
+
+
+def xla_f32(model: jspec.Model) -> jspec.Model:
+    """The model on the xla backend in f32 (config and weights): the CPU's XLA runs no
+    bf16 x bf16 -> f32 dots, so xla-backend comparisons on a CPU use f32."""
+    model = with_config(model.with_backend("xla"), dtype="float32")
+    return model.replace(params=jax.tree.map(lambda w: w.astype(jnp.float32), model.params))
 
 
 def eqn_counts(jaxpr, counts: collections.Counter | None = None) -> collections.Counter:

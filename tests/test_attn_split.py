@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import bits, eqn_counts, model_and_tokens, with_config
+from conftest import bits, eqn_counts, model_and_tokens, with_config, xla_f32
 
 from jspec import parity
 from jspec.cache import init_cache
@@ -140,8 +140,7 @@ def test_xla_backend_can_run_the_pallas_attention():
     # none): the kernel replaces attention_xla, and its logits agree with it to f32
     # rounding (f32 weights: the CPU's XLA runs no bf16 x bf16 -> f32 dots).
     model, seq = model_and_tokens("tiny-qwen3", 12, seed=4)
-    model = with_config(model.with_backend("xla"), dtype="float32")
-    model = model.replace(params=jax.tree.map(lambda w: w.astype(jnp.float32), model.params))
+    model = xla_f32(model)
     fast = with_config(model, xla_pallas_attention=1, attn_split=SPLIT, attn_fused_fold=1)
     toks = jnp.asarray(seq[None])
     counts = eqn_counts(jax.make_jaxpr(_forward)(fast, toks, init_cache(fast, 1, MAX_LEN)).jaxpr)

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import bits, eqn_counts, model_and_tokens, with_config
+from conftest import bits, eqn_counts, model_and_tokens, with_config, xla_f32
 
 from jspec.cache import init_cache, write_kv
 from jspec.model import _forward
@@ -60,15 +60,9 @@ def test_kv_dus_writes_at_each_length():
                           write_kv(buf2, new2, lengths2))
 
 
-def _xla_f32(model):
-    # f32 weights: the CPU's XLA runs no bf16 x bf16 -> f32 dots.
-    model = with_config(model.with_backend("xla"), dtype="float32")
-    return model.replace(params=jax.tree.map(lambda w: w.astype(jnp.float32), model.params))
-
-
 def test_xla_two_rows_carries_a_second_row():
     model, seq = model_and_tokens("tiny-qwen3", 12, seed=5)
-    model = _xla_f32(model)
+    model = xla_f32(model)
     two = with_config(model, xla_two_rows=1)
     cache = init_cache(model, 1, MAX_LEN)
     tok = jnp.asarray(seq[None, :1])
@@ -98,7 +92,7 @@ def test_xla_two_rows_agrees_with_one_row():
     # not the arithmetic of the real row, so the logits agree to f32 rounding and the
     # cache holds the real row's K/V only.
     model, seq = model_and_tokens("tiny-qwen3", 14, seed=6)
-    model = _xla_f32(model)
+    model = xla_f32(model)
     want, want_cache = _steps(model, seq, 8)
     got, got_cache = _steps(with_config(model, xla_two_rows=1), seq, 8)
     assert np.isfinite(got).all()
