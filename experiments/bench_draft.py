@@ -140,10 +140,9 @@ def run_variant(base, opts: list[str], prompt, tmp: str, ref_logits) -> dict:
 def main(argv):
     del argv
     os.makedirs(_OUT.value, exist_ok=True)
-    base = random_model(_DRAFT.value.partition(":")[0], seed=0, dtype="bfloat16",
-                        interpret=default_interpret(),
-                        **({"num_layers": int(_DRAFT.value.partition(":")[2])}
-                           if _DRAFT.value.partition(":")[2] else {}))
+    name, _, layers = _DRAFT.value.partition(":")
+    kw = {"num_layers": int(layers)} if layers else {}
+    base = random_model(name, seed=0, dtype="bfloat16", interpret=default_interpret(), **kw)
     base = base.with_backend(_BACKEND.value)
     rng = np.random.default_rng(0)
     prompt = jnp.asarray(rng.integers(0, base.config.vocab_size, (1, _CONTEXT.value)),
