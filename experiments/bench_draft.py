@@ -36,10 +36,9 @@ sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from trace_tools import device_events, summarize, traced  # noqa: E402
 
-from jspec.config import options as speed_options  # noqa: E402
 from jspec.drafters import ModelDrafter, ProposeContext  # noqa: E402
 from jspec.loading import default_interpret  # noqa: E402
-from jspec.model import _forward  # noqa: E402
+from jspec.model import _forward, with_options  # noqa: E402
 from jspec.random_model import random_model  # noqa: E402
 from jspec.sampling import Greedy  # noqa: E402
 
@@ -81,7 +80,7 @@ def round_fn(gamma: int, vocab: int):
 
 
 def run_variant(base, opts: list[str], prompt, tmp: str, ref_logits) -> dict:
-    model = base.replace(config=base.config.replace(**speed_options(*opts)))
+    model = with_options(base, *opts)
     drafter = ModelDrafter(model)
     g, R, C = _GAMMA.value, _ROUNDS.value, _CONTEXT.value
     max_len = C + R * (g + 1) + 8

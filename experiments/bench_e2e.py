@@ -54,9 +54,9 @@ from timing import copy_bandwidth  # noqa: E402
 
 import jspec  # noqa: E402
 from jspec.config import SPEED_OPTIONS  # noqa: E402
-from jspec.config import options as speed_options  # noqa: E402
 from jspec.generate import prefill as serial_prefill  # noqa: E402
 from jspec.loading import default_interpret  # noqa: E402
+from jspec.model import with_options  # noqa: E402
 from jspec.random_model import random_model  # noqa: E402
 from pallas_kernels.matmul import TUNED, tuned_to_json  # noqa: E402
 
@@ -104,7 +104,7 @@ def load_model(spec: str, seed: int) -> jspec.Model:
         kw = {"num_layers": int(layers)} if layers else {}
         model = random_model(name, seed=seed, dtype=_DTYPE.value, interpret=default_interpret(),
                              **kw)
-    return model.replace(config=model.config.replace(**speed_options(*_OPTIONS.value)))
+    return with_options(model, *_OPTIONS.value)
 
 
 def make_prompts(V: int, B: int, P: int) -> np.ndarray:
@@ -166,8 +166,7 @@ class Bench:
         jax.block_until_ready(self.target.params)
         t1 = time.perf_counter()
         self.draft = load_model(_DRAFT.value, 1).with_backend(_DRAFT_BACKEND.value)
-        self.draft = self.draft.replace(config=self.draft.config.replace(
-            **speed_options(*_DRAFT_OPTIONS.value)))
+        self.draft = with_options(self.draft, *_DRAFT_OPTIONS.value)
         jax.block_until_ready(self.draft.params)
         t2 = time.perf_counter()
         self.batches = [int(b) for b in _BATCHES.value]

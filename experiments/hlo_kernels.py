@@ -37,9 +37,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from trace_tools import device_events, summarize, traced  # noqa: E402
 
 import jspec  # noqa: E402
-from jspec.config import options as speed_options  # noqa: E402
 from jspec.loading import default_interpret  # noqa: E402
-from jspec.model import _forward  # noqa: E402
+from jspec.model import (
+    _forward,  # noqa: E402
+    with_options,  # noqa: E402
+)
 from jspec.random_model import random_model  # noqa: E402
 
 _PRESET = flags.DEFINE_string("preset", "tiny-qwen3", "random-weight preset[:layers]")
@@ -94,7 +96,7 @@ def run_backend(backend: str, tmp: str) -> dict:
     name, _, layers = _PRESET.value.partition(":")
     kw = {"num_layers": int(layers)} if layers else {}
     model = random_model(name, seed=0, dtype="bfloat16", interpret=default_interpret(), **kw)
-    model = model.replace(config=model.config.replace(**speed_options(*_OPTIONS.value)))
+    model = with_options(model, *_OPTIONS.value)
     model = model.with_backend(backend)
     B, T, C = _BATCH.value, _TOKENS.value, _CONTEXT.value
     V = model.config.vocab_size

@@ -42,10 +42,10 @@ from tqdm import tqdm
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import jspec  # noqa: E402
 from jspec.config import SPEED_OPTIONS  # noqa: E402
-from jspec.config import options as speed_options  # noqa: E402
 from jspec.generate import GREEDY, decode_loop  # noqa: E402
 from jspec.generate import prefill as serial_prefill  # noqa: E402
 from jspec.loading import default_interpret  # noqa: E402
+from jspec.model import with_options  # noqa: E402
 from jspec.random_model import random_model  # noqa: E402
 from jspec.speculative import prefill as spec_prefill  # noqa: E402
 from jspec.speculative import spec_loop  # noqa: E402
@@ -83,7 +83,7 @@ def load(spec: str, seed: int, backend: str) -> jspec.Model:
     name, _, layers = spec.partition(":")
     kw = {"num_layers": int(layers)} if layers else {}
     m = random_model(name, seed=seed, dtype="bfloat16", interpret=default_interpret(), **kw)
-    m = m.replace(config=m.config.replace(**speed_options(*_OPTIONS.value)))
+    m = with_options(m, *_OPTIONS.value)
     return m.with_backend(backend)
 
 
@@ -160,7 +160,7 @@ def main(argv):
               "prompt_len": P, "steps": N, "gamma": _GAMMA.value, "accept": _ACCEPT.value,
               "runs": [], "complete": False}
     draft = load(_DRAFT.value, 1, _DRAFT_BACKEND.value)
-    draft = draft.replace(config=draft.config.replace(**speed_options(*_DRAFT_OPTIONS.value)))
+    draft = with_options(draft, *_DRAFT_OPTIONS.value)
     report["speed_options"] = {f: getattr(draft.config, f) for f in SPEED_OPTIONS}
     tmp = tempfile.mkdtemp(prefix="jspec_profile_")
     kept = []

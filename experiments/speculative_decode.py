@@ -19,7 +19,6 @@ from ml_collections import config_flags
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import jspec  # noqa: E402
-from jspec.config import options  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", os.path.join(os.path.dirname(__file__), "..", "configs", "speculative.py"),
@@ -45,7 +44,7 @@ def build(c):
         draft = (jspec.load_hf(draft_path, dtype=c.dtype, backend=backend) if draft_path
                  else target.with_backend(backend))
         names = c.get("draft_options", "draft").split(",")  # configs without the field: "draft"
-        draft = draft.replace(config=draft.config.replace(**options(*names)))
+        draft = jspec.with_options(draft, *names)
         drafter = jspec.ModelDrafter(draft)
     else:
         raise app.UsageError(f"--config.drafter={c.drafter!r}: use 'model' or 'prompt_lookup'")

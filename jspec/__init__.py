@@ -12,7 +12,7 @@ from jspec.config import ModelConfig, UnsupportedModelError, from_hf_config
 from jspec.drafters import ModelDrafter, OracleDrafter, PromptLookupDrafter
 from jspec.generate import GenerateOutput, generate, generate_stream
 from jspec.loading import CheckpointError, default_pair, load_hf, load_tokenizer
-from jspec.model import Model, forward
+from jspec.model import Model, forward, with_options
 from jspec.sampling import Greedy, Sample, make_sampler
 from jspec.speculative import (
     ParityError,
@@ -51,4 +51,5 @@ __all__ = [
     "save_params",
     "speculative_generate",
     "speculative_stream",
+    "with_options",
 ]

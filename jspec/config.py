@@ -121,6 +121,13 @@ class ModelConfig:
         same either way (tests/test_draft_options.py; on the H200, 2026-11-30i, logits
         equal and a Qwen3-8B B=1 verify(5) step 5.361 -> 5.126 ms, decode 5.157 ->
         5.109). 0: the vmapped write at every batch size.
+      draft_fused: 1 runs every call of at most 16 rows (batch x tokens) through
+        `jspec.fused_draft.forward`: six Pallas kernels a layer (`pallas_kernels/draft.py`),
+        no row-invariance, for a draft model (`DRAFT_OPTIONS`); larger calls take the
+        usual path. The layer weights must be stored transposed (`with_options` /
+        `jspec.fused_draft.prepare` do it). 0 (default): off.
+      draft_programs: draft_fused: the grid size each projection aims at (weight rows
+        per program = outputs / draft_programs, a power of 2); 256 (default).
     """
 
     family: str
@@ -161,6 +168,8 @@ class ModelConfig:
     xla_pallas_attention: int = 0
     xla_two_rows: int = 0
     kv_dus: int = 1
+    draft_fused: int = 0
+    draft_programs: int = 256
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
@@ -178,9 +187,12 @@ class ModelConfig:
         if self.attn_fused_fold not in (None, 0, 1):
             raise ValueError(f"attn_fused_fold={self.attn_fused_fold} must be 0, 1 or None "
                              "(by the call's row tiles)")
-        for name in ("xla_pallas_attention", "xla_two_rows", "kv_dus"):
+        for name in ("xla_pallas_attention", "xla_two_rows", "kv_dus", "draft_fused"):
             if getattr(self, name) not in (0, 1):
                 raise ValueError(f"{name}={getattr(self, name)} must be 0 or 1")
+        p = self.draft_programs
+        if p < 1 or p & (p - 1):
+            raise ValueError(f"draft_programs={p} must be a power of two >= 1")
         if self.attn_split is not None and self.attn_split < 0:
             raise ValueError(f"attn_split={self.attn_split} must be >= 0 (0: one pass) "
                              "or None (the kernel's default)")
@@ -215,7 +227,7 @@ NUMERIC_OPTIONS = ("attn_split", "attn_split_rows")  # ModelConfig ints that may
 VALUE_OPTIONS = NUMERIC_OPTIONS + ("matmul_row_group", "matmul_schedule",
                                    "attn_fused_fold",
                                    "xla_pallas_attention", "xla_two_rows",
-                                   "kv_dus")  # "name=<int>"
+                                   "kv_dus", "draft_fused", "draft_programs")  # "name=<int>"
 
 
 def options(*names: str) -> dict[str, bool | int]:

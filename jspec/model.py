@@ -133,10 +133,27 @@ def _mlp_block(ops, cfg: ModelConfig, lp, h):
                       schedule=bool(cfg.matmul_schedule))
 
 
+def with_options(model: Model, *names: str) -> Model:
+    """The model with `jspec.config.options(*names)` applied to its config, and its
+    weights in the layout those options need (`draft_fused` reads them transposed)."""
+    from jspec import fused_draft
+    from jspec.config import options
+
+    return fused_draft.prepare(model.replace(config=model.config.replace(**options(*names))))
+
+
 def _forward(model: Model, tokens: jax.Array, cache: KVCache):
-    cfg, params = model.config, model.params
-    ops = ops_for(cfg)
+    cfg = model.config
     B, T = tokens.shape
+    if cfg.draft_fused:
+        from jspec import fused_draft
+
+        fused_draft.check_layout(model)
+        if fused_draft.takes(B, T):
+            return fused_draft.forward(model, tokens, cache)
+        model = model.replace(params=fused_draft.standard_params(model.params))
+    params = model.params
+    ops = ops_for(cfg)
     dtype = jnp.dtype(cfg.dtype)
     lengths = cache.lengths
     pos = lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]  # [B, T]

@@ -1,0 +1,142 @@
+"""`draft_fused`: a draft model's few-token forward in six kernels a layer.
+
+A draft model proposes; the target's verify decides every token. Its forward at batch
+1 (one token a step, two in the catch-up step) is latency-bound: XLA spends ~15
+kernels a layer on a Qwen3-0.6B step. With `ModelConfig.draft_fused=1` a call of at
+most `MAX_ROWS` rows (batch x tokens) runs `forward` here instead, built on the
+latency kernels of `pallas_kernels/draft.py`:
+
+  matvec(add + norm + wqkv) -> qk_rope_write (q/k norm, RoPE, K/V into the cache)
+  -> attention (split-KV Pallas) -> matvec(wo) -> matvec(add + norm + gate/up + GLU)
+  -> matvec(w_down)
+
+and the last residual add, the final norm and the LM head in XLA. Larger calls (the
+prompt's prefill) take the model's usual path on its backend. Nothing here is
+row-invariant, and nothing needs to be: the draft's numerics change proposals only.
+
+The kernels read the layer weights transposed, [out, in]: `prepare(model)` stores
+`wqkv_t`, `wo_t`, `w_gate_up_t` and `w_down_t` in place of the four [in, out]
+matrices (no second copy), and the usual path reads them back through a transpose
+XLA folds into its GEMMs. `jspec.model.with_options` applies options and this layout
+together.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.draft import MAX_ROWS, matvec, qk_rope_write
+
+WEIGHTS = ("wqkv", "wo", "w_gate_up", "w_down")  # [in, out] -> "<name>_t" [out, in]
+
+
+def is_transposed(params: dict) -> bool:
+    return "wqkv_t" in params["layers"][0]
+
+
+def _swap(params: dict, to_t: bool) -> dict:
+    layers = []
+    for lp in params["layers"]:
+        lp = dict(lp)
+        for name in WEIGHTS:
+            src, dst = (name, name + "_t") if to_t else (name + "_t", name)
+            lp[dst] = jnp.transpose(lp.pop(src))
+        layers.append(lp)
+    return {**params, "layers": layers}
+
+
+def prepare(model):
+    """The model with its layer weights in the layout its config asks for: transposed
+    ([out, in], `<name>_t`) when `draft_fused` is on, [in, out] otherwise. A no-op when
+    they already are; outside jit it copies the four matrices once (the old arrays may
+    be dropped)."""
+    want = bool(model.config.draft_fused)
+    if is_transposed(model.params) == want:
+        return model
+    return model.replace(params=_swap(model.params, want))
+
+
+def check_layout(model) -> None:
+    if bool(model.config.draft_fused) != is_transposed(model.params):
+        state = "on" if model.config.draft_fused else "off"
+        raise ValueError(f"draft_fused is {state} but the layer weights are "
+                         f"{'' if is_transposed(model.params) else 'not '}transposed: "
+                         "build the model with jspec.model.with_options(model, ...) or "
+                         "pass it through jspec.fused_draft.prepare(model)")
+
+
+def standard_params(params: dict) -> dict:
+    """Inside jit: the [in, out] view of transposed weights, for the usual forward."""
+    return _swap(params, False)
+
+
+def takes(batch: int, tokens: int) -> bool:
+    """Whether a [batch, tokens] call runs the fused path."""
+    return batch * tokens <= MAX_ROWS
+
+
+def forward(model, tokens: jax.Array, cache):
+    """tokens [B, T] (B * T <= MAX_ROWS) -> (logits [B, T, V] f32, cache), as
+    `jspec.model._forward` but with the draft kernels."""
+    from jspec.model import _rope_tables
+    from jspec.ops import get_ops, ops_for
+
+    cfg, params = model.config, model.params
+    xla = ops_for(cfg.replace(backend="xla"))
+    attention = get_ops("pallas", cfg.interpret).attention
+    B, T = tokens.shape
+    M = B * T
+    dtype = jnp.dtype(cfg.dtype)
+    hd, H, Hkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+    lengths = cache.lengths
+    pos = lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]  # [B, T]
+    flat_pos = pos.reshape(-1)  # [M]
+    common = dict(eps=cfg.rms_eps, offset=cfg.norm_offset, programs=cfg.draft_programs,
+                  interpret=cfg.interpret)
+
+    x = jnp.take(params["embed"], tokens.reshape(-1), axis=0)  # [M, D]
+    if cfg.embed_scale is not None:
+        x = x * jnp.asarray(cfg.embed_scale, dtype)
+    cos_tab, sin_tab = _rope_tables(cfg, cache.capacity)  # [2, S, hd/2]
+    cos_all = jnp.asarray(cos_tab)[:, flat_pos]  # [2, M, hd/2]
+    sin_all = jnp.asarray(sin_tab)[:, flat_pos]
+
+    new_k, new_v = [], []
+    o, o_w = None, None  # the last block's output (and its sandwich norm) for the next add
+    for i, lp in enumerate(params["layers"]):
+        with jax.named_scope(f"layer_{i}"):
+            sliding = int(cfg.layer_sliding[i])
+            window = jnp.int32(cfg.sliding_window if sliding else 0)
+            if o is None:
+                qkv = matvec(x, lp["wqkv_t"], n_w=lp["attn_norm"], **common)  # [M, qkv]
+            else:
+                qkv, x = matvec(x, lp["wqkv_t"], o=o, o_w=o_w, n_w=lp["attn_norm"],
+                                **common)
+            ws = (lp["q_norm"], lp["k_norm"]) if cfg.qk_norm else (None, None)
+            q, k_buf, v_buf = qk_rope_write(
+                qkv, *ws, cos_all[sliding], sin_all[sliding], flat_pos, cache.k[i],
+                cache.v[i], num_q=H, num_k=Hkv, tokens=T, eps=cfg.rms_eps,
+                offset=cfg.norm_offset, interpret=cfg.interpret)  # q [M, H, hd]
+            new_k.append(k_buf)
+            new_v.append(v_buf)
+            a = attention(q.reshape(B, T, H, hd), k_buf, v_buf, pos, window,
+                          scale=cfg.attn_scale, softcap=cfg.attn_softcap,
+                          split=cfg.attn_split, split_rows=cfg.attn_split_rows,
+                          fused_fold=None if cfg.attn_fused_fold is None
+                          else bool(cfg.attn_fused_fold))  # [B, T, H, hd]
+            o = matvec(a.reshape(M, H * hd), lp["wo_t"], **common)  # [M, D]
+            o_w = lp["post_attn_norm"] if cfg.sandwich_norms else None
+            g, x = matvec(x, lp["w_gate_up_t"], o=o, o_w=o_w, n_w=lp["mlp_norm"],
+                          glu=cfg.activation, **common)  # [M, F]
+            o = matvec(g, lp["w_down_t"], **common)  # [M, D]
+            o_w = lp["post_mlp_norm"] if cfg.sandwich_norms else None
+
+    if o_w is not None:
+        o = xla.rmsnorm(o, o_w, eps=cfg.rms_eps, offset=cfg.norm_offset)
+    h = xla.rmsnorm(x + o, params["final_norm"], eps=cfg.rms_eps, offset=cfg.norm_offset)
+    logits = xla.matmul(h, params["lm_head"], out_dtype=jnp.float32)  # [M, V]
+    if cfg.final_softcap is not None:
+        logits = xla.softcap(logits, cfg.final_softcap)
+    new_cache = cache.replace(k=tuple(new_k), v=tuple(new_v), lengths=lengths + T)
+    return logits.reshape(B, T, cfg.vocab_size), new_cache

@@ -1,0 +1,320 @@
+"""Latency kernels for a small draft model's few-token forward (`draft_fused`).
+
+A draft model only proposes tokens; the target's verify decides every one, so the
+draft's numerics never reach the output. These kernels therefore make no
+row-invariance claim (rules R1-R3 bind the target's kernels): they exist for speed,
+and are checked against plain jnp within bf16 rounding (tests/test_fused_draft.py).
+
+A Qwen3-0.6B step at batch 1 is 28 layers of small matrix-vector products, each of
+which costs a kernel's fixed ~2 us on an H200 plus its bytes; XLA spends ~15 kernels
+a layer on them and the glue between. With these a layer is six launches:
+
+  1. residual add + RMSNorm + wqkv            `matvec` (norm prologue)
+  2. q/k RMSNorm + RoPE + the K/V cache write  `qk_rope_write` (the cache in place)
+  3. attention                                 the split-KV kernel of attention.py
+  4. wo                                        `matvec`
+  5. residual add + RMSNorm + gate/up + GLU    `matvec` (norm prologue, GLU epilogue)
+  6. w_down                                    `matvec`
+
+Weights come transposed, [out, in] (`jspec.fused_draft.prepare`): a program reads `bn`
+whole rows of contiguous K (the pattern that streamed best in
+experiments/launch_floor.py), and the grid has N / bn programs, enough to spread even
+a 1024-output projection over the GPU. Each program reads the whole activation (a few
+KB) and recomputes the norm before its projection itself, so the norm needs no kernel.
+Rows are few (M <= 16): each row's product is an elementwise multiply and a lane sum.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels._common import triton_params
+from pallas_kernels.glu import _activation
+
+MAX_ROWS = 16  # rows (batch x tokens) a call may carry
+MAX_BK = 1024  # the widest K chunk a program multiplies at once
+
+
+def pow2_divisor(n: int, cap: int) -> int:
+    """The largest power of 2 that divides n and is <= cap."""
+    t = 1
+    while t * 2 <= cap and n % (t * 2) == 0:
+        t *= 2
+    return t
+
+
+def block_rows(n: int, programs: int) -> int:
+    """bn: weight rows a program reads, so the grid has about `programs` programs."""
+    return pow2_divisor(n, max(1, n // max(1, programs)))
+
+
+def _norm_row(xf, w_chunks, *, bk: int, eps: float, offset: float, dtype):
+    """xf: the row's K chunks [bk] f32 -> its RMSNorm chunks [bk] f32 (rounded to dtype),
+    with rmsnorm_reference's rounding."""
+    k = bk * len(xf)
+    ss = sum(jnp.sum(c * c) for c in xf)
+    inv = lax.rsqrt(ss / jnp.float32(k) + jnp.float32(eps))
+    return [_scale(c, inv, w, offset, dtype) for c, w in zip(xf, w_chunks, strict=True)]
+
+
+def _matvec_kernel(*refs, m: int, nk: int, bk: int, add: bool, o_norm: bool, norm: bool,
+                   glu: str | None, eps: float, offset: float):
+    # Inputs: x [M, K]; o [M, K] (add); o_w [K] (o_norm); n_w [K] (norm); w [bn, K]
+    # (glu: w_gate [bn, K], w_up [bn, K]). Outputs: y [M, bn]; x + o [M, K] (add).
+    refs = list(refs)
+    x_ref = refs.pop(0)
+    o_ref = refs.pop(0) if add else None
+    ow_ref = refs.pop(0) if o_norm else None
+    nw_ref = refs.pop(0) if norm else None
+    w_refs = [refs.pop(0)] + ([refs.pop(0)] if glu else [])
+    y_ref = refs.pop(0)
+    xo_ref = refs.pop(0) if add else None
+    dtype = x_ref.dtype
+    chunks = [pl.ds(c * bk, bk) for c in range(nk)]
+    nw = [nw_ref[c] for c in chunks] if norm else None
+    ow = [ow_ref[c] for c in chunks] if o_norm else None
+
+    rows = []  # per row: its K chunks [bk] f32, as the projection reads them
+    for r in range(m):
+        if add:
+            o = [o_ref[r, c].astype(jnp.float32) for c in chunks]
+            if o_norm:
+                o = _norm_row(o, ow, bk=bk, eps=eps, offset=offset, dtype=dtype)
+            xs = [(x_ref[r, c].astype(jnp.float32) + oc).astype(dtype)
+                  for c, oc in zip(chunks, o, strict=True)]
+
+            @pl.when(pl.program_id(0) == 0)
+            def _(xs=xs, r=r):
+                for c, v in zip(chunks, xs, strict=True):
+                    xo_ref[r, c] = v
+
+            xf = [v.astype(jnp.float32) for v in xs]
+        else:
+            xf = [x_ref[r, c].astype(jnp.float32) for c in chunks]
+        rows.append(_norm_row(xf, nw, bk=bk, eps=eps, offset=offset, dtype=dtype)
+                    if norm else xf)
+
+    for r in range(m):
+        outs = []
+        for w_ref in w_refs:
+            acc = None
+            for ci, c in enumerate(chunks):
+                w = w_ref[:, c].astype(jnp.float32)  # [bn, bk]
+                part = jnp.sum(w * rows[r][ci][None, :], axis=1)  # [bn]
+                acc = part if acc is None else acc + part
+            outs.append(acc.astype(dtype))
+        if glu:
+            g = outs[0].astype(jnp.float32)
+            act = _activation(g, glu).astype(dtype).astype(jnp.float32)
+            y_ref[r, :] = (act * outs[1].astype(jnp.float32)).astype(dtype)
+        else:
+            y_ref[r, :] = outs[0]
+
+
+def _check_matvec(x, w_t, o, o_w, n_w, glu):
+    if x.ndim != 2 or w_t.ndim != 2 or x.shape[1] != w_t.shape[1]:
+        raise ValueError(f"matvec wants x [M, K] and w_t [N, K]; got {x.shape=} {w_t.shape=}")
+    if not 1 <= x.shape[0] <= MAX_ROWS:
+        raise ValueError(f"matvec takes 1..{MAX_ROWS} rows; got {x.shape[0]}")
+    if o is not None and o.shape != x.shape:
+        raise ValueError(f"matvec wants o like x {x.shape}; got {o.shape=}")
+    k = x.shape[1]
+    for name, w in (("o_w", o_w), ("n_w", n_w)):
+        if w is not None and w.shape != (k,):
+            raise ValueError(f"matvec wants {name} [K] = [{k}]; got {w.shape=}")
+    if o_w is not None and o is None:
+        raise ValueError("matvec: o_w normalises o; pass o too")
+    if glu is not None and (glu not in ("silu", "gelu_tanh") or w_t.shape[0] % 2):
+        raise ValueError(f"matvec glu={glu!r} wants 'silu' or 'gelu_tanh' and an even "
+                         f"number of weight rows (gate rows, then up rows); got {w_t.shape}")
+
+
+@functools.partial(jax.jit, static_argnames=("glu", "eps", "offset", "programs", "num_warps",
+                                             "interpret"))
+def matvec(x: jax.Array, w_t: jax.Array, *, o: jax.Array | None = None,
+           o_w: jax.Array | None = None, n_w: jax.Array | None = None, glu: str | None = None,
+           eps: float = 1e-6, offset: float = 0.0, programs: int = 256, num_warps: int = 4,
+           interpret: bool = False):
+    """y = h @ w_t.T for few rows, with an optional prologue and epilogue.
+
+    x [M, K] (M <= 16); w_t [N, K] (the weight transposed). Prologue: with o [M, K],
+    x = x + o first (o RMSNorm-ed by o_w [K] before the add, if given: Gemma's sandwich
+    norms), and that sum is returned too; with n_w [K], h = RMSNorm(x) * n_w (offset 1:
+    (1 + n_w)), else h = x. Epilogue: glu ("silu" / "gelu_tanh") treats w_t's first N/2
+    rows as the gate and the rest as the up projection and returns act(gate) * up
+    [M, N/2]. Returns y [M, N or N/2] x.dtype, or (y, x + o) when o is given.
+    `programs`: the grid size aimed at (weight rows per program = N / programs, a power
+    of 2 dividing N).
+    """
+    _check_matvec(x, w_t, o, o_w, n_w, glu)
+    m, k = x.shape
+    n = w_t.shape[0] // (2 if glu else 1)
+    bn = block_rows(n, programs)
+    bk = pow2_divisor(k, MAX_BK)
+    if bk < 16:
+        raise ValueError(f"matvec needs K divisible by 16; got {k=}")
+    nk = k // bk
+    whole = pl.BlockSpec((m, k), lambda j: (0, 0))
+    vec = pl.BlockSpec((k,), lambda j: (0,))
+    in_specs, args = [whole], [x]
+    if o is not None:
+        in_specs.append(whole)
+        args.append(o)
+    if o_w is not None:
+        in_specs.append(vec)
+        args.append(o_w)
+    if n_w is not None:
+        in_specs.append(vec)
+        args.append(n_w)
+    in_specs.append(pl.BlockSpec((bn, k), lambda j: (j, 0)))
+    args.append(w_t)
+    if glu:
+        in_specs.append(pl.BlockSpec((bn, k), lambda j: (j + n // bn, 0)))
+        args.append(w_t)
+    out_shape = [jax.ShapeDtypeStruct((m, n), x.dtype)]
+    out_specs = [pl.BlockSpec((m, bn), lambda j: (0, j))]
+    if o is not None:
+        out_shape.append(jax.ShapeDtypeStruct((m, k), x.dtype))
+        out_specs.append(whole)
+    out = pl.pallas_call(
+        functools.partial(_matvec_kernel, m=m, nk=nk, bk=bk, add=o is not None,
+                          o_norm=o_w is not None, norm=n_w is not None, glu=glu,
+                          eps=float(eps), offset=float(offset)),
+        out_shape=out_shape,
+        grid=(n // bn,),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        compiler_params=triton_params(num_warps, 1),
+        interpret=interpret,
+        name="jspec_draft_matvec",
+    )(*args)
+    return (out[0], out[1]) if o is not None else out[0]
+
+
+def matvec_reference(x, w_t, *, o=None, o_w=None, n_w=None, glu=None, eps=1e-6, offset=0.0):
+    """Plain jnp with the same semantics (f32 products, bf16 results)."""
+    from pallas_kernels.glu import glu_reference
+    from pallas_kernels.rmsnorm import rmsnorm_reference
+
+    s = None
+    if o is not None:
+        if o_w is not None:
+            o = rmsnorm_reference(o, o_w, eps=eps, offset=offset)
+        x = s = x + o
+    h = rmsnorm_reference(x, n_w, eps=eps, offset=offset) if n_w is not None else x
+    y = jnp.dot(h.astype(jnp.float32), w_t.astype(jnp.float32).T,
+                precision=lax.Precision.HIGHEST).astype(x.dtype)
+    if glu:
+        gate, up = jnp.split(y, 2, axis=-1)
+        y = glu_reference(gate, up, activation=glu)
+    return (y, s) if s is not None else y
+
+
+def _qk_rope_write_kernel(qkv_ref, qw_ref, kw_ref, cos_ref, sin_ref, pos_ref, k_in, v_in,
+                          q_ref, k_ref, v_ref, *, m: int, t: int, hd: int, num_q: int,
+                          num_k: int, norm: bool, eps: float, offset: float):
+    # qkv [M, (Hq + 2 Hk) hd]; qw, kw [hd]; cos, sin [M, hd/2] f32; pos [M] int32;
+    # k_in/v_in = k_ref/v_ref [B, Hk, S, hd] (aliased); q [M, Hq hd]. One head a program.
+    del k_in, v_in
+    j = pl.program_id(0)
+    half = hd // 2
+    dtype = qkv_ref.dtype
+
+    def rotate(r, col, w_ref):  # the head at columns [col, col + hd) of row r
+        x1 = qkv_ref[r, pl.ds(col, half)].astype(jnp.float32)
+        x2 = qkv_ref[r, pl.ds(col + half, half)].astype(jnp.float32)
+        if norm:
+            inv = lax.rsqrt((jnp.sum(x1 * x1) + jnp.sum(x2 * x2)) / jnp.float32(hd)
+                            + jnp.float32(eps))
+            x1 = _scale(x1, inv, w_ref[pl.ds(0, half)], offset, dtype)
+            x2 = _scale(x2, inv, w_ref[pl.ds(half, half)], offset, dtype)
+        c = cos_ref[r, :]
+        s = sin_ref[r, :]
+        return (x1 * c - x2 * s).astype(dtype), (x2 * c + x1 * s).astype(dtype)
+
+    @pl.when(j < num_q)
+    def _():
+        col = pl.multiple_of(j * hd, hd)
+        for r in range(m):
+            a, b = rotate(r, col, qw_ref)
+            q_ref[r, pl.ds(col, half)] = a
+            q_ref[r, pl.ds(col + half, half)] = b
+
+    @pl.when(j >= num_q)
+    def _():
+        g = j - num_q
+        kcol = pl.multiple_of((num_q + g) * hd, hd)
+        vcol = pl.multiple_of((num_q + num_k + g) * hd, hd)
+        for r in range(m):
+            p = pos_ref[r]
+            a, b = rotate(r, kcol, kw_ref)
+            k_ref[r // t, g, p, pl.ds(0, half)] = a
+            k_ref[r // t, g, p, pl.ds(half, half)] = b
+            v_ref[r // t, g, p, pl.ds(0, hd)] = qkv_ref[r, pl.ds(vcol, hd)]
+
+
+def _scale(x, inv, w, offset, dtype):
+    """rmsnorm_reference's scaling of one chunk: x f32, inv scalar, w [n] -> f32 (rounded)."""
+    w = w.astype(jnp.float32)
+    if offset == 0.0:
+        return ((x * inv).astype(dtype).astype(jnp.float32) * w).astype(dtype).astype(
+            jnp.float32)
+    return (x * inv * (jnp.float32(offset) + w)).astype(dtype).astype(jnp.float32)
+
+
+@functools.partial(jax.jit, static_argnames=("num_q", "num_k", "tokens", "eps", "offset",
+                                             "interpret"), donate_argnames=("k_cache", "v_cache"))
+def qk_rope_write(qkv: jax.Array, q_w: jax.Array | None, k_w: jax.Array | None,
+                  cos: jax.Array, sin: jax.Array, pos: jax.Array, k_cache: jax.Array,
+                  v_cache: jax.Array, *, num_q: int, num_k: int, tokens: int,
+                  eps: float = 1e-6, offset: float = 0.0, interpret: bool = False):
+    """The q/k half of an attention block after the qkv projection, in one kernel.
+
+    qkv [M, (num_q + 2 num_k) hd] (M = B x tokens rows, batch-major); q_w, k_w [hd] or
+    both None (no q/k norm, Llama); cos, sin [M, hd/2]; pos [M] int32, each row's
+    position; k_cache, v_cache [B, num_k, S, hd]. Returns q [M, num_q, hd] (normed and
+    rotated) and the caches with each row's k (normed, rotated) and v written at
+    [b, :, pos]. The caches are updated in place.
+    """
+    m, width = qkv.shape
+    b, hk, s, hd = k_cache.shape
+    if hk != num_k or width != (num_q + 2 * num_k) * hd or m != b * tokens:
+        raise ValueError(f"qk_rope_write: qkv {qkv.shape} does not match {num_q} q heads, "
+                         f"{num_k} kv heads of {hd} and caches {k_cache.shape} x {tokens} "
+                         "tokens")
+    if hd < 2 or hd & (hd - 1):
+        raise ValueError(f"qk_rope_write wants a power-of-2 head_dim; got {hd}")
+    if cos.shape != (m, hd // 2) or sin.shape != (m, hd // 2) or pos.shape != (m,):
+        raise ValueError(f"qk_rope_write wants cos, sin [M, hd/2] and pos [M]; got "
+                         f"{cos.shape=} {sin.shape=} {pos.shape=}")
+    if (q_w is None) != (k_w is None):
+        raise ValueError("qk_rope_write needs both q_w and k_w, or neither")
+    norm = q_w is not None
+    if not norm:
+        q_w = k_w = jnp.zeros((hd,), qkv.dtype)
+    whole2 = pl.BlockSpec((m, width), lambda j: (0, 0))
+    vec = pl.BlockSpec((hd,), lambda j: (0,))
+    table = pl.BlockSpec((m, hd // 2), lambda j: (0, 0))
+    cache = pl.BlockSpec((b, hk, s, hd), lambda j: (0, 0, 0, 0))
+    q, k_cache, v_cache = pl.pallas_call(
+        functools.partial(_qk_rope_write_kernel, m=m, t=tokens, hd=hd, num_q=num_q,
+                          num_k=num_k, norm=norm, eps=float(eps), offset=float(offset)),
+        out_shape=[jax.ShapeDtypeStruct((m, num_q * hd), qkv.dtype),
+                   jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
+                   jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)],
+        grid=(num_q + num_k,),
+        in_specs=[whole2, vec, vec, table, table, pl.BlockSpec((m,), lambda j: (0,)),
+                  cache, cache],
+        out_specs=[pl.BlockSpec((m, num_q * hd), lambda j: (0, 0)), cache, cache],
+        input_output_aliases={6: 1, 7: 2},
+        compiler_params=triton_params(1, 1),
+        interpret=interpret,
+        name="jspec_draft_qk_rope_write",
+    )(qkv, q_w, k_w, cos.astype(jnp.float32), sin.astype(jnp.float32),
+      pos.astype(jnp.int32), k_cache, v_cache)
+    return q.reshape(m, num_q, hd), k_cache, v_cache
