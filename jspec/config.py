@@ -127,7 +127,8 @@ class ModelConfig:
         usual path. The layer weights must be stored transposed (`with_options` /
         `jspec.fused_draft.prepare` do it). 0 (default): off.
       draft_programs: draft_fused: the grid size each projection aims at (weight rows
-        per program = outputs / draft_programs, a power of 2); 256 (default).
+        per program = outputs / draft_programs, a power of 2); 512 (default).
+      draft_warps: draft_fused: warps a projection program runs; 4 (default).
     """
 
     family: str
@@ -169,7 +170,8 @@ class ModelConfig:
     xla_two_rows: int = 0
     kv_dus: int = 1
     draft_fused: int = 0
-    draft_programs: int = 256
+    draft_programs: int = 512
+    draft_warps: int = 4
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
@@ -190,9 +192,10 @@ class ModelConfig:
         for name in ("xla_pallas_attention", "xla_two_rows", "kv_dus", "draft_fused"):
             if getattr(self, name) not in (0, 1):
                 raise ValueError(f"{name}={getattr(self, name)} must be 0 or 1")
-        p = self.draft_programs
-        if p < 1 or p & (p - 1):
-            raise ValueError(f"draft_programs={p} must be a power of two >= 1")
+        for name in ("draft_programs", "draft_warps"):
+            p = getattr(self, name)
+            if p < 1 or p & (p - 1):
+                raise ValueError(f"{name}={p} must be a power of two >= 1")
         if self.attn_split is not None and self.attn_split < 0:
             raise ValueError(f"attn_split={self.attn_split} must be >= 0 (0: one pass) "
                              "or None (the kernel's default)")
@@ -220,14 +223,15 @@ SPEED_OPTIONS = ("fuse_add_norm", "pad_rows_once", "fuse_qk_rope", "fuse_glu")
 # On the H200 (2026-11-30i) a Qwen3-0.6B draft with these (and `kv_dus`) took batch 1,
 # gamma 4, a = 0.8 from 1.45x to 1.56-1.58x over serial decoding (two runs). Both act on
 # the xla backend only.
-DRAFT_OPTIONS = ("xla_two_rows=1", "xla_pallas_attention=1")
+DRAFT_OPTIONS = ("xla_two_rows=1", "xla_pallas_attention=1", "draft_fused=1")
 
 
 NUMERIC_OPTIONS = ("attn_split", "attn_split_rows")  # ModelConfig ints that may change bits
 VALUE_OPTIONS = NUMERIC_OPTIONS + ("matmul_row_group", "matmul_schedule",
                                    "attn_fused_fold",
                                    "xla_pallas_attention", "xla_two_rows",
-                                   "kv_dus", "draft_fused", "draft_programs")  # "name=<int>"
+                                   "kv_dus", "draft_fused", "draft_programs",
+                                   "draft_warps")  # "name=<int>"
 
 
 def options(*names: str) -> dict[str, bool | int]:

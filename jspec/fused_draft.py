@@ -23,9 +23,12 @@ together.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.attention import attention_config, attention_rows, row_count, visible_range
 from pallas_kernels.draft import MAX_ROWS, matvec, qk_rope_write
 
 WEIGHTS = ("wqkv", "wo", "w_gate_up", "w_down")  # [in, out] -> "<name>_t" [out, in]
@@ -80,20 +83,27 @@ def forward(model, tokens: jax.Array, cache):
     """tokens [B, T] (B * T <= MAX_ROWS) -> (logits [B, T, V] f32, cache), as
     `jspec.model._forward` but with the draft kernels."""
     from jspec.model import _rope_tables
-    from jspec.ops import get_ops, ops_for
+    from jspec.ops import ops_for
 
     cfg, params = model.config, model.params
     xla = ops_for(cfg.replace(backend="xla"))
-    attention = get_ops("pallas", cfg.interpret).attention
     B, T = tokens.shape
-    M = B * T
     dtype = jnp.dtype(cfg.dtype)
     hd, H, Hkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+    G = H // Hkv
     lengths = cache.lengths
     pos = lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]  # [B, T]
     flat_pos = pos.reshape(-1)  # [M]
     common = dict(eps=cfg.rms_eps, offset=cfg.norm_offset, programs=cfg.draft_programs,
-                  interpret=cfg.interpret)
+                  num_warps=cfg.draft_warps, interpret=cfg.interpret)
+    acfg = attention_config(hd, G, dtype, cfg.interpret)
+    if cfg.attn_split is not None:
+        acfg = dataclasses.replace(acfg, split=cfg.attn_split)
+    if cfg.attn_split_rows is not None:
+        acfg = dataclasses.replace(acfg, split_rows=cfg.attn_split_rows)
+    Rp = row_count(acfg, T * G)  # attention rows a kv head
+    fold = None if cfg.attn_fused_fold is None else bool(cfg.attn_fused_fold)
+    ranges = {}  # window -> first, last [B, Rp]
 
     x = jnp.take(params["embed"], tokens.reshape(-1), axis=0)  # [M, D]
     if cfg.embed_scale is not None:
@@ -116,16 +126,16 @@ def forward(model, tokens: jax.Array, cache):
             ws = (lp["q_norm"], lp["k_norm"]) if cfg.qk_norm else (None, None)
             q, k_buf, v_buf = qk_rope_write(
                 qkv, *ws, cos_all[sliding], sin_all[sliding], flat_pos, cache.k[i],
-                cache.v[i], num_q=H, num_k=Hkv, tokens=T, eps=cfg.rms_eps,
-                offset=cfg.norm_offset, interpret=cfg.interpret)  # q [M, H, hd]
+                cache.v[i], num_q=H, num_k=Hkv, tokens=T, rows=Rp, eps=cfg.rms_eps,
+                offset=cfg.norm_offset, interpret=cfg.interpret)  # q [B, Hkv, Rp, hd]
             new_k.append(k_buf)
             new_v.append(v_buf)
-            a = attention(q.reshape(B, T, H, hd), k_buf, v_buf, pos, window,
-                          scale=cfg.attn_scale, softcap=cfg.attn_softcap,
-                          split=cfg.attn_split, split_rows=cfg.attn_split_rows,
-                          fused_fold=None if cfg.attn_fused_fold is None
-                          else bool(cfg.attn_fused_fold))  # [B, T, H, hd]
-            o = matvec(a.reshape(M, H * hd), lp["wo_t"], **common)  # [M, D]
+            if sliding not in ranges:
+                ranges[sliding] = visible_range(pos, window, G, Rp)
+            a = attention_rows(q, k_buf, v_buf, *ranges[sliding], acfg, scale=cfg.attn_scale,
+                               softcap=cfg.attn_softcap, interpret=cfg.interpret,
+                               fused_fold=fold)  # [B, Hkv, Rp, hd]
+            o = matvec(a, lp["wo_t"], heads=(T, G), **common)  # [M, D]
             o_w = lp["post_attn_norm"] if cfg.sandwich_norms else None
             g, x = matvec(x, lp["w_gate_up_t"], o=o, o_w=o_w, n_w=lp["mlp_norm"],
                           glu=cfg.activation, **common)  # [M, F]

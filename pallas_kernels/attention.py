@@ -427,18 +427,45 @@ def attention(
     # Rows of a tile: the T tokens x G query heads of one kv head, so decode (T=1) still
     # fills G rows. Padding rows only add rows to the grid; the tile shape is fixed.
     rows = seq * group
-    block_rows = cfg.split_rows if cfg.split else cfg.block_rows
-    padded_rows = pl.cdiv(rows, block_rows) * block_rows
+    padded_rows = row_count(cfg, rows)
     q_rows = q.reshape(batch, seq, num_kv_heads, group, head_dim)
     q_rows = q_rows.transpose(0, 2, 1, 3, 4).reshape(batch, num_kv_heads, rows, head_dim)
     q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, padded_rows - rows), (0, 0)))
     first, last = _visible_range(q_pos, window, group, padded_rows)  # [B, Rp] each
+    out = attention_rows(q_rows, k_cache, v_cache, first, last, cfg, scale=float(scale),
+                         softcap=softcap, interpret=interpret, fused_fold=fused_fold)
+    out = out[:, :, :rows].reshape(batch, num_kv_heads, seq, group, head_dim)
+    return out.transpose(0, 2, 1, 3, 4).reshape(batch, seq, num_heads, head_dim)
 
+
+def row_count(cfg: AttentionConfig, rows: int) -> int:
+    """Rp: a call's rows per kv head (T x G) padded to the row tile of `cfg`'s path."""
+    block_rows = cfg.split_rows if cfg.split else cfg.block_rows
+    return pl.cdiv(rows, block_rows) * block_rows
+
+
+def visible_range(q_pos, window, group: int, num_rows: int):
+    """first, last [B, num_rows]: each row's visible key range, rows in (token, query
+    head of the kv head) order, padding rows empty (first 0 > last -1)."""
+    return _visible_range(q_pos, window, group, num_rows)
+
+
+def attention_rows(q_rows, k_cache, v_cache, first, last, cfg: AttentionConfig, *,
+                   scale: float, softcap: float | None = None, interpret: bool = False,
+                   fused_fold: bool | None = None):
+    """`attention` on rows already laid out per kv head: q_rows [B, Hkv, Rp, D] (row
+    t * G + i is token t's query head g * G + i; Rp = `row_count(cfg, T * G)`, padding rows
+    zero), first / last [B, Rp] from `visible_range` -> [B, Hkv, Rp, D], padding rows 0.
+    For callers that build q in this layout (the draft kernels) and read the output in it."""
+    batch, num_kv_heads, padded_rows, head_dim = q_rows.shape
+    cache_len = k_cache.shape[2]
+    block_rows = cfg.split_rows if cfg.split else cfg.block_rows
     if cfg.split:
         if fused_fold is None:
             fused_fold = batch * (padded_rows // block_rows) <= cfg.fused_fold_tiles
-        out = _split_attention(q_rows, k_cache, v_cache, first, last, cfg, scale=float(scale),
-                               softcap=softcap, interpret=interpret, fused_fold=fused_fold)
+        return _split_attention(q_rows, k_cache, v_cache, first, last, cfg,
+                                scale=float(scale), softcap=softcap, interpret=interpret,
+                                fused_fold=fused_fold)
     else:
         kernel = functools.partial(
             _attention_kernel, scale=float(scale), softcap=softcap, block_k=cfg.block_k,
@@ -453,15 +480,13 @@ def attention(
             grid=(batch, num_kv_heads, padded_rows // cfg.block_rows),
             in_specs=[row_spec, kv_spec, kv_spec, pos_spec, pos_spec],
             out_specs=row_spec,
-            out_shape=jax.ShapeDtypeStruct(q_rows.shape, q.dtype),
+            out_shape=jax.ShapeDtypeStruct(q_rows.shape, q_rows.dtype),
             compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps,
                                                  num_stages=cfg.num_stages),
             interpret=interpret,
             name="jspec_attention",
         )(q_rows, k_cache, v_cache, first, last)  # [B, Hkv, Rp, D]
-
-    out = out[:, :, :rows].reshape(batch, num_kv_heads, seq, group, head_dim)
-    return out.transpose(0, 2, 1, 3, 4).reshape(batch, seq, num_heads, head_dim)
+    return out
 
 
 def _partition_in_specs(br: int, head_dim: int, cache_len: int) -> list:

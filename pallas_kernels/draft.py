@@ -63,9 +63,10 @@ def _norm_row(xf, w_chunks, *, bk: int, eps: float, offset: float, dtype):
 
 
 def _matvec_kernel(*refs, m: int, nk: int, bk: int, add: bool, o_norm: bool, norm: bool,
-                   glu: str | None, eps: float, offset: float):
-    # Inputs: x [M, K]; o [M, K] (add); o_w [K] (o_norm); n_w [K] (norm); w [bn, K]
-    # (glu: w_gate [bn, K], w_up [bn, K]). Outputs: y [M, bn]; x + o [M, K] (add).
+                   glu: str | None, eps: float, offset: float, heads: tuple[int, int] | None):
+    # Inputs: x [M, K] (heads: attention rows [B, Hkv, Rp, hd], bk = hd); o [M, K] (add);
+    # o_w [K] (o_norm); n_w [K] (norm); w [bn, K] (glu: w_gate [bn, K], w_up [bn, K]).
+    # Outputs: y [M, bn]; x + o [M, K] (add).
     refs = list(refs)
     x_ref = refs.pop(0)
     o_ref = refs.pop(0) if add else None
@@ -94,6 +95,10 @@ def _matvec_kernel(*refs, m: int, nk: int, bk: int, add: bool, o_norm: bool, nor
                     xo_ref[r, c] = v
 
             xf = [v.astype(jnp.float32) for v in xs]
+        elif heads:  # row r = (b, t), chunk h = query head (g, i): x[b, g, t * G + i]
+            t, g = heads
+            xf = [x_ref[r // t, h // g, (r % t) * g + h % g, :].astype(jnp.float32)
+                  for h in range(nk)]
         else:
             xf = [x_ref[r, c].astype(jnp.float32) for c in chunks]
         rows.append(_norm_row(xf, nw, bk=bk, eps=eps, offset=offset, dtype=dtype)
@@ -116,14 +121,28 @@ def _matvec_kernel(*refs, m: int, nk: int, bk: int, add: bool, o_norm: bool, nor
             y_ref[r, :] = outs[0]
 
 
-def _check_matvec(x, w_t, o, o_w, n_w, glu):
-    if x.ndim != 2 or w_t.ndim != 2 or x.shape[1] != w_t.shape[1]:
+def _rows_of(x, heads):
+    """(M, K) of matvec's input: x [M, K], or attention rows [B, Hkv, Rp, hd] with heads =
+    (T, G): M = B T rows of K = Hkv G hd."""
+    if heads is None:
+        return x.shape if x.ndim == 2 else (None, None)
+    t, g = heads
+    if x.ndim != 4 or x.shape[2] < t * g:
+        raise ValueError(f"matvec heads={heads} wants attention rows [B, Hkv, Rp >= T G, hd]; "
+                         f"got {x.shape=}")
+    return x.shape[0] * t, x.shape[1] * g * x.shape[3]
+
+
+def _check_matvec(x, w_t, o, o_w, n_w, glu, heads):
+    m, k = _rows_of(x, heads)
+    if m is None or w_t.ndim != 2 or k != w_t.shape[1]:
         raise ValueError(f"matvec wants x [M, K] and w_t [N, K]; got {x.shape=} {w_t.shape=}")
-    if not 1 <= x.shape[0] <= MAX_ROWS:
-        raise ValueError(f"matvec takes 1..{MAX_ROWS} rows; got {x.shape[0]}")
+    if not 1 <= m <= MAX_ROWS:
+        raise ValueError(f"matvec takes 1..{MAX_ROWS} rows; got {m}")
+    if heads is not None and (o is not None or n_w is not None):
+        raise ValueError("matvec: heads input takes no residual add or norm")
     if o is not None and o.shape != x.shape:
         raise ValueError(f"matvec wants o like x {x.shape}; got {o.shape=}")
-    k = x.shape[1]
     for name, w in (("o_w", o_w), ("n_w", n_w)):
         if w is not None and w.shape != (k,):
             raise ValueError(f"matvec wants {name} [K] = [{k}]; got {w.shape=}")
@@ -134,12 +153,12 @@ def _check_matvec(x, w_t, o, o_w, n_w, glu):
                          f"number of weight rows (gate rows, then up rows); got {w_t.shape}")
 
 
-@functools.partial(jax.jit, static_argnames=("glu", "eps", "offset", "programs", "num_warps",
-                                             "interpret"))
+@functools.partial(jax.jit, static_argnames=("glu", "eps", "offset", "heads", "programs",
+                                             "num_warps", "interpret"))
 def matvec(x: jax.Array, w_t: jax.Array, *, o: jax.Array | None = None,
            o_w: jax.Array | None = None, n_w: jax.Array | None = None, glu: str | None = None,
-           eps: float = 1e-6, offset: float = 0.0, programs: int = 256, num_warps: int = 4,
-           interpret: bool = False):
+           eps: float = 1e-6, offset: float = 0.0, heads: tuple[int, int] | None = None,
+           programs: int = 512, num_warps: int = 4, interpret: bool = False):
     """y = h @ w_t.T for few rows, with an optional prologue and epilogue.
 
     x [M, K] (M <= 16); w_t [N, K] (the weight transposed). Prologue: with o [M, K],
@@ -148,20 +167,25 @@ def matvec(x: jax.Array, w_t: jax.Array, *, o: jax.Array | None = None,
     (1 + n_w)), else h = x. Epilogue: glu ("silu" / "gelu_tanh") treats w_t's first N/2
     rows as the gate and the rest as the up projection and returns act(gate) * up
     [M, N/2]. Returns y [M, N or N/2] x.dtype, or (y, x + o) when o is given.
+    heads = (T, G): x is attention output rows [B, Hkv, Rp, hd] as `attention_rows`
+    returns them (row t G + i of kv head g: token t's query head g G + i), read in place
+    as [B T, Hkv G hd] (no add or norm then).
     `programs`: the grid size aimed at (weight rows per program = N / programs, a power
     of 2 dividing N).
     """
-    _check_matvec(x, w_t, o, o_w, n_w, glu)
-    m, k = x.shape
+    _check_matvec(x, w_t, o, o_w, n_w, glu, heads)
+    m, k = _rows_of(x, heads)
     n = w_t.shape[0] // (2 if glu else 1)
     bn = block_rows(n, programs)
-    bk = pow2_divisor(k, MAX_BK)
-    if bk < 16:
-        raise ValueError(f"matvec needs K divisible by 16; got {k=}")
+    bk = x.shape[3] if heads else pow2_divisor(k, MAX_BK)
+    if bk < 16 or bk & (bk - 1):
+        raise ValueError(f"matvec needs K divisible by 16 (heads: a power-of-2 head_dim "
+                         f">= 16); got {k=}, {bk=}")
     nk = k // bk
     whole = pl.BlockSpec((m, k), lambda j: (0, 0))
     vec = pl.BlockSpec((k,), lambda j: (0,))
-    in_specs, args = [whole], [x]
+    in_specs = [pl.BlockSpec(x.shape, lambda j: (0,) * x.ndim)]
+    args = [x]
     if o is not None:
         in_specs.append(whole)
         args.append(o)
@@ -184,7 +208,7 @@ def matvec(x: jax.Array, w_t: jax.Array, *, o: jax.Array | None = None,
     out = pl.pallas_call(
         functools.partial(_matvec_kernel, m=m, nk=nk, bk=bk, add=o is not None,
                           o_norm=o_w is not None, norm=n_w is not None, glu=glu,
-                          eps=float(eps), offset=float(offset)),
+                          eps=float(eps), offset=float(offset), heads=heads),
         out_shape=out_shape,
         grid=(n // bn,),
         in_specs=in_specs,
@@ -196,11 +220,22 @@ def matvec(x: jax.Array, w_t: jax.Array, *, o: jax.Array | None = None,
     return (out[0], out[1]) if o is not None else out[0]
 
 
-def matvec_reference(x, w_t, *, o=None, o_w=None, n_w=None, glu=None, eps=1e-6, offset=0.0):
+def heads_to_rows(x, heads):
+    """Attention rows [B, Hkv, Rp, hd] -> [B T, Hkv G hd] (what matvec's heads mode reads)."""
+    t, g = heads
+    b, hk, _, hd = x.shape
+    x = x[:, :, : t * g].reshape(b, hk, t, g, hd).transpose(0, 2, 1, 3, 4)
+    return x.reshape(b * t, hk * g * hd)
+
+
+def matvec_reference(x, w_t, *, o=None, o_w=None, n_w=None, glu=None, eps=1e-6, offset=0.0,
+                     heads=None):
     """Plain jnp with the same semantics (f32 products, bf16 results)."""
     from pallas_kernels.glu import glu_reference
     from pallas_kernels.rmsnorm import rmsnorm_reference
 
+    if heads is not None:
+        x = heads_to_rows(x, heads)
     s = None
     if o is not None:
         if o_w is not None:
@@ -217,13 +252,15 @@ def matvec_reference(x, w_t, *, o=None, o_w=None, n_w=None, glu=None, eps=1e-6, 
 
 def _qk_rope_write_kernel(qkv_ref, qw_ref, kw_ref, cos_ref, sin_ref, pos_ref, k_in, v_in,
                           q_ref, k_ref, v_ref, *, m: int, t: int, hd: int, num_q: int,
-                          num_k: int, norm: bool, eps: float, offset: float):
+                          num_k: int, rows: int, norm: bool, eps: float, offset: float):
     # qkv [M, (Hq + 2 Hk) hd]; qw, kw [hd]; cos, sin [M, hd/2] f32; pos [M] int32;
-    # k_in/v_in = k_ref/v_ref [B, Hk, S, hd] (aliased); q [M, Hq hd]. One head a program.
+    # k_in/v_in = k_ref/v_ref [B, Hk, S, hd] (aliased); q [B, Hk, rows, hd] (attention
+    # rows). One head a program.
     del k_in, v_in
     j = pl.program_id(0)
     half = hd // 2
     dtype = qkv_ref.dtype
+    group = num_q // num_k
 
     def rotate(r, col, w_ref):  # the head at columns [col, col + hd) of row r
         x1 = qkv_ref[r, pl.ds(col, half)].astype(jnp.float32)
@@ -240,14 +277,20 @@ def _qk_rope_write_kernel(qkv_ref, qw_ref, kw_ref, cos_ref, sin_ref, pos_ref, k_
     @pl.when(j < num_q)
     def _():
         col = pl.multiple_of(j * hd, hd)
+        g, i = j // group, j % group
         for r in range(m):
             a, b = rotate(r, col, qw_ref)
-            q_ref[r, pl.ds(col, half)] = a
-            q_ref[r, pl.ds(col + half, half)] = b
+            row = (r % t) * group + i
+            q_ref[r // t, g, row, pl.ds(0, half)] = a
+            q_ref[r // t, g, row, pl.ds(half, half)] = b
 
     @pl.when(j >= num_q)
     def _():
         g = j - num_q
+        zeros = jnp.zeros((hd,), dtype)
+        for b in range(m // t):  # the kv head's padding rows
+            for row in range(t * group, rows):
+                q_ref[b, g, row, :] = zeros
         kcol = pl.multiple_of((num_q + g) * hd, hd)
         vcol = pl.multiple_of((num_q + num_k + g) * hd, hd)
         for r in range(m):
@@ -267,22 +310,28 @@ def _scale(x, inv, w, offset, dtype):
     return (x * inv * (jnp.float32(offset) + w)).astype(dtype).astype(jnp.float32)
 
 
-@functools.partial(jax.jit, static_argnames=("num_q", "num_k", "tokens", "eps", "offset",
-                                             "interpret"), donate_argnames=("k_cache", "v_cache"))
+@functools.partial(jax.jit, static_argnames=("num_q", "num_k", "tokens", "rows", "eps",
+                                             "offset", "interpret"),
+                   donate_argnames=("k_cache", "v_cache"))
 def qk_rope_write(qkv: jax.Array, q_w: jax.Array | None, k_w: jax.Array | None,
                   cos: jax.Array, sin: jax.Array, pos: jax.Array, k_cache: jax.Array,
-                  v_cache: jax.Array, *, num_q: int, num_k: int, tokens: int,
+                  v_cache: jax.Array, *, num_q: int, num_k: int, tokens: int, rows: int,
                   eps: float = 1e-6, offset: float = 0.0, interpret: bool = False):
     """The q/k half of an attention block after the qkv projection, in one kernel.
 
     qkv [M, (num_q + 2 num_k) hd] (M = B x tokens rows, batch-major); q_w, k_w [hd] or
     both None (no q/k norm, Llama); cos, sin [M, hd/2]; pos [M] int32, each row's
-    position; k_cache, v_cache [B, num_k, S, hd]. Returns q [M, num_q, hd] (normed and
-    rotated) and the caches with each row's k (normed, rotated) and v written at
-    [b, :, pos]. The caches are updated in place.
+    position; k_cache, v_cache [B, num_k, S, hd]. Returns q as attention rows
+    [B, num_k, rows, hd] (`pallas_kernels.attention.attention_rows`: row t G + i of kv
+    head g is token t's query head g G + i, normed and rotated; rows >= tokens G are
+    zeros) and the caches with each row's k (normed, rotated) and v written at
+    [b, :, pos], in place.
     """
     m, width = qkv.shape
     b, hk, s, hd = k_cache.shape
+    if num_q % max(num_k, 1) or rows < tokens * (num_q // max(num_k, 1)):
+        raise ValueError(f"qk_rope_write: {num_q} q heads over {num_k} kv heads in {rows} "
+                         f"rows a kv head for {tokens} tokens")
     if hk != num_k or width != (num_q + 2 * num_k) * hd or m != b * tokens:
         raise ValueError(f"qk_rope_write: qkv {qkv.shape} does not match {num_q} q heads, "
                          f"{num_k} kv heads of {hd} and caches {k_cache.shape} x {tokens} "
@@ -303,18 +352,19 @@ def qk_rope_write(qkv: jax.Array, q_w: jax.Array | None, k_w: jax.Array | None,
     cache = pl.BlockSpec((b, hk, s, hd), lambda j: (0, 0, 0, 0))
     q, k_cache, v_cache = pl.pallas_call(
         functools.partial(_qk_rope_write_kernel, m=m, t=tokens, hd=hd, num_q=num_q,
-                          num_k=num_k, norm=norm, eps=float(eps), offset=float(offset)),
-        out_shape=[jax.ShapeDtypeStruct((m, num_q * hd), qkv.dtype),
+                          num_k=num_k, rows=rows, norm=norm, eps=float(eps),
+                          offset=float(offset)),
+        out_shape=[jax.ShapeDtypeStruct((b, num_k, rows, hd), qkv.dtype),
                    jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
                    jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)],
         grid=(num_q + num_k,),
         in_specs=[whole2, vec, vec, table, table, pl.BlockSpec((m,), lambda j: (0,)),
                   cache, cache],
-        out_specs=[pl.BlockSpec((m, num_q * hd), lambda j: (0, 0)), cache, cache],
+        out_specs=[pl.BlockSpec((b, num_k, rows, hd), lambda j: (0, 0, 0, 0)), cache, cache],
         input_output_aliases={6: 1, 7: 2},
         compiler_params=triton_params(1, 1),
         interpret=interpret,
         name="jspec_draft_qk_rope_write",
     )(qkv, q_w, k_w, cos.astype(jnp.float32), sin.astype(jnp.float32),
       pos.astype(jnp.int32), k_cache, v_cache)
-    return q.reshape(m, num_q, hd), k_cache, v_cache
+    return q, k_cache, v_cache

@@ -108,7 +108,8 @@ def test_draft_alias_names_the_draft_options():
     from jspec.config import DRAFT_OPTIONS, options
 
     assert options("draft") == options(*DRAFT_OPTIONS) == {"xla_two_rows": 1,
-                                                          "xla_pallas_attention": 1}
+                                                          "xla_pallas_attention": 1,
+                                                          "draft_fused": 1}
     assert options("draft", "xla_two_rows=0")["xla_two_rows"] == 0  # left to right
 
 
