@@ -121,14 +121,15 @@ class ModelConfig:
         same either way (tests/test_draft_options.py; on the H200, 2026-11-30i, logits
         equal and a Qwen3-8B B=1 verify(5) step 5.361 -> 5.126 ms, decode 5.157 ->
         5.109). 0: the vmapped write at every batch size.
-      draft_fused: 1 runs every call of at most 16 rows (batch x tokens) through
+      draft_fused: 1 runs every call of at most 2 rows (batch x tokens) through
         `jspec.fused_draft.forward`: six Pallas kernels a layer (`pallas_kernels/draft.py`),
         no row-invariance, for a draft model (`DRAFT_OPTIONS`); larger calls take the
         usual path. The layer weights must be stored transposed (`with_options` /
         `jspec.fused_draft.prepare` do it). 0 (default): off.
       draft_programs: draft_fused: the grid size each projection aims at (weight rows
         per program = outputs / draft_programs, a power of 2); 512 (default).
-      draft_warps: draft_fused: warps a projection program runs; 4 (default).
+      draft_warps: draft_fused: warps a projection program runs; 2 (default; H200,
+        2026-11-30j: a draft round 4.47 ms with 4, 4.22 with 2, 4.56 with 8).
     """
 
     family: str
@@ -171,7 +172,7 @@ class ModelConfig:
     kv_dus: int = 1
     draft_fused: int = 0
     draft_programs: int = 512
-    draft_warps: int = 4
+    draft_warps: int = 2
 
     def __post_init__(self):
         if self.backend not in BACKENDS:

@@ -3,7 +3,7 @@
 A draft model proposes; the target's verify decides every token. Its forward at batch
 1 (one token a step, two in the catch-up step) is latency-bound: XLA spends ~15
 kernels a layer on a Qwen3-0.6B step. With `ModelConfig.draft_fused=1` a call of at
-most `MAX_ROWS` rows (batch x tokens) runs `forward` here instead, built on the
+most `FUSED_ROWS` rows (batch x tokens) runs `forward` here instead, built on the
 latency kernels of `pallas_kernels/draft.py`:
 
   matvec(add + norm + wqkv) -> qk_rope_write (q/k norm, RoPE, K/V into the cache)
@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.attention import attention_config, attention_rows, row_count, visible_range
-from pallas_kernels.draft import MAX_ROWS, matvec, qk_rope_write
+from pallas_kernels.draft import matvec, qk_rope_write
 
 WEIGHTS = ("wqkv", "wo", "w_gate_up", "w_down")  # [in, out] -> "<name>_t" [out, in]
 
@@ -74,9 +74,17 @@ def standard_params(params: dict) -> dict:
     return _swap(params, False)
 
 
+# Rows (batch x tokens) up to which a call runs the fused path. The kernels take up to
+# MAX_ROWS, but each row costs a program a multiply and a lane sum over its whole weight
+# tile: on the H200 (2026-11-30j) a Qwen3-0.6B draft at batch 8 (8- and 16-row calls) made
+# a gamma-4 round ~2x slower than XLA's GEMMs (B=8, a = 0.8: 0.61x serial against 1.27x).
+FUSED_ROWS = 2
+
+
 def takes(batch: int, tokens: int) -> bool:
-    """Whether a [batch, tokens] call runs the fused path."""
-    return batch * tokens <= MAX_ROWS
+    """Whether a [batch, tokens] call runs the fused path: at most FUSED_ROWS rows, i.e. a
+    batch-1 draft's one-token steps and its two-token catch-up step."""
+    return batch * tokens <= FUSED_ROWS
 
 
 def forward(model, tokens: jax.Array, cache):

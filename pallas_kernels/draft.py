@@ -104,15 +104,17 @@ def _matvec_kernel(*refs, m: int, nk: int, bk: int, add: bool, o_norm: bool, nor
         rows.append(_norm_row(xf, nw, bk=bk, eps=eps, offset=offset, dtype=dtype)
                     if norm else xf)
 
+    # Each weight chunk is loaded once for all rows; a row's chunk products accumulate
+    # elementwise in a [bn, bk] tile, reduced across the lanes once.
+    tiles = [[w_ref[:, c].astype(jnp.float32) for c in chunks] for w_ref in w_refs]
     for r in range(m):
         outs = []
-        for w_ref in w_refs:
+        for w_chunks in tiles:
             acc = None
-            for ci, c in enumerate(chunks):
-                w = w_ref[:, c].astype(jnp.float32)  # [bn, bk]
-                part = jnp.sum(w * rows[r][ci][None, :], axis=1)  # [bn]
+            for ci, w in enumerate(w_chunks):
+                part = w * rows[r][ci][None, :]  # [bn, bk]
                 acc = part if acc is None else acc + part
-            outs.append(acc.astype(dtype))
+            outs.append(jnp.sum(acc, axis=1).astype(dtype))  # [bn]
         if glu:
             g = outs[0].astype(jnp.float32)
             act = _activation(g, glu).astype(dtype).astype(jnp.float32)
