@@ -129,7 +129,8 @@ class ModelConfig:
       draft_programs: draft_fused: the grid size each projection aims at (weight rows
         per program = outputs / draft_programs, a power of 2); 512 (default).
       draft_warps: draft_fused: warps a projection program runs; 2 (default; H200,
-        2026-11-30j: a draft round 4.47 ms with 4, 4.22 with 2, 4.56 with 8).
+        2026-11-30j, a gamma-4 draft round: 3.55 ms device busy with 2, 3.50 with 4,
+        3.88 with 1; draft_programs 256: 4.01).
     """
 
     family: str

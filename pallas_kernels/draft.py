@@ -77,6 +77,9 @@ def _matvec_kernel(*refs, m: int, nk: int, bk: int, add: bool, o_norm: bool, nor
     xo_ref = refs.pop(0) if add else None
     dtype = x_ref.dtype
     chunks = [pl.ds(c * bk, bk) for c in range(nk)]
+    # The weight tile first (bf16, [bn, bk] chunks), so its DRAM reads are in flight while
+    # the prologue (residual add, norm) waits on the activations' loads and sums.
+    tiles = [[w_ref[:, c] for c in chunks] for w_ref in w_refs]
     nw = [nw_ref[c] for c in chunks] if norm else None
     ow = [ow_ref[c] for c in chunks] if o_norm else None
 
@@ -106,13 +109,12 @@ def _matvec_kernel(*refs, m: int, nk: int, bk: int, add: bool, o_norm: bool, nor
 
     # Each weight chunk is loaded once for all rows; a row's chunk products accumulate
     # elementwise in a [bn, bk] tile, reduced across the lanes once.
-    tiles = [[w_ref[:, c].astype(jnp.float32) for c in chunks] for w_ref in w_refs]
     for r in range(m):
         outs = []
         for w_chunks in tiles:
             acc = None
             for ci, w in enumerate(w_chunks):
-                part = w * rows[r][ci][None, :]  # [bn, bk]
+                part = w.astype(jnp.float32) * rows[r][ci][None, :]  # [bn, bk]
                 acc = part if acc is None else acc + part
             outs.append(jnp.sum(acc, axis=1).astype(dtype))  # [bn]
         if glu:
