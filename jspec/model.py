@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from jspec import fused_draft
 from jspec.cache import KVCache, write_kv
 from jspec.config import ModelConfig, rope_table
 from jspec.ops import get_ops, ops_for
@@ -136,7 +137,6 @@ def _mlp_block(ops, cfg: ModelConfig, lp, h):
 def with_options(model: Model, *names: str) -> Model:
     """The model with `jspec.config.options(*names)` applied to its config, and its
     weights in the layout those options need (`draft_fused` reads them transposed)."""
-    from jspec import fused_draft
     from jspec.config import options
 
     return fused_draft.prepare(model.replace(config=model.config.replace(**options(*names))))
@@ -145,10 +145,8 @@ def with_options(model: Model, *names: str) -> Model:
 def _forward(model: Model, tokens: jax.Array, cache: KVCache):
     cfg = model.config
     B, T = tokens.shape
+    fused_draft.check_layout(model)
     if cfg.draft_fused:
-        from jspec import fused_draft
-
-        fused_draft.check_layout(model)
         if fused_draft.takes(B, T):
             return fused_draft.forward(model, tokens, cache)
         model = model.replace(params=fused_draft.standard_params(model.params))

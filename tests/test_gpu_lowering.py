@@ -8,7 +8,8 @@ jitted functions for the "cuda" platform with abstract weights: nothing is
 allocated, compiled to PTX or run. Covered: the Qwen3-8B- and Gemma-3-4B-shaped
 forwards (2 layers; the tuned matmul table, multi-tile schedules with 64-row tiles,
 masked row tiles, split-KV attention, every speed option) at decode, verify and
-prefill shapes, B = 1 and 8; the logsumexp kernel; the experiment kernels of
+prefill shapes, B = 1 and 8; the fused draft forward (`draft_fused`) of Qwen3-0.6B and
+Gemma-3-4B shapes; the logsumexp kernel; the experiment kernels of
 `launch_floor.py`, `persistent_floor.py` and `barrier_check.py`. Shared memory limits and register
 spills are checked by the Triton compiler on the device, not here.
 """
@@ -68,6 +69,26 @@ def test_model_forward_lowers_for_the_h200(preset, batch, tokens):
     # The 64-row tiles of a multi-tile launch (wqkv and wo of Qwen3-8B) mask the rows
     # past the residual stream's 48 (B=8 x T=5 padded once to 16s): no pad to 64.
     assert "-> tensor<64x4096xbf16>" not in text
+
+
+@pytest.mark.parametrize("preset", ["qwen3-0.6b", "gemma3-4b"])
+@pytest.mark.parametrize("tokens", [1, 2])
+def test_fused_draft_lowers_for_the_h200(preset, tokens):
+    # draft_fused (a draft on the xla backend): six Pallas kernels a layer, the K/V cache
+    # written in place by qk_rope_write (aliased buffers), attention on q laid out as
+    # attention rows, wo reading them in place.
+    from jspec import fused_draft
+
+    model = _abstract_model(preset)
+    model = model.replace(config=model.config.replace(backend="xla", draft_fused=1))
+    model = model.replace(params=jax.eval_shape(lambda p: fused_draft._swap(p, True),
+                                                model.params))
+    cache = jax.eval_shape(lambda: init_cache(model, 1, 256))
+    text = _lower(_forward, model, jax.ShapeDtypeStruct((1, tokens), jnp.int32), cache)
+    names = set(re.findall(r'name = "(jspec_[a-z_0-9]*)"', text))
+    assert {"jspec_draft_matvec", "jspec_draft_qk_rope_write",
+            "jspec_attention_fused"} <= names, names
+    assert "jspec_matmul" not in names  # the xla backend: no invariant matmul kernels
 
 
 @pytest.mark.parametrize("batch,tokens", [(1, 1), (8, 5), (8, 9)])
