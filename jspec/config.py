@@ -128,6 +128,10 @@ class ModelConfig:
         `jspec.fused_draft.prepare` do it). 0 (default): off.
       draft_programs: draft_fused: the grid size each projection aims at (weight rows
         per program = outputs / draft_programs, a power of 2); 512 (default).
+      draft_attn_stages: draft_fused: the split-KV attention's pipeline stages for the
+        draft (stages never change attention's bits: 2026-11-30g; 3 cut phase 1 at the
+        Qwen3-8B shape, B=1 T=1, from 5.46 to 4.21 us); 3 (default; heads of more than
+        256 bytes keep the kernel's own, for shared memory); 0: the kernel's own.
       draft_warps: draft_fused: warps a projection program runs; 2 (default; H200,
         2026-11-30j, a gamma-4 draft round: 3.55 ms device busy with 2, 3.50 with 4,
         3.88 with 1; draft_programs 256: 4.01).
@@ -174,6 +178,7 @@ class ModelConfig:
     draft_fused: int = 0
     draft_programs: int = 512
     draft_warps: int = 2
+    draft_attn_stages: int = 3
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
@@ -198,6 +203,9 @@ class ModelConfig:
             p = getattr(self, name)
             if p < 1 or p & (p - 1):
                 raise ValueError(f"{name}={p} must be a power of two >= 1")
+        if not 0 <= self.draft_attn_stages <= 4:
+            raise ValueError(f"draft_attn_stages={self.draft_attn_stages} must be 0 (the "
+                             "kernel's own) or 1..4")
         if self.attn_split is not None and self.attn_split < 0:
             raise ValueError(f"attn_split={self.attn_split} must be >= 0 (0: one pass) "
                              "or None (the kernel's default)")
@@ -233,7 +241,7 @@ VALUE_OPTIONS = NUMERIC_OPTIONS + ("matmul_row_group", "matmul_schedule",
                                    "attn_fused_fold",
                                    "xla_pallas_attention", "xla_two_rows",
                                    "kv_dus", "draft_fused", "draft_programs",
-                                   "draft_warps")  # "name=<int>"
+                                   "draft_warps", "draft_attn_stages")  # "name=<int>"
 
 
 def options(*names: str) -> dict[str, bool | int]:

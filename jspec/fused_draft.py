@@ -109,6 +109,8 @@ def forward(model, tokens: jax.Array, cache):
         acfg = dataclasses.replace(acfg, split=cfg.attn_split)
     if cfg.attn_split_rows is not None:
         acfg = dataclasses.replace(acfg, split_rows=cfg.attn_split_rows)
+    if cfg.draft_attn_stages and not cfg.interpret and hd * dtype.itemsize <= 256:
+        acfg = dataclasses.replace(acfg, num_stages=cfg.draft_attn_stages)
     Rp = row_count(acfg, T * G)  # attention rows a kv head
     fold = None if cfg.attn_fused_fold is None else bool(cfg.attn_fused_fold)
     ranges = {}  # window -> first, last [B, Rp]
