@@ -228,11 +228,13 @@ class ModelConfig:
 
 SPEED_OPTIONS = ("fuse_add_norm", "pad_rows_once", "fuse_qk_rope", "fuse_glu")
 
-# What `options("draft")` sets: a draft model on the xla backend with fewer kernels a
-# forward (its numerics only change proposals; the target's verify decides every token).
-# On the H200 (2026-11-30i) a Qwen3-0.6B draft with these (and `kv_dus`) took batch 1,
-# gamma 4, a = 0.8 from 1.45x to 1.56-1.58x over serial decoding (two runs). Both act on
-# the xla backend only.
+# What `options("draft")` sets: a fast draft model (its numerics only change proposals;
+# the target's verify decides every token). `draft_fused` runs its 1- and 2-row calls
+# through six Pallas kernels a layer on either backend (the weights transposed: use
+# `jspec.with_options`); the two xla options act on the xla backend's usual path (the
+# prefill, and any call `draft_fused` does not take). On the H200 a Qwen3-0.6B draft
+# took batch 1, gamma 4, a = 0.8 from 1.45x to 1.58x over serial decoding with the xla
+# options and `kv_dus` (2026-11-30i), and to 1.81-1.82x with `draft_fused` (2026-11-30j).
 DRAFT_OPTIONS = ("xla_two_rows=1", "xla_pallas_attention=1", "draft_fused=1")
 
 

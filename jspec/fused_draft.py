@@ -65,8 +65,8 @@ def check_layout(model) -> None:
         state = "on" if model.config.draft_fused else "off"
         raise ValueError(f"draft_fused is {state} but the layer weights are "
                          f"{'' if is_transposed(model.params) else 'not '}transposed: "
-                         "build the model with jspec.model.with_options(model, ...) or "
-                         "pass it through jspec.fused_draft.prepare(model)")
+                         "build the model with jspec.with_options(model, ...) or pass it "
+                         "through jspec.fused_draft.prepare(model)")
 
 
 def standard_params(params: dict) -> dict:
@@ -88,8 +88,9 @@ def takes(batch: int, tokens: int) -> bool:
 
 
 def forward(model, tokens: jax.Array, cache):
-    """tokens [B, T] (B * T <= MAX_ROWS) -> (logits [B, T, V] f32, cache), as
-    `jspec.model._forward` but with the draft kernels."""
+    """tokens [B, T] (B * T <= 16, the kernels' limit; `_forward` sends only calls of
+    at most FUSED_ROWS) -> (logits [B, T, V] f32, cache), as `jspec.model._forward` but
+    with the draft kernels."""
     from jspec.model import _rope_tables
     from jspec.ops import ops_for
 

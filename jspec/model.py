@@ -29,7 +29,7 @@ from flax import struct
 
 from jspec import fused_draft
 from jspec.cache import KVCache, write_kv
-from jspec.config import ModelConfig, rope_table
+from jspec.config import ModelConfig, options, rope_table
 from jspec.ops import get_ops, ops_for
 from pallas_kernels._common import pad_axis, pad_rows
 
@@ -136,9 +136,9 @@ def _mlp_block(ops, cfg: ModelConfig, lp, h):
 
 def with_options(model: Model, *names: str) -> Model:
     """The model with `jspec.config.options(*names)` applied to its config, and its
-    weights in the layout those options need (`draft_fused` reads them transposed)."""
-    from jspec.config import options
-
+    weights in the layout those options need (`draft_fused` reads them transposed).
+    Save or export a model before giving it `draft_fused`: its layer weights are then
+    stored as `<name>_t` [out, in]."""
     return fused_draft.prepare(model.replace(config=model.config.replace(**options(*names))))
 
 
