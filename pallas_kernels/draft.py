@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._common import triton_params
 from pallas_kernels.glu import _activation
@@ -372,3 +373,194 @@ def qk_rope_write(qkv: jax.Array, q_w: jax.Array | None, k_w: jax.Array | None,
     )(qkv, q_w, k_w, cos.astype(jnp.float32), sin.astype(jnp.float32),
       pos.astype(jnp.int32), k_cache, v_cache)
     return q, k_cache, v_cache
+
+
+_NEG_INF = float("-inf")
+
+
+def _draft_attention_kernel(qkv_ref, qw_ref, kw_ref, cos_ref, sin_ref, pos_ref, k_in, v_in,
+                            count_in, o_ref, k_ref, v_ref, count_ref, m_ref, l_ref, acc_ref,
+                            *, t: int, hd: int, num_q: int, num_k: int, block_k: int,
+                            norm: bool, eps: float, offset: float, scale: float,
+                            softcap: float | None, window: int, interpret: bool):
+    # Program (b, g, c): kv head g of row b, keys [c block_k, (c + 1) block_k). qkv
+    # [M, (Hq + 2 Hk) hd]; qw, kw [hd]; cos, sin [M, hd/2] f32; pos [M] int32; k/v
+    # [B, Hk, S, hd] (aliased in/out); count [B Hk] int32 (aliased); o [M, Hq hd];
+    # partials m, l [B, Hk, P, R], acc [B, Hk, P, R, hd] f32 (R = t G rows).
+    del k_in, v_in, count_in
+    b, g, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    parts = pl.num_programs(2)
+    group = num_q // num_k
+    half = hd // 2
+    dtype = k_ref.dtype
+    f32 = jnp.float32
+
+    def rotated(r, col, w_ref):  # the head at columns [col, col + hd) of qkv row r, f32
+        x1 = qkv_ref[r, pl.ds(col, half)].astype(f32)
+        x2 = qkv_ref[r, pl.ds(col + half, half)].astype(f32)
+        if norm:
+            inv = lax.rsqrt((jnp.sum(x1 * x1) + jnp.sum(x2 * x2)) / f32(hd) + f32(eps))
+            x1 = _scale(x1, inv, w_ref[pl.ds(0, half)], offset, dtype)
+            x2 = _scale(x2, inv, w_ref[pl.ds(half, half)], offset, dtype)
+        cs, sn = cos_ref[r, :], sin_ref[r, :]
+        y1 = (x1 * cs - x2 * sn).astype(dtype)
+        y2 = (x2 * cs + x1 * sn).astype(dtype)
+        return y1, y2
+
+    # The new tokens' k (normed, rotated) and v, written to the cache by partition 0's
+    # program; every program uses them from registers for the positions they fill.
+    kcol = pl.multiple_of((num_q + g) * hd, hd)
+    vcol = pl.multiple_of((num_q + num_k + g) * hd, hd)
+    new = []
+    for tt in range(t):
+        r = b * t + tt
+        k1, k2 = rotated(r, kcol, kw_ref)
+        v = qkv_ref[r, pl.ds(vcol, hd)]
+        new.append((pos_ref[r], k1, k2, v))
+
+    @pl.when(c == 0)
+    def _():
+        for p, k1, k2, v in new:
+            k_ref[b, g, p, pl.ds(0, half)] = k1
+            k_ref[b, g, p, pl.ds(half, half)] = k2
+            v_ref[b, g, p, :] = v
+
+    start = pl.multiple_of(c * block_k, block_k)
+    keys = start + lax.broadcasted_iota(jnp.int32, (block_k,), 0)  # [K]
+    k1s = k_ref[b, g, pl.ds(start, block_k), pl.ds(0, half)]  # [K, hd/2]
+    k2s = k_ref[b, g, pl.ds(start, block_k), pl.ds(half, half)]
+    vs = v_ref[b, g, pl.ds(start, block_k), :]  # [K, hd]
+    last_key = new[-1][0]
+    for p, k1, k2, v in new:
+        here = (keys == p)[:, None]
+        k1s = jnp.where(here, k1[None, :], k1s)
+        k2s = jnp.where(here, k2[None, :], k2s)
+        vs = jnp.where(here, v[None, :], vs)
+    # Keys past the last new position may be stale entries of rejected drafts: zero
+    # their values so that 0 * stale stays 0 whatever they hold.
+    vs = jnp.where((keys <= last_key)[:, None], vs, jnp.zeros_like(vs)).astype(f32)
+    k1s, k2s = k1s.astype(f32), k2s.astype(f32)
+
+    for tt in range(t):
+        r_in = b * t + tt
+        p = new[tt][0]
+        visible = keys <= p
+        if window:
+            visible = visible & (keys > p - window)
+        for i in range(group):
+            row = tt * group + i
+            h = g * group + i
+            q1, q2 = rotated(r_in, pl.multiple_of(h * hd, hd), qw_ref)
+            s = (jnp.sum(k1s * q1.astype(f32)[None, :], axis=1)
+                 + jnp.sum(k2s * q2.astype(f32)[None, :], axis=1)) * f32(scale)  # [K]
+            if softcap is not None:
+                s = jnp.tanh(s / f32(softcap)) * f32(softcap)
+            s = jnp.where(visible, s, _NEG_INF)
+            m = jnp.max(s)
+            m_safe = jnp.where(m == _NEG_INF, f32(0), m)
+            w = jnp.where(visible, jnp.exp(s - m_safe), f32(0))  # [K]
+            m_ref[b, g, c, row] = m
+            l_ref[b, g, c, row] = jnp.sum(w)
+            acc_ref[b, g, c, row, :] = jnp.sum(vs * w[:, None], axis=0)  # [hd]
+
+    if not interpret:
+        plgpu.debug_barrier()
+    arrived = plgpu.atomic_add(count_ref, (b * num_k + g,), jnp.int32(1))
+
+    @pl.when(arrived == parts - 1)
+    def _():
+        if not interpret:
+            plgpu.debug_barrier()
+        for row in range(t * group):
+            tt, i = divmod(row, group)
+            at = jnp.int32(row)  # a traced index: interpret mode's load wants arrays
+
+            def fold(cc, carry, row=at):
+                m, den, acc = carry
+                m_c = plgpu.load(m_ref.at[b, g, cc, row], volatile=True)
+                l_c = plgpu.load(l_ref.at[b, g, cc, row], volatile=True)
+                a_c = plgpu.load(acc_ref.at[b, g, cc, row, :], volatile=True)
+                m_new = jnp.maximum(m, m_c)
+                m_safe = jnp.where(m_new == _NEG_INF, f32(0), m_new)
+                x, y = jnp.exp(m - m_safe), jnp.exp(m_c - m_safe)
+                return m_new, x * den + y * l_c, x * acc + y * a_c
+
+            init = (f32(_NEG_INF), f32(0), jnp.zeros((hd,), f32))
+            _, den, acc = lax.fori_loop(0, parts, fold, init)
+            out = acc / jnp.where(den > 0, den, f32(1))
+            h = g * group + i
+            o_ref[b * t + tt, pl.ds(pl.multiple_of(h * hd, hd), hd)] = out.astype(o_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("num_q", "num_k", "tokens", "block_k", "eps",
+                                             "offset", "scale", "softcap", "window",
+                                             "num_warps", "interpret"),
+                   donate_argnames=("k_cache", "v_cache"))
+def draft_attention(qkv: jax.Array, q_w: jax.Array | None, k_w: jax.Array | None,
+                    cos: jax.Array, sin: jax.Array, pos: jax.Array, k_cache: jax.Array,
+                    v_cache: jax.Array, *, num_q: int, num_k: int, tokens: int,
+                    scale: float, softcap: float | None = None, window: int = 0,
+                    block_k: int = 64, eps: float = 1e-6, offset: float = 0.0,
+                    num_warps: int = 4, interpret: bool = False):
+    """A draft's whole attention step after the qkv projection, in one kernel.
+
+    qkv [M, (num_q + 2 num_k) hd] (M = B x tokens rows, batch-major); q_w, k_w [hd] or
+    both None (no q/k norm); cos, sin [M, hd/2]; pos [M] int32, each row's position
+    (a row's tokens consecutive, the cache holding the positions before them);
+    k_cache, v_cache [B, num_k, S, hd]. Each program takes one kv head of one batch row
+    and one `block_k`-key partition: it norms and rotates the new k and its query heads
+    itself (as `qk_rope_write`), attends over its keys with the new tokens' k and v
+    from registers (partition 0's program also writes them into the cache, in place),
+    writes an f32 partial, and the last program of the kv head to arrive (an atomic
+    counter) folds the partials. Row-by-row lane sums, no 16-row dot tile: for a few
+    rows only. Returns o [M, num_q hd] (q.dtype) and the caches.
+    """
+    m, width = qkv.shape
+    b, hk, s, hd = k_cache.shape
+    group = num_q // max(num_k, 1)
+    if num_q % max(num_k, 1) or hk != num_k or width != (num_q + 2 * num_k) * hd or \
+            m != b * tokens:
+        raise ValueError(f"draft_attention: qkv {qkv.shape} does not match {num_q} q heads, "
+                         f"{num_k} kv heads of {hd} and caches {k_cache.shape} x {tokens} "
+                         "tokens")
+    if hd < 2 or hd & (hd - 1) or block_k & (block_k - 1) or s % block_k:
+        raise ValueError(f"draft_attention wants a power-of-2 head_dim and block_k dividing "
+                         f"the cache length; got {hd=}, {block_k=}, S={s}")
+    if cos.shape != (m, hd // 2) or sin.shape != (m, hd // 2) or pos.shape != (m,):
+        raise ValueError(f"draft_attention wants cos, sin [M, hd/2] and pos [M]; got "
+                         f"{cos.shape=} {sin.shape=} {pos.shape=}")
+    if (q_w is None) != (k_w is None):
+        raise ValueError("draft_attention needs both q_w and k_w, or neither")
+    norm = q_w is not None
+    if not norm:
+        q_w = k_w = jnp.zeros((hd,), qkv.dtype)
+    parts, rows = s // block_k, tokens * group
+
+    def whole(shape):
+        return pl.BlockSpec(shape, lambda i, j, c: (0,) * len(shape))
+
+    part_shapes = [(b, hk, parts, rows), (b, hk, parts, rows), (b, hk, parts, rows, hd)]
+    out = pl.pallas_call(
+        functools.partial(_draft_attention_kernel, t=tokens, hd=hd, num_q=num_q,
+                          num_k=num_k, block_k=block_k, norm=norm, eps=float(eps),
+                          offset=float(offset), scale=float(scale),
+                          softcap=None if softcap is None else float(softcap),
+                          window=int(window), interpret=interpret),
+        out_shape=[jax.ShapeDtypeStruct((m, num_q * hd), qkv.dtype),
+                   jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
+                   jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype),
+                   jax.ShapeDtypeStruct((b * hk,), jnp.int32)]
+        + [jax.ShapeDtypeStruct(sh, jnp.float32) for sh in part_shapes],
+        grid=(b, hk, parts),
+        in_specs=[whole((m, width)), whole((hd,)), whole((hd,)), whole((m, hd // 2)),
+                  whole((m, hd // 2)), whole((m,)), whole(k_cache.shape),
+                  whole(v_cache.shape), whole((b * hk,))],
+        out_specs=[whole((m, num_q * hd)), whole(k_cache.shape), whole(v_cache.shape),
+                   whole((b * hk,))] + [whole(sh) for sh in part_shapes],
+        input_output_aliases={6: 1, 7: 2, 8: 3},
+        compiler_params=triton_params(num_warps, 1),
+        interpret=interpret,
+        name="jspec_draft_attention",
+    )(qkv, q_w, k_w, cos.astype(jnp.float32), sin.astype(jnp.float32),
+      pos.astype(jnp.int32), k_cache, v_cache, jnp.zeros((b * hk,), jnp.int32))
+    return out[0], out[1], out[2]
