@@ -132,11 +132,6 @@ class ModelConfig:
         draft (stages never change attention's bits: 2026-11-30g; 3 cut phase 1 at the
         Qwen3-8B shape, B=1 T=1, from 5.46 to 4.21 us); 3 (default; heads of more than
         256 bytes keep the kernel's own, for shared memory); 0: the kernel's own.
-      draft_attention: draft_fused: 1 (default) runs a layer's q/k norm, RoPE, K/V write
-        and attention as one kernel (`pallas_kernels.draft.draft_attention`: one
-        program per kv head and 64-key partition, or `attn_split` keys if set, row-by-row
-        lane sums, an atomic-counter fold); 0: `qk_rope_write`, then the split-KV kernel
-        on attention rows (`draft_attn_stages` applies to it).
       draft_warps: draft_fused: warps a projection program runs; 2 (default; H200,
         2026-11-30j, a gamma-4 draft round: 3.55 ms device busy with 2, 3.50 with 4,
         3.88 with 1; draft_programs 256: 4.01).
@@ -184,7 +179,6 @@ class ModelConfig:
     draft_programs: int = 512
     draft_warps: int = 2
     draft_attn_stages: int = 3
-    draft_attention: int = 1
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
@@ -202,8 +196,7 @@ class ModelConfig:
         if self.attn_fused_fold not in (None, 0, 1):
             raise ValueError(f"attn_fused_fold={self.attn_fused_fold} must be 0, 1 or None "
                              "(by the call's row tiles)")
-        for name in ("xla_pallas_attention", "xla_two_rows", "kv_dus", "draft_fused",
-                     "draft_attention"):
+        for name in ("xla_pallas_attention", "xla_two_rows", "kv_dus", "draft_fused"):
             if getattr(self, name) not in (0, 1):
                 raise ValueError(f"{name}={getattr(self, name)} must be 0 or 1")
         for name in ("draft_programs", "draft_warps"):
@@ -250,8 +243,7 @@ VALUE_OPTIONS = NUMERIC_OPTIONS + ("matmul_row_group", "matmul_schedule",
                                    "attn_fused_fold",
                                    "xla_pallas_attention", "xla_two_rows",
                                    "kv_dus", "draft_fused", "draft_programs",
-                                   "draft_warps", "draft_attn_stages",
-                                   "draft_attention")  # "name=<int>"
+                                   "draft_warps", "draft_attn_stages")  # "name=<int>"
 
 
 def options(*names: str) -> dict[str, bool | int]:

@@ -29,10 +29,9 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.attention import attention_config, attention_rows, row_count, visible_range
-from pallas_kernels.draft import draft_attention, matvec, qk_rope_write
+from pallas_kernels.draft import matvec, qk_rope_write
 
 WEIGHTS = ("wqkv", "wo", "w_gate_up", "w_down")  # [in, out] -> "<name>_t" [out, in]
-DRAFT_BLOCK_K = 64  # draft_attention's keys per program (attn_split, if set, instead)
 
 
 def is_transposed(params: dict) -> bool:
@@ -116,7 +115,6 @@ def forward(model, tokens: jax.Array, cache):
     Rp = row_count(acfg, T * G)  # attention rows a kv head
     fold = None if cfg.attn_fused_fold is None else bool(cfg.attn_fused_fold)
     ranges = {}  # window -> first, last [B, Rp]
-    block_k = cfg.attn_split if cfg.attn_split else DRAFT_BLOCK_K
 
     x = jnp.take(params["embed"], tokens.reshape(-1), axis=0)  # [M, D]
     if cfg.embed_scale is not None:
@@ -130,29 +128,25 @@ def forward(model, tokens: jax.Array, cache):
     for i, lp in enumerate(params["layers"]):
         with jax.named_scope(f"layer_{i}"):
             sliding = int(cfg.layer_sliding[i])
+            window = jnp.int32(cfg.sliding_window if sliding else 0)
             if o is None:
                 qkv = matvec(x, lp["wqkv_t"], n_w=lp["attn_norm"], **common)  # [M, qkv]
             else:
                 qkv, x = matvec(x, lp["wqkv_t"], o=o, o_w=o_w, n_w=lp["attn_norm"],
                                 **common)
             ws = (lp["q_norm"], lp["k_norm"]) if cfg.qk_norm else (None, None)
-            if cfg.draft_attention:
-                a, k_buf, v_buf = draft_attention(
-                    qkv, *ws, cos_all[sliding], sin_all[sliding], flat_pos, cache.k[i],
-                    cache.v[i], num_q=H, num_k=Hkv, tokens=T, scale=cfg.attn_scale,
-                    softcap=cfg.attn_softcap,
-                    window=cfg.sliding_window if sliding else 0, block_k=block_k,
-                    eps=cfg.rms_eps, offset=cfg.norm_offset,
-                    interpret=cfg.interpret)  # a [M, H hd]
-                new_k.append(k_buf)
-                new_v.append(v_buf)
-                o = matvec(a, lp["wo_t"], **common)  # [M, D]
-            else:
-                o, k_buf, v_buf = _split_kv_attention(
-                    cfg, lp, qkv, ws, cos_all[sliding], sin_all[sliding], flat_pos, pos,
-                    cache.k[i], cache.v[i], acfg, Rp, fold, ranges, sliding, common)
-                new_k.append(k_buf)
-                new_v.append(v_buf)
+            q, k_buf, v_buf = qk_rope_write(
+                qkv, *ws, cos_all[sliding], sin_all[sliding], flat_pos, cache.k[i],
+                cache.v[i], num_q=H, num_k=Hkv, tokens=T, rows=Rp, eps=cfg.rms_eps,
+                offset=cfg.norm_offset, interpret=cfg.interpret)  # q [B, Hkv, Rp, hd]
+            new_k.append(k_buf)
+            new_v.append(v_buf)
+            if sliding not in ranges:
+                ranges[sliding] = visible_range(pos, window, G, Rp)
+            a = attention_rows(q, k_buf, v_buf, *ranges[sliding], acfg, scale=cfg.attn_scale,
+                               softcap=cfg.attn_softcap, interpret=cfg.interpret,
+                               fused_fold=fold)  # [B, Hkv, Rp, hd]
+            o = matvec(a, lp["wo_t"], heads=(T, G), **common)  # [M, D]
             o_w = lp["post_attn_norm"] if cfg.sandwich_norms else None
             g, x = matvec(x, lp["w_gate_up_t"], o=o, o_w=o_w, n_w=lp["mlp_norm"],
                           glu=cfg.activation, **common)  # [M, F]
@@ -167,23 +161,3 @@ def forward(model, tokens: jax.Array, cache):
         logits = xla.softcap(logits, cfg.final_softcap)
     new_cache = cache.replace(k=tuple(new_k), v=tuple(new_v), lengths=lengths + T)
     return logits.reshape(B, T, cfg.vocab_size), new_cache
-
-
-def _split_kv_attention(cfg, lp, qkv, ws, cos, sin, flat_pos, pos, k_cache, v_cache, acfg,
-                        Rp, fold, ranges, sliding, common):
-    """draft_attention=0: qk_rope_write, then the split-KV kernel on attention rows, then
-    wo reading them in place -> (o [M, D], k_cache, v_cache)."""
-    H, Hkv = cfg.num_heads, cfg.num_kv_heads
-    T = pos.shape[1]
-    G = H // Hkv
-    q, k_buf, v_buf = qk_rope_write(
-        qkv, *ws, cos, sin, flat_pos, k_cache, v_cache, num_q=H, num_k=Hkv, tokens=T,
-        rows=Rp, eps=cfg.rms_eps, offset=cfg.norm_offset,
-        interpret=cfg.interpret)  # q [B, Hkv, Rp, hd]
-    if sliding not in ranges:
-        window = jnp.int32(cfg.sliding_window if sliding else 0)
-        ranges[sliding] = visible_range(pos, window, G, Rp)
-    a = attention_rows(q, k_buf, v_buf, *ranges[sliding], acfg, scale=cfg.attn_scale,
-                       softcap=cfg.attn_softcap, interpret=cfg.interpret,
-                       fused_fold=fold)  # [B, Hkv, Rp, hd]
-    return matvec(a, lp["wo_t"], heads=(T, G), **common), k_buf, v_buf
