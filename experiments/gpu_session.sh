@@ -197,7 +197,7 @@ for s in $steps; do
               --budget_s="$(( ${SCHED_S:-240} - 60 ))" ${SCHED_FLAGS:-} 2>&1 | quiet \
               | grep -v "it/s" | tail -12 ;;
     floor) timeout "${FLOOR_S:-120}" python3 experiments/launch_floor.py --out="$OUT" \
-              ${FLOOR_FLAGS:-} 2>&1 | quiet | tail -12 ;;
+              ${FLOOR_FLAGS:-} 2>&1 | quiet | tail -24 ;;
     persistent) timeout "${PERSIST_S:-240}" python3 experiments/persistent_floor.py --out="$OUT" \
               ${PERSIST_FLAGS:-} 2>&1 | quiet | tail -16
            if [ -n "${PERSIST_FLAGS2:-}" ]; then  # a second set of variants, its own receipt

@@ -152,14 +152,21 @@ def test_sweep_schedule_smoke(tmp_path):
 
 
 def test_launch_floor_smoke(tmp_path):
-    r = _run("launch_floor.py", "--interpret", "--mb=0,0.25", "--chain=3", "--iters=1",
+    # Pallas on Triton and on Mosaic GPU (with and without grid dependencies), side by side.
+    r = _run("launch_floor.py", "--interpret", "--mb=0,0.25", "--chain=2", "--iters=1",
              f"--out={tmp_path}")
     assert r.returncode == 0, r.stderr[-2000:]
     rep = json.load(open(tmp_path / "launch_floor.json"))
-    assert [s["mb"] for s in rep["sizes"]] == [0.0, 0.25]
-    assert all(s["us_per_kernel"] > 0 and s["kernels"] == 3 for s in rep["sizes"])
+    assert [(s["kind"], s["mb"]) for s in rep["sizes"]] == [
+        (k, mb) for mb in (0.0, 0.25) for k in ("triton", "mgpu", "mgpu_pdl")]
+    assert all(s["us_per_kernel"] > 0 and s["kernels"] == 2 for s in rep["sizes"])
     bad = _run("launch_floor.py", "--interpret", "--mb=-1", f"--out={tmp_path}")
     assert bad.returncode != 0 and "sizes must be >= 0" in bad.stderr
+    bad = _run("launch_floor.py", "--interpret", "--kinds=cuda", f"--out={tmp_path}")
+    assert bad.returncode != 0 and "--kinds: unknown ['cuda']" in bad.stderr
+    bad = _run("launch_floor.py", "--interpret", "--kinds=mgpu", "--mb=0.001",
+               f"--out={tmp_path}")
+    assert bad.returncode != 0 and "less than one 32 x 256 tile" in bad.stderr
 
 
 def test_persistent_floor_smoke(tmp_path):

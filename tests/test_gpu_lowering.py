@@ -143,6 +143,12 @@ flags.FLAGS(["x"])
 ws = [jax.ShapeDtypeStruct((512, lf.COLS), jnp.bfloat16)] * 2
 prev = jax.ShapeDtypeStruct((1, lf.COLS), jnp.float32)
 assert "triton" in lower(functools.partial(lf.chain, interpret=False), ws, prev)
+ws = [jax.ShapeDtypeStruct((0, 32, lf.MGPU_COLS), jnp.bfloat16),
+      jax.ShapeDtypeStruct((64, 32, lf.MGPU_COLS), jnp.bfloat16)]
+prev = jax.ShapeDtypeStruct((1, lf.MGPU_VEC), jnp.float32)
+for pdl in (False, True):
+    text = lower(functools.partial(lf.mgpu_chain, pdl=pdl, interpret=False), ws, prev)
+    assert text.count("mosaic_gpu_v2") == 2 and ("uses_pdl" in text) == pdl, pdl
 print("lowered: launch_floor")
 """
 
