@@ -205,6 +205,7 @@ def main(_):
     interp = _INTERPRET.value
     report = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
               "date": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(sys.argv),
+              "xla_flags": os.environ.get("XLA_FLAGS", ""),
               "chain": _CHAIN.value, "block_rows": _ROWS.value,
               "mgpu_tile_rows": _MGPU_ROWS.value, "kinds": _KINDS.value, "sizes": []}
     bad = [k for k in _KINDS.value if k not in KINDS]
