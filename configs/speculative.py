@@ -38,6 +38,11 @@ def get_config(arg=None):
     # Options for the draft model alone (jspec.config.options names, comma-separated):
     # "draft" = jspec.config.DRAFT_OPTIONS, fewer kernels for an xla-backend draft.
     c.draft_options = "draft"
+    # A pruned draft LM head (jspec.ModelDrafter.pruned): "" = the full head; a .npy file
+    # of token ids; or a text file, whose draft_head_size most frequent tokens (under the
+    # target's tokenizer) the head keeps. Outputs stay exact; acceptance may drop.
+    c.draft_head = ""
+    c.draft_head_size = 32768
     c.dtype = "bfloat16"
     c.audit_every = 0  # >0: recompute every Nth verify block serially, stop on any difference
     c.check_parity = True  # also run serial decoding and fail unless tokens are identical

@@ -82,6 +82,9 @@ _DRAFT_BACKEND = flags.DEFINE_enum(
 _DRAFT_OPTIONS = flags.DEFINE_list(
     "draft_options", ["draft"], "options for the draft model alone, after --options; "
     "'draft' is jspec.config.DRAFT_OPTIONS (xla_two_rows=1,xla_pallas_attention=1), '' none")
+_DRAFT_HEAD = flags.DEFINE_integer(
+    "draft_head", 0, "> 0: the draft's LM head keeps this many tokens (ModelDrafter.pruned; "
+    "random weights have no token frequencies, so ids 0..n-1); 0: the full head")
 _PEERS = flags.DEFINE_bool("peers", True, "transformers peers (needs torch)")
 _PEER_GAMMA = flags.DEFINE_integer("peer_gamma", 4, "gamma of the matched speculative run")
 _PEER_COMPILE = flags.DEFINE_bool("peer_compile", True, "HF static cache + torch.compile run")
@@ -190,6 +193,7 @@ class Bench:
             "draft": _DRAFT.value, "draft_backend": _DRAFT_BACKEND.value,
             "draft_options": _DRAFT_OPTIONS.value, "xla_flags": os.environ.get("XLA_FLAGS", ""),
             "oracle_draft": _ORACLE_DRAFT.value, "oracle_seeds": _ORACLE_SEEDS.value,
+            "draft_head": _DRAFT_HEAD.value or None,
             # Receipts before 2026-11-30h lack this: their oracle's proposals did not
             # wait for the draft's forwards, so their oracle speedups are upper bounds.
             "oracle_waits_for_draft": True,
@@ -257,11 +261,20 @@ class Bench:
     def drafter(self, kind: str, B: int, accept: float | None):
         if kind == "oracle":
             ref = jnp.asarray(np.concatenate([self.prompts(B), self.serial[B].tokens], axis=1))
-            draft = jspec.ModelDrafter(self.draft) if _ORACLE_DRAFT.value else None
+            draft = self.model_drafter() if _ORACLE_DRAFT.value else None
             return jspec.OracleDrafter(ref, corrupt_prob=jnp.float32(1.0 - accept), draft=draft)
         if kind == "lookup":
             return jspec.PromptLookupDrafter(max_ngram=3)
         return jspec.ModelDrafter(self.target)  # "self": the target drafts for itself
+
+    def model_drafter(self):
+        """The draft model's drafter: the full LM head, or the first --draft_head tokens'."""
+        n = _DRAFT_HEAD.value
+        if not n:
+            return jspec.ModelDrafter(self.draft)
+        if getattr(self, "_pruned", None) is None:  # the pruned head is gathered once
+            self._pruned = jspec.ModelDrafter.pruned(self.draft, np.arange(n))
+        return self._pruned
 
     def run_spec(self, kind: str, B: int, gamma: int, accept: float | None) -> dict:
         drafter = self.drafter(kind, B, accept)
@@ -474,7 +487,12 @@ def main(argv):
         plot(rep, stem)
         print(f"plots: {stem}_*.png")
         return
+    if _DRAFT_HEAD.value < 0:
+        raise app.UsageError(f"--draft_head must be >= 0; got {_DRAFT_HEAD.value}")
     bench = Bench()
+    if _DRAFT_HEAD.value > bench.draft.config.vocab_size:
+        raise app.UsageError(f"--draft_head={_DRAFT_HEAD.value} exceeds the draft's vocabulary "
+                             f"({bench.draft.config.vocab_size})")
     if not _PEERS.value:
         bench.report["peers"]["skipped"] = "--nopeers"
     bench.save()

@@ -14,6 +14,7 @@ import sys
 import time
 
 import jax
+import numpy as np
 from absl import app, flags, logging
 from ml_collections import config_flags
 
@@ -26,6 +27,20 @@ _CONFIG = config_flags.DEFINE_config_file(
 _CHECK = flags.DEFINE_bool("check_parity", None,
                            "shorthand for --config.check_parity (run serial decoding too and "
                            "fail unless the tokens are identical)")
+
+
+def head_ids(path: str, size: int, tok, vocab: int) -> np.ndarray:
+    """A pruned draft head's token ids: a .npy file of ids, or the `size` most frequent
+    tokens of a text file under `tok`."""
+    if not os.path.isfile(path):
+        raise app.UsageError(f"--config.draft_head={path!r}: no such file")
+    if path.endswith(".npy"):
+        return np.load(path)
+    with open(path, encoding="utf-8") as f:
+        ids = tok.encode(f.read(), add_special_tokens=False)
+    if not ids:
+        raise app.UsageError(f"--config.draft_head={path!r}: the text encodes to no tokens")
+    return jspec.frequent_tokens(ids, min(size, vocab), vocab)
 
 
 def build(c):
@@ -45,7 +60,14 @@ def build(c):
                  else target.with_backend(backend))
         names = c.get("draft_options", "draft").split(",")  # configs without the field: "draft"
         draft = jspec.with_options(draft, *names)
-        drafter = jspec.ModelDrafter(draft)
+        head = c.get("draft_head", "")
+        if head:
+            ids = head_ids(head, c.get("draft_head_size", 32768), tok,
+                           draft.config.vocab_size)
+            drafter = jspec.ModelDrafter.pruned(draft, ids)
+            print(f"[draft head: {len(ids)} of {draft.config.vocab_size} tokens, from {head}]")
+        else:
+            drafter = jspec.ModelDrafter(draft)
     else:
         raise app.UsageError(f"--config.drafter={c.drafter!r}: use 'model' or 'prompt_lookup'")
     return target, drafter, tok

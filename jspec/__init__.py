@@ -9,7 +9,7 @@ token for token.
 from jspec.cache import KVCache, init_cache, rollback
 from jspec.checkpoint import restore_params, save_params
 from jspec.config import ModelConfig, UnsupportedModelError, from_hf_config
-from jspec.drafters import ModelDrafter, OracleDrafter, PromptLookupDrafter
+from jspec.drafters import ModelDrafter, OracleDrafter, PromptLookupDrafter, frequent_tokens
 from jspec.generate import GenerateOutput, generate, generate_stream
 from jspec.loading import CheckpointError, default_pair, load_hf, load_tokenizer
 from jspec.model import Model, forward, with_options
@@ -39,6 +39,7 @@ __all__ = [
     "UnsupportedModelError",
     "default_pair",
     "forward",
+    "frequent_tokens",
     "from_hf_config",
     "generate",
     "generate_stream",

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from jspec.cache import init_cache, rollback
@@ -64,6 +65,22 @@ class ModelDraftState:
     next_logits: jax.Array
 
 
+def frequent_tokens(token_ids, n: int, vocab_size: int) -> np.ndarray:
+    """The n most frequent ids in token_ids (any shape, a tokenized corpus), ties to the
+    smaller id, returned sorted: a pruned draft head's vocabulary (`ModelDrafter.pruned`)."""
+    ids = np.asarray(token_ids).reshape(-1)
+    if not np.issubdtype(ids.dtype, np.integer):
+        raise ValueError(f"frequent_tokens wants integer token ids; got dtype {ids.dtype}")
+    if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
+        raise ValueError(f"frequent_tokens: ids must lie in [0, {vocab_size}); got "
+                         f"[{ids.min()}, {ids.max()}]")
+    if not 1 <= n <= vocab_size:
+        raise ValueError(f"frequent_tokens: n must lie in [1, {vocab_size}]; got {n}")
+    counts = np.bincount(ids, minlength=vocab_size)
+    order = np.lexsort((np.arange(vocab_size), -counts))  # count desc, then id asc
+    return np.sort(order[:n]).astype(np.int32)
+
+
 @struct.dataclass
 class ModelDrafter:
     """A small model sharing the target's vocabulary drafts autoregressively.
@@ -72,9 +89,43 @@ class ModelDrafter:
     step in `commit` (the last accepted token again, at its own position, plus
     the target's next token), so the draft catches up on a fully accepted block
     and on the bonus token with static shapes: gamma draft forwards a round.
+
+    `ModelDrafter.pruned(model, ids)` drafts with an LM head that scores only the tokens
+    `ids` (e.g. a corpus's most frequent ones, `frequent_tokens`): a Qwen3-0.6B head over
+    151,936 tokens is ~311 MB, read by every draft forward. Every other token gets draft
+    logit -inf, so it is never proposed and the draft distribution is the softmax over
+    `ids`. The target's verify still decides every token: outputs stay exact under
+    exact_greedy (and distribution-exact under rejection_sampling); acceptance may drop
+    where the target's token lies outside `ids`. `head_slot` [V] int32 maps each token to
+    its column of the pruned head (-1: not scored); None for the full head.
     """
 
     model: Model
+    head_slot: jax.Array | None = None
+
+    @classmethod
+    def pruned(cls, model: Model, ids) -> ModelDrafter:
+        """A drafter whose LM head keeps the columns `ids` (int, 1-D, unique, in [0, V))."""
+        V = model.config.vocab_size
+        ids = np.asarray(ids)
+        if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
+            raise ValueError(f"ModelDrafter.pruned wants a non-empty 1-D array of integer "
+                             f"token ids; got shape {ids.shape}, dtype {ids.dtype}")
+        if ids.min() < 0 or ids.max() >= V:
+            raise ValueError(f"ModelDrafter.pruned: token ids must lie in [0, {V}); got "
+                             f"[{ids.min()}, {ids.max()}]")
+        ids = np.sort(ids)
+        if np.any(ids[1:] == ids[:-1]):
+            raise ValueError("ModelDrafter.pruned: token ids must be unique; got "
+                             f"{int(np.sum(ids[1:] == ids[:-1]))} repeats")
+        head = model.params["lm_head"]  # [D, V]
+        if head.shape[-1] != V:
+            raise ValueError(f"ModelDrafter.pruned wants the model's full LM head [D, {V}]; "
+                             f"got {tuple(head.shape)} (already pruned?)")
+        slot = np.full((V,), -1, np.int32)
+        slot[ids] = np.arange(ids.size, dtype=np.int32)
+        params = {**model.params, "lm_head": jnp.take(head, jnp.asarray(ids), axis=1)}
+        return cls(model=model.replace(params=params), head_slot=jnp.asarray(slot))
 
     @property
     def vocab_size(self) -> int:
@@ -83,11 +134,18 @@ class ModelDrafter:
     def forwards_per_round(self, gamma: int) -> int:
         return gamma
 
+    def _full(self, logits):
+        """[..., n] logits of the head's columns -> [..., V] (-inf off the head)."""
+        if self.head_slot is None:
+            return logits
+        picked = jnp.take(logits, jnp.maximum(self.head_slot, 0), axis=-1)
+        return jnp.where(self.head_slot >= 0, picked, -jnp.inf)
+
     def init(self, tokens, lens, max_len: int, gamma: int) -> ModelDraftState:
         cache = init_cache(self.model, tokens.shape[0], max_len)
         logits, cache = _forward(self.model, tokens, cache)
         last = jnp.take_along_axis(logits, (lens - 1)[:, None, None], axis=1)[:, 0]
-        return ModelDraftState(cache=rollback(cache, lens), next_logits=last)
+        return ModelDraftState(cache=rollback(cache, lens), next_logits=self._full(last))
 
     def propose(self, state: ModelDraftState, ctx: ProposeContext):
         sample = ctx.draft_sampler
@@ -96,8 +154,9 @@ class ModelDrafter:
         def step(carry, i):
             cache, tok = carry
             logits, cache = _forward(self.model, tok[:, None], cache)
-            nxt = sample(logits[:, 0], ctx.seed, ctx.rows, ctx.pos + 2 + i)
-            return (cache, nxt), (nxt, logits[:, 0])
+            logits = self._full(logits[:, 0])
+            nxt = sample(logits, ctx.seed, ctx.rows, ctx.pos + 2 + i)
+            return (cache, nxt), (nxt, logits)
 
         # Unrolled: the steps join the round's straight-line code, which XLA captures in
         # command buffers; a rolled scan is a nested while loop launched kernel by kernel.
@@ -113,7 +172,7 @@ class ModelDrafter:
                          jnp.take_along_axis(drafts, jnp.maximum(n_acc - 1, 0)[:, None], 1)[:, 0])
         cache = rollback(state.cache, ctx.pos + n_acc)
         logits, cache = _forward(self.model, jnp.stack([last, nxt], axis=1), cache)
-        return ModelDraftState(cache=cache, next_logits=logits[:, 1])
+        return ModelDraftState(cache=cache, next_logits=self._full(logits[:, 1]))
 
 
 @struct.dataclass

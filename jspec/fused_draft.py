@@ -160,4 +160,4 @@ def forward(model, tokens: jax.Array, cache):
     if cfg.final_softcap is not None:
         logits = xla.softcap(logits, cfg.final_softcap)
     new_cache = cache.replace(k=tuple(new_k), v=tuple(new_v), lengths=lengths + T)
-    return logits.reshape(B, T, cfg.vocab_size), new_cache
+    return logits.reshape(B, T, params["lm_head"].shape[-1]), new_cache

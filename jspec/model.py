@@ -11,7 +11,8 @@ whatever fusion it picks for a given shape (rule R4).
 
 Params layout (weights [in, out]; one dict per layer, so every kernel reads a
 layer's weights in place rather than a slice copied out of a stacked array):
-  embed [V, D]; final_norm [D]; lm_head [D, V] (a transposed copy when tied)
+  embed [V, D]; final_norm [D]; lm_head [D, V] (a transposed copy when tied; a
+  draft's pruned head has fewer columns: `jspec.ModelDrafter.pruned`)
   layers: list of L dicts: attn_norm [D]; wqkv [D, (H + 2 Hkv) hd]; wo [H hd, D];
           q_norm, k_norm [hd] (Qwen3, Gemma 3); mlp_norm [D];
           w_gate_up [D, 2F]; w_down [F, D];
@@ -198,7 +199,8 @@ def _forward(model: Model, tokens: jax.Array, cache: KVCache):
     if cfg.final_softcap is not None:
         logits = ops.softcap(logits, cfg.final_softcap)
     new_cache = cache.replace(k=tuple(new_k), v=tuple(new_v), lengths=lengths + T)
-    return logits.reshape(B, T, cfg.vocab_size), new_cache
+    # The head's width: V, or fewer columns for a draft's pruned head (ModelDrafter.pruned).
+    return logits.reshape(B, T, params["lm_head"].shape[-1]), new_cache
 
 
 forward_jit = jax.jit(_forward, donate_argnames=("cache",), compiler_options=COMPILER_OPTIONS)

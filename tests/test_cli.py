@@ -30,15 +30,30 @@ def test_speculative_cli_checks_parity(policy):
     assert "embedded code pair" in r.stdout
 
 
+def test_speculative_cli_with_a_pruned_draft_head(tmp_path):
+    # The head keeps the 300 most frequent tokens of a text (here a piece of Python);
+    # the output must still equal serial decoding.
+    corpus = tmp_path / "corpus.py"
+    corpus.write_text(open(f"{ROOT}/jspec/drafters.py").read())
+    r = _run("speculative_decode.py", f"--config={ROOT}/configs/speculative.py:runlocal",
+             f"--config.draft_head={corpus}", "--config.draft_head_size=300")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "PARITY: OK" in r.stdout and "[draft head: 300 of" in r.stdout
+    bad = _run("speculative_decode.py", f"--config={ROOT}/configs/speculative.py:runlocal",
+               f"--config.draft_head={tmp_path}/missing.npy")
+    assert bad.returncode != 0 and "no such file" in bad.stderr
+
+
 def test_bench_e2e_smoke(tmp_path):
     r = _run("bench_e2e.py", "--target=tiny-qwen3", "--draft=tiny-qwen3:1", "--batches=1",
              "--prompt_len=16", "--max_new_tokens=8", "--gammas=2", "--accept=0.8", "--iters=1",
-             "--nopeers", "--draft_backend=xla", "--oracle_seeds=2", f"--out={tmp_path}")
+             "--nopeers", "--draft_backend=xla", "--oracle_seeds=2", "--draft_head=256",
+             f"--out={tmp_path}")
     assert r.returncode == 0, r.stderr[-2000:]
     with open(tmp_path / "bench_e2e.json") as f:
         rep = json.load(f)
     assert rep["complete"] and rep["copy_TBps"] > 0 and rep["peers"]["skipped"] == "--nopeers"
-    assert rep["oracle_waits_for_draft"] is True
+    assert rep["oracle_waits_for_draft"] is True and rep["draft_head"] == 256
     assert rep["draft_backend"] == "xla"
     assert {(s["backend"], s["batch"]) for s in rep["serial"]} == {("pallas", 1), ("xla", 1)}
     assert all(s["roofline_tokens_per_s"] > 0 for s in rep["serial"])
@@ -55,6 +70,9 @@ def test_bench_e2e_smoke(tmp_path):
              "--tag=again")
     assert r.returncode == 0 and "serial greedy" in r.stdout, r.stderr[-2000:]
     assert (tmp_path / "bench_e2e_again_speedup_vs_gamma.png").exists()
+    bad = _run("bench_e2e.py", "--target=tiny-qwen3", "--draft=tiny-qwen3:1", "--nopeers",
+               "--draft_head=100000", f"--out={tmp_path}")
+    assert bad.returncode != 0 and "exceeds the draft's vocabulary (512)" in bad.stderr
 
 
 def test_eval_pair_smoke(tmp_path):
