@@ -17,9 +17,9 @@
 #   the output); e2e_decompose times gamma 4 / a 0.8 with the draft on pallas, on xla
 #   and left out (what a round costs besides the forwards). $E2E_FLAGS are appended
 #   to e2e_b1 / e2e_b8 (e.g. "--options=plain --gammas=4 --accept=0.8") and $E2E_TAG
-#   to their receipt names; $E2E_OPTIONS, $E2E_DRAFT_OPTIONS, $E2E_GAMMAS and $E2E_SEEDS
-#   (no spaces, so lanes can differ) become --options, --draft_options, --gammas and
-#   --oracle_seeds.
+#   to their receipt names; $E2E_OPTIONS, $E2E_DRAFT_OPTIONS, $E2E_GAMMAS, $E2E_SEEDS,
+#   $E2E_ACCEPT and $E2E_DRAFT_HEAD (no spaces, so lanes and steps can differ) become
+#   --options, --draft_options, --gammas, --oracle_seeds, --accept and --draft_head.
 # - kernels_fused: decode/verify steps with the speed options set otherwise
 #   ($FUSED_OPTIONS, a bench_kernels --options list; default: plain, all four off),
 #   timed device-side and checked bitwise against the default pallas step (all on);
@@ -152,6 +152,7 @@ for s in $steps; do
               ${E2E_OPTIONS:+--options=$E2E_OPTIONS} \
               ${E2E_DRAFT_OPTIONS:+--draft_options=$E2E_DRAFT_OPTIONS} \
               ${E2E_GAMMAS:+--gammas=$E2E_GAMMAS} ${E2E_SEEDS:+--oracle_seeds=$E2E_SEEDS} \
+              ${E2E_ACCEPT:+--accept=$E2E_ACCEPT} ${E2E_DRAFT_HEAD:+--draft_head=$E2E_DRAFT_HEAD} \
               2>&1 | quiet | grep -v "it/s" | tail -60 ;;
     e2e_peers) timeout "${E2E_S:-500}" python3 experiments/bench_e2e.py --target=qwen3-8b \
               --draft=qwen3-0.6b --batches=1 --prompt_len=512 --max_new_tokens=256 \
