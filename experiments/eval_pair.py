@@ -14,6 +14,12 @@ tokens, every row). Prompts are the pair's held-out prompts
 jspec, greedy `generate` and assisted generation (`assistant_model=`) at each
 gamma, with their tokens/s and whether assisted output equals its own serial
 output. Writes a JSON receipt and a PNG plot under --out.
+
+`--draft_heads=0,2048,1024`: the gamma sweep once per draft LM head, 0 being the full
+head and n a head pruned to the n most frequent tokens of the pair's training corpus
+(`ModelDrafter.pruned`; frequencies from the running Python's standard library minus
+the held-out modules, `stdlib_corpus.py`, under the pair's tokenizer): what a pruned
+head costs in acceptance on a real pair. Parity is asserted for every head.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from pallas_kernels.matmul import TUNED, tuned_to_json  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 from eval_pair_hf import held_out_prompts, hf_runs, load_hf_pair  # noqa: E402
+from stdlib_corpus import read, stdlib_files  # noqa: E402
 from timing import timed  # noqa: E402
 
 _PAIR = flags.DEFINE_string("pair", "", "dir with target/ and draft/ (default: embedded pair)")
@@ -50,6 +57,8 @@ _TEMP = flags.DEFINE_float("temperature", 0.8, "temperature of gumbel_coupled")
 _ITERS = flags.DEFINE_integer("iters", 3, "timed repetitions (median)")
 _PEERS = flags.DEFINE_bool("peers", True, "also run transformers (needs torch)")
 _PEER_GAMMAS = flags.DEFINE_list("peer_gammas", ["2", "4", "8"], "assisted-generation gammas")
+_HEADS = flags.DEFINE_list("draft_heads", ["0"], "draft LM head sizes (0: full; n: the n "
+                           "most frequent training-corpus tokens)")
 _OUT = flags.DEFINE_string("out", os.environ.get("OUT", "experiments/results"), "receipt dir")
 _TAG = flags.DEFINE_string("tag", "", "receipt file name suffix")
 
@@ -63,7 +72,26 @@ def chunks(rows, B):
     return [np.stack(rows[i: i + B]) for i in range(0, len(rows), B)]
 
 
-def run_jspec(target, draft, prompts, report, save):
+def corpus_frequent(tok, vocab: int, sizes: list[int]) -> dict[int, np.ndarray]:
+    """Per head size n > 0: the n most frequent tokens of the training corpus."""
+    sizes = [n for n in sizes if n]
+    if not sizes:
+        return {}
+    train, _, root = stdlib_files()
+    ids = np.concatenate([np.asarray(tok.encode(read(root, f), add_special_tokens=False),
+                                     np.int64) for f in tqdm(train, desc="corpus tokens")])
+    return {n: jspec.frequent_tokens(ids, n, vocab) for n in sizes}
+
+
+def drafters(draft, heads: dict[int, np.ndarray]) -> list[tuple[int, object]]:
+    out = []
+    for n in [int(x) for x in _HEADS.value]:
+        out.append((n, jspec.ModelDrafter(draft) if n == 0 else
+                    jspec.ModelDrafter.pruned(draft, heads[n])))
+    return out
+
+
+def run_jspec(target, draft, prompts, report, save, heads):
     N, iters = _NEW.value, _ITERS.value
     batches = chunks(prompts, _BATCH.value)
     for policy in _POLICIES.value:
@@ -80,10 +108,10 @@ def run_jspec(target, draft, prompts, report, save):
                 "tokens_per_s": n_tok / t_serial}
         report["serial"].append(base)
         print(f"serial {policy}: {base['tokens_per_s']:.1f} tokens/s")
-        for g in tqdm([int(x) for x in _GAMMAS.value], desc=f"{policy} gammas"):
+        sweep = [(n, d, int(g)) for n, d in drafters(draft, heads) for g in _GAMMAS.value]
+        for head, drafter, g in tqdm(sweep, desc=f"{policy} heads x gammas"):
             spec = jspec.SpecConfig(gamma=g, policy=policy, max_new_tokens=N,
                                     temperature=_TEMP.value)
-            drafter = jspec.ModelDrafter(draft)
 
             def spec_all(spec=spec, drafter=drafter):
                 return [jspec.speculative_generate(target, drafter, b, spec) for b in batches]
@@ -92,14 +120,16 @@ def run_jspec(target, draft, prompts, report, save):
             for o, s in zip(outs, serial, strict=True):
                 for r in range(o.tokens.shape[0]):
                     if o.row(r) != s.row(r):
-                        raise SystemExit(f"PARITY FAILURE: {policy} gamma={g} row {r}")
+                        raise SystemExit(f"PARITY FAILURE: {policy} gamma={g} head={head} "
+                                         f"row {r}")
             acc = sum(o.stats["accepted"] for o in outs)
             prop = sum(o.stats["proposed"] for o in outs)
             # Row-rounds: every live row of every verify call counts one target step.
             steps = sum(o.stats["tokens"] / o.stats["tokens_per_target_step"] for o in outs)
             by_pos = np.mean([o.stats["acceptance_by_position"] for o in outs], axis=0)
             report["runs"].append({
-                "policy": policy, "gamma": g, "acceptance": acc / max(prop, 1),
+                "policy": policy, "gamma": g, "draft_head": head or None,
+                "acceptance": acc / max(prop, 1),
                 "acceptance_by_position": [round(float(x), 4) for x in by_pos],
                 "tokens_per_target_step": n_tok / max(steps, 1),
                 "tokens_per_s": n_tok / t, "seconds": t, "speedup": t_serial / t,
@@ -144,13 +174,18 @@ def main(argv):
                           backend=_BACKEND.value)
     tok = jspec.load_tokenizer(os.path.join(pair, "target"))
     prompts = load_prompts(pair, tok)
+    sizes = [int(x) for x in _HEADS.value]
+    if any(not 0 <= n <= draft.config.vocab_size for n in sizes):
+        raise app.UsageError(f"--draft_heads must lie in [0, {draft.config.vocab_size}]; "
+                             f"got {sizes}")
+    heads = corpus_frequent(tok, draft.config.vocab_size, sizes)
     report = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
               "matmul_tuned": tuned_to_json(TUNED),
               "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv),
               "pair": os.path.abspath(pair), "backend": _BACKEND.value, "dtype": _DTYPE.value,
               "prompts": len(prompts), "batch": _BATCH.value, "prompt_len": _PROMPT_LEN.value,
               "max_new_tokens": _NEW.value, "temperature": _TEMP.value, "iters": _ITERS.value,
-              "serial": [], "runs": []}
+              "draft_heads": sizes, "serial": [], "runs": []}
     dev = jax.devices()[0].platform
     stem = os.path.join(_OUT.value, f"eval_pair_{dev}" + (f"_{_TAG.value}" if _TAG.value else ""))
     os.makedirs(_OUT.value, exist_ok=True)
@@ -161,7 +196,7 @@ def main(argv):
 
     print(f"{len(prompts)} held-out prompts x {_NEW.value} tokens, batch {_BATCH.value}, "
           f"{_BACKEND.value}/{_DTYPE.value} on {dev} (load {time.perf_counter() - t0:.1f} s)")
-    run_jspec(target, draft, prompts, report, save)
+    run_jspec(target, draft, prompts, report, save, heads)
     if _PEERS.value:
         run_peers(pair, prompts, target, report, save)
     save(report)
@@ -172,10 +207,11 @@ def main(argv):
 
 def print_table(report):
     base = {s["policy"]: s for s in report["serial"]}
-    print(f"\n{'policy':14s} {'gamma':>5s} {'accept':>6s} {'tok/step':>8s} {'tok/s':>8s} "
-          f"{'serial':>8s} {'speedup':>7s} parity")
+    print(f"\n{'policy':14s} {'head':>6s} {'gamma':>5s} {'accept':>6s} {'tok/step':>8s} "
+          f"{'tok/s':>8s} {'serial':>8s} {'speedup':>7s} parity")
     for r in report["runs"]:
-        print(f"{r['policy']:14s} {r['gamma']:5d} {r['acceptance']:6.3f} "
+        head = r.get("draft_head") or "full"
+        print(f"{r['policy']:14s} {head!s:>6s} {r['gamma']:5d} {r['acceptance']:6.3f} "
               f"{r['tokens_per_target_step']:8.2f} {r['tokens_per_s']:8.1f} "
               f"{base[r['policy']]['tokens_per_s']:8.1f} {r['speedup']:7.2f} {r['parity']}")
 
@@ -187,12 +223,14 @@ def plot(report, stem):
     import matplotlib.pyplot as plt
 
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
-    for policy in {r["policy"] for r in report["runs"]}:
-        rs = sorted((r for r in report["runs"] if r["policy"] == policy),
-                    key=lambda r: r["gamma"])
+    for policy, head in sorted({(r["policy"], r.get("draft_head") or 0)
+                                for r in report["runs"]}):
+        rs = sorted((r for r in report["runs"] if r["policy"] == policy
+                     and (r.get("draft_head") or 0) == head), key=lambda r: r["gamma"])
         gs = [r["gamma"] for r in rs]
-        a1.plot(gs, [r["acceptance"] for r in rs], marker="o", label=policy)
-        a2.plot(gs, [r["speedup"] for r in rs], marker="o", label=policy)
+        label = policy + (f", head {head}" if head else "")
+        a1.plot(gs, [r["acceptance"] for r in rs], marker="o", label=label)
+        a2.plot(gs, [r["speedup"] for r in rs], marker="o", label=label)
     a2.axhline(1.0, color="gray", lw=0.8, ls="--")
     a1.set(xlabel="gamma", ylabel="acceptance rate", title="held-out code prompts")
     a2.set(xlabel="gamma", ylabel="speedup over serial",

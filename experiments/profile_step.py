@@ -67,6 +67,8 @@ flags.register_validator("workloads", lambda v: bool(v) and set(v) <= set(WORKLO
 _OPTIONS = flags.DEFINE_list("options", [], "speed options (x, no_x, plain) for target and draft")
 _DRAFT_OPTIONS = flags.DEFINE_list("draft_options", ["draft"], "options for the draft alone, "
                                    "after --options ('draft': jspec.config.DRAFT_OPTIONS)")
+_DRAFT_HEAD = flags.DEFINE_integer("draft_head", 0, "> 0: the draft's LM head keeps ids "
+                                   "0..n-1 (ModelDrafter.pruned); 0: the full head")
 _BATCH = flags.DEFINE_integer("batch", 1, "rows")
 _PROMPT_LEN = flags.DEFINE_integer("prompt_len", 512, "prompt tokens")
 _STEPS = flags.DEFINE_integer("steps", 32, "tokens generated per row (serial and spec)")
@@ -109,10 +111,13 @@ def workloads(target: jspec.Model, draft: jspec.Model, B: int, P: int, N: int):
                                                sampler=GREEDY, stop_tokens=()))
         return int(st.step)
 
+    model_drafter = (jspec.ModelDrafter.pruned(draft, np.arange(_DRAFT_HEAD.value))
+                     if _DRAFT_HEAD.value else jspec.ModelDrafter(draft))
+
     def make_spec(with_draft: bool):
         drafter = jspec.OracleDrafter(
             ref, corrupt_prob=jnp.float32(1.0 - _ACCEPT.value),
-            draft=jspec.ModelDrafter(draft) if with_draft else None)
+            draft=model_drafter if with_draft else None)
 
         def prep():
             return jax.block_until_ready(spec_prefill(target, drafter, prompts, lens, seed,
@@ -156,7 +161,8 @@ def main(argv):
               "xla_flags": os.environ.get("XLA_FLAGS", ""), "matmul_tuned": tuned_to_json(TUNED),
               "target": _TARGET.value, "draft": _DRAFT.value,
               "draft_backend": _DRAFT_BACKEND.value, "options": _OPTIONS.value,
-              "draft_options": _DRAFT_OPTIONS.value, "batch": B,
+              "draft_options": _DRAFT_OPTIONS.value, "draft_head": _DRAFT_HEAD.value or None,
+              "batch": B,
               "prompt_len": P, "steps": N, "gamma": _GAMMA.value, "accept": _ACCEPT.value,
               "runs": [], "complete": False}
     draft = load(_DRAFT.value, 1, _DRAFT_BACKEND.value)

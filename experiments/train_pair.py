@@ -22,7 +22,6 @@ import math
 import os
 import platform
 import sys
-import sysconfig
 import time
 
 import jax
@@ -35,14 +34,8 @@ from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(__file__))
 from nnx_qwen3 import PairModelConfig, Qwen3, export_hf  # noqa: E402
+from stdlib_corpus import HELD_OUT, read, stdlib_files  # noqa: E402
 
-# Held-out modules (paths relative to the stdlib root): never seen in training,
-# neither by the tokenizer nor by the models.
-HELD_OUT = ("textwrap.py", "shlex.py", "fractions.py", "graphlib.py", "colorsys.py",
-            "heapq.py", "statistics.py", "difflib.py", "csv.py", "bisect.py",
-            "json/encoder.py", "email/quoprimime.py")
-EXCLUDE_DIRS = ("test", "tests", "idlelib", "turtledemo", "site-packages", "__pycache__",
-                "lib2to3", "ensurepip")
 EOS = "<|endoftext|>"
 
 ARCH = {
@@ -71,26 +64,6 @@ _OUT_DIR = flags.DEFINE_string("out_dir", "jspec/assets/codepair", "export dir")
 _MODELS = flags.DEFINE_list("models", ["target", "draft"], "which models to train")
 
 
-def stdlib_files() -> tuple[list[str], list[str], str]:
-    """(training files, held-out files, stdlib root), relative paths, sorted.
-
-    Every 40th training file is later split off as the validation set that
-    picks the checkpoint (`split_validation`); the held-out files only measure.
-    """
-    root = sysconfig.get_paths()["stdlib"]
-    train, held = [], []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d not in EXCLUDE_DIRS)
-        for fn in sorted(filenames):
-            if fn.endswith(".py"):
-                rel = os.path.relpath(os.path.join(dirpath, fn), root)
-                (held if rel in HELD_OUT else train).append(rel)
-    missing = set(HELD_OUT) - set(held)
-    if missing:
-        raise SystemExit(f"held-out modules missing from {root}: {sorted(missing)}")
-    return sorted(train), sorted(held), root
-
-
 def split_validation(files: list[str]) -> tuple[list[str], list[str]]:
     return [f for i, f in enumerate(files) if i % 40], files[::40]
 
@@ -101,11 +74,6 @@ def window_loss(eval_loss, model, stream: np.ndarray, T: int, n_max: int, B: int
     wins = np.stack([stream[j * T: j * T + T + 1] for j in range(n_win)])
     tot = sum(float(eval_loss(model, jnp.asarray(wins[j: j + B]))) for j in range(0, n_win, B))
     return tot / (n_win * T), n_win * T
-
-
-def read(root: str, rel: str) -> str:
-    with open(os.path.join(root, rel), encoding="utf-8", errors="replace") as f:
-        return f.read()
 
 
 def train_tokenizer(texts: list[str], vocab_size: int, path: str) -> None:
