@@ -69,6 +69,8 @@ def frequent_tokens(token_ids, n: int, vocab_size: int) -> np.ndarray:
     """The n most frequent ids in token_ids (any shape, a tokenized corpus), ties to the
     smaller id, returned sorted: a pruned draft head's vocabulary (`ModelDrafter.pruned`)."""
     ids = np.asarray(token_ids).reshape(-1)
+    if ids.size == 0:  # no counts: ids 0..n-1
+        ids = ids.astype(np.int64)
     if not np.issubdtype(ids.dtype, np.integer):
         raise ValueError(f"frequent_tokens wants integer token ids; got dtype {ids.dtype}")
     if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):

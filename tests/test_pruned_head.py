@@ -119,6 +119,7 @@ def test_frequent_tokens_counts_ties_and_errors():
     assert jspec.frequent_tokens(corpus, 1, 10).tolist() == [5]
     assert jspec.frequent_tokens(corpus, 3, 10).tolist() == [2, 5, 7]  # 2 beats 7 on a tie
     assert jspec.frequent_tokens(corpus, 5, 10).tolist() == [0, 2, 5, 7, 9]  # then unseen 0
+    assert jspec.frequent_tokens([], 3, 10).tolist() == [0, 1, 2]
     with pytest.raises(ValueError, match="lie in"):
         jspec.frequent_tokens([1, 10], 2, 10)
     with pytest.raises(ValueError, match="n must lie"):
