@@ -99,7 +99,9 @@ class ModelDrafter:
     `ids`. The target's verify still decides every token: outputs stay exact under
     exact_greedy (and distribution-exact under rejection_sampling); acceptance may drop
     where the target's token lies outside `ids`. `head_slot` [V] int32 maps each token to
-    its column of the pruned head (-1: not scored); None for the full head.
+    its column of the pruned head (-1: not scored); None for the full head. The pruned
+    drafter's `model` returns logits over its head's columns, not token ids: use it
+    through the drafter, not with `jspec.generate` or `jspec.forward`.
     """
 
     model: Model
