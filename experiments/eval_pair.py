@@ -83,15 +83,8 @@ def corpus_frequent(tok, vocab: int, sizes: list[int]) -> dict[int, np.ndarray]:
     return {n: jspec.frequent_tokens(ids, n, vocab) for n in sizes}
 
 
-def drafters(draft, heads: dict[int, np.ndarray]) -> list[tuple[int, object]]:
-    out = []
-    for n in [int(x) for x in _HEADS.value]:
-        out.append((n, jspec.ModelDrafter(draft) if n == 0 else
-                    jspec.ModelDrafter.pruned(draft, heads[n])))
-    return out
-
-
-def run_jspec(target, draft, prompts, report, save, heads):
+def run_jspec(target, drafters, prompts, report, save):
+    """drafters: (head size, ModelDrafter) pairs, each swept over the gammas."""
     N, iters = _NEW.value, _ITERS.value
     batches = chunks(prompts, _BATCH.value)
     for policy in _POLICIES.value:
@@ -108,7 +101,7 @@ def run_jspec(target, draft, prompts, report, save, heads):
                 "tokens_per_s": n_tok / t_serial}
         report["serial"].append(base)
         print(f"serial {policy}: {base['tokens_per_s']:.1f} tokens/s")
-        sweep = [(n, d, int(g)) for n, d in drafters(draft, heads) for g in _GAMMAS.value]
+        sweep = [(n, d, int(g)) for n, d in drafters for g in _GAMMAS.value]
         for head, drafter, g in tqdm(sweep, desc=f"{policy} heads x gammas"):
             spec = jspec.SpecConfig(gamma=g, policy=policy, max_new_tokens=N,
                                     temperature=_TEMP.value)
@@ -179,6 +172,8 @@ def main(argv):
         raise app.UsageError(f"--draft_heads must lie in [0, {draft.config.vocab_size}]; "
                              f"got {sizes}")
     heads = corpus_frequent(tok, draft.config.vocab_size, sizes)
+    drafters = [(n, jspec.ModelDrafter.pruned(draft, heads[n]) if n else
+                 jspec.ModelDrafter(draft)) for n in sizes]  # each pruned head gathered once
     report = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
               "matmul_tuned": tuned_to_json(TUNED),
               "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv),
@@ -196,7 +191,7 @@ def main(argv):
 
     print(f"{len(prompts)} held-out prompts x {_NEW.value} tokens, batch {_BATCH.value}, "
           f"{_BACKEND.value}/{_DTYPE.value} on {dev} (load {time.perf_counter() - t0:.1f} s)")
-    run_jspec(target, draft, prompts, report, save, heads)
+    run_jspec(target, drafters, prompts, report, save)
     if _PEERS.value:
         run_peers(pair, prompts, target, report, save)
     save(report)
