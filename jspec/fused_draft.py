@@ -28,7 +28,12 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.attention import attention_config, attention_rows, row_count, visible_range
+from pallas_kernels.attention import (
+    attention_config,
+    attention_rows_counted,
+    row_count,
+    visible_range,
+)
 from pallas_kernels.draft import matvec, qk_rope_write
 
 WEIGHTS = ("wqkv", "wo", "w_gate_up", "w_down")  # [in, out] -> "<name>_t" [out, in]
@@ -125,6 +130,7 @@ def forward(model, tokens: jax.Array, cache):
 
     new_k, new_v = [], []
     o, o_w = None, None  # the last block's output (and its sandwich norm) for the next add
+    counters = None  # split-KV arrival counters, zeroed once a forward
     for i, lp in enumerate(params["layers"]):
         with jax.named_scope(f"layer_{i}"):
             sliding = int(cfg.layer_sliding[i])
@@ -143,9 +149,10 @@ def forward(model, tokens: jax.Array, cache):
             new_v.append(v_buf)
             if sliding not in ranges:
                 ranges[sliding] = visible_range(pos, window, G, Rp)
-            a = attention_rows(q, k_buf, v_buf, *ranges[sliding], acfg, scale=cfg.attn_scale,
-                               softcap=cfg.attn_softcap, interpret=cfg.interpret,
-                               fused_fold=fold)  # [B, Hkv, Rp, hd]
+            a, counters = attention_rows_counted(
+                q, k_buf, v_buf, *ranges[sliding], acfg, counters, scale=cfg.attn_scale,
+                softcap=cfg.attn_softcap, interpret=cfg.interpret,
+                fused_fold=fold)  # [B, Hkv, Rp, hd]
             o = matvec(a, lp["wo_t"], heads=(T, G), **common)  # [M, D]
             o_w = lp["post_attn_norm"] if cfg.sandwich_norms else None
             g, x = matvec(x, lp["w_gate_up_t"], o=o, o_w=o_w, n_w=lp["mlp_norm"],

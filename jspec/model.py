@@ -77,9 +77,11 @@ def _add_norm(ops, cfg: ModelConfig, x, o, w):
     return x, _norm(ops, cfg, x, w)
 
 
-def _attention_block(ops, cfg: ModelConfig, lp, h, k_buf, v_buf, pos, lengths, cos, sin, window):
-    """h [Mp, D] (Mp >= B*T rows, see pad_rows_once) -> attention output [Mp, D] and the
-    layer's updated K/V buffers."""
+def _attention_block(ops, cfg: ModelConfig, lp, h, k_buf, v_buf, pos, lengths, cos, sin, window,
+                     counters):
+    """h [Mp, D] (Mp >= B*T rows, see pad_rows_once) -> attention output [Mp, D], the
+    layer's updated K/V buffers and the attention's arrival counters for the next layer
+    (`Ops.attention_counted`)."""
     B, T = pos.shape
     dtype = h.dtype
     hd, H, Hkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
@@ -107,17 +109,17 @@ def _attention_block(ops, cfg: ModelConfig, lp, h, k_buf, v_buf, pos, lengths, c
     # New K/V go into the cache before attention reads it (rule R3).
     k_buf = write_kv(k_buf, k_new, lengths, single=bool(cfg.kv_dus))
     v_buf = write_kv(v_buf, v_new, lengths, single=bool(cfg.kv_dus))
-    attention = ops.attention
+    attention = ops.attention_counted
     if cfg.backend == "xla" and cfg.xla_pallas_attention:
-        attention = get_ops("pallas", cfg.interpret).attention
-    o = attention(q.reshape(B, T, H, hd), k_buf, v_buf, pos, window,
-                  scale=cfg.attn_scale, softcap=cfg.attn_softcap, split=cfg.attn_split,
-                  split_rows=cfg.attn_split_rows,
-                  fused_fold=None if cfg.attn_fused_fold is None
-                  else bool(cfg.attn_fused_fold))  # [B, T, H, hd]
+        attention = get_ops("pallas", cfg.interpret).attention_counted
+    o, counters = attention(q.reshape(B, T, H, hd), k_buf, v_buf, pos, window, counters,
+                            scale=cfg.attn_scale, softcap=cfg.attn_softcap,
+                            split=cfg.attn_split, split_rows=cfg.attn_split_rows,
+                            fused_fold=None if cfg.attn_fused_fold is None
+                            else bool(cfg.attn_fused_fold))  # [B, T, H, hd]
     o = pad_axis(o.reshape(B * T, H * hd), 0, h.shape[0])  # [Mp, H*hd]
     o = ops.matmul(o, lp["wo"], out_dtype=dtype, row_group=rg, schedule=sched)  # [Mp, D]
-    return o, k_buf, v_buf
+    return o, k_buf, v_buf, counters
 
 
 def _mlp_block(ops, cfg: ModelConfig, lp, h):
@@ -175,14 +177,15 @@ def _forward(model: Model, tokens: jax.Array, cache: KVCache):
 
     new_k, new_v = [], []
     o = None  # the last block's output, added to x by the next norm
+    counters = None  # split-KV arrival counters, zeroed once a forward (attention_counted)
     for i, lp in enumerate(params["layers"]):  # unrolled: L is static
         with jax.named_scope(f"layer_{i}"):
             sliding = cfg.layer_sliding[i]
             window = jnp.int32(cfg.sliding_window if sliding else 0)
             x, h = _add_norm(ops, cfg, x, o, lp["attn_norm"])
-            o, k_buf, v_buf = _attention_block(ops, cfg, lp, h, cache.k[i], cache.v[i], pos,
-                                               lengths, cos_all[int(sliding)],
-                                               sin_all[int(sliding)], window)
+            o, k_buf, v_buf, counters = _attention_block(
+                ops, cfg, lp, h, cache.k[i], cache.v[i], pos, lengths, cos_all[int(sliding)],
+                sin_all[int(sliding)], window, counters)
             new_k.append(k_buf)
             new_v.append(v_buf)
             if cfg.sandwich_norms:

@@ -23,7 +23,7 @@ from typing import NamedTuple
 import jax
 
 from pallas_kernels.add_rmsnorm import add_rmsnorm, add_rmsnorm_reference
-from pallas_kernels.attention import attention, attention_xla
+from pallas_kernels.attention import attention, attention_counted, attention_xla
 from pallas_kernels.glu import glu, glu_reference
 from pallas_kernels.logsumexp import logsumexp, logsumexp_reference
 from pallas_kernels.matmul import matmul, matmul_reference
@@ -46,7 +46,11 @@ class Ops(NamedTuple):
       x @ w's halves, [M,F] x.dtype (row_group, schedule: scheduling only);
     softcap(x [M,N], cap) -> [M,N] f32;
     logsumexp(x [M,V]) -> [M] f32;
-    attention(q [B,T,H,D], k [B,Hkv,S,D], v, q_pos [B,T], window [], scale, softcap)."""
+    attention(q [B,T,H,D], k [B,Hkv,S,D], v, q_pos [B,T], window [], scale, softcap);
+    attention_counted(q, k, v, q_pos, window, counters, ...) -> (attention's output,
+      counters): a forward threads the one-launch split-KV path's arrival counters from
+      layer to layer (`pallas_kernels.attention.attention_counted`); the xla backend
+      passes them through."""
 
     matmul: Callable
     rmsnorm: Callable
@@ -58,6 +62,17 @@ class Ops(NamedTuple):
     softcap: Callable
     logsumexp: Callable
     attention: Callable
+    attention_counted: Callable
+
+
+def _passing_counters(attention_fn: Callable) -> Callable:
+    """attention -> attention_counted for a backend without arrival counters."""
+
+    @functools.wraps(attention_fn)
+    def counted(q, k, v, q_pos, window, counters, **kwargs):
+        return attention_fn(q, k, v, q_pos, window, **kwargs), counters
+
+    return counted
 
 
 def _fenced(fn: Callable) -> Callable:
@@ -96,6 +111,7 @@ def get_ops(backend: str, interpret: bool = False) -> Ops:
             softcap=softcap_reference,
             logsumexp=logsumexp_reference,
             attention=attention_xla,
+            attention_counted=_passing_counters(attention_xla),
         )
     if backend == "pallas":
         def p(fn, interpret):
@@ -113,6 +129,7 @@ def get_ops(backend: str, interpret: bool = False) -> Ops:
             softcap=p(softcap, interpret=interpret),
             logsumexp=p(logsumexp, interpret=interpret),
             attention=p(attention, interpret=interpret),
+            attention_counted=p(attention_counted, interpret=interpret),
         )
     raise ValueError(f"{backend=}; expected 'xla' or 'pallas'")
 

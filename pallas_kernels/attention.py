@@ -71,7 +71,9 @@ class AttentionConfig:
     # partials in partition order, the same fold as the two-kernel path's, so the same
     # bits. Larger grids run the two kernels (H200, 2026-11-30h: one launch saves 0.08 ms
     # a Qwen3-8B decode step at B=1 and 0.20 ms a 5-token verify step, but costs 0.05 ms
-    # a B=8 verify step, 16 row tiles). 0: never.
+    # a B=8 verify step, 16 row tiles). 0: never. The folding program puts its counter
+    # back to zero, so one zeroed counter buffer serves every layer of a forward
+    # (`attention_counted`).
     fused_fold_tiles: int = 8
 
 
@@ -294,7 +296,9 @@ def _fused_split_kernel(q_ref, k_ref, v_ref, first_ref, last_ref, count_in, coun
     at GPU scope, the ordering `experiments/grid_barrier.py` relies on), and the program
     that arrives last folds the tile's partials (`_fold_partials`, loads that bypass the
     L1) and writes the output rows. Arrival order decides only which program folds, not
-    the order of the fold."""
+    the order of the fold. The folding program then subtracts `parts` from the counter:
+    every other program of the tile has counted itself in already, so the buffer leaves
+    the call as zeroed as it came and the next call may take it as is."""
     del count_in  # aliased to count_ref
     b, h, r, c = (pl.program_id(i) for i in range(4))
     parts = acc_ref.shape[2]
@@ -325,6 +329,7 @@ def _fused_split_kernel(q_ref, k_ref, v_ref, first_ref, last_ref, count_in, coun
         denom_all, acc_all = _fold_partials(load, parts, first, last, split,
                                             acc_ref.shape[-1])
         o_ref[...] = _normalize(denom_all, acc_all).astype(o_ref.dtype)
+        plgpu.atomic_add(count_ref, (tile,), jnp.int32(-parts))  # back to zero
 
 
 def _check_inputs(q, k_cache, v_cache, q_pos, window) -> None:
@@ -366,8 +371,10 @@ def _visible_range(q_pos, window, group: int, num_rows: int):
     return first, last
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "softcap", "interpret", "config", "split",
-                                             "split_rows", "fused_fold"))
+_STATIC = ("scale", "softcap", "interpret", "config", "split", "split_rows", "fused_fold")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
 def attention(
     q: jax.Array,  # [B, T, H, D]
     k_cache: jax.Array,  # [B, Hkv, S, D]
@@ -403,6 +410,46 @@ def attention(
     partition program per row tile folds the partials, and two kernels: the same
     partials and fold order, so the same bits either way (scheduling only).
     """
+    return _attention(q, k_cache, v_cache, q_pos, window, None, scale=scale, softcap=softcap,
+                      interpret=interpret, config=config, split=split, split_rows=split_rows,
+                      fused_fold=fused_fold)[0]
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def attention_counted(
+    q: jax.Array,  # [B, T, H, D]
+    k_cache: jax.Array,  # [B, Hkv, S, D]
+    v_cache: jax.Array,  # [B, Hkv, S, D]
+    q_pos: jax.Array,  # [B, T]
+    window: jax.Array,  # []
+    counters: jax.Array | None,  # [n] int32 zeros, or None
+    *,
+    scale: float,
+    softcap: float | None = None,
+    interpret: bool = False,
+    config: AttentionConfig | None = None,
+    split: int | None = None,
+    split_rows: int | None = None,
+    fused_fold: bool | None = None,
+) -> tuple[jax.Array, jax.Array | None]:
+    """`attention` that also takes and returns the one-launch split-KV path's arrival
+    counters: (out [B, T, H, D], counters). The same output bits as `attention`.
+
+    That path counts a call's partition programs on a zeroed int32 array, one entry per
+    row tile, and leaves it zeroed. Each call making its own zeros costs a device copy
+    (XLA copies the constant into the buffer the kernel writes): one a layer, one a
+    forward's worth of small nodes. A forward instead passes None to its first layer
+    and each returned buffer to the next layer. Calls that do not fold in one launch
+    return `counters` untouched (None stays None). A buffer from a call of another
+    shape (another row-tile count) raises a ValueError.
+    """
+    return _attention(q, k_cache, v_cache, q_pos, window, counters, scale=scale,
+                      softcap=softcap, interpret=interpret, config=config, split=split,
+                      split_rows=split_rows, fused_fold=fused_fold)
+
+
+def _attention(q, k_cache, v_cache, q_pos, window, counters, *, scale, softcap, interpret,
+               config, split, split_rows, fused_fold):
     _check_inputs(q, k_cache, v_cache, q_pos, window)
     batch, seq, num_heads, head_dim = q.shape
     _, num_kv_heads, cache_len, _ = k_cache.shape
@@ -432,10 +479,11 @@ def attention(
     q_rows = q_rows.transpose(0, 2, 1, 3, 4).reshape(batch, num_kv_heads, rows, head_dim)
     q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, padded_rows - rows), (0, 0)))
     first, last = _visible_range(q_pos, window, group, padded_rows)  # [B, Rp] each
-    out = attention_rows(q_rows, k_cache, v_cache, first, last, cfg, scale=float(scale),
-                         softcap=softcap, interpret=interpret, fused_fold=fused_fold)
+    out, counters = attention_rows_counted(q_rows, k_cache, v_cache, first, last, cfg,
+                                           counters, scale=float(scale), softcap=softcap,
+                                           interpret=interpret, fused_fold=fused_fold)
     out = out[:, :, :rows].reshape(batch, num_kv_heads, seq, group, head_dim)
-    return out.transpose(0, 2, 1, 3, 4).reshape(batch, seq, num_heads, head_dim)
+    return out.transpose(0, 2, 1, 3, 4).reshape(batch, seq, num_heads, head_dim), counters
 
 
 def row_count(cfg: AttentionConfig, rows: int) -> int:
@@ -457,15 +505,29 @@ def attention_rows(q_rows, k_cache, v_cache, first, last, cfg: AttentionConfig, 
     t * G + i is token t's query head g * G + i; Rp = `row_count(cfg, T * G)`, padding rows
     zero), first / last [B, Rp] from `visible_range` -> [B, Hkv, Rp, D], padding rows 0.
     For callers that build q in this layout (the draft kernels) and read the output in it."""
+    return attention_rows_counted(q_rows, k_cache, v_cache, first, last, cfg, None,
+                                  scale=scale, softcap=softcap, interpret=interpret,
+                                  fused_fold=fused_fold)[0]
+
+
+def attention_rows_counted(q_rows, k_cache, v_cache, first, last, cfg: AttentionConfig,
+                           counters, *, scale: float, softcap: float | None = None,
+                           interpret: bool = False, fused_fold: bool | None = None):
+    """`attention_rows` with the arrival counters of `attention_counted`: -> (out,
+    counters)."""
     batch, num_kv_heads, padded_rows, head_dim = q_rows.shape
     cache_len = k_cache.shape[2]
     block_rows = cfg.split_rows if cfg.split else cfg.block_rows
     if cfg.split:
         if fused_fold is None:
             fused_fold = batch * (padded_rows // block_rows) <= cfg.fused_fold_tiles
+        if fused_fold:
+            return _fused_split_attention(q_rows, k_cache, v_cache, first, last, cfg,
+                                          counters, scale=float(scale), softcap=softcap,
+                                          interpret=interpret)
         return _split_attention(q_rows, k_cache, v_cache, first, last, cfg,
-                                scale=float(scale), softcap=softcap, interpret=interpret,
-                                fused_fold=fused_fold)
+                                scale=float(scale), softcap=softcap,
+                                interpret=interpret), counters
     else:
         kernel = functools.partial(
             _attention_kernel, scale=float(scale), softcap=softcap, block_k=cfg.block_k,
@@ -486,7 +548,7 @@ def attention_rows(q_rows, k_cache, v_cache, first, last, cfg: AttentionConfig, 
             interpret=interpret,
             name="jspec_attention",
         )(q_rows, k_cache, v_cache, first, last)  # [B, Hkv, Rp, D]
-    return out
+    return out, counters
 
 
 def _partition_in_specs(br: int, head_dim: int, cache_len: int) -> list:
@@ -502,10 +564,9 @@ def _partition_in_specs(br: int, head_dim: int, cache_len: int) -> list:
 
 
 def _split_attention(q_rows, k_cache, v_cache, first, last, cfg: AttentionConfig, *,
-                     scale: float, softcap: float | None, interpret: bool,
-                     fused_fold: bool = False):
+                     scale: float, softcap: float | None, interpret: bool):
     """Split-KV (flash-decoding, rule R3): [B, Hkv, Rp, D] rows -> outputs, in two kernels
-    (or in one launch with `fused_fold`: `_fused_split_attention`, the same bits).
+    (`_fused_split_attention` does it in one launch, with the same bits).
 
     Phase 1 has one program per (batch, kv head, row tile, partition) and writes f32
     partials; phase 2 folds them in partition order. Partitions are fixed key ranges
@@ -515,9 +576,6 @@ def _split_attention(q_rows, k_cache, v_cache, first, last, cfg: AttentionConfig
     """
     batch, num_kv_heads, rows, head_dim = q_rows.shape
     cache_len = k_cache.shape[2]
-    if fused_fold:
-        return _fused_split_attention(q_rows, k_cache, v_cache, first, last, cfg, scale=scale,
-                                      softcap=softcap, interpret=interpret)
     parts = pl.cdiv(cache_len, cfg.split)
     br = cfg.split_rows
     params = plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
@@ -560,17 +618,23 @@ def _split_attention(q_rows, k_cache, v_cache, first, last, cfg: AttentionConfig
     )(m, denom, acc, first, last)
 
 
-def _fused_split_attention(q_rows, k_cache, v_cache, first, last, cfg: AttentionConfig, *,
-                           scale: float, softcap: float | None, interpret: bool):
+def _fused_split_attention(q_rows, k_cache, v_cache, first, last, cfg: AttentionConfig,
+                           counters, *, scale: float, softcap: float | None, interpret: bool):
     """`_split_attention` in one launch (`_fused_split_kernel`): the same partials and the
-    same fold, the fold run by each row tile's last-arriving partition program. The
-    partials live in whole-array f32 buffers and the counters in a zeroed int32 array
-    (one per row tile), all outputs of the call."""
+    same fold, the fold run by each row tile's last-arriving partition program -> (out,
+    counters). The partials live in whole-array f32 buffers and the counters in a zeroed
+    int32 array (one per row tile; `counters`, or fresh zeros when None), all outputs of
+    the call; the counters come back zeroed."""
     batch, num_kv_heads, rows, head_dim = q_rows.shape
     cache_len = k_cache.shape[2]
     parts = pl.cdiv(cache_len, cfg.split)
     br = cfg.split_rows
     tiles = batch * num_kv_heads * (rows // br)
+    if counters is None:
+        counters = jnp.zeros((tiles,), jnp.int32)
+    elif counters.shape != (tiles,) or counters.dtype != jnp.int32:
+        raise ValueError(f"split-KV counters must be int32[{tiles}] (one per row tile of "
+                         f"this call); got {counters.dtype}{list(counters.shape)}")
     kernel = functools.partial(_fused_split_kernel, scale=scale, softcap=softcap,
                                block_k=cfg.block_k, split=cfg.split,
                                v_masked_load=cfg.v_masked_load, interpret=interpret)
@@ -594,8 +658,8 @@ def _fused_split_attention(q_rows, k_cache, v_cache, first, last, cfg: Attention
                                              num_stages=cfg.num_stages),
         interpret=interpret,
         name="jspec_attention_fused",
-    )(q_rows, k_cache, v_cache, first, last, jnp.zeros((tiles,), jnp.int32))
-    return outs[-1]
+    )(q_rows, k_cache, v_cache, first, last, counters)
+    return outs[-1], outs[0]
 
 
 def _plain_attention(q, k_cache, v_cache, q_pos, window, *, scale, softcap, upcast: bool):

@@ -168,3 +168,68 @@ def test_gpu_parity_matrix_runs_with_split_options(tmp_path):
     [res] = rep["results"].values()
     checks = {k: v for k, v in res.items() if isinstance(v, dict)}
     assert checks and all(v["mismatches"] == 0 and v["positions"] > 0 for v in checks.values())
+
+
+def _zero_counter_arrays(jaxpr, shape) -> int:
+    """int32 arrays of `shape` made by broadcasting a constant (jnp.zeros), at every call
+    site of every sub-jaxpr."""
+    n = 0
+    for e in jaxpr.eqns:
+        if e.primitive.name == "broadcast_in_dim":
+            aval = e.outvars[0].aval
+            n += aval.dtype == jnp.int32 and tuple(aval.shape) == shape
+        for v in e.params.values():
+            for sub in v if isinstance(v, (list, tuple)) else [v]:
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    n += _zero_counter_arrays(inner, shape)
+    return n
+
+
+def test_fused_fold_counters_come_back_zeroed_and_chain():
+    # attention_counted: the folding program puts its row tile's counter back to zero, so
+    # a call returns the counters as it took them and the next call may take them as is
+    # (a forward zeroes them once, not once a layer: on the GPU each zeros constant a
+    # kernel writes into is a device copy). Chained calls give fresh calls' bits; a
+    # counter that is not zero leaves the tile unfolded, which the bits show.
+    from pallas_kernels.attention import attention, attention_counted
+
+    rng = np.random.default_rng(3)
+    B, T, H, Hkv, S, D = 2, 3, 4, 2, 64, 16
+    q1, q2 = (jnp.asarray(rng.normal(size=(B, T, H, D)), jnp.bfloat16) for _ in range(2))
+    k, v = (jnp.asarray(rng.normal(size=(B, Hkv, S, D)), jnp.bfloat16) for _ in range(2))
+    pos = jnp.asarray([[40, 41, 42], [9, 10, 11]], jnp.int32)
+    kw = dict(scale=0.25, interpret=True, split=SPLIT)
+    tiles = B * Hkv * 1  # T * G = 6 rows: one 16-row tile a kv head
+    out1, c = attention_counted(q1, k, v, pos, jnp.int32(0), None, fused_fold=True, **kw)
+    assert c.dtype == jnp.int32 and c.shape == (tiles,) and not np.any(np.asarray(c))
+    assert np.array_equal(bits(out1), bits(attention(q1, k, v, pos, jnp.int32(0),
+                                                     fused_fold=False, **kw)))
+    want2 = attention(q2, k, v, pos, jnp.int32(0), fused_fold=False, **kw)
+    out2, c2 = attention_counted(q2, k, v, pos, jnp.int32(0), c, fused_fold=True, **kw)
+    assert np.array_equal(bits(out2), bits(want2)) and not np.any(np.asarray(c2))
+    dirty, _ = attention_counted(q2, k, v, pos, jnp.int32(0), c + 1, fused_fold=True, **kw)
+    assert not np.array_equal(bits(dirty), bits(want2))
+    # The two-kernel path passes the counters through untouched.
+    _, same = attention_counted(q2, k, v, pos, jnp.int32(0), c + 7, fused_fold=False, **kw)
+    assert np.array_equal(np.asarray(same), np.asarray(c + 7))
+    with pytest.raises(ValueError, match=r"counters must be int32\[4\]"):
+        attention_counted(q2, k, v, pos, jnp.int32(0), jnp.zeros((5,), jnp.int32),
+                          fused_fold=True, **kw)
+
+
+@pytest.mark.parametrize("draft_fused", (0, 1))
+def test_a_forward_zeroes_the_counters_once(draft_fused):
+    # Every layer's one-launch attention takes the counters the layer before returned.
+    model, _ = model_and_tokens("tiny-qwen3", 4, seed=2)
+    model = with_config(model, attn_split=SPLIT, attn_fused_fold=1)
+    if draft_fused:
+        from jspec.model import with_options
+        model = with_options(model, "draft_fused=1")
+    assert model.config.num_layers > 1
+    j = jax.make_jaxpr(_forward)(model, jnp.zeros((1, 1), jnp.int32),
+                                 init_cache(model, 1, MAX_LEN))
+    counts = eqn_counts(j.jaxpr)
+    assert counts["pallas_call:jspec_attention_fused"] == model.config.num_layers, counts
+    tiles = model.config.num_kv_heads  # batch 1, one row tile a kv head
+    assert _zero_counter_arrays(j.jaxpr, (tiles,)) == 1
