@@ -50,6 +50,7 @@ from tqdm import tqdm  # noqa: E402
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 import _hf_peers  # noqa: E402
+from gpu_monitor import GpuMonitor  # noqa: E402
 from timing import copy_bandwidth  # noqa: E402
 
 import jspec  # noqa: E402
@@ -121,19 +122,38 @@ def make_prompts(V: int, B: int, P: int) -> np.ndarray:
     return prompts
 
 
-def timed(fn, iters: int, warmup: bool = True):
-    """(output, median seconds, seconds of the warm-up run or None); fn must block."""
+def timed(fn, iters: int, warmup: bool = True, monitor: list | None = None):
+    """(output, median seconds, seconds of the warm-up run or None); fn must block. With
+    `monitor` (a list) the timed calls, not the warm-up, run under a `GpuMonitor`, whose
+    summary is appended to it."""
     warm = None
     if warmup:
         t0 = time.perf_counter()
         fn()
         warm = time.perf_counter() - t0
     ts, out = [], None
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        out = fn()
-        ts.append(time.perf_counter() - t0)
+    with GpuMonitor() as mon:
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            out = fn()
+            ts.append(time.perf_counter() - t0)
+    if monitor is not None:
+        monitor.append(mon.summary())
     return out, statistics.median(ts), warm
+
+
+def _merge_gpu(summaries: list[dict]) -> dict:
+    """One GpuMonitor summary for several timed blocks (the seeds of a row): the SM
+    clock's smallest minimum, median of medians and largest maximum."""
+    sm = [s["sm_mhz"] for s in summaries if "sm_mhz" in s]
+    if not sm:
+        return summaries[0] if summaries else {"unavailable": "not sampled"}
+    out = dict(summaries[0])
+    out["samples"] = sum(s.get("samples", 0) for s in summaries)
+    out["sm_mhz"] = [min(x[0] for x in sm), statistics.median(x[1] for x in sm),
+                     max(x[2] for x in sm)]
+    out["event_reasons"] = sorted({r for s in summaries for r in s.get("event_reasons", [])})
+    return out
 
 
 def step_bytes(model: jspec.Model, context: float) -> tuple[int, float]:
@@ -232,7 +252,9 @@ class Bench:
     def run_serial(self, B: int, backend: str) -> None:
         model = self.target.with_backend(backend)
         prompts, N = self.prompts(B), self.N
-        out, t, warm = timed(lambda: jspec.generate(model, prompts, max_new_tokens=N), self.iters)
+        gpu = []
+        out, t, warm = timed(lambda: jspec.generate(model, prompts, max_new_tokens=N), self.iters,
+                             monitor=gpu)
         tokens, lens = jnp.asarray(prompts), jnp.full((B,), self.P, jnp.int32)
 
         def prefill_only():  # the same compiled prefill that `generate` runs
@@ -249,7 +271,7 @@ class Bench:
         row = {"batch": B, "backend": backend, "tokens_per_s": n / t, "seconds": t,
                "prefill_s": t_pre, "decode_tokens_per_s": decode, "warmup_s": warm,
                "roofline_tokens_per_s": roof, "decode_roofline_frac": decode and decode / roof,
-               "e2e_roofline_frac": n / t / roof}
+               "e2e_roofline_frac": n / t / roof, "gpu": gpu[0]}
         if backend == "pallas":
             self.serial[B] = out
         else:
@@ -281,12 +303,12 @@ class Bench:
         seeds = range(_ORACLE_SEEDS.value if kind == "oracle" else 1)
         serial = self.serial[B]
         key = (kind, B, gamma)
-        per_seed, warm = [], None
+        per_seed, warm, gpu = [], None, []
         for seed in seeds:  # the seed is a runtime array: one compile serves them all
             spec = jspec.SpecConfig(gamma=gamma, max_new_tokens=self.N, seed=seed)
             out, t, w = timed(lambda spec=spec: jspec.speculative_generate(
                 self.target, drafter, self.prompts(B), spec), self.iters,
-                key not in self.compiled)
+                key not in self.compiled, monitor=gpu)
             self.compiled.add(key)
             warm = w if warm is None else warm
             parity = bool(np.array_equal(out.tokens, serial.tokens)
@@ -306,7 +328,7 @@ class Bench:
                "tokens_per_target_step": mean("tokens_per_target_step"),
                "tokens_per_s": n / t, "seconds": t, "speedup": t_serial / t,
                "ttft_s": mean("ttft_s"), "warmup_s": warm,
-               "parity": all(r["parity"] for r in per_seed)}
+               "parity": all(r["parity"] for r in per_seed), "gpu": _merge_gpu(gpu)}
         if len(per_seed) > 1:
             row["seeds"] = per_seed
         return row
@@ -509,23 +531,30 @@ def main(argv):
     print(f"receipt: {bench.stem()}.json, plots: {bench.stem()}_*.png")
 
 
+def _sm(row: dict) -> str:
+    """The row's median SM clock (MHz) as sampled by GpuMonitor, or '-'."""
+    sm = row.get("gpu", {}).get("sm_mhz")
+    return f"{sm[1]:.0f}" if sm else "-"
+
+
 def print_tables(rep: dict) -> None:
     print(f"\nserial greedy ({rep['target']}, prompt {rep['prompt_len']}, {rep['max_new_tokens']} "
           f"new, copy {rep['copy_TBps']:.2f} TB/s)")
     print(f"{'B':>3s} {'backend':8s} {'tok/s':>9s} {'decode tok/s':>12s} {'roofline':>9s} "
-          f"{'frac':>5s}  (frac: decode tok/s / roofline)")
+          f"{'frac':>5s} {'SM MHz':>6s}  (frac: decode tok/s / roofline; SM MHz: median "
+          "sampled clock)")
     for r in rep["serial"]:
         dec, frac = r["decode_tokens_per_s"], r["decode_roofline_frac"]
         print(f"{r['batch']:3d} {r['backend']:8s} {r['tokens_per_s']:9.1f} "
               f"{'-' if dec is None else f'{dec:.1f}':>12s} {r['roofline_tokens_per_s']:9.1f} "
-              f"{'-' if frac is None else f'{frac:.2f}':>5s}")
+              f"{'-' if frac is None else f'{frac:.2f}':>5s} {_sm(r):>6s}")
     print(f"\n{'B':>3s} {'drafter':8s} {'gamma':>5s} {'oracle':>6s} {'accept':>6s} "
-          f"{'tok/step':>8s} {'tok/s':>9s} {'speedup':>7s} parity")
+          f"{'tok/step':>8s} {'tok/s':>9s} {'speedup':>7s} {'SM MHz':>6s} parity")
     for r in rep["speculative"]:
         oa = "-" if r["oracle_accept"] is None else f"{r['oracle_accept']:.1f}"
         print(f"{r['batch']:3d} {r['drafter']:8s} {r['gamma']:5d} {oa:>6s} {r['acceptance']:6.3f} "
               f"{r['tokens_per_target_step']:8.2f} {r['tokens_per_s']:9.1f} {r['speedup']:7.2f} "
-              f"{r['parity']}")
+              f"{_sm(r):>6s} {r['parity']}")
     peers = rep["peers"]
     if peers.get("skipped"):
         print(f"\npeers: skipped ({peers['skipped']})")

@@ -60,6 +60,8 @@ def test_bench_e2e_smoke(tmp_path):
     assert {(s["drafter"], s["gamma"]) for s in rep["speculative"]} == {("oracle", 2),
                                                                         ("lookup", 2)}
     assert all(s["parity"] for s in rep["speculative"])
+    # Each timed row says what the GPU ran at; a CPU run says there was nothing to read.
+    assert all("gpu" in s for s in rep["serial"] + rep["speculative"])
     oracle = next(s for s in rep["speculative"] if s["drafter"] == "oracle")
     assert [r["seed"] for r in oracle["seeds"]] == [0, 1] and rep["oracle_seeds"] == 2
     assert all(r["parity"] for r in oracle["seeds"])
