@@ -440,9 +440,9 @@ def attention_counted(
 
     That path counts a call's partition programs on a zeroed int32 array, one entry per
     row tile, and leaves it zeroed. Each call making its own zeros costs a device copy
-    (XLA copies the constant into the buffer the kernel writes): one a layer, one a
-    forward's worth of small nodes. A forward instead passes None to its first layer
-    and each returned buffer to the next layer. Calls that do not fold in one launch
+    (XLA copies the constant into the buffer the kernel writes), i.e. one per layer. A
+    forward instead passes None to its first layer and each returned buffer to the next
+    layer. Calls that do not fold in one launch
     return `counters` untouched (None stays None). A buffer from a call of another
     shape (another row-tile count) raises a ValueError.
     """
