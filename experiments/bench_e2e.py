@@ -37,6 +37,7 @@ import sys
 if not any(a in ("--nopeers", "--peers=false", "--peers=False", "--peers=0") for a in sys.argv):
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.45")
 
+import contextlib  # noqa: E402
 import json  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
@@ -132,7 +133,7 @@ def timed(fn, iters: int, warmup: bool = True, monitor: list | None = None):
         fn()
         warm = time.perf_counter() - t0
     ts, out = [], None
-    with GpuMonitor() as mon:
+    with GpuMonitor() if monitor is not None else contextlib.nullcontext() as mon:
         for _ in range(iters):
             t0 = time.perf_counter()
             out = fn()

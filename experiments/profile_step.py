@@ -52,6 +52,7 @@ from jspec.speculative import spec_loop  # noqa: E402
 from pallas_kernels.matmul import TUNED, tuned_to_json  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
+from gpu_monitor import GpuMonitor  # noqa: E402
 from trace_tools import device_events, summarize, traced  # noqa: E402
 
 _TARGET = flags.DEFINE_string("target", "tiny-qwen3", "random-weight preset[:layers]")
@@ -134,8 +135,9 @@ def workloads(target: jspec.Model, draft: jspec.Model, B: int, P: int, N: int):
 
 
 def measure(prep, loop, iters: int, log_dir: str):
-    """(warm-up s, median loop s, steps of the last run, trace of one more run): every
-    run starts from a fresh prep(); only loop(state) is timed and traced."""
+    """(warm-up s, median loop s, steps of the last run, trace of one more run, the
+    GpuMonitor summary of the timed runs): every run starts from a fresh prep(); only
+    loop(state) is timed and traced."""
 
     def once():
         state = prep()
@@ -144,10 +146,11 @@ def measure(prep, loop, iters: int, log_dir: str):
         return time.perf_counter() - t0, steps
 
     warm = once()[0]  # compile + warm-up
-    runs = [once() for _ in range(iters)]
+    with GpuMonitor() as mon:  # what the GPU ran at during the timed runs
+        runs = [once() for _ in range(iters)]
     state = prep()
     trace, _ = traced(lambda: loop(state), log_dir)
-    return warm, float(np.median([t for t, _ in runs])), runs[-1][1], trace
+    return warm, float(np.median([t for t, _ in runs])), runs[-1][1], trace, mon.summary()
 
 
 def main(argv):
@@ -177,8 +180,8 @@ def main(argv):
             models = {be: load(_TARGET.value, 0, be)}  # one target on the device at a time
         prep, loop = workloads(models[be], draft, B, P, N)[w]
 
-        warm, loop_s, steps, trace = measure(prep, loop, _ITERS.value,
-                                             os.path.join(tmp, f"{be}_{w}"))
+        warm, loop_s, steps, trace, gpu = measure(prep, loop, _ITERS.value,
+                                                  os.path.join(tmp, f"{be}_{w}"))
         events = device_events(trace)
         if _KEEP.value:  # the device timeline only: a full trace is mostly host events
             path = os.path.join(tmp, f"{be}_{w}.events.json.gz")
@@ -188,7 +191,7 @@ def main(argv):
         row = {"backend": be, "workload": w, "steps": steps, "warmup_s": warm,
                "loop_s": loop_s, "ms_per_step": 1e3 * loop_s / max(steps, 1),
                "tokens_per_s": B * N / loop_s,
-               "trace": summarize(events, max(steps, 1), _TOP.value)}
+               "trace": summarize(events, max(steps, 1), _TOP.value), "gpu": gpu}
         report["runs"].append(row)
         with open(stem + ".json", "w") as f:
             json.dump(report, f, indent=1)

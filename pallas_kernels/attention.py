@@ -442,9 +442,9 @@ def attention_counted(
     row tile, and leaves it zeroed. Each call making its own zeros costs a device copy
     (XLA copies the constant into the buffer the kernel writes), i.e. one per layer. A
     forward instead passes None to its first layer and each returned buffer to the next
-    layer. Calls that do not fold in one launch
-    return `counters` untouched (None stays None). A buffer from a call of another
-    shape (another row-tile count) raises a ValueError.
+    layer. Calls that do not fold in one launch return `counters` untouched (None stays
+    None). A buffer from a call of another shape (another row-tile count) raises a
+    ValueError.
     """
     return _attention(q, k_cache, v_cache, q_pos, window, counters, scale=scale,
                       softcap=softcap, interpret=interpret, config=config, split=split,

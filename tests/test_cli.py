@@ -116,6 +116,7 @@ def test_profile_step_summarizes_a_device_timeline_and_runs(tmp_path):
         rep = json.load(f)
     assert rep["complete"] and [x["workload"] for x in rep["runs"]] == ["serial", "spec"]
     assert rep["runs"][0]["steps"] == 3 and rep["runs"][0]["ms_per_step"] > 0
+    assert all("gpu" in x for x in rep["runs"])  # the GPU's clocks (a CPU: unavailable)
 
 
 def test_hlo_kernels_matches_kernels_to_their_hlo_and_runs(tmp_path):
