@@ -108,17 +108,18 @@ class GpuMonitor:
                     pass
             return vals
 
-        sm, power = num("clocks.sm"), num("power.draw")
+        sm, mem = num("clocks.sm"), num("clocks.mem")
+        power, temp = num("power.draw"), num("temperature.gpu")
         out = {"samples": len(cols[self.fields[0]]), "index": _gpu_index(),
                "pci_bus_id": self.bus_id, "period_ms": self.ms}
         if sm:
             out["sm_mhz"] = [min(sm), statistics.median(sm), max(sm)]
-        if num("clocks.mem"):
-            out["mem_mhz"] = statistics.median(num("clocks.mem"))
+        if mem:
+            out["mem_mhz"] = statistics.median(mem)
         if power:
             out["power_w"] = [statistics.median(power), max(power)]
-        if num("temperature.gpu"):
-            out["temp_c"] = max(num("temperature.gpu"))
+        if temp:
+            out["temp_c"] = max(temp)
         reasons = [f for f in self.fields if "reasons" in f]
         if reasons:
             out["event_reasons"] = sorted(set(cols[reasons[0]]))
