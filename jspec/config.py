@@ -135,6 +135,13 @@ class ModelConfig:
       draft_warps: draft_fused: warps a projection program runs; 2 (default; H200,
         2026-11-30j, a gamma-4 draft round: 3.55 ms device busy with 2, 3.50 with 4,
         3.88 with 1; draft_programs 256: 4.01).
+      draft_rope_attention: draft_fused: 1 (default) runs the q/k norm, RoPE, K/V write
+        and split-KV attention of a layer as one kernel (`qk_rope_attention`) where the
+        attention folds in one launch (split-KV on, one row tile a kv head); 0: two
+        kernels (`qk_rope_write`, then the attention).
+      draft_fold_unroll: draft_rope_attention: partials loaded a step of the split-KV
+        fold (the order of the fold is ascending whatever it is); 4 (default, the
+        target's).
     """
 
     family: str
@@ -179,6 +186,8 @@ class ModelConfig:
     draft_programs: int = 512
     draft_warps: int = 2
     draft_attn_stages: int = 3
+    draft_rope_attention: int = 1
+    draft_fold_unroll: int = 4
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
@@ -196,10 +205,11 @@ class ModelConfig:
         if self.attn_fused_fold not in (None, 0, 1):
             raise ValueError(f"attn_fused_fold={self.attn_fused_fold} must be 0, 1 or None "
                              "(by the call's row tiles)")
-        for name in ("xla_pallas_attention", "xla_two_rows", "kv_dus", "draft_fused"):
+        for name in ("xla_pallas_attention", "xla_two_rows", "kv_dus", "draft_fused",
+                     "draft_rope_attention"):
             if getattr(self, name) not in (0, 1):
                 raise ValueError(f"{name}={getattr(self, name)} must be 0 or 1")
-        for name in ("draft_programs", "draft_warps"):
+        for name in ("draft_programs", "draft_warps", "draft_fold_unroll"):
             p = getattr(self, name)
             if p < 1 or p & (p - 1):
                 raise ValueError(f"{name}={p} must be a power of two >= 1")
@@ -243,7 +253,9 @@ VALUE_OPTIONS = NUMERIC_OPTIONS + ("matmul_row_group", "matmul_schedule",
                                    "attn_fused_fold",
                                    "xla_pallas_attention", "xla_two_rows",
                                    "kv_dus", "draft_fused", "draft_programs",
-                                   "draft_warps", "draft_attn_stages")  # "name=<int>"
+                                   "draft_warps", "draft_attn_stages",
+                                   "draft_rope_attention",
+                                   "draft_fold_unroll")  # "name=<int>"
 
 
 def options(*names: str) -> dict[str, bool | int]:

@@ -10,6 +10,10 @@ latency kernels of `pallas_kernels/draft.py`:
   -> attention (split-KV Pallas) -> matvec(wo) -> matvec(add + norm + gate/up + GLU)
   -> matvec(w_down)
 
+With split-KV attention folding in one launch (the GPU default) and
+`draft_rope_attention` on (the default), `qk_rope_attention` does the second and third
+in one kernel: five launches a layer.
+
 and the last residual add, the final norm and the LM head in XLA. Larger calls (the
 prompt's prefill) take the model's usual path on its backend. Nothing here is
 row-invariant, and nothing needs to be: the draft's numerics change proposals only.
@@ -34,7 +38,7 @@ from pallas_kernels.attention import (
     row_count,
     visible_range,
 )
-from pallas_kernels.draft import matvec, qk_rope_write
+from pallas_kernels.draft import matvec, qk_rope_attention, qk_rope_write, rope_attention_takes
 
 WEIGHTS = ("wqkv", "wo", "w_gate_up", "w_down")  # [in, out] -> "<name>_t" [out, in]
 
@@ -119,6 +123,9 @@ def forward(model, tokens: jax.Array, cache):
         acfg = dataclasses.replace(acfg, num_stages=cfg.draft_attn_stages)
     Rp = row_count(acfg, T * G)  # attention rows a kv head
     fold = None if cfg.attn_fused_fold is None else bool(cfg.attn_fused_fold)
+    # q/k norm, RoPE, the K/V write and attention in one launch where split-KV folds in one
+    one_kernel = bool(cfg.draft_rope_attention) and fold is not False and \
+        rope_attention_takes(acfg, B, T, G)
     ranges = {}  # window -> first, last [B, Rp]
 
     x = jnp.take(params["embed"], tokens.reshape(-1), axis=0)  # [M, D]
@@ -141,18 +148,27 @@ def forward(model, tokens: jax.Array, cache):
                 qkv, x = matvec(x, lp["wqkv_t"], o=o, o_w=o_w, n_w=lp["attn_norm"],
                                 **common)
             ws = (lp["q_norm"], lp["k_norm"]) if cfg.qk_norm else (None, None)
-            q, k_buf, v_buf = qk_rope_write(
-                qkv, *ws, cos_all[sliding], sin_all[sliding], flat_pos, cache.k[i],
-                cache.v[i], num_q=H, num_k=Hkv, tokens=T, rows=Rp, eps=cfg.rms_eps,
-                offset=cfg.norm_offset, interpret=cfg.interpret)  # q [B, Hkv, Rp, hd]
-            new_k.append(k_buf)
-            new_v.append(v_buf)
             if sliding not in ranges:
                 ranges[sliding] = visible_range(pos, window, G, Rp)
-            a, counters = attention_rows_counted(
-                q, k_buf, v_buf, *ranges[sliding], acfg, counters, scale=cfg.attn_scale,
-                softcap=cfg.attn_softcap, interpret=cfg.interpret,
-                fused_fold=fold)  # [B, Hkv, Rp, hd]
+            rope = (cos_all[sliding], sin_all[sliding], flat_pos)
+            if one_kernel:
+                a, k_buf, v_buf, counters = qk_rope_attention(
+                    qkv, *ws, *rope, cache.k[i], cache.v[i], *ranges[sliding], counters,
+                    cfg=acfg, num_q=H, num_k=Hkv, tokens=T, scale=cfg.attn_scale,
+                    softcap=cfg.attn_softcap, eps=cfg.rms_eps, offset=cfg.norm_offset,
+                    fold_unroll=cfg.draft_fold_unroll,
+                    interpret=cfg.interpret)  # a [B, Hkv, Rp, hd]
+            else:
+                q, k_buf, v_buf = qk_rope_write(
+                    qkv, *ws, *rope, cache.k[i], cache.v[i], num_q=H, num_k=Hkv, tokens=T,
+                    rows=Rp, eps=cfg.rms_eps, offset=cfg.norm_offset,
+                    interpret=cfg.interpret)  # q [B, Hkv, Rp, hd]
+                a, counters = attention_rows_counted(
+                    q, k_buf, v_buf, *ranges[sliding], acfg, counters, scale=cfg.attn_scale,
+                    softcap=cfg.attn_softcap, interpret=cfg.interpret,
+                    fused_fold=fold)  # [B, Hkv, Rp, hd]
+            new_k.append(k_buf)
+            new_v.append(v_buf)
             o = matvec(a, lp["wo_t"], heads=(T, G), **common)  # [M, D]
             o_w = lp["post_attn_norm"] if cfg.sandwich_norms else None
             g, x = matvec(x, lp["w_gate_up_t"], o=o, o_w=o_w, n_w=lp["mlp_norm"],

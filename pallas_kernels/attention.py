@@ -125,15 +125,24 @@ def _online_softmax(q, k_ref, v_ref, first, last, lo, hi, *, scale, softcap, blo
 
     Starts from the empty state (-inf, 0, 0); a block fully masked for a row leaves that
     row's state bit-identical (see the module docstring), so lo/hi may cover any superset
-    of a row's visible blocks.
+    of a row's visible blocks. q is [R, D], or a tuple of column chunks [R, D_i] (the
+    draft's kernel builds q by RoPE halves): the scores are then the sum of the chunks'
+    dots with the matching key columns.
     """
-    block_rows, head_dim = q.shape
+    chunks = q if isinstance(q, tuple) else None
+    block_rows = (chunks or (q,))[0].shape[0]
+    head_dim = v_ref.shape[-1]
     last_key = jnp.max(jnp.where(first <= last, last, -1))
 
     def body(kb, carry):
         m, denom, acc = carry  # [R], [R], [R, D] f32: max, softmax sum, p @ v
         start = pl.multiple_of(kb * block_k, block_k)
-        k = k_ref[pl.ds(start, block_k), :]  # [K, D]
+        if chunks:
+            cols = [sum(c.shape[1] for c in chunks[:i]) for i in range(len(chunks))]
+            ks = [k_ref[pl.ds(start, block_k), pl.ds(c0, c.shape[1])]  # [K, D_i]
+                  for c0, c in zip(cols, chunks, strict=True)]
+        else:
+            k = k_ref[pl.ds(start, block_k), :]  # [K, D]
         # Keys past the tile's last position may be garbage from rejected drafts; their
         # values become zeros so 0 * garbage cannot become NaN even if the garbage is not
         # finite. A masked load zero-fills them without reading them and leaves the tile
@@ -147,7 +156,14 @@ def _online_softmax(q, k_ref, v_ref, first, last, lo, hi, *, scale, softcap, blo
             v = v_ref[pl.ds(start, block_k), :]  # [K, D]
             key_v = start + jnp.arange(block_k, dtype=jnp.int32)
             v = jnp.where((key_v <= last_key)[:, None], v, jnp.zeros_like(v))
-        s = _dot(q, k, contract_b=1) * scale  # [R, K] f32: q @ k.T
+        if chunks:
+            s = None
+            for c, kc in zip(chunks, ks, strict=True):
+                d = _dot(c, kc, contract_b=1)  # [R, K] f32
+                s = d if s is None else s + d
+            s = s * scale
+        else:
+            s = _dot(q, k, contract_b=1) * scale  # [R, K] f32: q @ k.T
         if softcap is not None:
             s = jnp.tanh(s / softcap) * softcap
         key = start + jnp.arange(block_k, dtype=jnp.int32)  # [K] absolute positions
@@ -212,12 +228,19 @@ def _partition_partial(q_ref, k_ref, v_ref, first, last, c, *, scale: float,
                        softcap: float | None, block_k: int, split: int, v_masked_load: bool):
     """(m [R], denom [R], acc [R, D]) of partition c: the online softmax over the key
     blocks of [c * split, (c + 1) * split) that the tile's rows can see."""
-    lo, hi = _block_range(first, last, k_ref.shape[0] // block_k, block_k)
+    lo, hi = _partition_blocks(first, last, c, k_ref.shape[0] // block_k, block_k, split)
+    return _online_softmax(q_ref[...], k_ref, v_ref, first, last, lo, hi, scale=scale,
+                           softcap=softcap, block_k=block_k, v_masked_load=v_masked_load)
+
+
+def _partition_blocks(first, last, c, num_blocks: int, block_k: int, split: int):
+    """[lo, hi): the key blocks of partition c, [c * split, (c + 1) * split), that the
+    tile's rows can see (empty when none)."""
+    lo, hi = _block_range(first, last, num_blocks, block_k)
     per = split // block_k
     lo = jnp.maximum(lo, c * per)
     hi = jnp.maximum(jnp.minimum(hi, (c + 1) * per), lo)
-    return _online_softmax(q_ref[...], k_ref, v_ref, first, last, lo, hi, scale=scale,
-                           softcap=softcap, block_k=block_k, v_masked_load=v_masked_load)
+    return lo, hi
 
 
 def _split_kernel(q_ref, k_ref, v_ref, first_ref, last_ref, m_ref, l_ref, acc_ref, *,
@@ -235,9 +258,10 @@ def _split_kernel(q_ref, k_ref, v_ref, first_ref, last_ref, m_ref, l_ref, acc_re
 FOLD_UNROLL = 4  # partials folded per step of the combine's loop
 
 
-def _fold_partials(load, parts: int, first, last, split: int, head_dim: int):
+def _fold_partials(load, parts: int, first, last, split: int, head_dim: int,
+                   unroll: int = FOLD_UNROLL):
     """(denom [R], acc [R, D]) of the partials `load(c)` -> (m, l, acc) of partitions c,
-    folded in ascending partition order (see `_combine_kernel`)."""
+    folded in ascending partition order (see `_combine_kernel`), `unroll` loads a step."""
 
     def fold(carry, part):
         m, denom, acc = carry
@@ -247,7 +271,7 @@ def _fold_partials(load, parts: int, first, last, split: int, head_dim: int):
         a, b = jnp.exp(m - m_safe), jnp.exp(m_c - m_safe)
         return m_new, a * denom + b * l_c, a[:, None] * acc + b[:, None] * acc_c
 
-    u = FOLD_UNROLL
+    u = unroll
 
     def step(i, carry):
         loaded = []
@@ -300,13 +324,24 @@ def _fused_split_kernel(q_ref, k_ref, v_ref, first_ref, last_ref, count_in, coun
     other program of the tile has counted itself in already, so the buffer leaves the
     call as zeroed as it came and the next call may take it as is."""
     del count_in  # aliased to count_ref
-    b, h, r, c = (pl.program_id(i) for i in range(4))
-    parts = acc_ref.shape[2]
-    br = q_ref.shape[0]
+    ids = tuple(pl.program_id(i) for i in range(4))  # b, h, r, c
     first, last = first_ref[...], last_ref[...]
-    m, denom, acc = _partition_partial(q_ref, k_ref, v_ref, first, last, c, scale=scale,
+    m, denom, acc = _partition_partial(q_ref, k_ref, v_ref, first, last, ids[3], scale=scale,
                                        softcap=softcap, block_k=block_k, split=split,
                                        v_masked_load=v_masked_load)
+    _count_and_fold(ids, m, denom, acc, first, last, count_ref, m_ref, l_ref, acc_ref, o_ref,
+                    split=split, interpret=interpret)
+
+
+def _count_and_fold(ids, m, denom, acc, first, last, count_ref, m_ref, l_ref, acc_ref, o_ref,
+                    *, split: int, interpret: bool, unroll: int = FOLD_UNROLL):
+    """The one-launch split-KV tail of program ids = (b, h, r, c) (`_fused_split_kernel`):
+    store its partial (m [R], denom [R], acc [R, D]), count in on the row tile's counter,
+    and, arriving last, put the counter back to zero, fold the tile's partials (`unroll`
+    loads a step) and write o."""
+    b, h, r, c = ids
+    parts = acc_ref.shape[2]
+    br = m.shape[0]
     rows = pl.ds(pl.multiple_of(r * br, br), br)
     m_ref[b, h, c, rows] = m
     l_ref[b, h, c, rows] = denom
@@ -331,7 +366,7 @@ def _fused_split_kernel(q_ref, k_ref, v_ref, first_ref, last_ref, count_in, coun
                     plgpu.load(acc_ref.at[b, h, cc, rows, :], volatile=True))
 
         denom_all, acc_all = _fold_partials(load, parts, first, last, split,
-                                            acc_ref.shape[-1])
+                                            acc_ref.shape[-1], unroll)
         o_ref[...] = _normalize(denom_all, acc_all).astype(o_ref.dtype)
 
 

@@ -32,8 +32,17 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._common import triton_params
+from pallas_kernels.attention import (
+    FOLD_UNROLL,
+    AttentionConfig,
+    _count_and_fold,
+    _online_softmax,
+    _partition_blocks,
+    row_count,
+)
 from pallas_kernels.glu import _activation
 
 MAX_ROWS = 16  # rows (batch x tokens) a call may carry
@@ -263,20 +272,9 @@ def _qk_rope_write_kernel(qkv_ref, qw_ref, kw_ref, cos_ref, sin_ref, pos_ref, k_
     del k_in, v_in
     j = pl.program_id(0)
     half = hd // 2
-    dtype = qkv_ref.dtype
     group = num_q // num_k
-
-    def rotate(r, col, w_ref):  # the head at columns [col, col + hd) of row r
-        x1 = qkv_ref[r, pl.ds(col, half)].astype(jnp.float32)
-        x2 = qkv_ref[r, pl.ds(col + half, half)].astype(jnp.float32)
-        if norm:
-            inv = lax.rsqrt((jnp.sum(x1 * x1) + jnp.sum(x2 * x2)) / jnp.float32(hd)
-                            + jnp.float32(eps))
-            x1 = _scale(x1, inv, w_ref[pl.ds(0, half)], offset, dtype)
-            x2 = _scale(x2, inv, w_ref[pl.ds(half, half)], offset, dtype)
-        c = cos_ref[r, :]
-        s = sin_ref[r, :]
-        return (x1 * c - x2 * s).astype(dtype), (x2 * c + x1 * s).astype(dtype)
+    rotate = functools.partial(_rotate, qkv_ref, cos_ref, sin_ref, hd=hd, norm=norm,
+                               eps=eps, offset=offset)
 
     @pl.when(j < num_q)
     def _():
@@ -291,7 +289,7 @@ def _qk_rope_write_kernel(qkv_ref, qw_ref, kw_ref, cos_ref, sin_ref, pos_ref, k_
     @pl.when(j >= num_q)
     def _():
         g = j - num_q
-        zeros = jnp.zeros((hd,), dtype)
+        zeros = jnp.zeros((hd,), qkv_ref.dtype)
         for b in range(m // t):  # the kv head's padding rows
             for row in range(t * group, rows):
                 q_ref[b, g, row, :] = zeros
@@ -303,6 +301,50 @@ def _qk_rope_write_kernel(qkv_ref, qw_ref, kw_ref, cos_ref, sin_ref, pos_ref, k_
             k_ref[r // t, g, p, pl.ds(0, half)] = a
             k_ref[r // t, g, p, pl.ds(half, half)] = b
             v_ref[r // t, g, p, pl.ds(0, hd)] = qkv_ref[r, pl.ds(vcol, hd)]
+
+
+def _rotate(qkv_ref, cos_ref, sin_ref, r, col, w_ref, *, hd: int, norm: bool, eps: float,
+            offset: float):
+    """The head at columns [col, col + hd) of qkv row r, RMSNorm-ed by w_ref (if norm) and
+    rotated by row r's RoPE angles -> its halves ([hd/2], [hd/2]) in qkv's dtype."""
+    half = hd // 2
+    dtype = qkv_ref.dtype
+    x1 = qkv_ref[r, pl.ds(col, half)].astype(jnp.float32)
+    x2 = qkv_ref[r, pl.ds(col + half, half)].astype(jnp.float32)
+    if norm:
+        inv = lax.rsqrt((jnp.sum(x1 * x1) + jnp.sum(x2 * x2)) / jnp.float32(hd)
+                        + jnp.float32(eps))
+        x1 = _scale(x1, inv, w_ref[pl.ds(0, half)], offset, dtype)
+        x2 = _scale(x2, inv, w_ref[pl.ds(half, half)], offset, dtype)
+    c = cos_ref[r, :]
+    s = sin_ref[r, :]
+    return (x1 * c - x2 * s).astype(dtype), (x2 * c + x1 * s).astype(dtype)
+
+
+def _check_rope_args(name, qkv, q_w, k_w, cos, sin, pos, k_cache, *, num_q, num_k, tokens,
+                     rows):
+    """Validates qk_rope_write's (and qk_rope_attention's) inputs -> (q_w, k_w, norm), the
+    norm weights zeros when there is no q/k norm."""
+    m, width = qkv.shape
+    b, hk, _, hd = k_cache.shape
+    if num_q % max(num_k, 1) or rows < tokens * (num_q // max(num_k, 1)):
+        raise ValueError(f"{name}: {num_q} q heads over {num_k} kv heads in {rows} "
+                         f"rows a kv head for {tokens} tokens")
+    if hk != num_k or width != (num_q + 2 * num_k) * hd or m != b * tokens:
+        raise ValueError(f"{name}: qkv {qkv.shape} does not match {num_q} q heads, "
+                         f"{num_k} kv heads of {hd} and caches {k_cache.shape} x {tokens} "
+                         "tokens")
+    if hd < 2 or hd & (hd - 1):
+        raise ValueError(f"{name} wants a power-of-2 head_dim; got {hd}")
+    if cos.shape != (m, hd // 2) or sin.shape != (m, hd // 2) or pos.shape != (m,):
+        raise ValueError(f"{name} wants cos, sin [M, hd/2] and pos [M]; got "
+                         f"{cos.shape=} {sin.shape=} {pos.shape=}")
+    if (q_w is None) != (k_w is None):
+        raise ValueError(f"{name} needs both q_w and k_w, or neither")
+    norm = q_w is not None
+    if not norm:
+        q_w = k_w = jnp.zeros((hd,), qkv.dtype)
+    return q_w, k_w, norm
 
 
 def _scale(x, inv, w, offset, dtype):
@@ -333,23 +375,8 @@ def qk_rope_write(qkv: jax.Array, q_w: jax.Array | None, k_w: jax.Array | None,
     """
     m, width = qkv.shape
     b, hk, s, hd = k_cache.shape
-    if num_q % max(num_k, 1) or rows < tokens * (num_q // max(num_k, 1)):
-        raise ValueError(f"qk_rope_write: {num_q} q heads over {num_k} kv heads in {rows} "
-                         f"rows a kv head for {tokens} tokens")
-    if hk != num_k or width != (num_q + 2 * num_k) * hd or m != b * tokens:
-        raise ValueError(f"qk_rope_write: qkv {qkv.shape} does not match {num_q} q heads, "
-                         f"{num_k} kv heads of {hd} and caches {k_cache.shape} x {tokens} "
-                         "tokens")
-    if hd < 2 or hd & (hd - 1):
-        raise ValueError(f"qk_rope_write wants a power-of-2 head_dim; got {hd}")
-    if cos.shape != (m, hd // 2) or sin.shape != (m, hd // 2) or pos.shape != (m,):
-        raise ValueError(f"qk_rope_write wants cos, sin [M, hd/2] and pos [M]; got "
-                         f"{cos.shape=} {sin.shape=} {pos.shape=}")
-    if (q_w is None) != (k_w is None):
-        raise ValueError("qk_rope_write needs both q_w and k_w, or neither")
-    norm = q_w is not None
-    if not norm:
-        q_w = k_w = jnp.zeros((hd,), qkv.dtype)
+    q_w, k_w, norm = _check_rope_args("qk_rope_write", qkv, q_w, k_w, cos, sin, pos, k_cache,
+                                      num_q=num_q, num_k=num_k, tokens=tokens, rows=rows)
     whole2 = pl.BlockSpec((m, width), lambda j: (0, 0))
     vec = pl.BlockSpec((hd,), lambda j: (0,))
     table = pl.BlockSpec((m, hd // 2), lambda j: (0, 0))
@@ -372,3 +399,150 @@ def qk_rope_write(qkv: jax.Array, q_w: jax.Array | None, k_w: jax.Array | None,
     )(qkv, q_w, k_w, cos.astype(jnp.float32), sin.astype(jnp.float32),
       pos.astype(jnp.int32), k_cache, v_cache)
     return q, k_cache, v_cache
+
+
+def _qk_rope_attention_kernel(qkv_ref, qw_ref, kw_ref, cos_ref, sin_ref, pos_ref, first_ref,
+                              last_ref, k_in, v_in, count_in, count_ref, k_ref, v_ref, m_ref,
+                              l_ref, acc_ref, o_ref, *, t: int, hd: int, num_q: int,
+                              num_k: int, norm: bool, eps: float, offset: float, scale: float,
+                              softcap: float | None, block_k: int, split: int,
+                              v_masked_load: bool, fold_unroll: int, interpret: bool):
+    # Program (b, g, 0, c): kv head g of batch row b, split-KV partition c. qkv [M,
+    # (Hq + 2 Hk) hd]; qw, kw [hd]; cos, sin [M, hd/2] f32; pos [M]; first, last [R];
+    # k_ref, v_ref [S, hd] of (b, g) (aliased to k_in, v_in); count [tiles] int32
+    # (aliased to count_in); partials m, l [B, Hk, P, R], acc [B, Hk, P, R, hd] f32;
+    # o [R, hd] (attention rows: row t G + i is token t's query head g G + i).
+    del k_in, v_in, count_in
+    ids = tuple(pl.program_id(i) for i in range(4))
+    b, g, c = ids[0], ids[1], ids[3]
+    half = hd // 2
+    group = num_q // num_k
+    br = o_ref.shape[0]
+    rotate = functools.partial(_rotate, qkv_ref, cos_ref, sin_ref, hd=hd, norm=norm,
+                               eps=eps, offset=offset)
+    # The new tokens' k (normed, rotated) and v go into the cache first, each by the
+    # program whose partition holds its position (the only one that reads it).
+    kcol = pl.multiple_of((num_q + g) * hd, hd)
+    vcol = pl.multiple_of((num_q + num_k + g) * hd, hd)
+    for tt in range(t):
+        r = b * t + tt
+        p = pos_ref[r]
+
+        @pl.when(lax.div(p, split) == c)
+        def _(r=r, p=p):
+            k1, k2 = rotate(r, kcol, kw_ref)
+            k_ref[p, pl.ds(0, half)] = k1
+            k_ref[p, pl.ds(half, half)] = k2
+            v_ref[p, :] = qkv_ref[r, pl.ds(vcol, hd)]
+
+    # The query tile by RoPE halves, [R, hd/2] each; rows past t G stay zero.
+    row = lax.broadcasted_iota(jnp.int32, (br, half), 0)
+    q1 = jnp.zeros((br, half), k_ref.dtype)
+    q2 = jnp.zeros((br, half), k_ref.dtype)
+    for tt in range(t):
+        for i in range(group):
+            y1, y2 = rotate(b * t + tt, pl.multiple_of((g * group + i) * hd, hd), qw_ref)
+            here = row == tt * group + i
+            q1 = jnp.where(here, y1[None, :], q1)
+            q2 = jnp.where(here, y2[None, :], q2)
+    if not interpret:
+        plgpu.debug_barrier()  # the cache writes above, before the key blocks' loads
+    first, last = first_ref[...], last_ref[...]
+    lo, hi = _partition_blocks(first, last, c, k_ref.shape[0] // block_k, block_k, split)
+    m, denom, acc = _online_softmax((q1, q2), k_ref, v_ref, first, last, lo, hi,
+                                    scale=scale, softcap=softcap, block_k=block_k,
+                                    v_masked_load=v_masked_load)
+    _count_and_fold(ids, m, denom, acc, first, last, count_ref, m_ref, l_ref, acc_ref, o_ref,
+                    split=split, interpret=interpret, unroll=fold_unroll)
+
+
+def rope_attention_takes(cfg: AttentionConfig, batch: int, tokens: int, group: int) -> bool:
+    """Whether `qk_rope_attention` takes a [batch, tokens] call under attention config cfg:
+    split-KV, one row tile a kv head, and few enough row tiles for one launch."""
+    return bool(cfg.split) and tokens * group <= cfg.split_rows and \
+        batch <= cfg.fused_fold_tiles
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "num_q", "num_k", "tokens", "scale",
+                                             "softcap", "eps", "offset", "fold_unroll",
+                                             "interpret"),
+                   donate_argnames=("k_cache", "v_cache"))
+def qk_rope_attention(qkv: jax.Array, q_w: jax.Array | None, k_w: jax.Array | None,
+                      cos: jax.Array, sin: jax.Array, pos: jax.Array, k_cache: jax.Array,
+                      v_cache: jax.Array, first: jax.Array, last: jax.Array,
+                      counters: jax.Array | None, *, cfg: AttentionConfig, num_q: int,
+                      num_k: int, tokens: int, scale: float, softcap: float | None = None,
+                      eps: float = 1e-6, offset: float = 0.0, fold_unroll: int = FOLD_UNROLL,
+                      interpret: bool = False):
+    """`qk_rope_write` and the one-launch split-KV attention after it, in one kernel.
+
+    Inputs as `qk_rope_write` (qkv [M, (num_q + 2 num_k) hd], M = B x tokens rows; q_w,
+    k_w [hd] or None; cos, sin [M, hd/2]; pos [M]; k_cache, v_cache [B, num_k, S, hd],
+    donated) and `attention_rows_counted` (first, last [B, Rp] from `visible_range`, Rp =
+    `row_count(cfg, tokens G)`; the arrival counters or None; cfg with split-KV on).
+    Program (b, g, 0, c) writes the new tokens' k and v whose positions fall in its
+    partition c, builds its query tile from qkv itself (normed, rotated: the same values
+    `qk_rope_write` writes), attends over the partition's keys with the tile split by
+    RoPE halves (two dots whose sum is q @ k.T) and folds as `attention_rows_counted`
+    does, `fold_unroll` partials' loads a step of the fold (the fold's order is
+    ascending whatever it is). Returns (attention rows [B, num_k, Rp, hd], k_cache,
+    v_cache, counters).
+    A draft kernel: its scores sum two half-width dots, so its bits are not the target
+    attention's (nothing about the draft needs them to be).
+    """
+    m, width = qkv.shape
+    b, hk, s, hd = k_cache.shape
+    group = num_q // max(num_k, 1)
+    rows = row_count(cfg, tokens * group)
+    q_w, k_w, norm = _check_rope_args("qk_rope_attention", qkv, q_w, k_w, cos, sin, pos,
+                                      k_cache, num_q=num_q, num_k=num_k, tokens=tokens,
+                                      rows=rows)
+    if not rope_attention_takes(cfg, b, tokens, group):
+        raise ValueError(f"qk_rope_attention wants split-KV, tokens x group <= "
+                         f"split_rows and batch <= fused_fold_tiles; got {cfg} for "
+                         f"{b} x {tokens} tokens, group {group}")
+    if s % cfg.split or first.shape != (b, rows) or last.shape != (b, rows):
+        raise ValueError(f"qk_rope_attention wants S a multiple of split={cfg.split} and "
+                         f"first, last [B, Rp] = [{b}, {rows}]; got S={s}, "
+                         f"{first.shape=}, {last.shape=}")
+    parts = s // cfg.split
+    tiles = b * hk
+    if counters is None:
+        counters = jnp.zeros((tiles,), jnp.int32)
+    elif counters.shape != (tiles,) or counters.dtype != jnp.int32:
+        raise ValueError(f"split-KV counters must be int32[{tiles}] (one per row tile of "
+                         f"this call); got {counters.dtype}{list(counters.shape)}")
+    part_shapes = [(b, hk, parts, rows), (b, hk, parts, rows), (b, hk, parts, rows, hd)]
+
+    def whole(shape):
+        return pl.BlockSpec(shape, lambda i, g, r, c: (0,) * len(shape))
+
+    cache = pl.BlockSpec((None, None, s, hd), lambda i, g, r, c: (i, g, 0, 0))
+    pos_spec = pl.BlockSpec((None, rows), lambda i, g, r, c: (i, 0))
+    outs = pl.pallas_call(
+        functools.partial(_qk_rope_attention_kernel, t=tokens, hd=hd, num_q=num_q,
+                          num_k=num_k, norm=norm, eps=float(eps), offset=float(offset),
+                          scale=float(scale),
+                          softcap=None if softcap is None else float(softcap),
+                          block_k=cfg.block_k, split=cfg.split,
+                          v_masked_load=cfg.v_masked_load, fold_unroll=fold_unroll,
+                          interpret=interpret),
+        out_shape=[jax.ShapeDtypeStruct((tiles,), jnp.int32),
+                   jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
+                   jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)]
+        + [jax.ShapeDtypeStruct(sh, jnp.float32) for sh in part_shapes]
+        + [jax.ShapeDtypeStruct((b, hk, rows, hd), qkv.dtype)],
+        grid=(b, hk, 1, parts),
+        in_specs=[whole((m, width)), whole((hd,)), whole((hd,)), whole((m, hd // 2)),
+                  whole((m, hd // 2)), whole((m,)), pos_spec, pos_spec, cache, cache,
+                  whole((tiles,))],
+        out_specs=[whole((tiles,)), cache, cache] + [whole(sh) for sh in part_shapes]
+        + [pl.BlockSpec((None, None, rows, hd), lambda i, g, r, c: (i, g, 0, 0))],
+        input_output_aliases={10: 0, 8: 1, 9: 2},
+        compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps,
+                                             num_stages=cfg.num_stages),
+        interpret=interpret,
+        name="jspec_draft_qk_rope_attention",
+    )(qkv, q_w, k_w, cos.astype(jnp.float32), sin.astype(jnp.float32),
+      pos.astype(jnp.int32), first, last, k_cache, v_cache, counters)
+    return outs[-1], outs[1], outs[2], outs[0]

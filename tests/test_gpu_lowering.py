@@ -73,21 +73,28 @@ def test_model_forward_lowers_for_the_h200(preset, batch, tokens):
 
 @pytest.mark.parametrize("preset", ["qwen3-0.6b", "gemma3-4b"])
 @pytest.mark.parametrize("tokens", [1, 2])
-def test_fused_draft_lowers_for_the_h200(preset, tokens):
-    # draft_fused (a draft on the xla backend): six Pallas kernels a layer, the K/V cache
-    # written in place by qk_rope_write (aliased buffers), attention on q laid out as
-    # attention rows, wo reading them in place.
+@pytest.mark.parametrize("one_kernel", [1, 0])
+def test_fused_draft_lowers_for_the_h200(preset, tokens, one_kernel):
+    # draft_fused (a draft on the xla backend): five Pallas kernels a layer, the K/V cache
+    # written in place by qk_rope_attention (aliased buffers), its output laid out as
+    # attention rows, wo reading them in place; with draft_rope_attention=0 six, the
+    # cache written by qk_rope_write and q laid out for the split-KV kernel.
     from jspec import fused_draft
 
     model = _abstract_model(preset)
-    model = model.replace(config=model.config.replace(backend="xla", draft_fused=1))
+    model = model.replace(config=model.config.replace(
+        backend="xla", draft_fused=1, draft_rope_attention=one_kernel))
     model = model.replace(params=jax.eval_shape(lambda p: fused_draft._swap(p, True),
                                                 model.params))
     cache = jax.eval_shape(lambda: init_cache(model, 1, 256))
     text = _lower(_forward, model, jax.ShapeDtypeStruct((1, tokens), jnp.int32), cache)
     names = set(re.findall(r'name = "(jspec_[a-z_0-9]*)"', text))
-    assert {"jspec_draft_matvec", "jspec_draft_qk_rope_write",
-            "jspec_attention_fused"} <= names, names
+    two = {"jspec_draft_qk_rope_write", "jspec_attention_fused"}
+    if one_kernel:
+        assert {"jspec_draft_matvec", "jspec_draft_qk_rope_attention"} <= names, names
+        assert not two & names, names
+    else:
+        assert {"jspec_draft_matvec"} | two <= names, names
     assert "jspec_matmul" not in names  # the xla backend: no invariant matmul kernels
 
 
