@@ -501,11 +501,11 @@ def qk_rope_attention(qkv: jax.Array, q_w: jax.Array | None, k_w: jax.Array | No
         raise ValueError(f"qk_rope_attention wants split-KV, tokens x group <= "
                          f"split_rows and batch <= fused_fold_tiles; got {cfg} for "
                          f"{b} x {tokens} tokens, group {group}")
-    if s % cfg.split or first.shape != (b, rows) or last.shape != (b, rows):
-        raise ValueError(f"qk_rope_attention wants S a multiple of split={cfg.split} and "
-                         f"first, last [B, Rp] = [{b}, {rows}]; got S={s}, "
+    if s % cfg.block_k or first.shape != (b, rows) or last.shape != (b, rows):
+        raise ValueError(f"qk_rope_attention wants S a multiple of block_k={cfg.block_k} "
+                         f"and first, last [B, Rp] = [{b}, {rows}]; got S={s}, "
                          f"{first.shape=}, {last.shape=}")
-    parts = s // cfg.split
+    parts = pl.cdiv(s, cfg.split)
     tiles = b * hk
     if counters is None:
         counters = jnp.zeros((tiles,), jnp.int32)

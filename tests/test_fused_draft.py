@@ -143,21 +143,24 @@ def test_qk_rope_write_rotates_and_writes_in_place(batch, tokens, norm):
     assert _rel(np.asarray(k)[written], np.asarray(want_k)[written]) < 1e-6
 
 
-# The split-KV config the one-kernel path needs, at interpret mode's key block.
-_SPLIT = AttentionConfig(block_k=16, block_rows=16, num_warps=4, num_stages=2, split=16)
+# The split-KV config the one-kernel path needs, at interpret mode's key block: 32-key
+# partitions, so an 80-key cache ends in half a partition (as a GPU cache of 832 keys
+# does with 128-key ones).
+_SPLIT = AttentionConfig(block_k=16, block_rows=16, num_warps=4, num_stages=2, split=32)
 
 
 @pytest.mark.parametrize("norm,window,softcap", [(True, 0, None), (False, 6, 30.0)])
-@pytest.mark.parametrize("batch,tokens,start", [(1, 1, 21), (1, 2, 15), (2, 2, 31),
+@pytest.mark.parametrize("batch,tokens,start", [(1, 1, 21), (1, 2, 31), (2, 2, 63),
                                                 (2, 1, 0)])
 def test_qk_rope_attention_is_rope_write_then_attention(batch, tokens, start, norm, window,
                                                         softcap):
     # One kernel against its two: the same cache writes bit for bit, the same attention
     # rows within f32 rounding (its scores sum two half-width dots), the counters back to
-    # zero. start 15 with two tokens puts them in two partitions (each writes its own);
-    # the cache past the new tokens holds NaN, as a rejected draft's garbage may.
+    # zero. start 31 with two tokens puts them in two partitions (each writes its own),
+    # 63 + 7 reaches the last, half partition; the cache past the new tokens holds NaN, as
+    # a rejected draft's garbage may.
     rng = np.random.default_rng(batch * 100 + tokens * 10 + start)
-    hq, hk, hd, s = 4, 2, 32, 64
+    hq, hk, hd, s = 4, 2, 32, 80
     m, g = batch * tokens, hq // hk
     qkv = _rand(rng, (m, (hq + 2 * hk) * hd), jnp.float32)
     qw, kw = (_rand(rng, (hd,), jnp.float32, 0.1, 1.0) for _ in range(2))
@@ -217,8 +220,8 @@ def test_qk_rope_attention_refuses_what_it_cannot_take():
     kw = dict(num_q=4, num_k=2, tokens=1, scale=1.0, interpret=True)
     with pytest.raises(ValueError, match="wants split-KV"):
         qk_rope_attention(*args, cfg=attention_config(32, 2, jnp.float32, True), **kw)
-    with pytest.raises(ValueError, match="S a multiple of split"):
-        qk_rope_attention(*args, cfg=AttentionConfig(16, 16, 4, 2, split=48), **kw)
+    with pytest.raises(ValueError, match="S a multiple of block_k"):
+        qk_rope_attention(*args, cfg=AttentionConfig(48, 16, 4, 2, split=48), **kw)
 
 
 def _steps(model, seq, n_prompt, blocks):
