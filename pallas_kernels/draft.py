@@ -420,8 +420,11 @@ def _qk_rope_attention_kernel(qkv_ref, qw_ref, kw_ref, cos_ref, sin_ref, pos_ref
     br = o_ref.shape[0]
     rotate = functools.partial(_rotate, qkv_ref, cos_ref, sin_ref, hd=hd, norm=norm,
                                eps=eps, offset=offset)
-    # The new tokens' k (normed, rotated) and v go into the cache first, each by the
-    # program whose partition holds its position (the only one that reads it).
+    # The key range first: its loads then wait beside the projection's, not after them.
+    first, last = first_ref[...], last_ref[...]
+    lo, hi = _partition_blocks(first, last, c, k_ref.shape[0] // block_k, block_k, split)
+    # The new tokens' k (normed, rotated) and v go into the cache, each by the program
+    # whose partition holds its position (the only one that reads it).
     kcol = pl.multiple_of((num_q + g) * hd, hd)
     vcol = pl.multiple_of((num_q + num_k + g) * hd, hd)
     for tt in range(t):
@@ -447,8 +450,6 @@ def _qk_rope_attention_kernel(qkv_ref, qw_ref, kw_ref, cos_ref, sin_ref, pos_ref
             q2 = jnp.where(here, y2[None, :], q2)
     if not interpret:
         plgpu.debug_barrier()  # the cache writes above, before the key blocks' loads
-    first, last = first_ref[...], last_ref[...]
-    lo, hi = _partition_blocks(first, last, c, k_ref.shape[0] // block_k, block_k, split)
     m, denom, acc = _online_softmax((q1, q2), k_ref, v_ref, first, last, lo, hi,
                                     scale=scale, softcap=softcap, block_k=block_k,
                                     v_masked_load=v_masked_load)
