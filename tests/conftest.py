@@ -103,3 +103,29 @@ def _free_compiled_programs():
     until XLA's compiler crashed late in the suite."""
     yield
     jax.clear_caches()
+
+
+def rel(got, want) -> float:
+    """Largest difference relative to want's scale (draft kernels' checks)."""
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    return float(np.max(np.abs(got - want)) / (np.max(np.abs(want)) + 1e-12))
+
+
+def rand(rng, shape, dtype, scale=1.0, shift=0.0):
+    return jnp.asarray(shift + scale * rng.standard_normal(shape), dtype)
+
+
+def steps(model, seq, n_prompt, blocks):
+    """Prefill n_prompt tokens of seq [B, L], then blocks of the given sizes: a list of
+    logits [B, T, V] per call and the final cache."""
+    from jspec.cache import init_cache
+    from jspec.model import _forward
+
+    cache = init_cache(model, seq.shape[0], 64)
+    logits, cache = _forward(model, jnp.asarray(seq[:, :n_prompt]), cache)
+    out, t = [logits], n_prompt
+    for size in blocks:
+        logits, cache = _forward(model, jnp.asarray(seq[:, t: t + size]), cache)
+        out.append(logits)
+        t += size
+    return out, cache
