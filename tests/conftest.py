@@ -4,10 +4,18 @@ import collections
 import functools
 import os
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-import pytest
+# The CPU suite is compile-bound: interpret-mode Pallas kernels become large XLA
+# programs that run once or twice each. LLVM's optimisation level 0 compiles them ~25%
+# faster (2026-11-30m); it changes how fast the CPU code runs, not IEEE semantics (no
+# fast-math), and every comparison in the suite is between programs compiled alike.
+# Set before jax starts its CPU backend; the caller's own XLA_FLAGS follow, so theirs win.
+os.environ["XLA_FLAGS"] = " ".join(
+    f for f in ("--xla_backend_optimization_level=0", os.environ.get("XLA_FLAGS", "")) if f)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
 
 # Tests compare float32 logits; keep XLA's CPU matmuls at full f32 precision.
 jax.config.update("jax_default_matmul_precision", "highest")

@@ -29,7 +29,7 @@ SPLIT = 32  # two interpret-mode key blocks of 16: several partitions for 40 tok
 
 
 @pytest.fixture(scope="module", params=(("tiny-qwen3", None), ("gemma3", None),
-                                        ("tiny-qwen3", 32)),
+                                        pytest.param(("tiny-qwen3", 32), marks=pytest.mark.slow)),
                 ids=("tiny-qwen3", "gemma3", "tiny-qwen3-rows32"))
 def case(request):
     name, rows = request.param  # rows: the split row tile (None: the kernel's 16)
@@ -218,18 +218,21 @@ def test_fused_fold_counters_come_back_zeroed_and_chain():
                           fused_fold=True, **kw)
 
 
-@pytest.mark.parametrize("draft_fused", (0, 1))
-def test_a_forward_zeroes_the_counters_once(draft_fused):
-    # Every layer's one-launch attention takes the counters the layer before returned.
+@pytest.mark.parametrize("draft", ("", "draft_fused=1", "draft_fused=1+draft_rope_attention=0"))
+def test_a_forward_zeroes_the_counters_once(draft):
+    # Every layer's one-launch attention takes the counters the layer before returned:
+    # the model's, the fused draft's q/k step + attention kernel, or its two kernels.
     model, _ = model_and_tokens("tiny-qwen3", 4, seed=2)
     model = with_config(model, attn_split=SPLIT, attn_fused_fold=1)
-    if draft_fused:
+    if draft:
         from jspec.model import with_options
-        model = with_options(model, "draft_fused=1")
+        model = with_options(model, draft)
     assert model.config.num_layers > 1
     j = jax.make_jaxpr(_forward)(model, jnp.zeros((1, 1), jnp.int32),
                                  init_cache(model, 1, MAX_LEN))
     counts = eqn_counts(j.jaxpr)
-    assert counts["pallas_call:jspec_attention_fused"] == model.config.num_layers, counts
+    kernel = ("jspec_draft_qk_rope_attention" if draft == "draft_fused=1"
+              else "jspec_attention_fused")
+    assert counts["pallas_call:" + kernel] == model.config.num_layers, counts
     tiles = model.config.num_kv_heads  # batch 1, one row tile a kv head
     assert _zero_counter_arrays(j.jaxpr, (tiles,)) == 1

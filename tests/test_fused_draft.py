@@ -203,7 +203,7 @@ def test_layout_follows_the_option_and_mismatches_are_named():
         with_config(base, draft_programs=3)
 
 
-@pytest.mark.parametrize("name", ["qwen3", "gemma3"])
+@pytest.mark.parametrize("name", ["qwen3", pytest.param("gemma3", marks=pytest.mark.slow)])
 def test_speculative_with_a_fused_draft_equals_serial(name):
     # What the engine promises, whatever the draft computes: exact_greedy speculative
     # output == serial greedy output, token for token. The draft is the target's own

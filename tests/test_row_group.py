@@ -42,7 +42,7 @@ def test_row_group_size():
         row_group_size(3, 0)
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, pytest.param(jnp.float32, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("m", [1, 17, 40, 72, 96, 100])
 def test_matmul_row_group_is_bitwise_the_grid_kernel(dtype, m):
     K, N = 96, 80
