@@ -137,3 +137,13 @@ def steps(model, seq, n_prompt, blocks):
         out.append(logits)
         t += size
     return out, cache
+
+
+def qkv_inputs(rng, m: int, hq: int, hk: int, hd: int):
+    """Random inputs of the draft's q/k kernels: qkv [m, (hq + 2 hk) hd], q/k norm weights
+    [hd] near 1, and cos, sin [m, hd/2] of random angles (all f32)."""
+    qkv = rand(rng, (m, (hq + 2 * hk) * hd), jnp.float32)
+    qw, kw = (rand(rng, (hd,), jnp.float32, 0.1, 1.0) for _ in range(2))
+    ang = rng.uniform(0, 6, (m, hd // 2))
+    return qkv, qw, kw, jnp.asarray(np.cos(ang), jnp.float32), jnp.asarray(np.sin(ang),
+                                                                          jnp.float32)

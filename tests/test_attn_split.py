@@ -152,6 +152,7 @@ def test_xla_backend_can_run_the_pallas_attention():
         with_config(model, xla_pallas_attention=3)
 
 
+@pytest.mark.slow  # a CLI run of gpu_parity.py; the split kernels are proven above
 def test_gpu_parity_matrix_runs_with_split_options(tmp_path):
     # The H200 parity harness with split-KV on (`gpu_parity.py --options=attn_split=N`),
     # smoke-run in interpret mode: every check finds 0 mismatches.

@@ -21,7 +21,9 @@ def test_generate_cli_runs():
     assert "tokens/s" in r.stdout and "def rgb_to_hls" in r.stdout
 
 
-@pytest.mark.parametrize("policy", ["exact_greedy", "gumbel_coupled"])
+# gumbel_coupled's parity is also tests/test_speculative.py's (slow here: a second CLI run)
+@pytest.mark.parametrize("policy", ["exact_greedy",
+                                    pytest.param("gumbel_coupled", marks=pytest.mark.slow)])
 def test_speculative_cli_checks_parity(policy):
     r = _run("speculative_decode.py", f"--config={ROOT}/configs/speculative.py:runlocal",
              f"--config.policy={policy}")
@@ -30,6 +32,7 @@ def test_speculative_cli_checks_parity(policy):
     assert "embedded code pair" in r.stdout
 
 
+@pytest.mark.slow  # the pruned head's exactness is tests/test_pruned_head.py's
 def test_speculative_cli_with_a_pruned_draft_head(tmp_path):
     # The head keeps the 300 most frequent tokens of a text (here a piece of Python);
     # the output must still equal serial decoding.
@@ -172,6 +175,7 @@ def test_sweep_schedule_smoke(tmp_path):
     assert w["all_bits_equal"] and w["fastest_equal"] is not None
 
 
+@pytest.mark.slow  # a floor study or sweep script
 def test_launch_floor_smoke(tmp_path):
     # Pallas on Triton and on Mosaic GPU (with and without grid dependencies), side by side.
     r = _run("launch_floor.py", "--interpret", "--mb=0,0.25", "--chain=2", "--iters=1",
@@ -190,6 +194,7 @@ def test_launch_floor_smoke(tmp_path):
     assert bad.returncode != 0 and "less than one 32 x 256 tile" in bad.stderr
 
 
+@pytest.mark.slow  # a floor study or sweep script
 def test_persistent_floor_smoke(tmp_path):
     # The persistent kernel (P = 1: interpret mode runs programs one after another) and
     # the chain of one kernel per phase at P = 1 and 2 compute the same bits.
@@ -208,6 +213,7 @@ def test_persistent_floor_smoke(tmp_path):
     assert bad.returncode != 0 and "every count must be >= 1" in bad.stderr
 
 
+@pytest.mark.slow  # a floor study or sweep script
 def test_sweep_attention_smoke(tmp_path):
     # Split-KV attention variants (masked V load or select, two stage counts) against
     # the reference config: every variant bitwise equal at decode and verify shapes.

@@ -10,7 +10,7 @@ and at the model level against `draft_rope_attention=0`.
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import bits, rand, rel, steps, with_config, xla_f32
+from conftest import bits, qkv_inputs, rand, rel, steps, with_config, xla_f32
 
 from jspec.model import with_options
 from jspec.random_model import random_model
@@ -41,10 +41,7 @@ def test_qk_rope_attention_is_rope_write_then_attention(batch, tokens, start, no
     rng = np.random.default_rng(batch * 100 + tokens * 10 + start)
     hq, hk, hd, s = 4, 2, 32, 80
     m, g = batch * tokens, hq // hk
-    qkv = rand(rng, (m, (hq + 2 * hk) * hd), jnp.float32)
-    qw, kw = (rand(rng, (hd,), jnp.float32, 0.1, 1.0) for _ in range(2))
-    ang = rng.uniform(0, 6, (m, hd // 2))
-    cos, sin = jnp.asarray(np.cos(ang), jnp.float32), jnp.asarray(np.sin(ang), jnp.float32)
+    qkv, qw, kw, cos, sin = qkv_inputs(rng, m, hq, hk, hd)
     lengths = np.array([start, start + 7][:batch], np.int32)
     pos = jnp.asarray((lengths[:, None] + np.arange(tokens)[None, :]), jnp.int32)  # [B, T]
     k0 = np.array(rand(rng, (batch, hk, s, hd), jnp.float32))

@@ -105,7 +105,8 @@ def _fused(model):
     return model.replace(config=model.config.replace(fuse_add_norm=True))
 
 
-@pytest.fixture(scope="module", params=("llama3", "tiny-qwen3"))
+@pytest.fixture(scope="module", params=(pytest.param("llama3", marks=pytest.mark.slow),
+                                        "tiny-qwen3"))
 def pair(request):
     """(unfused, fused) bf16 pallas models and a sequence of N tokens."""
     model, seq = model_and_tokens(request.param, N, seed=2)

@@ -12,7 +12,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import bits, eqn_counts, expected, load, rand, rel, steps, with_config, xla_f32
+from conftest import (
+    bits,
+    eqn_counts,
+    expected,
+    load,
+    qkv_inputs,
+    rand,
+    rel,
+    steps,
+    with_config,
+    xla_f32,
+)
 
 import jspec
 from jspec import fused_draft
@@ -100,10 +111,7 @@ def test_qk_rope_write_rotates_and_writes_in_place(batch, tokens, norm):
     rng = np.random.default_rng(batch * 10 + tokens)
     hq, hk, hd, s = 4, 2, 32, 64
     m, g = batch * tokens, hq // hk
-    qkv = rand(rng, (m, (hq + 2 * hk) * hd), jnp.float32)
-    qw, kw = (rand(rng, (hd,), jnp.float32, 0.1, 1.0) for _ in range(2))
-    ang = rng.uniform(0, 6, (m, hd // 2))
-    cos, sin = jnp.asarray(np.cos(ang), jnp.float32), jnp.asarray(np.sin(ang), jnp.float32)
+    qkv, qw, kw, cos, sin = qkv_inputs(rng, m, hq, hk, hd)
     lengths = np.array([5, 17][:batch], np.int32)
     pos = (lengths[:, None] + np.arange(tokens)[None, :]).reshape(-1)
     k0, v0 = rand(rng, (batch, hk, s, hd), jnp.float32), rand(rng, (batch, hk, s, hd),

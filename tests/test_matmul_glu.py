@@ -78,7 +78,8 @@ def test_matmul_glu_falls_back_and_checks_input():
         matmul_glu(x, w.astype(jnp.bfloat16), activation="silu", interpret=True)
 
 
-@pytest.fixture(scope="module", params=("tiny-qwen3", "tiny-gemma3"))
+@pytest.fixture(scope="module", params=(pytest.param("tiny-qwen3", marks=pytest.mark.slow),
+                                        "tiny-gemma3"))
 def model(request):
     """A tiny model whose MLP is wide enough (F = 512) for the interpret-mode tiles."""
     cfg = preset_config(request.param, interpret=True).replace(intermediate_size=512,

@@ -75,7 +75,8 @@ def test_exact_greedy_equals_serial_greedy(gamma, name, kind):
     assert len(st["acceptance_by_position"]) == gamma
 
 
-@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n != "qwen3" else n
+                                  for n in FAMILIES])
 def test_gumbel_coupled_equals_serial_sampling(name):
     target = load(name, "pallas")
     prompts = _prompts(name)
