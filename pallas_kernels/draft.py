@@ -16,6 +16,9 @@ a layer on them and the glue between. With these a layer is six launches:
   5. residual add + RMSNorm + gate/up + GLU    `matvec` (norm prologue, GLU epilogue)
   6. w_down                                    `matvec`
 
+Steps 2 and 3 also come as one kernel, `qk_rope_attention` (the split-KV kernel's
+partitions and fold, with the q/k step in each program's prologue): five launches.
+
 Weights come transposed, [out, in] (`jspec.fused_draft.prepare`): a program reads `bn`
 whole rows of contiguous K (the pattern that streamed best in
 experiments/launch_floor.py), and the grid has N / bn programs, enough to spread even
