@@ -10,13 +10,12 @@ latency kernels of `pallas_kernels/draft.py`:
   -> attention (split-KV Pallas) -> matvec(wo) -> matvec(add + norm + gate/up + GLU)
   -> matvec(w_down)
 
-With split-KV attention folding in one launch (the GPU default) and
-`draft_rope_attention` on (the default), `qk_rope_attention` does the second and third
-in one kernel: five launches a layer.
-
-and the last residual add, the final norm and the LM head in XLA. Larger calls (the
-prompt's prefill) take the model's usual path on its backend. Nothing here is
-row-invariant, and nothing needs to be: the draft's numerics change proposals only.
+and the last residual add, the final norm and the LM head in XLA. With split-KV
+attention folding in one launch (the GPU default) and `draft_rope_attention` on (the
+default), `qk_rope_attention` does the second and third in one kernel: five launches a
+layer. Larger calls (the prompt's prefill) take the model's usual path on its backend.
+Nothing here is row-invariant, and nothing needs to be: the draft's numerics change
+proposals only.
 
 The kernels read the layer weights transposed, [out, in]: `prepare(model)` stores
 `wqkv_t`, `wo_t`, `w_gate_up_t` and `w_down_t` in place of the four [in, out]

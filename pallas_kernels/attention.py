@@ -656,6 +656,17 @@ def _split_attention(q_rows, k_cache, v_cache, first, last, cfg: AttentionConfig
     )(m, denom, acc, first, last)
 
 
+def split_counters(counters, tiles: int):
+    """The one-launch split-KV path's arrival counters for a call of `tiles` row tiles:
+    zeros when None, else checked (int32[tiles]) and passed on."""
+    if counters is None:
+        return jnp.zeros((tiles,), jnp.int32)
+    if counters.shape != (tiles,) or counters.dtype != jnp.int32:
+        raise ValueError(f"split-KV counters must be int32[{tiles}] (one per row tile of "
+                         f"this call); got {counters.dtype}{list(counters.shape)}")
+    return counters
+
+
 def _fused_split_attention(q_rows, k_cache, v_cache, first, last, cfg: AttentionConfig,
                            counters, *, scale: float, softcap: float | None, interpret: bool):
     """`_split_attention` in one launch (`_fused_split_kernel`): the same partials and the
@@ -668,11 +679,7 @@ def _fused_split_attention(q_rows, k_cache, v_cache, first, last, cfg: Attention
     parts = pl.cdiv(cache_len, cfg.split)
     br = cfg.split_rows
     tiles = batch * num_kv_heads * (rows // br)
-    if counters is None:
-        counters = jnp.zeros((tiles,), jnp.int32)
-    elif counters.shape != (tiles,) or counters.dtype != jnp.int32:
-        raise ValueError(f"split-KV counters must be int32[{tiles}] (one per row tile of "
-                         f"this call); got {counters.dtype}{list(counters.shape)}")
+    counters = split_counters(counters, tiles)
     kernel = functools.partial(_fused_split_kernel, scale=scale, softcap=softcap,
                                block_k=cfg.block_k, split=cfg.split,
                                v_masked_load=cfg.v_masked_load, interpret=interpret)

@@ -45,6 +45,7 @@ from pallas_kernels.attention import (
     _online_softmax,
     _partition_blocks,
     row_count,
+    split_counters,
 )
 from pallas_kernels.glu import _activation
 
@@ -511,11 +512,7 @@ def qk_rope_attention(qkv: jax.Array, q_w: jax.Array | None, k_w: jax.Array | No
                          f"{first.shape=}, {last.shape=}")
     parts = pl.cdiv(s, cfg.split)
     tiles = b * hk
-    if counters is None:
-        counters = jnp.zeros((tiles,), jnp.int32)
-    elif counters.shape != (tiles,) or counters.dtype != jnp.int32:
-        raise ValueError(f"split-KV counters must be int32[{tiles}] (one per row tile of "
-                         f"this call); got {counters.dtype}{list(counters.shape)}")
+    counters = split_counters(counters, tiles)
     part_shapes = [(b, hk, parts, rows), (b, hk, parts, rows), (b, hk, parts, rows, hd)]
 
     def whole(shape):
