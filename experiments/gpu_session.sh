@@ -19,7 +19,8 @@
 #   to e2e_b1 / e2e_b8 (e.g. "--options=plain --gammas=4 --accept=0.8") and $E2E_TAG
 #   to their receipt names; $E2E_OPTIONS, $E2E_DRAFT_OPTIONS, $E2E_GAMMAS, $E2E_SEEDS,
 #   $E2E_ACCEPT and $E2E_DRAFT_HEAD (no spaces, so lanes and steps can differ) become
-#   --options, --draft_options, --gammas, --oracle_seeds, --accept and --draft_head.
+#   --options, --draft_options, --gammas, --oracle_seeds, --accept and --draft_head;
+#   $E2E_DRAFT replaces the draft preset (e.g. qwen3-0.6b:14, its first 14 layers).
 # - kernels_fused: decode/verify steps with the speed options set otherwise
 #   ($FUSED_OPTIONS, a bench_kernels --options list; default: plain, all four off),
 #   timed device-side and checked bitwise against the default pallas step (all on);
@@ -147,7 +148,7 @@ for s in $steps; do
               2>&1 | quiet | tail -60 ;;
     e2e_b1|e2e_b8) B=${s#e2e_b}
            timeout "${E2E_S:-520}" python3 experiments/bench_e2e.py --target=qwen3-8b \
-              --draft=qwen3-0.6b --batches="$B" --prompt_len=512 --max_new_tokens=256 \
+              --draft="${E2E_DRAFT:-qwen3-0.6b}" --batches="$B" --prompt_len=512 --max_new_tokens=256 \
               --out="$OUT" --tag="h200_b$B${E2E_TAG:-}" ${E2E_FLAGS:-} \
               ${E2E_OPTIONS:+--options=$E2E_OPTIONS} \
               ${E2E_DRAFT_OPTIONS:+--draft_options=$E2E_DRAFT_OPTIONS} \
