@@ -12,6 +12,21 @@ import os
 os.environ["XLA_FLAGS"] = " ".join(
     f for f in ("--xla_backend_optimization_level=0", os.environ.get("XLA_FLAGS", "")) if f)
 
+# Many files, and the command-line smokes' subprocesses, compile the same programs (a
+# tiny model's forward at the same shapes). One persistent compilation cache per run,
+# made by the first process (pytest, or its xdist controller) and inherited through the
+# environment by the workers and every subprocess, compiles each program once. It is
+# removed at the end of the run, so a run never reads a previous run's programs. A
+# caller's own JAX_COMPILATION_CACHE_DIR wins.
+_OWN_CACHE = "JAX_COMPILATION_CACHE_DIR" not in os.environ
+if _OWN_CACHE:
+    import tempfile
+
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jspec-tests-jax-cache-")
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
+    _CACHE_OWNER = os.getpid()
+
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -147,3 +162,11 @@ def qkv_inputs(rng, m: int, hq: int, hk: int, hd: int):
     ang = rng.uniform(0, 6, (m, hd // 2))
     return qkv, qw, kw, jnp.asarray(np.cos(ang), jnp.float32), jnp.asarray(np.sin(ang),
                                                                           jnp.float32)
+
+
+def pytest_unconfigure(config):
+    """The process that made this run's compilation cache removes it."""
+    if _OWN_CACHE and os.getpid() == _CACHE_OWNER:
+        import shutil
+
+        shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)

@@ -37,6 +37,12 @@ def case(request):
     return with_config(model, attn_split=SPLIT, attn_split_rows=rows), seq
 
 
+# Gemma 3 (windows, softcap, q/k norm) by default; the plain case in the slow run with the
+# 32-row tile (the other tests of this file keep both models).
+@pytest.mark.parametrize("case", [("gemma3", None),
+                                  pytest.param(("tiny-qwen3", None), marks=pytest.mark.slow),
+                                  pytest.param(("tiny-qwen3", 32), marks=pytest.mark.slow)],
+                         indirect=True, ids=("gemma3", "tiny-qwen3", "tiny-qwen3-rows32"))
 def test_split_logits_schedule_invariant(case):
     model, seq = case
     want = parity.schedule_logits(model, [seq], parity.prefill_schedule(N), MAX_LEN, seed=1)[0]

@@ -91,7 +91,7 @@ def test_eval_pair_smoke(tmp_path):
     assert (tmp_path / "eval_pair_cpu_smoke.png").exists()
 
 
-def test_profile_step_summarizes_a_device_timeline_and_runs(tmp_path):
+def test_profile_step_summarizes_a_device_timeline():
     sys.path.insert(0, os.path.join(ROOT, "experiments"))
     import trace_tools
 
@@ -111,6 +111,9 @@ def test_profile_step_summarizes_a_device_timeline_and_runs(tmp_path):
     assert s["top"][0]["op"] == "jit(decode_loop)/while/body/pallas_call"
     assert trace_tools.summarize([], 1, 5)["device_events"] == 0
 
+
+@pytest.mark.slow  # a profiling script's run (its summary is checked above)
+def test_profile_step_runs(tmp_path):
     r = _run("profile_step.py", "--target=tiny-qwen3", "--draft=tiny-qwen3:1", "--prompt_len=8",
              "--steps=3", "--iters=1", "--backends=xla", "--workloads=serial,spec",
              f"--out={tmp_path}")
@@ -122,7 +125,7 @@ def test_profile_step_summarizes_a_device_timeline_and_runs(tmp_path):
     assert all("gpu" in x for x in rep["runs"])  # the GPU's clocks (a CPU: unavailable)
 
 
-def test_hlo_kernels_matches_kernels_to_their_hlo_and_runs(tmp_path):
+def test_hlo_kernels_matches_kernels_to_their_hlo():
     sys.path.insert(0, os.path.join(ROOT, "experiments"))
     import hlo_kernels
 
@@ -150,6 +153,9 @@ calls=%fused_computation.7, metadata={op_name="jit(f)/layer_3/attn/reduce_max"}
     assert hlo_kernels.describe("no_such_kernel", lines, comps) == {"instruction": "",
                                                                     "op_name": ""}
 
+
+@pytest.mark.slow  # a profiling script's run (its HLO matching is checked above)
+def test_hlo_kernels_runs(tmp_path):
     r = _run("hlo_kernels.py", "--preset=tiny-qwen3", "--context=16", "--iters=1",
              "--backends=xla", f"--out={tmp_path}")
     assert r.returncode == 0, r.stderr[-2000:]
@@ -158,6 +164,7 @@ calls=%fused_computation.7, metadata={op_name="jit(f)/layer_3/attn/reduce_max"}
     assert (tmp_path / "hlo_kernels_tiny-qwen3_xla.hlo.txt.gz").exists()
 
 
+@pytest.mark.slow  # a sweep script
 def test_sweep_schedule_smoke(tmp_path):
     r = _run("sweep_schedule.py", "--interpret", "--preset=tiny-qwen3", "--rows=1,40",
              "--shapes=wo,w_gate_up:glu", "--max_candidates=3", "--iters=1",
@@ -275,6 +282,7 @@ def test_lowered_ir_fingerprints(tmp_path):
     assert "+jspec_attention_combine" in other.stdout
 
 
+@pytest.mark.slow  # a profiling script of the draft alone
 def test_bench_draft_smoke(tmp_path):
     r = _run("bench_draft.py", "--draft=tiny-qwen3:1", "--context=16", "--rounds=2",
              "--iters=1", "--variants=/xla_two_rows=1,kv_dus=1", f"--out={tmp_path}")

@@ -247,6 +247,7 @@ def test_split_k_combines_chunk_partials_left_to_right():
     _same_bits(matmul(x, w, interpret=INTERPRET, config=SPLIT), want, "split-K combine order")
 
 
+@pytest.mark.slow  # a sweep script
 def test_sweep_matmul_cli_smoke(tmp_path):
     # Interpret-mode smoke run of the GPU tuning sweep (its timings mean nothing here).
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
