@@ -10,7 +10,8 @@ forwards (2 layers; the tuned matmul table, multi-tile schedules with 64-row til
 masked row tiles, split-KV attention, every speed option) at decode, verify and
 prefill shapes, B = 1 and 8; the fused draft forward (`draft_fused`) of Qwen3-0.6B and
 Gemma-3-4B shapes; the logsumexp kernel; the experiment kernels of
-`launch_floor.py`, `persistent_floor.py` and `barrier_check.py`. Shared memory limits and register
+`launch_floor.py`, `persistent_floor.py`, `barrier_check.py` and `mgpu_barrier.py` (a
+Mosaic GPU kernel: its global semaphores have no interpret mode). Shared memory limits and register
 spills are checked by the Triton compiler on the device, not here.
 """
 
@@ -184,9 +185,20 @@ for spin in ("volatile", "atomic"):
 print("lowered: barrier_check")
 """
 
+_MGPU_BARRIER = _EXPERIMENT + """
+import mgpu_barrier as mb
+flags.FLAGS(["x"])
+for scope in ("gpu", "sys"):
+    text = mb.barrier_kernel(132, 8, scope).trace().lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("mosaic_gpu_v2") == 1, scope
+print("lowered: mgpu_barrier")
+"""
 
-@pytest.mark.parametrize("script", [_LAUNCH_FLOOR, _PERSISTENT_FLOOR, _BARRIER_CHECK],
-                         ids=["launch_floor", "persistent_floor", "barrier_check"])
+
+@pytest.mark.parametrize("script", [_LAUNCH_FLOOR, _PERSISTENT_FLOOR, _BARRIER_CHECK,
+                                    _MGPU_BARRIER],
+                         ids=["launch_floor", "persistent_floor", "barrier_check",
+                              "mgpu_barrier"])
 def test_experiment_kernels_lower_for_the_h200(script):
     # In a subprocess each: the scripts define absl flags of the same names.
     r = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True,

@@ -1,0 +1,112 @@
+"""What one grid-wide barrier costs in a Mosaic GPU kernel on this GPU.
+
+  python experiments/mgpu_barrier.py --out=experiments/results      # H200
+
+A persistent draft forward would separate its dependent steps (five a layer) by grid
+barriers; `barrier_check.py` measured Triton's (1.76 us a round at 132 programs, with a
+row written and every row read back). This is the Mosaic GPU one, alone: one
+`plgpu.kernel` of P blocks (all resident: P up to the SM count x 2) runs R rounds; in
+round r every block signals one global semaphore (`pl.get_global`) and waits until it
+reads P x (r + 1) (no decrement: the counter only grows), so no block starts round r + 1
+before every block has arrived at round r. At the end block 0 waits for the other
+blocks' exit signals and subtracts P x R, leaving the semaphore at 0 for the next launch
+(global semaphores persist across launches). A round's cost is the difference of two
+kernels' times (2R and R rounds, medians of --iters host-timed calls each, so launch and
+host costs cancel) over R. Both memory scopes of the atomics ("gpu", "sys"). Writes
+`mgpu_barrier[_tag].json`.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
+from receipts import write_receipt  # noqa: E402
+
+_BLOCKS = flags.DEFINE_list("blocks", ["sms", "2sms"], "blocks per kernel: a number, "
+                            "'sms' (the SM count) or '2sms'")
+_SCOPES = flags.DEFINE_list("scopes", ["gpu", "sys"], "memory scopes of the atomics")
+_ROUNDS = flags.DEFINE_integer("rounds", 2000, "R: barriers in the shorter kernel")
+_ITERS = flags.DEFINE_integer("iters", 20, "timed calls per kernel (median)")
+_TAG = flags.DEFINE_string("tag", "", "receipt name suffix")
+_OUT = flags.DEFINE_string("out", os.environ.get("OUT", "experiments/results"), "receipt dir")
+
+
+def barrier_kernel(blocks: int, rounds: int, scope: str):
+    """() -> [128] f32 (block 0 writes `rounds`): `rounds` grid barriers of `blocks`."""
+
+    def body(out_ref):
+        sem = pl.get_global(plgpu.SemaphoreType.REGULAR)
+        done = pl.get_global(plgpu.SemaphoreType.REGULAR)
+        block = lax.axis_index("x")
+
+        def one_round(r, carry):
+            plgpu.semaphore_signal(sem, 1, memory_scope=scope)
+            plgpu.semaphore_wait(sem, blocks * (r + 1), decrement=False, memory_scope=scope)
+            return carry
+
+        lax.fori_loop(0, rounds, one_round, jnp.int32(0))
+
+        @pl.when(block != 0)
+        def _():
+            plgpu.semaphore_signal(done, 1, memory_scope=scope)
+
+        @pl.when(block == 0)
+        def _():
+            plgpu.semaphore_wait(done, blocks - 1, memory_scope=scope)  # back to 0
+            plgpu.semaphore_signal(sem, -blocks * rounds, memory_scope=scope)  # back to 0
+            out_ref[...] = jnp.full((128,), float(rounds), jnp.float32)
+
+    return jax.jit(plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((128,), jnp.float32),
+                                grid=(blocks,), grid_names=("x",)))
+
+
+def timed(f, iters: int) -> float:
+    jax.block_until_ready(f())  # compile + warm up
+    ts = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        jax.block_until_ready(f())
+        ts.append(time.perf_counter() - t)
+    return float(np.median(ts))
+
+
+def main(_):
+    sms = jax.devices()[0].core_count
+    rows = []
+    for b in _BLOCKS.value:
+        blocks = sms if b == "sms" else 2 * sms if b == "2sms" else int(b)
+        if blocks < 1:
+            raise ValueError(f"--blocks: {b} gives {blocks} blocks")
+        for scope in _SCOPES.value:
+            R = _ROUNDS.value
+            short, long_ = barrier_kernel(blocks, R, scope), barrier_kernel(blocks, 2 * R, scope)
+            outs = [float(np.asarray(k())[0]) for k in (short, long_)]
+            t1, t2 = timed(short, _ITERS.value), timed(long_, _ITERS.value)
+            row = {"blocks": blocks, "scope": scope, "rounds": [R, 2 * R],
+                   "seconds": [t1, t2], "us_per_barrier": (t2 - t1) / R * 1e6,
+                   "ran_to_the_end": outs == [float(R), float(2 * R)]}
+            rows.append(row)
+            print(f"{blocks:4d} blocks  scope {scope:3s}  {row['us_per_barrier']:6.3f} us a barrier"
+                  f"  (kernel {t1 * 1e3:.3f} / {t2 * 1e3:.3f} ms; ran to the end: "
+                  f"{row['ran_to_the_end']})", flush=True)
+    path = write_receipt(_OUT.value, "mgpu_barrier", _TAG.value,
+                         {"command": " ".join(["python3"] + sys.argv),
+                          "device": jax.devices()[0].device_kind, "sms": sms,
+                          "jax": jax.__version__, "iters": _ITERS.value, "results": rows})
+    print("receipt:", path)
+
+
+if __name__ == "__main__":
+    app.run(main)
