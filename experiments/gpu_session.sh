@@ -70,12 +70,16 @@
 # XLA_FLAGS set by the caller reach every step.
 # With lanes (`::`), lane i runs on GPU i (CUDA_VISIBLE_DEVICES=i) in parallel, logs to
 # $OUT/lane<i>.log, and every receipt is packed into $OUT/receipts.tgz at the end (only a
-# few files travel back from a device call).
+# few files travel back from a device call); one call alone packs them too when there
+# are more than 8. Both only pack an $OUT that was empty when the call started.
 # Each step has its own time limit so a slow one cannot eat the others'.
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-experiments/results}
 mkdir -p "$OUT"
+# Packing (below) replaces $OUT's files by one archive: only for an $OUT that starts empty
+# (a device call's), never for a folder of earlier receipts.
+fresh_out=$([ -z "$(find "$OUT" -mindepth 1 -maxdepth 1 | head -1)" ] && echo 1 || echo "")
 if [[ " $* " == *" :: "* ]]; then  # lanes: one per GPU, in parallel
   lanes=() cur=""
   for a in "$@"; do
@@ -84,13 +88,15 @@ if [[ " $* " == *" :: "* ]]; then  # lanes: one per GPU, in parallel
   lanes+=("$cur")
   for i in "${!lanes[@]}"; do
     # shellcheck disable=SC2086
-    CUDA_VISIBLE_DEVICES=$i bash "$0" ${lanes[$i]} > "$OUT/lane$i.log" 2>&1 &
+    CUDA_VISIBLE_DEVICES=$i GPU_SESSION_LANE=$i bash "$0" ${lanes[$i]} > "$OUT/lane$i.log" 2>&1 &
   done
   wait
   for i in "${!lanes[@]}"; do echo "##### lane $i (GPU $i):${lanes[$i]}"; cat "$OUT/lane$i.log"; done
-  tar -C "$OUT" -czf /tmp/receipts.tgz --exclude='lane*.log' . && mv /tmp/receipts.tgz "$OUT/"
-  find "$OUT" -mindepth 1 -maxdepth 1 ! -name receipts.tgz ! -name 'lane*.log' \
-    -exec rm -rf {} +
+  if [ -n "$fresh_out" ]; then
+    tar -C "$OUT" -czf /tmp/receipts.tgz --exclude='lane*.log' . && mv /tmp/receipts.tgz "$OUT/"
+    find "$OUT" -mindepth 1 -maxdepth 1 ! -name receipts.tgz ! -name 'lane*.log' \
+      -exec rm -rf {} +
+  fi
   exit 0
 fi
 steps=${*:-parity audit kernels spec}
@@ -224,5 +230,12 @@ done
 # Many small files do not travel back well: pack the trained pair into one archive.
 if [ -d "$OUT/codepair" ]; then
   tar -C "$OUT" -czf "$OUT/codepair.tgz" codepair && rm -rf "$OUT/codepair"
+fi
+# A device call brings back at most 8 files: with more, one call alone (not a lane, which
+# the lanes' end packs) packs them all into receipts.tgz.
+if [ -n "$fresh_out" ] && [ -z "${GPU_SESSION_LANE:-}" ] \
+    && [ "$(find "$OUT" -mindepth 1 -maxdepth 1 | wc -l)" -gt 8 ]; then
+  tar -C "$OUT" -czf /tmp/receipts.tgz . && mv /tmp/receipts.tgz "$OUT/"
+  find "$OUT" -mindepth 1 -maxdepth 1 ! -name receipts.tgz -exec rm -rf {} +
 fi
 true
