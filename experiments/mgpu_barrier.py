@@ -12,8 +12,11 @@ before every block has arrived at round r. At the end block 0 waits for the othe
 blocks' exit signals and subtracts P x R, leaving the semaphore at 0 for the next launch
 (global semaphores persist across launches). A round's cost is the difference of two
 kernels' times (2R and R rounds, medians of --iters host-timed calls each, so launch and
-host costs cancel) over R. Both memory scopes of the atomics ("gpu", "sys"). Writes
-`mgpu_barrier[_tag].json`.
+host costs cancel) over R. Both memory scopes of the atomics ("gpu", "sys"). With
+`--kinds=exchange` each round also moves data as a persistent step must: every block
+stores a row by TMA, passes the barrier, loads all rows back by TMA and checks their sum
+(`barrier_check.py`'s test, Mosaic GPU's fences), so its cost is a step's floor and its
+bad rounds say whether the barrier orders TMA traffic. Writes `mgpu_barrier[_tag].json`.
 """
 
 from __future__ import annotations
@@ -37,6 +40,9 @@ from receipts import write_receipt  # noqa: E402
 _BLOCKS = flags.DEFINE_list("blocks", ["sms", "2sms"], "blocks per kernel: a number, "
                             "'sms' (the SM count) or '2sms'")
 _SCOPES = flags.DEFINE_list("scopes", ["gpu", "sys"], "memory scopes of the atomics")
+_KINDS = flags.DEFINE_list("kinds", ["barrier", "exchange"], "barrier: the barrier alone; "
+                           "exchange: each round also stores a row and loads all rows back "
+                           "(TMA), checked (blocks <= 256: one TMA box)")
 _ROUNDS = flags.DEFINE_integer("rounds", 2000, "R: barriers in the shorter kernel")
 _ITERS = flags.DEFINE_integer("iters", 20, "timed calls per kernel (median)")
 _TAG = flags.DEFINE_string("tag", "", "receipt name suffix")
@@ -72,6 +78,64 @@ def barrier_kernel(blocks: int, rounds: int, scope: str):
                                 grid=(blocks,), grid_names=("x",)))
 
 
+def exchange_kernel(blocks: int, rounds: int, scope: str):
+    """() -> (buffer [2, blocks, 128], bad rounds [blocks, 128] f32): `rounds` barriers of
+    `blocks`, each round with a data exchange, as `barrier_check.py` does for Triton:
+    block b stores the row (r mod 7) x 1000 + b into half r mod 2 of a buffer (SMEM -> GMEM
+    by TMA), passes barrier r, loads the whole half back (TMA) and compares the column sums
+    with the exact one; every lane counts its bad rounds. (Half r mod 2: a block can only
+    store round r + 2's row after every block has arrived at barrier r + 1, i.e. has
+    loaded round r's half.)"""
+    width = 128
+    total = float(blocks * (blocks - 1) // 2)
+
+    def body(buf_ref, bad_ref, row_smem, all_smem, bad_smem, tma_bar):
+        sem = pl.get_global(plgpu.SemaphoreType.REGULAR)
+        done = pl.get_global(plgpu.SemaphoreType.REGULAR)
+        block = lax.axis_index("x")
+        bad_smem[...] = jnp.zeros((width,), jnp.float32)
+
+        def one_round(r, carry):
+            half = lax.rem(r, 2)
+            tag = lax.rem(r, 7).astype(jnp.float32) * 1000.0
+            row_smem[...] = jnp.full((width,), tag + block.astype(jnp.float32), jnp.float32)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(row_smem, buf_ref.at[half, block])
+            plgpu.wait_smem_to_gmem(0)
+            plgpu.semaphore_signal(sem, 1, memory_scope=scope)
+            plgpu.semaphore_wait(sem, blocks * (r + 1), decrement=False, memory_scope=scope)
+            plgpu.copy_gmem_to_smem(buf_ref.at[half], all_smem, tma_bar)
+            plgpu.barrier_wait(tma_bar)
+            acc = jnp.zeros((width,), jnp.float32)
+            for i in range(blocks):
+                acc = acc + all_smem[i]
+            want = jnp.full((width,), tag * blocks + total, jnp.float32)
+            bad_smem[...] = bad_smem[...] + jnp.where(acc != want, 1.0, 0.0)
+            return carry
+
+        lax.fori_loop(0, rounds, one_round, jnp.int32(0))
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(bad_smem, bad_ref.at[block])
+        plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(block != 0)
+        def _():
+            plgpu.semaphore_signal(done, 1, memory_scope=scope)
+
+        @pl.when(block == 0)
+        def _():
+            plgpu.semaphore_wait(done, blocks - 1, memory_scope=scope)
+            plgpu.semaphore_signal(sem, -blocks * rounds, memory_scope=scope)
+
+    f32 = jnp.float32
+    return jax.jit(plgpu.kernel(
+        body, out_type=(jax.ShapeDtypeStruct((2, blocks, width), f32),
+                        jax.ShapeDtypeStruct((blocks, width), f32)),
+        scratch_types=[plgpu.SMEM((width,), f32), plgpu.SMEM((blocks, width), f32),
+                       plgpu.SMEM((width,), f32), plgpu.Barrier()],
+        grid=(blocks,), grid_names=("x",)))
+
+
 def timed(f, iters: int) -> float:
     jax.block_until_ready(f())  # compile + warm up
     ts = []
@@ -82,25 +146,42 @@ def timed(f, iters: int) -> float:
     return float(np.median(ts))
 
 
+def measure(kind: str, blocks: int, scope: str, R: int) -> dict:
+    make = barrier_kernel if kind == "barrier" else exchange_kernel
+    short, long_ = make(blocks, R, scope), make(blocks, 2 * R, scope)
+    t1, t2 = timed(short, _ITERS.value), timed(long_, _ITERS.value)
+    row = {"kind": kind, "blocks": blocks, "scope": scope, "rounds": [R, 2 * R],
+           "seconds": [t1, t2], "us_per_round": (t2 - t1) / R * 1e6}
+    if kind == "barrier":
+        outs = [float(np.asarray(k())[0]) for k in (short, long_)]
+        row["ran_to_the_end"] = outs == [float(R), float(2 * R)]
+        check = f"ran to the end: {row['ran_to_the_end']}"
+    else:  # every lane of every block counts its bad rounds: all must be 0
+        bad = [np.asarray(k()[1]) for k in (short, long_)]
+        row["bad_lane_rounds"] = [int(x.sum()) for x in bad]
+        check = (f"bad lane-rounds {row['bad_lane_rounds']} of {blocks * 128 * R} / "
+                 f"{blocks * 256 * R}")
+    print(f"{kind:8s} {blocks:4d} blocks  scope {scope:3s}  {row['us_per_round']:6.3f} us a round"
+          f"  (kernel {t1 * 1e3:.3f} / {t2 * 1e3:.3f} ms; {check})", flush=True)
+    return row
+
+
 def main(_):
     sms = jax.devices()[0].core_count
     rows = []
-    for b in _BLOCKS.value:
-        blocks = sms if b == "sms" else 2 * sms if b == "2sms" else int(b)
-        if blocks < 1:
-            raise ValueError(f"--blocks: {b} gives {blocks} blocks")
-        for scope in _SCOPES.value:
-            R = _ROUNDS.value
-            short, long_ = barrier_kernel(blocks, R, scope), barrier_kernel(blocks, 2 * R, scope)
-            outs = [float(np.asarray(k())[0]) for k in (short, long_)]
-            t1, t2 = timed(short, _ITERS.value), timed(long_, _ITERS.value)
-            row = {"blocks": blocks, "scope": scope, "rounds": [R, 2 * R],
-                   "seconds": [t1, t2], "us_per_barrier": (t2 - t1) / R * 1e6,
-                   "ran_to_the_end": outs == [float(R), float(2 * R)]}
-            rows.append(row)
-            print(f"{blocks:4d} blocks  scope {scope:3s}  {row['us_per_barrier']:6.3f} us a barrier"
-                  f"  (kernel {t1 * 1e3:.3f} / {t2 * 1e3:.3f} ms; ran to the end: "
-                  f"{row['ran_to_the_end']})", flush=True)
+    unknown = sorted(set(_KINDS.value) - {"barrier", "exchange"})
+    if unknown:
+        raise ValueError(f"--kinds: unknown {unknown}")
+    for kind in _KINDS.value:
+        for b in _BLOCKS.value:
+            blocks = sms if b == "sms" else 2 * sms if b == "2sms" else int(b)
+            if blocks < 1:
+                raise ValueError(f"--blocks: {b} gives {blocks} blocks")
+            if kind == "exchange" and blocks > 256:
+                print(f"exchange: {blocks} blocks skipped (one TMA box holds 256 rows)")
+                continue
+            for scope in _SCOPES.value:
+                rows.append(measure(kind, blocks, scope, _ROUNDS.value))
     path = write_receipt(_OUT.value, "mgpu_barrier", _TAG.value,
                          {"command": " ".join(["python3"] + sys.argv),
                           "device": jax.devices()[0].device_kind, "sms": sms,

@@ -188,9 +188,10 @@ print("lowered: barrier_check")
 _MGPU_BARRIER = _EXPERIMENT + """
 import mgpu_barrier as mb
 flags.FLAGS(["x"])
-for scope in ("gpu", "sys"):
-    text = mb.barrier_kernel(132, 8, scope).trace().lower(lowering_platforms=("cuda",)).as_text()
-    assert text.count("mosaic_gpu_v2") == 1, scope
+for make in (mb.barrier_kernel, mb.exchange_kernel):
+    for scope in ("gpu", "sys"):
+        text = make(132, 8, scope).trace().lower(lowering_platforms=("cuda",)).as_text()
+        assert text.count("mosaic_gpu_v2") == 1, (make, scope)
 print("lowered: mgpu_barrier")
 """
 
