@@ -43,6 +43,8 @@ _SCOPES = flags.DEFINE_list("scopes", ["gpu", "sys"], "memory scopes of the atom
 _KINDS = flags.DEFINE_list("kinds", ["barrier", "exchange"], "barrier: the barrier alone; "
                            "exchange: each round also stores a row and loads all rows back "
                            "(TMA), checked (blocks <= 256: one TMA box)")
+_READ_ROWS = flags.DEFINE_list("read_rows", ["all"], "exchange: rows loaded back a round "
+                               "('all', or a number: 8 = 4 KB, a 1024-wide f32 vector)")
 _ROUNDS = flags.DEFINE_integer("rounds", 2000, "R: barriers in the shorter kernel")
 _ITERS = flags.DEFINE_integer("iters", 20, "timed calls per kernel (median)")
 _TAG = flags.DEFINE_string("tag", "", "receipt name suffix")
@@ -78,16 +80,20 @@ def barrier_kernel(blocks: int, rounds: int, scope: str):
                                 grid=(blocks,), grid_names=("x",)))
 
 
-def exchange_kernel(blocks: int, rounds: int, scope: str):
+def exchange_kernel(blocks: int, rounds: int, scope: str, read_rows: int | None = None):
     """() -> (buffer [2, blocks, 128], bad rounds [blocks, 128] f32): `rounds` barriers of
     `blocks`, each round with a data exchange, as `barrier_check.py` does for Triton:
     block b stores the row (r mod 7) x 1000 + b into half r mod 2 of a buffer (SMEM -> GMEM
     by TMA), passes barrier r, loads the whole half back (TMA) and compares the column sums
     with the exact one; every lane counts its bad rounds. (Half r mod 2: a block can only
     store round r + 2's row after every block has arrived at barrier r + 1, i.e. has
-    loaded round r's half.)"""
+    loaded round r's half.) `read_rows`: load and check only the first rows (all: None),
+    e.g. 8 rows = 4 KB, a 1024-wide f32 activation."""
     width = 128
-    total = float(blocks * (blocks - 1) // 2)
+    n = blocks if read_rows is None else read_rows
+    if not 1 <= n <= min(blocks, 256):
+        raise ValueError(f"read_rows must lie in [1, {min(blocks, 256)}]; got {n}")
+    total = float(n * (n - 1) // 2)
 
     def body(buf_ref, bad_ref, row_smem, all_smem, bad_smem, tma_bar):
         sem = pl.get_global(plgpu.SemaphoreType.REGULAR)
@@ -104,12 +110,12 @@ def exchange_kernel(blocks: int, rounds: int, scope: str):
             plgpu.wait_smem_to_gmem(0)
             plgpu.semaphore_signal(sem, 1, memory_scope=scope)
             plgpu.semaphore_wait(sem, blocks * (r + 1), decrement=False, memory_scope=scope)
-            plgpu.copy_gmem_to_smem(buf_ref.at[half], all_smem, tma_bar)
+            plgpu.copy_gmem_to_smem(buf_ref.at[half, pl.ds(0, n)], all_smem, tma_bar)
             plgpu.barrier_wait(tma_bar)
             acc = jnp.zeros((width,), jnp.float32)
-            for i in range(blocks):
+            for i in range(n):
                 acc = acc + all_smem[i]
-            want = jnp.full((width,), tag * blocks + total, jnp.float32)
+            want = jnp.full((width,), tag * n + total, jnp.float32)
             bad_smem[...] = bad_smem[...] + jnp.where(acc != want, 1.0, 0.0)
             return carry
 
@@ -131,7 +137,7 @@ def exchange_kernel(blocks: int, rounds: int, scope: str):
     return jax.jit(plgpu.kernel(
         body, out_type=(jax.ShapeDtypeStruct((2, blocks, width), f32),
                         jax.ShapeDtypeStruct((blocks, width), f32)),
-        scratch_types=[plgpu.SMEM((width,), f32), plgpu.SMEM((blocks, width), f32),
+        scratch_types=[plgpu.SMEM((width,), f32), plgpu.SMEM((n, width), f32),
                        plgpu.SMEM((width,), f32), plgpu.Barrier()],
         grid=(blocks,), grid_names=("x",)))
 
@@ -146,11 +152,14 @@ def timed(f, iters: int) -> float:
     return float(np.median(ts))
 
 
-def measure(kind: str, blocks: int, scope: str, R: int) -> dict:
-    make = barrier_kernel if kind == "barrier" else exchange_kernel
-    short, long_ = make(blocks, R, scope), make(blocks, 2 * R, scope)
+def measure(kind: str, blocks: int, scope: str, R: int, read_rows: int | None) -> dict:
+    if kind == "barrier":
+        short, long_ = barrier_kernel(blocks, R, scope), barrier_kernel(blocks, 2 * R, scope)
+    else:
+        short, long_ = (exchange_kernel(blocks, r, scope, read_rows) for r in (R, 2 * R))
     t1, t2 = timed(short, _ITERS.value), timed(long_, _ITERS.value)
     row = {"kind": kind, "blocks": blocks, "scope": scope, "rounds": [R, 2 * R],
+           "read_rows": read_rows or (blocks if kind == "exchange" else 0),
            "seconds": [t1, t2], "us_per_round": (t2 - t1) / R * 1e6}
     if kind == "barrier":
         outs = [float(np.asarray(k())[0]) for k in (short, long_)]
@@ -159,8 +168,8 @@ def measure(kind: str, blocks: int, scope: str, R: int) -> dict:
     else:  # every lane of every block counts its bad rounds: all must be 0
         bad = [np.asarray(k()[1]) for k in (short, long_)]
         row["bad_lane_rounds"] = [int(x.sum()) for x in bad]
-        check = (f"bad lane-rounds {row['bad_lane_rounds']} of {blocks * 128 * R} / "
-                 f"{blocks * 256 * R}")
+        check = (f"reads {row['read_rows']} rows; bad lane-rounds {row['bad_lane_rounds']} "
+                 f"of {blocks * 128 * R} / {blocks * 256 * R}")
     print(f"{kind:8s} {blocks:4d} blocks  scope {scope:3s}  {row['us_per_round']:6.3f} us a round"
           f"  (kernel {t1 * 1e3:.3f} / {t2 * 1e3:.3f} ms; {check})", flush=True)
     return row
@@ -181,7 +190,9 @@ def main(_):
                 print(f"exchange: {blocks} blocks skipped (one TMA box holds 256 rows)")
                 continue
             for scope in _SCOPES.value:
-                rows.append(measure(kind, blocks, scope, _ROUNDS.value))
+                for rr in _READ_ROWS.value if kind == "exchange" else ["all"]:
+                    n = None if rr == "all" else int(rr)
+                    rows.append(measure(kind, blocks, scope, _ROUNDS.value, n))
     path = write_receipt(_OUT.value, "mgpu_barrier", _TAG.value,
                          {"command": " ".join(["python3"] + sys.argv),
                           "device": jax.devices()[0].device_kind, "sms": sms,
