@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -36,6 +35,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 from receipts import write_receipt  # noqa: E402
+from timing import median_time  # noqa: E402
 
 _BLOCKS = flags.DEFINE_list("blocks", ["sms", "2sms"], "blocks per kernel: a number, "
                             "'sms' (the SM count) or '2sms'")
@@ -51,6 +51,26 @@ _TAG = flags.DEFINE_string("tag", "", "receipt name suffix")
 _OUT = flags.DEFINE_string("out", os.environ.get("OUT", "experiments/results"), "receipt dir")
 
 
+def _grid_barrier(sem, blocks: int, r, scope: str):
+    """Barrier r: arrive (add 1), then wait until all blocks have arrived r + 1 times."""
+    plgpu.semaphore_signal(sem, 1, memory_scope=scope)
+    plgpu.semaphore_wait(sem, blocks * (r + 1), decrement=False, memory_scope=scope)
+
+
+def _restore(sem, done, block, blocks: int, rounds: int, scope: str):
+    """After the last barrier: block 0 waits for every other block's exit signal (which
+    leaves `done` at 0) and takes blocks x rounds off `sem` (0 again for the next launch)."""
+
+    @pl.when(block != 0)
+    def _():
+        plgpu.semaphore_signal(done, 1, memory_scope=scope)
+
+    @pl.when(block == 0)
+    def _():
+        plgpu.semaphore_wait(done, blocks - 1, memory_scope=scope)
+        plgpu.semaphore_signal(sem, -blocks * rounds, memory_scope=scope)
+
+
 def barrier_kernel(blocks: int, rounds: int, scope: str):
     """() -> [128] f32 (block 0 writes `rounds`): `rounds` grid barriers of `blocks`."""
 
@@ -60,20 +80,14 @@ def barrier_kernel(blocks: int, rounds: int, scope: str):
         block = lax.axis_index("x")
 
         def one_round(r, carry):
-            plgpu.semaphore_signal(sem, 1, memory_scope=scope)
-            plgpu.semaphore_wait(sem, blocks * (r + 1), decrement=False, memory_scope=scope)
+            _grid_barrier(sem, blocks, r, scope)
             return carry
 
         lax.fori_loop(0, rounds, one_round, jnp.int32(0))
-
-        @pl.when(block != 0)
-        def _():
-            plgpu.semaphore_signal(done, 1, memory_scope=scope)
+        _restore(sem, done, block, blocks, rounds, scope)
 
         @pl.when(block == 0)
-        def _():
-            plgpu.semaphore_wait(done, blocks - 1, memory_scope=scope)  # back to 0
-            plgpu.semaphore_signal(sem, -blocks * rounds, memory_scope=scope)  # back to 0
+        def _():  # after the restore: the kernel ran to its end
             out_ref[...] = jnp.full((128,), float(rounds), jnp.float32)
 
     return jax.jit(plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((128,), jnp.float32),
@@ -108,8 +122,7 @@ def exchange_kernel(blocks: int, rounds: int, scope: str, read_rows: int | None 
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(row_smem, buf_ref.at[half, block])
             plgpu.wait_smem_to_gmem(0)
-            plgpu.semaphore_signal(sem, 1, memory_scope=scope)
-            plgpu.semaphore_wait(sem, blocks * (r + 1), decrement=False, memory_scope=scope)
+            _grid_barrier(sem, blocks, r, scope)
             plgpu.copy_gmem_to_smem(buf_ref.at[half, pl.ds(0, n)], all_smem, tma_bar)
             plgpu.barrier_wait(tma_bar)
             acc = jnp.zeros((width,), jnp.float32)
@@ -123,15 +136,7 @@ def exchange_kernel(blocks: int, rounds: int, scope: str, read_rows: int | None 
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(bad_smem, bad_ref.at[block])
         plgpu.wait_smem_to_gmem(0)
-
-        @pl.when(block != 0)
-        def _():
-            plgpu.semaphore_signal(done, 1, memory_scope=scope)
-
-        @pl.when(block == 0)
-        def _():
-            plgpu.semaphore_wait(done, blocks - 1, memory_scope=scope)
-            plgpu.semaphore_signal(sem, -blocks * rounds, memory_scope=scope)
+        _restore(sem, done, block, blocks, rounds, scope)
 
     f32 = jnp.float32
     return jax.jit(plgpu.kernel(
@@ -142,22 +147,12 @@ def exchange_kernel(blocks: int, rounds: int, scope: str, read_rows: int | None 
         grid=(blocks,), grid_names=("x",)))
 
 
-def timed(f, iters: int) -> float:
-    jax.block_until_ready(f())  # compile + warm up
-    ts = []
-    for _ in range(iters):
-        t = time.perf_counter()
-        jax.block_until_ready(f())
-        ts.append(time.perf_counter() - t)
-    return float(np.median(ts))
-
-
 def measure(kind: str, blocks: int, scope: str, R: int, read_rows: int | None) -> dict:
     if kind == "barrier":
         short, long_ = barrier_kernel(blocks, R, scope), barrier_kernel(blocks, 2 * R, scope)
     else:
         short, long_ = (exchange_kernel(blocks, r, scope, read_rows) for r in (R, 2 * R))
-    t1, t2 = timed(short, _ITERS.value), timed(long_, _ITERS.value)
+    t1, t2 = (median_time(k, iters=_ITERS.value, warmup=1) for k in (short, long_))
     row = {"kind": kind, "blocks": blocks, "scope": scope, "rounds": [R, 2 * R],
            "read_rows": read_rows or (blocks if kind == "exchange" else 0),
            "seconds": [t1, t2], "us_per_round": (t2 - t1) / R * 1e6}
