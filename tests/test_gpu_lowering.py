@@ -10,9 +10,10 @@ forwards (2 layers; the tuned matmul table, multi-tile schedules with 64-row til
 masked row tiles, split-KV attention, every speed option) at decode, verify and
 prefill shapes, B = 1 and 8; the fused draft forward (`draft_fused`) of Qwen3-0.6B and
 Gemma-3-4B shapes; the logsumexp kernel; the experiment kernels of
-`launch_floor.py`, `persistent_floor.py`, `barrier_check.py` and `mgpu_barrier.py` (a
-Mosaic GPU kernel: its global semaphores have no interpret mode). Shared memory limits and register
-spills are checked by the Triton compiler on the device, not here.
+`launch_floor.py`, `persistent_floor.py`, `barrier_check.py`, and the Mosaic GPU kernels
+of `mgpu_barrier.py` and `mgpu_stream.py` (their global semaphores have no interpret
+mode). Shared memory limits and register spills are checked by the Triton compiler on the
+device, not here.
 """
 
 import functools
@@ -195,11 +196,23 @@ for make in (mb.barrier_kernel, mb.exchange_kernel):
 print("lowered: mgpu_barrier")
 """
 
+_MGPU_STREAM = _EXPERIMENT + """
+import mgpu_stream as ms
+flags.FLAGS(["x"])
+for kw in (dict(compute="fma", exchange="tma", refill="late"),
+           dict(compute="none", exchange="lsu", producer=True, l2_ahead=12, steps="one"),
+           dict(compute="none", sync=False)):
+    fn, total = ms.stream_kernel(132, 2, True, 8, **kw)
+    w = jax.ShapeDtypeStruct((132, total, 64, ms.COLS), jnp.bfloat16)
+    assert fn.trace(w).lower(lowering_platforms=("cuda",)).as_text().count("mosaic_gpu_v2") == 1
+print("lowered: mgpu_stream")
+"""
+
 
 @pytest.mark.parametrize("script", [_LAUNCH_FLOOR, _PERSISTENT_FLOOR, _BARRIER_CHECK,
-                                    _MGPU_BARRIER],
+                                    _MGPU_BARRIER, _MGPU_STREAM],
                          ids=["launch_floor", "persistent_floor", "barrier_check",
-                              "mgpu_barrier"])
+                              "mgpu_barrier", "mgpu_stream"])
 def test_experiment_kernels_lower_for_the_h200(script):
     # In a subprocess each: the scripts define absl flags of the same names.
     r = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True,
