@@ -56,6 +56,12 @@ def test_split_logits_schedule_invariant(case):
     assert np.array_equal(bits(bigger), bits(want)), "cache capacity x2"
 
 
+# One model a test for the next two (each kept by the other in the default run; both in
+# the slow run).
+@pytest.mark.parametrize("case", [pytest.param(("tiny-qwen3", None), marks=pytest.mark.slow),
+                                  ("gemma3", None),
+                                  pytest.param(("tiny-qwen3", 32), marks=pytest.mark.slow)],
+                         indirect=True, ids=("tiny-qwen3", "gemma3", "tiny-qwen3-rows32"))
 def test_split_row_alone_equals_row_in_ragged_batch(case):
     model, seq = case
     rng = np.random.default_rng(5)
@@ -98,6 +104,10 @@ def test_split_kernels_run_and_size_is_checked(case):
             with_config(model, attn_split_rows=rows)
 
 
+@pytest.mark.parametrize("case", [("tiny-qwen3", None),
+                                  pytest.param(("gemma3", None), marks=pytest.mark.slow),
+                                  pytest.param(("tiny-qwen3", 32), marks=pytest.mark.slow)],
+                         indirect=True, ids=("tiny-qwen3", "gemma3", "tiny-qwen3-rows32"))
 def test_fused_fold_gives_the_two_kernels_bits(case):
     # attn_fused_fold: one launch whose last-arriving partition program per row tile folds
     # the partials; the same partials and fold order, so the same logits bit for bit

@@ -80,6 +80,7 @@ def test_bench_e2e_smoke(tmp_path):
     assert bad.returncode != 0 and "exceeds the draft's vocabulary (512)" in bad.stderr
 
 
+@pytest.mark.slow  # an experiment script's run; its engine calls are the default run's
 def test_eval_pair_smoke(tmp_path):
     r = _run("eval_pair.py", "--num_prompts=2", "--batch=2", "--max_new_tokens=8",
              "--gammas=2", "--policies=exact_greedy", "--iters=1", "--nopeers",
@@ -250,6 +251,7 @@ def test_barrier_check_smoke(tmp_path):
     assert bad.returncode != 0 and "interpret mode: only 1" in bad.stderr
 
 
+@pytest.mark.slow  # an experiment script's run; test_row_group proves its option check
 def test_bench_kernels_smoke(tmp_path):
     # The kernel benchmark end to end on a tiny model (CPU: host timings, f32): single
     # ops, steps at T = 1 and 2, and an option variant checked bitwise.
@@ -266,6 +268,7 @@ def test_bench_kernels_smoke(tmp_path):
     assert rep["options_bits_equal_pallas"] is True
 
 
+@pytest.mark.slow  # a tool's run; test_gpu_lowering lowers the same kernels
 def test_lowered_ir_fingerprints(tmp_path):
     # Triton kernels fingerprinted on a CPU: the same code gives the same kernels; forcing
     # split-KV into two kernels at B=1 (one launch by default) shows as that change.

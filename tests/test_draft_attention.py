@@ -102,6 +102,7 @@ def test_qk_rope_attention_refuses_what_it_cannot_take():
         qk_rope_attention(*args, cfg=AttentionConfig(48, 16, 4, 2, split=48), **kw)
 
 
+@pytest.mark.slow  # the kernel-level test above proves the same equality, case by case
 def test_one_kernel_attention_forward_matches_two_kernels():
     # draft_rope_attention on and off under split-KV: logits and caches within f32
     # rounding (the scores' two half-width dots round differently, and later layers'

@@ -137,7 +137,8 @@ def test_qk_rope_write_rotates_and_writes_in_place(batch, tokens, norm):
     assert rel(np.asarray(k)[written], np.asarray(want_k)[written]) < 1e-6
 
 
-@pytest.mark.parametrize("preset,batch", [("tiny-qwen3", 2), ("tiny-gemma3", 1)])
+@pytest.mark.parametrize("preset,batch", [
+    ("tiny-qwen3", 2), pytest.param("tiny-gemma3", 1, marks=pytest.mark.slow)])
 def test_fused_forward_matches_the_usual_forward(preset, batch):
     # f32 on the xla backend (CPU XLA has no bf16 x bf16 -> f32 dot): the fused path
     # (1- and 2-row calls; batch 2 two-token calls take the usual path) against the

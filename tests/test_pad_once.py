@@ -55,7 +55,8 @@ def test_pad_once_removes_pad_and_slice_ops(case):
 # case without it, and runs in the slow run only.
 @pytest.mark.parametrize("case,fuse", [
     ("gemma3", False), pytest.param("gemma3", True, marks=pytest.mark.slow),
-    ("tiny-qwen3", False), ("tiny-qwen3", True)], indirect=["case"])
+    pytest.param("tiny-qwen3", False, marks=pytest.mark.slow), ("tiny-qwen3", True)],
+    indirect=["case"])
 def test_pad_once_logits_equal_default_logits(case, fuse):
     model, seq = case
     base = with_config(model, fuse_add_norm=fuse)  # ignored with (Gemma's) sandwich norms
@@ -69,6 +70,8 @@ def test_pad_once_logits_equal_default_logits(case, fuse):
         assert np.isfinite(got).all(), label
 
 
+@pytest.mark.parametrize("case", [pytest.param("gemma3", marks=pytest.mark.slow), "tiny-qwen3"],
+                         indirect=True)  # Gemma 3's pad-once logits are the test above's
 def test_pad_once_ragged_batch_equals_default(case):
     model, seq = case
     padded = with_config(model, pad_rows_once=True)

@@ -91,6 +91,14 @@ def case(request):
     return model_and_tokens(request.param, N, seed=8)
 
 
+# Gemma 3 (q/k norms, windows, softcap) by default for the two model-level equalities;
+# tiny-qwen3 and Llama 3 in the slow run (the kernel-level tests cover both norms).
+_GEMMA_BY_DEFAULT = pytest.mark.parametrize(
+    "case", [pytest.param("llama3", marks=pytest.mark.slow),
+             pytest.param("tiny-qwen3", marks=pytest.mark.slow), "gemma3"], indirect=True)
+
+
+@_GEMMA_BY_DEFAULT
 def test_fused_qk_rope_logits_equal_default(case):
     model, seq = case
     fused = with_config(model, fuse_qk_rope=True)
@@ -119,6 +127,7 @@ def test_fused_qk_rope_has_fewer_kernels(case):
     assert plain["jspec_rmsnorm"] - fused["jspec_rmsnorm"] == qk_norms, (plain, fused)
 
 
+@_GEMMA_BY_DEFAULT
 def test_all_speed_options_together_equal_default(case):
     model, seq = case
     opts = dict(fuse_qk_rope=True, pad_rows_once=True,
