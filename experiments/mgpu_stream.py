@@ -22,6 +22,12 @@ back by TMA, 8 = 4 KB: a 1024-wide f32 activation) before it may use its tiles.
   fma   every weight read from shared memory into registers and multiply-added into an
         f32 accumulator with a factor from the step's activation (a matvec's reads and
         FMAs a weight, without its cross-lane sums), reduced to the row it stores.
+Variants (flags, each a list to sweep): where the exchange's rows go (`--exchange`: TMA,
+plain global stores and loads, or none: the barrier alone), when a used slot is refilled
+(`--refill`), a second warpgroup issuing every load (`--producer`), barrier-separated
+steps a layer (`--steps`: the draft's five, one, one a tile), L2 prefetches further ahead
+than the ring (`--l2_ahead`), and each barrier replaced by a block-local delay with no
+memory traffic (`--spin`: whether the stream goes on while a block waits).
 The per-layer cost is the difference of the 28- and 14-layer kernels over 14 (medians
 of the kernels' device times from a profiler trace); `stream` runs the same tiles with
 no barrier and no exchange (the bytes alone); the full forward (28 layers + LM head) is
@@ -68,6 +74,8 @@ _STEPS = flags.DEFINE_list("steps", ["draft"], "barrier-separated steps a layer:
                            "five), one, tile (one a tile): what a barrier costs under the stream")
 _L2_AHEAD = flags.DEFINE_list("l2_ahead", ["0"], "tiles ahead of use a block prefetches into "
                               "the L2 (0: none; else > depth)")
+_SPIN = flags.DEFINE_list("spin", ["0"], "N > 0: each barrier replaced by N dependent "
+                          "multiply-adds in the block (a delay without memory traffic)")
 _SCOPE = flags.DEFINE_string("scope", "gpu", "memory scope of the barrier's atomics")
 _LAYERS = flags.DEFINE_integer("layers", 28, "layers of the full forward (Qwen3-0.6B: 28)")
 _ITERS = flags.DEFINE_integer("iters", 20, "timed calls per kernel (median)")
@@ -110,14 +118,16 @@ def _grid_barrier(sem, blocks: int, r, scope: str):
 def stream_kernel(blocks: int, layers: int, head: bool, depth: int, compute: str, *,
                   rows: int = 64, read_rows: int = 8, scope: str = "gpu", sync: bool = True,
                   exchange: str = "tma", refill: str = "early", producer: bool = False,
-                  steps: str = "draft", l2_ahead: int = 0):
+                  steps: str = "draft", l2_ahead: int = 0, spin: int = 0):
     """A jitted fn(w [blocks, T, rows, COLS] bf16) -> (exchange buffer [2, blocks, COLS] f32,
     [blocks, COLS] f32 per-block result): one persistent forward's weight stream (module
     docstring); sync=False drops every barrier and exchange (the stream alone); producer:
     a second warpgroup issues every load (it waits for the slot's release by the first),
     so the thread that passes the grid barriers never issues a weight load; l2_ahead = A >
     depth: tile t + A is also prefetched into the L2 (TMA prefetch, no shared memory) as
-    tile t is used, so the DRAM stream need not wait for the ring's slots."""
+    tile t is used, so the DRAM stream need not wait for the ring's slots; spin = N > 0:
+    each grid barrier (and exchange) replaced by a block-local delay of N dependent
+    multiply-adds, no memory traffic (does the stream go on while a block waits?)."""
     if compute not in ("none", "fma"):
         raise ValueError(f"compute must be none or fma; got {compute!r}")
     if exchange not in ("tma", "lsu", "none") or refill not in ("early", "late"):
@@ -135,14 +145,15 @@ def stream_kernel(blocks: int, layers: int, head: bool, depth: int, compute: str
     depth = min(depth, total)
     if l2_ahead and l2_ahead <= depth:
         raise ValueError(f"l2_ahead must exceed depth ({depth}) or be 0; got {l2_ahead}")
-    rounds = layers * len(per) if sync else 0
+    barrier = sync and not spin
+    rounds = layers * len(per) if barrier else 0
     f32 = jnp.float32
     tile_layout = plgpu.Layout.WG_STRIDED((rows, COLS), 8)
 
     def body(w_ref, act_ref, res_ref, ring, bars, x_smem, row_smem, xbar, *consumed):
         block = lax.axis_index("x")
-        sem = pl.get_global(plgpu.SemaphoreType.REGULAR) if sync else None
-        done = pl.get_global(plgpu.SemaphoreType.REGULAR) if sync else None
+        sem = pl.get_global(plgpu.SemaphoreType.REGULAR) if barrier else None
+        done = pl.get_global(plgpu.SemaphoreType.REGULAR) if barrier else None
         consumed = consumed[0] if producer else None
 
         def refill_slot(t):
@@ -183,7 +194,7 @@ def stream_kernel(blocks: int, layers: int, head: bool, depth: int, compute: str
         def exchange_in(r):
             """After barrier r: load the first read_rows rows of the step's output; the
             step's factor: their sum (a [COLS] vector of the first row with a producer)."""
-            if not sync or exchange == "none":
+            if not sync or spin or exchange == "none":
                 return jnp.float32(1.0)
             half = act_ref.at[lax.rem(r, 2)]
             if exchange == "tma":
@@ -201,7 +212,10 @@ def stream_kernel(blocks: int, layers: int, head: bool, depth: int, compute: str
         def exchange_out(r, row, refills):
             """Store this block's row, [refill the step's slots,] then pass barrier r."""
             row_smem[...] = row
-            if sync and exchange == "tma":
+            if spin:
+                row_smem[...] = lax.fori_loop(0, spin, lambda i, x: x * 0.999 + 0.5,
+                                              row + jnp.float32(r))
+            elif sync and exchange == "tma":
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(row_smem, act_ref.at[lax.rem(r, 2), block])
                 plgpu.wait_smem_to_gmem(0)
@@ -209,7 +223,7 @@ def stream_kernel(blocks: int, layers: int, head: bool, depth: int, compute: str
                 act_ref[lax.rem(r, 2), block] = row
             for t in refills:
                 refill_slot(t)
-            if sync:
+            if barrier:
                 _grid_barrier(sem, blocks, r, scope)
 
         def layer(li, s):
@@ -226,7 +240,7 @@ def stream_kernel(blocks: int, layers: int, head: bool, depth: int, compute: str
             return s
 
         def consume():
-            s0 = (jnp.zeros((COLS,), f32) + 1.0 if producer and sync and exchange != "none"
+            s0 = (jnp.zeros((COLS,), f32) + 1.0 if producer and barrier and exchange != "none"
                   else jnp.float32(1.0))
             s = lax.fori_loop(0, layers, layer, s0)
             if head_tiles:
@@ -238,7 +252,7 @@ def stream_kernel(blocks: int, layers: int, head: bool, depth: int, compute: str
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(row_smem, res_ref.at[block])
             plgpu.wait_smem_to_gmem(0)
-            if sync:  # leave the semaphore at 0 for the next launch
+            if barrier:  # leave the semaphore at 0 for the next launch
                 @pl.when(block != 0)
                 def _():
                     plgpu.semaphore_signal(done, 1, memory_scope=scope)
@@ -303,7 +317,7 @@ def device_seconds(fn, w, iters: int) -> tuple[float, float]:
 
 def measure(blocks: int, depth: int, compute: str, exchange: str, refill: str, layers: int,
             bw: float, stream: bool, producer: bool = False, steps: str = "draft",
-            l2_ahead: int = 0) -> dict:
+            l2_ahead: int = 0, spin: int = 0) -> dict:
     """One variant's row: us a layer (28- minus 14-layer kernel), the full forward, and with
     `stream` the same tiles without barriers or exchanges."""
     rows = _ROWS.value
@@ -311,7 +325,7 @@ def measure(blocks: int, depth: int, compute: str, exchange: str, refill: str, l
     per, head_tiles = schedule(blocks, layers, True, tile)
     layer_bytes = blocks * sum(per) * tile
     kw = dict(rows=rows, read_rows=_READ_ROWS.value, scope=_SCOPE.value, exchange=exchange,
-              refill=refill, producer=producer, steps=steps, l2_ahead=l2_ahead)
+              refill=refill, producer=producer, steps=steps, l2_ahead=l2_ahead, spin=spin)
     half = layers // 2
     kernels = {"full": (layers, True, True), "layers": (layers, False, True),
                "half": (half, False, True)}
@@ -326,6 +340,7 @@ def measure(blocks: int, depth: int, compute: str, exchange: str, refill: str, l
     us_layer = (times["layers"] - times["half"]) / (layers - half) * 1e6
     row = {"blocks": blocks, "depth": depth, "compute": compute, "exchange": exchange,
            "refill": refill, "producer": producer, "steps": steps, "l2_ahead": l2_ahead,
+           "spin": spin,
            "barriers_a_layer": len(regroup(per, steps)), "read_rows": _READ_ROWS.value,
            "tile_bytes": tile,
            "tiles_a_layer_a_block": per, "head_tiles_a_block": head_tiles,
@@ -340,7 +355,7 @@ def measure(blocks: int, depth: int, compute: str, exchange: str, refill: str, l
         extra = f"  stream only {row['us_a_layer_stream_only']:6.2f}"
     print(f"{compute:4s} depth {depth:2d} exchange {exchange:4s} refill {refill:5s} "
           f"{'producer ' if producer else ''}{'' if steps == 'draft' else 'steps ' + steps + ' '}"
-          f"{f'l2 {l2_ahead} ' if l2_ahead else ''}"
+          f"{f'l2 {l2_ahead} ' if l2_ahead else ''}{f'spin {spin} ' if spin else ''}"
           f"{us_layer:6.2f} us a layer ({row['layer_tb_s']:.2f} TB/s, "
           f"{row['fraction_of_copy_bandwidth']:.0%} of copy)  full forward "
           f"{times['full'] * 1e6:7.1f} us{extra}", flush=True)
@@ -359,14 +374,14 @@ def main(_):
     rows = []
     for c in _COMPUTE.value:
         for d in _DEPTHS.value:
-            variants = [(x, r, p == "1", st, int(a)) for a in _L2_AHEAD.value
-                        for st in _STEPS.value for p in _PRODUCER.value
-                        for x in _EXCHANGE.value for r in _REFILL.value]
-            for i, (x, r, p, st, a) in enumerate(variants):
+            variants = [(x, r, p == "1", st, int(a), int(n)) for n in _SPIN.value
+                        for a in _L2_AHEAD.value for st in _STEPS.value
+                        for p in _PRODUCER.value for x in _EXCHANGE.value for r in _REFILL.value]
+            for i, (x, r, p, st, a, n) in enumerate(variants):
                 if (p and (c != "none" or r != "early")) or (a and a <= int(d)):
                     continue
                 rows.append(measure(blocks, int(d), c, x, r, _LAYERS.value, bw,
-                                    stream=i == 0, producer=p, steps=st, l2_ahead=a))
+                                    stream=i == 0, producer=p, steps=st, l2_ahead=a, spin=n))
     path = write_receipt(_OUT.value, "mgpu_stream", _TAG.value,
                          {"command": " ".join(["python3"] + sys.argv),
                           "device": jax.devices()[0].device_kind, "sms": sms,
