@@ -201,6 +201,7 @@ import mgpu_stream as ms
 flags.FLAGS(["x"])
 for kw in (dict(compute="fma", exchange="tma", refill="late"),
            dict(compute="none", exchange="lsu", producer=True, l2_ahead=12, steps="one"),
+           dict(compute="none", exchange="none", spin=100, steps="tile"),
            dict(compute="none", sync=False)):
     fn, total = ms.stream_kernel(132, 2, True, 8, **kw)
     w = jax.ShapeDtypeStruct((132, total, 64, ms.COLS), jnp.bfloat16)
