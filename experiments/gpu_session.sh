@@ -5,7 +5,7 @@
 # Steps: parity parity_split audit audit_qwen3 audit_gemma3 audit_xla kernels
 # kernels_fused spec sweep tuned e2e e2e_b1 e2e_b8 e2e_peers e2e_draftpallas e2e_decompose train pair
 # pair_eval profile_cboff profile_default profile_cbwhile profile_draftpallas hlo schedsweep
-# floor persistent barriercheck mgpubarrier mgpustream attnsweep draft
+# floor persistent barriercheck mgpubarrier mgpustream overlap attnsweep draft
 # (default: parity audit kernels spec).
 # - sweep: the matmul tile tuning; it writes $OUT/sweep_matmul_tuned.json, and `tuned`
 #   makes the lane's later steps use that table ($JSPEC_MATMUL_TUNED) before it is
@@ -59,6 +59,8 @@
 # - mgpustream: mgpu_stream.py, a persistent Mosaic GPU kernel's weight stream through a
 #   draft forward's steps (TMA ring ahead of the grid barriers): us a layer;
 #   $MGPU_STREAM_FLAGS appended, $MGPU_STREAM_S bounds it.
+# - overlap: overlap_streams.py, the target's verify and a draft round alone, together,
+#   and with one of them under compute_on("gpu_stream:1"); $OVERLAP_FLAGS appended.
 # - barriercheck: barrier_check.py, whether grid_barrier (both polling variants) orders
 #   memory across a persistent kernel's programs; $BARRIER_FLAGS appended.
 # - attnsweep: sweep_attention.py, whether split-KV attention's warps, stages and V-tail
@@ -221,6 +223,8 @@ for s in $steps; do
               --out="$OUT" --read_rows=all,24,8 ${MGPU_BARRIER_FLAGS:-} 2>&1 | quiet | tail -16 ;;
     mgpustream) timeout "${MGPU_STREAM_S:-240}" python3 experiments/mgpu_stream.py \
               --out="$OUT" ${MGPU_STREAM_FLAGS:-} 2>&1 | quiet | tail -16 ;;
+    overlap) timeout "${OVERLAP_S:-240}" python3 experiments/overlap_streams.py \
+              --out="$OUT" ${OVERLAP_FLAGS:-} 2>&1 | quiet | tail -12 ;;
     barriercheck) timeout "${BARRIER_S:-120}" python3 experiments/barrier_check.py --out="$OUT" \
               ${BARRIER_FLAGS:-} 2>&1 | quiet | tail -12 ;;
     attnsweep) timeout "${ATTN_SWEEP_S:-300}" python3 experiments/sweep_attention.py --out="$OUT" \

@@ -296,3 +296,16 @@ def test_bench_draft_smoke(tmp_path):
     assert base["ms_per_round_host"] > 0 and len(base["drafts"]) == 2 * rep["gamma"]
     assert fast["logits_max_rel_diff"] < 1e-2  # bf16 weights, another XLA program
     assert "per round" in r.stdout
+
+
+@pytest.mark.slow  # an experiment script's run (the engine calls it makes are tested)
+def test_overlap_streams_smoke(tmp_path):
+    # Target verify and draft round alone and together; on a CPU the stream annotation
+    # lowers (its program runs on one stream there), so all four variants run.
+    r = _run("overlap_streams.py", "--target=tiny-qwen3", "--draft=tiny-qwen3:1",
+             "--context=16", "--iters=1", f"--out={tmp_path}", "--tag=smoke")
+    assert r.returncode == 0, r.stderr[-2000:]
+    rep = json.load(open(tmp_path / "overlap_streams_smoke.json"))
+    assert set(rep["rows"]) == {"verify", "draft", "together", "together_streams"}
+    assert all(row["ms"] > 0 for row in rep["rows"].values())
+    assert "hidden_fraction_of_draft_streams" in rep
