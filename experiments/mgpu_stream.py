@@ -71,7 +71,8 @@ _REFILL = flags.DEFINE_list("refill", ["early"], "when a used tile's slot is ref
 _PRODUCER = flags.DEFINE_list("producer", ["0"], "0: the consuming warpgroup issues the "
                               "loads; 1: a second warpgroup does (compute none only)")
 _STEPS = flags.DEFINE_list("steps", ["draft"], "barrier-separated steps a layer: draft (its "
-                           "five), one, tile (one a tile): what a barrier costs under the stream")
+                           "five), two, one, tile (one a tile): what a barrier costs under "
+                           "the stream")
 _L2_AHEAD = flags.DEFINE_list("l2_ahead", ["0"], "tiles ahead of use a block prefetches into "
                               "the L2 (0: none; else > depth)")
 _SPIN = flags.DEFINE_list("spin", ["0"], "N > 0: each barrier replaced by N dependent "
@@ -83,6 +84,7 @@ _TAG = flags.DEFINE_string("tag", "", "receipt name suffix")
 _OUT = flags.DEFINE_string("out", os.environ.get("OUT", "experiments/results"), "receipt dir")
 
 COLS = 128  # a tile's columns (bf16: 256 bytes, two 128-byte TMA rows)
+SMEM_BYTES = 227 * 1024  # shared memory a block may use on an H100 / H200 (sm_90)
 MIB = 1 << 20
 STEPS = (("qkv", 8 * MIB), ("attention", 3 * MIB), ("wo", 4 * MIB), ("gate_up", 12 * MIB),
          ("down", 6 * MIB))  # a Qwen3-0.6B layer's five dependent steps and their bytes
@@ -100,14 +102,18 @@ def schedule(blocks: int, layers: int, head: bool, tile_bytes: int) -> tuple[lis
 
 def regroup(per: list[int], steps: str) -> list[int]:
     """A layer's tiles a block regrouped into barrier-separated steps: draft (the five
-    steps), one (a single step a layer), tile (a step a tile)."""
+    steps), two (attention's three, then the MLP's two: the fewest grid-wide syncs a
+    layer with clusters inside a head group), one (a single step a layer), tile (a step a
+    tile)."""
     if steps == "draft":
         return per
+    if steps == "two":
+        return [sum(per[:3]), sum(per[3:])]
     if steps == "one":
         return [sum(per)]
     if steps == "tile":
         return [1] * sum(per)
-    raise ValueError(f"steps must be draft, one or tile; got {steps!r}")
+    raise ValueError(f"steps must be draft, two, one or tile; got {steps!r}")
 
 
 def _grid_barrier(sem, blocks: int, r, scope: str):
@@ -143,6 +149,11 @@ def stream_kernel(blocks: int, layers: int, head: bool, depth: int, compute: str
     tpl = sum(per)
     total = layers * tpl + head_tiles
     depth = min(depth, total)
+    smem = depth * rows * COLS * 2 + (read_rows + 1) * COLS * 4
+    if smem > SMEM_BYTES:
+        raise ValueError(f"the ring ({depth} x {rows * COLS * 2} B) and the exchange rows "
+                         f"({read_rows + 1} x {COLS * 4} B) need {smem} B of shared memory, "
+                         f"more than a block's {SMEM_BYTES}: lower --depth or --read_rows")
     if l2_ahead and l2_ahead <= depth:
         raise ValueError(f"l2_ahead must exceed depth ({depth}) or be 0; got {l2_ahead}")
     barrier = sync and not spin
