@@ -34,6 +34,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
+from mgpu_sync import grid_barrier, restore  # noqa: E402
 from receipts import write_receipt  # noqa: E402
 from timing import median_time  # noqa: E402
 
@@ -51,26 +52,6 @@ _TAG = flags.DEFINE_string("tag", "", "receipt name suffix")
 _OUT = flags.DEFINE_string("out", os.environ.get("OUT", "experiments/results"), "receipt dir")
 
 
-def _grid_barrier(sem, blocks: int, r, scope: str):
-    """Barrier r: arrive (add 1), then wait until all blocks have arrived r + 1 times."""
-    plgpu.semaphore_signal(sem, 1, memory_scope=scope)
-    plgpu.semaphore_wait(sem, blocks * (r + 1), decrement=False, memory_scope=scope)
-
-
-def _restore(sem, done, block, blocks: int, rounds: int, scope: str):
-    """After the last barrier: block 0 waits for every other block's exit signal (which
-    leaves `done` at 0) and takes blocks x rounds off `sem` (0 again for the next launch)."""
-
-    @pl.when(block != 0)
-    def _():
-        plgpu.semaphore_signal(done, 1, memory_scope=scope)
-
-    @pl.when(block == 0)
-    def _():
-        plgpu.semaphore_wait(done, blocks - 1, memory_scope=scope)
-        plgpu.semaphore_signal(sem, -blocks * rounds, memory_scope=scope)
-
-
 def barrier_kernel(blocks: int, rounds: int, scope: str):
     """() -> [128] f32 (block 0 writes `rounds`): `rounds` grid barriers of `blocks`."""
 
@@ -80,11 +61,11 @@ def barrier_kernel(blocks: int, rounds: int, scope: str):
         block = lax.axis_index("x")
 
         def one_round(r, carry):
-            _grid_barrier(sem, blocks, r, scope)
+            grid_barrier(sem, blocks, r, scope)
             return carry
 
         lax.fori_loop(0, rounds, one_round, jnp.int32(0))
-        _restore(sem, done, block, blocks, rounds, scope)
+        restore(sem, done, block, blocks, rounds, scope)
 
         @pl.when(block == 0)
         def _():  # after the restore: the kernel ran to its end
@@ -122,7 +103,7 @@ def exchange_kernel(blocks: int, rounds: int, scope: str, read_rows: int | None 
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(row_smem, buf_ref.at[half, block])
             plgpu.wait_smem_to_gmem(0)
-            _grid_barrier(sem, blocks, r, scope)
+            grid_barrier(sem, blocks, r, scope)
             plgpu.copy_gmem_to_smem(buf_ref.at[half, pl.ds(0, n)], all_smem, tma_bar)
             plgpu.barrier_wait(tma_bar)
             acc = jnp.zeros((width,), jnp.float32)
@@ -136,7 +117,7 @@ def exchange_kernel(blocks: int, rounds: int, scope: str, read_rows: int | None 
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(bad_smem, bad_ref.at[block])
         plgpu.wait_smem_to_gmem(0)
-        _restore(sem, done, block, blocks, rounds, scope)
+        restore(sem, done, block, blocks, rounds, scope)
 
     f32 = jnp.float32
     return jax.jit(plgpu.kernel(

@@ -54,6 +54,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
+from mgpu_sync import grid_barrier, restore  # noqa: E402
 from receipts import write_receipt  # noqa: E402
 from timing import copy_bandwidth, median_time  # noqa: E402
 from trace_tools import device_events, traced  # noqa: E402
@@ -114,11 +115,6 @@ def regroup(per: list[int], steps: str) -> list[int]:
     if steps == "tile":
         return [1] * sum(per)
     raise ValueError(f"steps must be draft, two, one or tile; got {steps!r}")
-
-
-def _grid_barrier(sem, blocks: int, r, scope: str):
-    plgpu.semaphore_signal(sem, 1, memory_scope=scope)
-    plgpu.semaphore_wait(sem, blocks * (r + 1), decrement=False, memory_scope=scope)
 
 
 def stream_kernel(blocks: int, layers: int, head: bool, depth: int, compute: str, *,
@@ -235,7 +231,7 @@ def stream_kernel(blocks: int, layers: int, head: bool, depth: int, compute: str
             for t in refills:
                 refill_slot(t)
             if barrier:
-                _grid_barrier(sem, blocks, r, scope)
+                grid_barrier(sem, blocks, r, scope)
 
         def layer(li, s):
             t0 = li * tpl
@@ -264,17 +260,8 @@ def stream_kernel(blocks: int, layers: int, head: bool, depth: int, compute: str
             plgpu.copy_smem_to_gmem(row_smem, res_ref.at[block])
             plgpu.wait_smem_to_gmem(0)
             if barrier:  # leave the semaphore at 0 for the next launch
-                @pl.when(block != 0)
-                def _():
-                    plgpu.semaphore_signal(done, 1, memory_scope=scope)
+                restore(sem, done, block, blocks, rounds, scope)
 
-                @pl.when(block == 0)
-                def _():
-                    plgpu.semaphore_wait(done, blocks - 1, memory_scope=scope)
-                    plgpu.semaphore_signal(sem, -blocks * rounds, memory_scope=scope)
-
-        for i in range(depth, min(l2_ahead, total)):  # the L2 prefetches' head start
-            plgpu.async_prefetch(w_ref.at[block, i])
         if not producer:
             for i in range(depth):  # fill the ring
                 plgpu.copy_gmem_to_smem(w_ref.at[block, i], ring.at[i], bars.at[i])
