@@ -59,21 +59,21 @@ from receipts import write_receipt  # noqa: E402
 from timing import copy_bandwidth, median_time  # noqa: E402
 from trace_tools import device_events, traced  # noqa: E402
 
-_DEPTHS = flags.DEFINE_list("depth", ["4", "8", "12"], "tiles in flight a block (ring slots)")
-_COMPUTE = flags.DEFINE_list("compute", ["none", "fma"], "none | fma (module docstring)")
+_DEPTHS = flags.DEFINE_list("depth", ["12"], "tiles in flight a block (ring slots)")
+_COMPUTE = flags.DEFINE_list("compute", ["none"], "none | fma (module docstring)")
 _BLOCKS = flags.DEFINE_string("blocks", "sms", "blocks: a number or 'sms' (the SM count)")
 _ROWS = flags.DEFINE_integer("tile_rows", 64, "rows of a 128-wide bf16 weight tile")
 _READ_ROWS = flags.DEFINE_integer("read_rows", 8, "f32 rows of 128 a step loads back")
-_EXCHANGE = flags.DEFINE_list("exchange", ["tma"], "how a step's rows move: tma (TMA store "
+_EXCHANGE = flags.DEFINE_list("exchange", ["none", "tma"], "how a step's rows move: tma (TMA store "
                                "and load), lsu (plain global stores and loads), none (the "
                                "barrier alone)")
 _REFILL = flags.DEFINE_list("refill", ["early"], "when a used tile's slot is refilled: early "
                             "(as soon as it is used) or late (after the step's row is stored)")
 _PRODUCER = flags.DEFINE_list("producer", ["0"], "0: the consuming warpgroup issues the "
                               "loads; 1: a second warpgroup does (compute none only)")
-_STEPS = flags.DEFINE_list("steps", ["draft"], "barrier-separated steps a layer: draft (its "
-                           "five), two, one, tile (one a tile): what a barrier costs under "
-                           "the stream")
+_STEPS = flags.DEFINE_list("steps", ["draft", "two", "one"], "barrier-separated steps a "
+                           "layer: draft (its five), two, one, tile (one a tile): what a "
+                           "barrier costs under the stream")
 _L2_AHEAD = flags.DEFINE_list("l2_ahead", ["0"], "tiles ahead of use a block prefetches into "
                               "the L2 (0: none; else > depth)")
 _SPIN = flags.DEFINE_list("spin", ["0"], "N > 0: each barrier replaced by N dependent "
