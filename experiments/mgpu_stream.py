@@ -90,12 +90,11 @@ MIB = 1 << 20
 STEPS = (("qkv", 8 * MIB), ("attention", 3 * MIB), ("wo", 4 * MIB), ("gate_up", 12 * MIB),
          ("down", 6 * MIB))  # a Qwen3-0.6B layer's five dependent steps and their bytes
 HEAD_BYTES = 1024 * 151936 * 2
-# The e2e operating point (bench_e2e, 2026-12-01): serial 5.12 ms a token; a gamma-4
-# round at a = 0.8 yields 3.31 tokens and costs the verify plus four draft forwards.
-DRAFT_LAYER_US_NOW = 28.0  # us a layer a draft forward in today's kernel-per-op draft
+# us a layer a draft forward in today's kernel-per-op draft (bench_e2e, 2026-12-01)
+DRAFT_LAYER_US_NOW = 28.0
 
 
-def schedule(blocks: int, layers: int, head: bool, tile_bytes: int) -> tuple[list[int], int]:
+def schedule(blocks: int, head: bool, tile_bytes: int) -> tuple[list[int], int]:
     """(tiles a block for each of a layer's steps, tiles a block for the LM head)."""
     per = [math.ceil(b / (blocks * tile_bytes)) for _, b in STEPS]
     return per, (math.ceil(HEAD_BYTES / (blocks * tile_bytes)) if head else 0)
@@ -140,7 +139,7 @@ def stream_kernel(blocks: int, layers: int, head: bool, depth: int, compute: str
                          "lowered with two warpgroups) and refill early")
     if not 1 <= read_rows <= min(blocks, 256):
         raise ValueError(f"read_rows must lie in [1, {min(blocks, 256)}]; got {read_rows}")
-    per, head_tiles = schedule(blocks, layers, head, rows * COLS * 2)
+    per, head_tiles = schedule(blocks, head, rows * COLS * 2)
     per = regroup(per, steps)
     tpl = sum(per)
     total = layers * tpl + head_tiles
@@ -320,7 +319,7 @@ def measure(blocks: int, depth: int, compute: str, exchange: str, refill: str, l
     `stream` the same tiles without barriers or exchanges."""
     rows = _ROWS.value
     tile = rows * COLS * 2
-    per, head_tiles = schedule(blocks, layers, True, tile)
+    per, head_tiles = schedule(blocks, True, tile)
     layer_bytes = blocks * sum(per) * tile
     kw = dict(rows=rows, read_rows=_READ_ROWS.value, scope=_SCOPE.value, exchange=exchange,
               refill=refill, producer=producer, steps=steps, l2_ahead=l2_ahead, spin=spin)
