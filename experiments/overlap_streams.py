@@ -12,7 +12,10 @@ them at once under jit: one batch-1 verify of the target (gamma + 1 tokens after
 `--context` cached ones) and one draft round (`bench_draft.py`'s: gamma - 1 one-token
 forwards and a two-token one, each fed the previous argmax), independent of each other,
 timed alone, together in one jitted function, and together with the draft round under
-`jax.experimental.compute_on.compute_on("gpu_stream:1")` (XLA's stream annotation). The
+`jax.experimental.compute_on.compute_on("gpu_stream:1")` (XLA's stream annotation;
+`--inline` inlines every nested jit of the annotated computation first, since the
+annotation rejects nested calls), with a profiler trace of that variant that says how
+long kernels of two streams ran at once. The
 caches are donated and threaded from call to call, as in a decode loop. Host-timed
 medians of `--iters` calls (each call is milliseconds; launch and sync are ~0.1 ms).
 The values computed are not checked against anything: the two computations share no
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 import time
 
 import jax
@@ -36,6 +40,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 from receipts import write_receipt  # noqa: E402
 from timing import median_time  # noqa: E402
+from trace_tools import traced  # noqa: E402
 
 import jspec  # noqa: E402
 from jspec.drafters import ModelDrafter, ProposeContext  # noqa: E402
@@ -54,6 +59,9 @@ _ON_STREAM = flags.DEFINE_enum("on_stream", "draft", ["draft", "verify"],
                                "which of the two runs under compute_on in the streams variant")
 _DONATE = flags.DEFINE_bool("donate", True, "donate the target cache and the draft state")
 _ONLY = flags.DEFINE_list("only", [], "variants to run (default: all four)")
+_INLINE = flags.DEFINE_bool("inline", False, "inline every nested jit (and custom_jvp/vjp "
+                            "body) of the computation put on the stream, whose nested calls "
+                            "XLA's stream annotation does not handle")
 _TAG = flags.DEFINE_string("tag", "", "receipt name suffix")
 _OUT = flags.DEFINE_string("out", os.environ.get("OUT", "experiments/results"), "receipt dir")
 
@@ -76,20 +84,96 @@ def draft_round(drafter, state, cur, pos, gamma: int, vocab: int):
     return state, nxt, pos + gamma + 1
 
 
+_CALLS = {"jit": "jaxpr", "pjit": "jaxpr", "custom_jvp_call": "call_jaxpr",
+          "custom_vjp_call": "call_jaxpr"}
+
+
+def _eval_inlined(jaxpr, consts, *args):
+    """Evaluates a jaxpr with every nested jit (and custom_jvp / custom_vjp body: forward
+    only) evaluated in place, so its lowering has no nested calls."""
+    env = {}
+
+    def read(v):
+        return v.val if isinstance(v, jax.extend.core.Literal) else env[v]
+
+    env.update(zip(jaxpr.constvars, consts, strict=True))
+    env.update(zip(jaxpr.invars, args, strict=True))
+    for eqn in jaxpr.eqns:
+        ins = [read(v) for v in eqn.invars]
+        key = _CALLS.get(eqn.primitive.name)
+        if key and key in eqn.params:
+            inner = eqn.params[key]
+            outs = _eval_inlined(inner.jaxpr, inner.consts, *ins)
+        else:
+            outs = eqn.primitive.bind(*ins, **eqn.params)
+            outs = outs if eqn.primitive.multiple_results else [outs]
+        env.update(zip(eqn.outvars, outs, strict=True))
+    return [read(v) for v in jaxpr.outvars]
+
+
+def inline_jits(f):
+    """f with its nested jits inlined (the same values, one flat computation)."""
+    def g(*args):
+        flat, tree = jax.tree.flatten(args)
+        closed, shape = jax.make_jaxpr(lambda *xs: f(*jax.tree.unflatten(tree, xs)),
+                                       return_shape=True)(*flat)
+        outs = _eval_inlined(closed.jaxpr, closed.consts, *flat)
+        return jax.tree.unflatten(jax.tree.structure(shape), outs)
+    return g
+
+
+def _union(spans):
+    """Merged [start, end) intervals of a list of (start, end)."""
+    out = []
+    for s, e in sorted(spans):
+        if out and s <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], e)
+        else:
+            out.append([s, e])
+    return out
+
+
+def stream_overlap(trace: dict) -> dict:
+    """Per-stream kernel time of the first GPU's timeline and the time two streams' kernels
+    ran at once (us): whether the second stream ran concurrently at all."""
+    procs = {e["pid"]: e["args"]["name"] for e in trace.get("traceEvents", [])
+             if e.get("ph") == "M" and e.get("name") == "process_name"}
+    gpus = sorted(p for p, n in procs.items() if "/device:GPU" in n)
+    if not gpus:
+        return {"note": "no GPU timeline"}
+    names = {e["tid"]: e["args"]["name"] for e in trace["traceEvents"]
+             if e.get("ph") == "M" and e.get("pid") == gpus[0] and e.get("name") == "thread_name"}
+    by = {}
+    for e in trace["traceEvents"]:
+        if e.get("ph") == "X" and e.get("pid") == gpus[0] and str(
+                names.get(e.get("tid"), "")).lower().startswith("stream"):
+            by.setdefault(names[e["tid"]], []).append((e["ts"], e["ts"] + e.get("dur", 0)))
+    busy = {k: _union(v) for k, v in by.items()}
+    top = sorted(busy, key=lambda k: -sum(e - s for s, e in busy[k]))[:2]
+    both = 0.0
+    if len(top) == 2:
+        for s1, e1 in busy[top[0]]:
+            for s2, e2 in busy[top[1]]:
+                both += max(0.0, min(e1, e2) - max(s1, s2))
+    return {"streams": {k: {"kernels": len(by[k]), "busy_us": sum(e - s for s, e in busy[k])}
+                        for k in top}, "concurrent_us": both}
+
+
 def verify(target, toks, cache):
-    """The target's forward over toks [1, gamma + 1] -> (argmax [1, gamma + 1], cache)."""
-    logits, cache = _forward(target, toks, cache)
-    return jnp.argmax(logits, -1).astype(jnp.int32), cache
+    """The target's forward over toks [1, gamma + 1] -> (logits [1, gamma + 1, V], cache)
+    (no argmax: its lowering is a nested call, which the stream annotation rejects)."""
+    return _forward(target, toks, cache)
 
 
 def variants(gamma: int, vocab: int, stream: str, on_stream_which: str = "draft",
-             donate: bool = True) -> dict:
+             donate: bool = True, inline: bool = False) -> dict:
     """name -> jitted fn(target, toks, tcache, drafter, dstate, cur, pos) ->
     (out, tcache, dstate, cur, pos); the target's cache and the draft state donated."""
     def rnd(drafter, ds, cur, pos):
         return draft_round(drafter, ds, cur, pos, gamma=gamma, vocab=vocab)
 
     def streamed(f):
+        f = inline_jits(f) if inline else f
         return compute_on(compute_type=stream, out_memory_spaces=MemorySpace.Device)(f)
 
     def alone_verify(target, toks, tc, drafter, ds, cur, pos):
@@ -98,7 +182,7 @@ def variants(gamma: int, vocab: int, stream: str, on_stream_which: str = "draft"
 
     def alone_draft(target, toks, tc, drafter, ds, cur, pos):
         ds, cur, pos = rnd(drafter, ds, cur, pos)
-        return jnp.zeros((1, gamma + 1), jnp.int32), tc, ds, cur, pos
+        return jnp.zeros((1, gamma + 1, 1), jnp.float32), tc, ds, cur, pos
 
     def both(verify_fn, draft_fn):
         def f(target, toks, tc, drafter, ds, cur, pos):
@@ -121,10 +205,11 @@ def main(_):
     V = target.config.vocab_size
     rng = np.random.default_rng(0)
     prompt = jnp.asarray(rng.integers(0, min(V, draft.config.vocab_size), (1, C)), jnp.int32)
-    max_len = C + (_ITERS.value + 4) * (g + 1) + 8
+    max_len = C + (_ITERS.value + 8) * (g + 1) + 8  # every call: compile, warm-up, timed, traced
     lens = jnp.full((1,), C, jnp.int32)
     toks = prompt[:, -(g + 1):]
-    fns = variants(g, draft.config.vocab_size, _STREAM.value, _ON_STREAM.value, _DONATE.value)
+    fns = variants(g, draft.config.vocab_size, _STREAM.value, _ON_STREAM.value, _DONATE.value,
+                   _INLINE.value)
     if _ONLY.value:
         fns = {k: v for k, v in fns.items() if k in _ONLY.value}
 
@@ -150,6 +235,11 @@ def main(_):
         compile_s = time.perf_counter() - t0
         rows[name] = {"ms": median_time(call, iters=_ITERS.value, warmup=2) * 1e3,
                       "first_call_s": compile_s}
+        if name == "together_streams" and jax.default_backend() == "gpu":
+            with tempfile.TemporaryDirectory() as d:
+                trace, _ = traced(lambda: [jax.block_until_ready(call()) for _ in range(3)], d)
+            rows[name]["trace_3_calls"] = stream_overlap(trace)
+            print(f"  streams over 3 calls: {rows[name]['trace_3_calls']}", flush=True)
         print(f"{name:18s} {rows[name]['ms']:8.3f} ms", flush=True)
         del st
     if len(rows) < 4:
@@ -171,7 +261,7 @@ def main(_):
         "command": " ".join(["python3"] + sys.argv), "device": jax.devices()[0].device_kind,
         "jax": jax.__version__, "target": _TARGET.value, "draft": _DRAFT.value,
         "context": C, "gamma": g, "iters": _ITERS.value, "stream": _STREAM.value,
-        "on_stream": _ON_STREAM.value, "donate": _DONATE.value,
+        "on_stream": _ON_STREAM.value, "donate": _DONATE.value, "inline": _INLINE.value,
         "xla_flags": os.environ.get("XLA_FLAGS", ""), "rows": rows, **summary})
     print("receipt:", path)
 
