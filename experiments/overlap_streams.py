@@ -40,7 +40,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 from receipts import write_receipt  # noqa: E402
 from timing import median_time  # noqa: E402
-from trace_tools import traced  # noqa: E402
+from trace_tools import device_events, traced  # noqa: E402
 
 import jspec  # noqa: E402
 from jspec.drafters import ModelDrafter, ProposeContext  # noqa: E402
@@ -136,25 +136,21 @@ def _union(spans):
 def stream_overlap(trace: dict) -> dict:
     """Per-stream kernel time of the first GPU's timeline and the time two streams' kernels
     ran at once (us): whether the second stream ran concurrently at all."""
-    procs = {e["pid"]: e["args"]["name"] for e in trace.get("traceEvents", [])
-             if e.get("ph") == "M" and e.get("name") == "process_name"}
-    gpus = sorted(p for p, n in procs.items() if "/device:GPU" in n)
-    if not gpus:
-        return {"note": "no GPU timeline"}
-    names = {e["tid"]: e["args"]["name"] for e in trace["traceEvents"]
-             if e.get("ph") == "M" and e.get("pid") == gpus[0] and e.get("name") == "thread_name"}
     by = {}
-    for e in trace["traceEvents"]:
-        if e.get("ph") == "X" and e.get("pid") == gpus[0] and str(
-                names.get(e.get("tid"), "")).lower().startswith("stream"):
-            by.setdefault(names[e["tid"]], []).append((e["ts"], e["ts"] + e.get("dur", 0)))
+    for e in device_events(trace):
+        by.setdefault(e["stream"], []).append((e["ts"], e["ts"] + e["dur"]))
+    if not by:
+        return {"note": "no GPU timeline"}
     busy = {k: _union(v) for k, v in by.items()}
     top = sorted(busy, key=lambda k: -sum(e - s for s, e in busy[k]))[:2]
-    both = 0.0
-    if len(top) == 2:
-        for s1, e1 in busy[top[0]]:
-            for s2, e2 in busy[top[1]]:
-                both += max(0.0, min(e1, e2) - max(s1, s2))
+    both, i, j = 0.0, 0, 0
+    a, b = (busy[top[0]], busy[top[1]]) if len(top) == 2 else ([], [])
+    while i < len(a) and j < len(b):  # both lists sorted and disjoint within themselves
+        both += max(0.0, min(a[i][1], b[j][1]) - max(a[i][0], b[j][0]))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
     return {"streams": {k: {"kernels": len(by[k]), "busy_us": sum(e - s for s, e in busy[k])}
                         for k in top}, "concurrent_us": both}
 

@@ -28,7 +28,8 @@ def kind_of(name: str) -> str:
 
 
 def device_events(trace: dict) -> list[dict]:
-    """Kernel/memcpy events of the first GPU's streams: [{name, ts, dur}] (us)."""
+    """Kernel/memcpy events of the first GPU's streams: [{name, ts, dur, op, stream}] (us;
+    stream: the timeline line's name, e.g. "Stream #14(Compute)")."""
     procs, threads = {}, {}
     for e in trace.get("traceEvents", []):
         if e.get("ph") == "M" and e.get("name") == "process_name":
@@ -45,7 +46,7 @@ def device_events(trace: dict) -> list[dict]:
         streams = {t for t, n in names.items()
                    if not any(s in n for s in ("XLA", "Framework", "Step", "Module", "Op"))}
     return [{"name": e["name"], "ts": float(e["ts"]), "dur": float(e.get("dur", 0.0)),
-             "op": _op_of(e.get("args") or {})}
+             "op": _op_of(e.get("args") or {}), "stream": names.get(e["tid"], "")}
             for e in trace["traceEvents"]
             if e.get("ph") == "X" and e.get("pid") == pid and e.get("tid") in streams]
 
