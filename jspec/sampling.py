@@ -18,6 +18,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.top_p import top_p_kept
+
 
 @dataclasses.dataclass(frozen=True)
 class Greedy:
@@ -63,21 +65,34 @@ class Sample:
 
 
 def filter_top_k_top_p(x, top_k: int, top_p: float):
-    """x [B, V] f32 -> x with everything outside top-k / top-p set to -inf."""
+    """x [B, V] f32 -> x with everything outside top-k / top-p set to -inf.
+
+    Both cuts are bitwise functions of the row (rule R1): top-k is a selection, and
+    top-p counts the kept tokens in a Pallas kernel that sums each row in a fixed
+    order (`pallas_kernels.top_p`), where XLA's softmax and cumsum would sum it in an
+    order chosen from [B, V]."""
     V = x.shape[-1]
     if top_k and top_k < V:
         kth = jax.lax.top_k(x, top_k)[0][:, -1:]  # [B, 1]
         x = jnp.where(x >= kth, x, -jnp.inf)
     if top_p < 1.0:
-        order = jnp.argsort(-x, axis=-1, stable=True)
+        order = jnp.argsort(-x, axis=-1, stable=True)  # [B, V]
         sorted_x = jnp.take_along_axis(x, order, axis=-1)
-        probs = jax.nn.softmax(sorted_x, axis=-1)
-        mass_before = jnp.cumsum(probs, axis=-1) - probs
-        keep_sorted = mass_before < top_p  # always keeps the first token
+        kept = _top_p_kept(sorted_x, top_p)  # [B]: always >= 1
+        keep_sorted = jnp.arange(V, dtype=jnp.int32)[None, :] < kept[:, None]
         keep = jnp.zeros_like(keep_sorted).at[
             jnp.arange(x.shape[0])[:, None], order].set(keep_sorted)
         x = jnp.where(keep, x, -jnp.inf)
     return x
+
+
+def _top_p_kept(sorted_x, top_p: float):
+    """The top-p kernel, compiled on a GPU, interpreted (and fenced off from XLA's
+    fusion, as `jspec.ops` fences every interpreted kernel) on the CPU."""
+    if jax.default_backend() != "cpu":
+        return top_p_kept(sorted_x, top_p)
+    fenced = jax.lax.optimization_barrier(sorted_x)
+    return jax.lax.optimization_barrier(top_p_kept(fenced, top_p, interpret=True))
 
 
 def position_keys(seed, rows, positions):

@@ -9,7 +9,7 @@ allocated, compiled to PTX or run. Covered: the Qwen3-8B- and Gemma-3-4B-shaped
 forwards (2 layers; the tuned matmul table, multi-tile schedules with 64-row tiles,
 masked row tiles, split-KV attention, every speed option) at decode, verify and
 prefill shapes, B = 1 and 8; the fused draft forward (`draft_fused`) of Qwen3-0.6B and
-Gemma-3-4B shapes; the logsumexp kernel; the experiment kernels of
+Gemma-3-4B shapes; the logsumexp and top-p kernels; the experiment kernels of
 `launch_floor.py`, `persistent_floor.py`, `barrier_check.py`, and the Mosaic GPU kernels
 of `mgpu_barrier.py` and `mgpu_stream.py` (their global semaphores have no interpret
 mode). Shared memory limits and register spills are checked by the Triton compiler on the
@@ -31,6 +31,7 @@ from jspec.cache import init_cache
 from jspec.model import Model, _forward
 from jspec.random_model import preset_config, random_params
 from pallas_kernels.logsumexp import logsumexp
+from pallas_kernels.top_p import top_p_kept
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -127,6 +128,12 @@ def test_fused_fold_attention_lowers_for_the_h200(preset, backend, batch, tokens
     text = _lower(_forward, model, jax.ShapeDtypeStruct((batch, tokens), jnp.int32), cache)
     assert 'name = "jspec_attention_fused"' in text
     assert "jspec_attention_split" not in text and "jspec_attention_combine" not in text
+
+
+def test_top_p_lowers_for_the_h200():
+    x = jax.ShapeDtypeStruct((8, 151936), jnp.float32)
+    text = _lower(functools.partial(top_p_kept, top_p=0.9, interpret=False), x)
+    assert 'name = "jspec_top_p"' in text or "jspec_top_p" in text
 
 
 def test_logsumexp_lowers_for_the_h200():

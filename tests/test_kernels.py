@@ -1,4 +1,5 @@
-"""Tests for the row-wise Pallas kernels (matmul, rmsnorm, rope, glu, softcap, logsumexp).
+"""Tests for the row-wise Pallas kernels (matmul, rmsnorm, rope, glu, softcap, logsumexp,
+top-p).
 
 Two kinds of check:
 - accuracy: kernel vs its plain-jnp reference, with a tolerance (the only place a
@@ -23,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jspec.sampling import Sample
 from pallas_kernels import (
     glu,
     glu_reference,
@@ -47,6 +49,7 @@ from pallas_kernels.matmul import (
     tuned_to_json,
 )
 from pallas_kernels.rmsnorm import rmsnorm_config
+from pallas_kernels.top_p import top_p_config, top_p_kept, top_p_kept_reference
 
 INTERPRET = os.environ.get("JSPEC_PALLAS_INTERPRET", "1") != "0"
 DTYPES = (jnp.float32, jnp.bfloat16)
@@ -445,6 +448,62 @@ def test_logsumexp_row_invariant():
     assert_row_invariant(lambda x: logsumexp(x, interpret=INTERPRET), make(ROW_TOTAL), make)
 
 
+# --------------------------------------------------------------------------- top-p
+
+
+def _sorted(x):
+    return -jnp.sort(-x, axis=1)  # each row descending, -inf last
+
+
+def _kept64(sorted_x, p):
+    """The top-p count in float64 numpy: 1 + #{j : mass up to and with token j < p}."""
+    s = np.asarray(sorted_x, np.float64)
+    live = np.isfinite(s[:, :1])
+    e = np.exp(s - np.where(live, s[:, :1], 0.0))
+    incl = np.cumsum(e, axis=1)
+    return np.minimum(1 + (incl < p * e.sum(axis=1, keepdims=True)).sum(axis=1), s.shape[1])
+
+
+@pytest.mark.parametrize("m", ROWS)
+@pytest.mark.parametrize("v,scale", [(100, 3.0), (1000, 10.0), (5000, 1.0)])
+@pytest.mark.parametrize("p", [0.5, 0.9])
+def test_top_p_kept_matches_float64(m, v, scale, p):
+    rng = np.random.default_rng(m + v)
+    x = scale * _logits(rng, m, v) / 10.0  # masked stripes and all-masked rows
+    got = np.asarray(top_p_kept(_sorted(x), p, interpret=INTERPRET))
+    assert got.shape == (m,) and got.dtype == np.int32
+    np.testing.assert_array_equal(got, _kept64(_sorted(x), p))
+    assert (got[::4] == 1).all()  # an all-masked row keeps its first token only
+    np.testing.assert_array_equal(got, np.asarray(top_p_kept_reference(_sorted(x), p)))
+
+
+def test_top_p_kept_row_invariant():
+    rng = np.random.default_rng(7)
+    make = lambda r: (_sorted(_logits(rng, r, 5000) / 10.0),)  # noqa: E731
+    assert_row_invariant(lambda x: top_p_kept(x, 0.9, interpret=INTERPRET), make(ROW_TOTAL), make)
+
+
+def test_top_p_config_depends_on_vocabulary_only():
+    assert list(inspect.signature(top_p_config).parameters) == ["V", "interpret"]
+
+
+def test_sample_with_top_p_row_invariant():
+    """The sampler itself (temperature, top-k, top-p, Gumbel noise, argmax): a row's
+    filtered logits and token do not depend on the rows sampled with it."""
+    rng = np.random.default_rng(8)
+    sampler = Sample(temperature=0.8, top_k=0, top_p=0.9)
+
+    def make(r):
+        rows = jnp.asarray(rng.integers(0, 8, r), jnp.int32)
+        return (_rand(rng, (r, 3000), scale=2.0), rows, rows + 100)
+
+    def both(x, rows, positions):
+        toks = sampler(x, jnp.int32(3), rows, positions)
+        return jnp.concatenate([sampler.filtered_logits(x), toks[:, None].astype(x.dtype)], 1)
+
+    assert_row_invariant(both, make(ROW_TOTAL), make)
+
+
 # --------------------------------------------------------------------------- bad shapes
 
 
@@ -470,3 +529,5 @@ def test_bad_shapes_raise_value_error_naming_shapes():
     _raises(r"x\.shape=\(4, 8, 2\)", softcap, f32(4, 8, 2), 30.0, **kw)
     _raises(r"x\.dtype=.*bfloat16", softcap, f32(4, 8).astype(jnp.bfloat16), 30.0, **kw)
     _raises(r"x\.shape=\(8,\)", logsumexp, f32(8), **kw)
+    _raises(r"sorted_x\.shape=\(8,\)", top_p_kept, f32(8), 0.9, **kw)
+    _raises(r"top_p=1\.5", top_p_kept, f32(4, 8), 1.5, **kw)

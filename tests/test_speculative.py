@@ -81,7 +81,7 @@ def test_gumbel_coupled_equals_serial_sampling(name):
     target = load(name, "pallas")
     prompts = _prompts(name)
     spec = jspec.SpecConfig(gamma=3, policy="gumbel_coupled", max_new_tokens=N, seed=7,
-                            temperature=0.8, top_k=40)
+                            temperature=0.8, top_k=40, top_p=0.9)
     serial = jspec.generate(target, prompts, max_new_tokens=N, sampler=spec.serial_sampler(),
                             seed=7)
     greedy = jspec.generate(target, prompts, max_new_tokens=N)
