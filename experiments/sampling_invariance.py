@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 
 import jax
@@ -31,7 +32,11 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from jspec.sampling import Sample, _top_p_kept
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
+from timing import median_time  # noqa: E402
+
+from jspec.sampling import Sample, _top_p_kept  # noqa: E402
 
 _VOCAB = flags.DEFINE_integer("vocab", 151_936, "vocabulary size")
 _ROWS = flags.DEFINE_integer("rows", 40, "rows of the reference call")
@@ -43,6 +48,9 @@ _SCALE = flags.DEFINE_float("scale", 4.0, "std of the random logits")
 _SEED = flags.DEFINE_integer("seed", 0, "logits and noise seed")
 _OUT = flags.DEFINE_string("out", os.environ.get("OUT", "experiments/results"), "output dir")
 _TAG = flags.DEFINE_string("tag", "", "suffix of the receipt's file name")
+_TIME_ITERS = flags.DEFINE_integer(
+    "time_iters", 20, "timed calls (median, host-timed after a warm-up) of the top-p filter, "
+    "XLA's against jspec's, at each row count for the first setting; 0: no timing")
 
 
 def top_p_mass(sorted_x, top_p: float):
@@ -58,6 +66,25 @@ def kernel_kept(sorted_x, top_p: float):
     if top_p >= 1.0:
         return jnp.full(sorted_x.shape[:1], sorted_x.shape[1], jnp.int32)
     return _top_p_kept(sorted_x, top_p)
+
+
+def xla_filter(sampler: Sample, x):
+    """The top-p filter as XLA would do it (softmax, cumsum): the timing baseline."""
+    scaled = x / jnp.float32(sampler.temperature)
+    order = jnp.argsort(-scaled, axis=-1, stable=True)
+    sorted_x = jnp.take_along_axis(scaled, order, axis=-1)
+    keep_sorted = top_p_mass(sorted_x, sampler.top_p) < sampler.top_p
+    keep = jnp.zeros_like(keep_sorted).at[jnp.arange(x.shape[0])[:, None], order].set(
+        keep_sorted)
+    return jnp.where(keep, scaled, -jnp.inf)
+
+
+def time_filters(sampler: Sample, logits, counts, iters: int):
+    """Median ms of XLA's and jspec's top-p filter at each row count."""
+    fns = {"xla_ms": jax.jit(lambda x: xla_filter(sampler, x)),
+           "jspec_ms": jax.jit(sampler.filtered_logits)}
+    return {str(n): {k: 1e3 * median_time(f, logits[:n], iters=iters) for k, f in fns.items()}
+            for n in counts}
 
 
 def parse_setting(s: str) -> Sample:
@@ -130,6 +157,13 @@ def main(argv):
               for k in ("kept_rows", "filtered_rows", "tokens_rows"))
     receipt["jspec_rows_differing"] = bad
     print(f"jspec (kernel cut): {bad} rows differing in all settings and counts")
+    if _TIME_ITERS.value:
+        first = parse_setting(_SETTINGS.value[0])
+        receipt["timing"] = {"setting": _SETTINGS.value[0], "iters": _TIME_ITERS.value,
+                             "ms": time_filters(first, logits, counts, _TIME_ITERS.value)}
+        print(f"top-p filter {_SETTINGS.value[0]}, median ms (host-timed): XLA / jspec")
+        print("  " + "  ".join(f"n={n}: {t['xla_ms']:.3f} / {t['jspec_ms']:.3f}"
+                               for n, t in receipt["timing"]["ms"].items()))
     os.makedirs(_OUT.value, exist_ok=True)
     path = os.path.join(_OUT.value, f"sampling_invariance{_TAG.value}.json")
     with open(path, "w") as f:

@@ -309,3 +309,18 @@ def test_overlap_streams_smoke(tmp_path):
     assert set(rep["rows"]) == {"verify", "draft", "together", "together_streams"}
     assert all(row["ms"] > 0 for row in rep["rows"].values())
     assert "hidden_fraction_of_draft_streams" in rep
+
+
+def test_sampling_invariance_smoke(tmp_path):
+    # The sampler's row-invariance probe end to end on a small vocabulary (CPU, where
+    # XLA's top-p happens to be invariant too): jspec's cut never differs, the receipt
+    # holds every setting and count, and the timing runs.
+    r = _run("sampling_invariance.py", "--vocab=3000", "--rows=9", "--counts=1,5",
+             "--settings=0.8:0:0.9,1.0:20:0.5", "--time_iters=1", f"--out={tmp_path}",
+             "--tag=_t")
+    assert r.returncode == 0, r.stderr[-2000:]
+    rep = json.load(open(tmp_path / "sampling_invariance_t.json"))
+    assert rep["jspec_rows_differing"] == 0 and len(rep["settings"]) == 2
+    assert set(rep["settings"][0]["counts"]) == {"1", "5"}
+    assert set(rep["timing"]["ms"]) == {"1", "5"}
+    assert _run("sampling_invariance.py", "--rows=4", "--counts=5").returncode != 0
