@@ -9,6 +9,8 @@ compiler parameters.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import triton as plgpu
@@ -63,3 +65,27 @@ def check_float(name: str, x: jax.Array) -> None:
     """Raises ValueError unless x is float32 or bfloat16."""
     if x.dtype not in (jnp.float32, jnp.bfloat16):
         raise ValueError(f"{name} must be float32 or bfloat16, got {name}.dtype={x.dtype}")
+
+
+@dataclasses.dataclass(frozen=True)
+class VocabRowConfig:
+    """Tiling of a kernel that walks rows of V vocabulary entries in ascending blocks."""
+
+    bm: int  # rows per program
+    bv: int  # vocabulary entries per block of the ascending loop
+    num_warps: int
+    num_stages: int
+
+
+def vocab_row_config(V: int, interpret: bool) -> VocabRowConfig:
+    """Tiling for rows of V logits (logsumexp, top-p); deliberately takes no M."""
+    if interpret:
+        return VocabRowConfig(bm=64, bv=pow2_tile(V, 128, 8192), num_warps=4, num_stages=1)
+    # GPU: one row per program; bv up to 4096 keeps 8 warps busy per block.
+    bv = pow2_tile(V, 1024, 4096) if V >= 1024 else next_pow2(V)
+    return VocabRowConfig(bm=1, bv=bv, num_warps=8 if bv >= 2048 else 4, num_stages=2)
+
+
+def safe_max(m: jax.Array) -> jax.Array:
+    """m, with -inf replaced by 0 so that x - m is never -inf - -inf."""
+    return jnp.where(m == -jnp.inf, jnp.float32(0.0), m)

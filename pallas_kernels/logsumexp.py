@@ -15,7 +15,6 @@ no -inf - -inf is formed).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -23,29 +22,20 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels._common import next_pow2, pad_axis, pad_rows, pow2_tile, round_up, triton_params
+from pallas_kernels._common import (
+    VocabRowConfig,
+    pad_axis,
+    pad_rows,
+    round_up,
+    safe_max,
+    triton_params,
+    vocab_row_config,
+)
 
 
-@dataclasses.dataclass(frozen=True)
-class LogsumexpConfig:
-    bm: int  # rows per program
-    bv: int  # vocabulary entries per block of the ascending loop
-    num_warps: int
-    num_stages: int
-
-
-def logsumexp_config(V: int, interpret: bool) -> LogsumexpConfig:
+def logsumexp_config(V: int, interpret: bool) -> VocabRowConfig:
     """Tiling for rows of V logits; deliberately takes no M."""
-    if interpret:
-        return LogsumexpConfig(bm=64, bv=pow2_tile(V, 128, 8192), num_warps=4, num_stages=1)
-    # GPU: one row per program; bv up to 4096 keeps 8 warps busy per block.
-    bv = pow2_tile(V, 1024, 4096) if V >= 1024 else next_pow2(V)
-    return LogsumexpConfig(bm=1, bv=bv, num_warps=8 if bv >= 2048 else 4, num_stages=2)
-
-
-def _safe_max(m: jax.Array) -> jax.Array:
-    """m, with -inf replaced by 0 so that x - m is never -inf - -inf."""
-    return jnp.where(m == -jnp.inf, jnp.float32(0.0), m)
+    return vocab_row_config(V, interpret)
 
 
 def _logsumexp_kernel(x_ref, o_ref, *, bv: int, nv: int):
@@ -56,7 +46,7 @@ def _logsumexp_kernel(x_ref, o_ref, *, bv: int, nv: int):
         m, s = carry
         xs = x_ref[:, pl.ds(j * bv, bv)]  # [bm, bv]
         m_new = jnp.maximum(m, jnp.max(xs, axis=1))
-        shift = _safe_max(m_new)
+        shift = safe_max(m_new)
         s = s * jnp.exp(m - shift) + jnp.sum(jnp.exp(xs - shift[:, None]), axis=1)
         return m_new, s
 
@@ -101,6 +91,6 @@ def logsumexp(x: jax.Array, *, interpret: bool = False) -> jax.Array:
 def logsumexp_reference(x: jax.Array) -> jax.Array:
     """Plain jnp log-sum-exp with the same -inf handling."""
     m = jnp.max(x, axis=1)
-    shift = _safe_max(m)
+    shift = safe_max(m)
     s = jnp.sum(jnp.exp(x - shift[:, None]), axis=1)
     return jnp.where(m == -jnp.inf, m, m + jnp.log(s))

@@ -22,7 +22,6 @@ kept tokens are always a prefix of the sorted order (the first token always). En
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -30,34 +29,26 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels._common import next_pow2, pad_axis, pad_rows, pow2_tile, round_up, triton_params
+from pallas_kernels._common import (
+    VocabRowConfig,
+    pad_axis,
+    pad_rows,
+    round_up,
+    safe_max,
+    triton_params,
+    vocab_row_config,
+)
 
 
-@dataclasses.dataclass(frozen=True)
-class TopPConfig:
-    bm: int  # rows per program
-    bv: int  # vocabulary entries per block of the ascending loops
-    num_warps: int
-    num_stages: int
-
-
-def top_p_config(V: int, interpret: bool) -> TopPConfig:
-    """Tiling for rows of V sorted logits; deliberately takes no M."""
-    if interpret:
-        return TopPConfig(bm=64, bv=pow2_tile(V, 128, 8192), num_warps=4, num_stages=1)
-    bv = pow2_tile(V, 1024, 4096) if V >= 1024 else next_pow2(V)
-    return TopPConfig(bm=1, bv=bv, num_warps=8 if bv >= 2048 else 4, num_stages=2)
-
-
-def _shift(x0: jax.Array) -> jax.Array:
-    """The row maximum, with -inf (an all-masked row) replaced by 0: no -inf - -inf."""
-    return jnp.where(x0 == -jnp.inf, jnp.float32(0.0), x0)
+def top_p_config(V: int, interpret: bool) -> VocabRowConfig:
+    """Tiling for rows of V sorted logits (the logsumexp kernel's); deliberately takes no M."""
+    return vocab_row_config(V, interpret)
 
 
 def _top_p_kernel(x_ref, x0_ref, o_ref, *, bv: int, nv: int, top_p: float):
     # x_ref [bm, Vp] f32 sorted descending, -inf padded; x0_ref [bm, 1]; o_ref [bm, 1] int32
     bm = x_ref.shape[0]
-    shift = _shift(x0_ref[...])  # [bm, 1]
+    shift = safe_max(x0_ref[...])  # an all-masked row: 0, so no -inf - -inf  # [bm, 1]
 
     def block_e(j):
         return jnp.exp(x_ref[:, pl.ds(j * bv, bv)] - shift)  # [bm, bv]
@@ -117,7 +108,7 @@ def top_p_kept(sorted_x: jax.Array, top_p: float, *, interpret: bool = False) ->
 
 def top_p_kept_reference(sorted_x: jax.Array, top_p: float) -> jax.Array:
     """Plain jnp: the same count from XLA's softmax and cumsum (order chosen by XLA)."""
-    e = jnp.exp(sorted_x - _shift(sorted_x[:, :1]))
+    e = jnp.exp(sorted_x - safe_max(sorted_x[:, :1]))
     incl = jnp.cumsum(e, axis=1)
     thr = jnp.float32(top_p) * jnp.sum(e, axis=1, keepdims=True)
     count = jnp.sum((incl < thr).astype(jnp.int32), axis=1)
