@@ -68,9 +68,18 @@ def kernel_kept(sorted_x, top_p: float):
     return _top_p_kept(sorted_x, top_p)
 
 
+def scaled_logits(sampler: Sample, x):
+    """x / T with the top-k cut applied, as `Sample` does before top-p: [N, V]."""
+    scaled = x / jnp.float32(sampler.temperature)
+    if sampler.top_k:
+        kth = jax.lax.top_k(scaled, sampler.top_k)[0][:, -1:]
+        scaled = jnp.where(scaled >= kth, scaled, -jnp.inf)
+    return scaled
+
+
 def xla_filter(sampler: Sample, x):
     """The top-p filter as XLA would do it (softmax, cumsum): the timing baseline."""
-    scaled = x / jnp.float32(sampler.temperature)
+    scaled = scaled_logits(sampler, x)
     order = jnp.argsort(-scaled, axis=-1, stable=True)
     sorted_x = jnp.take_along_axis(scaled, order, axis=-1)
     keep_sorted = top_p_mass(sorted_x, sampler.top_p) < sampler.top_p
@@ -101,10 +110,7 @@ def run_setting(sampler: Sample, logits, counts):
         rows = jnp.arange(n, dtype=jnp.int32)
         positions = jnp.full((n,), 512, jnp.int32)
         seed = jnp.int32(_SEED.value)
-        scaled = x / jnp.float32(sampler.temperature)
-        if sampler.top_k:
-            kth = jax.lax.top_k(scaled, sampler.top_k)[0][:, -1:]
-            scaled = jnp.where(scaled >= kth, scaled, -jnp.inf)
+        scaled = scaled_logits(sampler, x)
         sorted_x = jnp.take_along_axis(
             scaled, jnp.argsort(-scaled, axis=-1, stable=True), axis=-1)
         return (top_p_mass(sorted_x, sampler.top_p), kernel_kept(sorted_x, sampler.top_p),
