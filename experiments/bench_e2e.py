@@ -48,13 +48,10 @@ import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-sys.path.insert(0, os.path.dirname(__file__))
-import _hf_peers  # noqa: E402
-from gpu_monitor import GpuMonitor  # noqa: E402
-from timing import copy_bandwidth  # noqa: E402
-
 import jspec  # noqa: E402
+from jspec.bench import hf_peers  # noqa: E402
+from jspec.bench.gpu_monitor import GpuMonitor  # noqa: E402
+from jspec.bench.timing import copy_bandwidth  # noqa: E402
 from jspec.config import SPEED_OPTIONS  # noqa: E402
 from jspec.generate import prefill as serial_prefill  # noqa: E402
 from jspec.loading import default_interpret  # noqa: E402
@@ -361,7 +358,7 @@ class Bench:
         device = "cuda" if on_gpu else "cpu"
         t0 = time.perf_counter()
         try:
-            self.hf = _hf_peers.build_hf_model(self.target.config, self.target.params, device)
+            self.hf = hf_peers.build_hf_model(self.target.config, self.target.params, device)
         except Exception as e:  # noqa: BLE001
             return self.peer_skip(f"building the transformers model failed: {e!r}")
         self.phase("peers: build HF model with jspec's weights", time.perf_counter() - t0)
@@ -388,8 +385,8 @@ class Bench:
         self.save()
 
     def hf_greedy(self, B: int, **kw):
-        out, t, warm = _hf_peers.timed_torch(
-            lambda: _hf_peers.hf_generate(self.hf, self.prompts(B), self.N, **kw), self.iters)
+        out, t, warm = hf_peers.timed_torch(
+            lambda: hf_peers.hf_generate(self.hf, self.prompts(B), self.N, **kw), self.iters)
         return out, t, warm
 
     def peer_hf_eager(self, B: int):
@@ -413,7 +410,7 @@ class Bench:
         g = _PEER_GAMMA.value
 
         def fn():
-            _hf_peers.set_assistant(self.hf, g)
+            hf_peers.set_assistant(self.hf, g)
             out, t, warm = self.hf_greedy(1, assistant_model=self.hf)
             return out, t, warm, {"gamma": g, "speculative_equals_own_serial":
                                   _agree(out, self.hf_serial.get(1))}

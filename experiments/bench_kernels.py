@@ -38,18 +38,15 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from jspec.cache import init_cache, rollback  # noqa: E402
-from jspec.config import NUMERIC_OPTIONS  # noqa: E402
-from jspec.config import options as speed_options  # noqa: E402
-from jspec.model import COMPILER_OPTIONS, _forward, forward_nodonate  # noqa: E402
-from jspec.ops import get_ops  # noqa: E402
-from jspec.random_model import random_model  # noqa: E402
-from pallas_kernels.matmul import TUNED, tuned_to_json  # noqa: E402
-
-sys.path.insert(0, os.path.dirname(__file__))
-from timing import copy_bandwidth, median_time  # noqa: E402
-from trace_tools import device_events, traced  # noqa: E402
+from jspec.bench.timing import copy_bandwidth, median_time
+from jspec.bench.trace import device_events, traced
+from jspec.cache import init_cache, rollback
+from jspec.config import NUMERIC_OPTIONS
+from jspec.config import options as speed_options
+from jspec.model import COMPILER_OPTIONS, _forward, forward_nodonate
+from jspec.ops import get_ops
+from jspec.random_model import random_model
+from pallas_kernels.matmul import TUNED, tuned_to_json
 
 _PRESET = flags.DEFINE_string("preset", "qwen3-8b", "model shape preset")
 _LAYERS = flags.DEFINE_integer("layers", 0, "layers (0: the preset's)")

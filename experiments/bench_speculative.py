@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 
 import jax
@@ -27,14 +26,11 @@ import numpy as np
 from absl import app, flags
 from tqdm import tqdm
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-import jspec  # noqa: E402
-from jspec.loading import default_interpret  # noqa: E402
-from jspec.random_model import random_model  # noqa: E402
-from pallas_kernels.matmul import TUNED, tuned_to_json  # noqa: E402
-
-sys.path.insert(0, os.path.dirname(__file__))
-from timing import timed  # noqa: E402
+import jspec
+from jspec.bench.timing import timed
+from jspec.loading import default_interpret
+from jspec.random_model import random_model
+from pallas_kernels.matmul import TUNED, tuned_to_json
 
 _TARGET = flags.DEFINE_string("target", "tiny-qwen3", "preset[:layers] or HF dir")
 _DRAFT = flags.DEFINE_string("draft", "tiny-qwen3:1", "preset[:layers] or HF dir")

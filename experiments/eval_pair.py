@@ -18,7 +18,7 @@ output. Writes a JSON receipt and a PNG plot under --out.
 `--draft_heads=0,2048,1024`: the gamma sweep once per draft LM head, 0 being the full
 head and n a head pruned to the n most frequent tokens of the pair's training corpus
 (`ModelDrafter.pruned`; frequencies from the running Python's standard library minus
-the held-out modules, `stdlib_corpus.py`, under the pair's tokenizer): what a pruned
+the held-out modules, `jspec.train.corpus`, under the pair's tokenizer): what a pruned
 head costs in acceptance on a real pair. Parity is asserted for every head.
 """
 
@@ -32,17 +32,14 @@ import time
 import jax
 import numpy as np
 from absl import app, flags
+from eval_pair_hf import held_out_prompts, hf_runs, load_hf_pair
 from tqdm import tqdm
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-import jspec  # noqa: E402
-from jspec.loading import default_pair  # noqa: E402
-from pallas_kernels.matmul import TUNED, tuned_to_json  # noqa: E402
-
-sys.path.insert(0, os.path.dirname(__file__))
-from eval_pair_hf import held_out_prompts, hf_runs, load_hf_pair  # noqa: E402
-from stdlib_corpus import read, stdlib_files  # noqa: E402
-from timing import timed  # noqa: E402
+import jspec
+from jspec.bench.timing import timed
+from jspec.loading import default_pair
+from jspec.train.corpus import read, stdlib_files
+from pallas_kernels.matmul import TUNED, tuned_to_json
 
 _PAIR = flags.DEFINE_string("pair", "", "dir with target/ and draft/ (default: embedded pair)")
 _BACKEND = flags.DEFINE_string("backend", "pallas", "pallas | xla")

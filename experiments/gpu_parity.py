@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 
 import jax
@@ -31,16 +30,13 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from jspec import parity  # noqa: E402
-from jspec.cache import init_cache, rollback  # noqa: E402
-from jspec.config import SPEED_OPTIONS, VALUE_OPTIONS, options  # noqa: E402
-from jspec.model import forward  # noqa: E402
-from jspec.random_model import random_model  # noqa: E402
-from pallas_kernels.matmul import TUNED, tuned_to_json  # noqa: E402
-
-sys.path.insert(0, os.path.dirname(__file__))
-from receipts import write_receipt  # noqa: E402
+from jspec import parity
+from jspec.bench.receipts import write_receipt
+from jspec.cache import init_cache, rollback
+from jspec.config import SPEED_OPTIONS, VALUE_OPTIONS, options
+from jspec.model import forward
+from jspec.random_model import random_model
+from pallas_kernels.matmul import TUNED, tuned_to_json
 
 FLAGS = flags.DEFINE_string("models", "qwen3-8b:4,gemma3-4b:6", "preset:num_layers list")
 _CONTEXT = flags.DEFINE_integer("context", 8192, "sequence length checked")

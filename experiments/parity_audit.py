@@ -35,12 +35,11 @@ import numpy as np
 from absl import app, flags
 from tqdm import tqdm
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-import jspec  # noqa: E402
-from jspec import audit  # noqa: E402
-from jspec.loading import default_interpret  # noqa: E402
-from jspec.random_model import random_model  # noqa: E402
-from pallas_kernels.matmul import TUNED, tuned_to_json  # noqa: E402
+import jspec
+from jspec import audit
+from jspec.loading import default_interpret
+from jspec.random_model import random_model
+from pallas_kernels.matmul import TUNED, tuned_to_json
 
 _CKPT = flags.DEFINE_string("checkpoint", "", "HF checkpoint dir (else --preset)")
 _PRESET = flags.DEFINE_string("preset", "tiny-qwen3", "random-weight preset")

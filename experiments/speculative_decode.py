@@ -18,8 +18,7 @@ import numpy as np
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-import jspec  # noqa: E402
+import jspec
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", os.path.join(os.path.dirname(__file__), "..", "configs", "speculative.py"),

@@ -7,7 +7,7 @@ Data: every `.py` file of the running Python's standard library, except tests,
 idlelib, turtledemo and site-packages; the modules in `HELD_OUT` are kept out
 for evaluation. A byte-level BPE tokenizer (`tokenizers`) is trained on the
 training split only; files are joined with `<|endoftext|>`. Both models are
-flax nnx modules (`nnx_qwen3.py`) trained with optax AdamW on random windows,
+flax nnx modules (`jspec.train.nnx_qwen3`) trained with optax AdamW on random windows,
 with orbax checkpoints in `--workdir` and tqdm progress. At the end both are
 exported as Hugging Face checkpoint dirs (bf16 safetensors, config.json,
 tokenizer.json) under `--out_dir/{target,draft}` with a model card
@@ -21,7 +21,6 @@ import json
 import math
 import os
 import platform
-import sys
 import time
 
 import jax
@@ -32,9 +31,8 @@ from absl import app, flags, logging
 from flax import nnx
 from tqdm import tqdm
 
-sys.path.insert(0, os.path.dirname(__file__))
-from nnx_qwen3 import PairModelConfig, Qwen3, export_hf  # noqa: E402
-from stdlib_corpus import HELD_OUT, read, stdlib_files  # noqa: E402
+from jspec.train.corpus import HELD_OUT, read, stdlib_files
+from jspec.train.nnx_qwen3 import PairModelConfig, Qwen3, export_hf
 
 EOS = "<|endoftext|>"
 

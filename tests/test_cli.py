@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+from jspec.bench import trace
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -92,10 +94,7 @@ def test_eval_pair_smoke(tmp_path):
     assert (tmp_path / "eval_pair_cpu_smoke.png").exists()
 
 
-def test_profile_step_summarizes_a_device_timeline():
-    sys.path.insert(0, os.path.join(ROOT, "experiments"))
-    import trace_tools
-
+def test_trace_summarizes_a_device_timeline():
     meta = [{"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/device:GPU:0"}},
             {"ph": "M", "pid": 1, "tid": 7, "name": "thread_name", "args": {"name": "Stream #7"}},
             {"ph": "M", "pid": 1, "tid": 8, "name": "thread_name", "args": {"name": "XLA Ops"}}]
@@ -104,70 +103,18 @@ def test_profile_step_summarizes_a_device_timeline():
           {"ph": "X", "pid": 1, "tid": 7, "ts": 15, "dur": 5, "name": "loop_add_fusion"},
           {"ph": "X", "pid": 1, "tid": 8, "ts": 15, "dur": 5, "name": "add.1"},  # derived line
           {"ph": "X", "pid": 1, "tid": 7, "ts": 18, "dur": 4, "name": "MemcpyDtoH"}]
-    s = trace_tools.summarize(trace_tools.device_events({"traceEvents": meta + ev}), 2, 5)
+    s = trace.summarize(trace.device_events({"traceEvents": meta + ev}), 2, 5)
     assert s["device_events"] == 3 and s["events_per_step"] == 1.5
     assert (s["kernel_us_per_step"], s["busy_us_per_step"], s["span_us_per_step"]) == (9.5, 8.5,
                                                                                        11.0)
     assert s["us_per_step_by_kind"] == {"pallas": 5.0, "xla": 2.5, "copy": 2.0}
     assert s["top"][0]["op"] == "jit(decode_loop)/while/body/pallas_call"
-    assert trace_tools.summarize([], 1, 5)["device_events"] == 0
-
-
-@pytest.mark.slow  # a profiling script's run (its summary is checked above)
-def test_profile_step_runs(tmp_path):
-    r = _run("profile_step.py", "--target=tiny-qwen3", "--draft=tiny-qwen3:1", "--prompt_len=8",
-             "--steps=3", "--iters=1", "--backends=xla", "--workloads=serial,spec",
-             f"--out={tmp_path}")
-    assert r.returncode == 0, r.stderr[-2000:]
-    with open(tmp_path / "profile_step.json") as f:
-        rep = json.load(f)
-    assert rep["complete"] and [x["workload"] for x in rep["runs"]] == ["serial", "spec"]
-    assert rep["runs"][0]["steps"] == 3 and rep["runs"][0]["ms_per_step"] > 0
-    assert all("gpu" in x for x in rep["runs"])  # the GPU's clocks (a CPU: unavailable)
-
-
-def test_hlo_kernels_matches_kernels_to_their_hlo():
-    sys.path.insert(0, os.path.join(ROOT, "experiments"))
-    import hlo_kernels
-
-    text = """HloModule m
-
-%fused_computation.7 (p: bf16[8,64]) -> f32[8] {
-  %p = bf16[8,64]{1,0} parameter(0)
-  %c = f32[8,64]{1,0} convert(%p)
-  %z = f32[] constant(0)
-  ROOT %r.1 = f32[8]{0} reduce(%c, %z), dimensions={1}, to_apply=%add
-}
-
-ENTRY %main.3 (a: bf16[8,64]) -> f32[8] {
-  %a = bf16[8,64]{1,0} parameter(0)
-  ROOT %input_reduce_fusion.106 = f32[8]{0} fusion(%a), kind=kInput, \
-calls=%fused_computation.7, metadata={op_name="jit(f)/layer_3/attn/reduce_max"}
-}
-"""
-    lines, comps = hlo_kernels.hlo_index(text)
-    d = hlo_kernels.describe("input_reduce_fusion_106", lines, comps)
-    assert d["op_name"] == "jit(f)/layer_3/attn/reduce_max"
-    assert d["root"].startswith("ROOT %r.1 = f32[8]{0} reduce(")
-    assert d["ops"] == ["constant", "convert", "parameter", "reduce"]
-    assert "metadata" not in d["instruction"]
-    assert hlo_kernels.describe("no_such_kernel", lines, comps) == {"instruction": "",
-                                                                    "op_name": ""}
-
-
-@pytest.mark.slow  # a profiling script's run (its HLO matching is checked above)
-def test_hlo_kernels_runs(tmp_path):
-    r = _run("hlo_kernels.py", "--preset=tiny-qwen3", "--context=16", "--iters=1",
-             "--backends=xla", f"--out={tmp_path}")
-    assert r.returncode == 0, r.stderr[-2000:]
-    rep = json.load(open(tmp_path / "hlo_kernels_tiny-qwen3.json"))
-    assert [x["backend"] for x in rep["runs"]] == ["xla"] and rep["runs"][0]["ms_host"] > 0
-    assert (tmp_path / "hlo_kernels_tiny-qwen3_xla.hlo.txt.gz").exists()
+    assert trace.summarize([], 1, 5)["device_events"] == 0
 
 
 @pytest.mark.slow  # a sweep script
 def test_sweep_schedule_smoke(tmp_path):
-    r = _run("sweep_schedule.py", "--interpret", "--preset=tiny-qwen3", "--rows=1,40",
+    r = _run("tuning/sweep_schedule.py", "--interpret", "--preset=tiny-qwen3", "--rows=1,40",
              "--shapes=wo,w_gate_up:glu", "--max_candidates=3", "--iters=1",
              f"--out={tmp_path}")
     assert r.returncode == 0, r.stderr[-2000:]
@@ -183,49 +130,11 @@ def test_sweep_schedule_smoke(tmp_path):
     assert w["all_bits_equal"] and w["fastest_equal"] is not None
 
 
-@pytest.mark.slow  # a floor study or sweep script
-def test_launch_floor_smoke(tmp_path):
-    # Pallas on Triton and on Mosaic GPU (with and without grid dependencies), side by side.
-    r = _run("launch_floor.py", "--interpret", "--mb=0,0.25", "--chain=2", "--iters=1",
-             f"--out={tmp_path}")
-    assert r.returncode == 0, r.stderr[-2000:]
-    rep = json.load(open(tmp_path / "launch_floor.json"))
-    assert [(s["kind"], s["mb"]) for s in rep["sizes"]] == [
-        (k, mb) for mb in (0.0, 0.25) for k in ("triton", "mgpu", "mgpu_pdl")]
-    assert all(s["us_per_kernel"] > 0 and s["kernels"] == 2 for s in rep["sizes"])
-    bad = _run("launch_floor.py", "--interpret", "--mb=-1", f"--out={tmp_path}")
-    assert bad.returncode != 0 and "sizes must be >= 0" in bad.stderr
-    bad = _run("launch_floor.py", "--interpret", "--kinds=cuda", f"--out={tmp_path}")
-    assert bad.returncode != 0 and "--kinds: unknown ['cuda']" in bad.stderr
-    bad = _run("launch_floor.py", "--interpret", "--kinds=mgpu", "--mb=0.001",
-               f"--out={tmp_path}")
-    assert bad.returncode != 0 and "less than one 32 x 256 tile" in bad.stderr
-
-
-@pytest.mark.slow  # a floor study or sweep script
-def test_persistent_floor_smoke(tmp_path):
-    # The persistent kernel (P = 1: interpret mode runs programs one after another) and
-    # the chain of one kernel per phase at P = 1 and 2 compute the same bits.
-    r = _run("persistent_floor.py", "--interpret", "--layers=1", "--nolm_head",
-             "--programs=1,2", "--iters=1", f"--out={tmp_path}")
-    assert r.returncode == 0, r.stderr[-2000:]
-    rep = json.load(open(tmp_path / "persistent_floor.json"))
-    kinds = [(v["kind"], v["programs"], v["prefetch"]) for v in rep["variants"]]
-    assert kinds == [("chain", 1, 0), ("persistent", 1, 0), ("chain", 1, 1),
-                     ("persistent", 1, 1), ("chain", 2, 0), ("chain", 2, 1)]
-    assert all(v["equal_to_chain"] and v["finite"] for v in rep["variants"])
-    assert all(v["max_rel_diff_to_chain"] == 0.0 for v in rep["variants"])
-    assert len({v["sha1"] for v in rep["variants"]}) == 1  # P = 1 and 2, prefetch or not
-    assert "grid barrier would wait forever" in r.stdout
-    bad = _run("persistent_floor.py", "--interpret", "--programs=0", f"--out={tmp_path}")
-    assert bad.returncode != 0 and "every count must be >= 1" in bad.stderr
-
-
-@pytest.mark.slow  # a floor study or sweep script
+@pytest.mark.slow  # a sweep script
 def test_sweep_attention_smoke(tmp_path):
     # Split-KV attention variants (masked V load or select, two stage counts) against
     # the reference config: every variant bitwise equal at decode and verify shapes.
-    r = _run("sweep_attention.py", "--interpret", "--preset=tiny-qwen3", "--context=40",
+    r = _run("tuning/sweep_attention.py", "--interpret", "--preset=tiny-qwen3", "--context=40",
              "--batches=2", "--warps=4", "--stages=1,2", "--iters=1", "--tag=smoke",
              f"--out={tmp_path}")
     assert r.returncode == 0, r.stderr[-2000:]
@@ -235,20 +144,6 @@ def test_sweep_attention_smoke(tmp_path):
     assert len(rep["variants"]) == 4 and got == {(m, s) for m in (False, True) for s in (1, 2)}
     assert rep["all_bits_equal"] and all(
         set(v["by_shape"]) == {"B2T1", "B2T5"} for v in rep["variants"])
-
-
-def test_barrier_check_smoke(tmp_path):
-    # The grid-barrier stress kernel at P = 1 (interpret mode runs programs one after
-    # another, so P > 1 would wait forever and is refused): no bad rounds.
-    r = _run("barrier_check.py", "--interpret", "--programs=1", "--rounds=3", "--repeats=2",
-             f"--out={tmp_path}")
-    assert r.returncode == 0, r.stderr[-2000:]
-    rep = json.load(open(tmp_path / "barrier_check.json"))
-    assert [(x["programs"], x["spin"]) for x in rep["results"]] == [(1, "atomic"),
-                                                                     (1, "volatile")]
-    assert all(x["bad_rounds_per_launch"] == [0, 0] for x in rep["results"])
-    bad = _run("barrier_check.py", "--interpret", "--programs=2", f"--out={tmp_path}")
-    assert bad.returncode != 0 and "interpret mode: only 1" in bad.stderr
 
 
 @pytest.mark.slow  # an experiment script's run; test_row_group proves its option check
@@ -266,61 +161,3 @@ def test_bench_kernels_smoke(tmp_path):
     assert steps == {(b, t) for b in ("pallas", "xla", "pallas+matmul_row_group=1")
                      for t in (1, 2)}
     assert rep["options_bits_equal_pallas"] is True
-
-
-@pytest.mark.slow  # a tool's run; test_gpu_lowering lowers the same kernels
-def test_lowered_ir_fingerprints(tmp_path):
-    # Triton kernels fingerprinted on a CPU: the same code gives the same kernels; forcing
-    # split-KV into two kernels at B=1 (one launch by default) shows as that change.
-    fp = tmp_path / "fp.json"
-    r = _run("lowered_ir.py", "--shapes=qwen3-8b:1x1,gemma3-4b:8x5", f"--out={fp}")
-    assert r.returncode == 0, r.stderr[-2000:]
-    calls = json.load(open(fp))["kernels"]["qwen3-8b:1x1"]
-    assert any(c.startswith("jspec_attention_fused grid 8x1x2 warps 4 stages 2 ") for c in calls)
-    same = _run("lowered_ir.py", "--shapes=qwen3-8b:1x1,gemma3-4b:8x5", f"--compare={fp}")
-    assert same.returncode == 0 and "the same kernels" in same.stdout, same.stdout[-2000:]
-    other = _run("lowered_ir.py", "--shapes=qwen3-8b:1x1", "--options=attn_fused_fold=0",
-                 f"--compare={fp}")
-    assert other.returncode == 1 and "-jspec_attention_fused" in other.stdout
-    assert "+jspec_attention_combine" in other.stdout
-
-
-@pytest.mark.slow  # a profiling script of the draft alone
-def test_bench_draft_smoke(tmp_path):
-    r = _run("bench_draft.py", "--draft=tiny-qwen3:1", "--context=16", "--rounds=2",
-             "--iters=1", "--variants=/xla_two_rows=1,kv_dus=1", f"--out={tmp_path}")
-    assert r.returncode == 0, r.stderr[-2000:]
-    rep = json.load(open(tmp_path / "bench_draft_tiny-qwen3-1.json"))
-    base, fast = rep["runs"]
-    assert base["options"] == [] and fast["options"] == ["xla_two_rows=1", "kv_dus=1"]
-    assert base["ms_per_round_host"] > 0 and len(base["drafts"]) == 2 * rep["gamma"]
-    assert fast["logits_max_rel_diff"] < 1e-2  # bf16 weights, another XLA program
-    assert "per round" in r.stdout
-
-
-@pytest.mark.slow  # an experiment script's run (the engine calls it makes are tested)
-def test_overlap_streams_smoke(tmp_path):
-    # Target verify and draft round alone and together; on a CPU the stream annotation
-    # lowers (its program runs on one stream there), so all four variants run.
-    r = _run("overlap_streams.py", "--target=tiny-qwen3", "--draft=tiny-qwen3:1",
-             "--context=16", "--iters=1", f"--out={tmp_path}", "--tag=smoke")
-    assert r.returncode == 0, r.stderr[-2000:]
-    rep = json.load(open(tmp_path / "overlap_streams_smoke.json"))
-    assert set(rep["rows"]) == {"verify", "draft", "together", "together_streams"}
-    assert all(row["ms"] > 0 for row in rep["rows"].values())
-    assert "hidden_fraction_of_draft_streams" in rep
-
-
-def test_sampling_invariance_smoke(tmp_path):
-    # The sampler's row-invariance probe end to end on a small vocabulary (CPU, where
-    # XLA's top-p happens to be invariant too): jspec's cut never differs, the receipt
-    # holds every setting and count, and the timing runs.
-    r = _run("sampling_invariance.py", "--vocab=3000", "--rows=9", "--counts=1,5",
-             "--settings=0.8:0:0.9,1.0:20:0.5", "--time_iters=1", f"--out={tmp_path}",
-             "--tag=_t")
-    assert r.returncode == 0, r.stderr[-2000:]
-    rep = json.load(open(tmp_path / "sampling_invariance_t.json"))
-    assert rep["jspec_rows_differing"] == 0 and len(rep["settings"]) == 2
-    assert set(rep["settings"][0]["counts"]) == {"1", "5"}
-    assert set(rep["timing"]["ms"]) == {"1", "5"}
-    assert _run("sampling_invariance.py", "--rows=4", "--counts=5").returncode != 0

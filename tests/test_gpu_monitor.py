@@ -1,14 +1,12 @@
-"""experiments/gpu_monitor.py: nvidia-smi samples summarised for a receipt (a stand-in
+"""jspec.bench.gpu_monitor: nvidia-smi samples summarised for a receipt (a stand-in
 nvidia-smi on PATH plays the GPU)."""
 
 import os
-import sys
 import time
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "experiments"))
-from gpu_monitor import GpuMonitor  # noqa: E402
+from jspec.bench.gpu_monitor import GpuMonitor
 
 FAKE = """#!/bin/sh
 case "$*" in

@@ -1,11 +1,9 @@
-"""jspec params -> HF checkpoint (experiments/_hf_peers.py) is the exact inverse of load_hf.
+"""jspec params -> HF checkpoint (jspec.bench.hf_peers) is the exact inverse of load_hf.
 
 bench_e2e gives transformers the target's weights through this converter, so a
 round trip must give back the same config and every parameter bit for bit.
 """
 
-import os
-import sys
 
 import jax
 import numpy as np
@@ -13,10 +11,8 @@ import pytest
 from conftest import fixture_path
 
 import jspec
+from jspec.bench.hf_peers import hf_config_dict, save_hf_dir
 from jspec.random_model import random_model
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "experiments"))
-from _hf_peers import hf_config_dict, save_hf_dir  # noqa: E402
 
 
 def _assert_same(a: jspec.Model, b: jspec.Model):

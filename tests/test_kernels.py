@@ -254,7 +254,7 @@ def test_split_k_combines_chunk_partials_left_to_right():
 def test_sweep_matmul_cli_smoke(tmp_path):
     # Interpret-mode smoke run of the GPU tuning sweep (its timings mean nothing here).
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    cmd = [sys.executable, os.path.join(root, "experiments", "sweep_matmul.py"), "--interpret",
+    cmd = [sys.executable, os.path.join(root, "experiments/tuning/sweep_matmul.py"), "--interpret",
            "--presets=qwen3-0.6b", "--shapes=wo", "--rows=1,3", "--max_candidates=2",
            "--finalists=0", "--iters=1", "--reps=1", f"--out={tmp_path}"]
     r = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=120)

@@ -10,10 +10,9 @@ import numpy as np
 from flax import nnx
 
 import jspec
+from jspec.train.nnx_qwen3 import PairModelConfig, Qwen3, export_hf, hf_tensors
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "experiments"))
-from nnx_qwen3 import PairModelConfig, Qwen3, export_hf, hf_tensors  # noqa: E402
 
 TINY = PairModelConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_layers=2,
                        num_heads=4, num_kv_heads=2, head_dim=16)

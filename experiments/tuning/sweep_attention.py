@@ -1,8 +1,8 @@
 """Do split-KV attention's warps, stages and V-tail masking change its bits? Which is
 fastest for a batch-8 verify block?
 
-  python experiments/sweep_attention.py --out=experiments/results          # H200
-  python experiments/sweep_attention.py --interpret --preset=tiny-qwen3 --context=48 \
+  python experiments/tuning/sweep_attention.py --out=experiments/results   # H200
+  python experiments/tuning/sweep_attention.py --interpret --preset=tiny-qwen3 --context=48 \
       --warps=4 --stages=1 --out=/tmp                                      # CPU smoke
 
 A row's reduction order in `pallas_kernels.attention` is set by the key block
@@ -33,14 +33,11 @@ import numpy as np
 from absl import app, flags
 from tqdm import tqdm
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-sys.path.insert(0, os.path.dirname(__file__))
-from receipts import write_receipt  # noqa: E402
-from timing import median_time  # noqa: E402
-from trace_tools import device_events, summarize, traced  # noqa: E402
-
-from jspec.random_model import preset_config  # noqa: E402
-from pallas_kernels.attention import AttentionConfig, attention, attention_config  # noqa: E402
+from jspec.bench.receipts import write_receipt
+from jspec.bench.timing import median_time
+from jspec.bench.trace import device_events, summarize, traced
+from jspec.random_model import preset_config
+from pallas_kernels.attention import AttentionConfig, attention, attention_config
 
 _PRESET = flags.DEFINE_string("preset", "qwen3-8b", "model shape preset (heads, head_dim)")
 _BATCHES = flags.DEFINE_list("batches", ["1", "8"], "batch sizes")

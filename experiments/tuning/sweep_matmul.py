@@ -1,7 +1,7 @@
 """Per-weight-shape tuning of the row-invariant matmul: candidates for `TUNED`.
 
-  python experiments/sweep_matmul.py                       # qwen3-8b + qwen3-0.6b, M=1,8,16
-  python experiments/sweep_matmul.py --interpret --presets=tiny-qwen3 --shapes=wo \
+  python experiments/tuning/sweep_matmul.py                # qwen3-8b + qwen3-0.6b, M=1,8,16
+  python experiments/tuning/sweep_matmul.py --interpret --presets=tiny-qwen3 --shapes=wo \
       --rows=1,3 --max_candidates=2 --iters=1 --reps=2     # CPU smoke run
 
 For each weight of the presets (fused wqkv, wo, fused gate/up, down, lm head;
@@ -30,7 +30,6 @@ import json
 import math
 import os
 import re
-import sys
 import time
 
 import jax
@@ -38,10 +37,10 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from jspec.random_model import weight_shapes  # noqa: E402
-from pallas_kernels._common import round_up  # noqa: E402
-from pallas_kernels.matmul import (  # noqa: E402
+from jspec.bench.timing import copy_bandwidth, median_time
+from jspec.random_model import weight_shapes
+from pallas_kernels._common import round_up
+from pallas_kernels.matmul import (
     TUNED_ENV,
     MatmulConfig,
     default_matmul_config,
@@ -49,9 +48,6 @@ from pallas_kernels.matmul import (  # noqa: E402
     matmul_config,
     tuned_to_json,
 )
-
-sys.path.insert(0, os.path.dirname(__file__))
-from timing import copy_bandwidth, median_time  # noqa: E402
 
 _PRESETS = flags.DEFINE_list("presets", ["qwen3-8b", "qwen3-0.6b"], "model shape presets")
 _SHAPES = flags.DEFINE_list("shapes", ["wo", "w_down", "wqkv", "w_gate_up", "lm_head"],

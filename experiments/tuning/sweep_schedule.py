@@ -1,9 +1,9 @@
 """Do a matmul's column tile, warps and stages change its bits? And which is fastest
 for a multi-tile launch (a batch-8 verify block)?
 
-  python experiments/sweep_schedule.py --out=experiments/results         # H200
-  python experiments/sweep_schedule.py --interpret --preset=tiny-qwen3 --rows=1,40 \
-      --max_candidates=2 --out=/tmp                                       # CPU smoke
+  python experiments/tuning/sweep_schedule.py --out=experiments/results  # H200
+  python experiments/tuning/sweep_schedule.py --interpret --preset=tiny-qwen3 --rows=1,40 \
+      --max_candidates=2 --out=/tmp                                      # CPU smoke
 
 A row's sum order in `pallas_kernels.matmul` is set by its K tile (bk) and split-K
 count; bn, num_warps and num_stages only decide which program computes which output
@@ -37,14 +37,11 @@ import numpy as np
 from absl import app, flags
 from tqdm import tqdm
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-sys.path.insert(0, os.path.dirname(__file__))
-from timing import median_time  # noqa: E402
-from trace_tools import device_events, summarize, traced  # noqa: E402
-
-from jspec.random_model import weight_shapes  # noqa: E402
-from pallas_kernels.matmul import MatmulConfig, matmul, matmul_config  # noqa: E402
-from pallas_kernels.matmul_glu import fusable, matmul_glu  # noqa: E402
+from jspec.bench.timing import median_time
+from jspec.bench.trace import device_events, summarize, traced
+from jspec.random_model import weight_shapes
+from pallas_kernels.matmul import MatmulConfig, matmul, matmul_config
+from pallas_kernels.matmul_glu import fusable, matmul_glu
 
 _PRESET = flags.DEFINE_string("preset", "qwen3-8b", "model shape preset")
 _SHAPES = flags.DEFINE_list("shapes", ["wo", "w_down", "wqkv", "w_gate_up:glu", "lm_head"],

@@ -1,8 +1,8 @@
 """What the GPU ran at while a block of work ran: SM clock, power, temperature.
 
-Latency-bound work (a speculative round: ~1200 small kernels) scales with the SM clock,
+Latency-bound work (a speculative round: many small kernels) scales with the SM clock,
 bandwidth-bound work (a decode step) hardly does, so two GPUs of one host can agree on
-serial decoding and differ by ~5% on speculation. `GpuMonitor` samples `nvidia-smi`
+serial decoding and differ on speculation. `GpuMonitor` samples `nvidia-smi`
 every `ms` milliseconds while its block runs and summarises the samples for a receipt:
 
     with GpuMonitor() as mon:

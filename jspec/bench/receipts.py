@@ -1,4 +1,4 @@
-"""JSON receipts of the experiment scripts."""
+"""JSON receipts: a benchmark run's report, written where the run says."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Timing helpers shared by the benchmark scripts: warm-up first, then medians.
+"""Timing helpers of the benchmarks: warm-up first, then medians.
 
 `timed` needs neither jax nor torch (the caller's `fn` must block until its
 work is done); `median_time` and `copy_bandwidth` block on jax arrays.
@@ -40,8 +40,8 @@ def copy_bandwidth(iters: int, reps: int = 8) -> float:
     (4 GiB on an accelerator, 4 MiB on a CPU, where the figure is only a smoke test).
 
     One timed call runs `reps` passes in a device-side loop, so the host's dispatch and
-    sync (~0.1 ms against ~2.5 ms a pass) stay out of the figure, as they do for the
-    device-side step loops it is compared with."""
+    sync (small against a pass) stay out of the figure, as they do for the device-side
+    step loops it is compared with."""
     import jax
     import jax.numpy as jnp
 

@@ -1,7 +1,8 @@
 """Device timelines from `jax.profiler` traces: the kernels a run launched and their cost.
 
-Shared by profile_step.py (decode loop, speculative rounds) and hlo_kernels.py (one
-forward, kernels matched to their HLO).
+Used by the kernel benchmark and the tuning sweeps (`experiments/bench_kernels.py`,
+`experiments/tuning/`) to time kernels device-side; `summarize` gives per-step figures
+of a decode loop or speculative rounds.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """The code pair's corpus: the running Python's standard library, split into the
-training files and the held-out modules (`train_pair.py` trains on the former;
-`eval_pair.py` prompts from the latter and counts token frequencies in the former)."""
+training files and the held-out modules (`experiments/train_pair.py` trains on the
+former; `experiments/eval_pair.py` prompts from the latter and counts token frequencies in
+the former)."""
 
 from __future__ import annotations
 
@@ -20,8 +21,8 @@ def stdlib_files() -> tuple[list[str], list[str], str]:
     """(training files, held-out files, stdlib root), relative paths, sorted.
 
     Every 40th training file is later split off as the validation set that
-    picks the checkpoint (`train_pair.split_validation`); the held-out files only
-    measure.
+    picks the checkpoint (`split_validation` in `experiments/train_pair.py`); the
+    held-out files only measure.
     """
     root = sysconfig.get_paths()["stdlib"]
     train, held = [], []
