@@ -4,12 +4,11 @@
 #   bash experiments/gpu_session.sh step ... :: step ... [:: ...]  # one lane per GPU
 # Steps: parity parity_split audit audit_qwen3 audit_gemma3 audit_xla kernels
 # kernels_fused spec sweep tuned e2e e2e_b1 e2e_b8 e2e_peers e2e_draftpallas e2e_decompose train pair
-# pair_eval profile_cboff profile_default profile_cbwhile profile_draftpallas hlo schedsweep
-# floor persistent barriercheck mgpubarrier mgpustream overlap attnsweep draft
+# pair_eval schedsweep attnsweep
 # (default: parity audit kernels spec).
-# - sweep: the matmul tile tuning; it writes $OUT/sweep_matmul_tuned.json, and `tuned`
-#   makes the lane's later steps use that table ($JSPEC_MATMUL_TUNED) before it is
-#   pasted into pallas_kernels/matmul.py.
+# - sweep: tuning/sweep_matmul.py, the matmul tile tuning; it writes
+#   $OUT/sweep_matmul_tuned.json, and `tuned` makes the lane's later steps use that table
+#   ($JSPEC_MATMUL_TUNED) before it is pasted into pallas_kernels/matmul.py.
 # - e2e (up to 560 s) wants a call or lane of its own; e2e_b1 / e2e_b8 split it;
 #   e2e_peers is the batch-1 peer set alone (through transformers' static-cache +
 #   torch.compile run, which e2e_b1 reaches last); e2e_draftpallas runs the draft
@@ -28,12 +27,6 @@
 #   $FUSED_GAMMAS the verify blocks (default 4: T = 5), $FUSED_BATCHES the batches.
 # - train trains the code pair into $OUT/codepair; pair and pair_eval audit / evaluate
 #   $PAIR, else a pair trained in this call, else the embedded one.
-# - profile_cboff / profile_default / profile_cbwhile: profile_step.py (device trace of
-#   the serial loop and speculative rounds, both backends) with XLA command buffers off
-#   (every kernel visible; raw traces kept), at XLA's default, and with while loops and
-#   conditionals captured too; profile_draftpallas: the speculative rounds with the
-#   draft on pallas (profile_step's default draft backend is xla). $PROFILE_FLAGS are
-#   appended, $PROFILE_TAG names them.
 # - parity: $PARITY_OPTIONS (a gpu_parity --options list) and $PARITY_TAG (receipt
 #   suffix) prove another configuration, e.g. PARITY_OPTIONS=attn_split_rows=32.
 # - parity_split: the parity matrix (pallas) with split-KV attention of another size
@@ -41,35 +34,12 @@
 #   proves, splits at 128 on a GPU); time it with `FUSED_OPTIONS=attn_split=256
 #   kernels_fused` (its logits differ from the default's by design: the step reports
 #   their largest difference instead of a bit check).
-# - hlo: hlo_kernels.py, one forward of $HLO_PRESET (default qwen3-0.6b, the draft) at
-#   768 keys on both backends: its costliest kernels matched to their HLO ops;
-#   $HLO_BATCH x $HLO_TOKENS rows (default 1 x 1), $HLO_FLAGS appended; the receipt is
-#   tagged b<batch>t<tokens>$HLO_TAG.
-# - schedsweep: sweep_schedule.py, whether a matmul's bn / warps / stages change its bits
-#   at M = 1 and 40 (row groups of 4) and which is fastest for the 40-row verify block;
-#   $SCHED_S bounds it, $SCHED_FLAGS appended.
-# - floor: launch_floor.py, what one kernel of a dependent chain costs, empty and
-#   streaming 1-16 MB (the floor under a latency-bound draft forward); $FLOOR_FLAGS.
-# - persistent: persistent_floor.py, a Qwen3-0.6B forward's weight traffic as one
-#   persistent kernel with grid barriers against a chain of one kernel per phase;
-#   $PERSIST_FLAGS, $PERSIST_S; $PERSIST_FLAGS2, if set, runs a second set of variants
-#   (receipt persistent_floor_2.json).
-# - mgpubarrier: mgpu_barrier.py, a Mosaic GPU grid barrier alone and with a step's data
-#   exchange (TMA store, barrier, TMA load, checked); $MGPU_BARRIER_FLAGS appended.
-# - mgpustream: mgpu_stream.py, a persistent Mosaic GPU kernel's weight stream through a
-#   draft forward's steps (TMA ring ahead of the grid barriers): us a layer;
-#   $MGPU_STREAM_FLAGS appended, $MGPU_STREAM_S bounds it.
-# - overlap: overlap_streams.py, the target's verify and a draft round alone, together,
-#   and with one of them under compute_on("gpu_stream:1"); $OVERLAP_FLAGS appended.
-# - barriercheck: barrier_check.py, whether grid_barrier (both polling variants) orders
-#   memory across a persistent kernel's programs; $BARRIER_FLAGS appended.
-# - attnsweep: sweep_attention.py, whether split-KV attention's warps, stages and V-tail
-#   masking change its bits (B = 1 and 8, T = 1 and 5) and which is fastest;
+# - schedsweep: tuning/sweep_schedule.py, whether a matmul's bn / warps / stages change
+#   its bits at M = 1 and 40 (row groups of 4) and which is fastest for the 40-row verify
+#   block; $SCHED_S bounds it, $SCHED_FLAGS appended.
+# - attnsweep: tuning/sweep_attention.py, whether split-KV attention's warps, stages and
+#   V-tail masking change its bits (B = 1 and 8, T = 1 and 5) and which is fastest;
 #   $ATTN_SWEEP_FLAGS appended, $ATTN_SWEEP_S bounds it.
-# - draft: bench_draft.py, one batch-1 draft round (Qwen3-0.6B, gamma 4) per variant of
-#   draft options ($DRAFT_VARIANTS: option lists separated by "/", e.g.
-#   "/xla_two_rows=1/xla_two_rows=1,kv_dus=1"; the empty one is the default), timed and
-#   traced; $DRAFT_S bounds it, $DRAFT_FLAGS appended, $DRAFT_TAG names the receipt.
 # - a step NAME=value (no spaces) exports that variable for the lane's later steps, so
 #   lanes can differ: `E2E_S=170 e2e_b1 :: E2E_S=300 e2e_b8`.
 # - sweep: $SWEEP_FLAGS are appended (e.g. "--presets=qwen3-8b --max_candidates=24"),
@@ -154,7 +124,7 @@ for s in $steps; do
               --draft=qwen3-0.6b --prompt_len=512 --max_new_tokens=256 --batch=1 \
               --gammas=2,4,6,8 --oracle_gammas=2,4,6,8 --accept=0.5,0.7,0.8,0.9 --iters=3 \
               --out="$OUT" --tag=h200_qwen3-8b_b1 2>&1 | quiet | tail -40 ;;
-    sweep) timeout "${SWEEP_S:-210}" python3 experiments/sweep_matmul.py --out="$OUT" \
+    sweep) timeout "${SWEEP_S:-210}" python3 experiments/tuning/sweep_matmul.py --out="$OUT" \
               --budget_s="${SWEEP_BUDGET:-150}" ${SWEEP_FLAGS:-} 2>&1 | quiet | tail -60 ;;
     e2e) timeout 560 python3 experiments/bench_e2e.py --target=qwen3-8b --draft=qwen3-0.6b \
               --batches=1,8 --prompt_len=512 --max_new_tokens=256 --out="$OUT" \
@@ -195,48 +165,12 @@ for s in $steps; do
               --iters=10 --noops \
               --options=${FUSED_OPTIONS:-plain} \
               --out="$OUT" --tag=fused 2>&1 | quiet | tail -30 ;;
-    profile_cboff|profile_default|profile_cbwhile|profile_draftpallas)  # device traces
-           v=${s#profile_}
-           case $v in
-             cboff) f="--xla_gpu_enable_command_buffer=" k=--keep_traces ;;
-             default) f="" k=--nokeep_traces ;;
-             draftpallas) f="" k="--nokeep_traces --draft_backend=pallas --backends=pallas --workloads=spec" ;;
-             cbwhile) f="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"
-                      k=--nokeep_traces ;;
-           esac
-           XLA_FLAGS="$(echo ${XLA_FLAGS:-} $f)" timeout "${PROFILE_S:-170}" python3 \
-              experiments/profile_step.py --target=qwen3-8b --draft=qwen3-0.6b --steps=32 \
-              --iters=3 $k --out="$OUT" --tag="h200_$v${PROFILE_TAG:-}" ${PROFILE_FLAGS:-} \
-              2>&1 | quiet | grep -v "it/s" | tail -40 ;;
-    schedsweep) timeout "${SCHED_S:-240}" python3 experiments/sweep_schedule.py --out="$OUT" \
+    schedsweep) timeout "${SCHED_S:-240}" python3 experiments/tuning/sweep_schedule.py --out="$OUT" \
               --budget_s="$(( ${SCHED_S:-240} - 60 ))" ${SCHED_FLAGS:-} 2>&1 | quiet \
               | grep -v "it/s" | tail -12 ;;
-    floor) timeout "${FLOOR_S:-120}" python3 experiments/launch_floor.py --out="$OUT" \
-              ${FLOOR_FLAGS:-} 2>&1 | quiet | tail -24 ;;
-    persistent) timeout "${PERSIST_S:-240}" python3 experiments/persistent_floor.py --out="$OUT" \
-              ${PERSIST_FLAGS:-} 2>&1 | quiet | tail -16
-           if [ -n "${PERSIST_FLAGS2:-}" ]; then  # a second set of variants, its own receipt
-             timeout "${PERSIST_S:-240}" python3 experiments/persistent_floor.py --out="$OUT" \
-               --tag=2 ${PERSIST_FLAGS2} 2>&1 | quiet | tail -16
-           fi ;;
-    mgpubarrier) timeout "${MGPU_BARRIER_S:-120}" python3 experiments/mgpu_barrier.py \
-              --out="$OUT" --read_rows=all,24,8 ${MGPU_BARRIER_FLAGS:-} 2>&1 | quiet | tail -16 ;;
-    mgpustream) timeout "${MGPU_STREAM_S:-240}" python3 experiments/mgpu_stream.py \
-              --out="$OUT" ${MGPU_STREAM_FLAGS:-} 2>&1 | quiet | tail -16 ;;
-    overlap) timeout "${OVERLAP_S:-240}" python3 experiments/overlap_streams.py \
-              --out="$OUT" ${OVERLAP_FLAGS:-} 2>&1 | quiet | tail -12 ;;
-    barriercheck) timeout "${BARRIER_S:-120}" python3 experiments/barrier_check.py --out="$OUT" \
-              ${BARRIER_FLAGS:-} 2>&1 | quiet | tail -12 ;;
-    attnsweep) timeout "${ATTN_SWEEP_S:-300}" python3 experiments/sweep_attention.py --out="$OUT" \
+    attnsweep) timeout "${ATTN_SWEEP_S:-300}" python3 experiments/tuning/sweep_attention.py --out="$OUT" \
               --budget_s="$(( ${ATTN_SWEEP_S:-300} - 60 ))" ${ATTN_SWEEP_FLAGS:-} 2>&1 | quiet \
               | grep -v "it/s" | tail -30 ;;
-    hlo) timeout "${HLO_S:-150}" python3 experiments/hlo_kernels.py --preset="${HLO_PRESET:-qwen3-0.6b}" \
-              --batch="${HLO_BATCH:-1}" --tokens="${HLO_TOKENS:-1}" --context=768 --out="$OUT" \
-              --tag="b${HLO_BATCH:-1}t${HLO_TOKENS:-1}${HLO_TAG:-}" ${HLO_FLAGS:-} 2>&1 | quiet \
-              | tail -80 ;;
-    draft) timeout "${DRAFT_S:-240}" python3 experiments/bench_draft.py --draft=qwen3-0.6b \
-              --variants="${DRAFT_VARIANTS:-}" --out="$OUT" --tag="h200${DRAFT_TAG:-}" \
-              ${DRAFT_FLAGS:-} 2>&1 | quiet | grep -v "it/s" | tail -70 ;;
     *) echo "unknown step $s" ;;
   esac
 done
