@@ -35,8 +35,8 @@ def get_config(arg=None):
     # target's verify decides every output token, so "xla" (faster for a small model,
     # and no interpret mode on a CPU) never changes the output.
     c.draft_backend = "xla"
-    # Options for the draft model alone (jspec.config.options names, comma-separated):
-    # "draft" = jspec.config.DRAFT_OPTIONS, fewer kernels for an xla-backend draft.
+    # Options for the draft model alone (jspec.cli option names, comma-separated):
+    # "draft" = jspec.DraftOptions.latency(), fewer kernels for an xla-backend draft.
     c.draft_options = "draft"
     # A pruned draft LM head (jspec.ModelDrafter.pruned): "" = the full head; a .npy file
     # of token ids; or a text file, whose draft_head_size most frequent tokens (under the

@@ -52,10 +52,9 @@ import jspec  # noqa: E402
 from jspec.bench import hf_peers  # noqa: E402
 from jspec.bench.gpu_monitor import GpuMonitor  # noqa: E402
 from jspec.bench.timing import copy_bandwidth  # noqa: E402
-from jspec.config import SPEED_OPTIONS  # noqa: E402
+from jspec.cli import options_record, with_option_string  # noqa: E402
 from jspec.generate import prefill as serial_prefill  # noqa: E402
 from jspec.loading import default_interpret  # noqa: E402
-from jspec.model import with_options  # noqa: E402
 from jspec.random_model import random_model  # noqa: E402
 from pallas_kernels.matmul import TUNED, tuned_to_json  # noqa: E402
 
@@ -69,7 +68,7 @@ _GAMMAS = flags.DEFINE_list("gammas", ["2", "4", "6", "8"], "gammas (oracle and 
 _ACCEPT = flags.DEFINE_list("accept", ["0.5", "0.7", "0.8", "0.9"], "oracle acceptance rates")
 _LOOKUP = flags.DEFINE_bool("lookup", True, "also run the prompt-lookup drafter")
 _OPTIONS = flags.DEFINE_list(
-    "options", [], "speed options for the target and the draft (jspec.config.options: "
+    "options", [], "speed options for the target and the draft (jspec.cli option names: "
     "x, no_x or plain; all four are on by default)")
 _ORACLE_DRAFT = flags.DEFINE_bool(
     "oracle_draft", True, "run the draft model under the oracle (its real cost); "
@@ -80,7 +79,7 @@ _DRAFT_BACKEND = flags.DEFINE_enum(
     "the output (the target's verify decides), so xla is a legitimate speed option")
 _DRAFT_OPTIONS = flags.DEFINE_list(
     "draft_options", ["draft"], "options for the draft model alone, after --options; "
-    "'draft' is jspec.config.DRAFT_OPTIONS (xla_two_rows=1,xla_pallas_attention=1), '' none")
+    "'draft' is jspec.DraftOptions.latency(), '' none")
 _DRAFT_HEAD = flags.DEFINE_integer(
     "draft_head", 0, "> 0: the draft's LM head keeps this many tokens (ModelDrafter.pruned; "
     "random weights have no token frequencies, so ids 0..n-1); 0: the full head")
@@ -106,7 +105,7 @@ def load_model(spec: str, seed: int) -> jspec.Model:
         kw = {"num_layers": int(layers)} if layers else {}
         model = random_model(name, seed=seed, dtype=_DTYPE.value, interpret=default_interpret(),
                              **kw)
-    return with_options(model, *_OPTIONS.value)
+    return with_option_string(model, ",".join(_OPTIONS.value))
 
 
 def make_prompts(V: int, B: int, P: int) -> np.ndarray:
@@ -187,7 +186,7 @@ class Bench:
         jax.block_until_ready(self.target.params)
         t1 = time.perf_counter()
         self.draft = load_model(_DRAFT.value, 1).with_backend(_DRAFT_BACKEND.value)
-        self.draft = with_options(self.draft, *_DRAFT_OPTIONS.value)
+        self.draft = with_option_string(self.draft, ",".join(_DRAFT_OPTIONS.value))
         jax.block_until_ready(self.draft.params)
         t2 = time.perf_counter()
         self.batches = [int(b) for b in _BATCHES.value]
@@ -215,8 +214,8 @@ class Bench:
             # Receipts before 2026-11-30h lack this: their oracle's proposals did not
             # wait for the draft's forwards, so their oracle speedups are upper bounds.
             "oracle_waits_for_draft": True,
-            "options": _OPTIONS.value, "speed_options": {
-                f: getattr(self.target.config, f) for f in SPEED_OPTIONS},
+            "options": _OPTIONS.value, "speed_options": options_record(self.target)["kernel"],
+            "draft_option_fields": options_record(self.draft),
             "dtype": _DTYPE.value, "batches": self.batches,
             "prompt_len": self.P, "max_new_tokens": self.N, "iters": self.iters,
             "copy_TBps": bw / 1e12, "mean_context": ctx, "weight_bytes": wbytes,

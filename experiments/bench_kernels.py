@@ -41,9 +41,8 @@ from absl import app, flags
 from jspec.bench.timing import copy_bandwidth, median_time
 from jspec.bench.trace import device_events, traced
 from jspec.cache import init_cache, rollback
-from jspec.config import NUMERIC_OPTIONS
-from jspec.config import options as speed_options
-from jspec.model import COMPILER_OPTIONS, _forward, forward_nodonate
+from jspec.cli import with_option_string
+from jspec.model import COMPILER_OPTIONS, apply, forward_nodonate
 from jspec.ops import get_ops
 from jspec.random_model import random_model
 from pallas_kernels.matmul import TUNED, tuned_to_json
@@ -59,7 +58,7 @@ _INTERPRET = flags.DEFINE_bool("interpret", False, "CPU smoke run (tiny timings 
 _DTYPE = flags.DEFINE_string("dtype", "bfloat16", "weights and activations (a CPU smoke run "
                              "needs float32: XLA's CPU runtime has no bf16 x bf16 -> f32 dot)")
 _OPTIONS = flags.DEFINE_list(
-    "options", [], "speed-option variants of the pallas step to time (jspec.config.options "
+    "options", [], "speed-option variants of the pallas step to time (jspec.cli option "
     "names: x, no_x, plain; a+b: both), each checked bitwise against the default pallas "
     "step (all options on); e.g. plain,no_fuse_glu")
 _OPS = flags.DEFINE_bool("ops", True, "time single ops (matmuls, norms, ...) before steps")
@@ -182,7 +181,7 @@ def device_steps(model, tokens, cache):
 
     def body(_, carry):
         c, acc = carry
-        logits, c = _forward(model, tokens, c)
+        logits, c = apply(model, tokens, c)
         return rollback(c, lengths), acc + logits[0, -1, 0]
 
     return jax.lax.fori_loop(0, STEP_REPS, body, (cache, jnp.float32(0)))[1]
@@ -190,7 +189,7 @@ def device_steps(model, tokens, cache):
 
 def bench_steps(model, batches, gammas, context, iters, options=()):
     """Whole forward steps on pallas and xla, plus pallas variants with the speed options
-    set as each entry of `options` says (jspec.config.options names), whose logits must
+    set as each entry of `options` says (jspec.cli option names), whose logits must
     equal the default pallas logits bit for bit ("bits_equal_pallas"); variants that change
     the numerics by design (attn_split=N) record their largest logit difference instead
     (their own parity is the parity matrix's job: gpu_parity.py --options)."""
@@ -199,10 +198,11 @@ def bench_steps(model, batches, gammas, context, iters, options=()):
     variants = {"pallas": model.with_backend("pallas"), "xla": model.with_backend("xla")}
     numeric = set()  # variants whose options change the numerics (attn_split=N)
     for opt in options:  # "a+no_b": a on and b off together
-        fields = speed_options(opt)
-        variants[f"pallas+{opt}"] = variants["pallas"].replace(
-            config=variants["pallas"].config.replace(**fields))
-        if any(fields.get(k) for k in NUMERIC_OPTIONS):
+        base = variants["pallas"]
+        variant = with_option_string(base, opt)
+        variants[f"pallas+{opt}"] = variant
+        if any(getattr(variant.options, k) != getattr(base.options, k)
+               for k in ("attn_split", "attn_split_rows")):  # numeric options
             numeric.add(f"pallas+{opt}")
     for B in batches:
         ref_logits = {}

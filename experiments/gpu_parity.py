@@ -33,7 +33,7 @@ from absl import app, flags
 from jspec import parity
 from jspec.bench.receipts import write_receipt
 from jspec.cache import init_cache, rollback
-from jspec.config import SPEED_OPTIONS, VALUE_OPTIONS, options
+from jspec.cli import options_record, with_option_string
 from jspec.model import forward
 from jspec.random_model import random_model
 from pallas_kernels.matmul import TUNED, tuned_to_json
@@ -48,7 +48,7 @@ _INTERPRET = flags.DEFINE_bool("interpret", False, "Pallas interpret mode (CPU s
 _DTYPE = flags.DEFINE_string("dtype", "bfloat16", "parameter dtype")
 _XLA_FULL = flags.DEFINE_bool("xla_full", False, "run every check on xla too (else a subset)")
 _TAG = flags.DEFINE_string("tag", "", "receipt name suffix")
-_OPTIONS = flags.DEFINE_list("options", [], "speed options of the models (jspec.config.options "
+_OPTIONS = flags.DEFINE_list("options", [], "speed options of the models (jspec.cli option "
                              "names, e.g. attn_split=256 to prove split-KV attention)")
 
 
@@ -170,9 +170,8 @@ def main(argv):
         for backend in _BACKENDS.value:
             model = random_model(name, num_layers=int(layers), backend=backend,
                                  interpret=_INTERPRET.value, dtype=_DTYPE.value)
-            model = model.replace(config=model.config.replace(**options(*_OPTIONS.value)))
-            report["speed_options"] = {f: getattr(model.config, f)
-                                       for f in SPEED_OPTIONS + VALUE_OPTIONS}
+            model = with_option_string(model, ",".join(_OPTIONS.value))
+            report["speed_options"] = options_record(model)["kernel"]
             key = f"{name}:{layers}:{backend}"
             print(f"== {key}", flush=True)
             full = backend == "pallas" or _XLA_FULL.value

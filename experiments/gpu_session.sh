@@ -7,8 +7,9 @@
 # pair_eval schedsweep attnsweep
 # (default: parity audit kernels spec).
 # - sweep: tuning/sweep_matmul.py, the matmul tile tuning; it writes
-#   $OUT/sweep_matmul_tuned.json, and `tuned` makes the lane's later steps use that table
-#   ($JSPEC_MATMUL_TUNED) before it is pasted into pallas_kernels/matmul.py.
+#   $OUT/sweep_matmul_tuned.json, and `tuned` merges that table into the device copy's
+#   pallas_kernels/matmul_tuned.json, so the lane's later steps run with it (commit the
+#   file once the parity matrix has proven it).
 # - e2e (up to 560 s) wants a call or lane of its own; e2e_b1 / e2e_b8 split it;
 #   e2e_peers is the batch-1 peer set alone (through transformers' static-cache +
 #   torch.compile run, which e2e_b1 reaches last); e2e_draftpallas runs the draft
@@ -156,8 +157,8 @@ for s in $steps; do
               --gammas=2,4 --accept=0.8,0.9 --nolookup --nopeers --draft_backend=pallas \
               --out="$OUT" --tag=h200_b1_draftpallas 2>&1 | quiet | grep -v "it/s" | tail -40 ;;
     tuned) if [ -f "$OUT/sweep_matmul_tuned.json" ]; then
-             export JSPEC_MATMUL_TUNED="$OUT/sweep_matmul_tuned.json"
-             echo "JSPEC_MATMUL_TUNED=$JSPEC_MATMUL_TUNED:"; cat "$JSPEC_MATMUL_TUNED"
+             python3 -c "import json, sys; from pallas_kernels.matmul import write_tuned_rows; write_tuned_rows(json.load(open(sys.argv[1])))" "$OUT/sweep_matmul_tuned.json"
+             echo "merged into pallas_kernels/matmul_tuned.json:"; cat "$OUT/sweep_matmul_tuned.json"
            else echo "no $OUT/sweep_matmul_tuned.json: run sweep first"; fi ;;
     kernels_fused) timeout "${FUSED_S:-280}" python3 experiments/bench_kernels.py --preset=qwen3-8b \
               --batches="${FUSED_BATCHES:-1,8}" --gammas="${FUSED_GAMMAS:-4}" \

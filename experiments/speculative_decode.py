@@ -19,6 +19,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 import jspec
+from jspec.cli import with_option_string
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", os.path.join(os.path.dirname(__file__), "..", "configs", "speculative.py"),
@@ -57,8 +58,7 @@ def build(c):
         backend = c.draft_backend or c.backend
         draft = (jspec.load_hf(draft_path, dtype=c.dtype, backend=backend) if draft_path
                  else target.with_backend(backend))
-        names = c.get("draft_options", "draft").split(",")  # configs without the field: "draft"
-        draft = jspec.with_options(draft, *names)
+        draft = with_option_string(draft, c.get("draft_options", "draft"))
         head = c.get("draft_head", "")
         if head:
             ids = head_ids(head, c.get("draft_head_size", 32768), tok,

@@ -12,7 +12,8 @@ from jspec.config import ModelConfig, UnsupportedModelError, from_hf_config
 from jspec.drafters import ModelDrafter, OracleDrafter, PromptLookupDrafter, frequent_tokens
 from jspec.generate import GenerateOutput, generate, generate_stream
 from jspec.loading import CheckpointError, default_pair, load_hf, load_tokenizer
-from jspec.model import Model, forward, with_options
+from jspec.model import Model, apply, forward, with_options
+from jspec.options import DraftOptions, KernelOptions
 from jspec.sampling import Greedy, Sample, make_sampler
 from jspec.speculative import (
     ParityError,
@@ -24,9 +25,11 @@ from jspec.speculative import (
 
 __all__ = [
     "CheckpointError",
+    "DraftOptions",
     "GenerateOutput",
     "Greedy",
     "KVCache",
+    "KernelOptions",
     "Model",
     "ModelConfig",
     "ModelDrafter",
@@ -37,6 +40,7 @@ __all__ = [
     "SpecConfig",
     "SpecOutput",
     "UnsupportedModelError",
+    "apply",
     "default_pair",
     "forward",
     "frequent_tokens",

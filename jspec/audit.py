@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jspec.cache import init_cache, rollback
-from jspec.model import COMPILER_OPTIONS, Model, _forward, forward
+from jspec.model import COMPILER_OPTIONS, Model, apply, forward
 
 
 def digest(tokens) -> str:
@@ -57,7 +57,7 @@ def compare(a: np.ndarray, b: np.ndarray, first_position: int = 0, k: int = 5) -
 
 def _argmax_only_fn(model: Model, tokens, cache):
     """The verify path that never hands logits to the host: argmax inside the jit."""
-    logits, cache = _forward(model, tokens, cache)
+    logits, cache = apply(model, tokens, cache)
     return jnp.argmax(logits, axis=-1), cache
 
 

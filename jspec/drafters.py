@@ -22,7 +22,7 @@ import numpy as np
 from flax import struct
 
 from jspec.cache import init_cache, rollback
-from jspec.model import Model, _forward
+from jspec.model import Model, apply
 from jspec.sampling import uniform_noise
 
 _SALT_ORACLE = 0x0AC1E
@@ -147,7 +147,7 @@ class ModelDrafter:
 
     def init(self, tokens, lens, max_len: int, gamma: int) -> ModelDraftState:
         cache = init_cache(self.model, tokens.shape[0], max_len)
-        logits, cache = _forward(self.model, tokens, cache)
+        logits, cache = apply(self.model, tokens, cache)
         last = jnp.take_along_axis(logits, (lens - 1)[:, None, None], axis=1)[:, 0]
         return ModelDraftState(cache=rollback(cache, lens), next_logits=self._full(last))
 
@@ -157,7 +157,7 @@ class ModelDrafter:
 
         def step(carry, i):
             cache, tok = carry
-            logits, cache = _forward(self.model, tok[:, None], cache)
+            logits, cache = apply(self.model, tok[:, None], cache)
             logits = self._full(logits[:, 0])
             nxt = sample(logits, ctx.seed, ctx.rows, ctx.pos + 2 + i)
             return (cache, nxt), (nxt, logits)
@@ -175,7 +175,7 @@ class ModelDrafter:
         last = jnp.where(n_acc == 0, ctx.cur,
                          jnp.take_along_axis(drafts, jnp.maximum(n_acc - 1, 0)[:, None], 1)[:, 0])
         cache = rollback(state.cache, ctx.pos + n_acc)
-        logits, cache = _forward(self.model, jnp.stack([last, nxt], axis=1), cache)
+        logits, cache = apply(self.model, jnp.stack([last, nxt], axis=1), cache)
         return ModelDraftState(cache=cache, next_logits=self._full(logits[:, 1]))
 
 

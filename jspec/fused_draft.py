@@ -1,10 +1,10 @@
-"""`draft_fused`: a draft model's few-token forward in six kernels a layer.
+"""`DraftOptions.fused`: a draft model's few-token forward in six kernels a layer.
 
 A draft model proposes; the target's verify decides every token. Its forward at batch
 1 (one token a step, two in the catch-up step) is latency-bound: XLA spends ~15
-kernels a layer on a Qwen3-0.6B step. With `ModelConfig.draft_fused=1` a call of at
+kernels a layer on a Qwen3-0.6B step. With `DraftOptions(fused=True)` a call of at
 most `FUSED_ROWS` rows (batch x tokens) runs `forward` here instead, built on the
-latency kernels of `pallas_kernels/draft.py`:
+latency kernels of `pallas_kernels/latency/draft.py`:
 
   matvec(add + norm + wqkv) -> qk_rope_write (q/k norm, RoPE, K/V into the cache)
   -> attention (split-KV Pallas) -> matvec(wo) -> matvec(add + norm + gate/up + GLU)
@@ -20,7 +20,7 @@ proposals only.
 The kernels read the layer weights transposed, [out, in]: `prepare(model)` stores
 `wqkv_t`, `wo_t`, `w_gate_up_t` and `w_down_t` in place of the four [in, out]
 matrices (no second copy), and the usual path reads them back through a transpose
-XLA folds into its GEMMs. `jspec.model.with_options` applies options and this layout
+XLA folds into its GEMMs. `jspec.with_options` applies options and this layout
 together.
 """
 
@@ -31,13 +31,20 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jspec.ops import get_ops
+from jspec.rope import rope_tables
 from pallas_kernels.attention import (
     attention_config,
     attention_rows_counted,
     row_count,
     visible_range,
 )
-from pallas_kernels.draft import matvec, qk_rope_attention, qk_rope_write, rope_attention_takes
+from pallas_kernels.latency.draft import (
+    matvec,
+    qk_rope_attention,
+    qk_rope_write,
+    rope_attention_takes,
+)
 
 WEIGHTS = ("wqkv", "wo", "w_gate_up", "w_down")  # [in, out] -> "<name>_t" [out, in]
 
@@ -59,19 +66,19 @@ def _swap(params: dict, to_t: bool) -> dict:
 
 def prepare(model):
     """The model with its layer weights in the layout its config asks for: transposed
-    ([out, in], `<name>_t`) when `draft_fused` is on, [in, out] otherwise. A no-op when
+    ([out, in], `<name>_t`) when `DraftOptions.fused` is on, [in, out] otherwise. A no-op when
     they already are; outside jit it copies the four matrices once (the old arrays may
     be dropped)."""
-    want = bool(model.config.draft_fused)
+    want = model.draft_options.fused
     if is_transposed(model.params) == want:
         return model
     return model.replace(params=_swap(model.params, want))
 
 
 def check_layout(model) -> None:
-    if bool(model.config.draft_fused) != is_transposed(model.params):
-        state = "on" if model.config.draft_fused else "off"
-        raise ValueError(f"draft_fused is {state} but the layer weights are "
+    if model.draft_options.fused != is_transposed(model.params):
+        state = "on" if model.draft_options.fused else "off"
+        raise ValueError(f"DraftOptions.fused is {state} but the layer weights are "
                          f"{'' if is_transposed(model.params) else 'not '}transposed: "
                          "build the model with jspec.with_options(model, ...) or pass it "
                          "through jspec.fused_draft.prepare(model)")
@@ -84,8 +91,7 @@ def standard_params(params: dict) -> dict:
 
 # Rows (batch x tokens) up to which a call runs the fused path. The kernels take up to
 # MAX_ROWS, but each row costs a program a multiply and a lane sum over its whole weight
-# tile: on the H200 (2026-11-30j) a Qwen3-0.6B draft at batch 8 (8- and 16-row calls) made
-# a gamma-4 round ~2x slower than XLA's GEMMs (B=8, a = 0.8: 0.61x serial against 1.27x).
+# tile, so at batch 8 XLA's GEMMs win (docs/tuning.md).
 FUSED_ROWS = 2
 
 
@@ -96,14 +102,11 @@ def takes(batch: int, tokens: int) -> bool:
 
 
 def forward(model, tokens: jax.Array, cache):
-    """tokens [B, T] (B * T <= 16, the kernels' limit; `_forward` sends only calls of
-    at most FUSED_ROWS) -> (logits [B, T, V] f32, cache), as `jspec.model._forward` but
+    """tokens [B, T] (B * T <= 16, the kernels' limit; `apply` sends only calls of
+    at most FUSED_ROWS) -> (logits [B, T, V] f32, cache), as `jspec.model.apply` but
     with the draft kernels."""
-    from jspec.model import _rope_tables
-    from jspec.ops import ops_for
-
-    cfg, params = model.config, model.params
-    xla = ops_for(cfg.replace(backend="xla"))
+    cfg, params, opt, dopt = model.config, model.params, model.options, model.draft_options
+    xla = get_ops("xla")
     B, T = tokens.shape
     dtype = jnp.dtype(cfg.dtype)
     hd, H, Hkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
@@ -111,26 +114,26 @@ def forward(model, tokens: jax.Array, cache):
     lengths = cache.lengths
     pos = lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]  # [B, T]
     flat_pos = pos.reshape(-1)  # [M]
-    common = dict(eps=cfg.rms_eps, offset=cfg.norm_offset, programs=cfg.draft_programs,
-                  num_warps=cfg.draft_warps, interpret=cfg.interpret)
-    acfg = attention_config(hd, G, dtype, cfg.interpret)
-    if cfg.attn_split is not None:
-        acfg = dataclasses.replace(acfg, split=cfg.attn_split)
-    if cfg.attn_split_rows is not None:
-        acfg = dataclasses.replace(acfg, split_rows=cfg.attn_split_rows)
-    if cfg.draft_attn_stages and not cfg.interpret and hd * dtype.itemsize <= 256:
-        acfg = dataclasses.replace(acfg, num_stages=cfg.draft_attn_stages)
+    common = dict(eps=cfg.rms_eps, offset=cfg.norm_offset, programs=dopt.programs,
+                  num_warps=dopt.warps, interpret=opt.interpret)
+    acfg = attention_config(hd, G, dtype, opt.interpret)
+    if opt.attn_split is not None:
+        acfg = dataclasses.replace(acfg, split=opt.attn_split)
+    if opt.attn_split_rows is not None:
+        acfg = dataclasses.replace(acfg, split_rows=opt.attn_split_rows)
+    if dopt.attn_stages and not opt.interpret and hd * dtype.itemsize <= 256:
+        acfg = dataclasses.replace(acfg, num_stages=dopt.attn_stages)
     Rp = row_count(acfg, T * G)  # attention rows a kv head
-    fold = None if cfg.attn_fused_fold is None else bool(cfg.attn_fused_fold)
+    fold = opt.attn_fused_fold
     # q/k norm, RoPE, the K/V write and attention in one launch where split-KV folds in one
-    one_kernel = bool(cfg.draft_rope_attention) and fold is not False and \
+    one_kernel = dopt.rope_attention and fold is not False and \
         rope_attention_takes(acfg, B, T, G)
     ranges = {}  # window -> first, last [B, Rp]
 
     x = jnp.take(params["embed"], tokens.reshape(-1), axis=0)  # [M, D]
     if cfg.embed_scale is not None:
         x = x * jnp.asarray(cfg.embed_scale, dtype)
-    cos_tab, sin_tab = _rope_tables(cfg, cache.capacity)  # [2, S, hd/2]
+    cos_tab, sin_tab = rope_tables(cfg, cache.capacity)  # [2, S, hd/2]
     cos_all = jnp.asarray(cos_tab)[:, flat_pos]  # [2, M, hd/2]
     sin_all = jnp.asarray(sin_tab)[:, flat_pos]
 
@@ -155,16 +158,16 @@ def forward(model, tokens: jax.Array, cache):
                     qkv, *ws, *rope, cache.k[i], cache.v[i], *ranges[sliding], counters,
                     cfg=acfg, num_q=H, num_k=Hkv, tokens=T, scale=cfg.attn_scale,
                     softcap=cfg.attn_softcap, eps=cfg.rms_eps, offset=cfg.norm_offset,
-                    fold_unroll=cfg.draft_fold_unroll,
-                    interpret=cfg.interpret)  # a [B, Hkv, Rp, hd]
+                    fold_unroll=dopt.fold_unroll,
+                    interpret=opt.interpret)  # a [B, Hkv, Rp, hd]
             else:
                 q, k_buf, v_buf = qk_rope_write(
                     qkv, *ws, *rope, cache.k[i], cache.v[i], num_q=H, num_k=Hkv, tokens=T,
                     rows=Rp, eps=cfg.rms_eps, offset=cfg.norm_offset,
-                    interpret=cfg.interpret)  # q [B, Hkv, Rp, hd]
+                    interpret=opt.interpret)  # q [B, Hkv, Rp, hd]
                 a, counters = attention_rows_counted(
                     q, k_buf, v_buf, *ranges[sliding], acfg, counters, scale=cfg.attn_scale,
-                    softcap=cfg.attn_softcap, interpret=cfg.interpret,
+                    softcap=cfg.attn_softcap, interpret=opt.interpret,
                     fused_fold=fold)  # [B, Hkv, Rp, hd]
             new_k.append(k_buf)
             new_v.append(v_buf)

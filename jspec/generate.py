@@ -22,7 +22,7 @@ import numpy as np
 from flax import struct
 
 from jspec.cache import KVCache, init_cache, rollback
-from jspec.model import COMPILER_OPTIONS, Model, _forward, check_tokens
+from jspec.model import COMPILER_OPTIONS, Model, apply, check_tokens
 from jspec.sampling import Greedy
 
 PAD = -1  # marks output slots after a row stopped
@@ -72,7 +72,7 @@ def pad_prompts(prompts, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
 
 def _prefill(model: Model, tokens, prompt_lens, cache: KVCache):
     """tokens [B, P]; prompt_lens [B] -> (last logits [B, V], cache at prompt_lens)."""
-    logits, cache = _forward(model, tokens, cache)  # [B, P, V]
+    logits, cache = apply(model, tokens, cache)  # [B, P, V]
     last = jnp.take_along_axis(logits, (prompt_lens - 1)[:, None, None], axis=1)[:, 0]
     return last, rollback(cache, prompt_lens)
 
@@ -111,7 +111,7 @@ def _step(model: Model, state: DecodeState, seed, sampler, stop_tokens: tuple[in
     is_stop = jnp.isin(tok, jnp.asarray(stop_tokens, jnp.int32)) if stop_tokens else False
     done = state.done | (live & is_stop)
     num = state.num + live.astype(jnp.int32)
-    logits, cache = _forward(model, jnp.where(live, tok, 0)[:, None], state.cache)
+    logits, cache = apply(model, jnp.where(live, tok, 0)[:, None], state.cache)
     return DecodeState(state.step + 1, cache, logits[:, 0], out, done, num)
 
 

@@ -21,6 +21,7 @@ from safetensors import safe_open
 
 from jspec.config import ModelConfig, from_hf_config
 from jspec.model import Model
+from jspec.options import KernelOptions
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -165,9 +166,10 @@ def load_hf(path: str, *, dtype: str = "bfloat16", backend: str = "pallas",
     """Loads an HF checkpoint directory as a jspec `Model` (no torch)."""
     if interpret is None:
         interpret = default_interpret()
-    cfg = from_hf_config(read_hf_config(path), dtype=dtype, backend=backend, interpret=interpret)
+    cfg = from_hf_config(read_hf_config(path), dtype=dtype)
+    options = KernelOptions(backend=backend, interpret=interpret)
     params = convert_params(cfg, _TensorReader(path))
-    return Model(config=cfg, params=jax.tree.map(jnp.asarray, params))
+    return Model(config=cfg, params=jax.tree.map(jnp.asarray, params), options=options)
 
 
 def load_tokenizer(path: str):

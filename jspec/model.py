@@ -21,7 +21,7 @@ layer's weights in place rather than a slice copied out of a stacked array):
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -30,8 +30,10 @@ from flax import struct
 
 from jspec import fused_draft
 from jspec.cache import KVCache, write_kv
-from jspec.config import ModelConfig, options, rope_table
+from jspec.config import ModelConfig
 from jspec.ops import get_ops, ops_for
+from jspec.options import DRAFT_FIELDS, KERNEL_FIELDS, DraftOptions, KernelOptions
+from jspec.rope import rope_tables
 from pallas_kernels._common import pad_axis, pad_rows
 
 COMPILER_OPTIONS = {"xla_allow_excess_precision": False}
@@ -40,55 +42,58 @@ ROW_TILE = 16  # pad_rows_once: every kernel's GPU row tile divides this
 
 @struct.dataclass
 class Model:
-    """A static, hashable config and a params pytree."""
+    """A params pytree and its static, hashable description.
+
+    Attributes:
+      config: the checkpoint's architecture (`ModelConfig`).
+      params: the weights (layout in the module docstring).
+      options: how the forward runs (`KernelOptions`: backend, kernels, schedules).
+      draft_options: latency choices for a model that only drafts (`DraftOptions`;
+        all off by default).
+    """
 
     config: ModelConfig = struct.field(pytree_node=False)
     params: dict
+    options: KernelOptions = struct.field(pytree_node=False, default=KernelOptions())
+    draft_options: DraftOptions = struct.field(pytree_node=False, default=DraftOptions())
 
     def with_backend(self, backend: str, interpret: bool | None = None) -> Model:
-        interp = self.config.interpret if interpret is None else interpret
-        return self.replace(config=self.config.replace(backend=backend, interpret=interp))
-
-
-@functools.lru_cache(maxsize=64)
-def _rope_tables(cfg: ModelConfig, length: int) -> tuple[np.ndarray, np.ndarray]:
-    """cos, sin [2, length, hd/2]: global table first, local (sliding) table second."""
-    cos_g, sin_g = rope_table(cfg.rope, cfg.head_dim, length)
-    local = cfg.rope_local or cfg.rope
-    cos_l, sin_l = rope_table(local, cfg.head_dim, length)
-    return np.stack([cos_g, cos_l]), np.stack([sin_g, sin_l])
+        interp = self.options.interpret if interpret is None else interpret
+        return self.replace(options=self.options.replace(backend=backend, interpret=interp))
 
 
 def _norm(ops, cfg: ModelConfig, x, w):
     return ops.rmsnorm(x, w, eps=cfg.rms_eps, offset=cfg.norm_offset)
 
 
-def _add_norm(ops, cfg: ModelConfig, x, o, w):
+def _add_norm(ops, model: Model, x, o, w):
     """The residual add and the norm after it: (x + o, norm(x + o)); o None adds nothing.
 
-    One `add_norm` op when cfg.fuse_add_norm (not with sandwich norms), else the
-    add as glue and the norm; both give the same bits (tests/test_fused.py).
+    One `add_norm` op with `fuse_add_norm` (not with sandwich norms), else the add as
+    glue and the norm; both give the same bits (tests/test_fused.py).
     """
+    cfg = model.config
     if o is None:
         return x, _norm(ops, cfg, x, w)
-    if cfg.fuse_add_norm and not cfg.sandwich_norms:
+    if model.options.fuse_add_norm and not cfg.sandwich_norms:
         return ops.add_norm(x, o, w, eps=cfg.rms_eps, offset=cfg.norm_offset)
     x = x + o
     return x, _norm(ops, cfg, x, w)
 
 
-def _attention_block(ops, cfg: ModelConfig, lp, h, k_buf, v_buf, pos, lengths, cos, sin, window,
+def _attention_block(ops, model: Model, lp, h, k_buf, v_buf, pos, lengths, cos, sin, window,
                      counters):
     """h [Mp, D] (Mp >= B*T rows, see pad_rows_once) -> attention output [Mp, D], the
     layer's updated K/V buffers and the attention's arrival counters for the next layer
     (`Ops.attention_counted`)."""
+    cfg, opt = model.config, model.options
     B, T = pos.shape
     dtype = h.dtype
     hd, H, Hkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
-    rg, sched = cfg.matmul_row_group, bool(cfg.matmul_schedule)
+    rg, sched = opt.matmul_row_group, opt.matmul_schedule
     qkv = ops.matmul(h, lp["wqkv"], out_dtype=dtype, row_group=rg,
                      schedule=sched)  # [Mp, (H + 2Hkv) hd]
-    if cfg.fuse_qk_rope and cfg.backend == "pallas":
+    if opt.fuse_qk_rope and opt.backend == "pallas":
         # All Mp rows (cos/sin come padded to Mp alike): the kernel then needs no pad of its
         # own, and rows past B*T (zero rows, see pad_rows_once) are sliced off after.
         heads = qkv.reshape(-1, H + 2 * Hkv, hd)
@@ -107,71 +112,95 @@ def _attention_block(ops, cfg: ModelConfig, lp, h, k_buf, v_buf, pos, lengths, c
     k_new = k.reshape(B, T, Hkv, hd).transpose(0, 2, 1, 3)  # [B, Hkv, T, hd]
     v_new = v.reshape(B, T, Hkv, hd).transpose(0, 2, 1, 3)
     # New K/V go into the cache before attention reads it (rule R3).
-    k_buf = write_kv(k_buf, k_new, lengths, single=bool(cfg.kv_dus))
-    v_buf = write_kv(v_buf, v_new, lengths, single=bool(cfg.kv_dus))
+    k_buf = write_kv(k_buf, k_new, lengths, single=opt.kv_dus)
+    v_buf = write_kv(v_buf, v_new, lengths, single=opt.kv_dus)
     attention = ops.attention_counted
-    if cfg.backend == "xla" and cfg.xla_pallas_attention:
-        attention = get_ops("pallas", cfg.interpret).attention_counted
+    if opt.backend == "xla" and model.draft_options.xla_pallas_attention:
+        attention = get_ops("pallas", opt.interpret).attention_counted
     o, counters = attention(q.reshape(B, T, H, hd), k_buf, v_buf, pos, window, counters,
                             scale=cfg.attn_scale, softcap=cfg.attn_softcap,
-                            split=cfg.attn_split, split_rows=cfg.attn_split_rows,
-                            fused_fold=None if cfg.attn_fused_fold is None
-                            else bool(cfg.attn_fused_fold))  # [B, T, H, hd]
+                            split=opt.attn_split, split_rows=opt.attn_split_rows,
+                            fused_fold=opt.attn_fused_fold)  # [B, T, H, hd]
     o = pad_axis(o.reshape(B * T, H * hd), 0, h.shape[0])  # [Mp, H*hd]
     o = ops.matmul(o, lp["wo"], out_dtype=dtype, row_group=rg, schedule=sched)  # [Mp, D]
     return o, k_buf, v_buf, counters
 
 
-def _mlp_block(ops, cfg: ModelConfig, lp, h):
+def _mlp_block(ops, model: Model, lp, h):
     """h [Mp, D] -> [Mp, D]."""
-    if cfg.fuse_glu and cfg.backend == "pallas":
-        a = ops.matmul_glu(h, lp["w_gate_up"], activation=cfg.activation,
-                           row_group=cfg.matmul_row_group,
-                           schedule=bool(cfg.matmul_schedule))  # [Mp, F]
+    cfg, opt = model.config, model.options
+    rg, sched = opt.matmul_row_group, opt.matmul_schedule
+    if opt.fuse_glu and opt.backend == "pallas":
+        a = ops.matmul_glu(h, lp["w_gate_up"], activation=cfg.activation, row_group=rg,
+                           schedule=sched)  # [Mp, F]
     else:
-        gu = ops.matmul(h, lp["w_gate_up"], out_dtype=h.dtype, row_group=cfg.matmul_row_group,
-                        schedule=bool(cfg.matmul_schedule))  # [Mp, 2F]
+        gu = ops.matmul(h, lp["w_gate_up"], out_dtype=h.dtype, row_group=rg,
+                        schedule=sched)  # [Mp, 2F]
         gate, up = jnp.split(gu, 2, axis=-1)
         a = ops.glu(gate, up, activation=cfg.activation)  # [Mp, F]
-    return ops.matmul(a, lp["w_down"], out_dtype=h.dtype, row_group=cfg.matmul_row_group,
-                      schedule=bool(cfg.matmul_schedule))
+    return ops.matmul(a, lp["w_down"], out_dtype=h.dtype, row_group=rg, schedule=sched)
 
 
-def with_options(model: Model, *names: str) -> Model:
-    """The model with `jspec.config.options(*names)` applied to its config, and its
-    weights in the layout those options need (`draft_fused` reads them transposed).
-    Save or export a model before giving it `draft_fused`: its layer weights are then
-    stored as `<name>_t` [out, in]."""
-    return fused_draft.prepare(model.replace(config=model.config.replace(**options(*names))))
+def with_options(model: Model, *options: KernelOptions | DraftOptions, **fields) -> Model:
+    """The model with other options, and its weights in the layout they need.
+
+    A `KernelOptions` or `DraftOptions` replaces the model's whole set of that kind;
+    keyword arguments then replace single fields of either (`fuse_glu=False`,
+    `fused=True`). `DraftOptions.fused` stores the layer weights transposed
+    (`<name>_t` [out, in]): save or export a model before giving it that option.
+    """
+    kernel, draft = model.options, model.draft_options
+    for o in options:
+        if isinstance(o, KernelOptions):
+            kernel = o
+        elif isinstance(o, DraftOptions):
+            draft = o
+        else:
+            raise TypeError(f"with_options takes KernelOptions or DraftOptions; got "
+                            f"{type(o).__name__}")
+    unknown = sorted(set(fields) - set(KERNEL_FIELDS) - set(DRAFT_FIELDS))
+    if unknown:
+        raise TypeError(f"with_options: unknown option(s) {unknown}; KernelOptions fields "
+                        f"are {KERNEL_FIELDS}, DraftOptions fields {DRAFT_FIELDS}")
+    kernel = dataclasses.replace(kernel, **{k: v for k, v in fields.items()
+                                            if k in KERNEL_FIELDS})
+    draft = dataclasses.replace(draft, **{k: v for k, v in fields.items() if k in DRAFT_FIELDS})
+    return fused_draft.prepare(model.replace(options=kernel, draft_options=draft))
 
 
-def _forward(model: Model, tokens: jax.Array, cache: KVCache):
-    cfg = model.config
+def apply(model: Model, tokens: jax.Array, cache: KVCache):
+    """The forward pass, traceable (call it inside jit, scan or while_loop).
+
+    tokens [B, T] int32 are appended at each row's length; returns (logits [B, T, V]
+    f32, the new cache). `forward` is the checked, jitted call of this function for use
+    from the host.
+    """
+    cfg, opt = model.config, model.options
     B, T = tokens.shape
     fused_draft.check_layout(model)
-    if cfg.draft_fused:
+    if model.draft_options.fused:
         if fused_draft.takes(B, T):
             return fused_draft.forward(model, tokens, cache)
         model = model.replace(params=fused_draft.standard_params(model.params))
     params = model.params
-    ops = ops_for(cfg)
+    ops = ops_for(opt)
     dtype = jnp.dtype(cfg.dtype)
     lengths = cache.lengths
     pos = lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]  # [B, T]
 
     x = jnp.take(params["embed"], tokens.reshape(-1), axis=0)  # [B*T, D]
-    if cfg.pad_rows_once and cfg.backend == "pallas":
+    if opt.pad_rows_once and opt.backend == "pallas":
         x = pad_rows(x, ROW_TILE)  # [Mp, D]: zero rows, which every layer keeps zero
-    elif cfg.xla_two_rows and cfg.backend == "xla" and B * T == 1:
+    elif model.draft_options.xla_two_rows and opt.backend == "xla" and B * T == 1:
         x = pad_axis(x, 0, 2)  # [2, D]: a zero row that every layer keeps zero
     if cfg.embed_scale is not None:
         x = x * jnp.asarray(cfg.embed_scale, dtype)
 
-    cos_tab, sin_tab = _rope_tables(cfg, cache.capacity)  # [2, S, hd/2]
+    cos_tab, sin_tab = rope_tables(cfg, cache.capacity)  # [2, S, hd/2]
     flat_pos = pos.reshape(-1)
     cos_all = jnp.asarray(cos_tab)[:, flat_pos]  # [2, B*T, hd/2]
     sin_all = jnp.asarray(sin_tab)[:, flat_pos]
-    if cfg.fuse_qk_rope and cfg.backend == "pallas":  # qk_norm_rope takes all x.shape[0] rows
+    if opt.fuse_qk_rope and opt.backend == "pallas":  # qk_norm_rope takes all x.shape[0] rows
         cos_all = pad_axis(cos_all, 1, x.shape[0])  # [2, Mp, hd/2]
         sin_all = pad_axis(sin_all, 1, x.shape[0])
 
@@ -182,23 +211,23 @@ def _forward(model: Model, tokens: jax.Array, cache: KVCache):
         with jax.named_scope(f"layer_{i}"):
             sliding = cfg.layer_sliding[i]
             window = jnp.int32(cfg.sliding_window if sliding else 0)
-            x, h = _add_norm(ops, cfg, x, o, lp["attn_norm"])
+            x, h = _add_norm(ops, model, x, o, lp["attn_norm"])
             o, k_buf, v_buf, counters = _attention_block(
-                ops, cfg, lp, h, cache.k[i], cache.v[i], pos, lengths, cos_all[int(sliding)],
+                ops, model, lp, h, cache.k[i], cache.v[i], pos, lengths, cos_all[int(sliding)],
                 sin_all[int(sliding)], window, counters)
             new_k.append(k_buf)
             new_v.append(v_buf)
             if cfg.sandwich_norms:
                 o = _norm(ops, cfg, o, lp["post_attn_norm"])
-            x, h = _add_norm(ops, cfg, x, o, lp["mlp_norm"])
-            o = _mlp_block(ops, cfg, lp, h)
+            x, h = _add_norm(ops, model, x, o, lp["mlp_norm"])
+            o = _mlp_block(ops, model, lp, h)
             if cfg.sandwich_norms:
                 o = _norm(ops, cfg, o, lp["post_mlp_norm"])
 
-    _, h = _add_norm(ops, cfg, x, o, params["final_norm"])
+    _, h = _add_norm(ops, model, x, o, params["final_norm"])
     logits = ops.matmul(h, params["lm_head"], out_dtype=jnp.float32,
-                        row_group=cfg.matmul_row_group,
-                        schedule=bool(cfg.matmul_schedule))[: B * T]  # [B*T, V]
+                        row_group=opt.matmul_row_group,
+                        schedule=opt.matmul_schedule)[: B * T]  # [B*T, V]
     if cfg.final_softcap is not None:
         logits = ops.softcap(logits, cfg.final_softcap)
     new_cache = cache.replace(k=tuple(new_k), v=tuple(new_v), lengths=lengths + T)
@@ -206,8 +235,8 @@ def _forward(model: Model, tokens: jax.Array, cache: KVCache):
     return logits.reshape(B, T, params["lm_head"].shape[-1]), new_cache
 
 
-forward_jit = jax.jit(_forward, donate_argnames=("cache",), compiler_options=COMPILER_OPTIONS)
-forward_nodonate = jax.jit(_forward, compiler_options=COMPILER_OPTIONS)
+forward_jit = jax.jit(apply, donate_argnames=("cache",), compiler_options=COMPILER_OPTIONS)
+forward_nodonate = jax.jit(apply, compiler_options=COMPILER_OPTIONS)
 
 
 def check_tokens(model: Model, tokens, cache: KVCache) -> None:

@@ -1,6 +1,6 @@
 """The seam where the model's numerics are dispatched to a backend.
 
-The model code calls `ops_for(config)` and uses only the functions of the
+The model code calls `ops_for(model.options)` and uses only the functions of the
 returned `Ops`; it never calls jnp reductions itself. Two backends:
 
 - `xla`: the plain-jnp reference of each kernel (the `*_reference` function in
@@ -134,5 +134,6 @@ def get_ops(backend: str, interpret: bool = False) -> Ops:
     raise ValueError(f"{backend=}; expected 'xla' or 'pallas'")
 
 
-def ops_for(config) -> Ops:
-    return get_ops(config.backend, config.interpret)
+def ops_for(options) -> Ops:
+    """The Ops of a `KernelOptions` (its backend and interpret flag)."""
+    return get_ops(options.backend, options.interpret)

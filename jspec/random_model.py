@@ -12,6 +12,7 @@ import jax.numpy as jnp
 
 from jspec.config import ModelConfig, RopeSpec
 from jspec.model import Model
+from jspec.options import KernelOptions
 
 _COMMON = dict(rms_eps=1e-6, rope_local=None, sliding_window=0, norm_offset=0.0,
                sandwich_norms=False, embed_scale=None, attn_softcap=None, final_softcap=None,
@@ -47,8 +48,8 @@ PRESETS: dict[str, dict] = {
 }
 
 
-def preset_config(name: str, *, num_layers: int | None = None, dtype: str = "bfloat16",
-                  backend: str = "pallas", interpret: bool = False) -> ModelConfig:
+def preset_config(name: str, *, num_layers: int | None = None,
+                  dtype: str = "bfloat16") -> ModelConfig:
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; choose from {sorted(PRESETS)}")
     kw = {**_COMMON, **PRESETS[name]}
@@ -62,7 +63,7 @@ def preset_config(name: str, *, num_layers: int | None = None, dtype: str = "bfl
     else:
         kw["layer_sliding"] = (False,) * L
         kw["attn_scale"] = kw["head_dim"] ** -0.5
-    return ModelConfig(dtype=dtype, backend=backend, interpret=interpret, **kw)
+    return ModelConfig(dtype=dtype, **kw)
 
 
 def weight_shapes(preset: str) -> dict[str, tuple[int, int]]:
@@ -107,6 +108,9 @@ def random_params(cfg: ModelConfig, seed: int = 0) -> dict:
     return {"embed": embed, "layers": layers, "final_norm": norm(D), "lm_head": lm_head}
 
 
-def random_model(name: str, *, seed: int = 0, **kw) -> Model:
+def random_model(name: str, *, seed: int = 0, backend: str = "pallas",
+                 interpret: bool = False, **kw) -> Model:
+    """A preset's config with random params (`preset_config` takes **kw)."""
     cfg = preset_config(name, **kw)
-    return Model(config=cfg, params=random_params(cfg, seed))
+    return Model(config=cfg, params=random_params(cfg, seed),
+                 options=KernelOptions(backend=backend, interpret=interpret))

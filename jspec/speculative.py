@@ -32,7 +32,7 @@ from flax import struct
 from jspec.cache import init_cache, rollback
 from jspec.drafters import ModelDrafter, OracleDrafter, ProposeContext
 from jspec.generate import PAD, pad_prompts
-from jspec.model import COMPILER_OPTIONS, Model, _forward
+from jspec.model import COMPILER_OPTIONS, Model, apply
 from jspec.policies import POLICIES, target_sampler, verify
 from jspec.sampling import Greedy
 
@@ -135,7 +135,7 @@ class ParityError(RuntimeError):
 def _prefill(target: Model, drafter, tokens, lens, seed, *, spec: SpecConfig, max_len: int):
     B = tokens.shape[0]
     cache = init_cache(target, B, max_len)
-    _, cache = _forward(target, tokens, cache)
+    _, cache = apply(target, tokens, cache)
     cache = rollback(cache, lens - 1)  # cur = the last prompt token, recomputed by verify
     cur = jnp.take_along_axis(tokens, (lens - 1)[:, None], axis=1)[:, 0]
     draft = drafter.init(tokens, lens, max_len, spec.gamma)
@@ -168,7 +168,7 @@ def _draft(drafter, dstate, ctx: ProposeContext):
 def _verify(target: Model, cache, cur, drafts):
     """Phase 2: one target forward over [cur, d_1..d_g] -> logits [B, g+1, V], cache."""
     tokens = jnp.concatenate([cur[:, None], drafts], axis=1)  # [B, g+1]
-    return _forward(target, tokens, cache)
+    return apply(target, tokens, cache)
 
 
 def _accept(logits, drafts, draft_logits, seed, pos, *, spec: SpecConfig):
@@ -220,7 +220,7 @@ def _serial_replay(target: Model, cache, tokens):
     """tokens [B, G] fed one at a time from `cache` -> logits [B, G, V] (serial decoding)."""
 
     def step(c, tok):  # tok [B]
-        logits, c = _forward(target, tok[:, None], c)
+        logits, c = apply(target, tok[:, None], c)
         return c, logits[:, 0]
 
     _, logits = jax.lax.scan(step, cache, tokens.T)

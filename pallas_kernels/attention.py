@@ -69,9 +69,8 @@ class AttentionConfig:
     # tiles of a kv head): each partition's program writes its partial, then counts itself
     # in (an atomic counter per row tile); the one that arrives last folds the tile's
     # partials in partition order, the same fold as the two-kernel path's, so the same
-    # bits. Larger grids run the two kernels (H200, 2026-11-30h: one launch saves 0.08 ms
-    # a Qwen3-8B decode step at B=1 and 0.20 ms a 5-token verify step, but costs 0.05 ms
-    # a B=8 verify step, 16 row tiles). 0: never. The folding program puts its counter
+    # bits. Larger grids run the two kernels (one launch saves time at batch 1 and costs
+    # it at 16 row tiles; docs/tuning.md). 0: never. The folding program puts its counter
     # back to zero, so one zeroed counter buffer serves every layer of a forward
     # (`attention_counted`).
     fused_fold_tiles: int = 8
@@ -94,14 +93,13 @@ def attention_config(
     # GPU (Triton): 64-key blocks; fewer rows for head_dim 256 to bound the f32
     # accumulator's registers (block_rows x head_dim x 4 bytes spread over the warps).
     block_rows = 64 if head_dim <= 128 else 32
-    # Double-buffered f32 K and V tiles of 64 x 256 need 232 KiB of shared memory, over the
-    # H200's limit (measured: Triton asked 237568 bytes of 232448); single-buffer those.
+    # Double-buffered f32 K and V tiles of 64 x 256 need 232 KiB of shared memory, over a
+    # Hopper SM's limit (Triton asked 237568 bytes of 232448); single-buffer those.
     num_stages = 1 if head_dim * jnp.dtype(dtype).itemsize > 512 else 2
     # Split-KV in 128-key partitions: one pass runs a single program per (row tile, kv
     # head), a serial loop over every key block (a Qwen3-8B decode step at 512 keys: 8
-    # programs, 24.8 us per layer on the H200); 128-key partitions run 2 blocks each and
-    # cut the B=1 decode step 8% (H200, 2026-11-30c: 128 beat 64 and 256 at B=1 and at
-    # B=8 decode; 256 was 1.5% faster for a B=8 verify block).
+    # programs); 128-key partitions run 2 blocks each, which measured fastest at batch 1
+    # and 8 (docs/tuning.md).
     return AttentionConfig(block_k=64, block_rows=block_rows, num_warps=4,
                            num_stages=num_stages, split=128)
 
@@ -355,7 +353,7 @@ def _count_and_fold(ids, m, denom, acc, first, last, count_ref, m_ref, l_ref, ac
     def _():
         # Every other program of the tile has counted itself in: put the counter back to
         # zero for the next call. A plain store, not an atomic: an atomic's release
-        # ordering would hold this program's tail (H200: +0.6-0.7 us a call).
+        # ordering would hold this program's tail (measured slower; docs/tuning.md).
         count_ref[pl.ds(tile, 1)] = jnp.zeros((1,), jnp.int32)
         if not interpret:
             plgpu.debug_barrier()

@@ -7,10 +7,10 @@ so the logits of a token would depend on how many rows were computed with it.
 
 Here the tiling (bm, bn, bk, warps, stages, split_k) is a pure function of the
 weight shape, dtype and interpret flag (`matmul_config`): a per-shape table
-(`TUNED`, filled from `experiments/sweep_matmul.py` on the GPU) and a default
-rule. M only changes the grid: with split_k == 1 the last row tile masks the rows
-past M (they load as exact zeros, the padded tile's values, and are not stored), so
-no pad copy is made; split-K launches pad rows up to bm.
+(`TUNED`, read from `matmul_tuned.json`, filled by `experiments/tuning/sweep_matmul.py`
+on the GPU) and a default rule. M only changes the grid: with split_k == 1 the last row
+tile masks the rows past M (they load as exact zeros, the padded tile's values, and are
+not stored), so no pad copy is made; split-K launches pad rows up to bm.
 
 split_k == 1 (the default): each program owns one [bm, bn] output tile and
 walks K from 0 upward in bk-wide blocks inside a `lax.fori_loop`, accumulating
@@ -77,70 +77,14 @@ class MatmulConfig:
             raise ValueError(f"MatmulConfig needs split_k, num_warps, num_stages >= 1: {self}")
 
 
-# Per-weight-shape GPU tiles, keyed by (K, N, dtype name). Entries come from
-# `experiments/sweep_matmul.py` on the target GPU, which also checks each winner's
-# bits for row invariance there. Shapes not listed use the default rule. Interpret
-# mode (CPU) has its own rule and ignores the table. The table is read when `matmul`
-# is traced: fill it before the first call.
-# H200, jax 0.11.2. Qwen3-8B shapes: the cold-L2 sweep of 2026-11-30b
-# (experiments/results/sweep_matmul_h200_cold_2026-11-30b.json: each timed loop cycles
-# through >= 256 MB of weight copies, as inside a model step, where no weight is still
-# in the 50 MB L2). Qwen3-0.6B shapes: the first (warm) sweep of 2026-11-30
-# (sweep_matmul_h200_2026-11-30.json). Times are sums over M = 1, 8, 16 of one launch.
-# Every entry row-invariant on the device; the Qwen3-8B / Gemma-3-4B parity matrix to
-# 8K and the audits with this table: 0 mismatches (WORKSPACE_NOTES.md).
-TUNED: dict[tuple[int, int, str], MatmulConfig] = {
-    # qwen3-8b wo: 80.8 -> 66.4 us cold (the warm sweep's split-K 4: 78.7 cold)
-    (4096, 4096, "bfloat16"): MatmulConfig(bm=16, bn=64, bk=128, num_warps=2, num_stages=5,
-                                           split_k=1),
-    # qwen3-8b w_down: 154.7 -> 135.5 us cold (the warm sweep's split-K 2: 142.1 cold)
-    (12288, 4096, "bfloat16"): MatmulConfig(bm=16, bn=32, bk=512, num_warps=4, num_stages=3,
-                                            split_k=1),
-    # qwen3-8b w_gate_up: the default rule won cold (188.5 us; the warm pick: 200.4)
-    (4096, 24576, "bfloat16"): MatmulConfig(bm=16, bn=64, bk=128, num_warps=4, num_stages=4,
-                                            split_k=1),
-    # qwen3-8b lm_head: 986.2 -> 937.1 us (warm and cold agree)
-    (4096, 151936, "bfloat16"): MatmulConfig(bm=16, bn=128, bk=64, num_warps=4, num_stages=5,
-                                             split_k=1),
-    # qwen3-0.6b wo: 86.1 -> 56.5 us (warm)
-    (2048, 1024, "bfloat16"): MatmulConfig(bm=16, bn=32, bk=128, num_warps=4, num_stages=4,
-                                           split_k=2),
-    # qwen3-0.6b w_down: 79.5 -> 55.4 us (warm)
-    (3072, 1024, "bfloat16"): MatmulConfig(bm=16, bn=32, bk=64, num_warps=2, num_stages=5,
-                                           split_k=4),
-    # qwen3-0.6b wqkv: 103.5 -> 65.6 us (warm)
-    (1024, 4096, "bfloat16"): MatmulConfig(bm=16, bn=128, bk=128, num_warps=4, num_stages=4,
-                                           split_k=2),
-    # qwen3-0.6b w_gate_up: 77.5 -> 67.8 us (warm)
-    (1024, 6144, "bfloat16"): MatmulConfig(bm=16, bn=32, bk=128, num_warps=2, num_stages=5,
-                                           split_k=2),
-    # qwen3-0.6b lm_head: 318.1 -> 296.2 us (warm)
-    (1024, 151936, "bfloat16"): MatmulConfig(bm=16, bn=128, bk=64, num_warps=4, num_stages=5,
-                                             split_k=1),
-}
-
-TUNED_ENV = "JSPEC_MATMUL_TUNED"
-
-# Scheduling overrides for launches of more than one row tile (`matmul(...,
-# schedule=True)`: a verify block of several rows per sequence, a prefill), per weight
-# shape: another row tile / column tile / warps / pipeline stages than its
-# `matmul_config` (the `TUNED` entry or the default rule), with the same bk and
-# split_k. A row's sum order is set by bk and split_k: on the H200 every variant of
-# the Qwen3-8B configs with other bn (16-128), warps (2-8) or stages (2-5) gave the
-# config's bits at M = 1 and M = 40 with row groups of 4
-# (experiments/results/sweep_schedule_qwen3-8b_h200_2026-11-30d.json, 36 variants;
-# ..._copytimed_2026-11-30e.json and ..._2026-11-30e.json, 76 each with crosses of the
-# fields), and so did every one with a 32- or 64-row tile (..._bm_2026-11-30e.json, 9
-# that compiled: a row's result does not depend on how many rows share its dot). The
-# values are the fastest at M = 40 in those sweeps (the kernel's own device time, cold
-# weights); decode (one row tile) keeps the config.
-MULTI_TILE: dict[tuple[int, int, str], dict[str, int]] = {
-    (12288, 4096, "bfloat16"): {"num_warps": 2},  # w_down: 54.6 -> 34.2 us at M = 40
-    # wo: 27.1 -> 13.7 us (bm 64 with bn 32, 4 warps, 4 stages; 21.1 at bm 16)
-    (4096, 4096, "bfloat16"): {"bm": 64, "bn": 32, "num_warps": 4, "num_stages": 4},
-    (4096, 151936, "bfloat16"): {"num_stages": 3},  # lm_head: 301.5 -> 284.1
-    (4096, 6144, "bfloat16"): {"bm": 64},  # wqkv: 23.3 -> 16.7 (one 64-row tile)
-}
+# Per-weight-shape GPU tiles, keyed by (K, N, dtype name), and the scheduling overrides
+# of launches of several row tiles, read from `matmul_tuned.json` beside this file (its
+# "provenance" names the sweeps that chose them and the parity run that proved them;
+# docs/tuning.md has the figures). Shapes not listed use the default rule; interpret
+# mode (CPU) has its own rule and ignores the tables. `experiments/tuning/sweep_matmul.py`
+# writes a new table in the file's "tuned" format, checking each winner's bits for row
+# invariance on the device.
+TUNED_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "matmul_tuned.json")
 SCHEDULE_FIELDS = ("bm", "bn", "num_warps", "num_stages")  # the only fields MULTI_TILE may set
 
 
@@ -150,22 +94,62 @@ def tuned_to_json(table: dict[tuple[int, int, str], MatmulConfig]) -> list[dict]
             for (K, N, d), c in sorted(table.items())]
 
 
-def load_tuned(path: str) -> dict[tuple[int, int, str], MatmulConfig]:
-    """Reads a table written by `experiments/sweep_matmul.py` (`*_tuned.json`)."""
-    with open(path) as f:
-        rows = json.load(f)
+def parse_tuned(rows, where: str) -> dict[tuple[int, int, str], MatmulConfig]:
+    """JSON rows {K, N, dtype, config} -> {(K, N, dtype): MatmulConfig}."""
     try:
         return {(int(r["K"]), int(r["N"]), str(r["dtype"])): MatmulConfig(**r["config"])
                 for r in rows}
     except (KeyError, TypeError) as e:
-        raise ValueError(f"{path}: not a matmul tuning table (rows of K, N, dtype, "
+        raise ValueError(f"{where}: not a matmul tuning table (rows of K, N, dtype, "
                          f"config): {e}") from e
 
 
-# A table file named by $JSPEC_MATMUL_TUNED extends TUNED at import, so a freshly
-# swept table can be proven (parity) and measured before it is pasted in above.
-if os.environ.get(TUNED_ENV):
-    TUNED.update(load_tuned(os.environ[TUNED_ENV]))
+def load_tuned(path: str) -> dict[tuple[int, int, str], MatmulConfig]:
+    """Reads a table written by `experiments/tuning/sweep_matmul.py` (`*_tuned.json`)."""
+    with open(path) as f:
+        return parse_tuned(json.load(f), path)
+
+
+def parse_schedules(rows, where: str) -> dict[tuple[int, int, str], dict[str, int]]:
+    """JSON rows {K, N, dtype, fields} -> {(K, N, dtype): fields} of scheduling overrides."""
+    out = {}
+    for r in rows:
+        fields = dict(r["fields"])
+        bad = set(fields) - set(SCHEDULE_FIELDS)
+        if bad:
+            raise ValueError(f"{where}: a schedule may set only {SCHEDULE_FIELDS}; got "
+                             f"{sorted(bad)} for K={r['K']}, N={r['N']}")
+        out[(int(r["K"]), int(r["N"]), str(r["dtype"]))] = fields
+    return out
+
+
+def read_tuned_file(path: str = TUNED_FILE) -> dict:
+    """The tuned-tile data file: {"provenance", "tuned", "multi_tile", "multi_tile_glu"}."""
+    with open(path) as f:
+        return json.load(f)
+
+
+def write_tuned_rows(rows: list[dict], path: str = TUNED_FILE) -> None:
+    """Merges a sweep's winners (JSON rows {K, N, dtype, config}) into the data file's
+    "tuned" table, replacing entries of the same key; takes effect at the next import."""
+    new = parse_tuned(rows, "rows")
+    data = read_tuned_file(path)
+    table = parse_tuned(data["tuned"], path) | new
+    data["tuned"] = tuned_to_json(table)
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1)
+
+
+_TABLES = read_tuned_file()
+TUNED: dict[tuple[int, int, str], MatmulConfig] = parse_tuned(_TABLES["tuned"], TUNED_FILE)
+# Scheduling overrides for launches of more than one row tile (`matmul(...,
+# schedule=True)`: a verify block of several rows per sequence, a prefill), per weight
+# shape: another row tile / column tile / warps / pipeline stages than its
+# `matmul_config`, with the same bk and split_k, so the same bits (a row's sum order is
+# set by bk and split_k; the sweeps checked every variant's bits at M = 1 and 40).
+# Decode (one row tile) keeps the config.
+MULTI_TILE: dict[tuple[int, int, str], dict[str, int]] = parse_schedules(
+    _TABLES["multi_tile"], TUNED_FILE)
 
 
 def default_matmul_config(K: int, N: int, dtype, interpret: bool) -> MatmulConfig:
@@ -434,8 +418,7 @@ def matmul_reference(x: jax.Array, w: jax.Array, *, out_dtype=None,
     On a GPU a single row is computed as two (the second a zero row, sliced away):
     XLA's GPU simplifier rewrites a one-row dot whose operands hold fewer than 10M
     elements into a multiply and a reduce ("dot strength reduction"), which is far
-    slower than a GEMM kernel. A Qwen3-0.6B decode step lost about 28 us a layer to
-    it on the H200 (w_down: a materialised [3072, 1024] f32 product, 5.7 + 7.2 us).
+    slower than a GEMM kernel (docs/tuning.md: what it cost a Qwen3-0.6B decode step).
     """
     del row_group, schedule  # the kernel's scheduling knobs; nothing to schedule here
     out_dtype = jnp.float32 if out_dtype is None else out_dtype

@@ -23,6 +23,7 @@ from jax.experimental import pallas as pl
 from pallas_kernels._common import pad_axis, round_up, triton_params
 from pallas_kernels.glu import ACTIVATIONS, _activation, glu, glu_reference
 from pallas_kernels.matmul import (
+    TUNED_FILE,
     _check_shapes,
     _k_loop,
     _k_loop_rows,
@@ -31,6 +32,8 @@ from pallas_kernels.matmul import (
     matmul,
     matmul_config,
     matmul_reference,
+    parse_schedules,
+    read_tuned_file,
     row_group_size,
     scheduled,
 )
@@ -39,11 +42,9 @@ from pallas_kernels.matmul import (
 # (`schedule=True`), keyed like `matmul.MULTI_TILE` by the fused weight [K, 2F]: the
 # kernel runs two K loops a program, so its best warps / stages / column tile are its
 # own. Only bm, bn, num_warps and num_stages (bits set by bk; see matmul.MULTI_TILE).
-# H200 (experiments/results/sweep_schedule_qwen3-8b_h200_2026-11-30e.json: 16 variants,
-# all bits equal at M = 1 and 40):
-MULTI_TILE_GLU: dict[tuple[int, int, str], dict[str, int]] = {
-    (4096, 24576, "bfloat16"): {"bn": 128},  # Qwen3-8B gate/up: 63.3 -> 51.7 us at M = 40
-}
+# Read from matmul_tuned.json ("multi_tile_glu").
+MULTI_TILE_GLU: dict[tuple[int, int, str], dict[str, int]] = parse_schedules(
+    read_tuned_file()["multi_tile_glu"], TUNED_FILE)
 
 
 def _kernel(x_ref, wg_ref, wu_ref, o_ref, *, bk: int, nk: int, activation: str,

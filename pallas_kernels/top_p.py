@@ -3,9 +3,9 @@
 Top-p keeps the smallest prefix of a row's tokens, sorted by decreasing logit, whose
 probability mass reaches p: token j of the sorted row is kept iff the mass of the
 tokens before it is < p. That mass is a sum over the vocabulary; computed by XLA
-(`softmax`, `cumsum`) its order follows the whole [M, V] shape, and on an H200 a row
-gets different bits alone than among 9 or 40 rows (`experiments/sampling_invariance.py`),
-so a verify block (gamma + 1 rows a sequence) and a decode step (one) could cut a row at
+(`softmax`, `cumsum`) its order follows the whole [M, V] shape, and on a GPU a row was
+measured to get different bits alone than among 9 or 40 rows (docs/results.md), so a
+verify block (gamma + 1 rows a sequence) and a decode step (one) could cut a row at
 different tokens.
 
 Here each row is one program's, walked in fixed-size vocabulary blocks in ascending

@@ -36,7 +36,7 @@ import pytest  # noqa: E402
 jax.config.update("jax_default_matmul_precision", "highest")
 
 import jspec  # noqa: E402
-from jspec.config import options  # noqa: E402
+from jspec import with_options  # noqa: E402
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 FAMILIES = ("llama3", "qwen3", "gemma3")
@@ -58,9 +58,9 @@ def expected(name: str) -> dict:
 
 
 def plain(model: jspec.Model) -> jspec.Model:
-    """The model with every speed option off (jspec.config.SPEED_OPTIONS): the plain path
-    each option is checked against."""
-    return with_config(model, **options("plain"))
+    """The model with every fusion off (`jspec.options.FUSIONS`): the plain path each
+    fusion is checked against."""
+    return with_options(model, model.options.plain())
 
 
 def model_and_tokens(name: str, n: int, seed: int) -> tuple[jspec.Model, np.ndarray]:
@@ -142,13 +142,13 @@ def steps(model, seq, n_prompt, blocks):
     """Prefill n_prompt tokens of seq [B, L], then blocks of the given sizes: a list of
     logits [B, T, V] per call and the final cache."""
     from jspec.cache import init_cache
-    from jspec.model import _forward
+    from jspec.model import apply
 
     cache = init_cache(model, seq.shape[0], 64)
-    logits, cache = _forward(model, jnp.asarray(seq[:, :n_prompt]), cache)
+    logits, cache = apply(model, jnp.asarray(seq[:, :n_prompt]), cache)
     out, t = [logits], n_prompt
     for size in blocks:
-        logits, cache = _forward(model, jnp.asarray(seq[:, t: t + size]), cache)
+        logits, cache = apply(model, jnp.asarray(seq[:, t: t + size]), cache)
         out.append(logits)
         t += size
     return out, cache

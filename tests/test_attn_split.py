@@ -17,11 +17,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import bits, eqn_counts, model_and_tokens, with_config, xla_f32
+from conftest import bits, eqn_counts, model_and_tokens, xla_f32
 
-from jspec import parity
+from jspec import DraftOptions, parity, with_options
 from jspec.cache import init_cache
-from jspec.model import _forward
+from jspec.model import apply
 
 MAX_LEN = 72
 N = 40
@@ -34,7 +34,7 @@ SPLIT = 32  # two interpret-mode key blocks of 16: several partitions for 40 tok
 def case(request):
     name, rows = request.param  # rows: the split row tile (None: the kernel's 16)
     model, seq = model_and_tokens(name, N, seed=11)
-    return with_config(model, attn_split=SPLIT, attn_split_rows=rows), seq
+    return with_options(model, attn_split=SPLIT, attn_split_rows=rows), seq
 
 
 # Gemma 3 (windows, softcap, q/k norm) by default; the plain case in the slow run with the
@@ -88,20 +88,20 @@ def _split_row_tile(jaxpr) -> int | None:
 
 def test_split_kernels_run_and_size_is_checked(case):
     model, _ = case
-    model = with_config(model, attn_fused_fold=0)  # two kernels (default: by row tiles)
-    j = jax.make_jaxpr(_forward)(model, jnp.zeros((1, 1), jnp.int32),
+    model = with_options(model, attn_fused_fold=False)  # two kernels (default: by row tiles)
+    j = jax.make_jaxpr(apply)(model, jnp.zeros((1, 1), jnp.int32),
                                  init_cache(model, 1, MAX_LEN))
-    assert _split_row_tile(j.jaxpr) == (model.config.attn_split_rows or 16)
+    assert _split_row_tile(j.jaxpr) == (model.options.attn_split_rows or 16)
     counts = eqn_counts(j.jaxpr)
     L = model.config.num_layers
     assert counts["pallas_call:jspec_attention_split"] == L, counts
     assert counts["pallas_call:jspec_attention_combine"] == L
     assert counts["pallas_call:jspec_attention"] == 0
     with pytest.raises(ValueError, match="attn_split=-1"):
-        with_config(model, attn_split=-1)
+        with_options(model, attn_split=-1)
     for rows in (8, 24):
         with pytest.raises(ValueError, match=f"attn_split_rows={rows} must be a power of two"):
-            with_config(model, attn_split_rows=rows)
+            with_options(model, attn_split_rows=rows)
 
 
 @pytest.mark.parametrize("case", [("tiny-qwen3", None),
@@ -113,8 +113,9 @@ def test_fused_fold_gives_the_two_kernels_bits(case):
     # the partials; the same partials and fold order, so the same logits bit for bit
     # (interpret mode runs the programs in grid order, so the last partition folds).
     model, seq = case
-    fused, model = with_config(model, attn_fused_fold=1), with_config(model, attn_fused_fold=0)
-    counts = eqn_counts(jax.make_jaxpr(_forward)(fused, jnp.zeros((1, 1), jnp.int32),
+    fused = with_options(model, attn_fused_fold=True)
+    model = with_options(model, attn_fused_fold=False)
+    counts = eqn_counts(jax.make_jaxpr(apply)(fused, jnp.zeros((1, 1), jnp.int32),
                                                  init_cache(fused, 1, MAX_LEN)).jaxpr)
     L = model.config.num_layers
     assert counts["pallas_call:jspec_attention_fused"] == L, counts
@@ -130,18 +131,18 @@ def test_fused_fold_gives_the_two_kernels_bits(case):
     want = parity.schedule_logits(model, seqs, steps, MAX_LEN, seed=1)
     for g, w in zip(got, want, strict=True):
         assert np.array_equal(bits(g), bits(w))
-    with pytest.raises(ValueError, match="attn_fused_fold=2 must be 0, 1 or None"):
-        with_config(model, attn_fused_fold=2)
+    with pytest.raises(ValueError, match="attn_fused_fold=2 must be a bool"):
+        with_options(model, attn_fused_fold=2)
 
 
 def test_fused_fold_by_default_for_small_grids(case):
     # attn_fused_fold None: one launch when the call has at most 8 split row tiles
     # (AttentionConfig.fused_fold_tiles), two kernels above.
     model, _ = case
-    rows = model.config.attn_split_rows or 16
+    rows = model.options.attn_split_rows or 16
     G = model.config.num_heads // model.config.num_kv_heads
     for batch, tokens in ((1, 1), (2, 3), (9, 1), (1, 40)):
-        j = jax.make_jaxpr(_forward)(model, jnp.zeros((batch, tokens), jnp.int32),
+        j = jax.make_jaxpr(apply)(model, jnp.zeros((batch, tokens), jnp.int32),
                                      init_cache(model, batch, MAX_LEN))
         counts = eqn_counts(j.jaxpr)
         fused = batch * -(-tokens * G // rows) <= 8
@@ -157,15 +158,15 @@ def test_xla_backend_can_run_the_pallas_attention():
     # rounding (f32 weights: the CPU's XLA runs no bf16 x bf16 -> f32 dots).
     model, seq = model_and_tokens("tiny-qwen3", 12, seed=4)
     model = xla_f32(model)
-    fast = with_config(model, xla_pallas_attention=1, attn_split=SPLIT, attn_fused_fold=1)
+    fast = with_options(model, xla_pallas_attention=True, attn_split=SPLIT, attn_fused_fold=True)
     toks = jnp.asarray(seq[None])
-    counts = eqn_counts(jax.make_jaxpr(_forward)(fast, toks, init_cache(fast, 1, MAX_LEN)).jaxpr)
+    counts = eqn_counts(jax.make_jaxpr(apply)(fast, toks, init_cache(fast, 1, MAX_LEN)).jaxpr)
     assert counts["pallas_call:jspec_attention_fused"] == model.config.num_layers, counts
-    want = np.asarray(_forward(model, toks, init_cache(model, 1, MAX_LEN))[0])
-    got = np.asarray(_forward(fast, toks, init_cache(fast, 1, MAX_LEN))[0])
+    want = np.asarray(apply(model, toks, init_cache(model, 1, MAX_LEN))[0])
+    got = np.asarray(apply(fast, toks, init_cache(fast, 1, MAX_LEN))[0])
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max())
-    with pytest.raises(ValueError, match="xla_pallas_attention=3 must be 0 or 1"):
-        with_config(model, xla_pallas_attention=3)
+    with pytest.raises(ValueError, match="xla_pallas_attention=3 must be a bool"):
+        with_options(model, xla_pallas_attention=3)
 
 
 @pytest.mark.slow  # a CLI run of gpu_parity.py; the split kernels are proven above
@@ -235,20 +236,21 @@ def test_fused_fold_counters_come_back_zeroed_and_chain():
                           fused_fold=True, **kw)
 
 
-@pytest.mark.parametrize("draft", ("", "draft_fused=1", "draft_fused=1+draft_rope_attention=0"))
+@pytest.mark.parametrize("draft", (None, DraftOptions(fused=True),
+                                   DraftOptions(fused=True, rope_attention=False)),
+                         ids=("model", "fused", "fused-two-kernels"))
 def test_a_forward_zeroes_the_counters_once(draft):
     # Every layer's one-launch attention takes the counters the layer before returned:
     # the model's, the fused draft's q/k step + attention kernel, or its two kernels.
     model, _ = model_and_tokens("tiny-qwen3", 4, seed=2)
-    model = with_config(model, attn_split=SPLIT, attn_fused_fold=1)
-    if draft:
-        from jspec.model import with_options
+    model = with_options(model, attn_split=SPLIT, attn_fused_fold=True)
+    if draft is not None:
         model = with_options(model, draft)
     assert model.config.num_layers > 1
-    j = jax.make_jaxpr(_forward)(model, jnp.zeros((1, 1), jnp.int32),
+    j = jax.make_jaxpr(apply)(model, jnp.zeros((1, 1), jnp.int32),
                                  init_cache(model, 1, MAX_LEN))
     counts = eqn_counts(j.jaxpr)
-    kernel = ("jspec_draft_qk_rope_attention" if draft == "draft_fused=1"
+    kernel = ("jspec_draft_qk_rope_attention" if draft == DraftOptions(fused=True)
               else "jspec_attention_fused")
     assert counts["pallas_call:" + kernel] == model.config.num_layers, counts
     tiles = model.config.num_kv_heads  # batch 1, one row tile a kv head

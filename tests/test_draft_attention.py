@@ -10,7 +10,7 @@ and at the model level against `draft_rope_attention=0`.
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import bits, qkv_inputs, rand, rel, steps, with_config, xla_f32
+from conftest import bits, qkv_inputs, rand, rel, steps, xla_f32
 
 from jspec.model import with_options
 from jspec.random_model import random_model
@@ -21,7 +21,7 @@ from pallas_kernels.attention import (
     row_count,
     visible_range,
 )
-from pallas_kernels.draft import qk_rope_attention, qk_rope_write
+from pallas_kernels.latency.draft import qk_rope_attention, qk_rope_write
 
 # The split-KV config the one-kernel path needs, at interpret mode's key block: 32-key
 # partitions, so an 80-key cache ends in half a partition (as a GPU cache of 832 keys
@@ -108,11 +108,11 @@ def test_one_kernel_attention_forward_matches_two_kernels():
     # rounding (the scores' two half-width dots round differently, and later layers'
     # inputs with them). The kernel test covers windows, softcaps and no q/k norm.
     base = with_options(xla_f32(random_model("tiny-qwen3", interpret=True)),
-                        "draft_fused=1", "attn_split=16")
+                        fused=True, attn_split=16)
     seq = np.random.default_rng(3).integers(0, base.config.vocab_size, (1, 30))
     seq = seq.astype(np.int32)
     blocks = (1, 2)
-    want, want_cache = steps(with_config(base, draft_rope_attention=0), seq, 20, blocks)
+    want, want_cache = steps(with_options(base, rope_attention=False), seq, 20, blocks)
     got, got_cache = steps(base, seq, 20, blocks)
     for g, w in zip(got[1:], want[1:], strict=True):
         assert g.shape == w.shape and rel(g, w) < 1e-5

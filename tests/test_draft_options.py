@@ -1,5 +1,5 @@
 """Options for a draft model's speed (`ModelConfig.kv_dus`, on by default, and
-`xla_two_rows`, one of `DRAFT_OPTIONS`), CPU.
+`xla_two_rows`, one of `DraftOptions.latency()`), CPU.
 
 kv_dus changes how a batch-1 call writes its new K/V, not what it writes: logits and
 cache bitwise equal to the vmapped write, on both backends. xla_two_rows changes the
@@ -12,10 +12,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import bits, eqn_counts, model_and_tokens, with_config, xla_f32
+from conftest import bits, eqn_counts, model_and_tokens, xla_f32
 
+import jspec
+from jspec import with_options
 from jspec.cache import init_cache, write_kv
-from jspec.model import _forward
+from jspec.model import apply
 
 MAX_LEN = 40
 
@@ -23,10 +25,10 @@ MAX_LEN = 40
 def _steps(model, seq, n_prompt):
     """Prefill n_prompt tokens, then one-token steps: [T, V] logits and the final cache."""
     cache = init_cache(model, 1, MAX_LEN)
-    logits, cache = _forward(model, jnp.asarray(seq[None, :n_prompt]), cache)
+    logits, cache = apply(model, jnp.asarray(seq[None, :n_prompt]), cache)
     out = [np.asarray(logits[0])]
     for t in range(n_prompt, len(seq)):
-        logits, cache = _forward(model, jnp.asarray(seq[None, t:t + 1]), cache)
+        logits, cache = apply(model, jnp.asarray(seq[None, t:t + 1]), cache)
         out.append(np.asarray(logits[0]))
     return np.concatenate(out), cache
 
@@ -35,8 +37,8 @@ def _steps(model, seq, n_prompt):
 def test_kv_dus_gives_the_same_logits_and_cache(backend):
     model, seq = model_and_tokens("tiny-qwen3", 14, seed=3)
     model = model.with_backend(backend)
-    want, want_cache = _steps(with_config(model, kv_dus=0), seq, 10)
-    got, got_cache = _steps(with_config(model, kv_dus=1), seq, 10)
+    want, want_cache = _steps(with_options(model, kv_dus=False), seq, 10)
+    got, got_cache = _steps(with_options(model, kv_dus=True), seq, 10)
     assert np.array_equal(bits(got), bits(want))
     for a, b in zip(jax.tree.leaves(got_cache), jax.tree.leaves(want_cache), strict=True):
         assert np.array_equal(bits(a), bits(b))
@@ -63,12 +65,12 @@ def test_kv_dus_writes_at_each_length():
 def test_xla_two_rows_carries_a_second_row():
     model, seq = model_and_tokens("tiny-qwen3", 12, seed=5)
     model = xla_f32(model)
-    two = with_config(model, xla_two_rows=1)
+    two = with_options(model, xla_two_rows=True)
     cache = init_cache(model, 1, MAX_LEN)
     tok = jnp.asarray(seq[None, :1])
 
     def dot_rows(m):
-        jaxpr = jax.make_jaxpr(_forward)(m, tok, cache).jaxpr
+        jaxpr = jax.make_jaxpr(apply)(m, tok, cache).jaxpr
         rows = set()
         for e in jaxpr.eqns:
             if e.primitive.name == "dot_general" and e.invars[1].aval.ndim == 2:
@@ -79,12 +81,12 @@ def test_xla_two_rows_carries_a_second_row():
     assert rows == {2}, rows  # every projection and the lm_head: two rows
     _, counts1 = dot_rows(model)
     assert counts["pad"] < counts1["pad"], (counts["pad"], counts1["pad"])
-    logits, new = _forward(two, tok, cache)
+    logits, new = apply(two, tok, cache)
     assert logits.shape == (1, 1, model.config.vocab_size)
     # More than one token: no second row, the same program.
     toks = jnp.asarray(seq[None, :3])
-    assert np.array_equal(bits(_forward(two, toks, cache)[0]),
-                          bits(_forward(model, toks, cache)[0]))
+    assert np.array_equal(bits(apply(two, toks, cache)[0]),
+                          bits(apply(model, toks, cache)[0]))
 
 
 def test_xla_two_rows_agrees_with_one_row():
@@ -94,7 +96,7 @@ def test_xla_two_rows_agrees_with_one_row():
     model, seq = model_and_tokens("tiny-qwen3", 14, seed=6)
     model = xla_f32(model)
     want, want_cache = _steps(model, seq, 8)
-    got, got_cache = _steps(with_config(model, xla_two_rows=1), seq, 8)
+    got, got_cache = _steps(with_options(model, xla_two_rows=True), seq, 8)
     assert np.isfinite(got).all()
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
     assert np.array_equal(got_cache.lengths, want_cache.lengths)
@@ -105,16 +107,22 @@ def test_xla_two_rows_agrees_with_one_row():
 
 
 def test_draft_alias_names_the_draft_options():
-    from jspec.config import DRAFT_OPTIONS, options
+    from jspec.cli import parse_options
 
-    assert options("draft") == options(*DRAFT_OPTIONS) == {"xla_two_rows": 1,
-                                                          "xla_pallas_attention": 1,
-                                                          "draft_fused": 1}
-    assert options("draft", "xla_two_rows=0")["xla_two_rows"] == 0  # left to right
+    latency = jspec.DraftOptions.latency()
+    assert latency == jspec.DraftOptions(xla_two_rows=True, xla_pallas_attention=True,
+                                         fused=True)
+    assert parse_options("draft") == (jspec.KernelOptions(), latency)
+    _, d = parse_options("draft,xla_two_rows=0")  # left to right
+    assert d == latency.replace(xla_two_rows=False)
 
 
 def test_draft_options_reject_other_values():
     model, _ = model_and_tokens("tiny-qwen3", 4, seed=0)
     for name in ("kv_dus", "xla_two_rows"):
-        with pytest.raises(ValueError, match=f"{name}=2 must be 0 or 1"):
-            with_config(model, **{name: 2})
+        with pytest.raises(ValueError, match=f"{name}=2 must be a bool"):
+            with_options(model, **{name: 2})
+    from jspec.cli import parse_options
+
+    with pytest.raises(ValueError, match="kv_dus takes 0 or 1"):
+        parse_options("kv_dus=2")

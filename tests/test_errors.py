@@ -92,4 +92,4 @@ def test_bad_generation_arguments():
     with pytest.raises(ValueError, match="top_p"):
         jspec.Sample(top_p=0.0)
     with pytest.raises(ValueError, match="backend='tpu'"):
-        load("qwen3", "xla").config.replace(backend="tpu")
+        load("qwen3", "xla").options.replace(backend="tpu")

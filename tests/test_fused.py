@@ -23,9 +23,9 @@ import numpy as np
 import pytest
 from conftest import model_and_tokens
 
-from jspec import parity
+from jspec import parity, with_options
 from jspec.cache import init_cache
-from jspec.model import _forward
+from jspec.model import apply
 from pallas_kernels import add_rmsnorm, add_rmsnorm_reference, rmsnorm
 from pallas_kernels.rmsnorm import rmsnorm_config
 
@@ -102,7 +102,7 @@ def test_add_rmsnorm_bad_input():
 # ------------------------------------------------------------------ (c), (d): the model
 
 def _fused(model):
-    return model.replace(config=model.config.replace(fuse_add_norm=True))
+    return with_options(model, fuse_add_norm=True)
 
 
 @pytest.fixture(scope="module", params=(pytest.param("llama3", marks=pytest.mark.slow),
@@ -123,7 +123,7 @@ def test_fused_forward_uses_the_fused_kernel(pair):
 
     def count(m):
         cache = init_cache(m, 1, MAX_LEN)
-        text = str(jax.make_jaxpr(_forward)(m, jnp.zeros((1, 3), jnp.int32), cache))
+        text = str(jax.make_jaxpr(apply)(m, jnp.zeros((1, 3), jnp.int32), cache))
         return (len(re.findall(r"name=add_rmsnorm\b", text)),
                 len(re.findall(r"name=rmsnorm\b", text)))
 
@@ -165,19 +165,23 @@ def test_fused_logits_equal_unfused_logits(pair):
 
 
 def test_speed_options_are_on_by_default_and_named():
-    from jspec.config import SPEED_OPTIONS, options
-    from jspec.random_model import preset_config
+    from jspec.cli import parse_options
+    from jspec.options import FUSIONS, KernelOptions
+    from jspec.random_model import random_model
 
-    assert all(getattr(preset_config("tiny-qwen3"), f) for f in SPEED_OPTIONS)
-    assert options("plain") == dict.fromkeys(SPEED_OPTIONS, False)
-    assert options("plain+fuse_glu") == dict.fromkeys(SPEED_OPTIONS, False) | {"fuse_glu": True}
-    assert options("no_pad_rows_once", "fuse_qk_rope") == {"pad_rows_once": False,
-                                                           "fuse_qk_rope": True}
-    with pytest.raises(ValueError, match="unknown speed option 'fuse_everything'"):
-        options("fuse_everything")
-    assert options("plain", "attn_split=256") == dict.fromkeys(SPEED_OPTIONS, False) | {
-        "attn_split": 256}
+    default = KernelOptions()
+    assert all(getattr(default, f) for f in FUSIONS)
+    assert random_model("tiny-qwen3").options == default
+    plain = default.replace(**dict.fromkeys(FUSIONS, False))
+    assert default.plain() == plain
+    assert parse_options("plain")[0] == plain
+    assert parse_options("plain+fuse_glu")[0] == plain.replace(fuse_glu=True)
+    assert parse_options("no_pad_rows_once,fuse_qk_rope")[0] == default.replace(
+        pad_rows_once=False)
+    with pytest.raises(ValueError, match="unknown option 'fuse_everything'"):
+        parse_options("fuse_everything")
+    assert parse_options("plain,attn_split=256")[0] == plain.replace(attn_split=256)
     with pytest.raises(ValueError, match="attn_split takes an integer"):
-        options("attn_split=many")
-    with pytest.raises(ValueError, match="unknown speed option 'fuse_glu=1'"):
-        options("fuse_glu=1")
+        parse_options("attn_split=many")
+    with pytest.raises(ValueError, match="unknown option 'fuse_glu=1'"):
+        parse_options("fuse_glu=1")

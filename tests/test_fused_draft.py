@@ -1,6 +1,6 @@
-"""`draft_fused`: a draft model's few-token forward in six kernels a layer, CPU.
+"""`DraftOptions.fused`: a draft model's few-token forward in six kernels a layer, CPU.
 
-The draft kernels (pallas_kernels/draft.py) make no row-invariance claim: a draft's
+The draft kernels (pallas_kernels/latency/draft.py) make no row-invariance claim: a draft's
 numerics only change which tokens it proposes, and the target's verify decides every
 token. So the kernels and the fused forward are checked against plain jnp and the usual
 forward within rounding (relative 1e-5 in f32, 2e-2 in bf16), the cache writes and the
@@ -21,17 +21,16 @@ from conftest import (
     rand,
     rel,
     steps,
-    with_config,
     xla_f32,
 )
 
 import jspec
 from jspec import fused_draft
 from jspec.cache import init_cache, write_kv
-from jspec.model import _forward, with_options
+from jspec.model import apply, with_options
 from jspec.random_model import random_model
 from pallas_kernels.attention import attention_config, row_count
-from pallas_kernels.draft import (
+from pallas_kernels.latency.draft import (
     MAX_ROWS,
     heads_to_rows,
     matvec,
@@ -142,10 +141,10 @@ def test_qk_rope_write_rotates_and_writes_in_place(batch, tokens, norm):
 def test_fused_forward_matches_the_usual_forward(preset, batch):
     # f32 on the xla backend (CPU XLA has no bf16 x bf16 -> f32 dot): the fused path
     # (1- and 2-row calls; batch 2 two-token calls take the usual path) against the
-    # same weights without draft_fused. Gemma covers sandwich norms, sliding windows,
+    # same weights without DraftOptions.fused. Gemma covers sandwich norms, sliding windows,
     # (1 + w) norms, the embedding scale, gelu and the final softcap.
     base = xla_f32(random_model(preset, interpret=True))
-    fused = with_options(base, "draft_fused=1")
+    fused = with_options(base, fused=True)
     rng = np.random.default_rng(batch)
     seq = rng.integers(0, base.config.vocab_size, (batch, 30)).astype(np.int32)
     blocks = (1, 2, 1, 1, 2)
@@ -161,7 +160,7 @@ def test_fused_forward_matches_the_usual_forward(preset, batch):
 
 def test_fused_forward_bf16_matches_the_pallas_forward():
     base = random_model("tiny-qwen3", interpret=True)  # bf16, pallas backend
-    fused = with_options(base, "draft_fused=1")
+    fused = with_options(base, fused=True)
     seq = np.random.default_rng(0).integers(0, 512, (1, 26)).astype(np.int32)
     want, _ = steps(base, seq, 20, (1, 2, 1))
     got, _ = steps(fused, seq, 20, (1, 2, 1))
@@ -170,11 +169,11 @@ def test_fused_forward_bf16_matches_the_pallas_forward():
 
 
 def test_only_small_calls_take_the_fused_path():
-    model = with_options(random_model("tiny-qwen3", interpret=True), "draft_fused=1")
+    model = with_options(random_model("tiny-qwen3", interpret=True), fused=True)
 
     def kernels(b, t):
         cache = jax.eval_shape(lambda: init_cache(model, b, 64))
-        jaxpr = jax.make_jaxpr(_forward)(model, jnp.zeros((b, t), jnp.int32), cache)
+        jaxpr = jax.make_jaxpr(apply)(model, jnp.zeros((b, t), jnp.int32), cache)
         return eqn_counts(jaxpr.jaxpr)
 
     L = model.config.num_layers
@@ -185,8 +184,8 @@ def test_only_small_calls_take_the_fused_path():
     for b, t in ((1, 3), (2, 2), (8, 1)):
         assert kernels(b, t)["pallas_call:jspec_draft_matvec"] == 0
     # Split-KV on (the GPU's default): the rope write and the attention are one kernel.
-    split = with_config(model, attn_split=16)
-    c = jax.make_jaxpr(_forward)(split, jnp.zeros((1, 2), jnp.int32),
+    split = with_options(model, attn_split=16)
+    c = jax.make_jaxpr(apply)(split, jnp.zeros((1, 2), jnp.int32),
                                  jax.eval_shape(lambda: init_cache(split, 1, 64))).jaxpr
     c = eqn_counts(c)
     assert c["pallas_call:jspec_draft_qk_rope_attention"] == L
@@ -195,21 +194,21 @@ def test_only_small_calls_take_the_fused_path():
 
 def test_layout_follows_the_option_and_mismatches_are_named():
     base = random_model("tiny-qwen3", interpret=True)
-    fused = with_options(base, "draft_fused=1")
+    fused = with_options(base, fused=True)
     lp, lq = base.params["layers"][0], fused.params["layers"][0]
     for name in fused_draft.WEIGHTS:
         assert name not in lq and np.array_equal(lq[name + "_t"], lp[name].T)
     assert fused_draft.prepare(fused) is fused  # already in its layout
-    back = with_options(fused, "draft_fused=0")
+    back = with_options(fused, fused=False)
     assert np.array_equal(back.params["layers"][0]["wqkv"], lp["wqkv"])
     cache = init_cache(base, 1, 16)
     tokens = jnp.zeros((1, 1), jnp.int32)
     with pytest.raises(ValueError, match="not transposed.*with_options"):
-        _forward(with_config(base, draft_fused=1), tokens, cache)
-    with pytest.raises(ValueError, match="draft_fused is off"):
-        _forward(with_config(fused, draft_fused=0), tokens, cache)
-    with pytest.raises(ValueError, match="draft_programs"):
-        with_config(base, draft_programs=3)
+        apply(base.replace(draft_options=jspec.DraftOptions(fused=True)), tokens, cache)
+    with pytest.raises(ValueError, match="DraftOptions.fused is off"):
+        apply(fused.replace(draft_options=jspec.DraftOptions()), tokens, cache)
+    with pytest.raises(ValueError, match="programs=3 must be a power of two"):
+        with_options(base, programs=3)
 
 
 @pytest.mark.parametrize("name", ["qwen3", pytest.param("gemma3", marks=pytest.mark.slow)])
@@ -222,7 +221,7 @@ def test_speculative_with_a_fused_draft_equals_serial(name):
     p = expected(name)["prompt"]
     prompts = [p, p[:5]]
     serial = jspec.generate(target, prompts, max_new_tokens=16)
-    draft = jspec.with_options(target, "draft")
+    draft = jspec.with_options(target, jspec.DraftOptions.latency())
     out = jspec.speculative_generate(target, jspec.ModelDrafter(draft), prompts,
                                      jspec.SpecConfig(gamma=4, max_new_tokens=16))
     for b in range(len(prompts)):

@@ -8,7 +8,7 @@ jitted functions for the "cuda" platform with abstract weights: nothing is
 allocated, compiled to PTX or run. Covered: the Qwen3-8B- and Gemma-3-4B-shaped
 forwards (2 layers; the tuned matmul table, multi-tile schedules with 64-row tiles,
 masked row tiles, split-KV attention, every speed option) at decode, verify and
-prefill shapes, B = 1 and 8; the fused draft forward (`draft_fused`) of Qwen3-0.6B and
+prefill shapes, B = 1 and 8; the fused draft forward (`DraftOptions.fused`) of Qwen3-0.6B and
 Gemma-3-4B shapes; the logsumexp and top-p kernels. Shared memory limits and register
 spills are checked by the Triton compiler on the device, not here.
 """
@@ -22,7 +22,8 @@ import pytest
 from jax._src.pallas.triton import gpu_info, pallas_call_registration
 
 from jspec.cache import init_cache
-from jspec.model import Model, _forward
+from jspec.model import Model, apply
+from jspec.options import DraftOptions
 from jspec.random_model import preset_config, random_params
 from pallas_kernels.logsumexp import logsumexp
 from pallas_kernels.top_p import top_p_kept
@@ -41,7 +42,7 @@ def _lower(fn, *args) -> str:
 
 
 def _abstract_model(preset: str, layers: int = 2) -> Model:
-    cfg = preset_config(preset, num_layers=layers, interpret=False)
+    cfg = preset_config(preset, num_layers=layers)
     return Model(config=cfg, params=jax.eval_shape(lambda: random_params(cfg)))
 
 
@@ -51,7 +52,7 @@ def test_model_forward_lowers_for_the_h200(preset, batch, tokens):
     model = _abstract_model(preset)
     cache = jax.eval_shape(lambda: init_cache(model, batch, 256))
     toks = jax.ShapeDtypeStruct((batch, tokens), jnp.int32)
-    text = _lower(_forward, model, toks, cache)
+    text = _lower(apply, model, toks, cache)
     names = set(re.findall(r'name = "(jspec_[a-z_0-9]*)"', text))
     assert text.count("__gpu$xla.gpu.triton") >= 8
     cfg = model.config
@@ -68,21 +69,21 @@ def test_model_forward_lowers_for_the_h200(preset, batch, tokens):
 
 @pytest.mark.parametrize("preset", ["qwen3-0.6b", "gemma3-4b"])
 @pytest.mark.parametrize("tokens", [1, 2])
-@pytest.mark.parametrize("one_kernel", [1, 0])
+@pytest.mark.parametrize("one_kernel", [True, False])
 def test_fused_draft_lowers_for_the_h200(preset, tokens, one_kernel):
-    # draft_fused (a draft on the xla backend): five Pallas kernels a layer, the K/V cache
+    # DraftOptions.fused (a draft on the xla backend): five Pallas kernels a layer, the K/V cache
     # written in place by qk_rope_attention (aliased buffers), its output laid out as
-    # attention rows, wo reading them in place; with draft_rope_attention=0 six, the
+    # attention rows, wo reading them in place; with rope_attention off six, the
     # cache written by qk_rope_write and q laid out for the split-KV kernel.
     from jspec import fused_draft
 
     model = _abstract_model(preset)
-    model = model.replace(config=model.config.replace(
-        backend="xla", draft_fused=1, draft_rope_attention=one_kernel))
+    model = model.replace(options=model.options.replace(backend="xla"),
+                          draft_options=DraftOptions(fused=True, rope_attention=one_kernel))
     model = model.replace(params=jax.eval_shape(lambda p: fused_draft._swap(p, True),
                                                 model.params))
     cache = jax.eval_shape(lambda: init_cache(model, 1, 256))
-    text = _lower(_forward, model, jax.ShapeDtypeStruct((1, tokens), jnp.int32), cache)
+    text = _lower(apply, model, jax.ShapeDtypeStruct((1, tokens), jnp.int32), cache)
     names = set(re.findall(r'name = "(jspec_[a-z_0-9]*)"', text))
     two = {"jspec_draft_qk_rope_write", "jspec_attention_fused"}
     if one_kernel:
@@ -98,9 +99,9 @@ def test_split_row_tile_32_lowers_for_the_h200(batch, tokens):
     # attn_split_rows=32: a batch-8 verify block's 20 (gamma 4) or 36 (gamma 8) rows of a
     # kv head in one or two 32-row tiles instead of two or three 16-row ones.
     model = _abstract_model("qwen3-8b")
-    model = model.replace(config=model.config.replace(attn_split_rows=32))
+    model = model.replace(options=model.options.replace(attn_split_rows=32))
     cache = jax.eval_shape(lambda: init_cache(model, batch, 256))
-    text = _lower(_forward, model, jax.ShapeDtypeStruct((batch, tokens), jnp.int32), cache)
+    text = _lower(apply, model, jax.ShapeDtypeStruct((batch, tokens), jnp.int32), cache)
     assert "jspec_attention_split" in text or "jspec_attention_fused" in text
     # f32 partials [B, Hkv, partitions (256 keys / 128), rows padded to 32s, head_dim]
     rows = -(-tokens * 4 // 32) * 32  # 4 query heads per kv head
@@ -114,10 +115,10 @@ def test_fused_fold_attention_lowers_for_the_h200(preset, backend, batch, tokens
     # attn_fused_fold: split-KV in one launch (atomic counter, volatile loads of the
     # partials); on the xla backend through xla_pallas_attention (the draft's path).
     model = _abstract_model(preset)
-    model = model.replace(config=model.config.replace(
-        backend=backend, attn_fused_fold=1, xla_pallas_attention=int(backend == "xla")))
+    model = model.replace(options=model.options.replace(backend=backend, attn_fused_fold=True),
+                          draft_options=DraftOptions(xla_pallas_attention=backend == "xla"))
     cache = jax.eval_shape(lambda: init_cache(model, batch, 256))
-    text = _lower(_forward, model, jax.ShapeDtypeStruct((batch, tokens), jnp.int32), cache)
+    text = _lower(apply, model, jax.ShapeDtypeStruct((batch, tokens), jnp.int32), cache)
     assert 'name = "jspec_attention_fused"' in text
     assert "jspec_attention_split" not in text and "jspec_attention_combine" not in text
 

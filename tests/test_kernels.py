@@ -12,7 +12,7 @@ Runs on CPU with interpret=True. JSPEC_PALLAS_INTERPRET=0 runs the same tests co
 (Triton) on a GPU.
 """
 
-import dataclasses
+import hashlib
 import inspect
 import json
 import os
@@ -42,6 +42,7 @@ from pallas_kernels import (
 )
 from pallas_kernels._common import next_pow2, pow2_tile
 from pallas_kernels.matmul import (
+    MULTI_TILE,
     TUNED,
     MatmulConfig,
     default_matmul_config,
@@ -184,70 +185,27 @@ def test_matmul_config_has_no_m_and_defaults_to_no_split():
         MatmulConfig(bm=16, bn=64, bk=64, num_warps=4, num_stages=2, split_k=0)
 
 
-def test_tuned_table_is_the_swept_and_proven_one():
-    # The table in the code is exactly what the H200 sweeps selected (the first sweep's
-    # table, updated by the cold-L2 sweep of the Qwen3-8B shapes) and what the parity
-    # matrix ran with (through $JSPEC_MATMUL_TUNED, before it was pasted in).
-    results = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                           "experiments", "results")
-    swept = load_tuned(os.path.join(results, "sweep_matmul_h200_tuned_2026-11-30.json"))
-    swept.update(load_tuned(os.path.join(results, "sweep_matmul_h200_cold_tuned_2026-11-30b.json")))
-    with open(os.path.join(results, "gpu_parity_h200_cold-tuned_options_2026-11-30b.json")) as f:
-        proven = json.load(f)["matmul_tuned"]
-    assert swept == TUNED
-    assert tuned_to_json(TUNED) == proven
+def test_tuned_tables_are_the_data_file_and_the_proven_table():
+    # The tables the kernels use are the data file beside them, and the tile table is the
+    # one the GPU parity matrix proved: the file records the sha256 of the table that
+    # run reported (its receipt is named there), and the code's table must hash to it.
+    from pallas_kernels.matmul import TUNED_FILE, parse_schedules, parse_tuned, read_tuned_file
+    from pallas_kernels.matmul_glu import MULTI_TILE_GLU
 
+    data = read_tuned_file()
+    import pallas_kernels
 
-def test_tuned_entry_is_used(monkeypatch):
-    k, n = 272, 208  # a shape no other test traces (jit caches traces by shape)
-    tuned = MatmulConfig(bm=16, bn=16, bk=32, num_warps=2, num_stages=3, split_k=3)
-    monkeypatch.setitem(TUNED, (k, n, "float32"), tuned)
-    assert matmul_config(k, n, jnp.float32, False) == tuned
-    assert matmul_config(k, n, jnp.bfloat16, False) == default_matmul_config(
-        k, n, jnp.bfloat16, False)  # keyed by dtype too
-    assert matmul_config(k, n, jnp.float32, True) == default_matmul_config(
-        k, n, jnp.float32, True)  # interpret mode keeps its own rule
-    # The GPU kernel (traced, not run) takes the entry: a split-K call with 3 chunks.
-    x, w = jnp.zeros((5, k), jnp.float32), jnp.zeros((k, n), jnp.float32)
-    jaxpr = str(jax.make_jaxpr(lambda x, w: matmul(x, w))(x, w))
-    assert "jspec_matmul_splitk" in jaxpr and "jspec_matmul_combine" in jaxpr
-
-
-SPLIT = MatmulConfig(bm=16, bn=64, bk=64, num_warps=4, num_stages=2, split_k=3)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_split_k_matmul_row_invariant_and_close(dtype):
-    # K = 1000 is no multiple of split_k * bk = 192: the last chunk ends in zero padding.
-    k, n = 1000, 300
-    rng = np.random.default_rng(7)
-    x = _rand(rng, (ROW_TOTAL, k), dtype)
-    w = _rand(rng, (k, n), dtype, scale=k**-0.5)
-    fn = lambda x: matmul(x, w, interpret=INTERPRET, config=SPLIT)  # noqa: E731
-    full = fn(x)
-    np.testing.assert_allclose(np.asarray(full), np.asarray(matmul_reference(x, w)),
-                               rtol=1e-4, atol=1e-4)
-    for i in range(ROW_TOTAL):  # M = 1
-        _same_bits(fn(x[i : i + 1])[0], full[i], f"split-K row {i} alone vs in {ROW_TOTAL}")
-    for m in (3, 16):
-        for off in (0, ROW_TOTAL - m):
-            _same_bits(fn(x[off : off + m]), full[off : off + m], f"split-K rows {off}+{m}")
-    bf16 = matmul(x[:3], w, out_dtype=jnp.bfloat16, interpret=INTERPRET, config=SPLIT)
-    _same_bits(bf16, full[:3].astype(jnp.bfloat16), "split-K out_dtype")
-
-
-def test_split_k_combines_chunk_partials_left_to_right():
-    # Chunk c of K (boundaries from K, bk and split_k only) reduced alone by the unsplit
-    # kernel gives the partial p_c bitwise; the result is ((p0 + p1) + p2) in f32.
-    k, n, s = 1000, 300, SPLIT.split_k
-    kc = -(-k // (s * SPLIT.bk)) * SPLIT.bk  # 384: chunks [0, 384) [384, 768) [768, 1000)
-    rng = np.random.default_rng(8)
-    x, w = _rand(rng, (5, k)), _rand(rng, (k, n), scale=k**-0.5)
-    one = dataclasses.replace(SPLIT, split_k=1)
-    parts = [np.asarray(matmul(x[:, c * kc : (c + 1) * kc], w[c * kc : (c + 1) * kc],
-                               interpret=INTERPRET, config=one)) for c in range(s)]
-    want = (parts[0] + parts[1]) + parts[2]
-    _same_bits(matmul(x, w, interpret=INTERPRET, config=SPLIT), want, "split-K combine order")
+    assert TUNED_FILE == os.path.join(os.path.dirname(pallas_kernels.__file__),
+                                      "matmul_tuned.json")
+    assert parse_tuned(data["tuned"], TUNED_FILE) == TUNED
+    assert parse_schedules(data["multi_tile"], TUNED_FILE) == MULTI_TILE
+    assert parse_schedules(data["multi_tile_glu"], TUNED_FILE) == MULTI_TILE_GLU
+    prov = data["provenance"]
+    assert prov["device"] and prov["jax"]
+    for entry in prov["tuned"] + prov["multi_tile"] + [prov["proven_by"]]:
+        assert entry["date"] and entry["command"].startswith(("python ", "bash ")), entry
+    rows = json.dumps(tuned_to_json(TUNED), sort_keys=True).encode()
+    assert hashlib.sha256(rows).hexdigest() == prov["proven_by"]["tuned_sha256"]
 
 
 @pytest.mark.slow  # a sweep script
@@ -265,27 +223,35 @@ def test_sweep_matmul_cli_smoke(tmp_path):
     assert (shape["K"], shape["N"]) == (2048, 1024) and shape["row_invariant"] is True
     splits = [c for c in shape["candidates"] if c["config"]["split_k"] > 1]
     assert splits and all(set(c["us"]) == {"1", "3"} for c in splits), shape["candidates"]
-    # The selected winners (maybe none here) as a table file for $JSPEC_MATMUL_TUNED.
+    # The selected winners (maybe none here) as a table file (write_tuned_rows merges it
+    # into pallas_kernels/matmul_tuned.json).
     assert isinstance(load_tuned(str(tmp_path / "sweep_matmul_tuned.json")), dict)
 
 
-def test_tuned_table_round_trips_and_loads_from_the_environment(tmp_path):
+def test_tuned_table_round_trips_through_a_data_file(tmp_path):
+    from pallas_kernels.matmul import read_tuned_file, write_tuned_rows
+
     table = {(4096, 4096, "bfloat16"): MatmulConfig(bm=16, bn=32, bk=128, num_warps=4,
                                                     num_stages=4, split_k=2)}
     path = tmp_path / "tuned.json"
     path.write_text(json.dumps(tuned_to_json(table)))
     assert load_tuned(str(path)) == table
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    code = ("from pallas_kernels.matmul import matmul_config; "
-            "print(matmul_config(4096, 4096, 'bfloat16', False).split_k, "
-            "matmul_config(4096, 4096, 'bfloat16', True).split_k)")
-    env = dict(os.environ, JSPEC_MATMUL_TUNED=str(path))
-    r = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True,
-                       text=True, timeout=120)
-    assert r.returncode == 0 and r.stdout.split() == ["2", "1"], r.stderr[-2000:]
+    data = tmp_path / "matmul_tuned.json"
+    data.write_text(json.dumps(read_tuned_file()))
+    write_tuned_rows(tuned_to_json(table), str(data))  # a sweep's winners into the file
+    merged = load_tuned_file_table(str(data))
+    assert merged[(4096, 4096, "bfloat16")] == table[(4096, 4096, "bfloat16")]
+    assert {k: v for k, v in merged.items() if k not in table} == {
+        k: v for k, v in TUNED.items() if k not in table}
     (tmp_path / "bad.json").write_text('[{"K": 1}]')
     with pytest.raises(ValueError, match="not a matmul tuning table"):
         load_tuned(str(tmp_path / "bad.json"))
+
+
+def load_tuned_file_table(path: str):
+    from pallas_kernels.matmul import parse_tuned, read_tuned_file
+
+    return parse_tuned(read_tuned_file(path)["tuned"], path)
 
 
 def test_pow2_tile_prefers_divisors():

@@ -17,12 +17,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import bits, eqn_counts, with_config
+from conftest import bits, eqn_counts
 
-from jspec import parity
+from jspec import parity, with_options
 from jspec.cache import init_cache
-from jspec.config import options
-from jspec.model import Model, _forward
+from jspec.model import Model, apply
+from jspec.options import KernelOptions
 from jspec.random_model import preset_config, random_params
 from pallas_kernels import glu, matmul, matmul_glu, matmul_glu_reference
 from pallas_kernels.matmul_glu import fusable
@@ -82,13 +82,13 @@ def test_matmul_glu_falls_back_and_checks_input():
                                         "tiny-gemma3"))
 def model(request):
     """A tiny model whose MLP is wide enough (F = 512) for the interpret-mode tiles."""
-    cfg = preset_config(request.param, interpret=True).replace(intermediate_size=512,
-                                                               **options("plain"))
-    return Model(config=cfg, params=random_params(cfg, 3))
+    cfg = preset_config(request.param).replace(intermediate_size=512)
+    options = KernelOptions(interpret=True).plain()
+    return Model(config=cfg, params=random_params(cfg, 3), options=options)
 
 
 def test_fuse_glu_logits_equal_default(model):
-    fused = with_config(model, fuse_glu=True)
+    fused = with_options(model, fuse_glu=True)
     seq = np.random.default_rng(4).integers(0, model.config.vocab_size, N).astype(np.int32)
     for label, steps in [("prefill", parity.prefill_schedule(N)),
                          ("verify k=4", parity.verify_schedule(N, 4, prefix=1, seed=2))]:
@@ -98,7 +98,7 @@ def test_fuse_glu_logits_equal_default(model):
 
     def calls(m):
         m = m.with_backend("pallas", interpret=False)
-        c = eqn_counts(jax.make_jaxpr(_forward)(m, jnp.zeros((1, 1), jnp.int32),
+        c = eqn_counts(jax.make_jaxpr(apply)(m, jnp.zeros((1, 1), jnp.int32),
                                                 init_cache(m, 1, MAX_LEN)).jaxpr)
         return c["pallas_call:jspec_matmul_glu"], c["pallas_call:jspec_glu"]
 

@@ -13,11 +13,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import bits, eqn_counts, model_and_tokens, with_config
+from conftest import bits, eqn_counts, model_and_tokens
 
-from jspec import parity
+from jspec import parity, with_options
 from jspec.cache import init_cache
-from jspec.model import _forward
+from jspec.model import apply
 
 MAX_LEN = 40
 N = 21  # tokens per sequence: not a multiple of the 16-row tile
@@ -32,9 +32,9 @@ def case(request):
 
 def _ops(model, T=1):
     """(pads, slices, pallas calls) of a forward of T tokens, traced for the GPU."""
-    model = model.with_backend(model.config.backend, interpret=False)
+    model = model.with_backend(model.options.backend, interpret=False)
     cache = init_cache(model, 1, MAX_LEN)
-    c = eqn_counts(jax.make_jaxpr(_forward)(model, jnp.zeros((1, T), jnp.int32), cache).jaxpr)
+    c = eqn_counts(jax.make_jaxpr(apply)(model, jnp.zeros((1, T), jnp.int32), cache).jaxpr)
     return c["pad"], c["slice"], c["pallas_call"]
 
 
@@ -42,13 +42,14 @@ def test_pad_once_removes_pad_and_slice_ops(case):
     model, _ = case
     L = model.config.num_layers
     for T in (1, 5):
-        (p0, s0, k0), (p1, s1, k1) = _ops(model, T), _ops(with_config(model, pad_rows_once=True), T)
+        padded = with_options(model, pad_rows_once=True)
+        (p0, s0, k0), (p1, s1, k1) = _ops(model, T), _ops(padded, T)
         # The same kernels; per layer at least 2 pads and 2 slices fewer (5 of each
         # while the matmul still padded its rows).
         assert k1 == k0 and p0 - p1 >= 2 * L and s0 - s1 >= 2 * L, ((p0, s0, k0), (p1, s1, k1))
-    assert _ops(model, 16)[:2] == _ops(with_config(model, pad_rows_once=True), 16)[:2]  # aligned
+    assert _ops(model, 16)[:2] == _ops(with_options(model, pad_rows_once=True), 16)[:2]  # aligned
     xla = model.with_backend("xla")
-    assert _ops(with_config(xla, pad_rows_once=True)) == _ops(xla)  # (c): ignored on xla
+    assert _ops(with_options(xla, pad_rows_once=True)) == _ops(xla)  # (c): ignored on xla
 
 
 # fuse_add_norm is ignored with Gemma 3's sandwich norms: Gemma 3 with it on repeats the
@@ -59,8 +60,8 @@ def test_pad_once_removes_pad_and_slice_ops(case):
     indirect=["case"])
 def test_pad_once_logits_equal_default_logits(case, fuse):
     model, seq = case
-    base = with_config(model, fuse_add_norm=fuse)  # ignored with (Gemma's) sandwich norms
-    padded = with_config(base, pad_rows_once=True)
+    base = with_options(model, fuse_add_norm=fuse)  # ignored with (Gemma's) sandwich norms
+    padded = with_options(base, pad_rows_once=True)
     schedules = [("prefill", parity.prefill_schedule(N)), ("serial", parity.serial_schedule(N)),
                  ("verify k=4", parity.verify_schedule(N, 4, prefix=1, seed=4))]
     for label, steps in schedules:
@@ -74,7 +75,7 @@ def test_pad_once_logits_equal_default_logits(case, fuse):
                          indirect=True)  # Gemma 3's pad-once logits are the test above's
 def test_pad_once_ragged_batch_equals_default(case):
     model, seq = case
-    padded = with_config(model, pad_rows_once=True)
+    padded = with_options(model, pad_rows_once=True)
     rng = np.random.default_rng(6)
     V = model.config.vocab_size
     seqs = [seq, rng.integers(0, V, N).astype(np.int32), rng.integers(0, V, N).astype(np.int32)]

@@ -71,7 +71,7 @@ def test_exact_greedy_with_a_pruned_draft_equals_serial(name, fused):
     # Half the vocabulary, without half of the tokens the target emits: the draft (the
     # target's own weights) cannot propose those and its other proposals there get
     # rejected; the output must still be serial's token for token. Fused: the draft also
-    # runs `draft_fused`.
+    # runs `DraftOptions.fused`.
     target = load(name, "pallas")
     p = expected(name)["prompt"]
     prompts = [p, p[:5]]
@@ -82,7 +82,7 @@ def test_exact_greedy_with_a_pruned_draft_equals_serial(name, fused):
     rng = np.random.default_rng(0)
     keep = np.union1d(np.setdiff1d(rng.choice(V, V // 2, replace=False), used[::2]),
                       used[1::2])  # every other token the target emits is off the head
-    draft = jspec.with_options(target, "draft") if fused else target
+    draft = jspec.with_options(target, jspec.DraftOptions.latency()) if fused else target
     drafter = jspec.ModelDrafter.pruned(draft, keep)
     out = jspec.speculative_generate(target, drafter, prompts,
                                      jspec.SpecConfig(gamma=4, max_new_tokens=n))

@@ -17,11 +17,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import bits, eqn_counts, model_and_tokens, with_config
+from conftest import bits, eqn_counts, model_and_tokens
 
-from jspec import parity
+from jspec import parity, with_options
 from jspec.cache import init_cache
-from jspec.model import _forward
+from jspec.model import apply
 from pallas_kernels import qk_norm_rope, qk_norm_rope_reference
 from pallas_kernels.qk_rope import qk_norm_rope_unfused
 
@@ -101,7 +101,7 @@ _GEMMA_BY_DEFAULT = pytest.mark.parametrize(
 @_GEMMA_BY_DEFAULT
 def test_fused_qk_rope_logits_equal_default(case):
     model, seq = case
-    fused = with_config(model, fuse_qk_rope=True)
+    fused = with_options(model, fuse_qk_rope=True)
     for label, steps in [("prefill", parity.prefill_schedule(N)),
                          ("serial", parity.serial_schedule(N)),
                          ("verify k=4", parity.verify_schedule(N, 4, prefix=1, seed=2))]:
@@ -115,13 +115,13 @@ def test_fused_qk_rope_has_fewer_kernels(case):
 
     def calls(m):
         m = m.with_backend("pallas", interpret=False)
-        j = jax.make_jaxpr(_forward)(m, jnp.zeros((1, 1), jnp.int32), init_cache(m, 1, MAX_LEN))
+        j = jax.make_jaxpr(apply)(m, jnp.zeros((1, 1), jnp.int32), init_cache(m, 1, MAX_LEN))
         got = eqn_counts(j.jaxpr)
         return {n: got[f"pallas_call:{n}"] for n in ("jspec_rope", "jspec_rmsnorm",
                                                      "jspec_qk_norm_rope")}
 
     L = model.config.num_layers
-    plain, fused = calls(model), calls(with_config(model, fuse_qk_rope=True))
+    plain, fused = calls(model), calls(with_options(model, fuse_qk_rope=True))
     assert fused["jspec_rope"] == 0 and fused["jspec_qk_norm_rope"] == L, fused
     qk_norms = 2 * L if model.config.qk_norm else 0
     assert plain["jspec_rmsnorm"] - fused["jspec_rmsnorm"] == qk_norms, (plain, fused)
@@ -132,7 +132,7 @@ def test_all_speed_options_together_equal_default(case):
     model, seq = case
     opts = dict(fuse_qk_rope=True, pad_rows_once=True,
                 fuse_add_norm=not model.config.sandwich_norms)
-    fast = with_config(model, **opts)
+    fast = with_options(model, **opts)
     steps = parity.verify_schedule(N, 3, prefix=2, seed=5)
     want = parity.schedule_logits(model, [seq], steps, MAX_LEN, seed=6)[0]
     got = parity.schedule_logits(fast, [seq], steps, MAX_LEN, seed=6)[0]

@@ -18,10 +18,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import bits, model_and_tokens, with_config
+from conftest import bits, model_and_tokens
 
+from jspec import with_options
 from jspec.cache import init_cache
-from jspec.model import _forward
+from jspec.model import apply
 from pallas_kernels.matmul import MatmulConfig, matmul, row_group_size
 from pallas_kernels.matmul_glu import fusable, matmul_glu
 
@@ -74,14 +75,14 @@ def test_matmul_glu_row_group_is_bitwise_the_grid_kernel(m):
 
 def test_model_with_row_groups_gives_the_same_logits():
     model, seq = model_and_tokens("tiny-qwen3", 60, seed=7)
-    assert model.config.matmul_row_group == 4  # the default
-    grouped, model = model, with_config(model, matmul_row_group=1)
+    assert model.options.matmul_row_group == 4  # the default
+    grouped, model = model, with_options(model, matmul_row_group=1)
 
     def run(m):
         cache = init_cache(m, 2, 64)
         tokens = jnp.asarray(np.stack([seq[:48], seq[12:60]]))  # [2, 48]: 96 rows, 3 tiles
-        pre, cache = _forward(m, tokens, cache)
-        block, _ = _forward(m, jnp.asarray(np.stack([seq[48:53], seq[:5]])), cache)  # [2, 5]
+        pre, cache = apply(m, tokens, cache)
+        block, _ = apply(m, jnp.asarray(np.stack([seq[48:53], seq[:5]])), cache)  # [2, 5]
         return np.asarray(pre), np.asarray(block)
 
     for a, b in zip(run(grouped), run(model), strict=True):
@@ -89,12 +90,12 @@ def test_model_with_row_groups_gives_the_same_logits():
 
 
 def test_matmul_row_group_option_parses_and_validates():
-    from jspec.config import options
+    from jspec.cli import parse_options
 
-    assert options("matmul_row_group=4") == {"matmul_row_group": 4}
+    assert parse_options("matmul_row_group=2")[0].matmul_row_group == 2
     model, _ = model_and_tokens("tiny-qwen3", 4, seed=0)
-    with pytest.raises(ValueError, match="matmul_row_group=0 must be >= 1"):
-        with_config(model, matmul_row_group=0)
+    with pytest.raises(ValueError, match="matmul_row_group=0 must be an int >= 1"):
+        with_options(model, matmul_row_group=0)
 
 
 # Multi-tile schedules (`matmul(..., schedule=True)`, `ModelConfig.matmul_schedule`): a
@@ -151,18 +152,18 @@ def test_a_glu_scheduling_variant_keeps_the_bits(m):
 
 
 def test_model_with_matmul_schedule_gives_the_same_logits():
-    from jspec.config import options
+    from jspec.cli import parse_options
 
-    assert options("matmul_schedule=1") == {"matmul_schedule": 1}
+    assert parse_options("matmul_schedule=0")[0].matmul_schedule is False
     model, seq = model_and_tokens("tiny-qwen3", 40, seed=9)
-    assert model.config.matmul_schedule == 1  # the default
-    unscheduled = with_config(model, matmul_schedule=0)
+    assert model.options.matmul_schedule is True  # the default
+    unscheduled = with_options(model, matmul_schedule=False)
     toks = jnp.asarray(np.stack([seq[:30], seq[10:40]]))  # [2, 30]: 60 rows, 4 tiles
-    a, _ = _forward(model, toks, init_cache(model, 2, 64))
-    b, _ = _forward(unscheduled, toks, init_cache(unscheduled, 2, 64))
+    a, _ = apply(model, toks, init_cache(model, 2, 64))
+    b, _ = apply(unscheduled, toks, init_cache(unscheduled, 2, 64))
     assert np.array_equal(bits(a), bits(b))
-    with pytest.raises(ValueError, match="matmul_schedule=2 must be 0 or 1"):
-        with_config(model, matmul_schedule=2)
+    with pytest.raises(ValueError, match="matmul_schedule=2 must be a bool"):
+        with_options(model, matmul_schedule=2)
 
 
 @pytest.mark.parametrize("m", [1, 5, 40, 48])

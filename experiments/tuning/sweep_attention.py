@@ -79,7 +79,7 @@ def inputs(cfg, batch: int, tokens: int, context: int, copies: int, block_k: int
 
 def main(_):
     interp = _INTERPRET.value
-    mcfg = preset_config(_PRESET.value, interpret=interp)
+    mcfg = preset_config(_PRESET.value)
     group = mcfg.num_heads // mcfg.num_kv_heads
     base = attention_config(mcfg.head_dim, group, jnp.bfloat16, interp)
     if not base.split:  # interpret mode's default is one pass: sweep the split path

@@ -41,12 +41,13 @@ from jspec.bench.timing import copy_bandwidth, median_time
 from jspec.random_model import weight_shapes
 from pallas_kernels._common import round_up
 from pallas_kernels.matmul import (
-    TUNED_ENV,
+    TUNED_FILE,
     MatmulConfig,
     default_matmul_config,
     matmul,
     matmul_config,
     tuned_to_json,
+    write_tuned_rows,
 )
 
 _PRESETS = flags.DEFINE_list("presets", ["qwen3-8b", "qwen3-0.6b"], "model shape presets")
@@ -65,6 +66,8 @@ _BUDGET = flags.DEFINE_float("budget_s", 220.0, "no new shape is started after t
 _OUT = flags.DEFINE_string("out", os.environ.get("OUT", "experiments/results"), "receipt dir")
 _TAG = flags.DEFINE_string("tag", "", "receipt name suffix")
 _INTERPRET = flags.DEFINE_bool("interpret", False, "CPU smoke run (timings mean nothing)")
+_APPLY = flags.DEFINE_bool("apply", False, "merge the winners into the kernels' data file "
+                           "(pallas_kernels/matmul_tuned.json)")
 _COLD = flags.DEFINE_float(
     "cold_mb", 256.0, "each timed loop cycles through enough copies of the weight to read at "
     "least this many MB, so small weights are not served from L2 (the H200 has 50 MB) as they "
@@ -368,7 +371,7 @@ def main(argv):
             json.dump(receipt, f, indent=1)
         table = {(r["K"], r["N"], r["dtype"]): MatmulConfig(**c["config"])
                  for r, c in selected(receipt["shapes"])}
-        with open(tuned_path, "w") as f:  # for $JSPEC_MATMUL_TUNED
+        with open(tuned_path, "w") as f:  # rows for write_tuned_rows (--apply)
             json.dump(tuned_to_json(table), f, indent=1)
         errs = sum("error" in c for c in r["candidates"])
         best = cfg_str(MatmulConfig(**r["best"]["config"])) if "best" in r else r.get("error")
@@ -394,7 +397,12 @@ def main(argv):
         print(f"skipped (over --budget_s): {', '.join(receipt['skipped'])}")
     print(f"(default us / best: sums over M; {time.perf_counter() - t_start:.0f} s in all)")
     print("\n" + tuned_literal(receipt["shapes"], rows))
-    print(f"receipt: {path}; table for ${TUNED_ENV}: {tuned_path}")
+    print(f"receipt: {path}; winners: {tuned_path}")
+    if _APPLY.value:
+        with open(tuned_path) as f:
+            write_tuned_rows(json.load(f))
+        print(f"merged into {TUNED_FILE} (used from the next import on; prove it with "
+              "gpu_parity.py before committing it)")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Latency kernels for a small draft model's few-token forward (`draft_fused`).
+"""Latency kernels for a small draft model's few-token forward (`DraftOptions.fused`).
 
 A draft model only proposes tokens; the target's verify decides every one, so the
 draft's numerics never reach the output. These kernels therefore make no
@@ -6,8 +6,8 @@ row-invariance claim (rules R1-R3 bind the target's kernels): they exist for spe
 and are checked against plain jnp within bf16 rounding (tests/test_fused_draft.py).
 
 A Qwen3-0.6B step at batch 1 is 28 layers of small matrix-vector products, each of
-which costs a kernel's fixed ~2 us on an H200 plus its bytes; XLA spends ~15 kernels
-a layer on them and the glue between. With these a layer is six launches:
+which costs a kernel's fixed launch time plus its bytes; XLA spends ~15 kernels a
+layer on them and the glue between. With these a layer is six launches:
 
   1. residual add + RMSNorm + wqkv            `matvec` (norm prologue)
   2. q/k RMSNorm + RoPE + the K/V cache write  `qk_rope_write` (the cache in place)
@@ -20,8 +20,8 @@ Steps 2 and 3 also come as one kernel, `qk_rope_attention` (the split-KV kernel'
 partitions and fold, with the q/k step in each program's prologue): five launches.
 
 Weights come transposed, [out, in] (`jspec.fused_draft.prepare`): a program reads `bn`
-whole rows of contiguous K (the pattern that streamed best in
-experiments/launch_floor.py), and the grid has N / bn programs, enough to spread even
+whole rows of contiguous K (the access pattern that streamed best; docs/tuning.md),
+and the grid has N / bn programs, enough to spread even
 a 1024-output projection over the GPU. Each program reads the whole activation (a few
 KB) and recomputes the norm before its projection itself, so the norm needs no kernel.
 Rows are few (M <= 16): each row's product is an elementwise multiply and a lane sum.

@@ -1,0 +1,158 @@
+"""How a model's forward runs: its kernel choices and, for a draft, its latency choices.
+
+`ModelConfig` says what the checkpoint is; these say how jspec computes it.
+
+- `KernelOptions`: the backend and the speed options of the forward pass. The fusions
+  and scheduling options give the same logits, bit for bit, as the plain path with
+  them off (each has its test); `attn_split` and `attn_split_rows` are numeric: every
+  value keeps property P, but two values may round differently, so one model keeps
+  one value.
+- `DraftOptions`: latency choices for a model that only drafts. None of them is
+  row-invariant and none needs to be: a draft's numerics change what is proposed,
+  never what is emitted (the target's verify decides every token).
+
+Both are frozen, hashable dataclasses that live in the static part of `Model`.
+`jspec.with_options(model, KernelOptions(...), DraftOptions(...), field=value)`
+applies them. The measurements behind each default are in docs/tuning.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+BACKENDS = ("xla", "pallas")
+
+
+def _power_of_two(name: str, value: int, least: int = 1) -> None:
+    if not isinstance(value, int) or value < least or value & (value - 1):
+        raise ValueError(f"{name}={value!r} must be a power of two >= {least}")
+
+
+def _bool(name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name}={value!r} must be a bool")
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelOptions:
+    """Kernel choices of a forward pass (the static part of `Model`).
+
+    Attributes:
+      backend: "pallas" (the invariant kernels) or "xla" (plain jnp, the baseline).
+      interpret: run Pallas kernels in interpret mode (the CPU has no Pallas lowering).
+      fuse_add_norm: each residual add and the RMSNorm after it as one op (not with
+        Gemma's sandwich norms).
+      pad_rows_once: pallas: pad the residual stream's rows once per forward to a
+        multiple of 16, so no pad or slice sits between the kernels.
+      fuse_qk_rope: pallas: the q/k norms and RoPE of q and k in one kernel.
+      fuse_glu: pallas: the gate/up projection and the GLU in one kernel.
+      attn_split: pallas: split-KV attention's keys per partition (a multiple of the
+        key block); 0: one pass; None: the kernel's own (128 on a GPU, one pass in
+        interpret mode). Numeric: each value gives its own bits.
+      attn_split_rows: pallas: split-KV attention's row tile (a power of two >= 16);
+        None: the kernel's own (16). Numeric, like attn_split.
+      attn_fused_fold: pallas: split-KV attention folds its partials in the same launch
+        (True), in a second kernel (False), or by the call's row tiles (None).
+      matmul_row_group: pallas: up to this many row tiles per matmul program, each
+        weight block loaded once for all of them (scheduling only).
+      matmul_schedule: pallas: launches of several row tiles use the weight's tuned
+        multi-tile schedule (scheduling only).
+      kv_dus: a batch-1 call writes its new K/V with one dynamic_update_slice per
+        buffer, not a vmapped one (the same cache bits).
+    """
+
+    backend: str = "pallas"
+    interpret: bool = False
+    fuse_add_norm: bool = True
+    pad_rows_once: bool = True
+    fuse_qk_rope: bool = True
+    fuse_glu: bool = True
+    attn_split: int | None = None
+    attn_split_rows: int | None = None
+    attn_fused_fold: bool | None = None
+    matmul_row_group: int = 4
+    matmul_schedule: bool = True
+    kv_dus: bool = True
+
+    def __post_init__(self):
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend={self.backend!r}; expected one of {BACKENDS}")
+        for name in ("interpret", "matmul_schedule", "kv_dus") + FUSIONS:
+            _bool(name, getattr(self, name))
+        if self.attn_fused_fold is not None:
+            _bool("attn_fused_fold", self.attn_fused_fold)
+        if not isinstance(self.matmul_row_group, int) or self.matmul_row_group < 1:
+            raise ValueError(f"matmul_row_group={self.matmul_row_group!r} must be an int >= 1")
+        if self.attn_split is not None and (not isinstance(self.attn_split, int)
+                                            or self.attn_split < 0):
+            raise ValueError(f"attn_split={self.attn_split!r} must be an int >= 0 (0: one "
+                             "pass) or None (the kernel's default)")
+        if self.attn_split_rows is not None:
+            _power_of_two("attn_split_rows", self.attn_split_rows, 16)
+
+    def replace(self, **fields) -> KernelOptions:
+        return dataclasses.replace(self, **fields)
+
+    def plain(self) -> KernelOptions:
+        """The same options with every fusion off (`FUSIONS`): the path each fusion is
+        checked against, bit for bit."""
+        return self.replace(**dict.fromkeys(FUSIONS, False))
+
+
+# The fusions: each gives the plain path's bits (tests/test_fused.py, test_pad_once.py,
+# test_qk_rope.py, test_matmul_glu.py).
+FUSIONS = ("fuse_add_norm", "pad_rows_once", "fuse_qk_rope", "fuse_glu")
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftOptions:
+    """Latency choices for a draft model. `DraftOptions()` turns every one off.
+
+    Attributes:
+      xla_two_rows: xla: carry a zero second row through a one-row forward, so every
+        projection is a two-row GEMM with no pad or slice around it.
+      xla_pallas_attention: xla: attention through the Pallas split-KV kernel (one
+        launch at small grids) instead of plain jnp.
+      fused: calls of at most `jspec.fused_draft.FUSED_ROWS` rows (batch x tokens) run
+        through the latency kernels of `pallas_kernels/latency/` (six a layer); the
+        layer weights are stored transposed (`with_options` does it).
+      programs: fused: the grid size each projection aims at (a power of two).
+      warps: fused: warps a projection program runs (a power of two).
+      attn_stages: fused: the split-KV attention's pipeline stages (1..4; 0: the
+        kernel's own).
+      rope_attention: fused: q/k norm, RoPE, the K/V write and split-KV attention of a
+        layer in one kernel where attention folds in one launch.
+      fold_unroll: fused: partials loaded per step of the split-KV fold (a power of two;
+        the fold's order is ascending whatever it is).
+    """
+
+    xla_two_rows: bool = False
+    xla_pallas_attention: bool = False
+    fused: bool = False
+    programs: int = 512
+    warps: int = 2
+    attn_stages: int = 3
+    rope_attention: bool = True
+    fold_unroll: int = 4
+
+    def __post_init__(self):
+        for name in ("xla_two_rows", "xla_pallas_attention", "fused", "rope_attention"):
+            _bool(name, getattr(self, name))
+        for name in ("programs", "warps", "fold_unroll"):
+            _power_of_two(name, getattr(self, name))
+        if not isinstance(self.attn_stages, int) or not 0 <= self.attn_stages <= 4:
+            raise ValueError(f"attn_stages={self.attn_stages!r} must be 0 (the kernel's "
+                             "own) or 1..4")
+
+    def replace(self, **fields) -> DraftOptions:
+        return dataclasses.replace(self, **fields)
+
+    @classmethod
+    def latency(cls) -> DraftOptions:
+        """The latency set for a small draft on a GPU: both xla options and the fused
+        few-row path (docs/tuning.md: where it was measured, and where it loses)."""
+        return cls(xla_two_rows=True, xla_pallas_attention=True, fused=True)
+
+
+KERNEL_FIELDS = tuple(f.name for f in dataclasses.fields(KernelOptions))
+DRAFT_FIELDS = tuple(f.name for f in dataclasses.fields(DraftOptions))
