@@ -7,7 +7,9 @@ describes the architecture only; how the forward runs is `jspec.options`.
 Supported families: Llama 3 (`llama`, with `llama3` RoPE scaling), Qwen3
 (`qwen3`, per-head q/k RMSNorm) and Gemma 3 text (`gemma3_text`: embedding
 scale, `(1 + w)` RMSNorm, four norms per layer, sliding-window layers with their
-own RoPE base, optional attention and final softcapping, gelu-tanh MLP).
+own RoPE base, optional attention and final softcapping, gelu-tanh MLP). The
+official multimodal Gemma 3 directories (`gemma3`, Gemma3ForConditionalGeneration)
+give their text model: `from_hf_config` reads their `text_config`.
 """
 
 from __future__ import annotations
@@ -16,7 +18,12 @@ import dataclasses
 from typing import Any
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen3", "gemma3_text")
+# Multimodal wrappers whose text model jspec loads: model_type -> the text model's type.
+TEXT_OF_MULTIMODAL = {"gemma3": "gemma3_text"}
 DTYPES = ("float32", "bfloat16")
+# The names `canonical_dtype` accepts for each of DTYPES.
+DTYPE_ALIASES = {"bfloat16": "bfloat16", "bf16": "bfloat16",
+                 "float32": "float32", "fp32": "float32", "f32": "float32"}
 
 
 class UnsupportedModelError(ValueError):
@@ -117,6 +124,14 @@ def _rope_spec(params: dict | None, fallback_theta: float | None, where: str) ->
     kind = params.get("rope_type", params.get("type", "default")) or "default"
     if kind == "default":
         return RopeSpec(theta=float(theta))
+    if kind == "linear":
+        # Linear scaling divides every inverse frequency by `factor` (Gemma 3 4B-27B's
+        # global layers). RopeSpec has no field for it: it is written as llama3 scaling
+        # whose low-frequency wavelength (original_max / low_freq_factor = 1) is below
+        # every wavelength (>= 2 pi), so every frequency takes the `inv_freq / factor`
+        # branch and no smoothing applies: the same float32 division transformers does
+        # (tests/test_loading.py checks the table).
+        return RopeSpec(theta=float(theta), llama3=(float(params["factor"]), 1.0, 2.0, 1))
     if kind == "llama3":
         return RopeSpec(
             theta=float(theta),
@@ -127,7 +142,8 @@ def _rope_spec(params: dict | None, fallback_theta: float | None, where: str) ->
                 int(params["original_max_position_embeddings"]),
             ),
         )
-    raise UnsupportedModelError(f"{where}: rope_type={kind!r} is not supported (default, llama3)")
+    raise UnsupportedModelError(
+        f"{where}: rope_type={kind!r} is not supported (default, linear, llama3)")
 
 
 def _check_no_bias(hf: Any, model_type: str) -> None:
@@ -136,18 +152,69 @@ def _check_no_bias(hf: Any, model_type: str) -> None:
             raise UnsupportedModelError(f"{model_type}: {flag}=True is not supported")
 
 
-def from_hf_config(hf: Any, *, dtype: str = "bfloat16") -> ModelConfig:
-    """Builds a ModelConfig from a transformers `PretrainedConfig`."""
-    model_type = getattr(hf, "model_type", None)
-    if model_type == "gemma3" and hasattr(hf, "text_config"):
-        raise UnsupportedModelError(
-            "model_type='gemma3' is the multimodal Gemma 3; jspec supports the text model "
-            "(model_type='gemma3_text', Gemma3ForCausalLM)")
-    if model_type not in SUPPORTED_MODEL_TYPES:
+def canonical_dtype(dtype: Any) -> str:
+    """The name in DTYPES of a dtype given as a name ("bf16", "float32", ...), a jnp/numpy
+    scalar type (`jnp.bfloat16`, `np.float32`) or a dtype (`jnp.dtype("bfloat16")`)."""
+    if isinstance(dtype, str):
+        name = DTYPE_ALIASES.get(dtype.strip().lower())
+    elif dtype is None or isinstance(dtype, bool):
+        name = None  # np.dtype(None) is float64
+    else:
+        import numpy as np
+
+        try:
+            name = np.dtype(dtype).name
+        except TypeError:
+            name = None
+        name = name if name in DTYPES else None
+    if name is None:
+        raise ValueError(f"dtype={dtype!r} is not supported; expected bfloat16 ('bfloat16', "
+                         "'bf16', jnp.bfloat16) or float32 ('float32', 'fp32', 'f32', "
+                         "np.float32, jnp.float32)")
+    return name
+
+
+def check_model_type(model_type: Any, architectures: Any = None) -> None:
+    """UnsupportedModelError unless jspec reads `model_type` (a text model, or a multimodal
+    wrapper whose text model it loads)."""
+    if model_type not in SUPPORTED_MODEL_TYPES and model_type not in TEXT_OF_MULTIMODAL:
         raise UnsupportedModelError(
             f"unsupported architecture model_type={model_type!r} "
-            f"(architectures={getattr(hf, 'architectures', None)}); "
-            f"jspec supports {SUPPORTED_MODEL_TYPES}")
+            f"(architectures={architectures}); jspec supports {SUPPORTED_MODEL_TYPES} and the "
+            f"text model of {tuple(TEXT_OF_MULTIMODAL)}")
+
+
+def text_config(hf: Any) -> Any:
+    """The config of the text model: `hf` itself, or a multimodal wrapper's `text_config`
+    (transformers' Gemma3Config nests a Gemma3TextConfig there)."""
+    model_type = getattr(hf, "model_type", None)
+    if model_type not in TEXT_OF_MULTIMODAL:
+        return hf
+    text = getattr(hf, "text_config", None)
+    if text is None:
+        raise UnsupportedModelError(f"model_type={model_type!r} has no text_config")
+    if isinstance(text, dict):
+        from transformers import AutoConfig
+
+        text = dict(text)
+        text = AutoConfig.for_model(text.pop("model_type", TEXT_OF_MULTIMODAL[model_type]),
+                                    **text)
+    want = TEXT_OF_MULTIMODAL[model_type]
+    if getattr(text, "model_type", None) != want:
+        raise UnsupportedModelError(
+            f"model_type={model_type!r}: text_config has model_type="
+            f"{getattr(text, 'model_type', None)!r}; expected {want!r}")
+    return text
+
+
+def from_hf_config(hf: Any, *, dtype: Any = "bfloat16") -> ModelConfig:
+    """Builds a ModelConfig from a transformers `PretrainedConfig`: a text model's config
+    or, for a multimodal Gemma 3 (`gemma3`), that of its text model (`text_config`).
+    `dtype`: a name or a jnp/numpy dtype (`canonical_dtype`)."""
+    dtype = canonical_dtype(dtype)
+    check_model_type(getattr(hf, "model_type", None), getattr(hf, "architectures", None))
+    hf = text_config(hf)
+    model_type = hf.model_type
     _check_no_bias(hf, model_type)
     num_heads = hf.num_attention_heads
     head_dim = _get(hf, "head_dim", hf.hidden_size // num_heads)

@@ -1,0 +1,332 @@
+"""Checkpoint loading: dtype spellings, hub ids from the local cache, the official Gemma 3
+layout and a vocabulary-prefix draft (jspec.tiny's fixtures), and one clear
+`CheckpointError` for every way a checkpoint can be wrong."""
+
+import json
+import logging
+import os
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import bits, fixture_path
+from safetensors.numpy import load_file, save_file
+
+import jspec
+from jspec import loading
+from jspec.config import from_hf_config
+from jspec.rope import rope_inv_freq
+from jspec.tiny import (
+    GEMMA3_EOS_IDS,
+    TINY_GEMMA3_DRAFT_VOCAB,
+    TINY_GEMMA3_TARGET_VOCAB,
+    write_tiny_gemma3,
+    write_tiny_gemma3_pair,
+)
+
+
+def _copy_fixture(tmp_path, name="qwen3"):
+    dst = tmp_path / name
+    shutil.copytree(fixture_path(name), dst)
+    return dst
+
+
+def _edit_tensors(d, edit):
+    fn = d / "model.safetensors"
+    tensors = load_file(fn)
+    edit(tensors)
+    save_file(tensors, fn)
+
+
+def _edit_config(d, **fields):
+    cfg = json.loads((d / "config.json").read_text())
+    cfg.update(fields)
+    (d / "config.json").write_text(json.dumps(cfg))
+
+
+def _xla(path):
+    return jspec.load_hf(str(path), dtype="float32", backend="xla")
+
+
+def _logits(model, tokens):
+    logits, _ = jspec.forward(model, np.asarray([tokens], np.int32),
+                              jspec.init_cache(model, 1, 32))
+    return np.asarray(logits)
+
+
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory):
+    """The tiny Gemma 3 pair (target in the published multimodal layout) and the target
+    written in the other two layouts."""
+    root = tmp_path_factory.mktemp("gemma3")
+    target, draft = write_tiny_gemma3_pair(str(root))
+    dirs = {"multimodal": target, "draft": draft}
+    for layout in ("multimodal_v5", "text"):
+        dirs[layout] = write_tiny_gemma3(str(root / layout), layout=layout,
+                                         tokenizer_from=target)
+    return dirs
+
+
+# ----------------------------------------------------------------------------- dtype
+
+
+@pytest.mark.parametrize("dtype, name", [
+    (jnp.bfloat16, "bfloat16"), (jnp.dtype("bfloat16"), "bfloat16"), ("bf16", "bfloat16"),
+    (np.float32, "float32"), (jnp.float32, "float32"), ("fp32", "float32"),
+    ("f32", "float32")])
+def test_dtype_spellings(dtype, name):
+    model = jspec.load_hf(fixture_path("qwen3"), dtype=dtype, backend="xla")
+    assert type(model.config.dtype) is str and model.config.dtype == name
+    assert {str(x.dtype) for x in jax.tree.leaves(model.params)} == {name}
+
+
+@pytest.mark.parametrize("dtype", ["float16", np.float64, None, "int8"])
+def test_unsupported_dtype(dtype):
+    with pytest.raises(ValueError, match=f"dtype={dtype!r} is not supported; expected "
+                                         r"bfloat16 \('bfloat16', 'bf16'"):
+        jspec.load_hf(fixture_path("qwen3"), dtype=dtype, backend="xla")
+
+
+# --------------------------------------------------------------------------- hub ids
+
+
+def _fake_hub_cache(cache, repo_id, src, commit="0123456789abcdef0123456789abcdef01234567"):
+    """`src`'s files in the Hugging Face cache layout: blobs, a snapshot of symlinks to
+    them, refs/main."""
+    repo = cache / ("models--" + repo_id.replace("/", "--"))
+    (repo / "blobs").mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    snap = repo / "snapshots" / commit
+    snap.mkdir(parents=True)
+    for i, fn in enumerate(sorted(os.listdir(src))):
+        blob = repo / "blobs" / f"blob{i:04d}"
+        shutil.copy(os.path.join(src, fn), blob)
+        os.symlink(os.path.relpath(blob, snap), snap / fn)
+
+
+def test_hub_id_from_local_cache(gemma3, tmp_path, monkeypatch):
+    cache = tmp_path / "hub"
+    _fake_hub_cache(cache, "tiny-org/gemma-3-tiny-it", gemma3["multimodal"])
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    model = _xla("tiny-org/gemma-3-tiny-it")
+    want = _xla(gemma3["multimodal"])
+    assert model.config == want.config
+    for a, b in zip(jax.tree.leaves(model.params), jax.tree.leaves(want.params), strict=True):
+        np.testing.assert_array_equal(bits(a), bits(b))
+    tok = jspec.load_tokenizer("tiny-org/gemma-3-tiny-it")
+    assert tok("hi")["input_ids"][0] == 2  # <bos>
+    for load in (_xla, jspec.load_tokenizer):
+        with pytest.raises(jspec.CheckpointError,
+                           match=f"'tiny-org/absent' .*not in the local Hugging Face cache "
+                                 f"\\({cache}\\); jspec does not download"):
+            load("tiny-org/absent")
+
+
+def test_hub_cache_from_hf_home(tmp_path, monkeypatch):
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.delenv("HUGGINGFACE_HUB_CACHE", raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    assert loading.hub_cache_dir() == str(tmp_path / "hub")
+
+
+# -------------------------------------------------------------------------- Gemma 3
+
+
+@pytest.mark.parametrize("layout", ["multimodal", "multimodal_v5"])
+def test_gemma3_multimodal_loads_its_text_model(gemma3, layout, caplog):
+    """The official layouts load the text model: the same config, params and logits
+    (bitwise, one backend) as the same weights written as a gemma3_text directory; the
+    vision tower and projector are logged as ignored."""
+    caplog.set_level(logging.INFO, logger="jspec")
+    model = _xla(gemma3[layout])
+    text = _xla(gemma3["text"])
+    assert model.config == text.config
+    assert model.config.vocab_size == TINY_GEMMA3_TARGET_VOCAB
+    for a, b in zip(jax.tree.leaves(model.params), jax.tree.leaves(text.params), strict=True):
+        np.testing.assert_array_equal(bits(a), bits(b))
+    tokens = [2, 300, 17, 450, 106, 511, 9, 120, 77, 3]
+    got = _logits(model, tokens)
+    assert np.isfinite(got).all()
+    np.testing.assert_array_equal(bits(got), bits(_logits(text, tokens)))
+    names = [k for fn in os.listdir(gemma3[layout]) if fn.endswith(".safetensors")
+             for k in load_file(os.path.join(gemma3[layout], fn))]
+    n_vision = sum(("vision_tower." in k or "multi_modal_projector." in k) for k in names)
+    ignored = [r.getMessage() for r in caplog.records if "harmless" in r.getMessage()]
+    assert len(ignored) == 1 and f"{n_vision} tensors" in ignored[0], ignored
+    assert "vision_tower." in ignored[0]
+
+
+def test_gemma3_pair_fixture(gemma3):
+    """The draft's vocabulary is a prefix of the target's, their tokenizer is Gemma's in
+    miniature (BOS added, byte fallback, EOS ids 1 and 106), and both give finite logits."""
+    target, draft = _xla(gemma3["multimodal"]), _xla(gemma3["draft"])
+    assert draft.config.vocab_size == TINY_GEMMA3_DRAFT_VOCAB
+    assert target.config.vocab_size == TINY_GEMMA3_DRAFT_VOCAB + 64
+    assert draft.config.layer_sliding == target.config.layer_sliding == (True, False)
+    tok = jspec.load_tokenizer(gemma3["draft"])
+    assert len(tok) == TINY_GEMMA3_DRAFT_VOCAB
+    ids = tok("x = 'é'")["input_ids"]
+    assert ids[0] == 2 and max(ids) < TINY_GEMMA3_DRAFT_VOCAB
+    assert tok.decode(ids[1:]) == "x = 'é'"
+    assert tok.convert_tokens_to_ids(["<eos>", "<end_of_turn>"]) == list(GEMMA3_EOS_IDS)
+    for d in (gemma3["multimodal"], gemma3["draft"]):
+        with open(os.path.join(d, "generation_config.json")) as f:
+            assert json.load(f)["eos_token_id"] == list(GEMMA3_EOS_IDS)
+    for model in (target, draft):
+        assert np.isfinite(_logits(model, ids)).all()
+
+
+def test_gemma3_fixtures_are_deterministic(gemma3, tmp_path):
+    again, _ = write_tiny_gemma3_pair(str(tmp_path))
+    for fn in sorted(os.listdir(again)):
+        if fn.endswith(".safetensors") or fn == "tokenizer.json":
+            with open(os.path.join(again, fn), "rb") as a, \
+                    open(os.path.join(gemma3["multimodal"], fn), "rb") as b:
+                assert a.read() == b.read(), fn
+
+
+def test_linear_rope_is_transformers_linear(gemma3):
+    """Gemma 3 4B-27B's global layers scale RoPE linearly: every inverse frequency divided
+    by the factor in float32, as transformers computes it."""
+    from transformers import AutoConfig
+
+    cfg = from_hf_config(AutoConfig.from_pretrained(gemma3["multimodal"]))
+    hd = cfg.head_dim
+    base = (np.float32(1.0) / (np.float32(1e6) ** (
+        np.arange(0, hd, 2, dtype=np.int64).astype(np.float32) / np.float32(hd))))
+    np.testing.assert_array_equal(rope_inv_freq(cfg.rope, hd),
+                                  (base / np.float32(8.0)).astype(np.float32))
+    np.testing.assert_array_equal(rope_inv_freq(cfg.rope_local, hd).view(np.uint32),
+                                  (np.float32(1.0) / (np.float32(1e4) ** (
+                                      np.arange(0, hd, 2).astype(np.float32)
+                                      / np.float32(hd)))).astype(np.float32).view(np.uint32))
+
+
+# ------------------------------------------------------------------- unused tensors
+
+
+def test_qwen3_weights_under_llama_config(tmp_path):
+    d = _copy_fixture(tmp_path)
+    _edit_config(d, model_type="llama", architectures=["LlamaForCausalLM"])
+    with pytest.raises(jspec.CheckpointError,
+                       match="4 tensors in the checkpoint are not used: q_norm/k_norm weights "
+                             "present but model_type llama has no q/k norm: is this a Qwen3 "
+                             r"checkpoint\? Unused: model.layers.0.self_attn.k_norm.weight"):
+        _xla(d)
+
+
+def test_extra_layer_is_an_error(tmp_path):
+    d = _copy_fixture(tmp_path)
+
+    def edit(t):
+        t["model.layers.2.mlp.up_proj.weight"] = t["model.layers.1.mlp.up_proj.weight"]
+    _edit_tensors(d, edit)
+    with pytest.raises(jspec.CheckpointError, match="weights for layer 2 but "
+                                                    "num_hidden_layers=2"):
+        _xla(d)
+
+
+def test_harmless_extras_are_logged(tmp_path, caplog):
+    """RoPE buffers and a tied LM head equal to the embedding load, logged; a tied LM head
+    that differs from the embedding is an error."""
+    caplog.set_level(logging.INFO, logger="jspec")
+    d = _copy_fixture(tmp_path)
+
+    def edit(t):
+        t["model.layers.0.self_attn.rotary_emb.inv_freq"] = np.ones(16, np.float32)
+        t["lm_head.weight"] = t["model.embed_tokens.weight"].copy()
+    _edit_tensors(d, edit)
+    _xla(d)
+    logged = [r.getMessage() for r in caplog.records if "harmless" in r.getMessage()]
+    assert len(logged) == 1 and "2 tensors" in logged[0], logged
+
+    def edit2(t):
+        t["lm_head.weight"][0, 0] += 1.0
+    _edit_tensors(d, edit2)
+    with pytest.raises(jspec.CheckpointError, match="lm_head.weight differs from the "
+                                                    "embedding but config.json says "
+                                                    "tie_word_embeddings=true"):
+        _xla(d)
+
+
+# --------------------------------------------------------------- damaged checkpoints
+
+
+def test_non_finite_weight(tmp_path):
+    d = _copy_fixture(tmp_path)
+    name = "model.layers.1.mlp.down_proj.weight"
+
+    def edit(t):
+        t[name][3, 5] = np.nan
+        t[name][0, 0] = -np.inf
+    _edit_tensors(d, edit)
+    with pytest.raises(jspec.CheckpointError,
+                       match=f"tensor '{name}' in {d}/model.safetensors has 2 non-finite "
+                             r"values \(1 NaN, 1 inf\) of 8192"):
+        _xla(d)
+
+
+def test_truncated_safetensors(tmp_path):
+    d = _copy_fixture(tmp_path)
+    fn = d / "model.safetensors"
+    fn.write_bytes(fn.read_bytes()[: fn.stat().st_size // 2])
+    with pytest.raises(jspec.CheckpointError,
+                       match=f"{fn}: not a readable safetensors file"):
+        _xla(d)
+
+
+def test_truncated_shard(tmp_path):
+    d = _copy_fixture(tmp_path, "qwen3_sharded")
+    fn = d / sorted(p for p in os.listdir(d) if p.endswith(".safetensors"))[1]
+    fn.write_bytes(fn.read_bytes()[:-10])
+    with pytest.raises(jspec.CheckpointError, match=f"{fn}: not a readable safetensors file"):
+        _xla(d)
+
+
+@pytest.mark.parametrize("text, match", [
+    ("{\"weight_map\": ", "model.safetensors.index.json: not a JSON shard index"),
+    ("{\"metadata\": {}}", "model.safetensors.index.json: no \"weight_map\" object")])
+def test_bad_shard_index(tmp_path, text, match):
+    d = _copy_fixture(tmp_path, "qwen3_sharded")
+    (d / "model.safetensors.index.json").write_text(text)
+    with pytest.raises(jspec.CheckpointError, match=match):
+        _xla(d)
+
+
+def test_config_not_json(tmp_path):
+    d = _copy_fixture(tmp_path)
+    (d / "config.json").write_text("{\"model_type\": \"qwen3\",")
+    with pytest.raises(jspec.CheckpointError, match=f"{d}/config.json: not valid JSON"):
+        _xla(d)
+
+
+def test_missing_path(tmp_path):
+    with pytest.raises(jspec.CheckpointError, match="not a checkpoint directory"):
+        _xla(tmp_path / "nowhere")
+
+
+# -------------------------------------------------------- progress and interpret mode
+
+
+def test_progress_bar_over_threshold(tmp_path, monkeypatch, capsys):
+    jspec.load_hf(fixture_path("qwen3"), backend="xla")
+    assert "loading" not in capsys.readouterr().err  # a small checkpoint: no bar
+    monkeypatch.setattr(loading, "PROGRESS_MIN_BYTES", 0)
+    jspec.load_hf(fixture_path("qwen3"), backend="xla")
+    assert "loading qwen3" in capsys.readouterr().err
+
+
+def test_interpret_mode_warns_once(tmp_path, caplog):
+    d = _copy_fixture(tmp_path)
+    caplog.set_level(logging.INFO, logger="jspec")
+    jspec.load_hf(str(d), backend="xla", interpret=True)
+    jspec.load_hf(str(d), backend="pallas", interpret=True)
+    jspec.load_hf(str(d), backend="pallas", interpret=True)
+    warned = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 1, [r.getMessage() for r in warned]
+    msg = warned[0].getMessage()
+    assert "interpreted on the CPU" in msg and "a token" in msg and "backend='xla'" in msg
+    assert loading.interpret_seconds_per_token(135_000_000) == pytest.approx(1.9)
