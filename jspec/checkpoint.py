@@ -1,33 +1,157 @@
-"""Orbax-checkpoint save and restore of a model's params (bitwise round trip).
+"""Orbax-checkpoint save and restore of a model's params (bitwise round trip, verified).
 
 The config is not stored by orbax: keep the HF `config.json` (or the
 `ModelConfig`) next to it and pass the `Model` whose structure to restore into.
+
+Orbax stores no checksums, so a damaged data file restores without complaint. `save_params`
+therefore also writes `jspec_digests.json` into the checkpoint directory: per array (keyed
+by its pytree path, e.g. "layers.0.wqkv") the sha256 of its bytes, its shape and dtype.
+`restore_params` checks the structure, shapes and dtypes against `like` before reading
+and every restored array's digest after; any difference is a `CheckpointError` naming
+the array. A checkpoint without the file (written before it existed) restores with a
+warning that it cannot be verified.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
 import os
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
+from jspec.loading import CheckpointError
 from jspec.model import Model
+
+LOG = logging.getLogger("jspec")
+DIGEST_FILE = "jspec_digests.json"
+DIGEST_FORMAT = 1
+
+
+def _name(path) -> str:
+    """A pytree path as orbax names the array: "layers.0.wqkv"."""
+    parts = []
+    for k in path:
+        for attr in ("key", "idx", "name"):
+            if hasattr(k, attr):
+                parts.append(str(getattr(k, attr)))
+                break
+        else:
+            parts.append(str(k))
+    return ".".join(parts)
+
+
+def _leaves(tree) -> dict[str, object]:
+    return {_name(p): x for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def array_digest(x) -> str:
+    """sha256 of an array's bytes (C order)."""
+    return hashlib.sha256(np.ascontiguousarray(np.asarray(x)).tobytes()).hexdigest()
+
+
+def param_digests(params) -> dict[str, dict]:
+    """Per array path: {"sha256", "shape", "dtype"}."""
+    return {name: {"sha256": array_digest(x), "shape": list(np.shape(x)),
+                   "dtype": str(np.dtype(x.dtype))}
+            for name, x in _leaves(params).items()}
 
 
 def save_params(path: str, model: Model) -> None:
-    """Writes model.params to a new orbax checkpoint directory at `path`."""
+    """Writes model.params to a new orbax checkpoint directory at `path`, with a digest of
+    every array (`DIGEST_FILE`)."""
     path = os.path.abspath(path)
     with ocp.StandardCheckpointer() as ckptr:
         ckptr.save(path, model.params)
         ckptr.wait_until_finished()
+    record = {"format": DIGEST_FORMAT, "algorithm": "sha256",
+              "arrays": param_digests(model.params)}
+    tmp = os.path.join(path, DIGEST_FILE + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(record, f, indent=1, sort_keys=True)
+    os.replace(tmp, os.path.join(path, DIGEST_FILE))
+
+
+def _read_digests(path: str) -> dict[str, dict] | None:
+    fn = os.path.join(path, DIGEST_FILE)
+    if not os.path.exists(fn):
+        return None
+    try:
+        with open(fn) as f:
+            record = json.load(f)
+        arrays = record["arrays"]
+        if record.get("algorithm") != "sha256" or not isinstance(arrays, dict):
+            raise ValueError(f"algorithm {record.get('algorithm')!r}")
+    except (ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{fn}: not a jspec digest file ({e})") from e
+    return arrays
+
+
+def _stored_specs(ckptr, path: str) -> dict[str, tuple]:
+    """Per array path: (shape, dtype name) as stored, from orbax's metadata."""
+    try:
+        tree = ckptr.metadata(path).item_metadata.tree
+    except Exception as e:  # orbax raises many types for a damaged directory
+        raise CheckpointError(f"{path}: orbax could not read the checkpoint's metadata "
+                              f"({type(e).__name__}: {e})") from e
+    return {name: (tuple(m.shape), str(np.dtype(m.dtype))) for name, m in _leaves(tree).items()}
+
+
+def _check_like(path: str, stored: dict[str, tuple], like: Model) -> None:
+    want = {name: (tuple(np.shape(x)), str(np.dtype(x.dtype)))
+            for name, x in _leaves(like.params).items()}
+    missing = [n for n in want if n not in stored]
+    extra = [n for n in stored if n not in want]
+    if missing:
+        raise CheckpointError(f"{path}: array {missing[0]!r} of `like` is not in the checkpoint"
+                              f" ({len(missing)} missing; the checkpoint is of another "
+                              "architecture or layer count?)")
+    if extra:
+        raise CheckpointError(f"{path}: array {extra[0]!r} of the checkpoint is not in `like`"
+                              f" ({len(extra)} extra; the checkpoint is of another "
+                              "architecture or layer count?)")
+    for name, (shape, dtype) in want.items():
+        s_shape, s_dtype = stored[name]
+        if s_shape != shape:
+            raise CheckpointError(f"{path}: array {name!r} has shape {s_shape} in the "
+                                  f"checkpoint but {shape} in `like`")
+        if s_dtype != dtype:
+            raise CheckpointError(f"{path}: array {name!r} is {s_dtype} in the checkpoint but "
+                                  f"{dtype} in `like` (load `like` with dtype={s_dtype!r})")
 
 
 def restore_params(path: str, like: Model) -> Model:
-    """Restores params saved by `save_params` into the structure, dtypes and shapes of `like`."""
+    """Restores params saved by `save_params` into the structure, dtypes and shapes of
+    `like`, and checks every array against the digests written at save."""
     path = os.path.abspath(path)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"{path}: no orbax checkpoint directory")
+    digests = _read_digests(path)
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, like.params)
     with ocp.StandardCheckpointer() as ckptr:
-        params = ckptr.restore(path, abstract)
+        _check_like(path, _stored_specs(ckptr, path), like)
+        try:
+            params = ckptr.restore(path, abstract)
+        except Exception as e:  # orbax/tensorstore raise many types for damaged data
+            raise CheckpointError(f"{path}: orbax could not restore the params "
+                                  f"({type(e).__name__}: {e})") from e
+    if digests is None:
+        LOG.warning("%s: no %s (written before jspec stored digests): the restored params "
+                    "cannot be verified", path, DIGEST_FILE)
+        return like.replace(params=params)
+    restored = _leaves(params)
+    unknown = sorted(set(digests) - set(restored))
+    if unknown:
+        raise CheckpointError(f"{path}: {DIGEST_FILE} lists array {unknown[0]!r}, which the "
+                              "checkpoint does not hold")
+    bad = [n for n, x in restored.items()
+           if n not in digests or digests[n].get("sha256") != array_digest(x)]
+    if bad:
+        raise CheckpointError(
+            f"{path}: array {bad[0]!r} differs from the digest written at save "
+            f"({len(bad)} of {len(restored)} arrays differ: {', '.join(bad[:10])}): a data "
+            f"file under {path} is corrupt or was changed")
     return like.replace(params=params)
