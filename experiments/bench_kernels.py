@@ -112,8 +112,8 @@ def _loop_us(shape, dtype, iters: int) -> float:
 
 
 def bench_matmuls(model, batches, iters):
-    cfg, params = model.config, model.params
-    ops = {b: get_ops(b, cfg.interpret) for b in ("pallas", "xla")}
+    params = model.params
+    ops = {b: get_ops(b, model.options.interpret) for b in ("pallas", "xla")}
     weights = {k: params["layers"][0][k] for k in ("wqkv", "wo", "w_gate_up", "w_down")}
     weights["lm_head"] = params["lm_head"]
     rows = []
@@ -137,7 +137,7 @@ def bench_other_ops(model, batches, context, iters):
     dt = jnp.dtype(cfg.dtype)
     D, F, H, Hkv, hd, V = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads,
                            cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size)
-    ops = {b: get_ops(b, cfg.interpret) for b in ("pallas", "xla")}
+    ops = {b: get_ops(b, model.options.interpret) for b in ("pallas", "xla")}
     S = -(-(context + 16) // 64) * 64
     rows = []
 

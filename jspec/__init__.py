@@ -12,6 +12,7 @@ from jspec.config import ModelConfig, UnsupportedModelError, from_hf_config
 from jspec.drafters import ModelDrafter, OracleDrafter, PromptLookupDrafter, frequent_tokens
 from jspec.generate import GenerateOutput, generate, generate_stream
 from jspec.loading import CheckpointError, default_pair, load_hf, load_tokenizer
+from jspec.loop import NonFiniteError
 from jspec.model import Model, apply, forward, with_options
 from jspec.options import DraftOptions, KernelOptions
 from jspec.sampling import Greedy, Sample, make_sampler
@@ -31,6 +32,7 @@ __all__ = [
     "KVCache",
     "KernelOptions",
     "Model",
+    "NonFiniteError",
     "ModelConfig",
     "ModelDrafter",
     "OracleDrafter",

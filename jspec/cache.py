@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 # Key-block granularity of the cache capacity: every attention kernel
@@ -70,7 +71,17 @@ def init_cache(model, batch_size: int, max_len: int) -> KVCache:
 
 def rollback(cache: KVCache, lengths) -> KVCache:
     """The same buffers with new per-row lengths ([B] or a scalar): rejected entries
-    beyond them are never read again."""
+    beyond them are never read again. Concrete lengths are checked on the host: each in
+    [0, max_len] (a ValueError names the row)."""
+    if not isinstance(lengths, jax.core.Tracer):
+        arr = np.asarray(lengths)
+        if not np.issubdtype(arr.dtype, np.integer):
+            raise ValueError(f"rollback lengths must be integers; got dtype {arr.dtype}")
+        bad = (arr < 0) | (arr > cache.max_len)
+        if bad.any():
+            b = int(np.argmax(bad.reshape(-1)))
+            raise ValueError(f"rollback to length {int(arr.reshape(-1)[b])} (row {b}) is out "
+                             f"of range [0, {cache.max_len}]")
     lengths = jnp.broadcast_to(jnp.asarray(lengths, jnp.int32), cache.lengths.shape)
     return cache.replace(lengths=lengths)
 

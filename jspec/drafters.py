@@ -59,7 +59,8 @@ def one_hot_logits(tokens, vocab: int):
 
 @struct.dataclass
 class ModelDraftState:
-    """cache holds every committed token including `cur`; next_logits [B, V] follow `cur`."""
+    """cache holds every committed token including `cur`; next_logits [B, n] (the draft
+    head's columns) follow `cur`."""
 
     cache: object
     next_logits: jax.Array
@@ -85,7 +86,11 @@ def frequent_tokens(token_ids, n: int, vocab_size: int) -> np.ndarray:
 
 @struct.dataclass
 class ModelDrafter:
-    """A small model sharing the target's vocabulary drafts autoregressively.
+    """A small model sharing the target's tokenizer drafts autoregressively.
+
+    Its vocabulary may be a prefix of the target's (the same tokenizer with a padded
+    embedding, e.g. Gemma 3 270M/1B's 262,144 against 4B's 262,208): the ids past it get
+    draft logit -inf and are never proposed.
 
     Per round: gamma - 1 one-token draft steps in `propose`, and one two-token
     step in `commit` (the last accepted token again, at its own position, plus
@@ -138,27 +143,33 @@ class ModelDrafter:
     def forwards_per_round(self, gamma: int) -> int:
         return gamma
 
-    def _full(self, logits):
-        """[..., n] logits of the head's columns -> [..., V] (-inf off the head)."""
-        if self.head_slot is None:
-            return logits
-        picked = jnp.take(logits, jnp.maximum(self.head_slot, 0), axis=-1)
-        return jnp.where(self.head_slot >= 0, picked, -jnp.inf)
+    def _full(self, logits, vocab: int):
+        """[..., n] logits of the head's columns -> [..., vocab] in the target's ids (-inf
+        off the head and past the draft's vocabulary)."""
+        if self.head_slot is not None:
+            picked = jnp.take(logits, jnp.maximum(self.head_slot, 0), axis=-1)
+            logits = jnp.where(self.head_slot >= 0, picked, -jnp.inf)
+        V = logits.shape[-1]
+        if V < vocab:
+            pad = [(0, 0)] * (logits.ndim - 1) + [(0, vocab - V)]
+            logits = jnp.pad(logits, pad, constant_values=-jnp.inf)
+        return logits
 
     def init(self, tokens, lens, max_len: int, gamma: int) -> ModelDraftState:
         cache = init_cache(self.model, tokens.shape[0], max_len)
         logits, cache = apply(self.model, tokens, cache)
         last = jnp.take_along_axis(logits, (lens - 1)[:, None, None], axis=1)[:, 0]
-        return ModelDraftState(cache=rollback(cache, lens), next_logits=self._full(last))
+        return ModelDraftState(cache=rollback(cache, lens), next_logits=last)
 
     def propose(self, state: ModelDraftState, ctx: ProposeContext):
         sample = ctx.draft_sampler
-        d1 = sample(state.next_logits, ctx.seed, ctx.rows, ctx.pos + 1)
+        first = self._full(state.next_logits, ctx.vocab)  # [B, V]
+        d1 = sample(first, ctx.seed, ctx.rows, ctx.pos + 1)
 
         def step(carry, i):
             cache, tok = carry
             logits, cache = apply(self.model, tok[:, None], cache)
-            logits = self._full(logits[:, 0])
+            logits = self._full(logits[:, 0], ctx.vocab)
             nxt = sample(logits, ctx.seed, ctx.rows, ctx.pos + 2 + i)
             return (cache, nxt), (nxt, logits)
 
@@ -168,7 +179,7 @@ class ModelDrafter:
             step, (state.cache, d1), jnp.arange(ctx.gamma - 1, dtype=jnp.int32), unroll=True)
         drafts = jnp.concatenate([d1[:, None], toks.T], axis=1)  # [B, g]
         draft_logits = jnp.concatenate(
-            [state.next_logits[:, None], jnp.moveaxis(logits, 0, 1)], axis=1)  # [B, g, V]
+            [first[:, None], jnp.moveaxis(logits, 0, 1)], axis=1)  # [B, g, V]
         return drafts, draft_logits, state.replace(cache=cache)
 
     def commit(self, state: ModelDraftState, ctx: ProposeContext, n_acc, nxt, drafts):
@@ -176,7 +187,7 @@ class ModelDrafter:
                          jnp.take_along_axis(drafts, jnp.maximum(n_acc - 1, 0)[:, None], 1)[:, 0])
         cache = rollback(state.cache, ctx.pos + n_acc)
         logits, cache = apply(self.model, jnp.stack([last, nxt], axis=1), cache)
-        return ModelDraftState(cache=cache, next_logits=self._full(logits[:, 1]))
+        return ModelDraftState(cache=cache, next_logits=logits[:, 1])
 
 
 @struct.dataclass

@@ -156,3 +156,25 @@ class DraftOptions:
 
 KERNEL_FIELDS = tuple(f.name for f in dataclasses.fields(KernelOptions))
 DRAFT_FIELDS = tuple(f.name for f in dataclasses.fields(DraftOptions))
+
+
+# The widest draft (hidden size) at which `DraftOptions.latency()` was measured to beat
+# the plain path on a GPU: a Qwen3-0.6B draft (1024). At the Qwen3-8B width (4096) the
+# latency kernels made a one-layer draft ~10x slower (docs/tuning.md).
+LATENCY_MAX_HIDDEN = 1024
+
+
+def draft_options_for(model, platform: str | None = None) -> DraftOptions:
+    """The draft options measured to be fastest for this draft's shape on this platform.
+
+    On a GPU, a draft at most `LATENCY_MAX_HIDDEN` wide gets `DraftOptions.latency()`;
+    wider drafts, and every draft on a CPU (where the latency kernels would run
+    interpreted), get `DraftOptions()`. The choice changes speed only: the target's verify
+    decides every emitted token.
+    """
+    import jax
+
+    platform = platform or jax.default_backend()
+    if platform == "gpu" and model.config.hidden_size <= LATENCY_MAX_HIDDEN:
+        return DraftOptions.latency()
+    return DraftOptions()

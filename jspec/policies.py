@@ -55,9 +55,13 @@ def target_tokens(sampler, logits, seed, rows, positions):
     return toks.reshape(B, G)
 
 
-def accept_matching(drafts, targets):
-    """drafts [B, g], targets [B, g+1] -> (n_acc [B], next [B]): accept while equal."""
-    match = (drafts == targets[:, :-1]).astype(jnp.int32)
+def accept_matching(drafts, targets, valid=None):
+    """drafts [B, g], targets [B, g+1] -> (n_acc [B], next [B]): accept while equal
+    (and, where `valid` [B, g] is given, while the proposal is a token id)."""
+    match = drafts == targets[:, :-1]
+    if valid is not None:
+        match = match & valid
+    match = match.astype(jnp.int32)
     n_acc = jnp.sum(jnp.cumprod(match, axis=1), axis=1)
     nxt = jnp.take_along_axis(targets, n_acc[:, None], axis=1)[:, 0]
     return n_acc, nxt
@@ -68,9 +72,14 @@ def _log_probs(sampler: Sample, logits):
     return jax.nn.log_softmax(x, axis=-1)
 
 
-def rejection_sample(sampler: Sample, logits, draft_logits, drafts, seed, rows, positions):
+def rejection_sample(sampler: Sample, logits, draft_logits, drafts, seed, rows, positions,
+                     valid=None):
     """logits [B, g+1, V], draft_logits [B, g, V] (the q the drafts were drawn from),
-    drafts [B, g], positions [B, g+1] -> (n_acc [B], next [B])."""
+    drafts [B, g], positions [B, g+1] -> (n_acc [B], next [B]).
+
+    valid [B, g]: False marks a proposal that was not a token id (`drafts` holds 0 there).
+    Its q is a point mass off the vocabulary: p(d) = 0, so it is rejected, and the
+    residual max(0, p - q) is p itself."""
     B, G, V = logits.shape
     g = G - 1
     logp = _log_probs(sampler, _flat(logits)).reshape(B, G, V)
@@ -80,11 +89,18 @@ def rejection_sample(sampler: Sample, logits, draft_logits, drafts, seed, rows, 
     q_d = jnp.take_along_axis(q, drafts[:, :, None], axis=2)[..., 0]
     rows_g = jnp.broadcast_to(rows[:, None], (B, g))
     u = uniform_noise(seed + _SALT_UNIFORM, _flat(rows_g), _flat(positions[:, :g])).reshape(B, g)
-    ok = (u * q_d < p_d).astype(jnp.int32)  # u < p/q without dividing by q = 0
+    ok = u * q_d < p_d  # u < p/q without dividing by q = 0
+    if valid is not None:
+        ok = ok & valid
+    ok = ok.astype(jnp.int32)
     n_acc = jnp.sum(jnp.cumprod(ok, axis=1), axis=1)  # [B]
     q_pad = jnp.concatenate([q, jnp.zeros((B, 1, V), q.dtype)], axis=1)  # q := 0 at the bonus
     p_j = jnp.take_along_axis(p, n_acc[:, None, None], axis=1)[:, 0]  # [B, V]
     q_j = jnp.take_along_axis(q_pad, n_acc[:, None, None], axis=1)[:, 0]
+    if valid is not None:  # an off-vocabulary proposal's q has no mass on the vocabulary
+        hit = jnp.take_along_axis(jnp.pad(valid, ((0, 0), (0, 1)), constant_values=True),
+                                  n_acc[:, None], axis=1)
+        q_j = jnp.where(hit, q_j, 0.0)
     resid = jnp.maximum(p_j - q_j, 0.0)
     resid = jnp.where(jnp.sum(resid, -1, keepdims=True) > 0, resid, p_j)  # p == q: draw from p
     pos_j = jnp.take_along_axis(positions, n_acc[:, None], axis=1)[:, 0]
@@ -94,11 +110,14 @@ def rejection_sample(sampler: Sample, logits, draft_logits, drafts, seed, rows, 
     return n_acc, nxt
 
 
-def verify(policy: str, sampler, logits, drafts, draft_logits, seed, rows, positions):
-    """Dispatches a policy. logits [B, g+1, V]; drafts [B, g]; positions [B, g+1]."""
+def verify(policy: str, sampler, logits, drafts, draft_logits, seed, rows, positions,
+           valid=None):
+    """Dispatches a policy. logits [B, g+1, V]; drafts [B, g]; positions [B, g+1];
+    valid [B, g] (optional): proposals that are token ids; the others are rejected."""
     if policy in ("exact_greedy", "gumbel_coupled"):
         targets = target_tokens(sampler, logits, seed, rows, positions)
-        return accept_matching(drafts, targets)
+        return accept_matching(drafts, targets, valid)
     if policy == "rejection_sampling":
-        return rejection_sample(sampler, logits, draft_logits, drafts, seed, rows, positions)
+        return rejection_sample(sampler, logits, draft_logits, drafts, seed, rows, positions,
+                                valid)
     raise ValueError(f"unknown verify policy {policy!r}; choose from {POLICIES}")

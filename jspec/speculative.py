@@ -31,12 +31,17 @@ from flax import struct
 
 from jspec.cache import init_cache, rollback
 from jspec.drafters import ModelDrafter, OracleDrafter, ProposeContext
-from jspec.generate import PAD, pad_prompts
+from jspec.generate import PAD, first_non_finite, pad_prompts, plan_shapes
+from jspec.loop import check_count, raise_non_finite, run_chunked, token_bar
 from jspec.model import COMPILER_OPTIONS, Model, apply
 from jspec.policies import POLICIES, target_sampler, verify
 from jspec.sampling import Greedy
 
 _SALT_DRAFT = 0xD4AF7
+# The largest gamma: a verify block of up to 33 positions (the block sizes the parity
+# matrix proves); the draft's gamma steps are unrolled into the compiled round, so an
+# unbounded gamma would only find the compiler's memory limit.
+MAX_GAMMA = 32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,7 +49,7 @@ class SpecConfig:
     """Static settings of a speculative run (gamma decides shapes).
 
     Attributes:
-      gamma: draft proposals per round (>= 1).
+      gamma: draft proposals per round (1..MAX_GAMMA).
       policy: "exact_greedy", "rejection_sampling" or "gumbel_coupled".
       max_new_tokens: tokens generated per row (>= 1).
       seed: sampling seed (noise is keyed by seed, row and position).
@@ -68,12 +73,14 @@ class SpecConfig:
     def __post_init__(self):
         if self.audit_every < 0:
             raise ValueError(f"audit_every={self.audit_every} must be >= 0 (0: off)")
-        if not isinstance(self.gamma, int) or self.gamma < 1:
-            raise ValueError(f"gamma={self.gamma!r} must be an integer >= 1")
+        check_count("gamma", self.gamma)
+        if self.gamma > MAX_GAMMA:
+            raise ValueError(f"gamma={self.gamma} exceeds MAX_GAMMA={MAX_GAMMA} (a verify "
+                             f"block of at most {MAX_GAMMA + 1} positions)")
         if self.policy not in POLICIES:
             raise ValueError(f"unknown verify policy {self.policy!r}; choose from {POLICIES}")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens={self.max_new_tokens} must be >= 1")
+        check_count("max_new_tokens", self.max_new_tokens)
+        check_count("audit_every", self.audit_every, least=0)
         if self.policy != "exact_greedy":
             target_sampler(self.policy, self.temperature, self.top_k, self.top_p)  # validates
         object.__setattr__(self, "stop_tokens", tuple(int(t) for t in self.stop_tokens))
@@ -109,6 +116,8 @@ class SpecState:
       audit_at: [3] int32 (round, row, block row) of the first difference.
       audit_logits: [2, V] f32 verify and serial logits of that position.
       audits: [] int32 blocks audited.
+      bad: [] bool, a live row's verify logits hold NaN or inf (the loop stops).
+      bad_at: [2] int32 (row, position of cur) of the first such block.
     """
 
     step: jax.Array
@@ -126,6 +135,8 @@ class SpecState:
     audit_at: jax.Array
     audit_logits: jax.Array
     audits: jax.Array
+    bad: jax.Array
+    bad_at: jax.Array
 
 
 class ParityError(RuntimeError):
@@ -147,7 +158,8 @@ def _prefill(target: Model, drafter, tokens, lens, seed, *, spec: SpecConfig, ma
                      rounds_live=z, audit_bad=jnp.zeros((), bool),
                      audit_at=jnp.full((3,), -1, jnp.int32),
                      audit_logits=jnp.zeros((2, target.config.vocab_size), jnp.float32),
-                     audits=jnp.int32(0))
+                     audits=jnp.int32(0), bad=jnp.zeros((), bool),
+                     bad_at=jnp.full((2,), -1, jnp.int32))
 
 
 def _context(target: Model, state: SpecState, seed, spec: SpecConfig) -> ProposeContext:
@@ -165,19 +177,28 @@ def _draft(drafter, dstate, ctx: ProposeContext):
     return drafts.astype(jnp.int32), draft_logits, dstate
 
 
+def _in_vocab(drafts, vocab: int):
+    """Proposals that are token ids [B, g] bool. The others (a broken drafter's) are
+    rejected by every policy and fed to the target as 0, so they never reach its cache."""
+    return (drafts >= 0) & (drafts < vocab)
+
+
 def _verify(target: Model, cache, cur, drafts):
     """Phase 2: one target forward over [cur, d_1..d_g] -> logits [B, g+1, V], cache."""
+    drafts = jnp.where(_in_vocab(drafts, target.config.vocab_size), drafts, 0)
     tokens = jnp.concatenate([cur[:, None], drafts], axis=1)  # [B, g+1]
     return apply(target, tokens, cache)
 
 
 def _accept(logits, drafts, draft_logits, seed, pos, *, spec: SpecConfig):
-    """Phase 3: the policy's (n_acc [B], next token [B]); pos [B] is the position of cur."""
-    B, G, _ = logits.shape
+    """Phase 3: the policy's (n_acc [B], next token [B]); pos [B] is the position of cur.
+    A proposal outside the vocabulary is never accepted."""
+    B, G, V = logits.shape
     rows = jnp.arange(B, dtype=jnp.int32)
     positions = pos[:, None] + 1 + jnp.arange(G, dtype=jnp.int32)[None, :]
-    return verify(spec.policy, spec.serial_sampler(), logits, drafts, draft_logits, seed, rows,
-                  positions)
+    valid = _in_vocab(drafts, V)
+    return verify(spec.policy, spec.serial_sampler(), logits, jnp.where(valid, drafts, 0),
+                  draft_logits, seed, rows, positions, valid=valid)
 
 
 def _commit(drafter, state: SpecState, ctx: ProposeContext, cache, dstate, drafts, n_acc, nxt,
@@ -207,13 +228,11 @@ def _commit(drafter, state: SpecState, ctx: ProposeContext, cache, dstate, draft
     dstate = drafter.commit(dstate, ctx, n_acc, nxt, drafts)
     acc_at = state.accepted_at + jnp.sum(
         (jnp.arange(g)[None, :] < n_acc[:, None]) & live[:, None], axis=0, dtype=jnp.int32)
-    return SpecState(step=state.step + 1, cache=cache, draft=dstate,
-                     cur=jnp.where(live, nxt, state.cur), out=out, num=num, done=done,
-                     proposed=state.proposed + jnp.where(live, g, 0),
-                     accepted=state.accepted + n_acc, accepted_at=acc_at,
-                     rounds_live=state.rounds_live + live.astype(jnp.int32),
-                     audit_bad=state.audit_bad, audit_at=state.audit_at,
-                     audit_logits=state.audit_logits, audits=state.audits)
+    return state.replace(step=state.step + 1, cache=cache, draft=dstate,
+                         cur=jnp.where(live, nxt, state.cur), out=out, num=num, done=done,
+                         proposed=state.proposed + jnp.where(live, g, 0),
+                         accepted=state.accepted + n_acc, accepted_at=acc_at,
+                         rounds_live=state.rounds_live + live.astype(jnp.int32))
 
 
 def _serial_replay(target: Model, cache, tokens):
@@ -232,7 +251,8 @@ def _audit(target: Model, state: SpecState, cache, cur, drafts, logits, *, spec:
     G = drafts.shape[1] + 1
 
     def check(_):
-        tokens = jnp.concatenate([cur[:, None], drafts], axis=1)  # [B, G]
+        safe = jnp.where(_in_vocab(drafts, target.config.vocab_size), drafts, 0)
+        tokens = jnp.concatenate([cur[:, None], safe], axis=1)  # [B, G]
         serial = _serial_replay(target, rollback(cache, state.cache.lengths), tokens)
         diff = jnp.any(jax.lax.bitcast_convert_type(serial, jnp.uint32)
                        != jax.lax.bitcast_convert_type(logits, jnp.uint32), axis=-1)  # [B, G]
@@ -254,14 +274,24 @@ def _audit(target: Model, state: SpecState, cache, cur, drafts, logits, *, spec:
                          audits=state.audits + due.astype(jnp.int32))
 
 
+def _check_finite(state: SpecState, logits, pos) -> SpecState:
+    """Flags verify logits [B, G, V] with NaN or inf in a live row: the loop stops after
+    the round and the host raises NonFiniteError."""
+    bad, row = first_non_finite(logits, ~state.done)
+    at = jnp.where(bad & ~state.bad, jnp.stack([row, pos[row]]), state.bad_at)
+    return state.replace(bad=state.bad | bad, bad_at=at)
+
+
 def _round(target: Model, drafter, state: SpecState, seed, *, spec: SpecConfig) -> SpecState:
     """draft -> verify -> accept -> commit."""
     ctx = _context(target, state, seed, spec)
     drafts, draft_logits, dstate = _draft(drafter, state.draft, ctx)
     logits, cache = _verify(target, state.cache, state.cur, drafts)
+    state = _check_finite(state, logits, ctx.pos)
     if spec.audit_every:
         state = _audit(target, state, cache, state.cur, drafts, logits, spec=spec)
     n_acc, nxt = _accept(logits, drafts, draft_logits, seed, ctx.pos, spec=spec)
+    # A flagged round still commits (its tokens are never returned: the host raises).
     return _commit(drafter, state, ctx, cache, dstate, drafts, n_acc, nxt, spec=spec)
 
 
@@ -278,11 +308,14 @@ one_round = jax.jit(_round, static_argnames=("spec",), donate_argnames=("state",
 
 @functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("state",),
                    compiler_options=COMPILER_OPTIONS)
-def spec_loop(target: Model, drafter, state: SpecState, seed, *, spec: SpecConfig) -> SpecState:
-    """Rounds until every row is done: one lax.while_loop, no host sync inside."""
+def spec_loop(target: Model, drafter, state: SpecState, seed, stop, *,
+              spec: SpecConfig) -> SpecState:
+    """Rounds until every row is done, or `stop` rounds (an int32 array: the host runs
+    the loop in chunks): one lax.while_loop, no host sync inside."""
 
     def cond(s):
-        return ~jnp.all(s.done) & (s.step < spec.max_new_tokens) & ~s.audit_bad
+        return (~jnp.all(s.done) & (s.step < jnp.minimum(stop, spec.max_new_tokens))
+                & ~s.audit_bad & ~s.bad)
 
     return jax.lax.while_loop(cond, lambda s: _round(target, drafter, s, seed, spec=spec), state)
 
@@ -295,7 +328,9 @@ class SpecOutput:
     prompt_lens: [B] int32.
     stats: proposed, accepted, acceptance_rate, acceptance_by_position,
       tokens_per_target_step, target_forwards, draft_forwards, ttft_s, tpot_s,
-      tokens_per_s (timings include compilation on the first call of a shape).
+      tokens_per_s (timings include compilation on the first call of a shape),
+      prompt_bucket, max_len (the padded prompt length and cache capacity: the shapes
+      the compiled programs are keyed by).
     """
 
     tokens: np.ndarray
@@ -313,11 +348,12 @@ def _validate(target: Model, drafter, spec: SpecConfig) -> None:
     models = [drafter] if isinstance(drafter, ModelDrafter) else []
     if isinstance(drafter, OracleDrafter) and drafter.draft is not None:
         models.append(drafter.draft)
-    for d in models:
-        if d.model.config.vocab_size != target.config.vocab_size:
+    for d in models:  # a draft's vocabulary may be a prefix of the target's (padded sizes)
+        if d.model.config.vocab_size > target.config.vocab_size:
             raise ValueError(f"draft and target vocab mismatch: draft vocab_size="
-                             f"{d.model.config.vocab_size}, target vocab_size="
-                             f"{target.config.vocab_size}")
+                             f"{d.model.config.vocab_size} > target vocab_size="
+                             f"{target.config.vocab_size}; a draft must score a prefix of "
+                             "the target's vocabulary")
     for t in spec.stop_tokens:
         if not 0 <= t < target.config.vocab_size:
             raise ValueError(f"stop token {t} is out of range [0, {target.config.vocab_size})")
@@ -326,11 +362,11 @@ def _validate(target: Model, drafter, spec: SpecConfig) -> None:
 def _setup(target, drafter, prompts, spec, max_len):
     _validate(target, drafter, spec)
     tokens, lens = pad_prompts(prompts, target.config.vocab_size)
-    need = int(tokens.shape[1]) + spec.max_new_tokens + spec.gamma + 1
-    max_len = need if max_len is None else max_len
-    if need > max_len:
-        raise ValueError(f"the longest prompt ({tokens.shape[1]} tokens) + max_new_tokens "
-                         f"({spec.max_new_tokens}) + gamma + 1 = {need} exceeds max_len={max_len}")
+    # max_new_tokens + gamma + 1 positions after the prompt: the last round's verify block.
+    padded, max_len = plan_shapes(tokens.shape[1], spec.max_new_tokens + spec.gamma + 1,
+                                  max_len, target.config.max_position)
+    if padded > tokens.shape[1]:
+        tokens = np.pad(tokens, ((0, 0), (0, padded - tokens.shape[1])))
     if isinstance(drafter, OracleDrafter):
         R = drafter.reference.shape
         if R[0] != tokens.shape[0] or R[1] < int(lens.max()) + spec.max_new_tokens:
@@ -375,8 +411,14 @@ def _raise_on_audit(state: SpecState) -> None:
 
 
 def speculative_generate(target: Model, drafter, prompts, spec: SpecConfig, *,
-                         max_len: int | None = None) -> SpecOutput:
-    """Speculative decoding of ragged prompts; see the module docstring."""
+                         max_len: int | None = None, progress: bool = False) -> SpecOutput:
+    """Speculative decoding of ragged prompts; see the module docstring.
+
+    The loop runs on the device a chunk of rounds at a time, so Ctrl-C answers within
+    about a second; progress=True shows a bar of generated tokens. Raises
+    `jspec.NonFiniteError` if the target produces NaN or inf logits and `ParityError` if a
+    runtime audit (spec.audit_every) finds a difference.
+    """
     tokens, lens, max_len = _setup(target, drafter, prompts, spec, max_len)
     seed, spec = jnp.int32(spec.seed), spec.static()
     t0 = time.perf_counter()
@@ -384,12 +426,21 @@ def speculative_generate(target: Model, drafter, prompts, spec: SpecConfig, *,
                     spec=spec, max_len=max_len)
     jax.block_until_ready(state)
     t1 = time.perf_counter()
-    state = spec_loop(target, drafter, state, seed, spec=spec)
-    jax.block_until_ready(state)
+    N = spec.max_new_tokens
+    with token_bar(progress, len(lens) * N, "speculative") as update:
+        state = run_chunked(
+            lambda s, stop: spec_loop(target, drafter, s, seed, stop, spec=spec), state,
+            step=lambda s: int(s.step),
+            finished=lambda s: (int(s.step) >= N or bool(jnp.all(s.done))
+                                or bool(s.audit_bad) or bool(s.bad)),
+            progress=lambda s: update(int(jnp.sum(s.num))))
     t2 = time.perf_counter()
+    raise_non_finite(state.bad, state.bad_at, "speculative decoding (verify)")
     _raise_on_audit(state)
+    stats = _stats(state, spec, drafter, t1 - t0, t2 - t1)
+    stats |= {"prompt_bucket": int(tokens.shape[1]), "max_len": int(max_len)}
     return SpecOutput(tokens=np.asarray(state.out), num_tokens=np.asarray(state.num),
-                      prompt_lens=lens, stats=_stats(state, spec, drafter, t1 - t0, t2 - t1))
+                      prompt_lens=lens, stats=stats)
 
 
 def speculative_stream(target: Model, drafter, prompts, spec: SpecConfig, *,
@@ -405,6 +456,7 @@ def speculative_stream(target: Model, drafter, prompts, spec: SpecConfig, *,
     seen = np.zeros(len(lens), np.int64)
     while not bool(jnp.all(state.done)) and int(state.step) < spec.max_new_tokens:
         state = one_round(target, drafter, state, seed, spec=spec)
+        raise_non_finite(state.bad, state.bad_at, "speculative decoding (verify)")
         _raise_on_audit(state)
         num, out = np.asarray(state.num), np.asarray(state.out)
         yield [out[b, seen[b]: num[b]].tolist() for b in range(len(lens))]

@@ -13,6 +13,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental.pallas import triton as plgpu
 
 
@@ -89,3 +90,22 @@ def vocab_row_config(V: int, interpret: bool) -> VocabRowConfig:
 def safe_max(m: jax.Array) -> jax.Array:
     """m, with -inf replaced by 0 so that x - m is never -inf - -inf."""
     return jnp.where(m == -jnp.inf, jnp.float32(0.0), m)
+
+
+def dot_f32(op, *operands, precision=None, **kwargs):
+    """op(*operands, preferred_element_type=f32): a dot or einsum of the plain-jnp paths
+    with f32 accumulation. XLA's CPU runtime has no bf16 x bf16 -> f32 dot (it fails at
+    run time once the dot is a real GEMM), so on the CPU bf16 operands are widened to f32
+    first: a bf16 product is exact in f32, and the sum accumulates in f32 as asked.
+    Elsewhere the native bf16 dot runs."""
+    def native(*a):
+        return op(*a, precision=precision, preferred_element_type=jnp.float32, **kwargs)
+
+    if all(x.dtype != jnp.bfloat16 for x in operands):
+        return native(*operands)
+
+    def widened(*a):
+        return op(*(x.astype(jnp.float32) for x in a), precision=lax.Precision.HIGHEST,
+                  preferred_element_type=jnp.float32, **kwargs)
+
+    return lax.platform_dependent(*operands, cpu=widened, default=native)

@@ -47,6 +47,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels._common import dot_f32
+
 _NEG_INF = float("-inf")
 
 
@@ -719,8 +721,8 @@ def _plain_attention(q, k_cache, v_cache, q_pos, window, *, scale, softcap, upca
     # IEEE f32 dots for f32 operands (GPU DEFAULT would be TF32); bf16 ones are unaffected.
     prec = lax.Precision.HIGHEST if k_cache.dtype == f32 else lax.Precision.DEFAULT
     qg = q.reshape(batch, seq, num_kv_heads, group, head_dim)
-    s = jnp.einsum("btkgd,bksd->bkgts", qg, k_cache, precision=prec,
-                   preferred_element_type=f32) * scale  # [B, Hkv, G, T, S] f32
+    s = dot_f32(functools.partial(jnp.einsum, "btkgd,bksd->bkgts"), qg, k_cache,
+                precision=prec) * scale  # [B, Hkv, G, T, S] f32
     if softcap is not None:
         s = jnp.tanh(s / softcap) * softcap
     pos = q_pos.astype(jnp.int32)[:, None, None, :, None]  # [B, 1, 1, T, 1]
@@ -732,8 +734,8 @@ def _plain_attention(q, k_cache, v_cache, q_pos, window, *, scale, softcap, upca
     m = jnp.where(m == _NEG_INF, 0.0, m)
     p = jnp.where(mask, jnp.exp(s - m), 0.0)
     denom = jnp.moveaxis(jnp.sum(p, axis=-1, keepdims=True), 3, 1)  # [B, T, Hkv, G, 1]
-    o = jnp.einsum("bkgts,bksd->btkgd", p.astype(v_cache.dtype), v_cache, precision=prec,
-                   preferred_element_type=f32)  # [B, T, Hkv, G, D] f32
+    o = dot_f32(functools.partial(jnp.einsum, "bkgts,bksd->btkgd"), p.astype(v_cache.dtype),
+                v_cache, precision=prec)  # [B, T, Hkv, G, D] f32
     o = jnp.where(denom > 0, o / jnp.where(denom > 0, denom, 1.0), 0.0)
     return o.reshape(batch, seq, num_heads, head_dim).astype(q.dtype)
 

@@ -51,6 +51,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._common import (
     check_float,
+    dot_f32,
     pad_axis,
     pad_rows,
     pow2_tile,
@@ -425,7 +426,7 @@ def matmul_reference(x: jax.Array, w: jax.Array, *, out_dtype=None,
     precision = lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
 
     def dot(x):
-        return jnp.dot(x, w, precision=precision, preferred_element_type=jnp.float32)
+        return dot_f32(jnp.dot, x, w, precision=precision)
 
     def two_rows(x):  # [1, K] -> [1, N] through a [2, K] GEMM
         return dot(jnp.pad(x, ((0, 1), (0, 0))))[:1]

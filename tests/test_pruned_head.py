@@ -32,7 +32,7 @@ def _round(drafter, prompts, gamma=3):
     state = drafter.init(tokens, lens, P + 16, gamma)
     ctx = _ctx(tokens[:, -1], lens - 1, gamma, drafter.vocab_size)
     drafts, dlogits, _ = drafter.propose(state, ctx)
-    return state.next_logits, drafts, dlogits
+    return drafter._full(state.next_logits, drafter.vocab_size), drafts, dlogits
 
 
 def test_a_head_of_every_token_is_the_full_head_bitwise():

@@ -1,0 +1,102 @@
+"""The host side of the compiled generation loops: shapes, chunks, progress, errors.
+
+- Length buckets: a prompt batch is padded to a bucket of lengths, and a cache's capacity
+  rounded up to one, so a run over many prompts of different lengths compiles once per
+  bucket rather than once per length. Padding changes no bits: the pad slots sit after
+  each row's tokens in the prefill call (property P: a position's logits do not depend
+  on later slots), and their K/V entries lie past the row's length, never read.
+- Chunks: a whole generation is one `lax.while_loop`, but the host runs it a chunk of
+  rounds at a time (the loop state carries over unchanged), sized to take about
+  `CHUNK_SECONDS`, so Ctrl-C answers within a second and a progress bar can move.
+- `NonFiniteError`: a loop stops at the first NaN or inf in the logits it decides on,
+  and the host raises this error naming the row and position.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import time
+from collections.abc import Callable
+
+import jax
+import numpy as np
+
+# Lengths a prompt batch or a cache capacity is rounded up to: powers of two from 16, with
+# a step of 1.5 between them from 1024 on (a 1025-token prompt pads to 1536, not 2048).
+BUCKETS = tuple(sorted({16 * 2**i for i in range(20)}
+                       | {3 * 2**i for i in range(9, 20)}))
+CHUNK_SECONDS = 0.25  # the host takes control back about this often
+MAX_CHUNK = 1 << 16
+
+
+class NonFiniteError(FloatingPointError):
+    """The model produced NaN or inf logits (broken weights or inputs): the run stopped."""
+
+
+def bucket(n: int, cap: int | None = None) -> int:
+    """The smallest bucket >= n, but at most `cap` (and never below n)."""
+    i = bisect.bisect_left(BUCKETS, n)
+    b = BUCKETS[i] if i < len(BUCKETS) else n
+    if cap is not None:
+        b = min(b, cap)
+    return max(b, n)
+
+
+def check_count(name: str, value, least: int = 1) -> int:
+    """An int >= least (bools and floats such as 2.5 are errors naming `name`)."""
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < least:
+        raise ValueError(f"{name}={value!r} must be an integer >= {least}")
+    return int(value)
+
+
+def run_chunked(run: Callable, state, *, step: Callable, finished: Callable,
+                progress: Callable[[object], None] | None = None):
+    """Runs a chunked while_loop to the end.
+
+    run(state, stop) -> state runs the loop until `state.step` reaches `stop` (an int32
+    array) or the loop is done; step(state) -> int and finished(state) -> bool read the
+    state on the host; progress(state) is called after every chunk. The chunk grows
+    (doubling) while a call takes under CHUNK_SECONDS, so compilation and the first
+    rounds cost a few short calls, and a long run a call every ~CHUNK_SECONDS.
+    """
+    chunk = 1
+    while True:
+        t0 = time.perf_counter()
+        state = run(state, np.int32(step(state) + chunk))
+        jax.block_until_ready(state)
+        dt = time.perf_counter() - t0
+        if progress is not None:
+            progress(state)
+        if finished(state):
+            return state
+        if dt < CHUNK_SECONDS / 2:
+            chunk = min(2 * chunk, MAX_CHUNK)
+        elif dt > 2 * CHUNK_SECONDS and chunk > 1:
+            chunk //= 2
+
+
+@contextlib.contextmanager
+def token_bar(enabled: bool, total: int, desc: str):
+    """A tqdm bar of generated tokens (a no-op when not enabled); yields update(n_done)."""
+    if not enabled:
+        yield lambda n: None
+        return
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=total, desc=desc, unit="tok", leave=False)
+    try:
+        yield lambda n: bar.update(max(0, int(n) - bar.n))
+    finally:
+        bar.close()
+
+
+def raise_non_finite(bad, at, what: str) -> None:
+    """Raises NonFiniteError if the loop flagged non-finite logits (at = (row, position))."""
+    if not bool(bad):
+        return
+    row, pos = (int(x) for x in np.asarray(at))
+    raise NonFiniteError(
+        f"{what}: the logits at row {row}, position {pos} hold NaN or inf; the run stopped "
+        "there. The model's weights or inputs are broken (jspec.load_hf rejects non-finite "
+        "weights; a model built by hand is not checked).")

@@ -1,0 +1,190 @@
+"""The engine's guards: what used to fail silently or deep now fails clearly, CPU.
+
+Each test fails without its fix: broken logits stop a run (NonFiniteError, never tokens);
+a drafter's out-of-range ids are rejected and never reach the target's cache; gamma and
+counts are bounded and typed; rollback rejects bad lengths; the xla backend runs bf16
+batches on the CPU; length buckets share compiled programs without changing a token; the
+loop runs in chunks; a draft may score a prefix of the target's vocabulary.
+"""
+
+import importlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import expected, load
+from flax import struct
+
+import jspec
+from jspec import loop
+from jspec.drafters import one_hot_logits
+
+
+def _prompts(name="qwen3"):
+    p = expected(name)["prompt"]
+    return [p, p[:5]]
+
+
+def _poisoned(model, value=np.nan):
+    """The model with one weight of its last layer's down projection set to `value`."""
+    params = jax.tree.map(lambda x: x, model.params)
+    lp = dict(params["layers"][-1])
+    lp["w_down"] = lp["w_down"].at[0, 0].set(value)
+    params["layers"] = params["layers"][:-1] + [lp]
+    return model.replace(params=params)
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf])
+def test_non_finite_logits_stop_serial_and_speculative_runs(value):
+    model = _poisoned(load("qwen3", "xla"), value)
+    with pytest.raises(jspec.NonFiniteError, match="row 0, position"):
+        jspec.generate(model, _prompts(), max_new_tokens=4)
+    with pytest.raises(jspec.NonFiniteError, match="verify"):
+        jspec.speculative_generate(model, jspec.PromptLookupDrafter(), _prompts(),
+                                   jspec.SpecConfig(gamma=2, max_new_tokens=4))
+    with pytest.raises(jspec.NonFiniteError):
+        list(jspec.generate_stream(model, _prompts(), max_new_tokens=4))
+
+
+@struct.dataclass
+class _WildDrafter:
+    """Proposes ids outside [0, V) at every other slot (a broken drafter)."""
+
+    def forwards_per_round(self, gamma):
+        return 0
+
+    def init(self, tokens, lens, max_len, gamma):
+        return ()
+
+    def propose(self, state, ctx):
+        B, g = ctx.cur.shape[0], ctx.gamma
+        slot = jnp.arange(g)[None, :]
+        drafts = jnp.where(slot % 2 == 0, ctx.vocab + 7 + slot, -3 - slot)
+        drafts = jnp.broadcast_to(drafts, (B, g)).astype(jnp.int32)
+        return drafts, one_hot_logits(jnp.zeros((B, g), jnp.int32), ctx.vocab), state
+
+    def commit(self, state, ctx, n_acc, nxt, drafts):
+        return state
+
+
+@pytest.mark.parametrize("policy", ["exact_greedy", "rejection_sampling"])
+def test_out_of_range_proposals_are_rejected_and_never_reach_the_cache(policy):
+    model = load("qwen3", "pallas")
+    spec = jspec.SpecConfig(gamma=3, max_new_tokens=6, policy=policy, temperature=0.9)
+    out = jspec.speculative_generate(model, _WildDrafter(), _prompts(), spec)
+    assert out.stats["accepted"] == 0  # every wild proposal rejected
+    serial = jspec.generate(model, _prompts(), max_new_tokens=6, sampler=spec.serial_sampler())
+    if policy == "exact_greedy":
+        for b in range(2):
+            assert out.row(b) == serial.row(b)
+    else:  # distribution-exact: each round draws the target's own token from p
+        assert all(0 <= t < model.config.vocab_size for b in range(2) for t in out.row(b))
+
+
+def test_gamma_and_counts_are_bounded_and_typed():
+    with pytest.raises(ValueError, match="gamma=1000 exceeds MAX_GAMMA=32"):
+        jspec.SpecConfig(gamma=1000)
+    for bad in (2.5, 0, True):
+        with pytest.raises(ValueError, match="max_new_tokens"):
+            jspec.SpecConfig(max_new_tokens=bad)
+    model = load("qwen3", "xla")
+    with pytest.raises(ValueError, match=r"max_new_tokens=2\.5 must be an integer"):
+        jspec.generate(model, _prompts(), max_new_tokens=2.5)
+    with pytest.raises(ValueError, match="max_len=0"):
+        jspec.generate(model, _prompts(), max_new_tokens=2, max_len=0)
+
+
+def test_rollback_rejects_lengths_out_of_range():
+    cache = jspec.init_cache(load("qwen3", "xla"), 2, 16)
+    with pytest.raises(ValueError, match=r"rollback to length -3 \(row 0\)"):
+        jspec.rollback(cache, -3)
+    with pytest.raises(ValueError, match=r"length 17 \(row 1\) is out of range \[0, 16\]"):
+        jspec.rollback(cache, [2, 17])
+    assert list(jspec.rollback(cache, [0, 16]).lengths) == [0, 16]
+
+
+def test_xla_backend_runs_bf16_batches_on_the_cpu():
+    # XLA's CPU runtime has no bf16 x bf16 -> f32 dot; the xla backend widens to f32 there.
+    model = load("qwen3", "xla", "bfloat16")
+    out = jspec.generate(model, _prompts(), max_new_tokens=4)
+    assert (out.num_tokens == 4).all()
+    logits, _ = jspec.forward(model, np.zeros((2, 3), np.int32), jspec.init_cache(model, 2, 8))
+    assert np.isfinite(np.asarray(logits)).all()
+
+
+def test_length_buckets_share_programs_and_change_no_token():
+    from jspec.generate import decode_loop, prefill
+
+    model = load("qwen3", "pallas")
+    p = expected("qwen3")["prompt"]
+    first = jspec.generate(model, [p[:5]], max_new_tokens=4)
+    assert first.stats["prompt_bucket"] == 16 and first.stats["max_len"] == 32
+    sizes = prefill._cache_size(), decode_loop._cache_size()
+    outs = {n: jspec.generate(model, [p[:n]], max_new_tokens=4) for n in (7, 11)}
+    assert (prefill._cache_size(), decode_loop._cache_size()) == sizes  # nothing compiled
+    for n, out in outs.items():
+        exact = jspec.generate(model, [p[:n]], max_new_tokens=4, max_len=n + 4)  # no padding
+        assert exact.stats["prompt_bucket"] == n
+        assert out.row(0) == exact.row(0)
+    assert loop.bucket(1025) == 1536 and loop.bucket(5, cap=4) == 5
+
+
+def test_the_loop_runs_in_chunks_with_the_same_tokens(monkeypatch):
+    model = load("qwen3", "xla")
+    want = jspec.generate(model, _prompts(), max_new_tokens=6)
+    spec = jspec.SpecConfig(gamma=2, max_new_tokens=6)
+    want_spec = jspec.speculative_generate(model, jspec.PromptLookupDrafter(), _prompts(), spec)
+    calls = []
+    run = loop.run_chunked
+
+    def counting(fn, state, **kw):
+        return run(lambda s, stop: (calls.append(int(stop)), fn(s, stop))[1], state, **kw)
+
+    monkeypatch.setattr(loop, "CHUNK_SECONDS", 0.0)  # chunks of one step / round
+    for name in ("jspec.generate", "jspec.speculative"):  # modules, not the functions
+        monkeypatch.setattr(importlib.import_module(name), "run_chunked", counting)
+    got = jspec.generate(model, _prompts(), max_new_tokens=6, progress=True)
+    assert calls[:3] == [1, 2, 3] and len(calls) >= 6
+    np.testing.assert_array_equal(got.tokens, want.tokens)
+    got = jspec.speculative_generate(model, jspec.PromptLookupDrafter(), _prompts(), spec,
+                                     progress=True)
+    np.testing.assert_array_equal(got.tokens, want_spec.tokens)
+
+
+@pytest.fixture(scope="module")
+def gemma_pair(tmp_path_factory):
+    """The official Gemma 3 layout's tiny target (vocab 576) and a gemma3_text draft whose
+    vocabulary is a prefix of it (512), as 4B's 262,208 against 270M/1B's 262,144."""
+    from jspec.tiny import write_tiny_gemma3_pair
+
+    target_dir, draft_dir = write_tiny_gemma3_pair(str(tmp_path_factory.mktemp("gemma")))
+    target = jspec.load_hf(target_dir, dtype="float32", interpret=True)
+    draft = jspec.load_hf(draft_dir, dtype="float32", backend="xla")
+    assert draft.config.vocab_size < target.config.vocab_size
+    return target, draft
+
+
+@pytest.mark.parametrize("policy", ["exact_greedy", "gumbel_coupled", "rejection_sampling"])
+def test_a_draft_over_a_prefix_of_the_vocabulary(gemma_pair, policy):
+    target, draft = gemma_pair
+    prompts = [[2, 40, 41, 42, 43, 44, 45], [2, 300, 301]]
+    spec = jspec.SpecConfig(gamma=3, max_new_tokens=8, policy=policy, temperature=0.8)
+    out = jspec.speculative_generate(target, jspec.ModelDrafter(draft), prompts, spec)
+    serial = jspec.generate(target, prompts, max_new_tokens=8, sampler=spec.serial_sampler(),
+                            seed=spec.seed)
+    if policy != "rejection_sampling":
+        for b in range(2):
+            assert out.row(b) == serial.row(b)
+    assert out.stats["accepted"] > 0
+
+
+def test_a_draft_wider_than_the_target_is_an_error(gemma_pair):
+    target, draft = gemma_pair
+    V = target.config.vocab_size
+    p = dict(target.params)
+    wide = target.replace(config=target.config.replace(vocab_size=V + 1),
+                          params=p | {"embed": jnp.pad(p["embed"], ((0, 1), (0, 0)))})
+    with pytest.raises(ValueError, match=f"draft vocab_size={V + 1} > target vocab_size={V}"):
+        jspec.speculative_generate(target, jspec.ModelDrafter(wide), [[2, 3]],
+                                   jspec.SpecConfig(gamma=2, max_new_tokens=2))
