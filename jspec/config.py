@@ -32,10 +32,12 @@ class UnsupportedModelError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class RopeSpec:
-    """One RoPE table: base, optional llama3 scaling (factor, low, high, original_max)."""
+    """One RoPE table: base, and optional scaling: llama3 (factor, low, high,
+    original_max) or linear (every inverse frequency divided by a factor)."""
 
     theta: float
     llama3: tuple[float, float, float, int] | None = None
+    linear: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,12 +128,8 @@ def _rope_spec(params: dict | None, fallback_theta: float | None, where: str) ->
         return RopeSpec(theta=float(theta))
     if kind == "linear":
         # Linear scaling divides every inverse frequency by `factor` (Gemma 3 4B-27B's
-        # global layers). RopeSpec has no field for it: it is written as llama3 scaling
-        # whose low-frequency wavelength (original_max / low_freq_factor = 1) is below
-        # every wavelength (>= 2 pi), so every frequency takes the `inv_freq / factor`
-        # branch and no smoothing applies: the same float32 division transformers does
-        # (tests/test_loading.py checks the table).
-        return RopeSpec(theta=float(theta), llama3=(float(params["factor"]), 1.0, 2.0, 1))
+        # global layers).
+        return RopeSpec(theta=float(theta), linear=float(params["factor"]))
     if kind == "llama3":
         return RopeSpec(
             theta=float(theta),

@@ -373,10 +373,9 @@ def default_interpret() -> bool:
 # ---------------------------------------------------------------- interpret warning
 
 # Seconds a decoded token takes with interpreted Pallas kernels, as a function of the
-# parameter count (without a tied LM head's copy): a rough fit of timings of 6M, 34M and
-# 135M-parameter models decoding on 2 CPU cores (0.009, 0.23 and 1.9 s a token). The cost
-# grows faster than the parameter count: each interpreted kernel program pays for its
-# operands.
+# parameter count (without a tied LM head's copy): (params, seconds, exponent) pieces of a
+# rough fit of measured decoding times (docs/tuning.md, "Interpret mode"). The cost grows
+# faster than the parameter count: each interpreted kernel program pays for its operands.
 INTERPRET_S_PER_TOKEN = ((34e6, 0.23, 1.85), (135e6, 1.9, 1.5))
 _INTERPRET_WARNED: set[str] = set()
 

@@ -19,6 +19,8 @@ def rope_inv_freq(spec: RopeSpec, head_dim: int) -> np.ndarray:
     """Inverse frequencies [head_dim // 2] in float32, as transformers computes them."""
     exponents = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(head_dim)
     inv_freq = (np.float32(1.0) / (np.float32(spec.theta) ** exponents)).astype(np.float32)
+    if spec.linear is not None:
+        return (inv_freq / np.float32(spec.linear)).astype(np.float32)
     if spec.llama3 is None:
         return inv_freq
     factor, low, high, old_len = spec.llama3
