@@ -2,9 +2,12 @@
 
 A drafter is a pytree (flax struct) with three methods, all traced inside the
 speculative loop:
-  init(tokens [B, P], lens [B], max_len, gamma) -> state       after the prompts
+  init(tokens [B, P], lens [B], max_len, gamma, features=None) -> state   after the prompts
   propose(state, ctx) -> (drafts [B, g], draft_logits [B, g, V], state)
-  commit(state, ctx, n_acc [B], nxt [B], drafts [B, g]) -> state
+  commit(state, ctx, n_acc [B], nxt [B], drafts [B, g], features=None) -> state
+A drafter with a non-empty `feature_layers` attribute (a tuple of target layers) is also
+given `features=`: the target's hidden states entering those layers [B, T, n D] for the
+positions the prefill or the verify computed (`jspec.model.apply(..., features=...)`).
 `draft_logits` are the logits the proposals were drawn from (one-hot logits for
 deterministic drafters); only `rejection_sampling` reads them.
 
@@ -155,7 +158,7 @@ class ModelDrafter:
             logits = jnp.pad(logits, pad, constant_values=-jnp.inf)
         return logits
 
-    def init(self, tokens, lens, max_len: int, gamma: int) -> ModelDraftState:
+    def init(self, tokens, lens, max_len: int, gamma: int, features=None) -> ModelDraftState:
         cache = init_cache(self.model, tokens.shape[0], max_len)
         logits, cache = apply(self.model, tokens, cache)
         last = jnp.take_along_axis(logits, (lens - 1)[:, None, None], axis=1)[:, 0]
@@ -182,7 +185,8 @@ class ModelDrafter:
             [first[:, None], jnp.moveaxis(logits, 0, 1)], axis=1)  # [B, g, V]
         return drafts, draft_logits, state.replace(cache=cache)
 
-    def commit(self, state: ModelDraftState, ctx: ProposeContext, n_acc, nxt, drafts):
+    def commit(self, state: ModelDraftState, ctx: ProposeContext, n_acc, nxt, drafts,
+               features=None):
         last = jnp.where(n_acc == 0, ctx.cur,
                          jnp.take_along_axis(drafts, jnp.maximum(n_acc - 1, 0)[:, None], 1)[:, 0])
         cache = rollback(state.cache, ctx.pos + n_acc)
@@ -215,7 +219,7 @@ class PromptLookupDrafter:
     def forwards_per_round(self, gamma: int) -> int:
         return 0
 
-    def init(self, tokens, lens, max_len: int, gamma: int) -> LookupState:
+    def init(self, tokens, lens, max_len: int, gamma: int, features=None) -> LookupState:
         B, P = tokens.shape
         hist = jnp.zeros((B, max_len + gamma + 1), jnp.int32).at[:, :P].set(tokens)
         return LookupState(hist=hist, hlen=lens.astype(jnp.int32))
@@ -243,7 +247,8 @@ class PromptLookupDrafter:
         drafts = jax.vmap(one)(state.hist, state.hlen, ctx.cur)
         return drafts, one_hot_logits(drafts, ctx.vocab), state
 
-    def commit(self, state: LookupState, ctx: ProposeContext, n_acc, nxt, drafts):
+    def commit(self, state: LookupState, ctx: ProposeContext, n_acc, nxt, drafts,
+               features=None):
         g = drafts.shape[1]
         slot = jnp.arange(g + 1)[None, :]
         padded = jnp.concatenate([drafts, drafts[:, :1]], axis=1)
@@ -267,15 +272,19 @@ class OracleDrafter:
 
     reference: jax.Array
     corrupt_prob: jax.Array | float = 0.0
-    draft: ModelDrafter | None = None
+    draft: object | None = None  # a ModelDrafter or FeatureDrafter that really runs
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        return getattr(self.draft, "feature_layers", ())
 
     def forwards_per_round(self, gamma: int) -> int:
         return self.draft.forwards_per_round(gamma) if self.draft is not None else 0
 
-    def init(self, tokens, lens, max_len: int, gamma: int):
+    def init(self, tokens, lens, max_len: int, gamma: int, features=None):
         if self.draft is None:
             return ()
-        return self.draft.init(tokens, lens, max_len, gamma)
+        return self.draft.init(tokens, lens, max_len, gamma, features=features)
 
     def propose(self, state, ctx: ProposeContext):
         model_drafts = None
@@ -299,7 +308,118 @@ class OracleDrafter:
             drafts = jnp.where(model_drafts < 0, model_drafts, drafts)
         return drafts, one_hot_logits(drafts, V), state
 
-    def commit(self, state, ctx: ProposeContext, n_acc, nxt, drafts):
+    def commit(self, state, ctx: ProposeContext, n_acc, nxt, drafts, features=None):
         if self.draft is None:
             return state
-        return self.draft.commit(state, ctx, n_acc, nxt, drafts)
+        return self.draft.commit(state, ctx, n_acc, nxt, drafts, features=features)
+
+
+@struct.dataclass
+class FeatureDraftState:
+    """The head's cache holds the pairs (token i + 1, feature i) at positions i < pos;
+    next_logits [B, Vd] and next_hidden [B, D] are its output at position pos - 1 (the
+    pair (cur, the target's feature before cur)): the first proposal's logits and the
+    hidden state the second step reads."""
+
+    cache: object
+    next_logits: jax.Array
+    next_hidden: jax.Array
+
+
+@struct.dataclass
+class FeatureDrafter:
+    """Drafts with a feature head (`jspec.feature_head`: EAGLE-3's one decoder layer over
+    the target's hidden states), whose cost is a few percent of a target step.
+
+    The engine asks the target's prefill and every verify for the hidden states of
+    `feature_layers` (no extra target pass) and hands them to `init` and `commit`. Per
+    round: gamma - 1 one-token head steps in `propose` (each reading the head's own
+    hidden state), and one step of gamma + 1 positions in `commit` that rewrites the
+    accepted positions with the target's true features and computes the next round's
+    first proposal: gamma head forwards a round.
+    """
+
+    head: object  # FeatureHead
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        return self.head.config.feature_layers
+
+    @property
+    def vocab_size(self) -> int:
+        return self.head.config.vocab_size
+
+    def forwards_per_round(self, gamma: int) -> int:
+        return gamma
+
+    def _full(self, logits, vocab: int):
+        """[..., Vd] head logits -> [..., vocab] in the target's ids (-inf off the head)."""
+        slot = self.head.params["head_slot"]
+        picked = jnp.take(logits, jnp.maximum(slot, 0), axis=-1)
+        full = jnp.where(slot >= 0, picked, -jnp.inf)
+        V = full.shape[-1]
+        if V < vocab:
+            full = jnp.pad(full, [(0, 0)] * (full.ndim - 1) + [(0, vocab - V)],
+                           constant_values=-jnp.inf)
+        return full
+
+    def init(self, tokens, lens, max_len: int, gamma: int, features=None):
+        from jspec.feature_head import head_apply, init_head_cache
+
+        if features is None:
+            raise ValueError("FeatureDrafter.init needs the target's features")
+        B, P = tokens.shape
+        cache = init_head_cache(self.head, B, max_len)
+        D, Vd = self.head.config.layer.hidden_size, self.head.config.layer.vocab_size
+        if P < 2:  # no pair yet: a uniform first guess (the target decides anyway)
+            return FeatureDraftState(cache=cache, next_logits=jnp.zeros((B, Vd), jnp.float32),
+                                     next_hidden=jnp.zeros((B, D), cache.k[0].dtype))
+        # Pairs (t_{i+1}, f_i), i = 0 .. P - 2, at head positions 0 .. P - 2.
+        logits, hidden, cache = head_apply(self.head, tokens[:, 1:], features[:, :-1],
+                                           cache, fuse=True)
+        last = jnp.maximum(lens - 2, 0)[:, None, None]
+        single = (lens < 2)[:, None]
+        nl = jnp.where(single, 0.0, jnp.take_along_axis(logits, last, axis=1)[:, 0])
+        nh = jnp.where(single, 0, jnp.take_along_axis(hidden, last, axis=1)[:, 0])
+        return FeatureDraftState(cache=rollback(cache, jnp.maximum(lens - 1, 0)),
+                                 next_logits=nl, next_hidden=nh.astype(hidden.dtype))
+
+    def propose(self, state: FeatureDraftState, ctx: ProposeContext):
+        from jspec.feature_head import head_apply
+
+        sample = ctx.draft_sampler
+        first = self._full(state.next_logits, ctx.vocab)  # [B, V]
+        d1 = sample(first, ctx.seed, ctx.rows, ctx.pos + 1)
+
+        def step(carry, i):
+            cache, tok, hid = carry
+            logits, hid, cache = head_apply(self.head, tok[:, None], hid[:, None], cache,
+                                            fuse=False)
+            logits = self._full(logits[:, 0], ctx.vocab)
+            nxt = sample(logits, ctx.seed, ctx.rows, ctx.pos + 2 + i)
+            return (cache, nxt, hid[:, 0]), (nxt, logits)
+
+        (cache, _, _), (toks, logits) = jax.lax.scan(
+            step, (state.cache, d1, state.next_hidden),
+            jnp.arange(ctx.gamma - 1, dtype=jnp.int32), unroll=True)
+        drafts = jnp.concatenate([d1[:, None], toks.T], axis=1)  # [B, g]
+        draft_logits = jnp.concatenate([first[:, None], jnp.moveaxis(logits, 0, 1)], axis=1)
+        return drafts, draft_logits, state.replace(cache=cache)
+
+    def commit(self, state: FeatureDraftState, ctx: ProposeContext, n_acc, nxt, drafts,
+               features=None):
+        from jspec.feature_head import head_apply
+
+        if features is None:
+            raise ValueError("FeatureDrafter.commit needs the verify's features")
+        g = drafts.shape[1]
+        slot = jnp.arange(g + 1)[None, :]
+        # Pairs (t_{j+1}, f_j) from cur's position on: the accepted drafts, then nxt.
+        emitted = jnp.where(slot < n_acc[:, None], jnp.pad(drafts, ((0, 0), (0, 1))),
+                            nxt[:, None])  # [B, g + 1]
+        cache = rollback(state.cache, ctx.pos)
+        logits, hidden, cache = head_apply(self.head, emitted, features, cache, fuse=True)
+        at = n_acc[:, None, None]
+        return FeatureDraftState(cache=rollback(cache, ctx.pos + n_acc + 1),
+                                 next_logits=jnp.take_along_axis(logits, at, axis=1)[:, 0],
+                                 next_hidden=jnp.take_along_axis(hidden, at, axis=1)[:, 0])

@@ -62,11 +62,16 @@ class Model:
         return self.replace(options=self.options.replace(backend=backend, interpret=interp))
 
 
-def _norm(ops, cfg: ModelConfig, x, w):
+# The layer's pieces (rms_norm, add_norm, attention_block, mlp_block) are shared with the
+# feature head (jspec.feature_head), whose one decoder layer runs the same code.
+
+
+def rms_norm(ops, cfg: ModelConfig, x, w):
+    """RMSNorm of rows x [M, D] with the config's eps and offset."""
     return ops.rmsnorm(x, w, eps=cfg.rms_eps, offset=cfg.norm_offset)
 
 
-def _add_norm(ops, model: Model, x, o, w):
+def add_norm(ops, model: Model, x, o, w):
     """The residual add and the norm after it: (x + o, norm(x + o)); o None adds nothing.
 
     One `add_norm` op with `fuse_add_norm` (not with sandwich norms), else the add as
@@ -74,14 +79,14 @@ def _add_norm(ops, model: Model, x, o, w):
     """
     cfg = model.config
     if o is None:
-        return x, _norm(ops, cfg, x, w)
+        return x, rms_norm(ops, cfg, x, w)
     if model.options.fuse_add_norm and not cfg.sandwich_norms:
         return ops.add_norm(x, o, w, eps=cfg.rms_eps, offset=cfg.norm_offset)
     x = x + o
-    return x, _norm(ops, cfg, x, w)
+    return x, rms_norm(ops, cfg, x, w)
 
 
-def _attention_block(ops, model: Model, lp, h, k_buf, v_buf, pos, lengths, cos, sin, window,
+def attention_block(ops, model: Model, lp, h, k_buf, v_buf, pos, lengths, cos, sin, window,
                      counters):
     """h [Mp, D] (Mp >= B*T rows, see pad_rows_once) -> attention output [Mp, D], the
     layer's updated K/V buffers and the attention's arrival counters for the next layer
@@ -105,8 +110,8 @@ def _attention_block(ops, model: Model, lp, h, k_buf, v_buf, pos, lengths, cos, 
         qkv = qkv[: B * T]  # [B*T, (H + 2Hkv) hd]
         q, k, v = jnp.split(qkv, [cfg.q_size, cfg.q_size + cfg.kv_size], axis=-1)
         if cfg.qk_norm:
-            q = _norm(ops, cfg, q.reshape(-1, hd), lp["q_norm"])
-            k = _norm(ops, cfg, k.reshape(-1, hd), lp["k_norm"])
+            q = rms_norm(ops, cfg, q.reshape(-1, hd), lp["q_norm"])
+            k = rms_norm(ops, cfg, k.reshape(-1, hd), lp["k_norm"])
         q = ops.rope(q.reshape(B * T, H, hd), cos, sin)  # [B*T, H, hd]
         k = ops.rope(k.reshape(B * T, Hkv, hd), cos, sin)  # [B*T, Hkv, hd]
     k_new = k.reshape(B, T, Hkv, hd).transpose(0, 2, 1, 3)  # [B, Hkv, T, hd]
@@ -126,7 +131,7 @@ def _attention_block(ops, model: Model, lp, h, k_buf, v_buf, pos, lengths, cos, 
     return o, k_buf, v_buf, counters
 
 
-def _mlp_block(ops, model: Model, lp, h):
+def mlp_block(ops, model: Model, lp, h):
     """h [Mp, D] -> [Mp, D]."""
     cfg, opt = model.config, model.options
     rg, sched = opt.matmul_row_group, opt.matmul_schedule
@@ -168,16 +173,29 @@ def with_options(model: Model, *options: KernelOptions | DraftOptions, **fields)
     return fused_draft.prepare(model.replace(options=kernel, draft_options=draft))
 
 
-def apply(model: Model, tokens: jax.Array, cache: KVCache):
+def apply(model: Model, tokens: jax.Array, cache: KVCache, *, features: tuple[int, ...] = ()):
     """The forward pass, traceable (call it inside jit, scan or while_loop).
 
     tokens [B, T] int32 are appended at each row's length; returns (logits [B, T, V]
     f32, the new cache). `forward` is the checked, jitted call of this function for use
     from the host.
+
+    features: layer indices i in [0, L] whose residual-stream input (the hidden state
+    entering layer i; i = L: the one entering the final norm, HF's `hidden_states[i]`)
+    is also returned, concatenated: (logits, cache, feats [B, T, len(features) * D]).
+    A feature drafter reads them; they are outputs the forward computes anyway, so the
+    logits are the same bits with or without them.
     """
     cfg, opt = model.config, model.options
     B, T = tokens.shape
     fused_draft.check_layout(model)
+    bad = [i for i in features if not 0 <= i <= cfg.num_layers]
+    if bad:
+        raise ValueError(f"features={features}: layers {bad} are outside [0, "
+                         f"{cfg.num_layers}] (this model has {cfg.num_layers} layers)")
+    if model.draft_options.fused and features:
+        raise ValueError("features are not available with DraftOptions.fused (a draft's "
+                         "latency path); turn it off for a model that feeds a feature head")
     if model.draft_options.fused:
         if fused_draft.takes(B, T):
             return fused_draft.forward(model, tokens, cache)
@@ -207,24 +225,28 @@ def apply(model: Model, tokens: jax.Array, cache: KVCache):
     new_k, new_v = [], []
     o = None  # the last block's output, added to x by the next norm
     counters = None  # split-KV arrival counters, zeroed once a forward (attention_counted)
+    hidden = {}  # layer index -> the residual stream entering it [B*T, D]
     for i, lp in enumerate(params["layers"]):  # unrolled: L is static
         with jax.named_scope(f"layer_{i}"):
             sliding = cfg.layer_sliding[i]
             window = jnp.int32(cfg.sliding_window if sliding else 0)
-            x, h = _add_norm(ops, model, x, o, lp["attn_norm"])
-            o, k_buf, v_buf, counters = _attention_block(
+            x, h = add_norm(ops, model, x, o, lp["attn_norm"])
+            if i in features:
+                hidden[i] = x[: B * T]
+            o, k_buf, v_buf, counters = attention_block(
                 ops, model, lp, h, cache.k[i], cache.v[i], pos, lengths, cos_all[int(sliding)],
                 sin_all[int(sliding)], window, counters)
             new_k.append(k_buf)
             new_v.append(v_buf)
             if cfg.sandwich_norms:
-                o = _norm(ops, cfg, o, lp["post_attn_norm"])
-            x, h = _add_norm(ops, model, x, o, lp["mlp_norm"])
-            o = _mlp_block(ops, model, lp, h)
+                o = rms_norm(ops, cfg, o, lp["post_attn_norm"])
+            x, h = add_norm(ops, model, x, o, lp["mlp_norm"])
+            o = mlp_block(ops, model, lp, h)
             if cfg.sandwich_norms:
-                o = _norm(ops, cfg, o, lp["post_mlp_norm"])
+                o = rms_norm(ops, cfg, o, lp["post_mlp_norm"])
 
-    _, h = _add_norm(ops, model, x, o, params["final_norm"])
+    x, h = add_norm(ops, model, x, o, params["final_norm"])
+    hidden[cfg.num_layers] = x[: B * T]
     logits = ops.matmul(h, params["lm_head"], out_dtype=jnp.float32,
                         row_group=opt.matmul_row_group,
                         schedule=opt.matmul_schedule)[: B * T]  # [B*T, V]
@@ -232,7 +254,11 @@ def apply(model: Model, tokens: jax.Array, cache: KVCache):
         logits = ops.softcap(logits, cfg.final_softcap)
     new_cache = cache.replace(k=tuple(new_k), v=tuple(new_v), lengths=lengths + T)
     # The head's width: V, or fewer columns for a draft's pruned head (ModelDrafter.pruned).
-    return logits.reshape(B, T, params["lm_head"].shape[-1]), new_cache
+    logits = logits.reshape(B, T, params["lm_head"].shape[-1])
+    if not features:
+        return logits, new_cache
+    feats = jnp.concatenate([hidden[i] for i in features], axis=-1)  # [B*T, len * D]
+    return logits, new_cache, feats.reshape(B, T, -1)
 
 
 forward_jit = jax.jit(apply, donate_argnames=("cache",), compiler_options=COMPILER_OPTIONS)

@@ -143,13 +143,26 @@ class ParityError(RuntimeError):
     """A runtime audit found verify logits that differ from serial decoding."""
 
 
+def feature_layers(drafter) -> tuple[int, ...]:
+    """The target layers whose hidden states the drafter reads (() for most drafters)."""
+    return tuple(getattr(drafter, "feature_layers", ()) or ())
+
+
+def _target(target: Model, tokens, cache, layers: tuple[int, ...]):
+    """The target's forward -> (logits, cache, features or None)."""
+    if not layers:
+        return (*apply(target, tokens, cache), None)
+    return apply(target, tokens, cache, features=layers)
+
+
 def _prefill(target: Model, drafter, tokens, lens, seed, *, spec: SpecConfig, max_len: int):
     B = tokens.shape[0]
     cache = init_cache(target, B, max_len)
-    _, cache = apply(target, tokens, cache)
+    _, cache, feats = _target(target, tokens, cache, feature_layers(drafter))
     cache = rollback(cache, lens - 1)  # cur = the last prompt token, recomputed by verify
     cur = jnp.take_along_axis(tokens, (lens - 1)[:, None], axis=1)[:, 0]
-    draft = drafter.init(tokens, lens, max_len, spec.gamma)
+    extra = {} if feats is None else {"features": feats}  # only feature drafters take them
+    draft = drafter.init(tokens, lens, max_len, spec.gamma, **extra)
     g, N = spec.gamma, spec.max_new_tokens
     z = jnp.zeros((B,), jnp.int32)
     return SpecState(step=jnp.int32(0), cache=cache, draft=draft, cur=cur,
@@ -183,10 +196,13 @@ def _in_vocab(drafts, vocab: int):
     return (drafts >= 0) & (drafts < vocab)
 
 
-def _verify(target: Model, cache, cur, drafts):
-    """Phase 2: one target forward over [cur, d_1..d_g] -> logits [B, g+1, V], cache."""
+def _verify(target: Model, cache, cur, drafts, layers: tuple[int, ...] = ()):
+    """Phase 2: one target forward over [cur, d_1..d_g] -> logits [B, g+1, V], cache (and
+    with `layers`, the hidden states entering them [B, g+1, n D] for a feature drafter)."""
     drafts = jnp.where(_in_vocab(drafts, target.config.vocab_size), drafts, 0)
     tokens = jnp.concatenate([cur[:, None], drafts], axis=1)  # [B, g+1]
+    if layers:
+        return apply(target, tokens, cache, features=layers)
     return apply(target, tokens, cache)
 
 
@@ -202,7 +218,7 @@ def _accept(logits, drafts, draft_logits, seed, pos, *, spec: SpecConfig):
 
 
 def _commit(drafter, state: SpecState, ctx: ProposeContext, cache, dstate, drafts, n_acc, nxt,
-            *, spec: SpecConfig) -> SpecState:
+            *, spec: SpecConfig, features=None) -> SpecState:
     """Phase 4: emit d_1..d_{n_acc}, nxt (cut at max_new_tokens and stop tokens), roll the
     target back to pos + n_acc + 1, catch the drafter up, update statistics."""
     g, N = spec.gamma, spec.max_new_tokens
@@ -225,7 +241,8 @@ def _commit(drafter, state: SpecState, ctx: ProposeContext, cache, dstate, draft
     num = state.num + count
     done = state.done | (live & (hit | (num >= N)))
     cache = rollback(cache, jnp.where(live, pos + n_acc + 1, pos))
-    dstate = drafter.commit(dstate, ctx, n_acc, nxt, drafts)
+    extra = {} if features is None else {"features": features}
+    dstate = drafter.commit(dstate, ctx, n_acc, nxt, drafts, **extra)
     acc_at = state.accepted_at + jnp.sum(
         (jnp.arange(g)[None, :] < n_acc[:, None]) & live[:, None], axis=0, dtype=jnp.int32)
     return state.replace(step=state.step + 1, cache=cache, draft=dstate,
@@ -274,6 +291,12 @@ def _audit(target: Model, state: SpecState, cache, cur, drafts, logits, *, spec:
                          audits=state.audits + due.astype(jnp.int32))
 
 
+def _target_verify(target: Model, cache, cur, drafts, layers: tuple[int, ...]):
+    """_verify -> (logits, cache, features or None)."""
+    out = _verify(target, cache, cur, drafts, layers)
+    return out if layers else (*out, None)
+
+
 def _check_finite(state: SpecState, logits, pos) -> SpecState:
     """Flags verify logits [B, G, V] with NaN or inf in a live row: the loop stops after
     the round and the host raises NonFiniteError."""
@@ -286,20 +309,22 @@ def _round(target: Model, drafter, state: SpecState, seed, *, spec: SpecConfig) 
     """draft -> verify -> accept -> commit."""
     ctx = _context(target, state, seed, spec)
     drafts, draft_logits, dstate = _draft(drafter, state.draft, ctx)
-    logits, cache = _verify(target, state.cache, state.cur, drafts)
+    logits, cache, feats = _target_verify(target, state.cache, state.cur, drafts,
+                                          feature_layers(drafter))
     state = _check_finite(state, logits, ctx.pos)
     if spec.audit_every:
         state = _audit(target, state, cache, state.cur, drafts, logits, spec=spec)
     n_acc, nxt = _accept(logits, drafts, draft_logits, seed, ctx.pos, spec=spec)
     # A flagged round still commits (its tokens are never returned: the host raises).
-    return _commit(drafter, state, ctx, cache, dstate, drafts, n_acc, nxt, spec=spec)
+    return _commit(drafter, state, ctx, cache, dstate, drafts, n_acc, nxt, spec=spec,
+                   features=feats)
 
 
 # The phases as jitted functions, for research scripts that compose them.
 prefill = jax.jit(_prefill, static_argnames=("spec", "max_len"),
                   compiler_options=COMPILER_OPTIONS)
 draft_step = jax.jit(_draft, compiler_options=COMPILER_OPTIONS)
-verify_step = jax.jit(_verify, compiler_options=COMPILER_OPTIONS)
+verify_step = jax.jit(_verify, static_argnames=("layers",), compiler_options=COMPILER_OPTIONS)
 accept_step = jax.jit(_accept, static_argnames=("spec",), compiler_options=COMPILER_OPTIONS)
 commit_step = jax.jit(_commit, static_argnames=("spec",), compiler_options=COMPILER_OPTIONS)
 one_round = jax.jit(_round, static_argnames=("spec",), donate_argnames=("state",),
