@@ -9,7 +9,15 @@ token for token.
 from jspec.cache import KVCache, init_cache, rollback
 from jspec.checkpoint import restore_params, save_params
 from jspec.config import ModelConfig, UnsupportedModelError, from_hf_config
-from jspec.drafters import ModelDrafter, OracleDrafter, PromptLookupDrafter, frequent_tokens
+from jspec.drafters import (
+    FeatureDrafter,
+    ModelDrafter,
+    OracleDrafter,
+    PromptLookupDrafter,
+    frequent_tokens,
+)
+from jspec.eagle import load_eagle3, save_eagle3
+from jspec.feature_head import FeatureHead
 from jspec.generate import GenerateOutput, generate, generate_stream
 from jspec.loading import CheckpointError, default_pair, load_hf, load_tokenizer
 from jspec.loop import NonFiniteError
@@ -27,6 +35,8 @@ from jspec.speculative import (
 __all__ = [
     "CheckpointError",
     "DraftOptions",
+    "FeatureDrafter",
+    "FeatureHead",
     "GenerateOutput",
     "Greedy",
     "KVCache",
@@ -50,11 +60,13 @@ __all__ = [
     "generate",
     "generate_stream",
     "init_cache",
+    "load_eagle3",
     "load_hf",
     "load_tokenizer",
     "make_sampler",
     "restore_params",
     "rollback",
+    "save_eagle3",
     "save_params",
     "speculative_generate",
     "speculative_stream",

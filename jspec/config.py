@@ -118,7 +118,7 @@ def _get(hf: Any, name: str, default: Any = None) -> Any:
     return default if value is None else value
 
 
-def _rope_spec(params: dict | None, fallback_theta: float | None, where: str) -> RopeSpec:
+def rope_spec(params: dict | None, fallback_theta: float | None, where: str) -> RopeSpec:
     params = dict(params or {})
     theta = params.get("rope_theta", fallback_theta)
     if theta is None:
@@ -239,7 +239,7 @@ def from_hf_config(hf: Any, *, dtype: Any = "bfloat16") -> ModelConfig:
             raise UnsupportedModelError("qwen3: use_sliding_window=True is not supported")
         return ModelConfig(
             family="llama" if model_type == "llama" else "qwen3",
-            rope=_rope_spec(rope_params, _get(hf, "rope_theta", None), model_type),
+            rope=rope_spec(rope_params, _get(hf, "rope_theta", None), model_type),
             rope_local=None,
             sliding_window=0,
             layer_sliding=(False,) * num_layers,
@@ -269,8 +269,8 @@ def from_hf_config(hf: Any, *, dtype: Any = "bfloat16") -> ModelConfig:
     rope_params = rope_params or {}
     return ModelConfig(
         family="gemma3",
-        rope=_rope_spec(rope_params.get("full_attention"), None, "gemma3 full_attention"),
-        rope_local=_rope_spec(rope_params.get("sliding_attention"), None,
+        rope=rope_spec(rope_params.get("full_attention"), None, "gemma3 full_attention"),
+        rope_local=rope_spec(rope_params.get("sliding_attention"), None,
                               "gemma3 sliding_attention"),
         sliding_window=int(_get(hf, "sliding_window", 0)),
         layer_sliding=tuple(t == "sliding_attention" for t in layer_types),

@@ -61,7 +61,7 @@ class CheckpointError(ValueError):
     names the file and, where there is one, the tensor)."""
 
 
-def _np_dtype(name: str):
+def np_dtype(name: str):
     return ml_dtypes.bfloat16 if name == "bfloat16" else np.dtype(name)
 
 
@@ -118,7 +118,7 @@ def display_name(path: str) -> str:
 # --------------------------------------------------------------------------- tensors
 
 
-class _TensorReader:
+class TensorReader:
     """Looks tensors up by name across one or several safetensors files, records which
     were read, and rejects non-finite values."""
 
@@ -196,7 +196,7 @@ class _TensorReader:
         return arr
 
 
-def _prefix(reader: _TensorReader) -> str:
+def _prefix(reader: TensorReader) -> str:
     for p in TEXT_PREFIXES:
         if reader.has(p + "embed_tokens.weight"):
             return p
@@ -204,10 +204,10 @@ def _prefix(reader: _TensorReader) -> str:
                           f"embedding table under any of {TEXT_PREFIXES})")
 
 
-def convert_params(cfg: ModelConfig, reader: _TensorReader, *, progress: bool = False) -> dict:
+def convert_params(cfg: ModelConfig, reader: TensorReader, *, progress: bool = False) -> dict:
     """HF tensors -> jspec params pytree (numpy, cfg.dtype). `progress`: a tqdm bar over
     the layers on stderr."""
-    dt = _np_dtype(cfg.dtype)
+    dt = np_dtype(cfg.dtype)
     D, F, V, hd = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.head_dim
     pre = _prefix(reader)
 
@@ -267,7 +267,7 @@ def convert_params(cfg: ModelConfig, reader: _TensorReader, *, progress: bool = 
 # ------------------------------------------------------------------- unused tensors
 
 
-def _harmless(cfg: ModelConfig, reader: _TensorReader, name: str, multimodal: bool) -> bool:
+def _harmless(cfg: ModelConfig, reader: TensorReader, name: str, multimodal: bool) -> bool:
     """Tensors the conversion does not read and that change nothing:
     - `*rotary_emb.inv_freq`: RoPE buffers older transformers saved (jspec computes RoPE);
     - a multimodal checkpoint's vision tower and projector (jspec runs the text model);
@@ -311,7 +311,7 @@ def _likely_cause(cfg: ModelConfig, model_type: str, names: list[str]) -> str:
     return f"weights that model_type {model_type} does not use: does config.json match them?"
 
 
-def _check_unused(cfg: ModelConfig, reader: _TensorReader, model_type: str,
+def _check_unused(cfg: ModelConfig, reader: TensorReader, model_type: str,
                   multimodal: bool) -> None:
     unused = sorted(set(reader.where) - reader.used)
     harmless = [n for n in unused if _harmless(cfg, reader, n, multimodal)]
@@ -443,7 +443,7 @@ def load_hf(path: str | os.PathLike, *, dtype: Any = "bfloat16", backend: str = 
     hf = read_hf_config(path)
     cfg = from_hf_config(hf, dtype=dtype)
     options = KernelOptions(backend=backend, interpret=interpret)
-    reader = _TensorReader(path)
+    reader = TensorReader(path)
     nbytes = reader.nbytes()
     params = convert_params(cfg, reader, progress=nbytes > PROGRESS_MIN_BYTES)
     model_type = hf.model_type

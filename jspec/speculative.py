@@ -30,7 +30,7 @@ import numpy as np
 from flax import struct
 
 from jspec.cache import init_cache, rollback
-from jspec.drafters import ModelDrafter, OracleDrafter, ProposeContext
+from jspec.drafters import FeatureDrafter, ModelDrafter, OracleDrafter, ProposeContext
 from jspec.generate import PAD, first_non_finite, pad_prompts, plan_shapes
 from jspec.loop import check_count, raise_non_finite, run_chunked, token_bar
 from jspec.model import COMPILER_OPTIONS, Model, apply
@@ -370,9 +370,19 @@ class SpecOutput:
 def _validate(target: Model, drafter, spec: SpecConfig) -> None:
     if not isinstance(spec, SpecConfig):
         raise TypeError(f"spec must be a jspec.SpecConfig; got {type(spec).__name__}")
-    models = [drafter] if isinstance(drafter, ModelDrafter) else []
-    if isinstance(drafter, OracleDrafter) and drafter.draft is not None:
-        models.append(drafter.draft)
+    drafters = [drafter] + ([drafter.draft] if isinstance(drafter, OracleDrafter)
+                            and drafter.draft is not None else [])
+    models = [d for d in drafters if isinstance(d, ModelDrafter)]
+    for d in drafters:
+        if isinstance(d, FeatureDrafter):
+            hc, tc = d.head.config, target.config
+            if hc.vocab_size != tc.vocab_size or hc.target_hidden != tc.hidden_size:
+                raise ValueError(f"the feature head was built for a target of vocabulary "
+                                 f"{hc.vocab_size} and width {hc.target_hidden}; this target "
+                                 f"has {tc.vocab_size} and {tc.hidden_size}")
+            if max(hc.feature_layers) > tc.num_layers:
+                raise ValueError(f"the feature head reads layers {hc.feature_layers}; the "
+                                 f"target has {tc.num_layers}")
     for d in models:  # a draft's vocabulary may be a prefix of the target's (padded sizes)
         if d.model.config.vocab_size > target.config.vocab_size:
             raise ValueError(f"draft and target vocab mismatch: draft vocab_size="

@@ -1,0 +1,223 @@
+"""The feature drafter (an EAGLE-3 head over the target's hidden states), CPU.
+
+Exactness: whatever the head proposes, exact_greedy and gumbel_coupled speculative output
+equals serial output token for token, on ragged batches and every family; the target's
+logits are the same bits whether or not its features are read. The head itself: its
+incremental steps match one pass over the sequence (within rounding: a draft makes no
+invariance claim), the published layout round-trips bitwise and matches a plain-numpy
+reference forward, and bad heads are rejected naming the problem.
+"""
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import bits, expected, load
+from safetensors.numpy import load_file, save_file
+
+import jspec
+from jspec.cache import init_cache
+from jspec.eagle import load_eagle3, save_eagle3
+from jspec.feature_head import eagle3_layers, head_apply, init_head_cache, random_head
+from jspec.model import apply
+
+
+def _head(target, *, vd=None, layers=None, seed=0, dtype="float32"):
+    """A random head on the xla backend (f32) for a target, its layers in range."""
+    L = target.config.num_layers
+    layers = layers or tuple(sorted({min(i, L) for i in eagle3_layers(max(L, 4))}))
+    return random_head(target, seed=seed, draft_vocab_size=vd, feature_layers=layers,
+                       dtype=dtype, options=jspec.KernelOptions(backend="xla"))
+
+
+def test_features_are_the_residual_stream_and_change_no_logit():
+    model = load("qwen3", "pallas")
+    toks = jnp.asarray(expected("qwen3")["prompt"][None, :9])
+    want, _ = apply(model, toks, init_cache(model, 1, 32))
+    got, _, feats = apply(model, toks, init_cache(model, 1, 32), features=(0, 2))
+    assert np.array_equal(bits(got), bits(want))
+    D = model.config.hidden_size
+    assert feats.shape == (1, 9, 2 * D)
+    emb = jnp.take(model.params["embed"], toks[0], axis=0)
+    assert np.array_equal(bits(feats[0, :, :D]), bits(emb))  # entering layer 0
+    with pytest.raises(ValueError, match=r"layers \[3\] are outside \[0, 2\]"):
+        apply(model, toks, init_cache(model, 1, 32), features=(0, 3))
+
+
+@pytest.mark.parametrize("name", ["qwen3", pytest.param("gemma3", marks=pytest.mark.slow),
+                                  pytest.param("llama3", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("policy", ["exact_greedy", "gumbel_coupled"])
+def test_feature_drafter_output_equals_serial(name, policy):
+    target = load(name, "pallas")
+    drafter = jspec.FeatureDrafter(_head(target, vd=target.config.vocab_size // 2))
+    p = expected(name)["prompt"]
+    prompts = [p, p[:5], p[:1]]  # ragged, one a single token (no feature pair yet)
+    spec = jspec.SpecConfig(gamma=3, max_new_tokens=10, policy=policy, temperature=0.8)
+    out = jspec.speculative_generate(target, drafter, prompts, spec)
+    serial = jspec.generate(target, prompts, max_new_tokens=10,
+                            sampler=spec.serial_sampler(), seed=spec.seed)
+    for b in range(len(prompts)):
+        assert out.row(b) == serial.row(b)
+    assert out.stats["draft_forwards"] == 3 * out.stats["rounds"] + 1
+
+
+def test_feature_drafter_under_audit_oracle_and_rejection_sampling():
+    target = load("qwen3", "pallas")
+    head = _head(target)
+    p = expected("qwen3")["prompt"]
+    spec = jspec.SpecConfig(gamma=2, max_new_tokens=6, audit_every=1)
+    out = jspec.speculative_generate(target, jspec.FeatureDrafter(head), [p], spec)
+    assert out.stats["audited_blocks"] == out.stats["rounds"]
+    serial = jspec.generate(target, [p], max_new_tokens=12)
+    ref = jnp.asarray(np.concatenate([p, serial.row(0)])[None])
+    oracle = jspec.OracleDrafter(ref, 0.2, draft=jspec.FeatureDrafter(head))
+    assert oracle.feature_layers == head.config.feature_layers
+    spec = jspec.SpecConfig(gamma=3, max_new_tokens=12)
+    out = jspec.speculative_generate(target, oracle, [p], spec)
+    assert out.row(0) == serial.row(0) and out.stats["acceptance_rate"] > 0.4
+    spec = jspec.SpecConfig(gamma=3, max_new_tokens=8, policy="rejection_sampling")
+    out = jspec.speculative_generate(target, jspec.FeatureDrafter(head), [p, p[:4]], spec)
+    assert (out.num_tokens == 8).all()
+
+
+def test_head_steps_match_one_pass():
+    target = load("qwen3", "xla")
+    head = _head(target)
+    rng = np.random.default_rng(0)
+    B, T, W = 2, 6, head.config.feature_width
+    toks = jnp.asarray(rng.integers(0, head.config.vocab_size, (B, T)), jnp.int32)
+    feats = jnp.asarray(rng.standard_normal((B, T, W)), jnp.float32)
+    full, hid, _ = head_apply(head, toks, feats, init_head_cache(head, B, 16), fuse=True)
+    cache = init_head_cache(head, B, 16)
+    for t in range(T):
+        lg, h, cache = head_apply(head, toks[:, t:t + 1], feats[:, t:t + 1], cache, fuse=True)
+        np.testing.assert_allclose(lg[:, 0], full[:, t], rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(h[:, 0], hid[:, t], rtol=1e-5, atol=1e-5)
+
+
+def _rms(x, w, eps):
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
+
+
+def _reference_head(d: str, embed: np.ndarray, layers, tokens, feats):
+    """A plain-numpy EAGLE-3 forward over one sequence, from the published tensors and
+    config.json alone: tokens [T], feats [T, 3 Dt] -> logits in the target's ids [T, V]."""
+    with open(os.path.join(d, "config.json")) as f:
+        c = json.load(f)
+    t = {k: v.astype(np.float64) for k, v in load_file(os.path.join(d, "model.safetensors"))
+         .items()}
+    eps, H, Hk, hd = c["rms_norm_eps"], c["num_attention_heads"], c["num_key_value_heads"], \
+        c["head_dim"]
+    T = len(tokens)
+    f = feats @ t["fc.weight"].T
+    x = np.concatenate([_rms(embed[tokens], t["midlayer.input_layernorm.weight"], eps),
+                        _rms(f, t["midlayer.hidden_norm.weight"], eps)], axis=-1)
+    q = (x @ t["midlayer.self_attn.q_proj.weight"].T).reshape(T, H, hd)
+    k = (x @ t["midlayer.self_attn.k_proj.weight"].T).reshape(T, Hk, hd)
+    v = (x @ t["midlayer.self_attn.v_proj.weight"].T).reshape(T, Hk, hd)
+    inv = 1.0 / c["rope_theta"] ** (np.arange(0, hd, 2) / hd)
+    ang = np.arange(T)[:, None] * inv[None]
+    cos, sin = np.cos(np.concatenate([ang, ang], -1)), np.sin(np.concatenate([ang, ang], -1))
+
+    def rot(u):
+        half = np.concatenate([-u[..., hd // 2:], u[..., : hd // 2]], -1)
+        return u * cos[:, None] + half * sin[:, None]
+
+    q, k = rot(q), rot(k)
+    k, v = np.repeat(k, H // Hk, axis=1), np.repeat(v, H // Hk, axis=1)
+    s = np.einsum("thd,shd->hts", q, k) / np.sqrt(hd)
+    s = np.where(np.tril(np.ones((T, T), bool))[None], s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    o = np.einsum("hts,shd->thd", p / p.sum(-1, keepdims=True), v).reshape(T, H * hd)
+    r = f + o @ t["midlayer.self_attn.o_proj.weight"].T
+    h = _rms(r, t["midlayer.post_attention_layernorm.weight"], eps)
+    g, u = h @ t["midlayer.mlp.gate_proj.weight"].T, h @ t["midlayer.mlp.up_proj.weight"].T
+    out = r + (g / (1 + np.exp(-g)) * u) @ t["midlayer.mlp.down_proj.weight"].T
+    logits = _rms(out, t["norm.weight"], eps) @ t["lm_head.weight"].T  # [T, Vd]
+    full = np.full((T, c["vocab_size"]), -np.inf)
+    full[:, np.arange(c["draft_vocab_size"]) + t["d2t"].astype(np.int64)] = logits
+    return full
+
+
+@pytest.fixture(scope="module")
+def published(tmp_path_factory):
+    """A tiny head in the published layout for the qwen3 fixture: a draft vocabulary of
+    the odd ids (a d2t map), written by save_eagle3."""
+    target = load("qwen3", "xla")
+    head = _head(target, vd=target.config.vocab_size // 2, seed=3)
+    slot = np.full(target.config.vocab_size, -1, np.int32)
+    slot[1::2] = np.arange(target.config.vocab_size // 2)
+    head = head.replace(params={**head.params, "head_slot": jnp.asarray(slot)})
+    d = save_eagle3(str(tmp_path_factory.mktemp("head")), head)
+    return target, head, d
+
+
+def test_published_layout_round_trips_and_matches_the_reference(published):
+    target, head, d = published
+    with open(os.path.join(d, "config.json")) as f:
+        assert json.load(f)["architectures"] == ["LlamaForCausalLMEagle3"]
+    names = set(load_file(os.path.join(d, "model.safetensors")))
+    assert {"fc.weight", "midlayer.hidden_norm.weight", "d2t", "t2d", "lm_head.weight"} <= names
+    assert "embed_tokens.weight" not in names  # the target's embedding is shared
+    back = load_eagle3(d, target, options=jspec.KernelOptions(backend="xla"))
+    assert back.config == head.config
+    for a, b in zip(jax.tree.leaves(back.params), jax.tree.leaves(head.params), strict=True):
+        assert np.array_equal(bits(a), bits(b))
+    rng = np.random.default_rng(1)
+    T = 7
+    toks = rng.integers(0, target.config.vocab_size, T)
+    feats = rng.standard_normal((T, head.config.feature_width)).astype(np.float32)
+    logits, _, _ = head_apply(back, jnp.asarray(toks[None], jnp.int32), jnp.asarray(feats[None]),
+                              init_head_cache(back, 1, 16), fuse=True)
+    got = np.asarray(jspec.FeatureDrafter(back)._full(logits[0], target.config.vocab_size))
+    want = _reference_head(d, np.asarray(target.params["embed"], np.float64),
+                           back.config.feature_layers, toks, feats.astype(np.float64))
+    assert np.array_equal(np.isinf(got), np.isinf(want))
+    fin = np.isfinite(want)
+    np.testing.assert_allclose(got[fin], want[fin], rtol=1e-4, atol=1e-4 * np.abs(want[fin]).max())
+
+
+def _edit(d, tmp_path, *, config=None, drop=(), add=None, change=None):
+    """A copy of head dir d with config fields replaced and tensors dropped, added or
+    changed."""
+    out = tmp_path / "edited"
+    out.mkdir()
+    with open(os.path.join(d, "config.json")) as f:
+        cfg = json.load(f)
+    cfg.update(config or {})
+    (out / "config.json").write_text(json.dumps(cfg))
+    t = load_file(os.path.join(d, "model.safetensors"))
+    t = {k: v for k, v in t.items() if k not in drop} | (add or {})
+    for k, fn in (change or {}).items():
+        t[k] = fn(t[k])
+    save_file(t, str(out / "model.safetensors"))
+    return str(out)
+
+
+@pytest.mark.parametrize("kind", ["hidden", "vocab", "missing", "extra", "shape", "d2t",
+                                  "t2d", "arch", "layers"])
+def test_bad_heads_are_rejected_naming_the_problem(published, tmp_path, kind):
+    target, head, d = published
+    D, V = target.config.hidden_size, target.config.vocab_size
+    cases = {
+        "hidden": (dict(config={"target_hidden_size": D + 8}),
+                   f"features of width {D + 8}.*hidden_size is {D}"),
+        "vocab": (dict(config={"vocab_size": V + 1}), f"vocab_size={V + 1}"),
+        "missing": (dict(drop=("midlayer.mlp.up_proj.weight",)),
+                    "missing tensor 'midlayer.mlp.up_proj.weight'"),
+        "extra": (dict(add={"midlayer.self_attn.q_norm.weight": np.ones(4, np.float32)}),
+                  "not part of an EAGLE-3 head: midlayer.self_attn.q_norm.weight"),
+        "shape": (dict(change={"fc.weight": lambda w: w[:, :-1]}), "'fc.weight'.*has shape"),
+        "d2t": (dict(change={"d2t": lambda x: x + 1}), r"d2t: d2t maps to target ids.*outside"),
+        "t2d": (dict(change={"t2d": lambda x: ~x}), "the maps disagree"),
+        "arch": (dict(config={"architectures": ["LlamaForCausalLM"]}),
+                 "an EAGLE-3 head is one of"),
+        "layers": (dict(config={"eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 9]}}),
+                   r"feature layers \[9\] are outside"),
+    }
+    edit, match = cases[kind]
+    with pytest.raises(ValueError, match=match):
+        load_eagle3(_edit(d, tmp_path, **edit), target)
