@@ -1,0 +1,481 @@
+"""Text in, text out: the token API behind a tokenizer, a generation config and chats.
+
+  pipe = load_text(target_dir, draft_dir)          # or hub ids in the local HF cache
+  pipe.speculative_generate("def fib(n):").texts[0]
+  pipe.generate([[{"role": "user", "content": "Hi"}]]).texts[0]
+  for piece in pipe.stream("Once upon a time"): print(piece, end="")
+
+A prompt is a string (encoded with the tokenizer's default special tokens: BOS where the
+tokenizer adds it, as Gemma needs) or a chat, a list of {"role", "content"} messages
+(rendered and tokenized by the tokenizer's chat template, with the generation prompt).
+Generation stops at every EOS id of generation_config.json (or config.json), the
+tokenizer's EOS and, for chats, the template's end-of-turn token. Text is decoded
+incrementally (`IncrementalDecoder`), so a character split over byte tokens is never
+split in the output, streamed or not.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from jspec.drafters import ModelDrafter, PromptLookupDrafter
+from jspec.generate import generate, generate_stream
+from jspec.loading import CheckpointError, load_hf, load_tokenizer, resolve_checkpoint
+from jspec.model import Model, with_options
+from jspec.sampling import make_sampler
+from jspec.speculative import SpecConfig, speculative_generate, speculative_stream
+
+# End-of-turn tokens of common chat templates (ChatML, Gemma, Llama 3, Phi-3).
+END_OF_TURN = ("<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|eom_id|>", "<|end|>")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+Chat = list[dict]
+Prompt = str | Chat
+
+
+# --------------------------------------------------------------------------- decoding
+
+
+class IncrementalDecoder:
+    """Token ids in, fed a few at a time; text pieces out that never split a character.
+
+    As HF's TextStreamer and text-generation-inference do: every push decodes the ids
+    again and emits only the new suffix, holding it back while the text ends in U+FFFD
+    (an unfinished UTF-8 sequence: a character split over byte tokens). The decoded
+    window starts at the last emitted boundary (after `CONTEXT` ids of `context`, the
+    prompt's tail, so a leading space decodes as it does after the prompt), so a push
+    costs the ids since then. `text` is everything emitted; `flush()` emits what is still
+    held (an unfinished character then shows as U+FFFD, as a plain decode shows it).
+    """
+
+    CONTEXT = 5
+
+    def __init__(self, tokenizer, context: Sequence[int] = (), *,
+                 skip_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self._ids = [int(t) for t in context][-self.CONTEXT:]
+        self._prefix = 0  # window start: a boundary already emitted (or the context's start)
+        self._read = len(self._ids)  # ids before this are emitted
+        self.text = ""
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens,
+                                     clean_up_tokenization_spaces=False)
+
+    def push(self, ids: Sequence[int]) -> str:
+        """Adds ids; returns the text that is now complete ("" while a character is open)."""
+        self._ids.extend(int(t) for t in ids)
+        return self._emit(final=False)
+
+    def flush(self) -> str:
+        """Returns whatever is still held back (the end of a generation)."""
+        return self._emit(final=True)
+
+    def _emit(self, final: bool) -> str:
+        if len(self._ids) == self._read:
+            return ""
+        before = self._decode(self._ids[self._prefix:self._read])
+        after = self._decode(self._ids[self._prefix:])
+        if not final and (len(after) <= len(before) or after.endswith("\ufffd")):
+            return ""
+        piece = after[len(before):]
+        self._prefix, self._read = self._read, len(self._ids)
+        self.text += piece
+        return piece
+
+
+def decode_continuation(tokenizer, prompt_ids: Sequence[int], ids: Sequence[int]) -> str:
+    """The text of generated `ids` after `prompt_ids`, exactly as streaming prints it."""
+    dec = IncrementalDecoder(tokenizer, prompt_ids)
+    dec.push(ids)
+    dec.flush()
+    return dec.text
+
+
+# ---------------------------------------------------------------------------- prompts
+
+
+def is_chat(prompt) -> bool:
+    """A chat: a non-empty list of {"role", "content"} dicts."""
+    return (isinstance(prompt, list | tuple) and len(prompt) > 0
+            and all(isinstance(m, dict) for m in prompt))
+
+
+def _check_chat(chat, where: str) -> None:
+    for i, m in enumerate(chat):
+        if not isinstance(m.get("role"), str) or "content" not in m:
+            raise ValueError(f"{where}: message {i} must be a dict with a \"role\" string and "
+                             f"a \"content\"; got {m!r}")
+
+
+def as_prompts(prompts) -> list[Prompt]:
+    """A string, a chat, or a list of strings and chats -> a list of prompts."""
+    if isinstance(prompts, str) or is_chat(prompts):
+        prompts = [prompts]
+    if not isinstance(prompts, list | tuple) or not prompts:
+        raise ValueError("prompts must be a string, a chat (a list of {\"role\", \"content\"} "
+                         f"dicts) or a non-empty list of them; got {prompts!r:.200}")
+    out = []
+    for i, p in enumerate(prompts):
+        if isinstance(p, str):
+            out.append(p)
+        elif is_chat(p):
+            _check_chat(p, f"prompt {i}")
+            out.append(list(p))
+        else:
+            raise ValueError(f"prompt {i} must be a string or a chat (a list of "
+                             f"{{\"role\", \"content\"}} dicts); got {p!r:.200}")
+    return out
+
+
+def as_chat(prompt: Prompt) -> Chat:
+    """A string as one user message; a chat as it is."""
+    return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+
+
+def read_prompts(path: str, *, chat: bool = False) -> list[Prompt]:
+    """Prompts from a file: .jsonl (one object per line with "prompt": a string, or
+    "messages": a chat) or any other text file (one prompt per non-empty line).
+    chat=True wraps every string prompt as one user message. Errors name the line."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"prompts file {path!r} does not exist")
+    with open(path, encoding="utf-8") as f:
+        lines = f.read().splitlines()
+    prompts: list[Prompt] = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        if not path.endswith(".jsonl"):
+            prompts.append(line)
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{n}: not a JSON object ({e})") from None
+        if isinstance(obj, dict) and isinstance(obj.get("prompt"), str):
+            prompts.append(obj["prompt"])
+        elif isinstance(obj, dict) and is_chat(obj.get("messages")):
+            _check_chat(obj["messages"], f"{path}:{n}")
+            prompts.append(obj["messages"])
+        else:
+            raise ValueError(f"{path}:{n}: expected an object with \"prompt\" (a string) or "
+                             "\"messages\" (a list of {\"role\", \"content\"} objects)")
+    if not prompts:
+        raise ValueError(f"prompts file {path!r} holds no prompts")
+    return [as_chat(p) for p in prompts] if chat else prompts
+
+
+# ----------------------------------------------------------------------------- output
+
+
+@dataclasses.dataclass(frozen=True)
+class TextOutput:
+    """Attributes:
+    texts: the generated text per prompt (special tokens skipped, the stop token left out).
+    ids: generated token ids per prompt (a stop token, where one ended the row, included).
+    prompt_ids: the prompt's token ids as the model saw them.
+    finish_reasons: "stop" (a stop token) or "length" (max_new_tokens) per prompt.
+    stats: the engine's statistics of the run (`GenerateOutput.stats` / `SpecOutput.stats`).
+    """
+
+    texts: list[str]
+    ids: list[list[int]]
+    prompt_ids: list[list[int]]
+    finish_reasons: list[str]
+    stats: dict
+
+
+class TextStream:
+    """One generation's text pieces as they are produced (iterate once). Afterwards:
+    `text` (the pieces joined), `ids`, `prompt_ids`, `finish_reason` and `seconds`."""
+
+    def __init__(self, tokenizer, prompt_ids: list[int], steps: Iterator[list[int]],
+                 stop_ids: Sequence[int]):
+        self.prompt_ids = prompt_ids
+        self.ids: list[int] = []
+        self.text = ""
+        self.finish_reason = "length"
+        self.seconds = 0.0
+        self._tokenizer, self._steps, self._stop = tokenizer, steps, set(stop_ids)
+
+    def __iter__(self) -> Iterator[str]:
+        if self._steps is None:
+            raise RuntimeError("a TextStream can be iterated once")
+        steps, self._steps = self._steps, None
+        dec = IncrementalDecoder(self._tokenizer, self.prompt_ids)
+        t0 = time.perf_counter()
+        for new in steps:
+            new = [int(t) for t in new if t >= 0]
+            self.ids += new
+            if new and new[-1] in self._stop:
+                self.finish_reason = "stop"
+                new = new[:-1]
+            if piece := dec.push(new):
+                yield piece
+        if piece := dec.flush():
+            yield piece
+        self.seconds = time.perf_counter() - t0
+        self.text = dec.text
+
+
+# --------------------------------------------------------------------------- pipeline
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class TextPipeline:
+    """A target model with its tokenizer and stop ids, and optionally a drafter.
+
+    Attributes:
+      target: the target `Model`.
+      tokenizer: its transformers tokenizer.
+      drafter: a jspec drafter (`ModelDrafter`, `PromptLookupDrafter`, ...) or None.
+      stop_ids: generation stops after these (every EOS id of the generation config and
+        the tokenizer's EOS).
+      chat_stop_ids: further stop ids for chat prompts (the template's end of turn).
+      generation_config: transformers' `GenerationConfig` of the checkpoint, or None (its
+        sampling defaults are not applied: jspec's defaults are greedy).
+      name: the target's path, for messages.
+    """
+
+    target: Model
+    tokenizer: Any
+    drafter: Any = None
+    stop_ids: tuple[int, ...] = ()
+    chat_stop_ids: tuple[int, ...] = ()
+    generation_config: Any = None
+    name: str = ""
+
+    def with_drafter(self, drafter) -> TextPipeline:
+        return dataclasses.replace(self, drafter=drafter)
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        """A string with the tokenizer's default special tokens, or a chat through its
+        chat template (add_generation_prompt=True)."""
+        tok = self.tokenizer
+        if isinstance(prompt, str):
+            ids = list(tok(prompt)["input_ids"])
+        else:
+            if not getattr(tok, "chat_template", None):
+                raise ValueError(f"{self.name}: the tokenizer has no chat template, so a chat "
+                                 "prompt cannot be rendered; pass plain text instead")
+            ids = tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True,
+                                          return_dict=False)
+            if isinstance(ids, dict) or hasattr(ids, "keys"):  # a BatchEncoding
+                ids = ids["input_ids"]
+            ids = list(ids)
+        if not ids:
+            raise ValueError(f"the prompt {prompt!r:.200} encodes to no tokens")
+        return [int(t) for t in ids]
+
+    def _encode_all(self, prompts, stop_tokens) -> tuple[list[list[int]], tuple[int, ...]]:
+        prompts = as_prompts(prompts)
+        ids = [self.encode(p) for p in prompts]
+        if stop_tokens is None:
+            chat = any(not isinstance(p, str) for p in prompts)
+            stop_tokens = self.stop_ids + (self.chat_stop_ids if chat else ())
+        return ids, tuple(dict.fromkeys(int(t) for t in stop_tokens))
+
+    def _output(self, out, prompt_ids, stop) -> TextOutput:
+        rows = [out.row(b) for b in range(len(prompt_ids))]
+        ended = [bool(r) and r[-1] in stop for r in rows]
+        texts = [decode_continuation(self.tokenizer, p, r[:-1] if e else r)
+                 for p, r, e in zip(prompt_ids, rows, ended, strict=True)]
+        return TextOutput(texts=texts, ids=rows, prompt_ids=prompt_ids,
+                          finish_reasons=["stop" if e else "length" for e in ended],
+                          stats=dict(out.stats))
+
+    def generate(self, prompts, *, max_new_tokens: int = 128, temperature: float = 0.0,
+                 top_k: int = 0, top_p: float = 1.0, seed: int = 0,
+                 stop_tokens: Sequence[int] | None = None, max_len: int | None = None,
+                 progress: bool = False) -> TextOutput:
+        """Serial decoding of one prompt or a batch (greedy at temperature 0).
+        stop_tokens: None for the pipeline's stop ids, () for none."""
+        ids, stop = self._encode_all(prompts, stop_tokens)
+        out = generate(self.target, ids, max_new_tokens=max_new_tokens,
+                       sampler=make_sampler(temperature, top_k, top_p), stop_tokens=stop,
+                       seed=seed, max_len=max_len, progress=progress)
+        return self._output(out, ids, stop)
+
+    def spec_config(self, *, gamma: int = 4, policy: str | None = None,
+                    max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
+                    top_p: float = 1.0, seed: int = 0, stop_tokens: Sequence[int] = (),
+                    audit_every: int = 0) -> SpecConfig:
+        """The `SpecConfig` of a run. policy None: exact_greedy at temperature 0, else
+        gumbel_coupled (sampled output equal to `generate`'s with the same arguments)."""
+        if policy is None:
+            policy = "exact_greedy" if temperature == 0 else "gumbel_coupled"
+        return SpecConfig(gamma=gamma, policy=policy, max_new_tokens=max_new_tokens,
+                          seed=seed, temperature=temperature, top_k=top_k, top_p=top_p,
+                          stop_tokens=tuple(stop_tokens), audit_every=audit_every)
+
+    def _need_drafter(self):
+        if self.drafter is None:
+            raise ValueError(f"{self.name}: no drafter: load_text(target, draft=...) with a "
+                             "draft checkpoint or 'prompt_lookup' for speculative decoding")
+        return self.drafter
+
+    def speculative_generate(self, prompts, *, gamma: int = 4, policy: str | None = None,
+                             max_new_tokens: int = 128, temperature: float = 0.0,
+                             top_k: int = 0, top_p: float = 1.0, seed: int = 0,
+                             stop_tokens: Sequence[int] | None = None, audit_every: int = 0,
+                             max_len: int | None = None, progress: bool = False) -> TextOutput:
+        """Speculative decoding with the pipeline's drafter: the same tokens as
+        `generate` with the same arguments (policy None or exact_greedy/gumbel_coupled)."""
+        drafter = self._need_drafter()
+        ids, stop = self._encode_all(prompts, stop_tokens)
+        spec = self.spec_config(gamma=gamma, policy=policy, max_new_tokens=max_new_tokens,
+                                temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                                stop_tokens=stop, audit_every=audit_every)
+        out = speculative_generate(self.target, drafter, ids, spec, max_len=max_len,
+                                   progress=progress)
+        return self._output(out, ids, stop)
+
+    def stream(self, prompt: Prompt, *, speculative: bool | None = None, gamma: int = 4,
+               policy: str | None = None, max_new_tokens: int = 128, temperature: float = 0.0,
+               top_k: int = 0, top_p: float = 1.0, seed: int = 0,
+               stop_tokens: Sequence[int] | None = None, audit_every: int = 0,
+               max_len: int | None = None) -> TextStream:
+        """One prompt's text as it is produced: iterate the returned `TextStream` for
+        pieces (a step or a speculative round at a time). speculative None: if the
+        pipeline has a drafter. The tokens are those of `generate` (or
+        `speculative_generate`) with the same arguments."""
+        prompts = as_prompts(prompt)
+        if len(prompts) != 1:
+            raise ValueError(f"stream takes one prompt; got {len(prompts)}")
+        (ids,), stop = self._encode_all(prompts, stop_tokens)
+        if speculative is None:
+            speculative = self.drafter is not None
+        if speculative:
+            spec = self.spec_config(gamma=gamma, policy=policy, max_new_tokens=max_new_tokens,
+                                    temperature=temperature, top_k=top_k, top_p=top_p,
+                                    seed=seed, stop_tokens=stop, audit_every=audit_every)
+            steps = (rows[0] for rows in speculative_stream(
+                self.target, self._need_drafter(), [ids], spec, max_len=max_len))
+        else:
+            steps = ([int(t[0])] for t in generate_stream(
+                self.target, [ids], max_new_tokens=max_new_tokens,
+                sampler=make_sampler(temperature, top_k, top_p), stop_tokens=stop, seed=seed,
+                max_len=max_len))
+        return TextStream(self.tokenizer, ids, steps, stop)
+
+    def chat(self, messages: Chat, **kw) -> str:
+        """The reply to a chat (speculative when the pipeline has a drafter); keyword
+        arguments as `generate` / `speculative_generate`."""
+        run = self.speculative_generate if self.drafter is not None else self.generate
+        return run([as_chat(messages)], **kw).texts[0]
+
+
+# ---------------------------------------------------------------------------- loading
+
+
+def _eos_ids(value) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in (value if isinstance(value, list | tuple) else [value])]
+
+
+def load_generation_config(path: str):
+    """transformers' GenerationConfig of a checkpoint dir, or None without one."""
+    if not os.path.isfile(os.path.join(path, "generation_config.json")):
+        return None
+    from transformers import GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(path, local_files_only=True)
+    except Exception as e:  # transformers raises several types for a bad file
+        raise CheckpointError(f"{path}/generation_config.json: transformers could not read it "
+                              f"({e})") from e
+
+
+def stop_ids_of(path: str, tokenizer, generation_config, vocab_size: int
+                ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(stop ids, chat stop ids) of a checkpoint: every EOS id of its generation config
+    (else of config.json, top level or text_config) and the tokenizer's EOS; for chats,
+    the end-of-turn tokens of `END_OF_TURN` the vocabulary has. Ids outside the model's
+    vocabulary are dropped (the model cannot emit them)."""
+    eos = _eos_ids(getattr(generation_config, "eos_token_id", None))
+    if generation_config is None:
+        with open(os.path.join(path, "config.json")) as f:
+            raw = json.load(f)
+        eos = _eos_ids(raw.get("eos_token_id")) or _eos_ids(
+            (raw.get("text_config") or {}).get("eos_token_id"))
+    eos += _eos_ids(tokenizer.eos_token_id)
+    vocab = tokenizer.get_vocab()
+    turn = [vocab[t] for t in END_OF_TURN if t in vocab]
+    keep = lambda ids: tuple(dict.fromkeys(i for i in ids if 0 <= i < vocab_size))  # noqa: E731
+    stop = keep(eos)
+    return stop, tuple(i for i in keep(turn) if i not in stop)
+
+
+def _has_tokenizer(path: str) -> bool:
+    return any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES)
+
+
+def check_same_tokenizer(target_tok, draft_tok, target_name: str, draft_name: str) -> None:
+    """The draft's tokenizer must give every id it shares with the target's the same
+    token (a draft vocabulary that is a prefix of the target's is fine); else ValueError
+    naming both and the first differing id."""
+    t = {i: s for s, i in target_tok.get_vocab().items()}
+    d = {i: s for s, i in draft_tok.get_vocab().items()}
+    for i in sorted(t.keys() & d.keys()):
+        if t[i] != d[i]:
+            raise ValueError(
+                f"the draft's tokenizer ({draft_name}) and the target's ({target_name}) "
+                f"differ at id {i}: draft {d[i]!r}, target {t[i]!r}; speculative decoding "
+                "needs the target's tokenizer (a draft vocabulary may be a prefix of it)")
+
+
+def apply_draft_options(draft: Model, draft_options) -> Model:
+    """A draft model with `draft_options`: "auto", a DraftOptions or an option string."""
+    from jspec.cli import with_option_string
+    from jspec.options import DraftOptions, draft_options_for
+
+    if isinstance(draft_options, DraftOptions):
+        return with_options(draft, draft_options)
+    if draft_options == "auto":
+        return with_options(draft, draft_options_for(draft))
+    if isinstance(draft_options, str):
+        return with_option_string(draft, draft_options)
+    raise ValueError(f"draft_options={draft_options!r}: 'auto', a jspec.DraftOptions or an "
+                     "option string (jspec.cli.parse_options)")
+
+
+def load_text(target: str | os.PathLike, draft: str | os.PathLike | None = None, *,
+              dtype: Any = "bfloat16", backend: str = "pallas", draft_backend: str = "xla",
+              draft_options: Any = "auto", max_ngram: int = 3) -> TextPipeline:
+    """Loads a target checkpoint (a directory or a hub id in the local HF cache) with its
+    tokenizer and generation config, and optionally a drafter.
+
+    draft: None (no drafter), a draft checkpoint (its tokenizer, where it has one, must
+      agree with the target's on every id they share) or "prompt_lookup"
+      (`PromptLookupDrafter(max_ngram)`).
+    draft_backend: the draft model's backend: its numerics only change what is proposed,
+      never the output, so "xla" (fast, no interpret mode on a CPU) is the default.
+    draft_options: "auto" (`jspec.options.draft_options_for(draft)`: the fastest measured
+      for the draft on this platform), a `DraftOptions`, or an option string
+      (`jspec.cli.parse_options`).
+    """
+    target_path = resolve_checkpoint(target)
+    tok = load_tokenizer(target_path)
+    draft_path = None
+    if draft is not None and os.fspath(draft) != "prompt_lookup":
+        draft_path = resolve_checkpoint(draft)
+        if _has_tokenizer(draft_path):  # check before loading any weights
+            check_same_tokenizer(tok, load_tokenizer(draft_path), target_path, draft_path)
+    model = load_hf(target_path, dtype=dtype, backend=backend)
+    gen = load_generation_config(target_path)
+    stop, chat_stop = stop_ids_of(target_path, tok, gen, model.config.vocab_size)
+    drafter = None
+    if draft is not None and draft_path is None:
+        drafter = PromptLookupDrafter(max_ngram=max_ngram)
+    elif draft_path is not None:
+        draft_model = load_hf(draft_path, dtype=dtype, backend=draft_backend)
+        drafter = ModelDrafter(apply_draft_options(draft_model, draft_options))
+    return TextPipeline(target=model, tokenizer=tok, drafter=drafter, stop_ids=stop,
+                        chat_stop_ids=chat_stop, generation_config=gen, name=target_path)

@@ -1,0 +1,191 @@
+"""The text API (jspec.text): strings and chats in, text out, CPU.
+
+Each test fails without its fix: streamed text never splits a character over byte
+tokens (the CLI printed `x = "é` and replacement characters); strings get the tokenizer's
+BOS (Gemma degrades without it); a chat stops at every EOS id of generation_config.json
+(the CLIs stopped only at the tokenizer's EOS); a draft with another tokenizer is an
+error naming both; speculative text equals serial text on the official Gemma 3 layout
+with a draft whose vocabulary is a prefix of the target's.
+"""
+
+import dataclasses
+import json
+import os
+import types
+
+import pytest
+
+import jspec
+from jspec.text import (
+    IncrementalDecoder,
+    TextPipeline,
+    as_prompts,
+    check_same_tokenizer,
+    decode_continuation,
+    load_text,
+    read_prompts,
+    stop_ids_of,
+)
+from jspec.tiny import write_tiny_gemma3_pair
+
+BOS, END_OF_TURN = 2, 106  # the Gemma fixture's ids (jspec.tiny)
+ACCENTS = 'x = "ééééé"'
+
+
+@pytest.fixture(scope="module")
+def gemma(tmp_path_factory):
+    return write_tiny_gemma3_pair(str(tmp_path_factory.mktemp("gemma3")))
+
+
+@pytest.fixture(scope="module")
+def gemma_tok(gemma):
+    return jspec.load_tokenizer(gemma[0])
+
+
+def _stream(tok, ids, context=()):
+    dec = IncrementalDecoder(tok, context)
+    pieces = [dec.push([t]) for t in ids]
+    return pieces + [dec.flush()]
+
+
+@pytest.mark.parametrize("which", ["gemma", "code_pair"])
+def test_incremental_decoder_never_splits_a_character(which, gemma_tok):
+    tok = gemma_tok if which == "gemma" else jspec.load_tokenizer(jspec.default_pair()[0])
+    for s in (ACCENTS, "naïve café: 中文 🙂 ok", "é"):
+        ids = tok.encode(s, add_special_tokens=False)
+        pieces = _stream(tok, ids)
+        assert "".join(pieces) == tok.decode(ids) == s
+        assert not any("\ufffd" in p for p in pieces), pieces
+    if which == "gemma":  # "é" is two byte tokens: one-token decoding garbles it
+        ids = tok.encode(ACCENTS, add_special_tokens=False)
+        assert "\ufffd" in "".join(tok.decode([t]) for t in ids)
+    # After a prompt (its tail is the decoding context), as generation streams.
+    prompt = tok.encode('x = "')
+    gen = tok.encode('ééé" and é', add_special_tokens=False)
+    assert "".join(_stream(tok, gen, prompt)) == 'ééé" and é'
+    assert decode_continuation(tok, prompt, gen) == 'ééé" and é'
+
+
+def test_incremental_decoder_holds_an_unfinished_character(gemma_tok):
+    first, second = gemma_tok.encode("é", add_special_tokens=False)
+    dec = IncrementalDecoder(gemma_tok)
+    assert dec.push([first]) == ""  # held: half a character
+    assert dec.push([second]) == "é"
+    dec = IncrementalDecoder(gemma_tok)
+    dec.push([first])
+    assert dec.flush() == "\ufffd" == dec.text  # the generation ended inside it
+
+
+def test_prompt_forms_and_files(tmp_path):
+    chat = [{"role": "user", "content": "hi"}]
+    assert as_prompts("a") == ["a"] and as_prompts(chat) == [chat]
+    assert as_prompts(["a", chat]) == ["a", chat]
+    for bad in ([], [1], [{"content": "no role"}], 3):
+        with pytest.raises(ValueError):
+            as_prompts(bad)
+    txt = tmp_path / "p.txt"
+    txt.write_text("first\n\nsecond é\n")
+    assert read_prompts(str(txt)) == ["first", "second é"]
+    assert read_prompts(str(txt), chat=True)[1] == [{"role": "user", "content": "second é"}]
+    jl = tmp_path / "p.jsonl"
+    jl.write_text(json.dumps({"prompt": "a"}) + "\n" + json.dumps({"messages": chat}) + "\n")
+    assert read_prompts(str(jl)) == ["a", chat]
+    jl.write_text(json.dumps({"prompt": "a"}) + "\n{not json\n")
+    with pytest.raises(ValueError, match=r"p\.jsonl:2"):
+        read_prompts(str(jl))
+    jl.write_text(json.dumps({"text": "a"}) + "\n")
+    with pytest.raises(ValueError, match=r"p\.jsonl:1: expected an object"):
+        read_prompts(str(jl))
+    with pytest.raises(FileNotFoundError, match="missing.txt"):
+        read_prompts(str(tmp_path / "missing.txt"))
+    (tmp_path / "empty.txt").write_text("\n")
+    with pytest.raises(ValueError, match="no prompts"):
+        read_prompts(str(tmp_path / "empty.txt"))
+
+
+def test_stop_ids_and_chat_template_errors(gemma, gemma_tok):
+    target = gemma[0]
+    gen = jspec.text.load_generation_config(target)
+    # Every EOS id of generation_config.json ([1, 106]), not just the tokenizer's (1).
+    assert gemma_tok.eos_token_id == 1
+    assert stop_ids_of(target, gemma_tok, gen, 576) == ((1, 106), ())
+    # A generation config with one EOS: the chat's end of turn is added for chats.
+    one = types.SimpleNamespace(eos_token_id=1)
+    assert stop_ids_of(target, gemma_tok, one, 576) == ((1,), (END_OF_TURN,))
+    # No generation_config.json: config.json's eos (the code pair's 0).
+    pair = jspec.default_pair()[0]
+    pair_tok = jspec.load_tokenizer(pair)
+    assert stop_ids_of(pair, pair_tok, None, 4096) == ((0,), ())
+    no_template = TextPipeline(target=None, tokenizer=pair_tok, name="codepair")
+    with pytest.raises(ValueError, match="codepair: the tokenizer has no chat template"):
+        no_template.encode([{"role": "user", "content": "hi"}])
+    with pytest.raises(ValueError, match="no drafter"):
+        no_template.speculative_generate("hi")
+
+
+def test_a_draft_with_another_tokenizer_is_an_error_naming_both(gemma):
+    def fake(vocab):
+        return types.SimpleNamespace(get_vocab=lambda: vocab)
+
+    target = fake({"a": 0, "b": 1, "c": 2})
+    check_same_tokenizer(target, fake({"a": 0, "b": 1}), "T", "D")  # a prefix: fine
+    with pytest.raises(ValueError, match=r"\(D\) and the target's \(T\) differ at id 1"):
+        check_same_tokenizer(target, fake({"a": 0, "x": 1}), "T", "D")
+    # A real pair of checkpoints, rejected before any weights load.
+    code_draft = jspec.default_pair()[1]
+    with pytest.raises(ValueError, match="differ at id 0") as e:
+        load_text(gemma[0], code_draft)
+    assert gemma[0] in str(e.value) and code_draft in str(e.value)
+
+
+def _stop_at_end_of_turn_after(pipe, token: int) -> TextPipeline:
+    """The pipeline's target with the LM head's <end_of_turn> column a copy of `token`'s:
+    where `token` wins, <end_of_turn> ties it and wins (argmax takes the lowest index).
+    A random model never ends a turn by itself."""
+    params = dict(pipe.target.params)
+    params["lm_head"] = params["lm_head"].at[:, END_OF_TURN].set(params["lm_head"][:, token])
+    return dataclasses.replace(pipe, target=pipe.target.replace(params=params))
+
+
+def test_gemma_text_speculative_equals_serial_and_a_chat_stops_at_end_of_turn(gemma, gemma_tok):
+    # The official multimodal layout (vocab 576) with a gemma3_text draft (vocab 512).
+    pipe = load_text(*gemma)
+    assert pipe.stop_ids == (1, END_OF_TURN) and pipe.drafter.model.config.vocab_size == 512
+    chat = [{"role": "user", "content": "Say é"}]
+    prompts = ["Hi", f"Write {ACCENTS} and more words here", chat]
+    # 444 is the chat's 9th greedy token with these weights (the others never emit it).
+    pipe = _stop_at_end_of_turn_after(pipe, 444)
+    serial = pipe.generate(prompts, max_new_tokens=16)
+    spec = pipe.speculative_generate(prompts, max_new_tokens=16, gamma=3)
+    assert spec.ids == serial.ids and spec.texts == serial.texts
+    for p in serial.prompt_ids:  # BOS once: the chat template writes it, nothing adds another
+        assert p[0] == BOS and p.count(BOS) == 1
+    assert serial.prompt_ids[2] == gemma_tok.apply_chat_template(
+        chat, add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert len({len(p) for p in serial.prompt_ids}) == 3  # ragged prompts, one batch
+    assert serial.finish_reasons == ["length", "length", "stop"]
+    chat_ids = serial.ids[2]
+    assert chat_ids[-1] == END_OF_TURN and len(chat_ids) == 9
+    for ids, text in zip(serial.ids, serial.texts, strict=True):
+        kept = ids[:-1] if ids[-1] == END_OF_TURN else ids
+        assert text == gemma_tok.decode(kept, skip_special_tokens=True)
+        assert "<end_of_turn>" not in text
+    assert {"acceptance_rate", "prompt_bucket", "max_len"} <= spec.stats.keys()
+    # Streaming (speculative, a round at a time) gives the same tokens and text.
+    stream = pipe.stream(chat, max_new_tokens=16, gamma=3)
+    pieces = list(stream)
+    assert "".join(pieces) == stream.text == spec.texts[2]
+    assert stream.ids == spec.ids[2] and stream.finish_reason == "stop"
+    assert pipe.chat(chat, max_new_tokens=16, gamma=3) == spec.texts[2]
+
+
+@pytest.mark.slow  # the CLI tests run the embedded pair through this API
+def test_embedded_pair_text_speculative_equals_serial():
+    pipe = load_text(*jspec.default_pair())
+    prompts = ["import os\n", "def rgb_to_hls(r, g, b):\n    maxc = max(r, g, b)"]
+    serial = pipe.generate(prompts, max_new_tokens=12)
+    spec = pipe.speculative_generate(prompts, max_new_tokens=12, gamma=2)
+    assert spec.ids == serial.ids and spec.texts == serial.texts
+    stream = pipe.stream(prompts[1], speculative=False, max_new_tokens=12)
+    assert "".join(stream) == serial.texts[1] and stream.ids == serial.ids[1]
+    assert os.path.basename(pipe.name) == "target"
