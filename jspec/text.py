@@ -447,7 +447,8 @@ def apply_draft_options(draft: Model, draft_options) -> Model:
 
 
 def load_text(target: str | os.PathLike, draft: str | os.PathLike | None = None, *,
-              dtype: Any = "bfloat16", backend: str = "pallas", draft_backend: str = "xla",
+              head: str | os.PathLike | None = None, dtype: Any = "bfloat16",
+              backend: str = "pallas", draft_backend: str = "xla",
               draft_options: Any = "auto", max_ngram: int = 3) -> TextPipeline:
     """Loads a target checkpoint (a directory or a hub id in the local HF cache) with its
     tokenizer and generation config, and optionally a drafter.
@@ -455,12 +456,16 @@ def load_text(target: str | os.PathLike, draft: str | os.PathLike | None = None,
     draft: None (no drafter), a draft checkpoint (its tokenizer, where it has one, must
       agree with the target's on every id they share) or "prompt_lookup"
       (`PromptLookupDrafter(max_ngram)`).
+    head: instead of a draft, an EAGLE-3 head directory (`jspec.load_eagle3`), drafting
+      with `FeatureDrafter` on the target's backend.
     draft_backend: the draft model's backend: its numerics only change what is proposed,
       never the output, so "xla" (fast, no interpret mode on a CPU) is the default.
     draft_options: "auto" (`jspec.options.draft_options_for(draft)`: the fastest measured
       for the draft on this platform), a `DraftOptions`, or an option string
       (`jspec.cli.parse_options`).
     """
+    if draft is not None and head is not None:
+        raise ValueError("load_text takes a draft or a head, not both")
     target_path = resolve_checkpoint(target)
     tok = load_tokenizer(target_path)
     draft_path = None
@@ -477,5 +482,10 @@ def load_text(target: str | os.PathLike, draft: str | os.PathLike | None = None,
     elif draft_path is not None:
         draft_model = load_hf(draft_path, dtype=dtype, backend=draft_backend)
         drafter = ModelDrafter(apply_draft_options(draft_model, draft_options))
+    elif head is not None:
+        from jspec.drafters import FeatureDrafter
+        from jspec.eagle import load_eagle3
+
+        drafter = FeatureDrafter(load_eagle3(head, model))
     return TextPipeline(target=model, tokenizer=tok, drafter=drafter, stop_ids=stop,
                         chat_stop_ids=chat_stop, generation_config=gen, name=target_path)

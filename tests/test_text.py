@@ -189,3 +189,20 @@ def test_embedded_pair_text_speculative_equals_serial():
     stream = pipe.stream(prompts[1], speculative=False, max_new_tokens=12)
     assert "".join(stream) == serial.texts[1] and stream.ids == serial.ids[1]
     assert os.path.basename(pipe.name) == "target"
+
+
+@pytest.mark.slow  # tests/test_feature_drafter.py proves the feature drafter's exactness
+def test_a_text_pipeline_drafts_with_an_eagle3_head(gemma, tmp_path):
+    from jspec.eagle import save_eagle3
+    from jspec.feature_head import random_head
+
+    serial = load_text(gemma[0])
+    head_dir = save_eagle3(str(tmp_path / "head"), random_head(serial.target, seed=1,
+                                                                  feature_layers=(0, 1, 2)))
+    pipe = load_text(gemma[0], head=head_dir)
+    assert isinstance(pipe.drafter, jspec.FeatureDrafter)
+    prompts = ["Hi", [{"role": "user", "content": "Say é"}]]
+    spec = pipe.speculative_generate(prompts, max_new_tokens=12, gamma=2)
+    assert spec.ids == serial.generate(prompts, max_new_tokens=12).ids
+    with pytest.raises(ValueError, match="a draft or a head"):
+        load_text(gemma[0], gemma[1], head=head_dir)
