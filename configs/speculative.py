@@ -8,6 +8,8 @@ Launch:
 With no target, the embedded code pair runs: a small Qwen3 target and draft
 trained on the CPython standard library (jspec/assets/codepair/MODEL_CARD.md),
 on a prompt from a module they never saw in training.
+Several prompts, chats, JSONL output and streaming as in configs/generate.py
+(`--config.prompts=`, `--config.chat=True`, `--config.output=`, `--config.stream=True`).
 `--config=configs/speculative.py:runlocal` shrinks the run for a smoke test.
 """
 
@@ -16,12 +18,17 @@ import ml_collections
 
 def get_config(arg=None):
     c = ml_collections.ConfigDict()
-    c.target = ""  # HF checkpoint dir; "" = the embedded code pair (target and draft)
-    c.draft = ""  # HF checkpoint dir of the draft model; "" = the pair's draft, or the target
+    c.target = ""  # HF checkpoint dir or hub id; "" = the embedded code pair (target and draft)
+    c.draft = ""  # the draft model's checkpoint; "" = the pair's draft, or the target
     c.drafter = "model"  # "model" | "prompt_lookup"
     c.max_ngram = 3  # prompt lookup
+    c.head = ""  # an EAGLE-3 head directory: drafts with it (FeatureDrafter), not a draft model
     # From colorsys.py, a module the embedded pair never saw in training.
     c.prompt = "def rgb_to_hls(r, g, b):\n    maxc = max(r, g, b)\n    minc = min(r, g, b)"
+    c.prompts = ""  # a prompts file (.txt: one a line; .jsonl: "prompt" or "messages")
+    c.chat = False  # each plain prompt as one user message, through the chat template
+    c.output = ""  # a .jsonl file: one object per prompt (prompt, text, ids, stats, parity)
+    c.stream = False  # print the speculative text as it is generated (then measure)
     c.gamma = 4
     c.policy = "exact_greedy"  # | "gumbel_coupled" | "rejection_sampling"
     c.max_new_tokens = 64
@@ -29,15 +36,18 @@ def get_config(arg=None):
     c.top_k = 0
     c.top_p = 1.0
     c.seed = 0
-    c.stop_at_eos = True
+    c.stop_at_eos = True  # stop at the generation config's EOS ids (and a chat's end of turn)
     c.backend = "pallas"
     # The draft model's backend ("" = c.backend). The draft only proposes tokens; the
     # target's verify decides every output token, so "xla" (faster for a small model,
     # and no interpret mode on a CPU) never changes the output.
     c.draft_backend = "xla"
-    # Options for the draft model alone (jspec.cli option names, comma-separated):
-    # "draft" = jspec.DraftOptions.latency(), fewer kernels for an xla-backend draft.
-    c.draft_options = "draft"
+    # Options for the draft model alone: "auto" = jspec.options.draft_options_for(draft),
+    # the fastest measured for the draft on this platform (the latency set on a GPU for a
+    # small draft, none on a CPU, where the latency kernels would run interpreted); or
+    # jspec.cli option names, comma-separated ("draft" = jspec.DraftOptions.latency(),
+    # "" = none).
+    c.draft_options = "auto"
     # A pruned draft LM head (jspec.ModelDrafter.pruned): "" = the full head; a .npy file
     # of token ids; or a text file, whose draft_head_size most frequent tokens (under the
     # target's tokenizer) the head keeps. Outputs stay exact; acceptance may drop.

@@ -3,19 +3,23 @@
   python experiments/generate.py --config=configs/generate.py \
       --config.checkpoint=/path/to/hf_dir --config.prompt="def fib(n):"
 
-Without --config.checkpoint it uses the target of the embedded code pair
-(jspec/assets/codepair: a small Qwen3 trained on the CPython standard library).
+Prompts: --config.prompt, or --config.prompts=<file> (.txt: one a line; .jsonl: objects
+with "prompt" or "messages"); --config.chat=True sends plain prompts through the chat
+template; --config.output=<file.jsonl> writes one object per prompt (prompt, text, ids,
+stats); --config.stream=True prints the text as it is generated. Without
+--config.checkpoint it uses the target of the embedded code pair (jspec/assets/codepair:
+a small Qwen3 trained on the CPython standard library).
 """
 
+import json
 import os
-import time
 
 import jax
-import numpy as np
-from absl import app, logging
 from ml_collections import config_flags
 
 import jspec
+from jspec import cli, text
+from jspec.generate import plan_shapes
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", os.path.join(os.path.dirname(__file__), "..", "configs", "generate.py"),
@@ -25,45 +29,64 @@ _CONFIG = config_flags.DEFINE_config_file(
 def main(argv):
     del argv
     c = _CONFIG.value
-    path = c.checkpoint or jspec.default_pair()[0]
-    model = jspec.load_hf(path, dtype=c.dtype, backend=c.backend)
-    tok = jspec.load_tokenizer(path)
-    ids = tok.encode(c.prompt, add_special_tokens=False)
-    if not ids:
-        raise app.UsageError(f"the prompt {c.prompt!r} encodes to no tokens")
-    stop = (tok.eos_token_id,) if c.stop_at_eos and tok.eos_token_id is not None else ()
-    sampler = jspec.make_sampler(c.temperature, c.top_k, c.top_p)
-    kw = dict(max_new_tokens=c.max_new_tokens, sampler=sampler, stop_tokens=stop,
-              seed=c.seed, max_len=c.max_len or None)
+    prompts = cli.config_prompts(c)
+    jspec.make_sampler(c.temperature, c.top_k, c.top_p)  # a bad value fails before loading
+    pipe = text.load_text(c.checkpoint or jspec.default_pair()[0], dtype=c.dtype,
+                          backend=c.backend)
+    model = pipe.target
+    chat = any(not isinstance(p, str) for p in prompts)
+    stop = (pipe.stop_ids + (pipe.chat_stop_ids if chat else ())) if c.stop_at_eos else ()
+    kw = dict(max_new_tokens=c.max_new_tokens, temperature=c.temperature, top_k=c.top_k,
+              top_p=c.top_p, seed=c.seed, stop_tokens=stop, max_len=c.max_len or None)
     print(f"model: {model.config.family} L={model.config.num_layers} "
-          f"D={model.config.hidden_size} V={model.config.vocab_size} "
-          f"backend={c.backend} dtype={c.dtype} device={jax.devices()[0].platform}")
-    print(c.prompt, end="", flush=True)
-    if c.stream:
-        out = []
-        t0 = time.perf_counter()
-        for step in jspec.generate_stream(model, [ids], **kw):
-            if step[0] >= 0:
-                out.append(int(step[0]))
-                print(tok.decode([out[-1]]), end="", flush=True)
-        dt = time.perf_counter() - t0
-        print()
-        n = len(out)
-    else:
-        t0 = time.perf_counter()
-        jspec.generate(model, [ids], **kw)  # compile + warm-up
-        compile_s = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        res = jspec.generate(model, [ids], **kw)
-        dt = time.perf_counter() - t0
-        out = res.row(0)
-        n = len(out)
-        print(tok.decode(out))
-        logging.info("compile+first run %.2fs", compile_s)
-    print(f"tokens: {out}")
-    print(f"{n} new tokens in {dt:.3f}s: {n / dt:.1f} tokens/s (incl. prefill)")
-    return 0 if np.all(np.asarray(out) >= 0) else 1
+          f"D={model.config.hidden_size} V={model.config.vocab_size} dtype={c.dtype} "
+          f"device={jax.devices()[0].platform}; stop ids {list(stop)}")
+    print(cli.backend_line(model, "model"))
+    out_file = open(c.output, "w", encoding="utf-8") if c.output else None
+    shapes = {"serial": set()}
+    for i, prompt in enumerate(prompts):
+        if len(prompts) > 1:
+            print(f"--- prompt {i + 1}/{len(prompts)}")
+        print(cli.show_prompt(prompt), end="", flush=True)
+        if c.stream:
+            s = pipe.stream(prompt, speculative=False, **kw)
+            for piece in s:
+                print(piece, end="", flush=True)
+            print()
+            key = plan_shapes(len(s.prompt_ids), c.max_new_tokens, c.max_len or None,
+                              model.config.max_position)
+            first = key not in shapes["serial"]
+            shapes["serial"].add(key)
+            ids, generated, dt = s.ids, s.text, s.seconds
+            stats = {"tokens": len(ids), "seconds": dt, "prompt_bucket": key[0],
+                     "max_len": key[1]}
+            record = {"prompt": prompt, "text": generated, "ids": ids,
+                      "prompt_ids": s.prompt_ids, "finish_reason": s.finish_reason}
+        else:
+            out = pipe.generate([prompt], **kw)
+            key = (out.stats["prompt_bucket"], out.stats["max_len"])
+            first = False
+            if key not in shapes["serial"]:  # that run compiled: time a second one
+                shapes["serial"].add(key)
+                out = pipe.generate([prompt], **kw)
+            print(out.texts[0])
+            ids, stats = out.ids[0], out.stats
+            dt = stats["tokens"] / max(stats["tokens_per_s"], 1e-9)
+            record = {"prompt": prompt, "text": out.texts[0], "ids": ids,
+                      "prompt_ids": out.prompt_ids[0], "finish_reason": out.finish_reasons[0]}
+        print(f"tokens: {ids}")
+        note = "incl. prefill" + (", streamed" if c.stream else "") + (
+            ", and compilation" if first else "")
+        print(f"{len(ids)} new tokens in {dt:.3f}s: {len(ids) / max(dt, 1e-9):.1f} tokens/s "
+              f"({note})")
+        if out_file:
+            out_file.write(json.dumps(record | {"stats": stats}) + "\n")
+            out_file.flush()
+    if out_file:
+        out_file.close()
+    print(cli.shapes_line(shapes, len(prompts)))
+    return 0
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

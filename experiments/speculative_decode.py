@@ -3,15 +3,20 @@
   python experiments/speculative_decode.py --config=configs/speculative.py \
       --config.target=/path/to/target --config.draft=/path/to/draft --config.gamma=4
 
---config.check_parity=True (the default) also runs serial decoding with the
-sampler the policy reproduces and exits non-zero unless the tokens are
-identical (exact_greedy and gumbel_coupled; rejection_sampling is only
-distribution-exact, so there it reports the comparison without failing).
+Prompts: --config.prompt, or --config.prompts=<file> (.txt: one a line; .jsonl: objects
+with "prompt" or "messages"); --config.chat=True sends plain prompts through the chat
+template; --config.output=<file.jsonl> writes one object per prompt; --config.stream=True
+prints the text as it comes (then measures). Each prompt prints its text, acceptance,
+speed and, with --config.check_parity=True (the default), the serial baseline and a
+parity check: the run exits non-zero unless every prompt's tokens equal serial
+decoding's (exact_greedy and gumbel_coupled; rejection_sampling is only
+distribution-exact, so there it reports the comparison without failing). Timings are
+of runs whose programs are compiled already; the last line says how many were compiled.
 """
 
+import json
 import os
 import sys
-import time
 
 import jax
 import numpy as np
@@ -19,7 +24,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 import jspec
-from jspec.cli import with_option_string
+from jspec import cli, text
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", os.path.join(os.path.dirname(__file__), "..", "configs", "speculative.py"),
@@ -43,33 +48,81 @@ def head_ids(path: str, size: int, tok, vocab: int) -> np.ndarray:
     return jspec.frequent_tokens(ids, min(size, vocab), vocab)
 
 
-def build(c):
+def build(c) -> text.TextPipeline:
+    if c.drafter not in ("model", "prompt_lookup"):
+        raise app.UsageError(f"--config.drafter={c.drafter!r}: use 'model' or 'prompt_lookup'")
     if c.target:
         target_path, draft_path = c.target, c.draft  # no draft: the target drafts for itself
     else:
         target_path, draft_path = jspec.default_pair()
         draft_path = c.draft or draft_path
         print(f"[no target given: the embedded code pair, {os.path.dirname(target_path)}]")
-    target = jspec.load_hf(target_path, dtype=c.dtype, backend=c.backend)
-    tok = jspec.load_tokenizer(target_path)
-    if c.drafter == "prompt_lookup":
-        drafter = jspec.PromptLookupDrafter(max_ngram=c.max_ngram)
-    elif c.drafter == "model":
-        backend = c.draft_backend or c.backend
-        draft = (jspec.load_hf(draft_path, dtype=c.dtype, backend=backend) if draft_path
-                 else target.with_backend(backend))
-        draft = with_option_string(draft, c.get("draft_options", "draft"))
-        head = c.get("draft_head", "")
-        if head:
-            ids = head_ids(head, c.get("draft_head_size", 32768), tok,
-                           draft.config.vocab_size)
-            drafter = jspec.ModelDrafter.pruned(draft, ids)
-            print(f"[draft head: {len(ids)} of {draft.config.vocab_size} tokens, from {head}]")
-        else:
-            drafter = jspec.ModelDrafter(draft)
-    else:
-        raise app.UsageError(f"--config.drafter={c.drafter!r}: use 'model' or 'prompt_lookup'")
-    return target, drafter, tok
+    draft_backend = c.draft_backend or c.backend
+    if c.head:
+        return text.load_text(target_path, head=c.head, dtype=c.dtype, backend=c.backend)
+    draft = "prompt_lookup" if c.drafter == "prompt_lookup" else (draft_path or None)
+    pipe = text.load_text(target_path, draft, dtype=c.dtype, backend=c.backend,
+                          draft_backend=draft_backend, draft_options=c.draft_options,
+                          max_ngram=c.max_ngram)
+    if c.drafter == "model" and pipe.drafter is None:  # the target as its own draft
+        model = text.apply_draft_options(pipe.target.with_backend(draft_backend),
+                                         c.draft_options)
+        pipe = pipe.with_drafter(jspec.ModelDrafter(model))
+    if c.drafter == "model" and c.draft_head:
+        draft = pipe.drafter.model
+        ids = head_ids(c.draft_head, c.draft_head_size, pipe.tokenizer, draft.config.vocab_size)
+        pipe = pipe.with_drafter(jspec.ModelDrafter.pruned(draft, ids))
+        print(f"[draft head: {len(ids)} of {draft.config.vocab_size} tokens, from {c.draft_head}]")
+    return pipe
+
+
+def seconds(stats: dict) -> float:
+    """A run's prefill + loop time (its timings exclude the host's text handling)."""
+    return stats["tokens"] / max(stats["tokens_per_s"], 1e-9)
+
+
+def measured(run, shapes: set):
+    """run() -> TextOutput, timed without compilation: a shape seen for the first time
+    runs again (its first run compiled the programs)."""
+    out = run()
+    key = (out.stats["prompt_bucket"], out.stats["max_len"])
+    if key not in shapes:
+        shapes.add(key)
+        out = run()
+    return out
+
+
+def print_spec_stats(s: dict, audit: bool) -> None:
+    print(f"acceptance {s['acceptance_rate']:.3f} ({s['accepted']}/{s['proposed']}), "
+          f"by position {[round(x, 3) for x in s['acceptance_by_position']]}")
+    print(f"tokens per target step {s['tokens_per_target_step']:.2f}, target forwards "
+          f"{s['target_forwards']}, draft forwards {s['draft_forwards']}")
+    if audit:
+        print(f"runtime audit: {s['audited_blocks']} verify blocks recomputed serially, "
+              "all bitwise equal")
+    print(f"speculative: {s['tokens']} tokens, {s['tokens_per_s']:.1f} tokens/s, "
+          f"TTFT {s['ttft_s'] * 1e3:.1f} ms, TPOT {s['tpot_s'] * 1e3:.2f} ms")
+
+
+def summary(records: list[dict], check: bool) -> None:
+    """Totals over several prompts (acceptance by position weighted by rounds)."""
+    stats = [r["stats"] for r in records]
+    rounds = sum(s["rounds"] for s in stats)
+    tokens = sum(s["tokens"] for s in stats)
+    accepted, proposed = sum(s["accepted"] for s in stats), sum(s["proposed"] for s in stats)
+    by_pos = np.sum([np.multiply(s["acceptance_by_position"], s["rounds"]) for s in stats],
+                    axis=0) / max(rounds, 1)
+    spec_s = sum(seconds(s) for s in stats)
+    print(f"summary over {len(records)} prompts: acceptance {accepted / max(proposed, 1):.3f} "
+          f"({accepted}/{proposed}), by position {[round(float(x), 3) for x in by_pos]}, "
+          f"tokens per target step {tokens / max(rounds, 1):.2f}")
+    line = f"summary: speculative {tokens} tokens, {tokens / spec_s:.1f} tokens/s"
+    if check:
+        serial_tokens = sum(r["serial_stats"]["tokens"] for r in records)
+        serial_s = sum(seconds(r["serial_stats"]) for r in records)
+        line += (f"; serial {serial_tokens} tokens, {serial_tokens / serial_s:.1f} tokens/s; "
+                 f"speedup {serial_s / spec_s:.2f}x")
+    print(line)
 
 
 def main(argv):
@@ -77,57 +130,96 @@ def main(argv):
     c = _CONFIG.value
     if _CHECK.value is not None:
         c.check_parity = _CHECK.value
-    target, drafter, tok = build(c)
-    ids = tok.encode(c.prompt, add_special_tokens=False)
-    if not ids:
-        raise app.UsageError(f"the prompt {c.prompt!r} encodes to no tokens")
-    stop = (tok.eos_token_id,) if c.stop_at_eos and tok.eos_token_id is not None else ()
-    spec = jspec.SpecConfig(gamma=c.gamma, policy=c.policy, max_new_tokens=c.max_new_tokens,
-                            seed=c.seed, temperature=c.temperature, top_k=c.top_k,
-                            top_p=c.top_p, stop_tokens=stop, audit_every=c.audit_every)
+    prompts = cli.config_prompts(c)
+    jspec.SpecConfig(gamma=c.gamma, policy=c.policy, max_new_tokens=c.max_new_tokens,
+                     temperature=c.temperature, top_k=c.top_k, top_p=c.top_p,
+                     audit_every=c.audit_every)  # a bad value fails before any loading
+    pipe = build(c)
+    target = pipe.target
+    chat = any(not isinstance(p, str) for p in prompts)
+    stop = (pipe.stop_ids + (pipe.chat_stop_ids if chat else ())) if c.stop_at_eos else ()
+    kw = dict(max_new_tokens=c.max_new_tokens, top_k=c.top_k, top_p=c.top_p, seed=c.seed,
+              stop_tokens=stop)
+    spec_kw = kw | dict(gamma=c.gamma, policy=c.policy, temperature=c.temperature,
+                        audit_every=c.audit_every)
+    serial_kw = kw | dict(temperature=0.0 if c.policy == "exact_greedy" else c.temperature)
+    drafter = pipe.drafter
+    draft = getattr(drafter, "model", None)
     print(f"target: {target.config.family} L={target.config.num_layers} "
-          f"V={target.config.vocab_size} backend={c.backend} dtype={c.dtype} "
-          f"device={jax.devices()[0].platform}; drafter={c.drafter} gamma={c.gamma} "
-          f"policy={c.policy}")
-    jspec.speculative_generate(target, drafter, [ids], spec)  # compile + warm-up
-    out = jspec.speculative_generate(target, drafter, [ids], spec)
-    tokens = out.row(0)
-    print(c.prompt + tok.decode(tokens))
-    s = out.stats
-    print(f"acceptance {s['acceptance_rate']:.3f} ({s['accepted']}/{s['proposed']}), "
-          f"by position {[round(x, 3) for x in s['acceptance_by_position']]}")
-    print(f"tokens per target step {s['tokens_per_target_step']:.2f}, target forwards "
-          f"{s['target_forwards']}, draft forwards {s['draft_forwards']}")
-    if c.audit_every:
-        print(f"runtime audit: {s['audited_blocks']} verify blocks recomputed serially, "
-              "all bitwise equal")
-    print(f"speculative: {s['tokens']} tokens, {s['tokens_per_s']:.1f} tokens/s, "
-          f"TTFT {s['ttft_s'] * 1e3:.1f} ms, TPOT {s['tpot_s'] * 1e3:.2f} ms")
-    if not c.check_parity:
-        return 0
-    sampler = spec.serial_sampler()
-    kw = dict(max_new_tokens=c.max_new_tokens, sampler=sampler, stop_tokens=stop, seed=c.seed)
-    jspec.generate(target, [ids], **kw)  # compile + warm-up
-    t0 = time.perf_counter()
-    serial = jspec.generate(target, [ids], **kw)
-    serial_s = time.perf_counter() - t0
-    n = int(serial.num_tokens[0])
-    spec_s = s["ttft_s"] + s["tpot_s"] * max(len(tokens), 1)
-    print(f"serial: {n} tokens, {n / serial_s:.1f} tokens/s; speedup {serial_s / spec_s:.2f}x")
-    same = serial.row(0) == tokens
-    if c.policy == "rejection_sampling":
-        print(f"parity: rejection_sampling is distribution-exact; tokens identical: {same}")
-        return 0
-    if not same:
-        a, b = serial.row(0), tokens
-        first = next((i for i in range(min(len(a), len(b))) if a[i] != b[i]), min(len(a), len(b)))
-        logging.error("PARITY FAILURE at generated token %d: serial %s vs speculative %s",
-                      first, serial.row(0)[first:first + 5], tokens[first:first + 5])
-        print("PARITY: FAILED")
+          f"V={target.config.vocab_size} dtype={c.dtype} device={jax.devices()[0].platform}; "
+          f"drafter={'head' if c.head else c.drafter} gamma={c.gamma} policy={c.policy}; "
+          f"stop ids {list(stop)}")
+    print(cli.backend_line(target) + (f"; draft backend: {draft.options.backend}, draft "
+                                      f"options {c.draft_options!r}: "
+                                      f"{cli.draft_options_text(draft.draft_options)}"
+                                      if draft is not None else ""))
+    out_file = open(c.output, "w", encoding="utf-8") if c.output else None
+    shapes = {"speculative": set(), "serial": set()}
+    records, failed = [], set()
+    for i, prompt in enumerate(prompts):
+        if len(prompts) > 1:
+            print(f"--- prompt {i + 1}/{len(prompts)}")
+        streamed = None
+        if c.stream:
+            streamed = pipe.stream(prompt, speculative=True, **spec_kw)
+            print(cli.show_prompt(prompt), end="", flush=True)
+            for piece in streamed:
+                print(piece, end="", flush=True)
+            print()
+        out = measured(lambda p=prompt: pipe.speculative_generate([p], **spec_kw),
+                       shapes["speculative"])
+        tokens, s = out.ids[0], out.stats
+        if streamed is None:
+            print(cli.show_prompt(prompt) + out.texts[0])
+        elif streamed.ids != tokens:  # both are speculative: an engine bug
+            logging.error("the streamed tokens differ from speculative_generate's")
+            failed.add(i)
+        print_spec_stats(s, bool(c.audit_every))
+        record = {"prompt": prompt, "text": out.texts[0], "ids": tokens,
+                  "prompt_ids": out.prompt_ids[0], "finish_reason": out.finish_reasons[0],
+                  "stats": s}
+        if c.check_parity:
+            serial = measured(lambda p=prompt: pipe.generate([p], **serial_kw),
+                              shapes["serial"])
+            n, speedup = serial.stats["tokens"], seconds(serial.stats) / seconds(s)
+            print(f"serial: {n} tokens, {serial.stats['tokens_per_s']:.1f} tokens/s; "
+                  f"speedup {speedup:.2f}x")
+            same = serial.ids[0] == tokens
+            record |= {"parity": same, "serial_stats": serial.stats, "speedup": speedup}
+            if c.policy == "rejection_sampling":
+                print(f"parity: rejection_sampling is distribution-exact; tokens identical: "
+                      f"{same}")
+            elif same:
+                print(f"PARITY: OK ({n} tokens identical to serial decoding)")
+            else:
+                a, b = serial.ids[0], tokens
+                first = next((j for j in range(min(len(a), len(b))) if a[j] != b[j]),
+                             min(len(a), len(b)))
+                logging.error("PARITY FAILURE at generated token %d: serial %s vs "
+                              "speculative %s", first, a[first:first + 5], b[first:first + 5])
+                print("PARITY: FAILED")
+                failed.add(i)
+        records.append(record)
+        if out_file:
+            out_file.write(json.dumps(record) + "\n")
+            out_file.flush()
+    if out_file:
+        out_file.close()
+    if len(prompts) > 1:
+        summary(records, c.check_parity)
+        if c.check_parity and c.policy != "rejection_sampling":
+            if failed:
+                print(f"PARITY: FAILED for {len(failed)} of {len(prompts)} prompts "
+                      f"({', '.join(str(i + 1) for i in sorted(failed))})")
+            else:
+                total = sum(len(r["ids"]) for r in records)
+                print(f"PARITY: OK ({len(prompts)} prompts, {total} tokens identical to "
+                      "serial decoding)")
+    print(cli.shapes_line(shapes, len(prompts)))
+    if failed:
         sys.exit(1)
-    print(f"PARITY: OK ({n} tokens identical to serial decoding)")
     return 0
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

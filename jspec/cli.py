@@ -12,11 +12,20 @@ names joined by "+" or ",", applied left to right:
                  xla_two_rows, xla_pallas_attention, draft_fused, draft_programs,
                  draft_warps, draft_attn_stages, draft_rope_attention,
                  draft_fold_unroll (the `DraftOptions` fields, prefixed)
+
+`run(main)` replaces absl's `app.run(main)` in the entry points: a user's mistake (a
+misspelled config key, a bad value, a missing file or checkpoint) ends with one line on
+stderr, `error: ...`, and exit code 2; broken numerics (`jspec.NonFiniteError`) and a
+failed runtime audit (`jspec.ParityError`) with one line and exit code 1. `--debug` shows
+the full traceback instead. `config_prompts`, `shapes_line` and `backend_line` are the
+text entry points' shared pieces.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
+import sys
 
 from jspec.options import FUSIONS, DraftOptions, KernelOptions
 
@@ -87,3 +96,127 @@ def options_record(model) -> dict:
     """A receipt's record of a model's options: every field of both dataclasses."""
     return {"kernel": dataclasses.asdict(model.options),
             "draft": dataclasses.asdict(model.draft_options)}
+
+
+# ---------------------------------------------------------------------- entry points
+
+USER_EXIT, RUN_EXIT = 2, 1
+DEBUG_ARGS = ("--debug", "--debug=true", "--debug=True", "--debug=1")
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+def _fail(message: str, code: int) -> None:
+    sys.stderr.write(f"error: {_one_line(message)} (--debug shows the traceback)\n")
+    sys.stderr.flush()
+    sys.exit(code)
+
+
+def _flag_error(e: BaseException, argv: list[str]) -> str:
+    """One line for a flag-parsing failure. A misspelled config key reaches us as
+    ml_collections' AttributeError/KeyError whose message is the key's repr and, where
+    one is close, a line 'Did you mean "gamma" instead of "gama"?'."""
+    from absl import flags
+
+    if isinstance(e, flags.Error):
+        return str(e)
+    if isinstance(e, AttributeError | KeyError):
+        msg = e
+        while isinstance(msg, BaseException):  # AttributeError(KeyError(message))
+            msg = msg.args[0] if msg.args else ""
+        lines = str(msg).splitlines() or [""]
+        key = lines[0].strip("'\"")
+        flag = next((a.split("=", 1)[0] for a in argv[1:]
+                     if a.startswith("--") and a.split("=", 1)[0].endswith("." + key)),
+                    f"--config.{key}")
+        hint = lines[-1][:1].lower() + lines[-1][1:] if len(lines) > 1 else ""
+        return f"{flag}: the config has no key {key!r}" + (f"; {hint}" if hint else "")
+    return f"bad command line: {type(e).__name__}: {e}"
+
+
+def run(main) -> None:
+    """`absl.app.run(main)` with one-line errors (module docstring) and a --debug flag."""
+    from absl import app, flags
+
+    from jspec.loop import NonFiniteError
+    from jspec.speculative import ParityError
+
+    # transformers' "PyTorch was not found" advisory: jspec needs no torch.
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    if "debug" not in flags.FLAGS:
+        flags.DEFINE_bool("debug", False, "show the full traceback of an error instead of "
+                                          "the one-line message")
+
+    def parse(argv):
+        try:
+            return flags.FLAGS(argv)
+        except Exception as e:
+            if any(a in DEBUG_ARGS for a in argv):
+                raise
+            _fail(_flag_error(e, argv), USER_EXIT)
+
+    def checked(argv):
+        try:
+            return main(argv)
+        except (NonFiniteError, ParityError) as e:
+            if flags.FLAGS.debug:
+                raise
+            _fail(str(e), RUN_EXIT)
+        except (ValueError, OSError, app.UsageError) as e:  # CheckpointError is a ValueError
+            if flags.FLAGS.debug:
+                raise
+            message = str(e)
+            if "Failed loading config file" in message:  # config_flags' report: keep its cause
+                message = "could not load the --config file: " + message.splitlines()[-1]
+            _fail(message, USER_EXIT)
+
+    app.run(checked, flags_parser=parse)
+
+
+def config_prompts(c) -> list:
+    """The prompts a text entry point's config asks for: `c.prompts` (a file: .txt, one
+    prompt a line; .jsonl, objects with "prompt" or "messages") or else `c.prompt`; with
+    `c.chat`, each plain prompt becomes one user message."""
+    from jspec.text import as_chat, read_prompts
+
+    if c.get("prompts"):
+        return read_prompts(c.prompts, chat=c.get("chat", False))
+    if not c.prompt:
+        raise ValueError("no prompt: set --config.prompt or --config.prompts=<file>")
+    return [as_chat(c.prompt) if c.get("chat", False) else c.prompt]
+
+
+def show_prompt(prompt) -> str:
+    """A prompt as printed before its continuation: a string as it is; a chat as its
+    messages, one "[role] content" line each, and "[assistant] " for the reply."""
+    if isinstance(prompt, str):
+        return prompt
+    return "".join(f"[{m['role']}] {m['content']}\n" for m in prompt) + "[assistant] "
+
+
+def shapes_line(shapes: dict[str, set], n_prompts: int) -> str:
+    """How many shapes a run over n_prompts compiled its programs for: one per (prompt
+    bucket, cache length) a phase ran at (the keys of its compiled programs)."""
+    parts = [f"{kind} {len(keys)} ({', '.join(f'{p}/{m}' for p, m in sorted(keys))})"
+             for kind, keys in shapes.items() if keys]
+    total = sum(len(k) for k in shapes.values())
+    return (f"compiled programs for {total} shape{'s' * (total != 1)} over {n_prompts} "
+            f"prompt{'s' * (n_prompts != 1)}: {', '.join(parts)} [prompt bucket/cache length]")
+
+
+def draft_options_text(options: DraftOptions) -> str:
+    """The draft options that differ from `DraftOptions()`, or "none"."""
+    changed = [f"{f.name}={getattr(options, f.name)}" for f in dataclasses.fields(options)
+               if getattr(options, f.name) != f.default]
+    return ", ".join(changed) or "none"
+
+
+def backend_line(model, role: str = "target") -> str:
+    """The backend a model runs, and what interpret mode costs where it applies."""
+    line = f"{role} backend: {model.options.backend}"
+    if model.options.backend == "pallas" and model.options.interpret:
+        line += (" (no GPU: the kernels run in Pallas interpret mode: exact, but slower than "
+                 "compiled; backend=xla is fast but not bit-exact)")
+    return line

@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+import jspec
 from jspec.bench import trace
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -17,21 +18,105 @@ def _run(script, *flags):
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
 
 
-def test_generate_cli_runs():
-    r = _run("generate.py", f"--config={ROOT}/configs/generate.py:runlocal")
+def _one_line_error(r, *words, code=2):
+    """A user's mistake: exit code 2 and one line on stderr, `error: ...`, no traceback."""
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == code, r.stderr[-2000:]
+    assert lines[-1].startswith("error: ") and "Traceback" not in r.stderr, r.stderr[-2000:]
+    for w in words:
+        assert w in lines[-1], lines[-1]
+
+
+def test_generate_cli_chat_prompts_stream_and_jsonl(tmp_path):
+    # The official Gemma 3 layout: two chats from a .txt file (different lengths, one
+    # length bucket), streamed, written as JSONL; each stops at generation_config's EOS ids.
+    from jspec.tiny import write_tiny_gemma3_pair
+
+    target, _ = write_tiny_gemma3_pair(str(tmp_path / "gemma3"))
+    (tmp_path / "prompts.txt").write_text('Say é\nWrite x = "éé"\n')
+    out = tmp_path / "out.jsonl"
+    r = _run("generate.py", f"--config={ROOT}/configs/generate.py:runlocal",
+             f"--config.checkpoint={target}", f"--config.prompts={tmp_path / 'prompts.txt'}",
+             "--config.chat=True", "--config.stream=True", f"--config.output={out}")
     assert r.returncode == 0, r.stderr[-2000:]
-    assert "tokens/s" in r.stdout and "def rgb_to_hls" in r.stdout
+    assert "stop ids [1, 106]" in r.stdout and "Pallas interpret mode" in r.stdout
+    assert "compiled programs for 1 shape over 2 prompts: serial 1 (32/" in r.stdout
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [rec["prompt"][0]["content"] for rec in records] == ["Say é", 'Write x = "éé"']
+    tok = jspec.load_tokenizer(target)
+    for rec in records:
+        assert f"[user] {rec['prompt'][0]['content']}\n[assistant] {rec['text']}\n" in r.stdout
+        assert rec["prompt_ids"][0] == 2 and rec["prompt_ids"].count(2) == 1  # one BOS
+        ids = rec["ids"][:-1] if rec["finish_reason"] == "stop" else rec["ids"]
+        assert rec["text"] == tok.decode(ids, skip_special_tokens=True)
+        assert rec["stats"]["prompt_bucket"] == 32 and len(rec["ids"]) <= 8
 
 
 # gumbel_coupled's parity is also tests/test_speculative.py's (slow here: a second CLI run)
 @pytest.mark.parametrize("policy", ["exact_greedy",
                                     pytest.param("gumbel_coupled", marks=pytest.mark.slow)])
-def test_speculative_cli_checks_parity(policy):
+def test_speculative_cli_checks_parity(policy, tmp_path):
+    # Two prompts of different lengths from a JSONL file: one compiled shape per phase,
+    # parity per prompt and in the summary, one JSONL record per prompt.
+    prompts = [{"prompt": "import os\n"}, {"prompt": "def norm(x, y):\n    return"}]
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps(p) + "\n" for p in prompts))
+    out = tmp_path / "out.jsonl"
     r = _run("speculative_decode.py", f"--config={ROOT}/configs/speculative.py:runlocal",
-             f"--config.policy={policy}")
+             f"--config.policy={policy}", f"--config.prompts={tmp_path / 'prompts.jsonl'}",
+             f"--config.output={out}")
     assert r.returncode == 0, r.stderr[-2000:]
-    assert "PARITY: OK" in r.stdout and "acceptance" in r.stdout
-    assert "embedded code pair" in r.stdout
+    assert "embedded code pair" in r.stdout and "acceptance" in r.stdout
+    assert r.stdout.count("PARITY: OK") == 3 and "PARITY: OK (2 prompts" in r.stdout
+    assert "speedup" in r.stdout and "summary over 2 prompts" in r.stdout
+    # On a CPU the draft runs without the GPU latency kernels (they ran interpreted: 0.19x).
+    assert "draft options 'auto': none" in r.stdout
+    assert ("compiled programs for 2 shapes over 2 prompts: speculative 1 (16/64), "
+            "serial 1 (16/32)") in r.stdout
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [rec["prompt"] for rec in records] == [p["prompt"] for p in prompts]
+    for rec in records:
+        assert rec["parity"] is True and len(rec["ids"]) == 16 and rec["text"]
+        assert rec["stats"]["prompt_bucket"] == 16 and rec["speedup"] > 0
+        assert f"{rec['prompt']}{rec['text']}\n" in r.stdout
+
+
+def test_cli_errors_are_one_line(tmp_path):
+    spec = ("speculative_decode.py", f"--config={ROOT}/configs/speculative.py:runlocal")
+    gen = ("generate.py", f"--config={ROOT}/configs/generate.py:runlocal")
+    # A misspelled config key (ml_collections raises it while absl parses the flags).
+    _one_line_error(_run(*spec, "--config.gama=2"), "--config.gama", 'did you mean "gamma"')
+    _one_line_error(_run(*gen, f"--config.checkpoint={tmp_path}/missing"),
+                    "missing: not a checkpoint directory")
+    _one_line_error(_run(*spec, "--config.gamma=100"), "MAX_GAMMA")
+    _one_line_error(_run(*gen, f"--config.prompts={tmp_path}/missing.txt"), "does not exist")
+    (tmp_path / "bad.jsonl").write_text('{"prompt": "a"}\n{"text": 1}\n')
+    _one_line_error(_run(*gen, f"--config.prompts={tmp_path}/bad.jsonl"), "bad.jsonl:2")
+    _one_line_error(_run(*gen, "--config.chat=True"), "no chat template")  # the code pair
+    # --debug shows the traceback instead.
+    r = _run(*gen, f"--config.checkpoint={tmp_path}/missing", "--debug")
+    assert r.returncode != 0 and "Traceback" in r.stderr and "CheckpointError" in r.stderr
+
+
+def test_speculative_cli_stops_on_non_finite_logits(tmp_path):
+    # Finite weights whose logits overflow (a final norm weight of 3e38): the run ends
+    # with a one-line error and exit code 1, never "PARITY: OK".
+    import shutil
+
+    import ml_dtypes
+    import numpy as np
+    from safetensors.numpy import load_file, save_file
+
+    target = tmp_path / "target"
+    shutil.copytree(jspec.default_pair()[0], target)
+    tensors = load_file(target / "model.safetensors")
+    tensors["model.norm.weight"] = np.full_like(tensors["model.norm.weight"],
+                                                ml_dtypes.bfloat16(3e38))
+    save_file(tensors, target / "model.safetensors", metadata={"format": "pt"})
+    r = _run("speculative_decode.py", f"--config={ROOT}/configs/speculative.py:runlocal",
+             f"--config.target={target}", "--config.drafter=prompt_lookup",
+             "--config.backend=xla")
+    _one_line_error(r, "NaN or inf", code=1)
+    assert "PARITY" not in r.stdout
 
 
 @pytest.mark.slow  # the pruned head's exactness is tests/test_pruned_head.py's
