@@ -32,9 +32,10 @@ from jspec import fused_draft
 from jspec.cache import KVCache, write_kv
 from jspec.config import ModelConfig
 from jspec.ops import get_ops, ops_for
-from jspec.options import DRAFT_FIELDS, KERNEL_FIELDS, DraftOptions, KernelOptions
+from jspec.options import DRAFT_FIELDS, KERNEL_FIELDS, DraftOptions, KernelOptions, Parallel
 from jspec.rope import rope_tables
 from pallas_kernels._common import pad_axis, pad_rows
+from pallas_kernels.matmul import add_partials, matmul_config
 
 COMPILER_OPTIONS = {"xla_allow_excess_precision": False}
 ROW_TILE = 16  # pad_rows_once: every kernel's GPU row tile divides this
@@ -50,12 +51,14 @@ class Model:
       options: how the forward runs (`KernelOptions`: backend, kernels, schedules).
       draft_options: latency choices for a model that only drafts (`DraftOptions`;
         all off by default).
+      parallel: tensor parallelism (`jspec.sharding.shard`), or None on one device.
     """
 
     config: ModelConfig = struct.field(pytree_node=False)
     params: dict
     options: KernelOptions = struct.field(pytree_node=False, default=KernelOptions())
     draft_options: DraftOptions = struct.field(pytree_node=False, default=DraftOptions())
+    parallel: Parallel | None = struct.field(pytree_node=False, default=None)
 
     def with_backend(self, backend: str, interpret: bool | None = None) -> Model:
         interp = self.options.interpret if interpret is None else interpret
@@ -64,6 +67,35 @@ class Model:
 
 # The layer's pieces (rms_norm, add_norm, attention_block, mlp_block) are shared with the
 # feature head (jspec.feature_head), whose one decoder layer runs the same code.
+
+
+def column_config(model: Model, w):
+    """Under tensor parallelism, the tiles of a column-parallel weight [K, N / size]: those
+    of the whole weight [K, N], so a column's K loop is the same at every degree (its bits
+    depend on the K tiling only). None on one device (the weight's own)."""
+    par = model.parallel
+    if par is None:
+        return None
+    K, N = w.shape
+    return matmul_config(K, N * par.size, w.dtype, model.options.interpret)
+
+
+def row_parallel(ops, model: Model, x, w, out_dtype, **kw):
+    """x [M, K] @ w [K, N] for a row-parallel weight (wo, w_down). With row_partials S > 1
+    (or tensor parallelism): S f32 partials over equal K chunks, gathered from the shards
+    in shard order and added left to right, so every element sees the same additions in
+    the same order at every degree; otherwise one sequential K loop."""
+    par = model.parallel
+    size = par.size if par is not None else 1
+    S = max(model.options.row_partials, size)
+    if S == 1:
+        return ops.matmul(x, w, out_dtype=out_dtype, **kw)
+    if S % size:
+        raise ValueError(f"row_partials={S} is not a multiple of the parallel degree {size}")
+    parts = ops.matmul_partials(x, w, splits=S // size)  # [S / size, M, N] f32
+    if par is not None:
+        parts = jax.lax.all_gather(parts, par.axis, axis=0, tiled=True)  # [S, M, N]
+    return add_partials(parts, out_dtype)
 
 
 def rms_norm(ops, cfg: ModelConfig, x, w):
@@ -96,8 +128,8 @@ def attention_block(ops, model: Model, lp, h, k_buf, v_buf, pos, lengths, cos, s
     dtype = h.dtype
     hd, H, Hkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
     rg, sched = opt.matmul_row_group, opt.matmul_schedule
-    qkv = ops.matmul(h, lp["wqkv"], out_dtype=dtype, row_group=rg,
-                     schedule=sched)  # [Mp, (H + 2Hkv) hd]
+    qkv = ops.matmul(h, lp["wqkv"], out_dtype=dtype, row_group=rg, schedule=sched,
+                     config=column_config(model, lp["wqkv"]))  # [Mp, (H + 2Hkv) hd]
     if opt.fuse_qk_rope and opt.backend == "pallas":
         # All Mp rows (cos/sin come padded to Mp alike): the kernel then needs no pad of its
         # own, and rows past B*T (zero rows, see pad_rows_once) are sliced off after.
@@ -127,7 +159,7 @@ def attention_block(ops, model: Model, lp, h, k_buf, v_buf, pos, lengths, cos, s
                             split=opt.attn_split, split_rows=opt.attn_split_rows,
                             fused_fold=opt.attn_fused_fold)  # [B, T, H, hd]
     o = pad_axis(o.reshape(B * T, H * hd), 0, h.shape[0])  # [Mp, H*hd]
-    o = ops.matmul(o, lp["wo"], out_dtype=dtype, row_group=rg, schedule=sched)  # [Mp, D]
+    o = row_parallel(ops, model, o, lp["wo"], dtype, row_group=rg, schedule=sched)  # [Mp, D]
     return o, k_buf, v_buf, counters
 
 
@@ -135,15 +167,16 @@ def mlp_block(ops, model: Model, lp, h):
     """h [Mp, D] -> [Mp, D]."""
     cfg, opt = model.config, model.options
     rg, sched = opt.matmul_row_group, opt.matmul_schedule
-    if opt.fuse_glu and opt.backend == "pallas":
+    col = column_config(model, lp["w_gate_up"])
+    if opt.fuse_glu and opt.backend == "pallas" and col is None:
         a = ops.matmul_glu(h, lp["w_gate_up"], activation=cfg.activation, row_group=rg,
                            schedule=sched)  # [Mp, F]
     else:
         gu = ops.matmul(h, lp["w_gate_up"], out_dtype=h.dtype, row_group=rg,
-                        schedule=sched)  # [Mp, 2F]
+                        schedule=sched, config=col)  # [Mp, 2F]
         gate, up = jnp.split(gu, 2, axis=-1)
         a = ops.glu(gate, up, activation=cfg.activation)  # [Mp, F]
-    return ops.matmul(a, lp["w_down"], out_dtype=h.dtype, row_group=rg, schedule=sched)
+    return row_parallel(ops, model, a, lp["w_down"], h.dtype, row_group=rg, schedule=sched)
 
 
 def with_options(model: Model, *options: KernelOptions | DraftOptions, **fields) -> Model:
@@ -186,6 +219,10 @@ def apply(model: Model, tokens: jax.Array, cache: KVCache, *, features: tuple[in
     A feature drafter reads them; they are outputs the forward computes anyway, so the
     logits are the same bits with or without them.
     """
+    if model.parallel is not None and not model.parallel.inside:
+        from jspec import sharding  # the per-shard forward under shard_map
+
+        return sharding.apply_sharded(model, tokens, cache, features=features)
     cfg, opt = model.config, model.options
     B, T = tokens.shape
     fused_draft.check_layout(model)
@@ -248,8 +285,10 @@ def apply(model: Model, tokens: jax.Array, cache: KVCache, *, features: tuple[in
     x, h = add_norm(ops, model, x, o, params["final_norm"])
     hidden[cfg.num_layers] = x[: B * T]
     logits = ops.matmul(h, params["lm_head"], out_dtype=jnp.float32,
-                        row_group=opt.matmul_row_group,
-                        schedule=opt.matmul_schedule)[: B * T]  # [B*T, V]
+                        row_group=opt.matmul_row_group, schedule=opt.matmul_schedule,
+                        config=column_config(model, params["lm_head"]))[: B * T]  # [B*T, V]
+    if model.parallel is not None:  # vocabulary-parallel head: the shards' columns in order
+        logits = jax.lax.all_gather(logits, model.parallel.axis, axis=1, tiled=True)
     if cfg.final_softcap is not None:
         logits = ops.softcap(logits, cfg.final_softcap)
     new_cache = cache.replace(k=tuple(new_k), v=tuple(new_v), lengths=lengths + T)

@@ -26,7 +26,12 @@ from pallas_kernels.add_rmsnorm import add_rmsnorm, add_rmsnorm_reference
 from pallas_kernels.attention import attention, attention_counted, attention_xla
 from pallas_kernels.glu import glu, glu_reference
 from pallas_kernels.logsumexp import logsumexp, logsumexp_reference
-from pallas_kernels.matmul import matmul, matmul_reference
+from pallas_kernels.matmul import (
+    matmul,
+    matmul_partials,
+    matmul_partials_reference,
+    matmul_reference,
+)
 from pallas_kernels.matmul_glu import matmul_glu, matmul_glu_reference
 from pallas_kernels.qk_rope import qk_norm_rope, qk_norm_rope_reference
 from pallas_kernels.rmsnorm import rmsnorm, rmsnorm_reference
@@ -35,7 +40,9 @@ from pallas_kernels.softcap import softcap, softcap_reference
 
 
 class Ops(NamedTuple):
-    """matmul(x [M,K], w [K,N], out_dtype, row_group=1, schedule=False) -> [M,N];
+    """matmul(x [M,K], w [K,N], out_dtype, row_group=1, schedule=False, config=None) -> [M,N];
+    matmul_partials(x [M,K], w [K,N], splits) -> [splits, M, N] f32, the products of
+      `splits` equal K chunks, not summed (row-parallel weights: the caller adds them);
     rmsnorm(x [M,D], w [D], eps, offset) -> [M,D];
     add_norm(x [M,D], o [M,D], w [D], eps, offset) -> (x + o, rmsnorm(x + o)), both [M,D];
     rope(x [M,H,D], cos [M,D/2], sin [M,D/2]) -> [M,H,D];
@@ -53,6 +60,7 @@ class Ops(NamedTuple):
       passes them through."""
 
     matmul: Callable
+    matmul_partials: Callable
     rmsnorm: Callable
     add_norm: Callable
     rope: Callable
@@ -102,6 +110,7 @@ def get_ops(backend: str, interpret: bool = False) -> Ops:
     if backend == "xla":
         return Ops(
             matmul=matmul_reference,
+            matmul_partials=matmul_partials_reference,
             rmsnorm=rmsnorm_reference,
             add_norm=add_rmsnorm_reference,
             rope=rope_reference,
@@ -120,6 +129,7 @@ def get_ops(backend: str, interpret: bool = False) -> Ops:
 
         return Ops(
             matmul=p(matmul, interpret=interpret),
+            matmul_partials=p(matmul_partials, interpret=interpret),
             rmsnorm=p(rmsnorm, interpret=interpret),
             add_norm=p(add_rmsnorm, interpret=interpret),
             rope=p(rope, interpret=interpret),

@@ -59,6 +59,10 @@ class KernelOptions:
         multi-tile schedule (scheduling only).
       kv_dus: a batch-1 call writes its new K/V with one dynamic_update_slice per
         buffer, not a vmapped one (the same cache bits).
+      row_partials: S > 1 computes the row-parallel weights (wo, w_down) as S f32
+        partials over equal K chunks, added left to right: the same bits at every
+        tensor-parallel degree dividing S (one device included); 1: one K loop.
+        Numeric: each S gives its own bits.
     """
 
     backend: str = "pallas"
@@ -73,6 +77,7 @@ class KernelOptions:
     matmul_row_group: int = 4
     matmul_schedule: bool = True
     kv_dus: bool = True
+    row_partials: int = 1
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
@@ -89,6 +94,8 @@ class KernelOptions:
                              "pass) or None (the kernel's default)")
         if self.attn_split_rows is not None:
             _power_of_two("attn_split_rows", self.attn_split_rows, 16)
+        if not isinstance(self.row_partials, int) or self.row_partials < 1:
+            raise ValueError(f"row_partials={self.row_partials!r} must be an int >= 1")
 
     def replace(self, **fields) -> KernelOptions:
         return dataclasses.replace(self, **fields)
@@ -178,3 +185,23 @@ def draft_options_for(model, platform: str | None = None) -> DraftOptions:
     if platform == "gpu" and model.config.hidden_size <= LATENCY_MAX_HIDDEN:
         return DraftOptions.latency()
     return DraftOptions()
+
+
+@dataclasses.dataclass(frozen=True)
+class Parallel:
+    """Tensor parallelism of a model's forward (set by `jspec.sharding`).
+
+    Attributes:
+      axis: the mesh axis the shards lie along (inside `shard_map`).
+      size: the tensor-parallel degree (shards along `axis`).
+      inside: True for the per-shard model `jspec.sharding` runs inside `shard_map`
+        (its config holds the shard's heads, MLP columns and vocabulary); False for the
+        sharded model a user holds, whose forward enters `shard_map`.
+      global_config: the whole model's `ModelConfig` (matmul tiles are chosen by the
+        whole weight's shape, so a column's arithmetic is the same at every degree).
+    """
+
+    axis: str
+    size: int
+    inside: bool = False
+    global_config: object = None

@@ -409,8 +409,66 @@ def matmul(
     return out[:m, :n]
 
 
+def matmul_partials(x: jax.Array, w: jax.Array, *, splits: int, interpret: bool = False,
+                    config: MatmulConfig | None = None) -> jax.Array:
+    """x [M, K] @ w [K, N] as `splits` f32 partials [splits, M, N], NOT summed: partial c
+    is x[:, cK:(c+1)K] @ w[cK:(c+1)K] over the c-th of `splits` equal K chunks (K/splits
+    each), each a sequential f32 K loop exactly as `matmul` runs it with
+    `config` (default `matmul_config(K / splits, N)` without its split), zero-padded at
+    the chunk's end. A caller adds the partials left to right, with others from other
+    devices in between (row-parallel tensor parallelism): the chunk boundaries and each
+    chunk's arithmetic are the same however the chunks are spread over devices."""
+    _check_shapes(x, w)
+    m, k = x.shape
+    n = w.shape[1]
+    if splits < 1 or k % splits:
+        raise ValueError(f"matmul_partials: K={k} must split into {splits=} equal chunks")
+    kc = k // splits
+    cfg = config or dataclasses.replace(matmul_config(kc, n, w.dtype, interpret), split_k=1)
+    kcp = round_up(kc, cfg.bk)  # each chunk padded at its own end
+    xs = pad_axis(x.reshape(m, splits, kc), 2, kcp).reshape(m, splits * kcp)
+    ws = pad_axis(w.reshape(splits, kc, n), 1, kcp).reshape(splits * kcp, n)
+    xp = pad_rows(xs, cfg.bm)  # [Mp, s * Kcp]
+    wp = pad_axis(ws, 1, round_up(n, cfg.bn))  # [s * Kcp, Np]
+    mp, np_ = xp.shape[0], wp.shape[1]
+    kernel = functools.partial(_matmul_kernel, bk=cfg.bk, nk=kcp // cfg.bk)
+    partials = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((splits, mp, np_), jnp.float32),
+        grid=(mp // cfg.bm, np_ // cfg.bn, splits),
+        in_specs=[
+            pl.BlockSpec((cfg.bm, kcp), lambda i, j, c: (i, c)),
+            pl.BlockSpec((kcp, cfg.bn), lambda i, j, c: (c, j)),
+        ],
+        out_specs=pl.BlockSpec((None, cfg.bm, cfg.bn), lambda i, j, c: (c, i, j)),
+        compiler_params=triton_params(cfg.num_warps, cfg.num_stages),
+        interpret=interpret,
+        name="jspec_matmul_partials",
+    )(xp, wp)
+    return partials[:, :m, :n]
+
+
+def matmul_partials_reference(x: jax.Array, w: jax.Array, *, splits: int,
+                              config=None) -> jax.Array:
+    """Plain jnp: the same chunks' products with f32 accumulation (NOT row-invariant)."""
+    del config
+    m, k = x.shape
+    kc = k // splits
+    return jnp.stack([matmul_reference(x[:, c * kc:(c + 1) * kc], w[c * kc:(c + 1) * kc])
+                      for c in range(splits)])
+
+
+def add_partials(parts: jax.Array, out_dtype) -> jax.Array:
+    """[S, M, N] f32 partials -> ((p0 + p1) + p2) + ... in out_dtype: left to right,
+    written as S - 1 dependent adds (XLA keeps the order of float adds)."""
+    acc = parts[0]
+    for i in range(1, parts.shape[0]):
+        acc = acc + parts[i]
+    return acc.astype(out_dtype)
+
+
 def matmul_reference(x: jax.Array, w: jax.Array, *, out_dtype=None,
-                     row_group: int = 1, schedule: bool = False) -> jax.Array:
+                     row_group: int = 1, schedule: bool = False, config=None) -> jax.Array:
     """XLA's own dot with f32 accumulation (NOT row-invariant; the `xla` backend).
 
     bf16 operands take XLA's native bf16 path, as any JAX model would; f32
@@ -421,7 +479,7 @@ def matmul_reference(x: jax.Array, w: jax.Array, *, out_dtype=None,
     elements into a multiply and a reduce ("dot strength reduction"), which is far
     slower than a GEMM kernel (docs/tuning.md: what it cost a Qwen3-0.6B decode step).
     """
-    del row_group, schedule  # the kernel's scheduling knobs; nothing to schedule here
+    del row_group, schedule, config  # the kernel's tiling knobs; nothing to tile here
     out_dtype = jnp.float32 if out_dtype is None else out_dtype
     precision = lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
 

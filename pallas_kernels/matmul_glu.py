@@ -148,8 +148,9 @@ def matmul_glu(x: jax.Array, w: jax.Array, *, activation: str,
 
 
 def matmul_glu_reference(x: jax.Array, w: jax.Array, *, activation: str,
-                         row_group: int = 1, schedule: bool = False) -> jax.Array:
+                         row_group: int = 1, schedule: bool = False,
+                         config=None) -> jax.Array:
     """Plain jnp: the reference matmul rounded to x.dtype, split, the reference GLU."""
-    del row_group, schedule
+    del row_group, schedule, config
     gate, up = jnp.split(matmul_reference(x, w, out_dtype=x.dtype), 2, axis=-1)
     return glu_reference(gate, up, activation=activation)
