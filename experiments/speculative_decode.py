@@ -11,7 +11,8 @@ speed and, with --config.check_parity=True (the default), the serial baseline an
 parity check: the run exits non-zero unless every prompt's tokens equal serial
 decoding's (exact_greedy and gumbel_coupled; rejection_sampling is only
 distribution-exact, so there it reports the comparison without failing). Timings are
-of runs whose programs are compiled already; the last line says how many were compiled.
+medians of --config.timing_runs runs of each, alternated, whose programs were compiled
+already; the last line says for how many shapes programs were compiled.
 """
 
 import json
@@ -81,15 +82,23 @@ def seconds(stats: dict) -> float:
     return stats["tokens"] / max(stats["tokens_per_s"], 1e-9)
 
 
-def measured(run, shapes: set):
-    """run() -> TextOutput, timed without compilation: a shape seen for the first time
-    runs again (its first run compiled the programs)."""
-    out = run()
-    key = (out.stats["prompt_bucket"], out.stats["max_len"])
-    if key not in shapes:
-        shapes.add(key)
+def side_by_side(runs: dict, shapes: dict[str, set], n: int) -> dict:
+    """Each kind's run() -> TextOutput, timed side by side: a shape's first run (it
+    compiled the programs) is left out, then the kinds' runs alternate until each has
+    `n`, so a changing machine load favours neither; returns each kind's run of median
+    time."""
+    n, outs = max(n, 1), {}
+    for kind, run in runs.items():
         out = run()
-    return out
+        key = (out.stats["prompt_bucket"], out.stats["max_len"])
+        outs[kind] = [out] if key in shapes[kind] else []
+        shapes[kind].add(key)
+    while any(len(o) < n for o in outs.values()):
+        for kind, run in runs.items():
+            if len(outs[kind]) < n:
+                outs[kind].append(run())
+    return {kind: sorted(o, key=lambda x: seconds(x.stats))[(len(o) - 1) // 2]
+            for kind, o in outs.items()}
 
 
 def print_spec_stats(s: dict, audit: bool) -> None:
@@ -166,8 +175,11 @@ def main(argv):
             for piece in streamed:
                 print(piece, end="", flush=True)
             print()
-        out = measured(lambda p=prompt: pipe.speculative_generate([p], **spec_kw),
-                       shapes["speculative"])
+        runs = {"speculative": lambda p=prompt: pipe.speculative_generate([p], **spec_kw)}
+        if c.check_parity:
+            runs["serial"] = lambda p=prompt: pipe.generate([p], **serial_kw)
+        timed = side_by_side(runs, shapes, c.timing_runs)
+        out = timed["speculative"]
         tokens, s = out.ids[0], out.stats
         if streamed is None:
             print(cli.show_prompt(prompt) + out.texts[0])
@@ -179,8 +191,7 @@ def main(argv):
                   "prompt_ids": out.prompt_ids[0], "finish_reason": out.finish_reasons[0],
                   "stats": s}
         if c.check_parity:
-            serial = measured(lambda p=prompt: pipe.generate([p], **serial_kw),
-                              shapes["serial"])
+            serial = timed["serial"]
             n, speedup = serial.stats["tokens"], seconds(serial.stats) / seconds(s)
             print(f"serial: {n} tokens, {serial.stats['tokens_per_s']:.1f} tokens/s; "
                   f"speedup {speedup:.2f}x")
