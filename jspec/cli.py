@@ -164,6 +164,11 @@ def run(main) -> None:
             if flags.FLAGS.debug:
                 raise
             _fail(str(e), RUN_EXIT)
+        except KeyboardInterrupt:
+            if flags.FLAGS.debug:
+                raise
+            sys.stderr.write("interrupted\n")
+            sys.exit(130)
         except (ValueError, OSError, app.UsageError) as e:  # CheckpointError is a ValueError
             if flags.FLAGS.debug:
                 raise
