@@ -31,8 +31,22 @@ from jspec.speculative import (
     speculative_generate,
     speculative_stream,
 )
+from jspec.text import (
+    IncrementalDecoder,
+    TextOutput,
+    TextPipeline,
+    TextStream,
+    load_text,
+    read_prompts,
+)
 
 __all__ = [
+    "IncrementalDecoder",
+    "TextOutput",
+    "TextPipeline",
+    "TextStream",
+    "load_text",
+    "read_prompts",
     "CheckpointError",
     "DraftOptions",
     "FeatureDrafter",

@@ -71,13 +71,18 @@ class Model:
 
 def column_config(model: Model, w):
     """Under tensor parallelism, the tiles of a column-parallel weight [K, N / size]: those
-    of the whole weight [K, N], so a column's K loop is the same at every degree (its bits
-    depend on the K tiling only). None on one device (the weight's own)."""
+    of the whole model's weight [K, N] (`parallel.global_config`: before kv heads are
+    replicated or the vocabulary padded), so a column's K loop and tiles are the ones one
+    device runs, at every degree. None on one device (the weight's own)."""
     par = model.parallel
     if par is None:
         return None
     K, N = w.shape
-    return matmul_config(K, N * par.size, w.dtype, model.options.interpret)
+    cfg, g = model.config, par.global_config
+    whole = {cfg.q_size + 2 * cfg.kv_size: g.q_size + 2 * g.kv_size,  # wqkv
+             2 * cfg.intermediate_size: 2 * g.intermediate_size,  # w_gate_up
+             cfg.vocab_size: g.vocab_size}  # lm_head (jspec.sharding.check_ambiguous)
+    return matmul_config(K, whole.get(N, N * par.size), w.dtype, model.options.interpret)
 
 
 def row_parallel(ops, model: Model, x, w, out_dtype, **kw):
@@ -119,10 +124,11 @@ def add_norm(ops, model: Model, x, o, w):
 
 
 def attention_block(ops, model: Model, lp, h, k_buf, v_buf, pos, lengths, cos, sin, window,
-                     counters):
+                    counters, tree=None):
     """h [Mp, D] (Mp >= B*T rows, see pad_rows_once) -> attention output [Mp, D], the
     layer's updated K/V buffers and the attention's arrival counters for the next layer
-    (`Ops.attention_counted`)."""
+    (`Ops.attention_counted`). pos [B, T]: the tokens' logical positions; with `tree` (a
+    `jspec.tree.TreeInput`) they attend over the prefix and their ancestors only."""
     cfg, opt = model.config, model.options
     B, T = pos.shape
     dtype = h.dtype
@@ -151,13 +157,18 @@ def attention_block(ops, model: Model, lp, h, k_buf, v_buf, pos, lengths, cos, s
     # New K/V go into the cache before attention reads it (rule R3).
     k_buf = write_kv(k_buf, k_new, lengths, single=opt.kv_dus)
     v_buf = write_kv(v_buf, v_new, lengths, single=opt.kv_dus)
-    attention = ops.attention_counted
-    if opt.backend == "xla" and model.draft_options.xla_pallas_attention:
-        attention = get_ops("pallas", opt.interpret).attention_counted
-    o, counters = attention(q.reshape(B, T, H, hd), k_buf, v_buf, pos, window, counters,
-                            scale=cfg.attn_scale, softcap=cfg.attn_softcap,
-                            split=opt.attn_split, split_rows=opt.attn_split_rows,
-                            fused_fold=opt.attn_fused_fold)  # [B, T, H, hd]
+    if tree is not None:
+        o = ops.tree_attention(q.reshape(B, T, H, hd), k_buf, v_buf, pos, window, tree.root,
+                               tree.path, scale=cfg.attn_scale, softcap=cfg.attn_softcap,
+                               split=opt.attn_split, split_rows=opt.attn_split_rows)
+    else:
+        attention = ops.attention_counted
+        if opt.backend == "xla" and model.draft_options.xla_pallas_attention:
+            attention = get_ops("pallas", opt.interpret).attention_counted
+        o, counters = attention(q.reshape(B, T, H, hd), k_buf, v_buf, pos, window, counters,
+                                scale=cfg.attn_scale, softcap=cfg.attn_softcap,
+                                split=opt.attn_split, split_rows=opt.attn_split_rows,
+                                fused_fold=opt.attn_fused_fold)  # [B, T, H, hd]
     o = pad_axis(o.reshape(B * T, H * hd), 0, h.shape[0])  # [Mp, H*hd]
     o = row_parallel(ops, model, o, lp["wo"], dtype, row_group=rg, schedule=sched)  # [Mp, D]
     return o, k_buf, v_buf, counters
@@ -206,7 +217,8 @@ def with_options(model: Model, *options: KernelOptions | DraftOptions, **fields)
     return fused_draft.prepare(model.replace(options=kernel, draft_options=draft))
 
 
-def apply(model: Model, tokens: jax.Array, cache: KVCache, *, features: tuple[int, ...] = ()):
+def apply(model: Model, tokens: jax.Array, cache: KVCache, *, features: tuple[int, ...] = (),
+          tree=None):
     """The forward pass, traceable (call it inside jit, scan or while_loop).
 
     tokens [B, T] int32 are appended at each row's length; returns (logits [B, T, V]
@@ -218,11 +230,17 @@ def apply(model: Model, tokens: jax.Array, cache: KVCache, *, features: tuple[in
     is also returned, concatenated: (logits, cache, feats [B, T, len(features) * D]).
     A feature drafter reads them; they are outputs the forward computes anyway, so the
     logits are the same bits with or without them.
+
+    tree: a `jspec.tree.TreeInput` (root [B], depth [B, T], path [B, T, D + 1]): the
+    tokens are a tree's nodes, written at the slots lengths .. lengths + T - 1 as usual
+    but placed at logical positions root + depth (RoPE) and attending over the prefix
+    (positions < root) and their own ancestors in depth order (rule R7): a node's logits
+    are bitwise those serial decoding computes after its root path.
     """
     if model.parallel is not None and not model.parallel.inside:
         from jspec import sharding  # the per-shard forward under shard_map
 
-        return sharding.apply_sharded(model, tokens, cache, features=features)
+        return sharding.apply_sharded(model, tokens, cache, features=features, tree=tree)
     cfg, opt = model.config, model.options
     B, T = tokens.shape
     fused_draft.check_layout(model)
@@ -234,14 +252,17 @@ def apply(model: Model, tokens: jax.Array, cache: KVCache, *, features: tuple[in
         raise ValueError("features are not available with DraftOptions.fused (a draft's "
                          "latency path); turn it off for a model that feeds a feature head")
     if model.draft_options.fused:
-        if fused_draft.takes(B, T):
+        if fused_draft.takes(B, T) and tree is None:
             return fused_draft.forward(model, tokens, cache)
         model = model.replace(params=fused_draft.standard_params(model.params))
     params = model.params
     ops = ops_for(opt)
     dtype = jnp.dtype(cfg.dtype)
     lengths = cache.lengths
-    pos = lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]  # [B, T]
+    if tree is None:
+        pos = lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]  # [B, T]
+    else:
+        pos = tree.root[:, None] + tree.depth  # [B, T] logical positions
 
     x = jnp.take(params["embed"], tokens.reshape(-1), axis=0)  # [B*T, D]
     if opt.pad_rows_once and opt.backend == "pallas":
@@ -272,7 +293,7 @@ def apply(model: Model, tokens: jax.Array, cache: KVCache, *, features: tuple[in
                 hidden[i] = x[: B * T]
             o, k_buf, v_buf, counters = attention_block(
                 ops, model, lp, h, cache.k[i], cache.v[i], pos, lengths, cos_all[int(sliding)],
-                sin_all[int(sliding)], window, counters)
+                sin_all[int(sliding)], window, counters, tree)
             new_k.append(k_buf)
             new_v.append(v_buf)
             if cfg.sandwich_norms:
@@ -293,7 +314,7 @@ def apply(model: Model, tokens: jax.Array, cache: KVCache, *, features: tuple[in
         logits = ops.softcap(logits, cfg.final_softcap)
     new_cache = cache.replace(k=tuple(new_k), v=tuple(new_v), lengths=lengths + T)
     # The head's width: V, or fewer columns for a draft's pruned head (ModelDrafter.pruned).
-    logits = logits.reshape(B, T, params["lm_head"].shape[-1])
+    logits = logits.reshape(B, T, -1)
     if not features:
         return logits, new_cache
     feats = jnp.concatenate([hidden[i] for i in features], axis=-1)  # [B*T, len * D]

@@ -37,6 +37,7 @@ from pallas_kernels.qk_rope import qk_norm_rope, qk_norm_rope_reference
 from pallas_kernels.rmsnorm import rmsnorm, rmsnorm_reference
 from pallas_kernels.rope import rope, rope_reference
 from pallas_kernels.softcap import softcap, softcap_reference
+from pallas_kernels.tree_attention import tree_attention, tree_attention_xla
 
 
 class Ops(NamedTuple):
@@ -57,7 +58,10 @@ class Ops(NamedTuple):
     attention_counted(q, k, v, q_pos, window, counters, ...) -> (attention's output,
       counters): a forward threads the one-launch split-KV path's arrival counters from
       layer to layer (`pallas_kernels.attention.attention_counted`); the xla backend
-      passes them through."""
+      passes them through;
+    tree_attention(q, k, v, q_pos, window, root [B], path [B,T,D+1], scale, softcap, split,
+      split_rows): a tree's tokens attend over the prefix and their ancestors in logical
+      order (`pallas_kernels.tree_attention`)."""
 
     matmul: Callable
     matmul_partials: Callable
@@ -71,6 +75,7 @@ class Ops(NamedTuple):
     logsumexp: Callable
     attention: Callable
     attention_counted: Callable
+    tree_attention: Callable
 
 
 def _passing_counters(attention_fn: Callable) -> Callable:
@@ -121,6 +126,7 @@ def get_ops(backend: str, interpret: bool = False) -> Ops:
             logsumexp=logsumexp_reference,
             attention=attention_xla,
             attention_counted=_passing_counters(attention_xla),
+            tree_attention=tree_attention_xla,
         )
     if backend == "pallas":
         def p(fn, interpret):
@@ -140,6 +146,7 @@ def get_ops(backend: str, interpret: bool = False) -> Ops:
             logsumexp=p(logsumexp, interpret=interpret),
             attention=p(attention, interpret=interpret),
             attention_counted=p(attention_counted, interpret=interpret),
+            tree_attention=p(tree_attention, interpret=interpret),
         )
     raise ValueError(f"{backend=}; expected 'xla' or 'pallas'")
 

@@ -120,14 +120,16 @@ def _dot(a: jax.Array, b: jax.Array, *, contract_b: int) -> jax.Array:
 
 
 def _online_softmax(q, k_ref, v_ref, first, last, lo, hi, *, scale, softcap, block_k,
-                    v_masked_load=False):
+                    v_masked_load=False, load_kv=None):
     """(m [R], denom [R], acc [R, D]) f32 over key blocks lo..hi-1 (ascending) of the cache.
 
     Starts from the empty state (-inf, 0, 0); a block fully masked for a row leaves that
     row's state bit-identical (see the module docstring), so lo/hi may cover any superset
     of a row's visible blocks. q is [R, D], or a tuple of column chunks [R, D_i] (the
     draft's kernel builds q by RoPE halves): the scores are then the sum of the chunks'
-    dots with the matching key columns.
+    dots with the matching key columns. `load_kv(start)` -> (k [K, D], v [K, D]), if
+    given, supplies the block of logical key positions start .. start + K - 1 in place of
+    the cache rows at those slots (tree attention gathers a node's ancestors there).
     """
     chunks = q if isinstance(q, tuple) else None
     block_rows = (chunks or (q,))[0].shape[0]
@@ -137,7 +139,9 @@ def _online_softmax(q, k_ref, v_ref, first, last, lo, hi, *, scale, softcap, blo
     def body(kb, carry):
         m, denom, acc = carry  # [R], [R], [R, D] f32: max, softmax sum, p @ v
         start = pl.multiple_of(kb * block_k, block_k)
-        if chunks:
+        if load_kv is not None:
+            k, v = load_kv(start)  # [K, D] each, logical positions start .. start + K - 1
+        elif chunks:
             cols = [sum(c.shape[1] for c in chunks[:i]) for i in range(len(chunks))]
             ks = [k_ref[pl.ds(start, block_k), pl.ds(c0, c.shape[1])]  # [K, D_i]
                   for c0, c in zip(cols, chunks, strict=True)]
@@ -148,7 +152,10 @@ def _online_softmax(q, k_ref, v_ref, first, last, lo, hi, *, scale, softcap, blo
         # finite. A masked load zero-fills them without reading them and leaves the tile
         # a plain load the compiler can stage for the dot; a select after the load gives
         # the same operand through registers.
-        if v_masked_load:
+        if load_kv is not None:
+            key_v = start + jnp.arange(block_k, dtype=jnp.int32)
+            v = jnp.where((key_v <= last_key)[:, None], v, jnp.zeros_like(v))
+        elif v_masked_load:
             rows = start + lax.broadcasted_iota(jnp.int32, (block_k, head_dim), 0)
             v = plgpu.load(v_ref.at[pl.ds(start, block_k), :], mask=rows <= last_key,
                            other=0)  # [K, D]
@@ -225,12 +232,14 @@ def _attention_kernel(
 
 
 def _partition_partial(q_ref, k_ref, v_ref, first, last, c, *, scale: float,
-                       softcap: float | None, block_k: int, split: int, v_masked_load: bool):
+                       softcap: float | None, block_k: int, split: int, v_masked_load: bool,
+                       load_kv=None):
     """(m [R], denom [R], acc [R, D]) of partition c: the online softmax over the key
     blocks of [c * split, (c + 1) * split) that the tile's rows can see."""
     lo, hi = _partition_blocks(first, last, c, k_ref.shape[0] // block_k, block_k, split)
     return _online_softmax(q_ref[...], k_ref, v_ref, first, last, lo, hi, scale=scale,
-                           softcap=softcap, block_k=block_k, v_masked_load=v_masked_load)
+                           softcap=softcap, block_k=block_k, v_masked_load=v_masked_load,
+                           load_kv=load_kv)
 
 
 def _partition_blocks(first, last, c, num_blocks: int, block_k: int, split: int):
@@ -638,6 +647,16 @@ def _split_attention(q_rows, k_cache, v_cache, first, last, cfg: AttentionConfig
         interpret=interpret,
         name="jspec_attention_split",
     )(q_rows, k_cache, v_cache, first, last)
+    return combine_partials(m, denom, acc, first, last, cfg, q_rows.dtype, interpret=interpret)
+
+
+def combine_partials(m, denom, acc, first, last, cfg: AttentionConfig, dtype, *,
+                     interpret: bool):
+    """Split-KV phase 2 over partials m, denom [B, Hkv, parts, Rp], acc [.., Rp, D]:
+    folded in partition order per row tile -> [B, Hkv, Rp, D] in dtype."""
+    batch, num_kv_heads, parts, rows = m.shape
+    head_dim = acc.shape[-1]
+    br = cfg.split_rows
     return pl.pallas_call(
         functools.partial(_combine_kernel, split=cfg.split),
         grid=(batch, num_kv_heads, rows // br),
@@ -649,7 +668,7 @@ def _split_attention(q_rows, k_cache, v_cache, first, last, cfg: AttentionConfig
             pl.BlockSpec((None, br), lambda b, h, r: (b, r)),
         ],
         out_specs=pl.BlockSpec((None, None, br, head_dim), lambda b, h, r: (b, h, r, 0)),
-        out_shape=jax.ShapeDtypeStruct(q_rows.shape, q_rows.dtype),
+        out_shape=jax.ShapeDtypeStruct((batch, num_kv_heads, rows, head_dim), dtype),
         compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=1),
         interpret=interpret,
         name="jspec_attention_combine",
@@ -707,10 +726,13 @@ def _fused_split_attention(q_rows, k_cache, v_cache, first, last, cfg: Attention
     return outs[-1], outs[0]
 
 
-def _plain_attention(q, k_cache, v_cache, q_pos, window, *, scale, softcap, upcast: bool):
+def _plain_attention(q, k_cache, v_cache, q_pos, window, *, scale, softcap, upcast: bool,
+                     key_pos=None):
     """Full softmax over all S keys in plain jnp. upcast: q, k, v and p in f32 with IEEE
     f32 dots (the accurate reference); else dots in the cache dtype with f32 accumulation
-    and p cast to the value dtype for p @ v (what a plain JAX model runs)."""
+    and p cast to the value dtype for p @ v (what a plain JAX model runs). key_pos
+    [B, T, S] (optional): each slot's logical position for each query, -1 where the
+    query must not see it (a tree's other branches); by default a slot is its position."""
     _check_inputs(q, k_cache, v_cache, q_pos, window)
     batch, seq, num_heads, head_dim = q.shape
     num_kv_heads, cache_len = k_cache.shape[1], k_cache.shape[2]
@@ -726,9 +748,12 @@ def _plain_attention(q, k_cache, v_cache, q_pos, window, *, scale, softcap, upca
     if softcap is not None:
         s = jnp.tanh(s / softcap) * softcap
     pos = q_pos.astype(jnp.int32)[:, None, None, :, None]  # [B, 1, 1, T, 1]
-    key = jnp.arange(cache_len, dtype=jnp.int32)  # [S]
+    if key_pos is None:
+        key = jnp.arange(cache_len, dtype=jnp.int32)  # [S]
+    else:
+        key = key_pos.astype(jnp.int32)[:, None, None]  # [B, 1, 1, T, S]
     window = jnp.asarray(window, jnp.int32)
-    mask = (key <= pos) & ((window <= 0) | (key > pos - window))  # [B, 1, 1, T, S]
+    mask = (key >= 0) & (key <= pos) & ((window <= 0) | (key > pos - window))
     s = jnp.where(mask, s, _NEG_INF)
     m = jnp.max(s, axis=-1, keepdims=True)
     m = jnp.where(m == _NEG_INF, 0.0, m)
