@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from jspec import tree_drafting
 from jspec.cache import init_cache, rollback
 from jspec.model import Model, apply
 from jspec.sampling import uniform_noise
@@ -194,6 +195,15 @@ class ModelDrafter:
         return ModelDraftState(cache=cache, next_logits=logits[:, 1])
 
 
+    def propose_tree(self, state: ModelDraftState, ctx: ProposeContext, tree):
+        """A draft tree (`jspec.tree_drafting`): one draft forward a depth."""
+        return tree_drafting.model_tree(self, state, ctx, tree)
+
+    def commit_tree(self, state: ModelDraftState, ctx: ProposeContext, n, nxt, path,
+                    features=None):
+        return tree_drafting.model_commit_tree(self, state, ctx, n, nxt, path)
+
+
 @struct.dataclass
 class LookupState:
     """hist [B, H] committed tokens including `cur`; hlen [B]."""
@@ -232,6 +242,29 @@ class PromptLookupDrafter:
         windows = hist[starts[:, None] + jnp.arange(n)[None, :]]  # [H-n+1, n]
         ok = jnp.all(windows == tail[None, :], axis=1) & (starts + n < hlen) & (hlen >= n)
         return jnp.max(jnp.where(ok, starts, -1))
+
+    def follows(self, hist, hlen, m: int):
+        """[m] int32: where the continuations of the m latest distinct matches start
+        (longest n-gram first, then latest; -1 where fewer match)."""
+        H = hist.shape[0]
+        cands, keys = [], []
+        for n in range(self.max_ngram, self.min_ngram - 1, -1):
+            tail = jax.lax.dynamic_slice(hist, (jnp.maximum(hlen - n, 0),), (n,))
+            starts = jnp.arange(H - n + 1)
+            windows = hist[starts[:, None] + jnp.arange(n)[None, :]]
+            ok = jnp.all(windows == tail[None, :], axis=1) & (starts + n < hlen) & (hlen >= n)
+            cands.append(starts + n)
+            keys.append(jnp.where(ok, n * (H + 1) + starts, -1))
+        keys, cands = jnp.concatenate(keys), jnp.concatenate(cands)
+        top, at = jax.lax.top_k(keys, m)
+        return jnp.where(top >= 0, cands[at], -1).astype(jnp.int32)
+
+    def propose_tree(self, state: LookupState, ctx: ProposeContext, tree):
+        return tree_drafting.lookup_tree(self, state, ctx, tree)
+
+    def commit_tree(self, state: LookupState, ctx: ProposeContext, n, nxt, path,
+                    features=None):
+        return self.commit(state, ctx, n, nxt, path)
 
     def propose(self, state: LookupState, ctx: ProposeContext):
         g = ctx.gamma
@@ -273,6 +306,7 @@ class OracleDrafter:
     reference: jax.Array
     corrupt_prob: jax.Array | float = 0.0
     draft: object | None = None  # a ModelDrafter or FeatureDrafter that really runs
+    rank_probs: jax.Array | None = None  # trees: P(the truth is the rank-r child) [K]
 
     @property
     def feature_layers(self) -> tuple[int, ...]:
@@ -312,6 +346,15 @@ class OracleDrafter:
         if self.draft is None:
             return state
         return self.draft.commit(state, ctx, n_acc, nxt, drafts, features=features)
+
+    def propose_tree(self, state, ctx: ProposeContext, tree):
+        return tree_drafting.oracle_tree(self, state, ctx, tree)
+
+    def commit_tree(self, state, ctx: ProposeContext, n, nxt, path, features=None):
+        if self.draft is None:
+            return state
+        extra = {} if features is None else {"features": features}
+        return self.draft.commit_tree(state, ctx, n, nxt, path, **extra)
 
 
 @struct.dataclass
@@ -423,3 +466,12 @@ class FeatureDrafter:
         return FeatureDraftState(cache=rollback(cache, ctx.pos + n_acc + 1),
                                  next_logits=jnp.take_along_axis(logits, at, axis=1)[:, 0],
                                  next_hidden=jnp.take_along_axis(hidden, at, axis=1)[:, 0])
+
+    def propose_tree(self, state: FeatureDraftState, ctx: ProposeContext, tree):
+        return tree_drafting.feature_tree(self, state, ctx, tree)
+
+    def commit_tree(self, state: FeatureDraftState, ctx: ProposeContext, n, nxt, path,
+                    features=None):
+        """The accepted path with the verify's features at the root and along it
+        [B, D + 1, n Dt]: the chain commit over them."""
+        return self.commit(state, ctx, n, nxt, path, features=features)

@@ -117,10 +117,11 @@ def init_head_cache(head: FeatureHead, batch_size: int, max_len: int) -> KVCache
     return init_cache(head.layer_model, batch_size, max_len)
 
 
-def head_apply(head: FeatureHead, tokens, feats, cache: KVCache, *, fuse: bool):
+def head_apply(head: FeatureHead, tokens, feats, cache: KVCache, *, fuse: bool, tree=None):
     """tokens [B, T] int32 and features [B, T, n Dt] (fuse: through fc) or the head's own
     hidden states [B, T, D] (fuse False) at each row's cache length -> (logits [B, T, Vd]
-    f32, the head's hidden states [B, T, D], cache)."""
+    f32, the head's hidden states [B, T, D], cache). `tree` (a `jspec.tree.TreeInput`):
+    the tokens are tree nodes at positions root + depth over their ancestors."""
     cfg, p = head.config, head.params
     model = head.layer_model
     lcfg, opt = model.config, model.options
@@ -138,11 +139,14 @@ def head_apply(head: FeatureHead, tokens, feats, cache: KVCache, *, fuse: bool):
     else:
         h = jnp.concatenate([e, rms_norm(ops, lcfg, f, lp["hidden_norm"])], axis=-1)  # [BT, 2D]
     lengths = cache.lengths
-    pos = lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]  # [B, T]
+    if tree is None:
+        pos = lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]  # [B, T]
+    else:
+        pos = tree.root[:, None] + tree.depth
     cos_tab, sin_tab = rope_tables(lcfg, cache.capacity)
     cos, sin = jnp.asarray(cos_tab[0])[pos.reshape(-1)], jnp.asarray(sin_tab[0])[pos.reshape(-1)]
     o, k_buf, v_buf, _ = attention_block(ops, model, lp, h, cache.k[0], cache.v[0], pos,
-                                          lengths, cos, sin, jnp.int32(0), None)
+                                         lengths, cos, sin, jnp.int32(0), None, tree)
     r, h = add_norm(ops, model, f, o, lp["post_norm"])
     out, h = add_norm(ops, model, r, mlp_block(ops, model, lp, h), p["norm"])
     logits = ops.matmul(h, p["lm_head"], out_dtype=jnp.float32)  # [BT, Vd]

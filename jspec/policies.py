@@ -121,3 +121,111 @@ def verify(policy: str, sampler, logits, drafts, draft_logits, seed, rows, posit
         return rejection_sample(sampler, logits, draft_logits, drafts, seed, rows, positions,
                                 valid)
     raise ValueError(f"unknown verify policy {policy!r}; choose from {POLICIES}")
+
+
+# ------------------------------------------------------------------------------ trees
+_SALT_TREE_UNIFORM = 0x5EED3
+
+
+def tree_children(parents, k: int):
+    """parents [B, N + 1] (-1 for the root; parents before children) -> children
+    [B, N + 1, k]: each node's children in index order (their draft rank order), -1 past
+    the last."""
+    B, n = parents.shape
+    same = (parents[:, :, None] == parents[:, None, :]) & (
+        jnp.arange(n)[None, None, :] < jnp.arange(n)[None, :, None])  # [B, i, j]: j < i sibling
+    order = jnp.sum(same, axis=-1)  # [B, N + 1]: i's place among its siblings
+    ok = (parents >= 0) & (order < k)
+    rows = jnp.broadcast_to(jnp.arange(B)[:, None], (B, n))
+    children = jnp.full((B, n + 1, k), -1, jnp.int32)  # one spare row for the root's -1
+    children = children.at[rows, jnp.where(ok, parents, n), jnp.where(ok, order, 0)].set(
+        jnp.where(ok, jnp.arange(n, dtype=jnp.int32)[None], -1))
+    return children[:, :n]
+
+
+def accept_tree_matching(tokens, parents, depth, targets, valid, max_depth: int):
+    """The deepest node whose every token equals the target's token at its parent:
+    tokens, parents, depth, targets [B, N + 1], valid [B, N + 1] -> (node [B], n [B] its
+    depth, next token [B] the target's after it). Ties: the lowest index."""
+    B, n = tokens.shape
+    parent = jnp.maximum(parents, 0)
+    match = valid & (tokens == jnp.take_along_axis(targets, parent, 1))
+    acc = jnp.zeros((B, n), bool).at[:, 0].set(True)
+    for d in range(1, max_depth + 1):  # parents are accepted before their children
+        acc = acc | ((depth == d) & match & jnp.take_along_axis(acc, parent, 1))
+    key = jnp.where(acc, depth * n + (n - 1 - jnp.arange(n)[None]), -1)
+    node = jnp.argmax(key, axis=1).astype(jnp.int32)
+    pick = lambda x: jnp.take_along_axis(x, node[:, None], 1)[:, 0]  # noqa: E731
+    return node, pick(depth), pick(targets)
+
+
+def rejection_sample_tree(sampler: Sample, logits, q_logits, tokens, parents, depth, valid,
+                          seed, rows, positions, *, max_depth: int, max_children: int,
+                          update_q: bool = True):
+    """Recursive rejection sampling over a tree whose children were drawn from the draft
+    distribution q without replacement, in index order (SpecInfer's multi-draft scheme in
+    its without-replacement form): at the current node, child i is accepted with
+    probability min(1, p(c_i) / q(c_i)); on a rejection p <- norm(max(p - q, 0)) and c_i
+    leaves q (renormalised); an accepted child becomes the current node; when no child is
+    accepted the next token is drawn from p. The output is distributed as the target's p
+    at every step. logits, q_logits [B, N + 1, V]; positions [B, N + 1] the position of
+    the token after each node. update_q=False is a known-broken variant (the rejected
+    child stays in q) that tests use to show their check can fail.
+    -> (node [B], n [B], next token [B])."""
+    B, n, V = logits.shape
+    p_all = jnp.exp(_log_probs(sampler, _flat(logits)).reshape(B, n, V))
+    q_all = jnp.exp(_log_probs(sampler, _flat(q_logits)).reshape(B, n, V))
+    children = tree_children(parents, max_children)
+    rb = jnp.arange(B)
+    u_node = jnp.zeros((B,), jnp.int32)
+    p, q = p_all[:, 0], q_all[:, 0]
+    stopped = jnp.zeros((B,), bool)
+    for _ in range(max_depth):
+        moved = jnp.zeros((B,), bool)
+        pos = positions[rb, u_node]
+        for i in range(max_children):
+            c = children[rb, u_node, i]
+            has = (c >= 0) & ~stopped & ~moved
+            cc = jnp.maximum(c, 0)
+            has = has & valid[rb, cc]
+            tok = tokens[rb, cc]
+            pc, qc = p[rb, tok], q[rb, tok]
+            u = uniform_noise(seed + _SALT_TREE_UNIFORM, rows * max_children + i, pos)
+            live = has & (qc > 0)
+            accept = live & (u * qc < pc)
+            reject = live & ~accept
+            # A rejection: p <- norm(max(p - q, 0)) (p itself if that is empty) and the
+            # rejected token leaves q.
+            resid = jnp.maximum(p - q, 0.0)
+            z = jnp.sum(resid, -1, keepdims=True)
+            p_rej = jnp.where(z > 0, resid / jnp.where(z > 0, z, 1.0), p)
+            q_rm = q.at[rb, tok].set(0.0) if update_q else q
+            zq = jnp.sum(q_rm, -1, keepdims=True)
+            q_rej = jnp.where(zq > 0, q_rm / jnp.where(zq > 0, zq, 1.0), 0.0)
+            p = jnp.where(reject[:, None], p_rej, p)
+            q = jnp.where(reject[:, None], q_rej, q)
+            # An acceptance moves down: the child's own p and q.
+            u_node = jnp.where(accept, cc, u_node)
+            p = jnp.where(accept[:, None], p_all[rb, cc], p)
+            q = jnp.where(accept[:, None], q_all[rb, cc], q)
+            moved = moved | accept
+        stopped = stopped | ~moved
+    pos = positions[rb, u_node]
+    noise = gumbel_noise(seed + _SALT_RESIDUAL, rows, pos, V)
+    logr = jnp.where(p > 0, jnp.log(jnp.where(p > 0, p, 1.0)), -jnp.inf)
+    nxt = jnp.argmax(logr + noise, axis=-1).astype(jnp.int32)
+    return u_node, depth[rb, u_node], nxt
+
+
+def verify_tree(policy: str, sampler, logits, tokens, parents, depth, q_logits, valid, seed,
+                rows, positions, *, max_depth: int, max_children: int):
+    """Dispatches a policy over a tree verify: logits [B, N + 1, V] of the root and the
+    nodes; positions [B, N + 1] of the token after each. -> (node, n, next token) [B]."""
+    if policy in ("exact_greedy", "gumbel_coupled"):
+        targets = target_tokens(sampler, logits, seed, rows, positions)
+        return accept_tree_matching(tokens, parents, depth, targets, valid, max_depth)
+    if policy == "rejection_sampling":
+        return rejection_sample_tree(sampler, logits, q_logits, tokens, parents, depth, valid,
+                                     seed, rows, positions, max_depth=max_depth,
+                                     max_children=max_children)
+    raise ValueError(f"unknown verify policy {policy!r}; choose from {POLICIES}")

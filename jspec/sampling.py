@@ -120,3 +120,15 @@ def make_sampler(temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0):
     if temperature == 0:
         return Greedy()
     return Sample(temperature=temperature, top_k=top_k, top_p=top_p)
+
+
+def top_choices(sampler, logits, k: int, seed, rows, positions):
+    """The k best draft choices [B, k] int32 of logits [B, V] for tokens at `positions`:
+    Greedy: the k largest logits (lowest index first on ties); Sample: the Gumbel top-k of
+    the filtered logits with the position-keyed noise, i.e. k draws without replacement,
+    the first of which is the sampler's own token. A tree drafter's children by rank."""
+    if isinstance(sampler, Greedy):
+        return jax.lax.top_k(logits, k)[1].astype(jnp.int32)
+    x = sampler.filtered_logits(logits)
+    g = gumbel_noise(seed, rows, positions, x.shape[-1])
+    return jax.lax.top_k(x + g, k)[1].astype(jnp.int32)

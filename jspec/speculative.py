@@ -34,8 +34,9 @@ from jspec.drafters import FeatureDrafter, ModelDrafter, OracleDrafter, ProposeC
 from jspec.generate import PAD, first_non_finite, pad_prompts, plan_shapes
 from jspec.loop import check_count, raise_non_finite, run_chunked, token_bar
 from jspec.model import COMPILER_OPTIONS, Model, apply
-from jspec.policies import POLICIES, target_sampler, verify
+from jspec.policies import POLICIES, target_sampler, verify, verify_tree
 from jspec.sampling import Greedy
+from jspec.tree import TreeConfig, commit_path, from_parents
 
 _SALT_DRAFT = 0xD4AF7
 # The largest gamma: a verify block of up to 33 positions (the block sizes the parity
@@ -56,8 +57,10 @@ class SpecConfig:
       temperature, top_k, top_p: sampling parameters of the sampling policies.
       stop_tokens: a row stops after emitting one of these (it is kept).
       audit_every: every Nth verify block (0: never) is recomputed by one-token
-        serial steps and compared bitwise, every row and position; the run stops
-        with a `ParityError` report on any difference.
+        serial steps and compared bitwise, every row and position (trees: the accepted
+        path); the run stops with a `ParityError` report on any difference.
+      tree: a `jspec.tree.TreeConfig`: each round verifies a tree of drafts in one
+        forward instead of a chain of gamma (gamma is then unused).
     """
 
     gamma: int = 4
@@ -69,6 +72,7 @@ class SpecConfig:
     top_p: float = 1.0
     stop_tokens: tuple[int, ...] = ()
     audit_every: int = 0
+    tree: TreeConfig | None = None
 
     def __post_init__(self):
         if self.audit_every < 0:
@@ -84,6 +88,22 @@ class SpecConfig:
         if self.policy != "exact_greedy":
             target_sampler(self.policy, self.temperature, self.top_k, self.top_p)  # validates
         object.__setattr__(self, "stop_tokens", tuple(int(t) for t in self.stop_tokens))
+        if self.tree is not None and not isinstance(self.tree, TreeConfig):
+            raise TypeError(f"tree must be a jspec.TreeConfig; got {type(self.tree).__name__}")
+        if self.tree is not None and self.tree.dynamic and self.policy == "rejection_sampling":
+            raise ValueError("rejection_sampling needs a static tree (branching or paths): a "
+                             "dynamic tree keeps children by their draft scores, which biases "
+                             "the multi-draft acceptance")
+
+    @property
+    def depth(self) -> int:
+        """Proposals along one path: gamma for chains, the tree's depth for trees."""
+        return self.tree.depth if self.tree is not None else self.gamma
+
+    @property
+    def proposals(self) -> int:
+        """Draft tokens a round verifies (gamma, or the tree's nodes)."""
+        return self.tree.num_nodes if self.tree is not None else self.gamma
 
     def static(self) -> SpecConfig:
         """The part that decides compiled code: the seed travels as an array instead."""
@@ -110,7 +130,7 @@ class SpecState:
       num: [B] int32 tokens generated per row.
       done: [B] bool.
       proposed, accepted: [B] int32 draft tokens proposed / accepted per row.
-      accepted_at: [gamma] int32 accepted proposals by draft position (all rows).
+      accepted_at: [depth] int32 accepted proposals by draft position / tree depth.
       rounds_live: [B] int32 verify rounds in which the row was still live.
       audit_bad: [] bool, a runtime audit found a difference (the loop stops).
       audit_at: [3] int32 (round, row, block row) of the first difference.
@@ -162,8 +182,8 @@ def _prefill(target: Model, drafter, tokens, lens, seed, *, spec: SpecConfig, ma
     cache = rollback(cache, lens - 1)  # cur = the last prompt token, recomputed by verify
     cur = jnp.take_along_axis(tokens, (lens - 1)[:, None], axis=1)[:, 0]
     extra = {} if feats is None else {"features": feats}  # only feature drafters take them
-    draft = drafter.init(tokens, lens, max_len, spec.gamma, **extra)
-    g, N = spec.gamma, spec.max_new_tokens
+    draft = drafter.init(tokens, lens, max_len, spec.depth, **extra)
+    g, N = spec.depth, spec.max_new_tokens
     z = jnp.zeros((B,), jnp.int32)
     return SpecState(step=jnp.int32(0), cache=cache, draft=draft, cur=cur,
                      out=jnp.full((B, N), PAD, jnp.int32), num=z, done=jnp.zeros((B,), bool),
@@ -180,7 +200,7 @@ def _context(target: Model, state: SpecState, seed, spec: SpecConfig) -> Propose
     draft_seed = seed + _SALT_DRAFT if spec.policy == "rejection_sampling" else seed
     return ProposeContext(cur=state.cur, pos=state.cache.lengths,
                           rows=jnp.arange(B, dtype=jnp.int32), seed=draft_seed,
-                          gamma=spec.gamma, vocab=target.config.vocab_size,
+                          gamma=spec.depth, vocab=target.config.vocab_size,
                           draft_sampler=spec.draft_sampler())
 
 
@@ -218,10 +238,10 @@ def _accept(logits, drafts, draft_logits, seed, pos, *, spec: SpecConfig):
 
 
 def _commit(drafter, state: SpecState, ctx: ProposeContext, cache, dstate, drafts, n_acc, nxt,
-            *, spec: SpecConfig, features=None) -> SpecState:
+            *, spec: SpecConfig, features=None, tree: bool = False) -> SpecState:
     """Phase 4: emit d_1..d_{n_acc}, nxt (cut at max_new_tokens and stop tokens), roll the
     target back to pos + n_acc + 1, catch the drafter up, update statistics."""
-    g, N = spec.gamma, spec.max_new_tokens
+    g, N = drafts.shape[1], spec.max_new_tokens
     B = state.cur.shape[0]
     rows, pos = ctx.rows, ctx.pos
     live = ~state.done
@@ -242,12 +262,15 @@ def _commit(drafter, state: SpecState, ctx: ProposeContext, cache, dstate, draft
     done = state.done | (live & (hit | (num >= N)))
     cache = rollback(cache, jnp.where(live, pos + n_acc + 1, pos))
     extra = {} if features is None else {"features": features}
-    dstate = drafter.commit(dstate, ctx, n_acc, nxt, drafts, **extra)
+    if tree:  # drafts: the accepted root path's tokens [B, depth]
+        dstate = drafter.commit_tree(dstate, ctx, n_acc, nxt, drafts, **extra)
+    else:
+        dstate = drafter.commit(dstate, ctx, n_acc, nxt, drafts, **extra)
     acc_at = state.accepted_at + jnp.sum(
         (jnp.arange(g)[None, :] < n_acc[:, None]) & live[:, None], axis=0, dtype=jnp.int32)
     return state.replace(step=state.step + 1, cache=cache, draft=dstate,
                          cur=jnp.where(live, nxt, state.cur), out=out, num=num, done=done,
-                         proposed=state.proposed + jnp.where(live, g, 0),
+                         proposed=state.proposed + jnp.where(live, spec.proposals, 0),
                          accepted=state.accepted + n_acc, accepted_at=acc_at,
                          rounds_live=state.rounds_live + live.astype(jnp.int32))
 
@@ -263,8 +286,10 @@ def _serial_replay(target: Model, cache, tokens):
     return jnp.moveaxis(logits, 0, 1)
 
 
-def _audit(target: Model, state: SpecState, cache, cur, drafts, logits, *, spec: SpecConfig):
-    """Every `audit_every`-th block: compare the verify logits with serial replay, bitwise."""
+def _audit(target: Model, state: SpecState, cache, cur, drafts, logits, *, spec: SpecConfig,
+           upto=None):
+    """Every `audit_every`-th block: compare the verify logits with serial replay, bitwise
+    (`upto` [B]: only the first upto + 1 positions of each row, a tree's accepted path)."""
     G = drafts.shape[1] + 1
 
     def check(_):
@@ -274,6 +299,8 @@ def _audit(target: Model, state: SpecState, cache, cur, drafts, logits, *, spec:
         diff = jnp.any(jax.lax.bitcast_convert_type(serial, jnp.uint32)
                        != jax.lax.bitcast_convert_type(logits, jnp.uint32), axis=-1)  # [B, G]
         diff = diff & ~state.done[:, None]
+        if upto is not None:
+            diff = diff & (jnp.arange(G)[None, :] <= upto[:, None])
         flat = jnp.argmax(diff.reshape(-1))
         b, i = flat // G, flat % G
         bad = jnp.any(diff)
@@ -305,8 +332,49 @@ def _check_finite(state: SpecState, logits, pos) -> SpecState:
     return state.replace(bad=state.bad | bad, bad_at=at)
 
 
+def _tree_round(target: Model, drafter, state: SpecState, seed, *,
+                spec: SpecConfig) -> SpecState:
+    """A tree round: the drafter grows a tree under cur (`propose_tree`); one target
+    forward verifies all of it (tree attention: every node's logits are serial decoding's
+    after its root path); the policy walks it to the deepest accepted node; the accepted
+    path's K/V move onto contiguous positions (`commit_path`) and the drafter catches up
+    on the path (`commit_tree`)."""
+    tree = spec.tree
+    D, K = tree.depth, tree.max_children
+    ctx = _context(target, state, seed, spec)
+    tokens, parents, q, dstate = drafter.propose_tree(state.draft, ctx, tree)  # [B, N + 1]
+    V = target.config.vocab_size
+    valid = _in_vocab(tokens, V).at[:, 0].set(True)
+    tokens = jnp.where(valid, tokens.astype(jnp.int32), 0)
+    t_in = from_parents(parents, state.cache.lengths, D)
+    layers = feature_layers(drafter)
+    out = apply(target, tokens, state.cache, tree=t_in, **({"features": layers} if layers
+                                                           else {}))
+    logits, cache = out[:2]
+    state = _check_finite(state, logits, ctx.pos)
+    positions = ctx.pos[:, None] + 1 + t_in.depth  # of the token after each node
+    node, n, nxt = verify_tree(spec.policy, spec.serial_sampler(), logits, tokens, parents,
+                               t_in.depth, q, valid, seed, ctx.rows, positions, max_depth=D,
+                               max_children=K)
+    path = jnp.take_along_axis(t_in.path, node[:, None, None], axis=1)[:, 0]  # [B, D + 1]
+    idx = jnp.maximum(path - ctx.pos[:, None], 0)  # the path's call indices
+    path_tokens = jnp.take_along_axis(tokens, idx[:, 1:], axis=1)  # [B, D]
+    if spec.audit_every:
+        path_logits = jnp.take_along_axis(logits, idx[:, :, None], axis=1)  # [B, D + 1, V]
+        state = _audit(target, state, cache, state.cur, path_tokens, path_logits, spec=spec,
+                       upto=n)
+    cache = commit_path(cache, ctx.pos, path, n)
+    feats = None
+    if layers:  # the root's and the path's features, as a chain commit reads them
+        feats = jnp.take_along_axis(out[2], idx[:, :, None], axis=1)  # [B, D + 1, n Dt]
+    return _commit(drafter, state, ctx, cache, dstate, path_tokens, n, nxt, spec=spec,
+                   features=feats, tree=True)
+
+
 def _round(target: Model, drafter, state: SpecState, seed, *, spec: SpecConfig) -> SpecState:
     """draft -> verify -> accept -> commit."""
+    if spec.tree is not None:
+        return _tree_round(target, drafter, state, seed, spec=spec)
     ctx = _context(target, state, seed, spec)
     drafts, draft_logits, dstate = _draft(drafter, state.draft, ctx)
     logits, cache, feats = _target_verify(target, state.cache, state.cur, drafts,
@@ -398,7 +466,7 @@ def _setup(target, drafter, prompts, spec, max_len):
     _validate(target, drafter, spec)
     tokens, lens = pad_prompts(prompts, target.config.vocab_size)
     # max_new_tokens + gamma + 1 positions after the prompt: the last round's verify block.
-    padded, max_len = plan_shapes(tokens.shape[1], spec.max_new_tokens + spec.gamma + 1,
+    padded, max_len = plan_shapes(tokens.shape[1], spec.max_new_tokens + spec.proposals + 1,
                                   max_len, target.config.max_position)
     if padded > tokens.shape[1]:
         tokens = np.pad(tokens, ((0, 0), (0, padded - tokens.shape[1])))
@@ -423,8 +491,8 @@ def _stats(state: SpecState, spec: SpecConfig, drafter, prefill_s: float, loop_s
         "acceptance_by_position": [float(x) for x in by_pos],
         "tokens_per_target_step": total / max(live_rounds, 1),
         "target_forwards": rounds + 1, "draft_forwards":
-            rounds * drafter.forwards_per_round(spec.gamma) + int(
-                drafter.forwards_per_round(spec.gamma) > 0),
+            rounds * drafter.forwards_per_round(spec.depth) + int(
+                drafter.forwards_per_round(spec.depth) > 0),
         "rounds": rounds, "tokens": total, "audited_blocks": int(state.audits),
         "ttft_s": prefill_s, "tpot_s": loop_s / max(int(num.max()), 1),
         "tokens_per_s": total / max(prefill_s + loop_s, 1e-9),

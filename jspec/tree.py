@@ -13,6 +13,8 @@ other nodes' entries lie past the new length, never read.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import struct
@@ -90,3 +92,123 @@ def commit_path(cache, root, path, n):
         return cache.replace(lengths=(root + n + 1).astype(jnp.int32))
     return cache.replace(k=tuple(move(b) for b in cache.k), v=tuple(move(b) for b in cache.v),
                          lengths=(root + n + 1).astype(jnp.int32))
+
+
+# Bounds on a tree's shape: a verify of at most MAX_TREE_NODES + 1 positions, paths of at
+# most MAX_TREE_DEPTH drafts (each depth is a draft forward and a step of the accept walk).
+MAX_TREE_NODES = 64
+MAX_TREE_DEPTH = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeConfig:
+    """The shape of the draft trees a speculative run verifies (static: it decides shapes).
+
+    Give one of:
+      branching: children per node at each depth, e.g. (3, 2, 1): 3 + 6 + 6 = 15 nodes;
+      paths: an explicit node list, each node the ranks of the draft choices along its
+        path from the root (Medusa's form), e.g. ((0,), (1,), (0, 0), (0, 1), (1, 0));
+      dynamic: (top_k, nodes, depth): EAGLE-2's dynamic tree: at each depth the top_k
+        frontier nodes by cumulative draft log-probability expand their top_k children,
+        and the `nodes` best of all the candidates (ancestors first) are verified.
+    A node's rank r is the r-th choice of the draft at its parent (greedy: the r-th
+    largest logit; sampling: the r-th draw without replacement).
+    """
+
+    branching: tuple[int, ...] | None = None
+    paths: tuple[tuple[int, ...], ...] | None = None
+    dynamic: tuple[int, int, int] | None = None
+
+    def __post_init__(self):
+        given = [x is not None for x in (self.branching, self.paths, self.dynamic)]
+        if sum(given) != 1:
+            raise ValueError("TreeConfig takes exactly one of branching, paths or dynamic")
+        if self.branching is not None:
+            object.__setattr__(self, "branching", tuple(int(b) for b in self.branching))
+            if not self.branching or min(self.branching) < 1:
+                raise ValueError(f"branching={self.branching} needs one count >= 1 a depth")
+        if self.paths is not None:
+            paths = tuple(tuple(int(r) for r in p) for p in self.paths)
+            object.__setattr__(self, "paths", paths)
+            seen = set(paths)
+            for p in paths:
+                if not p or min(p) < 0:
+                    raise ValueError(f"tree path {p} must be non-empty ranks >= 0")
+                if len(p) > 1 and p[:-1] not in seen:
+                    raise ValueError(f"tree path {p} has no parent {p[:-1]} in the list")
+            if len(seen) != len(paths):
+                raise ValueError("tree paths repeat a node")
+        if self.dynamic is not None:
+            k, n, d = (int(x) for x in self.dynamic)
+            object.__setattr__(self, "dynamic", (k, n, d))
+            if k < 1 or d < 1 or n < 1 or n > k + (d - 1) * k * k:
+                raise ValueError(f"dynamic=(top_k={k}, nodes={n}, depth={d}) needs 1 <= nodes "
+                                 f"<= {k + (d - 1) * k * k} (the candidates it expands)")
+        if self.num_nodes > MAX_TREE_NODES:
+            raise ValueError(f"a tree of {self.num_nodes} nodes exceeds MAX_TREE_NODES="
+                             f"{MAX_TREE_NODES}")
+        if self.depth > MAX_TREE_DEPTH:
+            raise ValueError(f"a tree of depth {self.depth} exceeds MAX_TREE_DEPTH="
+                             f"{MAX_TREE_DEPTH}")
+
+    @property
+    def num_nodes(self) -> int:
+        """N: draft nodes (the verify computes N + 1 positions)."""
+        if self.dynamic is not None:
+            return self.dynamic[1]
+        return len(self.static_paths())
+
+    @property
+    def depth(self) -> int:
+        """D: the deepest node's depth."""
+        if self.dynamic is not None:
+            return self.dynamic[2]
+        return max(len(p) for p in self.static_paths())
+
+    @property
+    def max_children(self) -> int:
+        """K: the most children of one node."""
+        if self.dynamic is not None:
+            return self.dynamic[0]
+        return max(r for p in self.static_paths() for r in p) + 1
+
+    def static_paths(self) -> tuple[tuple[int, ...], ...]:
+        """The nodes as rank paths, by depth then rank order (a parent before its
+        children)."""
+        if self.paths is not None:
+            return tuple(sorted(self.paths, key=lambda p: (len(p), p)))
+        out, level = [], [()]
+        for b in self.branching or ():
+            level = [p + (r,) for p in level for r in range(b)]
+            out += level
+        return tuple(out)
+
+    def topology(self):
+        """Static trees: numpy (parents [N + 1], ranks [N + 1], depth [N + 1]), index 0 the
+        root (parent -1), nodes by depth then rank."""
+        import numpy as np
+
+        paths = ((),) + self.static_paths()
+        index = {p: i for i, p in enumerate(paths)}
+        parents = np.array([-1] + [index[p[:-1]] for p in paths[1:]], np.int32)
+        ranks = np.array([0] + [p[-1] for p in paths[1:]], np.int32)
+        depth = np.array([len(p) for p in paths], np.int32)
+        return parents, ranks, depth
+
+
+def parse_tree(text: str) -> TreeConfig | None:
+    """A tree from the command line: "" (none: chains), "3,2,1" (branching per depth),
+    "dynamic:4,16,5" (top_k, nodes, depth) or "paths:0;1;0.0;0.1" (ranks joined by '.')."""
+    text = (text or "").strip()
+    if not text:
+        return None
+    try:
+        if text.startswith("dynamic:"):
+            return TreeConfig(dynamic=tuple(int(x) for x in text[8:].split(",")))
+        if text.startswith("paths:"):
+            return TreeConfig(paths=tuple(tuple(int(r) for r in p.split("."))
+                                          for p in text[6:].split(";") if p))
+        return TreeConfig(branching=tuple(int(x) for x in text.split(",")))
+    except ValueError as e:
+        raise ValueError(f"tree {text!r}: {e} (expected '3,2,1', 'dynamic:k,nodes,depth' or "
+                         "'paths:0;1;0.0')") from None
