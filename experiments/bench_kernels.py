@@ -45,6 +45,7 @@ from jspec.cli import with_option_string
 from jspec.model import COMPILER_OPTIONS, apply, forward_nodonate
 from jspec.ops import get_ops
 from jspec.random_model import random_model
+from jspec.tree import from_parents
 from pallas_kernels.matmul import TUNED, tuned_to_json
 
 _PRESET = flags.DEFINE_string("preset", "qwen3-8b", "model shape preset")
@@ -62,6 +63,10 @@ _OPTIONS = flags.DEFINE_list(
     "names: x, no_x, plain; a+b: both), each checked bitwise against the default pallas "
     "step (all options on); e.g. plain,no_fuse_glu")
 _OPS = flags.DEFINE_bool("ops", True, "time single ops (matmuls, norms, ...) before steps")
+_TREES = flags.DEFINE_list("trees", [], "tree verify sizes to time (draft nodes, e.g. 16,32): "
+                           "one target forward over a random tree of that many nodes under "
+                           "the context, against decode (T = 1) and a chain of as many")
+_TREE_DEPTH = flags.DEFINE_integer("tree_depth", 6, "the random trees' greatest depth")
 _TAG = flags.DEFINE_string("tag", "", "receipt file name suffix")
 
 
@@ -187,6 +192,55 @@ def device_steps(model, tokens, cache):
     return jax.lax.fori_loop(0, STEP_REPS, body, (cache, jnp.float32(0)))[1]
 
 
+@functools.partial(jax.jit, compiler_options=COMPILER_OPTIONS)
+def device_tree_steps(model, tokens, cache, parents):
+    """STEP_REPS tree verifies of tokens [B, N + 1] (parents [B, N + 1]) on one cache."""
+    lengths = cache.lengths
+    tree = from_parents(parents, lengths, _TREE_DEPTH.value)
+
+    def body(_, carry):
+        c, acc = carry
+        logits, c = apply(model, tokens, c, tree=tree)
+        return rollback(c, lengths), acc + logits[0, -1, 0]
+
+    return jax.lax.fori_loop(0, STEP_REPS, body, (cache, jnp.float32(0)))[1]
+
+
+def random_parents(n: int, depth: int, seed: int = 0) -> np.ndarray:
+    """A root and n nodes: each node's parent drawn among the earlier nodes above `depth`."""
+    rng = np.random.default_rng(seed)
+    parents, d = [-1], [0]
+    for _ in range(n):
+        p = int(rng.choice([i for i in range(len(parents)) if d[i] < depth]))
+        parents.append(p)
+        d.append(d[p] + 1)
+    return np.asarray(parents, np.int32)
+
+
+def bench_trees(model, batches, sizes, context, iters):
+    """Tree verify steps (pallas): ms against decode (T = 1) and a chain of N + 1."""
+    cfg = model.config
+    rows = []
+    for B in batches:
+        cache = init_cache(model, B, context + max(sizes) + 16)
+        prompt = (jnp.arange(B * context, dtype=jnp.int32).reshape(B, context) * 7919
+                  % cfg.vocab_size)
+        _, cache = forward_nodonate(model, prompt, cache)
+        decode = median_time(device_steps, model, jnp.ones((B, 1), jnp.int32), cache,
+                             iters=iters) / STEP_REPS
+        for n in sizes:
+            toks = jnp.ones((B, n + 1), jnp.int32)
+            parents = jnp.asarray(np.stack([random_parents(n, _TREE_DEPTH.value, b)
+                                            for b in range(B)]))
+            tree = median_time(device_tree_steps, model, toks, cache, parents,
+                               iters=iters) / STEP_REPS
+            chain = median_time(device_steps, model, toks, cache, iters=iters) / STEP_REPS
+            rows.append({"B": B, "nodes": n, "tree_ms": tree * 1e3, "chain_ms": chain * 1e3,
+                         "decode_ms": decode * 1e3, "tree_vs_decode": tree / decode,
+                         "chain_vs_decode": chain / decode, "tree_vs_chain": tree / chain})
+    return rows
+
+
 def bench_steps(model, batches, gammas, context, iters, options=()):
     """Whole forward steps on pallas and xla, plus pallas variants with the speed options
     set as each entry of `options` says (jspec.cli option names), whose logits must
@@ -284,7 +338,18 @@ def main(argv):
             bits = f"  max |diff| vs pallas {r['max_abs_diff_vs_pallas']:.3g} (other numerics)"
         print(f"{r['backend']:30s} {r['B']:2d} {r['T']:3d} {r['ms']:8.3f} {r['vs_decode']:8.3f} "
               f"{r['tax']:6.2f} {r['TBps']:6.2f} {r['host_dispatched_ms']:8.3f}{bits}")
+    trees = bench_trees(model, batches, [int(n) for n in _TREES.value], _CONTEXT.value,
+                        iters) if _TREES.value else []
+    if trees:
+        print(f"\ntree verify (pallas, random trees of depth <= {_TREE_DEPTH.value}), ms:")
+        print(f"{'B':>2s} {'nodes':>5s} {'tree':>8s} {'chain':>8s} {'decode':>8s} "
+              f"{'tree/decode':>11s} {'chain/decode':>12s}")
+        for r in trees:
+            print(f"{r['B']:2d} {r['nodes']:5d} {r['tree_ms']:8.3f} {r['chain_ms']:8.3f} "
+                  f"{r['decode_ms']:8.3f} {r['tree_vs_decode']:11.3f} "
+                  f"{r['chain_vs_decode']:12.3f}")
     report = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
+              "trees": trees,
               "matmul_tuned": tuned_to_json(TUNED),
               "date": time.strftime("%Y-%m-%d"), "preset": _PRESET.value,
               "layers": model.config.num_layers, "context": _CONTEXT.value,
