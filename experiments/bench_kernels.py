@@ -42,6 +42,7 @@ from jspec.bench.timing import copy_bandwidth, median_time
 from jspec.bench.trace import device_events, traced
 from jspec.cache import init_cache, rollback
 from jspec.cli import with_option_string
+from jspec.feature_head import head_apply, init_head_cache, random_head
 from jspec.model import COMPILER_OPTIONS, apply, forward_nodonate
 from jspec.ops import get_ops
 from jspec.random_model import random_model
@@ -67,6 +68,9 @@ _TREES = flags.DEFINE_list("trees", [], "tree verify sizes to time (draft nodes,
                            "one target forward over a random tree of that many nodes under "
                            "the context, against decode (T = 1) and a chain of as many")
 _TREE_DEPTH = flags.DEFINE_integer("tree_depth", 6, "the random trees' greatest depth")
+_HEAD_VOCAB = flags.DEFINE_integer("head_vocab", 0, "time a feature head's step (one layer at "
+                                   "the target's width, this draft vocabulary; 0: skip) on "
+                                   "both backends against the target's decode step")
 _TAG = flags.DEFINE_string("tag", "", "receipt file name suffix")
 
 
@@ -241,6 +245,46 @@ def bench_trees(model, batches, sizes, context, iters):
     return rows
 
 
+@functools.partial(jax.jit, static_argnames=("fuse",))
+def device_head_steps(head, tokens, hidden, cache, fuse=False):
+    """STEP_REPS head steps (tokens [B, 1], hidden [B, 1, D]) on one cache."""
+    lengths = cache.lengths
+
+    def body(_, carry):
+        c, acc = carry
+        logits, h, c = head_apply(head, tokens, hidden, c, fuse=fuse)
+        return rollback(c, lengths), acc + logits[0, -1, 0] + h[0, 0, 0].astype(jnp.float32)
+
+    return jax.lax.fori_loop(0, STEP_REPS, body, (cache, jnp.float32(0)))[1]
+
+
+def bench_head(model, batches, vocab, context, iters):
+    """A feature head's draft step (one layer + a `vocab` head) against the target's
+    decode step, per backend of the head: ms and the fraction of a decode step."""
+    rows = []
+    for B in batches:
+        cache = init_cache(model, B, context + 16)
+        prompt = (jnp.arange(B * context, dtype=jnp.int32).reshape(B, context) * 7919
+                  % model.config.vocab_size)
+        _, cache = forward_nodonate(model, prompt, cache)
+        decode = median_time(device_steps, model, jnp.ones((B, 1), jnp.int32), cache,
+                             iters=iters) / STEP_REPS
+        for backend in ("pallas", "xla"):
+            head = random_head(model, draft_vocab_size=vocab,
+                               options=model.options.replace(backend=backend))
+            hc = init_head_cache(head, B, context + 16)
+            hc = rollback(hc, jnp.full((B,), context, jnp.int32))
+            hid = jnp.ones((B, 1, model.config.hidden_size), jnp.dtype(model.config.dtype))
+            t = median_time(device_head_steps, head, jnp.ones((B, 1), jnp.int32), hid, hc,
+                            iters=iters) / STEP_REPS
+            wbytes = sum(x.size * x.dtype.itemsize for k, x in head.params.items()
+                         if k not in ("embed", "fc", "head_slot") for x in jax.tree.leaves(x))
+            rows.append({"B": B, "head_backend": backend, "vocab": vocab, "ms": t * 1e3,
+                         "decode_ms": decode * 1e3, "vs_decode": t / decode,
+                         "step_weight_bytes": int(wbytes)})
+    return rows
+
+
 def bench_steps(model, batches, gammas, context, iters, options=()):
     """Whole forward steps on pallas and xla, plus pallas variants with the speed options
     set as each entry of `options` says (jspec.cli option names), whose logits must
@@ -348,8 +392,18 @@ def main(argv):
             print(f"{r['B']:2d} {r['nodes']:5d} {r['tree_ms']:8.3f} {r['chain_ms']:8.3f} "
                   f"{r['decode_ms']:8.3f} {r['tree_vs_decode']:11.3f} "
                   f"{r['chain_vs_decode']:12.3f}")
+    heads = bench_head(model, batches, _HEAD_VOCAB.value, _CONTEXT.value,
+                       iters) if _HEAD_VOCAB.value else []
+    if heads:
+        print(f"\nfeature head step (one layer at width {model.config.hidden_size}, "
+              f"{_HEAD_VOCAB.value}-token head), ms:")
+        for r in heads:
+            print(f"B={r['B']} {r['head_backend']:6s} {r['ms']:8.3f} ms = "
+                  f"{100 * r['vs_decode']:.1f}% of decode ({r['decode_ms']:.3f} ms); "
+                  f"{r['step_weight_bytes'] / 1e9:.2f} GB, "
+                  f"{r['step_weight_bytes'] / (r['ms'] / 1e3) / bw:.0%} of copy bandwidth")
     report = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
-              "trees": trees,
+              "trees": trees, "heads": heads,
               "matmul_tuned": tuned_to_json(TUNED),
               "date": time.strftime("%Y-%m-%d"), "preset": _PRESET.value,
               "layers": model.config.num_layers, "context": _CONTEXT.value,
