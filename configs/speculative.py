@@ -30,6 +30,9 @@ def get_config(arg=None):
     c.output = ""  # a .jsonl file: one object per prompt (prompt, text, ids, stats, parity)
     c.stream = False  # print the speculative text as it is generated (then measure)
     c.gamma = 4
+    # Draft trees instead of chains: "" (chains of gamma), "3,2,1" (children per depth),
+    # "dynamic:4,16,5" (EAGLE-2: top_k, nodes, depth) or "paths:0;1;0.0" (Medusa-style).
+    c.tree = ""
     c.policy = "exact_greedy"  # | "gumbel_coupled" | "rejection_sampling"
     c.max_new_tokens = 64
     c.temperature = 0.8  # sampling policies only

@@ -26,6 +26,7 @@ from ml_collections import config_flags
 
 import jspec
 from jspec import cli, text
+from jspec.tree import parse_tree
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", os.path.join(os.path.dirname(__file__), "..", "configs", "speculative.py"),
@@ -142,7 +143,8 @@ def main(argv):
     prompts = cli.config_prompts(c)
     jspec.SpecConfig(gamma=c.gamma, policy=c.policy, max_new_tokens=c.max_new_tokens,
                      temperature=c.temperature, top_k=c.top_k, top_p=c.top_p,
-                     audit_every=c.audit_every)  # a bad value fails before any loading
+                     audit_every=c.audit_every,
+                     tree=parse_tree(c.get("tree", "")))  # bad values fail before loading
     pipe = build(c)
     target = pipe.target
     chat = any(not isinstance(p, str) for p in prompts)
@@ -150,13 +152,14 @@ def main(argv):
     kw = dict(max_new_tokens=c.max_new_tokens, top_k=c.top_k, top_p=c.top_p, seed=c.seed,
               stop_tokens=stop)
     spec_kw = kw | dict(gamma=c.gamma, policy=c.policy, temperature=c.temperature,
-                        audit_every=c.audit_every)
+                        audit_every=c.audit_every, tree=c.get("tree", "") or None)
     serial_kw = kw | dict(temperature=0.0 if c.policy == "exact_greedy" else c.temperature)
     drafter = pipe.drafter
     draft = getattr(drafter, "model", None)
     print(f"target: {target.config.family} L={target.config.num_layers} "
           f"V={target.config.vocab_size} dtype={c.dtype} device={jax.devices()[0].platform}; "
-          f"drafter={'head' if c.head else c.drafter} gamma={c.gamma} policy={c.policy}; "
+          f"drafter={'head' if c.head else c.drafter} "
+          f"{'tree=' + c.tree if c.get('tree', '') else f'gamma={c.gamma}'} policy={c.policy}; "
           f"stop ids {list(stop)}")
     print(cli.backend_line(target) + (f"; draft backend: {draft.options.backend}, draft "
                                       f"options {c.draft_options!r}: "

@@ -29,6 +29,7 @@ from jspec.loading import CheckpointError, load_hf, load_tokenizer, resolve_chec
 from jspec.model import Model, with_options
 from jspec.sampling import make_sampler
 from jspec.speculative import SpecConfig, speculative_generate, speculative_stream
+from jspec.tree import parse_tree
 
 # End-of-turn tokens of common chat templates (ChatML, Gemma, Llama 3, Phi-3).
 END_OF_TURN = ("<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|eom_id|>", "<|end|>")
@@ -305,14 +306,18 @@ class TextPipeline:
     def spec_config(self, *, gamma: int = 4, policy: str | None = None,
                     max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
                     top_p: float = 1.0, seed: int = 0, stop_tokens: Sequence[int] = (),
-                    audit_every: int = 0) -> SpecConfig:
+                    audit_every: int = 0, tree=None) -> SpecConfig:
         """The `SpecConfig` of a run. policy None: exact_greedy at temperature 0, else
-        gumbel_coupled (sampled output equal to `generate`'s with the same arguments)."""
+        gumbel_coupled (sampled output equal to `generate`'s with the same arguments).
+        tree: a `jspec.TreeConfig` or its command-line form ("3,2,1", "dynamic:4,16,5")
+        to verify draft trees instead of chains of gamma."""
         if policy is None:
             policy = "exact_greedy" if temperature == 0 else "gumbel_coupled"
+        if isinstance(tree, str):
+            tree = parse_tree(tree)
         return SpecConfig(gamma=gamma, policy=policy, max_new_tokens=max_new_tokens,
                           seed=seed, temperature=temperature, top_k=top_k, top_p=top_p,
-                          stop_tokens=tuple(stop_tokens), audit_every=audit_every)
+                          stop_tokens=tuple(stop_tokens), audit_every=audit_every, tree=tree)
 
     def _need_drafter(self):
         if self.drafter is None:
@@ -324,14 +329,16 @@ class TextPipeline:
                              max_new_tokens: int = 128, temperature: float = 0.0,
                              top_k: int = 0, top_p: float = 1.0, seed: int = 0,
                              stop_tokens: Sequence[int] | None = None, audit_every: int = 0,
-                             max_len: int | None = None, progress: bool = False) -> TextOutput:
+                             max_len: int | None = None, progress: bool = False,
+                             tree=None) -> TextOutput:
         """Speculative decoding with the pipeline's drafter: the same tokens as
-        `generate` with the same arguments (policy None or exact_greedy/gumbel_coupled)."""
+        `generate` with the same arguments (policy None or exact_greedy/gumbel_coupled).
+        tree: verify draft trees (`spec_config`)."""
         drafter = self._need_drafter()
         ids, stop = self._encode_all(prompts, stop_tokens)
         spec = self.spec_config(gamma=gamma, policy=policy, max_new_tokens=max_new_tokens,
                                 temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                                stop_tokens=stop, audit_every=audit_every)
+                                stop_tokens=stop, audit_every=audit_every, tree=tree)
         out = speculative_generate(self.target, drafter, ids, spec, max_len=max_len,
                                    progress=progress)
         return self._output(out, ids, stop)
@@ -340,7 +347,7 @@ class TextPipeline:
                policy: str | None = None, max_new_tokens: int = 128, temperature: float = 0.0,
                top_k: int = 0, top_p: float = 1.0, seed: int = 0,
                stop_tokens: Sequence[int] | None = None, audit_every: int = 0,
-               max_len: int | None = None) -> TextStream:
+               max_len: int | None = None, tree=None) -> TextStream:
         """One prompt's text as it is produced: iterate the returned `TextStream` for
         pieces (a step or a speculative round at a time). speculative None: if the
         pipeline has a drafter. The tokens are those of `generate` (or
@@ -354,7 +361,8 @@ class TextPipeline:
         if speculative:
             spec = self.spec_config(gamma=gamma, policy=policy, max_new_tokens=max_new_tokens,
                                     temperature=temperature, top_k=top_k, top_p=top_p,
-                                    seed=seed, stop_tokens=stop, audit_every=audit_every)
+                                    seed=seed, stop_tokens=stop, audit_every=audit_every,
+                                    tree=tree)
             steps = (rows[0] for rows in speculative_stream(
                 self.target, self._need_drafter(), [ids], spec, max_len=max_len))
         else:
