@@ -4,7 +4,7 @@
 #   bash experiments/gpu_session.sh step ... :: step ... [:: ...]  # one lane per GPU
 # Steps: parity parity_split audit audit_qwen3 audit_gemma3 audit_xla kernels
 # kernels_fused spec sweep tuned e2e e2e_b1 e2e_b8 e2e_peers e2e_draftpallas e2e_decompose train pair
-# pair_eval schedsweep attnsweep
+# pair_eval schedsweep attnsweep train_head
 # (default: parity audit kernels spec).
 # - sweep: tuning/sweep_matmul.py, the matmul tile tuning; it writes
 #   $OUT/sweep_matmul_tuned.json, and `tuned` merges that table into the device copy's
@@ -28,6 +28,10 @@
 #   $FUSED_GAMMAS the verify blocks (default 4: T = 5), $FUSED_BATCHES the batches.
 # - train trains the code pair into $OUT/codepair; pair and pair_eval audit / evaluate
 #   $PAIR, else a pair trained in this call, else the embedded one.
+# - train_head trains a feature head for the embedded pair's target (train_draft_head.py,
+#   the gpu preset: ~2 min on an H200) into $OUT/head (config.json, model.safetensors,
+#   README.md, train_log.json); `eval_pair.py --head=$OUT/head` measures it. It reads
+#   its config through ml-collections, which the H200 image lacks: carry the wheel.
 # - parity: $PARITY_OPTIONS (a gpu_parity --options list) and $PARITY_TAG (receipt
 #   suffix) prove another configuration, e.g. PARITY_OPTIONS=attn_split_rows=32.
 # - parity_split: the parity matrix (pallas) with split-KV attention of another size
@@ -108,6 +112,9 @@ for s in $steps; do
               --out_dir="$OUT/codepair" --workdir=/tmp/train_pair 2>&1 | quiet \
               | grep -v "it/s" | tail -30
            tar -C "$OUT" -czf "$OUT/codepair.tgz" codepair ;;  # safe even if later steps time out
+    train_head) timeout 240 python3 experiments/train_draft_head.py \
+              --config=configs/train_draft_head.py:gpu --config.out_dir="$OUT/head" \
+              --config.workdir=/tmp/train_head 2>&1 | quiet | grep -v "it/s" | tail -30 ;;
     pair_eval) timeout 150 python3 experiments/eval_pair.py --pair="$(pair_dir)" \
               --gammas=1,2,3,4,6 --batch=1 --num_prompts=8 --peer_gammas=2,4 --iters=2 \
               --out="$OUT" --tag=h200_b1 2>&1 | quiet | grep -v "it/s" | tail -30 ;;
