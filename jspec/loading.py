@@ -427,7 +427,7 @@ def num_params(cfg: ModelConfig) -> int:
 
 
 def load_hf(path: str | os.PathLike, *, dtype: Any = "bfloat16", backend: str = "pallas",
-            interpret: bool | None = None) -> Model:
+            interpret: bool | None = None, mesh=None, axis: str = "tp") -> Model:
     """Loads an HF checkpoint directory, or a hub id ("owner/name") from the local
     Hugging Face cache, as a jspec `Model` (no torch).
 
@@ -435,7 +435,14 @@ def load_hf(path: str | os.PathLike, *, dtype: Any = "bfloat16", backend: str = 
     backend: "pallas" (the invariant kernels; interpreted, and slow, without a GPU) or
       "xla". interpret: run Pallas kernels in interpret mode (default: where there is no
       GPU).
+    mesh: a `jax.sharding.Mesh`: the model tensor-parallel over its axis `axis`, loaded
+      shard by shard (`jspec.sharding.load_sharded`).
     """
+    if mesh is not None:
+        from jspec.sharding import load_sharded
+
+        return load_sharded(path, mesh, axis=axis, dtype=dtype, backend=backend,
+                            interpret=interpret)
     dtype = canonical_dtype(dtype)
     if interpret is None:
         interpret = default_interpret()

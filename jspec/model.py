@@ -78,11 +78,16 @@ def column_config(model: Model, w):
     if par is None:
         return None
     K, N = w.shape
-    cfg, g = model.config, par.global_config
-    whole = {cfg.q_size + 2 * cfg.kv_size: g.q_size + 2 * g.kv_size,  # wqkv
-             2 * cfg.intermediate_size: 2 * g.intermediate_size,  # w_gate_up
-             cfg.vocab_size: g.vocab_size}  # lm_head (jspec.sharding.check_ambiguous)
-    return matmul_config(K, whole.get(N, N * par.size), w.dtype, model.options.interpret)
+    g, params = par.global_config, model.params  # which weight w is: by identity, since
+    if w is params["lm_head"]:  # two of them may have one width per shard
+        N = g.vocab_size
+    elif any(w is lp["w_gate_up"] for lp in params["layers"]):
+        N = 2 * g.intermediate_size
+    elif any(w is lp["wqkv"] for lp in params["layers"]):
+        N = g.q_size + 2 * g.kv_size
+    else:
+        N *= par.size
+    return matmul_config(K, N, w.dtype, model.options.interpret)
 
 
 def row_parallel(ops, model: Model, x, w, out_dtype, **kw):

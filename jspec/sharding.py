@@ -1,0 +1,462 @@
+"""Tensor parallelism: one target over several devices or hosts, with property P kept.
+
+`shard(model, mesh)` (or `load_hf(path, mesh=mesh)`, which loads shard by shard) lays a
+model out Megatron-style over one mesh axis ("tp", of size TP):
+
+- column-parallel: q/k/v (`wqkv`) and gate/up (`w_gate_up`), split by output column;
+  the fused layouts are re-laid so each shard's slice is its own [q | k | v] and
+  [gate | up];
+- row-parallel: o (`wo`) and down (`w_down`), split by input row;
+- attention by kv head: shard s holds kv heads [s Hkv / TP, (s + 1) Hkv / TP) and the q
+  heads of their groups; where Hkv < TP each kv head is replicated on TP / Hkv shards
+  (the sharded model's config then has TP kv heads, each group's copy serving the q
+  heads of one shard: the same attention, head for head);
+- the LM head split by vocabulary (padded with zero columns to a multiple of TP, the
+  padding sliced off the gathered logits); embedding and norms replicated;
+- the KV cache [B, Hkv, S, D] split on its kv-head axis like the heads.
+
+The forward of a sharded model (`jspec.model.apply`, through `apply_sharded`) runs the
+ordinary per-shard forward under `jax.shard_map`. Attention, norms, RoPE and the GLU are
+per head, row or column: no shard needs another's data. The cross-device reductions
+are in an order fixed by shard index (rule R8), never by a collective library:
+
+- a row-parallel matmul is S = max(row_partials, TP) f32 partials over equal K chunks
+  (S / TP on each shard), all-gathered in shard order and added left to right;
+- the LM head's shard logits are all-gathered along the vocabulary in shard order.
+
+So property P holds within a degree. With `row_partials=8` the partials, their chunk
+boundaries and the order of their additions are the same at TP = 1, 2, 4 and 8 (and a
+column-parallel matmul takes the whole weight's tiles, so a column's K loop is the same
+too): the logits are the same bits at every degree. Without it (the default) S = TP:
+P within the degree, the cheapest combine.
+
+Several hosts: `init_distributed(...)` then `make_mesh(tp)` over the global devices;
+every process runs the same program (`jax.distributed`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jspec.cache import KVCache
+from jspec.cache import init_cache as _init_cache_one
+from jspec.config import ModelConfig
+from jspec.model import Model, apply
+from jspec.options import KernelOptions, Parallel
+
+AXIS = "tp"
+COLUMN = ("wqkv", "w_gate_up")  # layer weights split by output column
+ROW = ("wo", "w_down")  # layer weights split by input row
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshParallel(Parallel):
+    """`Parallel` with the mesh the forward enters `shard_map` on.
+
+    Attributes:
+      mesh: the `jax.sharding.Mesh` (one axis named `axis`, or several: the others
+        replicate).
+      replicated: the whole model on every device (a draft beside a sharded target,
+        `replicate`): the forward runs under `shard_map` too, each device computing
+        everything, so no kernel is left to XLA's automatic partitioning.
+    """
+
+    mesh: Mesh | None = None
+    replicated: bool = False
+
+
+# ---------------------------------------------------------------------------- layout
+
+
+def degree(mesh: Mesh, axis: str = AXIS) -> int:
+    if axis not in mesh.shape:
+        raise ValueError(f"the mesh has axes {tuple(mesh.shape)}; no axis {axis!r}")
+    return int(mesh.shape[axis])
+
+
+def kv_copies(cfg: ModelConfig, size: int) -> int:
+    """How many shards hold each kv head: TP / Hkv where Hkv < TP, else 1."""
+    return size // cfg.num_kv_heads if cfg.num_kv_heads < size else 1
+
+
+def padded_vocab(vocab: int, size: int) -> int:
+    return -(-vocab // size) * size
+
+
+def check_degree(cfg: ModelConfig, size: int, row_partials: int = 1) -> None:
+    """Raises ValueError naming what does not split `size` ways."""
+    H, Hkv, hd, F = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
+    if size < 1:
+        raise ValueError(f"tensor-parallel degree {size} must be >= 1")
+    if H % size:
+        raise ValueError(f"TP={size} does not divide the {H} attention heads")
+    if Hkv % size and size % Hkv:
+        raise ValueError(f"TP={size} and the {Hkv} kv heads: one must divide the other (kv "
+                         "heads are split, or replicated where there are fewer than TP)")
+    if F % size:
+        raise ValueError(f"TP={size} does not divide the MLP width {F}")
+    S = max(row_partials, size)
+    if S % size:
+        raise ValueError(f"row_partials={row_partials} is not a multiple of TP={size}")
+    for name, K in (("wo", H * hd), ("w_down", F)):
+        if K % S:
+            raise ValueError(f"{name}'s K={K} does not split into {S} equal partials "
+                             f"(row_partials={row_partials}, TP={size})")
+
+
+def sharded_config(cfg: ModelConfig, size: int) -> ModelConfig:
+    """The whole model's config as a sharded model holds it: kv heads replicated up to
+    TP where there are fewer (each copy serving the q heads of one shard)."""
+    return cfg.replace(num_kv_heads=cfg.num_kv_heads * kv_copies(cfg, size))
+
+
+def shard_config(cfg: ModelConfig, size: int) -> ModelConfig:
+    """One shard's config, from a sharded model's (`sharded_config`): its q and kv heads,
+    MLP columns and vocabulary columns."""
+    return cfg.replace(num_heads=cfg.num_heads // size, num_kv_heads=cfg.num_kv_heads // size,
+                       intermediate_size=cfg.intermediate_size // size,
+                       vocab_size=padded_vocab(cfg.vocab_size, size) // size)
+
+
+def param_spec(name: str, axis: str) -> P:
+    """The PartitionSpec of a parameter by its key (a layer's or the top level's)."""
+    if name in COLUMN or name == "lm_head":
+        return P(None, axis)
+    if name in ROW:
+        return P(axis, None)
+    return P()
+
+
+def param_specs(params: dict, axis: str = AXIS) -> dict:
+    """A PartitionSpec per leaf of a params pytree (model.py's layout)."""
+    def spec(path, _):
+        return param_spec(str(path[-1].key), axis)
+
+    return jax.tree_util.tree_map_with_path(spec, params)
+
+
+def cache_specs(cache: KVCache, axis: str = AXIS) -> KVCache:
+    """K/V split on the kv-head axis, lengths replicated."""
+    kv = tuple(P(None, axis) for _ in cache.k)
+    return cache.replace(k=kv, v=kv, lengths=P())
+
+
+def global_shape(name: str, w_shape: tuple[int, ...], cfg: ModelConfig, size: int
+                 ) -> tuple[int, ...]:
+    """The shape a weight of the whole model (`cfg`, unreplicated) takes when sharded."""
+    if name == "wqkv":
+        tp_cfg = sharded_config(cfg, size)
+        return (w_shape[0], tp_cfg.q_size + 2 * tp_cfg.kv_size)
+    if name == "lm_head":
+        return (w_shape[0], padded_vocab(w_shape[1], size))
+    return tuple(w_shape)
+
+
+def shard_block(name: str, w: np.ndarray, cfg: ModelConfig, size: int, s: int) -> np.ndarray:
+    """Shard s's block of a weight of the whole model (`cfg`, HF-fused layout), on the
+    host: [q_s | k_s | v_s] of wqkv, [gate_s | up_s] of w_gate_up, the rows of wo and
+    w_down, the vocabulary columns of lm_head (zero past V); the whole of the others."""
+    H, Hkv, hd, F = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
+    if name == "wqkv":
+        hq = H // size
+        q = w[:, s * hq * hd:(s + 1) * hq * hd]
+        if Hkv >= size:
+            hk = Hkv // size
+            first, count = s * hk, hk
+        else:  # replicated: shard s holds the kv head of its q heads' group
+            first, count = s // kv_copies(cfg, size), 1
+        k0 = H * hd + first * hd
+        v0 = (H + Hkv) * hd + first * hd
+        return np.concatenate([q, w[:, k0:k0 + count * hd], w[:, v0:v0 + count * hd]], axis=1)
+    if name == "w_gate_up":
+        f = F // size
+        return np.concatenate([w[:, s * f:(s + 1) * f], w[:, F + s * f:F + (s + 1) * f]], axis=1)
+    if name in ROW:
+        r = w.shape[0] // size
+        return w[s * r:(s + 1) * r]
+    if name == "lm_head":
+        V = w.shape[1]
+        c = padded_vocab(V, size) // size
+        block = w[:, s * c:min((s + 1) * c, V)]
+        return np.pad(block, ((0, 0), (0, c - block.shape[1]))) if block.shape[1] < c else block
+    return w
+
+
+def place(name: str, w, cfg: ModelConfig, mesh: Mesh, axis: str = AXIS) -> jax.Array:
+    """A weight of the whole model (host array or jax.Array) as a global jax.Array laid out
+    for the mesh: each addressable device receives only its shard's block, cut on the
+    host (`shard_block`), so the whole weight never sits on one device."""
+    size = degree(mesh, axis)
+    w = np.asarray(w)
+    spec = param_spec(name, axis)
+    shape = global_shape(name, w.shape, cfg, size)
+    dim = next((i for i, a in enumerate(spec) if a == axis), None)
+
+    def block(index):
+        if dim is None:
+            return np.ascontiguousarray(w[index])
+        width = shape[dim] // size
+        s = (index[dim].start or 0) // width
+        part = shard_block(name, w, cfg, size, s)
+        rest = tuple(slice(None) if i == dim else ix for i, ix in enumerate(index))
+        return np.ascontiguousarray(part[rest])
+
+    return jax.make_array_from_callback(shape, NamedSharding(mesh, spec), block, dtype=w.dtype)
+
+
+def replicate(tree, mesh: Mesh, *, axis: str = AXIS):
+    """Every array of a pytree (a draft model, a drafter, a feature head) replicated on
+    every device of the mesh, as global arrays (what several processes need). A `Model`
+    also runs its forward under `shard_map`, whole on each device."""
+    sharding = NamedSharding(mesh, P())
+
+    def one(a):
+        if not isinstance(a, jax.Array | np.ndarray):
+            return a
+        host = np.asarray(a)
+        return jax.make_array_from_callback(host.shape, sharding, lambda i: host[i],
+                                            dtype=host.dtype)
+
+    out = jax.tree.map(one, tree)
+    if isinstance(tree, Model):
+        if tree.parallel is not None:
+            raise ValueError("the model is sharded already")
+        out = out.replace(parallel=dataclasses.replace(
+            _parallel(tree.config, mesh, axis), replicated=True))
+    return out
+
+
+def _parallel(cfg: ModelConfig, mesh: Mesh, axis: str) -> MeshParallel:
+    return MeshParallel(axis=axis, size=degree(mesh, axis), global_config=cfg, mesh=mesh)
+
+
+def _options(options: KernelOptions, size: int, row_partials: int | None) -> KernelOptions:
+    if row_partials is not None:
+        options = options.replace(row_partials=row_partials)
+    if options.row_partials > 1 and options.row_partials % size:
+        raise ValueError(f"row_partials={options.row_partials} is not a multiple of TP={size}")
+    return options
+
+
+def shard(model: Model, mesh: Mesh, *, axis: str = AXIS, row_partials: int | None = None
+          ) -> Model:
+    """The model laid out over `mesh` (see the module docstring); its forward runs under
+    `shard_map`. row_partials: S for the row-parallel weights (None: the model's own,
+    at least TP); S = 8 gives the same logits at TP = 1, 2, 4, 8."""
+    if model.parallel is not None:
+        raise ValueError("the model is sharded already")
+    if model.draft_options.fused:
+        raise ValueError("a sharded model takes no DraftOptions.fused (the draft's latency "
+                         "path); shard the target, replicate the draft (`replicate`)")
+    cfg, size = model.config, degree(mesh, axis)
+    options = _options(model.options, size, row_partials)
+    check_degree(cfg, size, options.row_partials)
+
+    def put(path, w):
+        return place(str(path[-1].key), w, cfg, mesh, axis)
+
+    params = jax.tree_util.tree_map_with_path(put, model.params)
+    return model.replace(config=sharded_config(cfg, size), params=params, options=options,
+                         parallel=_parallel(cfg, mesh, axis))
+
+
+# --------------------------------------------------------------------------- forward
+
+
+def apply_sharded(model: Model, tokens: jax.Array, cache: KVCache, *,
+                  features: tuple[int, ...] = (), tree=None):
+    """`jspec.model.apply` of a sharded model: the per-shard forward under `shard_map`.
+    tokens [B, T] (and a tree's inputs) and the cache lengths replicated, K/V split by kv
+    head; returns the logits [B, T, V] (gathered in shard order), the cache (and
+    features) as `apply` does."""
+    par = model.parallel
+    if not isinstance(par, MeshParallel) or par.mesh is None:
+        raise ValueError("a sharded model needs its mesh: make it with jspec.sharding.shard")
+    cfg, axis = model.config, par.axis
+    if par.replicated:  # every device runs the whole model
+        inner = model.replace(parallel=None)
+        pspecs, cspecs = (jax.tree.map(lambda _: P(), t) for t in (model.params, cache))
+    else:
+        inner = model.replace(config=shard_config(cfg, par.size),
+                              parallel=dataclasses.replace(par, inside=True))
+        pspecs, cspecs = param_specs(model.params, axis), cache_specs(cache, axis)
+    extra = {} if tree is None else {"tree": tree}  # jspec.tree.TreeInput, replicated
+
+    def body(params, tokens, cache, extra):
+        return apply(inner.replace(params=params), tokens, cache, features=features, **extra)
+
+    out_specs = (P(), cspecs) + ((P(),) if features else ())
+    run = jax.shard_map(body, mesh=par.mesh, in_specs=(pspecs, P(), cspecs, P()),
+                        out_specs=out_specs, check_vma=False)
+    out = run(model.params, tokens, cache, extra)
+    logits = out[0][..., : cfg.vocab_size]  # the vocabulary padding's columns dropped
+    return (logits, *out[1:])
+
+
+def init_cache(model: Model, batch_size: int, max_len: int) -> KVCache:
+    """`jspec.init_cache` for a sharded model: each device allocates its own K/V block
+    (zeros), split by kv head; a model on one device gets the ordinary cache."""
+    par = model.parallel
+    if par is None or par.inside:
+        return _init_cache_one(model, batch_size, max_len)
+    whole = model.replace(parallel=None)  # the global shape (a hook in init_cache stays off)
+
+    def zeros():
+        return _init_cache_one(whole, batch_size, max_len)
+
+    like = jax.eval_shape(zeros)
+    specs = (jax.tree.map(lambda _: P(), like) if par.replicated
+             else cache_specs(like, par.axis))
+    shardings = jax.tree.map(lambda s: NamedSharding(par.mesh, s), specs)
+    return jax.jit(zeros, out_shardings=shardings)()
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def load_sharded(path: str, mesh: Mesh, *, axis: str = AXIS, dtype="bfloat16",
+                 backend: str = "pallas", interpret: bool | None = None,
+                 row_partials: int | None = None) -> Model:
+    """`jspec.load_hf(path, mesh=mesh)`: an HF checkpoint read tensor by tensor with numpy
+    and placed shard by shard (a layer at a time on the host; on each device only its
+    own blocks). Every check of `load_hf` applies."""
+    from tqdm.auto import tqdm
+
+    from jspec import loading
+    from jspec.config import TEXT_OF_MULTIMODAL, canonical_dtype, from_hf_config
+
+    dtype = canonical_dtype(dtype)
+    if interpret is None:
+        interpret = loading.default_interpret()
+    path = loading.resolve_checkpoint(path)
+    hf = loading.read_hf_config(path)
+    cfg = from_hf_config(hf, dtype=dtype)
+    size = degree(mesh, axis)
+    options = _options(KernelOptions(backend=backend, interpret=interpret), size, row_partials)
+    check_degree(cfg, size, options.row_partials)
+    reader = loading.TensorReader(path)
+    dt = loading.np_dtype(cfg.dtype)
+    pre = loading._prefix(reader)
+
+    def get(name, shape):
+        return reader.get(name, shape).astype(dt)
+
+    def put(key, w):
+        return place(key, w, cfg, mesh, axis)
+
+    bar = tqdm(range(cfg.num_layers), desc=f"loading {loading.display_name(path)}",
+               unit="layer", disable=reader.nbytes() <= loading.PROGRESS_MIN_BYTES,
+               leave=False)
+    layers = [{k: put(k, w) for k, w in _layer(cfg, get, pre, i).items()} for i in bar]
+    bar.close()
+    D, V = cfg.hidden_size, cfg.vocab_size
+    embed = get(pre + "embed_tokens.weight", (V, D))
+    if cfg.tie_embeddings:
+        lm_head = embed.T
+    else:
+        head = next((n for n in loading.LM_HEAD_NAMES if reader.has(n)),
+                    loading.LM_HEAD_NAMES[0])
+        lm_head = get(head, (V, D)).T
+    params = {"embed": put("embed", embed), "layers": layers,
+              "final_norm": put("final_norm", get(pre + "norm.weight", (D,))),
+              "lm_head": put("lm_head", lm_head)}
+    loading._check_unused(cfg, reader, hf.model_type,
+                          multimodal=hf.model_type in TEXT_OF_MULTIMODAL)
+    if backend == "pallas" and interpret:
+        loading._warn_interpret(path, cfg)
+    return Model(config=sharded_config(cfg, size), params=params, options=options,
+                 parallel=_parallel(cfg, mesh, axis))
+
+
+def _layer(cfg: ModelConfig, get: Callable, pre: str, i: int) -> dict[str, np.ndarray]:
+    """Layer i's weights in jspec's layout (as `jspec.loading.convert_params` builds
+    them: [in, out], q/k/v and gate/up fused), on the host."""
+    D, F, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    lp = f"{pre}layers.{i}."
+
+    def lin(name, out_dim, in_dim):  # HF [out, in] -> [in, out]
+        return get(lp + name, (out_dim, in_dim)).T
+
+    layer = {"attn_norm": get(lp + "input_layernorm.weight", (D,))}
+    layer["wqkv"] = np.concatenate([lin("self_attn.q_proj.weight", cfg.q_size, D),
+                                    lin("self_attn.k_proj.weight", cfg.kv_size, D),
+                                    lin("self_attn.v_proj.weight", cfg.kv_size, D)], axis=1)
+    layer["wo"] = lin("self_attn.o_proj.weight", D, cfg.q_size)
+    if cfg.qk_norm:
+        layer["q_norm"] = get(lp + "self_attn.q_norm.weight", (hd,))
+        layer["k_norm"] = get(lp + "self_attn.k_norm.weight", (hd,))
+    if cfg.sandwich_norms:
+        layer["post_attn_norm"] = get(lp + "post_attention_layernorm.weight", (D,))
+        layer["mlp_norm"] = get(lp + "pre_feedforward_layernorm.weight", (D,))
+        layer["post_mlp_norm"] = get(lp + "post_feedforward_layernorm.weight", (D,))
+    else:
+        layer["mlp_norm"] = get(lp + "post_attention_layernorm.weight", (D,))
+    layer["w_gate_up"] = np.concatenate([lin("mlp.gate_proj.weight", F, D),
+                                         lin("mlp.up_proj.weight", F, D)], axis=1)
+    layer["w_down"] = lin("mlp.down_proj.weight", D, F)
+    return layer
+
+
+# --------------------------------------------------------------------- random weights
+
+
+def random_sharded(name: str, mesh: Mesh, *, axis: str = AXIS, seed: int = 0,
+                   backend: str = "pallas", interpret: bool = False,
+                   row_partials: int | None = None, **kw) -> Model:
+    """A random-weight preset (`jspec.random_model`) generated directly in its sharded
+    layout, each device computing its own blocks (for benchmarks of models no device
+    holds whole; the weights are random either way, so they are not the bits
+    `shard(random_model(...))` gives)."""
+    from jspec.random_model import preset_config, random_params
+
+    cfg = preset_config(name, **kw)
+    size = degree(mesh, axis)
+    options = _options(KernelOptions(backend=backend, interpret=interpret), size, row_partials)
+    check_degree(cfg, size, options.row_partials)
+    tp_cfg = sharded_config(cfg, size)
+    Vp = padded_vocab(cfg.vocab_size, size)
+
+    def make():
+        params = random_params(tp_cfg, seed)
+        params["lm_head"] = jnp.pad(params["lm_head"], ((0, 0), (0, Vp - cfg.vocab_size)))
+        return params
+
+    like = jax.eval_shape(make)
+    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), param_specs(like, axis))
+    params = jax.jit(make, out_shardings=shardings)()
+    return Model(config=tp_cfg, params=params, options=options,
+                 parallel=_parallel(cfg, mesh, axis))
+
+
+# ---------------------------------------------------------------------- several hosts
+
+
+def init_distributed(coordinator: str | None, num_processes: int | None = None,
+                     process_id: int | None = None) -> None:
+    """`jax.distributed.initialize` for a mesh spanning processes (every process runs the
+    same program). On CPUs the cross-process collectives are gloo's. A no-op without a
+    coordinator and for one process."""
+    if not coordinator or (num_processes or 1) <= 1:
+        return
+    # CPU devices talk across processes through gloo (jax 0.11's default, said outright);
+    # GPUs through NCCL, which jspec's combines use only to gather, never to add.
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
+                               process_id=process_id)
+
+
+def make_mesh(tp: int | None = None, *, axis: str = AXIS, devices=None) -> Mesh:
+    """A one-axis mesh of the first `tp` global devices (all of them by default), in
+    `jax.devices()` order: process by process, so a shard's neighbours share a host."""
+    devices = list(jax.devices() if devices is None else devices)
+    tp = len(devices) if tp is None else tp
+    if not 1 <= tp <= len(devices):
+        raise ValueError(f"tp={tp}: there are {len(devices)} devices")
+    return Mesh(np.asarray(devices[:tp]), (axis,))
