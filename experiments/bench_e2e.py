@@ -4,9 +4,16 @@
       --prompt_len=512 --max_new_tokens=256 --out=$OUT                        # one H200
   python experiments/bench_e2e.py --target=tiny-qwen3 --draft=tiny-qwen3:1 --batches=1 \
       --prompt_len=16 --max_new_tokens=8 --gammas=2 --accept=0.8 --iters=1 --nopeers  # CPU
+  python experiments/bench_e2e.py --tp=2 --target=llama3-70b --draft=llama3-8b --batches=1 \
+      --accept=0.8 --gammas=4 --nopeers --out=$OUT          # a 70B target over two GPUs
+  # several hosts: the same command on each, with --coordinator_address=HOST0:PORT
+  #   --num_processes=N --process_id=i (the mesh spans every process's devices)
 
 --target / --draft take a random-weight preset (`name` or `name:layers`, see
-jspec/random_model.py) or an HF checkpoint dir. In one process:
+jspec/random_model.py) or an HF checkpoint dir. --tp=N shards the target over N devices
+(`jspec.sharding`: a preset's random weights are generated shard by shard, a checkpoint
+loads shard by shard) and replicates the draft; the roofline is then a device's share
+of the bytes over one device's bandwidth. In one process:
   1. serial greedy decoding on the `pallas` and `xla` backends (the same weights),
      per batch size, against a roofline: the bytes one decode step must read
      (every weight, LM head included, plus the KV cache at the run's mean
@@ -56,6 +63,7 @@ from jspec.cli import options_record, with_option_string  # noqa: E402
 from jspec.generate import prefill as serial_prefill  # noqa: E402
 from jspec.loading import default_interpret  # noqa: E402
 from jspec.random_model import random_model  # noqa: E402
+from jspec.sharding import init_distributed, make_mesh, random_sharded, replicate  # noqa: E402
 from pallas_kernels.matmul import TUNED, tuned_to_json  # noqa: E402
 
 _TARGET = flags.DEFINE_string("target", "tiny-qwen3", "preset[:layers] or HF dir")
@@ -95,16 +103,33 @@ _OUT = flags.DEFINE_string("out", os.environ.get("OUT", "experiments/results"), 
 _TAG = flags.DEFINE_string("tag", "", "suffix of the receipt's file name")
 _REPLOT = flags.DEFINE_list("replot", [], "no runs: merge these receipts (runs cut short "
                             "too), print the tables and draw the plots under --out/--tag")
+_TP = flags.DEFINE_integer("tp", 0, "> 0: the target tensor-parallel over this many devices "
+                           "(jspec.sharding), the draft replicated on them; 0: one device")
+_ROW_PARTIALS = flags.DEFINE_integer(
+    "row_partials", 0, "> 0: KernelOptions.row_partials of the target (8: the same logits at "
+    "TP 1, 2, 4, 8); 0: the default (TP under --tp, else 1)")
+_COORDINATOR = flags.DEFINE_string("coordinator_address", None, "host:port of process 0, "
+                                   "for a mesh over several processes (jax.distributed)")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", 1, "processes (jax.distributed)")
+_PROCESS_ID = flags.DEFINE_integer("process_id", 0, "this process's index (jax.distributed)")
 
 
-def load_model(spec: str, seed: int) -> jspec.Model:
+def load_model(spec: str, seed: int, mesh=None, row_partials: int = 0) -> jspec.Model:
+    """A checkpoint or a preset; with a mesh, tensor-parallel over it (never whole on one
+    device)."""
+    rp = {"row_partials": row_partials} if row_partials else {}
     if os.path.isdir(spec):
-        model = jspec.load_hf(spec, dtype=_DTYPE.value)
+        model = jspec.load_hf(spec, dtype=_DTYPE.value, mesh=mesh)
+        if rp:
+            model = jspec.with_options(model, **rp)
     else:
         name, _, layers = spec.partition(":")
         kw = {"num_layers": int(layers)} if layers else {}
-        model = random_model(name, seed=seed, dtype=_DTYPE.value, interpret=default_interpret(),
-                             **kw)
+        kw |= {"seed": seed, "dtype": _DTYPE.value, "interpret": default_interpret()}
+        model = (random_sharded(name, mesh, row_partials=rp.get("row_partials"), **kw)
+                 if mesh is not None else random_model(name, **kw))
+        if rp and mesh is None:
+            model = jspec.with_options(model, **rp)
     return with_option_string(model, ",".join(_OPTIONS.value))
 
 
@@ -154,14 +179,20 @@ def _merge_gpu(summaries: list[dict]) -> dict:
 
 
 def step_bytes(model: jspec.Model, context: float) -> tuple[int, float]:
-    """(weight bytes, KV bytes per row) one decode step reads at `context` tokens."""
+    """(weight bytes, KV bytes per row) one decode step reads at `context` tokens; for a
+    sharded model, one device's share (its blocks and replicated weights, its kv heads)."""
     cfg, params = model.config, model.params
-    w = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
-    w -= params["embed"].size * params["embed"].dtype.itemsize  # rows gathered
+
+    def nbytes(x):
+        shape = x.sharding.shard_shape(x.shape) if model.parallel is not None else x.shape
+        return int(np.prod(shape)) * x.dtype.itemsize
+
+    w = sum(nbytes(x) for x in jax.tree.leaves(params))
+    w -= nbytes(params["embed"])  # rows gathered
     per_tok = 2 * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(cfg.dtype).itemsize
     kv = sum(per_tok * (min(context, cfg.sliding_window) if s else context)
              for s in cfg.layer_sliding)
-    return w, kv
+    return w, kv / (model.parallel.size if model.parallel is not None else 1)
 
 
 def versions() -> dict:
@@ -182,11 +213,14 @@ class Bench:
 
     def __init__(self):
         t0 = time.perf_counter()
-        self.target = load_model(_TARGET.value, 0)
+        self.mesh = make_mesh(_TP.value) if _TP.value else None
+        self.target = load_model(_TARGET.value, 0, self.mesh, _ROW_PARTIALS.value)
         jax.block_until_ready(self.target.params)
         t1 = time.perf_counter()
         self.draft = load_model(_DRAFT.value, 1).with_backend(_DRAFT_BACKEND.value)
         self.draft = with_option_string(self.draft, ",".join(_DRAFT_OPTIONS.value))
+        if self.mesh is not None:  # whole on every device of the target's mesh
+            self.draft = replicate(self.draft, self.mesh)
         jax.block_until_ready(self.draft.params)
         t2 = time.perf_counter()
         self.batches = [int(b) for b in _BATCHES.value]
@@ -205,6 +239,8 @@ class Bench:
             "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
             "date": time.strftime("%Y-%m-%d %H:%M:%S"), "device": jax.devices()[0].device_kind,
             "platform": jax.default_backend(), **versions(),
+            "tp": _TP.value or None, "processes": jax.process_count(),
+            "row_partials": self.target.options.row_partials,
             "xla_mem_fraction": os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"),
             "target": _TARGET.value,
             "draft": _DRAFT.value, "draft_backend": _DRAFT_BACKEND.value,
@@ -236,6 +272,8 @@ class Bench:
             tqdm.write(f"  [{name}] {seconds:.1f} s")
 
     def save(self) -> None:
+        if jax.process_index() != 0:  # several processes: the first writes the receipt
+            return
         os.makedirs(_OUT.value, exist_ok=True)
         tmp = self.stem() + ".json.tmp"
         with open(tmp, "w") as f:  # replaced whole, so a run killed mid-write keeps a receipt
@@ -499,6 +537,10 @@ def merge_receipts(paths: list[str]) -> dict:
 
 def main(argv):
     del argv
+    init_distributed(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
+    if _TP.value and _PEERS.value:
+        raise app.UsageError("--tp runs no transformers peers (they hold the whole model on "
+                             "one device): add --nopeers")
     if _REPLOT.value:
         rep = merge_receipts(_REPLOT.value)
         stem = os.path.join(_OUT.value, "bench_e2e" + (f"_{_TAG.value}" if _TAG.value else ""))
@@ -524,8 +566,9 @@ def main(argv):
     bench.report["phases_s"]["all runs"] = time.perf_counter() - t0
     bench.save()
     print_tables(bench.report)
-    plot(bench.report, bench.stem())
-    print(f"receipt: {bench.stem()}.json, plots: {bench.stem()}_*.png")
+    if jax.process_index() == 0:
+        plot(bench.report, bench.stem())
+        print(f"receipt: {bench.stem()}.json, plots: {bench.stem()}_*.png")
 
 
 def _sm(row: dict) -> str:

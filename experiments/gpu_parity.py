@@ -3,6 +3,10 @@
   python experiments/gpu_parity.py --models=qwen3-8b:4,gemma3-4b:6 --context=8192
   python experiments/gpu_parity.py --models=tiny-qwen3:2,tiny-gemma3:4 --interpret \
       --dtype=float32 --context=150 --window=12 --ks=1,4      # CPU smoke run
+  python experiments/gpu_parity.py --tp=2 --models=qwen3-8b:4,llama3-70b:4 --context=8192
+  python experiments/gpu_parity.py --tp=2 --row_partials=8 --models=qwen3-8b:4  # + degrees
+  # several hosts: the same command on each, with --coordinator_address=HOST0:PORT
+  #   --num_processes=N --process_id=i (the mesh spans every process's devices)
 
 For each model (preset:num_layers) and backend it builds a random token
 sequence of `--context` tokens and compares, bitwise on the device, the full
@@ -16,6 +20,10 @@ sequence:
     cache holds the previous schedule's garbage past its length);
   - a row alone vs the same row in a ragged batch of 4 (verify blocks of 4);
   - the same prefix under a cache of twice the capacity.
+--tp=N runs every model tensor-parallel over N devices (`jspec.sharding`; the random
+weights made shard by shard), so the matrix proves P within that degree. With
+--row_partials=S as well, "degrees" compares one prefill's logits at every degree
+dividing N (the weights then made whole first, so the model must fit one device).
 Prints a table and writes a JSON receipt (--out).
 """
 
@@ -30,12 +38,13 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from jspec import parity
+from jspec import parity, sharding
 from jspec.bench.receipts import write_receipt
-from jspec.cache import init_cache, rollback
+from jspec.cache import rollback
 from jspec.cli import options_record, with_option_string
 from jspec.model import forward
 from jspec.random_model import random_model
+from jspec.sharding import init_cache  # the sharded cache for a sharded model
 from pallas_kernels.matmul import TUNED, tuned_to_json
 
 FLAGS = flags.DEFINE_string("models", "qwen3-8b:4,gemma3-4b:6", "preset:num_layers list")
@@ -50,6 +59,14 @@ _XLA_FULL = flags.DEFINE_bool("xla_full", False, "run every check on xla too (el
 _TAG = flags.DEFINE_string("tag", "", "receipt name suffix")
 _OPTIONS = flags.DEFINE_list("options", [], "speed options of the models (jspec.cli option "
                              "names, e.g. attn_split=256 to prove split-KV attention)")
+_TP = flags.DEFINE_integer("tp", 0, "> 0: the models tensor-parallel over this many devices")
+_ROW_PARTIALS = flags.DEFINE_integer(
+    "row_partials", 0, "> 0: KernelOptions.row_partials (with --tp: also the degrees check)")
+_DEGREE_TOKENS = flags.DEFINE_integer("degree_tokens", 1024, "prefill of the degrees check")
+_COORDINATOR = flags.DEFINE_string("coordinator_address", None, "host:port of process 0, "
+                                   "for a mesh over several processes (jax.distributed)")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", 1, "processes (jax.distributed)")
+_PROCESS_ID = flags.DEFINE_integer("process_id", 0, "this process's index (jax.distributed)")
 
 
 def bits_equal_rows(a, b) -> jax.Array:
@@ -158,40 +175,86 @@ def parity_blocks(n: int, sizes: list[int]) -> list[int]:
     return [s.T for s in parity.block_schedule(n, sizes)]
 
 
+def build(name: str, layers: int, backend: str):
+    """A preset's random model: on one device, or over --tp devices."""
+    kw = dict(num_layers=layers, backend=backend, interpret=_INTERPRET.value,
+              dtype=_DTYPE.value, row_partials=_ROW_PARTIALS.value or None)
+    if _TP.value:
+        model = sharding.random_sharded(name, sharding.make_mesh(_TP.value), **kw)
+    else:
+        rp = kw.pop("row_partials")
+        model = random_model(name, **kw)
+        if rp:
+            model = model.replace(options=model.options.replace(row_partials=rp))
+    return with_option_string(model, ",".join(_OPTIONS.value))
+
+
+def check_degrees(name: str, layers: int, backend: str) -> dict:
+    """One prefill's logits at TP = 1, 2, 4, ... <= --tp (degrees dividing --tp and
+    --row_partials) with the same weights, each against one device's, bitwise."""
+    model = random_model(name, num_layers=layers, backend=backend, interpret=_INTERPRET.value,
+                         dtype=_DTYPE.value)
+    model = with_option_string(model, ",".join(_OPTIONS.value))
+    S = _ROW_PARTIALS.value
+    seq = np.random.default_rng(1).integers(0, model.config.vocab_size, _DEGREE_TOKENS.value)
+    n = len(seq)
+
+    def logits(m):
+        return forward(m, seq[None].astype(np.int32), init_cache(m, 1, n + 64))[0][0]
+
+    ref = logits(model.replace(options=model.options.replace(row_partials=S)))
+    out = {}
+    tp = 1
+    while tp <= _TP.value and S % tp == 0 and _TP.value % tp == 0:
+        got = logits(sharding.shard(model, sharding.make_mesh(tp), row_partials=S))
+        bad = np.flatnonzero(~np.asarray(bits_equal_rows(got, ref)))
+        out[f"TP={tp} vs one device, S={S}"] = {
+            "positions": n, "mismatches": int(bad.size),
+            "first_mismatch": int(bad[0]) if bad.size else None}
+        tp *= 2
+    return out
+
+
 def main(argv):
     del argv
+    sharding.init_distributed(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
     report = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
               "matmul_tuned": tuned_to_json(TUNED),
               "date": time.strftime("%Y-%m-%d"), "context": _CONTEXT.value,
-              "window": _WINDOW.value, "options": _OPTIONS.value, "results": {}}
+              "window": _WINDOW.value, "options": _OPTIONS.value, "tp": _TP.value or None,
+              "processes": jax.process_count(), "row_partials": _ROW_PARTIALS.value or None,
+              "results": {}}
     ks = [int(k) for k in _KS.value]
     for spec in FLAGS.value.split(","):
         name, layers = spec.split(":")
         for backend in _BACKENDS.value:
-            model = random_model(name, num_layers=int(layers), backend=backend,
-                                 interpret=_INTERPRET.value, dtype=_DTYPE.value)
-            model = with_option_string(model, ",".join(_OPTIONS.value))
+            model = build(name, int(layers), backend)
             report["speed_options"] = options_record(model)["kernel"]
             key = f"{name}:{layers}:{backend}"
             print(f"== {key}", flush=True)
             full = backend == "pallas" or _XLA_FULL.value
             report["results"][key] = check_model(model, _CONTEXT.value, _WINDOW.value, ks, full)
+            del model
+            if _TP.value and _ROW_PARTIALS.value:
+                report["results"][key]["degrees"] = check_degrees(name, int(layers), backend)
             save(report)
             print(json.dumps(report["results"][key]), flush=True)
-            del model
     print_table(report)
     print(f"receipt: {save(report)}")
 
 
-def save(report) -> str:
+def save(report) -> str | None:
+    if jax.process_index() != 0:  # several processes: the first writes the receipt
+        return None
     return write_receipt(_OUT.value, "gpu_parity", _TAG.value, report)
 
 
 def print_table(report):
     print(f"\n{'model:layers:backend':28s} {'check':26s} {'positions':>9s} {'mismatch':>8s}")
     for key, res in report["results"].items():
-        for label, r in res.items():
-            if isinstance(r, dict):
+        rows = {**res, **res.get("degrees", {})}
+        for label, r in rows.items():
+            if isinstance(r, dict) and "positions" in r:
                 print(f"{key:28s} {label:26s} {r['positions']:9d} {r['mismatches']:8d}")
 
 

@@ -29,6 +29,11 @@ PRESETS: dict[str, dict] = {
                       intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8,
                       head_dim=128, rope=RopeSpec(5e5, (8.0, 1.0, 4.0, 8192)), qk_norm=False,
                       tie_embeddings=False, rms_eps=1e-5),
+    # Llama 3 70B (3.1 / 3.3 alike): ~141 GB of bf16 weights, for tensor-parallel runs.
+    "llama3-70b": dict(family="llama", vocab_size=128256, hidden_size=8192,
+                       intermediate_size=28672, num_layers=80, num_heads=64, num_kv_heads=8,
+                       head_dim=128, rope=RopeSpec(5e5, (8.0, 1.0, 4.0, 8192)),
+                       qk_norm=False, tie_embeddings=False, rms_eps=1e-5),
     # Tiny shapes for CPU smoke runs of the benchmark scripts.
     "tiny-qwen3": dict(family="qwen3", vocab_size=512, hidden_size=128, intermediate_size=256,
                        num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,
