@@ -19,7 +19,11 @@ sequence:
     tokens in the rejected slots (each schedule starts from a rollback, so the
     cache holds the previous schedule's garbage past its length);
   - a row alone vs the same row in a ragged batch of 4 (verify blocks of 4);
-  - the same prefix under a cache of twice the capacity.
+  - the same prefix under a cache of twice the capacity;
+  - tree verifies (--trees: random trees of that many nodes, depth <= --tree_depth,
+    under the last `window` tokens' prefix): every node's logits against serial
+    decoding of its root path (the true continuation's branch against the prefill, the
+    other nodes against one-token steps from the rolled-back cache).
 --tp=N runs every model tensor-parallel over N devices (`jspec.sharding`; the random
 weights made shard by shard), so the matrix proves P within that degree. With
 --row_partials=S as well, "degrees" compares one prefill's logits at every degree
@@ -42,9 +46,10 @@ from jspec import parity, sharding
 from jspec.bench.receipts import write_receipt
 from jspec.cache import rollback
 from jspec.cli import options_record, with_option_string
-from jspec.model import forward
+from jspec.model import COMPILER_OPTIONS, apply, forward
 from jspec.random_model import random_model
 from jspec.sharding import init_cache  # the sharded cache for a sharded model
+from jspec.tree import from_parents
 from pallas_kernels.matmul import TUNED, tuned_to_json
 
 FLAGS = flags.DEFINE_string("models", "qwen3-8b:4,gemma3-4b:6", "preset:num_layers list")
@@ -59,6 +64,8 @@ _XLA_FULL = flags.DEFINE_bool("xla_full", False, "run every check on xla too (el
 _TAG = flags.DEFINE_string("tag", "", "receipt name suffix")
 _OPTIONS = flags.DEFINE_list("options", [], "speed options of the models (jspec.cli option "
                              "names, e.g. attn_split=256 to prove split-KV attention)")
+_TREES = flags.DEFINE_list("trees", [], "tree verify sizes (draft nodes), e.g. 8,16,32,64")
+_TREE_DEPTH = flags.DEFINE_integer("tree_depth", 8, "the random trees' greatest depth")
 _TP = flags.DEFINE_integer("tp", 0, "> 0: the models tensor-parallel over this many devices")
 _ROW_PARTIALS = flags.DEFINE_integer(
     "row_partials", 0, "> 0: KernelOptions.row_partials (with --tp: also the degrees check)")
@@ -159,6 +166,10 @@ def check_model(model, n: int, window: int, ks: list[int], full: bool = True) ->
     run_steps(model, seqs, steps[:40], batch_cache, start=prefix, checkers=checkers)
     res["row in ragged batch of 4"] = chk.result()
 
+    sizes = [int(x) for x in _TREES.value]
+    for size in sizes if full else sizes[-1:]:  # xla: the largest tree shows it breaking
+        res[f"tree of {size} nodes"] = check_tree(model, seq, ref, cache, tail, size,
+                                                 _TREE_DEPTH.value, seed=size)
     if not full:
         res["seconds"] = round(time.perf_counter() - t0, 1)
         return res
@@ -169,6 +180,43 @@ def check_model(model, n: int, window: int, ks: list[int], full: bool = True) ->
     res["max_len x2"] = chk.result()
     res["seconds"] = round(time.perf_counter() - t0, 1)
     return res
+
+
+_tree_forward = jax.jit(lambda m, t, c, tr: apply(m, t, c, tree=tr),
+                        compiler_options=COMPILER_OPTIONS)
+
+
+def check_tree(model, seq, ref, cache, tail: int, size: int, depth: int, seed: int) -> dict:
+    """One tree verify of `size` nodes under seq[:tail] (root seq[tail]), its first branch
+    the true continuation: every node's logits against serial decoding of its path."""
+    rng = np.random.default_rng(seed)
+    D = min(depth, size, len(seq) - tail - 1)
+    parents, d = [-1] + list(range(D)), list(range(D + 1))  # the true branch first
+    while len(parents) < size + 1:
+        p = int(rng.choice([i for i in range(len(parents)) if d[i] < depth]))
+        parents.append(p)
+        d.append(d[p] + 1)
+    toks = np.concatenate([seq[tail: tail + D + 1],
+                           rng.integers(0, model.config.vocab_size, size - D)]).astype(np.int32)
+    cache = rollback(cache, tail)
+    tree = from_parents(jnp.asarray([parents], jnp.int32), cache.lengths, max(d))
+    logits, _ = _tree_forward(model, jnp.asarray(toks[None]), cache, tree)
+    logits = logits[0]
+    chk = Checker(ref)
+    chk(tail, logits[: D + 1])  # the true branch: the prefill's rows tail .. tail + D
+    bad = 0
+    for i in range(D + 1, size + 1):  # the others: one-token steps over their paths
+        path, j = [], i
+        while j >= 0:
+            path.append(int(toks[j]))
+            j = parents[j]
+        c = rollback(cache, tail)
+        for t in path[::-1]:
+            want, c = forward(model, np.asarray([[t]], np.int32), c, donate=False)
+        bad += not bool(np.asarray(bits_equal_rows(want[0], logits[i: i + 1]))[0])
+    res = chk.result()
+    return {"positions": res["positions"] + size - D, "mismatches": res["mismatches"] + bad,
+            "first_mismatch": res["first_mismatch"], "depth": max(d)}
 
 
 def parity_blocks(n: int, sizes: list[int]) -> list[int]:
