@@ -64,6 +64,7 @@ from jspec.generate import prefill as serial_prefill  # noqa: E402
 from jspec.loading import default_interpret  # noqa: E402
 from jspec.random_model import random_model  # noqa: E402
 from jspec.sharding import init_distributed, make_mesh, random_sharded, replicate  # noqa: E402
+from jspec.tree import parse_tree  # noqa: E402
 from pallas_kernels.matmul import TUNED, tuned_to_json  # noqa: E402
 
 _TARGET = flags.DEFINE_string("target", "tiny-qwen3", "preset[:layers] or HF dir")
@@ -91,6 +92,21 @@ _DRAFT_OPTIONS = flags.DEFINE_list(
 _DRAFT_HEAD = flags.DEFINE_integer(
     "draft_head", 0, "> 0: the draft's LM head keeps this many tokens (ModelDrafter.pruned; "
     "random weights have no token frequencies, so ids 0..n-1); 0: the full head")
+_DRAFTER = flags.DEFINE_enum(
+    "drafter", "model", ["model", "feature"], "what the oracle's attached draft is: the draft "
+    "model (--draft), or a feature head (EAGLE-3: one layer at the target's width over its "
+    "hidden states, random weights; --head_vocab)")
+_HEAD_VOCAB = flags.DEFINE_integer("head_vocab", 32768, "the feature head's draft vocabulary")
+_HEAD_BACKEND = flags.DEFINE_enum("head_backend", "pallas", ["pallas", "xla"],
+                                  "the feature head's backend")
+_TREE = flags.DEFINE_string("tree", "", "verify draft trees ('3,2,1', 'dynamic:4,16,5'; "
+                            "'' chains of gamma); the oracle puts the truth at a node's "
+                            "rank-0 child with the --accept rate and at the next ranks with "
+                            "--rank_probs")
+_RANK_PROBS = flags.DEFINE_list("rank_probs", ["0.1"], "trees: P(the truth is a node's rank-1, "
+                                "rank-2, .. child), after --accept for rank 0")
+_SERIAL_BACKENDS = flags.DEFINE_list("serial_backends", ["pallas", "xla"],
+                                     "serial runs (pallas is the speedups' baseline)")
 _PEERS = flags.DEFINE_bool("peers", True, "transformers peers (needs torch)")
 _PEER_GAMMA = flags.DEFINE_integer("peer_gamma", 4, "gamma of the matched speculative run")
 _PEER_COMPILE = flags.DEFINE_bool("peer_compile", True, "HF static cache + torch.compile run")
@@ -224,6 +240,7 @@ class Bench:
         jax.block_until_ready(self.draft.params)
         t2 = time.perf_counter()
         self.batches = [int(b) for b in _BATCHES.value]
+        self.tree = parse_tree(_TREE.value)
         self.P, self.N, self.iters = _PROMPT_LEN.value, _NEW.value, _ITERS.value
         V = self.target.config.vocab_size
         self.all_prompts = make_prompts(V, max(self.batches + [1]), self.P)
@@ -246,7 +263,9 @@ class Bench:
             "draft": _DRAFT.value, "draft_backend": _DRAFT_BACKEND.value,
             "draft_options": _DRAFT_OPTIONS.value, "xla_flags": os.environ.get("XLA_FLAGS", ""),
             "oracle_draft": _ORACLE_DRAFT.value, "oracle_seeds": _ORACLE_SEEDS.value,
-            "draft_head": _DRAFT_HEAD.value or None,
+            "draft_head": _DRAFT_HEAD.value or None, "drafter": _DRAFTER.value,
+            "head_vocab": _HEAD_VOCAB.value, "head_backend": _HEAD_BACKEND.value,
+            "tree": _TREE.value or None, "rank_probs_after_accept": _RANK_PROBS.value,
             # Receipts before 2026-11-30h lack this: their oracle's proposals did not
             # wait for the draft's forwards, so their oracle speedups are upper bounds.
             "oracle_waits_for_draft": True,
@@ -318,11 +337,29 @@ class Bench:
     def drafter(self, kind: str, B: int, accept: float | None):
         if kind == "oracle":
             ref = jnp.asarray(np.concatenate([self.prompts(B), self.serial[B].tokens], axis=1))
-            draft = self.model_drafter() if _ORACLE_DRAFT.value else None
-            return jspec.OracleDrafter(ref, corrupt_prob=jnp.float32(1.0 - accept), draft=draft)
+            draft = None
+            if _ORACLE_DRAFT.value:
+                draft = self.feature_drafter() if _DRAFTER.value == "feature" else \
+                    self.model_drafter()
+            ranks = None
+            if self.tree is not None:
+                ranks = jnp.asarray([accept] + [float(x) for x in _RANK_PROBS.value],
+                                    jnp.float32)
+            return jspec.OracleDrafter(ref, corrupt_prob=jnp.float32(1.0 - accept), draft=draft,
+                                       rank_probs=ranks)
         if kind == "lookup":
             return jspec.PromptLookupDrafter(max_ngram=3)
         return jspec.ModelDrafter(self.target)  # "self": the target drafts for itself
+
+    def feature_drafter(self):
+        """A feature head with random weights at the target's width (made once)."""
+        if getattr(self, "_head", None) is None:
+            from jspec.feature_head import random_head
+
+            head = random_head(self.target, draft_vocab_size=_HEAD_VOCAB.value or None,
+                               options=self.target.options.replace(backend=_HEAD_BACKEND.value))
+            self._head = jspec.FeatureDrafter(head)
+        return self._head
 
     def model_drafter(self):
         """The draft model's drafter: the full LM head, or the first --draft_head tokens'."""
@@ -340,7 +377,8 @@ class Bench:
         key = (kind, B, gamma)
         per_seed, warm, gpu = [], None, []
         for seed in seeds:  # the seed is a runtime array: one compile serves them all
-            spec = jspec.SpecConfig(gamma=gamma, max_new_tokens=self.N, seed=seed)
+            spec = jspec.SpecConfig(gamma=gamma, max_new_tokens=self.N, seed=seed,
+                                    tree=self.tree)
             out, t, w = timed(lambda spec=spec: jspec.speculative_generate(
                 self.target, drafter, self.prompts(B), spec), self.iters,
                 key not in self.compiled, monitor=gpu)
@@ -359,6 +397,7 @@ class Bench:
                         if r["batch"] == B and r["backend"] == "pallas")
         mean = lambda k: float(np.mean([r[k] for r in per_seed]))  # noqa: E731
         row = {"batch": B, "drafter": kind, "gamma": gamma, "oracle_accept": accept,
+               "tree": _TREE.value or None, "draft_kind": _DRAFTER.value,
                "acceptance": mean("acceptance_rate"),
                "tokens_per_target_step": mean("tokens_per_target_step"),
                "tokens_per_s": n / t, "seconds": t, "speedup": t_serial / t,
@@ -487,7 +526,7 @@ def jobs_for(bench: Bench) -> list[tuple[str, object]]:
     head = 4 if 4 in gammas else gammas[0]
     jobs = []
     for B in bench.batches:
-        for backend in ("pallas", "xla"):
+        for backend in [b for b in ("pallas", "xla") if b in _SERIAL_BACKENDS.value]:
             jobs.append((f"serial {backend} B={B}",
                          lambda B=B, be=backend: bench.run_serial(B, be)))
     matched = _PEERS.value and 1 in bench.batches

@@ -50,7 +50,8 @@ from jspec.rope import rope_tables
 # EAGLE-3's feature layers for an L-layer target: the hidden states entering layers 2,
 # L // 2 and L - 3 (the inputs of those layers, as SGLang and vLLM capture them).
 def eagle3_layers(num_layers: int) -> tuple[int, ...]:
-    return (2, num_layers // 2, num_layers - 3)
+    """(2, L // 2, L - 3), each kept within 0..L for targets of few layers."""
+    return tuple(min(max(i, 0), num_layers) for i in (2, num_layers // 2, num_layers - 3))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,6 +168,9 @@ def head_config(target: ModelConfig, *, hidden_size: int | None = None,
     hd = head_dim or target.head_dim
     layers = tuple(feature_layers) if feature_layers is not None else eagle3_layers(
         target.num_layers)
+    bad = [i for i in layers if not 0 <= i <= target.num_layers]
+    if bad:
+        raise ValueError(f"feature layers {bad} are outside the target's 0..{target.num_layers}")
     layer = ModelConfig(
         family="llama", vocab_size=draft_vocab_size or target.vocab_size, hidden_size=D,
         intermediate_size=intermediate_size or target.intermediate_size, num_layers=1,
