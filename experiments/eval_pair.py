@@ -1,10 +1,15 @@
-"""Acceptance and speedup of a target/draft pair on held-out code prompts.
+"""Acceptance and speedup of a target's drafters on held-out code prompts.
 
   python experiments/eval_pair.py                         # the embedded code pair, CPU or GPU
   python experiments/eval_pair.py --pair=/path/to/pair --batch=1 --max_new_tokens=128
+  python experiments/eval_pair.py --drafters=feature --head=/path/to/head
 
-For each policy (`exact_greedy`, `gumbel_coupled` at --temperature) and each
-gamma: acceptance (overall and by draft position), mean tokens per target
+Drafters (`--drafters`, side by side in one run): `model`, the pair's draft model
+(`ModelDrafter`), and `feature`, a feature head (`FeatureDrafter`: one EAGLE-3 decoder
+layer over the target's hidden states, `--head`, by default the pair's `head/`: for the
+embedded pair the head shipped beside it, made by `experiments/train_draft_head.py`).
+For each policy (`exact_greedy`, `gumbel_coupled` at --temperature), each drafter and
+each gamma: acceptance (overall and by draft position), mean tokens per target
 step, tokens/s and speedup over serial decoding run side by side (medians of
 --iters after a warm-up), with parity asserted (speculative tokens == serial
 tokens, every row). Prompts are the pair's held-out prompts
@@ -15,7 +20,7 @@ jspec, greedy `generate` and assisted generation (`assistant_model=`) at each
 gamma, with their tokens/s and whether assisted output equals its own serial
 output. Writes a JSON receipt and a PNG plot under --out.
 
-`--draft_heads=0,2048,1024`: the gamma sweep once per draft LM head, 0 being the full
+`--draft_heads=0,2048,1024`: the draft model's gamma sweep once per draft LM head, 0 being the full
 head and n a head pruned to the n most frequent tokens of the pair's training corpus
 (`ModelDrafter.pruned`; frequencies from the running Python's standard library minus
 the held-out modules, `jspec.train.corpus`, under the pair's tokenizer): what a pruned
@@ -43,6 +48,8 @@ from pallas_kernels.matmul import TUNED, tuned_to_json
 
 _PAIR = flags.DEFINE_string("pair", "", "dir with target/ and draft/ (default: embedded pair)")
 _BACKEND = flags.DEFINE_string("backend", "pallas", "pallas | xla")
+_DRAFT_BACKEND = flags.DEFINE_string("draft_backend", "", "the drafters' backend (default: "
+                                     "--backend); a draft never changes the output")
 _DTYPE = flags.DEFINE_string("dtype", "bfloat16", "parameter dtype")
 _NUM = flags.DEFINE_integer("num_prompts", 16, "held-out prompts used")
 _BATCH = flags.DEFINE_integer("batch", 16, "prompts per call")
@@ -54,8 +61,12 @@ _TEMP = flags.DEFINE_float("temperature", 0.8, "temperature of gumbel_coupled")
 _ITERS = flags.DEFINE_integer("iters", 3, "timed repetitions (median)")
 _PEERS = flags.DEFINE_bool("peers", True, "also run transformers (needs torch)")
 _PEER_GAMMAS = flags.DEFINE_list("peer_gammas", ["2", "4", "8"], "assisted-generation gammas")
-_HEADS = flags.DEFINE_list("draft_heads", ["0"], "draft LM head sizes (0: full; n: the n "
-                           "most frequent training-corpus tokens)")
+_HEADS = flags.DEFINE_list("draft_heads", ["0"], "the draft model's LM head sizes (0: full; "
+                           "n: the n most frequent training-corpus tokens)")
+_DRAFTERS = flags.DEFINE_list("drafters", ["model", "feature"], "drafters compared: model "
+                              "(the pair's draft model), feature (a feature head, --head)")
+_HEAD = flags.DEFINE_string("head", "", "feature head dir in the published EAGLE-3 layout "
+                            "(default: the pair's head/, for the embedded pair the shipped one)")
 _OUT = flags.DEFINE_string("out", os.environ.get("OUT", "experiments/results"), "receipt dir")
 _TAG = flags.DEFINE_string("tag", "", "receipt file name suffix")
 
@@ -80,8 +91,15 @@ def corpus_frequent(tok, vocab: int, sizes: list[int]) -> dict[int, np.ndarray]:
     return {n: jspec.frequent_tokens(ids, n, vocab) for n in sizes}
 
 
+def drafter_name(run: dict) -> str:
+    if run.get("drafter") == "feature":
+        return "feature"
+    return "model" + (f"/{run['draft_head']}" if run.get("draft_head") else "")
+
+
 def run_jspec(target, drafters, prompts, report, save):
-    """drafters: (head size, ModelDrafter) pairs, each swept over the gammas."""
+    """drafters: (labels, drafter) pairs, each swept over the gammas; labels (a dict:
+    "drafter", and "draft_head" for a draft model) go into every run's record."""
     N, iters = _NEW.value, _ITERS.value
     batches = chunks(prompts, _BATCH.value)
     for policy in _POLICIES.value:
@@ -98,8 +116,8 @@ def run_jspec(target, drafters, prompts, report, save):
                 "tokens_per_s": n_tok / t_serial}
         report["serial"].append(base)
         print(f"serial {policy}: {base['tokens_per_s']:.1f} tokens/s")
-        sweep = [(n, d, int(g)) for n, d in drafters for g in _GAMMAS.value]
-        for head, drafter, g in tqdm(sweep, desc=f"{policy} heads x gammas"):
+        sweep = [(lab, d, int(g)) for lab, d in drafters for g in _GAMMAS.value]
+        for labels, drafter, g in tqdm(sweep, desc=f"{policy} drafters x gammas"):
             spec = jspec.SpecConfig(gamma=g, policy=policy, max_new_tokens=N,
                                     temperature=_TEMP.value)
 
@@ -110,15 +128,15 @@ def run_jspec(target, drafters, prompts, report, save):
             for o, s in zip(outs, serial, strict=True):
                 for r in range(o.tokens.shape[0]):
                     if o.row(r) != s.row(r):
-                        raise SystemExit(f"PARITY FAILURE: {policy} gamma={g} head={head} "
-                                         f"row {r}")
+                        raise SystemExit(f"PARITY FAILURE: {policy} gamma={g} "
+                                         f"drafter={drafter_name(labels)} row {r}")
             acc = sum(o.stats["accepted"] for o in outs)
             prop = sum(o.stats["proposed"] for o in outs)
             # Row-rounds: every live row of every verify call counts one target step.
             steps = sum(o.stats["tokens"] / o.stats["tokens_per_target_step"] for o in outs)
             by_pos = np.mean([o.stats["acceptance_by_position"] for o in outs], axis=0)
             report["runs"].append({
-                "policy": policy, "gamma": g, "draft_head": head or None,
+                "policy": policy, "gamma": g, **labels,
                 "acceptance": acc / max(prop, 1),
                 "acceptance_by_position": [round(float(x), 4) for x in by_pos],
                 "tokens_per_target_step": n_tok / max(steps, 1),
@@ -157,27 +175,47 @@ def run_peers(pair, prompts, jtarget, report, save):
 def main(argv):
     del argv
     pair = _PAIR.value or os.path.dirname(default_pair()[0])
+    kinds = _DRAFTERS.value
+    if not kinds or set(kinds) - {"model", "feature"}:
+        raise app.UsageError(f"--drafters takes model and/or feature; got {kinds}")
     t0 = time.perf_counter()
     target = jspec.load_hf(os.path.join(pair, "target"), dtype=_DTYPE.value,
                            backend=_BACKEND.value)
-    draft = jspec.load_hf(os.path.join(pair, "draft"), dtype=_DTYPE.value,
-                          backend=_BACKEND.value)
     tok = jspec.load_tokenizer(os.path.join(pair, "target"))
     prompts = load_prompts(pair, tok)
+    draft_backend = _DRAFT_BACKEND.value or _BACKEND.value
     sizes = [int(x) for x in _HEADS.value]
-    if any(not 0 <= n <= draft.config.vocab_size for n in sizes):
-        raise app.UsageError(f"--draft_heads must lie in [0, {draft.config.vocab_size}]; "
-                             f"got {sizes}")
-    heads = corpus_frequent(tok, draft.config.vocab_size, sizes)
-    drafters = [(n, jspec.ModelDrafter.pruned(draft, heads[n]) if n else
-                 jspec.ModelDrafter(draft)) for n in sizes]  # each pruned head gathered once
+    drafters = []
+    if "model" in kinds:
+        draft = jspec.load_hf(os.path.join(pair, "draft"), dtype=_DTYPE.value,
+                              backend=draft_backend)
+        if any(not 0 <= n <= draft.config.vocab_size for n in sizes):
+            raise app.UsageError(f"--draft_heads must lie in [0, {draft.config.vocab_size}]; "
+                                 f"got {sizes}")
+        heads = corpus_frequent(tok, draft.config.vocab_size, sizes)
+        drafters += [({"drafter": "model", "draft_head": n or None},
+                      jspec.ModelDrafter.pruned(draft, heads[n]) if n else
+                      jspec.ModelDrafter(draft)) for n in sizes]  # each head gathered once
+    head_dir = None
+    if "feature" in kinds:
+        head_dir = _HEAD.value or os.path.join(pair, "head")
+        if not os.path.isdir(head_dir):
+            raise app.UsageError(f"no feature head at {head_dir}: pass --head=<dir> (made by "
+                                 "experiments/train_draft_head.py) or --drafters=model")
+        options = jspec.KernelOptions(backend=draft_backend,
+                                      interpret=target.options.interpret)
+        head = jspec.load_eagle3(head_dir, target, dtype=_DTYPE.value, options=options)
+        drafters.append(({"drafter": "feature"}, jspec.FeatureDrafter(head)))
     report = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
               "matmul_tuned": tuned_to_json(TUNED),
               "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv),
-              "pair": os.path.abspath(pair), "backend": _BACKEND.value, "dtype": _DTYPE.value,
+              "pair": os.path.abspath(pair), "backend": _BACKEND.value,
+              "draft_backend": draft_backend, "dtype": _DTYPE.value,
               "prompts": len(prompts), "batch": _BATCH.value, "prompt_len": _PROMPT_LEN.value,
               "max_new_tokens": _NEW.value, "temperature": _TEMP.value, "iters": _ITERS.value,
-              "draft_heads": sizes, "serial": [], "runs": []}
+              "draft_heads": sizes, "drafters": kinds,
+              "head": os.path.abspath(head_dir) if head_dir else None,
+              "serial": [], "runs": []}
     dev = jax.devices()[0].platform
     stem = os.path.join(_OUT.value, f"eval_pair_{dev}" + (f"_{_TAG.value}" if _TAG.value else ""))
     os.makedirs(_OUT.value, exist_ok=True)
@@ -191,21 +229,40 @@ def main(argv):
     run_jspec(target, drafters, prompts, report, save)
     if _PEERS.value:
         run_peers(pair, prompts, target, report, save)
+    report["feature_vs_model"] = side_by_side(report)
     save(report)
     print_table(report)
     plot(report, stem)
     print(f"receipt: {stem}.json, plot: {stem}.png")
 
 
+def side_by_side(report) -> list[dict]:
+    """Per policy and gamma: the feature head against the draft model (full LM head)."""
+    runs = {(r["policy"], r["gamma"], drafter_name(r)): r for r in report["runs"]}
+    out = []
+    for (policy, g, name), f in runs.items():
+        m = runs.get((policy, g, "model"))
+        if name != "feature" or m is None:
+            continue
+        out.append({"policy": policy, "gamma": g, **{
+            f"{k}_{who}": round(r[k], 4) for who, r in (("feature", f), ("model", m))
+            for k in ("acceptance", "tokens_per_target_step", "speedup")}})
+    return out
+
+
 def print_table(report):
     base = {s["policy"]: s for s in report["serial"]}
-    print(f"\n{'policy':14s} {'head':>6s} {'gamma':>5s} {'accept':>6s} {'tok/step':>8s} "
+    print(f"\n{'policy':14s} {'drafter':>10s} {'gamma':>5s} {'accept':>6s} {'tok/step':>8s} "
           f"{'tok/s':>8s} {'serial':>8s} {'speedup':>7s} parity")
     for r in report["runs"]:
-        head = r.get("draft_head") or "full"
-        print(f"{r['policy']:14s} {head!s:>6s} {r['gamma']:5d} {r['acceptance']:6.3f} "
+        print(f"{r['policy']:14s} {drafter_name(r):>10s} {r['gamma']:5d} {r['acceptance']:6.3f} "
               f"{r['tokens_per_target_step']:8.2f} {r['tokens_per_s']:8.1f} "
               f"{base[r['policy']]['tokens_per_s']:8.1f} {r['speedup']:7.2f} {r['parity']}")
+    for c in report.get("feature_vs_model", []):
+        print(f"{c['policy']} gamma {c['gamma']}: tokens per target step feature "
+              f"{c['tokens_per_target_step_feature']:.2f} vs model "
+              f"{c['tokens_per_target_step_model']:.2f}, speedup "
+              f"{c['speedup_feature']:.2f}x vs {c['speedup_model']:.2f}x")
 
 
 def plot(report, stem):
@@ -215,12 +272,11 @@ def plot(report, stem):
     import matplotlib.pyplot as plt
 
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
-    for policy, head in sorted({(r["policy"], r.get("draft_head") or 0)
-                                for r in report["runs"]}):
+    for policy, name in sorted({(r["policy"], drafter_name(r)) for r in report["runs"]}):
         rs = sorted((r for r in report["runs"] if r["policy"] == policy
-                     and (r.get("draft_head") or 0) == head), key=lambda r: r["gamma"])
+                     and drafter_name(r) == name), key=lambda r: r["gamma"])
         gs = [r["gamma"] for r in rs]
-        label = policy + (f", head {head}" if head else "")
+        label = f"{policy}, {name}"
         a1.plot(gs, [r["acceptance"] for r in rs], marker="o", label=label)
         a2.plot(gs, [r["speedup"] for r in rs], marker="o", label=label)
     a2.axhline(1.0, color="gray", lw=0.8, ls="--")
