@@ -92,17 +92,17 @@ _DRAFT_OPTIONS = flags.DEFINE_list(
 _DRAFT_HEAD = flags.DEFINE_integer(
     "draft_head", 0, "> 0: the draft's LM head keeps this many tokens (ModelDrafter.pruned; "
     "random weights have no token frequencies, so ids 0..n-1); 0: the full head")
-_DRAFTER = flags.DEFINE_enum(
-    "drafter", "model", ["model", "feature"], "what the oracle's attached draft is: the draft "
+_DRAFTER = flags.DEFINE_list(
+    "drafter", ["model"], "what the oracle's attached draft is, one sweep each: the draft "
     "model (--draft), or a feature head (EAGLE-3: one layer at the target's width over its "
     "hidden states, random weights; --head_vocab)")
 _HEAD_VOCAB = flags.DEFINE_integer("head_vocab", 32768, "the feature head's draft vocabulary")
 _HEAD_BACKEND = flags.DEFINE_enum("head_backend", "pallas", ["pallas", "xla"],
                                   "the feature head's backend")
-_TREE = flags.DEFINE_string("tree", "", "verify draft trees ('3,2,1', 'dynamic:4,16,5'; "
-                            "'' chains of gamma); the oracle puts the truth at a node's "
-                            "rank-0 child with the --accept rate and at the next ranks with "
-                            "--rank_probs")
+_TREE = flags.DEFINE_string("tree", "", "';'-separated: chains ('') and/or draft trees "
+                            "('3,2,1', 'spine:8:4,3,3,2,2,1,1,0'), one sweep each; in a tree "
+                            "the oracle puts the truth at a node's rank-0 child with the "
+                            "--accept rate and at the next ranks with --rank_probs")
 _RANK_PROBS = flags.DEFINE_list("rank_probs", ["0.1"], "trees: P(the truth is a node's rank-1, "
                                 "rank-2, .. child), after --accept for rank 0")
 _SERIAL_BACKENDS = flags.DEFINE_list("serial_backends", ["pallas", "xla"],
@@ -240,7 +240,8 @@ class Bench:
         jax.block_until_ready(self.draft.params)
         t2 = time.perf_counter()
         self.batches = [int(b) for b in _BATCHES.value]
-        self.tree = parse_tree(_TREE.value)
+        self.tree_spec, self.draft_kind = "", _DRAFTER.value[0]  # set per sweep (`sweep`)
+        self.tree = None
         self.P, self.N, self.iters = _PROMPT_LEN.value, _NEW.value, _ITERS.value
         V = self.target.config.vocab_size
         self.all_prompts = make_prompts(V, max(self.batches + [1]), self.P)
@@ -263,9 +264,9 @@ class Bench:
             "draft": _DRAFT.value, "draft_backend": _DRAFT_BACKEND.value,
             "draft_options": _DRAFT_OPTIONS.value, "xla_flags": os.environ.get("XLA_FLAGS", ""),
             "oracle_draft": _ORACLE_DRAFT.value, "oracle_seeds": _ORACLE_SEEDS.value,
-            "draft_head": _DRAFT_HEAD.value or None, "drafter": _DRAFTER.value,
+            "draft_head": _DRAFT_HEAD.value or None, "drafters": _DRAFTER.value,
             "head_vocab": _HEAD_VOCAB.value, "head_backend": _HEAD_BACKEND.value,
-            "tree": _TREE.value or None, "rank_probs_after_accept": _RANK_PROBS.value,
+            "trees": _TREE.value.split(";"), "rank_probs_after_accept": _RANK_PROBS.value,
             # Receipts before 2026-11-30h lack this: their oracle's proposals did not
             # wait for the draft's forwards, so their oracle speedups are upper bounds.
             "oracle_waits_for_draft": True,
@@ -339,7 +340,7 @@ class Bench:
             ref = jnp.asarray(np.concatenate([self.prompts(B), self.serial[B].tokens], axis=1))
             draft = None
             if _ORACLE_DRAFT.value:
-                draft = self.feature_drafter() if _DRAFTER.value == "feature" else \
+                draft = self.feature_drafter() if self.draft_kind == "feature" else \
                     self.model_drafter()
             ranks = None
             if self.tree is not None:
@@ -350,6 +351,10 @@ class Bench:
         if kind == "lookup":
             return jspec.PromptLookupDrafter(max_ngram=3)
         return jspec.ModelDrafter(self.target)  # "self": the target drafts for itself
+
+    def sweep(self, draft_kind: str, tree_spec: str) -> None:
+        """The oracle's attached draft and the round's shape for the jobs that follow."""
+        self.draft_kind, self.tree_spec, self.tree = draft_kind, tree_spec, parse_tree(tree_spec)
 
     def feature_drafter(self):
         """A feature head with random weights at the target's width (made once)."""
@@ -374,7 +379,7 @@ class Bench:
         drafter = self.drafter(kind, B, accept)
         seeds = range(_ORACLE_SEEDS.value if kind == "oracle" else 1)
         serial = self.serial[B]
-        key = (kind, B, gamma)
+        key = (kind, B, gamma, self.draft_kind, self.tree_spec)
         per_seed, warm, gpu = [], None, []
         for seed in seeds:  # the seed is a runtime array: one compile serves them all
             spec = jspec.SpecConfig(gamma=gamma, max_new_tokens=self.N, seed=seed,
@@ -397,7 +402,7 @@ class Bench:
                         if r["batch"] == B and r["backend"] == "pallas")
         mean = lambda k: float(np.mean([r[k] for r in per_seed]))  # noqa: E731
         row = {"batch": B, "drafter": kind, "gamma": gamma, "oracle_accept": accept,
-               "tree": _TREE.value or None, "draft_kind": _DRAFTER.value,
+               "tree": self.tree_spec or None, "draft_kind": self.draft_kind,
                "acceptance": mean("acceptance_rate"),
                "tokens_per_target_step": mean("tokens_per_target_step"),
                "tokens_per_s": n / t, "seconds": t, "speedup": t_serial / t,
@@ -533,19 +538,29 @@ def jobs_for(bench: Bench) -> list[tuple[str, object]]:
     if _PEERS.value:
         jobs.append(("peers: build", bench.peers_build))
     tail = []
+    shapes = [(d, t) for d in _DRAFTER.value for t in _TREE.value.split(";")]
     for B in bench.batches:
-        for g in [head] + [g for g in gammas if g != head]:
+        for d, t in shapes:
+            jobs.append((f"sweep {d} {t or 'chain'}", lambda d=d, t=t: bench.sweep(d, t)))
             for a in accepts:
-                (jobs if g == head else tail).append(
-                    (f"oracle B={B} g={g} a={a}",
-                     lambda B=B, g=g, a=a: bench.record_spec("oracle", B, g, a)))
-            if g == head and B == 1 and matched:
-                jobs += [("peers: HF greedy B=1", lambda: bench.peer_hf_eager(1)),
-                         ("peers: HF assisted B=1", bench.peer_hf_assisted),
-                         ("peers: jspec self-draft B=1", bench.peer_jspec_self)]
-        if _LOOKUP.value:
+                jobs.append((f"oracle B={B} {d} {t or f'g={head}'} a={a}",
+                             lambda B=B, a=a: bench.record_spec("oracle", B, head, a)))
+        bench_last = shapes[-1]
+        for g in [g for g in gammas if g != head]:  # other gammas: the last sweep's shape
+            for a in accepts:
+                tail.append((f"oracle B={B} g={g} a={a}",
+                             lambda B=B, g=g, a=a, s=bench_last: (bench.sweep(*s),
+                                                                 bench.record_spec("oracle", B,
+                                                                                   g, a))))
+        if B == 1 and matched:
+            jobs += [("peers: HF greedy B=1", lambda: bench.peer_hf_eager(1)),
+                     ("peers: HF assisted B=1", bench.peer_hf_assisted),
+                     ("peers: jspec self-draft B=1", bench.peer_jspec_self)]
+        if _LOOKUP.value:  # chains
             tail += [(f"lookup B={B} g={g}",
-                      lambda B=B, g=g: bench.record_spec("lookup", B, g, None)) for g in gammas]
+                      lambda B=B, g=g: (bench.sweep(shapes[0][0], ""),
+                                        bench.record_spec("lookup", B, g, None)))
+                     for g in gammas]
     jobs += tail
     if _PEERS.value:
         jobs += [(f"peers: HF greedy B={B}", lambda B=B: bench.peer_hf_eager(B))
@@ -627,11 +642,13 @@ def print_tables(rep: dict) -> None:
         print(f"{r['batch']:3d} {r['backend']:8s} {r['tokens_per_s']:9.1f} "
               f"{'-' if dec is None else f'{dec:.1f}':>12s} {r['roofline_tokens_per_s']:9.1f} "
               f"{'-' if frac is None else f'{frac:.2f}':>5s} {_sm(r):>6s}")
-    print(f"\n{'B':>3s} {'drafter':8s} {'gamma':>5s} {'oracle':>6s} {'accept':>6s} "
-          f"{'tok/step':>8s} {'tok/s':>9s} {'speedup':>7s} {'SM MHz':>6s} parity")
+    print(f"\n{'B':>3s} {'drafter':8s} {'draft':8s} {'shape':24s} {'oracle':>6s} "
+          f"{'accept':>6s} {'tok/step':>8s} {'tok/s':>9s} {'speedup':>7s} {'SM MHz':>6s} parity")
     for r in rep["speculative"]:
         oa = "-" if r["oracle_accept"] is None else f"{r['oracle_accept']:.1f}"
-        print(f"{r['batch']:3d} {r['drafter']:8s} {r['gamma']:5d} {oa:>6s} {r['acceptance']:6.3f} "
+        shape = f"tree {r['tree']}" if r.get("tree") else f"gamma {r['gamma']}"
+        print(f"{r['batch']:3d} {r['drafter']:8s} {r.get('draft_kind', 'model'):8s} "
+              f"{shape:24s} {oa:>6s} {r['acceptance']:6.3f} "
               f"{r['tokens_per_target_step']:8.2f} {r['tokens_per_s']:9.1f} {r['speedup']:7.2f} "
               f"{_sm(r):>6s} {r['parity']}")
     peers = rep["peers"]

@@ -44,6 +44,7 @@ import jspec
 from jspec.bench.timing import timed
 from jspec.loading import default_pair
 from jspec.train.corpus import read, stdlib_files
+from jspec.tree import parse_tree
 from pallas_kernels.matmul import TUNED, tuned_to_json
 
 _PAIR = flags.DEFINE_string("pair", "", "dir with target/ and draft/ (default: embedded pair)")
@@ -67,6 +68,9 @@ _DRAFTERS = flags.DEFINE_list("drafters", ["model", "feature"], "drafters compar
                               "(the pair's draft model), feature (a feature head, --head)")
 _HEAD = flags.DEFINE_string("head", "", "feature head dir in the published EAGLE-3 layout "
                             "(default: the pair's head/, for the embedded pair the shipped one)")
+_TREES = flags.DEFINE_string("trees", "", "draft trees verified too, separated by ';' (e.g. "
+                             "'2,2,1,1;dynamic:3,12,4'), each against the chain of gamma = "
+                             "its depth (the same draft forwards a round)")
 _OUT = flags.DEFINE_string("out", os.environ.get("OUT", "experiments/results"), "receipt dir")
 _TAG = flags.DEFINE_string("tag", "", "receipt file name suffix")
 
@@ -92,9 +96,9 @@ def corpus_frequent(tok, vocab: int, sizes: list[int]) -> dict[int, np.ndarray]:
 
 
 def drafter_name(run: dict) -> str:
-    if run.get("drafter") == "feature":
-        return "feature"
-    return "model" + (f"/{run['draft_head']}" if run.get("draft_head") else "")
+    name = "feature" if run.get("drafter") == "feature" else "model" + (
+        f"/{run['draft_head']}" if run.get("draft_head") else "")
+    return name + (f"+tree {run['tree']}" if run.get("tree") else "")
 
 
 def run_jspec(target, drafters, prompts, report, save):
@@ -116,10 +120,12 @@ def run_jspec(target, drafters, prompts, report, save):
                 "tokens_per_s": n_tok / t_serial}
         report["serial"].append(base)
         print(f"serial {policy}: {base['tokens_per_s']:.1f} tokens/s")
-        sweep = [(lab, d, int(g)) for lab, d in drafters for g in _GAMMAS.value]
-        for labels, drafter, g in tqdm(sweep, desc=f"{policy} drafters x gammas"):
+        sweep = [(lab, d, int(g), None) for lab, d in drafters for g in _GAMMAS.value]
+        sweep += [(lab | {"tree": t}, d, parse_tree(t).depth, parse_tree(t))
+                  for lab, d in drafters for t in _TREES.value.split(";") if t]
+        for labels, drafter, g, tree in tqdm(sweep, desc=f"{policy} drafters x gammas"):
             spec = jspec.SpecConfig(gamma=g, policy=policy, max_new_tokens=N,
-                                    temperature=_TEMP.value)
+                                    temperature=_TEMP.value, tree=tree)
 
             def spec_all(spec=spec, drafter=drafter):
                 return [jspec.speculative_generate(target, drafter, b, spec) for b in batches]
@@ -230,6 +236,7 @@ def main(argv):
     if _PEERS.value:
         run_peers(pair, prompts, target, report, save)
     report["feature_vs_model"] = side_by_side(report)
+    report["tree_vs_chain"] = tree_vs_chain(report)
     save(report)
     print_table(report)
     plot(report, stem)
@@ -250,6 +257,28 @@ def side_by_side(report) -> list[dict]:
     return out
 
 
+def tree_vs_chain(report) -> list[dict]:
+    """Per policy, drafter and tree: tokens per target step against the drafter's chain of
+    gamma = the tree's depth (the same draft forwards a round)."""
+    out = []
+    for t in report["runs"]:
+        if not t.get("tree"):
+            continue
+        c = next((r for r in report["runs"] if not r.get("tree") and r["policy"] == t["policy"]
+                  and r["gamma"] == t["gamma"] and r.get("drafter") == t.get("drafter")
+                  and r.get("draft_head") == t.get("draft_head")), None)
+        if c is not None:
+            out.append({"policy": t["policy"], "drafter": t.get("drafter"), "tree": t["tree"],
+                        "gamma": t["gamma"],
+                        "tokens_per_target_step_tree": round(t["tokens_per_target_step"], 4),
+                        "tokens_per_target_step_chain": round(c["tokens_per_target_step"], 4),
+                        "ratio": round(t["tokens_per_target_step"]
+                                       / c["tokens_per_target_step"], 4),
+                        "speedup_tree": round(t["speedup"], 4),
+                        "speedup_chain": round(c["speedup"], 4)})
+    return out
+
+
 def print_table(report):
     base = {s["policy"]: s for s in report["serial"]}
     print(f"\n{'policy':14s} {'drafter':>10s} {'gamma':>5s} {'accept':>6s} {'tok/step':>8s} "
@@ -263,6 +292,11 @@ def print_table(report):
               f"{c['tokens_per_target_step_feature']:.2f} vs model "
               f"{c['tokens_per_target_step_model']:.2f}, speedup "
               f"{c['speedup_feature']:.2f}x vs {c['speedup_model']:.2f}x")
+    for c in report.get("tree_vs_chain", []):
+        print(f"{c['policy']} {c['drafter']} tree {c['tree']} vs chain gamma {c['gamma']}: "
+              f"tokens per target step {c['tokens_per_target_step_tree']:.2f} vs "
+              f"{c['tokens_per_target_step_chain']:.2f} ({c['ratio']:.2f}x), speedup "
+              f"{c['speedup_tree']:.2f}x vs {c['speedup_chain']:.2f}x")
 
 
 def plot(report, stem):

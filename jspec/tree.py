@@ -196,13 +196,31 @@ class TreeConfig:
         return parents, ranks, depth
 
 
+def spine_paths(depth: int, branches) -> tuple[tuple[int, ...], ...]:
+    """A lopsided tree (the shape EAGLE's static trees take): a spine of `depth` rank-0
+    nodes, and below the spine node of depth d - 1 a rank-1 child followed by a chain of
+    branches[d - 1] rank-0 nodes (d = 1 .. depth)."""
+    paths = [(0,) * d for d in range(1, depth + 1)]
+    for d, n in enumerate(branches, start=1):
+        if d > depth:
+            break
+        side = (0,) * (d - 1) + (1,)
+        paths += [side + (0,) * k for k in range(n + 1)]
+    return tuple(paths)
+
+
 def parse_tree(text: str) -> TreeConfig | None:
     """A tree from the command line: "" (none: chains), "3,2,1" (branching per depth),
-    "dynamic:4,16,5" (top_k, nodes, depth) or "paths:0;1;0.0;0.1" (ranks joined by '.')."""
+    "dynamic:4,16,5" (top_k, nodes, depth), "paths:0;1;0.0;0.1" (ranks joined by '.') or
+    "spine:8:4,3,3,2,2,1,1,0" (`spine_paths`: depth, then each side branch's length)."""
     text = (text or "").strip()
     if not text:
         return None
     try:
+        if text.startswith("spine:"):
+            depth, _, rest = text[6:].partition(":")
+            return TreeConfig(paths=spine_paths(int(depth), [int(x) for x in rest.split(",")
+                                                             if x]))
         if text.startswith("dynamic:"):
             return TreeConfig(dynamic=tuple(int(x) for x in text[8:].split(",")))
         if text.startswith("paths:"):
@@ -210,5 +228,5 @@ def parse_tree(text: str) -> TreeConfig | None:
                                           for p in text[6:].split(";") if p))
         return TreeConfig(branching=tuple(int(x) for x in text.split(",")))
     except ValueError as e:
-        raise ValueError(f"tree {text!r}: {e} (expected '3,2,1', 'dynamic:k,nodes,depth' or "
-                         "'paths:0;1;0.0')") from None
+        raise ValueError(f"tree {text!r}: {e} (expected '3,2,1', 'dynamic:k,nodes,depth', "
+                         "'paths:0;1;0.0' or 'spine:depth:l1,l2,..')") from None
