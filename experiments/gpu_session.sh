@@ -4,7 +4,8 @@
 #   bash experiments/gpu_session.sh step ... :: step ... [:: ...]  # one lane per GPU
 # Steps: parity parity_split audit audit_qwen3 audit_gemma3 audit_xla kernels
 # kernels_fused spec sweep tuned e2e e2e_b1 e2e_b8 e2e_peers e2e_draftpallas e2e_decompose train pair
-# pair_eval schedsweep attnsweep train_head
+# pair_eval schedsweep attnsweep train_head parity_trees kernels_trees main pair_head
+# e2e_session
 # (default: parity audit kernels spec).
 # - sweep: tuning/sweep_matmul.py, the matmul tile tuning; it writes
 #   $OUT/sweep_matmul_tuned.json, and `tuned` merges that table into the device copy's
@@ -28,6 +29,13 @@
 #   $FUSED_GAMMAS the verify blocks (default 4: T = 5), $FUSED_BATCHES the batches.
 # - train trains the code pair into $OUT/codepair; pair and pair_eval audit / evaluate
 #   $PAIR, else a pair trained in this call, else the embedded one.
+# - parity_trees: the parity matrix with tree verifies of 8-64 nodes ($PARITY_MODELS,
+#   $PARITY_BACKENDS); kernels_trees: tree verify steps (16, 32 nodes) and a feature
+#   head's step against decode at the Qwen3-8B shape, context 2048; main: the README's
+#   main command with its defaults; pair_head: the code pair's draft model against its
+#   feature head, chains and trees (real acceptance); e2e_session: Qwen3-8B serial and
+#   oracle speculation (a = 0.8, 0.9, gamma 4) with the Qwen3-0.6B draft and with a feature
+#   head, chains and a 32-node tree, batches 1 and 8 (~7-8 min).
 # - train_head trains a feature head for the embedded pair's target (train_draft_head.py,
 #   the gpu preset: ~2 min on an H200) into $OUT/head (config.json, model.safetensors,
 #   README.md, train_log.json); `eval_pair.py --head=$OUT/head` measures it. It reads
@@ -179,6 +187,26 @@ for s in $steps; do
     attnsweep) timeout "${ATTN_SWEEP_S:-300}" python3 experiments/tuning/sweep_attention.py --out="$OUT" \
               --budget_s="$(( ${ATTN_SWEEP_S:-300} - 60 ))" ${ATTN_SWEEP_FLAGS:-} 2>&1 | quiet \
               | grep -v "it/s" | tail -30 ;;
+    parity_trees) timeout "${PARITY_S:-280}" python3 experiments/gpu_parity.py \
+              --models="${PARITY_MODELS:-qwen3-8b:4,gemma3-4b:6}" --context=8192 --window=48 \
+              --trees=8,16,32,64 --backends="${PARITY_BACKENDS:-pallas,xla}" \
+              --tag="${PARITY_TAG:-trees}" --out="$OUT" 2>&1 | quiet | tail -60 ;;
+    kernels_trees) timeout "${KERNELS_S:-270}" python3 experiments/bench_kernels.py \
+              --preset=qwen3-8b --batches=1 --gammas=15,31 --context=2048 --iters=10 --noops \
+              --trees=16,32 --head_vocab=32768 --out="$OUT" --tag=trees 2>&1 | quiet \
+              | tail -40 ;;
+    main) timeout 100 python3 experiments/speculative_decode.py \
+              --config=configs/speculative.py 2>&1 | quiet | tail -14 ;;
+    pair_head) timeout "${PAIR_S:-150}" python3 experiments/eval_pair.py --pair="$(pair_dir)" \
+              --drafters=model,feature --gammas=2,4 --batch=1 --num_prompts=8 --iters=2 \
+              --policies=exact_greedy --trees="3,2,1,1;dynamic:3,16,4" --nopeers \
+              --out="$OUT" --tag=h200_b1_head 2>&1 | quiet | grep -v "it/s" | tail -30 ;;
+    e2e_session) timeout "${E2E_S:-470}" python3 experiments/bench_e2e.py --target=qwen3-8b \
+              --draft=qwen3-0.6b --batches="${E2E_BATCHES:-1,8}" --prompt_len=512 \
+              --max_new_tokens=256 --gammas=4 --accept=0.8,0.9 --drafter=model,feature \
+              --tree=";spine:8:4,3,3,2,2,1,1,0" --rank_probs=0.1 --nolookup --nopeers \
+              --serial_backends=pallas --iters=2 --out="$OUT" --tag=h200_session \
+              2>&1 | quiet | grep -v "it/s" | tail -40 ;;
     *) echo "unknown step $s" ;;
   esac
 done
