@@ -20,7 +20,10 @@ def get_config(arg=None):
     c = ml_collections.ConfigDict()
     c.target = ""  # HF checkpoint dir or hub id; "" = the embedded code pair (target and draft)
     c.draft = ""  # the draft model's checkpoint; "" = the pair's draft, or the target
-    c.drafter = "model"  # "model" | "prompt_lookup"
+    # "auto": the embedded pair's feature head (with no target given), else the draft
+    # model (--config.draft; none: the target drafts for itself) or --config.head;
+    # "model" | "feature" (an EAGLE-3 head: --config.head) | "prompt_lookup"
+    c.drafter = "auto"
     c.max_ngram = 3  # prompt lookup
     c.head = ""  # an EAGLE-3 head directory: drafts with it (FeatureDrafter), not a draft model
     # From colorsys.py, a module the embedded pair never saw in training.

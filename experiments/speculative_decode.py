@@ -26,6 +26,7 @@ from ml_collections import config_flags
 
 import jspec
 from jspec import cli, text
+from jspec.loading import default_head
 from jspec.tree import parse_tree
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -51,26 +52,33 @@ def head_ids(path: str, size: int, tok, vocab: int) -> np.ndarray:
 
 
 def build(c) -> text.TextPipeline:
-    if c.drafter not in ("model", "prompt_lookup"):
-        raise app.UsageError(f"--config.drafter={c.drafter!r}: use 'model' or 'prompt_lookup'")
+    if c.drafter not in ("auto", "model", "feature", "prompt_lookup"):
+        raise app.UsageError(f"--config.drafter={c.drafter!r}: use 'auto', 'model', 'feature' "
+                             "or 'prompt_lookup'")
+    head = c.head
     if c.target:
         target_path, draft_path = c.target, c.draft  # no draft: the target drafts for itself
+        if c.drafter == "feature" and not head:
+            raise app.UsageError("--config.drafter=feature needs --config.head=<dir>")
     else:
         target_path, draft_path = jspec.default_pair()
         draft_path = c.draft or draft_path
+        if c.drafter in ("auto", "feature") and not head and not c.draft:
+            head = default_head()  # the pair's feature head: the better drafter of the two
         print(f"[no target given: the embedded code pair, {os.path.dirname(target_path)}]")
     draft_backend = c.draft_backend or c.backend
-    if c.head:
-        return text.load_text(target_path, head=c.head, dtype=c.dtype, backend=c.backend)
+    if head and c.drafter in ("auto", "feature"):
+        return text.load_text(target_path, head=head, dtype=c.dtype, backend=c.backend,
+                              draft_backend=draft_backend)
     draft = "prompt_lookup" if c.drafter == "prompt_lookup" else (draft_path or None)
     pipe = text.load_text(target_path, draft, dtype=c.dtype, backend=c.backend,
                           draft_backend=draft_backend, draft_options=c.draft_options,
                           max_ngram=c.max_ngram)
-    if c.drafter == "model" and pipe.drafter is None:  # the target as its own draft
+    if c.drafter in ("auto", "model") and pipe.drafter is None:  # the target drafts itself
         model = text.apply_draft_options(pipe.target.with_backend(draft_backend),
                                          c.draft_options)
         pipe = pipe.with_drafter(jspec.ModelDrafter(model))
-    if c.drafter == "model" and c.draft_head:
+    if c.drafter in ("auto", "model") and c.draft_head:
         draft = pipe.drafter.model
         ids = head_ids(c.draft_head, c.draft_head_size, pipe.tokenizer, draft.config.vocab_size)
         pipe = pipe.with_drafter(jspec.ModelDrafter.pruned(draft, ids))

@@ -365,6 +365,15 @@ def default_pair() -> tuple[str, str]:
     return dirs
 
 
+def default_head() -> str:
+    """The embedded code pair's feature head (EAGLE-3 layout; MODEL_CARD.md)."""
+    head = os.path.join(PAIR_DIR, "head")
+    if not os.path.isfile(os.path.join(head, "model.safetensors")):
+        raise CheckpointError(f"the embedded code pair's head is missing: no {head}/"
+                              "model.safetensors (make it with experiments/train_draft_head.py)")
+    return head
+
+
 def default_interpret() -> bool:
     """Pallas kernels run in interpret mode where there is no GPU."""
     return jax.default_backend() == "cpu"

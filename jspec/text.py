@@ -27,6 +27,7 @@ from jspec.drafters import ModelDrafter, PromptLookupDrafter
 from jspec.generate import generate, generate_stream
 from jspec.loading import CheckpointError, load_hf, load_tokenizer, resolve_checkpoint
 from jspec.model import Model, with_options
+from jspec.options import KernelOptions
 from jspec.sampling import make_sampler
 from jspec.speculative import SpecConfig, speculative_generate, speculative_stream
 from jspec.tree import parse_tree
@@ -465,7 +466,7 @@ def load_text(target: str | os.PathLike, draft: str | os.PathLike | None = None,
       agree with the target's on every id they share) or "prompt_lookup"
       (`PromptLookupDrafter(max_ngram)`).
     head: instead of a draft, an EAGLE-3 head directory (`jspec.load_eagle3`), drafting
-      with `FeatureDrafter` on the target's backend.
+      with `FeatureDrafter` on draft_backend.
     draft_backend: the draft model's backend: its numerics only change what is proposed,
       never the output, so "xla" (fast, no interpret mode on a CPU) is the default.
     draft_options: "auto" (`jspec.options.draft_options_for(draft)`: the fastest measured
@@ -494,6 +495,7 @@ def load_text(target: str | os.PathLike, draft: str | os.PathLike | None = None,
         from jspec.drafters import FeatureDrafter
         from jspec.eagle import load_eagle3
 
-        drafter = FeatureDrafter(load_eagle3(head, model))
+        options = KernelOptions(backend=draft_backend, interpret=model.options.interpret)
+        drafter = FeatureDrafter(load_eagle3(head, model, options=options))
     return TextPipeline(target=model, tokenizer=tok, drafter=drafter, stop_ids=stop,
                         chat_stop_ids=chat_stop, generation_config=gen, name=target_path)

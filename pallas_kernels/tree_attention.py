@@ -7,10 +7,10 @@ committed prefix at positions 0..root-1, then the root and the node's ancestors,
 depth, then the node itself. This kernel reduces exactly those keys, in exactly that
 order: key blocks of `block_k` logical positions aligned at 0, ascending, each block's
 key j at index j, with the same online softmax (or the same split-KV partitions and fold)
-as `pallas_kernels.attention`. Blocks wholly before the root are read from the cache
-where they sit (slot = position); from the block that holds the root on, a block is
-gathered for the node: position p reads the slot of the node's ancestor at depth
-p - root (`path`), never the slot order in which the tree was written. Keys past the
+as `pallas_kernels.attention`. Blocks wholly before the root read the cache where it
+sits (slot = position); from the block that holds the root on, position p reads the slot
+of the node's ancestor at depth p - root (`path`), never the slot order in which the
+tree was written. Every block is loaded as a gather by slot. Keys past the
 node's position are masked as usual (their values finite, their weights exact zeros).
 RoPE was applied to each node's q and k at its logical position by the caller.
 
@@ -76,18 +76,16 @@ def tail_index(root, q_pos, path, block_k: int):
 
 
 def _loader(k_ref, v_ref, tail_ref, start, block_k: int):
-    """load_kv for `_online_softmax`: blocks before `start` from the cache, the others
-    gathered by the token's slots."""
+    """load_kv for `_online_softmax`: the block of logical positions kb_start .. + K - 1,
+    gathered by slot: a position before `start` is its own slot, the others the token's
+    tail index. (One straight-line gather for every block: a branch between a plain load
+    and the gather does not compile in the Triton lowering.)"""
 
     def load(kb_start):
-        def direct(_):
-            return k_ref[pl.ds(kb_start, block_k), :], v_ref[pl.ds(kb_start, block_k), :]
-
-        def gathered(_):
-            idx = tail_ref[pl.ds(kb_start - start, block_k)]  # [K] slots
-            return k_ref[idx, :], v_ref[idx, :]
-
-        return lax.cond(kb_start < start, direct, gathered, None)
+        pos = kb_start + lax.iota(jnp.int32, block_k)  # [K] logical positions
+        tail = tail_ref[pl.ds(jnp.maximum(kb_start - start, 0), block_k)]
+        idx = jnp.where(pos < start, pos, tail)  # [K] slots
+        return k_ref[idx, :], v_ref[idx, :]
 
     return load
 
