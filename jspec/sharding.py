@@ -30,8 +30,10 @@ column-parallel matmul takes the whole weight's tiles, so a column's K loop is t
 too): the logits are the same bits at every degree. Without it (the default) S = TP:
 P within the degree, the cheapest combine.
 
-Several hosts: `init_distributed(...)` then `make_mesh(tp)` over the global devices;
-every process runs the same program (`jax.distributed`).
+The engine runs a sharded target unchanged (`generate`, `speculative_generate`): its
+drafter goes on every device with `replicate(drafter_or_model, mesh)`. Several hosts:
+`init_distributed(...)` then `make_mesh(tp)` over the global devices; every process runs
+the same program (`jax.distributed`).
 """
 
 from __future__ import annotations
