@@ -103,6 +103,9 @@ _TREE = flags.DEFINE_string("tree", "", "';'-separated: chains ('') and/or draft
                             "('3,2,1', 'spine:8:4,3,3,2,2,1,1,0'), one sweep each; in a tree "
                             "the oracle puts the truth at a node's rank-0 child with the "
                             "--accept rate and at the next ranks with --rank_probs")
+_BATCH_SHAPES = flags.DEFINE_string(
+    "batch_shapes", "", "';'-separated 'B:drafter/tree' entries: at a batch size listed "
+    "here only these shapes run (e.g. '8:feature/' for the feature head's chains at batch 8)")
 _RANK_PROBS = flags.DEFINE_list("rank_probs", ["0.1"], "trees: P(the truth is a node's rank-1, "
                                 "rank-2, .. child), after --accept for rank 0")
 _SERIAL_BACKENDS = flags.DEFINE_list("serial_backends", ["pallas", "xla"],
@@ -539,8 +542,13 @@ def jobs_for(bench: Bench) -> list[tuple[str, object]]:
         jobs.append(("peers: build", bench.peers_build))
     tail = []
     shapes = [(d, t) for d in _DRAFTER.value for t in _TREE.value.split(";")]
+    only: dict[int, list] = {}
+    for entry in filter(None, _BATCH_SHAPES.value.split(";")):
+        b, _, shape = entry.partition(":")
+        d, _, t = shape.partition("/")
+        only.setdefault(int(b), []).append((d, t))
     for B in bench.batches:
-        for d, t in shapes:
+        for d, t in only.get(B, shapes):
             jobs.append((f"sweep {d} {t or 'chain'}", lambda d=d, t=t: bench.sweep(d, t)))
             for a in accepts:
                 jobs.append((f"oracle B={B} {d} {t or f'g={head}'} a={a}",

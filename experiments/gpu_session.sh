@@ -187,12 +187,15 @@ for s in $steps; do
     attnsweep) timeout "${ATTN_SWEEP_S:-300}" python3 experiments/tuning/sweep_attention.py --out="$OUT" \
               --budget_s="$(( ${ATTN_SWEEP_S:-300} - 60 ))" ${ATTN_SWEEP_FLAGS:-} 2>&1 | quiet \
               | grep -v "it/s" | tail -30 ;;
-    parity_trees) timeout "${PARITY_S:-280}" python3 experiments/gpu_parity.py \
+    parity_trees) timeout "${PARITY_S:-240}" python3 experiments/gpu_parity.py \
               --models="${PARITY_MODELS:-qwen3-8b:4,gemma3-4b:6}" --context=8192 --window=48 \
-              --trees=8,16,32,64 --backends="${PARITY_BACKENDS:-pallas,xla}" \
-              --tag="${PARITY_TAG:-trees}" --out="$OUT" 2>&1 | quiet | tail -60 ;;
-    kernels_trees) timeout "${KERNELS_S:-270}" python3 experiments/bench_kernels.py \
-              --preset=qwen3-8b --batches=1 --gammas=15,31 --context=2048 --iters=10 --noops \
+              --trees=8,16,32,64 --backends=pallas --tag=trees --out="$OUT" 2>&1 | quiet \
+              | tail -40
+           timeout 90 python3 experiments/gpu_parity.py --models=qwen3-8b:4 --context=8192 \
+              --window=48 --trees=64 --backends=xla --tag=trees_xla --out="$OUT" 2>&1 \
+              | quiet | tail -12 ;;
+    kernels_trees) timeout "${KERNELS_S:-200}" python3 experiments/bench_kernels.py \
+              --preset=qwen3-8b --batches=1 --gammas=0 --context=2048 --iters=10 --noops \
               --trees=16,32 --head_vocab=32768 --out="$OUT" --tag=trees 2>&1 | quiet \
               | tail -40 ;;
     main) timeout 100 python3 experiments/speculative_decode.py \
@@ -205,6 +208,7 @@ for s in $steps; do
               --draft=qwen3-0.6b --batches="${E2E_BATCHES:-1,8}" --prompt_len=512 \
               --max_new_tokens=256 --gammas=4 --accept=0.8,0.9 --drafter=model,feature \
               --tree=";spine:8:4,3,3,2,2,1,1,0" --rank_probs=0.1 --nolookup --nopeers \
+              --batch_shapes="1:model/;1:feature/;1:feature/spine:8:4,3,3,2,2,1,1,0;8:feature/" \
               --serial_backends=pallas --iters=2 --out="$OUT" --tag=h200_session \
               2>&1 | quiet | grep -v "it/s" | tail -40 ;;
     *) echo "unknown step $s" ;;
