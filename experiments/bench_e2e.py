@@ -366,6 +366,8 @@ class Bench:
 
             head = random_head(self.target, draft_vocab_size=_HEAD_VOCAB.value or None,
                                options=self.target.options.replace(backend=_HEAD_BACKEND.value))
+            if self.mesh is not None:  # whole on every device of the target's mesh
+                head = replicate(head, self.mesh)
             self._head = jspec.FeatureDrafter(head)
         return self._head
 

@@ -6,6 +6,7 @@ whatever the batch, the number of positions in a call or the cache history
 token for token.
 """
 
+from jspec import sharding
 from jspec.cache import KVCache, init_cache, rollback
 from jspec.checkpoint import restore_params, save_params
 from jspec.config import ModelConfig, UnsupportedModelError, from_hf_config
@@ -78,6 +79,7 @@ __all__ = [
     "load_hf",
     "load_tokenizer",
     "make_sampler",
+    "sharding",
     "restore_params",
     "rollback",
     "save_eagle3",

@@ -51,7 +51,15 @@ class KVCache:
 
 
 def init_cache(model, batch_size: int, max_len: int) -> KVCache:
-    """Zero K/V buffers for `batch_size` rows of up to `max_len` tokens each."""
+    """Zero K/V buffers for `batch_size` rows of up to `max_len` tokens each.
+
+    For a tensor-parallel model (`jspec.sharding`) each device allocates only its own
+    K/V block, split by kv head."""
+    par = getattr(model, "parallel", None)
+    if par is not None and not par.inside:
+        from jspec import sharding  # a sharded model only; sharding imports this module
+
+        return sharding.init_cache(model, batch_size, max_len)
     cfg = model.config
     if batch_size < 1:
         raise ValueError(f"{batch_size=} must be >= 1")

@@ -132,3 +132,25 @@ def test_top_p_lowers_for_the_h200():
 def test_logsumexp_lowers_for_the_h200():
     x = jax.ShapeDtypeStruct((8, 151936), jnp.float32)
     assert "triton" in _lower(functools.partial(logsumexp, interpret=False), x)
+
+
+@pytest.mark.parametrize("preset", ["qwen3-8b", "gemma3-4b"])
+@pytest.mark.parametrize("batch,nodes", [(1, 16), (1, 64), (8, 32)])
+def test_tree_verify_lowers_for_the_h200(preset, batch, nodes):
+    """A tree verify (rule R7) lowers with the tree attention kernel: every key block is
+    one straight-line gather by cache slot (no branch between loads, which Triton's
+    dominance check rejected)."""
+    from jspec.tree import from_parents
+
+    model = _abstract_model(preset)
+    cache = jax.eval_shape(lambda: init_cache(model, batch, 256))
+    parents = jnp.asarray([[-1] + [(t - 1) // 2 for t in range(1, nodes)]] * batch, jnp.int32)
+
+    def verify(model, toks, cache, parents):
+        tree = from_parents(parents, cache.lengths, 8)
+        return apply(model, toks, cache, tree=tree)
+
+    toks = jax.ShapeDtypeStruct((batch, nodes), jnp.int32)
+    text = _lower(verify, model, toks, cache, parents)
+    names = set(re.findall(r'name = "(jspec_[a-z_0-9]*)"', text))
+    assert names & {"jspec_tree_attention", "jspec_tree_attention_split"}, names
