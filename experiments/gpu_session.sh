@@ -202,7 +202,7 @@ for s in $steps; do
               --config=configs/speculative.py 2>&1 | quiet | tail -14 ;;
     pair_head) timeout "${PAIR_S:-150}" python3 experiments/eval_pair.py --pair="$(pair_dir)" \
               --drafters=model,feature --gammas=2,4 --batch=1 --num_prompts=8 --iters=2 \
-              --policies=exact_greedy --trees="3,2,1,1;dynamic:3,16,4" --nopeers \
+              --policies=exact_greedy --trees="dynamic:6,60,4" --nopeers \
               --out="$OUT" --tag=h200_b1_head 2>&1 | quiet | grep -v "it/s" | tail -30 ;;
     e2e_session) timeout "${E2E_S:-470}" python3 experiments/bench_e2e.py --target=qwen3-8b \
               --draft=qwen3-0.6b --batches="${E2E_BATCHES:-1,8}" --prompt_len=512 \
