@@ -120,21 +120,16 @@ def _dot(a: jax.Array, b: jax.Array, *, contract_b: int) -> jax.Array:
 
 
 def _online_softmax(q, k_ref, v_ref, first, last, lo, hi, *, scale, softcap, block_k,
-                    v_masked_load=False, rowwise=None, init=None):
+                    v_masked_load=False, load_kv=None):
     """(m [R], denom [R], acc [R, D]) f32 over key blocks lo..hi-1 (ascending) of the cache.
 
     Starts from the empty state (-inf, 0, 0); a block fully masked for a row leaves that
     row's state bit-identical (see the module docstring), so lo/hi may cover any superset
     of a row's visible blocks. q is [R, D], or a tuple of column chunks [R, D_i] (the
     draft's kernel builds q by RoPE halves): the scores are then the sum of the chunks'
-    dots with the matching key columns.
-
-    `rowwise` (tree attention) replaces the block's two dots when the tile's rows read
-    different keys at one logical position (each token its own ancestors):
-    `rowwise.scores(q, start, dot)` -> [R, K] f32 and `rowwise.values(p, start, last_key,
-    dot)` -> [R, D], each row the very dot a tile of the plain kernel computes for it
-    (same shapes, so the same bits). `init` continues from a state rather than the empty
-    one, so one reduction may run as consecutive loops over consecutive block ranges.
+    dots with the matching key columns. `load_kv(start)` -> (k [K, D], v [K, D]), if
+    given, supplies the block of logical key positions start .. start + K - 1 in place of
+    the cache rows at those slots (tree attention gathers a node's ancestors there).
     """
     chunks = q if isinstance(q, tuple) else None
     block_rows = (chunks or (q,))[0].shape[0]
@@ -144,8 +139,8 @@ def _online_softmax(q, k_ref, v_ref, first, last, lo, hi, *, scale, softcap, blo
     def body(kb, carry):
         m, denom, acc = carry  # [R], [R], [R, D] f32: max, softmax sum, p @ v
         start = pl.multiple_of(kb * block_k, block_k)
-        if rowwise is not None:
-            pass  # the scores and values come from `rowwise` below
+        if load_kv is not None:
+            k, v = load_kv(start)  # [K, D] each, logical positions start .. start + K - 1
         elif chunks:
             cols = [sum(c.shape[1] for c in chunks[:i]) for i in range(len(chunks))]
             ks = [k_ref[pl.ds(start, block_k), pl.ds(c0, c.shape[1])]  # [K, D_i]
@@ -157,8 +152,9 @@ def _online_softmax(q, k_ref, v_ref, first, last, lo, hi, *, scale, softcap, blo
         # finite. A masked load zero-fills them without reading them and leaves the tile
         # a plain load the compiler can stage for the dot; a select after the load gives
         # the same operand through registers.
-        if rowwise is not None:
-            pass
+        if load_kv is not None:
+            key_v = start + jnp.arange(block_k, dtype=jnp.int32)
+            v = jnp.where((key_v <= last_key)[:, None], v, jnp.zeros_like(v))
         elif v_masked_load:
             rows = start + lax.broadcasted_iota(jnp.int32, (block_k, head_dim), 0)
             v = plgpu.load(v_ref.at[pl.ds(start, block_k), :], mask=rows <= last_key,
@@ -167,9 +163,7 @@ def _online_softmax(q, k_ref, v_ref, first, last, lo, hi, *, scale, softcap, blo
             v = v_ref[pl.ds(start, block_k), :]  # [K, D]
             key_v = start + jnp.arange(block_k, dtype=jnp.int32)
             v = jnp.where((key_v <= last_key)[:, None], v, jnp.zeros_like(v))
-        if rowwise is not None:
-            s = rowwise.scores(q, start, _dot) * scale  # [R, K] f32, row by row q @ k.T
-        elif chunks:
+        if chunks:
             s = None
             for c, kc in zip(chunks, ks, strict=True):
                 d = _dot(c, kc, contract_b=1)  # [R, K] f32
@@ -189,17 +183,13 @@ def _online_softmax(q, k_ref, v_ref, first, last, lo, hi, *, scale, softcap, blo
         alpha = jnp.exp(m - m_safe)  # [R]; exactly 1 when the block changes nothing
         p = jnp.where(mask, jnp.exp(s - m_safe[:, None]), 0.0)  # [R, K], masked: exact 0
         denom_new = alpha * denom + jnp.sum(p, axis=-1)
-        if rowwise is not None:
-            pv = rowwise.values(p, start, last_key, _dot)  # [R, D], row by row p @ v
-        else:
-            pv = _dot(p.astype(v.dtype), v, contract_b=0)  # [R, D]: p @ v, like flash attention
+        pv = _dot(p.astype(v.dtype), v, contract_b=0)  # [R, D]: p @ v, like flash attention
         return m_new, denom_new, alpha[:, None] * acc + pv
 
-    if init is None:
-        init = (jnp.full((block_rows,), _NEG_INF, jnp.float32),
-                jnp.zeros((block_rows,), jnp.float32),
-                jnp.zeros((block_rows, head_dim), jnp.float32))
-    return lax.fori_loop(lo, hi, body, init)
+    m0 = jnp.full((block_rows,), _NEG_INF, jnp.float32)
+    denom0 = jnp.zeros((block_rows,), jnp.float32)
+    acc0 = jnp.zeros((block_rows, head_dim), jnp.float32)
+    return lax.fori_loop(lo, hi, body, (m0, denom0, acc0))
 
 
 def _block_range(first, last, num_blocks: int, block_k: int):
@@ -242,12 +232,14 @@ def _attention_kernel(
 
 
 def _partition_partial(q_ref, k_ref, v_ref, first, last, c, *, scale: float,
-                       softcap: float | None, block_k: int, split: int, v_masked_load: bool):
+                       softcap: float | None, block_k: int, split: int, v_masked_load: bool,
+                       load_kv=None):
     """(m [R], denom [R], acc [R, D]) of partition c: the online softmax over the key
     blocks of [c * split, (c + 1) * split) that the tile's rows can see."""
     lo, hi = _partition_blocks(first, last, c, k_ref.shape[0] // block_k, block_k, split)
     return _online_softmax(q_ref[...], k_ref, v_ref, first, last, lo, hi, scale=scale,
-                           softcap=softcap, block_k=block_k, v_masked_load=v_masked_load)
+                           softcap=softcap, block_k=block_k, v_masked_load=v_masked_load,
+                           load_kv=load_kv)
 
 
 def _partition_blocks(first, last, c, num_blocks: int, block_k: int, split: int):

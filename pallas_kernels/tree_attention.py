@@ -7,23 +7,18 @@ committed prefix at positions 0..root-1, then the root and the node's ancestors,
 depth, then the node itself. This kernel reduces exactly those keys, in exactly that
 order: key blocks of `block_k` logical positions aligned at 0, ascending, each block's
 key j at index j, with the same online softmax (or the same split-KV partitions and fold)
-as `pallas_kernels.attention`. Blocks before the one that holds the root are the
-committed prefix, the same for every token of the tree: they are read where they sit
-(slot = position), one plain load per tile as in the plain kernel. From that block on
-(the tail: at most a few blocks), position p is the slot of the token's ancestor at
-depth p - root (`path`), never the slot order in which the tree was written. Keys past
-the token's position are masked as usual (their values finite, their weights exact
-zeros). RoPE was applied to each node's q and k at its logical position by the caller.
+as `pallas_kernels.attention`. Blocks wholly before the root read the cache where it
+sits (slot = position); from the block that holds the root on, position p reads the slot
+of the node's ancestor at depth p - root (`path`), never the slot order in which the
+tree was written. Every block is loaded as a gather by slot. Keys past the
+node's position are masked as usual (their values finite, their weights exact zeros).
+RoPE was applied to each node's q and k at its logical position by the caller.
 
 So a node's logits are bitwise the logits serial decoding computes after its root path,
 whatever the tree's shape, the other nodes and the batch (tests/test_tree.py).
 
-Rows are the plain kernel's: a tile holds the query heads of several tokens (token t's G
-heads at rows t * G ..), in the plain kernel's tile shape. In a tail block the tokens
-of a tile read different keys, so the tile gathers each token's block in turn, takes
-the tile's dot against it and keeps that token's rows (`_Gathered`): a row's dot does
-not depend on the tile's other rows, so each row gets the bits of a plain tile over its
-own keys, and the prefix, by far the most keys, is loaded once per tile, not per token.
+Each row tile holds one token's query heads (its gathered blocks are its own); the tile
+shape is the plain kernel's, which a row's bits do not depend on the other rows of.
 `tree_attention_xla` is the plain-jnp baseline with the same visibility (a mask), NOT
 invariant.
 """
@@ -45,12 +40,10 @@ from pallas_kernels.attention import (
     _check_inputs,
     _normalize,
     _online_softmax,
-    _partition_blocks,
+    _partition_partial,
     _plain_attention,
     attention_config,
     combine_partials,
-    row_count,
-    visible_range,
 )
 
 
@@ -82,92 +75,40 @@ def tail_index(root, q_pos, path, block_k: int):
     return idx.astype(jnp.int32), start.astype(jnp.int32)
 
 
-class _Gathered:
-    """The scores and values of a tile whose rows belong to several tree tokens, for the
-    key blocks from the root's on (`_online_softmax`'s `rowwise`).
+def _loader(k_ref, v_ref, tail_ref, start, block_k: int):
+    """load_kv for `_online_softmax`: the block of logical positions kb_start .. + K - 1,
+    gathered by slot: a position before `start` is its own slot, the others the token's
+    tail index. (One straight-line gather for every block: a branch between a plain load
+    and the gather does not compile in the Triton lowering.)"""
 
-    Rows are laid out as the plain kernel's, token by token (row t * G + i: token t's
-    query head i of the kv head); the tile holds tokens tok0 .. tok0 + count - 1. For
-    each of them the block of logical positions start .. start + K - 1 is gathered by
-    slot (its own ancestors), the tile's dot taken against it, and that token's rows
-    kept: each row gets exactly the dot of a plain tile over its own keys (a row's dot
-    does not depend on the tile's other rows), so its bits are serial decoding's."""
+    def load(kb_start):
+        pos = kb_start + lax.iota(jnp.int32, block_k)  # [K] logical positions
+        tail = tail_ref[pl.ds(jnp.maximum(kb_start - start, 0), block_k)]
+        idx = jnp.where(pos < start, pos, tail)  # [K] slots
+        return k_ref[idx, :], v_ref[idx, :]
 
-    def __init__(self, k_ref, v_ref, tail_ref, tail_start, row_tok, tok0, count, block_k):
-        self.k_ref, self.v_ref, self.tail_ref = k_ref, v_ref, tail_ref
-        self.tail_start, self.row_tok = tail_start, row_tok
-        self.tok0, self.count, self.block_k = tok0, count, block_k
-
-    def _slots(self, j, start):
-        off = start - self.tail_start  # >= 0: only blocks from the tail's first on
-        return self.tail_ref[self.tok0 + j, pl.ds(off, self.block_k)]  # [K] slots
-
-    def scores(self, q, start, dot):
-        def one(j, s):
-            k = self.k_ref[self._slots(j, start), :]  # [K, D] token j's keys
-            return jnp.where((self.row_tok == j)[:, None], dot(q, k, contract_b=1), s)
-
-        init = jnp.zeros((q.shape[0], self.block_k), jnp.float32)
-        return lax.fori_loop(0, self.count, one, init)
-
-    def values(self, p, start, last_key, dot):
-        key_v = start + lax.iota(jnp.int32, self.block_k)
-
-        def one(j, pv):
-            v = self.v_ref[self._slots(j, start), :]  # [K, D] token j's values
-            v = jnp.where((key_v <= last_key)[:, None], v, jnp.zeros_like(v))
-            return jnp.where((self.row_tok == j)[:, None], dot(p.astype(v.dtype), v,
-                                                               contract_b=0), pv)
-
-        init = jnp.zeros((p.shape[0], self.v_ref.shape[-1]), jnp.float32)
-        return lax.fori_loop(0, self.count, one, init)
-
-
-def _tile_tokens(R: int, group: int, tokens: int):
-    """The tile's token of each row (relative to its first token tok0), tok0 and the
-    number of tokens in the tile."""
-    r0 = pl.program_id(2) * R
-    tok0 = r0 // group
-    row_tok = (r0 + lax.iota(jnp.int32, R)) // group - tok0
-    count = jnp.minimum((r0 + R - 1) // group, tokens - 1) - tok0 + 1
-    return row_tok, tok0, count
-
-
-def _tree_softmax(q, k_ref, v_ref, tail_ref, first, last, start, lo, hi, *, scale, softcap,
-                  block_k, group, tokens):
-    """The online softmax over key blocks lo..hi-1: the blocks before the tail's first
-    (the committed prefix every token shares) as the plain kernel runs them, then the
-    tail's blocks gathered token by token, continuing the same state."""
-    R = q.shape[0]
-    mid = jnp.clip(start // block_k, lo, hi)
-    carry = _online_softmax(q, k_ref, v_ref, first, last, lo, mid, scale=scale,
-                            softcap=softcap, block_k=block_k)
-    rowwise = _Gathered(k_ref, v_ref, tail_ref, start, *_tile_tokens(R, group, tokens),
-                        block_k)
-    return _online_softmax(q, k_ref, v_ref, first, last, mid, hi, scale=scale,
-                           softcap=softcap, block_k=block_k, rowwise=rowwise, init=carry)
+    return load
 
 
 def _tree_kernel(q_ref, k_ref, v_ref, first_ref, last_ref, tail_ref, start_ref, o_ref, *,
-                 scale, softcap, block_k, group, tokens):
+                 scale, softcap, block_k):
     first, last = first_ref[...], last_ref[...]
     start = jnp.max(start_ref[...])
     lo, hi = _block_range(first, last, k_ref.shape[0] // block_k, block_k)
-    _, denom, acc = _tree_softmax(q_ref[...], k_ref, v_ref, tail_ref, first, last, start,
-                                  lo, hi, scale=scale, softcap=softcap, block_k=block_k,
-                                  group=group, tokens=tokens)
+    _, denom, acc = _online_softmax(q_ref[...], k_ref, v_ref, first, last, lo, hi,
+                                    scale=scale, softcap=softcap, block_k=block_k,
+                                    load_kv=_loader(k_ref, v_ref, tail_ref, start, block_k))
     o_ref[...] = _normalize(denom, acc).astype(o_ref.dtype)
 
 
 def _tree_split_kernel(q_ref, k_ref, v_ref, first_ref, last_ref, tail_ref, start_ref, m_ref,
-                       l_ref, acc_ref, *, scale, softcap, block_k, split, group, tokens):
+                       l_ref, acc_ref, *, scale, softcap, block_k, split):
     first, last = first_ref[...], last_ref[...]
     start = jnp.max(start_ref[...])
-    lo, hi = _partition_blocks(first, last, pl.program_id(3), k_ref.shape[0] // block_k,
-                               block_k, split)
-    m_ref[...], l_ref[...], acc_ref[...] = _tree_softmax(
-        q_ref[...], k_ref, v_ref, tail_ref, first, last, start, lo, hi, scale=scale,
-        softcap=softcap, block_k=block_k, group=group, tokens=tokens)
+    m_ref[...], l_ref[...], acc_ref[...] = _partition_partial(
+        q_ref, k_ref, v_ref, first, last, pl.program_id(3), scale=scale, softcap=softcap,
+        block_k=block_k, split=split, v_masked_load=False,
+        load_kv=_loader(k_ref, v_ref, tail_ref, start, block_k))
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "softcap", "interpret", "config",
@@ -191,54 +132,58 @@ def tree_attention(q, k_cache, v_cache, q_pos, window, root, path, *, scale: flo
     if split_rows is not None:
         cfg = dataclasses.replace(cfg, split_rows=split_rows)
     R = cfg.split_rows if cfg.split else cfg.block_rows
+    Rt = pl.cdiv(G, R) * R  # rows a token: its G heads, padded to whole tiles
+    tpt = Rt // R
     tail, start = tail_index(root.astype(jnp.int32), q_pos.astype(jnp.int32),
                              path.astype(jnp.int32), cfg.block_k)
     L = tail.shape[-1]
-    Tp = 1 << (T - 1).bit_length()  # a Triton block shape; rows past T are never read
-    tail = jnp.pad(tail, ((0, 0), (0, Tp - T), (0, 0)))
-    # The plain kernel's row layout: token t's G query heads of a kv head at rows t * G ..
-    rows = T * G
-    Rp = row_count(cfg, rows)
-    q_rows = q.reshape(B, T, Hkv, G, hd).transpose(0, 2, 1, 3, 4).reshape(B, Hkv, rows, hd)
-    q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, Rp - rows), (0, 0)))
-    first, last = visible_range(q_pos, window, G, Rp)  # [B, Rp] each
-    starts = jnp.broadcast_to(start[:, None], (B, Rp))
+    q_rows = q.reshape(B, T, Hkv, G, hd).transpose(0, 2, 1, 3, 4)  # [B, Hkv, T, G, hd]
+    q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, 0), (0, Rt - G), (0, 0)))
+    q_rows = q_rows.reshape(B, Hkv, T * Rt, hd)
+    window = jnp.asarray(window, jnp.int32)
+    last = jnp.broadcast_to(q_pos.astype(jnp.int32)[:, :, None], (B, T, G))
+    first = jnp.where(window > 0, jnp.maximum(last - window + 1, 0), 0)
+    pad = ((0, 0), (0, 0), (0, Rt - G))
+    last = jnp.pad(last, pad, constant_values=-1).reshape(B, T * Rt)
+    first = jnp.pad(first, pad).reshape(B, T * Rt)
+    starts = jnp.broadcast_to(start[:, None], (B, T * Rt))
+    rows = T * Rt
     row_spec = pl.BlockSpec((None, None, R, hd), lambda b, h, r, *c: (b, h, r, 0))
     kv_spec = pl.BlockSpec((None, None, S, hd), lambda b, h, r, *c: (b, h, 0, 0))
     pos_spec = pl.BlockSpec((None, R), lambda b, h, r, *c: (b, r))
-    tail_spec = pl.BlockSpec((None, Tp, L), lambda b, h, r, *c: (b, 0, 0))
+    tail_spec = pl.BlockSpec((None, None, L), lambda b, h, r, *c: (b, r // tpt, 0))
     in_specs = [row_spec, kv_spec, kv_spec, pos_spec, pos_spec, tail_spec, pos_spec]
     params = plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     args = (q_rows, k_cache, v_cache, first, last, tail, starts)
-    static = dict(scale=float(scale), softcap=softcap, block_k=cfg.block_k, group=G,
-                  tokens=T)
     if not cfg.split:
         out = pl.pallas_call(
-            functools.partial(_tree_kernel, **static),
-            grid=(B, Hkv, Rp // R), in_specs=in_specs, out_specs=row_spec,
+            functools.partial(_tree_kernel, scale=float(scale), softcap=softcap,
+                              block_k=cfg.block_k),
+            grid=(B, Hkv, rows // R), in_specs=in_specs, out_specs=row_spec,
             out_shape=jax.ShapeDtypeStruct(q_rows.shape, q_rows.dtype),
             compiler_params=params, interpret=interpret, name="jspec_tree_attention",
         )(*args)
     else:
         parts = pl.cdiv(S, cfg.split)
         m, denom, acc = pl.pallas_call(
-            functools.partial(_tree_split_kernel, split=cfg.split, **static),
-            grid=(B, Hkv, Rp // R, parts), in_specs=in_specs,
+            functools.partial(_tree_split_kernel, scale=float(scale), softcap=softcap,
+                              block_k=cfg.block_k, split=cfg.split),
+            grid=(B, Hkv, rows // R, parts), in_specs=in_specs,
             out_specs=[
                 pl.BlockSpec((None, None, None, R), lambda b, h, r, c: (b, h, c, r)),
                 pl.BlockSpec((None, None, None, R), lambda b, h, r, c: (b, h, c, r)),
                 pl.BlockSpec((None, None, None, R, hd), lambda b, h, r, c: (b, h, c, r, 0)),
             ],
             out_shape=[
-                jax.ShapeDtypeStruct((B, Hkv, parts, Rp), jnp.float32),
-                jax.ShapeDtypeStruct((B, Hkv, parts, Rp), jnp.float32),
-                jax.ShapeDtypeStruct((B, Hkv, parts, Rp, hd), jnp.float32),
+                jax.ShapeDtypeStruct((B, Hkv, parts, rows), jnp.float32),
+                jax.ShapeDtypeStruct((B, Hkv, parts, rows), jnp.float32),
+                jax.ShapeDtypeStruct((B, Hkv, parts, rows, hd), jnp.float32),
             ],
             compiler_params=params, interpret=interpret, name="jspec_tree_attention_split",
         )(*args)
         out = combine_partials(m, denom, acc, first, last, cfg, q_rows.dtype,
                                interpret=interpret)
-    out = out[:, :, :rows].reshape(B, Hkv, T, G, hd)
+    out = out.reshape(B, Hkv, T, Rt, hd)[:, :, :, :G]  # [B, Hkv, T, G, hd]
     return out.transpose(0, 2, 1, 3, 4).reshape(B, T, H, hd)
 
 
