@@ -12,7 +12,8 @@ Checks (full logits vectors compared bit for bit; argmax too):
      proposals, roll back, reference again; against one prefill of
      prefix + proposals; the argmax-only path against the inspected logits;
   2. a long generation (--long_tokens) by speculative exact_greedy against
-     serial greedy, token for token;
+     serial greedy, token for token: self-draft and prompt lookup chains, a feature
+     head (--head, else random) in chains and in trees (--tree), self-draft trees;
   3. near ties: positions whose top-2 logits are within one bf16 ulp, each
      re-checked with same-prefix controls;
   4. exact ties: the model with duplicated LM-head columns for the tokens it
@@ -37,6 +38,7 @@ from tqdm import tqdm
 
 import jspec
 from jspec import audit
+from jspec.feature_head import random_head
 from jspec.loading import default_interpret
 from jspec.random_model import random_model
 from pallas_kernels.matmul import TUNED, tuned_to_json
@@ -50,6 +52,11 @@ _CONTEXTS = flags.DEFINE_list("contexts", ["16", "100"], "prefix lengths (GPU: t
 _KS = flags.DEFINE_list("ks", ["1", "2", "4", "8", "16", "32"], "verify block sizes")
 _LONG = flags.DEFINE_integer("long_tokens", 128, "tokens of the long generation (GPU: 2048)")
 _GAMMA = flags.DEFINE_integer("gamma", 4, "gamma of the long generation")
+_TREE = flags.DEFINE_string("tree", "3,2,1", "the draft tree of the long generation's tree runs")
+_HEAD = flags.DEFINE_string("head", "", "an EAGLE-3 head for the feature drafter's runs "
+                            "(default: a random head at the model's width)")
+_HEAD_BACKEND = flags.DEFINE_enum("head_backend", "xla", ["pallas", "xla"],
+                                  "the feature head's backend (it never changes the output)")
 _NEAR = flags.DEFINE_integer("near_ties", 4, "near-tie positions re-checked")
 _OUT = flags.DEFINE_string("out", os.environ.get("OUT", "experiments/results"), "receipt dir")
 _TAG = flags.DEFINE_string("tag", "", "receipt file name suffix")
@@ -82,9 +89,20 @@ def long_generation(model, rng, n_tokens, gamma):
     serial = jspec.generate(model, [prompt], max_new_tokens=n_tokens)
     spec = jspec.SpecConfig(gamma=gamma, max_new_tokens=n_tokens)
     res = {"prompt_digest": audit.digest(prompt), "tokens": n_tokens, "gamma": gamma}
-    for name, drafter in (("self-draft", jspec.ModelDrafter(model)),
-                          ("prompt lookup", jspec.PromptLookupDrafter())):
-        out = jspec.speculative_generate(model, drafter, [prompt], spec)
+    if _HEAD.value:
+        head = jspec.load_eagle3(_HEAD.value, model,
+                                 options=model.options.replace(backend=_HEAD_BACKEND.value))
+    else:  # random weights: what is checked is the verify, not the head's proposals
+        head = random_head(model, options=model.options.replace(backend=_HEAD_BACKEND.value))
+    feature = jspec.FeatureDrafter(head)
+    tree = jspec.SpecConfig(tree=jspec.parse_tree(_TREE.value), max_new_tokens=n_tokens)
+    for name, drafter, cfg in (("self-draft", jspec.ModelDrafter(model), spec),
+                               ("prompt lookup", jspec.PromptLookupDrafter(), spec),
+                               ("feature head", feature, spec),
+                               (f"feature head, tree {_TREE.value}", feature, tree),
+                               (f"self-draft, tree {_TREE.value}", jspec.ModelDrafter(model),
+                                tree)):
+        out = jspec.speculative_generate(model, drafter, [prompt], cfg)
         a, b = np.asarray(serial.row(0)), np.asarray(out.row(0))
         same = a.shape == b.shape and bool(np.all(a == b))
         r = {"equal": same, "acceptance": out.stats["acceptance_rate"]}

@@ -40,6 +40,7 @@ from jspec.text import (
     load_text,
     read_prompts,
 )
+from jspec.tree import TreeConfig, parse_tree
 
 __all__ = [
     "IncrementalDecoder",
@@ -79,6 +80,8 @@ __all__ = [
     "load_hf",
     "load_tokenizer",
     "make_sampler",
+    "parse_tree",
+    "TreeConfig",
     "sharding",
     "restore_params",
     "rollback",

@@ -179,6 +179,17 @@ def test_eval_pair_smoke(tmp_path):
     assert (tmp_path / "eval_pair_cpu_smoke.png").exists()
 
 
+@pytest.mark.slow  # an experiment script's run; the audit's pieces are test_audit.py's
+def test_parity_audit_smoke_with_feature_head_and_trees(tmp_path):
+    r = _run("parity_audit.py", "--preset=tiny-qwen3", "--contexts=16", "--ks=1,3",
+             "--long_tokens=12", "--near_ties=0", "--tree=2,1", f"--out={tmp_path}")
+    assert r.returncode == 0, r.stderr[-2000:]
+    rep = json.load(open(tmp_path / "parity_audit.json"))
+    runs = {k: v for k, v in rep["long_generation"].items() if isinstance(v, dict)}
+    assert {"feature head", "feature head, tree 2,1", "self-draft, tree 2,1"} <= set(runs)
+    assert all(v["equal"] for v in runs.values()), runs
+
+
 def test_trace_summarizes_a_device_timeline():
     meta = [{"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/device:GPU:0"}},
             {"ph": "M", "pid": 1, "tid": 7, "name": "thread_name", "args": {"name": "Stream #7"}},
