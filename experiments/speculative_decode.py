@@ -164,15 +164,19 @@ def main(argv):
     serial_kw = kw | dict(temperature=0.0 if c.policy == "exact_greedy" else c.temperature)
     drafter = pipe.drafter
     draft = getattr(drafter, "model", None)
+    head = getattr(drafter, "head", None)
+    kind = ("feature head" if head is not None else "draft model" if draft is not None
+            else "prompt lookup")
     print(f"target: {target.config.family} L={target.config.num_layers} "
           f"V={target.config.vocab_size} dtype={c.dtype} device={jax.devices()[0].platform}; "
-          f"drafter={'head' if c.head else c.drafter} "
+          f"drafter={kind} "
           f"{'tree=' + c.tree if c.get('tree', '') else f'gamma={c.gamma}'} policy={c.policy}; "
           f"stop ids {list(stop)}")
     print(cli.backend_line(target) + (f"; draft backend: {draft.options.backend}, draft "
                                       f"options {c.draft_options!r}: "
                                       f"{cli.draft_options_text(draft.draft_options)}"
-                                      if draft is not None else ""))
+                                      if draft is not None else "")
+          + (f"; head backend: {head.options.backend}" if head is not None else ""))
     out_file = open(c.output, "w", encoding="utf-8") if c.output else None
     shapes = {"speculative": set(), "serial": set()}
     records, failed = [], set()

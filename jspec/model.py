@@ -309,7 +309,8 @@ def apply(model: Model, tokens: jax.Array, cache: KVCache, *, features: tuple[in
                 o = rms_norm(ops, cfg, o, lp["post_mlp_norm"])
 
     x, h = add_norm(ops, model, x, o, params["final_norm"])
-    hidden[cfg.num_layers] = x[: B * T]
+    if cfg.num_layers in features:
+        hidden[cfg.num_layers] = x[: B * T]
     logits = ops.matmul(h, params["lm_head"], out_dtype=jnp.float32,
                         row_group=opt.matmul_row_group, schedule=opt.matmul_schedule,
                         config=column_config(model, params["lm_head"]))[: B * T]  # [B*T, V]

@@ -68,8 +68,8 @@ def test_speculative_cli_checks_parity(policy, tmp_path):
     assert "embedded code pair" in r.stdout and "acceptance" in r.stdout
     assert r.stdout.count("PARITY: OK") == 3 and "PARITY: OK (2 prompts" in r.stdout
     assert "speedup" in r.stdout and "summary over 2 prompts" in r.stdout
-    # On a CPU the draft runs without the GPU latency kernels (they ran interpreted: 0.19x).
-    assert "draft options 'auto': none" in r.stdout
+    # By default the pair drafts with its feature head, on xla (no interpret mode).
+    assert "drafter=feature head" in r.stdout and "head backend: xla" in r.stdout
     assert ("compiled programs for 2 shapes over 2 prompts: speculative 1 (16/64), "
             "serial 1 (16/32)") in r.stdout
     records = [json.loads(line) for line in out.read_text().splitlines()]
@@ -78,6 +78,16 @@ def test_speculative_cli_checks_parity(policy, tmp_path):
         assert rec["parity"] is True and len(rec["ids"]) == 16 and rec["text"]
         assert rec["stats"]["prompt_bucket"] == 16 and rec["speedup"] > 0
         assert f"{rec['prompt']}{rec['text']}\n" in r.stdout
+
+
+def test_draft_options_auto_leave_the_latency_kernels_to_gpus():
+    # On a CPU a draft runs without the GPU latency kernels (they ran interpreted: the
+    # main command's speculation fell to 0.19x serial); on a GPU a narrow draft gets them.
+    from jspec.options import DraftOptions, draft_options_for
+
+    draft = jspec.load_hf(jspec.default_pair()[1], backend="xla")
+    assert draft_options_for(draft, "cpu") == DraftOptions()
+    assert draft_options_for(draft, "gpu") == DraftOptions.latency()
 
 
 def test_cli_errors_are_one_line(tmp_path):
