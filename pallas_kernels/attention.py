@@ -120,52 +120,33 @@ def _dot(a: jax.Array, b: jax.Array, *, contract_b: int) -> jax.Array:
 
 
 def _online_softmax(q, k_ref, v_ref, first, last, lo, hi, *, scale, softcap, block_k,
-                    v_masked_load=False, load_kv=None):
+                    v_masked_load=False, load_kv=None, per_token=None, init=None):
     """(m [R], denom [R], acc [R, D]) f32 over key blocks lo..hi-1 (ascending) of the cache.
 
-    Starts from the empty state (-inf, 0, 0); a block fully masked for a row leaves that
-    row's state bit-identical (see the module docstring), so lo/hi may cover any superset
-    of a row's visible blocks. q is [R, D], or a tuple of column chunks [R, D_i] (the
-    draft's kernel builds q by RoPE halves): the scores are then the sum of the chunks'
-    dots with the matching key columns. `load_kv(start)` -> (k [K, D], v [K, D]), if
-    given, supplies the block of logical key positions start .. start + K - 1 in place of
-    the cache rows at those slots (tree attention gathers a node's ancestors there).
+    Starts from the empty state (-inf, 0, 0), or from `init`, so one reduction may run as
+    consecutive loops over consecutive block ranges; a block fully masked for a row leaves
+    that row's state bit-identical (see the module docstring), so lo/hi may cover any
+    superset of a row's visible blocks. q is [R, D], or a tuple of column chunks [R, D_i]
+    (the draft's kernel builds q by RoPE halves): the scores are then the sum of the
+    chunks' dots with the matching key columns. `load_kv(start)` -> (k [K, D], v [K, D]),
+    if given, supplies the block of logical key positions start .. start + K - 1 in place
+    of the cache rows at those slots (tree attention gathers a node's ancestors there).
+    `per_token(start, carry, update)` -> carry, if given, runs the block itself: tree
+    attention's tiles whose rows read different keys at one position call `update(carry,
+    start, k, v)`, this function's own block update, once per token and keep that token's
+    rows, so every row's arithmetic is the very expression a plain tile runs for it.
     """
     chunks = q if isinstance(q, tuple) else None
     block_rows = (chunks or (q,))[0].shape[0]
     head_dim = v_ref.shape[-1]
     last_key = jnp.max(jnp.where(first <= last, last, -1))
 
-    def body(kb, carry):
+    def update(carry, start, k, v):
+        """One key block's online-softmax step: k [K, D] (or chunks), v [K, D]."""
         m, denom, acc = carry  # [R], [R], [R, D] f32: max, softmax sum, p @ v
-        start = pl.multiple_of(kb * block_k, block_k)
-        if load_kv is not None:
-            k, v = load_kv(start)  # [K, D] each, logical positions start .. start + K - 1
-        elif chunks:
-            cols = [sum(c.shape[1] for c in chunks[:i]) for i in range(len(chunks))]
-            ks = [k_ref[pl.ds(start, block_k), pl.ds(c0, c.shape[1])]  # [K, D_i]
-                  for c0, c in zip(cols, chunks, strict=True)]
-        else:
-            k = k_ref[pl.ds(start, block_k), :]  # [K, D]
-        # Keys past the tile's last position may be garbage from rejected drafts; their
-        # values become zeros so 0 * garbage cannot become NaN even if the garbage is not
-        # finite. A masked load zero-fills them without reading them and leaves the tile
-        # a plain load the compiler can stage for the dot; a select after the load gives
-        # the same operand through registers.
-        if load_kv is not None:
-            key_v = start + jnp.arange(block_k, dtype=jnp.int32)
-            v = jnp.where((key_v <= last_key)[:, None], v, jnp.zeros_like(v))
-        elif v_masked_load:
-            rows = start + lax.broadcasted_iota(jnp.int32, (block_k, head_dim), 0)
-            v = plgpu.load(v_ref.at[pl.ds(start, block_k), :], mask=rows <= last_key,
-                           other=0)  # [K, D]
-        else:
-            v = v_ref[pl.ds(start, block_k), :]  # [K, D]
-            key_v = start + jnp.arange(block_k, dtype=jnp.int32)
-            v = jnp.where((key_v <= last_key)[:, None], v, jnp.zeros_like(v))
         if chunks:
             s = None
-            for c, kc in zip(chunks, ks, strict=True):
+            for c, kc in zip(chunks, k, strict=True):
                 d = _dot(c, kc, contract_b=1)  # [R, K] f32
                 s = d if s is None else s + d
             s = s * scale
@@ -186,10 +167,41 @@ def _online_softmax(q, k_ref, v_ref, first, last, lo, hi, *, scale, softcap, blo
         pv = _dot(p.astype(v.dtype), v, contract_b=0)  # [R, D]: p @ v, like flash attention
         return m_new, denom_new, alpha[:, None] * acc + pv
 
-    m0 = jnp.full((block_rows,), _NEG_INF, jnp.float32)
-    denom0 = jnp.zeros((block_rows,), jnp.float32)
-    acc0 = jnp.zeros((block_rows, head_dim), jnp.float32)
-    return lax.fori_loop(lo, hi, body, (m0, denom0, acc0))
+    def body(kb, carry):
+        start = pl.multiple_of(kb * block_k, block_k)
+        if per_token is not None:
+            return per_token(start, carry, update)
+        if load_kv is not None:
+            k, v = load_kv(start)  # [K, D] each, logical positions start .. start + K - 1
+        elif chunks:
+            cols = [sum(c.shape[1] for c in chunks[:i]) for i in range(len(chunks))]
+            k = [k_ref[pl.ds(start, block_k), pl.ds(c0, c.shape[1])]  # [K, D_i]
+                 for c0, c in zip(cols, chunks, strict=True)]
+        else:
+            k = k_ref[pl.ds(start, block_k), :]  # [K, D]
+        # Keys past the tile's last position may be garbage from rejected drafts; their
+        # values become zeros so 0 * garbage cannot become NaN even if the garbage is not
+        # finite. A masked load zero-fills them without reading them and leaves the tile
+        # a plain load the compiler can stage for the dot; a select after the load gives
+        # the same operand through registers.
+        if load_kv is not None:
+            key_v = start + jnp.arange(block_k, dtype=jnp.int32)
+            v = jnp.where((key_v <= last_key)[:, None], v, jnp.zeros_like(v))
+        elif v_masked_load:
+            rows = start + lax.broadcasted_iota(jnp.int32, (block_k, head_dim), 0)
+            v = plgpu.load(v_ref.at[pl.ds(start, block_k), :], mask=rows <= last_key,
+                           other=0)  # [K, D]
+        else:
+            v = v_ref[pl.ds(start, block_k), :]  # [K, D]
+            key_v = start + jnp.arange(block_k, dtype=jnp.int32)
+            v = jnp.where((key_v <= last_key)[:, None], v, jnp.zeros_like(v))
+        return update(carry, start, k, v)
+
+    if init is None:
+        init = (jnp.full((block_rows,), _NEG_INF, jnp.float32),
+                jnp.zeros((block_rows,), jnp.float32),
+                jnp.zeros((block_rows, head_dim), jnp.float32))
+    return lax.fori_loop(lo, hi, body, init)
 
 
 def _block_range(first, last, num_blocks: int, block_k: int):
