@@ -66,6 +66,7 @@ _OPTIONS = flags.DEFINE_list("options", [], "speed options of the models (jspec.
                              "names, e.g. attn_split=256 to prove split-KV attention)")
 _TREES = flags.DEFINE_list("trees", [], "tree verify sizes (draft nodes), e.g. 8,16,32,64")
 _TREE_DEPTH = flags.DEFINE_integer("tree_depth", 8, "the random trees' greatest depth")
+_TREE_SEEDS = flags.DEFINE_integer("tree_seeds", 1, "random trees checked per size")
 _TP = flags.DEFINE_integer("tp", 0, "> 0: the models tensor-parallel over this many devices")
 _ROW_PARTIALS = flags.DEFINE_integer(
     "row_partials", 0, "> 0: KernelOptions.row_partials (with --tp: also the degrees check)")
@@ -168,8 +169,14 @@ def check_model(model, n: int, window: int, ks: list[int], full: bool = True) ->
 
     sizes = [int(x) for x in _TREES.value]
     for size in sizes if full else sizes[-1:]:  # xla: the largest tree shows it breaking
-        res[f"tree of {size} nodes"] = check_tree(model, seq, ref, cache, tail, size,
-                                                 _TREE_DEPTH.value, seed=size)
+        runs = [check_tree(model, seq, ref, cache, tail, size, _TREE_DEPTH.value,
+                           seed=size + 1000 * i) for i in range(_TREE_SEEDS.value)]
+        res[f"tree of {size} nodes"] = runs[0] | {
+            "positions": sum(r["positions"] for r in runs),
+            "mismatches": sum(r["mismatches"] for r in runs), "trees": len(runs),
+            "first_mismatch": next((r["first_mismatch"] for r in runs
+                                    if r["first_mismatch"] is not None), None),
+            "depth": max(r["depth"] for r in runs)}
     if not full:
         res["seconds"] = round(time.perf_counter() - t0, 1)
         return res

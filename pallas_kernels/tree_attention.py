@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -40,11 +41,16 @@ from pallas_kernels.attention import (
     _check_inputs,
     _normalize,
     _online_softmax,
-    _partition_partial,
+    _partition_blocks,
     _plain_attention,
     attention_config,
     combine_partials,
+    row_count,
+    visible_range,
 )
+
+# Experiment switch (device study of packed tiles); the default is kept below.
+PACK = os.environ.get("JSPEC_TREE_PACK", "token")
 
 
 def tail_blocks(block_k: int, max_depth: int) -> int:
@@ -90,39 +96,173 @@ def _loader(k_ref, v_ref, tail_ref, start, block_k: int):
     return load
 
 
+class _PerToken:
+    """`_online_softmax`'s per_token hook for the tail blocks of a packed tile: rows of
+    several tree tokens (token t's G query heads at rows t * G ..), each reading its own
+    ancestors at one logical position. For each token of the tile the block of logical
+    positions start .. start + K - 1 is gathered by slot (`tail_ref`), its values past the
+    token's position zeroed as serial decoding's are, the tile's block update run on it,
+    and that token's rows kept: each row's state is the very expression a plain tile runs
+    over its own keys (a row's bits do not depend on the tile's other rows)."""
+
+    def __init__(self, k_ref, v_ref, tail_ref, tail_start, last, block_k, group, tokens,
+                 mode):
+        R = last.shape[0]
+        r0 = pl.program_id(2) * R
+        self.tok0 = r0 // group
+        self.row_tok = (r0 + lax.iota(jnp.int32, R)) // group - self.tok0  # [R]
+        self.count = jnp.minimum((r0 + R - 1) // group, tokens - 1) - self.tok0 + 1
+        self.per_tile = pl.cdiv(R, group) + 1  # static bound on a tile's tokens
+        self.k_ref, self.v_ref, self.tail_ref = k_ref, v_ref, tail_ref
+        self.tail_start, self.last, self.block_k, self.mode = tail_start, last, block_k, mode
+
+    def _one(self, j, carry, start, update):
+        t = jnp.minimum(self.tok0 + j, self.tail_ref.shape[0] - 1)
+        slots = self.tail_ref[t, pl.ds(start - self.tail_start, self.block_k)]  # [K]
+        k, v = self.k_ref[slots, :], self.v_ref[slots, :]  # [K, D] token j's keys, values
+        keep = self.row_tok == j  # [R]
+        last_j = jnp.max(jnp.where(keep, self.last, -1))
+        key_v = start + lax.iota(jnp.int32, self.block_k)
+        v = jnp.where((key_v <= last_j)[:, None], v, jnp.zeros_like(v))
+        new = update(carry, start, k, v)
+        return tuple(jnp.where(keep.reshape(keep.shape + (1,) * (n.ndim - 1)), n, o)
+                     for n, o in zip(new, carry, strict=True))
+
+    def __call__(self, start, carry, update):
+        if self.mode == "unrolled":
+            for j in range(self.per_tile):
+                carry = self._one(j, carry, start, update)
+            return carry
+        return lax.fori_loop(0, self.count, lambda j, c: self._one(j, c, start, update),
+                             carry)
+
+
+class _Gathered:
+    """The rejected variant of a96ed32 (control for the device study): the tile's two dots
+    per token, the token's rows selected, the update once."""
+
+    def __init__(self, k_ref, v_ref, tail_ref, tail_start, last, block_k, group, tokens):
+        pt = _PerToken(k_ref, v_ref, tail_ref, tail_start, last, block_k, group, tokens,
+                       "loop")
+        self.pt = pt
+
+    def __call__(self, start, carry, update):
+        pt = self.pt
+        m, denom, acc = carry
+
+        def slots(j):
+            return pt.tail_ref[pt.tok0 + j, pl.ds(start - pt.tail_start, pt.block_k)]
+
+        def scores_update(c_unused, k, v):
+            raise NotImplementedError
+
+        del scores_update
+        return _gathered_update(pt, start, carry, update, slots)
+
+
+def _gathered_update(pt, start, carry, update, slots):
+    # Rebuild a96ed32's arithmetic: s and pv by per-token dots selected into the tile.
+    from pallas_kernels.attention import _NEG_INF, _dot
+    m, denom, acc = carry
+    q, scale, first, last = update.q, update.scale, update.first, update.last
+    R = q.shape[0]
+
+    def sc(j, s):
+        k = pt.k_ref[slots(j), :]
+        return jnp.where((pt.row_tok == j)[:, None], _dot(q, k, contract_b=1), s)
+
+    s = lax.fori_loop(0, pt.count, sc, jnp.zeros((R, pt.block_k), jnp.float32)) * scale
+    key = start + jnp.arange(pt.block_k, dtype=jnp.int32)
+    mask = (key[None, :] >= first[:, None]) & (key[None, :] <= last[:, None])
+    s = jnp.where(mask, s, _NEG_INF)
+    m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+    m_safe = jnp.where(m_new == _NEG_INF, 0.0, m_new)
+    alpha = jnp.exp(m - m_safe)
+    p = jnp.where(mask, jnp.exp(s - m_safe[:, None]), 0.0)
+    denom_new = alpha * denom + jnp.sum(p, axis=-1)
+    last_key = jnp.max(jnp.where(first <= last, last, -1))
+
+    def pvf(j, pv):
+        v = pt.v_ref[slots(j), :]
+        v = jnp.where((key <= last_key)[:, None], v, jnp.zeros_like(v))
+        return jnp.where((pt.row_tok == j)[:, None], _dot(p.astype(v.dtype), v, contract_b=0),
+                         pv)
+
+    pv = lax.fori_loop(0, pt.count, pvf, jnp.zeros((R, pt.v_ref.shape[-1]), jnp.float32))
+    return m_new, denom_new, alpha[:, None] * acc + pv
+
+
+def _tree_softmax(q, k_ref, v_ref, tail_ref, first, last, start, lo, hi, *, scale, softcap,
+                  block_k, group, tokens, mode):
+    """The online softmax over key blocks lo..hi-1: the blocks before the tail's first
+    (the committed prefix every token shares) as the plain kernel runs them, one load per
+    tile, then the tail's blocks token by token, continuing the same state."""
+    mid = jnp.clip(start // block_k, lo, hi)
+    carry = _online_softmax(q, k_ref, v_ref, first, last, lo, mid, scale=scale,
+                            softcap=softcap, block_k=block_k)
+    if mode == "dots":
+        hook = _Gathered(k_ref, v_ref, tail_ref, start, last, block_k, group, tokens)
+
+        def per_token(st, c, update):
+            update.q, update.scale, update.first, update.last = q, scale, first, last
+            return hook(st, c, update)
+    else:
+        per_token = _PerToken(k_ref, v_ref, tail_ref, start, last, block_k, group, tokens,
+                              mode)
+    return _online_softmax(q, k_ref, v_ref, first, last, mid, hi, scale=scale,
+                           softcap=softcap, block_k=block_k, per_token=per_token,
+                           init=carry)
+
+
 def _tree_kernel(q_ref, k_ref, v_ref, first_ref, last_ref, tail_ref, start_ref, o_ref, *,
-                 scale, softcap, block_k):
+                 scale, softcap, block_k, group=None, tokens=None, mode="token"):
     first, last = first_ref[...], last_ref[...]
     start = jnp.max(start_ref[...])
     lo, hi = _block_range(first, last, k_ref.shape[0] // block_k, block_k)
-    _, denom, acc = _online_softmax(q_ref[...], k_ref, v_ref, first, last, lo, hi,
-                                    scale=scale, softcap=softcap, block_k=block_k,
-                                    load_kv=_loader(k_ref, v_ref, tail_ref, start, block_k))
+    if mode == "token":
+        _, denom, acc = _online_softmax(
+            q_ref[...], k_ref, v_ref, first, last, lo, hi, scale=scale, softcap=softcap,
+            block_k=block_k, load_kv=_loader(k_ref, v_ref, tail_ref, start, block_k))
+    else:
+        _, denom, acc = _tree_softmax(q_ref[...], k_ref, v_ref, tail_ref, first, last,
+                                      start, lo, hi, scale=scale, softcap=softcap,
+                                      block_k=block_k, group=group, tokens=tokens, mode=mode)
     o_ref[...] = _normalize(denom, acc).astype(o_ref.dtype)
 
 
 def _tree_split_kernel(q_ref, k_ref, v_ref, first_ref, last_ref, tail_ref, start_ref, m_ref,
-                       l_ref, acc_ref, *, scale, softcap, block_k, split):
+                       l_ref, acc_ref, *, scale, softcap, block_k, split, group=None,
+                       tokens=None, mode="token"):
     first, last = first_ref[...], last_ref[...]
     start = jnp.max(start_ref[...])
-    m_ref[...], l_ref[...], acc_ref[...] = _partition_partial(
-        q_ref, k_ref, v_ref, first, last, pl.program_id(3), scale=scale, softcap=softcap,
-        block_k=block_k, split=split, v_masked_load=False,
-        load_kv=_loader(k_ref, v_ref, tail_ref, start, block_k))
+    lo, hi = _partition_blocks(first, last, pl.program_id(3), k_ref.shape[0] // block_k,
+                               block_k, split)
+    if mode == "token":
+        out = _online_softmax(
+            q_ref[...], k_ref, v_ref, first, last, lo, hi, scale=scale, softcap=softcap,
+            block_k=block_k, load_kv=_loader(k_ref, v_ref, tail_ref, start, block_k))
+    else:
+        out = _tree_softmax(q_ref[...], k_ref, v_ref, tail_ref, first, last, start, lo, hi,
+                            scale=scale, softcap=softcap, block_k=block_k, group=group,
+                            tokens=tokens, mode=mode)
+    m_ref[...], l_ref[...], acc_ref[...] = out
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "softcap", "interpret", "config",
-                                             "split", "split_rows"))
+                                             "split", "split_rows", "pack"))
 def tree_attention(q, k_cache, v_cache, q_pos, window, root, path, *, scale: float,
                    softcap: float | None = None, interpret: bool = False,
                    config: AttentionConfig | None = None, split: int | None = None,
-                   split_rows: int | None = None):
+                   split_rows: int | None = None, pack: str | None = None):
     """q [B, T, H, D] at logical positions q_pos [B, T] (root + depth); k_cache, v_cache
     [B, Hkv, S, D] holding the prefix at slots 0..root-1 and the tree's tokens wherever
     `path` [B, T, D + 1] says (slot of each token's ancestor at depths 0..D, the token
     itself at its depth); root [B] -> [B, T, H, D]. `config`, `split`, `split_rows` as in
-    `attention`: the same values give the same bits as the chain path's."""
+    `attention`: the same values give the same bits as the chain path's. `pack`: "token"
+    (one token's query heads a row tile, every block gathered) or a packed layout (the
+    plain kernel's rows; the prefix loaded once a tile)."""
     _check_inputs(q, k_cache, v_cache, q_pos, window)
+    mode = pack or PACK
     B, T, H, hd = q.shape
     _, Hkv, S, _ = k_cache.shape
     G = H // Hkv
@@ -132,58 +272,74 @@ def tree_attention(q, k_cache, v_cache, q_pos, window, root, path, *, scale: flo
     if split_rows is not None:
         cfg = dataclasses.replace(cfg, split_rows=split_rows)
     R = cfg.split_rows if cfg.split else cfg.block_rows
-    Rt = pl.cdiv(G, R) * R  # rows a token: its G heads, padded to whole tiles
-    tpt = Rt // R
     tail, start = tail_index(root.astype(jnp.int32), q_pos.astype(jnp.int32),
                              path.astype(jnp.int32), cfg.block_k)
     L = tail.shape[-1]
-    q_rows = q.reshape(B, T, Hkv, G, hd).transpose(0, 2, 1, 3, 4)  # [B, Hkv, T, G, hd]
-    q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, 0), (0, Rt - G), (0, 0)))
-    q_rows = q_rows.reshape(B, Hkv, T * Rt, hd)
     window = jnp.asarray(window, jnp.int32)
-    last = jnp.broadcast_to(q_pos.astype(jnp.int32)[:, :, None], (B, T, G))
-    first = jnp.where(window > 0, jnp.maximum(last - window + 1, 0), 0)
-    pad = ((0, 0), (0, 0), (0, Rt - G))
-    last = jnp.pad(last, pad, constant_values=-1).reshape(B, T * Rt)
-    first = jnp.pad(first, pad).reshape(B, T * Rt)
-    starts = jnp.broadcast_to(start[:, None], (B, T * Rt))
-    rows = T * Rt
+    if mode == "token":
+        Rt = pl.cdiv(G, R) * R  # rows a token: its G heads, padded to whole tiles
+        tpt = Rt // R
+        q_rows = q.reshape(B, T, Hkv, G, hd).transpose(0, 2, 1, 3, 4)  # [B, Hkv, T, G, hd]
+        q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, 0), (0, Rt - G), (0, 0)))
+        q_rows = q_rows.reshape(B, Hkv, T * Rt, hd)
+        last = jnp.broadcast_to(q_pos.astype(jnp.int32)[:, :, None], (B, T, G))
+        first = jnp.where(window > 0, jnp.maximum(last - window + 1, 0), 0)
+        pad = ((0, 0), (0, 0), (0, Rt - G))
+        last = jnp.pad(last, pad, constant_values=-1).reshape(B, T * Rt)
+        first = jnp.pad(first, pad).reshape(B, T * Rt)
+        rows = Rp = T * Rt
+        tail_spec = pl.BlockSpec((None, None, L), lambda b, h, r, *c: (b, r // tpt, 0))
+        static = {}
+    else:
+        # The plain kernel's row layout: token t's G query heads of a kv head at rows t * G.
+        rows = T * G
+        Rp = row_count(cfg, rows)
+        per_tile = pl.cdiv(R, G) + 1
+        Tp = 1 << (T + per_tile - 1).bit_length()  # a Triton block shape; padding unread
+        tail = jnp.pad(tail, ((0, 0), (0, Tp - T), (0, 0)))
+        q_rows = q.reshape(B, T, Hkv, G, hd).transpose(0, 2, 1, 3, 4).reshape(B, Hkv, rows, hd)
+        q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, Rp - rows), (0, 0)))
+        first, last = visible_range(q_pos.astype(jnp.int32), window, G, Rp)  # [B, Rp]
+        tail_spec = pl.BlockSpec((None, Tp, L), lambda b, h, r, *c: (b, 0, 0))
+        static = dict(group=G, tokens=T, mode=mode)
+    starts = jnp.broadcast_to(start[:, None], (B, Rp))
     row_spec = pl.BlockSpec((None, None, R, hd), lambda b, h, r, *c: (b, h, r, 0))
     kv_spec = pl.BlockSpec((None, None, S, hd), lambda b, h, r, *c: (b, h, 0, 0))
     pos_spec = pl.BlockSpec((None, R), lambda b, h, r, *c: (b, r))
-    tail_spec = pl.BlockSpec((None, None, L), lambda b, h, r, *c: (b, r // tpt, 0))
     in_specs = [row_spec, kv_spec, kv_spec, pos_spec, pos_spec, tail_spec, pos_spec]
     params = plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     args = (q_rows, k_cache, v_cache, first, last, tail, starts)
+    static.update(scale=float(scale), softcap=softcap, block_k=cfg.block_k)
     if not cfg.split:
         out = pl.pallas_call(
-            functools.partial(_tree_kernel, scale=float(scale), softcap=softcap,
-                              block_k=cfg.block_k),
-            grid=(B, Hkv, rows // R), in_specs=in_specs, out_specs=row_spec,
+            functools.partial(_tree_kernel, **static),
+            grid=(B, Hkv, Rp // R), in_specs=in_specs, out_specs=row_spec,
             out_shape=jax.ShapeDtypeStruct(q_rows.shape, q_rows.dtype),
             compiler_params=params, interpret=interpret, name="jspec_tree_attention",
         )(*args)
     else:
         parts = pl.cdiv(S, cfg.split)
         m, denom, acc = pl.pallas_call(
-            functools.partial(_tree_split_kernel, scale=float(scale), softcap=softcap,
-                              block_k=cfg.block_k, split=cfg.split),
-            grid=(B, Hkv, rows // R, parts), in_specs=in_specs,
+            functools.partial(_tree_split_kernel, split=cfg.split, **static),
+            grid=(B, Hkv, Rp // R, parts), in_specs=in_specs,
             out_specs=[
                 pl.BlockSpec((None, None, None, R), lambda b, h, r, c: (b, h, c, r)),
                 pl.BlockSpec((None, None, None, R), lambda b, h, r, c: (b, h, c, r)),
                 pl.BlockSpec((None, None, None, R, hd), lambda b, h, r, c: (b, h, c, r, 0)),
             ],
             out_shape=[
-                jax.ShapeDtypeStruct((B, Hkv, parts, rows), jnp.float32),
-                jax.ShapeDtypeStruct((B, Hkv, parts, rows), jnp.float32),
-                jax.ShapeDtypeStruct((B, Hkv, parts, rows, hd), jnp.float32),
+                jax.ShapeDtypeStruct((B, Hkv, parts, Rp), jnp.float32),
+                jax.ShapeDtypeStruct((B, Hkv, parts, Rp), jnp.float32),
+                jax.ShapeDtypeStruct((B, Hkv, parts, Rp, hd), jnp.float32),
             ],
             compiler_params=params, interpret=interpret, name="jspec_tree_attention_split",
         )(*args)
         out = combine_partials(m, denom, acc, first, last, cfg, q_rows.dtype,
                                interpret=interpret)
-    out = out.reshape(B, Hkv, T, Rt, hd)[:, :, :, :G]  # [B, Hkv, T, G, hd]
+    if mode == "token":
+        out = out.reshape(B, Hkv, T, Rt, hd)[:, :, :, :G]  # [B, Hkv, T, G, hd]
+    else:
+        out = out[:, :, :rows].reshape(B, Hkv, T, G, hd)
     return out.transpose(0, 2, 1, 3, 4).reshape(B, T, H, hd)
 
 
