@@ -5,7 +5,7 @@
 # Steps: parity parity_split audit audit_qwen3 audit_gemma3 audit_xla kernels
 # kernels_fused spec sweep tuned e2e e2e_b1 e2e_b8 e2e_peers e2e_draftpallas e2e_decompose train pair
 # pair_eval schedsweep attnsweep train_head parity_trees kernels_trees main pair_head
-# e2e_session tree_pack
+# e2e_session tree_sweep
 # (default: parity audit kernels spec).
 # - sweep: tuning/sweep_matmul.py, the matmul tile tuning; it writes
 #   $OUT/sweep_matmul_tuned.json, and `tuned` merges that table into the device copy's
@@ -32,9 +32,8 @@
 # - parity_trees: the parity matrix with tree verifies of 8-64 nodes ($PARITY_MODELS,
 #   $PARITY_BACKENDS); kernels_trees: tree verify steps (16, 32 nodes) and a feature
 #   head's step against decode at the Qwen3-8B shape, context 2048 ($TREE_SEEDS random
-#   trees a size, $KERNEL_TREES sizes); tree_pack: tuning/sweep_tree_attention.py, the
-#   tree kernel's packed layouts against one token a tile (bits, time), and exports the
-#   clean fastest as JSPEC_TREE_PACK for the later steps; main: the README's
+#   trees a size, $KERNEL_TREES sizes); tree_sweep: tuning/sweep_tree_attention.py, the
+#   tree kernel's packed tiles against one token a tile (bits, time); main: the README's
 #   main command with its defaults; pair_head: the code pair's draft model against its
 #   feature head, chains and trees (real acceptance); e2e_session: Qwen3-8B serial and
 #   oracle speculation (a = 0.8, 0.9, gamma 4) with the Qwen3-0.6B draft and with a feature
@@ -193,7 +192,7 @@ for s in $steps; do
     parity_trees) timeout "${PARITY_S:-240}" python3 experiments/gpu_parity.py \
               --models="${PARITY_MODELS:-qwen3-8b:4,gemma3-4b:6}" --context=8192 --window=48 \
               --trees=8,16,32,64 --tree_seeds="${TREE_SEEDS:-1}" --backends=pallas \
-              --tag="trees${JSPEC_TREE_PACK:+_$JSPEC_TREE_PACK}" --out="$OUT" 2>&1 | quiet \
+              --tag=trees --out="$OUT" 2>&1 | quiet \
               | tail -40
            timeout 90 python3 experiments/gpu_parity.py --models=qwen3-8b:4 --context=8192 \
               --window=48 --trees=64 --backends=xla --tag=trees_xla --out="$OUT" 2>&1 \
@@ -201,13 +200,10 @@ for s in $steps; do
     kernels_trees) timeout "${KERNELS_S:-200}" python3 experiments/bench_kernels.py \
               --preset=qwen3-8b --batches=1 --gammas=0 --context=2048 --iters=10 --noops \
               --trees="${KERNEL_TREES:-16,32}" --head_vocab=32768 --out="$OUT" \
-              --tag="trees${JSPEC_TREE_PACK:+_$JSPEC_TREE_PACK}" 2>&1 | quiet \
+              --tag=trees 2>&1 | quiet \
               | tail -40 ;;
-    tree_pack) timeout "${TREE_PACK_S:-240}" python3 experiments/tuning/sweep_tree_attention.py \
-              --out="$OUT" 2>&1 | quiet | grep -v "it/s" | tail -30
-           c=$(python3 -c "import json, sys; print(json.load(open(sys.argv[1]))['choice'])" \
-               "$OUT/sweep_tree_attention.json" 2>/dev/null || echo token)
-           export JSPEC_TREE_PACK="$c"; echo "JSPEC_TREE_PACK=$c for the later steps" ;;
+    tree_sweep) timeout "${TREE_SWEEP_S:-240}" python3 experiments/tuning/sweep_tree_attention.py \
+              --out="$OUT" 2>&1 | quiet | grep -v "it/s" | tail -20 ;;
     main) timeout 100 python3 experiments/speculative_decode.py \
               --config=configs/speculative.py 2>&1 | quiet | tail -14 ;;
     pair_head) timeout "${PAIR_S:-150}" python3 experiments/eval_pair.py --pair="$(pair_dir)" \

@@ -7,18 +7,31 @@ committed prefix at positions 0..root-1, then the root and the node's ancestors,
 depth, then the node itself. This kernel reduces exactly those keys, in exactly that
 order: key blocks of `block_k` logical positions aligned at 0, ascending, each block's
 key j at index j, with the same online softmax (or the same split-KV partitions and fold)
-as `pallas_kernels.attention`. Blocks wholly before the root read the cache where it
-sits (slot = position); from the block that holds the root on, position p reads the slot
-of the node's ancestor at depth p - root (`path`), never the slot order in which the
-tree was written. Every block is loaded as a gather by slot. Keys past the
-node's position are masked as usual (their values finite, their weights exact zeros).
-RoPE was applied to each node's q and k at its logical position by the caller.
+as `pallas_kernels.attention`. From the block that holds the root on (the tail: a few
+blocks), position p reads the slot of the node's ancestor at depth p - root (`path`),
+never the slot order in which the tree was written. Keys past the node's position are
+masked as usual (their values finite, their weights exact zeros; values past it zeroed
+as serial decoding's are). RoPE was applied to each node's q and k at its logical
+position by the caller.
 
 So a node's logits are bitwise the logits serial decoding computes after its root path,
 whatever the tree's shape, the other nodes and the batch (tests/test_tree.py).
 
-Each row tile holds one token's query heads (its gathered blocks are its own); the tile
-shape is the plain kernel's, which a row's bits do not depend on the other rows of.
+Rows are the plain kernel's: a tile holds the query heads of several tokens (token t's G
+heads at rows t * G ..), in the plain kernel's tile shape. The blocks before the tail are
+the committed prefix, the same for every token: one plain load per tile, as in the plain
+kernel. In a tail block the tokens of a tile read different keys, so the tile gathers
+each token's block in turn, runs the plain kernel's own block update on it (the same
+expression, `alpha * acc + p @ v` included) and keeps that token's rows. A row's bits do
+not depend on the tile's other rows, so each row gets a plain tile's bits over its own
+keys, and the prefix, by far the most keys, is read once per tile, not once per token.
+`pack=False` keeps the earlier layout, one token's heads a tile with every block
+gathered (the prefix read once per token); the two give the same bits (on the H200,
+experiments/tuning/sweep_tree_attention.py). A variant that took the tile's two dots per
+token and selected their rows before one update (the p @ v dot reaching the accumulator
+through a select) gave 1-2 mismatching logits in 16- and 64-node trees on the H200 once;
+keep the update whole.
+
 `tree_attention_xla` is the plain-jnp baseline with the same visibility (a mask), NOT
 invariant.
 """
@@ -27,7 +40,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
@@ -48,9 +60,6 @@ from pallas_kernels.attention import (
     row_count,
     visible_range,
 )
-
-# Experiment switch (device study of packed tiles); the default is kept below.
-PACK = os.environ.get("JSPEC_TREE_PACK", "token")
 
 
 def tail_blocks(block_k: int, max_depth: int) -> int:
@@ -105,16 +114,14 @@ class _PerToken:
     and that token's rows kept: each row's state is the very expression a plain tile runs
     over its own keys (a row's bits do not depend on the tile's other rows)."""
 
-    def __init__(self, k_ref, v_ref, tail_ref, tail_start, last, block_k, group, tokens,
-                 mode):
+    def __init__(self, k_ref, v_ref, tail_ref, tail_start, last, block_k, group, tokens):
         R = last.shape[0]
         r0 = pl.program_id(2) * R
         self.tok0 = r0 // group
         self.row_tok = (r0 + lax.iota(jnp.int32, R)) // group - self.tok0  # [R]
         self.count = jnp.minimum((r0 + R - 1) // group, tokens - 1) - self.tok0 + 1
-        self.per_tile = pl.cdiv(R, group) + 1  # static bound on a tile's tokens
         self.k_ref, self.v_ref, self.tail_ref = k_ref, v_ref, tail_ref
-        self.tail_start, self.last, self.block_k, self.mode = tail_start, last, block_k, mode
+        self.tail_start, self.last, self.block_k = tail_start, last, block_k
 
     def _one(self, j, carry, start, update):
         t = jnp.minimum(self.tok0 + j, self.tail_ref.shape[0] - 1)
@@ -129,123 +136,58 @@ class _PerToken:
                      for n, o in zip(new, carry, strict=True))
 
     def __call__(self, start, carry, update):
-        if self.mode == "unrolled":
-            for j in range(self.per_tile):
-                carry = self._one(j, carry, start, update)
-            return carry
         return lax.fori_loop(0, self.count, lambda j, c: self._one(j, c, start, update),
                              carry)
 
 
-class _Gathered:
-    """The rejected variant of a96ed32 (control for the device study): the tile's two dots
-    per token, the token's rows selected, the update once."""
-
-    def __init__(self, k_ref, v_ref, tail_ref, tail_start, last, block_k, group, tokens):
-        pt = _PerToken(k_ref, v_ref, tail_ref, tail_start, last, block_k, group, tokens,
-                       "loop")
-        self.pt = pt
-
-    def __call__(self, start, carry, update):
-        pt = self.pt
-        m, denom, acc = carry
-
-        def slots(j):
-            return pt.tail_ref[pt.tok0 + j, pl.ds(start - pt.tail_start, pt.block_k)]
-
-        def scores_update(c_unused, k, v):
-            raise NotImplementedError
-
-        del scores_update
-        return _gathered_update(pt, start, carry, update, slots)
-
-
-def _gathered_update(pt, start, carry, update, slots):
-    # Rebuild a96ed32's arithmetic: s and pv by per-token dots selected into the tile.
-    from pallas_kernels.attention import _NEG_INF, _dot
-    m, denom, acc = carry
-    q, scale, first, last = update.q, update.scale, update.first, update.last
-    R = q.shape[0]
-
-    def sc(j, s):
-        k = pt.k_ref[slots(j), :]
-        return jnp.where((pt.row_tok == j)[:, None], _dot(q, k, contract_b=1), s)
-
-    s = lax.fori_loop(0, pt.count, sc, jnp.zeros((R, pt.block_k), jnp.float32)) * scale
-    key = start + jnp.arange(pt.block_k, dtype=jnp.int32)
-    mask = (key[None, :] >= first[:, None]) & (key[None, :] <= last[:, None])
-    s = jnp.where(mask, s, _NEG_INF)
-    m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-    m_safe = jnp.where(m_new == _NEG_INF, 0.0, m_new)
-    alpha = jnp.exp(m - m_safe)
-    p = jnp.where(mask, jnp.exp(s - m_safe[:, None]), 0.0)
-    denom_new = alpha * denom + jnp.sum(p, axis=-1)
-    last_key = jnp.max(jnp.where(first <= last, last, -1))
-
-    def pvf(j, pv):
-        v = pt.v_ref[slots(j), :]
-        v = jnp.where((key <= last_key)[:, None], v, jnp.zeros_like(v))
-        return jnp.where((pt.row_tok == j)[:, None], _dot(p.astype(v.dtype), v, contract_b=0),
-                         pv)
-
-    pv = lax.fori_loop(0, pt.count, pvf, jnp.zeros((R, pt.v_ref.shape[-1]), jnp.float32))
-    return m_new, denom_new, alpha[:, None] * acc + pv
-
-
 def _tree_softmax(q, k_ref, v_ref, tail_ref, first, last, start, lo, hi, *, scale, softcap,
-                  block_k, group, tokens, mode):
+                  block_k, group, tokens):
     """The online softmax over key blocks lo..hi-1: the blocks before the tail's first
     (the committed prefix every token shares) as the plain kernel runs them, one load per
     tile, then the tail's blocks token by token, continuing the same state."""
     mid = jnp.clip(start // block_k, lo, hi)
     carry = _online_softmax(q, k_ref, v_ref, first, last, lo, mid, scale=scale,
                             softcap=softcap, block_k=block_k)
-    if mode == "dots":
-        hook = _Gathered(k_ref, v_ref, tail_ref, start, last, block_k, group, tokens)
-
-        def per_token(st, c, update):
-            update.q, update.scale, update.first, update.last = q, scale, first, last
-            return hook(st, c, update)
-    else:
-        per_token = _PerToken(k_ref, v_ref, tail_ref, start, last, block_k, group, tokens,
-                              mode)
+    per_token = _PerToken(k_ref, v_ref, tail_ref, start, last, block_k, group, tokens)
     return _online_softmax(q, k_ref, v_ref, first, last, mid, hi, scale=scale,
                            softcap=softcap, block_k=block_k, per_token=per_token,
                            init=carry)
 
 
+def _softmax(q_ref, k_ref, v_ref, tail_ref, first, last, start, lo, hi, *, scale, softcap,
+             block_k, group, tokens):
+    """(m, denom, acc) of a tile over key blocks lo..hi-1: packed (group, tokens given) or
+    one token a tile (every block gathered by slot)."""
+    if group is None:
+        return _online_softmax(
+            q_ref[...], k_ref, v_ref, first, last, lo, hi, scale=scale, softcap=softcap,
+            block_k=block_k, load_kv=_loader(k_ref, v_ref, tail_ref, start, block_k))
+    return _tree_softmax(q_ref[...], k_ref, v_ref, tail_ref, first, last, start, lo, hi,
+                         scale=scale, softcap=softcap, block_k=block_k, group=group,
+                         tokens=tokens)
+
+
 def _tree_kernel(q_ref, k_ref, v_ref, first_ref, last_ref, tail_ref, start_ref, o_ref, *,
-                 scale, softcap, block_k, group=None, tokens=None, mode="token"):
+                 scale, softcap, block_k, group=None, tokens=None):
     first, last = first_ref[...], last_ref[...]
     start = jnp.max(start_ref[...])
     lo, hi = _block_range(first, last, k_ref.shape[0] // block_k, block_k)
-    if mode == "token":
-        _, denom, acc = _online_softmax(
-            q_ref[...], k_ref, v_ref, first, last, lo, hi, scale=scale, softcap=softcap,
-            block_k=block_k, load_kv=_loader(k_ref, v_ref, tail_ref, start, block_k))
-    else:
-        _, denom, acc = _tree_softmax(q_ref[...], k_ref, v_ref, tail_ref, first, last,
-                                      start, lo, hi, scale=scale, softcap=softcap,
-                                      block_k=block_k, group=group, tokens=tokens, mode=mode)
+    _, denom, acc = _softmax(q_ref, k_ref, v_ref, tail_ref, first, last, start, lo, hi,
+                             scale=scale, softcap=softcap, block_k=block_k, group=group,
+                             tokens=tokens)
     o_ref[...] = _normalize(denom, acc).astype(o_ref.dtype)
 
 
 def _tree_split_kernel(q_ref, k_ref, v_ref, first_ref, last_ref, tail_ref, start_ref, m_ref,
                        l_ref, acc_ref, *, scale, softcap, block_k, split, group=None,
-                       tokens=None, mode="token"):
+                       tokens=None):
     first, last = first_ref[...], last_ref[...]
     start = jnp.max(start_ref[...])
     lo, hi = _partition_blocks(first, last, pl.program_id(3), k_ref.shape[0] // block_k,
                                block_k, split)
-    if mode == "token":
-        out = _online_softmax(
-            q_ref[...], k_ref, v_ref, first, last, lo, hi, scale=scale, softcap=softcap,
-            block_k=block_k, load_kv=_loader(k_ref, v_ref, tail_ref, start, block_k))
-    else:
-        out = _tree_softmax(q_ref[...], k_ref, v_ref, tail_ref, first, last, start, lo, hi,
-                            scale=scale, softcap=softcap, block_k=block_k, group=group,
-                            tokens=tokens, mode=mode)
-    m_ref[...], l_ref[...], acc_ref[...] = out
+    m_ref[...], l_ref[...], acc_ref[...] = _softmax(
+        q_ref, k_ref, v_ref, tail_ref, first, last, start, lo, hi, scale=scale,
+        softcap=softcap, block_k=block_k, group=group, tokens=tokens)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "softcap", "interpret", "config",
@@ -253,16 +195,15 @@ def _tree_split_kernel(q_ref, k_ref, v_ref, first_ref, last_ref, tail_ref, start
 def tree_attention(q, k_cache, v_cache, q_pos, window, root, path, *, scale: float,
                    softcap: float | None = None, interpret: bool = False,
                    config: AttentionConfig | None = None, split: int | None = None,
-                   split_rows: int | None = None, pack: str | None = None):
+                   split_rows: int | None = None, pack: bool = True):
     """q [B, T, H, D] at logical positions q_pos [B, T] (root + depth); k_cache, v_cache
     [B, Hkv, S, D] holding the prefix at slots 0..root-1 and the tree's tokens wherever
     `path` [B, T, D + 1] says (slot of each token's ancestor at depths 0..D, the token
     itself at its depth); root [B] -> [B, T, H, D]. `config`, `split`, `split_rows` as in
-    `attention`: the same values give the same bits as the chain path's. `pack`: "token"
-    (one token's query heads a row tile, every block gathered) or a packed layout (the
-    plain kernel's rows; the prefix loaded once a tile)."""
+    `attention`: the same values give the same bits as the chain path's. `pack`: the
+    plain kernel's rows, several tokens a tile (the prefix loaded once a tile); False:
+    one token's query heads a tile, every block gathered (the same bits)."""
     _check_inputs(q, k_cache, v_cache, q_pos, window)
-    mode = pack or PACK
     B, T, H, hd = q.shape
     _, Hkv, S, _ = k_cache.shape
     G = H // Hkv
@@ -276,7 +217,7 @@ def tree_attention(q, k_cache, v_cache, q_pos, window, root, path, *, scale: flo
                              path.astype(jnp.int32), cfg.block_k)
     L = tail.shape[-1]
     window = jnp.asarray(window, jnp.int32)
-    if mode == "token":
+    if not pack:
         Rt = pl.cdiv(G, R) * R  # rows a token: its G heads, padded to whole tiles
         tpt = Rt // R
         q_rows = q.reshape(B, T, Hkv, G, hd).transpose(0, 2, 1, 3, 4)  # [B, Hkv, T, G, hd]
@@ -294,14 +235,14 @@ def tree_attention(q, k_cache, v_cache, q_pos, window, root, path, *, scale: flo
         # The plain kernel's row layout: token t's G query heads of a kv head at rows t * G.
         rows = T * G
         Rp = row_count(cfg, rows)
-        per_tile = pl.cdiv(R, G) + 1
+        per_tile = pl.cdiv(R, G) + 1  # at most this many tokens a tile
         Tp = 1 << (T + per_tile - 1).bit_length()  # a Triton block shape; padding unread
         tail = jnp.pad(tail, ((0, 0), (0, Tp - T), (0, 0)))
         q_rows = q.reshape(B, T, Hkv, G, hd).transpose(0, 2, 1, 3, 4).reshape(B, Hkv, rows, hd)
         q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, Rp - rows), (0, 0)))
         first, last = visible_range(q_pos.astype(jnp.int32), window, G, Rp)  # [B, Rp]
         tail_spec = pl.BlockSpec((None, Tp, L), lambda b, h, r, *c: (b, 0, 0))
-        static = dict(group=G, tokens=T, mode=mode)
+        static = dict(group=G, tokens=T)
     starts = jnp.broadcast_to(start[:, None], (B, Rp))
     row_spec = pl.BlockSpec((None, None, R, hd), lambda b, h, r, *c: (b, h, r, 0))
     kv_spec = pl.BlockSpec((None, None, S, hd), lambda b, h, r, *c: (b, h, 0, 0))
@@ -336,7 +277,7 @@ def tree_attention(q, k_cache, v_cache, q_pos, window, root, path, *, scale: flo
         )(*args)
         out = combine_partials(m, denom, acc, first, last, cfg, q_rows.dtype,
                                interpret=interpret)
-    if mode == "token":
+    if not pack:
         out = out.reshape(B, Hkv, T, Rt, hd)[:, :, :, :G]  # [B, Hkv, T, G, hd]
     else:
         out = out[:, :, :rows].reshape(B, Hkv, T, G, hd)

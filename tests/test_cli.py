@@ -252,6 +252,19 @@ def test_sweep_attention_smoke(tmp_path):
         set(v["by_shape"]) == {"B2T1", "B2T5"} for v in rep["variants"])
 
 
+@pytest.mark.slow  # a sweep script
+def test_sweep_tree_attention_smoke(tmp_path):
+    # Packed tree tiles against one token a tile: no mismatching row, both timed.
+    r = _run("tuning/sweep_tree_attention.py", "--interpret", "--presets=tiny-gemma3",
+             "--context=40", "--sizes=5", "--time_sizes=5", "--seeds=1", "--iters=1",
+             "--tag=smoke", f"--out={tmp_path}")
+    assert r.returncode == 0, r.stderr[-2000:]
+    rep = json.load(open(tmp_path / "sweep_tree_attention_smoke.json"))
+    assert rep["mismatching_rows"] == {"packed": 0}
+    assert sum(r["rows"] for r in rep["parity"]) > 0
+    assert set(rep["timing"][0]["us"]) == {"token", "packed", "chain", "decode"}
+
+
 @pytest.mark.slow  # an experiment script's run; test_row_group proves its option check
 def test_bench_kernels_smoke(tmp_path):
     # The kernel benchmark end to end on a tiny model (CPU: host timings, f32): single

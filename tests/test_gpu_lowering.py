@@ -137,9 +137,10 @@ def test_logsumexp_lowers_for_the_h200():
 @pytest.mark.parametrize("preset", ["qwen3-8b", "gemma3-4b"])
 @pytest.mark.parametrize("batch,nodes", [(1, 16), (1, 64), (8, 32)])
 def test_tree_verify_lowers_for_the_h200(preset, batch, nodes):
-    """A tree verify (rule R7) lowers with the tree attention kernel: every key block is
-    one straight-line gather by cache slot (no branch between loads, which Triton's
-    dominance check rejected)."""
+    """A tree verify (rule R7) lowers with the tree attention kernel, packed (the prefix's
+    blocks plain loads, the tail's gathered token by token in a loop) and one token a
+    tile (every key block one straight-line gather by cache slot: no branch between
+    loads, which Triton's dominance check rejected)."""
     from jspec.tree import from_parents
 
     model = _abstract_model(preset)
@@ -154,3 +155,13 @@ def test_tree_verify_lowers_for_the_h200(preset, batch, nodes):
     text = _lower(verify, model, toks, cache, parents)
     names = set(re.findall(r'name = "(jspec_[a-z_0-9]*)"', text))
     assert names & {"jspec_tree_attention", "jspec_tree_attention_split"}, names
+    from pallas_kernels.tree_attention import tree_attention
+
+    cfg = model.config
+    q = jax.ShapeDtypeStruct((batch, nodes, cfg.num_heads, cfg.head_dim), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((batch, cfg.num_kv_heads, 256, cfg.head_dim), jnp.bfloat16)
+    pos = jax.ShapeDtypeStruct((batch, nodes), jnp.int32)
+    path = jax.ShapeDtypeStruct((batch, nodes, 9), jnp.int32)
+    root = jax.ShapeDtypeStruct((batch,), jnp.int32)
+    one = functools.partial(tree_attention, scale=1.0, pack=False)
+    assert "jspec_tree_attention" in _lower(one, q, kv, kv, pos, jnp.int32(0), root, path)

@@ -1,29 +1,31 @@
-"""Packed tree tiles: do they give the one-token tree kernel's bits on the device, and
-what does each layout cost against a chain's verify block?
+"""Tree attention's packed tiles against one token a tile: the same bits on the device?
+What does each layout cost against a chain's verify block?
 
   python experiments/tuning/sweep_tree_attention.py --out=experiments/results   # H200
   python experiments/tuning/sweep_tree_attention.py --interpret --presets=tiny-qwen3 \
-      --context=40 --sizes=5,9 --seeds=2 --iters=1 --out=/tmp                # CPU smoke
+      --context=40 --sizes=5,9 --time_sizes=5 --seeds=2 --iters=1 --out=/tmp     # CPU smoke
 
-`pallas_kernels.tree_attention` can lay a tree verify's rows out two ways. "token": a row
-tile holds one token's query heads and every key block is gathered by slot, so the
-committed prefix is read once per token (proven on the H200: every node's logits equal
-serial decoding's). Packed ("loop", "unrolled"): the plain kernel's rows, several tokens a
-tile, the prefix loaded once a tile, and only the tail blocks (from the root's block on)
-gathered token by token, where the tile's own block update runs once per token and keeps
-that token's rows ("loop": a loop over the tile's tokens; "unrolled": the same unrolled).
-"dots" is the variant that gave 1-2 mismatching logits on the H200: the tile's two dots
-per token, the rows selected, one update (the p @ v dot then reaches the accumulator
-through a select, not as the addend of `alpha * acc + dot` the plain kernel has).
+`pallas_kernels.tree_attention` lays a tree verify's rows out two ways. "token"
+(`pack=False`): a row tile holds one token's query heads and every key block is gathered
+by slot, so the committed prefix is read once per token. "packed" (the default): the
+plain kernel's rows, several tokens a tile, the prefix loaded once a tile, and only the
+tail blocks (from the root's block on) gathered token by token, the tile's own block
+update run once per token with that token's rows kept.
 
 For each preset shape (heads, head_dim) this runs random trees of --sizes nodes (depth
 <= --depth) under a random committed prefix of about --context keys, at batch 1 and 2
 (roots differ per row), without and with a sliding window, --seeds trees each, and
-counts the (token, head) rows whose output differs in any bit from the "token" layout's.
-Then it times, at batch 1, each layout and the chain's verify block (`attention` over
-N + 1 contiguous positions) and a decode step's attention, over enough cache copies to
-miss the L2. Writes `sweep_tree_attention[_tag].json`; `choice` is the fastest packed
-layout with no mismatching row ("token" if none).
+counts the (token, head) rows whose packed output differs in any bit from the token
+layout's. Then it times, at batch 1, both layouts, the chain's verify block (`attention`
+over N + 1 contiguous positions) and a decode step's attention, over enough cache
+copies to miss the L2. Writes `sweep_tree_attention[_tag].json`.
+
+The study that chose the packed layout (receipt `sweep_tree_attention_h200_2026-12-01f`)
+ran at aca32dc with two more layouts, since removed: "unrolled" (the token loop unrolled:
+slower, and over the shared memory limit at head_dim 256) and "dots" (the tile's two
+dots per token with the rows selected before one update, which had given 1-2
+mismatching logits on the H200 once; it matched in that study). Its "loop" is today's
+packed layout, byte-identical Triton IR.
 """
 
 from __future__ import annotations
@@ -50,8 +52,6 @@ _SIZES = flags.DEFINE_list("sizes", ["8", "16", "32", "64"], "tree sizes (draft 
 _SEEDS = flags.DEFINE_integer("seeds", 8, "random trees per size, batch and window")
 _DEPTH = flags.DEFINE_integer("depth", 8, "the trees' greatest depth")
 _CONTEXT = flags.DEFINE_integer("context", 2048, "committed keys before the root (about)")
-_MODES = flags.DEFINE_list("modes", ["loop", "unrolled", "dots"], "layouts checked against "
-                           "'token'")
 _TIME_SIZES = flags.DEFINE_list("time_sizes", ["16", "32", "64"], "tree sizes timed")
 _COLD = flags.DEFINE_integer("cold_mb", 256, "cache bytes cycled per timed call (> L2)")
 _ITERS = flags.DEFINE_integer("iters", 10, "timed calls per variant")
@@ -93,7 +93,7 @@ def main(_):
     interp = _INTERPRET.value
     rng = np.random.default_rng(0)
     sizes = [int(s) for s in _SIZES.value]
-    modes = list(_MODES.value)
+    modes = ["packed"]
     report = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
               "date": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(sys.argv),
               "context": _CONTEXT.value, "depth": _DEPTH.value, "seeds": _SEEDS.value,
@@ -105,7 +105,7 @@ def main(_):
         block_k = attention_config(cfg.head_dim, 1, jnp.bfloat16, interp).block_k
         windows = [0, cfg.sliding_window or 1024]
         fns = {m: jax.jit(lambda q, k, v, p, w, r, a, m=m, scale=scale: tree_attention(
-            q, k, v, p, w, r, a, scale=scale, interpret=interp, pack=m))
+            q, k, v, p, w, r, a, scale=scale, interpret=interp, pack=m == "packed"))
             for m in ["token"] + modes}
         shapes = [(1, n) for n in sizes] + [(2, sizes[min(1, len(sizes) - 1)])]
         for batch, n in tqdm(shapes, desc=f"{preset} parity"):
@@ -137,7 +137,7 @@ def main(_):
             for m in ["token"] + modes:
                 f = jax.jit(lambda q, cs, p, r, a, m=m, scale=scale: [
                     tree_attention(q, k, v, p, jnp.int32(0), r, a, scale=scale,
-                                   interpret=interp, pack=m) for k, v in cs])
+                                   interpret=interp, pack=m == "packed") for k, v in cs])
                 row["us"][m] = 1e6 * median_time(f, q, caches, pos, root, path,
                                                  iters=_ITERS.value) / copies
             cpos = root[:, None] + jnp.arange(n + 1, dtype=jnp.int32)[None]
@@ -148,10 +148,7 @@ def main(_):
             report["timing"].append(row)
             print(row, flush=True)
 
-    clean = [m for m in modes if m != "dots" and bad[m] == 0]
-    speed = {m: sum(r["us"].get(m, 0.0) for r in report["timing"]) for m in clean}
     report["mismatching_rows"] = bad
-    report["choice"] = min(clean, key=speed.get) if clean else "token"
     path = write_receipt(_OUT.value, "sweep_tree_attention", _TAG.value, report)
     print(f"mismatching rows against 'token': {bad}")
     print(f"{'preset':10s} {'nodes':>5s} " + " ".join(f"{k:>9s}" for k in
@@ -159,7 +156,6 @@ def main(_):
     for r in report["timing"]:
         print(f"{r['preset']:10s} {r['nodes']:5d} " + " ".join(f"{v:9.1f}" for v in
                                                             r["us"].values()))
-    print(f"CHOICE={report['choice']}")
     print(f"wrote {path}")
 
 
