@@ -1,0 +1,104 @@
+"""The Triton IR of every Pallas kernel in a set of forwards, lowered for the H200 on a CPU.
+
+  PYTHONPATH=$PWD python experiments/tuning/dump_triton_ir.py --out=/tmp/ir_before
+  # ... change the code ...
+  PYTHONPATH=$PWD python experiments/tuning/dump_triton_ir.py --out=/tmp/ir_after
+  diff /tmp/ir_before/hashes.txt /tmp/ir_after/hashes.txt   # nothing: same device code
+
+A change that leaves every kernel's Triton IR byte-identical (locations stripped) leaves
+what the device compiles unchanged, so the bits proven there still hold; a change that
+does not must be proven on the device again (`gpu_parity`, the sweeps). Covered: the
+target forward of the Qwen3-8B and Gemma-3-4B shapes at decode, verify, a 17-token block
+and a 70-token prefill (B = 1, and B = 8 at decode); the fused draft forward of the
+Qwen3-0.6B and Gemma-3-4B shapes; tree verifies of 17 and 65 tokens. Nothing runs on a
+device: `gpu_info` answers with the H200's entry and jax lowers for "cuda" with abstract
+weights (as tests/test_gpu_lowering.py does). Writes one `<case>_<i>_<kernel>.mlir` per
+kernel and `hashes.txt`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+import jax
+import jax.numpy as jnp
+from absl import app, flags
+from jax._src.pallas.triton import gpu_info, lowering, pallas_call_registration
+
+from jspec import fused_draft
+from jspec.cache import init_cache
+from jspec.model import Model, apply
+from jspec.options import DraftOptions
+from jspec.random_model import preset_config, random_params
+from jspec.tree import from_parents
+
+_OUT = flags.DEFINE_string("out", "/tmp/triton_ir", "folder for the IR files and hashes.txt")
+
+_CAPTURED: list[str] = []
+
+
+def _capture(lower):
+    def wrapped(*args, **kwargs):
+        result = lower(*args, **kwargs)
+        _CAPTURED.append(result.module.operation.get_asm(enable_debug_info=False))
+        return result
+
+    return wrapped
+
+
+def _abstract(preset: str) -> Model:
+    cfg = preset_config(preset, num_layers=1)
+    return Model(config=cfg, params=jax.eval_shape(lambda: random_params(cfg)))
+
+
+def _cases():
+    """(name, fn, args) of every lowered call."""
+    for preset in ["qwen3-8b", "gemma3-4b"]:
+        model = _abstract(preset)
+        for B, T in [(1, 1), (1, 5), (8, 1), (1, 17), (1, 70)]:
+            cache = jax.eval_shape(lambda model=model, B=B: init_cache(model, B, 256))
+            yield (f"{preset}_B{B}_T{T}", apply,
+                   (model, jax.ShapeDtypeStruct((B, T), jnp.int32), cache))
+        for n in (17, 65):
+            cache = jax.eval_shape(lambda model=model: init_cache(model, 1, 256))
+            parents = jnp.asarray([[-1] + [(t - 1) // 2 for t in range(1, n)]], jnp.int32)
+
+            def verify(model, toks, cache, parents):
+                return apply(model, toks, cache, tree=from_parents(parents, cache.lengths, 8))
+
+            yield (f"tree_{preset}_N{n}", verify,
+                   (model, jax.ShapeDtypeStruct((1, n), jnp.int32), cache, parents))
+    for preset in ["qwen3-0.6b", "gemma3-4b"]:
+        model = _abstract(preset)
+        model = model.replace(options=model.options.replace(backend="xla"),
+                              draft_options=DraftOptions(fused=True, rope_attention=True))
+        model = model.replace(params=jax.eval_shape(lambda p: fused_draft._swap(p, True),
+                                                    model.params))
+        cache = jax.eval_shape(lambda model=model: init_cache(model, 1, 256))
+        yield (f"draft_{preset}", apply, (model, jax.ShapeDtypeStruct((1, 1), jnp.int32), cache))
+
+
+def main(_):
+    info = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200)
+    pallas_call_registration.gpu_info_lib.get_gpu_info = lambda *a, **k: info
+    pallas_call_registration.lowering.lower_jaxpr_to_triton_module = _capture(
+        lowering.lower_jaxpr_to_triton_module)
+    os.makedirs(_OUT.value, exist_ok=True)
+    lines = []
+    for name, fn, args in _cases():
+        _CAPTURED.clear()
+        jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+        for i, ir in enumerate(_CAPTURED):
+            kernel = ir.split("tt.func public @")[1].split("(")[0]
+            key = f"{name}_{i}_{kernel}"
+            with open(os.path.join(_OUT.value, key + ".mlir"), "w") as f:
+                f.write(ir)
+            lines.append(f"{key} {hashlib.sha256(ir.encode()).hexdigest()[:16]}")
+    with open(os.path.join(_OUT.value, "hashes.txt"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print(f"{len(lines)} kernels -> {_OUT.value}/hashes.txt")
+
+
+if __name__ == "__main__":
+    app.run(main)
