@@ -294,13 +294,13 @@ def bench_steps(model, batches, gammas, context, iters, options=()):
     cfg = model.config
     rows = []
     variants = {"pallas": model.with_backend("pallas"), "xla": model.with_backend("xla")}
-    numeric = set()  # variants whose options change the numerics (attn_split=N)
+    numeric = set()  # variants whose options change the numerics (attn_split=N, ...)
     for opt in options:  # "a+no_b": a on and b off together
         base = variants["pallas"]
         variant = with_option_string(base, opt)
         variants[f"pallas+{opt}"] = variant
         if any(getattr(variant.options, k) != getattr(base.options, k)
-               for k in ("attn_split", "attn_split_rows")):  # numeric options
+               for k in ("attn_split", "attn_split_rows", "row_partials")):  # numeric
             numeric.add(f"pallas+{opt}")
     for B in batches:
         ref_logits = {}

@@ -8,8 +8,8 @@ names joined by "+" or ",", applied left to right:
   plain          every fusion off
   draft          `DraftOptions.latency()`: the latency set for a small GPU draft
   name=<int>     a valued option: attn_split, attn_split_rows, attn_fused_fold (0/1),
-                 matmul_row_group, matmul_schedule (0/1), kv_dus (0/1), and the draft's
-                 xla_two_rows, xla_pallas_attention, draft_fused, draft_programs,
+                 matmul_row_group, matmul_schedule (0/1), kv_dus (0/1), row_partials,
+                 and the draft's xla_two_rows, xla_pallas_attention, draft_fused, draft_programs,
                  draft_warps, draft_attn_stages, draft_rope_attention,
                  draft_fold_unroll (the `DraftOptions` fields, prefixed)
 
@@ -37,6 +37,7 @@ _VALUED = {
     "matmul_row_group": ("kernel", "matmul_row_group", int),
     "matmul_schedule": ("kernel", "matmul_schedule", bool),
     "kv_dus": ("kernel", "kv_dus", bool),
+    "row_partials": ("kernel", "row_partials", int),
     "xla_two_rows": ("draft", "xla_two_rows", bool),
     "xla_pallas_attention": ("draft", "xla_pallas_attention", bool),
     "draft_fused": ("draft", "fused", bool),

@@ -115,6 +115,10 @@ def test_draft_alias_names_the_draft_options():
     assert parse_options("draft") == (jspec.KernelOptions(), latency)
     _, d = parse_options("draft,xla_two_rows=0")  # left to right
     assert d == latency.replace(xla_two_rows=False)
+    # A numeric option by name too (the same logits at every TP degree, docs/parallel.md).
+    assert parse_options("row_partials=8")[0] == jspec.KernelOptions(row_partials=8)
+    with pytest.raises(ValueError, match="row_partials=0 must be an int >= 1"):
+        parse_options("row_partials=0")
 
 
 def test_draft_options_reject_other_values():
