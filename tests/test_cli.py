@@ -265,6 +265,18 @@ def test_sweep_tree_attention_smoke(tmp_path):
     assert set(rep["timing"][0]["us"]) == {"token", "packed", "chain", "decode"}
 
 
+@pytest.mark.slow  # lowers 135 kernels
+def test_dump_triton_ir_smoke(tmp_path):
+    # Two runs over the same code give the same IR hashes, and the tree kernel is among
+    # the kernels dumped (a refactor's "same device code" check).
+    outs = [tmp_path / "a", tmp_path / "b"]
+    for out in outs:
+        r = _run("tuning/dump_triton_ir.py", f"--out={out}")
+        assert r.returncode == 0, r.stderr[-2000:]
+    a, b = ((o / "hashes.txt").read_text() for o in outs)
+    assert a == b and "jspec_tree_attention_split" in a and len(a.splitlines()) > 100
+
+
 @pytest.mark.slow  # an experiment script's run; test_row_group proves its option check
 def test_bench_kernels_smoke(tmp_path):
     # The kernel benchmark end to end on a tiny model (CPU: host timings, f32): single
