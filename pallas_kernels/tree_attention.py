@@ -26,11 +26,11 @@ expression, `alpha * acc + p @ v` included) and keeps that token's rows. A row's
 not depend on the tile's other rows, so each row gets a plain tile's bits over its own
 keys, and the prefix, by far the most keys, is read once per tile, not once per token.
 `pack=False` keeps the earlier layout, one token's heads a tile with every block
-gathered (the prefix read once per token); the two give the same bits (on the H200,
-experiments/tuning/sweep_tree_attention.py). A variant that took the tile's two dots per
-token and selected their rows before one update (the p @ v dot reaching the accumulator
-through a select) gave 1-2 mismatching logits in 16- and 64-node trees on the H200 once;
-keep the update whole.
+gathered (the prefix read once per token); the two give the same bits
+(tests/test_tree.py; on a GPU, experiments/tuning/sweep_tree_attention.py). Keep the
+update whole: a variant that took the tile's two dots per token and selected their rows
+before one update (the p @ v dot reaching the accumulator through a select) did not
+keep serial decoding's bits on the device (docs/design.md, R7's kernel row).
 
 `tree_attention_xla` is the plain-jnp baseline with the same visibility (a mask), NOT
 invariant.
