@@ -513,11 +513,7 @@ def _attention(q, k_cache, v_cache, q_pos, window, counters, *, scale, softcap, 
     batch, seq, num_heads, head_dim = q.shape
     _, num_kv_heads, cache_len, _ = k_cache.shape
     group = num_heads // num_kv_heads
-    cfg = config or attention_config(head_dim, group, q.dtype, interpret)
-    if split is not None:
-        cfg = dataclasses.replace(cfg, split=split)
-    if split_rows is not None:
-        cfg = dataclasses.replace(cfg, split_rows=split_rows)
+    cfg = resolve_config(head_dim, group, q.dtype, interpret, config, split, split_rows)
     if cfg.split_rows < 16 or cfg.split_rows & (cfg.split_rows - 1):
         raise ValueError(f"split-KV row tile split_rows={cfg.split_rows} must be a power of "
                          "two >= 16 (Triton tiles)")
@@ -530,19 +526,47 @@ def _attention(q, k_cache, v_cache, q_pos, window, counters, *, scale, softcap, 
         raise ValueError(f"split-KV partition size {cfg.split} must be 0 or a positive "
                          f"multiple of block_k={cfg.block_k}")
 
-    # Rows of a tile: the T tokens x G query heads of one kv head, so decode (T=1) still
-    # fills G rows. Padding rows only add rows to the grid; the tile shape is fixed.
+    q_rows, first, last = query_rows(q, q_pos, window, num_kv_heads, cfg)
+    out, counters = attention_rows_counted(q_rows, k_cache, v_cache, first, last, cfg,
+                                           counters, scale=float(scale), softcap=softcap,
+                                           interpret=interpret, fused_fold=fused_fold)
+    return rows_to_heads(out, seq, num_heads), counters
+
+
+def resolve_config(head_dim: int, group: int, dtype, interpret: bool,
+                   config: AttentionConfig | None = None, split: int | None = None,
+                   split_rows: int | None = None) -> AttentionConfig:
+    """`config` (default `attention_config`) with `split` and `split_rows` set where given."""
+    cfg = config or attention_config(head_dim, group, dtype, interpret)
+    if split is not None:
+        cfg = dataclasses.replace(cfg, split=split)
+    if split_rows is not None:
+        cfg = dataclasses.replace(cfg, split_rows=split_rows)
+    return cfg
+
+
+def query_rows(q, q_pos, window, num_kv_heads: int, cfg: AttentionConfig):
+    """q [B, T, H, D] -> (q_rows [B, Hkv, Rp, D], first, last [B, Rp]): the rows of a tile
+    are the T tokens x G query heads of one kv head (row t * G + i: token t's head i), so
+    decode (T = 1) still fills G rows; padding rows (zero, seeing nothing) only add rows
+    to the grid, the tile shape is fixed. Rp = `row_count(cfg, T * G)`."""
+    batch, seq, num_heads, head_dim = q.shape
+    group = num_heads // num_kv_heads
     rows = seq * group
     padded_rows = row_count(cfg, rows)
     q_rows = q.reshape(batch, seq, num_kv_heads, group, head_dim)
     q_rows = q_rows.transpose(0, 2, 1, 3, 4).reshape(batch, num_kv_heads, rows, head_dim)
     q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, padded_rows - rows), (0, 0)))
     first, last = _visible_range(q_pos, window, group, padded_rows)  # [B, Rp] each
-    out, counters = attention_rows_counted(q_rows, k_cache, v_cache, first, last, cfg,
-                                           counters, scale=float(scale), softcap=softcap,
-                                           interpret=interpret, fused_fold=fused_fold)
-    out = out[:, :, :rows].reshape(batch, num_kv_heads, seq, group, head_dim)
-    return out.transpose(0, 2, 1, 3, 4).reshape(batch, seq, num_heads, head_dim), counters
+    return q_rows, first, last
+
+
+def rows_to_heads(out, seq: int, num_heads: int):
+    """The inverse of `query_rows`' layout: [B, Hkv, Rp, D] -> [B, T, H, D]."""
+    batch, num_kv_heads, _, head_dim = out.shape
+    group = num_heads // num_kv_heads
+    out = out[:, :, :seq * group].reshape(batch, num_kv_heads, seq, group, head_dim)
+    return out.transpose(0, 2, 1, 3, 4).reshape(batch, seq, num_heads, head_dim)
 
 
 def row_count(cfg: AttentionConfig, rows: int) -> int:

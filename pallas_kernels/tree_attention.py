@@ -38,7 +38,6 @@ invariant.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -55,10 +54,10 @@ from pallas_kernels.attention import (
     _online_softmax,
     _partition_blocks,
     _plain_attention,
-    attention_config,
     combine_partials,
-    row_count,
-    visible_range,
+    query_rows,
+    resolve_config,
+    rows_to_heads,
 )
 
 
@@ -207,11 +206,7 @@ def tree_attention(q, k_cache, v_cache, q_pos, window, root, path, *, scale: flo
     B, T, H, hd = q.shape
     _, Hkv, S, _ = k_cache.shape
     G = H // Hkv
-    cfg = config or attention_config(hd, G, q.dtype, interpret)
-    if split is not None:
-        cfg = dataclasses.replace(cfg, split=split)
-    if split_rows is not None:
-        cfg = dataclasses.replace(cfg, split_rows=split_rows)
+    cfg = resolve_config(hd, G, q.dtype, interpret, config, split, split_rows)
     R = cfg.split_rows if cfg.split else cfg.block_rows
     tail, start = tail_index(root.astype(jnp.int32), q_pos.astype(jnp.int32),
                              path.astype(jnp.int32), cfg.block_k)
@@ -228,19 +223,16 @@ def tree_attention(q, k_cache, v_cache, q_pos, window, root, path, *, scale: flo
         pad = ((0, 0), (0, 0), (0, Rt - G))
         last = jnp.pad(last, pad, constant_values=-1).reshape(B, T * Rt)
         first = jnp.pad(first, pad).reshape(B, T * Rt)
-        rows = Rp = T * Rt
+        Rp = T * Rt
         tail_spec = pl.BlockSpec((None, None, L), lambda b, h, r, *c: (b, r // tpt, 0))
         static = {}
     else:
         # The plain kernel's row layout: token t's G query heads of a kv head at rows t * G.
-        rows = T * G
-        Rp = row_count(cfg, rows)
+        q_rows, first, last = query_rows(q, q_pos.astype(jnp.int32), window, Hkv, cfg)
+        Rp = q_rows.shape[2]
         per_tile = pl.cdiv(R, G) + 1  # at most this many tokens a tile
         Tp = 1 << (T + per_tile - 1).bit_length()  # a Triton block shape; padding unread
         tail = jnp.pad(tail, ((0, 0), (0, Tp - T), (0, 0)))
-        q_rows = q.reshape(B, T, Hkv, G, hd).transpose(0, 2, 1, 3, 4).reshape(B, Hkv, rows, hd)
-        q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, Rp - rows), (0, 0)))
-        first, last = visible_range(q_pos.astype(jnp.int32), window, G, Rp)  # [B, Rp]
         tail_spec = pl.BlockSpec((None, Tp, L), lambda b, h, r, *c: (b, 0, 0))
         static = dict(group=G, tokens=T)
     starts = jnp.broadcast_to(start[:, None], (B, Rp))
@@ -277,10 +269,9 @@ def tree_attention(q, k_cache, v_cache, q_pos, window, root, path, *, scale: flo
         )(*args)
         out = combine_partials(m, denom, acc, first, last, cfg, q_rows.dtype,
                                interpret=interpret)
-    if not pack:
-        out = out.reshape(B, Hkv, T, Rt, hd)[:, :, :, :G]  # [B, Hkv, T, G, hd]
-    else:
-        out = out[:, :, :rows].reshape(B, Hkv, T, G, hd)
+    if pack:
+        return rows_to_heads(out, T, H)
+    out = out.reshape(B, Hkv, T, Rt, hd)[:, :, :, :G]  # [B, Hkv, T, G, hd]
     return out.transpose(0, 2, 1, 3, 4).reshape(B, T, H, hd)
 
 
