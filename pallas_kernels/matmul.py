@@ -380,20 +380,7 @@ def matmul(
 
     xp = pad_rows(pad_axis(x, 1, kp), cfg.bm)  # [Mp, Kp]
     mp = xp.shape[0]
-    kernel = functools.partial(_matmul_kernel, bk=cfg.bk, nk=kc // cfg.bk)
-    partials = pl.pallas_call(
-        kernel,
-        out_shape=jax.ShapeDtypeStruct((s, mp, np_), jnp.float32),
-        grid=(mp // cfg.bm, np_ // cfg.bn, s),
-        in_specs=[
-            pl.BlockSpec((cfg.bm, kc), lambda i, j, c: (i, c)),
-            pl.BlockSpec((kc, cfg.bn), lambda i, j, c: (c, j)),
-        ],
-        out_specs=pl.BlockSpec((None, cfg.bm, cfg.bn), lambda i, j, c: (c, i, j)),
-        compiler_params=params,
-        interpret=interpret,
-        name="jspec_matmul_splitk",
-    )(xp, wp)
+    partials = _chunk_partials(xp, wp, cfg, s, kc, interpret, "jspec_matmul_splitk")
     # The combine is elementwise, so its column tile only sets the launch size.
     bnc = pow2_tile(np_, cfg.bn, max(cfg.bn, 1024))
     out = pl.pallas_call(
@@ -430,22 +417,29 @@ def matmul_partials(x: jax.Array, w: jax.Array, *, splits: int, interpret: bool 
     ws = pad_axis(w.reshape(splits, kc, n), 1, kcp).reshape(splits * kcp, n)
     xp = pad_rows(xs, cfg.bm)  # [Mp, s * Kcp]
     wp = pad_axis(ws, 1, round_up(n, cfg.bn))  # [s * Kcp, Np]
+    partials = _chunk_partials(xp, wp, cfg, splits, kcp, interpret, "jspec_matmul_partials")
+    return partials[:, :m, :n]
+
+
+def _chunk_partials(xp, wp, cfg: MatmulConfig, chunks: int, kc: int, interpret: bool,
+                    name: str):
+    """xp [Mp, chunks * kc] @ wp [chunks * kc, Np] as `chunks` f32 partials [chunks, Mp,
+    Np]: partial c is the sequential K loop over the c-th kc-wide chunk (split-K's first
+    kernel, and `matmul_partials`)."""
     mp, np_ = xp.shape[0], wp.shape[1]
-    kernel = functools.partial(_matmul_kernel, bk=cfg.bk, nk=kcp // cfg.bk)
-    partials = pl.pallas_call(
-        kernel,
-        out_shape=jax.ShapeDtypeStruct((splits, mp, np_), jnp.float32),
-        grid=(mp // cfg.bm, np_ // cfg.bn, splits),
+    return pl.pallas_call(
+        functools.partial(_matmul_kernel, bk=cfg.bk, nk=kc // cfg.bk),
+        out_shape=jax.ShapeDtypeStruct((chunks, mp, np_), jnp.float32),
+        grid=(mp // cfg.bm, np_ // cfg.bn, chunks),
         in_specs=[
-            pl.BlockSpec((cfg.bm, kcp), lambda i, j, c: (i, c)),
-            pl.BlockSpec((kcp, cfg.bn), lambda i, j, c: (c, j)),
+            pl.BlockSpec((cfg.bm, kc), lambda i, j, c: (i, c)),
+            pl.BlockSpec((kc, cfg.bn), lambda i, j, c: (c, j)),
         ],
         out_specs=pl.BlockSpec((None, cfg.bm, cfg.bn), lambda i, j, c: (c, i, j)),
         compiler_params=triton_params(cfg.num_warps, cfg.num_stages),
         interpret=interpret,
-        name="jspec_matmul_partials",
+        name=name,
     )(xp, wp)
-    return partials[:, :m, :n]
 
 
 def matmul_partials_reference(x: jax.Array, w: jax.Array, *, splits: int,
