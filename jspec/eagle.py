@@ -34,7 +34,13 @@ from safetensors.numpy import save_file
 
 from jspec.config import UnsupportedModelError, canonical_dtype, rope_spec
 from jspec.feature_head import FeatureHead, eagle3_layers, head_config, slot_map
-from jspec.loading import CheckpointError, TensorReader, np_dtype, resolve_checkpoint
+from jspec.loading import (
+    CheckpointError,
+    TensorReader,
+    np_dtype,
+    read_config_json,
+    resolve_checkpoint,
+)
 from jspec.model import Model
 from jspec.options import KernelOptions
 
@@ -44,13 +50,7 @@ _LAYER = ("midlayer.", "layers.0.")
 
 def _read_config(path: str) -> dict:
     fn = os.path.join(path, "config.json")
-    if not os.path.isfile(fn):
-        raise CheckpointError(f"{path}: no config.json (an EAGLE-3 head directory has one)")
-    try:
-        with open(fn) as f:
-            cfg = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{fn}: not valid JSON ({e})") from e
+    cfg = read_config_json(path, " (an EAGLE-3 head directory has one)")
     if "transformer_layer_config" in cfg:  # the speculators layout: the layer nested
         cfg = {**cfg["transformer_layer_config"], **{k: v for k, v in cfg.items()
                                                      if k != "transformer_layer_config"}}

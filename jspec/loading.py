@@ -330,14 +330,12 @@ def _check_unused(cfg: ModelConfig, reader: TensorReader, model_type: str,
 # --------------------------------------------------------------------------- config
 
 
-def read_hf_config(path: str):
-    """transformers' config of a checkpoint directory (or a hub id in the local cache)."""
-    from transformers import AutoConfig
-
-    path = resolve_checkpoint(path)
+def read_config_json(path: str, missing: str = "") -> dict:
+    """The JSON object in `path`/config.json; a CheckpointError naming the file when it is
+    missing (`missing` appended to the message), not JSON or not an object."""
     cfg_path = os.path.join(path, "config.json")
-    if not os.path.exists(cfg_path):
-        raise CheckpointError(f"{path}: no config.json")
+    if not os.path.isfile(cfg_path):
+        raise CheckpointError(f"{path}: no config.json{missing}")
     try:
         with open(cfg_path) as f:
             raw = json.load(f)
@@ -345,6 +343,16 @@ def read_hf_config(path: str):
         raise CheckpointError(f"{cfg_path}: not valid JSON ({e})") from e
     if not isinstance(raw, dict):
         raise CheckpointError(f"{cfg_path}: not a JSON object")
+    return raw
+
+
+def read_hf_config(path: str):
+    """transformers' config of a checkpoint directory (or a hub id in the local cache)."""
+    from transformers import AutoConfig
+
+    path = resolve_checkpoint(path)
+    cfg_path = os.path.join(path, "config.json")
+    raw = read_config_json(path)
     check_model_type(raw.get("model_type"), raw.get("architectures"))
     try:
         return AutoConfig.from_pretrained(path, local_files_only=True)

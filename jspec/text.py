@@ -25,7 +25,13 @@ from typing import Any
 
 from jspec.drafters import ModelDrafter, PromptLookupDrafter
 from jspec.generate import generate, generate_stream
-from jspec.loading import CheckpointError, load_hf, load_tokenizer, resolve_checkpoint
+from jspec.loading import (
+    CheckpointError,
+    load_hf,
+    load_tokenizer,
+    read_config_json,
+    resolve_checkpoint,
+)
 from jspec.model import Model, with_options
 from jspec.options import KernelOptions
 from jspec.sampling import make_sampler
@@ -410,8 +416,7 @@ def stop_ids_of(path: str, tokenizer, generation_config, vocab_size: int
     vocabulary are dropped (the model cannot emit them)."""
     eos = _eos_ids(getattr(generation_config, "eos_token_id", None))
     if generation_config is None:
-        with open(os.path.join(path, "config.json")) as f:
-            raw = json.load(f)
+        raw = read_config_json(path)
         eos = _eos_ids(raw.get("eos_token_id")) or _eos_ids(
             (raw.get("text_config") or {}).get("eos_token_id"))
     eos += _eos_ids(tokenizer.eos_token_id)
