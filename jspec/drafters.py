@@ -88,6 +88,21 @@ def frequent_tokens(token_ids, n: int, vocab_size: int) -> np.ndarray:
     return np.sort(order[:n]).astype(np.int32)
 
 
+def to_target_vocab(logits, slot, vocab: int):
+    """A drafter's logits [..., n] -> [..., vocab] in the target's ids: with `slot` ([V]
+    int32, the column of each target id, -1 for none) the columns are gathered and ids
+    off the head get -inf; ids past the result's width (a draft vocabulary that is a
+    prefix of the target's) get -inf too."""
+    if slot is not None:
+        picked = jnp.take(logits, jnp.maximum(slot, 0), axis=-1)
+        logits = jnp.where(slot >= 0, picked, -jnp.inf)
+    V = logits.shape[-1]
+    if V < vocab:
+        pad = [(0, 0)] * (logits.ndim - 1) + [(0, vocab - V)]
+        logits = jnp.pad(logits, pad, constant_values=-jnp.inf)
+    return logits
+
+
 @struct.dataclass
 class ModelDrafter:
     """A small model sharing the target's tokenizer drafts autoregressively.
@@ -150,14 +165,7 @@ class ModelDrafter:
     def _full(self, logits, vocab: int):
         """[..., n] logits of the head's columns -> [..., vocab] in the target's ids (-inf
         off the head and past the draft's vocabulary)."""
-        if self.head_slot is not None:
-            picked = jnp.take(logits, jnp.maximum(self.head_slot, 0), axis=-1)
-            logits = jnp.where(self.head_slot >= 0, picked, -jnp.inf)
-        V = logits.shape[-1]
-        if V < vocab:
-            pad = [(0, 0)] * (logits.ndim - 1) + [(0, vocab - V)]
-            logits = jnp.pad(logits, pad, constant_values=-jnp.inf)
-        return logits
+        return to_target_vocab(logits, self.head_slot, vocab)
 
     def init(self, tokens, lens, max_len: int, gamma: int, features=None) -> ModelDraftState:
         cache = init_cache(self.model, tokens.shape[0], max_len)
@@ -397,14 +405,7 @@ class FeatureDrafter:
 
     def _full(self, logits, vocab: int):
         """[..., Vd] head logits -> [..., vocab] in the target's ids (-inf off the head)."""
-        slot = self.head.params["head_slot"]
-        picked = jnp.take(logits, jnp.maximum(slot, 0), axis=-1)
-        full = jnp.where(slot >= 0, picked, -jnp.inf)
-        V = full.shape[-1]
-        if V < vocab:
-            full = jnp.pad(full, [(0, 0)] * (full.ndim - 1) + [(0, vocab - V)],
-                           constant_values=-jnp.inf)
-        return full
+        return to_target_vocab(logits, self.head.params["head_slot"], vocab)
 
     def init(self, tokens, lens, max_len: int, gamma: int, features=None):
         from jspec.feature_head import head_apply, init_head_cache
