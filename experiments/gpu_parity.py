@@ -255,7 +255,7 @@ def check_degrees(name: str, layers: int, backend: str) -> dict:
     n = len(seq)
 
     def logits(m):
-        return forward(m, seq[None].astype(np.int32), init_cache(m, 1, n + 64))[0][0]
+        return forward(m, seq[None].astype(np.int32), init_cache(m, 1, n + 64)).logits[0]
 
     ref = logits(model.replace(options=model.options.replace(row_partials=S)))
     out = {}

@@ -65,6 +65,28 @@ class Model:
         return self.replace(options=self.options.replace(backend=backend, interpret=interp))
 
 
+@struct.dataclass
+class Forward:
+    """What one forward returns, on every path (prefill, decode, verify, a tree, a sharded
+    model, a draft's latency path).
+
+    Attributes:
+      logits: [B, T, V] f32 (V: the head's width; fewer columns for a pruned draft head).
+      cache: the new `KVCache` (each row's length advanced by T).
+      features: [B, T, n D] the hidden states entering the layers asked for with
+        `features=` (concatenated in that order), or None when none were asked for.
+
+    It unpacks as the pair (logits, cache): `logits, cache = jspec.forward(...)`.
+    """
+
+    logits: jax.Array
+    cache: KVCache
+    features: jax.Array | None = None
+
+    def __iter__(self):
+        return iter((self.logits, self.cache))
+
+
 # The layer's pieces (rms_norm, add_norm, attention_block, mlp_block) are shared with the
 # feature head (jspec.feature_head), whose one decoder layer runs the same code.
 
@@ -226,13 +248,13 @@ def apply(model: Model, tokens: jax.Array, cache: KVCache, *, features: tuple[in
           tree=None):
     """The forward pass, traceable (call it inside jit, scan or while_loop).
 
-    tokens [B, T] int32 are appended at each row's length; returns (logits [B, T, V]
-    f32, the new cache). `forward` is the checked, jitted call of this function for use
-    from the host.
+    tokens [B, T] int32 are appended at each row's length; returns a `Forward` (logits
+    [B, T, V] f32, the new cache, features). `forward` is the checked, jitted call of this
+    function for use from the host.
 
     features: layer indices i in [0, L] whose residual-stream input (the hidden state
     entering layer i; i = L: the one entering the final norm, HF's `hidden_states[i]`)
-    is also returned, concatenated: (logits, cache, feats [B, T, len(features) * D]).
+    is also returned, concatenated, as `Forward.features` [B, T, len(features) * D].
     A feature drafter reads them; they are outputs the forward computes anyway, so the
     logits are the same bits with or without them.
 
@@ -258,7 +280,7 @@ def apply(model: Model, tokens: jax.Array, cache: KVCache, *, features: tuple[in
                          "latency path); turn it off for a model that feeds a feature head")
     if model.draft_options.fused:
         if fused_draft.takes(B, T) and tree is None:
-            return fused_draft.forward(model, tokens, cache)
+            return Forward(*fused_draft.forward(model, tokens, cache))
         model = model.replace(params=fused_draft.standard_params(model.params))
     params = model.params
     ops = ops_for(opt)
@@ -322,9 +344,9 @@ def apply(model: Model, tokens: jax.Array, cache: KVCache, *, features: tuple[in
     # The head's width: V, or fewer columns for a draft's pruned head (ModelDrafter.pruned).
     logits = logits.reshape(B, T, -1)
     if not features:
-        return logits, new_cache
+        return Forward(logits, new_cache)
     feats = jnp.concatenate([hidden[i] for i in features], axis=-1)  # [B*T, len * D]
-    return logits, new_cache, feats.reshape(B, T, -1)
+    return Forward(logits, new_cache, feats.reshape(B, T, -1))
 
 
 forward_jit = jax.jit(apply, donate_argnames=("cache",), compiler_options=COMPILER_OPTIONS)
@@ -360,8 +382,9 @@ def check_tokens(model: Model, tokens, cache: KVCache) -> None:
                              f"cache max_len {cache.max_len}")
 
 
-def forward(model: Model, tokens, cache: KVCache, *, donate: bool = True):
-    """Appends tokens [B, T] at each row's length; returns (logits [B, T, V] f32, cache).
+def forward(model: Model, tokens, cache: KVCache, *, donate: bool = True) -> Forward:
+    """Appends tokens [B, T] at each row's length; returns a `Forward`, which unpacks as
+    (logits [B, T, V] f32, cache).
 
     The input cache is donated (its buffers are reused) unless donate=False: keep
     using the returned cache. Token ids and capacity are checked on the host.

@@ -50,7 +50,7 @@ from jax.sharding import PartitionSpec as P
 from jspec.cache import KVCache
 from jspec.cache import init_cache as _init_cache_one
 from jspec.config import ModelConfig
-from jspec.model import Model, apply
+from jspec.model import Forward, Model, apply
 from jspec.options import KernelOptions, Parallel
 
 AXIS = "tp"
@@ -294,12 +294,12 @@ def apply_sharded(model: Model, tokens: jax.Array, cache: KVCache, *,
     def body(params, tokens, cache, extra):
         return apply(inner.replace(params=params), tokens, cache, features=features, **extra)
 
-    out_specs = (P(), cspecs) + ((P(),) if features else ())
+    out_specs = Forward(P(), cspecs, P() if features else None)
     run = jax.shard_map(body, mesh=par.mesh, in_specs=(pspecs, P(), cspecs, P()),
                         out_specs=out_specs, check_vma=False)
     out = run(model.params, tokens, cache, extra)
-    logits = out[0][..., : cfg.vocab_size]  # the vocabulary padding's columns dropped
-    return (logits, *out[1:])
+    # the vocabulary padding's columns dropped
+    return out.replace(logits=out.logits[..., : cfg.vocab_size])
 
 
 def init_cache(model: Model, batch_size: int, max_len: int) -> KVCache:

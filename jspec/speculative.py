@@ -33,7 +33,7 @@ from jspec.cache import init_cache, rollback
 from jspec.drafters import FeatureDrafter, ModelDrafter, OracleDrafter, ProposeContext
 from jspec.generate import PAD, first_non_finite, pad_prompts, plan_shapes
 from jspec.loop import check_count, raise_non_finite, run_chunked, token_bar
-from jspec.model import COMPILER_OPTIONS, Model, apply
+from jspec.model import COMPILER_OPTIONS, Forward, Model, apply
 from jspec.policies import POLICIES, target_sampler, verify, verify_tree
 from jspec.sampling import Greedy
 from jspec.tree import TreeConfig, commit_path, from_parents
@@ -168,17 +168,11 @@ def feature_layers(drafter) -> tuple[int, ...]:
     return tuple(getattr(drafter, "feature_layers", ()) or ())
 
 
-def _target(target: Model, tokens, cache, layers: tuple[int, ...]):
-    """The target's forward -> (logits, cache, features or None)."""
-    if not layers:
-        return (*apply(target, tokens, cache), None)
-    return apply(target, tokens, cache, features=layers)
-
-
 def _prefill(target: Model, drafter, tokens, lens, seed, *, spec: SpecConfig, max_len: int):
     B = tokens.shape[0]
     cache = init_cache(target, B, max_len)
-    _, cache, feats = _target(target, tokens, cache, feature_layers(drafter))
+    fwd = apply(target, tokens, cache, features=feature_layers(drafter))
+    cache, feats = fwd.cache, fwd.features
     cache = rollback(cache, lens - 1)  # cur = the last prompt token, recomputed by verify
     cur = jnp.take_along_axis(tokens, (lens - 1)[:, None], axis=1)[:, 0]
     extra = {} if feats is None else {"features": feats}  # only feature drafters take them
@@ -216,14 +210,12 @@ def _in_vocab(drafts, vocab: int):
     return (drafts >= 0) & (drafts < vocab)
 
 
-def _verify(target: Model, cache, cur, drafts, layers: tuple[int, ...] = ()):
-    """Phase 2: one target forward over [cur, d_1..d_g] -> logits [B, g+1, V], cache (and
+def _verify(target: Model, cache, cur, drafts, layers: tuple[int, ...] = ()) -> Forward:
+    """Phase 2: one target forward over [cur, d_1..d_g]: logits [B, g+1, V], the cache (and
     with `layers`, the hidden states entering them [B, g+1, n D] for a feature drafter)."""
     drafts = jnp.where(_in_vocab(drafts, target.config.vocab_size), drafts, 0)
     tokens = jnp.concatenate([cur[:, None], drafts], axis=1)  # [B, g+1]
-    if layers:
-        return apply(target, tokens, cache, features=layers)
-    return apply(target, tokens, cache)
+    return apply(target, tokens, cache, features=layers)
 
 
 def _accept(logits, drafts, draft_logits, seed, pos, *, spec: SpecConfig):
@@ -318,12 +310,6 @@ def _audit(target: Model, state: SpecState, cache, cur, drafts, logits, *, spec:
                          audits=state.audits + due.astype(jnp.int32))
 
 
-def _target_verify(target: Model, cache, cur, drafts, layers: tuple[int, ...]):
-    """_verify -> (logits, cache, features or None)."""
-    out = _verify(target, cache, cur, drafts, layers)
-    return out if layers else (*out, None)
-
-
 def _check_finite(state: SpecState, logits, pos) -> SpecState:
     """Flags verify logits [B, G, V] with NaN or inf in a live row: the loop stops after
     the round and the host raises NonFiniteError."""
@@ -348,9 +334,8 @@ def _tree_round(target: Model, drafter, state: SpecState, seed, *,
     tokens = jnp.where(valid, tokens.astype(jnp.int32), 0)
     t_in = from_parents(parents, state.cache.lengths, D)
     layers = feature_layers(drafter)
-    out = apply(target, tokens, state.cache, tree=t_in, **({"features": layers} if layers
-                                                           else {}))
-    logits, cache = out[:2]
+    out = apply(target, tokens, state.cache, tree=t_in, features=layers)
+    logits, cache = out.logits, out.cache
     state = _check_finite(state, logits, ctx.pos)
     positions = ctx.pos[:, None] + 1 + t_in.depth  # of the token after each node
     node, n, nxt = verify_tree(spec.policy, spec.serial_sampler(), logits, tokens, parents,
@@ -366,7 +351,7 @@ def _tree_round(target: Model, drafter, state: SpecState, seed, *,
     cache = commit_path(cache, ctx.pos, path, n)
     feats = None
     if layers:  # the root's and the path's features, as a chain commit reads them
-        feats = jnp.take_along_axis(out[2], idx[:, :, None], axis=1)  # [B, D + 1, n Dt]
+        feats = jnp.take_along_axis(out.features, idx[:, :, None], axis=1)  # [B, D + 1, n Dt]
     return _commit(drafter, state, ctx, cache, dstate, path_tokens, n, nxt, spec=spec,
                    features=feats, tree=True)
 
@@ -377,8 +362,8 @@ def _round(target: Model, drafter, state: SpecState, seed, *, spec: SpecConfig) 
         return _tree_round(target, drafter, state, seed, spec=spec)
     ctx = _context(target, state, seed, spec)
     drafts, draft_logits, dstate = _draft(drafter, state.draft, ctx)
-    logits, cache, feats = _target_verify(target, state.cache, state.cur, drafts,
-                                          feature_layers(drafter))
+    out = _verify(target, state.cache, state.cur, drafts, feature_layers(drafter))
+    logits, cache, feats = out.logits, out.cache, out.features
     state = _check_finite(state, logits, ctx.pos)
     if spec.audit_every:
         state = _audit(target, state, cache, state.cur, drafts, logits, spec=spec)

@@ -37,7 +37,8 @@ def test_features_are_the_residual_stream_and_change_no_logit():
     model = load("qwen3", "pallas")
     toks = jnp.asarray(expected("qwen3")["prompt"][None, :9])
     want, _ = apply(model, toks, init_cache(model, 1, 32))
-    got, _, feats = apply(model, toks, init_cache(model, 1, 32), features=(0, 2))
+    out = apply(model, toks, init_cache(model, 1, 32), features=(0, 2))
+    got, feats = out.logits, out.features
     assert np.array_equal(bits(got), bits(want))
     D = model.config.hidden_size
     assert feats.shape == (1, 9, 2 * D)

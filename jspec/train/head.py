@@ -254,7 +254,8 @@ def target_outputs(target: Model, tokens, layers: tuple[int, ...]):
     """The frozen target's forward from position 0: tokens [B, T] -> (features
     [B, T, len(layers) D], logits [B, T, V] f32), gradient-free. Traceable."""
     cache = init_cache(target, tokens.shape[0], tokens.shape[1])
-    logits, _, feats = apply(target, tokens, cache, features=layers)
+    out = apply(target, tokens, cache, features=layers)
+    logits, feats = out.logits, out.features
     return jax.lax.stop_gradient(feats), jax.lax.stop_gradient(logits)
 
 
