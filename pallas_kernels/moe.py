@@ -25,15 +25,19 @@ count is static, ceil(R / bm) + min(E, R) (an upper bound on the tiles the group
 the tiles past the used ones hold expert id -1 and do nothing (their outputs are never
 read). So a row's result is one [bm, bk] x [bk, bn] dot per K step in a fixed order,
 whatever slot and tile it lands in: as for `matmul`, a row's bits do not depend on the
-other rows of its tile (interpret mode on the CPU and `tl.dot` on the H200 both compute
-each row of a fixed-shape tile the same way; the tests check the CPU, the GPU parity
-run the device). A one-token step with
-k experts reads k experts' weights, not E.
+other rows of its tile (interpret mode on the CPU and Triton's `tl.dot` on the GPU compute
+each row of a fixed-shape tile the same way; the tests check it on the CPU, and run
+compiled on the device with JSPEC_PALLAS_INTERPRET=0). A one-token step with k experts
+reads k experts' weights, not E.
 
-`grouped_matmul_reference` is what a plain JAX MoE runs (the `xla` backend): the same
-sort, then `jax.lax.ragged_dot` with the group sizes. Its reduction order is XLA's choice
-for the whole [R, K] x [E, K, N] problem, so a row's bits change with the rows routed
-beside it (the tests show it on the CPU).
+`grouped_matmul_glu(x, w [E, K, 2F], expert)` runs the gate and up column blocks of a
+tile with that loop, rounds both to the dtype and applies `glu`'s arithmetic in the same
+program: bitwise `glu` of `grouped_matmul`'s halves (as `matmul_glu` is of `matmul`).
+
+`grouped_matmul_reference` is what a plain JAX MoE runs (the `xla` backend): the rows
+sorted by a stable argsort, then `jax.lax.ragged_dot` with the group sizes. Its reduction
+order is XLA's choice for the whole [R, K] x [E, K, N] problem, so a row's bits change
+with the rows routed beside it (the tests show it on the CPU).
 """
 
 from __future__ import annotations
@@ -47,7 +51,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels._common import dot_f32, pad_axis, round_up, triton_params
+from pallas_kernels.glu import ACTIVATIONS, glu, glu_reference
 from pallas_kernels.matmul import MatmulConfig, matmul_config
+from pallas_kernels.matmul_glu import _glu_tile
 
 # --------------------------------------------------------------------------- routing
 
@@ -185,27 +191,81 @@ def tile_layout(expert: jax.Array, E: int, bm: int
     return dest.astype(jnp.int32), tile_expert.astype(jnp.int32), src
 
 
+def _expert_k_loop(e, src_ref, x_ref, w_ref, *, bk: int, nk: int, bn: int):
+    """[bm, bn] f32: the tile's rows (src_ref) of x_ref [R, Kp] times expert e's block
+    w_ref [E, Kp, bn], k = 0, 1, ..., nk-1 in bk blocks, sequentially (R2: the K order is
+    fixed by K and bk). Empty slots (src -1) read exact zeros."""
+    src = src_ref[...]  # [bm]
+    rows, real = jnp.maximum(src, 0), (src >= 0)[:, None]  # [bm], [bm, 1]
+
+    def step(k, acc):  # acc [bm, bn] f32
+        xs = x_ref[rows, pl.ds(k * bk, bk)]  # [bm, bk] gathered: the tile's rows
+        xs = jnp.where(real, xs, jnp.zeros_like(xs))
+        ws = w_ref[e, pl.ds(k * bk, bk), :]  # [bk, bn] of the tile's expert only
+        return acc + jnp.dot(xs, ws, precision=lax.Precision.HIGHEST,
+                             preferred_element_type=jnp.float32)
+
+    return lax.fori_loop(0, nk, step, jnp.zeros((src.shape[0], bn), jnp.float32))
+
+
 def _grouped_kernel(e_ref, src_ref, x_ref, w_ref, o_ref, *, bk: int, nk: int):
     # e_ref [1] int32: the tile's expert (-1: unused tile); src_ref [bm] int32: the row of
-    # x in each slot (-1: none, read as a zero row); x_ref [R, Kp]; w_ref [E, Kp, bn];
-    # o_ref [bm, bn].
+    # x in each slot (-1: none); x_ref [R, Kp]; w_ref [E, Kp, bn]; o_ref [bm, bn].
     e = jnp.max(e_ref[...])
-    src = src_ref[...]
-    rows, real = jnp.maximum(src, 0), (src >= 0)[:, None]  # [bm], [bm, 1]
-    bm, bn = o_ref.shape
 
     @pl.when(e >= 0)
     def _():
-        def step(k, acc):  # acc [bm, bn] f32
-            xs = x_ref[rows, pl.ds(k * bk, bk)]  # [bm, bk] gathered: the tile's rows
-            xs = jnp.where(real, xs, jnp.zeros_like(xs))  # empty slots: exact zeros
-            ws = w_ref[e, pl.ds(k * bk, bk), :]  # [bk, bn] of the tile's expert only
-            return acc + jnp.dot(xs, ws, precision=lax.Precision.HIGHEST,
-                                 preferred_element_type=jnp.float32)
-
-        # Sequential k = 0, 1, ..., nk-1 (R2): the K order is fixed by K and bk.
-        acc = lax.fori_loop(0, nk, step, jnp.zeros((bm, bn), jnp.float32))
+        acc = _expert_k_loop(e, src_ref, x_ref, w_ref, bk=bk, nk=nk, bn=o_ref.shape[1])
         o_ref[...] = acc.astype(o_ref.dtype)
+
+
+def _grouped_glu_kernel(e_ref, src_ref, x_ref, wg_ref, wu_ref, o_ref, *, bk: int, nk: int,
+                        activation: str):
+    # `_grouped_kernel` with the gate and up column blocks j of w [E, Kp, 2F]: both
+    # rounded to the dtype, then `glu`'s arithmetic (`matmul_glu`'s tile).
+    e = jnp.max(e_ref[...])
+    bn, dtype = o_ref.shape[1], o_ref.dtype
+
+    @pl.when(e >= 0)
+    def _():
+        gate = _expert_k_loop(e, src_ref, x_ref, wg_ref, bk=bk, nk=nk, bn=bn).astype(dtype)
+        up = _expert_k_loop(e, src_ref, x_ref, wu_ref, bk=bk, nk=nk, bn=bn).astype(dtype)
+        o_ref[...] = _glu_tile(gate, up, activation)
+
+
+def _launch(kernel, x, w, expert, cfg: MatmulConfig, n_out: int, out_dtype, w_blocks,
+            interpret: bool, name: str):
+    """Runs `kernel` over the expert-sorted row tiles x column blocks of n_out columns;
+    w_blocks: the column-block index of each weight operand for column block j. Returns
+    the [R, n_out] rows in their original order."""
+    R, K = x.shape
+    E = w.shape[0]
+    bm = cfg.bm
+    T = num_tiles(R, E, bm)
+    dest, tile_expert, src = tile_layout(expert.astype(jnp.int32), E, bm)
+    kp = round_up(K, cfg.bk)
+    # Zero padding: extra K terms add exact zeros at the end of the sum; the empty slots
+    # after each group's last row read zero rows, and their outputs are never read.
+    xp = pad_axis(x, 1, kp)  # [R, Kp]
+    wp = pad_axis(pad_axis(w, 1, kp), 2, round_up(w.shape[2], cfg.bn))  # [E, Kp, Np]
+    w_specs = [pl.BlockSpec((E, kp, cfg.bn), lambda i, j, b=b: (0, 0, b(j)))
+               for b in w_blocks]
+    out = pl.pallas_call(
+        functools.partial(kernel, bk=cfg.bk, nk=kp // cfg.bk),
+        out_shape=jax.ShapeDtypeStruct((T * bm, n_out), out_dtype),
+        grid=(T, n_out // cfg.bn),
+        in_specs=[
+            pl.BlockSpec((1,), lambda i, j: (i,)),
+            pl.BlockSpec((bm,), lambda i, j: (i,)),
+            pl.BlockSpec((R, kp), lambda i, j: (0, 0)),
+            *w_specs,
+        ],
+        out_specs=pl.BlockSpec((bm, cfg.bn), lambda i, j: (i, j)),
+        compiler_params=triton_params(cfg.num_warps, cfg.num_stages),
+        interpret=interpret,
+        name=name,
+    )(tile_expert, src, xp, *([wp] * len(w_blocks)))
+    return out[dest]
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "interpret", "config"))
@@ -228,30 +288,36 @@ def grouped_matmul(x: jax.Array, w: jax.Array, expert: jax.Array, *, out_dtype,
         raise ValueError(f"grouped_matmul takes no split-K; got {cfg.split_k=}")
     if R == 0:
         return jnp.zeros((0, N), out_dtype)
-    bm = cfg.bm
-    T = num_tiles(R, E, bm)
-    dest, tile_expert, src = tile_layout(expert.astype(jnp.int32), E, bm)
-    kp, np_ = round_up(K, cfg.bk), round_up(N, cfg.bn)
-    # Zero padding: extra K terms add exact zeros at the end of the sum; the empty slots
-    # after each group's last row read zero rows, and their outputs are never read.
-    xp = pad_axis(x, 1, kp)  # [R, Kp]
-    wp = pad_axis(pad_axis(w, 1, kp), 2, np_)  # [E, Kp, Np]
-    out = pl.pallas_call(
-        functools.partial(_grouped_kernel, bk=cfg.bk, nk=kp // cfg.bk),
-        out_shape=jax.ShapeDtypeStruct((T * bm, np_), out_dtype),
-        grid=(T, np_ // cfg.bn),
-        in_specs=[
-            pl.BlockSpec((1,), lambda i, j: (i,)),
-            pl.BlockSpec((bm,), lambda i, j: (i,)),
-            pl.BlockSpec((R, kp), lambda i, j: (0, 0)),
-            pl.BlockSpec((E, kp, cfg.bn), lambda i, j: (0, 0, j)),
-        ],
-        out_specs=pl.BlockSpec((bm, cfg.bn), lambda i, j: (i, j)),
-        compiler_params=triton_params(cfg.num_warps, cfg.num_stages),
-        interpret=interpret,
-        name="jspec_grouped_matmul",
-    )(tile_expert, src, xp, wp)
-    return out[dest, :N]
+    out = _launch(_grouped_kernel, x, w, expert, cfg, round_up(N, cfg.bn), out_dtype,
+                  [lambda j: j], interpret, "jspec_grouped_matmul")
+    return out[:, :N]
+
+
+@functools.partial(jax.jit, static_argnames=("activation", "interpret"))
+def grouped_matmul_glu(x: jax.Array, w: jax.Array, expert: jax.Array, *, activation: str,
+                       interpret: bool = False) -> jax.Array:
+    """act(x[r] @ w[e][:, :F]) * (x[r] @ w[e][:, F:]) for e = expert[r]: x [R, K],
+    w [E, K, 2F] (gate columns first) -> [R, F] x.dtype. Bitwise `glu` of
+    `grouped_matmul(x, w, expert, out_dtype=x.dtype)`'s halves (the same tiles,
+    `grouped_config(E, K, 2F)`, and K loops), in one kernel; shapes whose column tile does
+    not divide F take that unfused path."""
+    _check_grouped(x, w, expert)
+    if w.shape[2] % 2:
+        raise ValueError(f"grouped_matmul_glu wants w [E, K, 2F] (gate, then up); got "
+                         f"{w.shape=}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"grouped_matmul_glu activation must be one of {ACTIVATIONS}; got "
+                         f"{activation=}")
+    E, K, F = w.shape[0], w.shape[1], w.shape[2] // 2
+    cfg = grouped_config(E, K, 2 * F, w.dtype, interpret)
+    if F % cfg.bn or x.shape[0] == 0:
+        gate, up = jnp.split(grouped_matmul(x, w, expert, out_dtype=x.dtype,
+                                            interpret=interpret), 2, axis=-1)
+        return glu(gate, up, activation=activation, interpret=interpret)
+    nf = F // cfg.bn  # column blocks of the gate half
+    kernel = functools.partial(_grouped_glu_kernel, activation=activation)
+    return _launch(kernel, x, w, expert, cfg, F, x.dtype, [lambda j: j, lambda j: j + nf],
+                   interpret, "jspec_grouped_matmul_glu")
 
 
 def grouped_matmul_reference(x: jax.Array, w: jax.Array, expert: jax.Array, *, out_dtype,
@@ -269,3 +335,12 @@ def grouped_matmul_reference(x: jax.Array, w: jax.Array, expert: jax.Array, *, o
     y = dot_f32(lax.ragged_dot, x[order], w, precision=precision, group_sizes=sizes)
     back = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
     return y[back].astype(out_dtype)
+
+
+def grouped_matmul_glu_reference(x: jax.Array, w: jax.Array, expert: jax.Array, *,
+                                 activation: str) -> jax.Array:
+    """Plain jnp: the reference grouped matmul rounded to x.dtype, split, the reference
+    GLU (NOT row-invariant)."""
+    gate, up = jnp.split(grouped_matmul_reference(x, w, expert, out_dtype=x.dtype), 2,
+                         axis=-1)
+    return glu_reference(gate, up, activation=activation)

@@ -69,7 +69,7 @@ def _rows(rng, r, dtype):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("r", [1, 37])
+@pytest.mark.parametrize("r", [37, pytest.param(1, marks=pytest.mark.slow)])
 def test_grouped_matmul_matches_per_row_products(dtype, r):
     rng = np.random.default_rng(r)
     x, w = _rows(rng, r, dtype), _weights(dtype)
@@ -314,3 +314,45 @@ def test_grouped_matmul_lowers_for_the_h200(h200, k, n, r):
     assert set(re.findall(r'name = "(jspec_[a-z_0-9]*)"', text)) == {"jspec_grouped_matmul"}
     # The weights go in whole and unpadded (no copy of all E experts per call).
     assert f"tensor<128x{k}x{n}xbf16>" in text and "stablehlo.pad" not in text
+
+
+# --------------------------------------------------------------------------- fused GLU
+
+
+@pytest.mark.parametrize("dtype,f", [
+    (jnp.bfloat16, 512),
+    pytest.param(jnp.float32, 512, marks=pytest.mark.slow),
+    pytest.param(jnp.bfloat16, 40, marks=pytest.mark.slow),  # bn does not divide F: unfused
+])
+def test_grouped_matmul_glu_is_glu_of_the_grouped_matmul(dtype, f):
+    from pallas_kernels.glu import glu
+    from pallas_kernels.moe import grouped_matmul_glu, grouped_matmul_glu_reference
+
+    rng = np.random.default_rng(f)
+    x = _rows(rng, 37, dtype)
+    w = jnp.asarray(rng.standard_normal((E, K, 2 * f)) * K**-0.5, dtype)
+    expert = jnp.asarray(rng.choice([0, 2, 5], 37), jnp.int32)
+    fused = functools.partial(grouped_matmul_glu, activation="silu", interpret=INTERPRET)
+    got = fused(x, w, expert)
+    assert ("jspec_grouped_matmul_glu" in str(jax.make_jaxpr(fused)(x, w, expert))) == (
+        f == 512)
+    gate, up = jnp.split(grouped_matmul(x, w, expert, out_dtype=dtype, interpret=INTERPRET),
+                         2, axis=-1)
+    _same_bits(got, glu(gate, up, activation="silu", interpret=INTERPRET), "fused vs unfused")
+    alone = grouped_matmul_glu(x[5:6], w, expert[5:6], activation="silu", interpret=INTERPRET)
+    _same_bits(alone[0], got[5], "row 5 alone")
+    ref = grouped_matmul_glu_reference(x, w, expert, activation="silu")
+    tol = 2e-2 if dtype == jnp.bfloat16 else 1e-5
+    np.testing.assert_allclose(np.asarray(ref, np.float32), np.asarray(got, np.float32),
+                               rtol=tol, atol=tol)
+
+
+def test_grouped_matmul_glu_lowers_for_the_h200(h200):
+    from pallas_kernels.moe import grouped_matmul_glu
+
+    args = (jax.ShapeDtypeStruct((8, 2048), jnp.bfloat16),
+            jax.ShapeDtypeStruct((128, 2048, 2 * 768), jnp.bfloat16),
+            jax.ShapeDtypeStruct((8,), jnp.int32))
+    fn = functools.partial(grouped_matmul_glu, activation="silu")
+    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert set(re.findall(r'name = "(jspec_[a-z_0-9]*)"', text)) == {"jspec_grouped_matmul_glu"}
