@@ -1,0 +1,346 @@
+"""Mixture-of-experts numerics: exact routing, a row-invariant grouped matmul, the combine.
+
+Rule R9 (docs/design.md): a token's router logits go through the invariant matmul; top-k
+breaks ties by the lowest expert id; each expert's output for a row is a function of that
+row and the expert's weights only, whatever other rows share the expert; a token's
+weighted sum over its experts is formed in one fixed order in f32. This file keeps the
+last three parts:
+
+`route(logits [M, E], k)` and `combine(y [M, k, D], weights [M, k])` are plain jnp and
+row-local by construction: every reduction is elementwise ops in an order written out
+here (a max, which is exact in any order; sums as a fixed pairwise tree over column
+halves or an unrolled left-to-right fold), never `jnp.sum`, whose association XLA may
+pick per shape. Both backends use them.
+
+`grouped_matmul(x [R, K], w [E, K, N], expert [R])`: row r is x[r] @ w[expert[r]]. The
+rows are laid out by expert (a counting sort in integer arithmetic: exact), each expert's
+rows in whole row tiles of bm slots, the group's last tile padded with empty slots, so
+no tile mixes two experts. One program per (row tile, column block) reads its tile's
+expert id, gathers its rows of x (empty slots read as exact zeros) and walks K from 0
+upward in bk-wide blocks into an f32 accumulator, reading only that expert's weight
+blocks; the rows are then gathered back to their original order. The tiling (bm, bn,
+bk, warps, stages) is `matmul_config(K, N)`'s without its split: a function of the
+weight shape, dtype and interpret flag only (R1), never of R or of the routing. The tile
+count is static, ceil(R / bm) + min(E, R) (an upper bound on the tiles the groups need);
+the tiles past the used ones hold expert id -1 and do nothing (their outputs are never
+read). So a row's result is one [bm, bk] x [bk, bn] dot per K step in a fixed order,
+whatever slot and tile it lands in: as for `matmul`, a row's bits do not depend on the
+other rows of its tile (interpret mode on the CPU and Triton's `tl.dot` on the GPU compute
+each row of a fixed-shape tile the same way; the tests check it on the CPU, and run
+compiled on the device with JSPEC_PALLAS_INTERPRET=0). A one-token step with k experts
+reads k experts' weights, not E.
+
+`grouped_matmul_glu(x, w [E, K, 2F], expert)` runs the gate and up column blocks of a
+tile with that loop, rounds both to the dtype and applies `glu`'s arithmetic in the same
+program: bitwise `glu` of `grouped_matmul`'s halves (as `matmul_glu` is of `matmul`).
+
+`grouped_matmul_reference` is what a plain JAX MoE runs (the `xla` backend): the rows
+sorted by a stable argsort, then `jax.lax.ragged_dot` with the group sizes. Its reduction
+order is XLA's choice for the whole [R, K] x [E, K, N] problem, so a row's bits change
+with the rows routed beside it (the tests show it on the CPU).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels._common import dot_f32, pad_axis, round_up, triton_params
+from pallas_kernels.glu import ACTIVATIONS, glu, glu_reference
+from pallas_kernels.matmul import MatmulConfig, matmul_config
+from pallas_kernels.matmul_glu import _glu_tile
+
+# --------------------------------------------------------------------------- routing
+
+
+def _tree_sum(x: jax.Array) -> jax.Array:
+    """[M, E] -> [M]: a fixed pairwise tree of elementwise adds over column halves
+    (E zero-padded to a power of two): x[:, :h] + x[:, h:], then again, down to one
+    column. The association depends on E only, never on M."""
+    e = x.shape[-1]
+    x = pad_axis(x, 1, 1 << max(e - 1, 0).bit_length())
+    while x.shape[-1] > 1:
+        h = x.shape[-1] // 2
+        x = x[:, :h] + x[:, h:]
+    return x[:, 0]
+
+
+def _fold_sum(x: jax.Array) -> jax.Array:
+    """[M, k] -> [M]: ((x0 + x1) + x2) + ..., unrolled left to right."""
+    acc = x[:, 0]
+    for j in range(1, x.shape[-1]):
+        acc = acc + x[:, j]
+    return acc
+
+
+def _check_route(logits: jax.Array, k: int) -> None:
+    if logits.ndim != 2:
+        raise ValueError(f"route wants router logits [M, E]; got {logits.shape=}")
+    if logits.dtype != jnp.float32:
+        raise ValueError(f"route wants float32 router logits; got {logits.dtype=}")
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= logits.shape[1]:
+        raise ValueError(f"route: k must be an int in [1, E={logits.shape[1]}]; got {k=}")
+
+
+@functools.partial(jax.jit, static_argnames=("k", "norm_topk_prob"))
+def route(router_logits: jax.Array, k: int, *, norm_topk_prob: bool
+          ) -> tuple[jax.Array, jax.Array]:
+    """Top-k routing as transformers' Qwen3-MoE and Mixtral blocks compute it, exactly.
+
+    router_logits [M, E] f32 -> (weights [M, k] f32, ids [M, k] int32), ids in the order
+    chosen (descending probability). p = softmax(logits) over all E in f32 (max, exp,
+    a pairwise-tree sum, a division); the k ids are taken by repeated argmax over p,
+    the lowest expert id winning a tie (`lax.top_k` promises no tie order); the weights
+    are those p, divided by their left-to-right sum when `norm_topk_prob` (Mixtral always
+    renormalises; Qwen3-MoE as its config says). The model casts them as its checkpoint's
+    convention says. Every step is row-local with an order fixed by E and k.
+    """
+    _check_route(router_logits, k)
+    top = jnp.max(router_logits, axis=-1, keepdims=True)  # exact in any order
+    e = jnp.exp(router_logits - top)  # [M, E]
+    p = e / _tree_sum(e)[:, None]
+    col = lax.broadcasted_iota(jnp.int32, p.shape, 1)
+    ids, weights, left = [], [], p
+    for _ in range(k):
+        i = jnp.argmax(left, axis=-1).astype(jnp.int32)  # [M], first (lowest) id of the max
+        hit = col == i[:, None]
+        weights.append(jnp.max(jnp.where(hit, p, -jnp.inf), axis=-1))  # p[m, i[m]]
+        ids.append(i)
+        left = jnp.where(hit, -jnp.inf, left)
+    w = jnp.stack(weights, axis=-1)  # [M, k]
+    if norm_topk_prob:
+        w = w / _fold_sum(w)[:, None]
+    return w, jnp.stack(ids, axis=-1)
+
+
+@jax.jit
+def combine(y: jax.Array, weights: jax.Array) -> jax.Array:
+    """y [M, k, D] (each token's k expert outputs), weights [M, k] -> [M, D] f32:
+    sum_j weights[:, j] * y[:, j] for j = 0, 1, ..., k-1, left to right, in f32. The
+    products are materialised before the adds (an optimization barrier), so no
+    multiply is contracted with an add into an FMA in one compiled program and not in
+    another."""
+    if y.ndim != 3 or weights.shape != y.shape[:2]:
+        raise ValueError(f"combine wants y [M, k, D] and weights [M, k]; got {y.shape=} "
+                         f"{weights.shape=}")
+    prods = lax.optimization_barrier(
+        y.astype(jnp.float32) * weights.astype(jnp.float32)[:, :, None])  # [M, k, D]
+    acc = prods[:, 0]
+    for j in range(1, prods.shape[1]):
+        acc = acc + prods[:, j]
+    return acc
+
+
+# --------------------------------------------------------------------------- grouped matmul
+
+
+def grouped_config(E: int, K: int, N: int, dtype, interpret: bool) -> MatmulConfig:
+    """Tiles of a grouped matmul over [E, K, N] weights: the [K, N] matmul's tiles without
+    split-K (a function of the weight shape only; deliberately takes no row count)."""
+    del E  # the expert count sets the grid's bound, not the tiles
+    return dataclasses.replace(matmul_config(K, N, dtype, interpret), split_k=1)
+
+
+def _check_grouped(x: jax.Array, w: jax.Array, expert: jax.Array) -> None:
+    if x.ndim != 2 or w.ndim != 3 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"grouped_matmul wants x [R, K] and w [E, K, N]; got {x.shape=} "
+                         f"{w.shape=}")
+    if expert.shape != x.shape[:1]:
+        raise ValueError(f"grouped_matmul wants expert [R] for x [R, K]; got "
+                         f"{expert.shape=} {x.shape=}")
+    if not jnp.issubdtype(expert.dtype, jnp.integer):
+        raise ValueError(f"grouped_matmul: expert must be an integer array; got "
+                         f"{expert.dtype=}")
+    if x.dtype != w.dtype or x.dtype not in (jnp.float32, jnp.bfloat16):
+        raise ValueError(f"grouped_matmul wants x and w both float32 or both bfloat16; got "
+                         f"{x.dtype=} {w.dtype=}")
+
+
+def num_tiles(R: int, E: int, bm: int) -> int:
+    """Static row-tile count of a grouped launch: ceil(R / bm) + min(E, R) bounds
+    sum over experts of ceil(rows_e / bm) for every routing of R rows."""
+    return -(-R // bm) + min(E, R)
+
+
+def tile_layout(expert: jax.Array, E: int, bm: int
+                ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """expert [R] int32 -> (dest [R], tile_expert [T], src [T * bm]): a counting sort in
+    integer arithmetic (exact; no sort, no loop: a few small fused XLA ops on the GPU).
+
+    Expert e's rows, in their original order, fill whole tiles of bm slots from tile
+    tile_start[e] on (experts in ascending id). dest[r]: row r's slot; tile_expert[t]:
+    the expert of tile t, or -1 for the tiles past the used ones; src[s]: the row in
+    slot s, or -1 for the slots after a group's last row."""
+    R = expert.shape[0]
+    T = num_tiles(R, E, bm)
+    onehot = (expert[:, None] == jnp.arange(E, dtype=jnp.int32)[None, :]).astype(jnp.int32)
+    seen = jnp.cumsum(onehot, axis=0)  # [R, E]: rows of each expert among rows 0..r
+    rank = jnp.sum(onehot * seen, axis=1) - 1  # [R]: earlier rows of row r's expert
+    tiles = -(-seen[-1] // bm)  # [E]: whole tiles per expert
+    tile_end = jnp.cumsum(tiles)  # [E]
+    dest = (tile_end - tiles)[expert] * bm + rank  # [R]
+    t = jnp.arange(T, dtype=jnp.int32)
+    owner = jnp.sum(tile_end[None, :] <= t[:, None], axis=1, dtype=jnp.int32)  # [T]
+    tile_expert = jnp.where(t < tile_end[-1], owner, -1)
+    src = jnp.full((T * bm,), -1, jnp.int32).at[dest].set(jnp.arange(R, dtype=jnp.int32))
+    return dest.astype(jnp.int32), tile_expert.astype(jnp.int32), src
+
+
+def _expert_k_loop(e, src_ref, x_ref, w_ref, *, bk: int, nk: int, bn: int):
+    """[bm, bn] f32: the tile's rows (src_ref) of x_ref [R, Kp] times expert e's block
+    w_ref [E, Kp, bn], k = 0, 1, ..., nk-1 in bk blocks, sequentially (R2: the K order is
+    fixed by K and bk). Empty slots (src -1) read exact zeros."""
+    src = src_ref[...]  # [bm]
+    rows, real = jnp.maximum(src, 0), (src >= 0)[:, None]  # [bm], [bm, 1]
+
+    def step(k, acc):  # acc [bm, bn] f32
+        xs = x_ref[rows, pl.ds(k * bk, bk)]  # [bm, bk] gathered: the tile's rows
+        xs = jnp.where(real, xs, jnp.zeros_like(xs))
+        ws = w_ref[e, pl.ds(k * bk, bk), :]  # [bk, bn] of the tile's expert only
+        return acc + jnp.dot(xs, ws, precision=lax.Precision.HIGHEST,
+                             preferred_element_type=jnp.float32)
+
+    return lax.fori_loop(0, nk, step, jnp.zeros((src.shape[0], bn), jnp.float32))
+
+
+def _grouped_kernel(e_ref, src_ref, x_ref, w_ref, o_ref, *, bk: int, nk: int):
+    # e_ref [1] int32: the tile's expert (-1: unused tile); src_ref [bm] int32: the row of
+    # x in each slot (-1: none); x_ref [R, Kp]; w_ref [E, Kp, bn]; o_ref [bm, bn].
+    e = jnp.max(e_ref[...])
+
+    @pl.when(e >= 0)
+    def _():
+        acc = _expert_k_loop(e, src_ref, x_ref, w_ref, bk=bk, nk=nk, bn=o_ref.shape[1])
+        o_ref[...] = acc.astype(o_ref.dtype)
+
+
+def _grouped_glu_kernel(e_ref, src_ref, x_ref, wg_ref, wu_ref, o_ref, *, bk: int, nk: int,
+                        activation: str):
+    # `_grouped_kernel` with the gate and up column blocks j of w [E, Kp, 2F]: both
+    # rounded to the dtype, then `glu`'s arithmetic (`matmul_glu`'s tile).
+    e = jnp.max(e_ref[...])
+    bn, dtype = o_ref.shape[1], o_ref.dtype
+
+    @pl.when(e >= 0)
+    def _():
+        gate = _expert_k_loop(e, src_ref, x_ref, wg_ref, bk=bk, nk=nk, bn=bn).astype(dtype)
+        up = _expert_k_loop(e, src_ref, x_ref, wu_ref, bk=bk, nk=nk, bn=bn).astype(dtype)
+        o_ref[...] = _glu_tile(gate, up, activation)
+
+
+def _launch(kernel, x, w, expert, cfg: MatmulConfig, n_out: int, out_dtype, w_blocks,
+            interpret: bool, name: str):
+    """Runs `kernel` over the expert-sorted row tiles x column blocks of n_out columns;
+    w_blocks: the column-block index of each weight operand for column block j. Returns
+    the [R, n_out] rows in their original order."""
+    R, K = x.shape
+    E = w.shape[0]
+    bm = cfg.bm
+    T = num_tiles(R, E, bm)
+    dest, tile_expert, src = tile_layout(expert.astype(jnp.int32), E, bm)
+    kp = round_up(K, cfg.bk)
+    # Zero padding: extra K terms add exact zeros at the end of the sum; the empty slots
+    # after each group's last row read zero rows, and their outputs are never read.
+    xp = pad_axis(x, 1, kp)  # [R, Kp]
+    wp = pad_axis(pad_axis(w, 1, kp), 2, round_up(w.shape[2], cfg.bn))  # [E, Kp, Np]
+    w_specs = [pl.BlockSpec((E, kp, cfg.bn), lambda i, j, b=b: (0, 0, b(j)))
+               for b in w_blocks]
+    out = pl.pallas_call(
+        functools.partial(kernel, bk=cfg.bk, nk=kp // cfg.bk),
+        out_shape=jax.ShapeDtypeStruct((T * bm, n_out), out_dtype),
+        grid=(T, n_out // cfg.bn),
+        in_specs=[
+            pl.BlockSpec((1,), lambda i, j: (i,)),
+            pl.BlockSpec((bm,), lambda i, j: (i,)),
+            pl.BlockSpec((R, kp), lambda i, j: (0, 0)),
+            *w_specs,
+        ],
+        out_specs=pl.BlockSpec((bm, cfg.bn), lambda i, j: (i, j)),
+        compiler_params=triton_params(cfg.num_warps, cfg.num_stages),
+        interpret=interpret,
+        name=name,
+    )(tile_expert, src, xp, *([wp] * len(w_blocks)))
+    return out[dest]
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype", "interpret", "config"))
+def grouped_matmul(x: jax.Array, w: jax.Array, expert: jax.Array, *, out_dtype,
+                   interpret: bool = False, config: MatmulConfig | None = None) -> jax.Array:
+    """x [R, K] @ w[expert] -> [R, N] in out_dtype (None: float32): row r is
+    x[r] @ w[expert[r]], K reduced from 0 upward in an f32 accumulator, bitwise
+    independent of the other rows and of which of them share its expert (R9).
+
+    w [E, K, N] (x's dtype, float32 or bfloat16); expert [R] integer in [0, E) (traced
+    values are not checked: an id outside it gives an undefined row). `config`
+    overrides `grouped_config(E, K, N, ...)` (split_k must be 1); one weight must always
+    use one config."""
+    _check_grouped(x, w, expert)
+    out_dtype = jnp.dtype(jnp.float32 if out_dtype is None else out_dtype)
+    R, K = x.shape
+    E, _, N = w.shape
+    cfg = grouped_config(E, K, N, w.dtype, interpret) if config is None else config
+    if cfg.split_k != 1:
+        raise ValueError(f"grouped_matmul takes no split-K; got {cfg.split_k=}")
+    if R == 0:
+        return jnp.zeros((0, N), out_dtype)
+    out = _launch(_grouped_kernel, x, w, expert, cfg, round_up(N, cfg.bn), out_dtype,
+                  [lambda j: j], interpret, "jspec_grouped_matmul")
+    return out[:, :N]
+
+
+@functools.partial(jax.jit, static_argnames=("activation", "interpret"))
+def grouped_matmul_glu(x: jax.Array, w: jax.Array, expert: jax.Array, *, activation: str,
+                       interpret: bool = False) -> jax.Array:
+    """act(x[r] @ w[e][:, :F]) * (x[r] @ w[e][:, F:]) for e = expert[r]: x [R, K],
+    w [E, K, 2F] (gate columns first) -> [R, F] x.dtype. Bitwise `glu` of
+    `grouped_matmul(x, w, expert, out_dtype=x.dtype)`'s halves (the same tiles,
+    `grouped_config(E, K, 2F)`, and K loops), in one kernel; shapes whose column tile does
+    not divide F take that unfused path."""
+    _check_grouped(x, w, expert)
+    if w.shape[2] % 2:
+        raise ValueError(f"grouped_matmul_glu wants w [E, K, 2F] (gate, then up); got "
+                         f"{w.shape=}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"grouped_matmul_glu activation must be one of {ACTIVATIONS}; got "
+                         f"{activation=}")
+    E, K, F = w.shape[0], w.shape[1], w.shape[2] // 2
+    cfg = grouped_config(E, K, 2 * F, w.dtype, interpret)
+    if F % cfg.bn or x.shape[0] == 0:
+        gate, up = jnp.split(grouped_matmul(x, w, expert, out_dtype=x.dtype,
+                                            interpret=interpret), 2, axis=-1)
+        return glu(gate, up, activation=activation, interpret=interpret)
+    nf = F // cfg.bn  # column blocks of the gate half
+    kernel = functools.partial(_grouped_glu_kernel, activation=activation)
+    return _launch(kernel, x, w, expert, cfg, F, x.dtype, [lambda j: j, lambda j: j + nf],
+                   interpret, "jspec_grouped_matmul_glu")
+
+
+def grouped_matmul_reference(x: jax.Array, w: jax.Array, expert: jax.Array, *, out_dtype,
+                             config=None) -> jax.Array:
+    """What a plain JAX MoE runs (the `xla` backend; NOT row-invariant): rows sorted by
+    expert, `jax.lax.ragged_dot` over the groups with f32 accumulation, unsorted."""
+    del config  # the kernel's tiling; nothing to tile here
+    _check_grouped(x, w, expert)
+    out_dtype = jnp.float32 if out_dtype is None else out_dtype
+    E = w.shape[0]
+    expert = expert.astype(jnp.int32)
+    order = jnp.argsort(expert, stable=True)
+    sizes = jnp.bincount(expert, length=E).astype(jnp.int32)
+    precision = lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
+    y = dot_f32(lax.ragged_dot, x[order], w, precision=precision, group_sizes=sizes)
+    back = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
+    return y[back].astype(out_dtype)
+
+
+def grouped_matmul_glu_reference(x: jax.Array, w: jax.Array, expert: jax.Array, *,
+                                 activation: str) -> jax.Array:
+    """Plain jnp: the reference grouped matmul rounded to x.dtype, split, the reference
+    GLU (NOT row-invariant)."""
+    gate, up = jnp.split(grouped_matmul_reference(x, w, expert, out_dtype=x.dtype), 2,
+                         axis=-1)
+    return glu_reference(gate, up, activation=activation)

@@ -1,0 +1,358 @@
+"""Tests for the mixture-of-experts numerics (`pallas_kernels.moe`, rule R9).
+
+- grouped_matmul: accuracy against a float64 per-row product (the only tolerance), and
+  BITWISE row invariance over routings chosen to collide (every row on one expert, one
+  row per expert, experts with no rows, R not a multiple of the row tile, R = 1): a row's
+  output is the same alone, inside its batch and among other rows routed otherwise.
+- route: ties go to the lowest expert id; the weights are transformers' formula; rows
+  are independent (bitwise).
+- combine: the left-to-right f32 sum, bitwise; rows independent.
+- the xla backend's grouped matmul (ragged_dot) is shown breaking row invariance.
+- the kernel lowers for the H200 (Triton, sm_90) at the Qwen3-30B-A3B expert shapes.
+
+Runs on CPU with interpret=True.
+"""
+
+import functools
+import inspect
+import os
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from jspec.ops import get_ops
+from pallas_kernels.moe import (
+    combine,
+    grouped_config,
+    grouped_matmul,
+    grouped_matmul_reference,
+    num_tiles,
+    route,
+    tile_layout,
+)
+
+INTERPRET = os.environ.get("JSPEC_PALLAS_INTERPRET", "1") != "0"
+E, K, N = 8, 96, 48  # tiny experts: K and N not multiples of the interpret tiles
+BM = grouped_config(E, K, N, jnp.float32, INTERPRET).bm  # 32 rows per tile in interpret mode
+
+
+def _bits(x):
+    x = np.asarray(x)
+    return x.view(np.uint16 if x.dtype.itemsize == 2 else np.uint32)
+
+
+def _same_bits(a, b, what):
+    assert np.array_equal(_bits(a), _bits(b)), f"{what}: bits differ"
+
+
+def _gmm(x, w, expert, dtype=jnp.float32):
+    return grouped_matmul(x, w, jnp.asarray(expert, jnp.int32), out_dtype=dtype,
+                          interpret=INTERPRET)
+
+
+@functools.cache
+def _weights(dtype):
+    rng = np.random.default_rng(0)
+    return jnp.asarray(rng.standard_normal((E, K, N)) * K**-0.5, dtype)
+
+
+def _rows(rng, r, dtype):
+    return jnp.asarray(rng.standard_normal((r, K)), dtype)
+
+
+# --------------------------------------------------------------------------- grouped matmul
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("r", [37, pytest.param(1, marks=pytest.mark.slow)])
+def test_grouped_matmul_matches_per_row_products(dtype, r):
+    rng = np.random.default_rng(r)
+    x, w = _rows(rng, r, dtype), _weights(dtype)
+    expert = rng.integers(0, E, r)
+    got = _gmm(x, w, expert)
+    x64, w64 = (np.asarray(a.astype(jnp.float32), np.float64) for a in (x, w))
+    want = np.einsum("rk,rkn->rn", x64, w64[expert])
+    assert got.shape == (r, N) and got.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+    ref = grouped_matmul_reference(x, w, jnp.asarray(expert), out_dtype=jnp.float32)
+    np.testing.assert_allclose(np.asarray(ref), want, rtol=1e-5, atol=1e-5)
+    # out_dtype is one rounding of the f32 result
+    _same_bits(_gmm(x, w, expert, jnp.bfloat16), got.astype(jnp.bfloat16), "out_dtype")
+
+
+def _routing(kind: str, r: int, rng) -> np.ndarray:
+    """expert ids [r] of a routing that collides in the named way."""
+    if kind == "one_expert":  # every row on one expert: several tiles of one group
+        return np.full(r, rng.integers(E))
+    if kind == "one_per_expert":  # distinct experts while they last
+        return rng.permutation(np.resize(np.arange(E), r))
+    if kind == "some_empty":  # two experts only: the others have no rows
+        return rng.choice(rng.choice(E, 2, replace=False), r)
+    return rng.integers(0, E, r)
+
+
+ROUTINGS = ("one_expert", "one_per_expert", "some_empty", "random")
+
+
+@settings(max_examples=8, deadline=None, derandomize=True,
+          suppress_health_check=list(HealthCheck))
+@given(r=st.sampled_from([1, 5, BM + 3, 2 * BM]), kind=st.sampled_from(ROUTINGS),
+       seed=st.integers(0, 2**16), bf16=st.booleans())
+def test_grouped_matmul_row_is_independent_of_its_neighbours(r, kind, seed, bf16):
+    dtype = jnp.bfloat16 if bf16 else jnp.float32
+    rng = np.random.default_rng(seed)
+    x, w, expert = _rows(rng, r, dtype), _weights(dtype), _routing(kind, r, rng)
+    full = np.asarray(_gmm(x, w, expert))
+    for i in sorted({0, r // 2, r - 1}):
+        _same_bits(_gmm(x[i:i + 1], w, expert[i:i + 1])[0], full[i], f"row {i} alone")
+        # Among BM + 3 new rows, all on row i's expert (its group spans two tiles and
+        # row i sits at another slot), or routed at random.
+        for other_kind in ("one_expert", "random"):
+            at = int(rng.integers(BM + 3))
+            others = (np.full(BM + 3, expert[i]) if other_kind == "one_expert"
+                      else rng.integers(0, E, BM + 3))
+            others[at] = expert[i]
+            xo = _rows(rng, BM + 3, dtype).at[at].set(x[i])
+            _same_bits(_gmm(xo, w, others)[at], full[i],
+                       f"row {i} ({kind}) at {at} among {other_kind} rows")
+
+
+def test_grouped_matmul_every_row_alone_equals_the_batch():
+    # The exhaustive form on one collision-heavy routing: 3 experts for 40 rows.
+    rng = np.random.default_rng(7)
+    x, w = _rows(rng, 40, jnp.bfloat16), _weights(jnp.bfloat16)
+    expert = rng.choice([1, 4, 6], 40)
+    full = np.asarray(_gmm(x, w, expert))
+    for i in range(40):
+        _same_bits(_gmm(x[i:i + 1], w, expert[i:i + 1])[0], full[i], f"row {i} alone")
+
+
+@pytest.mark.parametrize("kind", ROUTINGS)
+def test_tile_layout_keeps_groups_in_whole_tiles(kind):
+    rng = np.random.default_rng(3)
+    r, bm = 45, 8
+    expert = _routing(kind, r, rng)
+    dest, tile_expert, src = (np.asarray(a) for a in tile_layout(jnp.asarray(expert, jnp.int32),
+                                                                 E, bm))
+    T = num_tiles(r, E, bm)
+    assert tile_expert.shape == (T,) and src.shape == (T * bm,)
+    assert sorted(dest) == sorted(set(dest))  # every row its own slot
+    np.testing.assert_array_equal(src[dest], np.arange(r))
+    np.testing.assert_array_equal(tile_expert[dest // bm], expert)  # a tile has one expert
+    used = np.unique(dest // bm)
+    assert (tile_expert[: len(used)] >= 0).all() and (tile_expert[len(used):] == -1).all()
+    for e in range(E):  # a group keeps its rows' order, from its first tile's start
+        slots = dest[expert == e]
+        assert (np.diff(slots) == 1).all() and (slots[:1] % bm == 0).all()
+    needed = sum(-(-np.sum(expert == e) // bm) for e in range(E))
+    assert needed == len(used) <= T
+
+
+def test_grouped_config_takes_no_row_count():
+    assert list(inspect.signature(grouped_config).parameters) == ["E", "K", "N", "dtype",
+                                                                  "interpret"]
+    for interpret in (True, False):
+        cfg = grouped_config(128, 2048, 1536, jnp.bfloat16, interpret)
+        assert cfg.split_k == 1 and cfg == grouped_config(128, 2048, 1536, jnp.bfloat16,
+                                                          interpret)
+
+
+@pytest.mark.parametrize("args,match", [
+    (((3, K), (E, K + 1, N), (3,)), "x \\[R, K\\] and w \\[E, K, N\\]"),
+    (((3, K), (E, K, N), (4,)), "expert \\[R\\]"),
+])
+def test_grouped_matmul_rejects_bad_shapes(args, match):
+    x, w, e = (jnp.zeros(s, jnp.float32 if len(s) > 1 else jnp.int32) for s in args)
+    for fn in (functools.partial(grouped_matmul, interpret=True), grouped_matmul_reference):
+        with pytest.raises(ValueError, match=match):
+            fn(x, w, e, out_dtype=jnp.float32)
+
+
+def test_grouped_matmul_rejects_bad_dtypes():
+    x, w = jnp.zeros((2, K), jnp.float32), jnp.zeros((E, K, N), jnp.bfloat16)
+    with pytest.raises(ValueError, match="both float32 or both bfloat16"):
+        grouped_matmul(x, w, jnp.zeros(2, jnp.int32), out_dtype=None, interpret=True)
+    with pytest.raises(ValueError, match="expert must be an integer array"):
+        grouped_matmul(x, w.astype(jnp.float32), jnp.zeros(2), out_dtype=None, interpret=True)
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="documents this CPU's XLA")
+def test_xla_grouped_matmul_is_not_row_invariant():
+    """The parity check can fail: ragged_dot (the xla backend) gives a row other bits alone
+    than among 36 more rows on its expert; the kernel gives the same bits."""
+    rng = np.random.default_rng(0)
+    x, w = _rows(rng, 37, jnp.float32), _weights(jnp.float32)
+    expert = jnp.full((37,), 3, jnp.int32)
+    alone = np.asarray(grouped_matmul_reference(x[:1], w, expert[:1], out_dtype=jnp.float32))
+    among = np.asarray(grouped_matmul_reference(x, w, expert, out_dtype=jnp.float32))
+    assert not np.array_equal(_bits(alone[0]), _bits(among[0]))
+    _same_bits(_gmm(x[:1], w, expert[:1])[0], _gmm(x, w, expert)[0], "kernel")
+
+
+def test_ops_dispatch_grouped_matmul():
+    rng = np.random.default_rng(1)
+    x, w, expert = _rows(rng, 5, jnp.float32), _weights(jnp.float32), jnp.arange(5) % 3
+    want = _gmm(x, w, expert)
+    _same_bits(get_ops("pallas", interpret=True).grouped_matmul(x, w, expert,
+                                                               out_dtype=jnp.float32),
+               want, "pallas backend")
+    got = get_ops("xla").grouped_matmul(x, w, expert, out_dtype=jnp.float32)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+# --------------------------------------------------------------------------- route
+
+
+def _route_f64(logits: np.ndarray, k: int, norm: bool):
+    """transformers' Qwen3-MoE / Mixtral routing in float64: softmax over all experts,
+    top-k (stable: the lowest id first among equals), renormalised when asked."""
+    z = logits.astype(np.float64)
+    p = np.exp(z - z.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    ids = np.argsort(-p, axis=-1, kind="stable")[:, :k]
+    w = np.take_along_axis(p, ids, -1)
+    return (w / w.sum(-1, keepdims=True) if norm else w), ids
+
+
+@pytest.mark.parametrize("e,k", [(8, 2), (60, 4), (128, 8)])
+@pytest.mark.parametrize("norm", [True, False])
+def test_route_matches_transformers_formula(e, k, norm):
+    rng = np.random.default_rng(e + k)
+    logits = (3 * rng.standard_normal((9, e))).astype(np.float32)
+    w, ids = route(jnp.asarray(logits), k, norm_topk_prob=norm)
+    want_w, want_ids = _route_f64(logits, k, norm)
+    assert w.dtype == jnp.float32 and ids.dtype == jnp.int32 and w.shape == ids.shape == (9, k)
+    np.testing.assert_array_equal(np.asarray(ids), want_ids)
+    np.testing.assert_allclose(np.asarray(w), want_w, rtol=1e-6, atol=1e-7)
+
+
+def test_route_breaks_ties_by_the_lowest_expert_id():
+    logits = np.zeros((4, 8), np.float32)
+    logits[0, [5, 2]] = 1.0  # a tie for first: 2 then 5
+    logits[1, [7, 3, 6]] = 2.0  # three-way tie: 3, 6, 7
+    logits[2] = [0, 1, 1, 0, 1, 0, 0, 0]  # tie for first (1, 2), then 4
+    # row 3: all equal: ids 0, 1, 2 with equal weights
+    w, ids = route(jnp.asarray(logits), 3, norm_topk_prob=True)
+    np.testing.assert_array_equal(np.asarray(ids), [[2, 5, 0], [3, 6, 7], [1, 2, 4], [0, 1, 2]])
+    assert len(set(np.asarray(w)[3].tolist())) == 1
+
+
+def test_route_and_combine_rows_are_independent():
+    rng = np.random.default_rng(5)
+    e, k, d = 128, 8, 40
+    logits = jnp.asarray(3 * rng.standard_normal((33, e)), jnp.float32)
+    y = jnp.asarray(rng.standard_normal((33, k, d)), jnp.float32)
+    w, ids = route(logits, k, norm_topk_prob=True)
+    out = combine(y, w)
+    for i in (0, 17, 32):
+        wi, idsi = route(logits[i:i + 1], k, norm_topk_prob=True)
+        _same_bits(wi[0], w[i], f"route weights of row {i}")
+        _same_bits(idsi[0], ids[i], f"route ids of row {i}")
+        _same_bits(combine(y[i:i + 1], w[i:i + 1])[0], out[i], f"combine of row {i}")
+        part = slice(max(i - 3, 0), i + 2)
+        _same_bits(route(logits[part], k, norm_topk_prob=True)[0], w[part], "route block")
+
+
+def test_route_rejects_bad_input():
+    with pytest.raises(ValueError, match="k must be an int in \\[1, E=8\\]"):
+        route(jnp.zeros((2, 8)), 9, norm_topk_prob=True)
+    with pytest.raises(ValueError, match="float32 router logits"):
+        route(jnp.zeros((2, 8), jnp.bfloat16), 2, norm_topk_prob=True)
+    with pytest.raises(ValueError, match="router logits \\[M, E\\]"):
+        route(jnp.zeros((8,)), 2, norm_topk_prob=True)
+
+
+# --------------------------------------------------------------------------- combine
+
+
+@pytest.mark.parametrize("k", [1, 2, 8])
+def test_combine_is_the_left_to_right_f32_sum(k):
+    rng = np.random.default_rng(k)
+    y = rng.standard_normal((6, k, 24)).astype(np.float32)
+    w = rng.random((6, k)).astype(np.float32)
+    want = w[:, 0, None] * y[:, 0]  # numpy rounds each f32 op once: the fold itself
+    for j in range(1, k):
+        want = want + w[:, j, None] * y[:, j]
+    _same_bits(combine(jnp.asarray(y), jnp.asarray(w)), want, "combine")
+    # bf16 expert outputs and weights are widened to f32 first (exact)
+    yb, wb = jnp.asarray(y, jnp.bfloat16), jnp.asarray(w, jnp.bfloat16)
+    _same_bits(combine(yb, wb), combine(yb.astype(jnp.float32), wb.astype(jnp.float32)),
+               "bf16 inputs")
+
+
+def test_combine_rejects_bad_shapes():
+    with pytest.raises(ValueError, match="y \\[M, k, D\\] and weights \\[M, k\\]"):
+        combine(jnp.zeros((2, 3, 4)), jnp.zeros((2, 2)))
+
+
+# --------------------------------------------------------------------------- GPU lowering
+
+
+@pytest.fixture
+def h200(monkeypatch):
+    from jax._src.pallas.triton import gpu_info, pallas_call_registration
+
+    info = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200)
+    monkeypatch.setattr(pallas_call_registration.gpu_info_lib, "get_gpu_info",
+                        lambda *a, **k: info)
+
+
+@pytest.mark.parametrize("k,n", [(2048, 2 * 768), (768, 2048)])  # Qwen3-30B-A3B experts
+@pytest.mark.parametrize("r", [1, 8, 40])
+def test_grouped_matmul_lowers_for_the_h200(h200, k, n, r):
+    args = (jax.ShapeDtypeStruct((r, k), jnp.bfloat16),
+            jax.ShapeDtypeStruct((128, k, n), jnp.bfloat16),
+            jax.ShapeDtypeStruct((r,), jnp.int32))
+    fn = functools.partial(grouped_matmul, out_dtype=jnp.bfloat16)
+    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 1
+    assert set(re.findall(r'name = "(jspec_[a-z_0-9]*)"', text)) == {"jspec_grouped_matmul"}
+    # The weights go in whole and unpadded (no copy of all E experts per call).
+    assert f"tensor<128x{k}x{n}xbf16>" in text and "stablehlo.pad" not in text
+
+
+# --------------------------------------------------------------------------- fused GLU
+
+
+@pytest.mark.parametrize("dtype,f", [
+    (jnp.bfloat16, 512),
+    pytest.param(jnp.float32, 512, marks=pytest.mark.slow),
+    pytest.param(jnp.bfloat16, 40, marks=pytest.mark.slow),  # bn does not divide F: unfused
+])
+def test_grouped_matmul_glu_is_glu_of_the_grouped_matmul(dtype, f):
+    from pallas_kernels.glu import glu
+    from pallas_kernels.moe import grouped_matmul_glu, grouped_matmul_glu_reference
+
+    rng = np.random.default_rng(f)
+    x = _rows(rng, 37, dtype)
+    w = jnp.asarray(rng.standard_normal((E, K, 2 * f)) * K**-0.5, dtype)
+    expert = jnp.asarray(rng.choice([0, 2, 5], 37), jnp.int32)
+    fused = functools.partial(grouped_matmul_glu, activation="silu", interpret=INTERPRET)
+    got = fused(x, w, expert)
+    assert ("jspec_grouped_matmul_glu" in str(jax.make_jaxpr(fused)(x, w, expert))) == (
+        f == 512)
+    gate, up = jnp.split(grouped_matmul(x, w, expert, out_dtype=dtype, interpret=INTERPRET),
+                         2, axis=-1)
+    _same_bits(got, glu(gate, up, activation="silu", interpret=INTERPRET), "fused vs unfused")
+    alone = grouped_matmul_glu(x[5:6], w, expert[5:6], activation="silu", interpret=INTERPRET)
+    _same_bits(alone[0], got[5], "row 5 alone")
+    ref = grouped_matmul_glu_reference(x, w, expert, activation="silu")
+    tol = 2e-2 if dtype == jnp.bfloat16 else 1e-5
+    np.testing.assert_allclose(np.asarray(ref, np.float32), np.asarray(got, np.float32),
+                               rtol=tol, atol=tol)
+
+
+def test_grouped_matmul_glu_lowers_for_the_h200(h200):
+    from pallas_kernels.moe import grouped_matmul_glu
+
+    args = (jax.ShapeDtypeStruct((8, 2048), jnp.bfloat16),
+            jax.ShapeDtypeStruct((128, 2048, 2 * 768), jnp.bfloat16),
+            jax.ShapeDtypeStruct((8,), jnp.int32))
+    fn = functools.partial(grouped_matmul_glu, activation="silu")
+    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert set(re.findall(r'name = "(jspec_[a-z_0-9]*)"', text)) == {"jspec_grouped_matmul_glu"}
