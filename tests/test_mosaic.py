@@ -174,3 +174,25 @@ def test_matmul_glu_lowers_for_cuda():
     text = _lower(functools.partial(matmul_glu, activation="silu"), x, w)
     assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 1
     assert "tensor<40x12288xbf16>" in text
+
+
+def test_model_forward_lowers_with_mosaic_matmuls(monkeypatch):
+    # A Qwen3-8B-shaped forward (2 layers, decode) with lowering="mosaic": its projections
+    # (wqkv, wo, the fused gate/up + GLU, w_down; layers share one body) and the LM head
+    # are Mosaic GPU calls; the other kernels Triton (lowered for the H200's sm_90).
+    from jax._src.pallas.triton import gpu_info, pallas_call_registration
+
+    from jspec.cache import init_cache
+    from jspec.model import Model, apply
+    from jspec.random_model import preset_config, random_params
+
+    info = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200)
+    monkeypatch.setattr(pallas_call_registration.gpu_info_lib, "get_gpu_info",
+                        lambda *a, **k: info)
+    cfg = preset_config("qwen3-8b", num_layers=2)
+    model = Model(config=cfg, params=jax.eval_shape(lambda: random_params(cfg)))
+    model = model.replace(options=model.options.replace(lowering="mosaic"))
+    cache = jax.eval_shape(lambda: init_cache(model, 1, 256))
+    text = _lower(apply, model, jax.ShapeDtypeStruct((1, 1), jnp.int32), cache)
+    assert text.count("custom_call @mosaic_gpu") == 5
+    assert "__gpu$xla.gpu.triton" in text and "jspec_matmul" not in text
