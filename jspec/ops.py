@@ -10,6 +10,10 @@ returned `Ops`; it never calls jnp reductions itself. Two backends:
   problem: its reduction orders change with the number of rows.
 - `pallas`: the kernels in `pallas_kernels/`, whose reduction order is a
   function of the feature/weight shapes only (rules R1-R3 in the design).
+  `KernelOptions.lowering` picks the GPU lowering of the matmul family: "triton"
+  (every kernel through Pallas's Triton backend) or "mosaic" (`matmul` and
+  `matmul_glu` through Mosaic GPU, `pallas_kernels/mosaic/`; every other kernel,
+  `matmul_partials` included, stays on Triton for now).
 
 Every function takes 2-D row-major operands (rows = tokens) except attention.
 """
@@ -39,6 +43,8 @@ from pallas_kernels.moe import (
     grouped_matmul_glu_reference,
     grouped_matmul_reference,
 )
+from pallas_kernels.mosaic import matmul as mosaic_matmul
+from pallas_kernels.mosaic import matmul_glu as mosaic_matmul_glu
 from pallas_kernels.qk_rope import qk_norm_rope, qk_norm_rope_reference
 from pallas_kernels.rmsnorm import rmsnorm, rmsnorm_reference
 from pallas_kernels.rope import rope, rope_reference
@@ -125,7 +131,7 @@ def _fenced(fn: Callable) -> Callable:
 
 
 @functools.cache
-def get_ops(backend: str, interpret: bool = False) -> Ops:
+def get_ops(backend: str, interpret: bool = False, lowering: str = "triton") -> Ops:
     if backend == "xla":
         return Ops(
             matmul=matmul_reference,
@@ -149,15 +155,18 @@ def get_ops(backend: str, interpret: bool = False) -> Ops:
             kernel = functools.partial(fn, interpret=interpret)
             return _fenced(kernel) if interpret else kernel
 
+        if lowering not in ("triton", "mosaic"):
+            raise ValueError(f"{lowering=}; expected 'triton' or 'mosaic'")
+        mosaic = lowering == "mosaic"
         return Ops(
-            matmul=p(matmul, interpret=interpret),
+            matmul=p(mosaic_matmul if mosaic else matmul, interpret=interpret),
             matmul_partials=p(matmul_partials, interpret=interpret),
             rmsnorm=p(rmsnorm, interpret=interpret),
             add_norm=p(add_rmsnorm, interpret=interpret),
             rope=p(rope, interpret=interpret),
             qk_norm_rope=p(qk_norm_rope, interpret=interpret),
             glu=p(glu, interpret=interpret),
-            matmul_glu=p(matmul_glu, interpret=interpret),
+            matmul_glu=p(mosaic_matmul_glu if mosaic else matmul_glu, interpret=interpret),
             softcap=p(softcap, interpret=interpret),
             logsumexp=p(logsumexp, interpret=interpret),
             attention=p(attention, interpret=interpret),
@@ -170,5 +179,5 @@ def get_ops(backend: str, interpret: bool = False) -> Ops:
 
 
 def ops_for(options) -> Ops:
-    """The Ops of a `KernelOptions` (its backend and interpret flag)."""
-    return get_ops(options.backend, options.interpret)
+    """The Ops of a `KernelOptions` (its backend, interpret flag and lowering)."""
+    return get_ops(options.backend, options.interpret, options.lowering)

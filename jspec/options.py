@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 
 BACKENDS = ("xla", "pallas")
+LOWERINGS = ("triton", "mosaic")
 
 
 def _power_of_two(name: str, value: int, least: int = 1) -> None:
@@ -59,6 +60,11 @@ class KernelOptions:
         multi-tile schedule (scheduling only).
       kv_dus: a batch-1 call writes its new K/V with one dynamic_update_slice per
         buffer, not a vmapped one (the same cache bits).
+      lowering: pallas: how the matmul family (`matmul`, `matmul_glu`) is lowered for
+        the GPU: "triton" (pallas_kernels/matmul.py, matmul_glu.py) or "mosaic" (Mosaic
+        GPU: wgmma and TMA, pallas_kernels/mosaic/). The other kernels, and
+        `row_partials` > 1 and tensor-parallel column tiles, stay on Triton. Numeric
+        (rule R11): each lowering gives its own bits, each row-invariant.
       row_partials: S > 1 computes the row-parallel weights (wo, w_down) as S f32
         partials over equal K chunks, added left to right: the same bits at every
         tensor-parallel degree dividing S (one device included); 1: one K loop.
@@ -78,10 +84,13 @@ class KernelOptions:
     matmul_schedule: bool = True
     kv_dus: bool = True
     row_partials: int = 1
+    lowering: str = "triton"
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
             raise ValueError(f"backend={self.backend!r}; expected one of {BACKENDS}")
+        if self.lowering not in LOWERINGS:
+            raise ValueError(f"lowering={self.lowering!r}; expected one of {LOWERINGS}")
         for name in ("interpret", "matmul_schedule", "kv_dus") + FUSIONS:
             _bool(name, getattr(self, name))
         if self.attn_fused_fold is not None:

@@ -1,0 +1,239 @@
+"""The Mosaic GPU matmul on the device: row invariance, bitwise, and speed against Triton.
+
+  python experiments/tuning/mosaic_matmul.py --out=$OUT            # H200, ~3-4 minutes
+  python experiments/tuning/mosaic_matmul.py --smoke --out=/tmp/r  # CPU, interpret mode
+
+For the Qwen3-8B weights (wqkv 4096x6144, wo 4096x4096, w_gate_up 4096x24576, w_down
+12288x4096, lm_head 4096x151936; random bf16 values) and M in --rows:
+
+1. Bits (rule R1/R11): `pallas_kernels.mosaic.matmul` at max(rows) rows; at every other M
+   the rows must be bitwise the first M rows of that (`prefix_mismatch_rows`), and the
+   --alone rows, each computed alone (M = 1), must be bitwise the same row among
+   max(rows) (`alone_mismatch_rows`): a row's bits do not depend on M nor on its place
+   in the 64-row tile. For w_gate_up also the fused `matmul_glu` (the same two checks)
+   and whether it equals the Triton `glu` kernel on the Mosaic matmul's halves (the
+   unfused path's bits; informative: the two lowerings' exp may differ). And whether
+   another column tile (bn) gives the same bits (informative: bk is fixed by K, so only
+   the wgmma's N differs; tensor-parallel shards would need it).
+2. Speed: Mosaic vs the Triton `pallas_kernels.matmul.matmul` (its tuned tiles and
+   multi-tile schedule, as the model runs it) vs XLA's dot (`matmul_reference`), each
+   timed as one jitted loop of >= --reps dependent launches cycling through enough
+   weight copies to read --cold_mb (cold L2), median of --iters calls after warm-up
+   with `block_until_ready`; us per launch and GB/s of weight bytes, and the fraction
+   of a copy's bandwidth (`copy_bandwidth`, read + write of a 4 GiB array).
+
+Prints a table; writes the JSON receipt to --out/mosaic_matmul[_tag].json after every
+shape. --smoke runs tiny shapes with every kernel in interpret mode on the CPU (the
+Mosaic kernel in Pallas's GPU interpret mode): a test of the script, whose timings mean
+nothing and whose row-alone check may report mismatches (the interpreter's wgmma is
+numpy's BLAS, whose bits for a row depend on its place among the 64; see
+tests/test_mosaic.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+
+from jspec.bench.receipts import write_receipt
+from jspec.bench.timing import copy_bandwidth, median_time
+from pallas_kernels import mosaic
+from pallas_kernels.glu import glu
+from pallas_kernels.matmul import matmul as triton_matmul
+from pallas_kernels.matmul import matmul_reference
+
+_ROWS = flags.DEFINE_list("rows", ["1", "16", "17", "40", "64", "160", "320"], "row counts M")
+_ALONE = flags.DEFINE_list("alone", ["0", "1", "7", "8", "31", "63", "64", "100", "319"],
+                           "rows computed alone (M = 1) and compared with max(rows)")
+_SHAPES = flags.DEFINE_list("shapes", ["wqkv", "wo", "w_gate_up", "w_down", "lm_head"],
+                            "weights, in this order")
+_ITERS = flags.DEFINE_integer("iters", 20, "timed calls per measurement (median)")
+_REPS = flags.DEFINE_integer("reps", 20, "kernel launches per timed call")
+_COLD = flags.DEFINE_float("cold_mb", 256.0, "weight copies to read at least this many MB "
+                           "per loop, so no weight is served from L2 (0: one copy)")
+_CONFIGS = flags.DEFINE_list("configs", [], "extra Mosaic tiles bn:bk:stages timed at M=1 "
+                             "and 17 for every shape (scheduling study; bk changes bits)")
+_BUDGET = flags.DEFINE_float("budget_s", 200.0, "no new shape is started after this many s")
+_SMOKE = flags.DEFINE_bool("smoke", False, "CPU: tiny shapes, interpret mode")
+_OUT = flags.DEFINE_string("out", os.environ.get("OUT", "experiments/results"), "receipt dir")
+_TAG = flags.DEFINE_string("tag", "", "receipt name suffix")
+
+QWEN3_8B = {"wqkv": (4096, 6144), "wo": (4096, 4096), "w_gate_up": (4096, 24576),
+            "w_down": (12288, 4096), "lm_head": (4096, 151936)}
+SMOKE = {"wqkv": (128, 192), "wo": (128, 128), "w_gate_up": (128, 256), "w_down": (256, 128),
+         "lm_head": (128, 320)}
+
+
+def bits(a) -> np.ndarray:
+    a = np.asarray(a)
+    return a.view(np.uint16 if a.dtype.itemsize == 2 else np.uint32)
+
+
+def methods(out_dtype, interpret: bool) -> dict:
+    """name -> fn(x [M, K], w [K, N]) -> [M, N]: the three matmuls compared."""
+    return {
+        "mosaic": lambda x, w: mosaic.matmul(x, w, out_dtype=out_dtype, interpret=interpret),
+        "triton": lambda x, w: triton_matmul(x, w, out_dtype=out_dtype, interpret=interpret,
+                                             row_group=4, schedule=True),
+        "xla": lambda x, w: matmul_reference(x, w, out_dtype=out_dtype),
+    }
+
+
+def looped(fn, loops: int):
+    """loops x len(ws) dependent launches of fn in one jitted loop (the carry feeds the
+    next input); each iteration walks the weight copies ws in order."""
+
+    def run(x, *ws):
+        def body(_, c):
+            for w in ws:
+                y = fn(x + c.astype(x.dtype), w)
+                c = c + y[0, 0].astype(jnp.float32) * 0.0
+            return c
+
+        return jax.lax.fori_loop(0, loops, body, jnp.float32(0.0))
+
+    return jax.jit(run)
+
+
+def time_us(fn, x, ws) -> dict:
+    """us per launch of fn at x's M (AOT compile first, timed apart)."""
+    loops = max(1, -(-_REPS.value // len(ws)))
+    t0 = time.perf_counter()
+    try:
+        compiled = looped(fn, loops).lower(x, *ws).compile()
+        compile_s = time.perf_counter() - t0
+        t = median_time(compiled, x, *ws, iters=_ITERS.value, warmup=2) / (loops * len(ws))
+    except Exception as e:  # noqa: BLE001 - a kernel that cannot build or run is a result
+        return {"error": f"{type(e).__name__}: {str(e)[:600]}"}
+    return {"us": t * 1e6, "compile_s": compile_s}
+
+
+def invariance(fn, x, rows: list[int], alone: list[int]) -> dict:
+    """Bitwise: fn(x[:m]) == fn(x)[:m] for m in rows; fn(x[r:r+1]) == fn(x)[r] for r in
+    alone. Counts the mismatching rows."""
+    f = jax.jit(fn)
+    try:
+        full = bits(f(x))
+        prefix = {m: int((bits(f(x[:m])) != full[:m]).any(axis=1).sum()) for m in rows}
+        lone = {r: bool((bits(f(x[r:r + 1]))[0] != full[r]).any()) for r in alone}
+    except Exception as e:  # noqa: BLE001
+        return {"error": f"{type(e).__name__}: {str(e)[:600]}"}
+    return {"prefix_mismatch_rows": prefix, "alone_mismatch_rows": sum(lone.values()),
+            "alone_mismatch": [r for r, bad in lone.items() if bad]}
+
+
+def glu_checks(x, w, rows, alone, interpret: bool) -> dict:
+    """The fused Mosaic matmul_glu: row invariance, its timing is in the table; and
+    whether it equals the Triton glu kernel on the Mosaic matmul's halves."""
+    fused = lambda a, b: mosaic.matmul_glu(a, b, activation="silu", interpret=interpret)
+    out = {"invariance": invariance(lambda a: fused(a, w), x, rows, alone)}
+    try:
+        gate, up = jnp.split(mosaic.matmul(x, w, out_dtype=x.dtype, interpret=interpret), 2,
+                             axis=-1)
+        unfused = glu(gate, up, activation="silu", interpret=interpret)
+        out["equals_triton_glu_of_halves"] = bool(np.array_equal(bits(fused(x, w)),
+                                                                 bits(unfused)))
+    except Exception as e:  # noqa: BLE001
+        out["error"] = f"{type(e).__name__}: {str(e)[:600]}"
+    return out
+
+
+def other_bn_same_bits(x, w, out_dtype, interpret: bool) -> dict:
+    """Informative: the default tiles vs the same bk with another column tile."""
+    cfg = mosaic.mosaic_matmul_config(*w.shape, w.dtype)
+    alt = dataclasses.replace(cfg, bn=64 if cfg.bn != 64 else 32)
+    try:
+        a = mosaic.matmul(x, w, out_dtype=out_dtype, interpret=interpret)
+        b = mosaic.matmul(x, w, out_dtype=out_dtype, interpret=interpret, config=alt)
+        return {"bn": [cfg.bn, alt.bn], "equal": bool(np.array_equal(bits(a), bits(b)))}
+    except Exception as e:  # noqa: BLE001
+        return {"bn": [cfg.bn, alt.bn], "error": f"{type(e).__name__}: {str(e)[:400]}"}
+
+
+def run_shape(name: str, K: int, N: int, rows: list[int], alone: list[int], bw: float,
+              interpret: bool) -> dict:
+    dtype = jnp.bfloat16
+    out_dtype = jnp.float32 if name == "lm_head" else dtype
+    key = jax.random.key(list(QWEN3_8B).index(name))
+    w = (jax.random.normal(key, (K, N), jnp.float32) * K**-0.5).astype(dtype)
+    wb = K * N * 2
+    copies = max(1, math.ceil(_COLD.value * 1e6 / wb)) if _COLD.value > 0 and not interpret else 1
+    ws = [w] + [w + jnp.zeros((), dtype) * i for i in range(1, copies)]  # distinct buffers
+    x = jax.random.normal(jax.random.key(1), (max(rows), K), jnp.float32).astype(dtype)
+    fns = methods(out_dtype, interpret)
+    rep = {"K": K, "N": N, "weight_bytes": wb, "weight_copies": copies,
+           "config": dataclasses.asdict(mosaic.mosaic_matmul_config(K, N, dtype)),
+           "bits": invariance(lambda a: fns["mosaic"](a, w), x, rows, alone),
+           "other_bn": other_bn_same_bits(x[:16], w, out_dtype, interpret), "time": {}}
+    if name == "w_gate_up":
+        fns["mosaic_glu"] = lambda a, b: mosaic.matmul_glu(a, b, activation="silu",
+                                                           interpret=interpret)
+        rep["glu"] = glu_checks(x, w, rows, alone, interpret)
+    for spec in _CONFIGS.value:
+        bn, bk, st = (int(v) for v in spec.split(":"))
+        cfg = mosaic.MosaicMatmulConfig(bn=bn, bk=bk, stages=st)
+        fns[f"mosaic[{spec}]"] = (lambda c: lambda a, b: mosaic.matmul(
+            a, b, out_dtype=out_dtype, interpret=interpret, config=c))(cfg)
+    for m in rows:
+        for meth, fn in fns.items():
+            if meth.startswith("mosaic[") and m not in (1, 17):
+                continue
+            r = time_us(fn, x[:m], ws)
+            if "us" in r:
+                r["GBps"] = wb / (r["us"] * 1e-6) / 1e9
+                r["of_copy_bw"] = r["GBps"] * 1e9 / bw if bw else None
+            rep["time"].setdefault(str(m), {})[meth] = r
+    return rep
+
+
+def table(report: dict) -> str:
+    lines = []
+    for name, rep in report["shapes"].items():
+        b = rep["bits"]
+        lines.append(f"{name} {rep['K']}x{rep['N']} {rep['config']}  prefix mismatches "
+                     f"{b.get('prefix_mismatch_rows')}  alone mismatches "
+                     f"{b.get('alone_mismatch_rows')}  other bn same bits "
+                     f"{rep['other_bn'].get('equal')}" + (f"  glu {rep['glu']}"
+                                                          if "glu" in rep else ""))
+        for m, per in rep["time"].items():
+            cells = [f"{k} {v['us']:8.1f}us {v['GBps']:6.0f}GB/s {v['of_copy_bw'] or 0:.2f}"
+                     if "us" in v else f"{k} ERROR" for k, v in per.items()]
+            lines.append(f"  M={m:>4}: " + " | ".join(cells))
+    return "\n".join(lines)
+
+
+def main(argv):
+    del argv
+    interpret = _SMOKE.value
+    shapes = SMOKE if interpret else QWEN3_8B
+    rows = [int(r) for r in _ROWS.value]
+    alone = [int(r) for r in _ALONE.value if int(r) < max(rows)]
+    if interpret:  # the interpreter runs a grid step in ~0.1 s: keep the smoke short
+        rows, alone = [1, 16, 17, 65], [0, 9, 64]
+        flags.FLAGS.iters, flags.FLAGS.reps = 2, 1
+    bw = copy_bandwidth(5)
+    report = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
+              "smoke": interpret, "rows": rows, "alone": alone, "copy_bw_GBps": bw / 1e9,
+              "cold_mb": _COLD.value, "shapes": {}, "skipped": []}
+    t0, path = time.perf_counter(), None
+    for name in _SHAPES.value:
+        if time.perf_counter() - t0 > _BUDGET.value:
+            report["skipped"].append(name)
+            continue
+        K, N = shapes[name]
+        report["shapes"][name] = run_shape(name, K, N, rows, alone, bw, interpret)
+        report["shapes"][name]["elapsed_s"] = time.perf_counter() - t0
+        path = write_receipt(_OUT.value, "mosaic_matmul", _TAG.value, report)
+    print(table(report))
+    print(f"receipt: {path}  (skipped: {report['skipped']})")
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,22 @@
+"""Mosaic GPU lowerings of jspec's invariant kernels (rule R11: a lowering is a
+configuration).
+
+JAX has deprecated Pallas's Triton backend; Mosaic GPU is its Hopper-native GPU
+backend (warpgroup MMA, TMA bulk copies). The kernels here are the Mosaic GPU
+lowering of kernels whose Triton lowering sits one level up, with the same jnp
+references and the same rules: tiles a function of the weight shape only, K walked
+from 0 upward into one accumulator, no atomics, no reduction across rows. The two
+lowerings may give different bits from each other; each is row-invariant on its own.
+
+So far: the matmul family (`matmul`, `matmul_glu`). `jspec.KernelOptions.lowering`
+selects it; every other kernel stays on Triton.
+"""
+
+from pallas_kernels.mosaic.matmul import (
+    MosaicMatmulConfig,
+    matmul,
+    matmul_glu,
+    mosaic_matmul_config,
+)
+
+__all__ = ["MosaicMatmulConfig", "matmul", "matmul_glu", "mosaic_matmul_config"]

@@ -1,0 +1,245 @@
+"""Row-invariant matmul on Mosaic GPU: y = x @ w with a fixed, sequential K reduction.
+
+The Mosaic GPU lowering of `pallas_kernels/matmul.py` (whose docstring says why XLA's
+own dot is not row-invariant) and of `pallas_kernels/matmul_glu.py`; the jnp references
+are theirs. One program owns one [64, bn] output tile: 64 rows is one warpgroup MMA
+(wgmma) M, and rows past M are zero rows (TMA fills the part of a tile that lies past
+the array with zeros, and skips it on the store), so M changes only the grid (R1).
+
+Inside a program, K is walked from 0 upward in bk-wide steps by `plgpu.emit_pipeline`:
+TMA copies the [64, bk] block of x and the [bk, bn] block of w of step k into shared
+memory (`stages` steps in flight), and one wgmma adds their product into the f32
+accumulator, which stays in registers for the whole loop. wgmmas on one accumulator
+run in issue order, so every output element is the same sum in the same order
+(k = 0, 1, ..., nk - 1; within a step, the wgmma's own fixed k16 order) whatever M,
+the row's place in its tile or the other rows are. No split-K, no atomics, nothing
+reduced across rows (R2). The f32 sum is cast to out_dtype in the kernel's epilogue
+and stored through shared memory by TMA.
+
+`mosaic_matmul_config` is a function of (K, N, dtype) only; bk of K alone, so the
+order of a column's sum does not depend on its column tile. The pipeline depth
+(`stages`) is scheduling: it changes no bits.
+
+`matmul_glu` runs the gate and up halves of a fused [K, 2F] weight in one program: two
+accumulators, each with `matmul`'s tiles and K order for the [K, 2F] weight (two wgmmas a
+step, on the same x block), then `matmul_glu`'s GLU arithmetic on the two rounded tiles,
+so it is `glu` of this `matmul`'s halves in the same arithmetic.
+
+Only 16-bit operands (bf16, f16): an f32 wgmma multiplies in TF32, which is not the
+f32 product the Triton lowering and the reference promise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels._common import pad_axis, round_up
+from pallas_kernels.glu import ACTIVATIONS
+from pallas_kernels.matmul import matmul_reference
+from pallas_kernels.matmul_glu import _glu_tile, matmul_glu_reference
+
+__all__ = ["BM", "MosaicMatmulConfig", "matmul", "matmul_glu", "matmul_glu_reference",
+           "matmul_reference", "mosaic_matmul_config"]
+
+BM = 64  # rows per program tile: one wgmma M (fixed: the row count changes only the grid)
+BK_TILES = (128, 64, 32, 16)  # bk: the largest that divides K
+BN_TILES = (128, 64, 32)  # bn: the largest that divides N and leaves MIN_COLUMN_TILES
+MIN_COLUMN_TILES = 128  # column tiles wanted at decode, where they are the whole grid
+SMEM_BUDGET = 192 * 1024  # bytes of pipeline buffers a program may hold
+MAX_STAGES = 4
+DTYPES = ("bfloat16", "float16")
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicMatmulConfig:
+    bn: int  # output columns per program (the wgmma N)
+    bk: int  # K elements per pipeline step (one wgmma of bk / 16 k16 steps)
+    stages: int  # pipeline steps in flight (scheduling only: no bits change)
+
+    def __post_init__(self):
+        for name in ("bn", "bk"):
+            t = getattr(self, name)
+            if not isinstance(t, int) or t < 16 or t > 256 or t & (t - 1):
+                raise ValueError(f"MosaicMatmulConfig.{name}={t!r} must be a power of 2 in "
+                                 "16..256")
+        if not isinstance(self.stages, int) or self.stages < 2:
+            raise ValueError(f"MosaicMatmulConfig.stages={self.stages!r} must be an int >= 2 "
+                             "(one wgmma stays in flight while the next step loads)")
+
+
+def _largest_dividing(n: int, tiles: tuple[int, ...]) -> int | None:
+    return next((t for t in tiles if n % t == 0), None)
+
+
+def _column_tile(N: int) -> int:
+    """The largest of BN_TILES dividing N that leaves >= MIN_COLUMN_TILES column tiles
+    (a decode step has one row tile, so the column tiles are its grid); else the
+    smallest dividing N; else the smallest (N is padded)."""
+    dividing = [t for t in BN_TILES if N % t == 0]
+    for t in dividing:
+        if N // t >= MIN_COLUMN_TILES:
+            return t
+    return dividing[-1] if dividing else BN_TILES[-1]
+
+
+def pipeline_stages(bk: int, bn: int, dtype, weights: int = 1) -> int:
+    """Pipeline depth that fits SMEM_BUDGET: each step holds x's [64, bk] block and
+    `weights` [bk, bn] blocks (2 for the fused GLU)."""
+    per_step = (BM * bk + weights * bk * bn) * jnp.dtype(dtype).itemsize
+    return max(2, min(MAX_STAGES, SMEM_BUDGET // per_step))
+
+
+def mosaic_matmul_config(K: int, N: int, dtype) -> MosaicMatmulConfig:
+    """Tiles for a [K, N] weight; deliberately takes no M. bk depends on K alone."""
+    bk = _largest_dividing(K, BK_TILES) or BK_TILES[-1]
+    bn = _column_tile(N)
+    return MosaicMatmulConfig(bn=bn, bk=bk, stages=pipeline_stages(bk, bn, dtype))
+
+
+def _operand_transforms(cfg: MosaicMatmulConfig, dtype) -> tuple:
+    """wgmma's shared-memory layout for both operands: 8-row tiles, swizzled. The lhs and
+    rhs swizzle must match, so it is set by the narrower of bk (x's minor axis) and bn
+    (w's)."""
+    swizzle = plgpu.find_swizzle(min(cfg.bk, cfg.bn) * jnp.dtype(dtype).itemsize * 8)
+    elems = swizzle // jnp.dtype(dtype).itemsize
+    return plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(swizzle)
+
+
+def _kernel(x_gmem, w_gmem, o_gmem, o_smem, *, cfg: MosaicMatmulConfig, nk: int,
+            column_offsets: tuple[int, ...], epilogue):
+    # x_gmem [Mr, Kp], w_gmem [Kp, Np], o_gmem [Mr, N'] in GMEM; o_smem [BM, bn].
+    # column_offsets: the column tiles of w this program reads, relative to its own (0,):
+    # one accumulator; (0, F / bn): the gate and the up tile of a fused GLU weight.
+    i, j = lax.axis_index("m"), lax.axis_index("n")
+    transforms = _operand_transforms(cfg, x_gmem.dtype)
+    # delay_release=1: a step's buffers are refilled only after the wgmma of the next
+    # step has been issued, since wgmma_wait(1) leaves one wgmma reading them.
+    x_spec = plgpu.BlockSpec((BM, cfg.bk), lambda k: (i, k), transforms=transforms,
+                             delay_release=1)
+    w_specs = [plgpu.BlockSpec((cfg.bk, cfg.bn), lambda k, c=c: (k, j + c),
+                               transforms=transforms, delay_release=1)
+               for c in column_offsets]
+
+    def scope(*accs):  # accs: [BM, bn] f32 wgmma accumulators, zero at the start
+        def step(_, x_smem, *w_smem):  # x_smem [BM, bk], w_smem [bk, bn] each
+            for acc, w in zip(accs, w_smem, strict=True):
+                plgpu.wgmma(acc, x_smem, w)  # acc += x block @ w block, in issue order
+            plgpu.wgmma_wait(1)
+
+        # Steps k = 0, 1, ..., nk - 1 in order: the K sum's order is fixed.
+        plgpu.emit_pipeline(step, grid=(nk,), in_specs=[x_spec, *w_specs],
+                            max_concurrent_steps=min(cfg.stages, max(nk, 2)))(
+            x_gmem, *([w_gmem] * len(column_offsets)))
+        o_smem[...] = epilogue(*(acc[...] for acc in accs))
+
+    pl.run_scoped(scope, *(plgpu.ACC((BM, cfg.bn), jnp.float32) for _ in column_offsets))
+    plgpu.commit_smem()
+    # Rows of the tile past the array's end are not stored (TMA skips them).
+    plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[pl.ds(i * BM, BM), pl.ds(j * cfg.bn, cfg.bn)])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _check(x: jax.Array, w: jax.Array, name: str) -> None:
+    if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[0]:
+        raise ValueError(f"{name} wants x [M, K] and w [K, N]; got {x.shape=} {w.shape=}")
+    if x.dtype != w.dtype or x.dtype.name not in DTYPES:
+        raise TypeError(f"{name} (Mosaic GPU) wants x and w of one dtype in {DTYPES} (an "
+                        f"f32 wgmma multiplies in TF32); got {x.dtype=} {w.dtype=}")
+
+
+def _config(config, K: int, N: int, dtype, name: str) -> MosaicMatmulConfig:
+    if config is None:
+        return mosaic_matmul_config(K, N, dtype)
+    if not isinstance(config, MosaicMatmulConfig):
+        raise TypeError(f"{name} (Mosaic GPU) takes a MosaicMatmulConfig or None; got "
+                        f"{type(config).__name__} (the Triton lowering's tiles, e.g. a "
+                        "tensor-parallel column config, which this lowering lacks so far)")
+    return config
+
+
+def _launch(x, w, cfg: MosaicMatmulConfig, n_out: int, out_dtype, column_offsets, epilogue,
+            interpret: bool, name: str):
+    """Pads K (and rows to a multiple of 8, which TMA's 8-row tiles need) with zeros where
+    needed and runs `_kernel` over a (row tiles, n_out / bn) grid. -> [Mr, n_out]."""
+    m, k = x.shape
+    kp = round_up(k, cfg.bk)  # extra K terms add exact zeros at the end of the sum
+    xp = pad_axis(pad_axis(x, 1, kp), 0, m if m <= 8 else round_up(m, 8))  # [Mr, Kp]
+    wp = pad_axis(w, 0, kp)
+    kernel = functools.partial(_kernel, cfg=cfg, nk=kp // cfg.bk,
+                               column_offsets=column_offsets, epilogue=epilogue)
+    return plgpu.kernel(
+        kernel,
+        out_type=jax.ShapeDtypeStruct((xp.shape[0], n_out), out_dtype),
+        scratch_types=dict(o_smem=plgpu.SMEM((BM, cfg.bn), out_dtype)),
+        grid=(-(-xp.shape[0] // BM), n_out // cfg.bn),  # row tiles first: the tiles of
+        grid_names=("m", "n"),  # one weight column block run side by side
+        kernel_name=name,
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
+    )(xp, wp)
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype", "interpret", "config", "row_group",
+                                             "schedule"))
+def matmul(x: jax.Array, w: jax.Array, *, out_dtype=None, interpret: bool = False,
+           config: MosaicMatmulConfig | None = None, row_group: int = 1,
+           schedule: bool = False) -> jax.Array:
+    """x [M, K] @ w [K, N] -> [M, N] in out_dtype (default float32), on Mosaic GPU.
+
+    `config` overrides `mosaic_matmul_config(K, N, dtype)` (sweeps and tests). Any fixed
+    config is row-invariant; two bk give different bits. `row_group` and `schedule` are
+    the Triton lowering's scheduling knobs, accepted and unused: a 64-row tile already
+    holds a batch-8 verify block. `interpret`: run in Pallas's GPU interpret mode (CPU).
+    """
+    del row_group, schedule
+    _check(x, w, "matmul")
+    out_dtype = jnp.dtype(jnp.float32 if out_dtype is None else out_dtype)
+    m, k = x.shape
+    n = w.shape[1]
+    cfg = _config(config, k, n, w.dtype, "matmul")
+    wp = pad_axis(w, 1, round_up(n, cfg.bn))  # [K, Np]; real model widths divide bn
+    out = _launch(x, wp, cfg, wp.shape[1], out_dtype, (0,),
+                  lambda acc: acc.astype(out_dtype), interpret, "jspec_mosaic_matmul")
+    return out[:m, :n]
+
+
+@functools.partial(jax.jit, static_argnames=("activation", "interpret", "row_group", "config",
+                                             "schedule"))
+def matmul_glu(x: jax.Array, w: jax.Array, *, activation: str, interpret: bool = False,
+               row_group: int = 1, config: MosaicMatmulConfig | None = None,
+               schedule: bool = False) -> jax.Array:
+    """act(x @ w[:, :F]) * (x @ w[:, F:]) for x [M, K], w [K, 2F]; returns x.dtype.
+
+    Bitwise `glu`'s arithmetic on this lowering's `matmul(x, w, out_dtype=x.dtype)`
+    halves: the tiles of the [K, 2F] weight (`config` overrides them), the same K order.
+    F must be a multiple of the column tile. `row_group`, `schedule`: unused, as in
+    `matmul`."""
+    del row_group, schedule
+    _check(x, w, "matmul_glu")
+    if w.shape[1] % 2:
+        raise ValueError(f"matmul_glu wants w [K, 2F] (gate, then up); got {w.shape=}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"matmul_glu activation must be one of {ACTIVATIONS}; got "
+                         f"{activation=}")
+    m, k = x.shape
+    f = w.shape[1] // 2
+    cfg = _config(config, k, 2 * f, w.dtype, "matmul_glu")
+    if f % cfg.bn:
+        raise ValueError(f"matmul_glu (Mosaic GPU): F={f} must be a multiple of the column "
+                         f"tile bn={cfg.bn} of w {w.shape}")
+    # Two weight blocks a step: a shallower pipeline in the same shared memory.
+    cfg = dataclasses.replace(cfg, stages=pipeline_stages(cfg.bk, cfg.bn, w.dtype, 2))
+    dtype = x.dtype
+
+    def epilogue(gate, up):  # [BM, bn] f32 each, rounded to the dtype as `matmul` does
+        return _glu_tile(gate.astype(dtype), up.astype(dtype), activation)
+
+    out = _launch(x, w, cfg, f, dtype, (0, f // cfg.bn), epilogue, interpret,
+                  "jspec_mosaic_matmul_glu")
+    return out[:m]

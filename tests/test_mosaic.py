@@ -1,0 +1,198 @@
+"""The Mosaic GPU lowering of the matmul family (pallas_kernels/mosaic/) on the CPU.
+
+Pallas's GPU interpret mode (`plgpu.InterpretGPUParams`, jax 0.11.2) runs these kernels
+on the CPU: TMA copies through `emit_pipeline` (with their out-of-bounds zero fill and
+skipped stores), wgmma into a register accumulator, the shared-memory epilogue. Its wgmma
+is numpy's `acc + a @ b` in f32 over the [64, bk] x [bk, bn] blocks, and numpy's BLAS
+gives a row bits that depend on the row's place among the 64 (seen: rows 0-7 of a
+block and rows 8-63 differ in the last bit). So:
+
+- with the interpreter as it is, a row's bits are checked across row counts at the same
+  place in its tile (M = 1, 16, 17, 64, 65, 320: the first rows of each are bitwise the
+  first rows of the others): the grid, the row padding and the K order do not depend on M;
+- with the interpreter's product replaced by one row at a time (the same vector-matrix
+  product for every row, as the hardware computes every row alike), a row alone equals
+  that row among 16, 64, 65 and 320 rows, bitwise.
+
+Whether the H200's wgmma gives a row the same bits at every place in the tile is
+proven on the device (experiments/tuning/mosaic_matmul.py). The kernels also lower for
+CUDA here (Mosaic GPU's lowering to its MLIR runs in Python without a GPU; PTX is
+compiled on the device).
+"""
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+
+from jspec.ops import get_ops
+from jspec.options import KernelOptions
+from pallas_kernels.matmul import MatmulConfig, matmul_reference
+from pallas_kernels.matmul_glu import _glu_tile, matmul_glu_reference
+from pallas_kernels.mosaic import MosaicMatmulConfig, matmul, matmul_glu, mosaic_matmul_config
+
+K, N = 128, 64  # one K step (bk 128), two column tiles (bn 32): few interpreted steps
+
+
+def _inputs(m: int, k: int = K, n: int = N, seed: int = 0):
+    kx, kw = jax.random.split(jax.random.key(seed))
+    x = jax.random.normal(kx, (m, k), jnp.float32).astype(jnp.bfloat16)
+    w = (jax.random.normal(kw, (k, n), jnp.float32) * 0.05).astype(jnp.bfloat16)
+    return x, w
+
+
+class _RowByRow:
+    """numpy, except that matmul forms each row of a @ b on its own (the same
+    vector-matrix product whatever the row's place among the others)."""
+
+    def __getattr__(self, name):
+        return getattr(np, name)
+
+    @staticmethod
+    def matmul(a, b, dtype):
+        b = np.asarray(b, dtype)
+        return np.stack([np.asarray(row, dtype) @ b for row in a])
+
+
+@pytest.fixture
+def row_by_row_wgmma(monkeypatch):
+    monkeypatch.setattr(gpu_callbacks, "np", _RowByRow())
+
+
+def test_config_is_a_function_of_the_weight_shape():
+    # Qwen3-8B: bk from K alone; >= 128 column tiles at decode where N allows.
+    got = {kn: mosaic_matmul_config(*kn, jnp.bfloat16) for kn in
+           [(4096, 6144), (4096, 4096), (4096, 24576), (12288, 4096), (4096, 151936)]}
+    assert {kn: (c.bk, c.bn) for kn, c in got.items()} == {
+        (4096, 6144): (128, 32), (4096, 4096): (128, 32), (4096, 24576): (128, 128),
+        (12288, 4096): (128, 32), (4096, 151936): (128, 128)}
+    assert all(2 <= c.stages <= 4 for c in got.values())
+    assert mosaic_matmul_config(96, 4096, jnp.bfloat16).bk == 32
+    with pytest.raises(ValueError, match="bn"):
+        MosaicMatmulConfig(bn=48, bk=64, stages=2)
+    with pytest.raises(ValueError, match="stages"):
+        MosaicMatmulConfig(bn=64, bk=64, stages=1)
+
+
+def test_matmul_matches_reference():
+    x, w = _inputs(70)
+    y = matmul(x, w, interpret=True)  # [70, 64] f32
+    ref = matmul_reference(x, w)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(ref), rtol=1e-5, atol=1e-5)
+    yb = matmul(x, w, out_dtype=jnp.bfloat16, interpret=True)
+    assert yb.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(yb), np.asarray(y.astype(jnp.bfloat16)))
+
+
+def test_rows_keep_their_bits_across_row_counts():
+    x, w = _inputs(320)
+    full = np.asarray(matmul(x, w, interpret=True))  # 5 row tiles, the last one full
+    for m in (1, 16, 17, 64, 65):
+        assert np.array_equal(np.asarray(matmul(x[:m], w, interpret=True)), full[:m]), m
+
+
+def test_row_alone_equals_row_among_others(row_by_row_wgmma):
+    x, w = _inputs(320, seed=1)
+    alone = {r: np.asarray(matmul(x[r:r + 1], w, interpret=True))[0]
+             for r in (0, 9, 63, 64, 319)}
+    for m in (16, 64, 65, 320):
+        among = np.asarray(matmul(x[:m], w, interpret=True))
+        for r, row in alone.items():
+            if r < m:
+                assert np.array_equal(among[r], row), (m, r)
+    # Every row at another place in its tile (rolled by 9): the same bits.
+    rolled = np.asarray(matmul(jnp.roll(x[:65], 9, axis=0), w, interpret=True))
+    assert np.array_equal(np.roll(rolled, -9, axis=0),
+                          np.asarray(matmul(x[:65], w, interpret=True)))
+
+
+@pytest.mark.parametrize("activation", ["silu", pytest.param("gelu_tanh", marks=pytest.mark.slow)])
+def test_matmul_glu_is_glu_of_the_matmul_halves(activation):
+    x, w = _inputs(17, n=128)  # F = 64: two column tiles of 32 per half
+    got = matmul_glu(x, w, activation=activation, interpret=True)  # [17, 64] bf16
+    gate, up = jnp.split(matmul(x, w, out_dtype=x.dtype, interpret=True), 2, axis=-1)
+    assert np.array_equal(np.asarray(got), np.asarray(_glu_tile(gate, up, activation)))
+    ref = matmul_glu_reference(x, w, activation=activation)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(ref, np.float32),
+                               rtol=2e-2, atol=2e-2)
+
+
+def test_bad_input_is_refused():
+    x, w = _inputs(4)
+    with pytest.raises(TypeError, match="bfloat16"):
+        matmul(x.astype(jnp.float32), w.astype(jnp.float32), interpret=True)
+    with pytest.raises(ValueError, match="x \\[M, K\\]"):
+        matmul(x[:, :64], w, interpret=True)
+    with pytest.raises(TypeError, match="MosaicMatmulConfig"):
+        matmul(x, w, config=MatmulConfig(bm=16, bn=32, bk=32, num_warps=4, num_stages=2))
+    with pytest.raises(ValueError, match="multiple of the column tile"):
+        matmul_glu(x, w[:, :48], activation="silu", interpret=True)
+    with pytest.raises(ValueError, match="lowering"):
+        KernelOptions(lowering="cuda")
+
+
+def test_ops_dispatch_by_lowering():
+    def kernel(fn):
+        return fn.func if isinstance(fn, functools.partial) else fn.__wrapped__.func
+
+    mosaic = get_ops("pallas", False, "mosaic")
+    triton = get_ops("pallas", False, "triton")
+    assert kernel(mosaic.matmul) is matmul and kernel(mosaic.matmul_glu) is matmul_glu
+    assert kernel(triton.matmul) is not matmul
+    assert kernel(mosaic.rmsnorm) is kernel(triton.rmsnorm)  # the rest stays on Triton
+    assert get_ops("pallas", True, "mosaic").matmul.__wrapped__.func is matmul
+
+
+def _lower(fn, *args) -> str:
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+_SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize("m,k,n", [
+    (1, 4096, 6144), (17, 12288, 4096), (320, 4096, 151936),
+    pytest.param(1, 4096, 151936, marks=_SLOW), pytest.param(17, 4096, 6144, marks=_SLOW),
+    pytest.param(320, 12288, 4096, marks=_SLOW)])
+def test_matmul_lowers_for_cuda(m, k, n):
+    x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((k, n), jnp.bfloat16)
+    text = _lower(functools.partial(matmul, out_dtype=jnp.bfloat16), x, w)
+    assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 1
+    # No pad copy of the weight (its shape divides the tiles); x's rows are padded to a
+    # multiple of 8 (TMA's row tile) only where there are more than 8 of them.
+    assert ("stablehlo.pad" in text) == (m > 8 and m % 8 != 0)
+
+
+def test_matmul_glu_lowers_for_cuda():
+    x = jax.ShapeDtypeStruct((40, 4096), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((4096, 24576), jnp.bfloat16)
+    text = _lower(functools.partial(matmul_glu, activation="silu"), x, w)
+    assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 1
+    assert "tensor<40x12288xbf16>" in text
+
+
+def test_model_forward_lowers_with_mosaic_matmuls(monkeypatch):
+    # A Qwen3-8B-shaped forward (2 layers, decode) with lowering="mosaic": its projections
+    # (wqkv, wo, the fused gate/up + GLU, w_down; layers share one body) and the LM head
+    # are Mosaic GPU calls; the other kernels Triton (lowered for the H200's sm_90).
+    from jax._src.pallas.triton import gpu_info, pallas_call_registration
+
+    from jspec.cache import init_cache
+    from jspec.model import Model, apply
+    from jspec.random_model import preset_config, random_params
+
+    info = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200)
+    monkeypatch.setattr(pallas_call_registration.gpu_info_lib, "get_gpu_info",
+                        lambda *a, **k: info)
+    cfg = preset_config("qwen3-8b", num_layers=2)
+    model = Model(config=cfg, params=jax.eval_shape(lambda: random_params(cfg)))
+    model = model.replace(options=model.options.replace(lowering="mosaic"))
+    cache = jax.eval_shape(lambda: init_cache(model, 1, 256))
+    text = _lower(apply, model, jax.ShapeDtypeStruct((1, 1), jnp.int32), cache)
+    assert text.count("custom_call @mosaic_gpu") == 5
+    assert "__gpu$xla.gpu.triton" in text and "jspec_matmul" not in text
