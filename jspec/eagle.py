@@ -9,8 +9,9 @@ The layout the public heads use (SGLang's `LlamaForCausalLMEagle3`, vLLM's
                      vocab_size (the target's), draft_vocab_size, optional
                      target_hidden_size, norm_before_residual and
                      eagle_config.eagle_aux_hidden_state_layer_ids (default: the inputs of
-                     target layers 2, L // 2, L - 3)
-  model.safetensors  fc.weight [D, 3 Dt]; midlayer.{input_layernorm, hidden_norm,
+                     target layers 2, L // 2, L - 3; counted two ways: `feature_layers`)
+  model.safetensors  (or pytorch_model.bin; either sharded, with its index)
+                     fc.weight [D, 3 Dt]; midlayer.{input_layernorm, hidden_norm,
                      post_attention_layernorm}.weight [D];
                      midlayer.self_attn.{q,k,v}_proj.weight [.., 2D]; o_proj [D, H hd];
                      midlayer.mlp.{gate,up,down}_proj.weight; norm.weight [D];

@@ -168,6 +168,8 @@ class TorchBin:
             raise _error(f"{self.fn}: tensor {name!r} (offset {r.offset}, shape {r.shape}, "
                          f"stride {r.stride}) reaches element {last} of a storage of "
                          f"{flat.size}")
+        if not r.shape:  # 0-d (as_strided would give shape (1,))
+            return flat[r.offset:r.offset + 1].reshape(()).copy()
         item = flat.itemsize
         view = np.lib.stride_tricks.as_strided(flat[r.offset:], shape=r.shape,
                                                strides=tuple(s * item for s in r.stride),
