@@ -9,8 +9,9 @@ The layout the public heads use (SGLang's `LlamaForCausalLMEagle3`, vLLM's
                      vocab_size (the target's), draft_vocab_size, optional
                      target_hidden_size, norm_before_residual and
                      eagle_config.eagle_aux_hidden_state_layer_ids (default: the inputs of
-                     target layers 2, L // 2, L - 3)
-  model.safetensors  fc.weight [D, 3 Dt]; midlayer.{input_layernorm, hidden_norm,
+                     target layers 2, L // 2, L - 3; counted two ways: `feature_layers`)
+  model.safetensors  (or pytorch_model.bin; either sharded, with its index)
+                     fc.weight [D, 3 Dt]; midlayer.{input_layernorm, hidden_norm,
                      post_attention_layernorm}.weight [D];
                      midlayer.self_attn.{q,k,v}_proj.weight [.., 2D]; o_proj [D, H hd];
                      midlayer.mlp.{gate,up,down}_proj.weight; norm.weight [D];
@@ -25,13 +26,16 @@ Every mismatch (names, shapes, the target's hidden size or vocabulary, the maps)
 from __future__ import annotations
 
 import json
+import logging
 import os
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from safetensors.numpy import save_file
 
+from jspec import hf_names
 from jspec.config import UnsupportedModelError, canonical_dtype, rope_spec
 from jspec.feature_head import FeatureHead, eagle3_layers, head_config, slot_map
 from jspec.loading import (
@@ -44,8 +48,17 @@ from jspec.loading import (
 from jspec.model import Model
 from jspec.options import KernelOptions
 
+LOG = logging.getLogger("jspec")
+
 ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
-_LAYER = ("midlayer.", "layers.0.")
+# How a config's feature layer ids count (see `feature_layers`).
+Convention = Literal["auto", "entering", "after"]
+CONVENTIONS = ("auto", "entering", "after")
+# Config keys only vllm-project/speculators writes (its heads use the "entering" ids).
+# The eagle_config key save_eagle3 writes its convention in (other readers ignore it).
+CONVENTION_KEY = "layer_ids_convention"
+SPECULATORS_KEYS = ("speculators_model_type", "speculators_config", "speculators_version",
+                    "transformer_layer_config")
 
 
 def _read_config(path: str) -> dict:
@@ -74,14 +87,69 @@ def _rope(cfg: dict, where: str):
     return rope_spec(params, None, where)
 
 
+def feature_layers(cfg: dict, num_layers: int, convention: Convention = "auto",
+                   where: str = "") -> tuple[int, ...]:
+    """The target layers whose entering hidden states a head reads, from its config.
+
+    Producers count the ids two ways, one layer apart:
+    - "entering": id k is the hidden state entering target layer k (0: the embedding
+      output). jspec, vLLM (`SupportsEagle3` captures before running layer k), the EAGLE
+      repo (SafeAILab/EAGLE: its targets keep the input of layers 2, L // 2, L - 3; its
+      heads write no ids) and vllm-project/speculators (configs with
+      `speculators_model_type` / `speculators_config`, ids at the top level).
+    - "after": id k is the output of layer k, i.e. entering layer k + 1. SpecForge
+      (sgl-project/SpecForge) captures with a forward hook on layer k and writes
+      `eagle_config.eagle_aux_hidden_state_layer_ids`, default [1, L // 2 - 1, L - 4].
+    Nothing in a SpecForge config names its producer. "auto" (the default) reads: no ids
+    -> jspec's default (2, L // 2, L - 3), the same layers in both conventions' defaults;
+    `eagle_config.layer_ids_convention` (written by `save_eagle3`) -> that; speculators
+    keys -> "entering"; otherwise a first id of 1 -> "after" (a first
+    feature taken after layer 0 is SpecForge's default; SGLang decides the same way),
+    anything else -> "entering". Pass the convention explicitly when it is known.
+    """
+    eagle = cfg.get("eagle_config") or {}
+    ids = eagle.get("eagle_aux_hidden_state_layer_ids") or cfg.get(
+        "eagle_aux_hidden_state_layer_ids")
+    if not ids:
+        return eagle3_layers(num_layers)
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise CheckpointError(f"{where}: eagle_aux_hidden_state_layer_ids={ids} must be "
+                              "integers")
+    if convention == "auto":
+        if eagle.get(CONVENTION_KEY) in ("entering", "after"):
+            convention = eagle[CONVENTION_KEY]
+        elif any(k in cfg for k in SPECULATORS_KEYS):
+            convention = "entering"
+        else:
+            convention = "after" if ids[0] == 1 else "entering"
+        LOG.info("%s: feature layer ids %s read as %r (aux_layers_convention='auto'; pass "
+                 "it explicitly to override)", where, list(ids), convention)
+    layers = tuple(i + 1 for i in ids) if convention == "after" else tuple(ids)
+    bad = [i for i in layers if not 0 <= i <= num_layers]
+    if bad:
+        shown = bad if convention == "entering" else [i - 1 for i in bad]
+        raise CheckpointError(f"{where}: feature layers {shown} are outside the target's "
+                              f"0..{num_layers} (ids read as {convention!r})")
+    return layers
+
+
 def load_eagle3(path: str, target: Model, *, dtype=None,
-                options: KernelOptions | None = None) -> FeatureHead:
-    """Loads an EAGLE-3 head directory (or a hub id in the local HF cache) for `target`.
+                options: KernelOptions | None = None,
+                aux_layers_convention: Convention = "auto") -> FeatureHead:
+    """Loads an EAGLE-3 head directory (or a hub id in the local HF cache) for `target`:
+    weights in model.safetensors, sharded safetensors, pytorch_model.bin or sharded bins.
 
     dtype: the head's (default the target's); options: its kernel choices (default the
-    target's backend with the fusions' defaults). Wrap the result in
-    `jspec.FeatureDrafter` to draft with it.
+    target's backend with the fusions' defaults). aux_layers_convention: how to read the
+    config's feature layer ids (`feature_layers`): "entering" (id k = the hidden state
+    entering target layer k, jspec's, vLLM's, speculators' and the EAGLE repo's
+    convention), "after" (id k = the output of layer k, SpecForge's: read as k + 1) or
+    "auto" (the default: decided from the config, see `feature_layers`). Wrap the result
+    in `jspec.FeatureDrafter` to draft with it.
     """
+    if aux_layers_convention not in CONVENTIONS:
+        raise ValueError(f"aux_layers_convention={aux_layers_convention!r}; expected one of "
+                         f"{CONVENTIONS}")
     path = resolve_checkpoint(path)
     cfg = _read_config(path)
     tcfg = target.config
@@ -94,16 +162,10 @@ def load_eagle3(path: str, target: Model, *, dtype=None,
         raise CheckpointError(f"{path}: vocab_size={cfg['vocab_size']} but the target's "
                               f"vocabulary has {tcfg.vocab_size} ids")
     eagle = cfg.get("eagle_config") or {}
-    layers = tuple(eagle.get("eagle_aux_hidden_state_layer_ids")
-                   or cfg.get("eagle_aux_hidden_state_layer_ids")
-                   or eagle3_layers(tcfg.num_layers))
     if eagle.get("use_aux_hidden_state") is False:
         raise UnsupportedModelError(f"{path}: use_aux_hidden_state=False (a head over the "
                                     "target's normed last hidden state) is not supported")
-    bad = [i for i in layers if not 0 <= int(i) <= tcfg.num_layers]
-    if bad:
-        raise CheckpointError(f"{path}: feature layers {bad} are outside the target's "
-                              f"0..{tcfg.num_layers}")
+    layers = feature_layers(cfg, tcfg.num_layers, aux_layers_convention, path)
     D, H = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
     head_dim = int(cfg.get("head_dim") or D // H)
     dtype = canonical_dtype(dtype) if dtype is not None else tcfg.dtype
@@ -111,12 +173,13 @@ def load_eagle3(path: str, target: Model, *, dtype=None,
         tcfg, hidden_size=D, intermediate_size=int(cfg["intermediate_size"]), num_heads=H,
         num_kv_heads=int(cfg.get("num_key_value_heads") or H), head_dim=head_dim,
         draft_vocab_size=int(cfg.get("draft_vocab_size") or cfg["vocab_size"]),
-        feature_layers=tuple(int(i) for i in layers), rope=_rope(cfg, path),
+        feature_layers=layers, rope=_rope(cfg, path),
         rms_eps=float(cfg.get("rms_norm_eps", 1e-6)), dtype=dtype,
         norm_before_residual=bool(cfg.get("norm_before_residual", False)))
     L, V, Vd = hcfg.layer, hcfg.vocab_size, hcfg.layer.vocab_size
     reader = TensorReader(path)
-    pre = next((p for p in _LAYER if reader.has(p + "hidden_norm.weight")), None)
+    pre = next((p for p in hf_names.EAGLE3_LAYER_PREFIXES
+                if reader.has(p + "hidden_norm.weight")), None)
     if pre is None:
         raise CheckpointError(f"{path}: missing tensor 'midlayer.hidden_norm.weight' (not an "
                               "EAGLE-3 head's layer)")
@@ -128,19 +191,7 @@ def load_eagle3(path: str, target: Model, *, dtype=None,
     def lin(name, out_dim, in_dim):  # HF [out, in] -> [in, out]
         return np.ascontiguousarray(get(name, (out_dim, in_dim)).T)
 
-    F = L.intermediate_size
-    layer = {
-        "input_norm": get(pre + "input_layernorm.weight", (D,)),
-        "hidden_norm": get(pre + "hidden_norm.weight", (D,)),
-        "post_norm": get(pre + "post_attention_layernorm.weight", (D,)),
-        "wqkv": np.concatenate([lin(pre + f"self_attn.{n}_proj.weight", size, 2 * D)
-                                for n, size in (("q", L.q_size), ("k", L.kv_size),
-                                                ("v", L.kv_size))], axis=1),
-        "wo": lin(pre + "self_attn.o_proj.weight", D, L.q_size),
-        "w_gate_up": np.concatenate([lin(pre + "mlp.gate_proj.weight", F, D),
-                                     lin(pre + "mlp.up_proj.weight", F, D)], axis=1),
-        "w_down": lin(pre + "mlp.down_proj.weight", D, F),
-    }
+    layer = hf_names.build(hf_names.EAGLE3_LAYER, hf_names.dims(L), get, pre)
     params = {"layer": layer, "norm": get("norm.weight", (D,))}
     if hcfg.has_fc:
         params["fc"] = lin("fc.weight", D, hcfg.feature_width)
@@ -197,8 +248,22 @@ def _head_slot(reader: TensorReader, path: str, Vd: int, V: int):
 
 def save_eagle3(path: str, head: FeatureHead, *, save_embedding: bool = False) -> str:
     """Writes `head` in the published EAGLE-3 layout (config.json, model.safetensors);
-    `load_eagle3(path, target)` reads it back bitwise. The target's embedding is left out
-    unless save_embedding (heads narrower than their target must save it)."""
+    `load_eagle3(path, target)` reads it back bitwise; the EAGLE reference
+    implementation, vLLM and SGLang read it right too.
+
+    How each reads the width of the features and the embedding:
+    - EAGLE (SafeAILab/EAGLE `cnets.Model`): fc is [D, 3 target_hidden_size] if the config
+      has target_hidden_size, else [D, 3 hidden_size]; it copies the target's embedding
+      only when the config has no target_hidden_size, and otherwise keeps its random
+      one unless the weights hold embed_tokens.weight.
+    - vLLM (`Eagle3LlamaForCausalLM`): the same fc rule; embed_tokens.weight from the
+      weights if there, else the target's.
+    - SGLang (`LlamaForCausalLMEagle3`): the same fc rule; always the target's embedding.
+    So target_hidden_size is written only when it differs from hidden_size (then the
+    embedding is saved too, as a head narrower than its target needs its own; SGLang
+    cannot run such a head), and the embedding is otherwise left out unless
+    save_embedding.
+    """
     cfg, p = head.config, head.params
     L = cfg.layer
     D = L.hidden_size
@@ -211,29 +276,28 @@ def save_eagle3(path: str, head: FeatureHead, *, save_embedding: bool = False) -
     def hf(x):  # [in, out] -> HF [out, in]
         return np.ascontiguousarray(a(x).T)
 
-    lp = p["layer"]
-    q, k, v = np.split(np.asarray(lp["wqkv"]), [L.q_size, L.q_size + L.kv_size], axis=1)
-    gate, up = np.split(np.asarray(lp["w_gate_up"]), 2, axis=1)
+    layer = {k: a(v) for k, v in p["layer"].items()}
     slot = np.asarray(p["head_slot"])
     target_ids = np.full((L.vocab_size,), -1, np.int64)
     target_ids[slot[slot >= 0]] = np.flatnonzero(slot >= 0)
-    tensors = {
-        "midlayer.input_layernorm.weight": a(lp["input_norm"]),
-        "midlayer.hidden_norm.weight": a(lp["hidden_norm"]),
-        "midlayer.post_attention_layernorm.weight": a(lp["post_norm"]),
-        "midlayer.self_attn.q_proj.weight": hf(q), "midlayer.self_attn.k_proj.weight": hf(k),
-        "midlayer.self_attn.v_proj.weight": hf(v), "midlayer.self_attn.o_proj.weight":
-            hf(lp["wo"]),
-        "midlayer.mlp.gate_proj.weight": hf(gate), "midlayer.mlp.up_proj.weight": hf(up),
-        "midlayer.mlp.down_proj.weight": hf(lp["w_down"]),
-        "norm.weight": a(p["norm"]), "lm_head.weight": hf(p["lm_head"]),
-        "d2t": target_ids - np.arange(L.vocab_size, dtype=np.int64), "t2d": slot >= 0,
-    }
+    tensors = dict(hf_names.split(hf_names.EAGLE3_LAYER, hf_names.dims(L), layer,
+                                  hf_names.EAGLE3_LAYER_PREFIXES[0]))
+    tensors |= {"norm.weight": a(p["norm"]), "lm_head.weight": hf(p["lm_head"]),
+                "d2t": target_ids - np.arange(L.vocab_size, dtype=np.int64),
+                "t2d": slot >= 0}
     if cfg.has_fc:
         tensors["fc.weight"] = hf(p["fc"])
     if save_embedding or D != cfg.target_hidden:
         tensors["embed_tokens.weight"] = a(p["embed"])
     save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(_config(head), f, indent=2)
+    return path
+
+
+def _config(head: FeatureHead) -> dict:
+    cfg = head.config
+    L = cfg.layer
     rope = {"rope_type": "default", "rope_theta": L.rope.theta}
     if L.rope.llama3 is not None:
         f, lo, hi, old = L.rope.llama3
@@ -241,17 +305,17 @@ def save_eagle3(path: str, head: FeatureHead, *, save_embedding: bool = False) -
                  "high_freq_factor": hi, "original_max_position_embeddings": old}
     config = {
         "architectures": [ARCHITECTURES[0]], "model_type": "llama", "hidden_act": "silu",
-        "hidden_size": D, "intermediate_size": L.intermediate_size,
+        "hidden_size": L.hidden_size, "intermediate_size": L.intermediate_size,
         "num_attention_heads": L.num_heads, "num_key_value_heads": L.num_kv_heads,
         "head_dim": L.head_dim, "num_hidden_layers": 1, "rms_norm_eps": L.rms_eps,
         "rope_theta": L.rope.theta, "rope_scaling": rope if L.rope.llama3 else None,
         "max_position_embeddings": L.max_position, "tie_word_embeddings": False,
         "vocab_size": cfg.vocab_size, "draft_vocab_size": L.vocab_size,
-        "target_hidden_size": cfg.target_hidden, "torch_dtype": L.dtype,
-        "norm_before_residual": cfg.norm_before_residual,
+        "torch_dtype": L.dtype, "norm_before_residual": cfg.norm_before_residual,
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(cfg.feature_layers),
-                         "use_aux_hidden_state": True},
+                         "use_aux_hidden_state": True, CONVENTION_KEY: "entering"},
     }
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(config, f, indent=2)
-    return path
+    if cfg.target_hidden != L.hidden_size:  # see save_eagle3: EAGLE reads its presence
+        config["target_hidden_size"] = cfg.target_hidden
+    return config
+

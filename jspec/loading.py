@@ -1,10 +1,12 @@
 """Loading Hugging Face checkpoint directories without torch.
 
 `load_hf(path_or_id)` reads `config.json` through transformers' `AutoConfig` and the
-weights from `model.safetensors` or a sharded `model.safetensors.index.json`,
-converts HF's `[out, in]` linear layout to jspec's `[in, out]` and fuses q/k/v and
-gate/up. A hub id ("owner/name") resolves from the local Hugging Face cache only.
-The official multimodal Gemma 3 directories give their text model.
+weights from `model.safetensors`, a sharded `model.safetensors.index.json`, or torch's
+`pytorch_model.bin` / `pytorch_model.bin.index.json` (read without torch and without
+running their pickle: `jspec.torch_bin`), converts HF's `[out, in]` linear layout to
+jspec's `[in, out]` and fuses q/k/v and gate/up (the name map: `jspec.hf_names`). A
+hub id ("owner/name") resolves from the local Hugging Face cache only. The official
+multimodal Gemma 3 directories give their text model.
 
 Nothing is loaded silently wrong. Every failure is a `CheckpointError` naming the
 file: a missing, mis-shaped or non-finite tensor, a truncated or corrupt safetensors
@@ -21,6 +23,7 @@ import logging
 import os
 import re
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -29,6 +32,7 @@ import ml_dtypes
 import numpy as np
 from safetensors import safe_open
 
+from jspec import hf_names
 from jspec.config import (
     TEXT_OF_MULTIMODAL,
     ModelConfig,
@@ -38,18 +42,19 @@ from jspec.config import (
 )
 from jspec.model import Model
 from jspec.options import KernelOptions
+from jspec.torch_bin import TorchBin
 
 LOG = logging.getLogger("jspec")
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
+BIN_INDEX_FILE = "pytorch_model.bin.index.json"
+BIN_FILE = "pytorch_model.bin"
+# (index, single file) pairs in the order they are looked for: safetensors first.
+WEIGHT_FILES = ((INDEX_FILE, SINGLE_FILE), (BIN_INDEX_FILE, BIN_FILE))
 # Checkpoints with more safetensors bytes than this show a progress bar (on stderr).
 PROGRESS_MIN_BYTES = 500 * 2**20
-# Where the text model's tensors sit: plain causal LMs ("model."), transformers 5's
-# multimodal layout ("model.language_model.", Gemma3ForConditionalGeneration), the
-# layout of the published Gemma 3 4B-27B uploads ("language_model.model."), bare.
-TEXT_PREFIXES = ("model.", "model.language_model.", "language_model.model.", "")
-LM_HEAD_NAMES = ("lm_head.weight", "language_model.lm_head.weight")
+TEXT_PREFIXES, LM_HEAD_NAMES = hf_names.TEXT_PREFIXES, hf_names.LM_HEAD_NAMES
 # Tensors of a multimodal checkpoint that are not the text model (logged, not an error).
 MULTIMODAL_EXTRAS = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
                      "model.multi_modal_projector.")
@@ -118,15 +123,23 @@ def display_name(path: str) -> str:
 # --------------------------------------------------------------------------- tensors
 
 
+def _weight_files(path: str) -> tuple[str, str]:
+    """(index, single file) paths of the first format of WEIGHT_FILES present in `path`."""
+    for index, single in WEIGHT_FILES:
+        pair = os.path.join(path, index), os.path.join(path, single)
+        if any(os.path.exists(p) for p in pair):
+            return pair
+    return os.path.join(path, INDEX_FILE), os.path.join(path, SINGLE_FILE)
+
+
 class TensorReader:
-    """Looks tensors up by name across one or several safetensors files, records which
-    were read, and rejects non-finite values."""
+    """Looks tensors up by name across one or several safetensors or torch `.bin` files,
+    records which were read, and rejects non-finite values."""
 
     def __init__(self, path: str):
         self.path = path
-        index_path = os.path.join(path, INDEX_FILE)
-        single_path = os.path.join(path, SINGLE_FILE)
         self._files: dict[str, Any] = {}
+        index_path, single_path = _weight_files(path)
         if os.path.exists(index_path):
             try:
                 with open(index_path) as f:
@@ -142,7 +155,8 @@ class TensorReader:
         elif os.path.exists(single_path):
             self.where = {name: single_path for name in self._open(single_path)[1]}
         else:
-            raise CheckpointError(f"{path}: no {SINGLE_FILE} or {INDEX_FILE}")
+            raise CheckpointError(f"{path}: no {SINGLE_FILE}, {INDEX_FILE}, {BIN_FILE} or "
+                                  f"{BIN_INDEX_FILE}")
         for fn in sorted(set(self.where.values())):
             if not os.path.exists(fn):
                 raise CheckpointError(f"{path}: shard {os.path.basename(fn)} named in the index "
@@ -150,6 +164,9 @@ class TensorReader:
         self.used: set[str] = set()
 
     def _open(self, fn: str):
+        if fn not in self._files and fn.endswith(".bin"):
+            handle = TorchBin(fn)
+            self._files[fn] = handle, set(handle.keys())
         if fn not in self._files:
             try:
                 handle = safe_open(fn, "numpy")
@@ -174,6 +191,8 @@ class TensorReader:
                                   "file, which does not hold it")
         try:
             arr = handle.get_tensor(name)
+        except CheckpointError:
+            raise
         except Exception as e:
             raise CheckpointError(f"{fn}: could not read tensor {name!r}: {e}") from e
         if np.issubdtype(arr.dtype, np.floating) or arr.dtype == ml_dtypes.bfloat16:
@@ -196,71 +215,48 @@ class TensorReader:
         return arr
 
 
-def _prefix(reader: TensorReader) -> str:
+def text_prefix(reader: TensorReader) -> str:
+    """The prefix of the text model's tensors ("model.", ...: `hf_names.TEXT_PREFIXES`)."""
     for p in TEXT_PREFIXES:
-        if reader.has(p + "embed_tokens.weight"):
+        if reader.has(p + hf_names.EMBED):
             return p
     raise CheckpointError(f"{reader.path}: missing tensor 'model.embed_tokens.weight' (no "
                           f"embedding table under any of {TEXT_PREFIXES})")
 
 
-def convert_params(cfg: ModelConfig, reader: TensorReader, *, progress: bool = False) -> dict:
-    """HF tensors -> jspec params pytree (numpy, cfg.dtype). `progress`: a tqdm bar over
-    the layers on stderr."""
+def convert_params(cfg: ModelConfig, reader: TensorReader, *, progress: bool = False,
+                   place: Callable[[str, np.ndarray], Any] | None = None) -> dict:
+    """HF tensors -> jspec params pytree (numpy, cfg.dtype), through `hf_names`' tables.
+    `progress`: a tqdm bar over the layers on stderr. `place(key, array)`: applied to
+    each param as soon as it is built (`jspec.sharding.load_sharded` puts each device's
+    shard there, a layer at a time); by default the host array is kept."""
+    from tqdm.auto import tqdm
+
     dt = np_dtype(cfg.dtype)
-    D, F, V, hd = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.head_dim
-    pre = _prefix(reader)
+    D, V = cfg.hidden_size, cfg.vocab_size
+    pre = text_prefix(reader)
+    table, widths = hf_names.layer_table(cfg), hf_names.dims(cfg)
+    place = place or (lambda key, w: w)
 
     def get(name, shape):
         return reader.get(name, shape).astype(dt)
 
-    def lin(name, out_dim, in_dim):  # HF [out, in] -> [in, out]
-        return get(name, (out_dim, in_dim)).T
-
-    layers: list[dict] = []
-    from tqdm.auto import tqdm
-
     bar = tqdm(range(cfg.num_layers), desc=f"loading {display_name(reader.path)}",
                unit="layer", file=sys.stderr, disable=not progress, leave=False)
-    for i in bar:
-        layer: dict = {}
-        layers.append(layer)
-
-        def put(key, value, layer=layer):
-            layer[key] = np.ascontiguousarray(value)
-
-        lp = f"{pre}layers.{i}."
-        put("attn_norm", get(lp + "input_layernorm.weight", (D,)))
-        put("wqkv", np.concatenate([
-            lin(lp + "self_attn.q_proj.weight", cfg.q_size, D),
-            lin(lp + "self_attn.k_proj.weight", cfg.kv_size, D),
-            lin(lp + "self_attn.v_proj.weight", cfg.kv_size, D)], axis=1))
-        put("wo", lin(lp + "self_attn.o_proj.weight", D, cfg.q_size))
-        if cfg.qk_norm:
-            put("q_norm", get(lp + "self_attn.q_norm.weight", (hd,)))
-            put("k_norm", get(lp + "self_attn.k_norm.weight", (hd,)))
-        if cfg.sandwich_norms:
-            put("post_attn_norm", get(lp + "post_attention_layernorm.weight", (D,)))
-            put("mlp_norm", get(lp + "pre_feedforward_layernorm.weight", (D,)))
-            put("post_mlp_norm", get(lp + "post_feedforward_layernorm.weight", (D,)))
-        else:
-            put("mlp_norm", get(lp + "post_attention_layernorm.weight", (D,)))
-        put("w_gate_up", np.concatenate([lin(lp + "mlp.gate_proj.weight", F, D),
-                                         lin(lp + "mlp.up_proj.weight", F, D)], axis=1))
-        put("w_down", lin(lp + "mlp.down_proj.weight", D, F))
+    layers = [{k: place(k, w) for k, w in hf_names.build(
+        table, widths, get, hf_names.layer_prefix(pre, i)).items()} for i in bar]
     bar.close()
-
-    embed = get(pre + "embed_tokens.weight", (V, D))
+    embed = get(pre + hf_names.EMBED, (V, D))
     if cfg.tie_embeddings:
         lm_head = embed.T
     else:
         head = next((n for n in LM_HEAD_NAMES if reader.has(n)), LM_HEAD_NAMES[0])
-        lm_head = lin(head, V, D)
+        lm_head = get(head, (V, D)).T  # HF [out, in] -> [in, out]
     return {
-        "embed": embed,
+        "embed": place("embed", embed),
         "layers": layers,
-        "final_norm": get(pre + "norm.weight", (D,)),
-        "lm_head": np.ascontiguousarray(lm_head),
+        "final_norm": place("final_norm", get(pre + hf_names.FINAL_NORM, (D,))),
+        "lm_head": place("lm_head", np.ascontiguousarray(lm_head)),
     }
 
 
@@ -278,7 +274,7 @@ def _harmless(cfg: ModelConfig, reader: TensorReader, name: str, multimodal: boo
     if multimodal and name.startswith(MULTIMODAL_EXTRAS):
         return True
     if name in LM_HEAD_NAMES and cfg.tie_embeddings:
-        embed = reader.read(_prefix(reader) + "embed_tokens.weight")
+        embed = reader.read(text_prefix(reader) + hf_names.EMBED)
         head = reader.read(name)
         return head.shape == embed.shape and head.dtype == embed.dtype and bool(
             np.array_equal(head.view(np.uint8), embed.view(np.uint8)))
@@ -311,7 +307,7 @@ def _likely_cause(cfg: ModelConfig, model_type: str, names: list[str]) -> str:
     return f"weights that model_type {model_type} does not use: does config.json match them?"
 
 
-def _check_unused(cfg: ModelConfig, reader: TensorReader, model_type: str,
+def check_unused(cfg: ModelConfig, reader: TensorReader, model_type: str,
                   multimodal: bool) -> None:
     unused = sorted(set(reader.where) - reader.used)
     harmless = [n for n in unused if _harmless(cfg, reader, n, multimodal)]
@@ -413,7 +409,7 @@ def _duration(s: float) -> str:
     return f"{s / 60:.0f} min"
 
 
-def _warn_interpret(path: str, cfg: ModelConfig) -> None:
+def warn_interpret(path: str, cfg: ModelConfig) -> None:
     key = os.path.realpath(path)
     if key in _INTERPRET_WARNED:
         return
@@ -471,9 +467,9 @@ def load_hf(path: str | os.PathLike, *, dtype: Any = "bfloat16", backend: str = 
     nbytes = reader.nbytes()
     params = convert_params(cfg, reader, progress=nbytes > PROGRESS_MIN_BYTES)
     model_type = hf.model_type
-    _check_unused(cfg, reader, model_type, multimodal=model_type in TEXT_OF_MULTIMODAL)
+    check_unused(cfg, reader, model_type, multimodal=model_type in TEXT_OF_MULTIMODAL)
     if backend == "pallas" and interpret:
-        _warn_interpret(path, cfg)
+        warn_interpret(path, cfg)
     return Model(config=cfg, params=jax.tree.map(jnp.asarray, params), options=options)
 
 

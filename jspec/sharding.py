@@ -39,7 +39,6 @@ the same program (`jax.distributed`).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -328,9 +327,8 @@ def load_sharded(path: str, mesh: Mesh, *, axis: str = AXIS, dtype="bfloat16",
                  row_partials: int | None = None) -> Model:
     """`jspec.load_hf(path, mesh=mesh)`: an HF checkpoint read tensor by tensor with numpy
     and placed shard by shard (a layer at a time on the host; on each device only its
-    own blocks). Every check of `load_hf` applies."""
-    from tqdm.auto import tqdm
-
+    own blocks): `jspec.loading.convert_params` placing each param as it is built. Every
+    check of `load_hf` applies."""
     from jspec import loading
     from jspec.config import TEXT_OF_MULTIMODAL, canonical_dtype, from_hf_config
 
@@ -344,66 +342,19 @@ def load_sharded(path: str, mesh: Mesh, *, axis: str = AXIS, dtype="bfloat16",
     options = _options(KernelOptions(backend=backend, interpret=interpret), size, row_partials)
     check_degree(cfg, size, options.row_partials)
     reader = loading.TensorReader(path)
-    dt = loading.np_dtype(cfg.dtype)
-    pre = loading._prefix(reader)
-
-    def get(name, shape):
-        return reader.get(name, shape).astype(dt)
 
     def put(key, w):
         return place(key, w, cfg, mesh, axis)
 
-    bar = tqdm(range(cfg.num_layers), desc=f"loading {loading.display_name(path)}",
-               unit="layer", disable=reader.nbytes() <= loading.PROGRESS_MIN_BYTES,
-               leave=False)
-    layers = [{k: put(k, w) for k, w in _layer(cfg, get, pre, i).items()} for i in bar]
-    bar.close()
-    D, V = cfg.hidden_size, cfg.vocab_size
-    embed = get(pre + "embed_tokens.weight", (V, D))
-    if cfg.tie_embeddings:
-        lm_head = embed.T
-    else:
-        head = next((n for n in loading.LM_HEAD_NAMES if reader.has(n)),
-                    loading.LM_HEAD_NAMES[0])
-        lm_head = get(head, (V, D)).T
-    params = {"embed": put("embed", embed), "layers": layers,
-              "final_norm": put("final_norm", get(pre + "norm.weight", (D,))),
-              "lm_head": put("lm_head", lm_head)}
-    loading._check_unused(cfg, reader, hf.model_type,
-                          multimodal=hf.model_type in TEXT_OF_MULTIMODAL)
+    params = loading.convert_params(cfg, reader,
+                                    progress=reader.nbytes() > loading.PROGRESS_MIN_BYTES,
+                                    place=put)
+    loading.check_unused(cfg, reader, hf.model_type,
+                         multimodal=hf.model_type in TEXT_OF_MULTIMODAL)
     if backend == "pallas" and interpret:
-        loading._warn_interpret(path, cfg)
+        loading.warn_interpret(path, cfg)
     return Model(config=sharded_config(cfg, size), params=params, options=options,
                  parallel=_parallel(cfg, mesh, axis))
-
-
-def _layer(cfg: ModelConfig, get: Callable, pre: str, i: int) -> dict[str, np.ndarray]:
-    """Layer i's weights in jspec's layout (as `jspec.loading.convert_params` builds
-    them: [in, out], q/k/v and gate/up fused), on the host."""
-    D, F, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
-    lp = f"{pre}layers.{i}."
-
-    def lin(name, out_dim, in_dim):  # HF [out, in] -> [in, out]
-        return get(lp + name, (out_dim, in_dim)).T
-
-    layer = {"attn_norm": get(lp + "input_layernorm.weight", (D,))}
-    layer["wqkv"] = np.concatenate([lin("self_attn.q_proj.weight", cfg.q_size, D),
-                                    lin("self_attn.k_proj.weight", cfg.kv_size, D),
-                                    lin("self_attn.v_proj.weight", cfg.kv_size, D)], axis=1)
-    layer["wo"] = lin("self_attn.o_proj.weight", D, cfg.q_size)
-    if cfg.qk_norm:
-        layer["q_norm"] = get(lp + "self_attn.q_norm.weight", (hd,))
-        layer["k_norm"] = get(lp + "self_attn.k_norm.weight", (hd,))
-    if cfg.sandwich_norms:
-        layer["post_attn_norm"] = get(lp + "post_attention_layernorm.weight", (D,))
-        layer["mlp_norm"] = get(lp + "pre_feedforward_layernorm.weight", (D,))
-        layer["post_mlp_norm"] = get(lp + "post_feedforward_layernorm.weight", (D,))
-    else:
-        layer["mlp_norm"] = get(lp + "post_attention_layernorm.weight", (D,))
-    layer["w_gate_up"] = np.concatenate([lin("mlp.gate_proj.weight", F, D),
-                                         lin("mlp.up_proj.weight", F, D)], axis=1)
-    layer["w_down"] = lin("mlp.down_proj.weight", D, F)
-    return layer
 
 
 # --------------------------------------------------------------------- random weights

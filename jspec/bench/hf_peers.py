@@ -1,8 +1,9 @@
 """transformers peers for bench_e2e: a jspec model's weights as a Hugging Face model.
 
-`hf_config_dict` and `hf_tensors` invert `jspec.loading` exactly: the fused
-`wqkv` and `w_gate_up` are split back into q/k/v and gate/up, `[in, out]`
-weights are transposed to HF's `[out, in]`, norms are renamed per family, and a
+`hf_config_dict` and `hf_tensors` invert `jspec.loading` exactly (through the same
+name map, `jspec.hf_names.split`): the fused `wqkv` and `w_gate_up` are split back
+into q/k/v and gate/up, `[in, out]` weights are transposed to HF's `[out, in]`,
+norms are renamed per family, and a
 tied LM head (a transposed copy of the embedding in jspec) is left out, as HF
 checkpoints do. `save_hf_dir` writes a checkpoint directory that `jspec.load_hf`
 reads back bitwise; `build_hf_model` copies the weights straight into a
@@ -21,6 +22,8 @@ import time
 from collections.abc import Callable, Iterator
 
 import numpy as np
+
+from jspec import hf_names
 
 ARCHITECTURES = {"llama": ("llama", "LlamaForCausalLM"), "qwen3": ("qwen3", "Qwen3ForCausalLM"),
                  "gemma3": ("gemma3_text", "Gemma3ForCausalLM")}
@@ -85,40 +88,19 @@ def _t(a: np.ndarray) -> np.ndarray:  # jspec [in, out] -> HF [out, in]
 def hf_tensors(cfg, params) -> Iterator[tuple[str, np.ndarray]]:
     """(HF name, array) pairs, one tensor at a time; params may hold numpy or jax arrays
     (each is brought to the host only when its turn comes)."""
-    q, kv, F = cfg.q_size, cfg.kv_size, cfg.intermediate_size
+    table, widths = hf_names.layer_table(cfg), hf_names.dims(cfg)
     embed = np.asarray(params["embed"])
-    yield "model.embed_tokens.weight", embed
+    yield "model." + hf_names.EMBED, embed
     for i, lp in enumerate(params["layers"]):
-        pre = f"model.layers.{i}."
-        yield pre + "input_layernorm.weight", np.asarray(lp["attn_norm"])
-        wqkv = np.asarray(lp["wqkv"])
-        yield pre + "self_attn.q_proj.weight", _t(wqkv[:, :q])
-        yield pre + "self_attn.k_proj.weight", _t(wqkv[:, q: q + kv])
-        yield pre + "self_attn.v_proj.weight", _t(wqkv[:, q + kv:])
-        del wqkv
-        yield pre + "self_attn.o_proj.weight", _t(np.asarray(lp["wo"]))
-        if cfg.qk_norm:
-            yield pre + "self_attn.q_norm.weight", np.asarray(lp["q_norm"])
-            yield pre + "self_attn.k_norm.weight", np.asarray(lp["k_norm"])
-        if cfg.sandwich_norms:
-            yield pre + "post_attention_layernorm.weight", np.asarray(lp["post_attn_norm"])
-            yield pre + "pre_feedforward_layernorm.weight", np.asarray(lp["mlp_norm"])
-            yield pre + "post_feedforward_layernorm.weight", np.asarray(lp["post_mlp_norm"])
-        else:
-            yield pre + "post_attention_layernorm.weight", np.asarray(lp["mlp_norm"])
-        gu = np.asarray(lp["w_gate_up"])
-        yield pre + "mlp.gate_proj.weight", _t(gu[:, :F])
-        yield pre + "mlp.up_proj.weight", _t(gu[:, F:])
-        del gu
-        yield pre + "mlp.down_proj.weight", _t(np.asarray(lp["w_down"]))
-    yield "model.norm.weight", np.asarray(params["final_norm"])
+        yield from hf_names.split(table, widths, lp, hf_names.layer_prefix("model.", i))
+    yield "model." + hf_names.FINAL_NORM, np.asarray(params["final_norm"])
     lm_head = np.asarray(params["lm_head"])
     if cfg.tie_embeddings:
         # HF ties lm_head to the embedding; jspec's copy must be exactly its transpose.
         if not np.array_equal(_bits(lm_head.T), _bits(embed)):
             raise ValueError("tie_embeddings is set but lm_head is not the embedding's transpose")
     else:
-        yield "lm_head.weight", _t(lm_head)
+        yield hf_names.LM_HEAD_NAMES[0], _t(lm_head)
 
 
 def save_hf_dir(cfg, params, path: str) -> None:
