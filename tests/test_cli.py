@@ -11,6 +11,8 @@ import jspec
 from jspec.bench import trace
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Benchmarks plot their receipts: matplotlib is the `plot` extra, not a test dependency.
+PLOT_EXTRA = "the benchmark plots need the plot extra: pip install 'jspec[plot]'"
 
 
 def _run(script, *flags):
@@ -145,6 +147,7 @@ def test_speculative_cli_with_a_pruned_draft_head(tmp_path):
 
 
 def test_bench_e2e_smoke(tmp_path):
+    pytest.importorskip("matplotlib", reason=PLOT_EXTRA)
     r = _run("bench_e2e.py", "--target=tiny-qwen3", "--draft=tiny-qwen3:1", "--batches=1",
              "--prompt_len=16", "--max_new_tokens=8", "--gammas=2", "--accept=0.8", "--iters=1",
              "--nopeers", "--draft_backend=xla", "--oracle_seeds=2", "--draft_head=256",
@@ -179,6 +182,7 @@ def test_bench_e2e_smoke(tmp_path):
 
 @pytest.mark.slow  # an experiment script's run; its engine calls are the default run's
 def test_eval_pair_smoke(tmp_path):
+    pytest.importorskip("matplotlib", reason=PLOT_EXTRA)
     r = _run("eval_pair.py", "--num_prompts=2", "--batch=2", "--max_new_tokens=8",
              "--gammas=2", "--policies=exact_greedy", "--iters=1", "--nopeers",
              f"--out={tmp_path}", "--tag=smoke")
