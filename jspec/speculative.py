@@ -82,14 +82,13 @@ class SpecConfig:
     tree: TreeConfig | None = None
 
     def __post_init__(self):
-        check_count("audit_every", self.audit_every, least=0)  # 0: off
-        check_count("gamma", self.gamma)
+        for name, least in (("audit_every", 0), ("gamma", 1), ("max_new_tokens", 1)):
+            object.__setattr__(self, name, check_count(name, getattr(self, name), least))
         if self.gamma > MAX_GAMMA:
             raise ValueError(f"gamma={self.gamma} exceeds MAX_GAMMA={MAX_GAMMA} (a verify "
                              f"block of at most {MAX_GAMMA + 1} positions)")
         if self.policy not in POLICIES:
             raise ValueError(f"unknown verify policy {self.policy!r}; choose from {POLICIES}")
-        check_count("max_new_tokens", self.max_new_tokens)
         object.__setattr__(self, "seed", check_seed("seed", self.seed))
         if self.policy != "exact_greedy":
             target_sampler(self.policy, self.temperature, self.top_k, self.top_p)  # validates
