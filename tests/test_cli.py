@@ -109,6 +109,14 @@ def test_cli_errors_are_one_line(tmp_path):
     assert r.returncode != 0 and "Traceback" in r.stderr and "CheckpointError" in r.stderr
 
 
+def test_parity_audit_checks_its_flags_before_loading(tmp_path):
+    # Each mistake: one line, exit code 2, and no model loaded (no receipt written).
+    for flag, words in (("--tree=x,2", ("--tree", "'x' is not an integer")),
+                        ("--ks=1,a", ("--ks", "'a' is not an integer"))):
+        _one_line_error(_run("parity_audit.py", flag, f"--out={tmp_path}"), *words)
+    assert not list(tmp_path.iterdir())
+
+
 def test_speculative_cli_stops_on_non_finite_logits(tmp_path):
     # Finite weights whose logits overflow (a final norm weight of 3e38): the run ends
     # with a one-line error and exit code 1, never "PARITY: OK".
