@@ -56,7 +56,7 @@ from absl import app, flags  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 import jspec  # noqa: E402
-from jspec.bench import hf_peers  # noqa: E402
+from jspec.bench import hf_peers, plotting  # noqa: E402
 from jspec.bench.gpu_monitor import GpuMonitor  # noqa: E402
 from jspec.bench.timing import copy_bandwidth  # noqa: E402
 from jspec.cli import options_record, with_option_string  # noqa: E402
@@ -601,6 +601,7 @@ def merge_receipts(paths: list[str]) -> dict:
 
 def main(argv):
     del argv
+    plotting.require_pyplot()  # the plots come after the measuring: fail before it
     init_distributed(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
     if _TP.value and _PEERS.value:
         raise app.UsageError("--tp runs no transformers peers (they hold the whole model on "
@@ -675,10 +676,7 @@ def print_tables(rep: dict) -> None:
 
 
 def plot(rep: dict, stem: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = plotting.pyplot()
 
     batches = rep["batches"]
     rows = rep["speculative"]

@@ -27,6 +27,7 @@ from absl import app, flags
 from tqdm import tqdm
 
 import jspec
+from jspec.bench import plotting
 from jspec.bench.timing import timed
 from jspec.loading import default_interpret
 from jspec.random_model import random_model
@@ -75,6 +76,7 @@ def reference_seqs(prompts, serial) -> jax.Array:
 
 def main(argv):
     del argv
+    plotting.require_pyplot()  # the plots come after the measuring: fail before it
     target = load_model(_TARGET.value, 0)
     draft = load_model(_DRAFT.value, 1)
     V = target.config.vocab_size
@@ -146,10 +148,7 @@ def save(report):
 
 
 def plot(report, stem):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = plotting.pyplot()
 
     rows = report["runs"]
     title = (f"{report['target']} / {report['draft']}, B={report['batch']}, "

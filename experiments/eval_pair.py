@@ -41,6 +41,7 @@ from eval_pair_hf import held_out_prompts, hf_runs, load_hf_pair
 from tqdm import tqdm
 
 import jspec
+from jspec.bench import plotting
 from jspec.bench.timing import timed
 from jspec.loading import default_pair
 from jspec.train.corpus import read, stdlib_files
@@ -180,6 +181,7 @@ def run_peers(pair, prompts, jtarget, report, save):
 
 def main(argv):
     del argv
+    plotting.require_pyplot()  # the plots come after the measuring: fail before it
     pair = _PAIR.value or os.path.dirname(default_pair()[0])
     kinds = _DRAFTERS.value
     if not kinds or set(kinds) - {"model", "feature"}:
@@ -300,10 +302,7 @@ def print_table(report):
 
 
 def plot(report, stem):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = plotting.pyplot()
 
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
     for policy, name in sorted({(r["policy"], drafter_name(r)) for r in report["runs"]}):

@@ -21,7 +21,10 @@ Checks (full logits vectors compared bit for bit; argmax too):
      index, and speculative output must still equal serial output.
 Writes a JSON receipt (prefix digests, every comparison, counts, first
 differences with top-k logits) and prints a summary table. Exits 1 on any
-mismatch unless --expect_mismatch (for showing the xla backend break).
+mismatch unless --expect_mismatch (for showing the xla backend break). Like the
+other entry points (`jspec.cli.run`): every flag is checked before a model is
+loaded, and a user's mistake ends with one line `error: ...` and exit code 2;
+Ctrl-C exits 130; --debug shows the traceback.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from absl import app, flags
 from tqdm import tqdm
 
 import jspec
-from jspec import audit
+from jspec import audit, cli
 from jspec.feature_head import random_head
 from jspec.loading import default_interpret
 from jspec.random_model import random_model
@@ -46,7 +49,7 @@ from pallas_kernels.matmul import TUNED, tuned_to_json
 _CKPT = flags.DEFINE_string("checkpoint", "", "HF checkpoint dir (else --preset)")
 _PRESET = flags.DEFINE_string("preset", "tiny-qwen3", "random-weight preset")
 _LAYERS = flags.DEFINE_integer("layers", 0, "layers of the preset (0: all)")
-_BACKEND = flags.DEFINE_string("backend", "pallas", "pallas | xla")
+_BACKEND = flags.DEFINE_enum("backend", "pallas", ["pallas", "xla"], "the target's backend")
 _DTYPE = flags.DEFINE_string("dtype", "bfloat16", "parameter dtype")
 _CONTEXTS = flags.DEFINE_list("contexts", ["16", "100"], "prefix lengths (GPU: to 8192)")
 _KS = flags.DEFINE_list("ks", ["1", "2", "4", "8", "16", "32"], "verify block sizes")
@@ -61,6 +64,59 @@ _NEAR = flags.DEFINE_integer("near_ties", 4, "near-tie positions re-checked")
 _OUT = flags.DEFINE_string("out", os.environ.get("OUT", "experiments/results"), "receipt dir")
 _TAG = flags.DEFINE_string("tag", "", "receipt file name suffix")
 _EXPECT = flags.DEFINE_bool("expect_mismatch", False, "exit 0 only if a mismatch is found")
+
+
+def _ints(flag: str, values: list[str], least: int) -> list[int]:
+    """A list flag's integers, each >= least, or a ValueError naming the flag."""
+    if not values:
+        raise ValueError(f"--{flag} is empty: give at least one integer")
+    out = []
+    for v in values:
+        try:
+            n = int(v)
+        except ValueError:
+            raise ValueError(f"--{flag}: {v!r} is not an integer") from None
+        if n < least:
+            raise ValueError(f"--{flag}: {n} must be >= {least}")
+        out.append(n)
+    return out
+
+
+def check_flags() -> dict:
+    """Every flag checked before anything is loaded; returns the parsed values."""
+    from jspec.config import canonical_dtype
+    from jspec.loading import resolve_checkpoint
+    from jspec.random_model import PRESETS
+    from jspec.speculative import MAX_GAMMA
+
+    if _CKPT.value:
+        resolve_checkpoint(_CKPT.value)  # a directory, or a hub id in the local cache
+    elif _PRESET.value not in PRESETS:
+        raise ValueError(f"--preset={_PRESET.value!r}: choose from {sorted(PRESETS)} (or "
+                         "give --checkpoint)")
+    if _HEAD.value:
+        resolve_checkpoint(_HEAD.value)
+    canonical_dtype(_DTYPE.value)
+    for flag, value, least in (("layers", _LAYERS.value, 0), ("long_tokens", _LONG.value, 1),
+                               ("near_ties", _NEAR.value, 0), ("gamma", _GAMMA.value, 1)):
+        if value < least:
+            raise ValueError(f"--{flag}={value} must be >= {least}")
+    if _GAMMA.value > MAX_GAMMA:
+        raise ValueError(f"--gamma={_GAMMA.value} exceeds MAX_GAMMA={MAX_GAMMA}")
+    if not _TREE.value.strip():
+        raise ValueError("--tree is empty: the long generation's tree runs need a tree, "
+                         "e.g. --tree=3,2,1")
+    if os.path.exists(_OUT.value) and not os.path.isdir(_OUT.value):
+        raise ValueError(f"--out={_OUT.value!r} is a file, not a directory")
+    return {"contexts": _ints("contexts", _CONTEXTS.value, 1),
+            "ks": _ints("ks", _KS.value, 1), "tree": _tree()}
+
+
+def _tree():
+    try:
+        return jspec.parse_tree(_TREE.value)
+    except ValueError as e:
+        raise ValueError(f"--tree: {e}") from None
 
 
 def load():
@@ -83,7 +139,7 @@ def controls(model, contexts, ks, rng):
         yield audit.prefix_controls(model, prefix, cont, ks, max_len=max_len)
 
 
-def long_generation(model, rng, n_tokens, gamma):
+def long_generation(model, rng, n_tokens, gamma, tree_config):
     V = model.config.vocab_size
     prompt = rng.integers(0, V, 32).astype(np.int32)
     serial = jspec.generate(model, [prompt], max_new_tokens=n_tokens)
@@ -95,7 +151,7 @@ def long_generation(model, rng, n_tokens, gamma):
     else:  # random weights: what is checked is the verify, not the head's proposals
         head = random_head(model, options=model.options.replace(backend=_HEAD_BACKEND.value))
     feature = jspec.FeatureDrafter(head)
-    tree = jspec.SpecConfig(tree=jspec.parse_tree(_TREE.value), max_new_tokens=n_tokens)
+    tree = jspec.SpecConfig(tree=tree_config, max_new_tokens=n_tokens)
     for name, drafter, cfg in (("self-draft", jspec.ModelDrafter(model), spec),
                                ("prompt lookup", jspec.PromptLookupDrafter(), spec),
                                ("feature head", feature, spec),
@@ -168,11 +224,12 @@ def summarize(report) -> tuple[int, int]:
 
 
 def main(argv):
-    del argv
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments {argv[1:]} (flags are --name=value)")
+    checked = check_flags()
+    contexts, ks = checked["contexts"], checked["ks"]
     model = load()
     rng = np.random.default_rng(0)
-    contexts = [int(c) for c in _CONTEXTS.value]
-    ks = [int(k) for k in _KS.value]
     t0 = time.perf_counter()
     report = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
               "matmul_tuned": tuned_to_json(TUNED),
@@ -195,7 +252,8 @@ def main(argv):
         tqdm.write(f"prefix {part[0]['prefix_len']}: " + ", ".join(
             f"k={c['k']} {'equal' if c['equal'] else 'DIFFERS'}" for c in part)
             + f" ({time.perf_counter() - t0:.0f} s)")
-    report["long_generation"] = long_generation(model, rng, _LONG.value, _GAMMA.value)
+    report["long_generation"] = long_generation(model, rng, _LONG.value, _GAMMA.value,
+                                                checked["tree"])
     save()
     report["near_ties"] = near_tie_checks(model, rng, min(contexts[-1], 512), _NEAR.value)
     save()
@@ -231,4 +289,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

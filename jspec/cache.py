@@ -22,6 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from jspec._checks import check_count
+
 # Key-block granularity of the cache capacity: every attention kernel
 # configuration uses a key block that divides this.
 CACHE_ALIGN = 64
@@ -55,16 +57,17 @@ def init_cache(model, batch_size: int, max_len: int) -> KVCache:
 
     For a tensor-parallel model (`jspec.sharding`) each device allocates only its own
     K/V block, split by kv head."""
+    if not hasattr(model, "config"):
+        raise TypeError(f"model must be a jspec.Model (or a feature head); got "
+                        f"{type(model).__name__}")
+    batch_size = check_count("batch_size", batch_size)
+    max_len = check_count("max_len", max_len)
     par = getattr(model, "parallel", None)
     if par is not None and not par.inside:
         from jspec import sharding  # a sharded model only; sharding imports this module
 
         return sharding.init_cache(model, batch_size, max_len)
     cfg = model.config
-    if batch_size < 1:
-        raise ValueError(f"{batch_size=} must be >= 1")
-    if max_len < 1:
-        raise ValueError(f"{max_len=} must be >= 1")
     if max_len > cfg.max_position:
         raise ValueError(f"{max_len=} exceeds the model's max_position_embeddings "
                          f"({cfg.max_position})")
@@ -79,19 +82,39 @@ def init_cache(model, batch_size: int, max_len: int) -> KVCache:
 
 def rollback(cache: KVCache, lengths) -> KVCache:
     """The same buffers with new per-row lengths ([B] or a scalar): rejected entries
-    beyond them are never read again. Concrete lengths are checked on the host: each in
-    [0, max_len] (a ValueError names the row)."""
+    beyond them are never read again. A rollback only moves lengths back (or keeps them):
+    entries past a row's length were never written, or are stale.
+
+    Concrete lengths are checked on the host: integers, one per row (or a scalar), each
+    in [0, the row's current length] where the cache's lengths are concrete too (else in
+    [0, max_len]); a ValueError names the rows. Traced lengths (inside jit, as the
+    engine calls it) are the caller's responsibility."""
     if not isinstance(lengths, jax.core.Tracer):
-        arr = np.asarray(lengths)
-        if not np.issubdtype(arr.dtype, np.integer):
-            raise ValueError(f"rollback lengths must be integers; got dtype {arr.dtype}")
-        bad = (arr < 0) | (arr > cache.max_len)
-        if bad.any():
-            b = int(np.argmax(bad.reshape(-1)))
-            raise ValueError(f"rollback to length {int(arr.reshape(-1)[b])} (row {b}) is out "
-                             f"of range [0, {cache.max_len}]")
+        _check_rollback(cache, lengths)
     lengths = jnp.broadcast_to(jnp.asarray(lengths, jnp.int32), cache.lengths.shape)
     return cache.replace(lengths=lengths)
+
+
+def _check_rollback(cache: KVCache, lengths) -> None:
+    arr = np.asarray(lengths)
+    if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
+        raise ValueError(f"rollback lengths must be integers; got dtype {arr.dtype}")
+    B = cache.batch_size
+    if arr.ndim > 1 or (arr.ndim == 1 and arr.shape[0] != B):
+        raise ValueError(f"rollback lengths must be a scalar or one per row ([{B}]); got "
+                         f"shape {arr.shape}")
+    arr = np.broadcast_to(arr, (B,))
+    if isinstance(cache.lengths, jax.core.Tracer):  # only the capacity is known
+        high, bound = np.full((B,), cache.max_len), f"max_len={cache.max_len}"
+    else:
+        high, bound = np.asarray(cache.lengths), "the row's current length"
+    bad = (arr < 0) | (arr > high)
+    if bad.any():
+        rows = np.flatnonzero(bad)
+        shown = "; ".join(f"row {int(b)}: {int(arr[b])} (limit {int(high[b])})"
+                          for b in rows[:4])
+        raise ValueError(f"rollback lengths must lie in [0, {bound}] (a rollback moves "
+                         f"lengths back only): {shown}{'; ...' if len(rows) > 4 else ''}")
 
 
 def write_kv(buf: jax.Array, new: jax.Array, lengths: jax.Array, *,

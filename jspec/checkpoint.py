@@ -23,6 +23,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from jspec._checks import check_path, check_type
 from jspec.loading import CheckpointError
 from jspec.model import Model
 
@@ -63,7 +64,8 @@ def param_digests(params) -> dict[str, dict]:
 def save_params(path: str, model: Model) -> None:
     """Writes model.params to a new orbax checkpoint directory at `path`, with a digest of
     every array (`DIGEST_FILE`)."""
-    path = os.path.abspath(path)
+    path = os.path.abspath(check_path("path", path))
+    check_type("model", model, Model, "a jspec.Model")
     with ocp.StandardCheckpointer() as ckptr:
         ckptr.save(path, model.params)
         ckptr.wait_until_finished()
@@ -126,7 +128,9 @@ def _check_like(path: str, stored: dict[str, tuple], like: Model) -> None:
 def restore_params(path: str, like: Model) -> Model:
     """Restores params saved by `save_params` into the structure, dtypes and shapes of
     `like`, and checks every array against the digests written at save."""
-    path = os.path.abspath(path)
+    path = os.path.abspath(check_path("path", path))
+    check_type("like", like, Model, "a jspec.Model of the saved structure (e.g. "
+               "jspec.load_hf or jspec.random_model of the same config)")
     if not os.path.isdir(path):
         raise FileNotFoundError(f"{path}: no orbax checkpoint directory")
     digests = _read_digests(path)

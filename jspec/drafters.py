@@ -25,6 +25,7 @@ import numpy as np
 from flax import struct
 
 from jspec import tree_drafting
+from jspec._checks import check_count, check_type
 from jspec.cache import init_cache, rollback
 from jspec.model import Model, apply
 from jspec.sampling import uniform_noise
@@ -131,6 +132,9 @@ class ModelDrafter:
     model: Model
     head_slot: jax.Array | None = None
 
+    def __post_init__(self):
+        check_type("ModelDrafter's model", self.model, Model, "a jspec.Model")
+
     @classmethod
     def pruned(cls, model: Model, ids) -> ModelDrafter:
         """A drafter whose LM head keeps the columns `ids` (int, 1-D, unique, in [0, V))."""
@@ -220,6 +224,10 @@ class LookupState:
     hlen: jax.Array
 
 
+# The longest n-gram PromptLookupDrafter tries: each n is unrolled into the compiled round.
+MAX_NGRAM = 64
+
+
 @struct.dataclass
 class PromptLookupDrafter:
     """n-gram prompt lookup: find the latest earlier occurrence of the last n tokens
@@ -230,6 +238,8 @@ class PromptLookupDrafter:
     min_ngram: int = struct.field(pytree_node=False, default=1)
 
     def __post_init__(self):
+        check_count("max_ngram", self.max_ngram, most=MAX_NGRAM)
+        check_count("min_ngram", self.min_ngram)
         if not 1 <= self.min_ngram <= self.max_ngram:
             raise ValueError(f"need 1 <= min_ngram ({self.min_ngram}) <= max_ngram "
                              f"({self.max_ngram})")
@@ -391,6 +401,12 @@ class FeatureDrafter:
     """
 
     head: object  # FeatureHead
+
+    def __post_init__(self):
+        from jspec.feature_head import FeatureHead
+
+        check_type("FeatureDrafter's head", self.head, FeatureHead,
+                   "a jspec.FeatureHead (jspec.load_eagle3, feature_head.random_head)")
 
     @property
     def feature_layers(self) -> tuple[int, ...]:

@@ -24,10 +24,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from jspec._checks import check_bool, check_ints, check_seed, check_type
 from jspec.cache import KVCache, init_cache, rollback
 from jspec.loop import bucket, check_count, raise_non_finite, run_chunked, token_bar
 from jspec.model import COMPILER_OPTIONS, Model, apply, check_tokens
-from jspec.sampling import Greedy
+from jspec.sampling import Greedy, Sample
 
 PAD = -1  # marks output slots after a row stopped
 GREEDY = Greedy()
@@ -187,6 +188,32 @@ def plan_shapes(longest: int, extra: int, max_len: int | None, max_position: int
     return bucket(longest, cap=max_len - extra), max_len
 
 
+def _vocab(model) -> int:
+    return model.config.vocab_size if isinstance(model, Model) else 0
+
+
+def check_sampler(sampler) -> None:
+    """A sampler object (Greedy, Sample or a hashable callable of the same signature)."""
+    if isinstance(sampler, Greedy | Sample):
+        return
+    if isinstance(sampler, str) or not callable(sampler) or sampler.__hash__ is None:
+        raise TypeError(f"sampler must be a jspec sampler (jspec.Greedy(), jspec.Sample(...) "
+                        f"or jspec.make_sampler(...)); got {type(sampler).__name__} "
+                        f"{sampler!r:.100}")
+
+
+def check_run_args(model, *, seed, stop_tokens, vocab_size: int, max_len=None,
+                   progress=False) -> tuple[int, tuple[int, ...]]:
+    """The arguments a serial or speculative run shares, checked on the host: returns
+    (seed, stop_tokens as a tuple of ids in [0, vocab_size))."""
+    check_type("model", model, Model, "a jspec.Model (jspec.load_hf, jspec.random_model)")
+    if max_len is not None:
+        check_count("max_len", max_len)
+    check_bool("progress", progress)
+    return (check_seed("seed", seed),
+            check_ints("stop_tokens", stop_tokens, least=0, high=vocab_size))
+
+
 def _setup(model, prompts, max_new_tokens, max_len, stop_tokens):
     check_count("max_new_tokens", max_new_tokens)
     tokens, lens = pad_prompts(prompts, model.config.vocab_size)
@@ -194,9 +221,6 @@ def _setup(model, prompts, max_new_tokens, max_len, stop_tokens):
                                   model.config.max_position)
     if padded > tokens.shape[1]:
         tokens = np.pad(tokens, ((0, 0), (0, padded - tokens.shape[1])))
-    for t in stop_tokens:
-        if not 0 <= t < model.config.vocab_size:
-            raise ValueError(f"stop token {t} is out of range [0, {model.config.vocab_size})")
     cache = init_cache(model, tokens.shape[0], max_len)
     check_tokens(model, tokens, cache)
     return tokens, lens, cache
@@ -216,9 +240,13 @@ def generate(model: Model, prompts, *, max_new_tokens: int, sampler=GREEDY,
 
     The loop runs on the device a chunk of steps at a time, so Ctrl-C answers within
     about a second; progress=True shows a bar of generated tokens. Raises
-    `jspec.NonFiniteError` if the model produces NaN or inf logits.
+    `jspec.NonFiniteError` if the model produces NaN or inf logits. seed: an int in
+    [0, 2**31); stop_tokens: token ids in [0, vocab_size).
     """
-    stop_tokens = tuple(int(t) for t in stop_tokens)
+    check_sampler(sampler)
+    seed, stop_tokens = check_run_args(model, seed=seed, stop_tokens=stop_tokens,
+                                       vocab_size=_vocab(model), max_len=max_len,
+                                       progress=progress)
     tokens, lens, cache = _setup(model, prompts, max_new_tokens, max_len, stop_tokens)
     max_len = cache.max_len
     t0 = time.perf_counter()
@@ -252,10 +280,17 @@ def generate_stream(model: Model, prompts, *, max_new_tokens: int, sampler=GREED
                     max_len: int | None = None) -> Iterator[np.ndarray]:
     """Yields each step's tokens [B] (PAD for stopped rows) as they are produced.
 
-    Produces exactly the tokens of `generate` with the same arguments.
+    Produces exactly the tokens of `generate` with the same arguments. The arguments
+    are checked at the call, before the first step is asked for.
     """
-    stop_tokens = tuple(int(t) for t in stop_tokens)
+    check_sampler(sampler)
+    seed, stop_tokens = check_run_args(model, seed=seed, stop_tokens=stop_tokens,
+                                       vocab_size=_vocab(model), max_len=max_len)
     tokens, lens, cache = _setup(model, prompts, max_new_tokens, max_len, stop_tokens)
+    return _stream(model, tokens, lens, cache, max_new_tokens, sampler, stop_tokens, seed)
+
+
+def _stream(model, tokens, lens, cache, max_new_tokens, sampler, stop_tokens, seed):
     logits, cache = prefill(model, jnp.asarray(tokens), jnp.asarray(lens), cache)
     state = _init_state(cache, logits, max_new_tokens)
     for i in range(max_new_tokens):

@@ -33,6 +33,7 @@ import numpy as np
 from safetensors import safe_open
 
 from jspec import hf_names
+from jspec._checks import check_bool, check_path, check_type
 from jspec.config import (
     TEXT_OF_MULTIMODAL,
     ModelConfig,
@@ -90,7 +91,7 @@ def hub_cache_dir() -> str:
 def resolve_checkpoint(path_or_id: str | os.PathLike) -> str:
     """A checkpoint directory: `path_or_id` itself, or a hub id ("owner/name") resolved from
     the local Hugging Face cache. jspec never downloads."""
-    path = os.fspath(path_or_id)
+    path = check_path("path", path_or_id)
     if os.path.isdir(path):
         return path
     if os.path.exists(path):
@@ -451,8 +452,14 @@ def load_hf(path: str | os.PathLike, *, dtype: Any = "bfloat16", backend: str = 
     mesh: a `jax.sharding.Mesh`: the model tensor-parallel over its axis `axis`, loaded
       shard by shard (`jspec.sharding.load_sharded`).
     """
+    path = check_path("path", path)
+    if interpret is not None:
+        check_bool("interpret", interpret)
     if mesh is not None:
         from jspec.sharding import load_sharded
+
+        check_type("mesh", mesh, jax.sharding.Mesh, "a jax.sharding.Mesh (jspec.sharding."
+                   "make_mesh) or None")
 
         return load_sharded(path, mesh, axis=axis, dtype=dtype, backend=backend,
                             interpret=interpret)
@@ -473,12 +480,23 @@ def load_hf(path: str | os.PathLike, *, dtype: Any = "bfloat16", backend: str = 
     return Model(config=cfg, params=jax.tree.map(jnp.asarray, params), options=options)
 
 
+# A directory holds a tokenizer if it has one of these (transformers' fast, SentencePiece,
+# BPE and WordPiece layouts, or a config naming a vocabulary-free tokenizer class).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json",
+                   "vocab.txt", "spiece.model")
+
+
 def load_tokenizer(path: str | os.PathLike):
     """The checkpoint's tokenizer (transformers' AutoTokenizer) from a directory or a hub id
     in the local Hugging Face cache, or a clear error."""
     from transformers import AutoTokenizer
 
     path = resolve_checkpoint(path)
+    if not any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES):
+        # transformers would build an empty tokenizer from config.json alone
+        raise CheckpointError(f"{path}: no tokenizer files (looked for "
+                              f"{', '.join(TOKENIZER_FILES)}); copy the model's tokenizer "
+                              "files into the directory")
     try:
         return AutoTokenizer.from_pretrained(path, local_files_only=True)
     except Exception as e:  # transformers raises many types here

@@ -22,6 +22,8 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
+from jspec._checks import check_count  # noqa: F401  (re-exported: the loops' callers use it)
+
 # Lengths a prompt batch or a cache capacity is rounded up to: powers of two from 16, with
 # a step of 1.5 between them from 1024 on (a 1025-token prompt pads to 1536, not 2048).
 BUCKETS = tuple(sorted({16 * 2**i for i in range(20)}
@@ -41,13 +43,6 @@ def bucket(n: int, cap: int | None = None) -> int:
     if cap is not None:
         b = min(b, cap)
     return max(b, n)
-
-
-def check_count(name: str, value, least: int = 1) -> int:
-    """An int >= least (bools and floats such as 2.5 are errors naming `name`)."""
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < least:
-        raise ValueError(f"{name}={value!r} must be an integer >= {least}")
-    return int(value)
 
 
 def run_chunked(run: Callable, state, *, step: Callable, finished: Callable,

@@ -29,6 +29,7 @@ import numpy as np
 from flax import struct
 
 from jspec import fused_draft
+from jspec._checks import check_bool, check_type
 from jspec.cache import KVCache, write_kv
 from jspec.config import ModelConfig
 from jspec.ops import get_ops, ops_for
@@ -389,6 +390,9 @@ def forward(model: Model, tokens, cache: KVCache, *, donate: bool = True) -> For
     The input cache is donated (its buffers are reused) unless donate=False: keep
     using the returned cache. Token ids and capacity are checked on the host.
     """
+    check_type("model", model, Model, "a jspec.Model (jspec.load_hf, jspec.random_model)")
+    check_type("cache", cache, KVCache, "a jspec.KVCache (jspec.init_cache)")
+    check_bool("donate", donate)
     check_tokens(model, tokens, cache)
     tokens = jnp.asarray(tokens, jnp.int32)
     fn = forward_jit if donate else forward_nodonate

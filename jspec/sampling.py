@@ -18,6 +18,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jspec._checks import check_count, check_real
 from pallas_kernels.top_p import top_p_kept
 
 
@@ -46,12 +47,14 @@ class Sample:
     top_p: float = 1.0
 
     def __post_init__(self):
-        if not self.temperature > 0:
-            raise ValueError(f"temperature={self.temperature} must be > 0 (use Greedy for 0)")
-        if self.top_k < 0:
-            raise ValueError(f"top_k={self.top_k} must be >= 0")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
+        t = check_real("temperature", self.temperature, low=0)
+        if t == 0:
+            raise ValueError(f"temperature={self.temperature!r} must be > 0 for Sample (use "
+                             "Greedy for 0)")
+        object.__setattr__(self, "temperature", t)
+        object.__setattr__(self, "top_k", check_count("top_k", self.top_k, least=0))
+        object.__setattr__(self, "top_p", check_real("top_p", self.top_p, low=0, high=1,
+                                                     low_open=True))
 
     def filtered_logits(self, logits):
         """logits [B, V] f32 -> logits / T with filtered entries at -inf."""
@@ -115,8 +118,7 @@ def uniform_noise(seed, rows, positions):
 
 def make_sampler(temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0):
     """Greedy for temperature 0, otherwise Sample."""
-    if temperature < 0:
-        raise ValueError(f"{temperature=} must be >= 0")
+    temperature = check_real("temperature", temperature, low=0)
     if temperature == 0:
         return Greedy()
     return Sample(temperature=temperature, top_k=top_k, top_p=top_p)

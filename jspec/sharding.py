@@ -46,6 +46,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jspec._checks import check_count, check_type
 from jspec.cache import KVCache
 from jspec.cache import init_cache as _init_cache_one
 from jspec.config import ModelConfig
@@ -216,6 +217,7 @@ def replicate(tree, mesh: Mesh, *, axis: str = AXIS):
     """Every array of a pytree (a draft model, a drafter, a feature head) replicated on
     every device of the mesh, as global arrays (what several processes need). A `Model`
     also runs its forward under `shard_map`, whole on each device."""
+    check_type("mesh", mesh, Mesh, "a jax.sharding.Mesh (jspec.sharding.make_mesh)")
     sharding = NamedSharding(mesh, P())
 
     def one(a):
@@ -251,6 +253,10 @@ def shard(model: Model, mesh: Mesh, *, axis: str = AXIS, row_partials: int | Non
     """The model laid out over `mesh` (see the module docstring); its forward runs under
     `shard_map`. row_partials: S for the row-parallel weights (None: the model's own,
     at least TP); S = 8 gives the same logits at TP = 1, 2, 4, 8."""
+    check_type("model", model, Model, "a jspec.Model")
+    check_type("mesh", mesh, Mesh, "a jax.sharding.Mesh (jspec.sharding.make_mesh)")
+    if row_partials is not None:
+        check_count("row_partials", row_partials)
     if model.parallel is not None:
         raise ValueError("the model is sharded already")
     if model.draft_options.fused:
@@ -408,8 +414,13 @@ def init_distributed(coordinator: str | None, num_processes: int | None = None,
 def make_mesh(tp: int | None = None, *, axis: str = AXIS, devices=None) -> Mesh:
     """A one-axis mesh of the first `tp` global devices (all of them by default), in
     `jax.devices()` order: process by process, so a shard's neighbours share a host."""
+    if not isinstance(axis, str) or not axis:
+        raise TypeError(f"axis={axis!r} must be a non-empty string (a mesh axis name)")
     devices = list(jax.devices() if devices is None else devices)
-    tp = len(devices) if tp is None else tp
-    if not 1 <= tp <= len(devices):
-        raise ValueError(f"tp={tp}: there are {len(devices)} devices")
+    if not devices:
+        raise ValueError("devices is empty: give at least one device")
+    tp = len(devices) if tp is None else check_count("tp", tp)
+    if tp > len(devices):
+        raise ValueError(f"tp={tp} must lie in [1, {len(devices)}]: there are {len(devices)} "
+                         "devices")
     return Mesh(np.asarray(devices[:tp]), (axis,))

@@ -29,8 +29,15 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from jspec._checks import check_bool, check_drafter, check_ints, check_seed, check_type
 from jspec.cache import init_cache, rollback
-from jspec.drafters import FeatureDrafter, ModelDrafter, OracleDrafter, ProposeContext
+from jspec.drafters import (
+    FeatureDrafter,
+    ModelDrafter,
+    OracleDrafter,
+    PromptLookupDrafter,
+    ProposeContext,
+)
 from jspec.generate import PAD, first_non_finite, pad_prompts, plan_shapes
 from jspec.loop import check_count, raise_non_finite, run_chunked, token_bar
 from jspec.model import COMPILER_OPTIONS, Forward, Model, apply
@@ -75,19 +82,18 @@ class SpecConfig:
     tree: TreeConfig | None = None
 
     def __post_init__(self):
-        if self.audit_every < 0:
-            raise ValueError(f"audit_every={self.audit_every} must be >= 0 (0: off)")
-        check_count("gamma", self.gamma)
+        for name, least in (("audit_every", 0), ("gamma", 1), ("max_new_tokens", 1)):
+            object.__setattr__(self, name, check_count(name, getattr(self, name), least))
         if self.gamma > MAX_GAMMA:
             raise ValueError(f"gamma={self.gamma} exceeds MAX_GAMMA={MAX_GAMMA} (a verify "
                              f"block of at most {MAX_GAMMA + 1} positions)")
         if self.policy not in POLICIES:
             raise ValueError(f"unknown verify policy {self.policy!r}; choose from {POLICIES}")
-        check_count("max_new_tokens", self.max_new_tokens)
-        check_count("audit_every", self.audit_every, least=0)
+        object.__setattr__(self, "seed", check_seed("seed", self.seed))
         if self.policy != "exact_greedy":
             target_sampler(self.policy, self.temperature, self.top_k, self.top_p)  # validates
-        object.__setattr__(self, "stop_tokens", tuple(int(t) for t in self.stop_tokens))
+        object.__setattr__(self, "stop_tokens", check_ints("stop_tokens", self.stop_tokens,
+                                                           least=0))
         if self.tree is not None and not isinstance(self.tree, TreeConfig):
             raise TypeError(f"tree must be a jspec.TreeConfig; got {type(self.tree).__name__}")
         if self.tree is not None and self.tree.dynamic and self.policy == "rejection_sampling":
@@ -421,6 +427,8 @@ class SpecOutput:
 
 
 def _validate(target: Model, drafter, spec: SpecConfig) -> None:
+    check_type("target", target, Model, "a jspec.Model (jspec.load_hf, jspec.random_model)")
+    check_drafter("drafter", drafter)
     if not isinstance(spec, SpecConfig):
         raise TypeError(f"spec must be a jspec.SpecConfig; got {type(spec).__name__}")
     drafters = [drafter] + ([drafter.draft] if isinstance(drafter, OracleDrafter)
@@ -455,6 +463,9 @@ def _setup(target, drafter, prompts, spec, max_len):
                                   max_len, target.config.max_position)
     if padded > tokens.shape[1]:
         tokens = np.pad(tokens, ((0, 0), (0, padded - tokens.shape[1])))
+    if isinstance(drafter, PromptLookupDrafter) and drafter.max_ngram > max_len:
+        raise ValueError(f"PromptLookupDrafter(max_ngram={drafter.max_ngram}) exceeds the "
+                         f"cache max_len={max_len}: no n-gram that long fits the history")
     if isinstance(drafter, OracleDrafter):
         R = drafter.reference.shape
         if R[0] != tokens.shape[0] or R[1] < int(lens.max()) + spec.max_new_tokens:
@@ -507,6 +518,7 @@ def speculative_generate(target: Model, drafter, prompts, spec: SpecConfig, *,
     `jspec.NonFiniteError` if the target produces NaN or inf logits and `ParityError` if a
     runtime audit (spec.audit_every) finds a difference.
     """
+    check_bool("progress", progress)
     tokens, lens, max_len = _setup(target, drafter, prompts, spec, max_len)
     seed, spec = jnp.int32(spec.seed), spec.static()
     t0 = time.perf_counter()
@@ -535,9 +547,14 @@ def speculative_stream(target: Model, drafter, prompts, spec: SpecConfig, *,
                        max_len: int | None = None) -> Iterator[list[list[int]]]:
     """Yields, after every round, each row's newly accepted tokens (a list per row).
 
-    The concatenation equals `speculative_generate(...)` with the same arguments.
+    The concatenation equals `speculative_generate(...)` with the same arguments. The
+    arguments are checked at the call, before the first round is asked for.
     """
     tokens, lens, max_len = _setup(target, drafter, prompts, spec, max_len)
+    return _stream(target, drafter, tokens, lens, spec, max_len)
+
+
+def _stream(target: Model, drafter, tokens, lens, spec: SpecConfig, max_len: int):
     seed, spec = jnp.int32(spec.seed), spec.static()
     state = prefill(target, drafter, jnp.asarray(tokens), jnp.asarray(lens), seed,
                     spec=spec, max_len=max_len)

@@ -23,9 +23,11 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from jspec._checks import check_bool, check_ints, check_path
 from jspec.drafters import ModelDrafter, PromptLookupDrafter
 from jspec.generate import generate, generate_stream
 from jspec.loading import (
+    TOKENIZER_FILES,
     CheckpointError,
     load_hf,
     load_tokenizer,
@@ -40,7 +42,6 @@ from jspec.tree import parse_tree
 
 # End-of-turn tokens of common chat templates (ChatML, Gemma, Llama 3, Phi-3).
 END_OF_TURN = ("<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|eom_id|>", "<|end|>")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 Chat = list[dict]
 Prompt = str | Chat
@@ -117,9 +118,9 @@ def is_chat(prompt) -> bool:
 
 def _check_chat(chat, where: str) -> None:
     for i, m in enumerate(chat):
-        if not isinstance(m.get("role"), str) or "content" not in m:
+        if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             raise ValueError(f"{where}: message {i} must be a dict with a \"role\" string and "
-                             f"a \"content\"; got {m!r}")
+                             f"a \"content\" string; got {m!r:.200}")
 
 
 def as_prompts(prompts) -> list[Prompt]:
@@ -147,16 +148,49 @@ def as_chat(prompt: Prompt) -> Chat:
     return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
 
 
-def read_prompts(path: str, *, chat: bool = False) -> list[Prompt]:
-    """Prompts from a file: .jsonl (one object per line with "prompt": a string, or
-    "messages": a chat) or any other text file (one prompt per non-empty line).
-    chat=True wraps every string prompt as one user message. Errors name the line."""
+def _prompt_of(obj, where: str) -> Prompt:
+    """One prompt of a .json list item or a .jsonl line: a string, a chat, or an object
+    with "prompt" (a string) or "messages" (a chat)."""
+    if isinstance(obj, str) and obj:
+        return obj
+    if is_chat(obj):
+        _check_chat(obj, where)
+        return list(obj)
+    if isinstance(obj, dict) and isinstance(obj.get("prompt"), str):
+        return obj["prompt"]
+    if isinstance(obj, dict) and is_chat(obj.get("messages")):
+        _check_chat(obj["messages"], where)
+        return obj["messages"]
+    raise ValueError(f"{where}: expected an object with \"prompt\" (a string) or "
+                     "\"messages\" (a list of {\"role\", \"content\"} objects)")
+
+
+def read_prompts(path: str | os.PathLike, *, chat: bool = False) -> list[Prompt]:
+    """Prompts from a file, by its extension:
+      .jsonl: one JSON object per line, with "prompt" (a string) or "messages" (a chat);
+      .json: one JSON list whose items are strings, chats, or such objects;
+      anything else: plain text, one prompt per non-empty line.
+    chat=True wraps every string prompt as one user message. Errors name the line (the
+    item of a .json list)."""
+    path = check_path("path", path)
+    chat = check_bool("chat", chat)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"prompts file {path!r} does not exist")
     with open(path, encoding="utf-8") as f:
-        lines = f.read().splitlines()
+        text = f.read()
     prompts: list[Prompt] = []
-    for n, line in enumerate(lines, 1):
+    if path.endswith(".json"):
+        try:
+            items = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not JSON ({e}); a .json prompts file holds one list "
+                             "(use .jsonl for one object a line, .txt for one prompt a line)"
+                             ) from None
+        if not isinstance(items, list):
+            raise ValueError(f"{path}: a .json prompts file holds one JSON list of prompts; "
+                             f"got a {type(items).__name__}")
+        prompts = [_prompt_of(x, f"{path}: item {i}") for i, x in enumerate(items)]
+    for n, line in enumerate(text.splitlines() if not path.endswith(".json") else [], 1):
         if not line.strip():
             continue
         if not path.endswith(".jsonl"):
@@ -166,14 +200,10 @@ def read_prompts(path: str, *, chat: bool = False) -> list[Prompt]:
             obj = json.loads(line)
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}:{n}: not a JSON object ({e})") from None
-        if isinstance(obj, dict) and isinstance(obj.get("prompt"), str):
-            prompts.append(obj["prompt"])
-        elif isinstance(obj, dict) and is_chat(obj.get("messages")):
-            _check_chat(obj["messages"], f"{path}:{n}")
-            prompts.append(obj["messages"])
-        else:
+        if not isinstance(obj, dict):
             raise ValueError(f"{path}:{n}: expected an object with \"prompt\" (a string) or "
                              "\"messages\" (a list of {\"role\", \"content\"} objects)")
+        prompts.append(_prompt_of(obj, f"{path}:{n}"))
     if not prompts:
         raise ValueError(f"prompts file {path!r} holds no prompts")
     return [as_chat(p) for p in prompts] if chat else prompts
@@ -287,7 +317,7 @@ class TextPipeline:
         if stop_tokens is None:
             chat = any(not isinstance(p, str) for p in prompts)
             stop_tokens = self.stop_ids + (self.chat_stop_ids if chat else ())
-        return ids, tuple(dict.fromkeys(int(t) for t in stop_tokens))
+        return ids, tuple(dict.fromkeys(check_ints("stop_tokens", stop_tokens, least=0)))
 
     def _output(self, out, prompt_ids, stop) -> TextOutput:
         rows = [out.row(b) for b in range(len(prompt_ids))]
@@ -365,6 +395,7 @@ class TextPipeline:
         (ids,), stop = self._encode_all(prompts, stop_tokens)
         if speculative is None:
             speculative = self.drafter is not None
+        check_bool("speculative", speculative)
         if speculative:
             spec = self.spec_config(gamma=gamma, policy=policy, max_new_tokens=max_new_tokens,
                                     temperature=temperature, top_k=top_k, top_p=top_p,
@@ -478,8 +509,14 @@ def load_text(target: str | os.PathLike, draft: str | os.PathLike | None = None,
       for the draft on this platform), a `DraftOptions`, or an option string
       (`jspec.cli.parse_options`).
     """
+    check_path("target", target)
+    for name, value in (("draft", draft), ("head", head)):
+        if value is not None:
+            check_path(name, value)
     if draft is not None and head is not None:
         raise ValueError("load_text takes a draft or a head, not both")
+    lookup = (PromptLookupDrafter(max_ngram=max_ngram)  # checks max_ngram before any loading
+              if draft is not None and os.fspath(draft) == "prompt_lookup" else None)
     target_path = resolve_checkpoint(target)
     tok = load_tokenizer(target_path)
     draft_path = None
@@ -491,8 +528,8 @@ def load_text(target: str | os.PathLike, draft: str | os.PathLike | None = None,
     gen = load_generation_config(target_path)
     stop, chat_stop = stop_ids_of(target_path, tok, gen, model.config.vocab_size)
     drafter = None
-    if draft is not None and draft_path is None:
-        drafter = PromptLookupDrafter(max_ngram=max_ngram)
+    if lookup is not None:
+        drafter = lookup
     elif draft_path is not None:
         draft_model = load_hf(draft_path, dtype=dtype, backend=draft_backend)
         drafter = ModelDrafter(apply_draft_options(draft_model, draft_options))

@@ -14,10 +14,13 @@ other nodes' entries lie past the new length, never read.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 from flax import struct
+
+from jspec._checks import check_ints
 
 
 @struct.dataclass
@@ -124,24 +127,30 @@ class TreeConfig:
         if sum(given) != 1:
             raise ValueError("TreeConfig takes exactly one of branching, paths or dynamic")
         if self.branching is not None:
-            object.__setattr__(self, "branching", tuple(int(b) for b in self.branching))
-            if not self.branching or min(self.branching) < 1:
-                raise ValueError(f"branching={self.branching} needs one count >= 1 a depth")
+            object.__setattr__(self, "branching", check_ints("branching", self.branching,
+                                                             least=1, nonempty=True))
         if self.paths is not None:
-            paths = tuple(tuple(int(r) for r in p) for p in self.paths)
+            if isinstance(self.paths, str) or not isinstance(self.paths, Sequence):
+                raise TypeError(f"paths must be a list of rank paths, e.g. ((0,), (1,), "
+                                f"(0, 0)); got {type(self.paths).__name__} {self.paths!r:.100}")
+            if not self.paths:
+                raise ValueError("paths is empty: give at least one node, e.g. ((0,),)")
+            paths = tuple(check_ints(f"paths[{i}]", p, least=0, nonempty=True)
+                          for i, p in enumerate(self.paths))
             object.__setattr__(self, "paths", paths)
             seen = set(paths)
             for p in paths:
-                if not p or min(p) < 0:
-                    raise ValueError(f"tree path {p} must be non-empty ranks >= 0")
                 if len(p) > 1 and p[:-1] not in seen:
                     raise ValueError(f"tree path {p} has no parent {p[:-1]} in the list")
             if len(seen) != len(paths):
                 raise ValueError("tree paths repeat a node")
         if self.dynamic is not None:
-            k, n, d = (int(x) for x in self.dynamic)
-            object.__setattr__(self, "dynamic", (k, n, d))
-            if k < 1 or d < 1 or n < 1 or n > k + (d - 1) * k * k:
+            dyn = check_ints("dynamic", self.dynamic, least=1)
+            if len(dyn) != 3:
+                raise ValueError(f"dynamic={dyn} must be three integers (top_k, nodes, depth)")
+            k, n, d = dyn
+            object.__setattr__(self, "dynamic", dyn)
+            if n > k + (d - 1) * k * k:
                 raise ValueError(f"dynamic=(top_k={k}, nodes={n}, depth={d}) needs 1 <= nodes "
                                  f"<= {k + (d - 1) * k * k} (the candidates it expands)")
         if self.num_nodes > MAX_TREE_NODES:
@@ -213,20 +222,32 @@ def parse_tree(text: str) -> TreeConfig | None:
     """A tree from the command line: "" (none: chains), "3,2,1" (branching per depth),
     "dynamic:4,16,5" (top_k, nodes, depth), "paths:0;1;0.0;0.1" (ranks joined by '.') or
     "spine:8:4,3,3,2,2,1,1,0" (`spine_paths`: depth, then each side branch's length)."""
+    if text is not None and not isinstance(text, str):
+        raise TypeError(f"tree must be a string such as '3,2,1' (or a jspec.TreeConfig where "
+                        f"an object is taken); got {type(text).__name__} {text!r:.100}")
     text = (text or "").strip()
     if not text:
         return None
     try:
         if text.startswith("spine:"):
             depth, _, rest = text[6:].partition(":")
-            return TreeConfig(paths=spine_paths(int(depth), [int(x) for x in rest.split(",")
-                                                             if x]))
+            return TreeConfig(paths=spine_paths(_int(depth), _ints(rest, ",")))
         if text.startswith("dynamic:"):
-            return TreeConfig(dynamic=tuple(int(x) for x in text[8:].split(",")))
+            return TreeConfig(dynamic=_ints(text[8:], ","))
         if text.startswith("paths:"):
-            return TreeConfig(paths=tuple(tuple(int(r) for r in p.split("."))
-                                          for p in text[6:].split(";") if p))
-        return TreeConfig(branching=tuple(int(x) for x in text.split(",")))
-    except ValueError as e:
+            return TreeConfig(paths=tuple(_ints(p, ".") for p in text[6:].split(";") if p))
+        return TreeConfig(branching=_ints(text, ","))
+    except (ValueError, TypeError) as e:
         raise ValueError(f"tree {text!r}: {e} (expected '3,2,1', 'dynamic:k,nodes,depth', "
                          "'paths:0;1;0.0' or 'spine:depth:l1,l2,..')") from None
+
+
+def _int(word: str) -> int:
+    try:
+        return int(word.strip())
+    except ValueError:
+        raise ValueError(f"{word.strip()!r} is not an integer") from None
+
+
+def _ints(text: str, sep: str) -> tuple[int, ...]:
+    return tuple(_int(x) for x in text.split(sep) if x.strip())

@@ -11,6 +11,8 @@ import jspec
 from jspec.bench import trace
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Benchmarks plot their receipts: matplotlib is the `plot` extra, not a test dependency.
+PLOT_EXTRA = "the benchmark plots need the plot extra: pip install 'jspec[plot]'"
 
 
 def _run(script, *flags):
@@ -107,6 +109,14 @@ def test_cli_errors_are_one_line(tmp_path):
     assert r.returncode != 0 and "Traceback" in r.stderr and "CheckpointError" in r.stderr
 
 
+def test_parity_audit_checks_its_flags_before_loading(tmp_path):
+    # Each mistake: one line, exit code 2, and no model loaded (no receipt written).
+    for flag, words in (("--tree=x,2", ("--tree", "'x' is not an integer")),
+                        ("--ks=1,a", ("--ks", "'a' is not an integer"))):
+        _one_line_error(_run("parity_audit.py", flag, f"--out={tmp_path}"), *words)
+    assert not list(tmp_path.iterdir())
+
+
 def test_speculative_cli_stops_on_non_finite_logits(tmp_path):
     # Finite weights whose logits overflow (a final norm weight of 3e38): the run ends
     # with a one-line error and exit code 1, never "PARITY: OK".
@@ -145,7 +155,7 @@ def test_speculative_cli_with_a_pruned_draft_head(tmp_path):
 
 
 def test_bench_e2e_smoke(tmp_path):
-    pytest.importorskip("matplotlib", reason="its plots need pip install 'jspec[plot]'")
+    pytest.importorskip("matplotlib", reason=PLOT_EXTRA)
     r = _run("bench_e2e.py", "--target=tiny-qwen3", "--draft=tiny-qwen3:1", "--batches=1",
              "--prompt_len=16", "--max_new_tokens=8", "--gammas=2", "--accept=0.8", "--iters=1",
              "--nopeers", "--draft_backend=xla", "--oracle_seeds=2", "--draft_head=256",
@@ -180,7 +190,7 @@ def test_bench_e2e_smoke(tmp_path):
 
 @pytest.mark.slow  # an experiment script's run; its engine calls are the default run's
 def test_eval_pair_smoke(tmp_path):
-    pytest.importorskip("matplotlib", reason="its plot needs pip install 'jspec[plot]'")
+    pytest.importorskip("matplotlib", reason=PLOT_EXTRA)
     r = _run("eval_pair.py", "--num_prompts=2", "--batch=2", "--max_new_tokens=8",
              "--gammas=2", "--policies=exact_greedy", "--iters=1", "--nopeers",
              f"--out={tmp_path}", "--tag=smoke")

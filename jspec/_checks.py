@@ -1,0 +1,121 @@
+"""The small argument checkers every public entry point uses at its boundary.
+
+One rule (docs/usage.md, "Errors"): an argument is checked for type and range on the
+host before anything is traced, and a bad one raises `ValueError` (a bad value) or
+`TypeError` (a wrong kind of object) naming the argument and what it accepts. Counts are
+Python or numpy integers (bools and floats such as 2.0 are refused, not cast); real
+numbers are finite ints or floats; seeds lie in [0, SEED_LIMIT).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+
+import numpy as np
+
+# Seeds are int32 scalars on the device: [0, 2**31) is accepted, anything else refused
+# (never wrapped or folded silently).
+SEED_LIMIT = 2**31
+
+
+def is_int(value) -> bool:
+    """A Python or numpy integer, not a bool."""
+    return isinstance(value, int | np.integer) and not isinstance(value, bool | np.bool_)
+
+
+def check_count(name: str, value, least: int = 1, most: int | None = None) -> int:
+    """An int in [least, most] (bools and floats such as 2.5 are errors naming `name`)."""
+    if not is_int(value) or value < least or (most is not None and value > most):
+        bound = f">= {least}" if most is None else f"in [{least}, {most}]"
+        raise ValueError(f"{name}={value!r} must be an integer {bound}")
+    return int(value)
+
+
+def check_seed(name: str, value) -> int:
+    """An int in [0, SEED_LIMIT): a seed travels as an int32."""
+    if not is_int(value) or not 0 <= value < SEED_LIMIT:
+        raise ValueError(f"{name}={value!r} must be an integer in [0, 2**31)")
+    return int(value)
+
+
+def check_real(name: str, value, *, low: float | None = None, high: float | None = None,
+               low_open: bool = False, high_open: bool = False) -> float:
+    """A finite int or float within the bounds given (NaN, inf and bools are errors)."""
+    ok = (isinstance(value, int | float | np.integer | np.floating)
+          and not isinstance(value, bool | np.bool_) and math.isfinite(float(value)))
+    if ok:
+        v = float(value)
+        ok = ((low is None or (v > low if low_open else v >= low))
+              and (high is None or (v < high if high_open else v <= high)))
+    if not ok:
+        lo = "" if low is None else ("(" if low_open else "[") + f"{low}"
+        hi = "" if high is None else f"{high}" + (")" if high_open else "]")
+        where = f" in {lo or '(-inf'}, {hi or 'inf)'}" if lo or hi else ""
+        raise ValueError(f"{name}={value!r} must be a finite number{where}")
+    return float(value)
+
+
+def check_bool(name: str, value) -> bool:
+    """True or False (numpy bools too); 0/1, strings and None are errors."""
+    if not isinstance(value, bool | np.bool_):
+        raise TypeError(f"{name}={value!r} must be True or False")
+    return bool(value)
+
+
+def check_ints(name: str, value, *, least: int | None = None, high: int | None = None,
+               nonempty: bool = False) -> tuple[int, ...]:
+    """A sequence (list, tuple, 1-D array) of ints in [least, high) -> a tuple; a string,
+    a bare number or a float entry is an error naming `name`."""
+    if isinstance(value, np.ndarray) and value.ndim == 1:
+        value = value.tolist()
+    if isinstance(value, str | bytes) or not isinstance(value, Sequence):
+        raise TypeError(f"{name} must be a list or tuple of integers; got "
+                        f"{type(value).__name__} {value!r:.100}")
+    for i, v in enumerate(value):
+        if not is_int(v):
+            raise ValueError(f"{name}[{i}]={v!r} must be an integer")
+        if (least is not None and v < least) or (high is not None and v >= high):
+            lo = "-inf" if least is None else least
+            raise ValueError(f"{name}[{i}]={v!r} is out of range [{lo}, "
+                             f"{'inf' if high is None else high})")
+    if nonempty and not value:
+        raise ValueError(f"{name} is empty: give at least one integer")
+    return tuple(int(v) for v in value)
+
+
+def check_path(name: str, value) -> str:
+    """A str or os.PathLike (not None, not bytes) -> str."""
+    if not isinstance(value, str | os.PathLike) or not os.fspath(value):
+        raise TypeError(f"{name} must be a path (a str or os.PathLike); got "
+                        f"{type(value).__name__} {value!r:.100}")
+    return os.fspath(value)
+
+
+def check_type(name: str, value, kinds: type | tuple[type, ...], accepted: str,
+               hint: str = "") -> None:
+    """isinstance(value, kinds), else a TypeError naming `name`, what it accepts, and a
+    hint (e.g. how to wrap what was given)."""
+    if not isinstance(value, kinds):
+        raise TypeError(f"{name} must be {accepted}; got {type(value).__name__}"
+                        + (f": {hint}" if hint else ""))
+
+
+DRAFTER_METHODS = ("init", "propose", "commit")
+
+
+def check_drafter(name: str, drafter) -> None:
+    """A drafter object: one with init/propose/commit methods (jspec.ModelDrafter,
+    FeatureDrafter, PromptLookupDrafter, OracleDrafter). A bare model or head is named
+    with the wrapper it needs."""
+    if all(callable(getattr(drafter, m, None)) for m in DRAFTER_METHODS):
+        return
+    from jspec.feature_head import FeatureHead
+    from jspec.model import Model
+
+    hint = ("wrap it: ModelDrafter(model)" if isinstance(drafter, Model)
+            else "wrap it: FeatureDrafter(head)" if isinstance(drafter, FeatureHead)
+            else "")
+    check_type(name, drafter, (), "a jspec drafter (ModelDrafter(model), FeatureDrafter(head), "
+               "PromptLookupDrafter() or OracleDrafter(...))", hint)

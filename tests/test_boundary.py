@@ -1,0 +1,272 @@
+"""Every public entry point checks its arguments at the boundary, before any tracing.
+
+One table per class of mistake: (call, error type, message fragment naming the argument
+and what it accepts). Every call here fails on the host, so the file runs in seconds.
+"""
+
+import json
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import expected, fixture_path, load
+
+import jspec
+from jspec import sharding
+from jspec.text import as_prompts
+
+
+def _model():
+    return load("qwen3", "xla")
+
+
+def _p():
+    return [expected("qwen3")["prompt"]]
+
+
+def _gen(**kw):
+    return lambda: jspec.generate(_model(), _p(), **{"max_new_tokens": 2, **kw})
+
+
+def _spec(drafter, **kw):
+    return lambda: jspec.speculative_generate(_model(), drafter(), _p(),
+                                              jspec.SpecConfig(max_new_tokens=2, **kw))
+
+
+COUNTS = {  # bools, floats (even 2.0) and negatives where an integer count is wanted
+    "max_new_tokens bool": (_gen(max_new_tokens=True), "max_new_tokens=True"),
+    "max_new_tokens float": (_gen(max_new_tokens=2.0), "max_new_tokens=2.0"),
+    "max_len negative": (_gen(max_len=-4), "max_len=-4"),
+    "batch_size float": (lambda: jspec.init_cache(_model(), 2.0, 16), "batch_size=2.0"),
+    "max_len bool": (lambda: jspec.init_cache(_model(), 1, True), "max_len=True"),
+    "gamma float": (lambda: jspec.SpecConfig(gamma=2.0), "gamma=2.0"),
+    "audit_every negative": (lambda: jspec.SpecConfig(audit_every=-1), "audit_every=-1"),
+    "top_k float": (lambda: jspec.Sample(top_k=2.0), "top_k=2.0 must be an integer"),
+    "top_k negative": (lambda: jspec.make_sampler(0.5, top_k=-1), "top_k=-1"),
+    "max_ngram float": (lambda: jspec.PromptLookupDrafter(max_ngram=2.5), "max_ngram=2.5"),
+    "max_ngram huge": (lambda: jspec.PromptLookupDrafter(max_ngram=10**6),
+                       r"max_ngram=1000000 must be an integer in \[1, 64\]"),
+    "min_ngram zero": (lambda: jspec.PromptLookupDrafter(min_ngram=0), "min_ngram=0"),
+    "tp float": (lambda: sharding.make_mesh(2.0), "tp=2.0"),
+    "tp zero": (lambda: sharding.make_mesh(0), "tp=0"),
+    "tp too many": (lambda: sharding.make_mesh(len(jax.devices()) + 1), "there are"),
+    "branching float": (lambda: jspec.TreeConfig(branching=(2.0, 1)), r"branching\[0\]=2.0"),
+    "branching zero": (lambda: jspec.TreeConfig(branching=(2, 0)), r"branching\[1\]=0"),
+    "dynamic bool": (lambda: jspec.TreeConfig(dynamic=(True, 4, 2)), r"dynamic\[0\]=True"),
+    "row_partials float": (lambda: sharding.shard(_model(), sharding.make_mesh(1),
+                                                  row_partials=2.0), "row_partials=2.0"),
+}
+
+REALS = {  # NaN, inf, bools and strings where a finite number is wanted
+    "temperature nan": (lambda: jspec.make_sampler(float("nan")), "temperature=nan"),
+    "temperature inf": (lambda: jspec.Sample(temperature=float("inf")), "temperature=inf"),
+    "temperature bool": (lambda: jspec.make_sampler(True), "temperature=True"),
+    "temperature str": (lambda: jspec.make_sampler("0.5"), "temperature='0.5'"),
+    "top_p nan": (lambda: jspec.Sample(top_p=float("nan")), r"top_p=nan .* in \(0, 1\]"),
+    "top_p over": (lambda: jspec.Sample(top_p=1.5), "top_p=1.5"),
+}
+
+SEEDS = {  # seeds are int32 on the device: [0, 2**31), never wrapped
+    "huge": (_gen(seed=2**31), r"seed=2147483648 must be an integer in \[0, 2\*\*31\)"),
+    "negative": (_gen(seed=-1), "seed=-1"),
+    "float": (lambda: jspec.SpecConfig(seed=1.5), "seed=1.5"),
+    "spec huge": (lambda: jspec.SpecConfig(seed=2**40), "seed=1099511627776"),
+}
+
+SEQUENCES = {  # strings for lists, bare numbers, float entries, empty lists, out of range
+    "stop_tokens str": (_gen(stop_tokens="12"), TypeError, "stop_tokens must be a list"),
+    "stop_tokens int": (_gen(stop_tokens=5), TypeError, "stop_tokens must be a list"),
+    "stop_tokens float": (_gen(stop_tokens=[1.5]), ValueError, r"stop_tokens\[0\]=1.5"),
+    "stop_tokens range": (_gen(stop_tokens=[10**6]), ValueError, r"out of range \[0, "),
+    "spec stop_tokens str": (lambda: jspec.SpecConfig(stop_tokens="12"), TypeError,
+                             "stop_tokens must be a list"),
+    "branching str": (lambda: jspec.TreeConfig(branching="3,2"), TypeError,
+                      "branching must be a list"),
+    "branching empty": (lambda: jspec.TreeConfig(branching=()), ValueError, "branching is empty"),
+    "paths empty": (lambda: jspec.parse_tree("paths:"), ValueError, "paths is empty"),
+    "paths str": (lambda: jspec.TreeConfig(paths="0;1"), TypeError, "paths must be a list"),
+    "dynamic two": (lambda: jspec.parse_tree("dynamic:4,16"), ValueError, "three integers"),
+    "tree word": (lambda: jspec.parse_tree("3,x"), ValueError, "'x' is not an integer"),
+    "tree not str": (lambda: jspec.parse_tree(3), TypeError, "tree must be a string"),
+    "prompts empty": (lambda: jspec.generate(_model(), [], max_new_tokens=2), ValueError,
+                      "prompts is empty"),
+}
+
+OBJECTS = {  # wrong objects: None, a raw Model where a drafter is wanted, strings
+    "drafter None": (_spec(lambda: None), "drafter must be a jspec drafter"),
+    "drafter Model": (_spec(_model), r"got Model: wrap it: ModelDrafter\(model\)"),
+    "ModelDrafter None": (lambda: jspec.ModelDrafter(None), "ModelDrafter's model"),
+    "FeatureDrafter Model": (lambda: jspec.FeatureDrafter(_model()), "FeatureDrafter's head"),
+    "sampler str": (_gen(sampler="greedy"), "sampler must be a jspec sampler"),
+    "model None": (lambda: jspec.generate(None, _p(), max_new_tokens=2), "model must be"),
+    "target None": (lambda: jspec.speculative_generate(None, jspec.PromptLookupDrafter(), _p(),
+                                                       jspec.SpecConfig()), "target must be"),
+    "cache None": (lambda: jspec.forward(_model(), np.zeros((1, 1), np.int32), None),
+                   "cache must be a jspec.KVCache"),
+    "init_cache str": (lambda: jspec.init_cache("model", 1, 8), "model must be"),
+    "path None": (lambda: jspec.load_hf(None), "path must be a path"),
+    "tokenizer path int": (lambda: jspec.load_tokenizer(3), "path must be a path"),
+    "read_prompts None": (lambda: jspec.read_prompts(None), "path must be a path"),
+    "load_text None": (lambda: jspec.load_text(None), "target must be a path"),
+    "save like None": (lambda: jspec.save_params("/tmp/x", None), "model must be"),
+    "restore like None": (lambda: jspec.restore_params("/tmp/x", None), "like must be"),
+    "mesh str": (lambda: sharding.shard(_model(), "tp"), "mesh must be a jax.sharding.Mesh"),
+    "replicate mesh": (lambda: sharding.replicate(_model(), None), "mesh must be"),
+    "load_hf mesh": (lambda: jspec.load_hf(fixture_path("qwen3"), mesh="tp"), "mesh must be"),
+    "axis int": (lambda: sharding.make_mesh(1, axis=3), "axis=3"),
+}
+
+BOOLS = {  # 0/1 and strings where True/False is wanted
+    "progress": (_gen(progress="yes"), "progress='yes' must be True or False"),
+    "donate": (lambda: jspec.forward(_model(), np.zeros((1, 1), np.int32),
+                                     jspec.init_cache(_model(), 1, 8), donate=1), "donate=1"),
+    "chat": (lambda: jspec.read_prompts(fixture_path("qwen3") + "/config.json", chat="yes"),
+             "chat='yes'"),
+    "interpret": (lambda: jspec.load_hf(fixture_path("qwen3"), interpret="no"), "interpret='no'"),
+    "spec progress": (lambda: jspec.speculative_generate(
+        _model(), jspec.PromptLookupDrafter(), _p(), jspec.SpecConfig(), progress=1),
+        "progress=1"),
+}
+
+
+@pytest.mark.parametrize("name", COUNTS)
+def test_counts_are_integers_in_range(name):
+    call, fragment = COUNTS[name]
+    with pytest.raises(ValueError, match=fragment):
+        call()
+
+
+@pytest.mark.parametrize("name", REALS)
+def test_reals_are_finite_and_in_range(name):
+    call, fragment = REALS[name]
+    with pytest.raises(ValueError, match=fragment):
+        call()
+
+
+@pytest.mark.parametrize("name", SEEDS)
+def test_seeds_lie_in_the_int32_range(name):
+    call, fragment = SEEDS[name]
+    with pytest.raises(ValueError, match=fragment):
+        call()
+
+
+@pytest.mark.parametrize("name", SEQUENCES)
+def test_sequences_are_lists_of_integers(name):
+    call, kind, fragment = SEQUENCES[name]
+    with pytest.raises(kind, match=fragment):
+        call()
+
+
+@pytest.mark.parametrize("name", OBJECTS)
+def test_objects_are_of_the_named_kind(name):
+    call, fragment = OBJECTS[name]
+    with pytest.raises(TypeError, match=fragment):
+        call()
+
+
+@pytest.mark.parametrize("name", BOOLS)
+def test_flags_are_bools(name):
+    call, fragment = BOOLS[name]
+    with pytest.raises(TypeError, match=fragment):
+        call()
+
+
+def test_numpy_integers_are_accepted_and_normalised():
+    spec = jspec.SpecConfig(gamma=np.int64(3), max_new_tokens=np.int32(5), seed=np.uint16(7),
+                            stop_tokens=np.array([1, 2]))
+    assert (spec.gamma, spec.max_new_tokens, spec.seed, spec.stop_tokens) == (3, 5, 7, (1, 2))
+    assert type(spec.gamma) is int and type(spec.seed) is int
+    assert spec == jspec.SpecConfig(gamma=3, max_new_tokens=5, seed=7, stop_tokens=(1, 2))
+    assert jspec.Sample(temperature=np.float32(0.5), top_k=np.int64(4)).top_k == 4
+    assert jspec.init_cache(_model(), np.int64(2), np.int32(16)).batch_size == 2
+    assert jspec.TreeConfig(branching=np.array([2, 1])).num_nodes == 4
+    assert jspec.SpecConfig(seed=2**31 - 1).seed == 2**31 - 1  # the largest seed
+
+
+def test_prompt_lookup_longer_than_the_cache_is_named():
+    with pytest.raises(ValueError, match=r"max_ngram=64\) exceeds the cache max_len=32"):
+        jspec.speculative_generate(_model(), jspec.PromptLookupDrafter(max_ngram=64), _p(),
+                                   jspec.SpecConfig(max_new_tokens=2), max_len=32)
+
+
+def test_streams_check_their_arguments_at_the_call():
+    # A generator would only fail at the first next(); the streams fail at the call.
+    with pytest.raises(ValueError, match="seed=-1"):
+        jspec.generate_stream(_model(), _p(), max_new_tokens=2, seed=-1)
+    with pytest.raises(TypeError, match="drafter must be"):
+        jspec.speculative_stream(_model(), None, _p(), jspec.SpecConfig())
+
+
+# ------------------------------------------------------------------------------ rollback
+
+
+def _cache_at(lengths):
+    return jspec.rollback(jspec.init_cache(_model(), len(lengths), 16), 0).replace(
+        lengths=jnp.asarray(lengths, jnp.int32))
+
+
+@pytest.mark.parametrize("lengths, fragment", [
+    ([5, 3], r"row 1: 3 \(limit 2\)"),  # forward past what row 1 holds
+    (9, r"row 0: 9 \(limit 4\); row 1: 9 \(limit 2\)"),
+    ([-1, 0], r"row 0: -1"),
+    ([1, 1, 1], r"one per row \(\[2\]\); got shape \(3,\)"),
+    ([1.0, 1.0], "must be integers; got dtype float64"),
+    ([True, False], "must be integers; got dtype bool"),
+])
+def test_rollback_moves_lengths_back_only(lengths, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        jspec.rollback(_cache_at([4, 2]), lengths)
+
+
+def test_rollback_keeps_or_lowers_lengths_and_runs_traced():
+    cache = _cache_at([4, 2])
+    assert list(jspec.rollback(cache, [4, 0]).lengths) == [4, 0]
+    assert list(jspec.rollback(cache, np.int64(2)).lengths) == [2, 2]
+    # Inside jit (as the engine calls it) the lengths are traced: no host check.
+    moved = jax.jit(lambda c, n: jspec.rollback(c, n))(cache, jnp.asarray([1, 1], jnp.int32))
+    assert list(moved.lengths) == [1, 1]
+    # Concrete lengths on a traced cache: only the capacity is known.
+    with pytest.raises(ValueError, match=r"\[0, max_len=16\]"):
+        jax.jit(lambda c: jspec.rollback(c, 17))(cache)
+
+
+# ------------------------------------------------------------------------ silent inputs
+
+
+def test_a_checkpoint_without_tokenizer_files_is_named_at_load(tmp_path):
+    d = tmp_path / "no_tokenizer"
+    shutil.copytree(fixture_path("qwen3"), d)
+    for call in (lambda: jspec.load_tokenizer(str(d)), lambda: jspec.load_text(str(d))):
+        with pytest.raises(jspec.CheckpointError,
+                           match=f"{d}: no tokenizer files \\(looked for tokenizer.json, "):
+            call()
+
+
+def test_read_prompts_reads_a_json_list(tmp_path):
+    chat = [{"role": "user", "content": "Hi"}]
+    f = tmp_path / "p.json"
+    f.write_text(json.dumps(["one", chat, {"prompt": "two"}, {"messages": chat}]))
+    assert jspec.read_prompts(str(f)) == ["one", chat, "two", chat]
+    assert jspec.read_prompts(f, chat=True)[0] == [{"role": "user", "content": "one"}]
+    for text, fragment in ((json.dumps({"prompt": "x"}), "one JSON list of prompts"),
+                           ("[1, 2]", "item 0: expected an object"),
+                           ('["a"]\n["b"]', r"not JSON .*use .jsonl"),
+                           ("[]", "holds no prompts")):
+        f.write_text(text)
+        with pytest.raises(ValueError, match=fragment):
+            jspec.read_prompts(str(f))
+    (tmp_path / "p.txt").write_text('["a"]\n')  # any other extension: plain lines
+    assert jspec.read_prompts(str(tmp_path / "p.txt")) == ['["a"]']
+
+
+@pytest.mark.parametrize("content", [5, None, [{"type": "text", "text": "Hi"}]])
+def test_chat_content_must_be_a_string(content, tmp_path):
+    chat = [{"role": "user", "content": content}]
+    with pytest.raises(ValueError, match=r"message 0 must be .* a \"content\" string"):
+        as_prompts([chat])
+    f = tmp_path / "p.jsonl"
+    f.write_text(json.dumps({"messages": chat}) + "\n")
+    with pytest.raises(ValueError, match=r"p.jsonl:1: message 0"):
+        jspec.read_prompts(str(f))
