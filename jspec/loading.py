@@ -245,6 +245,10 @@ def convert_params(cfg: ModelConfig, reader: TensorReader, *, progress: bool = F
             put("post_mlp_norm", get(lp + "post_feedforward_layernorm.weight", (D,)))
         else:
             put("mlp_norm", get(lp + "post_attention_layernorm.weight", (D,)))
+        if cfg.is_moe_layer(i):
+            for key, value in MOE_LAYERS[cfg.family](cfg, reader, get, lp).items():
+                put(key, value)
+            continue
         put("w_gate_up", np.concatenate([lin(lp + "mlp.gate_proj.weight", F, D),
                                          lin(lp + "mlp.up_proj.weight", F, D)], axis=1))
         put("w_down", lin(lp + "mlp.down_proj.weight", D, F))
@@ -262,6 +266,61 @@ def convert_params(cfg: ModelConfig, reader: TensorReader, *, progress: bool = F
         "final_norm": get(pre + "norm.weight", (D,)),
         "lm_head": np.ascontiguousarray(lm_head),
     }
+
+
+# ------------------------------------------------------------------ experts (MoE)
+
+
+def _stack_experts(cfg: ModelConfig, get, names) -> dict:
+    """Per-expert HF tensors -> router [D, E], w_gate_up [E, D, 2Fe], w_down [E, Fe, D].
+    names: (router, gate(e), up(e), down(e)), each HF [out, in]."""
+    D, E, Fe = cfg.hidden_size, cfg.num_experts, cfg.expert_size
+    router, gate, up, down = names
+    return {
+        "router": get(router, (E, D)).T,
+        "w_gate_up": np.stack([np.concatenate([get(gate(e), (Fe, D)).T, get(up(e), (Fe, D)).T],
+                                              axis=1) for e in range(E)]),
+        "w_down": np.stack([get(down(e), (D, Fe)).T for e in range(E)]),
+    }
+
+
+def _fused_experts(cfg: ModelConfig, get, router: str, pre: str) -> dict:
+    """transformers 5's in-memory layout, should a checkpoint hold it: `{pre}gate_up_proj`
+    [E, 2Fe, D] (gate rows first), `{pre}down_proj` [E, D, Fe]."""
+    D, E, Fe = cfg.hidden_size, cfg.num_experts, cfg.expert_size
+    return {
+        "router": get(router, (E, D)).T,
+        "w_gate_up": get(pre + "gate_up_proj", (E, 2 * Fe, D)).transpose(0, 2, 1),
+        "w_down": get(pre + "down_proj", (E, D, Fe)).transpose(0, 2, 1),
+    }
+
+
+def qwen3_moe_experts(cfg: ModelConfig, reader: TensorReader, get, lp: str) -> dict:
+    """A Qwen3-MoE sparse layer: `mlp.gate.weight`, `mlp.experts.{e}.{gate,up,down}_proj`
+    (as transformers saves them) or the fused `mlp.experts.gate_up_proj` / `down_proj`."""
+    router, ex = lp + "mlp.gate.weight", lp + "mlp.experts."
+    if reader.has(ex + "gate_up_proj"):
+        return _fused_experts(cfg, get, router, ex)
+    return _stack_experts(cfg, get, (router, lambda e: f"{ex}{e}.gate_proj.weight",
+                                     lambda e: f"{ex}{e}.up_proj.weight",
+                                     lambda e: f"{ex}{e}.down_proj.weight"))
+
+
+def mixtral_experts(cfg: ModelConfig, reader: TensorReader, get, lp: str) -> dict:
+    """A Mixtral layer: `block_sparse_moe.gate.weight`, `block_sparse_moe.experts.{e}.
+    {w1,w3,w2}` (gate, up, down; as transformers saves them) or transformers 5's fused
+    `mlp.gate.weight`, `mlp.experts.gate_up_proj` / `down_proj`."""
+    if reader.has(lp + "mlp.experts.gate_up_proj"):
+        return _fused_experts(cfg, get, lp + "mlp.gate.weight", lp + "mlp.experts.")
+    ex = lp + "block_sparse_moe.experts."
+    return _stack_experts(cfg, get, (lp + "block_sparse_moe.gate.weight",
+                                     lambda e: f"{ex}{e}.w1.weight",
+                                     lambda e: f"{ex}{e}.w3.weight",
+                                     lambda e: f"{ex}{e}.w2.weight"))
+
+
+# family -> the loader of a sparse layer's router and experts.
+MOE_LAYERS = {"qwen3_moe": qwen3_moe_experts, "mixtral": mixtral_experts}
 
 
 # ------------------------------------------------------------------- unused tensors
@@ -434,10 +493,13 @@ def _count(n: int) -> str:
 def num_params(cfg: ModelConfig) -> int:
     """Parameters of the architecture (a tied LM head counted once)."""
     D, F, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
-    per_layer = (D * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * D + 3 * D * F
+    per_layer = (D * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * D
                  + D * (4 if cfg.sandwich_norms else 2)
                  + (2 * cfg.head_dim if cfg.qk_norm else 0))
-    return cfg.num_layers * per_layer + V * D * (1 if cfg.tie_embeddings else 2) + D
+    moe = sum(map(cfg.is_moe_layer, range(cfg.num_layers)))
+    mlps = ((cfg.num_layers - moe) * 3 * D * F
+            + moe * cfg.num_experts * (3 * D * cfg.expert_size + D))
+    return cfg.num_layers * per_layer + mlps + V * D * (1 if cfg.tie_embeddings else 2) + D
 
 
 # ------------------------------------------------------------------------- loading

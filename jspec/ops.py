@@ -33,6 +33,7 @@ from pallas_kernels.matmul import (
     matmul_reference,
 )
 from pallas_kernels.matmul_glu import matmul_glu, matmul_glu_reference
+from pallas_kernels.moe import grouped_matmul, grouped_matmul_reference
 from pallas_kernels.qk_rope import qk_norm_rope, qk_norm_rope_reference
 from pallas_kernels.rmsnorm import rmsnorm, rmsnorm_reference
 from pallas_kernels.rope import rope, rope_reference
@@ -61,7 +62,10 @@ class Ops(NamedTuple):
       passes them through;
     tree_attention(q, k, v, q_pos, window, root [B], path [B,T,D+1], scale, softcap, split,
       split_rows): a tree's tokens attend over the prefix and their ancestors in logical
-      order (`pallas_kernels.tree_attention`)."""
+      order (`pallas_kernels.tree_attention`);
+    grouped_matmul(x [R,K], w [E,K,N], expert [R] int32, out_dtype) -> [R,N]: row r is
+      x[r] @ w[expert[r]] (`pallas_kernels.moe`; its routing and combine are the same on
+      both backends)."""
 
     matmul: Callable
     matmul_partials: Callable
@@ -76,6 +80,7 @@ class Ops(NamedTuple):
     attention: Callable
     attention_counted: Callable
     tree_attention: Callable
+    grouped_matmul: Callable
 
 
 def _passing_counters(attention_fn: Callable) -> Callable:
@@ -127,6 +132,7 @@ def get_ops(backend: str, interpret: bool = False) -> Ops:
             attention=attention_xla,
             attention_counted=_passing_counters(attention_xla),
             tree_attention=tree_attention_xla,
+            grouped_matmul=grouped_matmul_reference,
         )
     if backend == "pallas":
         def p(fn, interpret):
@@ -147,6 +153,7 @@ def get_ops(backend: str, interpret: bool = False) -> Ops:
             attention=p(attention, interpret=interpret),
             attention_counted=p(attention_counted, interpret=interpret),
             tree_attention=p(tree_attention, interpret=interpret),
+            grouped_matmul=p(grouped_matmul, interpret=interpret),
         )
     raise ValueError(f"{backend=}; expected 'xla' or 'pallas'")
 
