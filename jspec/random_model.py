@@ -100,11 +100,14 @@ def preset_config(name: str, *, num_layers: int | None = None,
 
 
 def weight_shapes(preset: str) -> dict[str, tuple[int, int]]:
-    """[K, N] of each matmul weight of a preset, as `random_params` lays them out."""
+    """[K, N] of each matmul weight of a preset, as `random_params` lays them out (for a
+    mixture of experts: the router and one expert's gate/up and down)."""
     c = preset_config(preset, num_layers=1)
-    D, F, V = c.hidden_size, c.intermediate_size, c.vocab_size
-    return {"wqkv": (D, c.q_size + 2 * c.kv_size), "wo": (c.q_size, D),
-            "w_gate_up": (D, 2 * F), "w_down": (F, D), "lm_head": (D, V)}
+    D, V = c.hidden_size, c.vocab_size
+    F = c.expert_size if c.moe else c.intermediate_size
+    shapes = {"wqkv": (D, c.q_size + 2 * c.kv_size), "wo": (c.q_size, D),
+              "w_gate_up": (D, 2 * F), "w_down": (F, D), "lm_head": (D, V)}
+    return shapes | ({"router": (D, c.num_experts)} if c.moe else {})
 
 
 def random_params(cfg: ModelConfig, seed: int = 0) -> dict:
