@@ -43,9 +43,9 @@ def test_batched_logits_match_transformers(name):
     np.testing.assert_allclose(np.asarray(logits), e["batch_logits"], rtol=2e-4, atol=1e-3)
 
 
-@pytest.mark.parametrize("backend,name", [
-    pytest.param(b, n, marks=pytest.mark.slow) if (b, n in MOE_FAMILIES) == ("xla", True)
-    else (b, n) for n in ALL for b in BACKENDS])  # MoE on xla: the logits tests cover it
+@pytest.mark.parametrize("name,backend", [
+    pytest.param(n, b, marks=pytest.mark.slow) if (n in MOE_FAMILIES, b) == (True, "xla")
+    else (n, b) for b in BACKENDS for n in ALL])  # MoE on xla: the logits tests cover it
 def test_greedy_matches_transformers_generate(name, backend):
     e = expected(name)
     n = len(e["greedy"])
