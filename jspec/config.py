@@ -10,6 +10,14 @@ scale, `(1 + w)` RMSNorm, four norms per layer, sliding-window layers with their
 own RoPE base, optional attention and final softcapping, gelu-tanh MLP). The
 official multimodal Gemma 3 directories (`gemma3`, Gemma3ForConditionalGeneration)
 give their text model: `from_hf_config` reads their `text_config`.
+
+Mixtures of experts: Qwen3-MoE (`qwen3_moe`: Qwen3's attention with q/k norms; a layer
+is sparse when it is not in `mlp_only_layers` and (i + 1) % `decoder_sparse_step` == 0,
+the others keep a dense MLP of `intermediate_size`; experts of `moe_intermediate_size`;
+softmax over all experts, top k, renormalised over the k when `norm_topk_prob`; no
+shared experts, and a config asking for them is refused) and Mixtral (`mixtral`: Llama's
+attention with an optional sliding window on every layer; every layer sparse, experts of
+`intermediate_size`, the top-k weights always renormalised).
 """
 
 from __future__ import annotations
@@ -17,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen3", "gemma3_text")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen3", "gemma3_text", "qwen3_moe", "mixtral")
 # Multimodal wrappers whose text model jspec loads: model_type -> the text model's type.
 TEXT_OF_MULTIMODAL = {"gemma3": "gemma3_text"}
 DTYPES = ("float32", "bfloat16")
@@ -48,7 +56,7 @@ class ModelConfig:
     `jspec.KernelOptions` and `jspec.DraftOptions`.
 
     Attributes:
-      family: "llama", "qwen3" or "gemma3".
+      family: "llama", "qwen3", "gemma3", "qwen3_moe" or "mixtral".
       vocab_size, hidden_size, intermediate_size, num_layers: the usual sizes.
       num_heads, num_kv_heads, head_dim: grouped-query attention's shape.
       rms_eps: RMSNorm epsilon.
@@ -66,6 +74,11 @@ class ModelConfig:
       tie_embeddings: the LM head is the embedding's transpose.
       max_position: max_position_embeddings, the longest cache allowed.
       dtype: parameter and activation dtype name; logits are always float32.
+      num_experts, experts_per_token, expert_size: a mixture of experts' shape (0 when
+        dense): experts per sparse layer, experts each token is routed to, an expert's
+        MLP width.
+      norm_topk_prob: the k routing weights are renormalised to sum to 1.
+      layer_experts: per layer, True if its MLP is a mixture of experts (empty: none is).
     """
 
     family: str
@@ -92,6 +105,11 @@ class ModelConfig:
     tie_embeddings: bool
     max_position: int
     dtype: str = "bfloat16"
+    num_experts: int = 0
+    experts_per_token: int = 0
+    expert_size: int = 0
+    norm_topk_prob: bool = False
+    layer_experts: tuple[bool, ...] = ()
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -100,6 +118,21 @@ class ModelConfig:
             raise ValueError(f"{self.num_heads=} is not a multiple of {self.num_kv_heads=}")
         if len(self.layer_sliding) != self.num_layers:
             raise ValueError(f"{len(self.layer_sliding)=} != {self.num_layers=}")
+        if self.layer_experts and len(self.layer_experts) != self.num_layers:
+            raise ValueError(f"{len(self.layer_experts)=} != {self.num_layers=}")
+        if any(self.layer_experts) and not (
+                1 <= self.experts_per_token <= self.num_experts and self.expert_size > 0):
+            raise ValueError(f"sparse layers need 1 <= {self.experts_per_token=} <= "
+                             f"{self.num_experts=} and {self.expert_size=} > 0")
+
+    def is_moe_layer(self, i: int) -> bool:
+        """Whether layer i's MLP is a mixture of experts."""
+        return bool(self.layer_experts) and self.layer_experts[i]
+
+    @property
+    def moe(self) -> bool:
+        """Whether any layer is a mixture of experts."""
+        return any(self.layer_experts)
 
     def replace(self, **kw) -> ModelConfig:
         return dataclasses.replace(self, **kw)
@@ -231,6 +264,8 @@ def from_hf_config(hf: Any, *, dtype: Any = "bfloat16") -> ModelConfig:
         dtype=dtype,
     )
     rope_params = _get(hf, "rope_parameters", None)
+    if model_type in ("qwen3_moe", "mixtral"):
+        return _moe_config(hf, model_type, common)
     if model_type in ("llama", "qwen3"):
         act = _get(hf, "hidden_act", "silu")
         if act != "silu":
@@ -284,6 +319,75 @@ def from_hf_config(hf: Any, *, dtype: Any = "bfloat16") -> ModelConfig:
         attn_softcap=None,
         final_softcap=_float_or_none(_get(hf, "final_logit_softcapping", None)),
         activation="gelu_tanh",
+        **common,
+    )
+
+
+# Config fields of MoE families jspec does not implement: shared experts (Qwen2-MoE,
+# DeepSeek). Qwen3-MoE has none; a config that asks for them is refused, not ignored.
+SHARED_EXPERT_FIELDS = ("shared_expert_intermediate_size", "n_shared_experts",
+                        "num_shared_experts")
+
+
+def _moe_config(hf: Any, model_type: str, common: dict) -> ModelConfig:
+    """qwen3_moe and mixtral: the dense families' attention and a mixture of experts."""
+    act = _get(hf, "hidden_act", "silu")
+    if act != "silu":
+        raise UnsupportedModelError(f"{model_type}: hidden_act={act!r} is not supported")
+    for name in SHARED_EXPERT_FIELDS:
+        if _get(hf, name, 0):
+            raise UnsupportedModelError(
+                f"{model_type}: {name}={_get(hf, name)} asks for shared experts, which jspec "
+                "does not implement (Qwen3-MoE and Mixtral have none)")
+    L = common["num_layers"]
+    if model_type == "qwen3_moe":
+        if _get(hf, "use_sliding_window", False):
+            raise UnsupportedModelError("qwen3_moe: use_sliding_window=True is not supported")
+        num_experts = int(_get(hf, "num_experts", 0))
+        step = int(_get(hf, "decoder_sparse_step", 1))
+        dense = {int(i) for i in _get(hf, "mlp_only_layers", [])}
+        if step < 1:
+            raise UnsupportedModelError(f"qwen3_moe: decoder_sparse_step={step}; expected >= 1")
+        bad = sorted(i for i in dense if not 0 <= i < L)
+        if bad:
+            raise UnsupportedModelError(f"qwen3_moe: mlp_only_layers {bad} are outside the "
+                                        f"{L} layers")
+        experts = tuple(num_experts > 0 and i not in dense and (i + 1) % step == 0
+                        for i in range(L))
+        expert_size = int(hf.moe_intermediate_size)
+        norm_topk = bool(_get(hf, "norm_topk_prob", False))
+        window = 0
+    else:  # mixtral: every layer sparse; the experts' width is intermediate_size
+        num_experts = int(hf.num_local_experts)
+        experts = (num_experts > 0,) * L
+        expert_size = int(hf.intermediate_size)
+        norm_topk = True
+        window = int(_get(hf, "sliding_window", 0))
+    k = int(hf.num_experts_per_tok) if any(experts) else 0
+    if any(experts) and not 1 <= k <= num_experts:
+        raise UnsupportedModelError(f"{model_type}: num_experts_per_tok={k} is not in "
+                                    f"[1, {num_experts}]")
+    head_dim = common["head_dim"]
+    return ModelConfig(
+        family=model_type,
+        rope=rope_spec(_get(hf, "rope_parameters", None), _get(hf, "rope_theta", None),
+                       model_type),
+        rope_local=None,
+        sliding_window=window,
+        layer_sliding=(window > 0,) * L,
+        qk_norm=model_type == "qwen3_moe",
+        norm_offset=0.0,
+        sandwich_norms=False,
+        attn_scale=head_dim**-0.5,
+        embed_scale=None,
+        attn_softcap=None,
+        final_softcap=None,
+        activation="silu",
+        num_experts=num_experts if any(experts) else 0,
+        experts_per_token=k,
+        expert_size=expert_size if any(experts) else 0,
+        norm_topk_prob=norm_topk,
+        layer_experts=experts,
         **common,
     )
 

@@ -70,6 +70,9 @@ def prepare(model):
     they already are; outside jit it copies the four matrices once (the old arrays may
     be dropped)."""
     want = model.draft_options.fused
+    if want and model.config.moe:
+        raise ValueError(f"DraftOptions.fused: the draft's latency path has no mixture of "
+                         f"experts ({model.config.family}); leave it off for this model")
     if is_transposed(model.params) == want:
         return model
     return model.replace(params=_swap(model.params, want))

@@ -15,9 +15,10 @@ looked up in a dims dict (`dims(cfg)`), so one row serves every size.
 by the sharded loader too, and the EAGLE-3 loader); `split` is its inverse (the HF
 exporter `jspec.bench.hf_peers` and `jspec.save_eagle3`).
 
-A family adds its rows as a tuple here and one line to `layer_table` (e.g. a mixture of
-experts: per-expert rows `mlp.experts.{e}.{gate,up,down}_proj.weight` and the router
-`mlp.gate.weight`, selected by the config's expert count, in place of `MLP`).
+A family adds its rows as a tuple here and one line to `layer_table`. A mixture of experts'
+sparse layer keeps the attention and norm rows and drops `MLP`; its router and experts
+(per-expert tensors stacked into [E, in, out], or transformers 5's fused 3-D tensors) are
+read by `jspec.loading.MOE_LAYERS`, one function per family.
 """
 
 from __future__ import annotations
@@ -87,10 +88,13 @@ EAGLE3_LAYER = (norm("input_norm", "input_layernorm.weight"),
                 linear("wqkv", QKV, "2D"), linear("wo", O_PROJ, "Q")) + MLP
 
 
-def layer_table(cfg) -> tuple[Tensor, ...]:
-    """The rows of one decoder layer of a `ModelConfig`, in jspec's param order."""
+def layer_table(cfg, i: int = 0) -> tuple[Tensor, ...]:
+    """The rows of decoder layer i of a `ModelConfig`, in jspec's param order. A mixture of
+    experts' sparse layer has no dense MLP rows: its router and stacked experts are read by
+    the family's function in `jspec.loading.MOE_LAYERS`."""
+    mlp = () if cfg.is_moe_layer(i) else MLP
     return (ATTENTION + (QK_NORM if cfg.qk_norm else ())
-            + (SANDWICH_NORMS if cfg.sandwich_norms else PLAIN_NORMS) + MLP)
+            + (SANDWICH_NORMS if cfg.sandwich_norms else PLAIN_NORMS) + mlp)
 
 
 def dims(cfg) -> dict[str, int]:

@@ -236,7 +236,7 @@ def convert_params(cfg: ModelConfig, reader: TensorReader, *, progress: bool = F
     dt = np_dtype(cfg.dtype)
     D, V = cfg.hidden_size, cfg.vocab_size
     pre = text_prefix(reader)
-    table, widths = hf_names.layer_table(cfg), hf_names.dims(cfg)
+    widths = hf_names.dims(cfg)
     place = place or (lambda key, w: w)
 
     def get(name, shape):
@@ -244,8 +244,13 @@ def convert_params(cfg: ModelConfig, reader: TensorReader, *, progress: bool = F
 
     bar = tqdm(range(cfg.num_layers), desc=f"loading {display_name(reader.path)}",
                unit="layer", file=sys.stderr, disable=not progress, leave=False)
-    layers = [{k: place(k, w) for k, w in hf_names.build(
-        table, widths, get, hf_names.layer_prefix(pre, i)).items()} for i in bar]
+    layers = []
+    for i in bar:
+        prefix = hf_names.layer_prefix(pre, i)
+        layer = hf_names.build(hf_names.layer_table(cfg, i), widths, get, prefix)
+        if cfg.is_moe_layer(i):  # the experts: stacked per family (MOE_LAYERS)
+            layer |= MOE_LAYERS[cfg.family](cfg, reader, get, prefix)
+        layers.append({k: place(k, np.ascontiguousarray(w)) for k, w in layer.items()})
     bar.close()
     embed = get(pre + hf_names.EMBED, (V, D))
     if cfg.tie_embeddings:
@@ -259,6 +264,61 @@ def convert_params(cfg: ModelConfig, reader: TensorReader, *, progress: bool = F
         "final_norm": place("final_norm", get(pre + hf_names.FINAL_NORM, (D,))),
         "lm_head": place("lm_head", np.ascontiguousarray(lm_head)),
     }
+
+
+# ------------------------------------------------------------------ experts (MoE)
+
+
+def _stack_experts(cfg: ModelConfig, get, names) -> dict:
+    """Per-expert HF tensors -> router [D, E], w_gate_up [E, D, 2Fe], w_down [E, Fe, D].
+    names: (router, gate(e), up(e), down(e)), each HF [out, in]."""
+    D, E, Fe = cfg.hidden_size, cfg.num_experts, cfg.expert_size
+    router, gate, up, down = names
+    return {
+        "router": get(router, (E, D)).T,
+        "w_gate_up": np.stack([np.concatenate([get(gate(e), (Fe, D)).T, get(up(e), (Fe, D)).T],
+                                              axis=1) for e in range(E)]),
+        "w_down": np.stack([get(down(e), (D, Fe)).T for e in range(E)]),
+    }
+
+
+def _fused_experts(cfg: ModelConfig, get, router: str, pre: str) -> dict:
+    """transformers 5's in-memory layout, should a checkpoint hold it: `{pre}gate_up_proj`
+    [E, 2Fe, D] (gate rows first), `{pre}down_proj` [E, D, Fe]."""
+    D, E, Fe = cfg.hidden_size, cfg.num_experts, cfg.expert_size
+    return {
+        "router": get(router, (E, D)).T,
+        "w_gate_up": get(pre + "gate_up_proj", (E, 2 * Fe, D)).transpose(0, 2, 1),
+        "w_down": get(pre + "down_proj", (E, D, Fe)).transpose(0, 2, 1),
+    }
+
+
+def qwen3_moe_experts(cfg: ModelConfig, reader: TensorReader, get, lp: str) -> dict:
+    """A Qwen3-MoE sparse layer: `mlp.gate.weight`, `mlp.experts.{e}.{gate,up,down}_proj`
+    (as transformers saves them) or the fused `mlp.experts.gate_up_proj` / `down_proj`."""
+    router, ex = lp + "mlp.gate.weight", lp + "mlp.experts."
+    if reader.has(ex + "gate_up_proj"):
+        return _fused_experts(cfg, get, router, ex)
+    return _stack_experts(cfg, get, (router, lambda e: f"{ex}{e}.gate_proj.weight",
+                                     lambda e: f"{ex}{e}.up_proj.weight",
+                                     lambda e: f"{ex}{e}.down_proj.weight"))
+
+
+def mixtral_experts(cfg: ModelConfig, reader: TensorReader, get, lp: str) -> dict:
+    """A Mixtral layer: `block_sparse_moe.gate.weight`, `block_sparse_moe.experts.{e}.
+    {w1,w3,w2}` (gate, up, down; as transformers saves them) or transformers 5's fused
+    `mlp.gate.weight`, `mlp.experts.gate_up_proj` / `down_proj`."""
+    if reader.has(lp + "mlp.experts.gate_up_proj"):
+        return _fused_experts(cfg, get, lp + "mlp.gate.weight", lp + "mlp.experts.")
+    ex = lp + "block_sparse_moe.experts."
+    return _stack_experts(cfg, get, (lp + "block_sparse_moe.gate.weight",
+                                     lambda e: f"{ex}{e}.w1.weight",
+                                     lambda e: f"{ex}{e}.w3.weight",
+                                     lambda e: f"{ex}{e}.w2.weight"))
+
+
+# family -> the loader of a sparse layer's router and experts.
+MOE_LAYERS = {"qwen3_moe": qwen3_moe_experts, "mixtral": mixtral_experts}
 
 
 # ------------------------------------------------------------------- unused tensors
@@ -431,10 +491,13 @@ def _count(n: int) -> str:
 def num_params(cfg: ModelConfig) -> int:
     """Parameters of the architecture (a tied LM head counted once)."""
     D, F, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
-    per_layer = (D * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * D + 3 * D * F
+    per_layer = (D * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * D
                  + D * (4 if cfg.sandwich_norms else 2)
                  + (2 * cfg.head_dim if cfg.qk_norm else 0))
-    return cfg.num_layers * per_layer + V * D * (1 if cfg.tie_embeddings else 2) + D
+    moe = sum(map(cfg.is_moe_layer, range(cfg.num_layers)))
+    mlps = ((cfg.num_layers - moe) * 3 * D * F
+            + moe * cfg.num_experts * (3 * D * cfg.expert_size + D))
+    return cfg.num_layers * per_layer + mlps + V * D * (1 if cfg.tie_embeddings else 2) + D
 
 
 # ------------------------------------------------------------------------- loading

@@ -16,7 +16,9 @@ layer's weights in place rather than a slice copied out of a stacked array):
   layers: list of L dicts: attn_norm [D]; wqkv [D, (H + 2 Hkv) hd]; wo [H hd, D];
           q_norm, k_norm [hd] (Qwen3, Gemma 3); mlp_norm [D];
           w_gate_up [D, 2F]; w_down [F, D];
-          post_attn_norm, post_mlp_norm [D] (Gemma 3)
+          post_attn_norm, post_mlp_norm [D] (Gemma 3);
+          a mixture-of-experts layer (`ModelConfig.is_moe_layer`) has instead
+          router [D, E]; w_gate_up [E, D, 2Fe]; w_down [E, Fe, D] (Fe: expert_size)
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from jspec.options import DRAFT_FIELDS, KERNEL_FIELDS, DraftOptions, KernelOptio
 from jspec.rope import rope_tables
 from pallas_kernels._common import pad_axis, pad_rows
 from pallas_kernels.matmul import add_partials, matmul_config
+from pallas_kernels.moe import combine, route
 
 COMPILER_OPTIONS = {"xla_allow_excess_precision": False}
 ROW_TILE = 16  # pad_rows_once: every kernel's GPU row tile divides this
@@ -218,6 +221,30 @@ def mlp_block(ops, model: Model, lp, h):
     return row_parallel(ops, model, a, lp["w_down"], h.dtype, row_group=rg, schedule=sched)
 
 
+def moe_block(ops, model: Model, lp, h):
+    """A mixture of experts (rule R9): h [Mp, D] -> [Mp, D].
+
+    The router's logits come from the invariant matmul in f32; `route` picks each row's k
+    experts (lowest id on ties) and their weights; each row is repeated once per slot and
+    goes through its expert's gate/up and down by `ops.grouped_matmul`, whose result for a
+    row depends on that row and the expert's weights only; `combine` adds a row's k expert
+    outputs left to right in f32. Zero padding rows stay zero (GLU(0, 0) = 0).
+    """
+    cfg, opt = model.config, model.options
+    Mp, D = h.shape
+    k = cfg.experts_per_token
+    logits = ops.matmul(h, lp["router"], out_dtype=jnp.float32, row_group=opt.matmul_row_group,
+                        schedule=opt.matmul_schedule)  # [Mp, E]
+    weights, ids = route(logits, k, norm_topk_prob=cfg.norm_topk_prob)  # [Mp, k] each
+    expert = ids.reshape(-1)  # [Mp k]: row r's slots at r*k .. r*k + k - 1
+    rows = jnp.repeat(h, k, axis=0)  # [Mp k, D]
+    gu = ops.grouped_matmul(rows, lp["w_gate_up"], expert, out_dtype=h.dtype)  # [Mp k, 2Fe]
+    gate, up = jnp.split(gu, 2, axis=-1)
+    a = ops.glu(gate, up, activation=cfg.activation)  # [Mp k, Fe]
+    y = ops.grouped_matmul(a, lp["w_down"], expert, out_dtype=jnp.float32)  # [Mp k, D]
+    return combine(y.reshape(Mp, k, D), weights).astype(h.dtype)  # [Mp, D]
+
+
 def with_options(model: Model, *options: KernelOptions | DraftOptions, **fields) -> Model:
     """The model with other options, and its weights in the layout they need.
 
@@ -327,7 +354,7 @@ def apply(model: Model, tokens: jax.Array, cache: KVCache, *, features: tuple[in
             if cfg.sandwich_norms:
                 o = rms_norm(ops, cfg, o, lp["post_attn_norm"])
             x, h = add_norm(ops, model, x, o, lp["mlp_norm"])
-            o = mlp_block(ops, model, lp, h)
+            o = (moe_block if cfg.is_moe_layer(i) else mlp_block)(ops, model, lp, h)
             if cfg.sandwich_norms:
                 o = rms_norm(ops, cfg, o, lp["post_mlp_norm"])
 

@@ -2,7 +2,9 @@
 
 Random weights measure speed and exercise every numeric path; they say nothing
 about acceptance. Shapes follow the public configs of the named models; the
-number of layers can be cut to save time (`num_layers=`).
+number of layers can be cut to save time (`num_layers=`). Mixture-of-experts presets
+(qwen3-30b-a3b, mixtral-8x7b, tiny-qwen3-moe, tiny-mixtral) give their sparse layers a
+router and stacked experts (layout in jspec/model.py).
 """
 
 from __future__ import annotations
@@ -50,6 +52,29 @@ PRESETS: dict[str, dict] = {
                       head_dim=256, rope=RopeSpec(1e6), rope_local=RopeSpec(1e4),
                       sliding_window=1024, qk_norm=True, norm_offset=1.0, sandwich_norms=True,
                       embed_scale=2560**0.5, activation="gelu_tanh", tie_embeddings=True),
+    # Mixtures of experts. Qwen3-30B-A3B: 128 experts of width 768, 8 a token, every layer
+    # sparse; Mixtral 8x7B: 8 experts of width 14336 (its intermediate_size), 2 a token.
+    "qwen3-30b-a3b": dict(family="qwen3_moe", vocab_size=151936, hidden_size=2048,
+                          intermediate_size=6144, num_layers=48, num_heads=32, num_kv_heads=4,
+                          head_dim=128, rope=RopeSpec(1e6), qk_norm=True, tie_embeddings=False,
+                          num_experts=128, experts_per_token=8, expert_size=768,
+                          norm_topk_prob=True, max_position=40960),
+    "mixtral-8x7b": dict(family="mixtral", vocab_size=32000, hidden_size=4096,
+                         intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8,
+                         head_dim=128, rope=RopeSpec(1e6), qk_norm=False, tie_embeddings=False,
+                         num_experts=8, experts_per_token=2, expert_size=14336,
+                         norm_topk_prob=True, rms_eps=1e-5, max_position=32768),
+    # Tiny MoE shapes for CPU runs; layer 1 of tiny-qwen3-moe keeps a dense MLP.
+    "tiny-qwen3-moe": dict(family="qwen3_moe", vocab_size=512, hidden_size=128,
+                           intermediate_size=256, num_layers=3, num_heads=4, num_kv_heads=2,
+                           head_dim=32, rope=RopeSpec(1e6), qk_norm=True, tie_embeddings=False,
+                           num_experts=8, experts_per_token=2, expert_size=64,
+                           norm_topk_prob=True, mlp_only_layers=(1,)),
+    "tiny-mixtral": dict(family="mixtral", vocab_size=512, hidden_size=128,
+                         intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+                         head_dim=32, rope=RopeSpec(1e6), qk_norm=False, tie_embeddings=False,
+                         num_experts=4, experts_per_token=2, expert_size=128,
+                         norm_topk_prob=True, rms_eps=1e-5),
 }
 
 
@@ -62,6 +87,9 @@ def preset_config(name: str, *, num_layers: int | None = None,
         kw["num_layers"] = num_layers
     L = kw["num_layers"]
     every = kw.pop("global_every", 6)
+    dense = kw.pop("mlp_only_layers", ())
+    if kw.get("num_experts"):  # sparse layers: all but mlp_only_layers (Qwen3-MoE's name)
+        kw["layer_experts"] = tuple(i not in dense for i in range(L))
     if kw["family"] == "gemma3":
         kw["layer_sliding"] = tuple((i + 1) % every != 0 for i in range(L))
         kw["attn_scale"] = 256**-0.5  # query_pre_attn_scalar
@@ -72,11 +100,14 @@ def preset_config(name: str, *, num_layers: int | None = None,
 
 
 def weight_shapes(preset: str) -> dict[str, tuple[int, int]]:
-    """[K, N] of each matmul weight of a preset, as `random_params` lays them out."""
+    """[K, N] of each matmul weight of a preset, as `random_params` lays them out (for a
+    mixture of experts: the router and one expert's gate/up and down)."""
     c = preset_config(preset, num_layers=1)
-    D, F, V = c.hidden_size, c.intermediate_size, c.vocab_size
-    return {"wqkv": (D, c.q_size + 2 * c.kv_size), "wo": (c.q_size, D),
-            "w_gate_up": (D, 2 * F), "w_down": (F, D), "lm_head": (D, V)}
+    D, V = c.hidden_size, c.vocab_size
+    F = c.expert_size if c.moe else c.intermediate_size
+    shapes = {"wqkv": (D, c.q_size + 2 * c.kv_size), "wo": (c.q_size, D),
+              "w_gate_up": (D, 2 * F), "w_down": (F, D), "lm_head": (D, V)}
+    return shapes | ({"router": (D, c.num_experts)} if c.moe else {})
 
 
 def random_params(cfg: ModelConfig, seed: int = 0) -> dict:
@@ -100,9 +131,13 @@ def random_params(cfg: ModelConfig, seed: int = 0) -> dict:
             "wqkv": w(D, cfg.q_size + 2 * cfg.kv_size, fan_in=D),
             "wo": w(cfg.q_size, D, fan_in=cfg.q_size),
             "mlp_norm": norm(D),
-            "w_gate_up": w(D, 2 * F, fan_in=D),
-            "w_down": w(F, D, fan_in=F),
         }
+        if cfg.is_moe_layer(len(layers)):  # router [D, E], experts [E, D, 2Fe], [E, Fe, D]
+            E, Fe = cfg.num_experts, cfg.expert_size
+            lp |= {"router": w(D, E, fan_in=D), "w_gate_up": w(E, D, 2 * Fe, fan_in=D),
+                   "w_down": w(E, Fe, D, fan_in=Fe)}
+        else:
+            lp |= {"w_gate_up": w(D, 2 * F, fan_in=D), "w_down": w(F, D, fan_in=F)}
         if cfg.qk_norm:
             lp |= {"q_norm": norm(hd), "k_norm": norm(hd)}
         if cfg.sandwich_norms:

@@ -97,6 +97,9 @@ def check_degree(cfg: ModelConfig, size: int, row_partials: int = 1) -> None:
     H, Hkv, hd, F = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
     if size < 1:
         raise ValueError(f"tensor-parallel degree {size} must be >= 1")
+    if cfg.moe:
+        raise ValueError(f"TP={size}: the sharded path does not take a mixture of experts "
+                         f"({cfg.family}) yet; load it without a mesh (one device)")
     if H % size:
         raise ValueError(f"TP={size} does not divide the {H} attention heads")
     if Hkv % size and size % Hkv:

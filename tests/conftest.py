@@ -40,6 +40,7 @@ from jspec import with_options  # noqa: E402
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 FAMILIES = ("llama3", "qwen3", "gemma3")
+MOE_FAMILIES = ("qwen3_moe", "mixtral")  # mixtures of experts (their own fixtures)
 
 
 def fixture_path(name: str) -> str:

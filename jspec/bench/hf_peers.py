@@ -88,6 +88,9 @@ def _t(a: np.ndarray) -> np.ndarray:  # jspec [in, out] -> HF [out, in]
 def hf_tensors(cfg, params) -> Iterator[tuple[str, np.ndarray]]:
     """(HF name, array) pairs, one tensor at a time; params may hold numpy or jax arrays
     (each is brought to the host only when its turn comes)."""
+    if cfg.moe:
+        raise ValueError("hf_tensors writes dense families only; a mixture of experts' "
+                         "experts have no exporter")
     table, widths = hf_names.layer_table(cfg), hf_names.dims(cfg)
     embed = np.asarray(params["embed"])
     yield "model." + hf_names.EMBED, embed
