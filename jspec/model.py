@@ -221,28 +221,37 @@ def mlp_block(ops, model: Model, lp, h):
     return row_parallel(ops, model, a, lp["w_down"], h.dtype, row_group=rg, schedule=sched)
 
 
-def moe_block(ops, model: Model, lp, h):
-    """A mixture of experts (rule R9): h [Mp, D] -> [Mp, D].
+def moe_block(ops, model: Model, lp, h, rows: int):
+    """A mixture of experts (rule R9): h [Mp, D] -> [Mp, D]; the first `rows` rows are the
+    tokens, the rest zero padding (returned as zeros, never routed: padding would add
+    experts to a one-token step's reads).
 
     The router's logits come from the invariant matmul in f32; `route` picks each row's k
     experts (lowest id on ties) and their weights; each row is repeated once per slot and
-    goes through its expert's gate/up and down by `ops.grouped_matmul`, whose result for a
-    row depends on that row and the expert's weights only; `combine` adds a row's k expert
-    outputs left to right in f32. Zero padding rows stay zero (GLU(0, 0) = 0).
+    goes through its expert's gate/up and down by `ops.grouped_matmul` (gate/up and the
+    GLU in one kernel when `fuse_glu`: bitwise the same), whose result for a row depends on
+    that row and the expert's weights only; `combine` adds a row's k expert outputs left to
+    right in f32.
     """
     cfg, opt = model.config, model.options
     Mp, D = h.shape
+    x = h[:rows]  # [M, D]
     k = cfg.experts_per_token
-    logits = ops.matmul(h, lp["router"], out_dtype=jnp.float32, row_group=opt.matmul_row_group,
-                        schedule=opt.matmul_schedule)  # [Mp, E]
-    weights, ids = route(logits, k, norm_topk_prob=cfg.norm_topk_prob)  # [Mp, k] each
-    expert = ids.reshape(-1)  # [Mp k]: row r's slots at r*k .. r*k + k - 1
-    rows = jnp.repeat(h, k, axis=0)  # [Mp k, D]
-    gu = ops.grouped_matmul(rows, lp["w_gate_up"], expert, out_dtype=h.dtype)  # [Mp k, 2Fe]
-    gate, up = jnp.split(gu, 2, axis=-1)
-    a = ops.glu(gate, up, activation=cfg.activation)  # [Mp k, Fe]
-    y = ops.grouped_matmul(a, lp["w_down"], expert, out_dtype=jnp.float32)  # [Mp k, D]
-    return combine(y.reshape(Mp, k, D), weights).astype(h.dtype)  # [Mp, D]
+    logits = ops.matmul(x, lp["router"], out_dtype=jnp.float32, row_group=opt.matmul_row_group,
+                        schedule=opt.matmul_schedule)  # [M, E]
+    weights, ids = route(logits, k, norm_topk_prob=cfg.norm_topk_prob)  # [M, k] each
+    expert = ids.reshape(-1)  # [M k]: row r's slots at r*k .. r*k + k - 1
+    xr = jnp.repeat(x, k, axis=0)  # [M k, D]
+    if opt.fuse_glu and opt.backend == "pallas":
+        a = ops.grouped_matmul_glu(xr, lp["w_gate_up"], expert,
+                                   activation=cfg.activation)  # [M k, Fe]
+    else:
+        gu = ops.grouped_matmul(xr, lp["w_gate_up"], expert, out_dtype=h.dtype)  # [M k, 2Fe]
+        gate, up = jnp.split(gu, 2, axis=-1)
+        a = ops.glu(gate, up, activation=cfg.activation)  # [M k, Fe]
+    y = ops.grouped_matmul(a, lp["w_down"], expert, out_dtype=jnp.float32)  # [M k, D]
+    out = combine(y.reshape(rows, k, D), weights).astype(h.dtype)  # [M, D]
+    return pad_axis(out, 0, Mp)  # [Mp, D]: the padding rows stay exact zeros
 
 
 def with_options(model: Model, *options: KernelOptions | DraftOptions, **fields) -> Model:
@@ -354,7 +363,10 @@ def apply(model: Model, tokens: jax.Array, cache: KVCache, *, features: tuple[in
             if cfg.sandwich_norms:
                 o = rms_norm(ops, cfg, o, lp["post_attn_norm"])
             x, h = add_norm(ops, model, x, o, lp["mlp_norm"])
-            o = (moe_block if cfg.is_moe_layer(i) else mlp_block)(ops, model, lp, h)
+            if cfg.is_moe_layer(i):
+                o = moe_block(ops, model, lp, h, B * T)
+            else:
+                o = mlp_block(ops, model, lp, h)
             if cfg.sandwich_norms:
                 o = rms_norm(ops, cfg, o, lp["post_mlp_norm"])
 
