@@ -56,10 +56,8 @@ def init_cache(model, batch_size: int, max_len: int) -> KVCache:
     For a tensor-parallel model (`jspec.sharding`) each device allocates only its own
     K/V block, split by kv head."""
     par = getattr(model, "parallel", None)
-    if par is not None and not par.inside:
-        from jspec import sharding  # a sharded model only; sharding imports this module
-
-        return sharding.init_cache(model, batch_size, max_len)
+    if par is not None and not par.inside:  # a sharded model: its own layout
+        return par.init_cache(model, batch_size, max_len)
     cfg = model.config
     if batch_size < 1:
         raise ValueError(f"{batch_size=} must be >= 1")

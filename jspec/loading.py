@@ -21,14 +21,17 @@ import logging
 import os
 import re
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+from jax.sharding import Mesh
 from safetensors import safe_open
 
+from jspec import sharding
 from jspec.config import (
     TEXT_OF_MULTIMODAL,
     ModelConfig,
@@ -453,11 +456,9 @@ def load_hf(path: str | os.PathLike, *, dtype: Any = "bfloat16", backend: str = 
       "xla". interpret: run Pallas kernels in interpret mode (default: where there is no
       GPU).
     mesh: a `jax.sharding.Mesh`: the model tensor-parallel over its axis `axis`, loaded
-      shard by shard (`jspec.sharding.load_sharded`).
+      shard by shard (`load_sharded`).
     """
     if mesh is not None:
-        from jspec.sharding import load_sharded
-
         return load_sharded(path, mesh, axis=axis, dtype=dtype, backend=backend,
                             interpret=interpret)
     dtype = canonical_dtype(dtype)
@@ -488,3 +489,85 @@ def load_tokenizer(path: str | os.PathLike):
     except Exception as e:  # transformers raises many types here
         raise CheckpointError(f"{path}: could not load a tokenizer ({e})") from e
 
+
+# ------------------------------------------------------------------ sharded loading
+
+
+def load_sharded(path: str, mesh: Mesh, *, axis: str = "tp", dtype="bfloat16",
+                 backend: str = "pallas", interpret: bool | None = None,
+                 row_partials: int | None = None) -> Model:
+    """`jspec.load_hf(path, mesh=mesh)`: an HF checkpoint read tensor by tensor with numpy
+    and placed shard by shard (a layer at a time on the host; on each device only its
+    own blocks). Every check of `load_hf` applies."""
+    from tqdm.auto import tqdm  # as convert_params: the progress bar's import, when loading
+
+    dtype = canonical_dtype(dtype)
+    if interpret is None:
+        interpret = default_interpret()
+    path = resolve_checkpoint(path)
+    hf = read_hf_config(path)
+    cfg = from_hf_config(hf, dtype=dtype)
+    size = sharding.degree(mesh, axis)
+    options = sharding.parallel_options(KernelOptions(backend=backend, interpret=interpret),
+                                        size, row_partials)
+    sharding.check_degree(cfg, size, options.row_partials)
+    reader = TensorReader(path)
+    dt = np_dtype(cfg.dtype)
+    pre = _prefix(reader)
+
+    def get(name, shape):
+        return reader.get(name, shape).astype(dt)
+
+    def put(key, w):
+        return sharding.place(key, w, cfg, mesh, axis)
+
+    bar = tqdm(range(cfg.num_layers), desc=f"loading {display_name(path)}",
+               unit="layer", disable=reader.nbytes() <= PROGRESS_MIN_BYTES,
+               leave=False)
+    layers = [{k: put(k, w) for k, w in _hf_layer(cfg, get, pre, i).items()} for i in bar]
+    bar.close()
+    D, V = cfg.hidden_size, cfg.vocab_size
+    embed = get(pre + "embed_tokens.weight", (V, D))
+    if cfg.tie_embeddings:
+        lm_head = embed.T
+    else:
+        head = next((n for n in LM_HEAD_NAMES if reader.has(n)), LM_HEAD_NAMES[0])
+        lm_head = get(head, (V, D)).T
+    params = {"embed": put("embed", embed), "layers": layers,
+              "final_norm": put("final_norm", get(pre + "norm.weight", (D,))),
+              "lm_head": put("lm_head", lm_head)}
+    _check_unused(cfg, reader, hf.model_type,
+                          multimodal=hf.model_type in TEXT_OF_MULTIMODAL)
+    if backend == "pallas" and interpret:
+        _warn_interpret(path, cfg)
+    return Model(config=sharding.sharded_config(cfg, size), params=params, options=options,
+                 parallel=sharding.mesh_parallel(cfg, mesh, axis))
+
+
+def _hf_layer(cfg: ModelConfig, get: Callable, pre: str, i: int) -> dict[str, np.ndarray]:
+    """Layer i's weights in jspec's layout (as `jspec.convert_params` builds
+    them: [in, out], q/k/v and gate/up fused), on the host."""
+    D, F, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    lp = f"{pre}layers.{i}."
+
+    def lin(name, out_dim, in_dim):  # HF [out, in] -> [in, out]
+        return get(lp + name, (out_dim, in_dim)).T
+
+    layer = {"attn_norm": get(lp + "input_layernorm.weight", (D,))}
+    layer["wqkv"] = np.concatenate([lin("self_attn.q_proj.weight", cfg.q_size, D),
+                                    lin("self_attn.k_proj.weight", cfg.kv_size, D),
+                                    lin("self_attn.v_proj.weight", cfg.kv_size, D)], axis=1)
+    layer["wo"] = lin("self_attn.o_proj.weight", D, cfg.q_size)
+    if cfg.qk_norm:
+        layer["q_norm"] = get(lp + "self_attn.q_norm.weight", (hd,))
+        layer["k_norm"] = get(lp + "self_attn.k_norm.weight", (hd,))
+    if cfg.sandwich_norms:
+        layer["post_attn_norm"] = get(lp + "post_attention_layernorm.weight", (D,))
+        layer["mlp_norm"] = get(lp + "pre_feedforward_layernorm.weight", (D,))
+        layer["post_mlp_norm"] = get(lp + "post_feedforward_layernorm.weight", (D,))
+    else:
+        layer["mlp_norm"] = get(lp + "post_attention_layernorm.weight", (D,))
+    layer["w_gate_up"] = np.concatenate([lin("mlp.gate_proj.weight", F, D),
+                                         lin("mlp.up_proj.weight", F, D)], axis=1)
+    layer["w_down"] = lin("mlp.down_proj.weight", D, F)
+    return layer
