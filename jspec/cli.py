@@ -96,13 +96,17 @@ def with_option_string(model, text: str):
     return with_options(model, *parse_options(text, model.options, model.draft_options))
 
 
+def policy_of(name: str, temperature: float, top_k: int = 0, top_p: float = 1.0):
+    """The verify policy object of a --policy name and the sampling flags, which only the
+    sampling policies read (exact_greedy ignores them: the flags' defaults sample)."""
+    if name == "exact_greedy":
+        return resolve_policy(name)
+    return resolve_policy(name, temperature, top_k, top_p)
+
+
 def config_policy(c):
-    """The verify policy object of a config's --config.policy name and its sampling
-    fields (the temperature, top_k and top_p fields are for the sampling policies only:
-    exact_greedy ignores them)."""
-    if c.policy == "exact_greedy":
-        return resolve_policy("exact_greedy")
-    return resolve_policy(c.policy, c.temperature, c.top_k, c.top_p)
+    """`policy_of` a config's policy, temperature, top_k and top_p fields."""
+    return policy_of(c.policy, c.temperature, c.top_k, c.top_p)
 
 
 def options_record(model) -> dict:
