@@ -81,8 +81,10 @@ class Drafter(Protocol):
       ([B, g + 1, n D]: cur and the proposals) and commit_tree ([B, D + 1, n D]: the
       root and the accepted path), at no extra target cost.
 
-    The engine guarantees: ctx.pos + gamma + 1 <= max_len for every live row; rows
-    advance independently; a round's state is the one the previous call returned.
+    The engine guarantees: the cache capacity max_len holds every live row's round (its
+    proposals and the verify block); rows advance independently, each at its own pos;
+    a round's state is the one the previous call returned; arguments have the shapes
+    above, fixed for a compiled run.
     """
 
     feature_layers: tuple[int, ...] = ()

@@ -234,10 +234,11 @@ class Policy(abc.ABC):
       `resolve_policy` checks sampling arguments against.
     draft_sampler(): how drafters draw proposals (`ProposeContext.draft_sampler`).
 
-    Class attributes the engine reads: draft_seed_salt (added to the seed drafters get;
-    0 couples their noise with the target's), uses_draft_logits (the rule reads
-    draft_logits / q_logits), dynamic_trees (dynamic trees allowed), exact (the output
-    equals the serial sampler's token for token).
+    Class attributes: draft_seed_salt (added to the seed drafters get; 0 couples their
+    noise with the target's), dynamic_trees (dynamic trees allowed; `SpecConfig` refuses
+    them otherwise), uses_draft_logits (the rule reads draft_logits / q_logits: a
+    drafter's one-hot logits are then its whole distribution), exact (the output equals
+    the serial sampler's token for token: the entry points' parity check expects it).
     """
 
     draft_seed_salt: ClassVar[int] = 0
