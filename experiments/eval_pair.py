@@ -41,6 +41,7 @@ from eval_pair_hf import held_out_prompts, hf_runs, load_hf_pair
 from tqdm import tqdm
 
 import jspec
+from jspec import cli
 from jspec.bench import plotting
 from jspec.bench.timing import timed
 from jspec.loading import default_pair
@@ -108,8 +109,8 @@ def run_jspec(target, drafters, prompts, report, save):
     N, iters = _NEW.value, _ITERS.value
     batches = chunks(prompts, _BATCH.value)
     for policy in _POLICIES.value:
-        spec0 = jspec.SpecConfig(policy=policy, max_new_tokens=N, temperature=_TEMP.value)
-        sampler = spec0.serial_sampler()
+        policy_obj = cli.policy_of(policy, _TEMP.value)  # exact_greedy ignores --temperature
+        sampler = policy_obj.serial_sampler()
 
         def serial_all(sampler=sampler):
             return [jspec.generate(target, b, max_new_tokens=N, sampler=sampler, seed=0)
@@ -125,8 +126,7 @@ def run_jspec(target, drafters, prompts, report, save):
         sweep += [(lab | {"tree": t}, d, parse_tree(t).depth, parse_tree(t))
                   for lab, d in drafters for t in _TREES.value.split(";") if t]
         for labels, drafter, g, tree in tqdm(sweep, desc=f"{policy} drafters x gammas"):
-            spec = jspec.SpecConfig(gamma=g, policy=policy, max_new_tokens=N,
-                                    temperature=_TEMP.value, tree=tree)
+            spec = jspec.SpecConfig(gamma=g, policy=policy_obj, max_new_tokens=N, tree=tree)
 
             def spec_all(spec=spec, drafter=drafter):
                 return [jspec.speculative_generate(target, drafter, b, spec) for b in batches]

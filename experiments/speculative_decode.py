@@ -72,13 +72,21 @@ def build(c) -> text.TextPipeline:
     if head and c.drafter in ("auto", "feature"):
         return text.load_text(target_path, head=head, dtype=c.dtype, backend=c.backend,
                               draft_backend=draft_backend)
-    draft = "prompt_lookup" if c.drafter == "prompt_lookup" else (draft_path or None)
-    pipe = text.load_text(target_path, draft, dtype=c.dtype, backend=c.backend,
-                          draft_backend=draft_backend, draft_options=c.draft_options,
-                          max_ngram=c.max_ngram)
-    if c.drafter in ("auto", "model") and pipe.drafter is None:  # the target drafts itself
-        model = text.apply_draft_options(pipe.target.with_backend(draft_backend),
-                                         c.draft_options)
+    if c.drafter == "prompt_lookup":
+        return text.load_text(target_path, drafter=jspec.PromptLookupDrafter(c.max_ngram),
+                              dtype=c.dtype, backend=c.backend)
+    # "auto": the library's measured default; an option string applies on top of the
+    # defaults (DraftOptions()), as the draft model is loaded.
+    auto = c.draft_options == "auto"
+    pipe = text.load_text(target_path, draft_path or None, dtype=c.dtype, backend=c.backend,
+                          draft_backend=draft_backend,
+                          draft_options=None if auto else jspec.DraftOptions())
+    if pipe.drafter is None:  # the target drafts itself
+        model = pipe.target.with_backend(draft_backend)
+        pipe = pipe.with_drafter(jspec.ModelDrafter(
+            text.apply_draft_options(model) if auto else model))
+    if not auto:
+        model = cli.with_option_string(pipe.drafter.model, c.draft_options)
         pipe = pipe.with_drafter(jspec.ModelDrafter(model))
     if c.drafter in ("auto", "model") and c.draft_head:
         draft = pipe.drafter.model
@@ -127,19 +135,21 @@ def main(argv):
     if _CHECK.value is not None:
         c.check_parity = _CHECK.value
     prompts = cli.config_prompts(c)
-    jspec.SpecConfig(gamma=c.gamma, policy=c.policy, max_new_tokens=c.max_new_tokens,
-                     temperature=c.temperature, top_k=c.top_k, top_p=c.top_p,
+    policy = cli.config_policy(c)
+    jspec.SpecConfig(gamma=c.gamma, policy=policy, max_new_tokens=c.max_new_tokens,
                      audit_every=c.audit_every,
                      tree=parse_tree(c.get("tree", "")))  # bad values fail before loading
     pipe = build(c)
     target = pipe.target
     chat = any(not isinstance(p, str) for p in prompts)
     stop = (pipe.stop_ids + (pipe.chat_stop_ids if chat else ())) if c.stop_at_eos else ()
-    kw = dict(max_new_tokens=c.max_new_tokens, top_k=c.top_k, top_p=c.top_p, seed=c.seed,
-              stop_tokens=stop)
-    spec_kw = kw | dict(gamma=c.gamma, policy=c.policy, temperature=c.temperature,
-                        audit_every=c.audit_every, tree=c.get("tree", "") or None)
-    serial_kw = kw | dict(temperature=0.0 if c.policy == "exact_greedy" else c.temperature)
+    kw = dict(max_new_tokens=c.max_new_tokens, seed=c.seed, stop_tokens=stop)
+    spec_kw = kw | dict(gamma=c.gamma, policy=policy, audit_every=c.audit_every,
+                        tree=c.get("tree", "") or None)
+    sampler = policy.serial_sampler()  # the serial run the policy reproduces
+    serial_kw = kw | (dict(temperature=0.0) if isinstance(sampler, jspec.Greedy) else
+                      dict(temperature=sampler.temperature, top_k=sampler.top_k,
+                           top_p=sampler.top_p))
     drafter = pipe.drafter
     draft = getattr(drafter, "model", None)
     head = getattr(drafter, "head", None)
@@ -190,9 +200,8 @@ def main(argv):
                   f"speedup {speedup:.2f}x")
             same = serial.ids[0] == tokens
             record |= {"parity": same, "serial_stats": serial.stats, "speedup": speedup}
-            if c.policy == "rejection_sampling":
-                print(f"parity: rejection_sampling is distribution-exact; tokens identical: "
-                      f"{same}")
+            if not policy.exact:
+                print(f"parity: {c.policy} is distribution-exact; tokens identical: {same}")
             elif same:
                 print(f"PARITY: OK ({n} tokens identical to serial decoding)")
             else:
@@ -211,7 +220,7 @@ def main(argv):
         out_file.close()
     if len(prompts) > 1:
         summary(records, c.check_parity)
-        if c.check_parity and c.policy != "rejection_sampling":
+        if c.check_parity and policy.exact:
             if failed:
                 print(f"PARITY: FAILED for {len(failed)} of {len(prompts)} prompts "
                       f"({', '.join(str(i + 1) for i in sorted(failed))})")

@@ -11,10 +11,12 @@ from jspec.cache import KVCache, init_cache, rollback
 from jspec.checkpoint import restore_params, save_params
 from jspec.config import ModelConfig, UnsupportedModelError, from_hf_config
 from jspec.drafters import (
+    Drafter,
     FeatureDrafter,
     ModelDrafter,
     OracleDrafter,
     PromptLookupDrafter,
+    ProposeContext,
     frequent_tokens,
 )
 from jspec.eagle import load_eagle3, save_eagle3
@@ -24,6 +26,7 @@ from jspec.loading import CheckpointError, default_pair, load_hf, load_tokenizer
 from jspec.loop import NonFiniteError
 from jspec.model import Model, apply, forward, with_options
 from jspec.options import DraftOptions, KernelOptions
+from jspec.policies import ExactGreedy, GumbelCoupled, Policy, RejectionSampling
 from jspec.sampling import Greedy, Sample, make_sampler
 from jspec.speculative import (
     ParityError,
@@ -51,6 +54,12 @@ __all__ = [
     "read_prompts",
     "CheckpointError",
     "DraftOptions",
+    "Drafter",
+    "ExactGreedy",
+    "GumbelCoupled",
+    "Policy",
+    "ProposeContext",
+    "RejectionSampling",
     "FeatureDrafter",
     "FeatureHead",
     "GenerateOutput",

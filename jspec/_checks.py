@@ -100,22 +100,3 @@ def check_type(name: str, value, kinds: type | tuple[type, ...], accepted: str,
     if not isinstance(value, kinds):
         raise TypeError(f"{name} must be {accepted}; got {type(value).__name__}"
                         + (f": {hint}" if hint else ""))
-
-
-DRAFTER_METHODS = ("init", "propose", "commit")
-
-
-def check_drafter(name: str, drafter) -> None:
-    """A drafter object: one with init/propose/commit methods (jspec.ModelDrafter,
-    FeatureDrafter, PromptLookupDrafter, OracleDrafter). A bare model or head is named
-    with the wrapper it needs."""
-    if all(callable(getattr(drafter, m, None)) for m in DRAFTER_METHODS):
-        return
-    from jspec.feature_head import FeatureHead
-    from jspec.model import Model
-
-    hint = ("wrap it: ModelDrafter(model)" if isinstance(drafter, Model)
-            else "wrap it: FeatureDrafter(head)" if isinstance(drafter, FeatureHead)
-            else "")
-    check_type(name, drafter, (), "a jspec drafter (ModelDrafter(model), FeatureDrafter(head), "
-               "PromptLookupDrafter() or OracleDrafter(...))", hint)

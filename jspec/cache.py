@@ -63,10 +63,8 @@ def init_cache(model, batch_size: int, max_len: int) -> KVCache:
     batch_size = check_count("batch_size", batch_size)
     max_len = check_count("max_len", max_len)
     par = getattr(model, "parallel", None)
-    if par is not None and not par.inside:
-        from jspec import sharding  # a sharded model only; sharding imports this module
-
-        return sharding.init_cache(model, batch_size, max_len)
+    if par is not None and not par.inside:  # a sharded model: its own layout
+        return par.init_cache(model, batch_size, max_len)
     cfg = model.config
     if max_len > cfg.max_position:
         raise ValueError(f"{max_len=} exceeds the model's max_position_embeddings "

@@ -27,7 +27,12 @@ import dataclasses
 import os
 import sys
 
+from jspec.loop import NonFiniteError
+from jspec.model import with_options
 from jspec.options import FUSIONS, DraftOptions, KernelOptions
+from jspec.policies import resolve_policy
+from jspec.speculative import ParityError
+from jspec.text import as_chat, read_prompts
 
 # name=<int> options: (which dataclass, field, converter)
 _VALUED = {
@@ -88,9 +93,20 @@ def parse_options(text: str, kernel: KernelOptions | None = None,
 def with_option_string(model, text: str):
     """`jspec.with_options(model, ...)` from an option string, applied on top of the
     model's own options."""
-    from jspec.model import with_options
-
     return with_options(model, *parse_options(text, model.options, model.draft_options))
+
+
+def policy_of(name: str, temperature: float, top_k: int = 0, top_p: float = 1.0):
+    """The verify policy object of a --policy name and the sampling flags, which only the
+    sampling policies read (exact_greedy ignores them: the flags' defaults sample)."""
+    if name == "exact_greedy":
+        return resolve_policy(name)
+    return resolve_policy(name, temperature, top_k, top_p)
+
+
+def config_policy(c):
+    """`policy_of` a config's policy, temperature, top_k and top_p fields."""
+    return policy_of(c.policy, c.temperature, c.top_k, c.top_p)
 
 
 def options_record(model) -> dict:
@@ -139,10 +155,7 @@ def _flag_error(e: BaseException, argv: list[str]) -> str:
 
 def run(main) -> None:
     """`absl.app.run(main)` with one-line errors (module docstring) and a --debug flag."""
-    from absl import app, flags
-
-    from jspec.loop import NonFiniteError
-    from jspec.speculative import ParityError
+    from absl import app, flags  # absl: the entry points' dependency only
 
     # transformers' "PyTorch was not found" advisory: jspec needs no torch.
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
@@ -185,8 +198,6 @@ def config_prompts(c) -> list:
     """The prompts a text entry point's config asks for: `c.prompts` (a file: .txt, one
     prompt a line; .jsonl, objects with "prompt" or "messages") or else `c.prompt`; with
     `c.chat`, each plain prompt becomes one user message."""
-    from jspec.text import as_chat, read_prompts
-
     if c.get("prompts"):
         return read_prompts(c.prompts, chat=c.get("chat", False))
     if not c.prompt:

@@ -1,20 +1,14 @@
-"""Drafters: pure functions over pytrees that propose gamma tokens per row.
+"""The shipped drafters: a draft model, a feature head, prompt lookup and an oracle.
 
-A drafter is a pytree (flax struct) with three methods, all traced inside the
-speculative loop:
-  init(tokens [B, P], lens [B], max_len, gamma, features=None) -> state   after the prompts
-  propose(state, ctx) -> (drafts [B, g], draft_logits [B, g, V], state)
-  commit(state, ctx, n_acc [B], nxt [B], drafts [B, g], features=None) -> state
-A drafter with a non-empty `feature_layers` attribute (a tuple of target layers) is also
-given `features=`: the target's hidden states entering those layers [B, T, n D] for the
-positions the prefill or the verify computed (`jspec.model.apply(..., features=...)`).
-`draft_logits` are the logits the proposals were drawn from (one-hot logits for
-deterministic drafters); only `rejection_sampling` reads them.
+Each implements `jspec.Drafter` (`jspec.drafting`: the protocol, what the engine calls and
+guarantees, with shapes) for chains and for trees, and is a pytree (flax struct) traced
+inside the speculative loop. A drafter grows its trees in its own `propose_tree`, driving
+the shared growth of `jspec.tree_drafting` with its own forward.
 
-How a drafter samples its proposals (`ProposeContext.draft_sampler`): argmax for
-exact_greedy; for gumbel_coupled, the target's own sampler with the same
-(seed, row, position) noise, so a good draft agrees with the target often; for
-rejection_sampling, the same sampler under an independent seed.
+How a drafter samples its proposals (`ProposeContext.draft_sampler`, from
+`Policy.draft_sampler()`): argmax for exact_greedy; for gumbel_coupled, the target's own
+sampler with the same (seed, row, position) noise, so a good draft agrees with the target
+often; for rejection_sampling, the same sampler under an independent seed.
 """
 
 from __future__ import annotations
@@ -24,42 +18,28 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jspec import tree_drafting
 from jspec._checks import check_count, check_type
 from jspec.cache import init_cache, rollback
+from jspec.drafting import Drafter, ProposeContext, one_hot_logits, to_target_vocab
+from jspec.feature_head import head_apply, init_head_cache
 from jspec.model import Model, apply
 from jspec.sampling import uniform_noise
+from jspec.tree import TreeInput
+from jspec.tree_drafting import (
+    emitted,
+    expand_dynamic,
+    expand_static,
+    first_child_logits,
+    root_paths,
+    static_layout,
+    static_tree_input,
+)
+
+__all__ = ["Drafter", "FeatureDrafter", "ModelDrafter", "OracleDrafter", "PromptLookupDrafter",
+           "ProposeContext", "frequent_tokens", "one_hot_logits", "to_target_vocab"]
 
 _SALT_ORACLE = 0x0AC1E
 _SALT_ORACLE_TOKEN = 0x0AC1F
-
-
-@struct.dataclass
-class ProposeContext:
-    """Per-round inputs of a drafter (arrays are traced).
-
-    Attributes:
-      cur: [B] last committed token (its position is `pos`).
-      pos: [B] int32 position of `cur`; proposal i sits at pos + 1 + i.
-      rows: [B] int32 row ids (noise keys).
-      seed: [] int32 draft seed.
-      gamma: proposals per round.
-      vocab: the target's vocabulary size.
-      draft_sampler: how proposals are drawn from draft logits.
-    """
-
-    cur: jax.Array
-    pos: jax.Array
-    rows: jax.Array
-    seed: jax.Array
-    gamma: int = struct.field(pytree_node=False)
-    vocab: int = struct.field(pytree_node=False)
-    draft_sampler: object = struct.field(pytree_node=False)
-
-
-def one_hot_logits(tokens, vocab: int):
-    """[B, g] -> [B, g, V] f32 logits of the point mass at each token (0 there, -inf else)."""
-    return jnp.where(jax.nn.one_hot(tokens, vocab, dtype=bool), 0.0, -jnp.inf)
 
 
 @struct.dataclass
@@ -89,23 +69,8 @@ def frequent_tokens(token_ids, n: int, vocab_size: int) -> np.ndarray:
     return np.sort(order[:n]).astype(np.int32)
 
 
-def to_target_vocab(logits, slot, vocab: int):
-    """A drafter's logits [..., n] -> [..., vocab] in the target's ids: with `slot` ([V]
-    int32, the column of each target id, -1 for none) the columns are gathered and ids
-    off the head get -inf; ids past the result's width (a draft vocabulary that is a
-    prefix of the target's) get -inf too."""
-    if slot is not None:
-        picked = jnp.take(logits, jnp.maximum(slot, 0), axis=-1)
-        logits = jnp.where(slot >= 0, picked, -jnp.inf)
-    V = logits.shape[-1]
-    if V < vocab:
-        pad = [(0, 0)] * (logits.ndim - 1) + [(0, vocab - V)]
-        logits = jnp.pad(logits, pad, constant_values=-jnp.inf)
-    return logits
-
-
 @struct.dataclass
-class ModelDrafter:
+class ModelDrafter(Drafter):
     """A small model sharing the target's tokenizer drafts autoregressively.
 
     Its vocabulary may be a prefix of the target's (the same tokenizer with a padded
@@ -208,12 +173,47 @@ class ModelDrafter:
 
 
     def propose_tree(self, state: ModelDraftState, ctx: ProposeContext, tree):
-        """A draft tree (`jspec.tree_drafting`): one draft forward a depth."""
-        return tree_drafting.model_tree(self, state, ctx, tree)
+        """The draft model's cache holds the committed tokens with cur at slot pos; the
+        nodes are written after it, depth by depth, each depth one tree forward."""
+        first = self._full(state.next_logits, ctx.vocab)
+        root = ctx.pos
+        if tree.dynamic is None:
+            def step(d, toks, lo, hi, cache):  # node i at slot pos + i
+                logits, cache = apply(self.model, toks, cache,
+                                      tree=static_tree_input(tree, lo, hi, root, ctx.pos))
+                return self._full(logits, ctx.vocab), cache
+
+            tokens, parents, q, cache = expand_static(tree, ctx, first, step, state.cache)
+            return tokens, parents, q, state.replace(cache=cache)
+        k, N, D = tree.dynamic
+        C = k + (D - 1) * k * k
+
+        def dstep(d, toks, ids, par, carry):
+            cache, paths = carry
+            B = toks.shape[0]
+            parent = jnp.where((par >= 0)[:, :, None],
+                               jnp.take_along_axis(paths, jnp.maximum(par, 0)[:, :, None], 1),
+                               root_paths(root, k, D))
+            own = cache.lengths[:, None] + jnp.arange(k, dtype=jnp.int32)[None]  # [B, k] slots
+            path = jnp.where(jnp.arange(D + 1)[None, None] == d, own[:, :, None], parent)
+            paths = paths.at[jnp.arange(B)[:, None], ids].set(path)
+            t_in = TreeInput(root=root, depth=jnp.full((B, k), d, jnp.int32), path=path)
+            logits, cache = apply(self.model, toks, cache, tree=t_in)
+            return self._full(logits, ctx.vocab), (cache, paths)
+
+        B = ctx.cur.shape[0]
+        carry = (state.cache, jnp.full((B, C, D + 1), -1, jnp.int32))
+        tokens, parents, q, (cache, _) = expand_dynamic(tree, ctx, first, dstep, carry)
+        return tokens, parents, q, state.replace(cache=cache)
 
     def commit_tree(self, state: ModelDraftState, ctx: ProposeContext, n, nxt, path,
                     features=None):
-        return tree_drafting.model_commit_tree(self, state, ctx, n, nxt, path)
+        """Rewrites the accepted path and nxt after cur (slots pos + 1 ..) in one forward;
+        the logits after nxt are the next round's first."""
+        cache = rollback(state.cache, ctx.pos + 1)
+        logits, cache = apply(self.model, emitted(path, n, nxt), cache)
+        nl = jnp.take_along_axis(logits, n[:, None, None], axis=1)[:, 0]
+        return state.replace(cache=rollback(cache, ctx.pos + n + 2), next_logits=nl)
 
 
 @struct.dataclass
@@ -229,7 +229,7 @@ MAX_NGRAM = 64
 
 
 @struct.dataclass
-class PromptLookupDrafter:
+class PromptLookupDrafter(Drafter):
     """n-gram prompt lookup: find the latest earlier occurrence of the last n tokens
     (n from max_ngram down to min_ngram) in the prompt and output so far and
     propose the tokens that followed it. No model; pure jnp."""
@@ -278,11 +278,24 @@ class PromptLookupDrafter:
         return jnp.where(top >= 0, cands[at], -1).astype(jnp.int32)
 
     def propose_tree(self, state: LookupState, ctx: ProposeContext, tree):
-        return tree_drafting.lookup_tree(self, state, ctx, tree)
-
-    def commit_tree(self, state: LookupState, ctx: ProposeContext, n, nxt, path,
-                    features=None):
-        return self.commit(state, ctx, n, nxt, path)
+        """Static trees: the branches are the latest distinct n-gram matches (longest n
+        first); a node follows match number sum(its path's ranks) at its depth."""
+        if tree.dynamic is not None:
+            raise ValueError("PromptLookupDrafter grows static trees (branching or paths)")
+        parents, ranks, depth, anc, _ = static_layout(tree)
+        rank_sum = np.array([int(ranks[anc[i, 1:depth[i] + 1]].sum())
+                             for i in range(len(ranks))])
+        M = int(rank_sum.max()) + 1
+        follow = jax.vmap(lambda h, n: self.follows(h, n, M))(state.hist, state.hlen)  # [B, M]
+        H = state.hist.shape[1]
+        idx = follow[:, jnp.asarray(rank_sum)] + jnp.asarray(depth - 1)[None]  # [B, N + 1]
+        toks = jnp.take_along_axis(state.hist, jnp.clip(idx, 0, H - 1), axis=1)
+        usable = (follow[:, jnp.asarray(rank_sum)] >= 0) & (idx < state.hlen[:, None])
+        tokens = jnp.where(usable, toks, ctx.cur[:, None]).at[:, 0].set(ctx.cur)
+        tokens = tokens.astype(jnp.int32)
+        B = tokens.shape[0]
+        return (tokens, jnp.broadcast_to(jnp.asarray(parents), (B, len(parents))),
+                first_child_logits(tokens, parents, ranks, ctx.vocab), state)
 
     def propose(self, state: LookupState, ctx: ProposeContext):
         g = ctx.gamma
@@ -310,7 +323,7 @@ class PromptLookupDrafter:
 
 
 @struct.dataclass
-class OracleDrafter:
+class OracleDrafter(Drafter):
     """Proposes the target's own serial continuation, each token replaced by another
     with probability `corrupt_prob`, for benchmarks with controlled acceptance.
 
@@ -328,7 +341,7 @@ class OracleDrafter:
 
     @property
     def feature_layers(self) -> tuple[int, ...]:
-        return getattr(self.draft, "feature_layers", ())
+        return () if self.draft is None else tuple(self.draft.feature_layers)
 
     def forwards_per_round(self, gamma: int) -> int:
         return self.draft.forwards_per_round(gamma) if self.draft is not None else 0
@@ -366,7 +379,43 @@ class OracleDrafter:
         return self.draft.commit(state, ctx, n_acc, nxt, drafts, features=features)
 
     def propose_tree(self, state, ctx: ProposeContext, tree):
-        return tree_drafting.oracle_tree(self, state, ctx, tree)
+        """A static tree whose truth (the serial continuation) is the rank-r child of a
+        node on the truth path with probability rank_probs[r] (and no child's with the
+        rest); every other node a token other than the truth."""
+        if tree.dynamic is not None:
+            raise ValueError("OracleDrafter grows static trees (branching or paths)")
+        model_toks = None
+        if self.draft is not None:  # the attached drafter's tree really runs
+            model_toks, _, _, state = self.draft.propose_tree(state, ctx, tree)
+        parents, ranks, depth, _, levels = static_layout(tree)
+        B, n = ctx.cur.shape[0], len(parents)
+        R = self.reference.shape[1]
+        pos = ctx.pos[:, None] + jnp.asarray(depth)[None]  # [B, N + 1] each node's position
+        truth = jnp.take_along_axis(self.reference, jnp.minimum(pos, R - 1), axis=1)
+        probs = (jnp.asarray([1.0 - self.corrupt_prob]) if self.rank_probs is None
+                 else jnp.asarray(self.rank_probs))
+        # The rank whose child carries the truth below each node (-1: none).
+        rows = jnp.broadcast_to(ctx.rows[:, None], (B, n)).reshape(-1)
+        u = uniform_noise(ctx.seed + _SALT_ORACLE, rows, (pos + 1).reshape(-1)).reshape(B, n)
+        edges = jnp.cumsum(probs)
+        truth_rank = jnp.where(u < edges[-1], jnp.searchsorted(edges, u, side="right"), -1)
+        on_truth = jnp.zeros((B, n), bool).at[:, 0].set(True)
+        for d in range(1, len(levels)):
+            lo, hi = levels[d]
+            p = jnp.asarray(parents[lo:hi])
+            hit = on_truth[:, p] & (truth_rank[:, p] == jnp.asarray(ranks[lo:hi])[None])
+            on_truth = on_truth.at[:, lo:hi].set(hit)
+        V = ctx.vocab
+        K = int(ranks.max()) + 1  # each rank's own noise: the row id carries it
+        rank_rows = (jnp.broadcast_to(ctx.rows[:, None] * K, (B, n)) + jnp.asarray(ranks)[None])
+        shift = uniform_noise(ctx.seed + _SALT_ORACLE_TOKEN, rank_rows.reshape(-1),
+                              pos.reshape(-1)).reshape(B, n)
+        other = (truth + 1 + (shift * (V - 1)).astype(jnp.int32)) % V
+        tokens = jnp.where(on_truth, truth, other).at[:, 0].set(ctx.cur).astype(jnp.int32)
+        if model_toks is not None:  # wait for the attached drafter, as a real one would
+            tokens = jnp.where(model_toks < 0, model_toks, tokens)
+        return (tokens, jnp.broadcast_to(jnp.asarray(parents), (B, n)),
+                first_child_logits(tokens, parents, ranks, V), state)
 
     def commit_tree(self, state, ctx: ProposeContext, n, nxt, path, features=None):
         if self.draft is None:
@@ -388,7 +437,7 @@ class FeatureDraftState:
 
 
 @struct.dataclass
-class FeatureDrafter:
+class FeatureDrafter(Drafter):
     """Drafts with a feature head (`jspec.feature_head`: EAGLE-3's one decoder layer over
     the target's hidden states), whose cost is a few percent of a target step.
 
@@ -424,8 +473,6 @@ class FeatureDrafter:
         return to_target_vocab(logits, self.head.params["head_slot"], vocab)
 
     def init(self, tokens, lens, max_len: int, gamma: int, features=None):
-        from jspec.feature_head import head_apply, init_head_cache
-
         if features is None:
             raise ValueError("FeatureDrafter.init needs the target's features")
         B, P = tokens.shape
@@ -445,8 +492,6 @@ class FeatureDrafter:
                                  next_logits=nl, next_hidden=nh.astype(hidden.dtype))
 
     def propose(self, state: FeatureDraftState, ctx: ProposeContext):
-        from jspec.feature_head import head_apply
-
         sample = ctx.draft_sampler
         first = self._full(state.next_logits, ctx.vocab)  # [B, V]
         d1 = sample(first, ctx.seed, ctx.rows, ctx.pos + 1)
@@ -468,8 +513,6 @@ class FeatureDrafter:
 
     def commit(self, state: FeatureDraftState, ctx: ProposeContext, n_acc, nxt, drafts,
                features=None):
-        from jspec.feature_head import head_apply
-
         if features is None:
             raise ValueError("FeatureDrafter.commit needs the verify's features")
         g = drafts.shape[1]
@@ -485,7 +528,57 @@ class FeatureDrafter:
                                  next_hidden=jnp.take_along_axis(hidden, at, axis=1)[:, 0])
 
     def propose_tree(self, state: FeatureDraftState, ctx: ProposeContext, tree):
-        return tree_drafting.feature_tree(self, state, ctx, tree)
+        """The head's cache holds the pairs before cur's position; a node at depth d >= 1
+        is the pair (its token, its parent's head hidden state) at position pos + d - 1,
+        written depth by depth after them (the root has no head entry)."""
+        if tree.dynamic is None:
+            return self._static_tree(state, ctx, tree)
+        head, root = self.head, ctx.pos
+        first = self._full(state.next_logits, ctx.vocab)
+        Dh = state.next_hidden.shape[-1]
+        k, N, D = tree.dynamic
+        C = k + (D - 1) * k * k
+
+        def dstep(d, toks, ids, par, carry):  # a frontier of tree depth d: head depth d - 1
+            cache, paths, hids = carry
+            B = toks.shape[0]
+            idx = jnp.maximum(par, 0)
+            parent = jnp.where((par >= 0)[:, :, None],
+                               jnp.take_along_axis(paths, idx[:, :, None], 1),
+                               jnp.full((B, k, D), -1, jnp.int32))
+            hid_in = jnp.where((par >= 0)[:, :, None],
+                               jnp.take_along_axis(hids, idx[:, :, None], 1),
+                               state.next_hidden[:, None])
+            own = cache.lengths[:, None] + jnp.arange(k, dtype=jnp.int32)[None]
+            path = jnp.where(jnp.arange(D)[None, None] == d - 1, own[:, :, None], parent)
+            t_in = TreeInput(root=root, depth=jnp.full((B, k), d - 1, jnp.int32), path=path)
+            logits, h, cache = head_apply(head, toks, hid_in, cache, fuse=False, tree=t_in)
+            rows = jnp.arange(B)[:, None]
+            return self._full(logits, ctx.vocab), (cache, paths.at[rows, ids].set(path),
+                                                   hids.at[rows, ids].set(h))
+
+        B = ctx.cur.shape[0]
+        carry = (state.cache, jnp.full((B, C, D), -1, jnp.int32),
+                 jnp.zeros((B, C, Dh), state.next_hidden.dtype))
+        tokens, parents, q, (cache, _, _) = expand_dynamic(tree, ctx, first, dstep, carry)
+        return tokens, parents, q, state.replace(cache=cache)
+
+    def _static_tree(self, state: FeatureDraftState, ctx: ProposeContext, tree):
+        first = self._full(state.next_logits, ctx.vocab)
+        parents = static_layout(tree)[0]
+        B, Dh = ctx.cur.shape[0], state.next_hidden.shape[-1]
+        hid = jnp.zeros((B, len(parents), Dh), state.next_hidden.dtype).at[:, 0].set(
+            state.next_hidden)
+
+        def step(d, toks, lo, hi, carry):  # node i at head slot pos + i - 1
+            cache, hid = carry
+            t_in = static_tree_input(tree, lo, hi, ctx.pos, ctx.pos - 1, depth_offset=1)
+            logits, h, cache = head_apply(self.head, toks, hid[:, jnp.asarray(parents[lo:hi])],
+                                          cache, fuse=False, tree=t_in)
+            return self._full(logits, ctx.vocab), (cache, hid.at[:, lo:hi].set(h))
+
+        tokens, par, q, (cache, _) = expand_static(tree, ctx, first, step, (state.cache, hid))
+        return tokens, par, q, state.replace(cache=cache)
 
     def commit_tree(self, state: FeatureDraftState, ctx: ProposeContext, n, nxt, path,
                     features=None):

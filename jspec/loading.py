@@ -30,9 +30,10 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+from jax.sharding import Mesh
 from safetensors import safe_open
 
-from jspec import hf_names
+from jspec import hf_names, sharding
 from jspec._checks import check_bool, check_path, check_type
 from jspec.config import (
     TEXT_OF_MULTIMODAL,
@@ -513,17 +514,13 @@ def load_hf(path: str | os.PathLike, *, dtype: Any = "bfloat16", backend: str = 
       "xla". interpret: run Pallas kernels in interpret mode (default: where there is no
       GPU).
     mesh: a `jax.sharding.Mesh`: the model tensor-parallel over its axis `axis`, loaded
-      shard by shard (`jspec.sharding.load_sharded`).
+      shard by shard (`load_sharded`).
     """
     path = check_path("path", path)
     if interpret is not None:
         check_bool("interpret", interpret)
     if mesh is not None:
-        from jspec.sharding import load_sharded
-
-        check_type("mesh", mesh, jax.sharding.Mesh, "a jax.sharding.Mesh (jspec.sharding."
-                   "make_mesh) or None")
-
+        check_type("mesh", mesh, Mesh, "a jax.sharding.Mesh (jspec.sharding.make_mesh) or None")
         return load_sharded(path, mesh, axis=axis, dtype=dtype, backend=backend,
                             interpret=interpret)
     dtype = canonical_dtype(dtype)
@@ -565,3 +562,36 @@ def load_tokenizer(path: str | os.PathLike):
     except Exception as e:  # transformers raises many types here
         raise CheckpointError(f"{path}: could not load a tokenizer ({e})") from e
 
+
+# ------------------------------------------------------------------ sharded loading
+
+
+def load_sharded(path: str, mesh: Mesh, *, axis: str = "tp", dtype="bfloat16",
+                 backend: str = "pallas", interpret: bool | None = None,
+                 row_partials: int | None = None) -> Model:
+    """`jspec.load_hf(path, mesh=mesh)`: an HF checkpoint read tensor by tensor with numpy
+    and placed shard by shard (a layer at a time on the host; on each device only its
+    own blocks): `convert_params` placing each param as it is built. Every check of
+    `load_hf` applies."""
+    dtype = canonical_dtype(dtype)
+    if interpret is None:
+        interpret = default_interpret()
+    path = resolve_checkpoint(path)
+    hf = read_hf_config(path)
+    cfg = from_hf_config(hf, dtype=dtype)
+    size = sharding.degree(mesh, axis)
+    options = sharding.parallel_options(KernelOptions(backend=backend, interpret=interpret),
+                                        size, row_partials)
+    sharding.check_degree(cfg, size, options.row_partials)
+    reader = TensorReader(path)
+
+    def put(key, w):
+        return sharding.place(key, w, cfg, mesh, axis)
+
+    params = convert_params(cfg, reader, progress=reader.nbytes() > PROGRESS_MIN_BYTES,
+                            place=put)
+    check_unused(cfg, reader, hf.model_type, multimodal=hf.model_type in TEXT_OF_MULTIMODAL)
+    if backend == "pallas" and interpret:
+        warn_interpret(path, cfg)
+    return Model(config=sharding.sharded_config(cfg, size), params=params, options=options,
+                 parallel=sharding.mesh_parallel(cfg, mesh, axis))

@@ -301,10 +301,8 @@ def apply(model: Model, tokens: jax.Array, cache: KVCache, *, features: tuple[in
     (positions < root) and their own ancestors in depth order (rule R7): a node's logits
     are bitwise those serial decoding computes after its root path.
     """
-    if model.parallel is not None and not model.parallel.inside:
-        from jspec import sharding  # the per-shard forward under shard_map
-
-        return sharding.apply_sharded(model, tokens, cache, features=features, tree=tree)
+    if model.parallel is not None and not model.parallel.inside:  # per shard, shard_map
+        return model.parallel.apply(model, tokens, cache, features=features, tree=tree)
     cfg, opt = model.config, model.options
     B, T = tokens.shape
     fused_draft.check_layout(model)

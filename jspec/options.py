@@ -214,3 +214,17 @@ class Parallel:
     size: int
     inside: bool = False
     global_config: object = None
+
+    # The hooks through which `jspec.model.apply` and `jspec.init_cache` reach a
+    # parallel model's implementation (`jspec.sharding.MeshParallel`) without importing
+    # it: the library's modules form no import cycle.
+    def apply(self, model, tokens, cache, *, features: tuple[int, ...] = (), tree=None):
+        """The forward of the model a user holds (inside=False): tokens [B, T] -> a
+        `jspec.model.Forward` as `jspec.model.apply` returns it."""
+        raise NotImplementedError(f"{type(self).__name__} has no forward: make a parallel "
+                                  "model with jspec.sharding.shard")
+
+    def init_cache(self, model, batch_size: int, max_len: int):
+        """`jspec.init_cache` for the model a user holds (inside=False)."""
+        raise NotImplementedError(f"{type(self).__name__} has no cache: make a parallel "
+                                  "model with jspec.sharding.shard")

@@ -1,42 +1,47 @@
 """Verify policies: how many draft tokens to accept and which token comes next.
 
+A policy is a frozen, hashable dataclass (static config: it decides compiled code)
+implementing `Policy`; it carries its own sampling parameters. The string names are
+shorthands: `resolve_policy("gumbel_coupled", temperature=0.8)` is
+`GumbelCoupled(temperature=0.8)`.
+
 One verify block gives the target's logits at gamma + 1 positions: row i
 conditions on the last committed token `cur` and proposals d_1..d_i, so it
 predicts the token at position pos(cur) + 1 + i. Every policy returns
 (n_acc [B], next [B]): the first n_acc proposals are accepted and `next` is the
 target's own token after them (the correction, or the bonus when all pass).
 
-- exact_greedy: t_i = argmax(logits_i); accept while d_{i+1} == t_i. With
-  property P the logits are those of serial decoding, so the output is the
+- ExactGreedy ("exact_greedy"): t_i = argmax(logits_i); accept while d_{i+1} == t_i.
+  With property P the logits are those of serial decoding, so the output is the
   serial greedy output.
-- gumbel_coupled: t_i = argmax(logits_i / T + G(seed, row, position)) with the
-  same position-keyed noise as the serial `Sample` sampler: sampled
+- GumbelCoupled ("gumbel_coupled"): t_i = argmax(logits_i / T + G(seed, row, position))
+  with the same position-keyed noise as the serial `Sample` sampler: sampled
   speculative output == sampled serial output, bit for bit.
-- rejection_sampling: accept d_i with probability min(1, p_i(d_i) / q_i(d_i));
-  at the first rejection draw from norm(max(0, p - q)); if all pass draw from
-  p_{gamma+1} (Leviathan et al. 2023, Chen et al. 2023). Distribution-exact,
-  not token-exact.
+- RejectionSampling ("rejection_sampling"): accept d_i with probability
+  min(1, p_i(d_i) / q_i(d_i)); at the first rejection draw from norm(max(0, p - q)); if
+  all pass draw from p_{gamma+1} (Leviathan et al. 2023, Chen et al. 2023).
+  Distribution-exact, not token-exact.
+
+Policies and sampling arguments agree (`resolve_policy`, the one place a run's policy is
+built from a name or object plus temperature/top_k/top_p): a greedy policy with
+temperature > 0, a sampling policy with temperature 0, or a policy object whose own
+parameters differ from the arguments, is a ValueError naming both.
 """
 
 from __future__ import annotations
+
+import abc
+import dataclasses
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
 
 from jspec.sampling import Greedy, Sample, gumbel_noise, uniform_noise
 
-POLICIES = ("exact_greedy", "rejection_sampling", "gumbel_coupled")
 _SALT_UNIFORM = 0x5EED1
 _SALT_RESIDUAL = 0x5EED2
-
-
-def target_sampler(policy: str, temperature: float, top_k: int, top_p: float):
-    """The serial sampler whose output a policy reproduces (token- or distribution-wise)."""
-    if policy == "exact_greedy":
-        return Greedy()
-    if policy in ("gumbel_coupled", "rejection_sampling"):
-        return Sample(temperature=temperature, top_k=top_k, top_p=top_p)
-    raise ValueError(f"unknown verify policy {policy!r}; choose from {POLICIES}")
+_SALT_DRAFT = 0xD4AF7
 
 
 def _flat(x):  # [B, G, ...] -> [B*G, ...]
@@ -108,19 +113,6 @@ def rejection_sample(sampler: Sample, logits, draft_logits, drafts, seed, rows, 
     logr = jnp.where(resid > 0, jnp.log(resid), -jnp.inf)
     nxt = jnp.argmax(logr + noise, axis=-1).astype(jnp.int32)
     return n_acc, nxt
-
-
-def verify(policy: str, sampler, logits, drafts, draft_logits, seed, rows, positions,
-           valid=None):
-    """Dispatches a policy. logits [B, g+1, V]; drafts [B, g]; positions [B, g+1];
-    valid [B, g] (optional): proposals that are token ids; the others are rejected."""
-    if policy in ("exact_greedy", "gumbel_coupled"):
-        targets = target_tokens(sampler, logits, seed, rows, positions)
-        return accept_matching(drafts, targets, valid)
-    if policy == "rejection_sampling":
-        return rejection_sample(sampler, logits, draft_logits, drafts, seed, rows, positions,
-                                valid)
-    raise ValueError(f"unknown verify policy {policy!r}; choose from {POLICIES}")
 
 
 # ------------------------------------------------------------------------------ trees
@@ -217,15 +209,194 @@ def rejection_sample_tree(sampler: Sample, logits, q_logits, tokens, parents, de
     return u_node, depth[rb, u_node], nxt
 
 
-def verify_tree(policy: str, sampler, logits, tokens, parents, depth, q_logits, valid, seed,
-                rows, positions, *, max_depth: int, max_children: int):
-    """Dispatches a policy over a tree verify: logits [B, N + 1, V] of the root and the
-    nodes; positions [B, N + 1] of the token after each. -> (node, n, next token) [B]."""
-    if policy in ("exact_greedy", "gumbel_coupled"):
-        targets = target_tokens(sampler, logits, seed, rows, positions)
+# ---------------------------------------------------------------------------- policies
+
+
+class Policy(abc.ABC):
+    """A verify policy: the acceptance rule of chains and trees, the serial sampler it
+    reproduces, and how drafts are drawn. Subclass it as a frozen dataclass (hashable:
+    it is static config); every method is traced inside the compiled loop.
+
+    Chains: accept(logits [B, g+1, V], drafts [B, g], draft_logits [B, g, V], seed [],
+      rows [B], positions [B, g+1], valid [B, g]) -> (n_acc [B], next [B]). Row i of
+      logits is the target's after cur, d_1..d_i (bitwise serial decoding's, property
+      P); positions[:, i] is the position of the token it predicts; valid is False
+      where a proposal was not a token id (drafts holds 0 there): it must be rejected.
+      n_acc proposals are accepted and `next` is the target's token after them.
+    Trees: accept_tree(logits [B, N+1, V], tokens [B, N+1], parents [B, N+1],
+      depth [B, N+1], q_logits [B, N+1, V], valid [B, N+1], seed, rows [B],
+      positions [B, N+1], *, max_depth, max_children) -> (node [B], n [B], next [B]):
+      the deepest accepted node, its depth (tokens accepted) and the token after it.
+      Node 0 is the root; logits[:, i] the target's after node i's root path. The
+      default raises: a policy without it verifies chains only.
+    serial_sampler(): the `jspec.generate` sampler whose output the policy reproduces
+      (token for token, or in distribution); its temperature (0 for `Greedy`) is what
+      `resolve_policy` checks sampling arguments against.
+    draft_sampler(): how drafters draw proposals (`ProposeContext.draft_sampler`).
+
+    Class attributes: draft_seed_salt (added to the seed drafters get; 0 couples their
+    noise with the target's), dynamic_trees (dynamic trees allowed; `SpecConfig` refuses
+    them otherwise), uses_draft_logits (the rule reads draft_logits / q_logits: a
+    drafter's one-hot logits are then its whole distribution), exact (the output equals
+    the serial sampler's token for token: the entry points' parity check expects it).
+    """
+
+    draft_seed_salt: ClassVar[int] = 0
+    uses_draft_logits: ClassVar[bool] = False
+    dynamic_trees: ClassVar[bool] = True
+    exact: ClassVar[bool] = True
+
+    @abc.abstractmethod
+    def serial_sampler(self) -> Greedy | Sample:
+        """The serial sampler this policy reproduces."""
+
+    def draft_sampler(self):
+        return self.serial_sampler()
+
+    @abc.abstractmethod
+    def accept(self, logits, drafts, draft_logits, seed, rows, positions, valid):
+        """Chain acceptance -> (n_acc [B], next [B])."""
+
+    def accept_tree(self, logits, tokens, parents, depth, q_logits, valid, seed, rows,
+                    positions, *, max_depth: int, max_children: int):
+        """Tree acceptance -> (node [B], n [B], next [B])."""
+        raise NotImplementedError(f"{type(self).__name__} verifies chains only")
+
+    @property
+    def trees(self) -> bool:
+        """Whether the policy verifies trees (it implements accept_tree)."""
+        return type(self).accept_tree is not Policy.accept_tree
+
+
+class TokenMatching(Policy):
+    """Accept while each proposal equals the target's own token there, the token the
+    serial sampler picks at that position (`target_tokens`): the output is the serial
+    sampler's, token for token."""
+
+    def accept(self, logits, drafts, draft_logits, seed, rows, positions, valid):
+        targets = target_tokens(self.serial_sampler(), logits, seed, rows, positions)
+        return accept_matching(drafts, targets, valid)
+
+    def accept_tree(self, logits, tokens, parents, depth, q_logits, valid, seed, rows,
+                    positions, *, max_depth: int, max_children: int):
+        targets = target_tokens(self.serial_sampler(), logits, seed, rows, positions)
         return accept_tree_matching(tokens, parents, depth, targets, valid, max_depth)
-    if policy == "rejection_sampling":
-        return rejection_sample_tree(sampler, logits, q_logits, tokens, parents, depth, valid,
-                                     seed, rows, positions, max_depth=max_depth,
-                                     max_children=max_children)
-    raise ValueError(f"unknown verify policy {policy!r}; choose from {POLICIES}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ExactGreedy(TokenMatching):
+    """Greedy decoding's output token for token ("exact_greedy")."""
+
+    def serial_sampler(self) -> Greedy:
+        return Greedy()
+
+
+@dataclasses.dataclass(frozen=True)
+class GumbelCoupled(TokenMatching):
+    """Sampled decoding's output token for token ("gumbel_coupled"): the target's token
+    at each position is argmax(logits / T + G(seed, row, position)), the serial `Sample`
+    draw, and drafters draw with the same noise, so a good draft agrees often."""
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self):
+        self.serial_sampler()  # checks the values, naming a bad one
+
+    def serial_sampler(self) -> Sample:
+        return Sample(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
+
+
+@dataclasses.dataclass(frozen=True)
+class RejectionSampling(Policy):
+    """Speculative sampling ("rejection_sampling"): distributed as the serial `Sample`
+    output, not equal to it token for token. Drafts are drawn under an independent
+    seed; trees must be static (a dynamic tree keeps children by their draft scores,
+    which biases the multi-draft acceptance)."""
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    draft_seed_salt: ClassVar[int] = _SALT_DRAFT
+    uses_draft_logits: ClassVar[bool] = True
+    dynamic_trees: ClassVar[bool] = False
+    exact: ClassVar[bool] = False
+
+    def __post_init__(self):
+        self.serial_sampler()  # checks the values, naming a bad one
+
+    def serial_sampler(self) -> Sample:
+        return Sample(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
+
+    def accept(self, logits, drafts, draft_logits, seed, rows, positions, valid):
+        return rejection_sample(self.serial_sampler(), logits, draft_logits, drafts, seed,
+                                rows, positions, valid)
+
+    def accept_tree(self, logits, tokens, parents, depth, q_logits, valid, seed, rows,
+                    positions, *, max_depth: int, max_children: int):
+        return rejection_sample_tree(self.serial_sampler(), logits, q_logits, tokens,
+                                     parents, depth, valid, seed, rows, positions,
+                                     max_depth=max_depth, max_children=max_children)
+
+
+# The shorthands: a name resolves to its class (a lookup, not option parsing).
+POLICIES = {"exact_greedy": ExactGreedy, "gumbel_coupled": GumbelCoupled,
+            "rejection_sampling": RejectionSampling}
+
+
+def resolve_policy(policy=None, temperature=None, top_k=None, top_p=None) -> Policy:
+    """The policy of a run from a `Policy`, a name or None, and sampling arguments
+    (None: not given). The one documented way they combine:
+      None: ExactGreedy() at temperature None or 0, else GumbelCoupled(temperature,
+        top_k, top_p) (output equal to `jspec.generate` with the same arguments);
+      a name: that policy built with the arguments (the class defaults where None);
+      a Policy: returned as is; arguments given must equal its own.
+    A greedy policy with temperature > 0 (or top_k / top_p set), a sampling policy with
+    temperature 0, or an argument that differs from the object's is a ValueError naming
+    both."""
+    given = {k: v for k, v in (("temperature", temperature), ("top_k", top_k),
+                               ("top_p", top_p)) if v is not None}
+    if policy is None:
+        policy = "exact_greedy" if given.get("temperature", 0) == 0 else "gumbel_coupled"
+        if policy == "exact_greedy":  # temperature 0 with top_k / top_p defaults: greedy
+            given = {k: v for k, v in given.items()
+                     if (k, v) not in (("temperature", 0), ("top_k", 0), ("top_p", 1.0))}
+    if isinstance(policy, str):
+        if policy not in POLICIES:
+            raise ValueError(f"unknown verify policy {policy!r}; choose from "
+                             f"{tuple(POLICIES)} or pass a jspec.Policy object")
+        cls = POLICIES[policy]
+        if cls is ExactGreedy:
+            _check_greedy(repr(policy), given)
+            return cls()
+        if given.get("temperature") == 0:
+            raise ValueError(f"policy={policy!r} samples, so temperature="
+                             f"{given['temperature']} must be > 0 (temperature 0 is greedy "
+                             "decoding: policy='exact_greedy')")
+        return cls(**given)
+    if not isinstance(policy, Policy):
+        raise TypeError(f"policy must be a jspec.Policy (ExactGreedy(), GumbelCoupled(...), "
+                        f"RejectionSampling(...)) or one of the names {tuple(POLICIES)}; "
+                        f"got {type(policy).__name__}")
+    sampler = policy.serial_sampler()
+    if isinstance(sampler, Greedy):
+        _check_greedy(repr(policy), given)
+        return policy
+    for k, v in given.items():
+        if getattr(sampler, k) != v:
+            raise ValueError(f"policy={policy!r} has {k}={getattr(sampler, k)} but {k}={v} "
+                             "was given: set sampling parameters on the policy, or pass a "
+                             "name with the arguments")
+    return policy
+
+
+def _check_greedy(name: str, given: dict) -> None:
+    extra = {k: v for k, v in given.items()
+             if (k, v) not in (("temperature", 0), ("top_k", 0), ("top_p", 1.0))}
+    if extra:
+        shown = ", ".join(f"{k}={v}" for k, v in extra.items())
+        raise ValueError(f"policy={name} decodes greedily (temperature 0) but {shown} was "
+                         "given; to sample, use policy='gumbel_coupled' (GumbelCoupled("
+                         "temperature, top_k, top_p)) or 'rejection_sampling'")

@@ -52,6 +52,7 @@ from jspec.cache import init_cache as _init_cache_one
 from jspec.config import ModelConfig
 from jspec.model import Forward, Model, apply
 from jspec.options import KernelOptions, Parallel
+from jspec.random_model import preset_config, random_params
 
 AXIS = "tp"
 COLUMN = ("wqkv", "w_gate_up")  # layer weights split by output column
@@ -72,6 +73,12 @@ class MeshParallel(Parallel):
 
     mesh: Mesh | None = None
     replicated: bool = False
+
+    def apply(self, model, tokens, cache, *, features: tuple[int, ...] = (), tree=None):
+        return apply_sharded(model, tokens, cache, features=features, tree=tree)
+
+    def init_cache(self, model, batch_size: int, max_len: int):
+        return init_cache(model, batch_size, max_len)
 
 
 # ---------------------------------------------------------------------------- layout
@@ -235,15 +242,16 @@ def replicate(tree, mesh: Mesh, *, axis: str = AXIS):
         if tree.parallel is not None:
             raise ValueError("the model is sharded already")
         out = out.replace(parallel=dataclasses.replace(
-            _parallel(tree.config, mesh, axis), replicated=True))
+            mesh_parallel(tree.config, mesh, axis), replicated=True))
     return out
 
 
-def _parallel(cfg: ModelConfig, mesh: Mesh, axis: str) -> MeshParallel:
+def mesh_parallel(cfg: ModelConfig, mesh: Mesh, axis: str) -> MeshParallel:
     return MeshParallel(axis=axis, size=degree(mesh, axis), global_config=cfg, mesh=mesh)
 
 
-def _options(options: KernelOptions, size: int, row_partials: int | None) -> KernelOptions:
+def parallel_options(options: KernelOptions, size: int, row_partials: int | None
+                     ) -> KernelOptions:
     if row_partials is not None:
         options = options.replace(row_partials=row_partials)
     if options.row_partials > 1 and options.row_partials % size:
@@ -266,7 +274,7 @@ def shard(model: Model, mesh: Mesh, *, axis: str = AXIS, row_partials: int | Non
         raise ValueError("a sharded model takes no DraftOptions.fused (the draft's latency "
                          "path); shard the target, replicate the draft (`replicate`)")
     cfg, size = model.config, degree(mesh, axis)
-    options = _options(model.options, size, row_partials)
+    options = parallel_options(model.options, size, row_partials)
     check_degree(cfg, size, options.row_partials)
 
     def put(path, w):
@@ -274,7 +282,7 @@ def shard(model: Model, mesh: Mesh, *, axis: str = AXIS, row_partials: int | Non
 
     params = jax.tree_util.tree_map_with_path(put, model.params)
     return model.replace(config=sharded_config(cfg, size), params=params, options=options,
-                         parallel=_parallel(cfg, mesh, axis))
+                         parallel=mesh_parallel(cfg, mesh, axis))
 
 
 # --------------------------------------------------------------------------- forward
@@ -328,44 +336,6 @@ def init_cache(model: Model, batch_size: int, max_len: int) -> KVCache:
     return jax.jit(zeros, out_shardings=shardings)()
 
 
-# --------------------------------------------------------------------------- loading
-
-
-def load_sharded(path: str, mesh: Mesh, *, axis: str = AXIS, dtype="bfloat16",
-                 backend: str = "pallas", interpret: bool | None = None,
-                 row_partials: int | None = None) -> Model:
-    """`jspec.load_hf(path, mesh=mesh)`: an HF checkpoint read tensor by tensor with numpy
-    and placed shard by shard (a layer at a time on the host; on each device only its
-    own blocks): `jspec.loading.convert_params` placing each param as it is built. Every
-    check of `load_hf` applies."""
-    from jspec import loading
-    from jspec.config import TEXT_OF_MULTIMODAL, canonical_dtype, from_hf_config
-
-    dtype = canonical_dtype(dtype)
-    if interpret is None:
-        interpret = loading.default_interpret()
-    path = loading.resolve_checkpoint(path)
-    hf = loading.read_hf_config(path)
-    cfg = from_hf_config(hf, dtype=dtype)
-    size = degree(mesh, axis)
-    options = _options(KernelOptions(backend=backend, interpret=interpret), size, row_partials)
-    check_degree(cfg, size, options.row_partials)
-    reader = loading.TensorReader(path)
-
-    def put(key, w):
-        return place(key, w, cfg, mesh, axis)
-
-    params = loading.convert_params(cfg, reader,
-                                    progress=reader.nbytes() > loading.PROGRESS_MIN_BYTES,
-                                    place=put)
-    loading.check_unused(cfg, reader, hf.model_type,
-                         multimodal=hf.model_type in TEXT_OF_MULTIMODAL)
-    if backend == "pallas" and interpret:
-        loading.warn_interpret(path, cfg)
-    return Model(config=sharded_config(cfg, size), params=params, options=options,
-                 parallel=_parallel(cfg, mesh, axis))
-
-
 # --------------------------------------------------------------------- random weights
 
 
@@ -376,11 +346,10 @@ def random_sharded(name: str, mesh: Mesh, *, axis: str = AXIS, seed: int = 0,
     layout, each device computing its own blocks (for benchmarks of models no device
     holds whole; the weights are random either way, so they are not the bits
     `shard(random_model(...))` gives)."""
-    from jspec.random_model import preset_config, random_params
-
     cfg = preset_config(name, **kw)
     size = degree(mesh, axis)
-    options = _options(KernelOptions(backend=backend, interpret=interpret), size, row_partials)
+    options = parallel_options(KernelOptions(backend=backend, interpret=interpret), size,
+                               row_partials)
     check_degree(cfg, size, options.row_partials)
     tp_cfg = sharded_config(cfg, size)
     Vp = padded_vocab(cfg.vocab_size, size)
@@ -394,7 +363,7 @@ def random_sharded(name: str, mesh: Mesh, *, axis: str = AXIS, seed: int = 0,
     shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), param_specs(like, axis))
     params = jax.jit(make, out_shardings=shardings)()
     return Model(config=tp_cfg, params=params, options=options,
-                 parallel=_parallel(cfg, mesh, axis))
+                 parallel=mesh_parallel(cfg, mesh, axis))
 
 
 # ---------------------------------------------------------------------- several hosts

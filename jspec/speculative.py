@@ -29,23 +29,16 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jspec._checks import check_bool, check_drafter, check_ints, check_seed, check_type
+from jspec._checks import check_bool, check_ints, check_seed, check_type
 from jspec.cache import init_cache, rollback
-from jspec.drafters import (
-    FeatureDrafter,
-    ModelDrafter,
-    OracleDrafter,
-    PromptLookupDrafter,
-    ProposeContext,
-)
+from jspec.drafters import FeatureDrafter, ModelDrafter, OracleDrafter, PromptLookupDrafter
+from jspec.drafting import ProposeContext, check_drafter, grows_trees
 from jspec.generate import PAD, first_non_finite, pad_prompts, plan_shapes
 from jspec.loop import check_count, raise_non_finite, run_chunked, token_bar
 from jspec.model import COMPILER_OPTIONS, Forward, Model, apply
-from jspec.policies import POLICIES, target_sampler, verify, verify_tree
-from jspec.sampling import Greedy
+from jspec.policies import Policy, resolve_policy
 from jspec.tree import TreeConfig, commit_path, from_parents
 
-_SALT_DRAFT = 0xD4AF7
 # The largest gamma: a verify block of up to 33 positions (the block sizes the parity
 # matrix proves); the draft's gamma steps are unrolled into the compiled round, so an
 # unbounded gamma would only find the compiler's memory limit.
@@ -58,10 +51,17 @@ class SpecConfig:
 
     Attributes:
       gamma: draft proposals per round (1..MAX_GAMMA).
-      policy: "exact_greedy", "rejection_sampling" or "gumbel_coupled".
+      policy: a `jspec.Policy` (`ExactGreedy()`, `GumbelCoupled(temperature, top_k,
+        top_p)`, `RejectionSampling(...)`, or your own) or a name, "exact_greedy",
+        "gumbel_coupled" or "rejection_sampling" (a shorthand resolved here:
+        `jspec.policies.resolve_policy`). After construction it is always the object.
       max_new_tokens: tokens generated per row (>= 1).
       seed: sampling seed (noise is keyed by seed, row and position).
-      temperature, top_k, top_p: sampling parameters of the sampling policies.
+      temperature, top_k, top_p: shorthands that build the policy with a name (None:
+        not given); the policy carries them (read `spec.policy.temperature`), and they
+        read None after construction. They must agree with the policy: a greedy policy
+        with temperature > 0, a sampling one with temperature 0, or values that differ
+        from a policy object's own raise a ValueError naming both.
       stop_tokens: a row stops after emitting one of these (it is kept).
       audit_every: every Nth verify block (0: never) is recomputed by one-token
         serial steps and compared bitwise, every row and position (trees: the accepted
@@ -71,12 +71,12 @@ class SpecConfig:
     """
 
     gamma: int = 4
-    policy: str = "exact_greedy"
+    policy: Policy | str = "exact_greedy"
     max_new_tokens: int = 64
     seed: int = 0
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
     stop_tokens: tuple[int, ...] = ()
     audit_every: int = 0
     tree: TreeConfig | None = None
@@ -87,17 +87,20 @@ class SpecConfig:
         if self.gamma > MAX_GAMMA:
             raise ValueError(f"gamma={self.gamma} exceeds MAX_GAMMA={MAX_GAMMA} (a verify "
                              f"block of at most {MAX_GAMMA + 1} positions)")
-        if self.policy not in POLICIES:
-            raise ValueError(f"unknown verify policy {self.policy!r}; choose from {POLICIES}")
         object.__setattr__(self, "seed", check_seed("seed", self.seed))
-        if self.policy != "exact_greedy":
-            target_sampler(self.policy, self.temperature, self.top_k, self.top_p)  # validates
+        policy = resolve_policy(self.policy, self.temperature, self.top_k, self.top_p)
+        object.__setattr__(self, "policy", policy)
+        for name in ("temperature", "top_k", "top_p"):  # carried by the policy now
+            object.__setattr__(self, name, None)
         object.__setattr__(self, "stop_tokens", check_ints("stop_tokens", self.stop_tokens,
                                                            least=0))
         if self.tree is not None and not isinstance(self.tree, TreeConfig):
             raise TypeError(f"tree must be a jspec.TreeConfig; got {type(self.tree).__name__}")
-        if self.tree is not None and self.tree.dynamic and self.policy == "rejection_sampling":
-            raise ValueError("rejection_sampling needs a static tree (branching or paths): a "
+        if self.tree is not None and not policy.trees:
+            raise ValueError(f"policy {policy!r} verifies chains only (it implements no "
+                             "accept_tree); use gamma, not a tree")
+        if self.tree is not None and self.tree.dynamic and not policy.dynamic_trees:
+            raise ValueError(f"policy {policy!r} needs a static tree (branching or paths): a "
                              "dynamic tree keeps children by their draft scores, which biases "
                              "the multi-draft acceptance")
 
@@ -117,10 +120,11 @@ class SpecConfig:
 
     def serial_sampler(self):
         """The serial sampler this run reproduces (`jspec.generate(sampler=...)`)."""
-        return target_sampler(self.policy, self.temperature, self.top_k, self.top_p)
+        return self.policy.serial_sampler()
 
     def draft_sampler(self):
-        return Greedy() if self.policy == "exact_greedy" else self.serial_sampler()
+        """How drafters draw proposals (the policy's)."""
+        return self.policy.draft_sampler()
 
 
 @struct.dataclass
@@ -171,7 +175,7 @@ class ParityError(RuntimeError):
 
 def feature_layers(drafter) -> tuple[int, ...]:
     """The target layers whose hidden states the drafter reads (() for most drafters)."""
-    return tuple(getattr(drafter, "feature_layers", ()) or ())
+    return tuple(drafter.feature_layers)
 
 
 def _prefill(target: Model, drafter, tokens, lens, seed, *, spec: SpecConfig, max_len: int):
@@ -197,7 +201,7 @@ def _prefill(target: Model, drafter, tokens, lens, seed, *, spec: SpecConfig, ma
 
 def _context(target: Model, state: SpecState, seed, spec: SpecConfig) -> ProposeContext:
     B = state.cur.shape[0]
-    draft_seed = seed + _SALT_DRAFT if spec.policy == "rejection_sampling" else seed
+    draft_seed = seed + spec.policy.draft_seed_salt if spec.policy.draft_seed_salt else seed
     return ProposeContext(cur=state.cur, pos=state.cache.lengths,
                           rows=jnp.arange(B, dtype=jnp.int32), seed=draft_seed,
                           gamma=spec.depth, vocab=target.config.vocab_size,
@@ -231,8 +235,8 @@ def _accept(logits, drafts, draft_logits, seed, pos, *, spec: SpecConfig):
     rows = jnp.arange(B, dtype=jnp.int32)
     positions = pos[:, None] + 1 + jnp.arange(G, dtype=jnp.int32)[None, :]
     valid = _in_vocab(drafts, V)
-    return verify(spec.policy, spec.serial_sampler(), logits, jnp.where(valid, drafts, 0),
-                  draft_logits, seed, rows, positions, valid=valid)
+    return spec.policy.accept(logits, jnp.where(valid, drafts, 0), draft_logits, seed, rows,
+                              positions, valid)
 
 
 def _commit(drafter, state: SpecState, ctx: ProposeContext, cache, dstate, drafts, n_acc, nxt,
@@ -344,9 +348,8 @@ def _tree_round(target: Model, drafter, state: SpecState, seed, *,
     logits, cache = out.logits, out.cache
     state = _check_finite(state, logits, ctx.pos)
     positions = ctx.pos[:, None] + 1 + t_in.depth  # of the token after each node
-    node, n, nxt = verify_tree(spec.policy, spec.serial_sampler(), logits, tokens, parents,
-                               t_in.depth, q, valid, seed, ctx.rows, positions, max_depth=D,
-                               max_children=K)
+    node, n, nxt = spec.policy.accept_tree(logits, tokens, parents, t_in.depth, q, valid, seed,
+                                           ctx.rows, positions, max_depth=D, max_children=K)
     path = jnp.take_along_axis(t_in.path, node[:, None, None], axis=1)[:, 0]  # [B, D + 1]
     idx = jnp.maximum(path - ctx.pos[:, None], 0)  # the path's call indices
     path_tokens = jnp.take_along_axis(tokens, idx[:, 1:], axis=1)  # [B, D]
@@ -428,9 +431,12 @@ class SpecOutput:
 
 def _validate(target: Model, drafter, spec: SpecConfig) -> None:
     check_type("target", target, Model, "a jspec.Model (jspec.load_hf, jspec.random_model)")
-    check_drafter("drafter", drafter)
+    check_drafter(drafter)
     if not isinstance(spec, SpecConfig):
         raise TypeError(f"spec must be a jspec.SpecConfig; got {type(spec).__name__}")
+    if spec.tree is not None and not grows_trees(drafter):
+        raise ValueError(f"{type(drafter).__name__} grows no draft trees (it implements no "
+                         "propose_tree); use chains (gamma) or a tree drafter")
     drafters = [drafter] + ([drafter.draft] if isinstance(drafter, OracleDrafter)
                             and drafter.draft is not None else [])
     models = [d for d in drafters if isinstance(d, ModelDrafter)]

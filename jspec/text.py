@@ -24,7 +24,9 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from jspec._checks import check_bool, check_ints, check_path
-from jspec.drafters import ModelDrafter, PromptLookupDrafter
+from jspec.drafters import FeatureDrafter, ModelDrafter
+from jspec.drafting import check_drafter
+from jspec.eagle import load_eagle3
 from jspec.generate import generate, generate_stream
 from jspec.loading import (
     TOKENIZER_FILES,
@@ -35,7 +37,8 @@ from jspec.loading import (
     resolve_checkpoint,
 )
 from jspec.model import Model, with_options
-from jspec.options import KernelOptions
+from jspec.options import DraftOptions, KernelOptions, draft_options_for
+from jspec.policies import Policy, resolve_policy
 from jspec.sampling import make_sampler
 from jspec.speculative import SpecConfig, speculative_generate, speculative_stream
 from jspec.tree import parse_tree
@@ -340,37 +343,43 @@ class TextPipeline:
                        seed=seed, max_len=max_len, progress=progress)
         return self._output(out, ids, stop)
 
-    def spec_config(self, *, gamma: int = 4, policy: str | None = None,
-                    max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
-                    top_p: float = 1.0, seed: int = 0, stop_tokens: Sequence[int] = (),
-                    audit_every: int = 0, tree=None) -> SpecConfig:
-        """The `SpecConfig` of a run. policy None: exact_greedy at temperature 0, else
-        gumbel_coupled (sampled output equal to `generate`'s with the same arguments).
+    def spec_config(self, *, gamma: int = 4, policy: Policy | str | None = None,
+                    max_new_tokens: int = 128, temperature: float | None = None,
+                    top_k: int | None = None, top_p: float | None = None, seed: int = 0,
+                    stop_tokens: Sequence[int] = (), audit_every: int = 0,
+                    tree=None) -> SpecConfig:
+        """The `SpecConfig` of a run. The policy (`jspec.policies.resolve_policy`): None
+        is ExactGreedy() at temperature None or 0, else GumbelCoupled(temperature, top_k,
+        top_p) (sampled output equal to `generate`'s with the same arguments); a name is
+        built with the sampling arguments; a `jspec.Policy` carries its own (arguments
+        given must equal them). A greedy policy with temperature > 0, or a sampling one
+        with temperature 0, is a ValueError naming both.
         tree: a `jspec.TreeConfig` or its command-line form ("3,2,1", "dynamic:4,16,5")
         to verify draft trees instead of chains of gamma."""
-        if policy is None:
-            policy = "exact_greedy" if temperature == 0 else "gumbel_coupled"
         if isinstance(tree, str):
             tree = parse_tree(tree)
-        return SpecConfig(gamma=gamma, policy=policy, max_new_tokens=max_new_tokens,
-                          seed=seed, temperature=temperature, top_k=top_k, top_p=top_p,
+        return SpecConfig(gamma=gamma, policy=resolve_policy(policy, temperature, top_k, top_p),
+                          max_new_tokens=max_new_tokens, seed=seed,
                           stop_tokens=tuple(stop_tokens), audit_every=audit_every, tree=tree)
 
     def _need_drafter(self):
         if self.drafter is None:
-            raise ValueError(f"{self.name}: no drafter: load_text(target, draft=...) with a "
-                             "draft checkpoint or 'prompt_lookup' for speculative decoding")
+            raise ValueError(f"{self.name}: no drafter: load_text(target, draft=<checkpoint>) "
+                             "or load_text(target, drafter=jspec.PromptLookupDrafter()) (any "
+                             "jspec.Drafter) for speculative decoding")
         return self.drafter
 
-    def speculative_generate(self, prompts, *, gamma: int = 4, policy: str | None = None,
-                             max_new_tokens: int = 128, temperature: float = 0.0,
-                             top_k: int = 0, top_p: float = 1.0, seed: int = 0,
+    def speculative_generate(self, prompts, *, gamma: int = 4,
+                             policy: Policy | str | None = None, max_new_tokens: int = 128,
+                             temperature: float | None = None, top_k: int | None = None,
+                             top_p: float | None = None, seed: int = 0,
                              stop_tokens: Sequence[int] | None = None, audit_every: int = 0,
                              max_len: int | None = None, progress: bool = False,
                              tree=None) -> TextOutput:
         """Speculative decoding with the pipeline's drafter: the same tokens as
-        `generate` with the same arguments (policy None or exact_greedy/gumbel_coupled).
-        tree: verify draft trees (`spec_config`)."""
+        `generate` with the same arguments (policy None, or an exact one: exact_greedy,
+        gumbel_coupled). Policy and sampling arguments as `spec_config`; tree: verify
+        draft trees."""
         drafter = self._need_drafter()
         ids, stop = self._encode_all(prompts, stop_tokens)
         spec = self.spec_config(gamma=gamma, policy=policy, max_new_tokens=max_new_tokens,
@@ -381,8 +390,9 @@ class TextPipeline:
         return self._output(out, ids, stop)
 
     def stream(self, prompt: Prompt, *, speculative: bool | None = None, gamma: int = 4,
-               policy: str | None = None, max_new_tokens: int = 128, temperature: float = 0.0,
-               top_k: int = 0, top_p: float = 1.0, seed: int = 0,
+               policy: Policy | str | None = None, max_new_tokens: int = 128,
+               temperature: float | None = None, top_k: int | None = None,
+               top_p: float | None = None, seed: int = 0,
                stop_tokens: Sequence[int] | None = None, audit_every: int = 0,
                max_len: int | None = None, tree=None) -> TextStream:
         """One prompt's text as it is produced: iterate the returned `TextStream` for
@@ -406,8 +416,9 @@ class TextPipeline:
         else:
             steps = ([int(t[0])] for t in generate_stream(
                 self.target, [ids], max_new_tokens=max_new_tokens,
-                sampler=make_sampler(temperature, top_k, top_p), stop_tokens=stop, seed=seed,
-                max_len=max_len))
+                sampler=make_sampler(temperature or 0.0, top_k or 0,
+                                     1.0 if top_p is None else top_p),
+                stop_tokens=stop, seed=seed, max_len=max_len))
         return TextStream(self.tokenizer, ids, steps, stop)
 
     def chat(self, messages: Chat, **kw) -> str:
@@ -476,67 +487,68 @@ def check_same_tokenizer(target_tok, draft_tok, target_name: str, draft_name: st
                 "needs the target's tokenizer (a draft vocabulary may be a prefix of it)")
 
 
-def apply_draft_options(draft: Model, draft_options) -> Model:
-    """A draft model with `draft_options`: "auto", a DraftOptions or an option string."""
-    from jspec.cli import with_option_string
-    from jspec.options import DraftOptions, draft_options_for
+def apply_draft_options(draft: Model, draft_options: DraftOptions | None = None) -> Model:
+    """A draft model with `draft_options` (None: `jspec.options.draft_options_for(draft)`,
+    the fastest measured for the draft on this platform)."""
+    _check_draft_options(draft_options)
+    return with_options(draft, draft_options_for(draft) if draft_options is None
+                        else draft_options)
 
-    if isinstance(draft_options, DraftOptions):
-        return with_options(draft, draft_options)
-    if draft_options == "auto":
-        return with_options(draft, draft_options_for(draft))
-    if isinstance(draft_options, str):
-        return with_option_string(draft, draft_options)
-    raise ValueError(f"draft_options={draft_options!r}: 'auto', a jspec.DraftOptions or an "
-                     "option string (jspec.cli.parse_options)")
+
+def _check_draft_options(value) -> None:
+    if value is not None and not isinstance(value, DraftOptions):
+        raise TypeError(f"draft_options must be a jspec.DraftOptions or None (the measured "
+                        f"default for the draft); got {type(value).__name__} (option "
+                        "strings are the command line's: jspec.cli.parse_options)")
 
 
 def load_text(target: str | os.PathLike, draft: str | os.PathLike | None = None, *,
-              head: str | os.PathLike | None = None, dtype: Any = "bfloat16",
+              drafter=None, head: str | os.PathLike | None = None, dtype: Any = "bfloat16",
               backend: str = "pallas", draft_backend: str = "xla",
-              draft_options: Any = "auto", max_ngram: int = 3) -> TextPipeline:
+              draft_options: DraftOptions | None = None) -> TextPipeline:
     """Loads a target checkpoint (a directory or a hub id in the local HF cache) with its
-    tokenizer and generation config, and optionally a drafter.
+    tokenizer and generation config, and optionally a drafter (one of draft, drafter,
+    head).
 
-    draft: None (no drafter), a draft checkpoint (its tokenizer, where it has one, must
-      agree with the target's on every id they share) or "prompt_lookup"
-      (`PromptLookupDrafter(max_ngram)`).
-    head: instead of a draft, an EAGLE-3 head directory (`jspec.load_eagle3`), drafting
-      with `FeatureDrafter` on draft_backend.
+    draft: a draft model's checkpoint (its tokenizer, where it has one, must agree with
+      the target's on every id they share), drafting with `ModelDrafter`.
+    drafter: a `jspec.Drafter` object used as is (e.g. `jspec.PromptLookupDrafter()`, or
+      your own), or a checkpoint path (the same as draft=).
+    head: an EAGLE-3 head directory (`jspec.load_eagle3`), drafting with `FeatureDrafter`
+      on draft_backend.
     draft_backend: the draft model's backend: its numerics only change what is proposed,
       never the output, so "xla" (fast, no interpret mode on a CPU) is the default.
-    draft_options: "auto" (`jspec.options.draft_options_for(draft)`: the fastest measured
-      for the draft on this platform), a `DraftOptions`, or an option string
-      (`jspec.cli.parse_options`).
+    draft_options: a `DraftOptions` for the draft model, or None for
+      `jspec.options.draft_options_for(draft)` (the fastest measured for the draft on
+      this platform).
     """
     check_path("target", target)
+    if isinstance(drafter, str | os.PathLike):
+        if draft is not None:
+            raise ValueError("load_text takes one draft checkpoint: draft= or drafter=, not both")
+        draft, drafter = drafter, None
     for name, value in (("draft", draft), ("head", head)):
         if value is not None:
             check_path(name, value)
-    if draft is not None and head is not None:
-        raise ValueError("load_text takes a draft or a head, not both")
-    lookup = (PromptLookupDrafter(max_ngram=max_ngram)  # checks max_ngram before any loading
-              if draft is not None and os.fspath(draft) == "prompt_lookup" else None)
+    if sum(x is not None for x in (draft, drafter, head)) > 1:
+        raise ValueError("load_text takes one of draft, drafter and head")
+    if drafter is not None:
+        check_drafter(drafter)
+    _check_draft_options(draft_options)
     target_path = resolve_checkpoint(target)
     tok = load_tokenizer(target_path)
     draft_path = None
-    if draft is not None and os.fspath(draft) != "prompt_lookup":
+    if draft is not None:
         draft_path = resolve_checkpoint(draft)
         if _has_tokenizer(draft_path):  # check before loading any weights
             check_same_tokenizer(tok, load_tokenizer(draft_path), target_path, draft_path)
     model = load_hf(target_path, dtype=dtype, backend=backend)
     gen = load_generation_config(target_path)
     stop, chat_stop = stop_ids_of(target_path, tok, gen, model.config.vocab_size)
-    drafter = None
-    if lookup is not None:
-        drafter = lookup
-    elif draft_path is not None:
+    if draft_path is not None:
         draft_model = load_hf(draft_path, dtype=dtype, backend=draft_backend)
         drafter = ModelDrafter(apply_draft_options(draft_model, draft_options))
     elif head is not None:
-        from jspec.drafters import FeatureDrafter
-        from jspec.eagle import load_eagle3
-
         options = KernelOptions(backend=draft_backend, interpret=model.options.interpret)
         drafter = FeatureDrafter(load_eagle3(head, model, options=options))
     return TextPipeline(target=model, tokenizer=tok, drafter=drafter, stop_ids=stop,

@@ -1,14 +1,9 @@
-"""Draft trees: how each drafter grows the tree a round verifies.
+"""Draft trees: the shared growth every tree drafter drives with its own forward.
 
-A drafter's `propose_tree(state, ctx, tree)` returns
-  tokens [B, N + 1]   the root (cur) and the nodes, parents before children
-  parents [B, N + 1]  each node's parent index (-1 for the root)
-  q [B, N + 1, V]     the draft logits at each node: the distribution its children were
-                      drawn from (rejection sampling reads them)
-  state
-and `commit_tree(state, ctx, n, nxt, path_tokens [B, D], features=None)` catches the
-drafter up after the verify accepted a root path of n nodes (path_tokens[:, :n]) and the
-target's next token nxt.
+A drafter's `propose_tree` (`jspec.Drafter`: shapes and the engine's guarantees there)
+calls `expand_static` or `expand_dynamic` with a `step` that runs its model, head or
+lookup on one depth's nodes; these helpers take everything they need as arguments and
+know no drafter. The drafters' own tree methods live on the drafters (`jspec.drafters`).
 
 Children are the drafter's choices by rank at their parent (`jspec.sampling.top_choices`:
 greedy top-k, or draws without replacement with the position-keyed noise). Static trees
@@ -25,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jspec.drafting import one_hot_logits
 from jspec.sampling import Greedy, gumbel_noise, top_choices
 from jspec.tree import TreeInput
 
@@ -167,144 +163,22 @@ def expand_dynamic(tree, ctx, first, step, carry):
     return tokens, parents, q, carry
 
 
-# ----------------------------------------------------------------- the drafters' trees
+# ------------------------------------------------------- pieces the drafters share
 
 
-def _emitted(path_tokens, n, nxt):
+def emitted(path_tokens, n, nxt):
     """[B, D + 1]: the accepted path's n tokens, then nxt (repeated after it)."""
     slot = jnp.arange(path_tokens.shape[1] + 1)[None, :]
     return jnp.where(slot < n[:, None], jnp.pad(path_tokens, ((0, 0), (0, 1))), nxt[:, None])
 
 
-def _root_paths(pos, count: int, D: int):
+def root_paths(pos, count: int, D: int):
     """[B, count, D + 1]: paths holding only a root at slot pos."""
     B = pos.shape[0]
     return jnp.full((B, count, D + 1), -1, jnp.int32).at[:, :, 0].set(pos[:, None])
 
 
-def model_tree(drafter, state, ctx, tree):
-    """ModelDrafter: the draft model's cache holds the committed tokens with cur at slot
-    pos; the nodes are written after it, depth by depth, each depth one tree forward."""
-    from jspec.model import apply
-
-    first = drafter._full(state.next_logits, ctx.vocab)
-    root = ctx.pos
-    if tree.dynamic is None:
-        def step(d, toks, lo, hi, cache):  # node i at slot pos + i
-            logits, cache = apply(drafter.model, toks, cache,
-                                  tree=static_tree_input(tree, lo, hi, root, ctx.pos))
-            return drafter._full(logits, ctx.vocab), cache
-
-        tokens, parents, q, cache = expand_static(tree, ctx, first, step, state.cache)
-        return tokens, parents, q, state.replace(cache=cache)
-    k, N, D = tree.dynamic
-    C = k + (D - 1) * k * k
-
-    def dstep(d, toks, ids, par, carry):
-        cache, paths = carry
-        B = toks.shape[0]
-        parent = jnp.where((par >= 0)[:, :, None],
-                           jnp.take_along_axis(paths, jnp.maximum(par, 0)[:, :, None], 1),
-                           _root_paths(root, k, D))
-        own = cache.lengths[:, None] + jnp.arange(k, dtype=jnp.int32)[None]  # [B, k] slots
-        path = jnp.where(jnp.arange(D + 1)[None, None] == d, own[:, :, None], parent)
-        paths = paths.at[jnp.arange(B)[:, None], ids].set(path)
-        t_in = TreeInput(root=root, depth=jnp.full((B, k), d, jnp.int32), path=path)
-        logits, cache = apply(drafter.model, toks, cache, tree=t_in)
-        return drafter._full(logits, ctx.vocab), (cache, paths)
-
-    B = ctx.cur.shape[0]
-    carry = (state.cache, jnp.full((B, C, D + 1), -1, jnp.int32))
-    tokens, parents, q, (cache, _) = expand_dynamic(tree, ctx, first, dstep, carry)
-    return tokens, parents, q, state.replace(cache=cache)
-
-
-def model_commit_tree(drafter, state, ctx, n, nxt, path_tokens):
-    """ModelDrafter: rewrite the accepted path and nxt after cur (slots pos + 1 ..) in one
-    forward; the logits after nxt are the next round's first."""
-    from jspec.cache import rollback
-    from jspec.model import apply
-
-    cache = rollback(state.cache, ctx.pos + 1)
-    logits, cache = apply(drafter.model, _emitted(path_tokens, n, nxt), cache)
-    nl = jnp.take_along_axis(logits, n[:, None, None], axis=1)[:, 0]
-    return state.replace(cache=rollback(cache, ctx.pos + n + 2), next_logits=nl)
-
-
-def feature_tree(drafter, state, ctx, tree):
-    """FeatureDrafter: the head's cache holds the pairs before cur's position; a node at
-    depth d >= 1 is the pair (its token, its parent's head hidden state) at position
-    pos + d - 1, written depth by depth after them (the root has no head entry)."""
-    from jspec.feature_head import head_apply
-
-    head = drafter.head
-    first = drafter._full(state.next_logits, ctx.vocab)
-    root = ctx.pos
-    Dh = state.next_hidden.shape[-1]
-    if tree.dynamic is None:
-        parents = static_layout(tree)[0]
-        B = ctx.cur.shape[0]
-        hid = jnp.zeros((B, len(parents), Dh), state.next_hidden.dtype).at[:, 0].set(
-            state.next_hidden)
-
-        def step(d, toks, lo, hi, carry):  # node i at head slot pos + i - 1
-            cache, hid = carry
-            t_in = static_tree_input(tree, lo, hi, root, ctx.pos - 1, depth_offset=1)
-            logits, h, cache = head_apply(head, toks, hid[:, jnp.asarray(parents[lo:hi])],
-                                          cache, fuse=False, tree=t_in)
-            return drafter._full(logits, ctx.vocab), (cache, hid.at[:, lo:hi].set(h))
-
-        tokens, par, q, (cache, _) = expand_static(tree, ctx, first, step, (state.cache, hid))
-        return tokens, par, q, state.replace(cache=cache)
-    k, N, D = tree.dynamic
-    C = k + (D - 1) * k * k
-
-    def dstep(d, toks, ids, par, carry):  # a frontier of tree depth d: head depth d - 1
-        cache, paths, hids = carry
-        B = toks.shape[0]
-        idx = jnp.maximum(par, 0)
-        parent = jnp.where((par >= 0)[:, :, None],
-                           jnp.take_along_axis(paths, idx[:, :, None], 1),
-                           jnp.full((B, k, D), -1, jnp.int32))
-        hid_in = jnp.where((par >= 0)[:, :, None], jnp.take_along_axis(hids, idx[:, :, None], 1),
-                           state.next_hidden[:, None])
-        own = cache.lengths[:, None] + jnp.arange(k, dtype=jnp.int32)[None]
-        path = jnp.where(jnp.arange(D)[None, None] == d - 1, own[:, :, None], parent)
-        t_in = TreeInput(root=root, depth=jnp.full((B, k), d - 1, jnp.int32), path=path)
-        logits, h, cache = head_apply(head, toks, hid_in, cache, fuse=False, tree=t_in)
-        rows = jnp.arange(B)[:, None]
-        return drafter._full(logits, ctx.vocab), (cache, paths.at[rows, ids].set(path),
-                                                   hids.at[rows, ids].set(h))
-
-    B = ctx.cur.shape[0]
-    carry = (state.cache, jnp.full((B, C, D), -1, jnp.int32),
-             jnp.zeros((B, C, Dh), state.next_hidden.dtype))
-    tokens, parents, q, (cache, _, _) = expand_dynamic(tree, ctx, first, dstep, carry)
-    return tokens, parents, q, state.replace(cache=cache)
-
-
-def lookup_tree(drafter, state, ctx, tree):
-    """PromptLookupDrafter: the branches are the latest distinct n-gram matches (longest
-    n first); a node follows match number sum(its path's ranks) at its depth."""
-    from jspec.drafters import one_hot_logits
-
-    if tree.dynamic is not None:
-        raise ValueError("PromptLookupDrafter grows static trees (branching or paths)")
-    parents, ranks, depth, anc, _ = static_layout(tree)
-    rank_sum = np.array([int(ranks[anc[i, 1:depth[i] + 1]].sum()) for i in range(len(ranks))])
-    M = int(rank_sum.max()) + 1
-    follow = jax.vmap(lambda h, n: drafter.follows(h, n, M))(state.hist, state.hlen)  # [B, M]
-    H = state.hist.shape[1]
-    idx = follow[:, jnp.asarray(rank_sum)] + jnp.asarray(depth - 1)[None]  # [B, N + 1]
-    toks = jnp.take_along_axis(state.hist, jnp.clip(idx, 0, H - 1), axis=1)
-    usable = (follow[:, jnp.asarray(rank_sum)] >= 0) & (idx < state.hlen[:, None])
-    tokens = jnp.where(usable, toks, ctx.cur[:, None]).at[:, 0].set(ctx.cur).astype(jnp.int32)
-    B = tokens.shape[0]
-    return (tokens, jnp.broadcast_to(jnp.asarray(parents), (B, len(parents))),
-            _first_child_logits(tokens, parents, ranks, ctx.vocab, one_hot_logits), state)
-
-
-def _first_child_logits(tokens, parents, ranks, vocab, one_hot_logits):
+def first_child_logits(tokens, parents, ranks, vocab: int):
     """A deterministic drafter's q [B, N + 1, V]: at each node the point mass on its rank-0
     child (rejection sampling then examines that child alone: exact)."""
     B, n = tokens.shape
@@ -313,46 +187,3 @@ def _first_child_logits(tokens, parents, ranks, vocab, one_hot_logits):
         if ranks[i] == 0:
             first[parents[i]] = i
     return one_hot_logits(jnp.where(jnp.asarray(first)[None] > 0, tokens[:, first], 0), vocab)
-
-
-def oracle_tree(drafter, state, ctx, tree):
-    """OracleDrafter: a static tree whose truth (the serial continuation) is the rank-r child
-    of a node on the truth path with probability rank_probs[r] (and no child's with the
-    rest); every other node a token other than the truth."""
-    from jspec.drafters import _SALT_ORACLE, _SALT_ORACLE_TOKEN, one_hot_logits
-    from jspec.sampling import uniform_noise
-
-    if tree.dynamic is not None:
-        raise ValueError("OracleDrafter grows static trees (branching or paths)")
-    model_toks = None
-    if drafter.draft is not None:  # the attached drafter's tree really runs
-        model_toks, _, _, state = drafter.draft.propose_tree(state, ctx, tree)
-    parents, ranks, depth, _, levels = static_layout(tree)
-    B, n = ctx.cur.shape[0], len(parents)
-    R = drafter.reference.shape[1]
-    pos = ctx.pos[:, None] + jnp.asarray(depth)[None]  # [B, N + 1] each node's position
-    truth = jnp.take_along_axis(drafter.reference, jnp.minimum(pos, R - 1), axis=1)
-    probs = (jnp.asarray([1.0 - drafter.corrupt_prob]) if drafter.rank_probs is None
-             else jnp.asarray(drafter.rank_probs))
-    # The rank whose child carries the truth below each node (-1: none).
-    rows = jnp.broadcast_to(ctx.rows[:, None], (B, n)).reshape(-1)
-    u = uniform_noise(ctx.seed + _SALT_ORACLE, rows, (pos + 1).reshape(-1)).reshape(B, n)
-    edges = jnp.cumsum(probs)
-    truth_rank = jnp.where(u < edges[-1], jnp.searchsorted(edges, u, side="right"), -1)
-    on_truth = jnp.zeros((B, n), bool).at[:, 0].set(True)
-    for d in range(1, len(levels)):
-        lo, hi = levels[d]
-        p = jnp.asarray(parents[lo:hi])
-        hit = on_truth[:, p] & (truth_rank[:, p] == jnp.asarray(ranks[lo:hi])[None])
-        on_truth = on_truth.at[:, lo:hi].set(hit)
-    V = ctx.vocab
-    K = int(ranks.max()) + 1  # each rank's own noise: the row id carries it
-    rank_rows = (jnp.broadcast_to(ctx.rows[:, None] * K, (B, n)) + jnp.asarray(ranks)[None])
-    shift = uniform_noise(ctx.seed + _SALT_ORACLE_TOKEN, rank_rows.reshape(-1),
-                          pos.reshape(-1)).reshape(B, n)
-    other = (truth + 1 + (shift * (V - 1)).astype(jnp.int32)) % V
-    tokens = jnp.where(on_truth, truth, other).at[:, 0].set(ctx.cur).astype(jnp.int32)
-    if model_toks is not None:  # wait for the attached drafter, as a real one would
-        tokens = jnp.where(model_toks < 0, model_toks, tokens)
-    return (tokens, jnp.broadcast_to(jnp.asarray(parents), (B, n)),
-            _first_child_logits(tokens, parents, ranks, V, one_hot_logits), state)

@@ -259,7 +259,8 @@ def check_spec(args):
     for label, drafter, policy, gamma in runs:
         tree = gamma if isinstance(gamma, TreeConfig) else None
         spec = jspec.SpecConfig(gamma=3 if tree else gamma, max_new_tokens=N, policy=policy,
-                                temperature=0.8, audit_every=2 if args.full else 0, tree=tree)
+                                temperature=None if policy == "exact_greedy" else 0.8,
+                                audit_every=2 if args.full else 0, tree=tree)
         if policy not in serial:
             serial[policy] = jspec.generate(sharded, prompts, max_new_tokens=N,
                                             sampler=spec.serial_sampler(), seed=spec.seed)

@@ -48,7 +48,7 @@ def test_non_finite_logits_stop_serial_and_speculative_runs(value):
 
 
 @struct.dataclass
-class _WildDrafter:
+class _WildDrafter(jspec.Drafter):
     """Proposes ids outside [0, V) at every other slot (a broken drafter)."""
 
     def forwards_per_round(self, gamma):
@@ -71,7 +71,8 @@ class _WildDrafter:
 @pytest.mark.parametrize("policy", ["exact_greedy", "rejection_sampling"])
 def test_out_of_range_proposals_are_rejected_and_never_reach_the_cache(policy):
     model = load("qwen3", "pallas")
-    spec = jspec.SpecConfig(gamma=3, max_new_tokens=6, policy=policy, temperature=0.9)
+    spec = jspec.SpecConfig(gamma=3, max_new_tokens=6, policy=policy,
+                            temperature=None if policy == "exact_greedy" else 0.9)
     out = jspec.speculative_generate(model, _WildDrafter(), _prompts(), spec)
     assert out.stats["accepted"] == 0  # every wild proposal rejected
     serial = jspec.generate(model, _prompts(), max_new_tokens=6, sampler=spec.serial_sampler())
@@ -170,7 +171,8 @@ def gemma_pair(tmp_path_factory):
 def test_a_draft_over_a_prefix_of_the_vocabulary(gemma_pair, policy):
     target, draft = gemma_pair
     prompts = [[2, 40, 41, 42, 43, 44, 45], [2, 300, 301]]
-    spec = jspec.SpecConfig(gamma=3, max_new_tokens=8, policy=policy, temperature=0.8)
+    spec = jspec.SpecConfig(gamma=3, max_new_tokens=8, policy=policy,
+                            temperature=None if policy == "exact_greedy" else 0.8)
     out = jspec.speculative_generate(target, jspec.ModelDrafter(draft), prompts, spec)
     serial = jspec.generate(target, prompts, max_new_tokens=8, sampler=spec.serial_sampler(),
                             seed=spec.seed)

@@ -56,7 +56,8 @@ def test_feature_drafter_output_equals_serial(name, policy):
     drafter = jspec.FeatureDrafter(_head(target, vd=target.config.vocab_size // 2))
     p = expected(name)["prompt"]
     prompts = [p, p[:5], p[:1]]  # ragged, one a single token (no feature pair yet)
-    spec = jspec.SpecConfig(gamma=3, max_new_tokens=10, policy=policy, temperature=0.8)
+    spec = jspec.SpecConfig(gamma=3, max_new_tokens=10, policy=policy,
+                            temperature=None if policy == "exact_greedy" else 0.8)
     out = jspec.speculative_generate(target, drafter, prompts, spec)
     serial = jspec.generate(target, prompts, max_new_tokens=10,
                             sampler=spec.serial_sampler(), seed=spec.seed)

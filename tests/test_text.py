@@ -206,3 +206,19 @@ def test_a_text_pipeline_drafts_with_an_eagle3_head(gemma, tmp_path):
     assert spec.ids == serial.generate(prompts, max_new_tokens=12).ids
     with pytest.raises(ValueError, match="a draft or a head"):
         load_text(gemma[0], gemma[1], head=head_dir)
+
+
+def test_load_text_takes_objects(gemma):
+    # A drafter object is used as is; option strings and bare models are refused before
+    # any loading, naming the argument.
+    lookup = jspec.PromptLookupDrafter(max_ngram=2)
+    pipe = load_text(gemma[0], drafter=lookup)
+    assert pipe.drafter is lookup
+    with pytest.raises(TypeError, match="draft_options must be a jspec.DraftOptions"):
+        load_text(gemma[0], gemma[1], draft_options="draft")
+    with pytest.raises(TypeError, match=r"ModelDrafter\(model\)"):
+        load_text(gemma[0], drafter=pipe.target)
+    with pytest.raises(ValueError, match="one of draft, drafter and head"):
+        load_text(gemma[0], gemma[1], drafter=lookup)
+    with pytest.raises(ValueError, match=r"'exact_greedy'.*temperature=0.8"):
+        pipe.speculative_generate("Hi", policy="exact_greedy", temperature=0.8)

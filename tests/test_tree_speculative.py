@@ -53,7 +53,8 @@ _CASES = [(STATIC, "model", "exact_greedy"), (DYNAMIC, "feature", "exact_greedy"
 @pytest.mark.parametrize("tree,kind,policy", _CASES)
 def test_tree_speculation_equals_serial(tree, kind, policy):
     target = load("qwen3", "pallas")
-    spec = jspec.SpecConfig(max_new_tokens=10, policy=policy, temperature=0.8, tree=tree,
+    spec = jspec.SpecConfig(max_new_tokens=10, policy=policy, tree=tree,
+                            temperature=None if policy == "exact_greedy" else 0.8,
                             audit_every=2)
     out = jspec.speculative_generate(target, _drafter(kind, target), _prompts(), spec)
     serial = jspec.generate(target, _prompts(), max_new_tokens=10,

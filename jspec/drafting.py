@@ -1,0 +1,157 @@
+"""The drafter interface: `Drafter`, the protocol every drafter implements, and
+`ProposeContext`, what the engine hands it each round.
+
+A research drafter subclasses `Drafter` (or matches it structurally) and is a pytree
+(`flax.struct.dataclass`): its arrays travel into the compiled loop as leaves, its
+settings as static fields. The shipped ones live in `jspec.drafters`; the shared pieces
+of tree growth in `jspec.tree_drafting`. Whatever a drafter proposes, the target's verify
+decides every token, so a drafter changes speed, never the output (a broken one is
+rejected, never emitted).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+
+@struct.dataclass
+class ProposeContext:
+    """Per-round inputs of a drafter (arrays are traced).
+
+    Attributes:
+      cur: [B] last committed token (its position is `pos`).
+      pos: [B] int32 position of `cur`; proposal i sits at pos + 1 + i.
+      rows: [B] int32 row ids (noise keys).
+      seed: [] int32 draft seed (`Policy.draft_seed_salt` added to the run's seed).
+      gamma: proposals per round (a tree's depth for trees).
+      vocab: the target's vocabulary size.
+      draft_sampler: how proposals are drawn from draft logits (`Policy.draft_sampler()`):
+        called as draft_sampler(logits [B, V], seed, rows [B], positions [B]) -> [B].
+    """
+
+    cur: jax.Array
+    pos: jax.Array
+    rows: jax.Array
+    seed: jax.Array
+    gamma: int = struct.field(pytree_node=False)
+    vocab: int = struct.field(pytree_node=False)
+    draft_sampler: object = struct.field(pytree_node=False)
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    """What the speculative engine calls on a drafter; every method is traced inside the
+    compiled loop (static shapes, no host sync). `state` is the drafter's own pytree.
+
+    Chains (`SpecConfig(gamma=g)`), one round:
+      init(tokens [B, P], lens [B], max_len, gamma, features=None) -> state
+        after the prompts (row b's prompt is tokens[b, :lens[b]]; past it, padding).
+        The cache capacity is max_len; gamma is the round's depth.
+      propose(state, ctx) -> (drafts [B, g] int32, draft_logits [B, g, V] f32, state)
+        proposal i for position ctx.pos + 1 + i, drawn with ctx.draft_sampler from
+        draft_logits[:, i] (the target's vocabulary: `to_target_vocab`); a deterministic
+        drafter returns `one_hot_logits(drafts, ctx.vocab)`. Only policies with
+        `uses_draft_logits` (rejection sampling) read them. A proposal outside
+        [0, V) is rejected by every policy and never reaches the target's cache.
+      commit(state, ctx, n_acc [B], nxt [B], drafts [B, g], features=None) -> state
+        the verify accepted drafts[:, :n_acc] and the target's next token nxt
+        (correction or bonus): the committed sequence is now ..., cur, d_1..d_n_acc, nxt
+        with nxt at position ctx.pos + n_acc + 1 (the next round's cur). Rows that are
+        done get n_acc = 0 and their output is ignored.
+      forwards_per_round(gamma) -> int: draft forwards a round, for statistics.
+
+    Trees (`SpecConfig(tree=TreeConfig(...))`), one round:
+      propose_tree(state, ctx, tree) -> (tokens [B, N + 1], parents [B, N + 1],
+        q [B, N + 1, V], state): node 0 is the root (ctx.cur, parent -1), the others
+        the draft nodes, parents before children; q[:, i] the draft logits node i's
+        children were drawn from (rejection sampling reads them). Node ids outside
+        [0, V) are never accepted. `jspec.tree_drafting` has the shared growth
+        (`expand_static`, `expand_dynamic`) a drafter drives with its own forward.
+      commit_tree(state, ctx, n [B], nxt [B], path [B, D], features=None) -> state
+        the accepted root path's first n tokens path[:, :n], then nxt: the same as
+        `commit` over a chain (the default).
+
+    feature_layers: the target layers whose hidden states (the residual stream entering
+      each) the drafter reads; () for most drafters. With a non-empty tuple, the engine
+      passes `features=` to init ([B, P, n D]: the prompt's positions), commit
+      ([B, g + 1, n D]: cur and the proposals) and commit_tree ([B, D + 1, n D]: the
+      root and the accepted path), at no extra target cost.
+
+    The engine guarantees: the cache capacity max_len holds every live row's round (its
+    proposals and the verify block); rows advance independently, each at its own pos;
+    a round's state is the one the previous call returned; arguments have the shapes
+    above, fixed for a compiled run.
+    """
+
+    feature_layers: tuple[int, ...] = ()
+
+    def init(self, tokens, lens, max_len: int, gamma: int, features=None):
+        ...
+
+    def propose(self, state, ctx: ProposeContext):
+        ...
+
+    def commit(self, state, ctx: ProposeContext, n_acc, nxt, drafts, features=None):
+        ...
+
+    def forwards_per_round(self, gamma: int) -> int:
+        ...
+
+    def propose_tree(self, state, ctx: ProposeContext, tree):
+        raise NotImplementedError(f"{type(self).__name__} grows no draft trees (it "
+                                  "implements no propose_tree); use chains (gamma)")
+
+    def commit_tree(self, state, ctx: ProposeContext, n, nxt, path, features=None):
+        extra = {} if features is None else {"features": features}
+        return self.commit(state, ctx, n, nxt, path, **extra)
+
+
+DRAFTER_MEMBERS = ("init", "propose", "commit", "forwards_per_round", "propose_tree",
+                   "commit_tree", "feature_layers")
+
+
+def grows_trees(drafter) -> bool:
+    """Whether the drafter implements `propose_tree` (the protocol's default raises)."""
+    return getattr(type(drafter), "propose_tree", None) is not Drafter.propose_tree
+
+
+def check_drafter(drafter, name: str = "drafter") -> None:
+    """TypeError unless `drafter` implements `Drafter`, naming what is missing; a bare
+    model or feature head is named with the wrapper it needs."""
+    if isinstance(drafter, Drafter):
+        return
+    missing = [m for m in DRAFTER_MEMBERS if not hasattr(drafter, m)]
+    kind = type(drafter).__name__
+    hint = ""
+    if kind == "Model" and hasattr(drafter, "params"):
+        hint = ": wrap it: ModelDrafter(model)"
+    elif kind == "FeatureHead":
+        hint = ": wrap it: FeatureDrafter(head)"
+    raise TypeError(f"{name} must be a jspec drafter implementing jspec.Drafter "
+                    f"(ModelDrafter(model), FeatureDrafter(head), PromptLookupDrafter(), "
+                    f"OracleDrafter(...), or a subclass of jspec.Drafter); got {kind}{hint}"
+                    f" (it lacks {', '.join(missing) or 'nothing but the base class'})")
+
+
+def one_hot_logits(tokens, vocab: int):
+    """[B, g] -> [B, g, V] f32 logits of the point mass at each token (0 there, -inf else)."""
+    return jnp.where(jax.nn.one_hot(tokens, vocab, dtype=bool), 0.0, -jnp.inf)
+
+
+def to_target_vocab(logits, slot, vocab: int):
+    """A drafter's logits [..., n] -> [..., vocab] in the target's ids: with `slot` ([V]
+    int32, the column of each target id, -1 for none) the columns are gathered and ids
+    off the head get -inf; ids past the result's width (a draft vocabulary that is a
+    prefix of the target's) get -inf too."""
+    if slot is not None:
+        picked = jnp.take(logits, jnp.maximum(slot, 0), axis=-1)
+        logits = jnp.where(slot >= 0, picked, -jnp.inf)
+    V = logits.shape[-1]
+    if V < vocab:
+        pad = [(0, 0)] * (logits.ndim - 1) + [(0, vocab - V)]
+        logits = jnp.pad(logits, pad, constant_values=-jnp.inf)
+    return logits

@@ -1,0 +1,158 @@
+"""Extension points: a research drafter and a research policy are one class each.
+
+The two examples of docs/usage.md ("Extending jspec", its `# example:` blocks) are
+executed here as written:
+- BigramDrafter, which implements only `jspec.Drafter`, gives speculative output equal
+  to serial greedy output token for token, on chains and on a tree;
+- TopKAllowance, a `jspec.Policy` that is not lossless, runs through the engine: with
+  k = 2 every emitted token is among the target's top 2 after the tokens before it
+  (slow: with k = 1 it is exact greedy);
+and the boundary: a non-drafter is a TypeError naming what it lacks; a policy and
+sampling arguments that disagree are a ValueError naming both.
+"""
+
+import os
+import re
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import expected, load
+
+import jspec
+from jspec.policies import resolve_policy
+from jspec.tree import TreeConfig
+
+DOC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs",
+                   "usage.md")
+N = 10
+
+
+def _examples() -> dict:
+    """The names each `# example:` block of docs/usage.md defines."""
+    text = open(DOC, encoding="utf-8").read()
+    ns: dict = {}
+    blocks = re.findall(r"```python\n(# example: .*?)```", text, flags=re.S)
+    assert len(blocks) == 2, "docs/usage.md lost an example"
+    for code in blocks:
+        exec(compile(code, DOC, "exec"), ns)  # noqa: S102 - the documented examples
+    return ns
+
+
+EX = _examples()
+
+
+def _prompts():
+    p = expected("qwen3")["prompt"]
+    return [p, p[:5]]
+
+
+def _bigram_table(target, serial):
+    """[V, V]: small random scores plus +10 on the bigrams of the serial output, so the
+    drafter is often right (and sometimes wrong)."""
+    V = target.config.vocab_size
+    table = np.random.default_rng(0).normal(size=(V, V)).astype(np.float32)
+    for b, p in enumerate(_prompts()):
+        seq = list(p) + serial.row(b)
+        for a, c in zip(seq[:-1], seq[1:], strict=True):
+            if (a + c) % 3:  # leave some out: rejections too
+                table[a, c] += 10.0
+    return jnp.asarray(table)
+
+
+@pytest.fixture(scope="module")
+def setup():
+    target = load("qwen3", "pallas")
+    serial = jspec.generate(target, _prompts(), max_new_tokens=N)
+    return target, serial, EX["BigramDrafter"](_bigram_table(target, serial))
+
+
+@pytest.mark.parametrize("tree", [None, TreeConfig(branching=(2, 2, 1))])
+def test_a_research_drafter_gives_serial_output(setup, tree):
+    target, serial, drafter = setup
+    assert isinstance(drafter, jspec.Drafter)
+    spec = jspec.SpecConfig(gamma=3, max_new_tokens=N, tree=tree)
+    out = jspec.speculative_generate(target, drafter, _prompts(), spec)
+    for b in range(2):
+        assert out.row(b) == serial.row(b)
+    assert 0 < out.stats["accepted"] < out.stats["proposed"]
+
+
+@pytest.mark.slow
+def test_a_research_drafter_grows_dynamic_trees(setup):
+    target, serial, drafter = setup
+    spec = jspec.SpecConfig(max_new_tokens=N, tree=TreeConfig(dynamic=(2, 6, 3)))
+    out = jspec.speculative_generate(target, drafter, _prompts(), spec)
+    for b in range(2):
+        assert out.row(b) == serial.row(b)
+
+
+@pytest.mark.slow
+def test_a_top1_allowance_is_exact_greedy(setup):
+    target, serial, drafter = setup
+    spec = jspec.SpecConfig(gamma=3, max_new_tokens=N, policy=EX["TopKAllowance"](k=1))
+    out = jspec.speculative_generate(target, drafter, _prompts(), spec)
+    for b in range(2):
+        assert out.row(b) == serial.row(b)
+
+
+def test_a_research_policy_runs_through_the_engine(setup):
+    target, _, drafter = setup
+    top_k = EX["TopKAllowance"]
+    two = jspec.speculative_generate(target, drafter, _prompts(),
+                                     jspec.SpecConfig(gamma=3, max_new_tokens=N,
+                                                      policy=top_k(k=2)))
+    for b, p in enumerate(_prompts()):  # every token in the top 2 after its prefix
+        seq = list(p) + two.row(b)
+        cache = jspec.init_cache(target, 1, 64)
+        logits, _ = jspec.forward(target, jnp.asarray([seq]), cache)
+        top2 = np.argsort(-np.asarray(logits[0]), axis=-1, kind="stable")[:, :2]
+        for j in range(len(p), len(seq)):
+            assert seq[j] in top2[j - 1], (b, j)
+    with pytest.raises(ValueError, match="verifies chains only"):
+        jspec.SpecConfig(policy=top_k(), tree=TreeConfig(branching=(2,)))
+
+
+class _Half:
+    """Chains only, no protocol: init and propose, nothing else."""
+
+    def init(self, tokens, lens, max_len, gamma, features=None):
+        return ()
+
+    def propose(self, state, ctx):
+        return None
+
+
+def test_a_non_drafter_is_refused_naming_what_it_lacks(setup):
+    target, _, _ = setup
+    spec = jspec.SpecConfig(gamma=2, max_new_tokens=2)
+    with pytest.raises(TypeError, match=r"ModelDrafter\(model\)"):
+        jspec.speculative_generate(target, target, _prompts(), spec)
+    with pytest.raises(TypeError, match="lacks commit, forwards_per_round, propose_tree"):
+        jspec.speculative_generate(target, _Half(), _prompts(), spec)
+
+
+def test_policies_and_sampling_arguments_agree():
+    with pytest.raises(ValueError, match=r"'exact_greedy'.*temperature=0.8"):
+        jspec.SpecConfig(policy="exact_greedy", temperature=0.8)
+    with pytest.raises(ValueError, match=r"'gumbel_coupled' samples, so temperature=0"):
+        jspec.SpecConfig(policy="gumbel_coupled", temperature=0)
+    with pytest.raises(ValueError, match=r"temperature=0.5 but temperature=0.8"):
+        jspec.SpecConfig(policy=jspec.GumbelCoupled(0.5), temperature=0.8)
+    with pytest.raises(TypeError, match="jspec.Policy"):
+        jspec.SpecConfig(policy=3)
+    # The shorthands resolve to the objects; the objects are hashable static config.
+    spec = jspec.SpecConfig(policy="gumbel_coupled", temperature=0.8, top_k=5)
+    assert spec.policy == jspec.GumbelCoupled(temperature=0.8, top_k=5)
+    assert spec == jspec.SpecConfig(policy=jspec.GumbelCoupled(0.8, 5))
+    assert hash(spec.static()) == hash(jspec.SpecConfig(policy=jspec.GumbelCoupled(0.8, 5)))
+    assert resolve_policy(None) == jspec.ExactGreedy()
+    assert resolve_policy(None, 0.0, 0, 1.0) == jspec.ExactGreedy()
+    assert resolve_policy(None, 0.7) == jspec.GumbelCoupled(0.7)
+    assert resolve_policy("rejection_sampling") == jspec.RejectionSampling(1.0)
+    assert resolve_policy(jspec.RejectionSampling(0.5), 0.5) == jspec.RejectionSampling(0.5)
+    # The text API builds its policy the same way.
+    pipe = jspec.TextPipeline(target=None, tokenizer=None)
+    assert pipe.spec_config(temperature=0.8).policy == jspec.GumbelCoupled(0.8)
+    with pytest.raises(ValueError, match="temperature=0.8"):
+        pipe.spec_config(policy="exact_greedy", temperature=0.8)
