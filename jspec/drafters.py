@@ -168,10 +168,13 @@ class ModelDrafter:
         return to_target_vocab(logits, self.head_slot, vocab)
 
     def init(self, tokens, lens, max_len: int, gamma: int, features=None) -> ModelDraftState:
+        from jspec.chunked_prefill import prefill
+
         cache = init_cache(self.model, tokens.shape[0], max_len)
-        logits, cache = apply(self.model, tokens, cache)
-        last = jnp.take_along_axis(logits, (lens - 1)[:, None, None], axis=1)[:, 0]
-        return ModelDraftState(cache=rollback(cache, lens), next_logits=last)
+        cache, _ = prefill(self.model, tokens, lens, cache)  # chunked, no LM head: at lens - 1
+        last = jnp.take_along_axis(tokens, (lens - 1)[:, None], axis=1)  # [B, 1]
+        logits, cache = apply(self.model, last, cache)  # the last prompt token's logits
+        return ModelDraftState(cache=cache, next_logits=logits[:, 0])
 
     def propose(self, state: ModelDraftState, ctx: ProposeContext):
         sample = ctx.draft_sampler

@@ -63,6 +63,9 @@ class KernelOptions:
         partials over equal K chunks, added left to right: the same bits at every
         tensor-parallel degree dividing S (one device included); 1: one K loop.
         Numeric: each S gives its own bits.
+      prefill_chunk: a prompt is prefilled in chunks of this many tokens (the last one
+        shorter), with no LM head (`jspec.generate.prefill`): memory, not numerics;
+        every chunk size gives the same bits (property P).
     """
 
     backend: str = "pallas"
@@ -78,6 +81,7 @@ class KernelOptions:
     matmul_schedule: bool = True
     kv_dus: bool = True
     row_partials: int = 1
+    prefill_chunk: int = 2048
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
@@ -96,6 +100,10 @@ class KernelOptions:
             _power_of_two("attn_split_rows", self.attn_split_rows, 16)
         if not isinstance(self.row_partials, int) or self.row_partials < 1:
             raise ValueError(f"row_partials={self.row_partials!r} must be an int >= 1")
+        if (isinstance(self.prefill_chunk, bool) or not isinstance(self.prefill_chunk, int)
+                or self.prefill_chunk < 1):
+            raise ValueError(f"prefill_chunk={self.prefill_chunk!r} must be an int >= 1 "
+                             "(tokens a prefill chunk)")
 
     def replace(self, **fields) -> KernelOptions:
         return dataclasses.replace(self, **fields)
