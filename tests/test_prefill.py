@@ -116,3 +116,41 @@ def test_prefill_chunk_is_checked_and_parsed():
         with pytest.raises(ValueError, match="prefill_chunk"):
             jspec.KernelOptions(prefill_chunk=bad)
     assert parse_options("prefill_chunk=512")[0].prefill_chunk == 512
+
+
+def _experiment(tmp_path, script, *flags):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, os.path.join(root, "experiments", script), *flags,
+                        f"--out={tmp_path}"], cwd=root, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    name = script.removesuffix(".py")
+    with open(tmp_path / f"{name}.json") as f:
+        return json.load(f)
+
+
+@pytest.mark.slow  # CLI runs of the GPU lanes at toy sizes (interpret mode)
+def test_the_long_context_lanes_run(tmp_path):
+    rep = _experiment(tmp_path, "gpu_parity.py", "--interpret", "--models=tiny-qwen3:1",
+                      "--dtype=float32", "--contexts=150", "--window=8", "--ks=1,4",
+                      "--trees=4", "--backends=pallas,xla", "--options=prefill_chunk=64",
+                      "--chunk2=50")
+    pallas, xla = rep["results"]["tiny-qwen3:1:pallas:150"], rep["results"]["tiny-qwen3:1:xla:150"]
+    checks = {k: v for k, v in pallas.items() if isinstance(v, dict)}
+    assert {"one block of 8", "verify k=4", "tree of 4 nodes", "prefill in chunks of 50"} <= set(
+        checks)
+    assert all(v["mismatches"] == 0 and v["positions"] > 0 for v in checks.values()), checks
+    assert xla["one block of 8"]["mismatches"] > 0, xla  # the check can fail
+    rep = _experiment(tmp_path, "bench_context.py", "--preset=tiny-qwen3", "--layers=1",
+                      "--contexts=128,256", "--xla_contexts=128", "--decode_steps=2",
+                      "--iters=1", "--interpret", "--dtype=float32",
+                      "--options=prefill_chunk=64")
+    rows = {(r["backend"], r["context"]): r for r in rep["rows"]}
+    assert set(rows) == {("pallas", 128), ("xla", 128), ("pallas", 256)}
+    assert rows["pallas", 128]["prefill_vs_xla"] > 0 and rep["peak_flops"] == 989e12
+    assert all(r["prefill_mfu"] > 0 and r["decode_roofline_frac"] > 0 for r in rows.values())
