@@ -26,6 +26,8 @@ sequence:
     under the last `window` tokens' prefix): every node's logits against serial
     decoding of its root path (the true continuation's branch against the prefill, the
     other nodes against one-token steps from the rolled-back cache).
+The reference needs the logits of every position, so it is one forward with the LM head
+(not `jspec.chunked_prefill`, which computes none); its [n, V] f32 bounds --context.
 --contexts=N,...: the long-context lane instead. A reference of every logits vector is
 [n, V] f32 (67 GB at n = 128K, V = 128,256), so there the reference is serial decoding:
 a chunked prefill (`jspec.chunked_prefill`, no LM head) of the first n - window tokens,
