@@ -124,7 +124,7 @@ for s in $steps; do
               --models="${LONG_MODELS:-llama3-8b:4}" --contexts=32768 --window=48 --trees=32 \
               --backends=xla --tag=long_xla --out="$OUT" 2>&1 | quiet | tail -12 ;;
     context_bench) timeout "${CONTEXT_S:-480}" python3 experiments/bench_context.py \
-              --preset=llama3-8b --contexts=2048,8192,32768 --xla_contexts=8192 \
+              --preset=llama3-8b --contexts=2048,8192,32768 --xla_contexts=8192 --iters=2 \
               --out="$OUT" 2>&1 | quiet | tail -12 ;;
     context_bench_128k) timeout "${CONTEXT_S:-480}" python3 experiments/bench_context.py \
               --preset=llama3-8b --contexts=131072 --xla_contexts= --iters=1 --tag=128k \
