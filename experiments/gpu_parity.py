@@ -5,6 +5,8 @@
       --dtype=float32 --context=150 --window=12 --ks=1,4      # CPU smoke run
   python experiments/gpu_parity.py --tp=2 --models=qwen3-8b:4,llama3-70b:4 --context=8192
   python experiments/gpu_parity.py --tp=2 --row_partials=8 --models=qwen3-8b:4  # + degrees
+  python experiments/gpu_parity.py --models=llama3-8b:4 --contexts=32768,131072 \
+      --backends=pallas --trees=16,32             # long contexts (a reference at depth)
   # several hosts: the same command on each, with --coordinator_address=HOST0:PORT
   #   --num_processes=N --process_id=i (the mesh spans every process's devices)
 
@@ -24,6 +26,17 @@ sequence:
     under the last `window` tokens' prefix): every node's logits against serial
     decoding of its root path (the true continuation's branch against the prefill, the
     other nodes against one-token steps from the rolled-back cache).
+The reference needs the logits of every position, so it is one forward with the LM head
+(not `jspec.chunked_prefill`, which computes none); its [n, V] f32 bounds --context.
+--contexts=N,...: the long-context lane instead. A reference of every logits vector is
+[n, V] f32 (67 GB at n = 128K, V = 128,256), so there the reference is serial decoding:
+a chunked prefill (`jspec.chunked_prefill`, no LM head) of the first n - window tokens,
+then `window` one-token steps, whose logits the other checks must equal bitwise: the
+same steps after a prefill in chunks of --chunk2 (default 1000: the last one
+overlapping), one block of
+`window` positions, accepted blocks of mixed sizes, verify blocks of k proposals (k in
+--ks) and trees (--trees), all at depth n - window. n is cut to the model's
+max_position - 64 (room for the last verify block).
 --tp=N runs every model tensor-parallel over N devices (`jspec.sharding`; the random
 weights made shard by shard), so the matrix proves P within that degree. With
 --row_partials=S as well, "degrees" compares one prefill's logits at every degree
@@ -45,6 +58,7 @@ from absl import app, flags
 from jspec import parity, sharding
 from jspec.bench.receipts import write_receipt
 from jspec.cache import rollback
+from jspec.chunked_prefill import prefill_jit
 from jspec.cli import options_record, with_option_string
 from jspec.model import COMPILER_OPTIONS, apply, forward
 from jspec.random_model import random_model
@@ -54,6 +68,9 @@ from pallas_kernels.matmul import TUNED, tuned_to_json
 
 FLAGS = flags.DEFINE_string("models", "qwen3-8b:4,gemma3-4b:6", "preset:num_layers list")
 _CONTEXT = flags.DEFINE_integer("context", 8192, "sequence length checked")
+_CONTEXTS = flags.DEFINE_list("contexts", [], "long-context lane: depths checked (e.g. "
+                              "32768,131072) against serial decoding at that depth")
+_CHUNK2 = flags.DEFINE_integer("chunk2", 1000, "long-context lane: the other prefill chunk")
 _WINDOW = flags.DEFINE_integer("window", 48, "tail positions checked by decode/verify schedules")
 _KS = flags.DEFINE_list("ks", ["1", "2", "4", "8", "16", "32"], "verify block sizes k")
 _BACKENDS = flags.DEFINE_list("backends", ["pallas", "xla"], "backends")
@@ -87,13 +104,15 @@ def bits_equal_rows(a, b) -> jax.Array:
 class Checker:
     """Compares kept logits rows against the reference on the device."""
 
-    def __init__(self, ref):  # ref [n, V] f32 on device
+    def __init__(self, ref, offset: int = 0):  # ref [n, V] f32 on device: positions offset..
         self.ref = ref
+        self.offset = offset
         self.checked = 0
         self.bad: list[int] = []
 
     def __call__(self, pos: int, rows) -> None:
-        eq = np.asarray(bits_equal_rows(rows, self.ref[pos: pos + rows.shape[0]]))
+        at = pos - self.offset
+        eq = np.asarray(bits_equal_rows(rows, self.ref[at: at + rows.shape[0]]))
         self.checked += eq.size
         self.bad += [pos + int(i) for i in np.flatnonzero(~eq)]
 
@@ -167,16 +186,8 @@ def check_model(model, n: int, window: int, ks: list[int], full: bool = True) ->
     run_steps(model, seqs, steps[:40], batch_cache, start=prefix, checkers=checkers)
     res["row in ragged batch of 4"] = chk.result()
 
-    sizes = [int(x) for x in _TREES.value]
-    for size in sizes if full else sizes[-1:]:  # xla: the largest tree shows it breaking
-        runs = [check_tree(model, seq, ref, cache, tail, size, _TREE_DEPTH.value,
-                           seed=size + 1000 * i) for i in range(_TREE_SEEDS.value)]
-        res[f"tree of {size} nodes"] = runs[0] | {
-            "positions": sum(r["positions"] for r in runs),
-            "mismatches": sum(r["mismatches"] for r in runs), "trees": len(runs),
-            "first_mismatch": next((r["first_mismatch"] for r in runs
-                                    if r["first_mismatch"] is not None), None),
-            "depth": max(r["depth"] for r in runs)}
+    sizes = [int(x) for x in _TREES.value]  # xla: the largest tree shows it breaking
+    res |= tree_checks(model, seq, ref, cache, tail, sizes if full else sizes[-1:])
     if not full:
         res["seconds"] = round(time.perf_counter() - t0, 1)
         return res
@@ -193,9 +204,11 @@ _tree_forward = jax.jit(lambda m, t, c, tr: apply(m, t, c, tree=tr),
                         compiler_options=COMPILER_OPTIONS)
 
 
-def check_tree(model, seq, ref, cache, tail: int, size: int, depth: int, seed: int) -> dict:
+def check_tree(model, seq, ref, cache, tail: int, size: int, depth: int, seed: int,
+               offset: int = 0) -> dict:
     """One tree verify of `size` nodes under seq[:tail] (root seq[tail]), its first branch
-    the true continuation: every node's logits against serial decoding of its path."""
+    the true continuation: every node's logits against serial decoding of its path (ref:
+    the logits of positions offset..)."""
     rng = np.random.default_rng(seed)
     D = min(depth, size, len(seq) - tail - 1)
     parents, d = [-1] + list(range(D)), list(range(D + 1))  # the true branch first
@@ -209,8 +222,8 @@ def check_tree(model, seq, ref, cache, tail: int, size: int, depth: int, seed: i
     tree = from_parents(jnp.asarray([parents], jnp.int32), cache.lengths, max(d))
     logits, _ = _tree_forward(model, jnp.asarray(toks[None]), cache, tree)
     logits = logits[0]
-    chk = Checker(ref)
-    chk(tail, logits[: D + 1])  # the true branch: the prefill's rows tail .. tail + D
+    chk = Checker(ref, offset)
+    chk(tail, logits[: D + 1])  # the true branch: the reference's rows tail .. tail + D
     bad = 0
     for i in range(D + 1, size + 1):  # the others: one-token steps over their paths
         path, j = [], i
@@ -224,6 +237,79 @@ def check_tree(model, seq, ref, cache, tail: int, size: int, depth: int, seed: i
     res = chk.result()
     return {"positions": res["positions"] + size - D, "mismatches": res["mismatches"] + bad,
             "first_mismatch": res["first_mismatch"], "depth": max(d)}
+
+
+def tree_checks(model, seq, ref, cache, tail: int, sizes: list[int], offset: int = 0) -> dict:
+    """{"tree of N nodes": result} for each size, --tree_seeds random trees a size."""
+    res = {}
+    for size in sizes:
+        runs = [check_tree(model, seq, ref, cache, tail, size, _TREE_DEPTH.value,
+                           seed=size + 1000 * i, offset=offset)
+                for i in range(_TREE_SEEDS.value)]
+        res[f"tree of {size} nodes"] = runs[0] | {
+            "positions": sum(r["positions"] for r in runs),
+            "mismatches": sum(r["mismatches"] for r in runs), "trees": len(runs),
+            "first_mismatch": next((r["first_mismatch"] for r in runs
+                                    if r["first_mismatch"] is not None), None),
+            "depth": max(r["depth"] for r in runs)}
+    return res
+
+
+def chunked_to(model, seq, tail: int, max_len: int, chunk: int | None = None):
+    """A cache holding seq[:tail], written by the chunked prefill (no LM head)."""
+    if chunk is not None:
+        model = model.replace(options=model.options.replace(prefill_chunk=chunk))
+    toks = jnp.asarray(seq[None, : tail + 1])  # the prefill stops at lens - 1 = tail
+    cache, _ = prefill_jit(model, toks, jnp.asarray([tail + 1], jnp.int32),
+                           init_cache(model, 1, max_len))
+    return cache
+
+
+def check_long(model, n: int, window: int, ks: list[int], full: bool = True) -> dict:
+    """The long-context lane (see the module docstring): every check at depth
+    n - window against `window` one-token steps after a chunked prefill."""
+    n = min(n, model.config.max_position - 64)
+    V, max_len, tail = model.config.vocab_size, n + 64, n - window
+    seq = np.random.default_rng(0).integers(0, V, n).astype(np.int32)
+    t0 = time.perf_counter()
+    cache = chunked_to(model, seq, tail, max_len)
+    jax.block_until_ready(cache)
+    res: dict = {"context": n, "depth": tail, "prefill_chunk": model.options.prefill_chunk,
+                 "reference": f"{window} one-token steps after a chunked prefill",
+                 "prefill_s": round(time.perf_counter() - t0, 1)}
+    rows = []
+    gen = parity.run_schedule(model, [seq], parity.single_row([(1, 1)] * window), cache,
+                              [tail])
+    while True:
+        try:
+            rows.append(next(gen)[2])
+        except StopIteration as stop:
+            cache = stop.value
+            break
+    ref = jnp.concatenate(rows, axis=0)  # [window, V]: positions tail .. n - 1
+    schedules = {f"one block of {window}": [(window, window)]}
+    if full:
+        schedules["blocks 3,1,5,2,8"] = [(k, k) for k in parity_blocks(window, [3, 1, 5, 2, 8])]
+    for k in ks if full else ks[2:3]:
+        schedules[f"verify k={k}"] = [(s.T, s.accept[0]) for s in
+                                      parity.verify_schedule(window, k, prefix=0, seed=k)[1:]]
+    for label, sizes in schedules.items():
+        chk = Checker(ref, tail)
+        cache = rollback(cache, tail)
+        cache = run_steps(model, [seq], parity.single_row(sizes), cache, start=[tail],
+                          seed=len(label), checkers=[chk])
+        res[label] = chk.result()
+    sizes = [int(x) for x in _TREES.value]
+    res |= tree_checks(model, seq, ref, cache, tail, sizes if full else sizes[-1:], tail)
+    if full:  # another chunk size: the same cache, so the same one-token steps
+        del cache
+        chk = Checker(ref, tail)
+        run_steps(model, [seq], parity.single_row([(1, 1)] * window),
+                  chunked_to(model, seq, tail, max_len, chunk=_CHUNK2.value), start=[tail],
+                  checkers=[chk])
+        res[f"prefill in chunks of {_CHUNK2.value}"] = chk.result()
+    res["seconds"] = round(time.perf_counter() - t0, 1)
+    return res
 
 
 def parity_blocks(n: int, sizes: list[int]) -> list[int]:
@@ -276,6 +362,7 @@ def main(argv):
     report = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
               "matmul_tuned": tuned_to_json(TUNED),
               "date": time.strftime("%Y-%m-%d"), "context": _CONTEXT.value,
+              "contexts": _CONTEXTS.value or None,
               "window": _WINDOW.value, "options": _OPTIONS.value, "tp": _TP.value or None,
               "processes": jax.process_count(), "row_partials": _ROW_PARTIALS.value or None,
               "results": {}}
@@ -288,6 +375,14 @@ def main(argv):
             key = f"{name}:{layers}:{backend}"
             print(f"== {key}", flush=True)
             full = backend == "pallas" or _XLA_FULL.value
+            if _CONTEXTS.value:  # the long-context lane
+                for n in (int(c) for c in _CONTEXTS.value):
+                    got = check_long(model, n, _WINDOW.value, ks, full)
+                    report["results"][f"{key}:{got['context']}"] = got
+                    save(report)
+                    print(json.dumps(got), flush=True)
+                del model
+                continue
             report["results"][key] = check_model(model, _CONTEXT.value, _WINDOW.value, ks, full)
             del model
             if _TP.value and _ROW_PARTIALS.value:

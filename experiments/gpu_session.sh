@@ -5,8 +5,16 @@
 # Steps: parity parity_split audit audit_qwen3 audit_gemma3 audit_xla kernels
 # kernels_fused spec sweep tuned e2e e2e_b1 e2e_b8 e2e_peers e2e_draftpallas e2e_decompose train pair
 # pair_eval schedsweep attnsweep train_head parity_trees kernels_trees main pair_head
-# e2e_session tree_sweep
+# e2e_session tree_sweep parity_long parity_long_xla context_bench context_bench_128k
 # (default: parity audit kernels spec).
+# - parity_long: the long-context lane of the parity matrix (pallas): a chunked prefill to
+#   depth, then one-token steps, blocks, verify blocks of 1-32 and trees of 16 and 32
+#   nodes at that depth, against serial decoding there ($LONG_MODELS, default
+#   llama3-8b:4; $LONG_CONTEXTS, default 32768,131072); parity_long_xla: the same at
+#   32K on xla, which must show mismatches. context_bench: bench_context.py at the
+#   Llama-3-8B shape (32 layers), contexts 2K-32K, prefill tokens/s and MFU, decode
+#   against the roofline, pallas and xla side by side at 8K; context_bench_128k: 128K
+#   alone (one timed run).
 # - sweep: tuning/sweep_matmul.py, the matmul tile tuning; it writes
 #   $OUT/sweep_matmul_tuned.json, and `tuned` merges that table into the device copy's
 #   pallas_kernels/matmul_tuned.json, so the lane's later steps run with it (commit the
@@ -108,6 +116,19 @@ for s in $steps; do
     parity) timeout "${PARITY_S:-170}" python3 experiments/gpu_parity.py --models=qwen3-8b:4,gemma3-4b:6 \
               --context=8192 --window=48 --options="${PARITY_OPTIONS:-}" --tag="${PARITY_TAG:-}" \
               --out="$OUT" 2>&1 | quiet | tail -40 ;;
+    parity_long) timeout "${PARITY_S:-480}" python3 experiments/gpu_parity.py \
+              --models="${LONG_MODELS:-llama3-8b:4}" --contexts="${LONG_CONTEXTS:-32768,131072}" \
+              --window=48 --trees=16,32 --backends=pallas --tag=long --out="$OUT" 2>&1 \
+              | quiet | tail -30 ;;
+    parity_long_xla) timeout "${PARITY_S:-240}" python3 experiments/gpu_parity.py \
+              --models="${LONG_MODELS:-llama3-8b:4}" --contexts=32768 --window=48 --trees=32 \
+              --backends=xla --tag=long_xla --out="$OUT" 2>&1 | quiet | tail -12 ;;
+    context_bench) timeout "${CONTEXT_S:-480}" python3 experiments/bench_context.py \
+              --preset=llama3-8b --contexts=2048,8192,32768 --xla_contexts=8192 --iters=2 \
+              --out="$OUT" 2>&1 | quiet | tail -12 ;;
+    context_bench_128k) timeout "${CONTEXT_S:-480}" python3 experiments/bench_context.py \
+              --preset=llama3-8b --contexts=131072 --xla_contexts= --iters=1 --tag=128k \
+              --out="$OUT" 2>&1 | quiet | tail -8 ;;
     parity_split) timeout "${PARITY_S:-170}" python3 experiments/gpu_parity.py \
               --models=qwen3-8b:4,gemma3-4b:6 --context=8192 --window=48 --backends=pallas \
               --options="attn_split=${ATTN_SPLIT:-256}" --tag=split --out="$OUT" 2>&1 \

@@ -15,6 +15,12 @@ from collections.abc import Sequence
 
 import numpy as np
 
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing, unreadable, or does not match its config (the message
+    names the file and, where there is one, the tensor). `jspec.CheckpointError`."""
+
+
 # Seeds are int32 scalars on the device: [0, 2**31) is accepted, anything else refused
 # (never wrapped or folded silently).
 SEED_LIMIT = 2**31

@@ -43,6 +43,7 @@ _VALUED = {
     "matmul_schedule": ("kernel", "matmul_schedule", bool),
     "kv_dus": ("kernel", "kv_dus", bool),
     "row_partials": ("kernel", "row_partials", int),
+    "prefill_chunk": ("kernel", "prefill_chunk", int),
     "xla_two_rows": ("draft", "xla_two_rows", bool),
     "xla_pallas_attention": ("draft", "xla_pallas_attention", bool),
     "draft_fused": ("draft", "fused", bool),

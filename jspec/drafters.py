@@ -20,8 +20,9 @@ from flax import struct
 
 from jspec._checks import check_count, check_type
 from jspec.cache import init_cache, rollback
+from jspec.chunked_prefill import prefill
 from jspec.drafting import Drafter, ProposeContext, one_hot_logits, to_target_vocab
-from jspec.feature_head import head_apply, init_head_cache
+from jspec.feature_head import FeatureHead, head_apply, init_head_cache
 from jspec.model import Model, apply
 from jspec.sampling import uniform_noise
 from jspec.tree import TreeInput
@@ -138,9 +139,10 @@ class ModelDrafter(Drafter):
 
     def init(self, tokens, lens, max_len: int, gamma: int, features=None) -> ModelDraftState:
         cache = init_cache(self.model, tokens.shape[0], max_len)
-        logits, cache = apply(self.model, tokens, cache)
-        last = jnp.take_along_axis(logits, (lens - 1)[:, None, None], axis=1)[:, 0]
-        return ModelDraftState(cache=rollback(cache, lens), next_logits=last)
+        cache, _ = prefill(self.model, tokens, lens, cache)  # chunked, no LM head: at lens - 1
+        last = jnp.take_along_axis(tokens, (lens - 1)[:, None], axis=1)  # [B, 1]
+        logits, cache = apply(self.model, last, cache)  # the last prompt token's logits
+        return ModelDraftState(cache=cache, next_logits=logits[:, 0])
 
     def propose(self, state: ModelDraftState, ctx: ProposeContext):
         sample = ctx.draft_sampler
@@ -452,7 +454,6 @@ class FeatureDrafter(Drafter):
     head: object  # FeatureHead
 
     def __post_init__(self):
-        from jspec.feature_head import FeatureHead
 
         check_type("FeatureDrafter's head", self.head, FeatureHead,
                    "a jspec.FeatureHead (jspec.load_eagle3, feature_head.random_head)")

@@ -1,10 +1,13 @@
 """Serial decoding: the baseline every speculative run must reproduce.
 
 Prompts of different lengths are placed left-aligned: row b holds its prompt at
-absolute positions 0..len_b-1. Prefill runs one forward over the prompts padded
-to the longest; the pad entries written past a row's length are then dropped by
-rolling that row back to len_b (they are overwritten before anything reads
-them). The next-token logits of row b are those at position len_b - 1.
+absolute positions 0..len_b-1. The prefill (`jspec.chunked_prefill`: fixed-size
+chunks, no LM head) writes the prompts padded to the longest and rolls row b back to
+len_b - 1, dropping the pad entries (they are overwritten before anything reads them)
+and leaving the last prompt token `cur`. Every step forwards `cur` (one token), samples
+the next token from those logits and makes it `cur`: the first step computes the logits
+at position len_b - 1, bitwise those of any other call (property P), and no other
+prompt position ever gets an LM head (rule R10).
 
 The whole generation is one jitted `lax.while_loop` (run by the host a chunk of steps
 at a time, `jspec.loop`); `generate_stream` runs the same step from the host and yields
@@ -25,7 +28,8 @@ import numpy as np
 from flax import struct
 
 from jspec._checks import check_bool, check_ints, check_seed, check_type
-from jspec.cache import KVCache, init_cache, rollback
+from jspec.cache import KVCache, init_cache
+from jspec.chunked_prefill import prefill as chunked_prefill
 from jspec.loop import bucket, check_count, raise_non_finite, run_chunked, token_bar
 from jspec.model import COMPILER_OPTIONS, Model, apply, check_tokens
 from jspec.sampling import Greedy, Sample
@@ -82,10 +86,11 @@ def pad_prompts(prompts, vocab_size: int, length: int | None = None
 
 
 def _prefill(model: Model, tokens, prompt_lens, cache: KVCache):
-    """tokens [B, P]; prompt_lens [B] -> (last logits [B, V], cache at prompt_lens)."""
-    logits, cache = apply(model, tokens, cache)  # [B, P, V]
-    last = jnp.take_along_axis(logits, (prompt_lens - 1)[:, None, None], axis=1)[:, 0]
-    return last, rollback(cache, prompt_lens)
+    """tokens [B, P]; prompt_lens [B] -> (cache at prompt_lens - 1, cur [B]: each row's last
+    prompt token, which the first step forwards). Chunked, no LM head."""
+    cache, _ = chunked_prefill(model, tokens, prompt_lens, cache)
+    cur = jnp.take_along_axis(tokens, (prompt_lens - 1)[:, None], axis=1)[:, 0]
+    return cache, cur
 
 
 def first_non_finite(logits, live):
@@ -103,8 +108,9 @@ class DecodeState:
 
     Attributes:
       step: [] int32, tokens sampled so far.
-      cache: KV cache; lengths[b] is the position of row b's next token.
-      logits: [B, V] f32, next-token logits.
+      cache: KV cache; lengths[b] is the position of `cur`, which it does not hold yet.
+      cur: [B] int32, the token the next step forwards (the last prompt token, then the
+        last sampled one; 0 in a stopped row).
       out: [B, N] int32 generated tokens, PAD after a stop.
       done: [B] bool, the row emitted a stop token.
       num: [B] int32 tokens generated per row.
@@ -114,7 +120,7 @@ class DecodeState:
 
     step: jax.Array
     cache: KVCache
-    logits: jax.Array
+    cur: jax.Array
     out: jax.Array
     done: jax.Array
     num: jax.Array
@@ -123,27 +129,28 @@ class DecodeState:
 
 
 def _step(model: Model, state: DecodeState, seed, sampler, stop_tokens: tuple[int, ...]):
-    """Samples one token per row, records it, and runs the one-token forward."""
-    B = state.logits.shape[0]
+    """Forwards `cur` (one token), samples the next token per row from its logits and
+    records it; that token is the next `cur`."""
+    B = state.cur.shape[0]
     rows = jnp.arange(B, dtype=jnp.int32)
+    fwd = apply(model, state.cur[:, None], state.cache)
+    logits, cache = fwd.logits[:, 0], fwd.cache  # [B, V]: the next token's logits
     live = ~state.done
-    bad, row = first_non_finite(state.logits, live)
+    bad, row = first_non_finite(logits, live)
     live = live & ~bad  # nothing is sampled from broken logits
-    tok = sampler(state.logits, seed, rows, state.cache.lengths)  # [B]
+    tok = sampler(logits, seed, rows, cache.lengths)  # [B], at position cache.lengths
     out = state.out.at[:, state.step].set(jnp.where(live, tok, PAD))
     is_stop = jnp.isin(tok, jnp.asarray(stop_tokens, jnp.int32)) if stop_tokens else False
     done = state.done | (live & is_stop)
     num = state.num + live.astype(jnp.int32)
-    logits, cache = apply(model, jnp.where(live, tok, 0)[:, None], state.cache)
-    bad_at = jnp.where(bad & ~state.bad, jnp.stack([row, state.cache.lengths[row]]),
-                       state.bad_at)
-    return DecodeState(state.step + 1, cache, logits[:, 0], out, done, num,
+    bad_at = jnp.where(bad & ~state.bad, jnp.stack([row, cache.lengths[row]]), state.bad_at)
+    return DecodeState(state.step + 1, cache, jnp.where(live, tok, 0), out, done, num,
                        state.bad | bad, bad_at)
 
 
-def _init_state(cache, logits, max_new_tokens):
-    B = logits.shape[0]
-    return DecodeState(step=jnp.int32(0), cache=cache, logits=logits,
+def _init_state(cache, cur, max_new_tokens):
+    B = cur.shape[0]
+    return DecodeState(step=jnp.int32(0), cache=cache, cur=cur,
                        out=jnp.full((B, max_new_tokens), PAD, jnp.int32),
                        done=jnp.zeros((B,), bool), num=jnp.zeros((B,), jnp.int32),
                        bad=jnp.zeros((), bool), bad_at=jnp.full((2,), -1, jnp.int32))
@@ -250,8 +257,8 @@ def generate(model: Model, prompts, *, max_new_tokens: int, sampler=GREEDY,
     tokens, lens, cache = _setup(model, prompts, max_new_tokens, max_len, stop_tokens)
     max_len = cache.max_len
     t0 = time.perf_counter()
-    logits, cache = prefill(model, jnp.asarray(tokens), jnp.asarray(lens), cache)
-    state = init_state(cache, logits, max_new_tokens)
+    cache, cur = prefill(model, jnp.asarray(tokens), jnp.asarray(lens), cache)
+    state = init_state(cache, cur, max_new_tokens)
     jax.block_until_ready(state)
     t1 = time.perf_counter()
     seed = jnp.int32(seed)
@@ -291,8 +298,8 @@ def generate_stream(model: Model, prompts, *, max_new_tokens: int, sampler=GREED
 
 
 def _stream(model, tokens, lens, cache, max_new_tokens, sampler, stop_tokens, seed):
-    logits, cache = prefill(model, jnp.asarray(tokens), jnp.asarray(lens), cache)
-    state = _init_state(cache, logits, max_new_tokens)
+    cache, cur = prefill(model, jnp.asarray(tokens), jnp.asarray(lens), cache)
+    state = _init_state(cache, cur, max_new_tokens)
     for i in range(max_new_tokens):
         state = _step_jit(model, state, jnp.int32(seed), sampler, stop_tokens)
         raise_non_finite(state.bad, state.bad_at, "serial decoding")

@@ -34,7 +34,7 @@ from jax.sharding import Mesh
 from safetensors import safe_open
 
 from jspec import hf_names, sharding
-from jspec._checks import check_bool, check_path, check_type
+from jspec._checks import CheckpointError, check_bool, check_path, check_type
 from jspec.config import (
     TEXT_OF_MULTIMODAL,
     ModelConfig,
@@ -61,11 +61,6 @@ TEXT_PREFIXES, LM_HEAD_NAMES = hf_names.TEXT_PREFIXES, hf_names.LM_HEAD_NAMES
 MULTIMODAL_EXTRAS = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
                      "model.multi_modal_projector.")
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint is missing, unreadable, or does not match its config (the message
-    names the file and, where there is one, the tensor)."""
 
 
 def np_dtype(name: str):

@@ -75,7 +75,8 @@ class Forward:
     model, a draft's latency path).
 
     Attributes:
-      logits: [B, T, V] f32 (V: the head's width; fewer columns for a pruned draft head).
+      logits: [B, T, V] f32 (V: the head's width; fewer columns for a pruned draft head),
+        or None from `apply(..., logits=False)` (no LM head: a prefill chunk).
       cache: the new `KVCache` (each row's length advanced by T).
       features: [B, T, n D] the hidden states entering the layers asked for with
         `features=` (concatenated in that order), or None when none were asked for.
@@ -83,7 +84,7 @@ class Forward:
     It unpacks as the pair (logits, cache): `logits, cache = jspec.forward(...)`.
     """
 
-    logits: jax.Array
+    logits: jax.Array | None
     cache: KVCache
     features: jax.Array | None = None
 
@@ -282,7 +283,7 @@ def with_options(model: Model, *options: KernelOptions | DraftOptions, **fields)
 
 
 def apply(model: Model, tokens: jax.Array, cache: KVCache, *, features: tuple[int, ...] = (),
-          tree=None):
+          tree=None, logits: bool = True):
     """The forward pass, traceable (call it inside jit, scan or while_loop).
 
     tokens [B, T] int32 are appended at each row's length; returns a `Forward` (logits
@@ -300,9 +301,17 @@ def apply(model: Model, tokens: jax.Array, cache: KVCache, *, features: tuple[in
     but placed at logical positions root + depth (RoPE) and attending over the prefix
     (positions < root) and their own ancestors in depth order (rule R7): a node's logits
     are bitwise those serial decoding computes after its root path.
+
+    logits: False skips the LM head (and the final softcap): `Forward.logits` is None,
+    the cache and features are as usual. A prefill chunk runs so (rule R10: only the
+    positions that are sampled or verified get a head; by property P their logits are
+    the same bits whichever call computes them). Static: a Python bool.
     """
+    if not isinstance(logits, bool):
+        raise TypeError(f"logits={logits!r} must be a bool (static)")
     if model.parallel is not None and not model.parallel.inside:  # per shard, shard_map
-        return model.parallel.apply(model, tokens, cache, features=features, tree=tree)
+        return model.parallel.apply(model, tokens, cache, features=features, tree=tree,
+                                    logits=logits)
     cfg, opt = model.config, model.options
     B, T = tokens.shape
     fused_draft.check_layout(model)
@@ -315,7 +324,8 @@ def apply(model: Model, tokens: jax.Array, cache: KVCache, *, features: tuple[in
                          "latency path); turn it off for a model that feeds a feature head")
     if model.draft_options.fused:
         if fused_draft.takes(B, T) and tree is None:
-            return Forward(*fused_draft.forward(model, tokens, cache))
+            out = Forward(*fused_draft.forward(model, tokens, cache))
+            return out if logits else out.replace(logits=None)
         model = model.replace(params=fused_draft.standard_params(model.params))
     params = model.params
     ops = ops_for(opt)
@@ -371,20 +381,27 @@ def apply(model: Model, tokens: jax.Array, cache: KVCache, *, features: tuple[in
     x, h = add_norm(ops, model, x, o, params["final_norm"])
     if cfg.num_layers in features:
         hidden[cfg.num_layers] = x[: B * T]
-    logits = ops.matmul(h, params["lm_head"], out_dtype=jnp.float32,
+    new_cache = cache.replace(k=tuple(new_k), v=tuple(new_v), lengths=lengths + T)
+    out = lm_head(ops, model, h, B, T) if logits else None  # [B, T, V] or None
+    if not features:
+        return Forward(out, new_cache)
+    feats = jnp.concatenate([hidden[i] for i in features], axis=-1)  # [B*T, len * D]
+    return Forward(out, new_cache, feats.reshape(B, T, -1))
+
+
+def lm_head(ops, model: Model, h, B: int, T: int):
+    """The final-normed rows h [Mp, D] (Mp >= B*T) -> logits [B, T, V] f32 (V: the head's
+    width, fewer columns for a draft's pruned head, `ModelDrafter.pruned`), softcapped
+    where the config says."""
+    cfg, opt = model.config, model.options
+    logits = ops.matmul(h, model.params["lm_head"], out_dtype=jnp.float32,
                         row_group=opt.matmul_row_group, schedule=opt.matmul_schedule,
-                        config=column_config(model, params["lm_head"]))[: B * T]  # [B*T, V]
+                        config=column_config(model, model.params["lm_head"]))[: B * T]
     if model.parallel is not None:  # vocabulary-parallel head: the shards' columns in order
         logits = jax.lax.all_gather(logits, model.parallel.axis, axis=1, tiled=True)
     if cfg.final_softcap is not None:
         logits = ops.softcap(logits, cfg.final_softcap)
-    new_cache = cache.replace(k=tuple(new_k), v=tuple(new_v), lengths=lengths + T)
-    # The head's width: V, or fewer columns for a draft's pruned head (ModelDrafter.pruned).
-    logits = logits.reshape(B, T, -1)
-    if not features:
-        return Forward(logits, new_cache)
-    feats = jnp.concatenate([hidden[i] for i in features], axis=-1)  # [B*T, len * D]
-    return Forward(logits, new_cache, feats.reshape(B, T, -1))
+    return logits.reshape(B, T, -1)
 
 
 forward_jit = jax.jit(apply, donate_argnames=("cache",), compiler_options=COMPILER_OPTIONS)

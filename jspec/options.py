@@ -69,6 +69,9 @@ class KernelOptions:
         partials over equal K chunks, added left to right: the same bits at every
         tensor-parallel degree dividing S (one device included); 1: one K loop.
         Numeric: each S gives its own bits.
+      prefill_chunk: a prompt is prefilled in chunks of this many tokens (the last one
+        shorter), with no LM head (`jspec.generate.prefill`): memory, not numerics;
+        every chunk size gives the same bits (property P).
     """
 
     backend: str = "pallas"
@@ -85,6 +88,7 @@ class KernelOptions:
     kv_dus: bool = True
     row_partials: int = 1
     lowering: str = "triton"
+    prefill_chunk: int = 2048
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
@@ -105,6 +109,10 @@ class KernelOptions:
             _power_of_two("attn_split_rows", self.attn_split_rows, 16)
         if not isinstance(self.row_partials, int) or self.row_partials < 1:
             raise ValueError(f"row_partials={self.row_partials!r} must be an int >= 1")
+        if (isinstance(self.prefill_chunk, bool) or not isinstance(self.prefill_chunk, int)
+                or self.prefill_chunk < 1):
+            raise ValueError(f"prefill_chunk={self.prefill_chunk!r} must be an int >= 1 "
+                             "(tokens a prefill chunk)")
 
     def replace(self, **fields) -> KernelOptions:
         return dataclasses.replace(self, **fields)
@@ -218,7 +226,8 @@ class Parallel:
     # The hooks through which `jspec.model.apply` and `jspec.init_cache` reach a
     # parallel model's implementation (`jspec.sharding.MeshParallel`) without importing
     # it: the library's modules form no import cycle.
-    def apply(self, model, tokens, cache, *, features: tuple[int, ...] = (), tree=None):
+    def apply(self, model, tokens, cache, *, features: tuple[int, ...] = (), tree=None,
+              logits: bool = True):
         """The forward of the model a user holds (inside=False): tokens [B, T] -> a
         `jspec.model.Forward` as `jspec.model.apply` returns it."""
         raise NotImplementedError(f"{type(self).__name__} has no forward: make a parallel "

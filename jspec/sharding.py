@@ -74,8 +74,10 @@ class MeshParallel(Parallel):
     mesh: Mesh | None = None
     replicated: bool = False
 
-    def apply(self, model, tokens, cache, *, features: tuple[int, ...] = (), tree=None):
-        return apply_sharded(model, tokens, cache, features=features, tree=tree)
+    def apply(self, model, tokens, cache, *, features: tuple[int, ...] = (), tree=None,
+              logits: bool = True):
+        return apply_sharded(model, tokens, cache, features=features, tree=tree,
+                             logits=logits)
 
     def init_cache(self, model, batch_size: int, max_len: int):
         return init_cache(model, batch_size, max_len)
@@ -289,11 +291,11 @@ def shard(model: Model, mesh: Mesh, *, axis: str = AXIS, row_partials: int | Non
 
 
 def apply_sharded(model: Model, tokens: jax.Array, cache: KVCache, *,
-                  features: tuple[int, ...] = (), tree=None):
+                  features: tuple[int, ...] = (), tree=None, logits: bool = True):
     """`jspec.model.apply` of a sharded model: the per-shard forward under `shard_map`.
     tokens [B, T] (and a tree's inputs) and the cache lengths replicated, K/V split by kv
-    head; returns the logits [B, T, V] (gathered in shard order), the cache (and
-    features) as `apply` does."""
+    head; returns the logits [B, T, V] (gathered in shard order; None with
+    logits=False), the cache (and features) as `apply` does."""
     par = model.parallel
     if not isinstance(par, MeshParallel) or par.mesh is None:
         raise ValueError("a sharded model needs its mesh: make it with jspec.sharding.shard")
@@ -308,12 +310,15 @@ def apply_sharded(model: Model, tokens: jax.Array, cache: KVCache, *,
     extra = {} if tree is None else {"tree": tree}  # jspec.tree.TreeInput, replicated
 
     def body(params, tokens, cache, extra):
-        return apply(inner.replace(params=params), tokens, cache, features=features, **extra)
+        return apply(inner.replace(params=params), tokens, cache, features=features,
+                     logits=logits, **extra)
 
-    out_specs = Forward(P(), cspecs, P() if features else None)
+    out_specs = Forward(P() if logits else None, cspecs, P() if features else None)
     run = jax.shard_map(body, mesh=par.mesh, in_specs=(pspecs, P(), cspecs, P()),
                         out_specs=out_specs, check_vma=False)
     out = run(model.params, tokens, cache, extra)
+    if not logits:
+        return out
     # the vocabulary padding's columns dropped
     return out.replace(logits=out.logits[..., : cfg.vocab_size])
 

@@ -31,6 +31,7 @@ from flax import struct
 
 from jspec._checks import check_bool, check_ints, check_seed, check_type
 from jspec.cache import init_cache, rollback
+from jspec.chunked_prefill import prefill as chunked_prefill
 from jspec.drafters import FeatureDrafter, ModelDrafter, OracleDrafter, PromptLookupDrafter
 from jspec.drafting import ProposeContext, check_drafter, grows_trees
 from jspec.generate import PAD, first_non_finite, pad_prompts, plan_shapes
@@ -181,9 +182,10 @@ def feature_layers(drafter) -> tuple[int, ...]:
 def _prefill(target: Model, drafter, tokens, lens, seed, *, spec: SpecConfig, max_len: int):
     B = tokens.shape[0]
     cache = init_cache(target, B, max_len)
-    fwd = apply(target, tokens, cache, features=feature_layers(drafter))
-    cache, feats = fwd.cache, fwd.features
-    cache = rollback(cache, lens - 1)  # cur = the last prompt token, recomputed by verify
+    # Chunked, no LM head; the cache stops at lens - 1: cur = the last prompt token, which
+    # the first verify block computes (the logits it samples from).
+    cache, feats = chunked_prefill(target, tokens, lens, cache,
+                                   features=feature_layers(drafter))
     cur = jnp.take_along_axis(tokens, (lens - 1)[:, None], axis=1)[:, 0]
     extra = {} if feats is None else {"features": feats}  # only feature drafters take them
     draft = drafter.init(tokens, lens, max_len, spec.depth, **extra)

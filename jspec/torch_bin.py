@@ -25,6 +25,8 @@ import zipfile
 import ml_dtypes
 import numpy as np
 
+from jspec._checks import CheckpointError
+
 # torch.<Type>Storage -> numpy dtype (the storage element types of a state dict).
 STORAGE_DTYPES = {
     "FloatStorage": np.dtype(np.float32), "DoubleStorage": np.dtype(np.float64),
@@ -37,8 +39,6 @@ STORAGE_DTYPES = {
 
 
 def _error(msg: str) -> Exception:
-    from jspec.loading import CheckpointError  # loading imports this module
-
     return CheckpointError(msg)
 
 

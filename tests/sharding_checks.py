@@ -238,7 +238,9 @@ def check_spec(args):
     from jspec.feature_head import random_head
     from jspec.tree import TreeConfig
 
-    target = _load(args.family, "float32")
+    # The prompts prefilled in chunks of 5 (a shard_map per chunk inside the chunk loop);
+    # every chunk size gives the same bits.
+    target = jspec.with_options(_load(args.family, "float32"), prefill_chunk=5)
     mesh = sharding.make_mesh(args.tp[0])
     sharded = sharding.shard(target, mesh)
     prompts = _prompts(args.family)

@@ -1,0 +1,73 @@
+"""Prefill in fixed-size chunks, with no LM head (rule R10).
+
+Every public path (serial and speculative generation, streams, the text API, the CLIs,
+sharded models, a draft model's own prefill) writes its prompts into the cache through
+`prefill`. Two things keep a long prompt's memory at the size of its KV cache:
+
+- no position of a prefill chunk gets an LM head: the logits of a batch of P prompt
+  positions would be [B, P, V] f32 (19 GB at P = 32K, V = 151,936), and nothing reads
+  them. The last prompt token is left out of the cache (each row is rolled back to
+  lens - 1) and computed, with its logits, by the first decode step or verify block. By
+  property P those are the bits any other call computing that position gives.
+- the prompt runs in chunks of C = `KernelOptions.prefill_chunk` tokens, so the
+  activations of one call are [B, C, ...] whatever P is. The chunks are one
+  `lax.fori_loop` over a `dynamic_slice` of the tokens: one compiled forward body for
+  any P. Chunks wholly past every row's prompt (length-bucket padding) are not run.
+  When C does not divide P the last chunk starts at P - C and recomputes a few
+  positions of the one before; on the `pallas` backend those are the same bits (P
+  again), so the cache is bitwise the same for every C.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jspec.cache import KVCache, rollback
+from jspec.model import COMPILER_OPTIONS, Model, apply
+
+
+def prefill(model: Model, tokens, lens, cache: KVCache, *, features: tuple[int, ...] = ()
+            ) -> tuple[KVCache, jax.Array | None]:
+    """Writes prompts into the cache in chunks, with no LM head; traceable.
+
+    tokens [B, P] int32: row b's prompt in its first lens[b] slots (anything after: the
+    entries are written and then dropped); lens [B] int32 >= 1. The tokens go at each
+    row's current length `start` (0 for a fresh cache).
+
+    Returns (cache, feats): the cache with row b's length start + lens[b] - 1 (its last
+    prompt token is for the next call to compute, with the logits it samples from), and
+    with `features` (layer indices, as `jspec.model.apply` takes them) the hidden states
+    entering those layers at every slot [B, P, n D] (zeros in chunks past every prompt),
+    else None.
+    """
+    B, P = tokens.shape
+    start = cache.lengths
+    C = min(model.options.prefill_chunk, P)
+    if C == P:  # one chunk: the plain call
+        out = apply(model, tokens, cache, features=features, logits=False)
+        return rollback(out.cache, start + lens - 1), out.features
+
+    def run(s, cache):  # the chunk of tokens[:, s: s + C]
+        toks = jax.lax.dynamic_slice_in_dim(tokens, s, C, axis=1)  # [B, C]
+        return apply(model, toks, rollback(cache, start + s), features=features, logits=False)
+
+    def body(i, carry):
+        cache, feats = carry
+        s = jnp.minimum(i * C, P - C)  # the last chunk ends at P (it may overlap)
+        out = run(s, cache)
+        if feats is not None:
+            feats = jax.lax.dynamic_update_slice_in_dim(feats, out.features, s, axis=1)
+        return out.cache, feats
+
+    feats = None
+    if features:  # [B, P, n D] in the features' dtype
+        like = jax.eval_shape(run, jnp.int32(0), cache).features
+        feats = jnp.zeros((B, P, like.shape[-1]), like.dtype)
+    live = (jnp.max(lens).astype(jnp.int32) + C - 1) // C  # chunks holding a prompt token
+    cache, feats = jax.lax.fori_loop(0, jnp.minimum(live, -(-P // C)), body, (cache, feats))
+    return rollback(cache, start + lens - 1), feats
+
+
+prefill_jit = jax.jit(prefill, static_argnames=("features",), donate_argnames=("cache",),
+                      compiler_options=COMPILER_OPTIONS)
