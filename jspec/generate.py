@@ -81,16 +81,42 @@ def pad_prompts(prompts, vocab_size: int, length: int | None = None
 
 
 def _prefill(model: Model, tokens, prompt_lens, cache: KVCache):
-    """tokens [B, P]; prompt_lens [B] -> (last logits [B, V], cache at prompt_lens)."""
-    logits, cache = apply(model, tokens, cache)  # [B, P, V]
-    last = jnp.take_along_axis(logits, (prompt_lens - 1)[:, None, None], axis=1)[:, 0]
-    return last, rollback(cache, prompt_lens)
+    """tokens [B, P]; prompt_lens [B] -> (last logits [B, V], cache at prompt_lens, flags
+    [B, 2]: each row's first flagged prompt position's (`Forward.bad` code, position), or
+    (-1, -1))."""
+    out = apply(model, tokens, cache)  # logits [B, P, V]
+    last = jnp.take_along_axis(out.logits, (prompt_lens - 1)[:, None, None], axis=1)[:, 0]
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+    flags = row_flags(out.bad, positions, positions < prompt_lens[:, None])
+    return last, rollback(out.cache, prompt_lens), flags
 
 
-def first_non_finite(logits, live):
-    """logits [B, ..., V], live [B] -> (any non-finite in a live row [] bool, its row [])."""
-    bad = ~jnp.all(jnp.isfinite(logits.reshape(logits.shape[0], -1)), axis=-1) & live
-    return jnp.any(bad), jnp.argmax(bad).astype(jnp.int32)
+def row_flags(bad, positions, counted=None):
+    """bad [B, T] int32 (`Forward.bad` of one call), positions [B, T] of its slots,
+    counted [B, T] bool (default all) -> [B, 2] (code, position) of each row's first flagged
+    counted slot, or (-1, -1)."""
+    flagged = bad >= 0
+    if counted is not None:
+        flagged = flagged & counted
+    t = jnp.argmax(flagged, axis=1)[:, None]
+    code = jnp.take_along_axis(bad, t, axis=1)[:, 0]
+    pos = jnp.take_along_axis(positions, t, axis=1)[:, 0]
+    hit = jnp.any(flagged, axis=1)
+    return jnp.stack([jnp.where(hit, code, -1), jnp.where(hit, pos, -1)],
+                     axis=1).astype(jnp.int32)
+
+
+def first_non_finite(logits, live, flags=None):
+    """logits [B, ..., V], live [B], flags [B, 2] (`row_flags`: the forward that made the
+    logits saw its activations go wrong) -> (a live row is broken [] bool, its row [],
+    (code, position) [2] of what its forward flagged, (-1, -1) when only its logits hold
+    NaN or inf)."""
+    bad = ~jnp.all(jnp.isfinite(logits.reshape(logits.shape[0], -1)), axis=-1)
+    if flags is None:
+        flags = jnp.full((logits.shape[0], 2), -1, jnp.int32)
+    bad = (bad | (flags[:, 0] >= 0)) & live
+    row = jnp.argmax(bad).astype(jnp.int32)
+    return jnp.any(bad), row, flags[row]
 
 
 prefill = jax.jit(_prefill, donate_argnames=("cache",), compiler_options=COMPILER_OPTIONS)
@@ -107,8 +133,11 @@ class DecodeState:
       out: [B, N] int32 generated tokens, PAD after a stop.
       done: [B] bool, the row emitted a stop token.
       num: [B] int32 tokens generated per row.
-      bad: [] bool, the logits a live row samples from hold NaN or inf (the loop stops).
-      bad_at: [2] int32 (row, position) of the first such logits.
+      flags: [B, 2] int32 (`Forward.bad` code, position) of what the forward that made a
+        row's logits flagged, or (-1, -1).
+      bad: [] bool, the logits a live row samples from hold NaN or inf, or their forward
+        flagged its activations (the loop stops).
+      bad_at: [3] int32 (row, position, code) of the first such logits (`raise_non_finite`).
     """
 
     step: jax.Array
@@ -117,6 +146,7 @@ class DecodeState:
     out: jax.Array
     done: jax.Array
     num: jax.Array
+    flags: jax.Array
     bad: jax.Array
     bad_at: jax.Array
 
@@ -126,26 +156,31 @@ def _step(model: Model, state: DecodeState, seed, sampler, stop_tokens: tuple[in
     B = state.logits.shape[0]
     rows = jnp.arange(B, dtype=jnp.int32)
     live = ~state.done
-    bad, row = first_non_finite(state.logits, live)
+    bad, row, flag = first_non_finite(state.logits, live, state.flags)
     live = live & ~bad  # nothing is sampled from broken logits
     tok = sampler(state.logits, seed, rows, state.cache.lengths)  # [B]
     out = state.out.at[:, state.step].set(jnp.where(live, tok, PAD))
     is_stop = jnp.isin(tok, jnp.asarray(stop_tokens, jnp.int32)) if stop_tokens else False
     done = state.done | (live & is_stop)
     num = state.num + live.astype(jnp.int32)
-    logits, cache = apply(model, jnp.where(live, tok, 0)[:, None], state.cache)
-    bad_at = jnp.where(bad & ~state.bad, jnp.stack([row, state.cache.lengths[row]]),
-                       state.bad_at)
-    return DecodeState(state.step + 1, cache, logits[:, 0], out, done, num,
+    fwd = apply(model, jnp.where(live, tok, 0)[:, None], state.cache)
+    at = jnp.where(flag[0] >= 0, jnp.stack([row, flag[1], flag[0]]),
+                   jnp.stack([row, state.cache.lengths[row], jnp.int32(-1)]))
+    bad_at = jnp.where(bad & ~state.bad, at, state.bad_at)
+    flags = row_flags(fwd.bad, state.cache.lengths[:, None])
+    return DecodeState(state.step + 1, fwd.cache, fwd.logits[:, 0], out, done, num, flags,
                        state.bad | bad, bad_at)
 
 
-def _init_state(cache, logits, max_new_tokens):
+def _init_state(cache, logits, max_new_tokens, flags=None):
     B = logits.shape[0]
+    if flags is None:
+        flags = jnp.full((B, 2), -1, jnp.int32)
     return DecodeState(step=jnp.int32(0), cache=cache, logits=logits,
                        out=jnp.full((B, max_new_tokens), PAD, jnp.int32),
                        done=jnp.zeros((B,), bool), num=jnp.zeros((B,), jnp.int32),
-                       bad=jnp.zeros((), bool), bad_at=jnp.full((2,), -1, jnp.int32))
+                       flags=flags, bad=jnp.zeros((), bool),
+                       bad_at=jnp.full((3,), -1, jnp.int32))
 
 
 init_state = jax.jit(_init_state, static_argnums=(2,), donate_argnums=(0,))
@@ -222,8 +257,8 @@ def generate(model: Model, prompts, *, max_new_tokens: int, sampler=GREEDY,
     tokens, lens, cache = _setup(model, prompts, max_new_tokens, max_len, stop_tokens)
     max_len = cache.max_len
     t0 = time.perf_counter()
-    logits, cache = prefill(model, jnp.asarray(tokens), jnp.asarray(lens), cache)
-    state = init_state(cache, logits, max_new_tokens)
+    logits, cache, flags = prefill(model, jnp.asarray(tokens), jnp.asarray(lens), cache)
+    state = init_state(cache, logits, max_new_tokens, flags)
     jax.block_until_ready(state)
     t1 = time.perf_counter()
     seed = jnp.int32(seed)
@@ -237,7 +272,7 @@ def generate(model: Model, prompts, *, max_new_tokens: int, sampler=GREEDY,
                                 or bool(s.bad)),
             progress=lambda s: update(int(jnp.sum(s.num))))
     t2 = time.perf_counter()
-    raise_non_finite(state.bad, state.bad_at, "serial decoding")
+    raise_non_finite(state.bad, state.bad_at, "serial decoding", model.config.num_layers)
     num = np.asarray(state.num)
     return GenerateOutput(tokens=np.asarray(state.out), num_tokens=num, prompt_lens=lens,
                           stats=_stats(num, tokens, max_len, t1 - t0, t2 - t1))
@@ -256,11 +291,11 @@ def generate_stream(model: Model, prompts, *, max_new_tokens: int, sampler=GREED
     """
     stop_tokens = tuple(int(t) for t in stop_tokens)
     tokens, lens, cache = _setup(model, prompts, max_new_tokens, max_len, stop_tokens)
-    logits, cache = prefill(model, jnp.asarray(tokens), jnp.asarray(lens), cache)
-    state = _init_state(cache, logits, max_new_tokens)
+    logits, cache, flags = prefill(model, jnp.asarray(tokens), jnp.asarray(lens), cache)
+    state = _init_state(cache, logits, max_new_tokens, flags)
     for i in range(max_new_tokens):
         state = _step_jit(model, state, jnp.int32(seed), sampler, stop_tokens)
-        raise_non_finite(state.bad, state.bad_at, "serial decoding")
+        raise_non_finite(state.bad, state.bad_at, "serial decoding", model.config.num_layers)
         yield np.asarray(state.out[:, i])
         if bool(jnp.all(state.done)):
             return
