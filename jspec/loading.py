@@ -120,7 +120,11 @@ def display_name(path: str) -> str:
 
 class TensorReader:
     """Looks tensors up by name across one or several safetensors files, records which
-    were read, and rejects non-finite values."""
+    were read, and rejects non-finite values and weights that are not floating point (an
+    integer or bool tensor would be cast to float without a word)."""
+
+    # Tensors stored as integers or bools by design: an EAGLE-3 head's vocabulary maps.
+    INDEX_TENSORS = frozenset({"d2t", "t2d"})
 
     def __init__(self, path: str):
         self.path = path
@@ -176,7 +180,12 @@ class TensorReader:
             arr = handle.get_tensor(name)
         except Exception as e:
             raise CheckpointError(f"{fn}: could not read tensor {name!r}: {e}") from e
-        if np.issubdtype(arr.dtype, np.floating) or arr.dtype == ml_dtypes.bfloat16:
+        floating = np.issubdtype(arr.dtype, np.floating) or arr.dtype in (
+            ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2)
+        if not floating and name not in self.INDEX_TENSORS:
+            raise CheckpointError(f"tensor {name!r} in {fn} has dtype {arr.dtype}; a weight "
+                                  "must be floating point (float32, bfloat16, float16, ...)")
+        if floating:
             bad = arr.size - int(np.count_nonzero(np.isfinite(arr)))
             if bad:
                 nan = int(np.count_nonzero(np.isnan(arr)))
@@ -465,7 +474,7 @@ def load_hf(path: str | os.PathLike, *, dtype: Any = "bfloat16", backend: str = 
         interpret = default_interpret()
     path = resolve_checkpoint(path)
     hf = read_hf_config(path)
-    cfg = from_hf_config(hf, dtype=dtype)
+    cfg = from_hf_config(hf, dtype=dtype, source=os.path.join(path, "config.json"))
     options = KernelOptions(backend=backend, interpret=interpret)
     reader = TensorReader(path)
     nbytes = reader.nbytes()

@@ -39,6 +39,7 @@ the same program (`jax.distributed`).
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable
 
 import jax
@@ -349,7 +350,7 @@ def load_sharded(path: str, mesh: Mesh, *, axis: str = AXIS, dtype="bfloat16",
         interpret = loading.default_interpret()
     path = loading.resolve_checkpoint(path)
     hf = loading.read_hf_config(path)
-    cfg = from_hf_config(hf, dtype=dtype)
+    cfg = from_hf_config(hf, dtype=dtype, source=os.path.join(path, "config.json"))
     size = degree(mesh, axis)
     options = _options(KernelOptions(backend=backend, interpret=interpret), size, row_partials)
     check_degree(cfg, size, options.row_partials)
