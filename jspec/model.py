@@ -228,7 +228,7 @@ def attention_block(ops, model: Model, lp, h, k_buf, v_buf, pos, lengths, cos, s
             k = rms_norm(ops, cfg, k.reshape(-1, hd), lp["k_norm"])
         q = ops.rope(q.reshape(B * T, H, hd), cos, sin)  # [B*T, H, hd]
         k = ops.rope(k.reshape(B * T, Hkv, hd), cos, sin)  # [B*T, Hkv, hd]
-        qk_bad = nonfinite_rows(q) | nonfinite_rows(k)
+        qk_bad = nonfinite_rows(jnp.concatenate([q, k], axis=1))  # one reduction
     k_new = k.reshape(B, T, Hkv, hd).transpose(0, 2, 1, 3)  # [B, Hkv, T, hd]
     v_new = v.reshape(B, T, Hkv, hd).transpose(0, 2, 1, 3)
     # New K/V go into the cache before attention reads it (rule R3).
