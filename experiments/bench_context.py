@@ -95,7 +95,7 @@ def bench_prefill(model, tokens, max_len: int, iters: int):
     for _ in range(iters + 1):
         cache = jax.block_until_ready(jspec.init_cache(model, 1, max_len))
         t0 = time.perf_counter()
-        cache, cur = jax.block_until_ready(serial_prefill(model, tokens, lens, cache))
+        cache, cur, _ = jax.block_until_ready(serial_prefill(model, tokens, lens, cache))
         ts.append(time.perf_counter() - t0)
     return cache, cur, statistics.median(ts[1:]), ts[0]
 

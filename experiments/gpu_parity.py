@@ -41,13 +41,16 @@ max_position - 64 (room for the last verify block).
 weights made shard by shard), so the matrix proves P within that degree. With
 --row_partials=S as well, "degrees" compares one prefill's logits at every degree
 dividing N (the weights then made whole first, so the model must fit one device).
-Prints a table and writes a JSON receipt (--out).
+Prints a table and writes a JSON receipt (--out). A reference row whose logits are
+degenerate (all equal, or NaN/inf: `jspec.parity.degenerate_rows`) proves nothing: the
+table reports them and the run exits 1.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 
 import jax
@@ -92,6 +95,13 @@ _COORDINATOR = flags.DEFINE_string("coordinator_address", None, "host:port of pr
                                    "for a mesh over several processes (jax.distributed)")
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", 1, "processes (jax.distributed)")
 _PROCESS_ID = flags.DEFINE_integer("process_id", 0, "this process's index (jax.distributed)")
+
+
+def degenerate_count(logits) -> int:
+    """[n, V] on device -> rows whose logits are all equal or hold NaN/inf (counted there:
+    the rows never come to the host)."""
+    bad = ~jnp.all(jnp.isfinite(logits), axis=-1) | jnp.all(logits == logits[:, :1], axis=-1)
+    return int(jnp.sum(bad))
 
 
 def bits_equal_rows(a, b) -> jax.Array:
@@ -149,7 +159,8 @@ def check_model(model, n: int, window: int, ks: list[int], full: bool = True) ->
     t0 = time.perf_counter()
     ref, _ = forward(model, seq[None], init_cache(model, 1, max_len))
     ref = ref[0]  # [n, V]
-    res: dict = {"reference": "one prefill of all positions"}
+    res: dict = {"reference": "one prefill of all positions",
+                 "degenerate_reference_rows": degenerate_count(ref)}
 
     chk = Checker(ref)
     chunks = chunk_schedule(n) if full else [parity.Step(n, (n,))]
@@ -260,9 +271,8 @@ def chunked_to(model, seq, tail: int, max_len: int, chunk: int | None = None):
     if chunk is not None:
         model = model.replace(options=model.options.replace(prefill_chunk=chunk))
     toks = jnp.asarray(seq[None, : tail + 1])  # the prefill stops at lens - 1 = tail
-    cache, _ = prefill_jit(model, toks, jnp.asarray([tail + 1], jnp.int32),
-                           init_cache(model, 1, max_len))
-    return cache
+    return prefill_jit(model, toks, jnp.asarray([tail + 1], jnp.int32),
+                       init_cache(model, 1, max_len)).cache
 
 
 def check_long(model, n: int, window: int, ks: list[int], full: bool = True) -> dict:
@@ -391,6 +401,12 @@ def main(argv):
             print(json.dumps(report["results"][key]), flush=True)
     print_table(report)
     print(f"receipt: {save(report)}")
+    degenerate = {k: r["degenerate_reference_rows"] for k, r in report["results"].items()
+                  if r.get("degenerate_reference_rows")}
+    if degenerate:
+        print(f"FAILED: degenerate reference logits (all equal or NaN/inf; no comparison "
+              f"of them proves anything): {degenerate}")
+        sys.exit(1)
 
 
 def save(report) -> str | None:

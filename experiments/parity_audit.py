@@ -24,7 +24,9 @@ differences with top-k logits) and prints a summary table. Exits 1 on any
 mismatch unless --expect_mismatch (for showing the xla backend break). Like the
 other entry points (`jspec.cli.run`): every flag is checked before a model is
 loaded, and a user's mistake ends with one line `error: ...` and exit code 2;
-Ctrl-C exits 130; --debug shows the traceback.
+Ctrl-C exits 130; --debug shows the traceback. Degenerate logits (a compared
+row's logits all equal or NaN/inf: broken activations, where every history
+agrees on nothing) and a `jspec.NonFiniteError` always exit 1.
 """
 
 from __future__ import annotations
@@ -212,15 +214,17 @@ def exact_ties(model, rng):
     return res
 
 
-def summarize(report) -> tuple[int, int]:
-    positions = mismatches = 0
+def summarize(report) -> tuple[int, int, int]:
+    """(logits rows compared, mismatched rows, degenerate rows) over every comparison."""
+    positions = mismatches = degenerate = 0
     for c in report["same_prefix_controls"] + report["near_ties"]:
         for h in c["histories"].values():
             for v in h.values():
                 if isinstance(v, dict):
                     positions += v["rows"]
                     mismatches += v["mismatched_rows"]
-    return positions, mismatches
+                    degenerate += v.get("degenerate_rows", 0)
+    return positions, mismatches, degenerate
 
 
 def main(argv):
@@ -246,23 +250,30 @@ def main(argv):
             json.dump(report, f, indent=1)
         os.replace(path + ".tmp", path)
 
-    for part in controls(model, contexts, ks, rng):
-        report["same_prefix_controls"] += part
+    try:
+        for part in controls(model, contexts, ks, rng):
+            report["same_prefix_controls"] += part
+            save()
+            tqdm.write(f"prefix {part[0]['prefix_len']}: " + ", ".join(
+                f"k={c['k']} {'equal' if c['equal'] else 'DIFFERS'}" for c in part)
+                + f" ({time.perf_counter() - t0:.0f} s)")
+        report["long_generation"] = long_generation(model, rng, _LONG.value, _GAMMA.value,
+                                                    checked["tree"])
         save()
-        tqdm.write(f"prefix {part[0]['prefix_len']}: " + ", ".join(
-            f"k={c['k']} {'equal' if c['equal'] else 'DIFFERS'}" for c in part)
-            + f" ({time.perf_counter() - t0:.0f} s)")
-    report["long_generation"] = long_generation(model, rng, _LONG.value, _GAMMA.value,
-                                                checked["tree"])
-    save()
-    report["near_ties"] = near_tie_checks(model, rng, min(contexts[-1], 512), _NEAR.value)
-    save()
-    report["exact_ties"] = exact_ties(model, rng)
+        report["near_ties"] = near_tie_checks(model, rng, min(contexts[-1], 512), _NEAR.value)
+        save()
+        report["exact_ties"] = exact_ties(model, rng)
+    except jspec.NonFiniteError as e:  # broken activations: nothing here can pass
+        report["error"] = str(e)
+        save()
+        print(f"\nFAILED: {e}\nreceipt: {path}")
+        sys.exit(1)
     report["complete"] = True
-    positions, mismatches = summarize(report)
+    positions, mismatches, degenerate = summarize(report)
     long_ok = all(v["equal"] for v in report["long_generation"].values()
                   if isinstance(v, dict))
     report["summary"] = {"positions_compared": positions, "mismatched_positions": mismatches,
+                         "degenerate_positions": degenerate,
                          "long_generation_equal": long_ok,
                          "near_tie_positions": len(report["near_ties"]),
                          "exact_ties_ok": report["exact_ties"]["equal"],
@@ -272,7 +283,9 @@ def main(argv):
     print(f"\nmodel {report['model']} backend {_BACKEND.value} dtype {_DTYPE.value} "
           f"on {report['device']}")
     print(f"logits rows compared bitwise: {s['positions_compared']}, "
-          f"mismatched: {s['mismatched_positions']}")
+          f"mismatched: {s['mismatched_positions']}, degenerate: {degenerate}")
+    if degenerate:
+        print(f"FAILED: {degenerate} compared rows hold {audit.DEGENERATE}")
     for c in report["same_prefix_controls"]:
         bad = sum(v["mismatched_rows"] for h in c["histories"].values() for v in h.values()
                   if isinstance(v, dict))
@@ -282,9 +295,9 @@ def main(argv):
     print(f"near-tie positions re-checked: {s['near_tie_positions']}; exact ties "
           f"({report['exact_ties']['tie_rows']} tie rows): ok={s['exact_ties_ok']}")
     print(f"receipt: {path}")
-    broken = mismatches > 0 or not long_ok or not s["exact_ties_ok"]
-    if _EXPECT.value:
-        sys.exit(0 if broken else 1)
+    broken = mismatches > 0 or not long_ok or not s["exact_ties_ok"] or degenerate > 0
+    if _EXPECT.value:  # the mismatch sought is a real one, never degenerate logits
+        sys.exit(0 if broken and not degenerate else 1)
     sys.exit(1 if broken else 0)
 
 

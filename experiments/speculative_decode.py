@@ -10,7 +10,8 @@ prints the text as it comes (then measures). Each prompt prints its text, accept
 speed and, with --config.check_parity=True (the default), the serial baseline and a
 parity check: the run exits non-zero unless every prompt's tokens equal serial
 decoding's (exact_greedy and gumbel_coupled; rejection_sampling is only
-distribution-exact, so there it reports the comparison without failing). Timings are
+distribution-exact, so there it reports the comparison without failing); tokens sampled
+from degenerate logits (all equal, or NaN/inf: broken activations) fail it too. Timings are
 medians of --config.timing_runs runs of each, alternated, whose programs were compiled
 already; the last line says for how many shapes programs were compiled.
 """
@@ -25,7 +26,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 import jspec
-from jspec import cli, text
+from jspec import cli, parity, text
 from jspec.bench.timing import run_seconds as seconds
 from jspec.bench.timing import side_by_side
 from jspec.loading import default_head
@@ -199,8 +200,17 @@ def main(argv):
             print(f"serial: {n} tokens, {serial.stats['tokens_per_s']:.1f} tokens/s; "
                   f"speedup {speedup:.2f}x")
             same = serial.ids[0] == tokens
-            record |= {"parity": same, "serial_stats": serial.stats, "speedup": speedup}
-            if not policy.exact:
+            seq = list(serial.prompt_ids[0]) + list(serial.ids[0])
+            degenerate = parity.degenerate_positions(target, seq[:-1] or seq,
+                                                     len(serial.prompt_ids[0]) - 1)
+            record |= {"parity": same and not degenerate, "serial_stats": serial.stats,
+                       "speedup": speedup, "degenerate_positions": degenerate}
+            if degenerate:
+                logging.error("%d generated tokens (first at position %d) were sampled "
+                              "from %s", len(degenerate), degenerate[0], parity.DEGENERATE)
+                print(f"PARITY: FAILED (degenerate logits at {len(degenerate)} positions)")
+                failed.add(i)
+            elif not policy.exact:
                 print(f"parity: {c.policy} is distribution-exact; tokens identical: {same}")
             elif same:
                 print(f"PARITY: OK ({n} tokens identical to serial decoding)")

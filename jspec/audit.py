@@ -15,7 +15,8 @@ for JSON receipts:
 - `tie_model`: a copy of a model whose LM head has duplicated rows, so exact
   ties occur; the tie-break (lowest index) must be the same everywhere.
 On a mismatch a comparison records the first differing row with both sides'
-top-k logits.
+top-k logits. A degenerate row (its logits all equal, or NaN/inf: `jspec.parity.
+degenerate_rows`) is reported and never counted as a match: `equal` is then False.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import numpy as np
 
 from jspec.cache import init_cache, rollback
 from jspec.model import COMPILER_OPTIONS, Model, apply, forward
+from jspec.parity import DEGENERATE, degenerate_rows
 
 
 def digest(tokens) -> str:
@@ -41,12 +43,21 @@ def top_k(row: np.ndarray, k: int = 5) -> list[tuple[int, float]]:
 
 
 def compare(a: np.ndarray, b: np.ndarray, first_position: int = 0, k: int = 5) -> dict:
-    """Bitwise comparison of logits [n, V]: counts, argmax agreement, first difference."""
+    """Bitwise comparison of logits [n, V]: counts, argmax agreement, first difference.
+    Degenerate rows (either side's logits all equal or non-finite) are counted apart and
+    make the comparison fail: equal rows of nothing are no evidence."""
     a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
     diff = np.any(a.view(np.uint32) != b.view(np.uint32), axis=-1)
+    degenerate = degenerate_rows(a) | degenerate_rows(b)
     arg_a, arg_b = np.argmax(a, -1), np.argmax(b, -1)
     res = {"rows": int(diff.size), "mismatched_rows": int(diff.sum()),
-           "argmax_mismatches": int(np.sum(arg_a != arg_b)), "equal": not bool(diff.any())}
+           "degenerate_rows": int(degenerate.sum()),
+           "argmax_mismatches": int(np.sum(arg_a != arg_b)),
+           "equal": not bool(diff.any() or degenerate.any())}
+    if degenerate.any():
+        i = int(np.flatnonzero(degenerate)[0])
+        res["first_degenerate"] = {"position": first_position + i, "why": DEGENERATE,
+                                   "top_k_a": top_k(a[i], k), "top_k_b": top_k(b[i], k)}
     if diff.any():
         i = int(np.flatnonzero(diff)[0])
         res["first_mismatch"] = {"position": first_position + i, "top_k_a": top_k(a[i], k),

@@ -22,51 +22,80 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from flax import struct
 
 from jspec.cache import KVCache, rollback
-from jspec.model import COMPILER_OPTIONS, Model, apply
+from jspec.model import COMPILER_OPTIONS, Model, apply, row_flags
+
+
+@struct.dataclass
+class Prefilled:
+    """What `prefill` returns.
+
+    Attributes:
+      cache: row b at length start + lens[b] - 1 (its last prompt token is for the next
+        call to compute, with the logits it samples from).
+      features: [B, P, n D] the hidden states entering the layers asked for, at every slot
+        (zeros in chunks past every prompt), or None.
+      flags: [B, 2] int32 (`Forward.bad` code, position) of each row's first prompt slot
+        the prefill computed (positions < start + lens - 1) whose activations went wrong,
+        or (-1, -1) (`jspec.model.row_flags`).
+    """
+
+    cache: KVCache
+    features: jax.Array | None
+    flags: jax.Array
+
+
+def _flags(out, start, s, lens, flags):
+    """The earlier chunks' flags [B, 2], else this chunk's (slots s.. of the prompt)."""
+    B, C = out.bad.shape
+    idx = s + jnp.arange(C, dtype=jnp.int32)[None, :]  # [1, C] prompt slots of the chunk
+    now = row_flags(out.bad, start[:, None] + idx, idx < (lens - 1)[:, None])
+    return jnp.where(flags[:, :1] >= 0, flags, now)
 
 
 def prefill(model: Model, tokens, lens, cache: KVCache, *, features: tuple[int, ...] = ()
-            ) -> tuple[KVCache, jax.Array | None]:
+            ) -> Prefilled:
     """Writes prompts into the cache in chunks, with no LM head; traceable.
 
     tokens [B, P] int32: row b's prompt in its first lens[b] slots (anything after: the
     entries are written and then dropped); lens [B] int32 >= 1. The tokens go at each
     row's current length `start` (0 for a fresh cache).
 
-    Returns (cache, feats): the cache with row b's length start + lens[b] - 1 (its last
-    prompt token is for the next call to compute, with the logits it samples from), and
-    with `features` (layer indices, as `jspec.model.apply` takes them) the hidden states
-    entering those layers at every slot [B, P, n D] (zeros in chunks past every prompt),
-    else None.
+    Returns a `Prefilled`: the cache with row b's length start + lens[b] - 1, with
+    `features` (layer indices, as `jspec.model.apply` takes them) the hidden states
+    entering those layers, and the flags of the prompt slots it computed.
     """
     B, P = tokens.shape
     start = cache.lengths
     C = min(model.options.prefill_chunk, P)
+    none = jnp.full((B, 2), -1, jnp.int32)
     if C == P:  # one chunk: the plain call
         out = apply(model, tokens, cache, features=features, logits=False)
-        return rollback(out.cache, start + lens - 1), out.features
+        return Prefilled(rollback(out.cache, start + lens - 1), out.features,
+                         _flags(out, start, 0, lens, none))
 
     def run(s, cache):  # the chunk of tokens[:, s: s + C]
         toks = jax.lax.dynamic_slice_in_dim(tokens, s, C, axis=1)  # [B, C]
         return apply(model, toks, rollback(cache, start + s), features=features, logits=False)
 
     def body(i, carry):
-        cache, feats = carry
+        cache, feats, flags = carry
         s = jnp.minimum(i * C, P - C)  # the last chunk ends at P (it may overlap)
         out = run(s, cache)
         if feats is not None:
             feats = jax.lax.dynamic_update_slice_in_dim(feats, out.features, s, axis=1)
-        return out.cache, feats
+        return out.cache, feats, _flags(out, start, s, lens, flags)
 
     feats = None
     if features:  # [B, P, n D] in the features' dtype
         like = jax.eval_shape(run, jnp.int32(0), cache).features
         feats = jnp.zeros((B, P, like.shape[-1]), like.dtype)
     live = (jnp.max(lens).astype(jnp.int32) + C - 1) // C  # chunks holding a prompt token
-    cache, feats = jax.lax.fori_loop(0, jnp.minimum(live, -(-P // C)), body, (cache, feats))
-    return rollback(cache, start + lens - 1), feats
+    cache, feats, flags = jax.lax.fori_loop(0, jnp.minimum(live, -(-P // C)), body,
+                                            (cache, feats, none))
+    return Prefilled(rollback(cache, start + lens - 1), feats, flags)
 
 
 prefill_jit = jax.jit(prefill, static_argnames=("features",), donate_argnames=("cache",),

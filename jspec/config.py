@@ -23,6 +23,8 @@ attention with an optional sliding window on every layer; every layer sparse, ex
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 from typing import Any
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen3", "gemma3_text", "qwen3_moe", "mixtral")
@@ -32,6 +34,11 @@ DTYPES = ("float32", "bfloat16")
 # The names `canonical_dtype` accepts for each of DTYPES.
 DTYPE_ALIASES = {"bfloat16": "bfloat16", "bf16": "bfloat16",
                  "float32": "float32", "fp32": "float32", "f32": "float32"}
+
+
+# ModelConfig fields -> the config.json names errors use.
+HF_NAMES = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
+            "num_kv_heads": "num_key_value_heads", "max_position": "max_position_embeddings"}
 
 
 class UnsupportedModelError(ValueError):
@@ -114,10 +121,23 @@ class ModelConfig:
     def __post_init__(self):
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r}; expected one of {DTYPES}")
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                     "num_heads", "num_kv_heads", "head_dim", "max_position"):
+            _positive_int(HF_NAMES.get(name, name), getattr(self, name))
+        _at_least_int("sliding_window", self.sliding_window, 0)
+        _positive_float("rms_norm_eps", self.rms_eps)
+        _positive_float("attn_scale", self.attn_scale)
+        for name in ("embed_scale", "attn_softcap", "final_softcap"):
+            if getattr(self, name) is not None:
+                _positive_float(name, getattr(self, name))
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"{self.num_heads=} is not a multiple of {self.num_kv_heads=}")
+            raise ValueError(f"num_attention_heads={self.num_heads} is not a multiple of "
+                             f"num_key_value_heads={self.num_kv_heads}")
         if len(self.layer_sliding) != self.num_layers:
             raise ValueError(f"{len(self.layer_sliding)=} != {self.num_layers=}")
+        check_rope(self.rope, "rope")
+        if self.rope_local is not None:
+            check_rope(self.rope_local, "rope_local")
         if self.layer_experts and len(self.layer_experts) != self.num_layers:
             raise ValueError(f"{len(self.layer_experts)=} != {self.num_layers=}")
         if any(self.layer_experts) and not (
@@ -146,35 +166,92 @@ class ModelConfig:
         return self.num_kv_heads * self.head_dim
 
 
+def _positive_float(name: str, value: Any) -> None:
+    """ValueError unless value is a finite real number > 0 (bools are not numbers here)."""
+    if (isinstance(value, bool) or not isinstance(value, numbers.Real)
+            or not math.isfinite(value) or value <= 0):
+        raise ValueError(f"{name}={value!r} must be a finite number > 0")
+
+
+def _at_least_int(name: str, value: Any, least: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
+        raise ValueError(f"{name}={value!r} must be an integer >= {least}")
+
+
+def _positive_int(name: str, value: Any) -> None:
+    _at_least_int(name, value, 1)
+
+
+def check_rope(spec: RopeSpec, where: str = "rope") -> None:
+    """ValueError unless the RoPE parameters give finite tables: rope_theta finite > 0;
+    linear: factor finite > 0; llama3: factor, low_freq_factor, high_freq_factor finite > 0
+    with low < high (transformers' smoothing divides by high - low) and
+    original_max_position_embeddings an integer >= 1. (transformers only warns on these,
+    and on a factor < 1, which jspec accepts as transformers does.)"""
+    _positive_float(f"{where}: rope_theta", spec.theta)
+    if spec.linear is not None:
+        _positive_float(f"{where}: linear factor", spec.linear)
+    if spec.llama3 is not None:
+        factor, low, high, old_len = spec.llama3
+        _positive_float(f"{where}: llama3 factor", factor)
+        _positive_float(f"{where}: llama3 low_freq_factor", low)
+        _positive_float(f"{where}: llama3 high_freq_factor", high)
+        if not low < high:
+            raise ValueError(f"{where}: llama3 low_freq_factor={low!r} must be less than "
+                             f"high_freq_factor={high!r}")
+        _positive_int(f"{where}: llama3 original_max_position_embeddings", old_len)
+
+
 def _get(hf: Any, name: str, default: Any = None) -> Any:
     value = getattr(hf, name, default)
     return default if value is None else value
 
 
 def rope_spec(params: dict | None, fallback_theta: float | None, where: str) -> RopeSpec:
+    """The RopeSpec of HF `rope_parameters` (theta from `fallback_theta` if they have none),
+    checked (`check_rope`); UnsupportedModelError naming `where` and the field."""
     params = dict(params or {})
     theta = params.get("rope_theta", fallback_theta)
     if theta is None:
         raise UnsupportedModelError(f"{where}: no rope_theta in rope_parameters")
     kind = params.get("rope_type", params.get("type", "default")) or "default"
-    if kind == "default":
-        return RopeSpec(theta=float(theta))
-    if kind == "linear":
-        # Linear scaling divides every inverse frequency by `factor` (Gemma 3 4B-27B's
-        # global layers).
-        return RopeSpec(theta=float(theta), linear=float(params["factor"]))
-    if kind == "llama3":
-        return RopeSpec(
-            theta=float(theta),
-            llama3=(
-                float(params["factor"]),
-                float(params["low_freq_factor"]),
+    if kind not in ("default", "linear", "llama3"):
+        raise UnsupportedModelError(
+            f"{where}: rope_type={kind!r} is not supported (default, linear, llama3)")
+    need = {"default": (), "linear": ("factor",),
+            "llama3": ("factor", "low_freq_factor", "high_freq_factor",
+                       "original_max_position_embeddings")}[kind]
+    missing = [k for k in need if params.get(k) is None]
+    if missing:
+        raise UnsupportedModelError(f"{where}: rope_type={kind!r} needs {missing} in "
+                                    "rope_parameters")
+    try:
+        _real("rope_theta", theta)
+        for k in need:
+            _real(k, params[k])
+        old = params.get("original_max_position_embeddings")
+        if old is not None and (isinstance(old, bool) or float(old) != int(old)):
+            raise ValueError(f"original_max_position_embeddings={old!r} must be an integer")
+        if kind == "default":
+            spec = RopeSpec(theta=float(theta))
+        elif kind == "linear":
+            # Linear scaling divides every inverse frequency by `factor` (Gemma 3 4B-27B's
+            # global layers).
+            spec = RopeSpec(theta=float(theta), linear=float(params["factor"]))
+        else:
+            spec = RopeSpec(theta=float(theta), llama3=(
+                float(params["factor"]), float(params["low_freq_factor"]),
                 float(params["high_freq_factor"]),
-                int(params["original_max_position_embeddings"]),
-            ),
-        )
-    raise UnsupportedModelError(
-        f"{where}: rope_type={kind!r} is not supported (default, linear, llama3)")
+                int(params["original_max_position_embeddings"])))
+        check_rope(spec, f"rope_parameters (rope_type={kind!r})")
+    except ValueError as e:
+        raise UnsupportedModelError(f"{where}: {e}") from None
+    return spec
+
+
+def _real(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name}={value!r} must be a number")
 
 
 def _check_no_bias(hf: Any, model_type: str) -> None:
@@ -238,17 +315,35 @@ def text_config(hf: Any) -> Any:
     return text
 
 
-def from_hf_config(hf: Any, *, dtype: Any = "bfloat16") -> ModelConfig:
+def from_hf_config(hf: Any, *, dtype: Any = "bfloat16", source: str | None = None
+                   ) -> ModelConfig:
     """Builds a ModelConfig from a transformers `PretrainedConfig`: a text model's config
     or, for a multimodal Gemma 3 (`gemma3`), that of its text model (`text_config`).
-    `dtype`: a name or a jnp/numpy dtype (`canonical_dtype`)."""
+    `dtype`: a name or a jnp/numpy dtype (`canonical_dtype`). `source` (the config file)
+    starts every error's message. Values that would give NaN or inf activations (RoPE
+    parameters, eps, sizes: `check_rope`, `ModelConfig`) raise UnsupportedModelError
+    naming the field."""
     dtype = canonical_dtype(dtype)
+    try:
+        return _from_hf_config(hf, dtype, source)
+    except UnsupportedModelError as e:
+        if source is None or str(e).startswith(source):
+            raise
+        raise UnsupportedModelError(f"{source}: {e}") from None
+    except (ValueError, TypeError) as e:  # a field ModelConfig refuses
+        raise UnsupportedModelError(f"{source or 'config'}: {e}") from None
+
+
+def _from_hf_config(hf: Any, dtype: str, source: str | None) -> ModelConfig:
     check_model_type(getattr(hf, "model_type", None), getattr(hf, "architectures", None))
     hf = text_config(hf)
     model_type = hf.model_type
     _check_no_bias(hf, model_type)
     num_heads = hf.num_attention_heads
+    _positive_int("num_attention_heads", num_heads)
+    _positive_int("hidden_size", hf.hidden_size)
     head_dim = _get(hf, "head_dim", hf.hidden_size // num_heads)
+    _positive_int("head_dim", head_dim)
     num_layers = hf.num_hidden_layers
     common = dict(
         vocab_size=hf.vocab_size,
@@ -312,7 +407,7 @@ def from_hf_config(hf: Any, *, dtype: Any = "bfloat16") -> ModelConfig:
         qk_norm=True,
         norm_offset=1.0,
         sandwich_norms=True,
-        attn_scale=float(hf.query_pre_attn_scalar) ** -0.5,
+        attn_scale=_checked_float("query_pre_attn_scalar", hf.query_pre_attn_scalar) ** -0.5,
         embed_scale=float(hf.hidden_size) ** 0.5,
         # transformers' Gemma 3 stores attn_logit_softcapping but never applies it
         # (Gemma 2 did); jspec follows the reference implementation.
@@ -390,6 +485,11 @@ def _moe_config(hf: Any, model_type: str, common: dict) -> ModelConfig:
         layer_experts=experts,
         **common,
     )
+
+
+def _checked_float(name: str, x: Any) -> float:
+    _positive_float(name, x)
+    return float(x)
 
 
 def _float_or_none(x: Any) -> float | None:

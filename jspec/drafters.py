@@ -139,7 +139,7 @@ class ModelDrafter(Drafter):
 
     def init(self, tokens, lens, max_len: int, gamma: int, features=None) -> ModelDraftState:
         cache = init_cache(self.model, tokens.shape[0], max_len)
-        cache, _ = prefill(self.model, tokens, lens, cache)  # chunked, no LM head: at lens - 1
+        cache = prefill(self.model, tokens, lens, cache).cache  # chunked, no LM head: at lens - 1
         last = jnp.take_along_axis(tokens, (lens - 1)[:, None], axis=1)  # [B, 1]
         logits, cache = apply(self.model, last, cache)  # the last prompt token's logits
         return ModelDraftState(cache=cache, next_logits=logits[:, 0])

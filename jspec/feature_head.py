@@ -146,8 +146,8 @@ def head_apply(head: FeatureHead, tokens, feats, cache: KVCache, *, fuse: bool, 
         pos = tree.root[:, None] + tree.depth
     cos_tab, sin_tab = rope_tables(lcfg, cache.capacity)
     cos, sin = jnp.asarray(cos_tab[0])[pos.reshape(-1)], jnp.asarray(sin_tab[0])[pos.reshape(-1)]
-    o, k_buf, v_buf, _ = attention_block(ops, model, lp, h, cache.k[0], cache.v[0], pos,
-                                         lengths, cos, sin, jnp.int32(0), None, tree)
+    o, k_buf, v_buf, _, _ = attention_block(ops, model, lp, h, cache.k[0], cache.v[0], pos,
+                                            lengths, cos, sin, jnp.int32(0), None, tree)
     r, h = add_norm(ops, model, f, o, lp["post_norm"])
     out, h = add_norm(ops, model, r, mlp_block(ops, model, lp, h), p["norm"])
     logits = ops.matmul(h, p["lm_head"], out_dtype=jnp.float32)  # [BT, Vd]

@@ -31,7 +31,7 @@ from jspec._checks import check_bool, check_ints, check_seed, check_type
 from jspec.cache import KVCache, init_cache
 from jspec.chunked_prefill import prefill as chunked_prefill
 from jspec.loop import bucket, check_count, raise_non_finite, run_chunked, token_bar
-from jspec.model import COMPILER_OPTIONS, Model, apply, check_tokens
+from jspec.model import COMPILER_OPTIONS, Model, apply, check_tokens, row_flags
 from jspec.sampling import Greedy, Sample
 
 PAD = -1  # marks output slots after a row stopped
@@ -87,16 +87,24 @@ def pad_prompts(prompts, vocab_size: int, length: int | None = None
 
 def _prefill(model: Model, tokens, prompt_lens, cache: KVCache):
     """tokens [B, P]; prompt_lens [B] -> (cache at prompt_lens - 1, cur [B]: each row's last
-    prompt token, which the first step forwards). Chunked, no LM head."""
-    cache, _ = chunked_prefill(model, tokens, prompt_lens, cache)
+    prompt token, which the first step forwards, flags [B, 2]: each row's first flagged
+    prompt position's (`Forward.bad` code, position), or (-1, -1)). Chunked, no LM head."""
+    out = chunked_prefill(model, tokens, prompt_lens, cache)
     cur = jnp.take_along_axis(tokens, (prompt_lens - 1)[:, None], axis=1)[:, 0]
-    return cache, cur
+    return out.cache, cur, out.flags
 
 
-def first_non_finite(logits, live):
-    """logits [B, ..., V], live [B] -> (any non-finite in a live row [] bool, its row [])."""
-    bad = ~jnp.all(jnp.isfinite(logits.reshape(logits.shape[0], -1)), axis=-1) & live
-    return jnp.any(bad), jnp.argmax(bad).astype(jnp.int32)
+def first_non_finite(logits, live, flags=None):
+    """logits [B, ..., V], live [B], flags [B, 2] (`row_flags`: the forward that made the
+    logits saw its activations go wrong) -> (a live row is broken [] bool, its row [],
+    (code, position) [2] of what its forward flagged, (-1, -1) when only its logits hold
+    NaN or inf)."""
+    bad = ~jnp.all(jnp.isfinite(logits.reshape(logits.shape[0], -1)), axis=-1)
+    if flags is None:
+        flags = jnp.full((logits.shape[0], 2), -1, jnp.int32)
+    bad = (bad | (flags[:, 0] >= 0)) & live
+    row = jnp.argmax(bad).astype(jnp.int32)
+    return jnp.any(bad), row, flags[row]
 
 
 prefill = jax.jit(_prefill, donate_argnames=("cache",), compiler_options=COMPILER_OPTIONS)
@@ -114,8 +122,11 @@ class DecodeState:
       out: [B, N] int32 generated tokens, PAD after a stop.
       done: [B] bool, the row emitted a stop token.
       num: [B] int32 tokens generated per row.
-      bad: [] bool, the logits a live row samples from hold NaN or inf (the loop stops).
-      bad_at: [2] int32 (row, position) of the first such logits.
+      flags: [B, 2] int32 (`Forward.bad` code, position) of what the forward that made a
+        row's logits flagged, or (-1, -1).
+      bad: [] bool, the logits a live row samples from hold NaN or inf, or their forward
+        flagged its activations (the loop stops).
+      bad_at: [3] int32 (row, position, code) of the first such logits (`raise_non_finite`).
     """
 
     step: jax.Array
@@ -124,6 +135,7 @@ class DecodeState:
     out: jax.Array
     done: jax.Array
     num: jax.Array
+    flags: jax.Array
     bad: jax.Array
     bad_at: jax.Array
 
@@ -136,24 +148,32 @@ def _step(model: Model, state: DecodeState, seed, sampler, stop_tokens: tuple[in
     fwd = apply(model, state.cur[:, None], state.cache)
     logits, cache = fwd.logits[:, 0], fwd.cache  # [B, V]: the next token's logits
     live = ~state.done
-    bad, row = first_non_finite(logits, live)
+    # this forward's flags, or an earlier one's (the prompt's, from the prefill)
+    flags = jnp.where(state.flags[:, :1] >= 0, state.flags,
+                      row_flags(fwd.bad, cache.lengths[:, None] - 1))  # [B, 2]
+    bad, row, flag = first_non_finite(logits, live, flags)
     live = live & ~bad  # nothing is sampled from broken logits
     tok = sampler(logits, seed, rows, cache.lengths)  # [B], at position cache.lengths
     out = state.out.at[:, state.step].set(jnp.where(live, tok, PAD))
     is_stop = jnp.isin(tok, jnp.asarray(stop_tokens, jnp.int32)) if stop_tokens else False
     done = state.done | (live & is_stop)
     num = state.num + live.astype(jnp.int32)
-    bad_at = jnp.where(bad & ~state.bad, jnp.stack([row, cache.lengths[row]]), state.bad_at)
+    at = jnp.where(flag[0] >= 0, jnp.stack([row, flag[1], flag[0]]),
+                   jnp.stack([row, cache.lengths[row] - 1, jnp.int32(-1)]))
+    bad_at = jnp.where(bad & ~state.bad, at, state.bad_at)
     return DecodeState(state.step + 1, cache, jnp.where(live, tok, 0), out, done, num,
-                       state.bad | bad, bad_at)
+                       flags, state.bad | bad, bad_at)
 
 
-def _init_state(cache, cur, max_new_tokens):
+def _init_state(cache, cur, max_new_tokens, flags=None):
     B = cur.shape[0]
+    if flags is None:
+        flags = jnp.full((B, 2), -1, jnp.int32)
     return DecodeState(step=jnp.int32(0), cache=cache, cur=cur,
                        out=jnp.full((B, max_new_tokens), PAD, jnp.int32),
                        done=jnp.zeros((B,), bool), num=jnp.zeros((B,), jnp.int32),
-                       bad=jnp.zeros((), bool), bad_at=jnp.full((2,), -1, jnp.int32))
+                       flags=flags, bad=jnp.zeros((), bool),
+                       bad_at=jnp.full((3,), -1, jnp.int32))
 
 
 init_state = jax.jit(_init_state, static_argnums=(2,), donate_argnums=(0,))
@@ -257,8 +277,8 @@ def generate(model: Model, prompts, *, max_new_tokens: int, sampler=GREEDY,
     tokens, lens, cache = _setup(model, prompts, max_new_tokens, max_len, stop_tokens)
     max_len = cache.max_len
     t0 = time.perf_counter()
-    cache, cur = prefill(model, jnp.asarray(tokens), jnp.asarray(lens), cache)
-    state = init_state(cache, cur, max_new_tokens)
+    cache, cur, flags = prefill(model, jnp.asarray(tokens), jnp.asarray(lens), cache)
+    state = init_state(cache, cur, max_new_tokens, flags)
     jax.block_until_ready(state)
     t1 = time.perf_counter()
     seed = jnp.int32(seed)
@@ -272,7 +292,7 @@ def generate(model: Model, prompts, *, max_new_tokens: int, sampler=GREEDY,
                                 or bool(s.bad)),
             progress=lambda s: update(int(jnp.sum(s.num))))
     t2 = time.perf_counter()
-    raise_non_finite(state.bad, state.bad_at, "serial decoding")
+    raise_non_finite(state.bad, state.bad_at, "serial decoding", model.config.num_layers)
     num = np.asarray(state.num)
     return GenerateOutput(tokens=np.asarray(state.out), num_tokens=num, prompt_lens=lens,
                           stats=_stats(num, tokens, max_len, t1 - t0, t2 - t1))
@@ -298,11 +318,11 @@ def generate_stream(model: Model, prompts, *, max_new_tokens: int, sampler=GREED
 
 
 def _stream(model, tokens, lens, cache, max_new_tokens, sampler, stop_tokens, seed):
-    cache, cur = prefill(model, jnp.asarray(tokens), jnp.asarray(lens), cache)
-    state = _init_state(cache, cur, max_new_tokens)
+    cache, cur, flags = prefill(model, jnp.asarray(tokens), jnp.asarray(lens), cache)
+    state = _init_state(cache, cur, max_new_tokens, flags)
     for i in range(max_new_tokens):
         state = _step_jit(model, state, jnp.int32(seed), sampler, stop_tokens)
-        raise_non_finite(state.bad, state.bad_at, "serial decoding")
+        raise_non_finite(state.bad, state.bad_at, "serial decoding", model.config.num_layers)
         yield np.asarray(state.out[:, i])
         if bool(jnp.all(state.done)):
             return

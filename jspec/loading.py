@@ -131,7 +131,11 @@ def _weight_files(path: str) -> tuple[str, str]:
 
 class TensorReader:
     """Looks tensors up by name across one or several safetensors or torch `.bin` files,
-    records which were read, and rejects non-finite values."""
+    records which were read, and rejects non-finite values and weights that are not
+    floating point (an integer or bool tensor would be cast to float without a word)."""
+
+    # Tensors stored as integers or bools by design: an EAGLE-3 head's vocabulary maps.
+    INDEX_TENSORS = frozenset({"d2t", "t2d"})
 
     def __init__(self, path: str):
         self.path = path
@@ -192,7 +196,12 @@ class TensorReader:
             raise
         except Exception as e:
             raise CheckpointError(f"{fn}: could not read tensor {name!r}: {e}") from e
-        if np.issubdtype(arr.dtype, np.floating) or arr.dtype == ml_dtypes.bfloat16:
+        floating = np.issubdtype(arr.dtype, np.floating) or arr.dtype in (
+            ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2)
+        if not floating and name not in self.INDEX_TENSORS:
+            raise CheckpointError(f"tensor {name!r} in {fn} has dtype {arr.dtype}; a weight "
+                                  "must be floating point (float32, bfloat16, float16, ...)")
+        if floating:
             bad = arr.size - int(np.count_nonzero(np.isfinite(arr)))
             if bad:
                 nan = int(np.count_nonzero(np.isnan(arr)))
@@ -523,7 +532,7 @@ def load_hf(path: str | os.PathLike, *, dtype: Any = "bfloat16", backend: str = 
         interpret = default_interpret()
     path = resolve_checkpoint(path)
     hf = read_hf_config(path)
-    cfg = from_hf_config(hf, dtype=dtype)
+    cfg = from_hf_config(hf, dtype=dtype, source=os.path.join(path, "config.json"))
     options = KernelOptions(backend=backend, interpret=interpret)
     reader = TensorReader(path)
     nbytes = reader.nbytes()

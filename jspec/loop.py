@@ -8,8 +8,10 @@
 - Chunks: a whole generation is one `lax.while_loop`, but the host runs it a chunk of
   rounds at a time (the loop state carries over unchanged), sized to take about
   `CHUNK_SECONDS`, so Ctrl-C answers within a second and a progress bar can move.
-- `NonFiniteError`: a loop stops at the first NaN or inf in the logits it decides on,
-  and the host raises this error naming the row and position.
+- `NonFiniteError`: a loop stops at the first NaN or inf in the logits it decides on, or
+  at the first position whose forward flagged its activations (`Forward.bad`: an
+  overflowing residual stream, non-finite attention inputs), and the host raises this
+  error naming the row, the position and where.
 """
 
 from __future__ import annotations
@@ -87,12 +89,23 @@ def token_bar(enabled: bool, total: int, desc: str):
         bar.close()
 
 
-def raise_non_finite(bad, at, what: str) -> None:
-    """Raises NonFiniteError if the loop flagged non-finite logits (at = (row, position))."""
+def raise_non_finite(bad, at, what: str, num_layers: int | None = None) -> None:
+    """Raises NonFiniteError if the loop flagged a row: at = (row, position[, code]), code
+    -1 (or absent): its logits hold NaN or inf; else a `jspec.model.Forward.bad` code naming
+    where the forward's activations went wrong (`jspec.model.describe_bad`)."""
     if not bool(bad):
         return
-    row, pos = (int(x) for x in np.asarray(at))
+    at = [int(x) for x in np.asarray(at)]
+    row, pos = at[:2]
+    code = at[2] if len(at) > 2 else -1
+    if code < 0:
+        raise NonFiniteError(
+            f"{what}: the logits at row {row}, position {pos} hold NaN or inf; the run "
+            "stopped there. The model's weights or inputs are broken (jspec.load_hf rejects "
+            "non-finite weights; a model built by hand is not checked).")
+    from jspec.model import describe_bad
+
     raise NonFiniteError(
-        f"{what}: the logits at row {row}, position {pos} hold NaN or inf; the run stopped "
-        "there. The model's weights or inputs are broken (jspec.load_hf rejects non-finite "
-        "weights; a model built by hand is not checked).")
+        f"{what}: row {row}, position {pos}: {describe_bad(code, num_layers or 0)}; the run "
+        "stopped there (the logits computed from it are not to be trusted). The weights are "
+        "finite but the activations are not: a broken scale, RoPE table or weight.")

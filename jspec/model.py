@@ -80,6 +80,9 @@ class Forward:
       cache: the new `KVCache` (each row's length advanced by T).
       features: [B, T, n D] the hidden states entering the layers asked for with
         `features=` (concatenated in that order), or None when none were asked for.
+      bad: [B, T] int32, where each position's activations first went wrong: -1 nowhere
+        (or not checked: a draft's latency path), else a `bad_code` (see `describe_bad`).
+        Computed beside the forward from values it has anyway; never on the logits path.
 
     It unpacks as the pair (logits, cache): `logits, cache = jspec.forward(...)`.
     """
@@ -87,9 +90,68 @@ class Forward:
     logits: jax.Array | None
     cache: KVCache
     features: jax.Array | None = None
+    bad: jax.Array | None = None
 
     def __iter__(self):
         return iter((self.logits, self.cache))
+
+
+# Forward.bad codes, in the order the forward meets the checks (the smallest code of a row
+# is where it first went wrong):
+#   2 i      the residual stream entering layer i (i = L: the final norm) holds NaN or inf,
+#            or its f32 sum of squares overflows (RMSNorm would then return exact zeros:
+#            an embedding scaled by 1e38 gives all-equal logits, not NaN);
+#   2 i + 1  layer i's attention inputs (q or k after RoPE) hold NaN or inf.
+FINE = -1
+
+
+def bad_code(layer: int, attention: bool) -> int:
+    return 2 * layer + int(attention)
+
+
+def describe_bad(code: int, num_layers: int) -> str:
+    """The words for a `Forward.bad` code (-1: the logits themselves)."""
+    if code < 0:
+        return "the logits hold NaN or inf"
+    layer = code // 2
+    if code % 2:
+        return f"the attention inputs (q or k after RoPE) of layer {layer} hold NaN or inf"
+    where = ("the residual stream entering the final norm" if layer >= num_layers
+             else f"the residual stream entering layer {layer}")
+    return f"{where} holds NaN or inf or overflows f32 (sum of squares not finite)"
+
+
+def residual_bad(x):
+    """x [M, D] -> [M] bool: NaN/inf in the row, or its f32 sum of squares overflows.
+    One elementwise square and a row sum beside the norm that reads x anyway."""
+    x = x.astype(jnp.float32)
+    return ~jnp.isfinite(jnp.sum(x * x, axis=-1))
+
+
+def nonfinite_rows(a):
+    """a [M, ...] -> [M] bool: the row holds NaN or inf."""
+    return ~jnp.all(jnp.isfinite(a.reshape(a.shape[0], -1)), axis=-1)
+
+
+def flag(bad, rows, code: int):
+    """bad [M] int32 (FINE or a code), rows [M] bool -> bad with `code` where a row is
+    newly flagged (earlier codes are kept)."""
+    return jnp.where((bad == FINE) & rows, jnp.int32(code), bad)
+
+
+def row_flags(bad, positions, counted=None):
+    """bad [B, T] int32 (`Forward.bad` of one call), positions [B, T] of its slots,
+    counted [B, T] bool (default all) -> [B, 2] (code, position) of each row's first flagged
+    counted slot, or (-1, -1)."""
+    flagged = bad >= 0
+    if counted is not None:
+        flagged = flagged & counted
+    t = jnp.argmax(flagged, axis=1)[:, None]
+    code = jnp.take_along_axis(bad, t, axis=1)[:, 0]
+    pos = jnp.take_along_axis(positions, t, axis=1)[:, 0]
+    hit = jnp.any(flagged, axis=1)
+    return jnp.stack([jnp.where(hit, code, -1), jnp.where(hit, pos, -1)],
+                     axis=1).astype(jnp.int32)
 
 
 # The layer's pieces (rms_norm, add_norm, attention_block, mlp_block) are shared with the
@@ -158,9 +220,10 @@ def add_norm(ops, model: Model, x, o, w):
 def attention_block(ops, model: Model, lp, h, k_buf, v_buf, pos, lengths, cos, sin, window,
                     counters, tree=None):
     """h [Mp, D] (Mp >= B*T rows, see pad_rows_once) -> attention output [Mp, D], the
-    layer's updated K/V buffers and the attention's arrival counters for the next layer
-    (`Ops.attention_counted`). pos [B, T]: the tokens' logical positions; with `tree` (a
-    `jspec.tree.TreeInput`) they attend over the prefix and their ancestors only."""
+    layer's updated K/V buffers, the attention's arrival counters for the next layer
+    (`Ops.attention_counted`) and [B*T] bool: q or k (after RoPE) holds NaN or inf.
+    pos [B, T]: the tokens' logical positions; with `tree` (a `jspec.tree.TreeInput`)
+    they attend over the prefix and their ancestors only."""
     cfg, opt = model.config, model.options
     B, T = pos.shape
     dtype = h.dtype
@@ -176,6 +239,7 @@ def attention_block(ops, model: Model, lp, h, k_buf, v_buf, pos, lengths, cos, s
         qk = ops.qk_norm_rope(heads, *ws, cos, sin, num_q=H, num_k=Hkv, eps=cfg.rms_eps,
                               offset=cfg.norm_offset)[: B * T]  # [B*T, H + Hkv, hd]
         q, k, v = qk[:, :H], qk[:, H:], heads[: B * T, H + Hkv:]
+        qk_bad = nonfinite_rows(qk)
     else:
         qkv = qkv[: B * T]  # [B*T, (H + 2Hkv) hd]
         q, k, v = jnp.split(qkv, [cfg.q_size, cfg.q_size + cfg.kv_size], axis=-1)
@@ -184,6 +248,7 @@ def attention_block(ops, model: Model, lp, h, k_buf, v_buf, pos, lengths, cos, s
             k = rms_norm(ops, cfg, k.reshape(-1, hd), lp["k_norm"])
         q = ops.rope(q.reshape(B * T, H, hd), cos, sin)  # [B*T, H, hd]
         k = ops.rope(k.reshape(B * T, Hkv, hd), cos, sin)  # [B*T, Hkv, hd]
+        qk_bad = nonfinite_rows(jnp.concatenate([q, k], axis=1))  # one reduction
     k_new = k.reshape(B, T, Hkv, hd).transpose(0, 2, 1, 3)  # [B, Hkv, T, hd]
     v_new = v.reshape(B, T, Hkv, hd).transpose(0, 2, 1, 3)
     # New K/V go into the cache before attention reads it (rule R3).
@@ -203,7 +268,7 @@ def attention_block(ops, model: Model, lp, h, k_buf, v_buf, pos, lengths, cos, s
                                 fused_fold=opt.attn_fused_fold)  # [B, T, H, hd]
     o = pad_axis(o.reshape(B * T, H * hd), 0, h.shape[0])  # [Mp, H*hd]
     o = row_parallel(ops, model, o, lp["wo"], dtype, row_group=rg, schedule=sched)  # [Mp, D]
-    return o, k_buf, v_buf, counters
+    return o, k_buf, v_buf, counters, qk_bad
 
 
 def mlp_block(ops, model: Model, lp, h):
@@ -324,8 +389,10 @@ def apply(model: Model, tokens: jax.Array, cache: KVCache, *, features: tuple[in
                          "latency path); turn it off for a model that feeds a feature head")
     if model.draft_options.fused:
         if fused_draft.takes(B, T) and tree is None:
-            out = Forward(*fused_draft.forward(model, tokens, cache))
-            return out if logits else out.replace(logits=None)
+            # not checked: the latency path's kernels keep their activations to themselves
+            out, new_cache = fused_draft.forward(model, tokens, cache)
+            return Forward(out if logits else None, new_cache,
+                           bad=jnp.full((B, T), FINE, jnp.int32))
         model = model.replace(params=fused_draft.standard_params(model.params))
     params = model.params
     ops = ops_for(opt)
@@ -356,6 +423,7 @@ def apply(model: Model, tokens: jax.Array, cache: KVCache, *, features: tuple[in
     o = None  # the last block's output, added to x by the next norm
     counters = None  # split-KV arrival counters, zeroed once a forward (attention_counted)
     hidden = {}  # layer index -> the residual stream entering it [B*T, D]
+    bad = jnp.full((B * T,), FINE, jnp.int32)  # Forward.bad, flattened
     for i, lp in enumerate(params["layers"]):  # unrolled: L is static
         with jax.named_scope(f"layer_{i}"):
             sliding = cfg.layer_sliding[i]
@@ -363,9 +431,11 @@ def apply(model: Model, tokens: jax.Array, cache: KVCache, *, features: tuple[in
             x, h = add_norm(ops, model, x, o, lp["attn_norm"])
             if i in features:
                 hidden[i] = x[: B * T]
-            o, k_buf, v_buf, counters = attention_block(
+            bad = flag(bad, residual_bad(x[: B * T]), bad_code(i, False))
+            o, k_buf, v_buf, counters, qk_bad = attention_block(
                 ops, model, lp, h, cache.k[i], cache.v[i], pos, lengths, cos_all[int(sliding)],
                 sin_all[int(sliding)], window, counters, tree)
+            bad = flag(bad, qk_bad, bad_code(i, True))
             new_k.append(k_buf)
             new_v.append(v_buf)
             if cfg.sandwich_norms:
@@ -381,12 +451,13 @@ def apply(model: Model, tokens: jax.Array, cache: KVCache, *, features: tuple[in
     x, h = add_norm(ops, model, x, o, params["final_norm"])
     if cfg.num_layers in features:
         hidden[cfg.num_layers] = x[: B * T]
+    bad = flag(bad, residual_bad(x[: B * T]), bad_code(cfg.num_layers, False)).reshape(B, T)
     new_cache = cache.replace(k=tuple(new_k), v=tuple(new_v), lengths=lengths + T)
     out = lm_head(ops, model, h, B, T) if logits else None  # [B, T, V] or None
     if not features:
-        return Forward(out, new_cache)
+        return Forward(out, new_cache, bad=bad)
     feats = jnp.concatenate([hidden[i] for i in features], axis=-1)  # [B*T, len * D]
-    return Forward(out, new_cache, feats.reshape(B, T, -1))
+    return Forward(out, new_cache, feats.reshape(B, T, -1), bad)
 
 
 def lm_head(ops, model: Model, h, B: int, T: int):

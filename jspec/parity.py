@@ -11,6 +11,11 @@ any 0 < a <= T. In a batch every row shares T but accepts its own a.
 Under property P the logits kept for position j are bitwise the same for every
 schedule, batch and cache capacity. `schedule_logits` returns them so tests
 and the audit compare full vectors with `np.array_equal`.
+
+A comparison proves nothing on *degenerate* rows: logits all equal (a model whose
+activations overflowed returns exact zeros everywhere, and argmax then picks token 0
+whatever the input) or holding NaN/inf. `degenerate_rows` finds them; every check
+(`jspec.audit.compare`, the experiments' `PARITY: OK`) reports them and fails.
 """
 
 from __future__ import annotations
@@ -22,6 +27,9 @@ import numpy as np
 
 from jspec.cache import init_cache, rollback
 from jspec.model import Model, forward
+
+DEGENERATE = ("degenerate logits: every logit of the row is equal or some are NaN/inf; a "
+              "bitwise match of such rows proves nothing (the model's activations are broken)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,3 +133,22 @@ def count_mismatches(a: np.ndarray, b: np.ndarray) -> tuple[int, int | None]:
     diff = ~np.all(a.view(np.uint32) == b.view(np.uint32), axis=-1)
     idx = np.flatnonzero(diff)
     return int(idx.size), (int(idx[0]) if idx.size else None)
+
+
+def degenerate_rows(logits) -> np.ndarray:
+    """logits [..., V] -> [...] bool: the row's logits are all equal (e.g. all 0.0) or hold
+    NaN or inf."""
+    a = np.asarray(logits, np.float32)
+    finite = np.all(np.isfinite(a), axis=-1)
+    flat = np.all(a == a[..., :1], axis=-1)
+    return ~finite | flat
+
+
+def degenerate_positions(model: Model, tokens, start: int = 0) -> list[int]:
+    """Positions >= start of tokens [n] (one sequence) whose logits, from one prefill of
+    the whole sequence, are degenerate (`degenerate_rows`). With start = the prompt's
+    length - 1 these are the positions a generation sampled from."""
+    seq = np.asarray(tokens, np.int32)[None]
+    logits, _ = forward(model, seq, init_cache(model, 1, seq.shape[1]), donate=False)
+    rows = degenerate_rows(np.asarray(logits[0]))
+    return [int(i) for i in np.flatnonzero(rows) if i >= start]

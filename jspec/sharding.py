@@ -310,17 +310,26 @@ def apply_sharded(model: Model, tokens: jax.Array, cache: KVCache, *,
     extra = {} if tree is None else {"tree": tree}  # jspec.tree.TreeInput, replicated
 
     def body(params, tokens, cache, extra):
-        return apply(inner.replace(params=params), tokens, cache, features=features,
-                     logits=logits, **extra)
+        out = apply(inner.replace(params=params), tokens, cache, features=features,
+                    logits=logits, **extra)
+        return out.replace(bad=out.bad[None])  # [1, B, T]: q/k differ by shard (heads)
 
-    out_specs = Forward(P() if logits else None, cspecs, P() if features else None)
+    out_specs = Forward(P() if logits else None, cspecs, P() if features else None,
+                        P() if par.replicated else P(axis))
     run = jax.shard_map(body, mesh=par.mesh, in_specs=(pspecs, P(), cspecs, P()),
                         out_specs=out_specs, check_vma=False)
     out = run(model.params, tokens, cache, extra)
-    if not logits:
-        return out
-    # the vocabulary padding's columns dropped
-    return out.replace(logits=out.logits[..., : cfg.vocab_size])
+    # the vocabulary padding's columns dropped; the shards' flags [S, B, T] -> the first code
+    head = None if out.logits is None else out.logits[..., : cfg.vocab_size]
+    return out.replace(logits=head, bad=first_bad(out.bad))
+
+
+def first_bad(bad):
+    """bad [S, B, T] int32 (each shard's Forward.bad) -> [B, T]: the smallest code any shard
+    saw (a shard sees its own heads' q and k), -1 where none did."""
+    big = jnp.iinfo(jnp.int32).max
+    least = jnp.min(jnp.where(bad < 0, big, bad), axis=0)
+    return jnp.where(least == big, -1, least).astype(jnp.int32)
 
 
 def init_cache(model: Model, batch_size: int, max_len: int) -> KVCache:

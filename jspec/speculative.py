@@ -36,7 +36,7 @@ from jspec.drafters import FeatureDrafter, ModelDrafter, OracleDrafter, PromptLo
 from jspec.drafting import ProposeContext, check_drafter, grows_trees
 from jspec.generate import PAD, first_non_finite, pad_prompts, plan_shapes
 from jspec.loop import check_count, raise_non_finite, run_chunked, token_bar
-from jspec.model import COMPILER_OPTIONS, Forward, Model, apply
+from jspec.model import COMPILER_OPTIONS, Forward, Model, apply, row_flags
 from jspec.policies import Policy, resolve_policy
 from jspec.tree import TreeConfig, commit_path, from_parents
 
@@ -147,8 +147,10 @@ class SpecState:
       audit_at: [3] int32 (round, row, block row) of the first difference.
       audit_logits: [2, V] f32 verify and serial logits of that position.
       audits: [] int32 blocks audited.
-      bad: [] bool, a live row's verify logits hold NaN or inf (the loop stops).
-      bad_at: [2] int32 (row, position of cur) of the first such block.
+      bad: [] bool, a live row's verify logits hold NaN or inf, or the forward flagged its
+        activations (`Forward.bad`; the prompt's included): the loop stops.
+      bad_at: [3] int32 (row, position, code) of the first such block (position of cur
+        and code -1 when only the logits are broken; `jspec.loop.raise_non_finite`).
     """
 
     step: jax.Array
@@ -184,8 +186,10 @@ def _prefill(target: Model, drafter, tokens, lens, seed, *, spec: SpecConfig, ma
     cache = init_cache(target, B, max_len)
     # Chunked, no LM head; the cache stops at lens - 1: cur = the last prompt token, which
     # the first verify block computes (the logits it samples from).
-    cache, feats = chunked_prefill(target, tokens, lens, cache,
-                                   features=feature_layers(drafter))
+    pre = chunked_prefill(target, tokens, lens, cache, features=feature_layers(drafter))
+    cache, feats, flags = pre.cache, pre.features, pre.flags  # flags [B, 2]
+    bad = flags[:, 0] >= 0
+    row = jnp.argmax(bad).astype(jnp.int32)
     cur = jnp.take_along_axis(tokens, (lens - 1)[:, None], axis=1)[:, 0]
     extra = {} if feats is None else {"features": feats}  # only feature drafters take them
     draft = drafter.init(tokens, lens, max_len, spec.depth, **extra)
@@ -197,8 +201,9 @@ def _prefill(target: Model, drafter, tokens, lens, seed, *, spec: SpecConfig, ma
                      rounds_live=z, audit_bad=jnp.zeros((), bool),
                      audit_at=jnp.full((3,), -1, jnp.int32),
                      audit_logits=jnp.zeros((2, target.config.vocab_size), jnp.float32),
-                     audits=jnp.int32(0), bad=jnp.zeros((), bool),
-                     bad_at=jnp.full((2,), -1, jnp.int32))
+                     audits=jnp.int32(0), bad=jnp.any(bad),
+                     bad_at=jnp.where(jnp.any(bad), jnp.stack([row, flags[row, 1], flags[row, 0]]),
+                                      -1))
 
 
 def _context(target: Model, state: SpecState, seed, spec: SpecConfig) -> ProposeContext:
@@ -322,12 +327,15 @@ def _audit(target: Model, state: SpecState, cache, cur, drafts, logits, *, spec:
                          audits=state.audits + due.astype(jnp.int32))
 
 
-def _check_finite(state: SpecState, logits, pos) -> SpecState:
-    """Flags verify logits [B, G, V] with NaN or inf in a live row: the loop stops after
-    the round and the host raises NonFiniteError."""
-    bad, row = first_non_finite(logits, ~state.done)
-    at = jnp.where(bad & ~state.bad, jnp.stack([row, pos[row]]), state.bad_at)
-    return state.replace(bad=state.bad | bad, bad_at=at)
+def _check_finite(state: SpecState, out: Forward, pos, positions) -> SpecState:
+    """Flags a verify (logits [B, G, V], pos [B] of cur, positions [B, G] of its slots) whose
+    logits hold NaN or inf in a live row, or whose forward flagged its activations
+    (`Forward.bad`): the loop stops after the round and the host raises NonFiniteError."""
+    bad, row, flag = first_non_finite(out.logits, ~state.done, row_flags(out.bad, positions))
+    at = jnp.where(flag[0] >= 0, jnp.stack([row, flag[1], flag[0]]),
+                   jnp.stack([row, pos[row], jnp.int32(-1)]))
+    return state.replace(bad=state.bad | bad, bad_at=jnp.where(bad & ~state.bad, at,
+                                                                state.bad_at))
 
 
 def _tree_round(target: Model, drafter, state: SpecState, seed, *,
@@ -348,7 +356,7 @@ def _tree_round(target: Model, drafter, state: SpecState, seed, *,
     layers = feature_layers(drafter)
     out = apply(target, tokens, state.cache, tree=t_in, features=layers)
     logits, cache = out.logits, out.cache
-    state = _check_finite(state, logits, ctx.pos)
+    state = _check_finite(state, out, ctx.pos, ctx.pos[:, None] + t_in.depth)
     positions = ctx.pos[:, None] + 1 + t_in.depth  # of the token after each node
     node, n, nxt = spec.policy.accept_tree(logits, tokens, parents, t_in.depth, q, valid, seed,
                                            ctx.rows, positions, max_depth=D, max_children=K)
@@ -375,7 +383,8 @@ def _round(target: Model, drafter, state: SpecState, seed, *, spec: SpecConfig) 
     drafts, draft_logits, dstate = _draft(drafter, state.draft, ctx)
     out = _verify(target, state.cache, state.cur, drafts, feature_layers(drafter))
     logits, cache, feats = out.logits, out.cache, out.features
-    state = _check_finite(state, logits, ctx.pos)
+    G = logits.shape[1]
+    state = _check_finite(state, out, ctx.pos, ctx.pos[:, None] + jnp.arange(G)[None, :])
     if spec.audit_every:
         state = _audit(target, state, cache, state.cur, drafts, logits, spec=spec)
     n_acc, nxt = _accept(logits, drafts, draft_logits, seed, ctx.pos, spec=spec)
@@ -543,7 +552,8 @@ def speculative_generate(target: Model, drafter, prompts, spec: SpecConfig, *,
                                 or bool(s.audit_bad) or bool(s.bad)),
             progress=lambda s: update(int(jnp.sum(s.num))))
     t2 = time.perf_counter()
-    raise_non_finite(state.bad, state.bad_at, "speculative decoding (verify)")
+    raise_non_finite(state.bad, state.bad_at, "speculative decoding (verify)",
+                         target.config.num_layers)
     _raise_on_audit(state)
     stats = _stats(state, spec, drafter, t1 - t0, t2 - t1)
     stats |= {"prompt_bucket": int(tokens.shape[1]), "max_len": int(max_len)}
@@ -569,7 +579,8 @@ def _stream(target: Model, drafter, tokens, lens, spec: SpecConfig, max_len: int
     seen = np.zeros(len(lens), np.int64)
     while not bool(jnp.all(state.done)) and int(state.step) < spec.max_new_tokens:
         state = one_round(target, drafter, state, seed, spec=spec)
-        raise_non_finite(state.bad, state.bad_at, "speculative decoding (verify)")
+        raise_non_finite(state.bad, state.bad_at, "speculative decoding (verify)",
+                         target.config.num_layers)
         _raise_on_audit(state)
         num, out = np.asarray(state.num), np.asarray(state.out)
         yield [out[b, seen[b]: num[b]].tolist() for b in range(len(lens))]

@@ -62,11 +62,12 @@ def test_every_chunk_size_gives_the_same_cache_features_and_tokens():
         m = jspec.with_options(model, prefill_chunk=C)
         got[C] = prefill_jit(m, jnp.asarray(tokens), jnp.asarray(lens),
                              jspec.init_cache(m, 2, 24), features=layers)
-    ref_cache, ref_feats = got[16]
+    ref_cache, ref_feats = got[16].cache, got[16].features
     assert list(np.asarray(ref_cache.lengths)) == [12, 8]  # each row at lens - 1
     for C in (4, 6):
-        _same_cache(got[C][0], ref_cache, lens - 1)
-        f = np.asarray(got[C][1])
+        assert np.array_equal(np.asarray(got[C].flags), -np.ones((2, 2)))  # nothing flagged
+        _same_cache(got[C].cache, ref_cache, lens - 1)
+        f = np.asarray(got[C].features)
         for r, n in enumerate(lens):
             assert np.array_equal(bits(f[r, :n]), bits(np.asarray(ref_feats)[r, :n])), C
     want = jspec.generate(model, prompts, max_new_tokens=5)
