@@ -29,7 +29,7 @@ import sys
 
 from jspec.loop import NonFiniteError
 from jspec.model import with_options
-from jspec.options import FUSIONS, DraftOptions, KernelOptions
+from jspec.options import FUSIONS, LOWERINGS, DraftOptions, KernelOptions
 from jspec.policies import resolve_policy
 from jspec.speculative import ParityError
 from jspec.text import as_chat, read_prompts
@@ -75,6 +75,8 @@ def parse_options(text: str, kernel: KernelOptions | None = None,
             fields[kind][field] = conv(number)
         elif name == "plain":
             fields["kernel"] |= dict.fromkeys(FUSIONS, False)
+        elif name in LOWERINGS:  # the matmuls' Pallas lowering (KernelOptions.lowering)
+            fields["kernel"]["lowering"] = name
         elif name == "draft":
             latency = DraftOptions.latency()
             fields["draft"] |= {f.name: getattr(latency, f.name)
@@ -84,7 +86,7 @@ def parse_options(text: str, kernel: KernelOptions | None = None,
             fields["kernel"][name.removeprefix("no_")] = not name.startswith("no_")
         else:
             raise ValueError(f"unknown option {name!r}; expected one of {FUSIONS}, "
-                             "no_<fusion>, 'plain', 'draft' or "
+                             f"no_<fusion>, 'plain', 'draft', {' or '.join(LOWERINGS)} or "
                              f"{'|'.join(f'{k}=<int>' for k in _VALUED)}")
     kernel = (kernel or KernelOptions()).replace(**fields["kernel"])
     draft = (draft or DraftOptions()).replace(**fields["draft"])
