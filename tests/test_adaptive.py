@@ -145,8 +145,8 @@ def test_controller_learns_per_position_acceptance_and_costs():
 
 
 def test_bad_adaptive_settings_get_clear_errors():
-    with pytest.raises(ValueError, match="Adaptive.gammas"):
-        jspec.Adaptive(gammas=(0, 99))
+    with pytest.raises(ValueError, match="gamma=99 exceeds MAX_GAMMA"):
+        jspec.SpecConfig(adaptive=jspec.Adaptive(gammas=(0, 99)))
     with pytest.raises(ValueError, match=r"Adaptive.gammas\[0\]=-1"):
         jspec.Adaptive(gammas=(-1, 2))
     with pytest.raises(ValueError, match="schedule holds 3"):
