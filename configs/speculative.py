@@ -36,6 +36,9 @@ def get_config(arg=None):
     # Draft trees instead of chains: "" (chains of gamma), "3,2,1" (children per depth),
     # "dynamic:4,16,5" (EAGLE-2: top_k, nodes, depth) or "paths:0;1;0.0" (Medusa-style).
     c.tree = ""
+    # Adaptive round shapes: "" (off: fixed gamma or tree), or the candidate gammas, e.g.
+    # "0,1,2,4" (0: a plain decode step); the tree above, if any, joins them.
+    c.adaptive = ""
     c.policy = "exact_greedy"  # | "gumbel_coupled" | "rejection_sampling"
     c.max_new_tokens = 64
     c.temperature = 0.8  # sampling policies only

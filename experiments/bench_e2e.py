@@ -4,6 +4,10 @@
       --prompt_len=512 --max_new_tokens=256 --out=$OUT                        # one H200
   python experiments/bench_e2e.py --target=tiny-qwen3 --draft=tiny-qwen3:1 --batches=1 \
       --prompt_len=16 --max_new_tokens=8 --gammas=2 --accept=0.8 --iters=1 --nopeers  # CPU
+  python experiments/bench_e2e.py --target=qwen3-8b:12 --drafter=feature --gammas=4 \
+      --accept=0.8 --adaptive=0,1,2,4 --batches=1,8,16,32,64 --prompt_len=512 \
+      --max_new_tokens=128 --nolookup --nopeers --serial_backends=pallas --out=$OUT
+                                # fixed gamma 4 and adaptive side by side, per batch
   python experiments/bench_e2e.py --tp=2 --target=llama3-70b --draft=llama3-8b --batches=1 \
       --accept=0.8 --gammas=4 --nopeers --out=$OUT          # a 70B target over two GPUs
   # several hosts: the same command on each, with --coordinator_address=HOST0:PORT
@@ -59,7 +63,7 @@ import jspec  # noqa: E402
 from jspec.bench import hf_peers, plotting  # noqa: E402
 from jspec.bench.gpu_monitor import GpuMonitor  # noqa: E402
 from jspec.bench.timing import copy_bandwidth  # noqa: E402
-from jspec.cli import options_record, with_option_string  # noqa: E402
+from jspec.cli import options_record, parse_adaptive, with_option_string  # noqa: E402
 from jspec.generate import prefill as serial_prefill  # noqa: E402
 from jspec.loading import default_interpret  # noqa: E402
 from jspec.random_model import random_model  # noqa: E402
@@ -76,6 +80,10 @@ _NEW = flags.DEFINE_integer("max_new_tokens", 48, "tokens generated per row")
 _GAMMAS = flags.DEFINE_list("gammas", ["2", "4", "6", "8"], "gammas (oracle and lookup)")
 _ACCEPT = flags.DEFINE_list("accept", ["0.5", "0.7", "0.8", "0.9"], "oracle acceptance rates")
 _LOOKUP = flags.DEFINE_bool("lookup", True, "also run the prompt-lookup drafter")
+_ADAPTIVE = flags.DEFINE_string(
+    "adaptive", "", "candidate gammas of adaptive round shapes, e.g. '0,1,2,4' (0: a plain "
+    "decode step; a sweep's tree joins them): after each oracle run at the headline gamma, "
+    "the same run with the shape chosen per chunk of rounds ('': off)")
 _OPTIONS = flags.DEFINE_list(
     "options", [], "speed options for the target and the draft (jspec.cli option names: "
     "x, no_x or plain; all four are on by default)")
@@ -380,15 +388,17 @@ class Bench:
             self._pruned = jspec.ModelDrafter.pruned(self.draft, np.arange(n))
         return self._pruned
 
-    def run_spec(self, kind: str, B: int, gamma: int, accept: float | None) -> dict:
+    def run_spec(self, kind: str, B: int, gamma: int, accept: float | None,
+                 adaptive: bool = False) -> dict:
         drafter = self.drafter(kind, B, accept)
         seeds = range(_ORACLE_SEEDS.value if kind == "oracle" else 1)
         serial = self.serial[B]
-        key = (kind, B, gamma, self.draft_kind, self.tree_spec)
+        key = (kind, B, gamma, self.draft_kind, self.tree_spec, adaptive)
         per_seed, warm, gpu = [], None, []
+        shapes = parse_adaptive(_ADAPTIVE.value, self.tree) if adaptive else None
         for seed in seeds:  # the seed is a runtime array: one compile serves them all
             spec = jspec.SpecConfig(gamma=gamma, max_new_tokens=self.N, seed=seed,
-                                    tree=self.tree)
+                                    tree=None if adaptive else self.tree, adaptive=shapes)
             out, t, w = timed(lambda spec=spec: jspec.speculative_generate(
                 self.target, drafter, self.prompts(B), spec), self.iters,
                 key not in self.compiled, monitor=gpu)
@@ -399,7 +409,8 @@ class Bench:
             per_seed.append({"seed": seed, "seconds": t, "parity": parity,
                              "tokens": int(out.num_tokens.sum()), **{
                                  k: out.stats[k] for k in ("acceptance_rate",
-                                                           "tokens_per_target_step", "ttft_s")}})
+                                                           "tokens_per_target_step", "ttft_s")},
+                             **({"adaptive": out.stats["adaptive"]} if adaptive else {})})
         self.phase(f"speculative {kind} B={B} gamma={gamma} warm-up (compile + run)", warm)
         t = float(np.mean([r["seconds"] for r in per_seed]))  # mean over seeds of medians
         n = per_seed[0]["tokens"]
@@ -413,12 +424,16 @@ class Bench:
                "tokens_per_s": n / t, "seconds": t, "speedup": t_serial / t,
                "ttft_s": mean("ttft_s"), "warmup_s": warm,
                "parity": all(r["parity"] for r in per_seed), "gpu": _merge_gpu(gpu)}
+        if adaptive:
+            row["adaptive"] = _ADAPTIVE.value
+            row["adaptive_stats"] = per_seed[-1]["adaptive"]  # the last seed's run
         if len(per_seed) > 1:
             row["seeds"] = per_seed
         return row
 
-    def record_spec(self, kind: str, B: int, gamma: int, accept: float | None) -> None:
-        row = self.run_spec(kind, B, gamma, accept)
+    def record_spec(self, kind: str, B: int, gamma: int, accept: float | None,
+                    adaptive: bool = False) -> None:
+        row = self.run_spec(kind, B, gamma, accept, adaptive)
         self.report["speculative"].append(row)
         self.save()
         if not row["parity"]:
@@ -555,6 +570,10 @@ def jobs_for(bench: Bench) -> list[tuple[str, object]]:
             for a in accepts:
                 jobs.append((f"oracle B={B} {d} {t or f'g={head}'} a={a}",
                              lambda B=B, a=a: bench.record_spec("oracle", B, head, a)))
+                if _ADAPTIVE.value:  # side by side with the fixed shape
+                    jobs.append((f"oracle B={B} {d} adaptive {_ADAPTIVE.value} a={a}",
+                                 lambda B=B, a=a: bench.record_spec("oracle", B, head, a,
+                                                                    adaptive=True)))
         bench_last = shapes[-1]
         for g in [g for g in gammas if g != head]:  # other gammas: the last sweep's shape
             for a in accepts:
@@ -658,6 +677,10 @@ def print_tables(rep: dict) -> None:
     for r in rep["speculative"]:
         oa = "-" if r["oracle_accept"] is None else f"{r['oracle_accept']:.1f}"
         shape = f"tree {r['tree']}" if r.get("tree") else f"gamma {r['gamma']}"
+        if r.get("adaptive"):
+            short = lambda k: "d" if k == "decode" else k[0] + k[5:]  # noqa: E731 (g4, t)
+            shape = "adapt " + " ".join(f"{short(k)}:{v['rounds']}" for k, v in
+                                        r["adaptive_stats"]["shapes"].items() if v["rounds"])
         print(f"{r['batch']:3d} {r['drafter']:8s} {r.get('draft_kind', 'model'):8s} "
               f"{shape:24s} {oa:>6s} {r['acceptance']:6.3f} "
               f"{r['tokens_per_target_step']:8.2f} {r['tokens_per_s']:9.1f} {r['speedup']:7.2f} "

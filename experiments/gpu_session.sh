@@ -6,6 +6,7 @@
 # kernels_fused spec sweep tuned e2e e2e_b1 e2e_b8 e2e_peers e2e_draftpallas e2e_decompose train pair
 # pair_eval schedsweep attnsweep train_head parity_trees kernels_trees main pair_head
 # e2e_session tree_sweep parity_long parity_long_xla context_bench context_bench_128k
+# e2e_batch
 # (default: parity audit kernels spec).
 # - parity_long: the long-context lane of the parity matrix (pallas): a chunked prefill to
 #   depth, then one-token steps, blocks, verify blocks of 1-32 and trees of 16 and 32
@@ -45,7 +46,11 @@
 #   main command with its defaults; pair_head: the code pair's draft model against its
 #   feature head, chains and trees (real acceptance); e2e_session: Qwen3-8B serial and
 #   oracle speculation (a = 0.8, 0.9, gamma 4) with the Qwen3-0.6B draft and with a feature
-#   head, chains and a 32-node tree, batches 1 and 8 (~7-8 min).
+#   head, chains and a 32-node tree, batches 1 and 8 (~7-8 min). e2e_batch: fixed gamma 4
+#   against adaptive round shapes (gammas 0,1,2,4) side by side, feature head, oracle
+#   a = 0.8, prompt 512, 128 new tokens, batches $E2E_BATCHES (default 1,8,16,32,64), the
+#   Qwen3-8B shape with 12 of its 36 layers (to fit ~5-8 min with a compile per shape and
+#   batch); the receipt's adaptive_stats say which shapes ran.
 # - train_head trains a feature head for the embedded pair's target (train_draft_head.py,
 #   the gpu preset: ~2 min on an H200) into $OUT/head (config.json, model.safetensors,
 #   README.md, train_log.json); `eval_pair.py --head=$OUT/head` measures it. It reads
@@ -238,6 +243,11 @@ for s in $steps; do
               --batch_shapes="1:model/;1:feature/;1:feature/spine:8:4,3,3,2,2,1,1,0;8:feature/" \
               --serial_backends=pallas --iters=2 --out="$OUT" --tag=h200_session \
               2>&1 | quiet | grep -v "it/s" | tail -40 ;;
+    e2e_batch) timeout "${E2E_S:-540}" python3 experiments/bench_e2e.py --target=qwen3-8b:12 \
+              --draft=qwen3-0.6b:1 --drafter=feature --batches="${E2E_BATCHES:-1,8,16,32,64}" \
+              --prompt_len=512 --max_new_tokens=128 --gammas=4 --accept=0.8 \
+              --adaptive=0,1,2,4 --nolookup --nopeers --serial_backends=pallas --iters=2 \
+              --out="$OUT" --tag=h200_adaptive 2>&1 | quiet | grep -v "it/s" | tail -30 ;;
     *) echo "unknown step $s" ;;
   esac
 done

@@ -137,16 +137,17 @@ def main(argv):
         c.check_parity = _CHECK.value
     prompts = cli.config_prompts(c)
     policy = cli.config_policy(c)
+    adaptive = cli.parse_adaptive(c.get("adaptive", ""), parse_tree(c.get("tree", "")))
     jspec.SpecConfig(gamma=c.gamma, policy=policy, max_new_tokens=c.max_new_tokens,
-                     audit_every=c.audit_every,
-                     tree=parse_tree(c.get("tree", "")))  # bad values fail before loading
+                     audit_every=c.audit_every, adaptive=adaptive,  # bad values fail here,
+                     tree=None if adaptive else parse_tree(c.get("tree", "")))  # not later
     pipe = build(c)
     target = pipe.target
     chat = any(not isinstance(p, str) for p in prompts)
     stop = (pipe.stop_ids + (pipe.chat_stop_ids if chat else ())) if c.stop_at_eos else ()
     kw = dict(max_new_tokens=c.max_new_tokens, seed=c.seed, stop_tokens=stop)
     spec_kw = kw | dict(gamma=c.gamma, policy=policy, audit_every=c.audit_every,
-                        tree=c.get("tree", "") or None)
+                        tree=c.get("tree", "") or None, adaptive=adaptive)
     sampler = policy.serial_sampler()  # the serial run the policy reproduces
     serial_kw = kw | (dict(temperature=0.0) if isinstance(sampler, jspec.Greedy) else
                       dict(temperature=sampler.temperature, top_k=sampler.top_k,
@@ -159,7 +160,8 @@ def main(argv):
     print(f"target: {target.config.family} L={target.config.num_layers} "
           f"V={target.config.vocab_size} dtype={c.dtype} device={jax.devices()[0].platform}; "
           f"drafter={kind} "
-          f"{'tree=' + c.tree if c.get('tree', '') else f'gamma={c.gamma}'} policy={c.policy}; "
+          f"{'tree=' + c.tree if c.get('tree', '') else f'gamma={c.gamma}'}"
+          f"{' adaptive=' + c.adaptive if adaptive else ''} policy={c.policy}; "
           f"stop ids {list(stop)}")
     print(cli.backend_line(target) + (f"; draft backend: {draft.options.backend}, draft "
                                       f"options {c.draft_options!r}: "

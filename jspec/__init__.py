@@ -7,6 +7,7 @@ token for token.
 """
 
 from jspec import sharding
+from jspec.adaptive import Adaptive
 from jspec.cache import KVCache, init_cache, rollback
 from jspec.checkpoint import restore_params, save_params
 from jspec.config import ModelConfig, UnsupportedModelError, from_hf_config
@@ -46,6 +47,7 @@ from jspec.text import (
 from jspec.tree import TreeConfig, parse_tree
 
 __all__ = [
+    "Adaptive",
     "IncrementalDecoder",
     "TextOutput",
     "TextPipeline",

@@ -107,6 +107,22 @@ def policy_of(name: str, temperature: float, top_k: int = 0, top_p: float = 1.0)
     return resolve_policy(name, temperature, top_k, top_p)
 
 
+def parse_adaptive(text: str, tree=None):
+    """`jspec.Adaptive` from the command line: "" (None: fixed shapes), or the candidate
+    gammas "0,1,2,4" (0: a plain decode step); `tree` (a TreeConfig or None) joins them."""
+    from jspec.adaptive import Adaptive
+
+    text = (text or "").strip()
+    if not text:
+        return None
+    try:
+        gammas = tuple(int(g) for g in text.split(","))
+    except ValueError:
+        raise ValueError(f"adaptive {text!r}: expected comma-separated gammas such as "
+                         "'0,1,2,4' (0: a plain decode step)") from None
+    return Adaptive(gammas=gammas, tree=tree)
+
+
 def config_policy(c):
     """`policy_of` a config's policy, temperature, top_k and top_p fields."""
     return policy_of(c.policy, c.temperature, c.top_k, c.top_p)

@@ -167,8 +167,11 @@ class ModelDrafter(Drafter):
 
     def commit(self, state: ModelDraftState, ctx: ProposeContext, n_acc, nxt, drafts,
                features=None):
-        last = jnp.where(n_acc == 0, ctx.cur,
-                         jnp.take_along_axis(drafts, jnp.maximum(n_acc - 1, 0)[:, None], 1)[:, 0])
+        if drafts.shape[1] == 0:  # a plain decode step: no proposals, n_acc = 0
+            last = ctx.cur
+        else:
+            prev = jnp.take_along_axis(drafts, jnp.maximum(n_acc - 1, 0)[:, None], 1)[:, 0]
+            last = jnp.where(n_acc == 0, ctx.cur, prev)
         cache = rollback(state.cache, ctx.pos + n_acc)
         logits, cache = apply(self.model, jnp.stack([last, nxt], axis=1), cache)
         return ModelDraftState(cache=cache, next_logits=logits[:, 1])
@@ -317,7 +320,7 @@ class PromptLookupDrafter(Drafter):
                features=None):
         g = drafts.shape[1]
         slot = jnp.arange(g + 1)[None, :]
-        padded = jnp.concatenate([drafts, drafts[:, :1]], axis=1)
+        padded = jnp.pad(drafts, ((0, 0), (0, 1)))  # [B, g + 1] (g may be 0)
         emitted = jnp.where(slot < n_acc[:, None], padded, nxt[:, None])  # [B, g+1]
         hist = jax.vmap(lambda h, e, s: jax.lax.dynamic_update_slice(h, e, (s,)))(
             state.hist, emitted, state.hlen)

@@ -30,6 +30,7 @@ import numpy as np
 from flax import struct
 
 from jspec._checks import check_bool, check_ints, check_seed, check_type
+from jspec.adaptive import Adaptive, Controller, snapshot
 from jspec.cache import init_cache, rollback
 from jspec.chunked_prefill import prefill as chunked_prefill
 from jspec.drafters import FeatureDrafter, ModelDrafter, OracleDrafter, PromptLookupDrafter
@@ -69,6 +70,9 @@ class SpecConfig:
         path); the run stops with a `ParityError` report on any difference.
       tree: a `jspec.tree.TreeConfig`: each round verifies a tree of drafts in one
         forward instead of a chain of gamma (gamma is then unused).
+      adaptive: a `jspec.Adaptive`: the round shape (plain decode steps, gammas, a tree)
+        is chosen per chunk of rounds from measured costs and running acceptance
+        (`jspec.adaptive`); gamma and tree are then unused (give the tree in Adaptive).
     """
 
     gamma: int = 4
@@ -81,6 +85,7 @@ class SpecConfig:
     stop_tokens: tuple[int, ...] = ()
     audit_every: int = 0
     tree: TreeConfig | None = None
+    adaptive: Adaptive | None = None
 
     def __post_init__(self):
         for name, least in (("audit_every", 0), ("gamma", 1), ("max_new_tokens", 1)):
@@ -104,15 +109,30 @@ class SpecConfig:
             raise ValueError(f"policy {policy!r} needs a static tree (branching or paths): a "
                              "dynamic tree keeps children by their draft scores, which biases "
                              "the multi-draft acceptance")
+        if self.adaptive is not None:
+            if not isinstance(self.adaptive, Adaptive):
+                raise TypeError(f"adaptive must be a jspec.Adaptive; got "
+                                f"{type(self.adaptive).__name__}")
+            if self.tree is not None:
+                raise ValueError("give the tree of an adaptive run in Adaptive(tree=...), "
+                                 "not SpecConfig(tree=...)")
+            for shape in self.adaptive.shapes:  # each shape's own checks (a tree's policy)
+                shape_spec(self, shape)
 
     @property
     def depth(self) -> int:
-        """Proposals along one path: gamma for chains, the tree's depth for trees."""
+        """Proposals along one path: gamma for chains, the tree's depth for trees (adaptive:
+        the deepest shape's)."""
+        if self.adaptive is not None:
+            return self.adaptive.depth
         return self.tree.depth if self.tree is not None else self.gamma
 
     @property
     def proposals(self) -> int:
-        """Draft tokens a round verifies (gamma, or the tree's nodes)."""
+        """Draft tokens a round verifies (gamma, or the tree's nodes; adaptive: the most
+        of any shape)."""
+        if self.adaptive is not None:
+            return self.adaptive.proposals
         return self.tree.num_nodes if self.tree is not None else self.gamma
 
     def static(self) -> SpecConfig:
@@ -128,6 +148,17 @@ class SpecConfig:
         return self.policy.draft_sampler()
 
 
+def shape_spec(spec: SpecConfig, shape) -> SpecConfig:
+    """The static config of one round shape of an adaptive run: gamma `shape` (0: a plain
+    decode step, a shape only Adaptive asks for) or a TreeConfig."""
+    tree = shape if isinstance(shape, TreeConfig) else None
+    gamma = spec.gamma if tree is not None else max(int(shape), 1)
+    one = dataclasses.replace(spec, adaptive=None, tree=tree, gamma=gamma)
+    if tree is None and shape == 0:
+        object.__setattr__(one, "gamma", 0)  # verify [cur] alone: T = 1, no proposals
+    return one
+
+
 @struct.dataclass
 class SpecState:
     """Loop state of speculative decoding.
@@ -141,7 +172,8 @@ class SpecState:
       num: [B] int32 tokens generated per row.
       done: [B] bool.
       proposed, accepted: [B] int32 draft tokens proposed / accepted per row.
-      accepted_at: [depth] int32 accepted proposals by draft position / tree depth.
+      accepted_at: [B, depth] int32 accepted proposals per row by draft position / tree
+        depth (depth: the deepest round shape's).
       rounds_live: [B] int32 verify rounds in which the row was still live.
       audit_bad: [] bool, a runtime audit found a difference (the loop stops).
       audit_at: [3] int32 (round, row, block row) of the first difference.
@@ -197,7 +229,7 @@ def _prefill(target: Model, drafter, tokens, lens, seed, *, spec: SpecConfig, ma
     z = jnp.zeros((B,), jnp.int32)
     return SpecState(step=jnp.int32(0), cache=cache, draft=draft, cur=cur,
                      out=jnp.full((B, N), PAD, jnp.int32), num=z, done=jnp.zeros((B,), bool),
-                     proposed=z, accepted=z, accepted_at=jnp.zeros((g,), jnp.int32),
+                     proposed=z, accepted=z, accepted_at=jnp.zeros((B, g), jnp.int32),
                      rounds_live=z, audit_bad=jnp.zeros((), bool),
                      audit_at=jnp.full((3,), -1, jnp.int32),
                      audit_logits=jnp.zeros((2, target.config.vocab_size), jnp.float32),
@@ -275,8 +307,9 @@ def _commit(drafter, state: SpecState, ctx: ProposeContext, cache, dstate, draft
         dstate = drafter.commit_tree(dstate, ctx, n_acc, nxt, drafts, **extra)
     else:
         dstate = drafter.commit(dstate, ctx, n_acc, nxt, drafts, **extra)
-    acc_at = state.accepted_at + jnp.sum(
-        (jnp.arange(g)[None, :] < n_acc[:, None]) & live[:, None], axis=0, dtype=jnp.int32)
+    depth = state.accepted_at.shape[1]  # the deepest shape's (an adaptive run's state)
+    acc_at = state.accepted_at + (
+        (jnp.arange(depth)[None, :] < n_acc[:, None]) & live[:, None]).astype(jnp.int32)
     return state.replace(step=state.step + 1, cache=cache, draft=dstate,
                          cur=jnp.where(live, nxt, state.cur), out=out, num=num, done=done,
                          proposed=state.proposed + jnp.where(live, spec.proposals, 0),
@@ -380,7 +413,12 @@ def _round(target: Model, drafter, state: SpecState, seed, *, spec: SpecConfig) 
     if spec.tree is not None:
         return _tree_round(target, drafter, state, seed, spec=spec)
     ctx = _context(target, state, seed, spec)
-    drafts, draft_logits, dstate = _draft(drafter, state.draft, ctx)
+    if spec.proposals:
+        drafts, draft_logits, dstate = _draft(drafter, state.draft, ctx)
+    else:  # a plain decode step (an adaptive shape): verify [cur] alone, no proposals
+        B, V = state.cur.shape[0], target.config.vocab_size
+        drafts, draft_logits = jnp.zeros((B, 0), jnp.int32), jnp.zeros((B, 0, V), jnp.float32)
+        dstate = state.draft
     out = _verify(target, state.cache, state.cur, drafts, feature_layers(drafter))
     logits, cache, feats = out.logits, out.cache, out.features
     G = logits.shape[1]
@@ -496,7 +534,7 @@ def _stats(state: SpecState, spec: SpecConfig, drafter, prefill_s: float, loop_s
     proposed, accepted = int(np.sum(state.proposed)), int(np.sum(state.accepted))
     rounds = int(state.step)
     live_rounds = int(np.sum(state.rounds_live))
-    by_pos = np.asarray(state.accepted_at) / max(live_rounds, 1)
+    by_pos = np.asarray(state.accepted_at).sum(axis=0) / max(live_rounds, 1)
     total = int(num.sum())
     return {
         "proposed": proposed, "accepted": accepted,
@@ -526,6 +564,52 @@ def _raise_on_audit(state: SpecState) -> None:
         "The backend breaks property P (the xla backend does; pallas must not).")
 
 
+def _adaptive_chunk(target: Model, drafter, seed, spec: SpecConfig, ctl: Controller):
+    """run(state, stop) for `run_chunked`: each chunk runs the shape the controller picks
+    (its own compiled loop, at most ctl.chunk_limit rounds) and reports what it did."""
+    specs = {s: shape_spec(spec, s) for s in ctl.shapes}
+    last = {}
+
+    def run(state, stop):
+        shape = ctl.pick()
+        before = last.get("snap") or snapshot(state)
+        stop = np.int32(min(int(stop), before["step"] + ctl.chunk_limit(shape)))
+        n0 = _cache_size(spec_loop)
+        t0 = time.perf_counter()
+        state = spec_loop(target, drafter, state, seed, stop, spec=specs[shape])
+        jax.block_until_ready(state)
+        dt = time.perf_counter() - t0
+        last["snap"] = snapshot(state)
+        ctl.record(shape, before, last["snap"], dt,
+                   compiled=_compiled(ctl, shape, n0, _cache_size(spec_loop)))
+        return state
+
+    return run
+
+
+def _cache_size(fn) -> int:
+    """Programs a jitted function has compiled (-1 where jax does not say)."""
+    size = getattr(fn, "_cache_size", None)
+    return size() if size is not None else -1
+
+
+def _compiled(ctl: Controller, shape, before: int, after: int) -> bool:
+    """Whether a call compiled: the jit cache grew (where jax does not say: the shape's
+    first call in this run)."""
+    if before < 0:
+        return ctl.totals[shape]["chunks"] == 0
+    return after != before
+
+
+def _adaptive_stats(ctl: Controller, drafter) -> dict:
+    """The adaptive statistics, and draft forwards counted per shape."""
+    ad = ctl.stats()
+    # A plain decode step still catches the drafter up (one forward for a model's).
+    depth = lambda s: s.depth if isinstance(s, TreeConfig) else max(int(s), 1)  # noqa: E731
+    fwd = sum(t["rounds"] * drafter.forwards_per_round(depth(s)) for s, t in ctl.totals.items())
+    return {"adaptive": ad, "draft_forwards": fwd + int(drafter.forwards_per_round(1) > 0)}
+
+
 def speculative_generate(target: Model, drafter, prompts, spec: SpecConfig, *,
                          max_len: int | None = None, progress: bool = False) -> SpecOutput:
     """Speculative decoding of ragged prompts; see the module docstring.
@@ -544,10 +628,12 @@ def speculative_generate(target: Model, drafter, prompts, spec: SpecConfig, *,
     jax.block_until_ready(state)
     t1 = time.perf_counter()
     N = spec.max_new_tokens
+    ctl = Controller(spec.adaptive, len(lens), N) if spec.adaptive is not None else None
+    run = (_adaptive_chunk(target, drafter, seed, spec, ctl) if ctl is not None else
+           lambda s, stop: spec_loop(target, drafter, s, seed, stop, spec=spec))
     with token_bar(progress, len(lens) * N, "speculative") as update:
         state = run_chunked(
-            lambda s, stop: spec_loop(target, drafter, s, seed, stop, spec=spec), state,
-            step=lambda s: int(s.step),
+            run, state, step=lambda s: int(s.step),
             finished=lambda s: (int(s.step) >= N or bool(jnp.all(s.done))
                                 or bool(s.audit_bad) or bool(s.bad)),
             progress=lambda s: update(int(jnp.sum(s.num))))
@@ -556,6 +642,8 @@ def speculative_generate(target: Model, drafter, prompts, spec: SpecConfig, *,
                          target.config.num_layers)
     _raise_on_audit(state)
     stats = _stats(state, spec, drafter, t1 - t0, t2 - t1)
+    if ctl is not None:
+        stats |= _adaptive_stats(ctl, drafter)
     stats |= {"prompt_bucket": int(tokens.shape[1]), "max_len": int(max_len)}
     return SpecOutput(tokens=np.asarray(state.out), num_tokens=np.asarray(state.num),
                       prompt_lens=lens, stats=stats)
@@ -572,13 +660,29 @@ def speculative_stream(target: Model, drafter, prompts, spec: SpecConfig, *,
     return _stream(target, drafter, tokens, lens, spec, max_len)
 
 
+def _adaptive_round(target: Model, drafter, state: SpecState, seed, spec: SpecConfig,
+                    ctl: Controller) -> SpecState:
+    shape = ctl.pick()
+    before, n0, t0 = snapshot(state), _cache_size(one_round), time.perf_counter()
+    state = one_round(target, drafter, state, seed, spec=shape_spec(spec, shape))
+    jax.block_until_ready(state)
+    ctl.record(shape, before, snapshot(state), time.perf_counter() - t0,
+               compiled=_compiled(ctl, shape, n0, _cache_size(one_round)))
+    return state
+
+
 def _stream(target: Model, drafter, tokens, lens, spec: SpecConfig, max_len: int):
     seed, spec = jnp.int32(spec.seed), spec.static()
     state = prefill(target, drafter, jnp.asarray(tokens), jnp.asarray(lens), seed,
                     spec=spec, max_len=max_len)
     seen = np.zeros(len(lens), np.int64)
+    ctl = (Controller(spec.adaptive, len(lens), spec.max_new_tokens)
+           if spec.adaptive is not None else None)
     while not bool(jnp.all(state.done)) and int(state.step) < spec.max_new_tokens:
-        state = one_round(target, drafter, state, seed, spec=spec)
+        if ctl is None:
+            state = one_round(target, drafter, state, seed, spec=spec)
+        else:  # one round a chunk: the controller picks each round's shape
+            state = _adaptive_round(target, drafter, state, seed, spec, ctl)
         raise_non_finite(state.bad, state.bad_at, "speculative decoding (verify)",
                          target.config.num_layers)
         _raise_on_audit(state)

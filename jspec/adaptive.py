@@ -1,0 +1,286 @@
+"""Adaptive round shapes: speculate where it pays, plain decode steps where it does not.
+
+A round shape is what one round verifies: gamma = 0 (a plain decode step: [cur] alone,
+T = 1, no proposals), a chain of gamma proposals, or a draft tree. `Adaptive` names a few
+of them; the engine compiles one loop per shape, all over one `SpecState` sized for the
+largest, and between chunks of rounds the host picks the next chunk's shape:
+
+  tokens/s(s) = E[tokens a round | s] / cost(s)
+
+- E[tokens | s] sums over live rows: for a chain of gamma g, row b emits
+  sum_{k=1..g+1} P(at least k tokens) = 1 + sum_{j=1..g} prod_{i<j} a[b, i], with a[b, i]
+  the row's running acceptance at draft position i given the ones before it accepted
+  (from the state's per-row, per-position accepted counts), capped at the tokens the row
+  still has to make; for a tree, the row's measured tokens per tree round.
+- cost(s) is measured: seconds per round of the chunks run with s at this batch and
+  context (a decayed average, so a growing context moves it). A shape's first call
+  compiles; that chunk is not timed. Before a shape is measured its cost is a prior,
+  cost(0) * (1 + prior_cost * proposals(s)). Nothing is modelled, so whatever makes a
+  shape expensive is in its cost: a mixture-of-experts verify block reads the union of its
+  tokens' experts, and that shows up in the measured seconds.
+- Every shape runs once first (a short probe, the largest chain first: it measures the
+  acceptance of every position); after that a shape not run for `explore_every` chunks
+  gets one chunk, so a stale estimate cannot lock in.
+
+Every shape is exact (the verify logits are serial decoding's), so the choice changes
+speed only, never the output. `choose` is the pure decision; `Controller` keeps the
+host-side statistics.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from jspec._checks import check_count, check_ints
+from jspec.tree import TreeConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class Adaptive:
+    """Adaptive round shapes for `SpecConfig(adaptive=Adaptive(...))`.
+
+    Attributes:
+      gammas: the chain shapes, each 0 (a plain decode step) .. MAX_GAMMA
+        (`jspec.speculative`).
+      tree: optionally a `TreeConfig` as one more shape.
+      chunk_rounds: the most rounds a chunk runs before the host chooses again.
+      explore_every: a shape not run for this many chunks gets one chunk.
+      prior_cost: the cost prior's slope per verified proposal (before a measurement).
+      schedule: a fixed sequence of shapes (gammas, or the tree), one per chunk and
+        cycled, instead of the choice: for research and tests (every shape is exact, so
+        any schedule gives serial output).
+    """
+
+    gammas: tuple[int, ...] = (0, 1, 2, 4)
+    tree: TreeConfig | None = None
+    chunk_rounds: int = 8
+    explore_every: int = 16
+    prior_cost: float = 0.1
+    schedule: tuple = ()
+
+    def __post_init__(self):
+        # (SpecConfig checks each shape as its own config: gamma <= MAX_GAMMA, the tree.)
+        gammas = check_ints("Adaptive.gammas", self.gammas, least=0, nonempty=True)
+        object.__setattr__(self, "gammas", tuple(sorted(set(gammas))))
+        if self.tree is not None and not isinstance(self.tree, TreeConfig):
+            raise TypeError(f"Adaptive.tree must be a jspec.TreeConfig; got "
+                            f"{type(self.tree).__name__}")
+        for name in ("chunk_rounds", "explore_every"):
+            object.__setattr__(self, name, check_count(f"Adaptive.{name}", getattr(self, name)))
+        if isinstance(self.prior_cost, bool) or not isinstance(self.prior_cost, (int, float)) \
+                or not 0 <= self.prior_cost < 10:
+            raise ValueError(f"Adaptive.prior_cost={self.prior_cost!r} must be a number in "
+                             "[0, 10)")
+        schedule = tuple(self.schedule)
+        for s in schedule:
+            if s not in self.shapes:
+                raise ValueError(f"Adaptive.schedule holds {s!r}, which is not one of the "
+                                 f"shapes {self.shapes} (gammas, and the tree if given)")
+        object.__setattr__(self, "schedule", schedule)
+
+    @property
+    def shapes(self) -> tuple:
+        """The candidate shapes: the gammas ascending, then the tree if any."""
+        return self.gammas + ((self.tree,) if self.tree is not None else ())
+
+    @property
+    def depth(self) -> int:
+        """The deepest path of any shape (sizes per-position state)."""
+        return max(self.gammas + ((self.tree.depth,) if self.tree is not None else ()))
+
+    @property
+    def proposals(self) -> int:
+        """The most proposals a round of any shape verifies (sizes the cache)."""
+        return max(self.gammas + ((self.tree.num_nodes,) if self.tree is not None else ()))
+
+
+def proposals(shape) -> int:
+    """Draft tokens a round of this shape verifies."""
+    return shape.num_nodes if isinstance(shape, TreeConfig) else int(shape)
+
+
+def shape_name(shape) -> str:
+    """'decode', 'gamma<g>' or 'tree' (the keys of the statistics)."""
+    if isinstance(shape, TreeConfig):
+        return "tree"
+    return "decode" if shape == 0 else f"gamma{shape}"
+
+
+@dataclasses.dataclass
+class Acceptance:
+    """What the choice knows about the rows (host numpy arrays).
+
+    Attributes:
+      rates: [B, D] a row's acceptance at draft position i given positions < i accepted.
+      live: [B] bool rows still generating.
+      remaining: [B] tokens each row still has to make (a round emits at most that).
+      tree_tokens: [B] measured tokens per tree round of each row (None: no tree data).
+    """
+
+    rates: np.ndarray
+    live: np.ndarray
+    remaining: np.ndarray
+    tree_tokens: np.ndarray | None = None
+
+
+def expected_tokens(acc: Acceptance, shape) -> float:
+    """E[tokens one round emits | shape], summed over live rows."""
+    live = acc.live.astype(bool)
+    if isinstance(shape, TreeConfig):
+        per_row = (acc.tree_tokens if acc.tree_tokens is not None
+                   else expected_rows(acc.rates, shape.depth))
+    else:
+        per_row = expected_rows(acc.rates, int(shape), acc.remaining)
+    if isinstance(shape, TreeConfig):
+        per_row = np.minimum(per_row, np.maximum(acc.remaining, 1))
+    return float(np.sum(np.where(live, per_row, 0.0)))
+
+
+def expected_rows(rates, gamma: int, remaining=None) -> np.ndarray:
+    """[B] E[tokens] of a chain round of `gamma`: sum over k = 1..gamma + 1 (and k <=
+    remaining) of P(at least k tokens) = prod of the first k - 1 rates."""
+    B = rates.shape[0]
+    reach = np.concatenate([np.ones((B, 1)), np.cumprod(rates[:, :gamma], axis=1)], axis=1)
+    if remaining is not None:
+        k = np.arange(gamma + 1)[None, :]
+        reach = np.where(k < np.maximum(remaining, 1)[:, None], reach, 0.0)
+    return reach.sum(axis=1)
+
+
+def choose(acc: Acceptance, costs: dict, shapes) -> object:
+    """The shape of most expected tokens per second: E[tokens | s] / costs[s] (seconds per
+    round). Ties go to the shape listed first (the fewer proposals)."""
+    best, best_rate = shapes[0], -1.0
+    for s in shapes:
+        rate = expected_tokens(acc, s) / max(costs[s], 1e-12)
+        if rate > best_rate * (1 + 1e-9):
+            best, best_rate = s, rate
+    return best
+
+
+class Controller:
+    """Host-side state of an adaptive run: the acceptance counts, the measured costs and
+    the choices. `pick()` the next chunk's shape, then `record(...)` what it did."""
+
+    DECAY = 0.7  # the weight a shape's older chunks keep at each new chunk of it
+    PRIOR_ROUNDS = 2.0  # pseudo-rounds pulling a row's rates toward the batch's
+
+    def __init__(self, adaptive: Adaptive, batch: int, max_new_tokens: int):
+        self.cfg = adaptive
+        self.shapes = adaptive.shapes
+        D = max(adaptive.depth, 1)
+        self.hits = np.zeros((batch, D))  # accepted at position i
+        self.trials = np.zeros((batch, D))  # position i proposed with the ones before accepted
+        self.tree_acc = np.zeros(batch)
+        self.tree_rounds = np.zeros(batch)
+        self.max_new = max_new_tokens
+        self.sec = {s: 0.0 for s in self.shapes}  # decayed seconds and rounds
+        self.rnd = {s: 0.0 for s in self.shapes}
+        self.totals = {s: dict(chunks=0, rounds=0, seconds=0.0, timed_rounds=0, tokens=0,
+                               accepted=0) for s in self.shapes}
+        self.last_run = {s: -1 for s in self.shapes}
+        self.chunks = 0
+        self.live = np.ones(batch, bool)
+        self.remaining = np.full(batch, max_new_tokens)
+
+    # ------------------------------------------------------------------ the choice
+    def acceptance(self) -> Acceptance:
+        """Per-row rates, each pulled toward the batch's pooled rate at that position."""
+        overall = (self.hits.sum() + 0.5) / (self.trials.sum() + 1.0)
+        pooled = (self.hits.sum(0) + overall) / (self.trials.sum(0) + 1.0)  # [D]
+        m = self.PRIOR_ROUNDS
+        rates = (self.hits + m * pooled[None]) / (self.trials + m)
+        tree = None
+        if self.cfg.tree is not None and self.tree_rounds.sum() > 0:
+            prior = expected_rows(rates, self.cfg.tree.depth)
+            pooled_t = 1 + self.tree_acc.sum() / self.tree_rounds.sum()
+            tree = (self.tree_acc + self.tree_rounds + m * 0.5 * (prior + pooled_t)) / (
+                self.tree_rounds + m)
+        return Acceptance(rates=rates, live=self.live, remaining=self.remaining,
+                          tree_tokens=tree)
+
+    def costs(self) -> dict:
+        """Measured seconds per round, or the prior where a shape has none yet."""
+        c = self.cfg.prior_cost
+        known = {s: self.sec[s] / self.rnd[s] for s in self.shapes if self.rnd[s] > 0}
+        if known:  # the prior's base: cost(0) from any measured shape
+            base = min(v / (1 + c * proposals(s)) for s, v in known.items())
+        else:
+            base = 1.0
+        return {s: known.get(s, base * (1 + c * proposals(s))) for s in self.shapes}
+
+    def pick(self):
+        """The next chunk's shape."""
+        sched = self.cfg.schedule
+        if sched:
+            return sched[self.chunks % len(sched)]
+        unmeasured = [s for s in self.shapes if self.rnd[s] == 0]
+        if unmeasured:  # probe: the largest chain first, then the others
+            chains = [s for s in unmeasured if not isinstance(s, TreeConfig)]
+            return max(chains) if chains else unmeasured[0]
+        best = choose(self.acceptance(), self.costs(), self.shapes)
+        stale = min(self.shapes, key=lambda s: self.last_run[s])
+        if stale != best and self.chunks - self.last_run[stale] > self.cfg.explore_every:
+            return stale
+        return best
+
+    def chunk_limit(self, shape) -> int:
+        """The most rounds the next chunk of `shape` runs: 1 while it is being probed."""
+        if not self.cfg.schedule and self.rnd[shape] == 0:
+            return 1
+        return self.cfg.chunk_rounds
+
+    # ------------------------------------------------------------------ what happened
+    def record(self, shape, before: dict, after: dict, seconds: float, compiled: bool):
+        """One chunk of `shape`: before/after are host snapshots of the state (`snapshot`);
+        seconds its wall time; compiled whether the call compiled (then it is not timed)."""
+        rounds = int(after["step"] - before["step"])
+        t = self.totals[shape]
+        t["chunks"] += 1
+        t["rounds"] += rounds
+        t["tokens"] += int(np.sum(after["num"] - before["num"]))
+        t["accepted"] += int(np.sum(after["accepted"] - before["accepted"]))
+        self.last_run[shape] = self.chunks
+        self.chunks += 1
+        if rounds > 0 and not compiled:
+            t["seconds"] += seconds
+            t["timed_rounds"] += rounds
+            self.sec[shape] = self.DECAY * self.sec[shape] + seconds
+            self.rnd[shape] = self.DECAY * self.rnd[shape] + rounds
+        live_rounds = after["rounds_live"] - before["rounds_live"]  # [B]
+        acc_at = after["accepted_at"] - before["accepted_at"]  # [B, D]
+        if isinstance(shape, TreeConfig):
+            self.tree_rounds += live_rounds
+            self.tree_acc += after["accepted"] - before["accepted"]
+        elif shape > 0:
+            g = int(shape)
+            self.hits[:, :g] += acc_at[:, :g]
+            self.trials[:, 0] += live_rounds
+            self.trials[:, 1:g] += acc_at[:, : g - 1]
+        self.live = ~after["done"]
+        self.remaining = np.maximum(self.max_new - after["num"], 0)
+
+    def stats(self) -> dict:
+        """Per shape: chunks, rounds, tokens, seconds per round (timed chunks), chosen
+        (chunks run); and the final costs and rates the choice used."""
+        out = {}
+        for s in self.shapes:
+            t = self.totals[s]
+            out[shape_name(s)] = {
+                "chunks": t["chunks"], "rounds": t["rounds"], "tokens": t["tokens"],
+                "accepted": t["accepted"],
+                "s_per_round": t["seconds"] / t["timed_rounds"] if t["timed_rounds"] else None,
+            }
+        acc = self.acceptance()
+        return {"shapes": out, "chunks": self.chunks,
+                "acceptance_by_position": [float(x) for x in acc.rates.mean(0)],
+                "cost_s_per_round": {shape_name(s): float(v) for s, v in self.costs().items()}}
+
+
+def snapshot(state) -> dict:
+    """The host copies of the state the controller reads."""
+    return {"step": int(state.step), "num": np.asarray(state.num),
+            "accepted": np.asarray(state.accepted), "rounds_live": np.asarray(state.rounds_live),
+            "accepted_at": np.asarray(state.accepted_at), "done": np.asarray(state.done)}

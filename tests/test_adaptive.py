@@ -1,0 +1,182 @@
+"""Adaptive round shapes (`jspec.Adaptive`): exactness whatever the shapes, and the choice.
+
+Every round shape is exact, so a run whose shape changes mid-run (a fixed schedule of
+plain decode steps, gammas and a tree, chunk by chunk) gives serial decoding's tokens,
+for every drafter and policy; the choice (`jspec.adaptive.choose`) picks plain decode
+steps when nothing is accepted and the largest gamma when everything is; the statistics
+add up.
+"""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import expected, load
+
+import jspec
+from jspec.adaptive import Acceptance, Controller, choose, expected_rows
+from jspec.feature_head import random_head
+
+N = 12
+TREE = jspec.TreeConfig(branching=(2, 1))
+
+
+def _prompts(name):
+    p = expected(name)["prompt"]
+    return [p, p[:4], p[3:10]]  # ragged batch of 3
+
+
+def _feature(target):
+    layers = tuple(sorted({1, target.config.num_layers}))
+    return jspec.FeatureDrafter(random_head(target, seed=0, feature_layers=layers,
+                                            dtype="float32",
+                                            options=jspec.KernelOptions(backend="xla")))
+
+
+def _check(target, drafter, prompts, spec, serial):
+    out = jspec.speculative_generate(target, drafter, prompts, spec)
+    for b in range(len(prompts)):
+        assert out.row(b) == serial.row(b), (b, out.stats["adaptive"])
+    ad = out.stats["adaptive"]["shapes"]
+    assert sum(s["tokens"] for s in ad.values()) == out.stats["tokens"] == int(
+        out.num_tokens.sum())
+    assert sum(s["rounds"] for s in ad.values()) == out.stats["rounds"]
+    assert sum(s["accepted"] for s in ad.values()) == out.stats["accepted"]
+    return out
+
+
+@pytest.mark.parametrize("kind", [pytest.param("model", marks=pytest.mark.slow), "feature",
+                                  pytest.param("lookup", marks=pytest.mark.slow)])
+def test_forced_shape_changes_mid_run_equal_serial_greedy(kind):
+    target = load("qwen3", "pallas")
+    prompts = _prompts("qwen3")
+    serial = jspec.generate(target, prompts, max_new_tokens=N)
+    drafter = {"model": lambda: jspec.ModelDrafter(target), "feature": lambda: _feature(target),
+               "lookup": lambda: jspec.PromptLookupDrafter(max_ngram=2)}[kind]()
+    tree = TREE if kind != "model" else None  # the model drafter's trees: test_tree_*
+    sched = (2, 0) + ((tree,) if tree else (1,)) + (0, 2)
+    ad = jspec.Adaptive(gammas=(0, 1, 2) if tree is None else (0, 2), tree=tree,
+                        chunk_rounds=1, schedule=sched)
+    out = _check(target, drafter, prompts, jspec.SpecConfig(max_new_tokens=N, adaptive=ad),
+                 serial)
+    used = {k for k, s in out.stats["adaptive"]["shapes"].items() if s["chunks"]}
+    assert used == {"decode", "gamma2", "tree" if tree else "gamma1"}
+
+
+def test_forced_shapes_equal_serial_sampling_and_stream():
+    target = load("qwen3", "pallas")
+    prompts = _prompts("qwen3")
+    ad = jspec.Adaptive(gammas=(0, 2), chunk_rounds=1, schedule=(2, 0, 0, 2))
+    spec = jspec.SpecConfig(policy="gumbel_coupled", temperature=0.8, max_new_tokens=N,
+                            seed=3, adaptive=ad)
+    serial = jspec.generate(target, prompts, max_new_tokens=N, sampler=spec.serial_sampler(),
+                            seed=3)
+    drafter = jspec.ModelDrafter(target)
+    out = _check(target, drafter, prompts, spec, serial)
+    chunks = list(jspec.speculative_stream(target, drafter, prompts, spec))
+    assert [sum((c[b] for c in chunks), []) for b in range(3)] == [out.row(b) for b in range(3)]
+
+
+def test_the_chooser_runs_exact_with_measured_costs():
+    """No schedule: the probes, the choice and the exploration all stay exact (the
+    shapes of the sampling test: its compiled loops serve)."""
+    target = load("qwen3", "pallas")
+    prompts = _prompts("qwen3")
+    ad = jspec.Adaptive(gammas=(0, 2), chunk_rounds=2, explore_every=1)
+    spec = jspec.SpecConfig(policy="gumbel_coupled", temperature=0.8, max_new_tokens=N,
+                            seed=3, adaptive=ad)
+    serial = jspec.generate(target, prompts, max_new_tokens=N, sampler=spec.serial_sampler(),
+                            seed=3)
+    out = _check(target, jspec.ModelDrafter(target), prompts, spec, serial)
+    shapes = out.stats["adaptive"]["shapes"]
+    assert shapes["gamma2"]["chunks"] >= 1 and shapes["decode"]["chunks"] >= 1  # both probed
+
+
+def _acc(rate, B=4, D=8):
+    return Acceptance(rates=np.full((B, D), rate), live=np.ones(B, bool),
+                      remaining=np.full(B, 100))
+
+
+def test_choose_picks_decode_at_no_acceptance_and_the_largest_gamma_at_full():
+    shapes = (0, 1, 2, 4)
+    costs = {0: 1.0, 1: 1.05, 2: 1.1, 4: 1.2}
+    assert choose(_acc(0.0), costs, shapes) == 0
+    assert choose(_acc(1.0), costs, shapes) == 4
+    assert choose(_acc(0.6), costs, shapes) in (2, 4)
+    # A verify that costs as much as the tokens it may win never pays.
+    assert choose(_acc(0.5), {0: 1.0, 1: 2.0, 2: 3.0, 4: 5.0}, shapes) == 0
+    # Finished rows count for nothing; a tree's measured tokens compete with the chains.
+    acc = _acc(1.0)
+    acc.live[:] = False
+    assert choose(acc, costs, shapes) == 0
+    acc = _acc(0.5)
+    acc.tree_tokens = np.full(4, 3.5)
+    assert choose(acc, {**costs, TREE: 1.3}, shapes + (TREE,)) == TREE
+
+
+def test_expected_tokens_of_a_chain():
+    rates = np.array([[0.5, 0.5, 0.5, 0.5], [1.0, 1.0, 0.0, 1.0]])
+    np.testing.assert_allclose(expected_rows(rates, 2), [1.75, 3.0])  # 1 + a + a^2
+    np.testing.assert_allclose(expected_rows(rates, 4), [1.9375, 3.0])
+    np.testing.assert_allclose(expected_rows(rates, 4, remaining=np.array([1, 2])), [1, 2])
+    np.testing.assert_allclose(expected_rows(rates, 0), [1, 1])
+
+
+def test_controller_learns_per_position_acceptance_and_costs():
+    ctl = Controller(jspec.Adaptive(gammas=(0, 1, 4), chunk_rounds=8), batch=2,
+                     max_new_tokens=64)
+    assert ctl.pick() == 4 and ctl.chunk_limit(4) == 1  # probe the largest chain first
+    z = lambda: {"step": 0, "num": np.zeros(2), "accepted": np.zeros(2),  # noqa: E731
+                 "rounds_live": np.zeros(2), "accepted_at": np.zeros((2, 4)),
+                 "done": np.zeros(2, bool)}
+    after = z() | {"step": 10, "num": np.array([50, 10]), "accepted": np.array([40, 0]),
+                   "rounds_live": np.array([10, 10]),
+                   "accepted_at": np.array([[10, 10, 10, 10], [0, 0, 0, 0]])}
+    ctl.record(4, z(), after, seconds=1.0, compiled=False)
+    rates = ctl.acceptance().rates
+    assert rates[0, 0] > 0.8 and rates[1, 0] < 0.2
+    assert ctl.costs()[4] == pytest.approx(0.1) and ctl.costs()[0] < 0.1  # prior below
+    assert ctl.pick() == 1  # then the other unmeasured shapes, largest first
+    ctl.record(1, after, after | {"step": 12}, seconds=0.2, compiled=False)
+    ctl.record(0, after, after | {"step": 14}, seconds=7.0, compiled=True)  # not timed
+    assert ctl.pick() == 0 and ctl.rnd[0] == 0 and ctl.chunk_limit(0) == 1
+    ctl.record(0, after | {"step": 14}, after | {"step": 15}, seconds=0.08, compiled=False)
+    assert ctl.costs()[0] == pytest.approx(0.08)
+    assert ctl.pick() == 4  # row 0 accepts everything: gamma 4 pays for the batch
+
+
+def test_bad_adaptive_settings_get_clear_errors():
+    with pytest.raises(ValueError, match="gamma=99 exceeds MAX_GAMMA"):
+        jspec.SpecConfig(adaptive=jspec.Adaptive(gammas=(0, 99)))
+    with pytest.raises(ValueError, match=r"Adaptive.gammas\[0\]=-1"):
+        jspec.Adaptive(gammas=(-1, 2))
+    with pytest.raises(ValueError, match="schedule holds 3"):
+        jspec.Adaptive(gammas=(0, 2), schedule=(2, 3))
+    with pytest.raises(ValueError, match="chunk_rounds"):
+        jspec.Adaptive(chunk_rounds=0)
+    with pytest.raises(TypeError, match="jspec.Adaptive"):
+        jspec.SpecConfig(adaptive=(0, 2))
+    with pytest.raises(ValueError, match="Adaptive\\(tree=...\\)"):
+        jspec.SpecConfig(tree=TREE, adaptive=jspec.Adaptive())
+    with pytest.raises(ValueError, match="needs a static tree"):  # each shape's own checks
+        jspec.SpecConfig(policy="rejection_sampling", temperature=1.0, adaptive=jspec.Adaptive(
+            tree=jspec.TreeConfig(dynamic=(2, 4, 2))))
+    spec = jspec.SpecConfig(adaptive=jspec.Adaptive(gammas=(0, 3), tree=TREE))
+    assert spec.depth == 3 and spec.proposals == 4
+    assert hash(spec) == hash(jspec.SpecConfig(adaptive=jspec.Adaptive(gammas=(3, 0),
+                                                                       tree=TREE)))
+
+
+def test_decode_shape_state_is_the_engine_state():
+    """A gamma-0 round proposes nothing and keeps the state's shapes (one SpecState for
+    every shape)."""
+    target = load("qwen3", "pallas")
+    from jspec.speculative import one_round, prefill, shape_spec
+
+    spec = jspec.SpecConfig(max_new_tokens=4, adaptive=jspec.Adaptive(gammas=(0, 2)))
+    toks = jnp.asarray(expected("qwen3")["prompt"][None, :6])
+    state = prefill(target, jspec.PromptLookupDrafter(), toks, jnp.array([6]), jnp.int32(0),
+                    spec=spec, max_len=32)
+    assert state.accepted_at.shape == (1, 2)
+    s0 = one_round(target, jspec.PromptLookupDrafter(), state, jnp.int32(0),
+                   spec=shape_spec(spec, 0))
+    assert int(s0.num[0]) == 1 and int(s0.proposed[0]) == 0
