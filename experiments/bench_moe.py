@@ -144,6 +144,8 @@ class Run:
             "speed_options": options_record(self.model)["kernel"],
             "routing": "random router weights: near-uniform, so the unions sit near their "
                        "maximum; a trained router's tokens share more experts",
+            "bytes_note": "bytes and roofline count the union's experts on both backends "
+                          "(what a grouped kernel must read); XLA's ragged_dot may read more",
             "rows": [], "errors": [], "complete": False}
 
     def save(self) -> str:
