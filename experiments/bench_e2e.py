@@ -8,6 +8,9 @@
       --accept=0.8 --adaptive=0,1,2,4 --batches=1,8,16,32,64 --prompt_len=512 \
       --max_new_tokens=128 --nolookup --nopeers --serial_backends=pallas --out=$OUT
                                 # fixed gamma 4 and adaptive side by side, per batch
+  python experiments/bench_e2e.py --target=qwen3-30b-a3b --draft=qwen3-0.6b:1 --drafter=feature \
+      --batches=1,8 --prompt_len=512 --max_new_tokens=256 --gammas=4 --accept=0.8,0.9 \
+      --tree=";spine:5:1,0" --nolookup --nopeers --serial_backends=pallas --out=$OUT  # MoE
   python experiments/bench_e2e.py --tp=2 --target=llama3-70b --draft=llama3-8b --batches=1 \
       --accept=0.8 --gammas=4 --nopeers --out=$OUT          # a 70B target over two GPUs
   # several hosts: the same command on each, with --coordinator_address=HOST0:PORT
@@ -21,9 +24,10 @@ of the bytes over one device's bandwidth. In one process:
   1. serial greedy decoding on the `pallas` and `xla` backends (the same weights),
      per batch size, against a roofline: the bytes one decode step must read
      (every weight, LM head included, plus the KV cache at the run's mean
-     context; embedding rows are gathered, so negligible) over the copy
-     bandwidth measured in this process (`a + 1` over a large f32 array, read +
-     write, as bench_kernels.py);
+     context; embedding rows are gathered, so negligible; a mixture of experts'
+     layer: only the experts the batch's tokens are expected to read, see
+     `step_bytes`) over the copy bandwidth measured in this process (`a + 1` over a
+     large f32 array, read + write, as bench_kernels.py);
   2. speculative decoding (exact_greedy) with an oracle drafter at each --accept
      rate (its draft model really runs, so its cost is real) and with prompt
      lookup, for each gamma; every run's tokens must equal serial's;
@@ -62,6 +66,7 @@ from tqdm import tqdm  # noqa: E402
 import jspec  # noqa: E402
 from jspec.bench import hf_peers, plotting  # noqa: E402
 from jspec.bench.gpu_monitor import GpuMonitor  # noqa: E402
+from jspec.bench.moe_bytes import uniform_union  # noqa: E402
 from jspec.bench.timing import copy_bandwidth  # noqa: E402
 from jspec.cli import options_record, parse_adaptive, with_option_string  # noqa: E402
 from jspec.generate import prefill as serial_prefill  # noqa: E402
@@ -205,9 +210,12 @@ def _merge_gpu(summaries: list[dict]) -> dict:
     return out
 
 
-def step_bytes(model: jspec.Model, context: float) -> tuple[int, float]:
-    """(weight bytes, KV bytes per row) one decode step reads at `context` tokens; for a
-    sharded model, one device's share (its blocks and replicated weights, its kv heads)."""
+def step_bytes(model: jspec.Model, context: float, batch: int = 1) -> tuple[float, float]:
+    """(weight bytes, KV bytes per row) one decode step of `batch` rows reads at `context`
+    tokens; for a sharded model, one device's share (its blocks and replicated weights, its
+    kv heads). A mixture-of-experts layer counts only the experts the step's tokens read:
+    the expected union of `batch` tokens' k experts under uniform routing (what random
+    router weights do; `bench_moe.py` measures the union)."""
     cfg, params = model.config, model.params
 
     def nbytes(x):
@@ -216,6 +224,11 @@ def step_bytes(model: jspec.Model, context: float) -> tuple[int, float]:
 
     w = sum(nbytes(x) for x in jax.tree.leaves(params))
     w -= nbytes(params["embed"])  # rows gathered
+    if cfg.moe:
+        unread = 1.0 - uniform_union(cfg.num_experts, cfg.experts_per_token, batch) / \
+            cfg.num_experts
+        w -= unread * sum(nbytes(lp["w_gate_up"]) + nbytes(lp["w_down"])
+                          for i, lp in enumerate(params["layers"]) if cfg.is_moe_layer(i))
     per_tok = 2 * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(cfg.dtype).itemsize
     kv = sum(per_tok * (min(context, cfg.sliding_window) if s else context)
              for s in cfg.layer_sliding)
@@ -330,14 +343,15 @@ class Bench:
         _, t_pre, _ = timed(prefill_only, self.iters)
         self.phase(f"serial {backend} B={B} warm-up (compile + run)", warm)
         n = int(out.num_tokens.sum())
-        _, kv = step_bytes(self.target, self.report["mean_context"])
-        roof = B * self.bw / (self.report["weight_bytes"] + B * kv)
+        wbytes, kv = step_bytes(self.target, self.report["mean_context"], B)
+        roof = B * self.bw / (wbytes + B * kv)
         # Decode alone = the run minus its prefill (None when prefill is nearly all of it).
         decode = n / (t - t_pre) if t - t_pre > 0.1 * t else None
         row = {"batch": B, "backend": backend, "tokens_per_s": n / t, "seconds": t,
                "prefill_s": t_pre, "decode_tokens_per_s": decode, "warmup_s": warm,
                "roofline_tokens_per_s": roof, "decode_roofline_frac": decode and decode / roof,
-               "e2e_roofline_frac": n / t / roof, "gpu": gpu[0]}
+               "e2e_roofline_frac": n / t / roof, "step_weight_bytes": wbytes,
+               "gpu": gpu[0]}
         if backend == "pallas":
             self.serial[B] = out
         else:

@@ -123,7 +123,10 @@ def _loop_us(shape, dtype, iters: int) -> float:
 def bench_matmuls(model, batches, iters):
     params = model.params
     ops = {b: get_ops(b, model.options.interpret) for b in ("pallas", "xla")}
-    weights = {k: params["layers"][0][k] for k in ("wqkv", "wo", "w_gate_up", "w_down")}
+    # Plain matmuls only: a mixture of experts' layer has a router and stacked experts
+    # [E, K, N] (grouped kernels: bench_moe.py times whole steps of those).
+    weights = {k: w for k in ("wqkv", "wo", "w_gate_up", "w_down", "router")
+               if (w := params["layers"][0].get(k)) is not None and w.ndim == 2}
     weights["lm_head"] = params["lm_head"]
     rows = []
     for M in batches:

@@ -6,7 +6,7 @@
 # kernels_fused spec sweep tuned e2e e2e_b1 e2e_b8 e2e_peers e2e_draftpallas e2e_decompose train pair
 # pair_eval schedsweep attnsweep train_head parity_trees kernels_trees main pair_head
 # e2e_session tree_sweep parity_long parity_long_xla context_bench context_bench_128k
-# e2e_batch
+# e2e_batch moe_cost moe_parity moe_e2e
 # (default: parity audit kernels spec).
 # - parity_long: the long-context lane of the parity matrix (pallas): a chunked prefill to
 #   depth, then one-token steps, blocks, verify blocks of 1-32 and trees of 16 and 32
@@ -16,6 +16,23 @@
 #   Llama-3-8B shape (32 layers), contexts 2K-32K, prefill tokens/s and MFU, decode
 #   against the roofline, pallas and xla side by side at 8K; context_bench_128k: 128K
 #   alone (one timed run).
+# - moe_cost, moe_parity, moe_e2e: the mixture of experts at the Qwen3-30B-A3B shape
+#   (random weights), ~7 min for the three on one H200 (or one lane each on three GPUs:
+#   `moe_cost :: moe_parity :: moe_e2e`). moe_cost: bench_moe.py, all 48 layers (~61 GB),
+#   batch 1: one forward step at T = 1, 5, 2, 3, 8, 9, 17, 33 (pallas; xla at 1 and 5) and
+#   the distinct experts each layer reads, against the roofline of the bytes read.
+#   moe_parity: the parity matrix at 4 layers, context 2048 (the xla backend's dense
+#   expansion of ragged_dot grows with the prefill's rows), trees of 8 and 32 nodes.
+#   moe_e2e: bench_e2e.py, all 48 layers: serial (pallas) and oracle speculation with a
+#   feature head (a = 0.8, 0.9; gamma 4 and the 8-node tree spine:5:1,0 at batch 1, gamma
+#   4 at batch 8), parity checked. $MOE_PRESET, $MOE_LAYERS (a count; empty: all),
+#   $MOE_BATCHES, $MOE_TS, $MOE_XLA_TS, $MOE_CONTEXT, $MOE_PARITY_LAYERS,
+#   $MOE_PARITY_CONTEXT, $MOE_WINDOW, $MOE_KS, $MOE_TREES, $MOE_PROMPT, $MOE_NEW,
+#   $MOE_E2E_BATCHES, $MOE_E2E_SHAPES, $MOE_TREE, $MOE_HEAD_VOCAB, $MOE_DRAFT (built, never
+#   run: the feature head drafts), $MOE_DTYPE and
+#   $MOE_INTERPRET (non-empty: Pallas interpret mode) resize them (tests/test_moe_bench.py
+#   runs the three at tiny-qwen3-moe on a CPU); $MOE_COST_S, $MOE_PARITY_S, $MOE_E2E_S
+#   bound them.
 # - sweep: tuning/sweep_matmul.py, the matmul tile tuning; it writes
 #   $OUT/sweep_matmul_tuned.json, and `tuned` merges that table into the device copy's
 #   pallas_kernels/matmul_tuned.json, so the lane's later steps run with it (commit the
@@ -248,6 +265,29 @@ for s in $steps; do
               --prompt_len=512 --max_new_tokens=128 --gammas=4 --accept=0.8 \
               --adaptive=0,1,2,4 --nolookup --nopeers --serial_backends=pallas --iters=2 \
               --out="$OUT" --tag=h200_adaptive 2>&1 | quiet | grep -v "it/s" | tail -30 ;;
+    moe_cost) timeout "${MOE_COST_S:-150}" python3 experiments/bench_moe.py \
+              --preset="${MOE_PRESET:-qwen3-30b-a3b}" --layers="${MOE_LAYERS:-0}" \
+              --batches="${MOE_BATCHES:-1}" --Ts="${MOE_TS:-1,5,2,3,8,9,17,33}" \
+              --other_Ts=1,5 --xla_Ts="${MOE_XLA_TS:-1,5}" --context="${MOE_CONTEXT:-512}" \
+              --iters=5 --dtype="${MOE_DTYPE:-bfloat16}" ${MOE_INTERPRET:+--interpret} \
+              --out="$OUT" --tag=h200 2>&1 | quiet | tail -30 ;;
+    moe_parity) timeout "${MOE_PARITY_S:-120}" python3 experiments/gpu_parity.py \
+              --models="${MOE_PRESET:-qwen3-30b-a3b}:${MOE_PARITY_LAYERS:-4}" \
+              --context="${MOE_PARITY_CONTEXT:-2048}" --window="${MOE_WINDOW:-48}" \
+              --ks="${MOE_KS:-1,2,4,8,16,32}" --trees="${MOE_TREES:-8,32}" \
+              --dtype="${MOE_DTYPE:-bfloat16}" ${MOE_INTERPRET:+--interpret} --tag=moe \
+              --out="$OUT" 2>&1 | quiet | tail -24 ;;
+    moe_e2e) timeout "${MOE_E2E_S:-165}" python3 experiments/bench_e2e.py \
+              --target="${MOE_PRESET:-qwen3-30b-a3b}${MOE_LAYERS:+:$MOE_LAYERS}" \
+              --draft="${MOE_DRAFT:-qwen3-0.6b:1}" --drafter=feature \
+              --head_vocab="${MOE_HEAD_VOCAB:-32768}" \
+              --batches="${MOE_E2E_BATCHES:-1,8}" --prompt_len="${MOE_PROMPT:-512}" \
+              --max_new_tokens="${MOE_NEW:-256}" --gammas=4 --accept=0.8,0.9 \
+              --tree=";${MOE_TREE:-spine:5:1,0}" --rank_probs=0.1 \
+              --batch_shapes="${MOE_E2E_SHAPES:-1:feature/;1:feature/${MOE_TREE:-spine:5:1,0};8:feature/}" \
+              --nolookup --nopeers --serial_backends=pallas --iters=2 \
+              --dtype="${MOE_DTYPE:-bfloat16}" --out="$OUT" --tag=h200_moe 2>&1 | quiet \
+              | grep -v "it/s" | tail -24 ;;
     *) echo "unknown step $s" ;;
   esac
 done
