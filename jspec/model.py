@@ -237,9 +237,10 @@ def attention_block(ops, model: Model, lp, h, k_buf, v_buf, pos, lengths, cos, s
         heads = qkv.reshape(-1, H + 2 * Hkv, hd)
         ws = (lp["q_norm"], lp["k_norm"]) if cfg.qk_norm else (None, None)
         qk = ops.qk_norm_rope(heads, *ws, cos, sin, num_q=H, num_k=Hkv, eps=cfg.rms_eps,
-                              offset=cfg.norm_offset)[: B * T]  # [B*T, H + Hkv, hd]
+                              offset=cfg.norm_offset)  # [Mp, H + Hkv, hd]
+        qk_bad = nonfinite_rows(qk)  # [Mp]: the zero rows are finite
+        qk = qk[: B * T]  # [B*T, H + Hkv, hd]
         q, k, v = qk[:, :H], qk[:, H:], heads[: B * T, H + Hkv:]
-        qk_bad = nonfinite_rows(qk)
     else:
         qkv = qkv[: B * T]  # [B*T, (H + 2Hkv) hd]
         q, k, v = jnp.split(qkv, [cfg.q_size, cfg.q_size + cfg.kv_size], axis=-1)
@@ -248,7 +249,9 @@ def attention_block(ops, model: Model, lp, h, k_buf, v_buf, pos, lengths, cos, s
             k = rms_norm(ops, cfg, k.reshape(-1, hd), lp["k_norm"])
         q = ops.rope(q.reshape(B * T, H, hd), cos, sin)  # [B*T, H, hd]
         k = ops.rope(k.reshape(B * T, Hkv, hd), cos, sin)  # [B*T, Hkv, hd]
-        qk_bad = nonfinite_rows(jnp.concatenate([q, k], axis=1))  # one reduction
+        qk_bad = nonfinite_rows(jnp.concatenate([q, k], axis=1))  # one reduction, [B*T]
+        if h.shape[0] > B * T:  # [Mp]: the zero rows are fine
+            qk_bad = jnp.concatenate([qk_bad, jnp.zeros((h.shape[0] - B * T,), bool)])
     k_new = k.reshape(B, T, Hkv, hd).transpose(0, 2, 1, 3)  # [B, Hkv, T, hd]
     v_new = v.reshape(B, T, Hkv, hd).transpose(0, 2, 1, 3)
     # New K/V go into the cache before attention reads it (rule R3).
@@ -423,7 +426,7 @@ def apply(model: Model, tokens: jax.Array, cache: KVCache, *, features: tuple[in
     o = None  # the last block's output, added to x by the next norm
     counters = None  # split-KV arrival counters, zeroed once a forward (attention_counted)
     hidden = {}  # layer index -> the residual stream entering it [B*T, D]
-    bad = jnp.full((B * T,), FINE, jnp.int32)  # Forward.bad, flattened
+    bad = jnp.full((x.shape[0],), FINE, jnp.int32)  # Forward.bad, flattened, [Mp]
     for i, lp in enumerate(params["layers"]):  # unrolled: L is static
         with jax.named_scope(f"layer_{i}"):
             sliding = cfg.layer_sliding[i]
@@ -431,7 +434,7 @@ def apply(model: Model, tokens: jax.Array, cache: KVCache, *, features: tuple[in
             x, h = add_norm(ops, model, x, o, lp["attn_norm"])
             if i in features:
                 hidden[i] = x[: B * T]
-            bad = flag(bad, residual_bad(x[: B * T]), bad_code(i, False))
+            bad = flag(bad, residual_bad(x), bad_code(i, False))  # zero rows: fine
             o, k_buf, v_buf, counters, qk_bad = attention_block(
                 ops, model, lp, h, cache.k[i], cache.v[i], pos, lengths, cos_all[int(sliding)],
                 sin_all[int(sliding)], window, counters, tree)
@@ -451,7 +454,7 @@ def apply(model: Model, tokens: jax.Array, cache: KVCache, *, features: tuple[in
     x, h = add_norm(ops, model, x, o, params["final_norm"])
     if cfg.num_layers in features:
         hidden[cfg.num_layers] = x[: B * T]
-    bad = flag(bad, residual_bad(x[: B * T]), bad_code(cfg.num_layers, False)).reshape(B, T)
+    bad = flag(bad, residual_bad(x), bad_code(cfg.num_layers, False))[: B * T].reshape(B, T)
     new_cache = cache.replace(k=tuple(new_k), v=tuple(new_v), lengths=lengths + T)
     out = lm_head(ops, model, h, B, T) if logits else None  # [B, T, V] or None
     if not features:

@@ -405,7 +405,7 @@ def check_lower(args):
         for S in (2, 8):
             model = Model(config=tp_cfg, params=params,
                           options=jspec.KernelOptions(row_partials=S),
-                          parallel=sharding._parallel(cfg, mesh, sharding.AXIS))
+                          parallel=sharding.mesh_parallel(cfg, mesh, sharding.AXIS))
             for B, T in ((1, 1), (1, 5), (8, 5), (1, 70)):
                 out[f"{preset} S={S} B={B} T={T}"] = lower(model, B, T, sharding.cache_specs)
     cfg = preset_config("qwen3-0.6b", num_layers=2)
@@ -416,7 +416,7 @@ def check_lower(args):
     draft = Model(config=cfg, params=placed(prepared, jax.tree.map(lambda _: sharding.P(),
                                                                    prepared)),
                   draft_options=latency, parallel=sharding.dataclasses.replace(
-                      sharding._parallel(cfg, mesh, sharding.AXIS), replicated=True))
+                      sharding.mesh_parallel(cfg, mesh, sharding.AXIS), replicated=True))
     for T in (1, 2):
         out[f"replicated draft T={T}"] = lower(
             draft, 1, T, lambda c: jax.tree.map(lambda _: sharding.P(), c))

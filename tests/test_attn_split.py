@@ -162,8 +162,8 @@ def test_xla_backend_can_run_the_pallas_attention():
     toks = jnp.asarray(seq[None])
     counts = eqn_counts(jax.make_jaxpr(apply)(fast, toks, init_cache(fast, 1, MAX_LEN)).jaxpr)
     assert counts["pallas_call:jspec_attention_fused"] == model.config.num_layers, counts
-    want = np.asarray(apply(model, toks, init_cache(model, 1, MAX_LEN))[0])
-    got = np.asarray(apply(fast, toks, init_cache(fast, 1, MAX_LEN))[0])
+    want = np.asarray(apply(model, toks, init_cache(model, 1, MAX_LEN)).logits)
+    got = np.asarray(apply(fast, toks, init_cache(fast, 1, MAX_LEN)).logits)
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max())
     with pytest.raises(ValueError, match="xla_pallas_attention=3 must be a bool"):
         with_options(model, xla_pallas_attention=3)
