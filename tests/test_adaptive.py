@@ -62,6 +62,7 @@ def test_forced_shape_changes_mid_run_equal_serial_greedy(kind):
     assert used == {"decode", "gamma2", "tree" if tree else "gamma1"}
 
 
+@pytest.mark.slow  # a further case of a property the default run proves
 def test_forced_shapes_equal_serial_sampling_and_stream():
     target = load("qwen3", "pallas")
     prompts = _prompts("qwen3")
@@ -76,6 +77,7 @@ def test_forced_shapes_equal_serial_sampling_and_stream():
     assert [sum((c[b] for c in chunks), []) for b in range(3)] == [out.row(b) for b in range(3)]
 
 
+@pytest.mark.slow  # a further case of a property the default run proves
 def test_the_chooser_runs_exact_with_measured_costs():
     """No schedule: the probes, the choice and the exploration all stay exact (the
     shapes of the sampling test: its compiled loops serve)."""

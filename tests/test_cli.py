@@ -154,6 +154,7 @@ def test_speculative_cli_with_a_pruned_draft_head(tmp_path):
     assert bad.returncode != 0 and "no such file" in bad.stderr
 
 
+@pytest.mark.slow  # a further case of a property the default run proves
 def test_bench_e2e_smoke(tmp_path):
     pytest.importorskip("matplotlib", reason=PLOT_EXTRA)
     r = _run("bench_e2e.py", "--target=tiny-qwen3", "--draft=tiny-qwen3:1", "--batches=1",

@@ -96,6 +96,7 @@ def test_a_top1_allowance_is_exact_greedy(setup):
         assert out.row(b) == serial.row(b)
 
 
+@pytest.mark.slow  # a further case of a property the default run proves
 def test_a_research_policy_runs_through_the_engine(setup):
     target, _, drafter = setup
     top_k = EX["TopKAllowance"]

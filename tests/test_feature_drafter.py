@@ -66,6 +66,7 @@ def test_feature_drafter_output_equals_serial(name, policy):
     assert out.stats["draft_forwards"] == 3 * out.stats["rounds"] + 1
 
 
+@pytest.mark.slow  # a further case of a property the default run proves
 def test_feature_drafter_under_audit_oracle_and_rejection_sampling():
     target = load("qwen3", "pallas")
     head = _head(target)

@@ -158,6 +158,7 @@ def test_fused_forward_matches_the_usual_forward(preset, batch):
         assert rel(a, b) < 1e-5
 
 
+@pytest.mark.slow  # a further case of a property the default run proves
 def test_fused_forward_bf16_matches_the_pallas_forward():
     base = random_model("tiny-qwen3", interpret=True)  # bf16, pallas backend
     fused = with_options(base, fused=True)

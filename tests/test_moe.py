@@ -58,7 +58,8 @@ def _head(target):
 
 
 @pytest.mark.parametrize("name,kind,gamma", [  # gamma 3 on qwen3_moe: one verify shape
-    ("qwen3_moe", "dense draft", 3), ("qwen3_moe", "lookup", 3), ("qwen3_moe", "feature head", 3),
+    pytest.param("qwen3_moe", "dense draft", 3, marks=pytest.mark.slow),
+    ("qwen3_moe", "lookup", 3), ("qwen3_moe", "feature head", 3),
     pytest.param("mixtral", "lookup", 2, marks=pytest.mark.slow),
     pytest.param("mixtral", "dense draft", 4, marks=pytest.mark.slow),
     pytest.param("mixtral", "feature head", 3, marks=pytest.mark.slow)])
@@ -75,6 +76,7 @@ def test_exact_greedy_on_moe_target_equals_serial(name, kind, gamma):
         assert out.row(b) == serial.row(b), (b, out.stats)
 
 
+@pytest.mark.slow  # a further case of a property the default run proves
 def test_gumbel_coupled_on_moe_target_equals_serial_sampling():
     target = load("qwen3_moe", "pallas")
     prompts = _prompts("qwen3_moe")
@@ -89,6 +91,7 @@ def test_gumbel_coupled_on_moe_target_equals_serial_sampling():
         assert out.row(b) == serial.row(b)
 
 
+@pytest.mark.slow  # a further case of a property the default run proves
 def test_audit_controls_hold_on_an_moe_target():
     seq = _seq("qwen3_moe", 22)
     ok = audit.same_prefix_controls(load("qwen3_moe", "pallas"), seq[:14], seq[14:], 4)

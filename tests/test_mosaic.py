@@ -88,6 +88,7 @@ def test_matmul_matches_reference():
     np.testing.assert_array_equal(np.asarray(yb), np.asarray(y.astype(jnp.bfloat16)))
 
 
+@pytest.mark.slow  # a further case of a property the default run proves
 def test_rows_keep_their_bits_across_row_counts():
     x, w = _inputs(320)
     full = np.asarray(matmul(x, w, interpret=True))  # 5 row tiles, the last one full
@@ -176,6 +177,7 @@ def test_matmul_glu_lowers_for_cuda():
     assert "tensor<40x12288xbf16>" in text
 
 
+@pytest.mark.slow  # a further case of a property the default run proves
 def test_model_forward_lowers_with_mosaic_matmuls(monkeypatch):
     # A Qwen3-8B-shaped forward (2 layers, decode) with lowering="mosaic": its projections
     # (wqkv, wo, the fused gate/up + GLU, w_down; layers share one body) and the LM head

@@ -88,6 +88,7 @@ def test_a_nan_rope_table_is_caught_as_non_finite_attention_inputs():
         jspec.generate(model, _prompt(), max_new_tokens=3)
 
 
+@pytest.mark.slow  # a further case of a property the default run proves
 def test_the_text_api_raises_on_overflowing_activations(tmp_path):
     from jspec.tiny import write_tiny_gemma3_pair
 

@@ -98,6 +98,7 @@ def test_xla_batch_breaks_the_property():
 
 @pytest.mark.parametrize("dtype", [pytest.param("float32", marks=pytest.mark.slow),
                                    "bfloat16"])
+@pytest.mark.slow  # a further case of a property the default run proves
 def test_pallas_long_sequence_spanning_many_tiles(dtype):
     """160 tokens: every kernel's grid has several row tiles and the attention walks
     several key blocks past the sliding window. (This caught interpret-mode kernels

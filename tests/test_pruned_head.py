@@ -45,6 +45,7 @@ def test_a_head_of_every_token_is_the_full_head_bitwise():
         assert np.array_equal(bits(a), bits(b))
 
 
+@pytest.mark.slow  # a further case of a property the default run proves
 def test_off_head_tokens_get_minus_inf_and_are_never_proposed():
     draft = load("llama3", "pallas")
     V = draft.config.vocab_size
@@ -91,6 +92,7 @@ def test_exact_greedy_with_a_pruned_draft_equals_serial(name, fused):
     assert 0.0 < out.stats["acceptance_rate"] < 1.0
 
 
+@pytest.mark.slow  # a further case of a property the default run proves
 def test_rejection_sampling_with_a_pruned_draft_emits_valid_tokens():
     target = load("qwen3", "pallas")
     p = expected("qwen3")["prompt"]

@@ -43,6 +43,7 @@ def test_property_p_holds_within_each_degree(family, dtype, tps, full):
     ("float32", "tiny-qwen3", False),
     pytest.param("bfloat16", "tiny-qwen3", True, marks=slow),
     pytest.param("float32", "tiny-gemma3", True, marks=slow)])
+@pytest.mark.slow  # a further case of a property the default run proves
 def test_row_partials_8_gives_the_same_logits_at_every_degree(dtype, preset, full):
     """A model of 8 q heads, 2 kv heads (replicated at TP 4 and 8) and a vocabulary of 250
     (padded at TP 4 and 8): its prefill logits at TP 2, 4, 8 (and 1) are one device's bits

@@ -14,6 +14,7 @@ slow = pytest.mark.slow
 @pytest.mark.parametrize("family,tp,full", [
     ("qwen3", 2, False), pytest.param("gemma3", 4, True, marks=slow),
     pytest.param("llama3", 4, True, marks=slow)])
+@pytest.mark.slow  # a further case of a property the default run proves
 def test_speculative_equals_serial_with_a_sharded_target(family, tp, full):
     found = run("spec", family, tp, *(["--full"] if full else []))
     assert len(found) == (4 if full else 1)

@@ -147,6 +147,7 @@ def _stop_at_end_of_turn_after(pipe, token: int) -> TextPipeline:
     return dataclasses.replace(pipe, target=pipe.target.replace(params=params))
 
 
+@pytest.mark.slow  # a further case of a property the default run proves
 def test_gemma_text_speculative_equals_serial_and_a_chat_stops_at_end_of_turn(gemma, gemma_tok):
     # The official multimodal layout (vocab 576) with a gemma3_text draft (vocab 512).
     pipe = load_text(*gemma)

@@ -127,6 +127,7 @@ def test_ttt_loss_decreases_on_a_tiny_batch(vd):
         assert np.array_equal(np.asarray(m.lm_head[...]), frozen)
 
 
+@pytest.mark.slow  # a further case of a property the default run proves
 def test_train_script_cpu_smoke_writes_a_loadable_head(tmp_path):
     out = tmp_path / "head"
     cmd = [sys.executable, os.path.join(ROOT, "experiments", "train_draft_head.py"),

@@ -65,6 +65,7 @@ def test_tree_speculation_equals_serial(tree, kind, policy):
     assert len(out.stats["acceptance_by_position"]) == tree.depth
 
 
+@pytest.mark.slow  # a further case of a property the default run proves
 def test_gemma_trees_with_sliding_windows_equal_serial():
     target = load("gemma3", "pallas")
     p = expected("gemma3")["prompt"]
