@@ -5,6 +5,7 @@ computes the bits a single process of four devices computes."""
 import socket
 
 import numpy as np
+import pytest
 from sharding_checks import result, start
 
 
@@ -14,6 +15,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow  # two processes on 2 cores: the simulated-device matrix proves R8 by default
 def test_two_processes_compute_the_single_process_bits(tmp_path):
     """A TP=4 forward (a prefill, then verify blocks) and a speculative generation with a
     replicated draft model, in two processes and in one; bitwise equal."""
