@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from jspec.bench.timing import copy_bandwidth, median_time
+from jspec.bench.timing import STEP_REPS, copy_bandwidth, device_steps, median_time
 from jspec.bench.trace import device_events, traced
 from jspec.cache import init_cache, rollback
 from jspec.cli import with_option_string
@@ -181,22 +181,6 @@ def bench_other_ops(model, batches, context, iters):
                          "xla_us": t["xla"][0], "timing": t["pallas"][1],
                          "tax": t["pallas"][0] / max(t["xla"][0], 1e-9)})
     return rows
-
-
-STEP_REPS = 10  # forward steps per timed device-side loop
-
-
-@functools.partial(jax.jit, compiler_options=COMPILER_OPTIONS)
-def device_steps(model, tokens, cache):
-    """STEP_REPS forwards of tokens [B, T] on the same cache, in one lax.fori_loop."""
-    lengths = cache.lengths
-
-    def body(_, carry):
-        c, acc = carry
-        logits, c = apply(model, tokens, c)
-        return rollback(c, lengths), acc + logits[0, -1, 0]
-
-    return jax.lax.fori_loop(0, STEP_REPS, body, (cache, jnp.float32(0)))[1]
 
 
 @functools.partial(jax.jit, compiler_options=COMPILER_OPTIONS)

@@ -44,8 +44,8 @@ from absl import app, flags
 import jspec.model as jspec_model
 from jspec.bench.moe_bytes import step_read_bytes, uniform_union
 from jspec.bench.receipts import write_receipt
-from jspec.bench.timing import copy_bandwidth, median_time
-from jspec.cache import init_cache, rollback
+from jspec.bench.timing import STEP_REPS, copy_bandwidth, device_steps, median_time
+from jspec.cache import init_cache
 from jspec.cli import options_record
 from jspec.model import COMPILER_OPTIONS, apply, forward_nodonate
 from jspec.random_model import PRESETS, random_model
@@ -66,22 +66,6 @@ _DTYPE = flags.DEFINE_string("dtype", "bfloat16", "weights and activations (a CP
                              "needs float32)")
 _OUT = flags.DEFINE_string("out", os.environ.get("OUT", "experiments/results"), "receipt dir")
 _TAG = flags.DEFINE_string("tag", "", "receipt file name suffix")
-
-STEP_REPS = 10  # forward steps per timed device-side loop
-
-
-@functools.partial(jax.jit, compiler_options=COMPILER_OPTIONS)
-def device_steps(model, tokens, cache):
-    """STEP_REPS forwards of tokens [B, T] on the same cache, in one lax.fori_loop."""
-    lengths = cache.lengths
-
-    def body(_, carry):
-        c, acc = carry
-        logits, c = apply(model, tokens, c)
-        return rollback(c, lengths), acc + logits[0, -1, 0]
-
-    return jax.lax.fori_loop(0, STEP_REPS, body, (cache, jnp.float32(0)))[1]
-
 
 @functools.partial(jax.jit, compiler_options=COMPILER_OPTIONS)
 def routed_experts(model, tokens, cache):

@@ -8,8 +8,15 @@ from the engine's own timings (`run_seconds`).
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
+
+import jax
+import jax.numpy as jnp
+
+from jspec.cache import rollback
+from jspec.model import COMPILER_OPTIONS, apply
 
 
 def timed(fn, iters: int):
@@ -79,3 +86,20 @@ def side_by_side(runs: dict, shapes: dict[str, set], n: int) -> dict:
                 outs[kind].append(run())
     return {kind: sorted(o, key=lambda x: run_seconds(x.stats))[(len(o) - 1) // 2]
             for kind, o in outs.items()}
+
+
+STEP_REPS = 10  # forward steps per timed device-side loop (`device_steps`)
+
+
+@functools.partial(jax.jit, compiler_options=COMPILER_OPTIONS)
+def device_steps(model, tokens, cache):
+    """STEP_REPS forwards of tokens [B, T] on the same cache, in one lax.fori_loop (time it
+    with `median_time` and divide by STEP_REPS: one dispatch, no host sync between steps)."""
+    lengths = cache.lengths
+
+    def body(_, carry):
+        c, acc = carry
+        logits, c = apply(model, tokens, c)
+        return rollback(c, lengths), acc + logits[0, -1, 0]
+
+    return jax.lax.fori_loop(0, STEP_REPS, body, (cache, jnp.float32(0)))[1]
