@@ -87,6 +87,15 @@ def fusable(K: int, F: int, dtype, interpret: bool) -> bool:
     return cfg.split_k == 1 and F % cfg.bn == 0
 
 
+def check_glu_weight(w: jax.Array, activation: str) -> None:
+    """ValueError unless w is [K, 2F] (gate, then up) and the activation is known."""
+    if w.shape[1] % 2:
+        raise ValueError(f"matmul_glu wants w [K, 2F] (gate, then up); got {w.shape=}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"matmul_glu activation must be one of {ACTIVATIONS}; got "
+                         f"{activation=}")
+
+
 @functools.partial(jax.jit, static_argnames=("activation", "interpret", "row_group",
                                              "config", "schedule"))
 def matmul_glu(x: jax.Array, w: jax.Array, *, activation: str,
@@ -97,11 +106,7 @@ def matmul_glu(x: jax.Array, w: jax.Array, *, activation: str,
     `matmul_config(K, 2F)` (sweeps and tests; it must not split K); `schedule` lets a
     launch of more than one row tile take the MULTI_TILE_GLU overrides."""
     _check_shapes(x, w)
-    if w.shape[1] % 2:
-        raise ValueError(f"matmul_glu wants w [K, 2F] (gate, then up); got {w.shape=}")
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"matmul_glu activation must be one of {ACTIVATIONS}; got "
-                         f"{activation=}")
+    check_glu_weight(w, activation)
     m, k = x.shape
     f = w.shape[1] // 2
     if config is None and not fusable(k, f, w.dtype, interpret):

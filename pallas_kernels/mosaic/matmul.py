@@ -41,9 +41,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels._common import pad_axis, round_up
-from pallas_kernels.glu import ACTIVATIONS
 from pallas_kernels.matmul import matmul_reference
-from pallas_kernels.matmul_glu import _glu_tile, matmul_glu_reference
+from pallas_kernels.matmul_glu import _glu_tile, check_glu_weight, matmul_glu_reference
 
 __all__ = ["BM", "MosaicMatmulConfig", "matmul", "matmul_glu", "matmul_glu_reference",
            "matmul_reference", "mosaic_matmul_config"]
@@ -222,11 +221,7 @@ def matmul_glu(x: jax.Array, w: jax.Array, *, activation: str, interpret: bool =
     `matmul`."""
     del row_group, schedule
     _check(x, w, "matmul_glu")
-    if w.shape[1] % 2:
-        raise ValueError(f"matmul_glu wants w [K, 2F] (gate, then up); got {w.shape=}")
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"matmul_glu activation must be one of {ACTIVATIONS}; got "
-                         f"{activation=}")
+    check_glu_weight(w, activation)
     m, k = x.shape
     f = w.shape[1] // 2
     cfg = _config(config, k, 2 * f, w.dtype, "matmul_glu")
