@@ -20,7 +20,8 @@ sequence:
     verify blocks of k proposals (k in --ks) with random acceptance and random
     tokens in the rejected slots (each schedule starts from a rollback, so the
     cache holds the previous schedule's garbage past its length);
-  - a row alone vs the same row in a ragged batch of 4 (verify blocks of 4);
+  - a row alone vs the same row in ragged batches of --batches rows (verify blocks of
+    5 tokens a row: 20 rows a block at batch 4, 160 at batch 32);
   - the same prefix under a cache of twice the capacity;
   - tree verifies (--trees: random trees of that many nodes, depth <= --tree_depth,
     under the last `window` tokens' prefix): every node's logits against serial
@@ -67,7 +68,7 @@ from jspec.model import COMPILER_OPTIONS, apply, forward
 from jspec.random_model import random_model
 from jspec.sharding import init_cache  # the sharded cache for a sharded model
 from jspec.tree import from_parents
-from pallas_kernels.matmul import TUNED, tuned_to_json
+from pallas_kernels.matmul import TUNED, schedule_tables, tuned_to_json
 
 FLAGS = flags.DEFINE_string("models", "qwen3-8b:4,gemma3-4b:6", "preset:num_layers list")
 _CONTEXT = flags.DEFINE_integer("context", 8192, "sequence length checked")
@@ -84,6 +85,9 @@ _XLA_FULL = flags.DEFINE_bool("xla_full", False, "run every check on xla too (el
 _TAG = flags.DEFINE_string("tag", "", "receipt name suffix")
 _OPTIONS = flags.DEFINE_list("options", [], "speed options of the models (jspec.cli option "
                              "names, e.g. attn_split=256 to prove split-KV attention)")
+_BATCHES = flags.DEFINE_list("batches", [], "ragged batches (>= 2) the checked row sits in "
+                              "(row 1), verify blocks of 5 tokens a row (default 4 and 32; "
+                              "4 alone with --interpret)")
 _TREES = flags.DEFINE_list("trees", [], "tree verify sizes (draft nodes), e.g. 8,16,32,64")
 _TREE_DEPTH = flags.DEFINE_integer("tree_depth", 8, "the random trees' greatest depth")
 _TREE_SEEDS = flags.DEFINE_integer("tree_seeds", 1, "random trees checked per size")
@@ -182,20 +186,24 @@ def check_model(model, n: int, window: int, ks: list[int], full: bool = True) ->
                           seed=len(label), checkers=[chk])
         res[label] = chk.result()
 
-    # A row alone vs in a ragged batch of 4, at a shorter context.
+    # A row alone vs in ragged batches (4: verify blocks of 20 rows; 32: blocks of 160
+    # rows, the tall launches of a batched verify), at a shorter context.
     m = min(n, 1024)
-    others = [rng.integers(0, V, k).astype(np.int32) for k in (m // 3, m // 2, m - 5)]
-    seqs = [others[0], seq[:m], others[1], others[2]]
-    lens = [len(s) for s in seqs]
-    prefix = [min(x, m // 4) for x in lens]
-    batch_cache = init_cache(model, 4, max_len)
-    pre = [parity.Step(max(prefix), tuple(prefix))]
-    chk = Checker(ref)
-    checkers = [None, chk, None, None]
-    batch_cache = run_steps(model, seqs, pre, batch_cache, checkers=checkers)
-    steps = parity.batch_schedule([x - p for x, p in zip(lens, prefix, strict=True)], 5, seed=1)
-    run_steps(model, seqs, steps[:40], batch_cache, start=prefix, checkers=checkers)
-    res["row in ragged batch of 4"] = chk.result()
+    for nb in batch_sizes():
+        lens_o = rng.integers(m // 3, m, nb - 1)
+        others = [rng.integers(0, V, int(k)).astype(np.int32) for k in lens_o]
+        seqs = others[:1] + [seq[:m]] + others[1:]
+        lens = [len(s) for s in seqs]
+        prefix = [min(x, m // 4) for x in lens]
+        batch_cache = init_cache(model, nb, max_len)
+        pre = [parity.Step(max(prefix), tuple(prefix))]
+        chk = Checker(ref)
+        checkers = [None, chk] + [None] * (nb - 2)
+        batch_cache = run_steps(model, seqs, pre, batch_cache, checkers=checkers)
+        steps = parity.batch_schedule([x - p for x, p in zip(lens, prefix, strict=True)], 5,
+                                      seed=1)
+        run_steps(model, seqs, steps[:40], batch_cache, start=prefix, checkers=checkers)
+        res[f"row in ragged batch of {nb}"] = chk.result()
 
     sizes = [int(x) for x in _TREES.value]  # xla: the largest tree shows it breaking
     res |= tree_checks(model, seq, ref, cache, tail, sizes if full else sizes[-1:])
@@ -366,17 +374,28 @@ def check_degrees(name: str, layers: int, backend: str) -> dict:
     return out
 
 
+def batch_sizes() -> list[int]:
+    """--batches, or its default: 4 and 32 (4 alone in interpret mode)."""
+    sizes = _BATCHES.value or (["4"] if _INTERPRET.value else ["4", "32"])
+    out = sorted({int(b) for b in sizes})
+    if out[0] < 2:
+        raise app.UsageError(f"--batches must be >= 2; got {_BATCHES.value}")
+    return out
+
+
 def main(argv):
     del argv
     sharding.init_distributed(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
     report = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
               "matmul_tuned": tuned_to_json(TUNED),
+              "matmul_schedules": schedule_tables(),
               "date": time.strftime("%Y-%m-%d"), "context": _CONTEXT.value,
               "contexts": _CONTEXTS.value or None,
               "window": _WINDOW.value, "options": _OPTIONS.value, "tp": _TP.value or None,
               "processes": jax.process_count(), "row_partials": _ROW_PARTIALS.value or None,
               "results": {}}
     ks = [int(k) for k in _KS.value]
+    batch_sizes()  # checked before any model is built
     for spec in FLAGS.value.split(","):
         name, layers = spec.split(":")
         for backend in _BACKENDS.value:

@@ -151,6 +151,20 @@ TUNED: dict[tuple[int, int, str], MatmulConfig] = parse_tuned(_TABLES["tuned"], 
 # Decode (one row tile) keeps the config.
 MULTI_TILE: dict[tuple[int, int, str], dict[str, int]] = parse_schedules(
     _TABLES["multi_tile"], TUNED_FILE)
+# Launches of more than TALL_ROWS rows (a batched verify block, a prefill chunk) take
+# these overrides where the weight has one (else MULTI_TILE's): the tall row tiles (64,
+# 128) of tensor-core instructions. Scheduling fields only, so the same bits; the sweep
+# (`sweep_schedule.py --tall`) checked every variant at M = 1, 40, 160, 320 and 2048.
+TALL_ROWS = 64
+TALL_TILE: dict[tuple[int, int, str], dict[str, int]] = parse_schedules(
+    _TABLES.get("tall_tile", []), TUNED_FILE)
+
+
+def schedule_tables(path: str = TUNED_FILE) -> dict[str, list[dict]]:
+    """The data file's schedule tables as JSON rows (for receipts: which schedules ran)."""
+    data = read_tuned_file(path)
+    return {k: data.get(k, []) for k in ("multi_tile", "multi_tile_glu", "tall_tile",
+                                         "tall_tile_glu")}
 
 
 def default_matmul_config(K: int, N: int, dtype, interpret: bool) -> MatmulConfig:
@@ -299,16 +313,26 @@ def multi_tile_config(cfg: MatmulConfig, K: int, N: int, dtype,
     return dataclasses.replace(cfg, **over)
 
 
+def scheduled_row_group(base_bm: int, bm: int, row_group: int) -> int:
+    """Row tiles a program may hold under a schedule's row tile bm: a program holds at
+    most row_group x base_bm rows (its shared memory), as without the schedule."""
+    return max(1, row_group * base_bm // bm)
+
+
 def scheduled(cfg: MatmulConfig, m: int, K: int, N: int, dtype, row_group: int,
-              table: dict | None = None) -> tuple[MatmulConfig, int]:
-    """(config, row_group) of a launch of m rows under a multi-tile schedule: the
-    table's overrides when m spans more than one of cfg's row tiles, else cfg. A
-    larger row tile stands in for the row group: a program holds at most row_group x
-    cfg.bm rows (its shared memory), as without the schedule."""
+              table: dict | None = None, tall: dict | None = None
+              ) -> tuple[MatmulConfig, int]:
+    """(config, row_group) of a launch of m rows under the multi-tile schedules: cfg
+    itself when m fits one of cfg's row tiles; the `tall` table's overrides (default
+    TALL_TILE) when m > TALL_ROWS and the weight has an entry there; else the `table`'s
+    (default MULTI_TILE). Scheduling fields only: the bits are cfg's whatever m is."""
     if round_up(m, cfg.bm) <= cfg.bm:
         return cfg, row_group
-    out = multi_tile_config(cfg, K, N, dtype, table)
-    return out, max(1, row_group * cfg.bm // out.bm)
+    tall = TALL_TILE if tall is None else tall
+    key = (K, N, jnp.dtype(dtype).name)
+    pick = tall if m > TALL_ROWS and key in tall else table
+    out = multi_tile_config(cfg, K, N, dtype, pick)
+    return out, scheduled_row_group(cfg.bm, out.bm, row_group)
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "interpret", "config", "row_group",

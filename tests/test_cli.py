@@ -250,6 +250,30 @@ def test_sweep_schedule_smoke(tmp_path):
 
 
 @pytest.mark.slow  # a sweep script
+def test_sweep_schedule_tall_writes_its_winners(tmp_path):
+    import shutil
+
+    from pallas_kernels.matmul import TUNED_FILE, parse_schedules, read_tuned_file
+
+    table = tmp_path / "tuned.json"
+    shutil.copy(TUNED_FILE, table)
+    r = _run("tuning/sweep_schedule.py", "--interpret", "--preset=tiny-qwen3", "--tall",
+             "--rows=1,80", "--shapes=wo", "--max_candidates=2", "--combos=false",
+             "--iters=1", f"--write={table}", f"--out={tmp_path}")
+    assert r.returncode == 0, r.stderr[-2000:]
+    rep = json.load(open(tmp_path / "sweep_schedule.json"))
+    (w,) = rep["weights"]
+    assert rep["tall"] and rep["timed"] == [160, 320] and rep["bm"] == [64, 128]
+    assert [v["config"]["bm"] for v in w["variants"]] == [64, 128]
+    assert all(v["bits_equal"] == {"1": True, "80": True} for v in w["variants"])
+    data = read_tuned_file(str(table))
+    rows = parse_schedules(data["tall_tile"], str(table))
+    assert data["multi_tile"] == read_tuned_file()["multi_tile"]  # only the tall table
+    if w["fastest_equal"]["us"] < w["base_us"]:
+        assert rows[(w["K"], w["N"], "bfloat16")]["bm"] == w["fastest_equal"]["config"]["bm"]
+
+
+@pytest.mark.slow  # a sweep script
 def test_sweep_attention_smoke(tmp_path):
     # Split-KV attention variants (masked V load or select, two stage counts) against
     # the reference config: every variant bitwise equal at decode and verify shapes.

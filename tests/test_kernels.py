@@ -189,8 +189,14 @@ def test_tuned_tables_are_the_data_file_and_the_proven_table():
     # The tables the kernels use are the data file beside them, and the tile table is the
     # one the GPU parity matrix proved: the file records the sha256 of the table that
     # run reported (its receipt is named there), and the code's table must hash to it.
-    from pallas_kernels.matmul import TUNED_FILE, parse_schedules, parse_tuned, read_tuned_file
-    from pallas_kernels.matmul_glu import MULTI_TILE_GLU
+    from pallas_kernels.matmul import (
+        TALL_TILE,
+        TUNED_FILE,
+        parse_schedules,
+        parse_tuned,
+        read_tuned_file,
+    )
+    from pallas_kernels.matmul_glu import MULTI_TILE_GLU, TALL_TILE_GLU
 
     data = read_tuned_file()
     import pallas_kernels
@@ -200,6 +206,8 @@ def test_tuned_tables_are_the_data_file_and_the_proven_table():
     assert parse_tuned(data["tuned"], TUNED_FILE) == TUNED
     assert parse_schedules(data["multi_tile"], TUNED_FILE) == MULTI_TILE
     assert parse_schedules(data["multi_tile_glu"], TUNED_FILE) == MULTI_TILE_GLU
+    assert parse_schedules(data.get("tall_tile", []), TUNED_FILE) == TALL_TILE
+    assert parse_schedules(data.get("tall_tile_glu", []), TUNED_FILE) == TALL_TILE_GLU
     prov = data["provenance"]
     assert prov["device"] and prov["jax"]
     for entry in prov["tuned"] + prov["multi_tile"] + [prov["proven_by"]]:

@@ -124,7 +124,25 @@ def test_multi_tile_schedule_changes_scheduling_fields_only(monkeypatch):
         assert set(over) <= set(mm.SCHEDULE_FIELDS) and got != base
 
 
-@pytest.mark.parametrize("m", [1, 40])
+def test_tall_launches_take_the_tall_schedule():
+    # Launches of more than TALL_ROWS rows take the weight's tall overrides where it has
+    # one, else the multi-tile ones; one row tile keeps the config (scheduling only).
+    from pallas_kernels.matmul import TALL_ROWS, scheduled
+
+    base = MatmulConfig(bm=16, bn=64, bk=64, num_warps=4, num_stages=2)
+    multi = {(256, 128, "bfloat16"): {"bn": 32}}
+    tall = {(256, 128, "bfloat16"): {"bm": 128, "num_warps": 8}}
+    args = (256, 128, jnp.bfloat16, 4, multi, tall)
+    assert scheduled(base, 16, *args) == (base, 4)
+    assert scheduled(base, 17, *args)[0].bn == 32
+    assert scheduled(base, TALL_ROWS, *args)[0].bn == 32
+    cfg, g = scheduled(base, TALL_ROWS + 1, *args)
+    assert (cfg.bm, cfg.bn, cfg.num_warps, cfg.bk, g) == (128, 64, 8, 64, 1)
+    cfg, g = scheduled(base, 2048, 256, 128, jnp.bfloat16, 4, multi, {})
+    assert (cfg.bn, g) == (32, 4)  # no tall entry: the multi-tile schedule
+
+
+@pytest.mark.parametrize("m", [1, 40, 160])
 def test_a_scheduling_variant_keeps_the_bits(m):
     # The CPU side of the H200 sweep (experiments/sweep_schedule.py): other bm, bn, warps
     # and stages at the same bk and split_k, row groups on, bitwise the same rows.
@@ -132,7 +150,8 @@ def test_a_scheduling_variant_keeps_the_bits(m):
     base = MatmulConfig(bm=16, bn=64, bk=64, num_warps=4, num_stages=2)
     want = matmul(x, w, out_dtype=jnp.bfloat16, interpret=INTERPRET, config=base, row_group=4)
     for var in (MatmulConfig(16, 32, 64, 2, 3), MatmulConfig(16, 128, 64, 8, 5),
-                MatmulConfig(64, 64, 64, 4, 4), MatmulConfig(32, 64, 64, 4, 2)):
+                MatmulConfig(64, 64, 64, 4, 4), MatmulConfig(32, 64, 64, 4, 2),
+                MatmulConfig(128, 64, 64, 8, 3)):
         got = matmul(x, w, out_dtype=jnp.bfloat16, interpret=INTERPRET, config=var, row_group=4)
         assert np.array_equal(bits(got), bits(want)), var
 

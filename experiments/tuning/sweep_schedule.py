@@ -2,6 +2,8 @@
 for a multi-tile launch (a batch-8 verify block)?
 
   python experiments/tuning/sweep_schedule.py --out=experiments/results  # H200
+  python experiments/tuning/sweep_schedule.py --tall --out=$OUT \
+      --write=pallas_kernels/matmul_tuned.json                            # H200, tall tier
   python experiments/tuning/sweep_schedule.py --interpret --preset=tiny-qwen3 --rows=1,40 \
       --max_candidates=2 --out=/tmp                                      # CPU smoke
 
@@ -11,14 +13,22 @@ columns and how loads are pipelined. If, on the device, every variant of a weigh
 table config with the same bm, bk and split-K gives the table config's bits, then a
 launch of several row tiles may use its own (bn, warps, stages) without touching
 property P, as row groups do. This script checks exactly that for each weight of
---preset: for every variant it compares the logits bitwise with the table config at
-each M of --rows (row groups of --row_group, as the model runs them) and times it at
-the largest M, device-side (the busy time of a profiler trace of a jitted loop over
-enough weight copies to miss the L2). Writes `sweep_schedule.json`: per weight, the
-table config's time, every variant's bits_equal and time, and the fastest variant
-with equal bits. `--bm=32,64` first tries the config with other row tiles (same bk): does
-a larger dot give every row the config's bits? (On the H200 it did, so MULTI_TILE may set
-bm; the crosses then include the two best row tiles too.)
+--preset: for every variant it compares the logits bitwise with the table config at each
+M of --rows (row groups of --row_group, as the model runs them) and times it at the Ms
+of --timed (default the largest of --rows), device-side (the busy time of a profiler
+trace of a jitted loop over enough weight copies to miss the L2). Writes
+`sweep_schedule.json`: per weight, the table config's time, every variant's bits_equal
+and time, and the fastest variant with equal bits. `--bm=32,64` first tries the config
+with other row tiles (same bk): does a larger dot give every row the config's bits? (On
+the H200 it did, so MULTI_TILE may set bm; the crosses then include the two best row
+tiles too.)
+
+--tall sweeps the tier of launches of more than `matmul.TALL_ROWS` rows (a verify block
+at batch 32-64, a prefill chunk): bits at M = 1, 40, 160, 320 and 2048, time summed at
+160 and 320, row tiles 64 and 128 tried first, the schedule such launches run with today
+timed too. --write=FILE merges each weight's winner into a tile data file
+(tall_tile / tall_tile_glu, or multi_tile / multi_tile_glu without --tall), only where
+every variant of the weight gave the config's bits and the winner beats the config.
 """
 
 from __future__ import annotations
@@ -40,8 +50,18 @@ from tqdm import tqdm
 from jspec.bench.timing import median_time
 from jspec.bench.trace import device_events, summarize, traced
 from jspec.random_model import weight_shapes
-from pallas_kernels.matmul import MatmulConfig, matmul, matmul_config
-from pallas_kernels.matmul_glu import fusable, matmul_glu
+from pallas_kernels.matmul import (
+    MULTI_TILE,
+    TUNED_FILE,
+    MatmulConfig,
+    matmul,
+    matmul_config,
+    multi_tile_config,
+    parse_schedules,
+    read_tuned_file,
+    scheduled_row_group,
+)
+from pallas_kernels.matmul_glu import MULTI_TILE_GLU, fusable, matmul_glu
 
 _PRESET = flags.DEFINE_string("preset", "qwen3-8b", "model shape preset")
 _SHAPES = flags.DEFINE_list("shapes", ["wo", "w_down", "wqkv", "w_gate_up:glu", "lm_head"],
@@ -51,7 +71,15 @@ _BM = flags.DEFINE_list("bm", [], "also try these row tiles first (same bk, bn, 
                         "does a larger dot give every row the config's bits?")
 _COMBOS = flags.DEFINE_bool("combos", True, "after the one-field variants, cross the two "
                             "fastest bit-equal values of bn, warps and stages")
-_ROWS = flags.DEFINE_list("rows", ["1", "40"], "row counts compared bitwise; the largest is timed")
+_ROWS = flags.DEFINE_list("rows", ["1", "40"], "row counts compared bitwise")
+_TIMED = flags.DEFINE_list("timed", [], "row counts timed (default: the largest of --rows); a "
+                           "variant's time is the sum over them")
+_TALL = flags.DEFINE_bool("tall", False, "the tall tier: --rows 1,40,160,320,2048, --timed "
+                          "160,320, --bm 64,128 unless given, and the winners as the data "
+                          "file's tall_tile / tall_tile_glu rows")
+_WRITE = flags.DEFINE_string("write", "", "a tile data file (pallas_kernels/matmul_tuned.json) "
+                             "to merge the winners into (multi_tile[_glu], or tall_tile[_glu] "
+                             "with --tall), so later steps of the same call run with them")
 _ROW_GROUP = flags.DEFINE_integer("row_group", 4, "row tiles per program (the model's default)")
 _MAX = flags.DEFINE_integer("max_candidates", 12, "variants per weight")
 _ITERS = flags.DEFINE_integer("iters", 5, "timed loops per variant")
@@ -105,9 +133,12 @@ def bits(a) -> np.ndarray:
     return a.view(np.uint16 if a.dtype.itemsize == 2 else np.uint32)
 
 
-def sweep_weight(name: str, K: int, N: int, rows: list[int], rg: int, key, t0: float,
-                 interp: bool, glu: bool = False) -> dict:
-    """The table config of a [K, N] weight and its variants: bits at each M, time at max M.
+def sweep_weight(name: str, K: int, N: int, rows: list[int], timed: list[int], rg: int, key,
+                 t0: float, interp: bool, bms: list[int], glu: bool = False,
+                 current: MatmulConfig | None = None) -> dict:
+    """The table config of a [K, N] weight and its variants: bits at each M of rows, time
+    summed over the Ms of timed. current: the schedule such launches run with today (timed
+    first, so a winner must beat it too).
     glu: the weight is [K, 2F] and runs through matmul_glu (silu)."""
     dt = jnp.bfloat16
     base = matmul_config(K, N, dt, interp)
@@ -119,19 +150,23 @@ def sweep_weight(name: str, K: int, N: int, rows: list[int], rg: int, key, t0: f
     w0 = (jax.random.normal(k1, (K, N), jnp.float32) * K**-0.5).astype(dt)
     ws = [w0] + [w0 + jnp.zeros((), dt) * i for i in range(1, copies)]  # distinct buffers
     xs = {m: jax.random.normal(jax.random.fold_in(k2, m), (m, K), jnp.float32).astype(dt)
-          for m in rows}
+          for m in sorted(set(rows) | set(timed))}
 
     def call(x, w, cfg):
+        g = scheduled_row_group(base.bm, cfg.bm, rg)  # as the model's schedule runs it
         if glu:
             return matmul_glu(x, w, activation="silu", interpret=interp, config=cfg,
-                              row_group=rg)
-        return matmul(x, w, out_dtype=dt, interpret=interp, config=cfg, row_group=rg)
+                              row_group=g)
+        return matmul(x, w, out_dtype=dt, interpret=interp, config=cfg, row_group=g)
 
     def run(cfg, m):
         return call(xs[m], ws[0], cfg)
 
-    def per_call_us(cfg) -> float:
-        m = rows[-1]
+    def per_call_us(cfg) -> tuple[float, dict[str, float]]:
+        at = {str(m): us_at(cfg, m) for m in timed}
+        return sum(at.values()), at
+
+    def us_at(cfg, m) -> float:
         # Separate weight buffers (a slice of one stacked array would be copied out for
         # every call and timed with it); only the kernel's own events are counted.
         fn = jax.jit(lambda w: [call(xs[m], w[c], cfg) for c in range(copies)])
@@ -146,8 +181,8 @@ def sweep_weight(name: str, K: int, N: int, rows: list[int], rg: int, key, t0: f
 
     want = {m: bits(run(base, m)) for m in rows}
     entry = {"weight": name, "kernel": "matmul_glu" if glu else "matmul", "K": K, "N": N,
-             "base": vars(base), "copies": copies, "base_us": per_call_us(base),
-             "variants": []}
+             "base": vars(base), "copies": copies, "variants": []}
+    entry["base_us"], entry["base_us_at"] = per_call_us(base)
 
     def try_all(cfgs, desc):
         for cfg in tqdm(cfgs, desc=desc):
@@ -158,14 +193,17 @@ def sweep_weight(name: str, K: int, N: int, rows: list[int], rg: int, key, t0: f
             try:
                 equal = {str(m): bool(np.array_equal(bits(run(cfg, m)), want[m]))
                          for m in rows}
-                us = per_call_us(cfg)
+                us, at = per_call_us(cfg)
             except Exception as e:  # a config Triton cannot build: recorded
                 entry["variants"].append({**row, "error": str(e).splitlines()[0][:200]})
                 continue
-            entry["variants"].append({**row, "bits_equal": equal, "us": us})
+            entry["variants"].append({**row, "bits_equal": equal, "us": us, "us_at": at})
 
-    try_all(variants(base, N // 2 if glu else N, _MAX.value, [int(b) for b in _BM.value]),
-            name)
+    first = []
+    if current is not None and current != base:
+        first = [current]  # the multi-tile schedule these launches run with today
+    try_all(first + [c for c in variants(base, N // 2 if glu else N, _MAX.value, bms)
+                     if c != current], name)
     if _COMBOS.value:
         ran = [v for v in entry["variants"] if "us" in v]
         done = {MatmulConfig(**v["config"]) for v in entry["variants"]}
@@ -177,14 +215,56 @@ def sweep_weight(name: str, K: int, N: int, rows: list[int], rg: int, key, t0: f
     return entry
 
 
+def winners(report: dict) -> tuple[list[dict], list[dict]]:
+    """(matmul rows, matmul_glu rows) {K, N, dtype, fields} of the data file: each weight's
+    fastest bit-equal variant, as the fields where it differs from the table config."""
+    out = ([], [])
+    for e in report["weights"]:
+        best = e.get("fastest_equal")
+        if not best or not e.get("all_bits_equal") or best["us"] >= e["base_us"]:
+            continue  # some variant changed bits, or none beats the config: keep it
+        fields = {f: best["config"][f] for f in FIELDS if best["config"][f] != e["base"][f]}
+        out[e["kernel"] == "matmul_glu"].append(
+            {"K": e["K"], "N": e["N"], "dtype": "bfloat16", "fields": fields})
+    return out
+
+
+def write_winners(report: dict, tall: bool, path: str = TUNED_FILE) -> dict:
+    """Merges the winners into the data file's schedule tables (replacing rows of the same
+    key); returns the rows written."""
+    data = read_tuned_file(path)
+    names = ("tall_tile", "tall_tile_glu") if tall else ("multi_tile", "multi_tile_glu")
+    written = {}
+    for name, rows in zip(names, winners(report), strict=True):
+        keep = {(r["K"], r["N"], r["dtype"]): r for r in data.get(name, [])}
+        keep |= {(r["K"], r["N"], r["dtype"]): r for r in rows}
+        data[name] = [keep[k] for k in sorted(keep)]
+        parse_schedules(data[name], path)  # scheduling fields only
+        written[name] = rows
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1)
+    return written
+
+
 def main(_):
     interp = _INTERPRET.value
-    rows = sorted(int(r) for r in _ROWS.value)
+    tall = _TALL.value
+    given = {f.name for f in flags.FLAGS.get_flags_for_module(sys.modules[__name__])
+             if f.present}
+    rows = sorted(int(r) for r in (_ROWS.value if "rows" in given or not tall
+                                   else ["1", "40", "160", "320", "2048"]))
+    timed = sorted(int(r) for r in (_TIMED.value or (["160", "320"] if tall else [])))
+    timed = timed or rows[-1:]
+    bms = [int(b) for b in (_BM.value if "bm" in given or not tall else ["64", "128"])]
+    if min(rows + timed) < 1 or any(b < 16 or b & (b - 1) for b in bms):
+        raise app.UsageError(f"--rows / --timed must be >= 1 and --bm powers of 2 >= 16; got "
+                             f"{rows=} {timed=} {bms=}")
     rg = _ROW_GROUP.value
     t0 = time.time()
     report = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
               "date": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(sys.argv),
-              "preset": _PRESET.value, "rows": rows, "row_group": rg, "weights": []}
+              "preset": _PRESET.value, "rows": rows, "timed": timed, "bm": bms, "tall": tall,
+              "row_group": rg, "weights": []}
     all_shapes = weight_shapes(_PRESET.value)
     for i, spec in enumerate(_SHAPES.value):
         name, _, kind = spec.partition(":")
@@ -192,14 +272,22 @@ def main(_):
             raise app.UsageError(f"--shapes: {spec!r} is not WEIGHT or WEIGHT:glu with "
                                  f"WEIGHT one of {sorted(all_shapes)}")
         K, N = all_shapes[name]
-        report["weights"].append(sweep_weight(spec, K, N, rows, rg, jax.random.key(i), t0,
-                                              interp, glu=kind == "glu"))
+        glu = kind == "glu"
+        base = matmul_config(K, N, jnp.bfloat16, interp)
+        current = None if interp else multi_tile_config(
+            base, K, N, jnp.bfloat16, MULTI_TILE_GLU if glu else MULTI_TILE)
+        report["weights"].append(sweep_weight(spec, K, N, rows, timed, rg, jax.random.key(i),
+                                              t0, interp, bms, glu=glu, current=current))
         os.makedirs(_OUT.value, exist_ok=True)
         with open(os.path.join(_OUT.value, "sweep_schedule.json"), "w") as f:
             json.dump(report, f, indent=1)
 
+    if _WRITE.value:
+        report["written"] = write_winners(report, tall, _WRITE.value)
+        with open(os.path.join(_OUT.value, "sweep_schedule.json"), "w") as f:
+            json.dump(report, f, indent=1)
     print(f"\n{report['device']}, jax {jax.__version__}, {_PRESET.value}, M = {rows}, "
-          f"row groups of {rg}; us per call at M = {rows[-1]}")
+          f"row groups of {rg}; us per call summed over M = {timed}")
     print(f"{'weight':14s} {'table us':>9s} {'variants':>8s} {'bits equal':>10s} "
           f"{'best equal us':>13s}  best equal config")
     for e in report["weights"]:
@@ -211,6 +299,8 @@ def main(_):
         b = e["fastest_equal"]
         print(f"{e['weight']:14s} {e['base_us']:9.2f} {len(ran):8d} {n_eq:10d} "
               f"{(b['us'] if b else float('nan')):13.2f}  {b['config'] if b else '-'}")
+    if _WRITE.value:
+        print(f"written to {_WRITE.value}: {json.dumps(report['written'])}")
     print(f"receipt: {os.path.join(_OUT.value, 'sweep_schedule.json')}")
 
 
