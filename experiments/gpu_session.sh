@@ -6,7 +6,7 @@
 # kernels_fused spec sweep tuned e2e e2e_b1 e2e_b8 e2e_peers e2e_draftpallas e2e_decompose train pair
 # pair_eval schedsweep attnsweep train_head parity_trees kernels_trees main pair_head
 # e2e_session tree_sweep parity_long parity_long_xla context_bench context_bench_128k
-# e2e_batch moe_cost moe_parity moe_e2e
+# e2e_batch moe_cost moe_parity moe_e2e tallsweep
 # (default: parity audit kernels spec).
 # - parity_long: the long-context lane of the parity matrix (pallas): a chunked prefill to
 #   depth, then one-token steps, blocks, verify blocks of 1-32 and trees of 16 and 32
@@ -33,6 +33,10 @@
 #   $MOE_INTERPRET (non-empty: Pallas interpret mode) resize them (tests/test_moe_bench.py
 #   runs the three at tiny-qwen3-moe on a CPU); $MOE_COST_S, $MOE_PARITY_S, $MOE_E2E_S
 #   bound them.
+# - tallsweep: tuning/sweep_schedule.py --tall, the schedules of launches of more than 64
+#   rows (verify blocks at batch 32-64, prefill chunks), merged into the device copy's
+#   pallas_kernels/matmul_tuned.json (a copy comes back in $OUT) so the lane's later steps
+#   (parity first) run with them; commit the file once the matrix has proven it.
 # - sweep: tuning/sweep_matmul.py, the matmul tile tuning; it writes
 #   $OUT/sweep_matmul_tuned.json, and `tuned` merges that table into the device copy's
 #   pallas_kernels/matmul_tuned.json, so the lane's later steps run with it (commit the
@@ -229,6 +233,11 @@ for s in $steps; do
     schedsweep) timeout "${SCHED_S:-240}" python3 experiments/tuning/sweep_schedule.py --out="$OUT" \
               --budget_s="$(( ${SCHED_S:-240} - 60 ))" ${SCHED_FLAGS:-} 2>&1 | quiet \
               | grep -v "it/s" | tail -12 ;;
+    tallsweep) timeout "${TALL_S:-330}" python3 experiments/tuning/sweep_schedule.py --tall \
+              --shapes=w_gate_up:glu,w_down,lm_head,wqkv,wo --iters=3 \
+              --budget_s="$(( ${TALL_S:-330} - 60 ))" --out="$OUT" \
+              --write=pallas_kernels/matmul_tuned.json 2>&1 | quiet | grep -v "it/s" | tail -14
+              cp pallas_kernels/matmul_tuned.json "$OUT/" ;;
     attnsweep) timeout "${ATTN_SWEEP_S:-300}" python3 experiments/tuning/sweep_attention.py --out="$OUT" \
               --budget_s="$(( ${ATTN_SWEEP_S:-300} - 60 ))" ${ATTN_SWEEP_FLAGS:-} 2>&1 | quiet \
               | grep -v "it/s" | tail -30 ;;

@@ -258,14 +258,15 @@ def test_sweep_schedule_tall_writes_its_winners(tmp_path):
     table = tmp_path / "tuned.json"
     shutil.copy(TUNED_FILE, table)
     r = _run("tuning/sweep_schedule.py", "--interpret", "--preset=tiny-qwen3", "--tall",
-             "--rows=1,80", "--shapes=wo", "--max_candidates=2", "--combos=false",
-             "--iters=1", f"--write={table}", f"--out={tmp_path}")
+             "--rows=1,80", "--shapes=wo", "--iters=1", f"--write={table}", f"--out={tmp_path}")
     assert r.returncode == 0, r.stderr[-2000:]
     rep = json.load(open(tmp_path / "sweep_schedule.json"))
     (w,) = rep["weights"]
     assert rep["tall"] and rep["timed"] == [160, 320] and rep["bm"] == [64, 128]
-    assert [v["config"]["bm"] for v in w["variants"]] == [64, 128]
+    grid = [v for v in w["variants"] if v["phase"] == "wo"]
+    assert {v["config"]["bm"] for v in grid} == {64, 128} and len(grid) >= 4
     assert all(v["bits_equal"] == {"1": True, "80": True} for v in w["variants"])
+    assert {v["phase"] for v in w["variants"]} == {"wo", "wo stages"}
     data = read_tuned_file(str(table))
     rows = parse_schedules(data["tall_tile"], str(table))
     assert data["multi_tile"] == read_tuned_file()["multi_tile"]  # only the tall table

@@ -25,8 +25,9 @@ tiles too.)
 
 --tall sweeps the tier of launches of more than `matmul.TALL_ROWS` rows (a verify block
 at batch 32-64, a prefill chunk): bits at M = 1, 40, 160, 320 and 2048, time summed at
-160 and 320, row tiles 64 and 128 tried first, the schedule such launches run with today
-timed too. --write=FILE merges each weight's winner into a tile data file
+160 and 320, over a grid of row tiles (64, 128) x column tiles (the config's, twice it) x
+warps (4, 8), then the winner at 2-4 pipeline stages; the schedule such launches run with
+today is timed first. --write=FILE merges each weight's winner into a tile data file
 (tall_tile / tall_tile_glu, or multi_tile / multi_tile_glu without --tall), only where
 every variant of the weight gave the config's bits and the winner beats the config.
 """
@@ -106,6 +107,20 @@ def variants(base: MatmulConfig, N: int, limit: int, bms=()) -> list[MatmulConfi
     return out[:limit]
 
 
+def tall_variants(base: MatmulConfig, N: int, bms) -> list[MatmulConfig]:
+    """The tall tier's grid: each row tile of bms x bn (the base's, twice it) x warps
+    (4, 8), at the base's bk, split_k and stages (N: the columns bn must divide)."""
+    bns = [b for b in (base.bn, base.bn * 2) if N % b == 0]
+    return [dataclasses.replace(base, bm=bm, bn=bn, num_warps=w)
+            for bm in bms for bn in bns for w in (4, 8)]
+
+
+def stage_variants(best: MatmulConfig, done: set) -> list[MatmulConfig]:
+    """The tall grid's winner at other pipeline depths."""
+    return [c for c in (dataclasses.replace(best, num_stages=s) for s in (2, 3, 4))
+            if c not in done]
+
+
 FIELDS = ("bm", "bn", "num_warps", "num_stages")  # what a variant may change
 
 
@@ -135,7 +150,7 @@ def bits(a) -> np.ndarray:
 
 def sweep_weight(name: str, K: int, N: int, rows: list[int], timed: list[int], rg: int, key,
                  t0: float, interp: bool, bms: list[int], glu: bool = False,
-                 current: MatmulConfig | None = None) -> dict:
+                 current: MatmulConfig | None = None, tall: bool = False) -> dict:
     """The table config of a [K, N] weight and its variants: bits at each M of rows, time
     summed over the Ms of timed. current: the schedule such launches run with today (timed
     first, so a winner must beat it too).
@@ -202,9 +217,16 @@ def sweep_weight(name: str, K: int, N: int, rows: list[int], timed: list[int], r
     first = []
     if current is not None and current != base:
         first = [current]  # the multi-tile schedule these launches run with today
-    try_all(first + [c for c in variants(base, N // 2 if glu else N, _MAX.value, bms)
-                     if c != current], name)
-    if _COMBOS.value:
+    cols = N // 2 if glu else N
+    grid = tall_variants(base, cols, bms) if tall else variants(base, cols, _MAX.value, bms)
+    try_all(first + [c for c in grid if c != current], name)
+    if tall:
+        ok = [v for v in entry["variants"] if "us" in v and all(v["bits_equal"].values())]
+        if ok:
+            best = MatmulConfig(**min(ok, key=lambda v: v["us"])["config"])
+            done = {MatmulConfig(**v["config"]) for v in entry["variants"]}
+            try_all(stage_variants(best, done), name + " stages")
+    elif _COMBOS.value:
         ran = [v for v in entry["variants"] if "us" in v]
         done = {MatmulConfig(**v["config"]) for v in entry["variants"]}
         try_all(combos(base, ran, done), name + " combos")
@@ -277,7 +299,8 @@ def main(_):
         current = None if interp else multi_tile_config(
             base, K, N, jnp.bfloat16, MULTI_TILE_GLU if glu else MULTI_TILE)
         report["weights"].append(sweep_weight(spec, K, N, rows, timed, rg, jax.random.key(i),
-                                              t0, interp, bms, glu=glu, current=current))
+                                              t0, interp, bms, glu=glu, current=current,
+                                              tall=tall))
         os.makedirs(_OUT.value, exist_ok=True)
         with open(os.path.join(_OUT.value, "sweep_schedule.json"), "w") as f:
             json.dump(report, f, indent=1)
