@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import numpy as np
 
 from jspec._checks import check_count, check_ints
@@ -45,7 +46,11 @@ class Adaptive:
       gammas: the chain shapes, each 0 (a plain decode step) .. MAX_GAMMA
         (`jspec.speculative`).
       tree: optionally a `TreeConfig` as one more shape.
-      chunk_rounds: the most rounds a chunk runs before the host chooses again.
+      chunk_rounds: the rounds of a chunk before the host chooses again; a shape chosen
+        again right after its own chunk runs twice as many rounds, up to
+        `max_chunk_rounds` (each chunk costs a dispatch and a host read), and a change
+        of shape starts again at chunk_rounds.
+      max_chunk_rounds: the longest chunk (>= chunk_rounds).
       explore_every: a shape not run for this many chunks gets one chunk.
       prior_cost: the cost prior's slope per verified proposal (before a measurement).
       schedule: a fixed sequence of shapes (gammas, or the tree), one per chunk and
@@ -56,6 +61,7 @@ class Adaptive:
     gammas: tuple[int, ...] = (0, 1, 2, 4)
     tree: TreeConfig | None = None
     chunk_rounds: int = 8
+    max_chunk_rounds: int = 64
     explore_every: int = 16
     prior_cost: float = 0.1
     schedule: tuple = ()
@@ -67,8 +73,11 @@ class Adaptive:
         if self.tree is not None and not isinstance(self.tree, TreeConfig):
             raise TypeError(f"Adaptive.tree must be a jspec.TreeConfig; got "
                             f"{type(self.tree).__name__}")
-        for name in ("chunk_rounds", "explore_every"):
+        for name in ("chunk_rounds", "max_chunk_rounds", "explore_every"):
             object.__setattr__(self, name, check_count(f"Adaptive.{name}", getattr(self, name)))
+        if self.max_chunk_rounds < self.chunk_rounds:
+            raise ValueError(f"Adaptive.max_chunk_rounds={self.max_chunk_rounds} must be >= "
+                             f"chunk_rounds={self.chunk_rounds}")
         if isinstance(self.prior_cost, bool) or not isinstance(self.prior_cost, (int, float)) \
                 or not 0 <= self.prior_cost < 10:
             raise ValueError(f"Adaptive.prior_cost={self.prior_cost!r} must be a number in "
@@ -182,6 +191,8 @@ class Controller:
                                accepted=0) for s in self.shapes}
         self.last_run = {s: -1 for s in self.shapes}
         self.chunks = 0
+        self.prev = None  # the last chunk's shape, and how long it ran
+        self.prev_rounds = 0
         self.live = np.ones(batch, bool)
         self.remaining = np.full(batch, max_new_tokens)
 
@@ -227,9 +238,14 @@ class Controller:
         return best
 
     def chunk_limit(self, shape) -> int:
-        """The most rounds the next chunk of `shape` runs: 1 while it is being probed."""
+        """The most rounds the next chunk of `shape` runs: 1 while it is being probed;
+        twice the last chunk's limit when the last chunk ran this shape too (up to
+        max_chunk_rounds); else chunk_rounds."""
         if not self.cfg.schedule and self.rnd[shape] == 0:
             return 1
+        if shape == self.prev and not self.cfg.schedule:
+            return min(max(2 * self.prev_rounds, self.cfg.chunk_rounds),
+                       self.cfg.max_chunk_rounds)
         return self.cfg.chunk_rounds
 
     # ------------------------------------------------------------------ what happened
@@ -237,6 +253,8 @@ class Controller:
         """One chunk of `shape`: before/after are host snapshots of the state (`snapshot`);
         seconds its wall time; compiled whether the call compiled (then it is not timed)."""
         rounds = int(after["step"] - before["step"])
+        self.prev_rounds = self.chunk_limit(shape) if self.rnd[shape] > 0 else 0
+        self.prev = shape
         t = self.totals[shape]
         t["chunks"] += 1
         t["rounds"] += rounds
@@ -279,8 +297,13 @@ class Controller:
                 "cost_s_per_round": {shape_name(s): float(v) for s, v in self.costs().items()}}
 
 
+SNAPSHOT_FIELDS = ("step", "num", "accepted", "rounds_live", "accepted_at", "done",
+                   "audit_bad", "bad")
+
+
 def snapshot(state) -> dict:
-    """The host copies of the state the controller reads."""
-    return {"step": int(state.step), "num": np.asarray(state.num),
-            "accepted": np.asarray(state.accepted), "rounds_live": np.asarray(state.rounds_live),
-            "accepted_at": np.asarray(state.accepted_at), "done": np.asarray(state.done)}
+    """The host copies of the state the controller (and the host loop) reads, in one
+    transfer."""
+    snap = jax.device_get({f: getattr(state, f) for f in SNAPSHOT_FIELDS})
+    snap["step"] = int(snap["step"])
+    return snap

@@ -486,12 +486,13 @@ class FeatureDrafter(Drafter):
             return FeatureDraftState(cache=cache, next_logits=jnp.zeros((B, Vd), jnp.float32),
                                      next_hidden=jnp.zeros((B, D), cache.k[0].dtype))
         # Pairs (t_{i+1}, f_i), i = 0 .. P - 2, at head positions 0 .. P - 2.
+        # The LM head at each row's last pair alone (no [B, P, Vd] logits, rule R10).
+        last = jnp.maximum(lens - 2, 0).astype(jnp.int32)  # [B]
         logits, hidden, cache = head_apply(self.head, tokens[:, 1:], features[:, :-1],
-                                           cache, fuse=True)
-        last = jnp.maximum(lens - 2, 0)[:, None, None]
+                                           cache, fuse=True, at=last)  # logits [B, Vd]
         single = (lens < 2)[:, None]
-        nl = jnp.where(single, 0.0, jnp.take_along_axis(logits, last, axis=1)[:, 0])
-        nh = jnp.where(single, 0, jnp.take_along_axis(hidden, last, axis=1)[:, 0])
+        nl = jnp.where(single, 0.0, logits)
+        nh = jnp.where(single, 0, jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0])
         return FeatureDraftState(cache=rollback(cache, jnp.maximum(lens - 1, 0)),
                                  next_logits=nl, next_hidden=nh.astype(hidden.dtype))
 
@@ -525,11 +526,12 @@ class FeatureDrafter(Drafter):
         emitted = jnp.where(slot < n_acc[:, None], jnp.pad(drafts, ((0, 0), (0, 1))),
                             nxt[:, None])  # [B, g + 1]
         cache = rollback(state.cache, ctx.pos)
-        logits, hidden, cache = head_apply(self.head, emitted, features, cache, fuse=True)
-        at = n_acc[:, None, None]
-        return FeatureDraftState(cache=rollback(cache, ctx.pos + n_acc + 1),
-                                 next_logits=jnp.take_along_axis(logits, at, axis=1)[:, 0],
-                                 next_hidden=jnp.take_along_axis(hidden, at, axis=1)[:, 0])
+        at = n_acc.astype(jnp.int32)  # [B]: the LM head at the pair after the accepted ones
+        logits, hidden, cache = head_apply(self.head, emitted, features, cache, fuse=True,
+                                           at=at)
+        return FeatureDraftState(cache=rollback(cache, ctx.pos + n_acc + 1), next_logits=logits,
+                                 next_hidden=jnp.take_along_axis(hidden, at[:, None, None],
+                                                                 axis=1)[:, 0])
 
     def propose_tree(self, state: FeatureDraftState, ctx: ProposeContext, tree):
         """The head's cache holds the pairs before cur's position; a node at depth d >= 1

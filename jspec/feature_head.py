@@ -118,11 +118,14 @@ def init_head_cache(head: FeatureHead, batch_size: int, max_len: int) -> KVCache
     return init_cache(head.layer_model, batch_size, max_len)
 
 
-def head_apply(head: FeatureHead, tokens, feats, cache: KVCache, *, fuse: bool, tree=None):
+def head_apply(head: FeatureHead, tokens, feats, cache: KVCache, *, fuse: bool, tree=None,
+               at=None):
     """tokens [B, T] int32 and features [B, T, n Dt] (fuse: through fc) or the head's own
     hidden states [B, T, D] (fuse False) at each row's cache length -> (logits [B, T, Vd]
     f32, the head's hidden states [B, T, D], cache). `tree` (a `jspec.tree.TreeInput`):
-    the tokens are tree nodes at positions root + depth over their ancestors."""
+    the tokens are tree nodes at positions root + depth over their ancestors. `at` [B]
+    int32: the LM head runs on row b's position at[b] alone and logits are [B, Vd] (a
+    prompt's prefill samples only its last position: no [B, T, Vd] is made, rule R10)."""
     cfg, p = head.config, head.params
     model = head.layer_model
     lcfg, opt = model.config, model.options
@@ -150,8 +153,11 @@ def head_apply(head: FeatureHead, tokens, feats, cache: KVCache, *, fuse: bool, 
                                             lengths, cos, sin, jnp.int32(0), None, tree)
     r, h = add_norm(ops, model, f, o, lp["post_norm"])
     out, h = add_norm(ops, model, r, mlp_block(ops, model, lp, h), p["norm"])
-    logits = ops.matmul(h, p["lm_head"], out_dtype=jnp.float32)  # [BT, Vd]
     cache = cache.replace(k=(k_buf,), v=(v_buf,), lengths=lengths + T)
+    if at is not None:  # row b's position at[b] alone: [B, D] -> [B, Vd]
+        h = jnp.take(h, jnp.arange(B, dtype=jnp.int32) * T + at, axis=0)
+        return ops.matmul(h, p["lm_head"], out_dtype=jnp.float32), out.reshape(B, T, -1), cache
+    logits = ops.matmul(h, p["lm_head"], out_dtype=jnp.float32)  # [BT, Vd]
     return logits.reshape(B, T, -1), out.reshape(B, T, -1), cache
 
 

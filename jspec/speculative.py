@@ -564,27 +564,46 @@ def _raise_on_audit(state: SpecState) -> None:
         "The backend breaks property P (the xla backend does; pallas must not).")
 
 
-def _adaptive_chunk(target: Model, drafter, seed, spec: SpecConfig, ctl: Controller):
-    """run(state, stop) for `run_chunked`: each chunk runs the shape the controller picks
-    (its own compiled loop, at most ctl.chunk_limit rounds) and reports what it did."""
-    specs = {s: shape_spec(spec, s) for s in ctl.shapes}
+def _reader():
+    """read(state) -> the host snapshot of state (`jspec.adaptive.snapshot`), taken once
+    per state object."""
     last = {}
+
+    def read(state):
+        if last.get("state") is not state:
+            last["state"], last["snap"] = state, snapshot(state)
+        return last["snap"]
+
+    return read
+
+
+def _adaptive_chunk(target: Model, drafter, seed, spec: SpecConfig, ctl: Controller, read):
+    """run(state, stop) for `run_chunked`: each chunk runs the shape the controller picks
+    (its own compiled loop, at most ctl.chunk_limit rounds) and reports what it did;
+    read: the run's `_reader`."""
+    specs = {s: shape_spec(spec, s) for s in ctl.shapes}
 
     def run(state, stop):
         shape = ctl.pick()
-        before = last.get("snap") or snapshot(state)
+        before = read(state)
         stop = np.int32(min(int(stop), before["step"] + ctl.chunk_limit(shape)))
         n0 = _cache_size(spec_loop)
         t0 = time.perf_counter()
         state = spec_loop(target, drafter, state, seed, stop, spec=specs[shape])
         jax.block_until_ready(state)
         dt = time.perf_counter() - t0
-        last["snap"] = snapshot(state)
-        ctl.record(shape, before, last["snap"], dt,
+        ctl.record(shape, before, read(state), dt,
                    compiled=_compiled(ctl, shape, n0, _cache_size(spec_loop)))
         return state
 
     return run
+
+
+def _finished(snap: dict, max_new_tokens: int) -> bool:
+    """The loop is over: every round run, every row done, an audit failed, or a row's
+    activations went wrong."""
+    return bool(snap["step"] >= max_new_tokens or np.all(snap["done"]) or snap["audit_bad"]
+                or snap["bad"])
 
 
 def _cache_size(fn) -> int:
@@ -629,14 +648,16 @@ def speculative_generate(target: Model, drafter, prompts, spec: SpecConfig, *,
     t1 = time.perf_counter()
     N = spec.max_new_tokens
     ctl = Controller(spec.adaptive, len(lens), N) if spec.adaptive is not None else None
-    run = (_adaptive_chunk(target, drafter, seed, spec, ctl) if ctl is not None else
-           lambda s, stop: spec_loop(target, drafter, s, seed, stop, spec=spec))
+    read = _reader()  # one host transfer a chunk serves the loop, the bar and the controller
+    if ctl is None:
+        run = lambda s, stop: spec_loop(target, drafter, s, seed, stop, spec=spec)  # noqa: E731
+    else:
+        run = _adaptive_chunk(target, drafter, seed, spec, ctl, read)
     with token_bar(progress, len(lens) * N, "speculative") as update:
         state = run_chunked(
-            run, state, step=lambda s: int(s.step),
-            finished=lambda s: (int(s.step) >= N or bool(jnp.all(s.done))
-                                or bool(s.audit_bad) or bool(s.bad)),
-            progress=lambda s: update(int(jnp.sum(s.num))))
+            run, state, step=lambda s: read(s)["step"],
+            finished=lambda s: _finished(read(s), N),
+            progress=lambda s: update(int(np.sum(read(s)["num"]))))
     t2 = time.perf_counter()
     raise_non_finite(state.bad, state.bad_at, "speculative decoding (verify)",
                          target.config.num_layers)

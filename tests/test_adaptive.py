@@ -146,6 +146,23 @@ def test_controller_learns_per_position_acceptance_and_costs():
     assert ctl.pick() == 4  # row 0 accepts everything: gamma 4 pays for the batch
 
 
+def test_a_shape_chosen_again_runs_longer_chunks():
+    ctl = Controller(jspec.Adaptive(gammas=(0, 2), chunk_rounds=4, max_chunk_rounds=16),
+                     batch=1, max_new_tokens=1000)
+    snap = lambda step: {"step": step, "num": np.zeros(1), "accepted": np.zeros(1),  # noqa: E731
+                         "rounds_live": np.zeros(1), "accepted_at": np.zeros((1, 2)),
+                         "done": np.zeros(1, bool)}
+    step, limits = 0, []
+    for shape in (2, 0, 2, 2, 2, 2, 0, 2):  # probes (1 round), then chunks of a shape
+        limits.append(ctl.chunk_limit(shape))
+        ctl.record(shape, snap(step), snap(step + limits[-1]), seconds=0.01 * limits[-1],
+                   compiled=False)
+        step += limits[-1]
+    assert limits == [1, 1, 4, 8, 16, 16, 4, 4]
+    with pytest.raises(ValueError, match="max_chunk_rounds=2 must be >= chunk_rounds=4"):
+        jspec.Adaptive(chunk_rounds=4, max_chunk_rounds=2)
+
+
 def test_bad_adaptive_settings_get_clear_errors():
     with pytest.raises(ValueError, match="gamma=99 exceeds MAX_GAMMA"):
         jspec.SpecConfig(adaptive=jspec.Adaptive(gammas=(0, 99)))

@@ -101,6 +101,30 @@ def test_head_steps_match_one_pass():
         np.testing.assert_allclose(h[:, 0], hid[:, t], rtol=1e-5, atol=1e-5)
 
 
+def test_head_logits_at_one_position_are_that_rows_logits():
+    # `at=`: the LM head on one position a row (a prefill's last pair, a commit's next
+    # pair) gives that position's logits of the all-position call, bitwise on pallas.
+    target = load("qwen3", "pallas")
+    L = target.config.num_layers
+    head = random_head(target, seed=0, feature_layers=tuple(sorted({min(i, L) for i in
+                                                                   eagle3_layers(max(L, 4))})),
+                       dtype="float32",
+                       options=jspec.KernelOptions(backend="pallas", interpret=True))
+    rng = np.random.default_rng(1)
+    B, T, W = 3, 5, head.config.feature_width
+    toks = jnp.asarray(rng.integers(0, head.config.vocab_size, (B, T)), jnp.int32)
+    feats = jnp.asarray(rng.standard_normal((B, T, W)), jnp.float32)
+    cache = init_head_cache(head, B, 16)
+    full, hid, c1 = head_apply(head, toks, feats, cache, fuse=True)
+    at = jnp.asarray([4, 0, 2], jnp.int32)
+    lg, hid2, c2 = head_apply(head, toks, feats, cache, fuse=True, at=at)
+    assert lg.shape == (B, head.config.vocab_size)
+    want = np.asarray(full)[np.arange(B), np.asarray(at)]
+    assert np.array_equal(np.asarray(lg).view(np.uint32), want.view(np.uint32))
+    assert np.array_equal(np.asarray(hid2), np.asarray(hid))
+    assert np.array_equal(np.asarray(c2.k[0]), np.asarray(c1.k[0]))
+
+
 def _rms(x, w, eps):
     return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
 
