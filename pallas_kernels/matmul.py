@@ -34,6 +34,10 @@ same [bm, bk] x [bk, bn] dot, so the bits are the grid kernel's; g only changes
 which program computes a tile. The row tiles are spread evenly over the fewest
 programs of at most `row_group` tiles (`row_group_size`; 1 row tile: the grid
 kernel itself); tiles of the last program past the rows are masked.
+
+Schedules (`schedule=True`): a launch of more than one row tile may take other bm, bn,
+warps and stages than the config (`MULTI_TILE`; above `TALL_ROWS` rows, `TALL_TILE`), never
+another bk or split_k, so the same bits; the sweeps check every variant on the device.
 """
 
 from __future__ import annotations

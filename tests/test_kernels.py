@@ -210,7 +210,7 @@ def test_tuned_tables_are_the_data_file_and_the_proven_table():
     assert parse_schedules(data.get("tall_tile_glu", []), TUNED_FILE) == TALL_TILE_GLU
     prov = data["provenance"]
     assert prov["device"] and prov["jax"]
-    for entry in prov["tuned"] + prov["multi_tile"] + [prov["proven_by"]]:
+    for entry in prov["tuned"] + prov["multi_tile"] + prov["tall_tile"] + [prov["proven_by"]]:
         assert entry["date"] and entry["command"].startswith(("python ", "bash ")), entry
     rows = json.dumps(tuned_to_json(TUNED), sort_keys=True).encode()
     assert hashlib.sha256(rows).hexdigest() == prov["proven_by"]["tuned_sha256"]
