@@ -81,6 +81,24 @@ def model_and_tokens(name: str, n: int, seed: int) -> tuple[jspec.Model, np.ndar
     return plain(model), seq.astype(np.int32)
 
 
+def slow_except(keep, *axes) -> list:
+    """Parametrize cases: every combination of `axes` (each a list of values, or of tuples
+    for a multi-name argument), flattened to one tuple per case, all but the cases in
+    `keep` (flat tuples) marked slow. The default run proves the property on `keep`;
+    `-m "slow or not slow"` on every combination."""
+    import itertools
+
+    def flat(combo):
+        return tuple(v for a in combo for v in (a if isinstance(a, tuple) else (a,)))
+
+    keep = {tuple(k) for k in keep}
+    cases = [flat(c) for c in itertools.product(*axes)]
+    missing = keep - set(cases)
+    assert not missing, f"slow_except: kept cases {missing} are not among the cases"
+    return [pytest.param(*c) if c in keep else pytest.param(*c, marks=pytest.mark.slow)
+            for c in cases]
+
+
 def bits(x) -> np.ndarray:
     """Bit pattern of an array, so that array_equal also tells -0.0 from 0.0 and NaNs apart."""
     x = np.asarray(x)

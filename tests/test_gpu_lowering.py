@@ -19,6 +19,7 @@ import re
 import jax
 import jax.numpy as jnp
 import pytest
+from conftest import slow_except
 from jax._src.pallas.triton import gpu_info, pallas_call_registration
 
 from jspec.cache import init_cache
@@ -46,8 +47,9 @@ def _abstract_model(preset: str, layers: int = 2) -> Model:
     return Model(config=cfg, params=jax.eval_shape(lambda: random_params(cfg)))
 
 
-@pytest.mark.parametrize("preset", ["qwen3-8b", "gemma3-4b"])
-@pytest.mark.parametrize("batch,tokens", [(1, 1), (1, 5), (8, 1), (8, 5), (8, 9), (1, 70)])
+@pytest.mark.parametrize("preset,batch,tokens", slow_except(
+    [("qwen3-8b", 1, 1), ("qwen3-8b", 8, 5), ("gemma3-4b", 8, 9), ("gemma3-4b", 1, 70)],
+    ["qwen3-8b", "gemma3-4b"], [(1, 1), (1, 5), (8, 1), (8, 5), (8, 9), (1, 70)]))
 def test_model_forward_lowers_for_the_h200(preset, batch, tokens):
     model = _abstract_model(preset)
     cache = jax.eval_shape(lambda: init_cache(model, batch, 256))
@@ -67,9 +69,9 @@ def test_model_forward_lowers_for_the_h200(preset, batch, tokens):
     assert "-> tensor<64x4096xbf16>" not in text
 
 
-@pytest.mark.parametrize("preset", ["qwen3-0.6b", "gemma3-4b"])
-@pytest.mark.parametrize("tokens", [1, 2])
-@pytest.mark.parametrize("one_kernel", [True, False])
+@pytest.mark.parametrize("preset,tokens,one_kernel", slow_except(
+    [("gemma3-4b", 2, True), ("qwen3-0.6b", 1, False)],
+    ["qwen3-0.6b", "gemma3-4b"], [1, 2], [True, False]))
 def test_fused_draft_lowers_for_the_h200(preset, tokens, one_kernel):
     # DraftOptions.fused (a draft on the xla backend): five Pallas kernels a layer, the K/V cache
     # written in place by qk_rope_attention (aliased buffers), its output laid out as
@@ -134,8 +136,9 @@ def test_logsumexp_lowers_for_the_h200():
     assert "triton" in _lower(functools.partial(logsumexp, interpret=False), x)
 
 
-@pytest.mark.parametrize("preset", ["qwen3-8b", "gemma3-4b"])
-@pytest.mark.parametrize("batch,nodes", [(1, 16), (1, 64), (8, 32)])
+@pytest.mark.parametrize("preset,batch,nodes", slow_except(
+    [("qwen3-8b", 1, 64), ("gemma3-4b", 8, 32)],
+    ["qwen3-8b", "gemma3-4b"], [(1, 16), (1, 64), (8, 32)]))
 def test_tree_verify_lowers_for_the_h200(preset, batch, nodes):
     """A tree verify (rule R7) lowers with the tree attention kernel, packed (the prefix's
     blocks plain loads, the tail's gathered token by token in a loop) and one token a

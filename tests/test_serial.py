@@ -15,7 +15,8 @@ def _seq(name="qwen3"):
     return np.concatenate([e["prompt"], e["greedy"]]).astype(np.int32)
 
 
-@pytest.mark.parametrize("name", ["llama3", "qwen3", "gemma3"])
+@pytest.mark.parametrize("name", [pytest.param("llama3", marks=pytest.mark.slow), "qwen3",
+                                  pytest.param("gemma3", marks=pytest.mark.slow)])
 def test_prefill_then_decode_agrees_with_full_forward(name):
     # xla backend: agreement within f32 tolerance (bitwise parity is the pallas tests' job).
     model = load(name, "xla")
