@@ -168,7 +168,8 @@ def gemma_pair(tmp_path_factory):
 
 
 @pytest.mark.parametrize("policy", [
-    "exact_greedy", pytest.param("gumbel_coupled", marks=pytest.mark.slow), "rejection_sampling"])
+    "exact_greedy", pytest.param("gumbel_coupled", marks=pytest.mark.slow),
+    pytest.param("rejection_sampling", marks=pytest.mark.slow)])
 def test_a_draft_over_a_prefix_of_the_vocabulary(gemma_pair, policy):
     target, draft = gemma_pair
     prompts = [[2, 40, 41, 42, 43, 44, 45], [2, 300, 301]]

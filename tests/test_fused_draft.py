@@ -216,7 +216,10 @@ def test_layout_follows_the_option_and_mismatches_are_named():
         with_options(base, programs=3)
 
 
-@pytest.mark.parametrize("name", ["qwen3", pytest.param("gemma3", marks=pytest.mark.slow)])
+# A draft's numerics never reach the output (the fused forward's own equality is proven
+# above), so the engine with a fused draft is a further case of drafter independence.
+@pytest.mark.parametrize("name", [pytest.param("qwen3", marks=pytest.mark.slow),
+                                  pytest.param("gemma3", marks=pytest.mark.slow)])
 def test_speculative_with_a_fused_draft_equals_serial(name):
     # What the engine promises, whatever the draft computes: exact_greedy speculative
     # output == serial greedy output, token for token. The draft is the target's own

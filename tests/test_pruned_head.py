@@ -67,7 +67,7 @@ def test_off_head_tokens_get_minus_inf_and_are_never_proposed():
 
 @pytest.mark.parametrize("name,fused", [pytest.param("qwen3", False, marks=pytest.mark.slow),
                                         pytest.param("gemma3", False, marks=pytest.mark.slow),
-                                        ("qwen3", True)])
+                                        pytest.param("qwen3", True, marks=pytest.mark.slow)])
 def test_exact_greedy_with_a_pruned_draft_equals_serial(name, fused):
     # Half the vocabulary, without half of the tokens the target emits: the draft (the
     # target's own weights) cannot propose those and its other proposals there get

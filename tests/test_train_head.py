@@ -149,6 +149,7 @@ def test_train_script_cpu_smoke_writes_a_loadable_head(tmp_path):
     assert os.path.isfile(out / "README.md")
 
 
+@pytest.mark.slow  # the main command's smoke (test_cli) drafts with the shipped head too
 def test_shipped_head_loads_and_drafts_exactly():
     target_dir = jspec.default_pair()[0]
     head_dir = os.path.join(os.path.dirname(target_dir), "head")
