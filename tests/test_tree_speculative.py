@@ -41,10 +41,10 @@ def _drafter(kind, target):
     return jspec.PromptLookupDrafter()
 
 
-_CASES = [(STATIC, "model", "exact_greedy"), (DYNAMIC, "feature", "exact_greedy"),
-          (STATIC, "lookup", "gumbel_coupled")] + [
+_CASES = [(DYNAMIC, "feature", "exact_greedy"), (STATIC, "lookup", "gumbel_coupled")] + [
     pytest.param(t, k, p, marks=pytest.mark.slow)
-    for t, k, p in [(DYNAMIC, "model", "exact_greedy"), (STATIC, "feature", "exact_greedy"),
+    for t, k, p in [(STATIC, "model", "exact_greedy"),
+                    (DYNAMIC, "model", "exact_greedy"), (STATIC, "feature", "exact_greedy"),
                     (STATIC, "model", "gumbel_coupled"), (DYNAMIC, "model", "gumbel_coupled"),
                     (STATIC, "feature", "gumbel_coupled"),
                     (DYNAMIC, "feature", "gumbel_coupled"), (STATIC, "lookup", "exact_greedy")]]
