@@ -682,12 +682,12 @@ def speculative_stream(target: Model, drafter, prompts, spec: SpecConfig, *,
 
 
 def _adaptive_round(target: Model, drafter, state: SpecState, seed, spec: SpecConfig,
-                    ctl: Controller) -> SpecState:
+                    ctl: Controller, read) -> SpecState:
     shape = ctl.pick()
-    before, n0, t0 = snapshot(state), _cache_size(one_round), time.perf_counter()
+    before, n0, t0 = read(state), _cache_size(one_round), time.perf_counter()
     state = one_round(target, drafter, state, seed, spec=shape_spec(spec, shape))
     jax.block_until_ready(state)
-    ctl.record(shape, before, snapshot(state), time.perf_counter() - t0,
+    ctl.record(shape, before, read(state), time.perf_counter() - t0,
                compiled=_compiled(ctl, shape, n0, _cache_size(one_round)))
     return state
 
@@ -699,14 +699,15 @@ def _stream(target: Model, drafter, tokens, lens, spec: SpecConfig, max_len: int
     seen = np.zeros(len(lens), np.int64)
     ctl = (Controller(spec.adaptive, len(lens), spec.max_new_tokens)
            if spec.adaptive is not None else None)
-    while not bool(jnp.all(state.done)) and int(state.step) < spec.max_new_tokens:
+    read = _reader()  # one host read a round: the loop test, the controller, the tokens
+    while not (np.all(read(state)["done"]) or read(state)["step"] >= spec.max_new_tokens):
         if ctl is None:
             state = one_round(target, drafter, state, seed, spec=spec)
         else:  # one round a chunk: the controller picks each round's shape
-            state = _adaptive_round(target, drafter, state, seed, spec, ctl)
+            state = _adaptive_round(target, drafter, state, seed, spec, ctl, read)
         raise_non_finite(state.bad, state.bad_at, "speculative decoding (verify)",
                          target.config.num_layers)
         _raise_on_audit(state)
-        num, out = np.asarray(state.num), np.asarray(state.out)
+        num, out = read(state)["num"], np.asarray(state.out)
         yield [out[b, seen[b]: num[b]].tolist() for b in range(len(lens))]
         seen = num

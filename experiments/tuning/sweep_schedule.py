@@ -72,7 +72,8 @@ _BM = flags.DEFINE_list("bm", [], "also try these row tiles first (same bk, bn, 
                         "does a larger dot give every row the config's bits?")
 _COMBOS = flags.DEFINE_bool("combos", True, "after the one-field variants, cross the two "
                             "fastest bit-equal values of bn, warps and stages")
-_ROWS = flags.DEFINE_list("rows", ["1", "40"], "row counts compared bitwise")
+_ROWS = flags.DEFINE_list("rows", [], "row counts compared bitwise (default 1, 40; with --tall "
+                          "1, 40, 160, 320, 2048)")
 _TIMED = flags.DEFINE_list("timed", [], "row counts timed (default: the largest of --rows); a "
                            "variant's time is the sum over them")
 _TALL = flags.DEFINE_bool("tall", False, "the tall tier: --rows 1,40,160,320,2048, --timed "
@@ -271,13 +272,10 @@ def write_winners(report: dict, tall: bool, path: str = TUNED_FILE) -> dict:
 def main(_):
     interp = _INTERPRET.value
     tall = _TALL.value
-    given = {f.name for f in flags.FLAGS.get_flags_for_module(sys.modules[__name__])
-             if f.present}
-    rows = sorted(int(r) for r in (_ROWS.value if "rows" in given or not tall
-                                   else ["1", "40", "160", "320", "2048"]))
-    timed = sorted(int(r) for r in (_TIMED.value or (["160", "320"] if tall else [])))
-    timed = timed or rows[-1:]
-    bms = [int(b) for b in (_BM.value if "bm" in given or not tall else ["64", "128"])]
+    rows = sorted(int(r) for r in _ROWS.value or (["1", "40", "160", "320", "2048"] if tall
+                                                  else ["1", "40"]))
+    timed = sorted(int(r) for r in _TIMED.value or (["160", "320"] if tall else rows[-1:]))
+    bms = [int(b) for b in _BM.value or (["64", "128"] if tall else [])]
     if min(rows + timed) < 1 or any(b < 16 or b & (b - 1) for b in bms):
         raise app.UsageError(f"--rows / --timed must be >= 1 and --bm powers of 2 >= 16; got "
                              f"{rows=} {timed=} {bms=}")
