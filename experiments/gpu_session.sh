@@ -37,6 +37,7 @@
 #   rows (verify blocks at batch 32-64, prefill chunks), merged into the device copy's
 #   pallas_kernels/matmul_tuned.json (a copy comes back in $OUT) so the lane's later steps
 #   (parity first) run with them; commit the file once the matrix has proven it.
+#   $TALL_SHAPES picks the weights (default all five).
 # - sweep: tuning/sweep_matmul.py, the matmul tile tuning; it writes
 #   $OUT/sweep_matmul_tuned.json, and `tuned` merges that table into the device copy's
 #   pallas_kernels/matmul_tuned.json, so the lane's later steps run with it (commit the
@@ -221,7 +222,7 @@ for s in $steps; do
               --gammas=2,4 --accept=0.8,0.9 --nolookup --nopeers --draft_backend=pallas \
               --out="$OUT" --tag=h200_b1_draftpallas 2>&1 | quiet | grep -v "it/s" | tail -40 ;;
     tuned) if [ -f "$OUT/sweep_matmul_tuned.json" ]; then
-             python3 -c "import json, sys; from pallas_kernels.matmul import write_tuned_rows; write_tuned_rows(json.load(open(sys.argv[1])))" "$OUT/sweep_matmul_tuned.json"
+             python3 -c "import json, sys; from pallas_kernels.matmul import write_tuned_rows; [print('dropped (new bits, sweep again):', d) for d in write_tuned_rows(json.load(open(sys.argv[1])))]" "$OUT/sweep_matmul_tuned.json"
              echo "merged into pallas_kernels/matmul_tuned.json:"; cat "$OUT/sweep_matmul_tuned.json"
            else echo "no $OUT/sweep_matmul_tuned.json: run sweep first"; fi ;;
     kernels_fused) timeout "${FUSED_S:-280}" python3 experiments/bench_kernels.py --preset=qwen3-8b \
@@ -234,7 +235,7 @@ for s in $steps; do
               --budget_s="$(( ${SCHED_S:-240} - 60 ))" ${SCHED_FLAGS:-} 2>&1 | quiet \
               | grep -v "it/s" | tail -12 ;;
     tallsweep) timeout "${TALL_S:-330}" python3 experiments/tuning/sweep_schedule.py --tall \
-              --shapes=w_gate_up:glu,w_down,lm_head,wqkv,wo --iters=3 \
+              --shapes="${TALL_SHAPES:-w_gate_up:glu,w_down,lm_head,wqkv,wo}" --iters=3 \
               --budget_s="$(( ${TALL_S:-330} - 60 ))" --out="$OUT" \
               --write=pallas_kernels/matmul_tuned.json 2>&1 | quiet | grep -v "it/s" | tail -14
               cp pallas_kernels/matmul_tuned.json "$OUT/" ;;

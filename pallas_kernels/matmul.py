@@ -134,15 +134,31 @@ def read_tuned_file(path: str = TUNED_FILE) -> dict:
         return json.load(f)
 
 
-def write_tuned_rows(rows: list[dict], path: str = TUNED_FILE) -> None:
+def write_tuned_rows(rows: list[dict], path: str = TUNED_FILE) -> list[dict]:
     """Merges a sweep's winners (JSON rows {K, N, dtype, config}) into the data file's
-    "tuned" table, replacing entries of the same key; takes effect at the next import."""
+    "tuned" table, replacing entries of the same key; takes effect at the next import.
+
+    A schedule (multi_tile, tall_tile and their _glu tables) was proven for one bk and
+    split_k: where a winner changes a weight's bk or split_k (new bits), that weight's
+    schedules are dropped, for a new schedule sweep to fill. Returns the dropped rows,
+    each with its table name."""
     new = parse_tuned(rows, "rows")
     data = read_tuned_file(path)
-    table = parse_tuned(data["tuned"], path) | new
-    data["tuned"] = tuned_to_json(table)
+    old = parse_tuned(data["tuned"], path)
+    renumbered = {k for k, c in new.items()
+                  if k in old and (old[k].bk, old[k].split_k) != (c.bk, c.split_k)}
+    dropped = []
+    for name in ("multi_tile", "multi_tile_glu", "tall_tile", "tall_tile_glu"):
+        keep = []
+        for r in data.get(name, []):
+            key = (int(r["K"]), int(r["N"]), str(r["dtype"]))
+            (dropped.append({"table": name, **r}) if key in renumbered else keep.append(r))
+        if name in data:
+            data[name] = keep
+    data["tuned"] = tuned_to_json(old | new)
     with open(path, "w") as f:
         json.dump(data, f, indent=1)
+    return dropped
 
 
 _TABLES = read_tuned_file()

@@ -12,6 +12,7 @@ Runs on CPU with interpret=True. JSPEC_PALLAS_INTERPRET=0 runs the same tests co
 (Triton) on a GPU.
 """
 
+import dataclasses
 import hashlib
 import inspect
 import json
@@ -255,6 +256,30 @@ def test_tuned_table_round_trips_through_a_data_file(tmp_path):
     (tmp_path / "bad.json").write_text('[{"K": 1}]')
     with pytest.raises(ValueError, match="not a matmul tuning table"):
         load_tuned(str(tmp_path / "bad.json"))
+
+
+def test_new_bits_drop_the_weights_schedules(tmp_path):
+    # A schedule was proven for one bk / split_k: a winner that changes them drops the
+    # weight's multi_tile / tall_tile rows; a schedule-only change keeps them.
+    from pallas_kernels.matmul import read_tuned_file, write_tuned_rows
+
+    key, other = (12288, 4096, "bfloat16"), (4096, 4096, "bfloat16")
+    old = MatmulConfig(bm=16, bn=32, bk=512, num_warps=4, num_stages=3)
+    rows = lambda fields: [{"K": k[0], "N": k[1], "dtype": k[2], "fields": fields}  # noqa: E731
+                           for k in (key, other)]
+    data = tmp_path / "matmul_tuned.json"
+    data.write_text(json.dumps({"tuned": tuned_to_json({key: old, other: old}),
+                                "multi_tile": rows({"num_warps": 2}),
+                                "tall_tile": rows({"bm": 64})}))
+    same_bits = dataclasses.replace(old, num_stages=4)
+    assert write_tuned_rows(tuned_to_json({key: same_bits}), str(data)) == []
+    new_bits = dataclasses.replace(old, bk=256, bm=64)
+    dropped = write_tuned_rows(tuned_to_json({key: new_bits}), str(data))
+    assert sorted(d["table"] for d in dropped) == ["multi_tile", "tall_tile"]
+    after = read_tuned_file(str(data))
+    for name in ("multi_tile", "tall_tile"):
+        assert [(r["K"], r["N"]) for r in after[name]] == [other[:2]]  # the other stays
+    assert load_tuned_file_table(str(data)) == {key: new_bits, other: old}
 
 
 def load_tuned_file_table(path: str):

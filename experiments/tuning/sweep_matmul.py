@@ -1,6 +1,8 @@
 """Per-weight-shape tuning of the row-invariant matmul: candidates for `TUNED`.
 
   python experiments/tuning/sweep_matmul.py                # qwen3-8b + qwen3-0.6b, M=1,8,16
+  python experiments/tuning/sweep_matmul.py --presets=qwen3-8b --shapes=w_down --bm=16,64 \
+      --rows=1,40,160 --guard_rows=1 --max_candidates=40   # tall blocks, decode kept
   python experiments/tuning/sweep_matmul.py --interpret --presets=tiny-qwen3 --shapes=wo \
       --rows=1,3 --max_candidates=2 --iters=1 --reps=2     # CPU smoke run
 
@@ -76,6 +78,10 @@ _BMS = flags.DEFINE_list(
     "bm", ["16"], "row tiles to try (each candidate once per bm): a larger tile serves a "
     "40-row verify block (batch 8, gamma 4) in one pass over the weights but does more "
     "MMA work at M=1; any fixed bm is row-invariant, but the bits differ between bms")
+_GUARD = flags.DEFINE_list(
+    "guard_rows", [], "row counts (among --rows) at which the winner may be at most "
+    "--min_gain slower than the config in force, e.g. 1: a tile chosen for tall verify "
+    "blocks must not cost the one-token step; the sum picks among those that pass")
 _XLA_PROBE = flags.DEFINE_bool(
     "xla_probe", True, "also try the tiles XLA's autotuner picks for the same dot (read from "
     "its compiled HLO at M=1 and at the largest M), as bm-16 configs")
@@ -277,7 +283,13 @@ def sweep_shape(name, K, N, dtype, rows, bw, seed) -> dict:
     if not full:
         report["error"] = "no candidate ran at every M"
         return report
-    best = min(full, key=lambda i: results[i]["sum_us"])
+    guard = [int(g) for g in _GUARD.value]
+    for i in full:
+        results[i]["guard_ok"] = cur not in full or all(
+            results[i]["us"][g] <= results[cur]["us"][g] * (1.0 + _MIN_GAIN.value)
+            for g in guard if g in results[i]["us"])
+    passing = [i for i in full if results[i]["guard_ok"]] or [cur]
+    best = min(passing, key=lambda i: results[i]["sum_us"])
     best_us = results[best]["us"]
     report |= {
         "default": results[0] if 0 in full else None,
@@ -400,7 +412,10 @@ def main(argv):
     print(f"receipt: {path}; winners: {tuned_path}")
     if _APPLY.value:
         with open(tuned_path) as f:
-            write_tuned_rows(json.load(f))
+            dropped = write_tuned_rows(json.load(f))
+        for d in dropped:
+            print(f"dropped {d['table']} entry of [{d['K']}, {d['N']}] (new bk / split_k): "
+                  f"sweep its schedules again")
         print(f"merged into {TUNED_FILE} (used from the next import on; prove it with "
               "gpu_parity.py before committing it)")
 
