@@ -278,7 +278,7 @@ for s in $steps; do
     moe_cost) timeout "${MOE_COST_S:-150}" python3 experiments/bench_moe.py \
               --preset="${MOE_PRESET:-qwen3-30b-a3b}" --layers="${MOE_LAYERS:-0}" \
               --batches="${MOE_BATCHES:-1}" --Ts="${MOE_TS:-1,5,2,3,8,9,17,33}" \
-              --other_Ts=1,5 --xla_Ts="${MOE_XLA_TS:-1,5}" --context="${MOE_CONTEXT:-512}" \
+              --other_Ts=1,5 --xla_Ts="${MOE_XLA_TS-1,5}" --context="${MOE_CONTEXT:-512}" \
               --iters=5 --dtype="${MOE_DTYPE:-bfloat16}" ${MOE_INTERPRET:+--interpret} \
               --out="$OUT" --tag=h200 2>&1 | quiet | tail -30 ;;
     moe_parity) timeout "${MOE_PARITY_S:-120}" python3 experiments/gpu_parity.py \
