@@ -10,9 +10,9 @@ returned `Ops`; it never calls jnp reductions itself. Two backends:
   problem: its reduction orders change with the number of rows.
 - `pallas`: the kernels in `pallas_kernels/`, whose reduction order is a
   function of the feature/weight shapes only (rules R1-R3 in the design).
-  `KernelOptions.lowering` picks the GPU lowering of the matmul family: "triton"
-  (every kernel through Pallas's Triton backend) or "mosaic" (`matmul` and
-  `matmul_glu` through Mosaic GPU, `pallas_kernels/mosaic/`; every other kernel,
+  `KernelOptions.lowering` picks the GPU lowering: "triton" (every kernel through
+  Pallas's Triton backend) or "mosaic" (`matmul`, `matmul_glu`, `rmsnorm` and
+  `add_norm` through Mosaic GPU, `pallas_kernels/mosaic/`; every other kernel,
   `matmul_partials` included, stays on Triton for now).
 
 Every function takes 2-D row-major operands (rows = tokens) except attention.
@@ -45,6 +45,8 @@ from pallas_kernels.moe import (
 )
 from pallas_kernels.mosaic import matmul as mosaic_matmul
 from pallas_kernels.mosaic import matmul_glu as mosaic_matmul_glu
+from pallas_kernels.mosaic.norms import add_rmsnorm as mosaic_add_rmsnorm
+from pallas_kernels.mosaic.norms import rmsnorm as mosaic_rmsnorm
 from pallas_kernels.qk_rope import qk_norm_rope, qk_norm_rope_reference
 from pallas_kernels.rmsnorm import rmsnorm, rmsnorm_reference
 from pallas_kernels.rope import rope, rope_reference
@@ -161,8 +163,8 @@ def get_ops(backend: str, interpret: bool = False, lowering: str = "triton") -> 
         return Ops(
             matmul=p(mosaic_matmul if mosaic else matmul, interpret=interpret),
             matmul_partials=p(matmul_partials, interpret=interpret),
-            rmsnorm=p(rmsnorm, interpret=interpret),
-            add_norm=p(add_rmsnorm, interpret=interpret),
+            rmsnorm=p(mosaic_rmsnorm if mosaic else rmsnorm, interpret=interpret),
+            add_norm=p(mosaic_add_rmsnorm if mosaic else add_rmsnorm, interpret=interpret),
             rope=p(rope, interpret=interpret),
             qk_norm_rope=p(qk_norm_rope, interpret=interpret),
             glu=p(glu, interpret=interpret),

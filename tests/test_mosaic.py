@@ -31,9 +31,18 @@ from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
 
 from jspec.ops import get_ops
 from jspec.options import KernelOptions
+from pallas_kernels.add_rmsnorm import add_rmsnorm_reference
 from pallas_kernels.matmul import MatmulConfig, matmul_reference
 from pallas_kernels.matmul_glu import _glu_tile, matmul_glu_reference
-from pallas_kernels.mosaic import MosaicMatmulConfig, matmul, matmul_glu, mosaic_matmul_config
+from pallas_kernels.mosaic import (
+    MosaicMatmulConfig,
+    add_rmsnorm,
+    matmul,
+    matmul_glu,
+    mosaic_matmul_config,
+    rmsnorm,
+)
+from pallas_kernels.rmsnorm import rmsnorm_reference
 
 K, N = 128, 64  # one K step (bk 128), two column tiles (bn 32): few interpreted steps
 
@@ -144,15 +153,83 @@ def test_ops_dispatch_by_lowering():
     triton = get_ops("pallas", False, "triton")
     assert kernel(mosaic.matmul) is matmul and kernel(mosaic.matmul_glu) is matmul_glu
     assert kernel(triton.matmul) is not matmul
-    assert kernel(mosaic.rmsnorm) is kernel(triton.rmsnorm)  # the rest stays on Triton
+    assert kernel(mosaic.rmsnorm) is rmsnorm and kernel(mosaic.add_norm) is add_rmsnorm
+    assert kernel(triton.rmsnorm) is not rmsnorm
+    assert kernel(mosaic.attention) is kernel(triton.attention)  # the rest stays on Triton
     assert get_ops("pallas", True, "mosaic").matmul.__wrapped__.func is matmul
+
+
+_SLOW = pytest.mark.slow
+
+
+# --------------------------------------------------------------------------- norms
+def _norm_inputs(m: int, d: int, dtype, seed: int = 0):
+    kx, ko, kw = jax.random.split(jax.random.key(seed), 3)
+    x = (jax.random.normal(kx, (m, d), jnp.float32) * 3.0).astype(dtype)
+    o = jax.random.normal(ko, (m, d), jnp.float32).astype(dtype)
+    w = jax.random.normal(kw, (d,), jnp.float32).astype(dtype)
+    return x, o, w
+
+
+def _f32(a) -> np.ndarray:
+    return np.asarray(a, np.float32)
+
+
+@pytest.mark.parametrize("d,dtype,offset", [(256, jnp.bfloat16, 0.0), (300, jnp.float32, 1.0),
+                                            pytest.param(64, jnp.bfloat16, 1.0, marks=_SLOW)])
+def test_norms_match_reference(d, dtype, offset):
+    x, o, w = _norm_inputs(5, d, dtype)
+    tol = 1e-2 if dtype == jnp.bfloat16 else 1e-5
+    h = rmsnorm(x, w, eps=1e-6, offset=offset, interpret=True)
+    assert h.dtype == x.dtype and h.shape == x.shape
+    np.testing.assert_allclose(_f32(h), _f32(rmsnorm_reference(x, w, eps=1e-6, offset=offset)),
+                               rtol=tol, atol=tol)
+    x_new, h2 = add_rmsnorm(x, o, w, eps=1e-6, offset=offset, interpret=True)
+    ref_x, ref_h = add_rmsnorm_reference(x, o, w, eps=1e-6, offset=offset)
+    np.testing.assert_array_equal(_f32(x_new), _f32(ref_x))  # a plain add's bits
+    np.testing.assert_allclose(_f32(h2), _f32(ref_h), rtol=tol, atol=tol)
+    # The fused kernel normalises the rounded sum: bitwise this lowering's rmsnorm(x + o).
+    np.testing.assert_array_equal(_f32(h2), _f32(rmsnorm(x + o, w, eps=1e-6, offset=offset,
+                                                         interpret=True)))
+
+
+def test_norm_rows_keep_their_bits_across_row_counts():
+    # One program a row: a row's bits never depend on M or on the other rows.
+    x, o, w = _norm_inputs(17, 300, jnp.bfloat16, seed=3)
+    full = _f32(rmsnorm(x, w, eps=1e-6, interpret=True))
+    _, full_h = add_rmsnorm(x, o, w, eps=1e-6, interpret=True)
+    for m in (1, 4, 17):
+        np.testing.assert_array_equal(_f32(rmsnorm(x[:m], w, eps=1e-6, interpret=True)),
+                                      full[:m])
+    alone = add_rmsnorm(x[9:10], o[9:10], w, eps=1e-6, interpret=True)[1]
+    np.testing.assert_array_equal(_f32(alone)[0], _f32(full_h)[9])
+
+
+def test_norms_refuse_bad_input():
+    x, o, w = _norm_inputs(2, 256, jnp.bfloat16)
+    with pytest.raises(ValueError, match="offset"):
+        rmsnorm(x, w, eps=1e-6, offset=0.5, interpret=True)
+    with pytest.raises(ValueError, match=r"x \[M, D\] and w \[D\]"):
+        rmsnorm(x, w[:128], eps=1e-6, interpret=True)
+    with pytest.raises(ValueError, match="one dtype"):
+        add_rmsnorm(x, o.astype(jnp.float32), w, eps=1e-6, interpret=True)
+
+
+@pytest.mark.parametrize("m,d", [(1, 4096), (40, 2560), pytest.param(3, 300, marks=_SLOW)])
+def test_norms_lower_for_cuda(m, d):
+    x = jax.ShapeDtypeStruct((m, d), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((d,), jnp.bfloat16)
+    text = _lower(functools.partial(rmsnorm, eps=1e-6), x, w)
+    assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 1
+    assert ("stablehlo.pad" in text) == (d % 256 != 0)  # model widths need no padding
+    text = _lower(functools.partial(add_rmsnorm, eps=1e-6, offset=1.0), x, x, w)
+    assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 1
 
 
 def _lower(fn, *args) -> str:
     return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
-_SLOW = pytest.mark.slow
 
 
 @pytest.mark.parametrize("m,k,n", [
@@ -178,10 +255,11 @@ def test_matmul_glu_lowers_for_cuda():
 
 
 @pytest.mark.slow  # a further case of a property the default run proves
-def test_model_forward_lowers_with_mosaic_matmuls(monkeypatch):
+def test_model_forward_lowers_with_mosaic_kernels(monkeypatch):
     # A Qwen3-8B-shaped forward (2 layers, decode) with lowering="mosaic": its projections
-    # (wqkv, wo, the fused gate/up + GLU, w_down; layers share one body) and the LM head
-    # are Mosaic GPU calls; the other kernels Triton (lowered for the H200's sm_90).
+    # (wqkv, wo, the fused gate/up + GLU, w_down; layers share one body), the LM head, the
+    # block norm and the residual add + norm are Mosaic GPU calls; the other kernels
+    # Triton (lowered for the H200's sm_90).
     from jax._src.pallas.triton import gpu_info, pallas_call_registration
 
     from jspec.cache import init_cache
@@ -196,5 +274,7 @@ def test_model_forward_lowers_with_mosaic_matmuls(monkeypatch):
     model = model.replace(options=model.options.replace(lowering="mosaic"))
     cache = jax.eval_shape(lambda: init_cache(model, 1, 256))
     text = _lower(apply, model, jax.ShapeDtypeStruct((1, 1), jnp.int32), cache)
-    assert text.count("custom_call @mosaic_gpu") == 5
+    assert text.count("custom_call @mosaic_gpu") == 7
+    for name, n in (("matmul", 4), ("matmul_glu", 1), ("rmsnorm", 1), ("add_rmsnorm", 1)):
+        assert text.count(f"jspec_mosaic_{name}_mosaic_gpu") == n, name
     assert "__gpu$xla.gpu.triton" in text and "jspec_matmul" not in text
