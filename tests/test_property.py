@@ -3,6 +3,7 @@ and batch mixes on tiny models. The pallas backend is always bitwise equal; on
 the xla backend the same comparison finds and reports mismatches."""
 
 import numpy as np
+import pytest
 from conftest import FAMILIES, load
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -12,8 +13,17 @@ from jspec import parity
 SIZES = (1, 2, 3, 5, 9)  # call sizes T (few, so compiled shapes are reused)
 LENGTHS = (16, 24, 40)
 MAX_LEN = 64
-SETTINGS = settings(max_examples=8, deadline=None, derandomize=True,
+# Each example compiles its own shapes: 4 by default, 8 in the slow run (a twin of each).
+SETTINGS = settings(max_examples=4, deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.too_slow])
+MORE = settings(SETTINGS, max_examples=8)
+
+
+def _with_slow_twin(test):
+    """The property `test` (given data) at SETTINGS, and a slow twin at MORE examples."""
+    fast = SETTINGS(given(data=st.data())(test))
+    slow = pytest.mark.slow(MORE(given(data=st.data())(test)))
+    return fast, slow
 
 
 @st.composite
@@ -38,18 +48,18 @@ def _case(data, backend):
     return model, seq, ref
 
 
-@SETTINGS
-@given(data=st.data())
-def test_pallas_any_history_equals_prefill(data):
+def _any_history_equals_prefill(data):
     model, seq, ref = _case(data, "pallas")
     steps = data.draw(schedules(len(seq)), label="schedule")
     got = parity.schedule_logits(model, [seq], parity.single_row(steps), MAX_LEN, seed=7)[0]
     assert parity.count_mismatches(got, ref) == (0, None), steps
 
 
-@SETTINGS
-@given(data=st.data())
-def test_pallas_any_batch_mix_equals_row_alone(data):
+test_pallas_any_history_equals_prefill, test_pallas_any_history_equals_prefill_more = (
+    _with_slow_twin(_any_history_equals_prefill))
+
+
+def _any_batch_mix_equals_row_alone(data):
     model, seq, ref = _case(data, "pallas")
     B = data.draw(st.integers(2, 4), label="B")
     rng = np.random.default_rng(B)
@@ -61,6 +71,10 @@ def test_pallas_any_batch_mix_equals_row_alone(data):
     steps = parity.batch_schedule([len(s) for s in seqs], T, seed=T)
     got = parity.schedule_logits(model, seqs, steps, MAX_LEN)[slot]
     assert parity.count_mismatches(got, ref) == (0, None)
+
+
+test_pallas_any_batch_mix_equals_row_alone, test_pallas_any_batch_mix_equals_row_alone_more = (
+    _with_slow_twin(_any_batch_mix_equals_row_alone))
 
 
 @settings(max_examples=4, deadline=None, derandomize=True,
