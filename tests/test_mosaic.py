@@ -278,3 +278,22 @@ def test_model_forward_lowers_with_mosaic_kernels(monkeypatch):
     for name, n in (("matmul", 4), ("matmul_glu", 1), ("rmsnorm", 1), ("add_rmsnorm", 1)):
         assert text.count(f"jspec_mosaic_{name}_mosaic_gpu") == n, name
     assert "__gpu$xla.gpu.triton" in text and "jspec_matmul" not in text
+
+
+@pytest.mark.slow  # a device script's CPU smoke run
+def test_mosaic_norms_script_smoke(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cmd = [sys.executable, os.path.join(root, "experiments/tuning/mosaic_norms.py"), "--smoke",
+           "--iters=1", "--reps=1", f"--out={tmp_path}"]
+    r = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "PYTHONPATH": root})
+    assert r.returncode == 0, r.stderr[-2000:]
+    report = json.loads((tmp_path / "mosaic_norms.json").read_text())
+    for entry in report["widths"]:
+        for k in entry["kernels"].values():
+            assert k["alone_mismatch_rows"] == 0 and not any(k["prefix_mismatch_rows"].values())

@@ -13,7 +13,8 @@ rows and weights) and M in --rows:
    order, rule R11): `differs_from_triton` counts the elements that do.
 2. Speed: Mosaic against Triton (`pallas_kernels.rmsnorm`, `add_rmsnorm`), each timed as
    one jitted loop of --reps dependent launches (the output feeds the next input), median
-   of --iters calls after warm-up with `block_until_ready`; us per launch.
+   of --iters calls after warm-up with `block_until_ready`; us per launch, the loop's own
+   per-step cost included (read the two lowerings' ratio, not the absolute figure).
 
 Writes the JSON receipt to --out/mosaic_norms[_tag].json. --smoke runs tiny widths in
 interpret mode on the CPU (a test of the script; its timings mean nothing).
