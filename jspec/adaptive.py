@@ -20,7 +20,11 @@ largest, and between chunks of rounds the host picks the next chunk's shape:
   tokens' experts, and that shows up in the measured seconds.
 - Every shape runs once first (a short probe, the largest chain first: it measures the
   acceptance of every position); after that a shape not run for `explore_every` chunks
-  gets one chunk, so a stale estimate cannot lock in.
+  gets one chunk, so a stale estimate cannot lock in. `Adaptive.costs` (seconds per round
+  measured by an earlier run at the same batch and context, e.g. its
+  `stats["adaptive"]["measured_s_per_round"]`) starts those shapes measured, so a run
+  that repeats a measured setting begins on its best shape instead of probing; the costs
+  stay on the host and never reach a compiled program.
 
 Every shape is exact (the verify logits are serial decoding's), so the choice changes
 speed only, never the output. `choose` is the pure decision; `Controller` keeps the
@@ -56,6 +60,10 @@ class Adaptive:
       schedule: a fixed sequence of shapes (gammas, or the tree), one per chunk and
         cycled, instead of the choice: for research and tests (every shape is exact, so
         any schedule gives serial output).
+      costs: measured seconds per round to start from, by shape name ("decode",
+        "gamma<g>", "tree"; a dict or (name, seconds) pairs), e.g. an earlier run's
+        `stats["adaptive"]["measured_s_per_round"]` at the same batch and context: those
+        shapes are not probed. Host-side only (`SpecConfig.static` drops them).
     """
 
     gammas: tuple[int, ...] = (0, 1, 2, 4)
@@ -65,6 +73,7 @@ class Adaptive:
     explore_every: int = 16
     prior_cost: float = 0.1
     schedule: tuple = ()
+    costs: tuple = ()
 
     def __post_init__(self):
         # (SpecConfig checks each shape as its own config: gamma <= MAX_GAMMA, the tree.)
@@ -88,6 +97,30 @@ class Adaptive:
                 raise ValueError(f"Adaptive.schedule holds {s!r}, which is not one of the "
                                  f"shapes {self.shapes} (gammas, and the tree if given)")
         object.__setattr__(self, "schedule", schedule)
+        object.__setattr__(self, "costs", self._check_costs(self.costs))
+
+    def _check_costs(self, costs) -> tuple[tuple[str, float], ...]:
+        pairs = tuple(costs.items()) if isinstance(costs, dict) else tuple(costs)
+        names = {shape_name(s) for s in self.shapes}
+        out = {}
+        for pair in pairs:
+            if not (isinstance(pair, tuple) and len(pair) == 2):
+                raise TypeError(f"Adaptive.costs takes (shape name, seconds) pairs or a dict; "
+                                f"got {pair!r}")
+            name, sec = pair
+            if name not in names:
+                raise ValueError(f"Adaptive.costs names {name!r}, which is not one of the "
+                                 f"shapes {sorted(names)}")
+            if isinstance(sec, bool) or not isinstance(sec, (int, float, np.floating)) \
+                    or not np.isfinite(sec) or sec <= 0:
+                raise ValueError(f"Adaptive.costs[{name!r}]={sec!r} must be seconds per round "
+                                 "(a finite number > 0)")
+            out[name] = float(sec)
+        return tuple(sorted(out.items()))
+
+    def without_costs(self) -> Adaptive:
+        """The same shapes and settings without the measured costs (what compiles)."""
+        return dataclasses.replace(self, costs=()) if self.costs else self
 
     @property
     def shapes(self) -> tuple:
@@ -190,6 +223,10 @@ class Controller:
         self.totals = {s: dict(chunks=0, rounds=0, seconds=0.0, timed_rounds=0, tokens=0,
                                accepted=0) for s in self.shapes}
         self.last_run = {s: -1 for s in self.shapes}
+        given = dict(adaptive.costs)
+        for s in self.shapes:  # measured before: one round's weight, decayed like the rest
+            if shape_name(s) in given:
+                self.sec[s], self.rnd[s] = given[shape_name(s)], 1.0
         self.chunks = 0
         self.prev = None  # the last chunk's shape, and how long it ran
         self.prev_rounds = 0
@@ -292,7 +329,9 @@ class Controller:
                 "s_per_round": t["seconds"] / t["timed_rounds"] if t["timed_rounds"] else None,
             }
         acc = self.acceptance()
-        return {"shapes": out, "chunks": self.chunks,
+        measured = {shape_name(s): self.sec[s] / self.rnd[s] for s in self.shapes
+                    if self.rnd[s] > 0}
+        return {"shapes": out, "chunks": self.chunks, "measured_s_per_round": measured,
                 "acceptance_by_position": [float(x) for x in acc.rates.mean(0)],
                 "cost_s_per_round": {shape_name(s): float(v) for s, v in self.costs().items()}}
 

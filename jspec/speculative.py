@@ -136,8 +136,10 @@ class SpecConfig:
         return self.tree.num_nodes if self.tree is not None else self.gamma
 
     def static(self) -> SpecConfig:
-        """The part that decides compiled code: the seed travels as an array instead."""
-        return dataclasses.replace(self, seed=0)
+        """The part that decides compiled code: the seed travels as an array instead, and
+        an adaptive run's measured costs stay on the host."""
+        adaptive = None if self.adaptive is None else self.adaptive.without_costs()
+        return dataclasses.replace(self, seed=0, adaptive=adaptive)
 
     def serial_sampler(self):
         """The serial sampler this run reproduces (`jspec.generate(sampler=...)`)."""
@@ -640,14 +642,14 @@ def speculative_generate(target: Model, drafter, prompts, spec: SpecConfig, *,
     """
     check_bool("progress", progress)
     tokens, lens, max_len = _setup(target, drafter, prompts, spec, max_len)
-    seed, spec = jnp.int32(spec.seed), spec.static()
+    adaptive, seed, spec = spec.adaptive, jnp.int32(spec.seed), spec.static()
     t0 = time.perf_counter()
     state = prefill(target, drafter, jnp.asarray(tokens), jnp.asarray(lens), seed,
                     spec=spec, max_len=max_len)
     jax.block_until_ready(state)
     t1 = time.perf_counter()
     N = spec.max_new_tokens
-    ctl = Controller(spec.adaptive, len(lens), N) if spec.adaptive is not None else None
+    ctl = Controller(adaptive, len(lens), N) if adaptive is not None else None
     read = _reader()  # one host transfer a chunk serves the loop, the bar and the controller
     if ctl is None:
         run = lambda s, stop: spec_loop(target, drafter, s, seed, stop, spec=spec)  # noqa: E731
@@ -693,12 +695,12 @@ def _adaptive_round(target: Model, drafter, state: SpecState, seed, spec: SpecCo
 
 
 def _stream(target: Model, drafter, tokens, lens, spec: SpecConfig, max_len: int):
-    seed, spec = jnp.int32(spec.seed), spec.static()
+    adaptive, seed, spec = spec.adaptive, jnp.int32(spec.seed), spec.static()
     state = prefill(target, drafter, jnp.asarray(tokens), jnp.asarray(lens), seed,
                     spec=spec, max_len=max_len)
     seen = np.zeros(len(lens), np.int64)
-    ctl = (Controller(spec.adaptive, len(lens), spec.max_new_tokens)
-           if spec.adaptive is not None else None)
+    ctl = (Controller(adaptive, len(lens), spec.max_new_tokens)
+           if adaptive is not None else None)
     read = _reader()  # one host read a round: the loop test, the controller, the tokens
     while not (np.all(read(state)["done"]) or read(state)["step"] >= spec.max_new_tokens):
         if ctl is None:

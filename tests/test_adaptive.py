@@ -163,6 +163,51 @@ def test_a_shape_chosen_again_runs_longer_chunks():
         jspec.Adaptive(chunk_rounds=4, max_chunk_rounds=2)
 
 
+def test_measured_costs_start_a_run_without_probes():
+    # Costs an earlier run measured: no 1-round probes, the first chunk is the choice's
+    # (a full chunk), and the costs never reach the compiled config (SpecConfig.static).
+    costs = {"decode": 0.010, "gamma1": 0.011, "gamma4": 0.013}
+    ad = jspec.Adaptive(gammas=(0, 1, 4), chunk_rounds=8, costs=costs)
+    assert ad.costs == (("decode", 0.01), ("gamma1", 0.011), ("gamma4", 0.013))
+    ctl = Controller(ad, batch=2, max_new_tokens=64)
+    assert ctl.costs() == {0: pytest.approx(0.010), 1: pytest.approx(0.011),
+                           4: pytest.approx(0.013)}
+    first = ctl.pick()
+    assert first == choose(ctl.acceptance(), ctl.costs(), ctl.shapes)
+    assert ctl.chunk_limit(first) == 8  # not a probe
+    assert Controller(jspec.Adaptive(gammas=(0, 1, 4)), 2, 64).chunk_limit(4) == 1  # probes
+    spec = jspec.SpecConfig(adaptive=ad)
+    assert spec.static() == jspec.SpecConfig(adaptive=jspec.Adaptive(gammas=(0, 1, 4),
+                                                                     chunk_rounds=8)).static()
+    # Partly measured: the others are still probed; what a run measured comes back in the
+    # form `costs` takes.
+    ctl = Controller(jspec.Adaptive(gammas=(0, 2), costs={"gamma2": 0.02}), 1, 64)
+    assert ctl.pick() == 0 and ctl.chunk_limit(0) == 1
+    assert ctl.stats()["measured_s_per_round"] == {"gamma2": pytest.approx(0.02)}
+    with pytest.raises(ValueError, match="names 'gamma3', which is not one of the shapes"):
+        jspec.Adaptive(gammas=(0, 2), costs={"gamma3": 0.1})
+    with pytest.raises(ValueError, match=r"costs\['decode'\]=-1.0 must be seconds"):
+        jspec.Adaptive(costs={"decode": -1.0})
+    with pytest.raises(TypeError, match="pairs or a dict"):
+        jspec.Adaptive(costs=[0.1, 0.2])
+
+
+@pytest.mark.slow  # a further case of a property the default run proves
+def test_a_run_from_measured_costs_is_exact():
+    target = load("qwen3", "pallas")
+    prompts = _prompts("qwen3")
+    serial = jspec.generate(target, prompts, max_new_tokens=N)
+    drafter = jspec.PromptLookupDrafter(max_ngram=2)
+    first = _check(target, drafter, prompts, jspec.SpecConfig(
+        max_new_tokens=N, adaptive=jspec.Adaptive(gammas=(0, 2), chunk_rounds=2)), serial)
+    measured = first.stats["adaptive"]["measured_s_per_round"]
+    again = _check(target, drafter, prompts, jspec.SpecConfig(
+        max_new_tokens=N, adaptive=jspec.Adaptive(gammas=(0, 2), chunk_rounds=2,
+                                                  costs=measured)), serial)
+    assert measured and all(v > 0 for v in again.stats["adaptive"]["measured_s_per_round"]
+                            .values())
+
+
 def test_bad_adaptive_settings_get_clear_errors():
     with pytest.raises(ValueError, match="gamma=99 exceeds MAX_GAMMA"):
         jspec.SpecConfig(adaptive=jspec.Adaptive(gammas=(0, 99)))
