@@ -53,6 +53,7 @@ if not any(a in ("--nopeers", "--peers=false", "--peers=False", "--peers=0") for
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.45")
 
 import contextlib  # noqa: E402
+import dataclasses  # noqa: E402
 import json  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
@@ -89,6 +90,10 @@ _ADAPTIVE = flags.DEFINE_string(
     "adaptive", "", "candidate gammas of adaptive round shapes, e.g. '0,1,2,4' (0: a plain "
     "decode step; a sweep's tree joins them): after each oracle run at the headline gamma, "
     "the same run with the shape chosen per chunk of rounds ('': off)")
+_ADAPTIVE_COSTS = flags.DEFINE_bool(
+    "adaptive_costs", True, "the timed adaptive runs start from the seconds per round the "
+    "warm-up run measured (Adaptive.costs: no one-round probes); --noadaptive_costs: every "
+    "timed run probes its shapes first")
 _OPTIONS = flags.DEFINE_list(
     "options", [], "speed options for the target and the draft (jspec.cli option names: "
     "x, no_x or plain; all four are on by default)")
@@ -410,13 +415,29 @@ class Bench:
         key = (kind, B, gamma, self.draft_kind, self.tree_spec, adaptive)
         per_seed, warm, gpu = [], None, []
         shapes = parse_adaptive(_ADAPTIVE.value, self.tree) if adaptive else None
+        costs = getattr(self, "_costs", {})
+        self._costs = costs
         for seed in seeds:  # the seed is a runtime array: one compile serves them all
             spec = jspec.SpecConfig(gamma=gamma, max_new_tokens=self.N, seed=seed,
                                     tree=None if adaptive else self.tree, adaptive=shapes)
-            out, t, w = timed(lambda spec=spec: jspec.speculative_generate(
-                self.target, drafter, self.prompts(B), spec), self.iters,
-                key not in self.compiled, monitor=gpu)
+            run = lambda spec=spec: jspec.speculative_generate(  # noqa: E731
+                self.target, drafter, self.prompts(B), spec)
+            w = None
+            if adaptive and _ADAPTIVE_COSTS.value:
+                if key not in self.compiled:  # the warm-up run measures the shapes' costs
+                    t0 = time.perf_counter()
+                    costs[key] = run().stats["adaptive"]["measured_s_per_round"]
+                    w = time.perf_counter() - t0
+                    self.compiled.add(key)
+                spec = dataclasses.replace(spec, adaptive=dataclasses.replace(
+                    shapes, costs=costs[key]))
+                run = lambda spec=spec: jspec.speculative_generate(  # noqa: E731
+                    self.target, drafter, self.prompts(B), spec)
+            out, t, w2 = timed(run, self.iters, key not in self.compiled, monitor=gpu)
+            w = w if w is not None else w2
             self.compiled.add(key)
+            if adaptive:  # the timed runs' costs serve the next seed
+                costs[key] = out.stats["adaptive"]["measured_s_per_round"] or costs.get(key, {})
             warm = w if warm is None else warm
             parity = bool(np.array_equal(out.tokens, serial.tokens)
                           and np.array_equal(out.num_tokens, serial.num_tokens))
@@ -440,6 +461,7 @@ class Bench:
                "parity": all(r["parity"] for r in per_seed), "gpu": _merge_gpu(gpu)}
         if adaptive:
             row["adaptive"] = _ADAPTIVE.value
+            row["adaptive_costs_from_warmup"] = _ADAPTIVE_COSTS.value
             row["adaptive_stats"] = per_seed[-1]["adaptive"]  # the last seed's run
         if len(per_seed) > 1:
             row["seeds"] = per_seed

@@ -160,7 +160,7 @@ def test_bench_e2e_smoke(tmp_path):
     r = _run("bench_e2e.py", "--target=tiny-qwen3", "--draft=tiny-qwen3:1", "--batches=1",
              "--prompt_len=16", "--max_new_tokens=8", "--gammas=2", "--accept=0.8", "--iters=1",
              "--nopeers", "--draft_backend=xla", "--oracle_seeds=2", "--draft_head=256",
-             f"--out={tmp_path}")
+             "--adaptive=0,2", f"--out={tmp_path}")
     assert r.returncode == 0, r.stderr[-2000:]
     with open(tmp_path / "bench_e2e.json") as f:
         rep = json.load(f)
@@ -174,7 +174,11 @@ def test_bench_e2e_smoke(tmp_path):
     assert all(s["parity"] for s in rep["speculative"])
     # Each timed row says what the GPU ran at; a CPU run says there was nothing to read.
     assert all("gpu" in s for s in rep["serial"] + rep["speculative"])
-    oracle = next(s for s in rep["speculative"] if s["drafter"] == "oracle")
+    # The adaptive rows (the timed runs start from the warm-up's measured costs).
+    adapt = [s for s in rep["speculative"] if s.get("adaptive")]
+    assert adapt and all(s["parity"] and s["adaptive_costs_from_warmup"] for s in adapt)
+    oracle = next(s for s in rep["speculative"] if s["drafter"] == "oracle"
+                  and not s.get("adaptive"))
     assert [r["seed"] for r in oracle["seeds"]] == [0, 1] and rep["oracle_seeds"] == 2
     assert all(r["parity"] for r in oracle["seeds"])
     for name in ("speedup_vs_gamma", "tokens_per_s_vs_acceptance"):
