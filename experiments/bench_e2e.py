@@ -276,6 +276,7 @@ class Bench:
         self.all_prompts = make_prompts(V, max(self.batches + [1]), self.P)
         self.serial: dict[int, jspec.GenerateOutput] = {}
         self.compiled: set = set()
+        self.costs: dict = {}  # adaptive runs: key -> the last run's measured costs
         self.hf = None
         self.hf_serial: dict[int, np.ndarray] = {}
         bw = copy_bandwidth(self.iters)
@@ -415,29 +416,29 @@ class Bench:
         key = (kind, B, gamma, self.draft_kind, self.tree_spec, adaptive)
         per_seed, warm, gpu = [], None, []
         shapes = parse_adaptive(_ADAPTIVE.value, self.tree) if adaptive else None
-        costs = getattr(self, "_costs", {})
-        self._costs = costs
         for seed in seeds:  # the seed is a runtime array: one compile serves them all
             spec = jspec.SpecConfig(gamma=gamma, max_new_tokens=self.N, seed=seed,
                                     tree=None if adaptive else self.tree, adaptive=shapes)
-            run = lambda spec=spec: jspec.speculative_generate(  # noqa: E731
-                self.target, drafter, self.prompts(B), spec)
+
+            def run(spec=spec):
+                return jspec.speculative_generate(self.target, drafter, self.prompts(B), spec)
+
             w = None
             if adaptive and _ADAPTIVE_COSTS.value:
                 if key not in self.compiled:  # the warm-up run measures the shapes' costs
                     t0 = time.perf_counter()
-                    costs[key] = run().stats["adaptive"]["measured_s_per_round"]
+                    self.costs[key] = run().stats["adaptive"]["measured_s_per_round"]
                     w = time.perf_counter() - t0
                     self.compiled.add(key)
                 spec = dataclasses.replace(spec, adaptive=dataclasses.replace(
-                    shapes, costs=costs[key]))
-                run = lambda spec=spec: jspec.speculative_generate(  # noqa: E731
-                    self.target, drafter, self.prompts(B), spec)
-            out, t, w2 = timed(run, self.iters, key not in self.compiled, monitor=gpu)
+                    shapes, costs=self.costs[key]))
+            out, t, w2 = timed(lambda spec=spec: run(spec), self.iters,
+                               key not in self.compiled, monitor=gpu)
             w = w if w is not None else w2
             self.compiled.add(key)
             if adaptive:  # the timed runs' costs serve the next seed
-                costs[key] = out.stats["adaptive"]["measured_s_per_round"] or costs.get(key, {})
+                self.costs[key] = (out.stats["adaptive"]["measured_s_per_round"]
+                                   or self.costs.get(key, {}))
             warm = w if warm is None else warm
             parity = bool(np.array_equal(out.tokens, serial.tokens)
                           and np.array_equal(out.num_tokens, serial.num_tokens))

@@ -39,7 +39,7 @@
 #   (parity first) run with them; commit the file once the matrix has proven it.
 #   $TALL_SHAPES picks the weights (default all five).
 # - sweep: tuning/sweep_matmul.py, the matmul tile tuning; it writes
-#   $OUT/sweep_matmul_tuned.json, and `tuned` merges that table into the device copy's
+#   $OUT/sweep_matmul[_tag]_tuned.json, and `tuned` merges those tables into the device copy's
 #   pallas_kernels/matmul_tuned.json, so the lane's later steps run with it (commit the
 #   file once the parity matrix has proven it).
 # - e2e (up to 560 s) wants a call or lane of its own; e2e_b1 / e2e_b8 split it;
@@ -221,10 +221,13 @@ for s in $steps; do
               --draft=qwen3-0.6b --batches=1 --prompt_len=512 --max_new_tokens=256 \
               --gammas=2,4 --accept=0.8,0.9 --nolookup --nopeers --draft_backend=pallas \
               --out="$OUT" --tag=h200_b1_draftpallas 2>&1 | quiet | grep -v "it/s" | tail -40 ;;
-    tuned) if [ -f "$OUT/sweep_matmul_tuned.json" ]; then
-             python3 -c "import json, sys; from pallas_kernels.matmul import write_tuned_rows; [print('dropped (new bits, sweep again):', d) for d in write_tuned_rows(json.load(open(sys.argv[1])))]" "$OUT/sweep_matmul_tuned.json"
-             echo "merged into pallas_kernels/matmul_tuned.json:"; cat "$OUT/sweep_matmul_tuned.json"
-           else echo "no $OUT/sweep_matmul_tuned.json: run sweep first"; fi ;;
+    tuned) found=""  # every sweep's winners in $OUT (a --tag in $SWEEP_FLAGS names the file)
+           for f in "$OUT"/sweep_matmul*_tuned.json; do
+             [ -f "$f" ] || continue; found=1
+             python3 -c "import json, sys; from pallas_kernels.matmul import write_tuned_rows; [print('dropped (new bits, sweep again):', d) for d in write_tuned_rows(json.load(open(sys.argv[1])))]" "$f"
+             echo "merged into pallas_kernels/matmul_tuned.json:"; cat "$f"
+           done
+           [ -n "$found" ] || echo "no $OUT/sweep_matmul*_tuned.json: run sweep first" ;;
     kernels_fused) timeout "${FUSED_S:-280}" python3 experiments/bench_kernels.py --preset=qwen3-8b \
               --batches="${FUSED_BATCHES:-1,8}" --gammas="${FUSED_GAMMAS:-4}" \
               --context="${FUSED_CONTEXT:-512}" \

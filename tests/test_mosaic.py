@@ -290,8 +290,7 @@ def test_mosaic_norms_script_smoke(tmp_path):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     cmd = [sys.executable, os.path.join(root, "experiments/tuning/mosaic_norms.py"), "--smoke",
            "--iters=1", "--reps=1", f"--out={tmp_path}"]
-    r = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=600,
-                       env={**os.environ, "PYTHONPATH": root})
+    r = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     report = json.loads((tmp_path / "mosaic_norms.json").read_text())
     for entry in report["widths"]:
