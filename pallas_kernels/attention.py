@@ -76,6 +76,15 @@ class AttentionConfig:
     # back to zero, so one zeroed counter buffer serves every layer of a forward
     # (`attention_counted`).
     fused_fold_tiles: int = 8
+    # Split-KV's fold in two levels (rule R3): partitions fold in groups of `fold_group`
+    # aligned at partition 0 (each group in partition order, from the empty state), then
+    # the groups' results fold in group order. A group of partitions folds as soon as its
+    # own partials are in, so at long contexts the fold runs in parallel over the groups
+    # instead of one serial chain over every partition (1,024 of them at 128K keys). A
+    # row whose keys fit in one group gets the one-level fold's bits exactly (a single
+    # partial folds into the empty state unchanged); beyond that the bits are the
+    # two-level order's, as invariant. 0: one level at any length. Numeric, like `split`.
+    fold_group: int = 16
 
 
 def attention_config(
@@ -91,7 +100,9 @@ def attention_config(
         # CPU interpretation: small tiles keep the tests fast and give several key blocks
         # (and several row tiles) even for tiny caches, so block skipping is exercised.
         # One pass: the interpreter runs grid points one by one, so splitting only costs.
-        return AttentionConfig(block_k=16, block_rows=16, num_warps=4, num_stages=2)
+        # Tests that turn split-KV on get two-level folds from 3 partitions on.
+        return AttentionConfig(block_k=16, block_rows=16, num_warps=4, num_stages=2,
+                               fold_group=2)
     # GPU (Triton): 64-key blocks; fewer rows for head_dim 256 to bound the f32
     # accumulator's registers (block_rows x head_dim x 4 bytes spread over the warps).
     block_rows = 64 if head_dim <= 128 else 32
@@ -280,9 +291,11 @@ FOLD_UNROLL = 4  # partials folded per step of the combine's loop
 
 
 def _fold_partials(load, parts: int, first, last, split: int, head_dim: int,
-                   unroll: int = FOLD_UNROLL):
-    """(denom [R], acc [R, D]) of the partials `load(c)` -> (m, l, acc) of partitions c,
-    folded in ascending partition order (see `_combine_kernel`), `unroll` loads a step."""
+                   unroll: int = FOLD_UNROLL, span=None):
+    """(m [R], denom [R], acc [R, D]) of the partials `load(c)` -> (m, l, acc) of
+    partitions c, folded in ascending partition order from the empty state (see
+    `_combine_kernel`), `unroll` loads a step. `span` = (c0, n) folds only partitions
+    c0 .. c0 + n - 1 (one group of a two-level fold); the others fold as the empty state."""
 
     def fold(carry, part):
         m, denom, acc = carry
@@ -293,12 +306,14 @@ def _fold_partials(load, parts: int, first, last, split: int, head_dim: int,
         return m_new, a * denom + b * l_c, a[:, None] * acc + b[:, None] * acc_c
 
     u = unroll
+    c0, n = span if span is not None else (0, parts)
 
     def step(i, carry):
         loaded = []
         for r in range(u):  # every load of the step first, then the folds in order
             c = i * u + r
-            inside = c < parts
+            inside = c < parts if span is None else (c >= c0) & (c < jnp.minimum(c0 + n,
+                                                                                 parts))
             m_c, l_c, acc_c = load(jnp.minimum(c, parts - 1))
             loaded.append((jnp.where(inside, m_c, _NEG_INF), jnp.where(inside, l_c, 0.0),
                            jnp.where(inside, acc_c, 0.0)))
@@ -310,8 +325,27 @@ def _fold_partials(load, parts: int, first, last, split: int, head_dim: int,
     init = (jnp.full((rows,), _NEG_INF, jnp.float32), jnp.zeros((rows,), jnp.float32),
             jnp.zeros((rows, head_dim), jnp.float32))
     lo, hi = _block_range(first, last, parts, split)
-    _, denom, acc = lax.fori_loop(lax.div(lo, u), lax.div(hi + u - 1, u), step, init)
-    return denom, acc
+    if span is not None:
+        lo = jnp.maximum(lo, c0)
+        hi = jnp.maximum(jnp.minimum(hi, c0 + n), lo)
+    return lax.fori_loop(lax.div(lo, u), lax.div(hi + u - 1, u), step, init)
+
+
+def fold_groups(cfg: AttentionConfig, parts: int) -> int:
+    """Groups of the two-level split-KV fold over `parts` partitions; 1: one level."""
+    return pl.cdiv(parts, cfg.fold_group) if cfg.fold_group else 1
+
+
+def _group_fold_kernel(m_ref, l_ref, acc_ref, first_ref, last_ref, gm_ref, gl_ref, gacc_ref,
+                       *, split: int, fold_group: int):
+    """Split-KV phase 2a (two-level fold): group g (program axis 3) folds its partitions
+    [g * fold_group, (g + 1) * fold_group) in order from the empty state, unnormalized:
+    (m, denom, acc) of the group, which `_combine_kernel` then folds in group order."""
+    parts, _, head_dim = acc_ref.shape
+    g = pl.program_id(3)
+    gm_ref[...], gl_ref[...], gacc_ref[...] = _fold_partials(
+        lambda c: (m_ref[c], l_ref[c], acc_ref[c]), parts, first_ref[...], last_ref[...],
+        split, head_dim, span=(g * fold_group, fold_group))
 
 
 def _combine_kernel(m_ref, l_ref, acc_ref, first_ref, last_ref, o_ref, *, split: int):
@@ -327,14 +361,15 @@ def _combine_kernel(m_ref, l_ref, acc_ref, first_ref, last_ref, o_ref, *, split:
     are ones no row of the tile sees (phase 1 wrote the empty state there: exact
     no-ops); indices past the last partition fold the empty state itself."""
     parts, _, head_dim = acc_ref.shape
-    denom, acc = _fold_partials(lambda c: (m_ref[c], l_ref[c], acc_ref[c]), parts,
-                                first_ref[...], last_ref[...], split, head_dim)
+    _, denom, acc = _fold_partials(lambda c: (m_ref[c], l_ref[c], acc_ref[c]), parts,
+                                   first_ref[...], last_ref[...], split, head_dim)
     o_ref[...] = _normalize(denom, acc).astype(o_ref.dtype)
 
 
 def _fused_split_kernel(q_ref, k_ref, v_ref, first_ref, last_ref, count_in, count_ref,
-                        m_ref, l_ref, acc_ref, o_ref, *, scale: float, softcap: float | None,
-                        block_k: int, split: int, v_masked_load: bool, interpret: bool):
+                        m_ref, l_ref, acc_ref, *rest, scale: float, softcap: float | None,
+                        block_k: int, split: int, v_masked_load: bool, interpret: bool,
+                        fold_group: int = 0):
     """Split-KV in one launch: phase 1 of partition c (`_split_kernel`), its partial
     stored into whole-array buffers; then the program counts itself in on its row tile's
     counter (a CTA-wide sync first, then one atomic add with acquire/release semantics
@@ -343,25 +378,38 @@ def _fused_split_kernel(q_ref, k_ref, v_ref, first_ref, last_ref, count_in, coun
     L1) and writes the output rows. Arrival order decides only which program folds, not
     the order of the fold. The folding program also stores zero into the counter: every
     other program of the tile has counted itself in already, so the buffer leaves the
-    call as zeroed as it came and the next call may take it as is."""
+    call as zeroed as it came and the next call may take it as is. With a two-level fold
+    (`rest` = group buffers gm, gl, gacc, then o) the counting runs per group of
+    `fold_group` partitions first (`_count_and_fold`)."""
     del count_in  # aliased to count_ref
+    *group_refs, o_ref = rest
     ids = tuple(pl.program_id(i) for i in range(4))  # b, h, r, c
     first, last = first_ref[...], last_ref[...]
     m, denom, acc = _partition_partial(q_ref, k_ref, v_ref, first, last, ids[3], scale=scale,
                                        softcap=softcap, block_k=block_k, split=split,
                                        v_masked_load=v_masked_load)
     _count_and_fold(ids, m, denom, acc, first, last, count_ref, m_ref, l_ref, acc_ref, o_ref,
-                    split=split, interpret=interpret)
+                    split=split, interpret=interpret, fold_group=fold_group,
+                    group_refs=tuple(group_refs))
 
 
 def _count_and_fold(ids, m, denom, acc, first, last, count_ref, m_ref, l_ref, acc_ref, o_ref,
-                    *, split: int, interpret: bool, unroll: int = FOLD_UNROLL):
+                    *, split: int, interpret: bool, unroll: int = FOLD_UNROLL,
+                    fold_group: int = 0, group_refs: tuple = ()):
     """The one-launch split-KV tail of program ids = (b, h, r, c) (`_fused_split_kernel`):
     store its partial (m [R], denom [R], acc [R, D]), count in on the row tile's counter,
     and, arriving last, put the counter back to zero, fold the tile's partials (`unroll`
-    loads a step) and write o."""
+    loads a step) and write o.
+
+    Two levels (`group_refs` = (gm, gl, gacc) buffers [B, Hkv, groups, Rp(, D)]): the
+    program counts in on its group's counter (entry tiles + tile x groups + g of
+    count_ref, after the tiles' own); the group's last arrival folds the group's
+    partitions (`_fold_partials` with a span), stores the group's (m, denom, acc) and
+    counts in on the row tile's counter; the tile's last group folds the groups in order.
+    Every counter it takes is put back to zero by the program that arrives last on it."""
     b, h, r, c = ids
     parts = acc_ref.shape[2]
+    head_dim = acc_ref.shape[-1]
     br = m.shape[0]
     rows = pl.ds(pl.multiple_of(r * br, br), br)
     m_ref[b, h, c, rows] = m
@@ -370,25 +418,54 @@ def _count_and_fold(ids, m, denom, acc, first, last, count_ref, m_ref, l_ref, ac
     if not interpret:
         plgpu.debug_barrier()
     tile = (b * pl.num_programs(1) + h) * pl.num_programs(2) + r
-    arrived = plgpu.atomic_add(count_ref, (tile,), jnp.int32(1))
 
-    @pl.when(arrived == parts - 1)
-    def _():
-        # Every other program of the tile has counted itself in: put the counter back to
-        # zero for the next call. A plain store, not an atomic: an atomic's release
-        # ordering would hold this program's tail (measured slower; docs/tuning.md).
-        count_ref[pl.ds(tile, 1)] = jnp.zeros((1,), jnp.int32)
+    def loader(ms, ls, accs):
+        def load(cc):
+            return (plgpu.load(ms.at[b, h, cc, rows], volatile=True),
+                    plgpu.load(ls.at[b, h, cc, rows], volatile=True),
+                    plgpu.load(accs.at[b, h, cc, rows, :], volatile=True))
+        return load
+
+    def count_in(entry, members, then):
+        arrived = plgpu.atomic_add(count_ref, (entry,), jnp.int32(1))
+
+        @pl.when(arrived == members - 1)
+        def _():
+            # Every other member has counted itself in: put the counter back to zero for
+            # the next call. A plain store, not an atomic: an atomic's release ordering
+            # would hold this program's tail (measured slower; docs/tuning.md).
+            count_ref[pl.ds(entry, 1)] = jnp.zeros((1,), jnp.int32)
+            if not interpret:
+                plgpu.debug_barrier()
+            then()
+
+    def finish(load, n: int, span_keys: int):
+        _, denom_all, acc_all = _fold_partials(load, n, first, last, span_keys, head_dim,
+                                               unroll)
+        o_ref[...] = _normalize(denom_all, acc_all).astype(o_ref.dtype)
+
+    if not group_refs:
+        count_in(tile, parts, lambda: finish(loader(m_ref, l_ref, acc_ref), parts, split))
+        return
+    gm_ref, gl_ref, gacc_ref = group_refs
+    groups = gm_ref.shape[2]
+    g = c // fold_group
+    tiles = pl.num_programs(0) * pl.num_programs(1) * pl.num_programs(2)
+
+    def fold_group_then_count():
+        m_g, l_g, acc_g = _fold_partials(loader(m_ref, l_ref, acc_ref), parts, first, last,
+                                         split, head_dim, unroll,
+                                         span=(g * fold_group, fold_group))
+        gm_ref[b, h, g, rows] = m_g
+        gl_ref[b, h, g, rows] = l_g
+        gacc_ref[b, h, g, rows, :] = acc_g
         if not interpret:
             plgpu.debug_barrier()
+        count_in(tile, groups, lambda: finish(loader(gm_ref, gl_ref, gacc_ref), groups,
+                                              split * fold_group))
 
-        def load(cc):
-            return (plgpu.load(m_ref.at[b, h, cc, rows], volatile=True),
-                    plgpu.load(l_ref.at[b, h, cc, rows], volatile=True),
-                    plgpu.load(acc_ref.at[b, h, cc, rows, :], volatile=True))
-
-        denom_all, acc_all = _fold_partials(load, parts, first, last, split,
-                                            acc_ref.shape[-1], unroll)
-        o_ref[...] = _normalize(denom_all, acc_all).astype(o_ref.dtype)
+    count_in(tiles + tile * groups + g, jnp.minimum(fold_group, parts - g * fold_group),
+             fold_group_then_count)
 
 
 def _check_inputs(q, k_cache, v_cache, q_pos, window) -> None:
@@ -689,12 +766,47 @@ def _split_attention(q_rows, k_cache, v_cache, first, last, cfg: AttentionConfig
 def combine_partials(m, denom, acc, first, last, cfg: AttentionConfig, dtype, *,
                      interpret: bool):
     """Split-KV phase 2 over partials m, denom [B, Hkv, parts, Rp], acc [.., Rp, D]:
-    folded in partition order per row tile -> [B, Hkv, Rp, D] in dtype."""
+    folded in partition order per row tile -> [B, Hkv, Rp, D] in dtype. Past one group
+    of `cfg.fold_group` partitions, in two levels: a kernel folds each group (one program
+    per group and row tile), then the groups' results fold in group order."""
     batch, num_kv_heads, parts, rows = m.shape
     head_dim = acc.shape[-1]
     br = cfg.split_rows
+    span_keys = cfg.split
+    groups = fold_groups(cfg, parts)
+    if groups > 1:
+        whole = [
+            pl.BlockSpec((None, None, parts, br), lambda b, h, r, g: (b, h, 0, r)),
+            pl.BlockSpec((None, None, parts, br), lambda b, h, r, g: (b, h, 0, r)),
+            pl.BlockSpec((None, None, parts, br, head_dim),
+                         lambda b, h, r, g: (b, h, 0, r, 0)),
+            pl.BlockSpec((None, br), lambda b, h, r, g: (b, r)),
+            pl.BlockSpec((None, br), lambda b, h, r, g: (b, r)),
+        ]
+        m, denom, acc = pl.pallas_call(
+            functools.partial(_group_fold_kernel, split=cfg.split,
+                              fold_group=cfg.fold_group),
+            grid=(batch, num_kv_heads, rows // br, groups),
+            in_specs=whole,
+            out_specs=[
+                pl.BlockSpec((None, None, None, br), lambda b, h, r, g: (b, h, g, r)),
+                pl.BlockSpec((None, None, None, br), lambda b, h, r, g: (b, h, g, r)),
+                pl.BlockSpec((None, None, None, br, head_dim),
+                             lambda b, h, r, g: (b, h, g, r, 0)),
+            ],
+            out_shape=[
+                jax.ShapeDtypeStruct((batch, num_kv_heads, groups, rows), jnp.float32),
+                jax.ShapeDtypeStruct((batch, num_kv_heads, groups, rows), jnp.float32),
+                jax.ShapeDtypeStruct((batch, num_kv_heads, groups, rows, head_dim),
+                                     jnp.float32),
+            ],
+            compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=1),
+            interpret=interpret,
+            name="jspec_attention_group_fold",
+        )(m, denom, acc, first, last)
+        parts, span_keys = groups, cfg.split * cfg.fold_group
     return pl.pallas_call(
-        functools.partial(_combine_kernel, split=cfg.split),
+        functools.partial(_combine_kernel, split=span_keys),
         grid=(batch, num_kv_heads, rows // br),
         in_specs=[
             pl.BlockSpec((None, None, parts, br), lambda b, h, r: (b, h, 0, r)),
@@ -711,14 +823,17 @@ def combine_partials(m, denom, acc, first, last, cfg: AttentionConfig, dtype, *,
     )(m, denom, acc, first, last)
 
 
-def split_counters(counters, tiles: int):
-    """The one-launch split-KV path's arrival counters for a call of `tiles` row tiles:
-    zeros when None, else checked (int32[tiles]) and passed on."""
+def split_counters(counters, tiles: int, groups: int = 1):
+    """The one-launch split-KV path's arrival counters for a call of `tiles` row tiles
+    and `groups` fold groups a tile: zeros when None, else checked (int32[tiles], or
+    int32[tiles x (1 + groups)] for a two-level fold) and passed on."""
+    n = tiles * (1 + groups) if groups > 1 else tiles
     if counters is None:
-        return jnp.zeros((tiles,), jnp.int32)
-    if counters.shape != (tiles,) or counters.dtype != jnp.int32:
-        raise ValueError(f"split-KV counters must be int32[{tiles}] (one per row tile of "
-                         f"this call); got {counters.dtype}{list(counters.shape)}")
+        return jnp.zeros((n,), jnp.int32)
+    if counters.shape != (n,) or counters.dtype != jnp.int32:
+        raise ValueError(f"split-KV counters must be int32[{n}] (one per row tile of this "
+                         f"call and, past one fold group, one per group of each); got "
+                         f"{counters.dtype}{list(counters.shape)}")
     return counters
 
 
@@ -734,12 +849,19 @@ def _fused_split_attention(q_rows, k_cache, v_cache, first, last, cfg: Attention
     parts = pl.cdiv(cache_len, cfg.split)
     br = cfg.split_rows
     tiles = batch * num_kv_heads * (rows // br)
-    counters = split_counters(counters, tiles)
+    groups = fold_groups(cfg, parts)
+    counters = split_counters(counters, tiles, groups)
     kernel = functools.partial(_fused_split_kernel, scale=scale, softcap=softcap,
                                block_k=cfg.block_k, split=cfg.split,
-                               v_masked_load=cfg.v_masked_load, interpret=interpret)
+                               v_masked_load=cfg.v_masked_load, interpret=interpret,
+                               fold_group=cfg.fold_group if groups > 1 else 0)
     part_shapes = [(batch, num_kv_heads, parts, rows), (batch, num_kv_heads, parts, rows),
                    (batch, num_kv_heads, parts, rows, head_dim)]
+    if groups > 1:  # the groups' (m, denom, acc)
+        part_shapes += [(batch, num_kv_heads, groups, rows),
+                        (batch, num_kv_heads, groups, rows),
+                        (batch, num_kv_heads, groups, rows, head_dim)]
+    n_count = counters.shape[0]
 
     def whole(shape):
         return pl.BlockSpec(shape, lambda b, h, r, c: (0,) * len(shape))
@@ -747,10 +869,10 @@ def _fused_split_attention(q_rows, k_cache, v_cache, first, last, cfg: Attention
     outs = pl.pallas_call(
         kernel,
         grid=(batch, num_kv_heads, rows // br, parts),
-        in_specs=_partition_in_specs(br, head_dim, cache_len) + [whole((tiles,))],
-        out_specs=[whole((tiles,))] + [whole(sh) for sh in part_shapes] + [
+        in_specs=_partition_in_specs(br, head_dim, cache_len) + [whole((n_count,))],
+        out_specs=[whole((n_count,))] + [whole(sh) for sh in part_shapes] + [
             pl.BlockSpec((None, None, br, head_dim), lambda b, h, r, c: (b, h, r, 0))],
-        out_shape=[jax.ShapeDtypeStruct((tiles,), jnp.int32)]
+        out_shape=[jax.ShapeDtypeStruct((n_count,), jnp.int32)]
         + [jax.ShapeDtypeStruct(sh, jnp.float32) for sh in part_shapes]
         + [jax.ShapeDtypeStruct(q_rows.shape, q_rows.dtype)],
         input_output_aliases={5: 0},

@@ -125,6 +125,22 @@ def test_fused_fold_attention_lowers_for_the_h200(preset, backend, batch, tokens
     assert "jspec_attention_split" not in text and "jspec_attention_combine" not in text
 
 
+@pytest.mark.parametrize("batch,tokens,kernels", [
+    (1, 1, {"jspec_attention_fused"}),
+    (8, 5, {"jspec_attention_split", "jspec_attention_group_fold", "jspec_attention_combine"})])
+def test_two_level_fold_lowers_for_the_h200(batch, tokens, kernels):
+    # An 8,192-slot cache: 64 partitions of 128 keys, folded in 4 groups of 16 (the
+    # group counters and buffers of the one launch; the group-fold kernel of the two).
+    from pallas_kernels.attention import attention
+
+    q = jax.ShapeDtypeStruct((batch, tokens, 32, 128), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((batch, 8, 8192, 128), jnp.bfloat16)
+    pos = jax.ShapeDtypeStruct((batch, tokens), jnp.int32)
+    text = _lower(functools.partial(attention, scale=1.0), q, kv, kv, pos, jnp.int32(0))
+    assert kernels <= set(re.findall(r'name = "(jspec_[a-z_0-9]*)"', text))
+    assert f"tensor<{batch}x8x4x" in text  # the groups' partials
+
+
 def test_top_p_lowers_for_the_h200():
     x = jax.ShapeDtypeStruct((8, 151936), jnp.float32)
     text = _lower(functools.partial(top_p_kept, top_p=0.9, interpret=False), x)

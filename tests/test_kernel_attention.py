@@ -197,16 +197,18 @@ def test_gpu_config_interpreted(split):
     np.testing.assert_allclose(out, ref, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("window", [0, 37])
-def test_split_fold_steps_at_any_partition_range(window):
+@pytest.mark.parametrize("window,fold_group", [(0, 16), (37, 16), (37, 3)])
+def test_split_fold_steps_at_any_partition_range(window, fold_group):
     """The split-KV fold runs in steps of FOLD_UNROLL partitions aligned at 0: with 16-key
     partitions over a 256-key cache (16 partitions), rows whose visible partitions
     start and end anywhere in a step (a window moves the start) equal the same row
-    decoded alone in a cache of another capacity, bitwise."""
+    decoded alone in a cache of another capacity, bitwise. With fold groups of 3
+    partitions (two levels) the groups' spans straddle the steps as well."""
     from pallas_kernels.attention import FOLD_UNROLL
 
     assert FOLD_UNROLL > 1
-    cfg = AttentionConfig(block_k=16, block_rows=16, num_warps=4, num_stages=2, split=16)
+    cfg = AttentionConfig(block_k=16, block_rows=16, num_warps=4, num_stages=2, split=16,
+                          fold_group=fold_group)
     pos = [[21, 22, 23], [70, 71, 72], [149, 150, 151], [250, 251, 252]]
     out = _attn(pos, window=window, config=cfg)
     for (b, t), p in np.ndenumerate(np.asarray(pos)):
@@ -350,6 +352,44 @@ def test_split_sliding_window_and_bfloat16():
     pos = [[60, 61, 62, 63], [7, 8, 9, 10]]
     out = _attn(pos, dtype=jnp.bfloat16, window=9, split=SPLIT)
     _assert_rows_match_split_decode(out, pos, dtype=jnp.bfloat16, window=9)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=("one-launch", "two-kernels"))
+def test_two_level_fold(fused):
+    """Past one group of `fold_group` partitions the fold runs in two levels (the
+    interpret config's groups of 2 partitions; 8 partitions here): the one-launch path
+    and the kernels give the same bits, a row whose keys fit in the first group keeps
+    the one-level fold's bits exactly, and the groups' order is a different numerical
+    model past that (so the tests above, which compare two-level rows with two-level
+    decodes, could fail), within f32 rounding of the reference."""
+    cfg = attention_config(D, H // HKV, jnp.float32, INTERPRET)
+    assert cfg.fold_group == 2 and S_MAX // SPLIT == 8
+    one = dataclasses.replace(cfg, fold_group=0)
+    pos = [[5, 6, 60, 61], [100, 200, 254, 255]]  # group 0 holds keys 0 .. 63
+    two_level = _attn(pos, split=SPLIT, fused_fold=fused)
+    other = _attn(pos, split=SPLIT, fused_fold=not fused)
+    assert np.array_equal(two_level, other)
+    one_level = _attn(pos, split=SPLIT, fused_fold=fused, config=one)
+    assert np.array_equal(two_level[0], one_level[0])  # within one group: the same bits
+    assert not np.array_equal(two_level[1], one_level[1])
+    ref = _attn(pos, fn=attention_reference)
+    np.testing.assert_allclose(two_level, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_two_level_fold_counters():
+    """The one-launch two-level fold counts on one entry per row tile and one per group
+    of each tile (int32[tiles x (1 + groups)]), and leaves them all zero."""
+    from pallas_kernels.attention import attention_counted
+
+    q, k, v, qp = _inputs([[40, 41], [250, 251]], S_MAX)
+    kw = dict(scale=SCALE, interpret=INTERPRET, split=SPLIT, fused_fold=True)
+    out, c = attention_counted(q, k, v, qp, jnp.int32(0), None, **kw)
+    tiles, groups = 2 * HKV, S_MAX // SPLIT // 2
+    assert c.shape == (tiles * (1 + groups),) and not np.any(np.asarray(c))
+    again, c2 = attention_counted(q, k, v, qp, jnp.int32(0), c, **kw)
+    assert np.array_equal(np.asarray(out), np.asarray(again)) and not np.any(np.asarray(c2))
+    with pytest.raises(ValueError, match=rf"counters must be int32\[{tiles * (1 + groups)}\]"):
+        attention_counted(q, k, v, qp, jnp.int32(0), jnp.zeros((tiles,), jnp.int32), **kw)
 
 
 def test_split_size_is_checked():
