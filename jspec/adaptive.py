@@ -13,11 +13,13 @@ largest, and between chunks of rounds the host picks the next chunk's shape:
   (from the state's per-row, per-position accepted counts), capped at the tokens the row
   still has to make; for a tree, the row's measured tokens per tree round.
 - cost(s) is measured: seconds per round of the chunks run with s at this batch and
-  context (a decayed average, so a growing context moves it). A shape's first call
-  compiles; that chunk is not timed. Before a shape is measured its cost is a prior,
-  cost(0) * (1 + prior_cost * proposals(s)). Nothing is modelled, so whatever makes a
-  shape expensive is in its cost: a mixture-of-experts verify block reads the union of its
-  tokens' experts, and that shows up in the measured seconds.
+  context (decayed sums, so a growing context moves it), less a chunk's fixed overhead
+  (a dispatch and a sync, the intercept of seconds against rounds where a shape ran
+  chunks of two lengths), so a short probe and a long chunk compare per round. A
+  shape's first call compiles; that chunk is not timed. Before a shape is measured its
+  cost is a prior, cost(0) * (1 + prior_cost * proposals(s)). Nothing is modelled, so
+  whatever makes a shape expensive is in its cost: a mixture-of-experts verify block
+  reads the union of its tokens' experts, and that shows up in the measured seconds.
 - Every shape runs once first (a short probe, the largest chain first: it measures the
   acceptance of every position); after that a shape not run for `explore_every` chunks
   gets one chunk, so a stale estimate cannot lock in. `Adaptive.costs` (seconds per round
@@ -218,15 +220,15 @@ class Controller:
         self.tree_acc = np.zeros(batch)
         self.tree_rounds = np.zeros(batch)
         self.max_new = max_new_tokens
-        self.sec = {s: 0.0 for s in self.shapes}  # decayed seconds and rounds
-        self.rnd = {s: 0.0 for s in self.shapes}
+        # Per shape, decayed sums over its timed chunks: chunks, rounds, rounds^2, seconds,
+        # rounds x seconds (a line of seconds against rounds: `overhead`, `costs`).
+        self.fit = {s: np.zeros(5) for s in self.shapes}
+        self.shortest = np.inf  # the shortest timed chunk, in seconds
         self.totals = {s: dict(chunks=0, rounds=0, seconds=0.0, timed_rounds=0, tokens=0,
                                accepted=0) for s in self.shapes}
         self.last_run = {s: -1 for s in self.shapes}
-        given = dict(adaptive.costs)
-        for s in self.shapes:  # measured before: one round's weight, decayed like the rest
-            if shape_name(s) in given:
-                self.sec[s], self.rnd[s] = given[shape_name(s)], 1.0
+        given = dict(adaptive.costs)  # measured before: used until the shape is timed here
+        self.given = {s: given[shape_name(s)] for s in self.shapes if shape_name(s) in given}
         self.chunks = 0
         self.prev = None  # the last chunk's shape, and how long it ran
         self.prev_rounds = 0
@@ -249,10 +251,41 @@ class Controller:
         return Acceptance(rates=rates, live=self.live, remaining=self.remaining,
                           tree_tokens=tree)
 
+    def measured(self, shape) -> bool:
+        """Whether `shape` has a cost: timed in this run, or given (`Adaptive.costs`)."""
+        return self.fit[shape][0] > 0 or shape in self.given
+
+    def overhead(self) -> float:
+        """Seconds a chunk costs whatever its rounds (a dispatch, a sync): the median
+        intercept of seconds against rounds over the shapes timed at two or more chunk
+        lengths; before there is one, what a timed shape's chunks took beyond its given
+        cost (`Adaptive.costs`, per round without overhead); else 0. Kept under 0.9 x
+        the shortest timed chunk, so no shape's cost per round drops to zero. Without it
+        a one-round probe would carry a whole chunk's overhead against a long chunk's
+        share of one."""
+        lines, given = [], []
+        for s, (n, r, r2, t, rt) in self.fit.items():
+            den = n * r2 - r * r
+            if n > 0 and den > 1e-9 * n * r2:
+                slope = (n * rt - r * t) / den
+                if slope > 0:
+                    lines.append((t - slope * r) / n)
+            if n > 0 and s in self.given:  # a given cost is the slope: the rest is overhead
+                given.append((t - self.given[s] * r) / n)
+        lines = lines or given
+        if not lines:
+            return 0.0
+        return float(min(max(np.median(lines), 0.0), 0.9 * self.shortest))
+
     def costs(self) -> dict:
-        """Measured seconds per round, or the prior where a shape has none yet."""
+        """Seconds per round: a timed shape's (seconds - overhead x chunks) / rounds over
+        its decayed chunks; else the given cost; else the prior."""
         c = self.cfg.prior_cost
-        known = {s: self.sec[s] / self.rnd[s] for s in self.shapes if self.rnd[s] > 0}
+        a = self.overhead()
+        known = dict(self.given)
+        for s, (n, r, _, t, _) in self.fit.items():
+            if n > 0:
+                known[s] = max(t - a * n, 0.05 * t) / r
         if known:  # the prior's base: cost(0) from any measured shape
             base = min(v / (1 + c * proposals(s)) for s, v in known.items())
         else:
@@ -264,7 +297,7 @@ class Controller:
         sched = self.cfg.schedule
         if sched:
             return sched[self.chunks % len(sched)]
-        unmeasured = [s for s in self.shapes if self.rnd[s] == 0]
+        unmeasured = [s for s in self.shapes if not self.measured(s)]
         if unmeasured:  # probe: the largest chain first, then the others
             chains = [s for s in unmeasured if not isinstance(s, TreeConfig)]
             return max(chains) if chains else unmeasured[0]
@@ -278,7 +311,7 @@ class Controller:
         """The most rounds the next chunk of `shape` runs: 1 while it is being probed;
         twice the last chunk's limit when the last chunk ran this shape too (up to
         max_chunk_rounds); else chunk_rounds."""
-        if not self.cfg.schedule and self.rnd[shape] == 0:
+        if not self.cfg.schedule and not self.measured(shape):
             return 1
         if shape == self.prev and not self.cfg.schedule:
             return min(max(2 * self.prev_rounds, self.cfg.chunk_rounds),
@@ -290,7 +323,7 @@ class Controller:
         """One chunk of `shape`: before/after are host snapshots of the state (`snapshot`);
         seconds its wall time; compiled whether the call compiled (then it is not timed)."""
         rounds = int(after["step"] - before["step"])
-        self.prev_rounds = self.chunk_limit(shape) if self.rnd[shape] > 0 else 0
+        self.prev_rounds = self.chunk_limit(shape) if self.measured(shape) else 0
         self.prev = shape
         t = self.totals[shape]
         t["chunks"] += 1
@@ -302,8 +335,9 @@ class Controller:
         if rounds > 0 and not compiled:
             t["seconds"] += seconds
             t["timed_rounds"] += rounds
-            self.sec[shape] = self.DECAY * self.sec[shape] + seconds
-            self.rnd[shape] = self.DECAY * self.rnd[shape] + rounds
+            self.fit[shape] = self.DECAY * self.fit[shape] + np.array(
+                [1.0, rounds, rounds * rounds, seconds, rounds * seconds])
+            self.shortest = min(self.shortest, seconds)
         live_rounds = after["rounds_live"] - before["rounds_live"]  # [B]
         acc_at = after["accepted_at"] - before["accepted_at"]  # [B, D]
         if isinstance(shape, TreeConfig):
@@ -329,11 +363,12 @@ class Controller:
                 "s_per_round": t["seconds"] / t["timed_rounds"] if t["timed_rounds"] else None,
             }
         acc = self.acceptance()
-        measured = {shape_name(s): self.sec[s] / self.rnd[s] for s in self.shapes
-                    if self.rnd[s] > 0}
+        costs = self.costs()
+        measured = {shape_name(s): costs[s] for s in self.shapes if self.measured(s)}
         return {"shapes": out, "chunks": self.chunks, "measured_s_per_round": measured,
+                "chunk_overhead_s": self.overhead(),
                 "acceptance_by_position": [float(x) for x in acc.rates.mean(0)],
-                "cost_s_per_round": {shape_name(s): float(v) for s, v in self.costs().items()}}
+                "cost_s_per_round": {shape_name(s): float(v) for s, v in costs.items()}}
 
 
 SNAPSHOT_FIELDS = ("step", "num", "accepted", "rounds_live", "accepted_at", "done",

@@ -29,7 +29,11 @@ Split-KV (`split` > 0, rule R3): the same online softmax, restarted from the emp
 at every partition of `split` keys aligned at position 0, one program per partition;
 a second kernel folds the f32 partials in partition order. Empty partials (partitions
 past a row's last key, or before its window) fold as exact no-ops, so a larger cache
-changes nothing. Different bits from one pass, the same invariance.
+changes nothing. Different bits from one pass, the same invariance. Past one group of
+`fold_group` partitions (aligned at partition 0) the fold has two fixed levels: each
+group in partition order, then the groups in group order; the groups fold in parallel,
+so a long context's fold is no longer one serial chain over every partition. A row
+whose keys lie in the first group gets the one-level bits exactly.
 
 The Triton lowering (NVIDIA) needs power-of-two tile shapes and >= 16 per dot dimension;
 `attention_config` only hands out such shapes and `head_dim` must be a power of two >= 16.

@@ -140,10 +140,48 @@ def test_controller_learns_per_position_acceptance_and_costs():
     assert ctl.pick() == 1  # then the other unmeasured shapes, largest first
     ctl.record(1, after, after | {"step": 12}, seconds=0.2, compiled=False)
     ctl.record(0, after, after | {"step": 14}, seconds=7.0, compiled=True)  # not timed
-    assert ctl.pick() == 0 and ctl.rnd[0] == 0 and ctl.chunk_limit(0) == 1
+    assert ctl.pick() == 0 and not ctl.measured(0) and ctl.chunk_limit(0) == 1
     ctl.record(0, after | {"step": 14}, after | {"step": 15}, seconds=0.08, compiled=False)
     assert ctl.costs()[0] == pytest.approx(0.08)
     assert ctl.pick() == 4  # row 0 accepts everything: gamma 4 pays for the batch
+
+
+def test_a_chunks_fixed_overhead_is_not_charged_to_its_rounds():
+    # Every chunk costs a dispatch and a sync whatever its rounds (here 4 ms). gamma 2
+    # runs chunks of 1 / 8 / 16 / 32 rounds at 2 ms a round; gamma 4's one-round probe
+    # took 4 + 2.8 ms. Per round as timed, gamma 4 would look 6.8 ms; less the overhead
+    # (the intercept of gamma 2's seconds against rounds), 2.8 ms, and at acceptance 0.9
+    # (4.1 against 2.71 tokens a round) gamma 4 is the better shape.
+    ctl = Controller(jspec.Adaptive(gammas=(2, 4)), batch=1, max_new_tokens=10_000)
+    snap = lambda step: {"step": step, "num": np.zeros(1), "accepted": np.zeros(1),  # noqa: E731
+                         "rounds_live": np.zeros(1), "accepted_at": np.zeros((1, 4)),
+                         "done": np.zeros(1, bool)}
+    ctl.record(4, snap(0), snap(1), seconds=0.0068, compiled=False)
+    assert ctl.overhead() == 0.0 and ctl.costs()[4] == pytest.approx(0.0068)
+    step = 1
+    for rounds in (1, 8, 16, 32):
+        ctl.record(2, snap(step), snap(step + rounds), seconds=0.004 + 0.002 * rounds,
+                   compiled=False)
+        step += rounds
+    assert ctl.overhead() == pytest.approx(0.004)
+    assert ctl.costs() == {2: pytest.approx(0.002), 4: pytest.approx(0.0028)}
+    assert ctl.stats()["chunk_overhead_s"] == pytest.approx(0.004)
+    ctl.hits[:], ctl.trials[:] = 90, 100
+    assert ctl.pick() == 4
+    # A run from measured costs (per round, overhead excluded) reads the overhead off its
+    # first timed chunk: 8 rounds of gamma 4 at 2.8 ms plus 4 ms are 2.8 ms a round, not 3.3.
+    ad = jspec.Adaptive(gammas=(2, 4), costs=ctl.stats()["measured_s_per_round"])
+    ctl = Controller(ad, batch=1, max_new_tokens=10_000)
+    ctl.record(4, snap(0), snap(8), seconds=0.004 + 8 * 0.0028, compiled=False)
+    assert ctl.overhead() == pytest.approx(0.004)
+    assert ctl.costs() == {2: pytest.approx(0.002), 4: pytest.approx(0.0028)}
+    # Never above 0.9 x the shortest chunk: a cost per round stays positive.
+    ctl = Controller(jspec.Adaptive(gammas=(2, 4)), batch=1, max_new_tokens=10_000)
+    ctl.record(4, snap(0), snap(1), seconds=0.001, compiled=False)
+    for rounds in (8, 16):
+        ctl.record(2, snap(1), snap(1 + rounds), seconds=0.004 + 0.002 * rounds,
+                   compiled=False)
+    assert ctl.overhead() == pytest.approx(0.0009) and ctl.costs()[4] > 0
 
 
 def test_a_shape_chosen_again_runs_longer_chunks():
