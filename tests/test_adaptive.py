@@ -133,6 +133,8 @@ def test_controller_learns_per_position_acceptance_and_costs():
     after = z() | {"step": 10, "num": np.array([50, 10]), "accepted": np.array([40, 0]),
                    "rounds_live": np.array([10, 10]),
                    "accepted_at": np.array([[10, 10, 10, 10], [0, 0, 0, 0]])}
+    ctl.record(4, z(), after, seconds=5.0, compiled=False)  # a run's first chunk: untimed
+    assert not ctl.measured(4) and ctl.pick() == 4 and ctl.chunk_limit(4) == 1
     ctl.record(4, z(), after, seconds=1.0, compiled=False)
     rates = ctl.acceptance().rates
     assert rates[0, 0] > 0.8 and rates[1, 0] < 0.2
@@ -152,10 +154,16 @@ def test_a_chunks_fixed_overhead_is_not_charged_to_its_rounds():
     # took 4 + 2.8 ms. Per round as timed, gamma 4 would look 6.8 ms; less the overhead
     # (the intercept of gamma 2's seconds against rounds), 2.8 ms, and at acceptance 0.9
     # (4.1 against 2.71 tokens a round) gamma 4 is the better shape.
-    ctl = Controller(jspec.Adaptive(gammas=(2, 4)), batch=1, max_new_tokens=10_000)
     snap = lambda step: {"step": step, "num": np.zeros(1), "accepted": np.zeros(1),  # noqa: E731
                          "rounds_live": np.zeros(1), "accepted_at": np.zeros((1, 4)),
                          "done": np.zeros(1, bool)}
+
+    def controller(**kw):  # past its first chunk (never timed)
+        ctl = Controller(jspec.Adaptive(gammas=(2, 4), **kw), batch=1, max_new_tokens=10_000)
+        ctl.record(4, snap(0), snap(1), seconds=1.0, compiled=False)
+        return ctl
+
+    ctl = controller()
     ctl.record(4, snap(0), snap(1), seconds=0.0068, compiled=False)
     assert ctl.overhead() == 0.0 and ctl.costs()[4] == pytest.approx(0.0068)
     step = 1
@@ -170,13 +178,12 @@ def test_a_chunks_fixed_overhead_is_not_charged_to_its_rounds():
     assert ctl.pick() == 4
     # A run from measured costs (per round, overhead excluded) reads the overhead off its
     # first timed chunk: 8 rounds of gamma 4 at 2.8 ms plus 4 ms are 2.8 ms a round, not 3.3.
-    ad = jspec.Adaptive(gammas=(2, 4), costs=ctl.stats()["measured_s_per_round"])
-    ctl = Controller(ad, batch=1, max_new_tokens=10_000)
+    ctl = controller(costs=ctl.stats()["measured_s_per_round"])
     ctl.record(4, snap(0), snap(8), seconds=0.004 + 8 * 0.0028, compiled=False)
     assert ctl.overhead() == pytest.approx(0.004)
     assert ctl.costs() == {2: pytest.approx(0.002), 4: pytest.approx(0.0028)}
     # Never above 0.9 x the shortest chunk: a cost per round stays positive.
-    ctl = Controller(jspec.Adaptive(gammas=(2, 4)), batch=1, max_new_tokens=10_000)
+    ctl = controller()
     ctl.record(4, snap(0), snap(1), seconds=0.001, compiled=False)
     for rounds in (8, 16):
         ctl.record(2, snap(1), snap(1 + rounds), seconds=0.004 + 0.002 * rounds,
@@ -191,12 +198,14 @@ def test_a_shape_chosen_again_runs_longer_chunks():
                          "rounds_live": np.zeros(1), "accepted_at": np.zeros((1, 2)),
                          "done": np.zeros(1, bool)}
     step, limits = 0, []
-    for shape in (2, 0, 2, 2, 2, 2, 0, 2):  # probes (1 round), then chunks of a shape
+    # probes (1 round; the run's first chunk is not timed, so gamma 2 is probed again),
+    # then chunks of a shape
+    for shape in (2, 2, 0, 2, 2, 2, 2, 0, 2):
         limits.append(ctl.chunk_limit(shape))
         ctl.record(shape, snap(step), snap(step + limits[-1]), seconds=0.01 * limits[-1],
                    compiled=False)
         step += limits[-1]
-    assert limits == [1, 1, 4, 8, 16, 16, 4, 4]
+    assert limits == [1, 1, 1, 4, 8, 16, 16, 4, 4]
     with pytest.raises(ValueError, match="max_chunk_rounds=2 must be >= chunk_rounds=4"):
         jspec.Adaptive(chunk_rounds=4, max_chunk_rounds=2)
 
