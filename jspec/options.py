@@ -54,6 +54,11 @@ class KernelOptions:
         None: the kernel's own (16). Numeric, like attn_split.
       attn_fused_fold: pallas: split-KV attention folds its partials in the same launch
         (True), in a second kernel (False), or by the call's row tiles (None).
+      attn_serial_split: pallas: split-KV attention keeps its partials in registers,
+        programs of two row tiles walking every partition in order and sharing K/V
+        loads (True; for prefill chunks), or writes them for a fold (False), or by the
+        call's row tiles (None: the kernel's rule, today never). The same partials and
+        fold order, so the same bits by construction; not yet proven on a GPU.
       matmul_row_group: pallas: up to this many row tiles per matmul program, each
         weight block loaded once for all of them (scheduling only).
       matmul_schedule: pallas: launches of several row tiles use the weight's tuned
@@ -84,6 +89,7 @@ class KernelOptions:
     attn_split: int | None = None
     attn_split_rows: int | None = None
     attn_fused_fold: bool | None = None
+    attn_serial_split: bool | None = None
     matmul_row_group: int = 4
     matmul_schedule: bool = True
     kv_dus: bool = True
@@ -98,8 +104,9 @@ class KernelOptions:
             raise ValueError(f"lowering={self.lowering!r}; expected one of {LOWERINGS}")
         for name in ("interpret", "matmul_schedule", "kv_dus") + FUSIONS:
             _bool(name, getattr(self, name))
-        if self.attn_fused_fold is not None:
-            _bool("attn_fused_fold", self.attn_fused_fold)
+        for name in ("attn_fused_fold", "attn_serial_split"):
+            if getattr(self, name) is not None:
+                _bool(name, getattr(self, name))
         if not isinstance(self.matmul_row_group, int) or self.matmul_row_group < 1:
             raise ValueError(f"matmul_row_group={self.matmul_row_group!r} must be an int >= 1")
         if self.attn_split is not None and (not isinstance(self.attn_split, int)

@@ -89,6 +89,13 @@ class AttentionConfig:
     # partial folds into the empty state unchanged); beyond that the bits are the
     # two-level order's, as invariant. 0: one level at any length. Numeric, like `split`.
     fold_group: int = 16
+    # Split-KV for calls of many row tiles (prefill chunks) without partials in memory
+    # (`_serial_split_kernel`): one program runs `serial_subtiles` row tiles over every
+    # partition, each K/V block loaded once for them all. Used when a call has at least
+    # `serial_split_tiles` row tiles a kv head and batch (0: never, until the device has
+    # shown its bits equal the two kernels'); `serial_split=` overrides per call.
+    serial_subtiles: int = 2
+    serial_split_tiles: int = 0
 
 
 def attention_config(
@@ -294,6 +301,73 @@ def _split_kernel(q_ref, k_ref, v_ref, first_ref, last_ref, m_ref, l_ref, acc_re
 FOLD_UNROLL = 4  # partials folded per step of the combine's loop
 
 
+def _fold_one(carry, part):
+    """One step of split-KV's fold: the running (m, denom, acc) and a partial (m_c, l_c,
+    acc_c) of the next partition (or group) -> their combination, in f32."""
+    m, denom, acc = carry
+    m_c, l_c, acc_c = part  # [R], [R], [R, D]
+    m_new = jnp.maximum(m, m_c)
+    m_safe = jnp.where(m_new == _NEG_INF, 0.0, m_new)
+    a, b = jnp.exp(m - m_safe), jnp.exp(m_c - m_safe)
+    return m_new, a * denom + b * l_c, a[:, None] * acc + b[:, None] * acc_c
+
+
+def _empty_state(rows: int, head_dim: int):
+    return (jnp.full((rows,), _NEG_INF, jnp.float32), jnp.zeros((rows,), jnp.float32),
+            jnp.zeros((rows, head_dim), jnp.float32))
+
+
+def _serial_split_kernel(q_ref, k_ref, v_ref, first_ref, last_ref, o_ref, *, scale: float,
+                         softcap: float | None, block_k: int, split: int, fold_group: int,
+                         subtiles: int):
+    """Split-KV without partials in memory, for calls of many row tiles (prefill chunks):
+    one program runs `subtiles` split row tiles of br rows (q_ref [subtiles x br, D]) over
+    every partition in order. Each key block is loaded once for all of them; each row
+    tile keeps its own partition partial (the online softmax from the empty state over
+    the partition's blocks, V past the tile's last key zeroed, as `_split_kernel`), folds
+    it into its group's state and each finished group into its total (`_fold_one`, the
+    order of `_fold_partials` at both levels). A block outside a row tile's visible range
+    is an exact no-op for it, so the tile's (m, denom, acc) are those of the two split
+    kernels (the same expressions on the same operands; their bits are the device's to
+    prove). The partials never reach memory and the K/V reads are shared by `subtiles`
+    row tiles."""
+    rows, head_dim = q_ref.shape
+    br = rows // subtiles
+    parts = pl.cdiv(k_ref.shape[0], split)
+    per = split // block_k
+    group = fold_group or parts
+    tiles = []
+    for i in range(subtiles):
+        sl = pl.ds(i * br, br)
+        tiles.append((q_ref[sl, :], first_ref[sl], last_ref[sl]))
+    lo, hi = _block_range(first_ref[...], last_ref[...], parts, split)
+
+    def partition(c, groups):
+        parts_i = [_empty_state(br, head_dim) for _ in range(subtiles)]
+        for j in range(per):  # the partition's key blocks, each loaded once
+            kb = c * per + j
+            start = pl.multiple_of(kb * block_k, block_k)
+            k = k_ref[pl.ds(start, block_k), :]
+            v = v_ref[pl.ds(start, block_k), :]
+            parts_i = [_online_softmax(q, k_ref, v_ref, first, last, kb, kb + 1, scale=scale,
+                                       softcap=softcap, block_k=block_k,
+                                       load_kv=lambda _, k=k, v=v: (k, v), init=part)
+                       for (q, first, last), part in zip(tiles, parts_i, strict=True)]
+        return tuple(_fold_one(g, part) for g, part in zip(groups, parts_i, strict=True))
+
+    def one_group(g, totals):
+        c0 = jnp.maximum(lo, g * group)
+        c1 = jnp.minimum(hi, (g + 1) * group)
+        groups = lax.fori_loop(c0, jnp.maximum(c1, c0), partition,
+                               tuple(_empty_state(br, head_dim) for _ in range(subtiles)))
+        return tuple(_fold_one(t, gs) for t, gs in zip(totals, groups, strict=True))
+
+    totals = lax.fori_loop(lax.div(lo, group), lax.div(hi + group - 1, group), one_group,
+                           tuple(_empty_state(br, head_dim) for _ in range(subtiles)))
+    for i, (_, denom, acc) in enumerate(totals):
+        o_ref[pl.ds(i * br, br), :] = _normalize(denom, acc).astype(o_ref.dtype)
+
+
 def _fold_partials(load, parts: int, first, last, split: int, head_dim: int,
                    unroll: int = FOLD_UNROLL, span=None):
     """(m [R], denom [R], acc [R, D]) of the partials `load(c)` -> (m, l, acc) of
@@ -301,14 +375,7 @@ def _fold_partials(load, parts: int, first, last, split: int, head_dim: int,
     `_combine_kernel`), `unroll` loads a step. `span` = (c0, n) folds only partitions
     c0 .. c0 + n - 1 (one group of a two-level fold); the others fold as the empty state."""
 
-    def fold(carry, part):
-        m, denom, acc = carry
-        m_c, l_c, acc_c = part  # [R], [R], [R, D]
-        m_new = jnp.maximum(m, m_c)
-        m_safe = jnp.where(m_new == _NEG_INF, 0.0, m_new)
-        a, b = jnp.exp(m - m_safe), jnp.exp(m_c - m_safe)
-        return m_new, a * denom + b * l_c, a[:, None] * acc + b[:, None] * acc_c
-
+    fold = _fold_one
     u = unroll
     c0, n = span if span is not None else (0, parts)
 
@@ -511,7 +578,8 @@ def _visible_range(q_pos, window, group: int, num_rows: int):
     return first, last
 
 
-_STATIC = ("scale", "softcap", "interpret", "config", "split", "split_rows", "fused_fold")
+_STATIC = ("scale", "softcap", "interpret", "config", "split", "split_rows", "fused_fold",
+           "serial_split")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
@@ -529,6 +597,7 @@ def attention(
     split: int | None = None,
     split_rows: int | None = None,
     fused_fold: bool | None = None,
+    serial_split: bool | None = None,
 ) -> jax.Array:
     """Batch-invariant attention of T queries per sequence against a KV cache.
 
@@ -549,10 +618,13 @@ def attention(
     choice (`fused_fold_tiles`) between split-KV in one launch, whose last-arriving
     partition program per row tile folds the partials, and two kernels: the same
     partials and fold order, so the same bits either way (scheduling only).
+    `serial_split` (if not None) overrides the config's choice (`serial_split_tiles`) of
+    split-KV without partials in memory for calls of many row tiles: the same partials
+    and fold in registers, programs of `serial_subtiles` row tiles sharing K/V loads.
     """
     return _attention(q, k_cache, v_cache, q_pos, window, None, scale=scale, softcap=softcap,
                       interpret=interpret, config=config, split=split, split_rows=split_rows,
-                      fused_fold=fused_fold)[0]
+                      fused_fold=fused_fold, serial_split=serial_split)[0]
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
@@ -571,6 +643,7 @@ def attention_counted(
     split: int | None = None,
     split_rows: int | None = None,
     fused_fold: bool | None = None,
+    serial_split: bool | None = None,
 ) -> tuple[jax.Array, jax.Array | None]:
     """`attention` that also takes and returns the one-launch split-KV path's arrival
     counters: (out [B, T, H, D], counters). The same output bits as `attention`.
@@ -585,11 +658,11 @@ def attention_counted(
     """
     return _attention(q, k_cache, v_cache, q_pos, window, counters, scale=scale,
                       softcap=softcap, interpret=interpret, config=config, split=split,
-                      split_rows=split_rows, fused_fold=fused_fold)
+                      split_rows=split_rows, fused_fold=fused_fold, serial_split=serial_split)
 
 
 def _attention(q, k_cache, v_cache, q_pos, window, counters, *, scale, softcap, interpret,
-               config, split, split_rows, fused_fold):
+               config, split, split_rows, fused_fold, serial_split=None):
     _check_inputs(q, k_cache, v_cache, q_pos, window)
     batch, seq, num_heads, head_dim = q.shape
     _, num_kv_heads, cache_len, _ = k_cache.shape
@@ -610,7 +683,8 @@ def _attention(q, k_cache, v_cache, q_pos, window, counters, *, scale, softcap, 
     q_rows, first, last = query_rows(q, q_pos, window, num_kv_heads, cfg)
     out, counters = attention_rows_counted(q_rows, k_cache, v_cache, first, last, cfg,
                                            counters, scale=float(scale), softcap=softcap,
-                                           interpret=interpret, fused_fold=fused_fold)
+                                           interpret=interpret, fused_fold=fused_fold,
+                                           serial_split=serial_split)
     return rows_to_heads(out, seq, num_heads), counters
 
 
@@ -676,15 +750,23 @@ def attention_rows(q_rows, k_cache, v_cache, first, last, cfg: AttentionConfig, 
 
 def attention_rows_counted(q_rows, k_cache, v_cache, first, last, cfg: AttentionConfig,
                            counters, *, scale: float, softcap: float | None = None,
-                           interpret: bool = False, fused_fold: bool | None = None):
+                           interpret: bool = False, fused_fold: bool | None = None,
+                           serial_split: bool | None = None):
     """`attention_rows` with the arrival counters of `attention_counted`: -> (out,
     counters)."""
     batch, num_kv_heads, padded_rows, head_dim = q_rows.shape
     cache_len = k_cache.shape[2]
     block_rows = cfg.split_rows if cfg.split else cfg.block_rows
     if cfg.split:
+        tiles = batch * (padded_rows // block_rows)
+        if serial_split is None:
+            serial_split = 0 < cfg.serial_split_tiles <= tiles
+        if serial_split:
+            return _serial_split_attention(q_rows, k_cache, v_cache, first, last, cfg,
+                                           scale=float(scale), softcap=softcap,
+                                           interpret=interpret), counters
         if fused_fold is None:
-            fused_fold = batch * (padded_rows // block_rows) <= cfg.fused_fold_tiles
+            fused_fold = tiles <= cfg.fused_fold_tiles
         if fused_fold:
             return _fused_split_attention(q_rows, k_cache, v_cache, first, last, cfg,
                                           counters, scale=float(scale), softcap=softcap,
@@ -713,6 +795,38 @@ def attention_rows_counted(q_rows, k_cache, v_cache, first, last, cfg: Attention
             name="jspec_attention",
         )(q_rows, k_cache, v_cache, first, last)  # [B, Hkv, Rp, D]
     return out, counters
+
+
+def _serial_split_attention(q_rows, k_cache, v_cache, first, last, cfg: AttentionConfig, *,
+                            scale: float, softcap: float | None, interpret: bool):
+    """Split-KV in one launch without partials (`_serial_split_kernel`): a program per
+    (batch, kv head, `cfg.serial_subtiles` split row tiles); rows padded to whole
+    programs and cut back -> [B, Hkv, Rp, D]."""
+    batch, num_kv_heads, rows, head_dim = q_rows.shape
+    cache_len = k_cache.shape[2]
+    rp = cfg.split_rows * cfg.serial_subtiles
+    padded = pl.cdiv(rows, rp) * rp
+    if padded != rows:  # padding rows see nothing (first 0 > last -1) and output 0
+        q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, padded - rows), (0, 0)))
+        first = jnp.pad(first, ((0, 0), (0, padded - rows)), constant_values=0)
+        last = jnp.pad(last, ((0, 0), (0, padded - rows)), constant_values=-1)
+    row_spec = pl.BlockSpec((None, None, rp, head_dim), lambda b, h, r: (b, h, r, 0))
+    kv_spec = pl.BlockSpec((None, None, cache_len, head_dim), lambda b, h, r: (b, h, 0, 0))
+    pos_spec = pl.BlockSpec((None, rp), lambda b, h, r: (b, r))
+    out = pl.pallas_call(
+        functools.partial(_serial_split_kernel, scale=scale, softcap=softcap,
+                          block_k=cfg.block_k, split=cfg.split, fold_group=cfg.fold_group,
+                          subtiles=cfg.serial_subtiles),
+        grid=(batch, num_kv_heads, padded // rp),
+        in_specs=[row_spec, kv_spec, kv_spec, pos_spec, pos_spec],
+        out_specs=row_spec,
+        out_shape=jax.ShapeDtypeStruct(q_rows.shape, q_rows.dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps,
+                                             num_stages=cfg.num_stages),
+        interpret=interpret,
+        name="jspec_attention_serial_split",
+    )(q_rows, k_cache, v_cache, first, last)
+    return out[:, :, :rows]
 
 
 def _partition_in_specs(br: int, head_dim: int, cache_len: int) -> list:
@@ -928,7 +1042,7 @@ def _plain_attention(q, k_cache, v_cache, q_pos, window, *, scale, softcap, upca
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "softcap", "split", "split_rows",
-                                             "fused_fold"))
+                                             "fused_fold", "serial_split"))
 def attention_reference(
     q: jax.Array,  # [B, T, H, D]
     k_cache: jax.Array,  # [B, Hkv, S, D]
@@ -941,19 +1055,21 @@ def attention_reference(
     split: int | None = None,
     split_rows: int | None = None,
     fused_fold: bool | None = None,
+    serial_split: bool | None = None,
 ) -> jax.Array:
     """Plain-jnp attention: full softmax over all S keys with the same mask, all in f32
-    with IEEE f32 dots (`split`, `split_rows` and `fused_fold` are accepted for the backends' common
-    signature and ignored). The accurate reference the kernel is checked against; XLA picks the
-    reduction order per shape, so it is not invariant to T, B or S.
+    with IEEE f32 dots (`split`, `split_rows`, `fused_fold` and `serial_split` are accepted
+    for the backends' common signature and ignored). The accurate reference the kernel is
+    checked against; XLA picks the reduction order per shape, so it is not invariant to T,
+    B or S.
     """
-    del split, split_rows, fused_fold
+    del split, split_rows, fused_fold, serial_split
     return _plain_attention(q, k_cache, v_cache, q_pos, window, scale=scale,
                             softcap=softcap, upcast=True).astype(q.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "softcap", "split", "split_rows",
-                                             "fused_fold"))
+                                             "fused_fold", "serial_split"))
 def attention_xla(
     q: jax.Array,  # [B, T, H, D]
     k_cache: jax.Array,  # [B, Hkv, S, D]
@@ -966,12 +1082,13 @@ def attention_xla(
     split: int | None = None,
     split_rows: int | None = None,
     fused_fold: bool | None = None,
+    serial_split: bool | None = None,
 ) -> jax.Array:
     """The `xla` backend's attention, as a plain JAX model writes it: q @ k and p @ v in
     the cache dtype with f32 accumulation, the softmax in f32, p cast to the value dtype
     (as the kernel does). Same mask and padding rules as `attention_reference`; for f32
     caches the two are the same function. Not invariant (XLA picks reduction orders).
     """
-    del split, split_rows, fused_fold
+    del split, split_rows, fused_fold, serial_split
     return _plain_attention(q, k_cache, v_cache, q_pos, window, scale=scale,
                             softcap=softcap, upcast=False)

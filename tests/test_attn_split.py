@@ -86,6 +86,24 @@ def _split_row_tile(jaxpr) -> int | None:
     return None
 
 
+def test_serial_split_logits_schedule_invariant():
+    # attn_serial_split: every split-KV call keeps its partials in registers (programs of
+    # two row tiles over every partition): P within that path, prefill == steps == blocks
+    # == verify blocks == a doubled cache (bits against the two kernels: the device's).
+    model, seq = model_and_tokens("gemma3", N, seed=11)
+    model = with_options(model, attn_split=SPLIT, attn_serial_split=True)
+    counts = eqn_counts(jax.make_jaxpr(apply)(model, jnp.zeros((1, 9), jnp.int32),
+                                                 init_cache(model, 1, MAX_LEN)).jaxpr)
+    assert counts["pallas_call:jspec_attention_serial_split"] == model.config.num_layers
+    want = parity.schedule_logits(model, [seq], parity.prefill_schedule(N), MAX_LEN, seed=1)[0]
+    for label, steps in [("serial", parity.serial_schedule(N)),
+                         ("verify k=4", parity.verify_schedule(N, 4, prefix=2, seed=2))]:
+        got = parity.schedule_logits(model, [seq], steps, MAX_LEN, seed=1)[0]
+        assert np.array_equal(bits(got), bits(want)), label
+    with pytest.raises(ValueError, match="attn_serial_split=1 must be a bool"):
+        with_options(model, attn_serial_split=1)
+
+
 def test_split_kernels_run_and_size_is_checked(case):
     model, _ = case
     model = with_options(model, attn_fused_fold=False)  # two kernels (default: by row tiles)

@@ -141,6 +141,20 @@ def test_two_level_fold_lowers_for_the_h200(batch, tokens, kernels):
     assert f"tensor<{batch}x8x4x" in text  # the groups' partials
 
 
+def test_serial_split_lowers_for_the_h200():
+    # A 2,048-token prefill chunk's split-KV without partials in memory (programs of two
+    # 16-row tiles over 64 partitions in 4 fold groups).
+    from pallas_kernels.attention import attention
+
+    q = jax.ShapeDtypeStruct((1, 2048, 32, 128), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, 8, 8192, 128), jnp.bfloat16)
+    pos = jax.ShapeDtypeStruct((1, 2048), jnp.int32)
+    text = _lower(functools.partial(attention, scale=1.0, serial_split=True), q, kv, kv, pos,
+                  jnp.int32(0))
+    assert 'name = "jspec_attention_serial_split"' in text
+    assert "jspec_attention_split" not in text.replace("jspec_attention_serial_split", "")
+
+
 def test_top_p_lowers_for_the_h200():
     x = jax.ShapeDtypeStruct((8, 151936), jnp.float32)
     text = _lower(functools.partial(top_p_kept, top_p=0.9, interpret=False), x)

@@ -392,6 +392,34 @@ def test_two_level_fold_counters():
         attention_counted(q, k, v, qp, jnp.int32(0), jnp.zeros((tiles,), jnp.int32), **kw)
 
 
+@pytest.mark.parametrize("subtiles", [2, 3])
+def test_serial_split_is_invariant_and_accurate(subtiles):
+    """Split-KV without partials in memory (`serial_split`: programs of several row tiles
+    walk every partition, folding in registers in two levels): every row of a call with
+    windows, garbage past its keys, a ragged batch or another cache capacity is bitwise
+    the same row alone, and within f32 rounding of the reference. (That its bits equal
+    the two split kernels' is the device's to show: XLA CPU contracts the in-register
+    fold's arithmetic otherwise than the fold of loaded partials, so interpret mode
+    differs from them in the last bit.)"""
+    cfg = dataclasses.replace(attention_config(D, H // HKV, jnp.float32, INTERPRET),
+                              split=SPLIT, serial_subtiles=subtiles)
+    kw = dict(config=cfg, serial_split=True)
+
+    def alone(p, window=0):
+        return _attn([[p]], window=window, fill="zeros", **kw)[0, 0]
+
+    for window, pos in ((0, [list(range(100, 120))]),
+                        (37, [[3, 4, 5, 250, 251, 252], [60, 61, 62, -1, -1, -1]])):
+        out = _attn(pos, window=window, **kw)
+        for (b, t), p in np.ndenumerate(np.asarray(pos)):
+            want = alone(p, window) if p >= 0 else np.zeros((H, D), np.float32)
+            assert np.array_equal(out[b, t], want), (p, window)
+        ref = _attn(pos, window=window, fn=attention_reference)
+        np.testing.assert_allclose(out, ref, atol=1e-5, rtol=1e-5)
+    out = _attn([[29, 30, 31, 32]], cache_len=64, fill="zeros", **kw)
+    assert np.array_equal(out, _attn([[29, 30, 31, 32]], **kw))
+
+
 def test_split_size_is_checked():
     for bad in (BLOCK_K + 1, -BLOCK_K):
         with pytest.raises(ValueError, match="split-KV partition size"):
