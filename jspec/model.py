@@ -300,7 +300,8 @@ def moe_block(ops, model: Model, lp, h, rows: int):
     experts (lowest id on ties) and their weights; each row is repeated once per slot and
     goes through its expert's gate/up and down by `ops.grouped_matmul` (gate/up and the
     GLU in one kernel when `fuse_glu`: bitwise the same), whose result for a row depends on
-    that row and the expert's weights only; `combine` adds a row's k expert outputs left to
+    that row and the expert's weights only (with `fuse_glu`, `ops.grouped_mlp` lays the
+    rows out by expert once for both); `combine` adds a row's k expert outputs left to
     right in f32.
     """
     cfg, opt = model.config, model.options
@@ -311,15 +312,15 @@ def moe_block(ops, model: Model, lp, h, rows: int):
                         schedule=opt.matmul_schedule)  # [M, E]
     weights, ids = route(logits, k, norm_topk_prob=cfg.norm_topk_prob)  # [M, k] each
     expert = ids.reshape(-1)  # [M k]: row r's slots at r*k .. r*k + k - 1
-    xr = jnp.repeat(x, k, axis=0)  # [M k, D]
-    if opt.fuse_glu and opt.backend == "pallas":
-        a = ops.grouped_matmul_glu(xr, lp["w_gate_up"], expert,
-                                   activation=cfg.activation)  # [M k, Fe]
+    if opt.fuse_glu and opt.backend == "pallas":  # one layout for both grouped kernels
+        y = ops.grouped_mlp(x, lp["w_gate_up"], lp["w_down"], expert,
+                            activation=cfg.activation)  # [M k, D] f32
     else:
+        xr = jnp.repeat(x, k, axis=0)  # [M k, D]
         gu = ops.grouped_matmul(xr, lp["w_gate_up"], expert, out_dtype=h.dtype)  # [M k, 2Fe]
         gate, up = jnp.split(gu, 2, axis=-1)
         a = ops.glu(gate, up, activation=cfg.activation)  # [M k, Fe]
-    y = ops.grouped_matmul(a, lp["w_down"], expert, out_dtype=jnp.float32)  # [M k, D]
+        y = ops.grouped_matmul(a, lp["w_down"], expert, out_dtype=jnp.float32)  # [M k, D]
     out = combine(y.reshape(rows, k, D), weights).astype(h.dtype)  # [M, D]
     return pad_axis(out, 0, Mp)  # [Mp, D]: the padding rows stay exact zeros
 

@@ -42,6 +42,8 @@ from pallas_kernels.moe import (
     grouped_matmul_glu,
     grouped_matmul_glu_reference,
     grouped_matmul_reference,
+    grouped_mlp,
+    grouped_mlp_reference,
 )
 from pallas_kernels.mosaic import matmul as mosaic_matmul
 from pallas_kernels.mosaic import matmul_glu as mosaic_matmul_glu
@@ -81,7 +83,10 @@ class Ops(NamedTuple):
       pallas backend (rule R9; `pallas_kernels.moe`, whose `route` and `combine` both
       backends share);
     grouped_matmul_glu(x [R,K], w [E,K,2F], expert [R], activation) -> [R,F] x.dtype:
-      glu of grouped_matmul's halves, bitwise, in one kernel."""
+      glu of grouped_matmul's halves, bitwise, in one kernel.
+    grouped_mlp(x [M,D], w_gate_up [E,D,2F], w_down [E,F,D], expert [M k], activation)
+      -> [M k, D] f32: grouped_matmul_glu then grouped_matmul over x's rows repeated per
+      slot, bitwise, on one layout of the rows by expert."""
 
     matmul: Callable
     matmul_partials: Callable
@@ -98,6 +103,7 @@ class Ops(NamedTuple):
     tree_attention: Callable
     grouped_matmul: Callable
     grouped_matmul_glu: Callable
+    grouped_mlp: Callable
 
 
 def _passing_counters(attention_fn: Callable) -> Callable:
@@ -151,6 +157,7 @@ def get_ops(backend: str, interpret: bool = False, lowering: str = "triton") -> 
             tree_attention=tree_attention_xla,
             grouped_matmul=grouped_matmul_reference,
             grouped_matmul_glu=grouped_matmul_glu_reference,
+            grouped_mlp=grouped_mlp_reference,
         )
     if backend == "pallas":
         def p(fn, interpret):
@@ -176,6 +183,7 @@ def get_ops(backend: str, interpret: bool = False, lowering: str = "triton") -> 
             tree_attention=p(tree_attention, interpret=interpret),
             grouped_matmul=p(grouped_matmul, interpret=interpret),
             grouped_matmul_glu=p(grouped_matmul_glu, interpret=interpret),
+            grouped_mlp=p(grouped_mlp, interpret=interpret),
         )
     raise ValueError(f"{backend=}; expected 'xla' or 'pallas'")
 

@@ -191,12 +191,16 @@ def tile_layout(expert: jax.Array, E: int, bm: int
     return dest.astype(jnp.int32), tile_expert.astype(jnp.int32), src
 
 
-def _expert_k_loop(e, src_ref, x_ref, w_ref, *, bk: int, nk: int, bn: int):
+def _expert_k_loop(e, src_ref, x_ref, w_ref, *, bk: int, nk: int, bn: int,
+                   row_div: int = 1):
     """[bm, bn] f32: the tile's rows (src_ref) of x_ref [R, Kp] times expert e's block
     w_ref [E, Kp, bn], k = 0, 1, ..., nk-1 in bk blocks, sequentially (R2: the K order is
-    fixed by K and bk). Empty slots (src -1) read exact zeros."""
+    fixed by K and bk). Empty slots (src -1) read exact zeros. row_div > 1: slot source s
+    reads x row s // row_div (a token's k routed copies read the token's one row)."""
     src = src_ref[...]  # [bm]
     rows, real = jnp.maximum(src, 0), (src >= 0)[:, None]  # [bm], [bm, 1]
+    if row_div > 1:
+        rows = rows // row_div
 
     def step(k, acc):  # acc [bm, bn] f32
         xs = x_ref[rows, pl.ds(k * bk, bk)]  # [bm, bk] gathered: the tile's rows
@@ -208,19 +212,21 @@ def _expert_k_loop(e, src_ref, x_ref, w_ref, *, bk: int, nk: int, bn: int):
     return lax.fori_loop(0, nk, step, jnp.zeros((src.shape[0], bn), jnp.float32))
 
 
-def _grouped_kernel(e_ref, src_ref, x_ref, w_ref, o_ref, *, bk: int, nk: int):
+def _grouped_kernel(e_ref, src_ref, x_ref, w_ref, o_ref, *, bk: int, nk: int,
+                    row_div: int = 1):
     # e_ref [1] int32: the tile's expert (-1: unused tile); src_ref [bm] int32: the row of
     # x in each slot (-1: none); x_ref [R, Kp]; w_ref [E, Kp, bn]; o_ref [bm, bn].
     e = jnp.max(e_ref[...])
 
     @pl.when(e >= 0)
     def _():
-        acc = _expert_k_loop(e, src_ref, x_ref, w_ref, bk=bk, nk=nk, bn=o_ref.shape[1])
+        acc = _expert_k_loop(e, src_ref, x_ref, w_ref, bk=bk, nk=nk, bn=o_ref.shape[1],
+                             row_div=row_div)
         o_ref[...] = acc.astype(o_ref.dtype)
 
 
 def _grouped_glu_kernel(e_ref, src_ref, x_ref, wg_ref, wu_ref, o_ref, *, bk: int, nk: int,
-                        activation: str):
+                        activation: str, row_div: int = 1):
     # `_grouped_kernel` with the gate and up column blocks j of w [E, Kp, 2F]: both
     # rounded to the dtype, then `glu`'s arithmetic (`matmul_glu`'s tile).
     e = jnp.max(e_ref[...])
@@ -228,8 +234,10 @@ def _grouped_glu_kernel(e_ref, src_ref, x_ref, wg_ref, wu_ref, o_ref, *, bk: int
 
     @pl.when(e >= 0)
     def _():
-        gate = _expert_k_loop(e, src_ref, x_ref, wg_ref, bk=bk, nk=nk, bn=bn).astype(dtype)
-        up = _expert_k_loop(e, src_ref, x_ref, wu_ref, bk=bk, nk=nk, bn=bn).astype(dtype)
+        gate = _expert_k_loop(e, src_ref, x_ref, wg_ref, bk=bk, nk=nk, bn=bn,
+                              row_div=row_div).astype(dtype)
+        up = _expert_k_loop(e, src_ref, x_ref, wu_ref, bk=bk, nk=nk, bn=bn,
+                            row_div=row_div).astype(dtype)
         o_ref[...] = _glu_tile(gate, up, activation)
 
 
@@ -238,11 +246,19 @@ def _launch(kernel, x, w, expert, cfg: MatmulConfig, n_out: int, out_dtype, w_bl
     """Runs `kernel` over the expert-sorted row tiles x column blocks of n_out columns;
     w_blocks: the column-block index of each weight operand for column block j. Returns
     the [R, n_out] rows in their original order."""
-    R, K = x.shape
+    dest, tile_expert, src = tile_layout(expert.astype(jnp.int32), w.shape[0], cfg.bm)
+    return _launch_sorted(kernel, x, w, tile_expert, src, cfg, n_out, out_dtype, w_blocks,
+                          interpret, name)[dest]
+
+
+def _launch_sorted(kernel, x, w, tile_expert, src, cfg: MatmulConfig, n_out: int, out_dtype,
+                   w_blocks, interpret: bool, name: str, row_div: int = 1):
+    """`_launch` on a given layout (`tile_layout`'s tile_expert [T] and src [T bm]; slot
+    s reads x row src[s] // row_div): the [T bm, n_out] rows in slot order."""
+    K = x.shape[1]
     E = w.shape[0]
     bm = cfg.bm
-    T = num_tiles(R, E, bm)
-    dest, tile_expert, src = tile_layout(expert.astype(jnp.int32), E, bm)
+    T = tile_expert.shape[0]
     kp = round_up(K, cfg.bk)
     # Zero padding: extra K terms add exact zeros at the end of the sum; the empty slots
     # after each group's last row read zero rows, and their outputs are never read.
@@ -250,14 +266,15 @@ def _launch(kernel, x, w, expert, cfg: MatmulConfig, n_out: int, out_dtype, w_bl
     wp = pad_axis(pad_axis(w, 1, kp), 2, round_up(w.shape[2], cfg.bn))  # [E, Kp, Np]
     w_specs = [pl.BlockSpec((E, kp, cfg.bn), lambda i, j, b=b: (0, 0, b(j)))
                for b in w_blocks]
-    out = pl.pallas_call(
-        functools.partial(kernel, bk=cfg.bk, nk=kp // cfg.bk),
+    extra = {"row_div": row_div} if row_div > 1 else {}
+    return pl.pallas_call(
+        functools.partial(kernel, bk=cfg.bk, nk=kp // cfg.bk, **extra),
         out_shape=jax.ShapeDtypeStruct((T * bm, n_out), out_dtype),
         grid=(T, n_out // cfg.bn),
         in_specs=[
             pl.BlockSpec((1,), lambda i, j: (i,)),
             pl.BlockSpec((bm,), lambda i, j: (i,)),
-            pl.BlockSpec((R, kp), lambda i, j: (0, 0)),
+            pl.BlockSpec((x.shape[0], kp), lambda i, j: (0, 0)),
             *w_specs,
         ],
         out_specs=pl.BlockSpec((bm, cfg.bn), lambda i, j: (i, j)),
@@ -265,7 +282,6 @@ def _launch(kernel, x, w, expert, cfg: MatmulConfig, n_out: int, out_dtype, w_bl
         interpret=interpret,
         name=name,
     )(tile_expert, src, xp, *([wp] * len(w_blocks)))
-    return out[dest]
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "interpret", "config"))
@@ -318,6 +334,64 @@ def grouped_matmul_glu(x: jax.Array, w: jax.Array, expert: jax.Array, *, activat
     kernel = functools.partial(_grouped_glu_kernel, activation=activation)
     return _launch(kernel, x, w, expert, cfg, F, x.dtype, [lambda j: j, lambda j: j + nf],
                    interpret, "jspec_grouped_matmul_glu")
+
+
+@functools.partial(jax.jit, static_argnames=("activation", "interpret"))
+def grouped_mlp(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, expert: jax.Array, *,
+                activation: str, interpret: bool = False) -> jax.Array:
+    """A mixture of experts' expert MLPs: x [M, D] (tokens), expert [M k] (token m's k
+    routed experts at m k .. m k + k - 1), w_gate_up [E, D, 2F], w_down [E, F, D] ->
+    [M k, D] f32, bitwise `grouped_matmul(grouped_matmul_glu(repeat(x, k), w_gate_up,
+    expert), w_down, expert, out_dtype=f32)`: the same kernels, tiles and K loops, and a
+    row's result never depends on the slot it sits in (R9). The rows are laid out by
+    expert once: the gate/up kernel reads each slot's token row of x itself (no
+    repeated copy of x), its output stays in slot order for the down kernel, and one
+    gather puts the rows back. Shapes whose two tilings differ in row tile run the
+    composition."""
+    if x.ndim != 2 or expert.ndim != 1 or x.shape[0] == 0 or expert.shape[0] % x.shape[0]:
+        raise ValueError(f"grouped_mlp wants x [M, D] (M > 0) and expert [M k]; got "
+                         f"{x.shape=} {expert.shape=}")
+    M, R = x.shape[0], expert.shape[0]
+    _check_grouped(x, w_gate_up, expert[:M])
+    k = R // M
+    E, D, F = w_gate_up.shape[0], w_gate_up.shape[1], w_gate_up.shape[2] // 2
+    if w_down.shape != (E, F, D) or w_down.dtype != x.dtype:
+        raise ValueError(f"grouped_mlp wants w_down [E, F, D] = {(E, F, D)} in {x.dtype}; got "
+                         f"{w_down.shape=} {w_down.dtype=}")
+    cfg_gu = grouped_config(E, D, 2 * F, w_gate_up.dtype, interpret)
+    cfg_dn = grouped_config(E, F, D, w_down.dtype, interpret)
+    if cfg_gu.bm != cfg_dn.bm:
+        a = grouped_matmul_glu(jnp.repeat(x, k, axis=0), w_gate_up, expert,
+                               activation=activation, interpret=interpret)
+        return grouped_matmul(a, w_down, expert, out_dtype=jnp.float32, interpret=interpret)
+    dest, tile_expert, src = tile_layout(expert.astype(jnp.int32), E, cfg_gu.bm)
+    if F % cfg_gu.bn == 0:  # gate/up and the GLU in one kernel (`grouped_matmul_glu`)
+        nf = F // cfg_gu.bn
+        a = _launch_sorted(functools.partial(_grouped_glu_kernel, activation=activation), x,
+                           w_gate_up, tile_expert, src, cfg_gu, F, x.dtype,
+                           [lambda j: j, lambda j: j + nf], interpret,
+                           "jspec_grouped_matmul_glu", row_div=k)  # [T bm, F], slot order
+    else:  # its unfused path: the grouped matmul, then `glu` (row-local, elementwise)
+        gu = _launch_sorted(_grouped_kernel, x, w_gate_up, tile_expert, src, cfg_gu,
+                            round_up(2 * F, cfg_gu.bn), x.dtype, [lambda j: j], interpret,
+                            "jspec_grouped_matmul", row_div=k)[:, :2 * F]
+        gate, up = jnp.split(gu, 2, axis=-1)
+        a = glu(gate, up, activation=activation, interpret=interpret)  # [T bm, F]
+    slots = jnp.where(src >= 0, jnp.arange(src.shape[0], dtype=jnp.int32), -1)
+    y = _launch_sorted(_grouped_kernel, a, w_down, tile_expert, slots, cfg_dn,
+                       round_up(D, cfg_dn.bn), jnp.float32, [lambda j: j], interpret,
+                       "jspec_grouped_matmul")  # [T bm, Dp]
+    return y[dest, :D]
+
+
+def grouped_mlp_reference(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array,
+                          expert: jax.Array, *, activation: str) -> jax.Array:
+    """The `xla` backend's expert MLPs (NOT row-invariant): the reference grouped GLU and
+    grouped matmul over the token rows repeated per slot."""
+    k = expert.shape[0] // x.shape[0]
+    a = grouped_matmul_glu_reference(jnp.repeat(x, k, axis=0), w_gate_up, expert,
+                                     activation=activation)
+    return grouped_matmul_reference(a, w_down, expert, out_dtype=jnp.float32)
 
 
 def grouped_matmul_reference(x: jax.Array, w: jax.Array, expert: jax.Array, *, out_dtype,

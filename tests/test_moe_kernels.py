@@ -356,3 +356,54 @@ def test_grouped_matmul_glu_lowers_for_the_h200(h200):
     fn = functools.partial(grouped_matmul_glu, activation="silu")
     text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert set(re.findall(r'name = "(jspec_[a-z_0-9]*)"', text)) == {"jspec_grouped_matmul_glu"}
+
+
+# --------------------------------------------------------------------------- one layout
+
+
+@pytest.mark.parametrize("m,k,routing,F", [(1, 8, "spread", 512), (13, 2, "one", 512),
+                                           (6, 3, "spread", 64), (21, 2, "two", 512)])
+def test_grouped_mlp_is_the_two_grouped_kernels_bitwise(m, k, routing, F):
+    # grouped_mlp lays the rows out by expert once: the gate/up kernel reads each slot's
+    # token row itself, its output stays in slot order for the down kernel. Every row
+    # equals the composition over the repeated rows, bit for bit: routings of one token
+    # a slot each, every slot on one expert, and two experts for all (empty experts);
+    # F = 512 with the fused GLU kernel, F = 64 with the grouped matmul and `glu`.
+    from pallas_kernels.moe import grouped_matmul_glu, grouped_mlp, grouped_mlp_reference
+
+    rng = np.random.default_rng(m * k)
+    D = 64
+    x = jnp.asarray(rng.standard_normal((m, D)), jnp.bfloat16)
+    wgu = jnp.asarray(rng.standard_normal((E, D, 2 * F)) * D**-0.5, jnp.bfloat16)
+    wd = jnp.asarray(rng.standard_normal((E, F, D)) * F**-0.5, jnp.bfloat16)
+    ids = {"spread": rng.integers(0, E, m * k), "one": np.full(m * k, 3),
+           "two": rng.choice([1, 6], m * k)}[routing]
+    expert = jnp.asarray(ids, jnp.int32)
+    fn = functools.partial(grouped_mlp, activation="silu", interpret=INTERPRET)
+    got = fn(x, wgu, wd, expert)
+    a = grouped_matmul_glu(jnp.repeat(x, k, axis=0), wgu, expert, activation="silu",
+                           interpret=INTERPRET)
+    want = grouped_matmul(a, wd, expert, out_dtype=jnp.float32, interpret=INTERPRET)
+    _same_bits(got, want, "one layout vs the composition")
+    jaxpr = str(jax.make_jaxpr(fn)(x, wgu, wd, expert))
+    assert jaxpr.count("pallas_call") == 2 + (F == 64)  # the GLU kernel when unfused
+    assert jaxpr.count("cumsum") == str(jax.make_jaxpr(
+        lambda e: tile_layout(e, E, BM))(expert)).count("cumsum")  # one layout
+    ref = grouped_mlp_reference(x, wgu, wd, expert, activation="silu")
+    np.testing.assert_allclose(np.asarray(ref), np.asarray(got), rtol=3e-2, atol=3e-2)
+    with pytest.raises(ValueError, match="grouped_mlp wants x"):
+        fn(x[:0], wgu, wd, expert)
+
+
+def test_grouped_mlp_lowers_for_the_h200(h200):
+    from pallas_kernels.moe import grouped_mlp
+
+    args = (jax.ShapeDtypeStruct((1, 2048), jnp.bfloat16),
+            jax.ShapeDtypeStruct((128, 2048, 2 * 768), jnp.bfloat16),
+            jax.ShapeDtypeStruct((128, 768, 2048), jnp.bfloat16),
+            jax.ShapeDtypeStruct((8,), jnp.int32))
+    fn = functools.partial(grouped_mlp, activation="silu")
+    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert set(re.findall(r'name = "(jspec_[a-z_0-9]*)"', text)) == {
+        "jspec_grouped_matmul_glu", "jspec_grouped_matmul"}
+    assert "stablehlo.pad" not in text
