@@ -6,7 +6,7 @@
 # kernels_fused spec sweep tuned e2e e2e_b1 e2e_b8 e2e_peers e2e_draftpallas e2e_decompose train pair
 # pair_eval schedsweep attnsweep train_head parity_trees kernels_trees main pair_head
 # e2e_session tree_sweep parity_long parity_long_xla context_bench context_bench_128k
-# e2e_batch moe_cost moe_parity moe_e2e tallsweep
+# e2e_batch moe_cost moe_parity moe_e2e tallsweep serial_split
 # (default: parity audit kernels spec).
 # - parity_long: the long-context lane of the parity matrix (pallas): a chunked prefill to
 #   depth, then one-token steps, blocks, verify blocks of 1-32 and trees of 16 and 32
@@ -33,6 +33,9 @@
 #   $MOE_INTERPRET (non-empty: Pallas interpret mode) resize them (tests/test_moe_bench.py
 #   runs the three at tiny-qwen3-moe on a CPU); $MOE_COST_S, $MOE_PARITY_S, $MOE_E2E_S
 #   bound them.
+# - serial_split: split-KV without partials in memory (attn_serial_split, off by default):
+#   bench_kernels steps after an 8K prompt with it on, checked bitwise against the
+#   default; the long parity lane with it on; the prefill's time at 32K and 128K (~12 min).
 # - tallsweep: tuning/sweep_schedule.py --tall, the schedules of launches of more than 64
 #   rows (verify blocks at batch 32-64, prefill chunks), merged into the device copy's
 #   pallas_kernels/matmul_tuned.json (a copy comes back in $OUT) so the lane's later steps
@@ -234,6 +237,18 @@ for s in $steps; do
               --iters=10 --noops \
               --options=${FUSED_OPTIONS:-plain} \
               --out="$OUT" --tag=fused 2>&1 | quiet | tail -30 ;;
+    serial_split) # attn_serial_split: steps after an 8K prompt (one unchunked forward, whose
+              # split partials bound the context) bitwise against the default
+              timeout 200 python3 experiments/bench_kernels.py --preset=llama3-8b --layers=4 \
+                --batches=1,8 --gammas=4 --context=8192 --iters=5 --noops \
+                --options=attn_serial_split=1 --out="$OUT" --tag=serial 2>&1 | quiet | tail -8
+              timeout "${PARITY_S:-300}" python3 experiments/gpu_parity.py --models=llama3-8b:4 \
+                --contexts=32768,131072 --window=48 --trees=16 --backends=pallas \
+                --options=attn_serial_split=1 --tag=long_serial --out="$OUT" 2>&1 | quiet \
+                | tail -14
+              timeout "${CONTEXT_S:-300}" python3 experiments/bench_context.py --preset=llama3-8b \
+                --contexts=32768,131072 --xla_contexts= --iters=1 --decode_steps=4 \
+                --options=attn_serial_split=1 --tag=serial --out="$OUT" 2>&1 | quiet | tail -4 ;;
     schedsweep) timeout "${SCHED_S:-240}" python3 experiments/tuning/sweep_schedule.py --out="$OUT" \
               --budget_s="$(( ${SCHED_S:-240} - 60 ))" ${SCHED_FLAGS:-} 2>&1 | quiet \
               | grep -v "it/s" | tail -12 ;;
