@@ -272,8 +272,8 @@ def test_a_forward_zeroes_the_counters_once(draft):
               else "jspec_attention_fused")
     assert counts["pallas_call:" + kernel] == model.config.num_layers, counts
     tiles = model.config.num_kv_heads  # batch 1, one row tile a kv head
-    # The model's kernel folds in two levels (4 partitions of the 128-slot cache, fold
-    # groups of 2: a counter per tile and per group of each); the draft's one level.
-    n = tiles if kernel == "jspec_draft_qk_rope_attention" else tiles * (1 + 2)
+    # Both kernels fold in two levels here (4 partitions of the 128-slot cache, fold
+    # groups of 2): a counter per tile and per group of each.
+    n = tiles * (1 + 2)
     assert init_cache(model, 1, MAX_LEN).k[0].shape[2] == 4 * SPLIT
     assert _zero_counter_arrays(j.jaxpr, (n,)) == 1

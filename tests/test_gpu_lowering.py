@@ -69,14 +69,15 @@ def test_model_forward_lowers_for_the_h200(preset, batch, tokens):
     assert "-> tensor<64x4096xbf16>" not in text
 
 
-@pytest.mark.parametrize("preset,tokens,one_kernel", slow_except(
-    [("gemma3-4b", 2, True), ("qwen3-0.6b", 1, False)],
-    ["qwen3-0.6b", "gemma3-4b"], [1, 2], [True, False]))
-def test_fused_draft_lowers_for_the_h200(preset, tokens, one_kernel):
+@pytest.mark.parametrize("preset,tokens,one_kernel,slots", slow_except(
+    [("gemma3-4b", 2, True, 256), ("qwen3-0.6b", 1, False, 256), ("qwen3-0.6b", 1, True, 8192)],
+    ["qwen3-0.6b", "gemma3-4b"], [1, 2], [True, False], [256, 8192]))
+def test_fused_draft_lowers_for_the_h200(preset, tokens, one_kernel, slots):
     # DraftOptions.fused (a draft on the xla backend): five Pallas kernels a layer, the K/V cache
     # written in place by qk_rope_attention (aliased buffers), its output laid out as
     # attention rows, wo reading them in place; with rope_attention off six, the
-    # cache written by qk_rope_write and q laid out for the split-KV kernel.
+    # cache written by qk_rope_write and q laid out for the split-KV kernel. At 8,192
+    # slots the one kernel folds in two levels (4 groups of 16 partitions).
     from jspec import fused_draft
 
     model = _abstract_model(preset)
@@ -84,10 +85,12 @@ def test_fused_draft_lowers_for_the_h200(preset, tokens, one_kernel):
                           draft_options=DraftOptions(fused=True, rope_attention=one_kernel))
     model = model.replace(params=jax.eval_shape(lambda p: fused_draft._swap(p, True),
                                                 model.params))
-    cache = jax.eval_shape(lambda: init_cache(model, 1, 256))
+    cache = jax.eval_shape(lambda: init_cache(model, 1, slots))
     text = _lower(apply, model, jax.ShapeDtypeStruct((1, tokens), jnp.int32), cache)
     names = set(re.findall(r'name = "(jspec_[a-z_0-9]*)"', text))
     two = {"jspec_draft_qk_rope_write", "jspec_attention_fused"}
+    if slots == 8192:
+        assert re.search(r"tensor<1x\d+x4x\d+x\d+xf32>", text)  # the groups' partials
     if one_kernel:
         assert {"jspec_draft_matvec", "jspec_draft_qk_rope_attention"} <= names, names
         assert not two & names, names

@@ -44,6 +44,7 @@ from pallas_kernels.attention import (
     _count_and_fold,
     _online_softmax,
     _partition_blocks,
+    fold_groups,
     row_count,
     split_counters,
 )
@@ -407,16 +408,18 @@ def qk_rope_write(qkv: jax.Array, q_w: jax.Array | None, k_w: jax.Array | None,
 
 def _qk_rope_attention_kernel(qkv_ref, qw_ref, kw_ref, cos_ref, sin_ref, pos_ref, first_ref,
                               last_ref, k_in, v_in, count_in, count_ref, k_ref, v_ref, m_ref,
-                              l_ref, acc_ref, o_ref, *, t: int, hd: int, num_q: int,
+                              l_ref, acc_ref, *rest, t: int, hd: int, num_q: int,
                               num_k: int, norm: bool, eps: float, offset: float, scale: float,
                               softcap: float | None, block_k: int, split: int,
-                              v_masked_load: bool, fold_unroll: int, interpret: bool):
+                              v_masked_load: bool, fold_unroll: int, interpret: bool,
+                              fold_group: int = 0):
     # Program (b, g, 0, c): kv head g of batch row b, split-KV partition c. qkv [M,
     # (Hq + 2 Hk) hd]; qw, kw [hd]; cos, sin [M, hd/2] f32; pos [M]; first, last [R];
     # k_ref, v_ref [S, hd] of (b, g) (aliased to k_in, v_in); count [tiles] int32
     # (aliased to count_in); partials m, l [B, Hk, P, R], acc [B, Hk, P, R, hd] f32;
     # o [R, hd] (attention rows: row t G + i is token t's query head g G + i).
     del k_in, v_in, count_in
+    *group_refs, o_ref = rest  # the fold groups' buffers (two levels), then o
     ids = tuple(pl.program_id(i) for i in range(4))
     b, g, c = ids[0], ids[1], ids[3]
     half = hd // 2
@@ -458,7 +461,8 @@ def _qk_rope_attention_kernel(qkv_ref, qw_ref, kw_ref, cos_ref, sin_ref, pos_ref
                                     scale=scale, softcap=softcap, block_k=block_k,
                                     v_masked_load=v_masked_load)
     _count_and_fold(ids, m, denom, acc, first, last, count_ref, m_ref, l_ref, acc_ref, o_ref,
-                    split=split, interpret=interpret, unroll=fold_unroll)
+                    split=split, interpret=interpret, unroll=fold_unroll,
+                    fold_group=fold_group, group_refs=tuple(group_refs))
 
 
 def rope_attention_takes(cfg: AttentionConfig, batch: int, tokens: int, group: int) -> bool:
@@ -512,8 +516,13 @@ def qk_rope_attention(qkv: jax.Array, q_w: jax.Array | None, k_w: jax.Array | No
                          f"{first.shape=}, {last.shape=}")
     parts = pl.cdiv(s, cfg.split)
     tiles = b * hk
-    counters = split_counters(counters, tiles)
+    groups = fold_groups(cfg, parts)
+    counters = split_counters(counters, tiles, groups)
+    n_count = counters.shape[0]
     part_shapes = [(b, hk, parts, rows), (b, hk, parts, rows), (b, hk, parts, rows, hd)]
+    if groups > 1:  # the two-level fold's group buffers (`_count_and_fold`)
+        part_shapes += [(b, hk, groups, rows), (b, hk, groups, rows),
+                        (b, hk, groups, rows, hd)]
 
     def whole(shape):
         return pl.BlockSpec(shape, lambda i, g, r, c: (0,) * len(shape))
@@ -527,8 +536,9 @@ def qk_rope_attention(qkv: jax.Array, q_w: jax.Array | None, k_w: jax.Array | No
                           softcap=None if softcap is None else float(softcap),
                           block_k=cfg.block_k, split=cfg.split,
                           v_masked_load=cfg.v_masked_load, fold_unroll=fold_unroll,
-                          interpret=interpret),
-        out_shape=[jax.ShapeDtypeStruct((tiles,), jnp.int32),
+                          interpret=interpret,
+                          fold_group=cfg.fold_group if groups > 1 else 0),
+        out_shape=[jax.ShapeDtypeStruct((n_count,), jnp.int32),
                    jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
                    jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)]
         + [jax.ShapeDtypeStruct(sh, jnp.float32) for sh in part_shapes]
@@ -536,8 +546,8 @@ def qk_rope_attention(qkv: jax.Array, q_w: jax.Array | None, k_w: jax.Array | No
         grid=(b, hk, 1, parts),
         in_specs=[whole((m, width)), whole((hd,)), whole((hd,)), whole((m, hd // 2)),
                   whole((m, hd // 2)), whole((m,)), pos_spec, pos_spec, cache, cache,
-                  whole((tiles,))],
-        out_specs=[whole((tiles,)), cache, cache] + [whole(sh) for sh in part_shapes]
+                  whole((n_count,))],
+        out_specs=[whole((n_count,)), cache, cache] + [whole(sh) for sh in part_shapes]
         + [pl.BlockSpec((None, None, rows, hd), lambda i, g, r, c: (i, g, 0, 0))],
         input_output_aliases={10: 0, 8: 1, 9: 2},
         compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps,
