@@ -679,6 +679,10 @@ def _attention(q, k_cache, v_cache, q_pos, window, counters, *, scale, softcap, 
     if cfg.split < 0 or cfg.split % cfg.block_k:
         raise ValueError(f"split-KV partition size {cfg.split} must be 0 or a positive "
                          f"multiple of block_k={cfg.block_k}")
+    if cfg.fold_group < 0 or cfg.serial_subtiles < 1 or cfg.serial_split_tiles < 0:
+        raise ValueError(f"split-KV fold_group={cfg.fold_group} must be >= 0, "
+                         f"serial_subtiles={cfg.serial_subtiles} >= 1 and "
+                         f"serial_split_tiles={cfg.serial_split_tiles} >= 0")
 
     q_rows, first, last = query_rows(q, q_pos, window, num_kv_heads, cfg)
     out, counters = attention_rows_counted(q_rows, k_cache, v_cache, first, last, cfg,

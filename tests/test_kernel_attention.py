@@ -424,3 +424,7 @@ def test_split_size_is_checked():
     for bad in (BLOCK_K + 1, -BLOCK_K):
         with pytest.raises(ValueError, match="split-KV partition size"):
             _attn([[3]], split=bad)
+    cfg = attention_config(D, H // HKV, jnp.float32, INTERPRET)
+    for bad in (dict(fold_group=-1), dict(serial_subtiles=0)):
+        with pytest.raises(ValueError, match="fold_group=.* must be >= 0"):
+            _attn([[3]], split=SPLIT, config=dataclasses.replace(cfg, **bad))
