@@ -6,7 +6,7 @@
 # kernels_fused spec sweep tuned e2e e2e_b1 e2e_b8 e2e_peers e2e_draftpallas e2e_decompose train pair
 # pair_eval schedsweep attnsweep train_head parity_trees kernels_trees main pair_head
 # e2e_session tree_sweep parity_long parity_long_xla context_bench context_bench_128k
-# e2e_batch moe_cost moe_parity moe_e2e tallsweep serial_split
+# e2e_batch moe_cost moe_parity moe_e2e tallsweep serial_split e2e_context
 # (default: parity audit kernels spec).
 # - parity_long: the long-context lane of the parity matrix (pallas): a chunked prefill to
 #   depth, then one-token steps, blocks, verify blocks of 1-32 and trees of 16 and 32
@@ -33,6 +33,10 @@
 #   $MOE_INTERPRET (non-empty: Pallas interpret mode) resize them (tests/test_moe_bench.py
 #   runs the three at tiny-qwen3-moe on a CPU); $MOE_COST_S, $MOE_PARITY_S, $MOE_E2E_S
 #   bound them.
+# - e2e_context: bench_e2e.py at the Llama-3-8B shape (32 layers), batch 1, prompts of
+#   $CTX_LENS tokens (default 32768; 131072 wants a call of its own: each of its four
+#   prefills takes ~83 s), feature head at a = 0.8 / 0.9 against serial, parity checked
+#   (the draft preset is built, never run: the head drafts).
 # - serial_split: split-KV without partials in memory (attn_serial_split, off by default):
 #   bench_kernels steps after an 8K prompt with it on, checked bitwise against the
 #   default; the long parity lane with it on; the prefill's time at 32K and 128K (~12 min).
@@ -293,6 +297,13 @@ for s in $steps; do
               --prompt_len=512 --max_new_tokens=128 --gammas=4 --accept=0.8 \
               --adaptive=0,1,2,4 --nolookup --nopeers --serial_backends=pallas --iters=2 \
               --out="$OUT" --tag=h200_adaptive 2>&1 | quiet | grep -v "it/s" | tail -30 ;;
+    e2e_context) for ctx in ${CTX_LENS:-32768}; do  # speculative speedup at depth (37.4)
+                timeout "${E2E_CTX_S:-540}" python3 experiments/bench_e2e.py --target=llama3-8b \
+                  --draft=tiny-qwen3:1 --drafter=feature --head_vocab=16384 --batches=1 \
+                  --prompt_len="$ctx" --max_new_tokens=128 --gammas=4 --accept=0.8,0.9 \
+                  --nolookup --nopeers --serial_backends=pallas --iters=1 --out="$OUT" \
+                  --tag="h200_ctx$ctx" 2>&1 | quiet | grep -v "it/s" | tail -10
+              done ;;
     moe_cost) timeout "${MOE_COST_S:-150}" python3 experiments/bench_moe.py \
               --preset="${MOE_PRESET:-qwen3-30b-a3b}" --layers="${MOE_LAYERS:-0}" \
               --batches="${MOE_BATCHES:-1}" --Ts="${MOE_TS:-1,5,2,3,8,9,17,33}" \
