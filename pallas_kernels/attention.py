@@ -392,9 +392,7 @@ def _fold_partials(load, parts: int, first, last, split: int, head_dim: int,
             carry = fold(carry, part)
         return carry
 
-    rows = first.shape[0]
-    init = (jnp.full((rows,), _NEG_INF, jnp.float32), jnp.zeros((rows,), jnp.float32),
-            jnp.zeros((rows, head_dim), jnp.float32))
+    init = _empty_state(first.shape[0], head_dim)
     lo, hi = _block_range(first, last, parts, split)
     if span is not None:
         lo = jnp.maximum(lo, c0)
@@ -758,8 +756,7 @@ def attention_rows_counted(q_rows, k_cache, v_cache, first, last, cfg: Attention
                            serial_split: bool | None = None):
     """`attention_rows` with the arrival counters of `attention_counted`: -> (out,
     counters)."""
-    batch, num_kv_heads, padded_rows, head_dim = q_rows.shape
-    cache_len = k_cache.shape[2]
+    batch, _, padded_rows, _ = q_rows.shape
     block_rows = cfg.split_rows if cfg.split else cfg.block_rows
     if cfg.split:
         tiles = batch * (padded_rows // block_rows)
@@ -783,22 +780,31 @@ def attention_rows_counted(q_rows, k_cache, v_cache, first, last, cfg: Attention
             _attention_kernel, scale=float(scale), softcap=softcap, block_k=cfg.block_k,
             v_masked_load=cfg.v_masked_load,
         )
-        row_spec = pl.BlockSpec((None, None, cfg.block_rows, head_dim),
-                                lambda b, h, r: (b, h, r, 0))
-        kv_spec = pl.BlockSpec((None, None, cache_len, head_dim), lambda b, h, r: (b, h, 0, 0))
-        pos_spec = pl.BlockSpec((None, cfg.block_rows), lambda b, h, r: (b, r))
-        out = pl.pallas_call(
-            kernel,
-            grid=(batch, num_kv_heads, padded_rows // cfg.block_rows),
-            in_specs=[row_spec, kv_spec, kv_spec, pos_spec, pos_spec],
-            out_specs=row_spec,
-            out_shape=jax.ShapeDtypeStruct(q_rows.shape, q_rows.dtype),
-            compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps,
-                                                 num_stages=cfg.num_stages),
-            interpret=interpret,
-            name="jspec_attention",
-        )(q_rows, k_cache, v_cache, first, last)  # [B, Hkv, Rp, D]
+        out = _row_tile_call(kernel, q_rows, k_cache, v_cache, first, last, cfg,
+                             cfg.block_rows, interpret, "jspec_attention")  # [B, Hkv, Rp, D]
     return out, counters
+
+
+def _row_tile_call(kernel, q_rows, k_cache, v_cache, first, last, cfg: AttentionConfig,
+                   rows: int, interpret: bool, name: str):
+    """`kernel` with one program per (batch, kv head, `rows` query rows), each seeing its
+    rows of q, first and last and the whole K/V cache of its kv head -> [B, Hkv, Rp, D]."""
+    batch, num_kv_heads, padded_rows, head_dim = q_rows.shape
+    cache_len = k_cache.shape[2]
+    row_spec = pl.BlockSpec((None, None, rows, head_dim), lambda b, h, r: (b, h, r, 0))
+    kv_spec = pl.BlockSpec((None, None, cache_len, head_dim), lambda b, h, r: (b, h, 0, 0))
+    pos_spec = pl.BlockSpec((None, rows), lambda b, h, r: (b, r))
+    return pl.pallas_call(
+        kernel,
+        grid=(batch, num_kv_heads, padded_rows // rows),
+        in_specs=[row_spec, kv_spec, kv_spec, pos_spec, pos_spec],
+        out_specs=row_spec,
+        out_shape=jax.ShapeDtypeStruct(q_rows.shape, q_rows.dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps,
+                                             num_stages=cfg.num_stages),
+        interpret=interpret,
+        name=name,
+    )(q_rows, k_cache, v_cache, first, last)
 
 
 def _serial_split_attention(q_rows, k_cache, v_cache, first, last, cfg: AttentionConfig, *,
@@ -806,30 +812,18 @@ def _serial_split_attention(q_rows, k_cache, v_cache, first, last, cfg: Attentio
     """Split-KV in one launch without partials (`_serial_split_kernel`): a program per
     (batch, kv head, `cfg.serial_subtiles` split row tiles); rows padded to whole
     programs and cut back -> [B, Hkv, Rp, D]."""
-    batch, num_kv_heads, rows, head_dim = q_rows.shape
-    cache_len = k_cache.shape[2]
+    rows = q_rows.shape[2]
     rp = cfg.split_rows * cfg.serial_subtiles
     padded = pl.cdiv(rows, rp) * rp
     if padded != rows:  # padding rows see nothing (first 0 > last -1) and output 0
         q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, padded - rows), (0, 0)))
         first = jnp.pad(first, ((0, 0), (0, padded - rows)), constant_values=0)
         last = jnp.pad(last, ((0, 0), (0, padded - rows)), constant_values=-1)
-    row_spec = pl.BlockSpec((None, None, rp, head_dim), lambda b, h, r: (b, h, r, 0))
-    kv_spec = pl.BlockSpec((None, None, cache_len, head_dim), lambda b, h, r: (b, h, 0, 0))
-    pos_spec = pl.BlockSpec((None, rp), lambda b, h, r: (b, r))
-    out = pl.pallas_call(
-        functools.partial(_serial_split_kernel, scale=scale, softcap=softcap,
-                          block_k=cfg.block_k, split=cfg.split, fold_group=cfg.fold_group,
-                          subtiles=cfg.serial_subtiles),
-        grid=(batch, num_kv_heads, padded // rp),
-        in_specs=[row_spec, kv_spec, kv_spec, pos_spec, pos_spec],
-        out_specs=row_spec,
-        out_shape=jax.ShapeDtypeStruct(q_rows.shape, q_rows.dtype),
-        compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps,
-                                             num_stages=cfg.num_stages),
-        interpret=interpret,
-        name="jspec_attention_serial_split",
-    )(q_rows, k_cache, v_cache, first, last)
+    kernel = functools.partial(_serial_split_kernel, scale=scale, softcap=softcap,
+                               block_k=cfg.block_k, split=cfg.split,
+                               fold_group=cfg.fold_group, subtiles=cfg.serial_subtiles)
+    out = _row_tile_call(kernel, q_rows, k_cache, v_cache, first, last, cfg, rp, interpret,
+                         "jspec_attention_serial_split")
     return out[:, :, :rows]
 
 
@@ -896,20 +890,25 @@ def combine_partials(m, denom, acc, first, last, cfg: AttentionConfig, dtype, *,
     br = cfg.split_rows
     span_keys = cfg.split
     groups = fold_groups(cfg, parts)
-    if groups > 1:
-        whole = [
-            pl.BlockSpec((None, None, parts, br), lambda b, h, r, g: (b, h, 0, r)),
-            pl.BlockSpec((None, None, parts, br), lambda b, h, r, g: (b, h, 0, r)),
+
+    def fold_in_specs(parts: int) -> list:
+        """A row tile's partials over all `parts` partitions (or groups), first and last;
+        a fold's grid is (b, h, r) or (b, h, r, group)."""
+        return [
+            pl.BlockSpec((None, None, parts, br), lambda b, h, r, *_: (b, h, 0, r)),
+            pl.BlockSpec((None, None, parts, br), lambda b, h, r, *_: (b, h, 0, r)),
             pl.BlockSpec((None, None, parts, br, head_dim),
-                         lambda b, h, r, g: (b, h, 0, r, 0)),
-            pl.BlockSpec((None, br), lambda b, h, r, g: (b, r)),
-            pl.BlockSpec((None, br), lambda b, h, r, g: (b, r)),
+                         lambda b, h, r, *_: (b, h, 0, r, 0)),
+            pl.BlockSpec((None, br), lambda b, h, r, *_: (b, r)),
+            pl.BlockSpec((None, br), lambda b, h, r, *_: (b, r)),
         ]
+
+    if groups > 1:
         m, denom, acc = pl.pallas_call(
             functools.partial(_group_fold_kernel, split=cfg.split,
                               fold_group=cfg.fold_group),
             grid=(batch, num_kv_heads, rows // br, groups),
-            in_specs=whole,
+            in_specs=fold_in_specs(parts),
             out_specs=[
                 pl.BlockSpec((None, None, None, br), lambda b, h, r, g: (b, h, g, r)),
                 pl.BlockSpec((None, None, None, br), lambda b, h, r, g: (b, h, g, r)),
@@ -930,13 +929,7 @@ def combine_partials(m, denom, acc, first, last, cfg: AttentionConfig, dtype, *,
     return pl.pallas_call(
         functools.partial(_combine_kernel, split=span_keys),
         grid=(batch, num_kv_heads, rows // br),
-        in_specs=[
-            pl.BlockSpec((None, None, parts, br), lambda b, h, r: (b, h, 0, r)),
-            pl.BlockSpec((None, None, parts, br), lambda b, h, r: (b, h, 0, r)),
-            pl.BlockSpec((None, None, parts, br, head_dim), lambda b, h, r: (b, h, 0, r, 0)),
-            pl.BlockSpec((None, br), lambda b, h, r: (b, r)),
-            pl.BlockSpec((None, br), lambda b, h, r: (b, r)),
-        ],
+        in_specs=fold_in_specs(parts),
         out_specs=pl.BlockSpec((None, None, br, head_dim), lambda b, h, r: (b, h, r, 0)),
         out_shape=jax.ShapeDtypeStruct((batch, num_kv_heads, rows, head_dim), dtype),
         compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=1),
