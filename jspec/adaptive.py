@@ -324,8 +324,8 @@ class Controller:
         """One chunk of `shape`: before/after are host snapshots of the state (`snapshot`);
         seconds its wall time; compiled whether the call compiled (then it is not timed).
         A run's first chunk is not timed either: right after the prefill a round costs
-        more than in steady state (on an H200, a gamma-4 round 5.3 ms against 3.2), and a
-        one-round probe timed there would rule its shape out."""
+        more than in steady state (docs/results.md, "The envelope"), and a one-round
+        probe timed there would rule its shape out."""
         rounds = int(after["step"] - before["step"])
         timed = rounds > 0 and not compiled and self.chunks > 0
         self.prev_rounds = self.chunk_limit(shape) if self.measured(shape) else 0
