@@ -6,7 +6,7 @@
 # kernels_fused spec sweep tuned e2e e2e_b1 e2e_b8 e2e_peers e2e_draftpallas e2e_decompose train pair
 # pair_eval schedsweep attnsweep train_head parity_trees kernels_trees main pair_head
 # e2e_session tree_sweep parity_long parity_long_xla context_bench context_bench_128k
-# e2e_batch moe_cost moe_parity moe_e2e tallsweep serial_split e2e_context
+# e2e_batch moe_cost moe_parity moe_e2e tallsweep serial_split e2e_context profile
 # (default: parity audit kernels spec).
 # - parity_long: the long-context lane of the parity matrix (pallas): a chunked prefill to
 #   depth, then one-token steps, blocks, verify blocks of 1-32 and trees of 16 and 32
@@ -33,6 +33,9 @@
 #   $MOE_INTERPRET (non-empty: Pallas interpret mode) resize them (tests/test_moe_bench.py
 #   runs the three at tiny-qwen3-moe on a CPU); $MOE_COST_S, $MOE_PARITY_S, $MOE_E2E_S
 #   bound them.
+# - profile: tuning/profile_step.py, the device kernels of one forward step of
+#   $PROF_PRESET (default qwen3-30b-a3b) per kernel name, at block sizes $PROF_TS
+#   (default 1,5), batch $PROF_BATCH (1), $PROF_LAYERS, $PROF_FLAGS.
 # - e2e_context: bench_e2e.py at the Llama-3-8B shape (32 layers), batch 1, prompts of
 #   $CTX_LENS tokens (default 32768; 131072 wants a call of its own: each of its four
 #   prefills takes ~83 s), feature head at a = 0.8 / 0.9 against serial, parity checked
@@ -109,7 +112,9 @@
 # Each step has its own time limit so a slow one cannot eat the others'.
 set -u
 export PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # run from the repository root
 OUT=${OUT:-experiments/results}
+PROF_TS=${PROF_TS:-1,5}; PROF_PRESET=${PROF_PRESET:-qwen3-30b-a3b}
 mkdir -p "$OUT"
 # Packing (below) replaces $OUT's files by one archive: only for an $OUT that starts empty
 # (a device call's), never for a folder of earlier receipts.
@@ -310,6 +315,11 @@ for s in $steps; do
               --other_Ts=1,5 --xla_Ts="${MOE_XLA_TS-1,5}" --context="${MOE_CONTEXT:-512}" \
               --iters=5 --dtype="${MOE_DTYPE:-bfloat16}" ${MOE_INTERPRET:+--interpret} \
               --out="$OUT" --tag=h200 2>&1 | quiet | tail -30 ;;
+    profile) for t in ${PROF_TS//,/ }; do
+              timeout "${PROF_S:-150}" python3 experiments/tuning/profile_step.py \
+              --preset="$PROF_PRESET" --T="$t" --batch="${PROF_BATCH:-1}" \
+              ${PROF_LAYERS:+--layers=$PROF_LAYERS} ${PROF_FLAGS:-} \
+              --tag="h200_B${PROF_BATCH:-1}_T$t" --out="$OUT" 2>&1 | quiet | tail -34; done ;;
     moe_parity) timeout "${MOE_PARITY_S:-120}" python3 experiments/gpu_parity.py \
               --models="${MOE_PRESET:-qwen3-30b-a3b}:${MOE_PARITY_LAYERS:-4}" \
               --context="${MOE_PARITY_CONTEXT:-2048}" --window="${MOE_WINDOW:-48}" \
