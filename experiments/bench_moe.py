@@ -71,18 +71,23 @@ _TAG = flags.DEFINE_string("tag", "", "receipt file name suffix")
 def routed_experts(model, tokens, cache):
     """The experts each MoE layer routes tokens [B, T] to: ids [L_moe, B, T, k] int32.
 
-    The model's forward with its `route` calls recorded (the library has no routing
+    The model's forward with its `ops.route` calls recorded (the library has no routing
     output; this jit is apart from the timed one, and XLA drops the LM head it never
     returns)."""
     seen = []
-    route = jspec_model.route
+    ops_for = jspec_model.ops_for
 
-    def recording(logits, k, **kw):
-        weights, ids = route(logits, k, **kw)
-        seen.append(ids)  # [B*T, k]
-        return weights, ids
+    def recording_ops(options):
+        ops = ops_for(options)
 
-    with mock.patch.object(jspec_model, "route", recording):
+        def recording(logits, k, **kw):
+            weights, ids = ops.route(logits, k, **kw)
+            seen.append(ids)  # [B*T, k]
+            return weights, ids
+
+        return ops._replace(route=recording)
+
+    with mock.patch.object(jspec_model, "ops_for", recording_ops):
         apply(model, tokens, cache)
     B, T = tokens.shape
     return jnp.stack(seen).reshape(len(seen), B, T, -1)

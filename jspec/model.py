@@ -39,7 +39,7 @@ from jspec.options import DRAFT_FIELDS, KERNEL_FIELDS, DraftOptions, KernelOptio
 from jspec.rope import rope_tables
 from pallas_kernels._common import pad_axis, pad_rows
 from pallas_kernels.matmul import add_partials, matmul_config
-from pallas_kernels.moe import combine, route
+from pallas_kernels.moe import combine
 
 COMPILER_OPTIONS = {"xla_allow_excess_precision": False}
 ROW_TILE = 16  # pad_rows_once: every kernel's GPU row tile divides this
@@ -296,10 +296,11 @@ def moe_block(ops, model: Model, lp, h, rows: int):
     tokens, the rest zero padding (returned as zeros, never routed: padding would add
     experts to a one-token step's reads).
 
-    The router's logits come from the invariant matmul in f32; `route` picks each row's k
-    experts (lowest id on ties) and their weights; each row is repeated once per slot and
-    goes through its expert's gate/up and down by `ops.grouped_matmul` (gate/up and the
-    GLU in one kernel when `fuse_glu`: bitwise the same), whose result for a row depends on
+    The router's logits come from the invariant matmul in f32; `ops.route` picks each
+    row's k experts (lowest id on ties) and their weights (one kernel on pallas); each
+    row is repeated once per slot and goes through its expert's gate/up and down by
+    `ops.grouped_matmul` (gate/up and the GLU in one kernel when `fuse_glu`: bitwise the
+    same), whose result for a row depends on
     that row and the expert's weights only (with `fuse_glu`, `ops.grouped_mlp` lays the
     rows out by expert once for both); `combine` adds a row's k expert outputs left to
     right in f32.
@@ -310,7 +311,7 @@ def moe_block(ops, model: Model, lp, h, rows: int):
     k = cfg.experts_per_token
     logits = ops.matmul(x, lp["router"], out_dtype=jnp.float32, row_group=opt.matmul_row_group,
                         schedule=opt.matmul_schedule)  # [M, E]
-    weights, ids = route(logits, k, norm_topk_prob=cfg.norm_topk_prob)  # [M, k] each
+    weights, ids = ops.route(logits, k, norm_topk_prob=cfg.norm_topk_prob)  # [M, k] each
     expert = ids.reshape(-1)  # [M k]: row r's slots at r*k .. r*k + k - 1
     if opt.fuse_glu and opt.backend == "pallas":  # one layout for both grouped kernels
         y = ops.grouped_mlp(x, lp["w_gate_up"], lp["w_down"], expert,

@@ -44,6 +44,8 @@ from pallas_kernels.moe import (
     grouped_matmul_reference,
     grouped_mlp,
     grouped_mlp_reference,
+    route,
+    route_kernel,
 )
 from pallas_kernels.mosaic import matmul as mosaic_matmul
 from pallas_kernels.mosaic import matmul_glu as mosaic_matmul_glu
@@ -80,13 +82,16 @@ class Ops(NamedTuple):
       order (`pallas_kernels.tree_attention`);
     grouped_matmul(x [R,K], w [E,K,N], expert [R] int32, out_dtype) -> [R,N]: row r is
       x[r] @ w[expert[r]], bitwise independent of the rows sharing its expert on the
-      pallas backend (rule R9; `pallas_kernels.moe`, whose `route` and `combine` both
-      backends share);
+      pallas backend (rule R9; `pallas_kernels.moe`, whose `combine` both backends
+      share);
     grouped_matmul_glu(x [R,K], w [E,K,2F], expert [R], activation) -> [R,F] x.dtype:
       glu of grouped_matmul's halves, bitwise, in one kernel.
     grouped_mlp(x [M,D], w_gate_up [E,D,2F], w_down [E,F,D], expert [M k], activation)
       -> [M k, D] f32: grouped_matmul_glu then grouped_matmul over x's rows repeated per
-      slot, bitwise, on one layout of the rows by expert."""
+      slot, bitwise, on one layout of the rows by expert.
+    route(router_logits [M,E] f32, k, norm_topk_prob) -> (weights [M,k] f32, ids [M,k]
+      int32): top-k routing, ties to the lowest id, row-local (R9): `route_kernel` (one
+      launch) on pallas, `route` (plain jnp, its reference) on xla."""
 
     matmul: Callable
     matmul_partials: Callable
@@ -104,6 +109,7 @@ class Ops(NamedTuple):
     grouped_matmul: Callable
     grouped_matmul_glu: Callable
     grouped_mlp: Callable
+    route: Callable
 
 
 def _passing_counters(attention_fn: Callable) -> Callable:
@@ -158,6 +164,7 @@ def get_ops(backend: str, interpret: bool = False, lowering: str = "triton") -> 
             grouped_matmul=grouped_matmul_reference,
             grouped_matmul_glu=grouped_matmul_glu_reference,
             grouped_mlp=grouped_mlp_reference,
+            route=route,
         )
     if backend == "pallas":
         def p(fn, interpret):
@@ -184,6 +191,7 @@ def get_ops(backend: str, interpret: bool = False, lowering: str = "triton") -> 
             grouped_matmul=p(grouped_matmul, interpret=interpret),
             grouped_matmul_glu=p(grouped_matmul_glu, interpret=interpret),
             grouped_mlp=p(grouped_mlp, interpret=interpret),
+            route=p(route_kernel, interpret=interpret),
         )
     raise ValueError(f"{backend=}; expected 'xla' or 'pallas'")
 

@@ -50,7 +50,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels._common import dot_f32, pad_axis, round_up, triton_params
+from pallas_kernels._common import dot_f32, next_pow2, pad_axis, round_up, triton_params
 from pallas_kernels.glu import ACTIVATIONS, glu, glu_reference
 from pallas_kernels.matmul import MatmulConfig, matmul_config
 from pallas_kernels.matmul_glu import _glu_tile
@@ -116,6 +116,80 @@ def route(router_logits: jax.Array, k: int, *, norm_topk_prob: bool
     if norm_topk_prob:
         w = w / _fold_sum(w)[:, None]
     return w, jnp.stack(ids, axis=-1)
+
+
+ROUTE_ROWS = 16  # rows per program of `route_kernel` (fixed: never a function of M)
+
+
+def _tree_sum_tile(x: jax.Array) -> jax.Array:
+    """`_tree_sum` of a kernel's [bm, Ep] tile (Ep a power of two): the same adds of
+    column halves, the halves taken by `jnp.split` (a reshape, which XLA could merge into
+    one reduction of its own order, is not used)."""
+    while x.shape[-1] > 1:
+        lo, hi = jnp.split(x, 2, axis=1)
+        x = lo + hi
+    return x[:, 0]
+
+
+def _route_kernel(l_ref, w_ref, i_ref, *, E: int, k: int, norm_topk_prob: bool):
+    # l_ref [bm, Ep] f32 router logits (columns past E: -inf); w_ref, i_ref [bm, kp].
+    logits = l_ref[...]
+    bm, Ep = logits.shape
+    top = jnp.max(logits, axis=1, keepdims=True)  # exact in any order
+    e = jnp.exp(logits - top)  # the padding columns give exact zeros
+    p = e / _tree_sum_tile(e)[:, None]
+    col = lax.broadcasted_iota(jnp.int32, (bm, Ep), 1)
+    slot = lax.broadcasted_iota(jnp.int32, w_ref.shape, 1)
+    left = jnp.where(col < E, p, -jnp.inf)
+    ws, ids = [], jnp.zeros(i_ref.shape, jnp.int32)
+    for j in range(k):
+        i = jnp.argmax(left, axis=1).astype(jnp.int32)  # [bm], the lowest id of the max
+        hit = col == i[:, None]
+        ws.append(jnp.max(jnp.where(hit, p, -jnp.inf), axis=1))  # p[m, i[m]]
+        ids = jnp.where(slot == j, i[:, None], ids)
+        left = jnp.where(hit, -jnp.inf, left)
+    if norm_topk_prob:
+        total = ws[0]
+        for w in ws[1:]:
+            total = total + w
+        ws = [w / total for w in ws]
+    out = jnp.zeros(w_ref.shape, jnp.float32)
+    for j, w in enumerate(ws):
+        out = jnp.where(slot == j, w[:, None], out)
+    w_ref[...] = out
+    i_ref[...] = ids
+
+
+@functools.partial(jax.jit, static_argnames=("k", "norm_topk_prob", "interpret"))
+def route_kernel(router_logits: jax.Array, k: int, *, norm_topk_prob: bool,
+                 interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+    """`route` in one Pallas kernel (the pallas backend's routing): the same formula, ties
+    and orders (max, exp, `_tree_sum`'s pairwise tree, division; k argmax rounds, lowest
+    id first; the left-to-right renormalisation), each program holding ROUTE_ROWS rows x
+    all E experts (padded to a power of two) in registers, so a routing is one launch
+    instead of ~2k small XLA reductions. Row-local with a tile that is a function of E
+    only (R9): a row's weights and ids never depend on M or on the other rows. Its
+    arithmetic is compiled apart from `route`'s (on the GPU also its exp and division are
+    Triton's), so its weights may differ from `route`'s in the last bit; the formula and
+    the ids are the same."""
+    _check_route(router_logits, k)
+    M, E = router_logits.shape
+    bm, Ep, kp = ROUTE_ROWS, next_pow2(E), next_pow2(k)
+    mp = round_up(max(M, 1), bm)
+    x = pad_axis(pad_axis(router_logits, 1, Ep, value=-jnp.inf), 0, mp)
+    w, ids = pl.pallas_call(
+        functools.partial(_route_kernel, E=E, k=k, norm_topk_prob=norm_topk_prob),
+        out_shape=(jax.ShapeDtypeStruct((mp, kp), jnp.float32),
+                   jax.ShapeDtypeStruct((mp, kp), jnp.int32)),
+        grid=(mp // bm,),
+        in_specs=[pl.BlockSpec((bm, Ep), lambda i: (i, 0))],
+        out_specs=(pl.BlockSpec((bm, kp), lambda i: (i, 0)),
+                   pl.BlockSpec((bm, kp), lambda i: (i, 0))),
+        compiler_params=triton_params(4, 1),
+        interpret=interpret,
+        name="jspec_route",
+    )(x)
+    return w[:M, :k], ids[:M, :k]
 
 
 @jax.jit

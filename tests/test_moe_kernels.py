@@ -33,6 +33,7 @@ from pallas_kernels.moe import (
     grouped_matmul_reference,
     num_tiles,
     route,
+    route_kernel,
     tile_layout,
 )
 
@@ -219,52 +220,75 @@ def _route_f64(logits: np.ndarray, k: int, norm: bool):
     return (w / w.sum(-1, keepdims=True) if norm else w), ids
 
 
-@pytest.mark.parametrize("e,k", [(8, 2), (60, 4), (128, 8)])
+# Both routings: plain jnp (the xla backend) and the kernel (pallas; interpreted here).
+ROUTES = [pytest.param(route, id="jnp"),
+          pytest.param(functools.partial(route_kernel, interpret=INTERPRET), id="kernel")]
+
+
+@pytest.mark.parametrize("route_fn", ROUTES)
+@pytest.mark.parametrize("e,k", [(8, 2), (60, 4), (128, 8), (5, 5)])
 @pytest.mark.parametrize("norm", [True, False])
-def test_route_matches_transformers_formula(e, k, norm):
+def test_route_matches_transformers_formula(route_fn, e, k, norm):
     rng = np.random.default_rng(e + k)
     logits = (3 * rng.standard_normal((9, e))).astype(np.float32)
-    w, ids = route(jnp.asarray(logits), k, norm_topk_prob=norm)
+    w, ids = route_fn(jnp.asarray(logits), k, norm_topk_prob=norm)
     want_w, want_ids = _route_f64(logits, k, norm)
     assert w.dtype == jnp.float32 and ids.dtype == jnp.int32 and w.shape == ids.shape == (9, k)
     np.testing.assert_array_equal(np.asarray(ids), want_ids)
     np.testing.assert_allclose(np.asarray(w), want_w, rtol=1e-6, atol=1e-7)
 
 
-def test_route_breaks_ties_by_the_lowest_expert_id():
+@pytest.mark.parametrize("route_fn", ROUTES)
+def test_route_breaks_ties_by_the_lowest_expert_id(route_fn):
     logits = np.zeros((4, 8), np.float32)
     logits[0, [5, 2]] = 1.0  # a tie for first: 2 then 5
     logits[1, [7, 3, 6]] = 2.0  # three-way tie: 3, 6, 7
     logits[2] = [0, 1, 1, 0, 1, 0, 0, 0]  # tie for first (1, 2), then 4
     # row 3: all equal: ids 0, 1, 2 with equal weights
-    w, ids = route(jnp.asarray(logits), 3, norm_topk_prob=True)
+    w, ids = route_fn(jnp.asarray(logits), 3, norm_topk_prob=True)
     np.testing.assert_array_equal(np.asarray(ids), [[2, 5, 0], [3, 6, 7], [1, 2, 4], [0, 1, 2]])
     assert len(set(np.asarray(w)[3].tolist())) == 1
 
 
-def test_route_and_combine_rows_are_independent():
+@pytest.mark.parametrize("route_fn", ROUTES)
+def test_route_rows_are_independent(route_fn):
+    """A row's weights and ids are the same alone, in blocks around it and in a batch of
+    33 (three of the kernel's row tiles)."""
     rng = np.random.default_rng(5)
-    e, k, d = 128, 8, 40
+    e, k = 128, 8
     logits = jnp.asarray(3 * rng.standard_normal((33, e)), jnp.float32)
-    y = jnp.asarray(rng.standard_normal((33, k, d)), jnp.float32)
-    w, ids = route(logits, k, norm_topk_prob=True)
-    out = combine(y, w)
-    for i in (0, 17, 32):
-        wi, idsi = route(logits[i:i + 1], k, norm_topk_prob=True)
+    w, ids = route_fn(logits, k, norm_topk_prob=True)
+    for i in (0, 15, 16, 32):
+        wi, idsi = route_fn(logits[i:i + 1], k, norm_topk_prob=True)
         _same_bits(wi[0], w[i], f"route weights of row {i}")
         _same_bits(idsi[0], ids[i], f"route ids of row {i}")
-        _same_bits(combine(y[i:i + 1], w[i:i + 1])[0], out[i], f"combine of row {i}")
         part = slice(max(i - 3, 0), i + 2)
-        _same_bits(route(logits[part], k, norm_topk_prob=True)[0], w[part], "route block")
+        _same_bits(route_fn(logits[part], k, norm_topk_prob=True)[0], w[part], "route block")
 
 
-def test_route_rejects_bad_input():
+def test_combine_rows_are_independent():
+    rng = np.random.default_rng(5)
+    k, d = 8, 40
+    y = jnp.asarray(rng.standard_normal((33, k, d)), jnp.float32)
+    w = jnp.asarray(rng.random((33, k)), jnp.float32)
+    out = combine(y, w)
+    for i in (0, 17, 32):
+        _same_bits(combine(y[i:i + 1], w[i:i + 1])[0], out[i], f"combine of row {i}")
+
+
+@pytest.mark.parametrize("route_fn", ROUTES)
+def test_route_rejects_bad_input(route_fn):
     with pytest.raises(ValueError, match="k must be an int in \\[1, E=8\\]"):
-        route(jnp.zeros((2, 8)), 9, norm_topk_prob=True)
+        route_fn(jnp.zeros((2, 8)), 9, norm_topk_prob=True)
     with pytest.raises(ValueError, match="float32 router logits"):
-        route(jnp.zeros((2, 8), jnp.bfloat16), 2, norm_topk_prob=True)
+        route_fn(jnp.zeros((2, 8), jnp.bfloat16), 2, norm_topk_prob=True)
     with pytest.raises(ValueError, match="router logits \\[M, E\\]"):
-        route(jnp.zeros((8,)), 2, norm_topk_prob=True)
+        route_fn(jnp.zeros((8,)), 2, norm_topk_prob=True)
+
+
+def test_ops_dispatch_route():
+    assert get_ops("xla").route is route
+    assert get_ops("pallas", interpret=False).route.func is route_kernel
 
 
 # --------------------------------------------------------------------------- combine
@@ -314,6 +338,15 @@ def test_grouped_matmul_lowers_for_the_h200(h200, k, n, r):
     assert set(re.findall(r'name = "(jspec_[a-z_0-9]*)"', text)) == {"jspec_grouped_matmul"}
     # The weights go in whole and unpadded (no copy of all E experts per call).
     assert f"tensor<128x{k}x{n}xbf16>" in text and "stablehlo.pad" not in text
+
+
+@pytest.mark.parametrize("m,e,k", [(1, 128, 8), (40, 128, 8), (2048, 128, 8), (5, 8, 2)])
+def test_route_kernel_lowers_for_the_h200(h200, m, e, k):
+    args = (jax.ShapeDtypeStruct((m, e), jnp.float32),)
+    fn = functools.partial(route_kernel, k=k, norm_topk_prob=True)
+    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 1
+    assert set(re.findall(r'name = "(jspec_[a-z_0-9]*)"', text)) == {"jspec_route"}
 
 
 # --------------------------------------------------------------------------- fused GLU
