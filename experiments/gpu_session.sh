@@ -6,7 +6,7 @@
 # kernels_fused spec sweep tuned e2e e2e_b1 e2e_b8 e2e_peers e2e_draftpallas e2e_decompose train pair
 # pair_eval schedsweep attnsweep train_head parity_trees kernels_trees main pair_head
 # e2e_session tree_sweep parity_long parity_long_xla context_bench context_bench_128k
-# e2e_batch moe_cost moe_parity moe_e2e tallsweep serial_split e2e_context profile
+# e2e_batch moe_cost moe_parity moe_e2e tallsweep serial_split e2e_context profile groupsweep
 # (default: parity audit kernels spec).
 # - parity_long: the long-context lane of the parity matrix (pallas): a chunked prefill to
 #   depth, then one-token steps, blocks, verify blocks of 1-32 and trees of 16 and 32
@@ -33,6 +33,10 @@
 #   $MOE_INTERPRET (non-empty: Pallas interpret mode) resize them (tests/test_moe_bench.py
 #   runs the three at tiny-qwen3-moe on a CPU); $MOE_COST_S, $MOE_PARITY_S, $MOE_E2E_S
 #   bound them.
+# - groupsweep: tuning/sweep_grouped.py, the grouped expert kernels' tiles at the
+#   Qwen3-30B-A3B shape ($GSWEEP_FLAGS), merged into the device copy's "grouped" table
+#   of pallas_kernels/matmul_tuned.json so the lane's later steps (moe_parity first)
+#   run with them; commit the table once the MoE matrix has proven it.
 # - profile: tuning/profile_step.py, the device kernels of one forward step of
 #   $PROF_PRESET (default qwen3-30b-a3b) per kernel name, at block sizes $PROF_TS
 #   (default 1,5), batch $PROF_BATCH (1), $PROF_LAYERS, $PROF_FLAGS.
@@ -233,6 +237,8 @@ for s in $steps; do
               --draft=qwen3-0.6b --batches=1 --prompt_len=512 --max_new_tokens=256 \
               --gammas=2,4 --accept=0.8,0.9 --nolookup --nopeers --draft_backend=pallas \
               --out="$OUT" --tag=h200_b1_draftpallas 2>&1 | quiet | grep -v "it/s" | tail -40 ;;
+    groupsweep) timeout "${GSWEEP_S:-240}" python3 experiments/tuning/sweep_grouped.py --write \
+              --out="$OUT" ${GSWEEP_FLAGS:-} 2>&1 | quiet | tail -12 ;;
     tuned) found=""  # every sweep's winners in $OUT (a --tag in $SWEEP_FLAGS names the file)
            for f in "$OUT"/sweep_matmul*_tuned.json; do
              [ -f "$f" ] || continue; found=1

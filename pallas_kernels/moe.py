@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 
 import jax
 import jax.numpy as jnp
@@ -52,7 +53,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels._common import dot_f32, next_pow2, pad_axis, round_up, triton_params
 from pallas_kernels.glu import ACTIVATIONS, glu, glu_reference
-from pallas_kernels.matmul import MatmulConfig, matmul_config
+from pallas_kernels.matmul import TUNED_FILE, MatmulConfig, matmul_config, read_tuned_file
 from pallas_kernels.matmul_glu import _glu_tile
 
 # --------------------------------------------------------------------------- routing
@@ -213,10 +214,47 @@ def combine(y: jax.Array, weights: jax.Array) -> jax.Array:
 # --------------------------------------------------------------------------- grouped matmul
 
 
+def _parse_grouped(rows, where: str) -> dict[tuple[int, int, int, str], MatmulConfig]:
+    """JSON rows {E, K, N, dtype, config} -> {(E, K, N, dtype): MatmulConfig}."""
+    try:
+        table = {(int(r["E"]), int(r["K"]), int(r["N"]), str(r["dtype"])):
+                 MatmulConfig(**r["config"]) for r in rows}
+    except (KeyError, TypeError) as e:
+        raise ValueError(f"{where}: not a grouped tuning table (rows of E, K, N, dtype, "
+                         f"config): {e}") from e
+    bad = [k for k, c in table.items() if c.split_k != 1]
+    if bad:
+        raise ValueError(f"{where}: grouped configs take no split-K; got one at {bad}")
+    return table
+
+
+# Per-weight-shape tiles of the grouped kernels, keyed by (E, K, N, dtype name): the
+# "grouped" table of matmul_tuned.json (`experiments/tuning/sweep_grouped.py` fills it;
+# its provenance names the sweep and the parity run). Shapes not listed take
+# `matmul_config(K, N)`'s tiles without split-K.
+GROUPED = _parse_grouped(read_tuned_file().get("grouped", []), TUNED_FILE)
+
+
+def write_grouped_rows(rows: list[dict], path: str = TUNED_FILE) -> None:
+    """Merges a grouped sweep's winners (rows {E, K, N, dtype, config}) into the data
+    file's "grouped" table, replacing entries of the same key (next import)."""
+    new = _parse_grouped(rows, "rows")
+    data = read_tuned_file(path)
+    table = _parse_grouped(data.get("grouped", []), path) | new
+    data["grouped"] = [{"E": E, "K": K, "N": N, "dtype": d, "config": dataclasses.asdict(c)}
+                       for (E, K, N, d), c in sorted(table.items())]
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1)
+
+
 def grouped_config(E: int, K: int, N: int, dtype, interpret: bool) -> MatmulConfig:
-    """Tiles of a grouped matmul over [E, K, N] weights: the [K, N] matmul's tiles without
-    split-K (a function of the weight shape only; deliberately takes no row count)."""
-    del E  # the expert count sets the grid's bound, not the tiles
+    """Tiles of a grouped matmul over [E, K, N] weights: the GROUPED table's entry, else
+    the [K, N] matmul's tiles without split-K (a function of the weight shape only;
+    deliberately takes no row count)."""
+    if not interpret:
+        tuned = GROUPED.get((E, K, N, jnp.dtype(dtype).name))
+        if tuned is not None:
+            return tuned
     return dataclasses.replace(matmul_config(K, N, dtype, interpret), split_k=1)
 
 
@@ -383,14 +421,15 @@ def grouped_matmul(x: jax.Array, w: jax.Array, expert: jax.Array, *, out_dtype,
     return out[:, :N]
 
 
-@functools.partial(jax.jit, static_argnames=("activation", "interpret"))
+@functools.partial(jax.jit, static_argnames=("activation", "interpret", "config"))
 def grouped_matmul_glu(x: jax.Array, w: jax.Array, expert: jax.Array, *, activation: str,
-                       interpret: bool = False) -> jax.Array:
+                       interpret: bool = False, config: MatmulConfig | None = None
+                       ) -> jax.Array:
     """act(x[r] @ w[e][:, :F]) * (x[r] @ w[e][:, F:]) for e = expert[r]: x [R, K],
     w [E, K, 2F] (gate columns first) -> [R, F] x.dtype. Bitwise `glu` of
     `grouped_matmul(x, w, expert, out_dtype=x.dtype)`'s halves (the same tiles,
-    `grouped_config(E, K, 2F)`, and K loops), in one kernel; shapes whose column tile does
-    not divide F take that unfused path."""
+    `grouped_config(E, K, 2F)` unless `config` overrides it, and K loops), in one
+    kernel; shapes whose column tile does not divide F take that unfused path."""
     _check_grouped(x, w, expert)
     if w.shape[2] % 2:
         raise ValueError(f"grouped_matmul_glu wants w [E, K, 2F] (gate, then up); got "
@@ -399,10 +438,12 @@ def grouped_matmul_glu(x: jax.Array, w: jax.Array, expert: jax.Array, *, activat
         raise ValueError(f"grouped_matmul_glu activation must be one of {ACTIVATIONS}; got "
                          f"{activation=}")
     E, K, F = w.shape[0], w.shape[1], w.shape[2] // 2
-    cfg = grouped_config(E, K, 2 * F, w.dtype, interpret)
+    cfg = grouped_config(E, K, 2 * F, w.dtype, interpret) if config is None else config
+    if cfg.split_k != 1:
+        raise ValueError(f"grouped_matmul_glu takes no split-K; got {cfg.split_k=}")
     if F % cfg.bn or x.shape[0] == 0:
         gate, up = jnp.split(grouped_matmul(x, w, expert, out_dtype=x.dtype,
-                                            interpret=interpret), 2, axis=-1)
+                                            interpret=interpret, config=cfg), 2, axis=-1)
         return glu(gate, up, activation=activation, interpret=interpret)
     nf = F // cfg.bn  # column blocks of the gate half
     kernel = functools.partial(_grouped_glu_kernel, activation=activation)

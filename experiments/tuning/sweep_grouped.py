@@ -1,0 +1,192 @@
+"""Per-weight-shape tuning of the grouped expert matmuls (`pallas_kernels/moe.py`).
+
+  python experiments/tuning/sweep_grouped.py --out=$OUT                 # H200, Qwen3-30B-A3B
+  python experiments/tuning/sweep_grouped.py --interpret --preset=tiny-qwen3-moe --Ts=1,2 \
+      --max_candidates=2 --iters=1 --reps=2                              # CPU smoke run
+
+For the expert gate/up (fused GLU) and down weights [E, K, N] of a mixture-of-experts
+preset (real shapes, random bf16 values) it times tile configurations of the grouped
+kernels at blocks of --Ts tokens routed at random (k distinct experts a token, a new
+routing for every launch of a timed loop, so the reads are the union's experts and
+mostly cold). A config must not depend on the routing or the row count (R1, R9): the
+winner is the config with the smallest SUM of times over --Ts. The row tile stays 16
+(both kernels of `grouped_mlp` share one row layout); bn, bk, warps and stages vary,
+with no split-K. Every timed call is one jitted loop of --reps launches; the time is the
+median of --iters calls after warm-up, each ended by `block_until_ready`.
+
+Each winner is checked on the device: every routed row computed alone equals the same
+row inside the block of max(--Ts) tokens, bitwise. Writes sweep_grouped[_tag].json (every
+candidate's times) and sweep_grouped[_tag]_tuned.json (rows {E, K, N, dtype, config} of
+winners that beat the rule by --min_gain and are row-invariant); --write merges those into
+the "grouped" table of pallas_kernels/matmul_tuned.json. A winner with another bk than
+the rule changes the kernels' bits (a new K order): the MoE parity matrix must run with
+the table before it is committed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+from tqdm import tqdm
+
+from jspec.bench.receipts import write_receipt
+from jspec.bench.timing import median_time
+from jspec.random_model import preset_config
+from pallas_kernels.matmul import MatmulConfig
+from pallas_kernels.moe import (
+    grouped_config,
+    grouped_matmul,
+    grouped_matmul_glu,
+    write_grouped_rows,
+)
+
+_PRESET = flags.DEFINE_string("preset", "qwen3-30b-a3b", "a mixture-of-experts preset")
+_TS = flags.DEFINE_list("Ts", ["1", "5"], "tokens per block (k slots each); the winner "
+                        "minimises the sum")
+_MAX = flags.DEFINE_integer("max_candidates", 14, "candidate configs per weight")
+_ITERS = flags.DEFINE_integer("iters", 5, "timed calls per measurement (median)")
+_REPS = flags.DEFINE_integer("reps", 48, "launches per timed call, each on a new routing")
+_MIN_GAIN = flags.DEFINE_float("min_gain", 0.03, "min. relative gain over the rule")
+_WRITE = flags.DEFINE_bool("write", False, "merge the winners into matmul_tuned.json")
+_INTERPRET = flags.DEFINE_bool("interpret", False, "CPU smoke run (timings mean nothing)")
+_OUT = flags.DEFINE_string("out", os.environ.get("OUT", "experiments/results"), "receipt dir")
+_TAG = flags.DEFINE_string("tag", "", "receipt name suffix")
+
+# (bn, bk, num_warps, num_stages): more programs for few routed experts (small bn),
+# deeper K pipelining, a few warp counts.
+HAND_LIST = ((32, 128, 4, 4), (16, 128, 2, 4), (32, 128, 2, 5), (16, 256, 2, 3),
+             (32, 256, 4, 3), (64, 128, 4, 5), (16, 128, 4, 4), (32, 64, 2, 6),
+             (64, 64, 4, 6), (128, 128, 8, 4), (64, 256, 4, 3), (32, 128, 8, 4),
+             (16, 64, 2, 6))
+
+
+def candidates(E: int, K: int, N: int, dtype, interpret: bool) -> list[MatmulConfig]:
+    """The current rule first, then HAND_LIST entries with bm 16 (shared memory within
+    200 KiB, at least 2 K steps, no tile wider than N)."""
+    rule = grouped_config(E, K, N, dtype, interpret)
+    out = [rule]
+    item = jnp.dtype(dtype).itemsize
+    for bn, bk, warps, stages in HAND_LIST:
+        c = MatmulConfig(bm=rule.bm, bn=bn, bk=bk, num_warps=warps, num_stages=stages,
+                         split_k=1)
+        smem = stages * (c.bm * bk + 2 * bk * bn) * item
+        if c not in out and smem <= 200 * 1024 and K // bk >= 2 and bn <= N:
+            out.append(c)
+    return out[:max(_MAX.value, 1)]
+
+
+def routings(rng, reps: int, T: int, E: int, k: int) -> np.ndarray:
+    """[reps, T k] int32: each token's k distinct experts, uniformly at random."""
+    return np.stack([np.concatenate([rng.choice(E, k, replace=False) for _ in range(T)])
+                     for _ in range(reps)]).astype(np.int32)
+
+
+def kernel_fn(kind: str, cfg: MatmulConfig, activation: str, interpret: bool):
+    if kind == "gate_up":
+        return functools.partial(grouped_matmul_glu, activation=activation,
+                                 interpret=interpret, config=cfg)
+    return functools.partial(grouped_matmul, out_dtype=jnp.float32, interpret=interpret,
+                             config=cfg)
+
+
+def looped(fn):
+    """One jitted loop of len(experts) launches, each on its own routing."""
+
+    @jax.jit
+    def run(x, w, experts):
+        def body(i, acc):
+            y = fn(x + acc.astype(x.dtype), w, experts[i])
+            return acc + y[0, 0].astype(jnp.float32) * 0
+        return jax.lax.fori_loop(0, experts.shape[0], body, jnp.float32(0))
+
+    return run
+
+
+def row_invariant(fn, x, w, expert) -> bool:
+    """Each row alone equals itself inside the whole block, bitwise."""
+    full = np.asarray(fn(x, w, expert))
+    for r in range(x.shape[0]):
+        alone = np.asarray(fn(x[r:r + 1], w, expert[r:r + 1]))
+        if alone.tobytes() != full[r:r + 1].tobytes():
+            return False
+    return True
+
+
+def main(argv):
+    del argv
+    cfg = preset_config(_PRESET.value, num_layers=1)
+    if not cfg.moe:
+        raise app.UsageError(f"--preset={_PRESET.value} has no mixture-of-experts layer")
+    Ts = [int(t) for t in _TS.value]
+    if not Ts or min(Ts) < 1:
+        raise app.UsageError(f"--Ts must be >= 1; got {_TS.value}")
+    interpret = _INTERPRET.value
+    dtype = jnp.dtype(jnp.float32 if interpret else jnp.bfloat16)  # CPU: f32 tiles
+    E, k, D, F = cfg.num_experts, cfg.experts_per_token, cfg.hidden_size, cfg.expert_size
+    rng = np.random.default_rng(0)
+    weights = {"gate_up": (D, 2 * F), "down": (F, D)}
+    report = {"command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+              "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+              "device": jax.devices()[0].device_kind, "jax": jax.__version__,
+              "preset": _PRESET.value, "E": E, "k": k, "Ts": Ts, "dtype": dtype.name,
+              "reps": _REPS.value, "weights": {}}
+    tuned = []
+    for kind, (K, N) in weights.items():
+        w = jnp.asarray(rng.standard_normal((E, K, N)) * K**-0.5, dtype)
+        xs = {T: jnp.asarray(rng.standard_normal((T * k, K)), dtype) for T in Ts}
+        routes = {T: jnp.asarray(routings(rng, _REPS.value, T, E, k)) for T in Ts}
+        rows, cands = [], candidates(E, K, N, dtype, interpret)
+        for c in tqdm(cands, desc=f"{kind} [{E}, {K}, {N}]", file=sys.stdout):
+            row = {"config": dataclasses.asdict(c), "us": {}}
+            try:
+                run = looped(kernel_fn(kind, c, cfg.activation, interpret))
+                for T in Ts:
+                    t = median_time(run, xs[T], w, routes[T], iters=_ITERS.value, warmup=1)
+                    row["us"][T] = t / _REPS.value * 1e6
+                row["sum_us"] = sum(row["us"].values())
+            except Exception as e:  # noqa: BLE001 - a config that does not compile
+                row["error"] = f"{type(e).__name__}: {e}"[:500]
+            rows.append(row)
+        ok = [r for r in rows if "sum_us" in r]
+        rule = rows[0]
+        best = min(ok, key=lambda r: r["sum_us"]) if ok else None
+        entry = {"K": K, "N": N, "candidates": rows, "rule": rule["config"],
+                 "best": best and best["config"]}
+        if best is not None and best is not rule and "sum_us" in rule:
+            gain = 1 - best["sum_us"] / rule["sum_us"]
+            c = MatmulConfig(**best["config"])
+            T = max(Ts)
+            inv = row_invariant(kernel_fn(kind, c, cfg.activation, interpret), xs[T], w,
+                                routes[T][0])
+            entry.update(gain=gain, row_invariant=inv)
+            if inv and gain >= _MIN_GAIN.value:
+                tuned.append({"E": E, "K": K, "N": N, "dtype": dtype.name,
+                              "config": best["config"]})
+        report["weights"][kind] = entry
+        write_receipt(_OUT.value, "sweep_grouped", _TAG.value, report)
+        print(f"{kind} [{E}, {K}, {N}]: rule {rule.get('us')} -> best {best and best['us']} "
+              f"{best and best['config']} gain {entry.get('gain', 0):.3f} "
+              f"invariant {entry.get('row_invariant')}", flush=True)
+    report["tuned"] = tuned
+    path = write_receipt(_OUT.value, "sweep_grouped", _TAG.value, report)
+    name = "sweep_grouped" + (f"_{_TAG.value}" if _TAG.value else "") + "_tuned.json"
+    os.makedirs(_OUT.value, exist_ok=True)
+    with open(os.path.join(_OUT.value, name), "w") as f:
+        json.dump(tuned, f, indent=1)
+    if _WRITE.value and tuned:
+        write_grouped_rows(tuned)
+        print("merged into pallas_kernels/matmul_tuned.json (grouped):", tuned)
+    print(f"receipt: {path}")
+
+
+if __name__ == "__main__":
+    app.run(main)
