@@ -441,6 +441,41 @@ class FeatureDraftState:
     next_hidden: jax.Array
 
 
+def _head_prefill(head, toks, feats, cache, last, lens):
+    """The head over the prompt's pairs toks [B, n], feats [B, n, n Dt] from position 0, in
+    chunks of the head layer's `prefill_chunk` (as the target's `chunked_prefill`: one
+    `lax.fori_loop` over a `dynamic_slice`, the last chunk ending at n, chunks past every
+    row's pairs not run), so the head's activations and attention are [B, C, ...] whatever
+    the prompt's length. Returns row b's LM-head logits [B, Vd] and hidden state [B, D]
+    at pair last[b], and the cache."""
+    B, n = toks.shape
+    C = min(head.layer_model.options.prefill_chunk, n)
+    if C == n:  # one chunk: the plain call
+        logits, hidden, cache = head_apply(head, toks, feats, cache, fuse=True, at=last)
+        return logits, jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0], cache
+
+    def body(i, carry):
+        cache, logits, hid = carry
+        s = jnp.minimum(i * C, n - C)  # the last chunk ends at n (it may overlap)
+        t = jax.lax.dynamic_slice_in_dim(toks, s, C, axis=1)
+        f = jax.lax.dynamic_slice_in_dim(feats, s, C, axis=1)
+        at = jnp.clip(last - s, 0, C - 1)
+        lg, hidden, cache = head_apply(head, t, f, rollback(cache, jnp.full((B,), s)),
+                                       fuse=True, at=at)
+        here = (last >= s) & (last < s + C)  # [B]: row b's last pair is in this chunk
+        h = jnp.take_along_axis(hidden, at[:, None, None], axis=1)[:, 0]
+        return (cache, jnp.where(here[:, None], lg, logits),
+                jnp.where(here[:, None], h.astype(hid.dtype), hid))
+
+    like = jax.eval_shape(lambda c: head_apply(head, toks[:, :C], feats[:, :C], c, fuse=True,
+                                               at=last), cache)
+    init = (cache, jnp.zeros(like[0].shape, like[0].dtype),
+            jnp.zeros((B, like[1].shape[-1]), like[1].dtype))
+    live = (jnp.max(lens - 1).astype(jnp.int32) + C - 1) // C  # chunks holding a pair
+    cache, logits, hid = jax.lax.fori_loop(0, jnp.clip(live, 1, -(-n // C)), body, init)
+    return logits, hid, cache
+
+
 @struct.dataclass
 class FeatureDrafter(Drafter):
     """Drafts with a feature head (`jspec.feature_head`: EAGLE-3's one decoder layer over
@@ -488,13 +523,13 @@ class FeatureDrafter(Drafter):
         # Pairs (t_{i+1}, f_i), i = 0 .. P - 2, at head positions 0 .. P - 2.
         # The LM head at each row's last pair alone (no [B, P, Vd] logits, rule R10).
         last = jnp.maximum(lens - 2, 0).astype(jnp.int32)  # [B]
-        logits, hidden, cache = head_apply(self.head, tokens[:, 1:], features[:, :-1],
-                                           cache, fuse=True, at=last)  # logits [B, Vd]
+        logits, nh, cache = _head_prefill(self.head, tokens[:, 1:], features[:, :-1], cache,
+                                          last, lens)
         single = (lens < 2)[:, None]
         nl = jnp.where(single, 0.0, logits)
-        nh = jnp.where(single, 0, jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0])
+        nh = jnp.where(single, 0, nh)
         return FeatureDraftState(cache=rollback(cache, jnp.maximum(lens - 1, 0)),
-                                 next_logits=nl, next_hidden=nh.astype(hidden.dtype))
+                                 next_logits=nl, next_hidden=nh)
 
     def propose(self, state: FeatureDraftState, ctx: ProposeContext):
         sample = ctx.draft_sampler

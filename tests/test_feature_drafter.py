@@ -249,3 +249,33 @@ def test_bad_heads_are_rejected_naming_the_problem(published, tmp_path, kind):
     edit, match = cases[kind]
     with pytest.raises(ValueError, match=match):
         load_eagle3(_edit(d, tmp_path, **edit), target)
+
+
+@pytest.mark.parametrize("chunk", [3, 4])
+def test_head_prefill_in_chunks_is_the_one_call_bitwise(chunk):
+    # The head's prefill runs in chunks of its prefill_chunk (a 32K prompt would make
+    # [P, P] attention scores in one call); on pallas every chunk size gives the one
+    # call's next logits, hidden states and cache entries, on ragged rows.
+    target = load("qwen3", "pallas")
+    L = target.config.num_layers
+    layers = tuple(sorted({min(i, L) for i in eagle3_layers(max(L, 4))}))
+
+    def drafter(c):
+        opts = jspec.KernelOptions(backend="pallas", interpret=True, prefill_chunk=c)
+        return jspec.FeatureDrafter(random_head(target, seed=0, feature_layers=layers,
+                                                dtype="float32", options=opts))
+
+    rng = np.random.default_rng(2)
+    d = drafter(chunk)
+    B, P, W = 3, 11, d.head.config.feature_width
+    toks = jnp.asarray(rng.integers(0, d.head.config.vocab_size, (B, P)), jnp.int32)
+    feats = jnp.asarray(rng.standard_normal((B, P, W)), jnp.float32)
+    lens = jnp.asarray([11, 1, 6], jnp.int32)
+    one = drafter(2048).init(toks, lens, 24, 3, features=feats)
+    got = d.init(toks, lens, 24, 3, features=feats)
+    assert np.array_equal(bits(got.next_logits), bits(one.next_logits))
+    assert np.array_equal(bits(got.next_hidden), bits(one.next_hidden))
+    assert np.array_equal(np.asarray(got.cache.lengths), np.asarray(one.cache.lengths))
+    for b, n in enumerate(np.asarray(one.cache.lengths)):
+        for buf, ref in ((got.cache.k[0], one.cache.k[0]), (got.cache.v[0], one.cache.v[0])):
+            assert np.array_equal(bits(buf[b, :, :n]), bits(ref[b, :, :n])), f"row {b}"
