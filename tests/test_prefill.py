@@ -113,6 +113,33 @@ def test_a_long_prompt_never_materializes_all_position_logits():
     assert mem.output_size_in_bytes >= logits_bytes, mem
 
 
+def test_a_feature_heads_prefill_on_a_long_prompt_runs_in_chunks():
+    # speculative_generate's prefill also runs a feature head over the prompt's pairs;
+    # in one call its attention holds [B, H, P, S] f32 scores (a 32K prompt asked the
+    # H200 for 207 GiB), in chunks of the head's prefill_chunk only [B, H, C, S].
+    from jspec.feature_head import random_head
+    from jspec.speculative import prefill as spec_prefill
+
+    model = jspec.with_options(_big_vocab_model(), prefill_chunk=512)
+    B, P, S = 1, 4096, 4096 + 16
+    tokens, lens = jnp.zeros((B, P), jnp.int32), jnp.full((B,), P - 5, jnp.int32)
+    spec = jspec.SpecConfig(gamma=2, max_new_tokens=4).static()
+
+    def temp(chunk):
+        head = random_head(model, seed=0, feature_layers=(0, 1), dtype="float32",
+                           draft_vocab_size=4096,
+                           options=jspec.KernelOptions(backend="xla", prefill_chunk=chunk))
+        mem = spec_prefill.lower(model, jspec.FeatureDrafter(head), tokens, lens,
+                                 jnp.int32(0), spec=spec, max_len=S).compile()
+        return head.config.layer.num_heads, mem.memory_analysis().temp_size_in_bytes
+
+    heads, chunked = temp(512)
+    scores = B * heads * P * S * 4  # one call's attention scores, f32
+    assert chunked < scores / 2, (chunked, scores)  # the target's chunk and the head's
+    # the check can fail: the head over the whole prompt in one call holds the scores
+    assert temp(P)[1] >= scores
+
+
 def test_prefill_chunk_is_checked_and_parsed():
     from jspec.cli import parse_options
 
