@@ -6,23 +6,18 @@
 
 Builds the preset with random weights, prefills --context tokens, then traces one call of
 the timed step loop of the benchmarks (`device_steps`: STEP_REPS forwards of a block of
---T tokens on the same cache) with `jax.profiler` (a Perfetto trace, the GPU's activity
-through CUPTI). Every kernel event on the device's tracks is grouped by name; per forward
-step the receipt holds each name's launches and microseconds, the kernels' busy time and
-the step's span on the device (first kernel's start to last kernel's end, over
-STEP_REPS), so `span - busy` is the time the device sat between kernels. Prints the top
-kernels; writes profile_step_<preset>[_<tag>].json under --out (and keeps the trace's
+--T tokens on the same cache) with `jax.profiler` and summarizes the device timeline per
+forward step (`jspec.bench.trace`): every kernel name's calls and microseconds, the
+kernels' busy time and the step's span on the device, so `span - busy` is the time the
+device sat between kernels. Prints the top kernels; writes profile_step_<preset>[_<tag>].json under --out (and keeps the trace's
 .json.gz beside it with --keep_trace). On a CPU the trace has no device kernels: the run
 only checks that the script works.
 """
 
 from __future__ import annotations
 
-import collections
-import glob
-import gzip
-import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -34,6 +29,7 @@ from absl import app, flags
 
 from jspec.bench.receipts import write_receipt
 from jspec.bench.timing import STEP_REPS, device_steps, median_time
+from jspec.bench.trace import device_events, summarize, traced
 from jspec.cache import init_cache
 from jspec.cli import options_record
 from jspec.model import forward_nodonate
@@ -51,45 +47,6 @@ _TOP = flags.DEFINE_integer("top", 25, "kernel names printed")
 _KEEP = flags.DEFINE_bool("keep_trace", False, "copy the Perfetto trace next to the receipt")
 _OUT = flags.DEFINE_string("out", os.environ.get("OUT", "experiments/results"), "receipt dir")
 _TAG = flags.DEFINE_string("tag", "", "receipt file name suffix")
-
-
-def device_kernels(trace: dict) -> tuple[list[dict], list[str]]:
-    """Complete events ("ph": "X") on the device's stream tracks of a Perfetto / Chrome
-    trace (processes whose name names a GPU, "/device:GPU:0 ..."; of their threads those
-    named "Stream ..." when there are any, so derived lines such as "XLA Ops" that
-    repeat the kernels' time are left out), and the names of the tracks kept."""
-    events = trace.get("traceEvents", [])
-    meta = [e for e in events if e.get("ph") == "M"]
-    procs = {e["pid"]: e.get("args", {}).get("name", "") for e in meta
-             if e.get("name") == "process_name"}
-    gpu = {pid for pid, n in procs.items() if "GPU" in n or "gpu" in n}
-    threads = {(e["pid"], e.get("tid")): e.get("args", {}).get("name", "") for e in meta
-               if e.get("name") == "thread_name" and e["pid"] in gpu}
-    streams = {key for key, n in threads.items() if n.startswith("Stream")}
-    keep = (lambda e: (e["pid"], e.get("tid")) in streams) if streams else (
-        lambda e: e["pid"] in gpu)
-    kept = [e for e in events if e.get("ph") == "X" and "dur" in e and e.get("pid") in gpu
-            and keep(e)]
-    tracks = sorted({f"{procs[e['pid']]} / {threads.get((e['pid'], e.get('tid')), '')}"
-                     for e in kept})
-    return kept, tracks
-
-
-def summarize(events: list[dict], steps: int) -> dict:
-    """Per forward step: each kernel name's launches and microseconds (largest first), the
-    kernels' busy time and the span from the first start to the last end."""
-    if not events:
-        return {"kernels": [], "busy_us": 0.0, "span_us": 0.0, "launches": 0.0}
-    by = collections.defaultdict(lambda: [0, 0.0])
-    for e in events:
-        by[e["name"]][0] += 1
-        by[e["name"]][1] += float(e["dur"])
-    start = min(float(e["ts"]) for e in events)
-    end = max(float(e["ts"]) + float(e["dur"]) for e in events)
-    kernels = sorted(({"name": n, "launches": c / steps, "us": us / steps}
-                      for n, (c, us) in by.items()), key=lambda r: -r["us"])
-    return {"kernels": kernels, "busy_us": sum(r["us"] for r in kernels),
-            "span_us": (end - start) / steps, "launches": len(events) / steps}
 
 
 def main(argv):
@@ -111,39 +68,33 @@ def main(argv):
     block = jnp.asarray(rng.integers(0, cfg.vocab_size, (B, T)).astype(np.int32))
     step_s = median_time(device_steps, model, block, cache, iters=5, warmup=2) / STEP_REPS
     with tempfile.TemporaryDirectory() as d:
-        with jax.profiler.trace(d, create_perfetto_trace=True):
-            jax.block_until_ready(device_steps(model, block, cache))
-        paths = glob.glob(os.path.join(d, "**", "perfetto_trace.json.gz"), recursive=True)
-        if not paths:
-            sys.exit(f"no perfetto_trace.json.gz under the trace directory {d}")
-        with gzip.open(paths[0], "rt") as f:
-            trace = json.load(f)
+        trace, path = traced(lambda: jax.block_until_ready(device_steps(model, block, cache)),
+                             d)
         kept = None
-        if _KEEP.value:
+        if _KEEP.value and path:
             os.makedirs(_OUT.value, exist_ok=True)
             kept = os.path.join(_OUT.value, f"profile_step_{_PRESET.value}"
                                 f"{'_' + _TAG.value if _TAG.value else ''}.trace.json.gz")
-            with open(paths[0], "rb") as src, open(kept, "wb") as dst:
-                dst.write(src.read())
-    kernels, tracks = device_kernels(trace)
-    summary = summarize(kernels, STEP_REPS)
+            shutil.copyfile(path, kept)
+    summary = summarize(device_events(trace), STEP_REPS, top=10_000)
     report = {
         "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
         "date": time.strftime("%Y-%m-%d %H:%M:%S"), "device": jax.devices()[0].device_kind,
         "jax": jax.__version__, "preset": _PRESET.value, "layers": cfg.num_layers,
         "batch": B, "T": T, "context": C, "dtype": _DTYPE.value,
         "speed_options": options_record(model)["kernel"], "step_ms": step_s * 1e3,
-        "steps_traced": STEP_REPS, "tracks": tracks, "trace": kept, **summary}
-    path = write_receipt(_OUT.value, f"profile_step_{_PRESET.value}", _TAG.value, report)
+        "steps_traced": STEP_REPS, "trace": kept, **summary}
+    out = write_receipt(_OUT.value, f"profile_step_{_PRESET.value}", _TAG.value, report)
     print(f"{_PRESET.value} ({cfg.num_layers} layers), B={B} T={T} context {C}, "
           f"{_BACKEND.value}: step {step_s * 1e3:.3f} ms timed; traced per step: "
-          f"{summary['launches']:.0f} kernels, busy {summary['busy_us']:.0f} us, "
-          f"span {summary['span_us']:.0f} us")
-    print(f"{'us/step':>9s} {'launches':>8s} {'us each':>8s}  kernel")
-    for r in summary["kernels"][:_TOP.value]:
-        print(f"{r['us']:9.1f} {r['launches']:8.1f} {r['us'] / r['launches']:8.2f}  "
+          f"{summary.get('events_per_step', 0):.0f} device events, busy "
+          f"{summary.get('busy_us_per_step', 0):.0f} us, span "
+          f"{summary.get('span_us_per_step', 0):.0f} us")
+    print(f"{'us/step':>9s} {'calls':>6s} {'us each':>8s}  kernel")
+    for r in summary.get("top", [])[:_TOP.value]:
+        print(f"{r['us_per_step']:9.1f} {r['calls_per_step']:6.1f} {r['us_per_call']:8.2f}  "
               f"{r['name'][:110]}")
-    print(f"receipt: {path}")
+    print(f"receipt: {out}")
 
 
 if __name__ == "__main__":
