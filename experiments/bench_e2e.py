@@ -75,7 +75,12 @@ from jspec.loading import default_interpret  # noqa: E402
 from jspec.random_model import random_model  # noqa: E402
 from jspec.sharding import init_distributed, make_mesh, random_sharded, replicate  # noqa: E402
 from jspec.tree import parse_tree  # noqa: E402
-from pallas_kernels.matmul import TUNED, schedule_tables, tuned_to_json  # noqa: E402
+from pallas_kernels.matmul import (  # noqa: E402
+    TUNED,
+    read_tuned_file,
+    schedule_tables,
+    tuned_to_json,
+)
 
 _TARGET = flags.DEFINE_string("target", "tiny-qwen3", "preset[:layers] or HF dir")
 _DRAFT = flags.DEFINE_string("draft", "tiny-qwen3:1", "preset[:layers] or HF dir")
@@ -244,7 +249,8 @@ def versions() -> dict:
     import jaxlib
 
     v = {"jax": jax.__version__, "jaxlib": jaxlib.__version__,
-         "matmul_tuned": tuned_to_json(TUNED), "matmul_schedules": schedule_tables()}
+         "matmul_tuned": tuned_to_json(TUNED), "matmul_schedules": schedule_tables(),
+         "matmul_grouped": read_tuned_file().get("grouped", [])}
     try:
         import transformers
         v["transformers"] = transformers.__version__

@@ -68,7 +68,7 @@ from jspec.model import COMPILER_OPTIONS, apply, forward
 from jspec.random_model import random_model
 from jspec.sharding import init_cache  # the sharded cache for a sharded model
 from jspec.tree import from_parents
-from pallas_kernels.matmul import TUNED, schedule_tables, tuned_to_json
+from pallas_kernels.matmul import TUNED, read_tuned_file, schedule_tables, tuned_to_json
 
 FLAGS = flags.DEFINE_string("models", "qwen3-8b:4,gemma3-4b:6", "preset:num_layers list")
 _CONTEXT = flags.DEFINE_integer("context", 8192, "sequence length checked")
@@ -389,6 +389,7 @@ def main(argv):
     report = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
               "matmul_tuned": tuned_to_json(TUNED),
               "matmul_schedules": schedule_tables(),
+              "matmul_grouped": read_tuned_file().get("grouped", []),
               "date": time.strftime("%Y-%m-%d"), "context": _CONTEXT.value,
               "contexts": _CONTEXTS.value or None,
               "window": _WINDOW.value, "options": _OPTIONS.value, "tp": _TP.value or None,

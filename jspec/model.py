@@ -315,7 +315,8 @@ def moe_block(ops, model: Model, lp, h, rows: int):
     expert = ids.reshape(-1)  # [M k]: row r's slots at r*k .. r*k + k - 1
     if opt.fuse_glu and opt.backend == "pallas":  # one layout for both grouped kernels
         y = ops.grouped_mlp(x, lp["w_gate_up"], lp["w_down"], expert,
-                            activation=cfg.activation)  # [M k, D] f32
+                            activation=cfg.activation,
+                            layout_kernel=bool(opt.moe_layout_kernel))  # [M k, D] f32
     else:
         xr = jnp.repeat(x, k, axis=0)  # [M k, D]
         gu = ops.grouped_matmul(xr, lp["w_gate_up"], expert, out_dtype=h.dtype)  # [M k, 2Fe]

@@ -59,6 +59,11 @@ class KernelOptions:
         loads (True; for prefill chunks), or writes them for a fold (False), or by the
         call's row tiles (None: the kernel's rule, today never). The same partials and
         fold order, so the same bits by construction; not yet proven on a GPU.
+      moe_layout_kernel: pallas: a mixture of experts' blocks of up to 64 routed slots
+        (k per token) lay their rows out by expert in one kernel
+        (`tile_layout_kernel`) instead of ~7 small XLA ops (True), or in those ops
+        (False or None: the default until it is proven on a GPU). Integer arithmetic:
+        the same layout, so the same bits.
       matmul_row_group: pallas: up to this many row tiles per matmul program, each
         weight block loaded once for all of them (scheduling only).
       matmul_schedule: pallas: launches of several row tiles use the weight's tuned
@@ -90,6 +95,7 @@ class KernelOptions:
     attn_split_rows: int | None = None
     attn_fused_fold: bool | None = None
     attn_serial_split: bool | None = None
+    moe_layout_kernel: bool | None = None
     matmul_row_group: int = 4
     matmul_schedule: bool = True
     kv_dus: bool = True
@@ -104,7 +110,7 @@ class KernelOptions:
             raise ValueError(f"lowering={self.lowering!r}; expected one of {LOWERINGS}")
         for name in ("interpret", "matmul_schedule", "kv_dus") + FUSIONS:
             _bool(name, getattr(self, name))
-        for name in ("attn_fused_fold", "attn_serial_split"):
+        for name in ("attn_fused_fold", "attn_serial_split", "moe_layout_kernel"):
             if getattr(self, name) is not None:
                 _bool(name, getattr(self, name))
         if not isinstance(self.matmul_row_group, int) or self.matmul_row_group < 1:

@@ -303,6 +303,72 @@ def tile_layout(expert: jax.Array, E: int, bm: int
     return dest.astype(jnp.int32), tile_expert.astype(jnp.int32), src
 
 
+LAYOUT_SLOTS = 64  # `tile_layout_kernel` takes up to this many slots (one program)
+
+
+def _layout_kernel(e_ref, dest_ref, te_ref, src_ref, slots_ref, *, E: int, bm: int, R: int,
+                   T: int):
+    # e_ref [Rp] int32 (slots r >= R: any value, never used); dest_ref [Rp]; te_ref [Tp];
+    # src_ref, slots_ref [Tp bm]. `tile_layout`'s integer arithmetic, in one program.
+    Rp, Ep, Tp = e_ref.shape[0], next_pow2(E), te_ref.shape[0]
+    r = lax.broadcasted_iota(jnp.int32, (Rp,), 0)
+    expert = jnp.where(r < R, e_ref[...], -1)  # padding slots match no expert
+    col = lax.broadcasted_iota(jnp.int32, (Rp, Ep), 1)
+    onehot = (expert[:, None] == col).astype(jnp.int32)  # [Rp, Ep]
+    seen = jnp.cumsum(onehot, axis=0)  # rows of each expert among rows 0..r
+    rank = jnp.sum(onehot * seen, axis=1) - 1  # [Rp]
+    tiles = lax.div(jnp.sum(onehot, axis=0) + (bm - 1), bm)  # [Ep] whole tiles an expert
+    tile_end = jnp.cumsum(tiles, axis=0)  # [Ep]
+    start = tile_end - tiles
+    dest = jnp.sum(onehot * start[None, :], axis=1) * bm + rank  # [Rp]
+    dest_ref[...] = jnp.where(r < R, dest, -1)
+    t = lax.broadcasted_iota(jnp.int32, (Tp, Ep), 0)
+    owner = jnp.sum((tile_end[None, :] <= t).astype(jnp.int32), axis=1)  # [Tp]
+    used = jnp.sum(tiles)
+    te_ref[...] = jnp.where(lax.broadcasted_iota(jnp.int32, (Tp,), 0) < used, owner, -1)
+    key = jnp.where(r < R, dest, -1)  # [Rp]: the slot each row goes to
+
+    def tile(i, carry):  # slots i bm .. i bm + bm - 1: the row in each, or -1
+        s = i * bm + lax.broadcasted_iota(jnp.int32, (bm, Rp), 0)
+        hit = key[None, :] == s  # [bm, Rp]: at most one row a slot
+        rows = lax.broadcasted_iota(jnp.int32, (bm, Rp), 1)
+        src = jnp.sum(jnp.where(hit, rows + 1, 0), axis=1) - 1  # [bm]
+        src_ref[pl.ds(i * bm, bm)] = src
+        slot = i * bm + lax.broadcasted_iota(jnp.int32, (bm,), 0)
+        slots_ref[pl.ds(i * bm, bm)] = jnp.where(src >= 0, slot, -1)
+        return carry
+
+    lax.fori_loop(0, Tp, tile, 0)
+
+
+@functools.partial(jax.jit, static_argnames=("E", "bm", "interpret"))
+def tile_layout_kernel(expert: jax.Array, E: int, bm: int, *, interpret: bool = False
+                       ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """`tile_layout` in one Pallas program, for up to LAYOUT_SLOTS slots (a decode step or
+    a short verify block): expert [R] int32 -> (dest [Rp], tile_expert [Tp], src [Tp bm],
+    slots [Tp bm]) with Rp, Tp the powers of two >= R and `num_tiles(R, E, bm)`. The first
+    R, T, T bm entries are `tile_layout`'s values exactly (integer arithmetic: the same
+    counting sort, whatever computes it); the rest are -1 (slots of no row, tiles of no
+    expert). slots[s] = s where a row sits in slot s, else -1 (the down kernel's source,
+    the gate/up output's rows in slot order). One launch for the ~7 small XLA ops of
+    `tile_layout` (cumsums, reductions, a scatter, selects)."""
+    R = expert.shape[0]
+    if not 1 <= R <= LAYOUT_SLOTS:
+        raise ValueError(f"tile_layout_kernel takes 1 to {LAYOUT_SLOTS} slots; got {R}")
+    Rp, Tp = next_pow2(R), next_pow2(num_tiles(R, E, bm))
+    out = pl.pallas_call(
+        functools.partial(_layout_kernel, E=E, bm=bm, R=R, T=num_tiles(R, E, bm)),
+        out_shape=(jax.ShapeDtypeStruct((Rp,), jnp.int32),
+                   jax.ShapeDtypeStruct((Tp,), jnp.int32),
+                   jax.ShapeDtypeStruct((Tp * bm,), jnp.int32),
+                   jax.ShapeDtypeStruct((Tp * bm,), jnp.int32)),
+        compiler_params=triton_params(4, 1),
+        interpret=interpret,
+        name="jspec_moe_layout",
+    )(pad_axis(expert.astype(jnp.int32), 0, Rp))
+    return out
+
+
 def _expert_k_loop(e, src_ref, x_ref, w_ref, *, bk: int, nk: int, bn: int,
                    row_div: int = 1):
     """[bm, bn] f32: the tile's rows (src_ref) of x_ref [R, Kp] times expert e's block
@@ -364,13 +430,15 @@ def _launch(kernel, x, w, expert, cfg: MatmulConfig, n_out: int, out_dtype, w_bl
 
 
 def _launch_sorted(kernel, x, w, tile_expert, src, cfg: MatmulConfig, n_out: int, out_dtype,
-                   w_blocks, interpret: bool, name: str, row_div: int = 1):
-    """`_launch` on a given layout (`tile_layout`'s tile_expert [T] and src [T bm]; slot
-    s reads x row src[s] // row_div): the [T bm, n_out] rows in slot order."""
+                   w_blocks, interpret: bool, name: str, row_div: int = 1,
+                   tiles: int | None = None):
+    """`_launch` on a given layout (`tile_layout`'s tile_expert [T] and src [T bm], or
+    longer arrays of which the first `tiles` tiles are used; slot s reads x row
+    src[s] // row_div): the [T bm, n_out] rows in slot order."""
     K = x.shape[1]
     E = w.shape[0]
     bm = cfg.bm
-    T = tile_expert.shape[0]
+    T = tile_expert.shape[0] if tiles is None else tiles
     kp = round_up(K, cfg.bk)
     # Zero padding: extra K terms add exact zeros at the end of the sum; the empty slots
     # after each group's last row read zero rows, and their outputs are never read.
@@ -451,9 +519,10 @@ def grouped_matmul_glu(x: jax.Array, w: jax.Array, expert: jax.Array, *, activat
                    interpret, "jspec_grouped_matmul_glu")
 
 
-@functools.partial(jax.jit, static_argnames=("activation", "interpret"))
+@functools.partial(jax.jit, static_argnames=("activation", "interpret", "layout_kernel"))
 def grouped_mlp(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, expert: jax.Array, *,
-                activation: str, interpret: bool = False) -> jax.Array:
+                activation: str, interpret: bool = False, layout_kernel: bool = False
+                ) -> jax.Array:
     """A mixture of experts' expert MLPs: x [M, D] (tokens), expert [M k] (token m's k
     routed experts at m k .. m k + k - 1), w_gate_up [E, D, 2F], w_down [E, F, D] ->
     [M k, D] f32, bitwise `grouped_matmul(grouped_matmul_glu(repeat(x, k), w_gate_up,
@@ -462,7 +531,8 @@ def grouped_mlp(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, expert: j
     expert once: the gate/up kernel reads each slot's token row of x itself (no
     repeated copy of x), its output stays in slot order for the down kernel, and one
     gather puts the rows back. Shapes whose two tilings differ in row tile run the
-    composition."""
+    composition. `layout_kernel`: blocks of up to LAYOUT_SLOTS slots get their layout
+    from `tile_layout_kernel` (one launch; the same integers)."""
     if x.ndim != 2 or expert.ndim != 1 or x.shape[0] == 0 or expert.shape[0] % x.shape[0]:
         raise ValueError(f"grouped_mlp wants x [M, D] (M > 0) and expert [M k]; got "
                          f"{x.shape=} {expert.shape=}")
@@ -479,30 +549,40 @@ def grouped_mlp(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, expert: j
         a = grouped_matmul_glu(jnp.repeat(x, k, axis=0), w_gate_up, expert,
                                activation=activation, interpret=interpret)
         return grouped_matmul(a, w_down, expert, out_dtype=jnp.float32, interpret=interpret)
-    dest, tile_expert, src = tile_layout(expert.astype(jnp.int32), E, cfg_gu.bm)
+    T = num_tiles(R, E, cfg_gu.bm)
+    if layout_kernel and R <= LAYOUT_SLOTS:
+        dest, tile_expert, src, slots = tile_layout_kernel(expert, E, cfg_gu.bm,
+                                                           interpret=interpret)
+        dest = dest[:R]
+    else:
+        dest, tile_expert, src = tile_layout(expert.astype(jnp.int32), E, cfg_gu.bm)
+        slots = jnp.where(src >= 0, jnp.arange(src.shape[0], dtype=jnp.int32), -1)
     if F % cfg_gu.bn == 0:  # gate/up and the GLU in one kernel (`grouped_matmul_glu`)
         nf = F // cfg_gu.bn
         a = _launch_sorted(functools.partial(_grouped_glu_kernel, activation=activation), x,
                            w_gate_up, tile_expert, src, cfg_gu, F, x.dtype,
                            [lambda j: j, lambda j: j + nf], interpret,
-                           "jspec_grouped_matmul_glu", row_div=k)  # [T bm, F], slot order
+                           "jspec_grouped_matmul_glu", row_div=k,
+                           tiles=T)  # [T bm, F], slot order
     else:  # its unfused path: the grouped matmul, then `glu` (row-local, elementwise)
         gu = _launch_sorted(_grouped_kernel, x, w_gate_up, tile_expert, src, cfg_gu,
                             round_up(2 * F, cfg_gu.bn), x.dtype, [lambda j: j], interpret,
-                            "jspec_grouped_matmul", row_div=k)[:, :2 * F]
+                            "jspec_grouped_matmul", row_div=k, tiles=T)[:, :2 * F]
         gate, up = jnp.split(gu, 2, axis=-1)
         a = glu(gate, up, activation=activation, interpret=interpret)  # [T bm, F]
-    slots = jnp.where(src >= 0, jnp.arange(src.shape[0], dtype=jnp.int32), -1)
     y = _launch_sorted(_grouped_kernel, a, w_down, tile_expert, slots, cfg_dn,
                        round_up(D, cfg_dn.bn), jnp.float32, [lambda j: j], interpret,
-                       "jspec_grouped_matmul")  # [T bm, Dp]
+                       "jspec_grouped_matmul", tiles=T)  # [T bm, Dp]
     return y[dest, :D]
 
 
 def grouped_mlp_reference(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array,
-                          expert: jax.Array, *, activation: str) -> jax.Array:
+                          expert: jax.Array, *, activation: str, layout_kernel: bool = False
+                          ) -> jax.Array:
     """The `xla` backend's expert MLPs (NOT row-invariant): the reference grouped GLU and
-    grouped matmul over the token rows repeated per slot."""
+    grouped matmul over the token rows repeated per slot (`layout_kernel` is the pallas
+    backend's; ignored)."""
+    del layout_kernel
     k = expert.shape[0] // x.shape[0]
     a = grouped_matmul_glu_reference(jnp.repeat(x, k, axis=0), w_gate_up, expert,
                                      activation=activation)

@@ -27,6 +27,7 @@ from hypothesis import strategies as st
 
 from jspec.ops import get_ops
 from pallas_kernels.moe import (
+    LAYOUT_SLOTS,
     combine,
     grouped_config,
     grouped_matmul,
@@ -35,6 +36,7 @@ from pallas_kernels.moe import (
     route,
     route_kernel,
     tile_layout,
+    tile_layout_kernel,
 )
 
 INTERPRET = os.environ.get("JSPEC_PALLAS_INTERPRET", "1") != "0"
@@ -152,6 +154,35 @@ def test_tile_layout_keeps_groups_in_whole_tiles(kind):
         assert (np.diff(slots) == 1).all() and (slots[:1] % bm == 0).all()
     needed = sum(-(-np.sum(expert == e) // bm) for e in range(E))
     assert needed == len(used) <= T
+
+
+@settings(max_examples=12, deadline=None, derandomize=True,
+          suppress_health_check=list(HealthCheck))
+@given(r=st.sampled_from([1, 2, 7, 8, 16, 17, 40, LAYOUT_SLOTS]),
+       kind=st.sampled_from(ROUTINGS), e=st.sampled_from([E, 60, 128]),
+       bm=st.sampled_from([8, 16]), seed=st.integers(0, 2**16))
+def test_tile_layout_kernel_is_tile_layout(r, kind, e, bm, seed):
+    # One program's counting sort: tile_layout's integers exactly (then -1 padding), and
+    # slots[s] = s where a row sits in slot s.
+    rng = np.random.default_rng(seed)
+    expert = jnp.asarray({"one_expert": np.full(r, rng.integers(e)),
+                          "one_per_expert": rng.permutation(np.resize(np.arange(e), r)),
+                          "some_empty": rng.choice(rng.choice(e, 2, replace=False), r),
+                          "random": rng.integers(0, e, r)}[kind], jnp.int32)
+    dest, tile_expert, src = (np.asarray(a) for a in tile_layout(expert, e, bm))
+    kd, kt, ks, kslots = (np.asarray(a) for a in tile_layout_kernel(expert, e, bm,
+                                                                    interpret=INTERPRET))
+    T = num_tiles(r, e, bm)
+    np.testing.assert_array_equal(kd[:r], dest)
+    np.testing.assert_array_equal(kt[:T], tile_expert)
+    np.testing.assert_array_equal(ks[:T * bm], src)
+    assert (kd[r:] == -1).all() and (kt[T:] == -1).all() and (ks[T * bm:] == -1).all()
+    np.testing.assert_array_equal(kslots, np.where(ks >= 0, np.arange(ks.size), -1))
+
+
+def test_tile_layout_kernel_refuses_more_slots_than_it_holds():
+    with pytest.raises(ValueError, match=f"1 to {LAYOUT_SLOTS} slots"):
+        tile_layout_kernel(jnp.zeros((LAYOUT_SLOTS + 1,), jnp.int32), E, 16)
 
 
 def test_grouped_config_takes_no_row_count():
@@ -394,9 +425,11 @@ def test_grouped_matmul_glu_lowers_for_the_h200(h200):
 # --------------------------------------------------------------------------- one layout
 
 
-@pytest.mark.parametrize("m,k,routing,F", [(1, 8, "spread", 512), (13, 2, "one", 512),
-                                           (6, 3, "spread", 64), (21, 2, "two", 512)])
-def test_grouped_mlp_is_the_two_grouped_kernels_bitwise(m, k, routing, F):
+@pytest.mark.parametrize("m,k,routing,F,layout", [
+    (1, 8, "spread", 512, False), (13, 2, "one", 512, False), (6, 3, "spread", 64, False),
+    (21, 2, "two", 512, False), (1, 8, "spread", 512, True), (21, 2, "two", 512, True),
+    (6, 3, "spread", 64, True)])
+def test_grouped_mlp_is_the_two_grouped_kernels_bitwise(m, k, routing, F, layout):
     # grouped_mlp lays the rows out by expert once: the gate/up kernel reads each slot's
     # token row itself, its output stays in slot order for the down kernel. Every row
     # equals the composition over the repeated rows, bit for bit: routings of one token
@@ -412,20 +445,30 @@ def test_grouped_mlp_is_the_two_grouped_kernels_bitwise(m, k, routing, F):
     ids = {"spread": rng.integers(0, E, m * k), "one": np.full(m * k, 3),
            "two": rng.choice([1, 6], m * k)}[routing]
     expert = jnp.asarray(ids, jnp.int32)
-    fn = functools.partial(grouped_mlp, activation="silu", interpret=INTERPRET)
+    fn = functools.partial(grouped_mlp, activation="silu", interpret=INTERPRET,
+                           layout_kernel=layout)  # layout: tile_layout_kernel's (R <= 64)
     got = fn(x, wgu, wd, expert)
     a = grouped_matmul_glu(jnp.repeat(x, k, axis=0), wgu, expert, activation="silu",
                            interpret=INTERPRET)
     want = grouped_matmul(a, wd, expert, out_dtype=jnp.float32, interpret=INTERPRET)
     _same_bits(got, want, "one layout vs the composition")
     jaxpr = str(jax.make_jaxpr(fn)(x, wgu, wd, expert))
-    assert jaxpr.count("pallas_call") == 2 + (F == 64)  # the GLU kernel when unfused
-    assert jaxpr.count("cumsum") == str(jax.make_jaxpr(
+    # the GLU kernel when unfused; the layout kernel (whose cumsums sit inside it)
+    assert jaxpr.count("pallas_call") == 2 + (F == 64) + layout
+    assert layout or jaxpr.count("cumsum") == str(jax.make_jaxpr(
         lambda e: tile_layout(e, E, BM))(expert)).count("cumsum")  # one layout
     ref = grouped_mlp_reference(x, wgu, wd, expert, activation="silu")
     np.testing.assert_allclose(np.asarray(ref), np.asarray(got), rtol=3e-2, atol=3e-2)
     with pytest.raises(ValueError, match="grouped_mlp wants x"):
         fn(x[:0], wgu, wd, expert)
+
+
+@pytest.mark.parametrize("slots", [8, 40, 64])
+def test_tile_layout_kernel_lowers_for_the_h200(h200, slots):
+    args = (jax.ShapeDtypeStruct((slots,), jnp.int32),)
+    fn = functools.partial(tile_layout_kernel, E=128, bm=16)
+    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert set(re.findall(r'name = "(jspec_[a-z_0-9]*)"', text)) == {"jspec_moe_layout"}
 
 
 def test_grouped_mlp_lowers_for_the_h200(h200):

@@ -9,8 +9,9 @@ the timed step loop of the benchmarks (`device_steps`: STEP_REPS forwards of a b
 --T tokens on the same cache) with `jax.profiler` and summarizes the device timeline per
 forward step (`jspec.bench.trace`): every kernel name's calls and microseconds, the
 kernels' busy time and the step's span on the device, so `span - busy` is the time the
-device sat between kernels. Prints the top kernels; writes profile_step_<preset>[_<tag>].json under --out (and keeps the trace's
-.json.gz beside it with --keep_trace). On a CPU the trace has no device kernels: the run
+device sat between kernels. Prints the top kernels; writes
+profile_step_<preset>[_<tag>].json under --out (and keeps the trace's .json.gz beside it
+with --keep_trace). On a CPU the trace has no device kernels: the run
 only checks that the script works.
 """
 
