@@ -45,6 +45,23 @@ def test_pallas_prefill_steps_and_verify_blocks_are_bitwise_equal(name):
     assert parity.count_mismatches(got, ref) == (0, None)
 
 
+def test_the_layout_kernel_gives_the_default_bits():
+    """`moe_layout_kernel`: blocks of up to 64 slots lay their rows out in one kernel (the
+    same integers), so one-token steps and verify blocks give the default's logits bits;
+    the prefill (more slots) takes the XLA layout."""
+    model = load("qwen3_moe", "pallas")
+    fast = jspec.with_options(model, moe_layout_kernel=True)
+    seq = _seq("qwen3_moe")
+    n = len(seq)
+    ref = parity.schedule_logits(model, [seq], parity.prefill_schedule(n), MAX_LEN)[0]
+    for steps in (parity.serial_schedule(n), parity.verify_schedule(n, 3, prefix=5, seed=1),
+                  parity.prefill_schedule(n)):
+        got = parity.schedule_logits(fast, [seq], steps, MAX_LEN, seed=3)[0]
+        assert parity.count_mismatches(got, ref) == (0, None)
+    with pytest.raises(ValueError, match="moe_layout_kernel"):
+        jspec.with_options(model, moe_layout_kernel=1)
+
+
 def _prompts(name):
     p = expected(name)["prompt"]
     return [p, p[:4], p[3:10]]  # ragged

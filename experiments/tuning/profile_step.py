@@ -32,7 +32,7 @@ from jspec.bench.receipts import write_receipt
 from jspec.bench.timing import STEP_REPS, device_steps, median_time
 from jspec.bench.trace import device_events, summarize, traced
 from jspec.cache import init_cache
-from jspec.cli import options_record
+from jspec.cli import options_record, with_option_string
 from jspec.model import forward_nodonate
 from jspec.random_model import PRESETS, random_model
 
@@ -42,6 +42,8 @@ _B = flags.DEFINE_integer("batch", 1, "rows")
 _T = flags.DEFINE_integer("T", 1, "block size (1: a decode step)")
 _CONTEXT = flags.DEFINE_integer("context", 512, "tokens already in the cache")
 _BACKEND = flags.DEFINE_enum("backend", "pallas", ["pallas", "xla"], "kernel backend")
+_OPTIONS = flags.DEFINE_string("options", "", "kernel options (jspec.cli's option string, "
+                               "e.g. moe_layout_kernel=1)")
 _INTERPRET = flags.DEFINE_bool("interpret", False, "CPU smoke run")
 _DTYPE = flags.DEFINE_string("dtype", "bfloat16", "weights and activations")
 _TOP = flags.DEFINE_integer("top", 25, "kernel names printed")
@@ -60,6 +62,8 @@ def main(argv):
     if _LAYERS.value:
         kw["num_layers"] = _LAYERS.value
     model = random_model(_PRESET.value, **kw).with_backend(_BACKEND.value)
+    if _OPTIONS.value:
+        model = with_option_string(model, _OPTIONS.value)
     cfg = model.config
     B, T, C = _B.value, _T.value, _CONTEXT.value
     rng = np.random.default_rng(0)
