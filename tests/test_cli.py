@@ -236,6 +236,29 @@ def test_trace_summarizes_a_device_timeline():
 
 
 @pytest.mark.slow  # a sweep script
+def test_sweep_grouped_smoke(tmp_path):
+    r = _run("tuning/sweep_grouped.py", "--interpret", "--preset=tiny-qwen3-moe", "--Ts=1,2",
+             "--max_candidates=2", "--iters=1", "--reps=2", f"--out={tmp_path}")
+    assert r.returncode == 0, r.stderr[-2000:]
+    rep = json.load(open(tmp_path / "sweep_grouped.json"))
+    assert set(rep["weights"]) == {"gate_up", "down"}
+    for w in rep["weights"].values():
+        assert w["candidates"][0]["config"] == w["rule"] and w["candidates"][0]["sum_us"] > 0
+    assert json.load(open(tmp_path / "sweep_grouped_tuned.json")) == rep["tuned"]
+
+
+@pytest.mark.slow  # a profiling script
+def test_profile_step_smoke(tmp_path):
+    r = _run("tuning/profile_step.py", "--interpret", "--preset=tiny-qwen3-moe",
+             "--dtype=float32", "--context=16", "--options=moe_layout_kernel=1",
+             f"--out={tmp_path}")
+    assert r.returncode == 0, r.stderr[-2000:]
+    rep = json.load(open(tmp_path / "profile_step_tiny-qwen3-moe.json"))
+    assert rep["step_ms"] > 0 and rep["speed_options"]["moe_layout_kernel"] is True
+    assert rep["device_events"] == 0  # a CPU trace has no device timeline
+
+
+@pytest.mark.slow  # a sweep script
 def test_sweep_schedule_smoke(tmp_path):
     r = _run("tuning/sweep_schedule.py", "--interpret", "--preset=tiny-qwen3", "--rows=1,40",
              "--shapes=wo,w_gate_up:glu", "--max_candidates=3", "--iters=1",
