@@ -31,7 +31,8 @@
 #   $MOE_E2E_BATCHES, $MOE_E2E_SHAPES, $MOE_TREE, $MOE_HEAD_VOCAB, $MOE_DRAFT (built, never
 #   run: the feature head drafts), $MOE_DTYPE and
 #   $MOE_INTERPRET (non-empty: Pallas interpret mode) resize them ($MOE_OPTIONS: the
-#   matrix's kernel options, e.g. moe_layout_kernel=1) (tests/test_moe_bench.py
+#   matrix's kernel options, e.g. moe_layout_kernel=1; $MOE_BACKENDS, default pallas:
+#   add xla (pallas,xla, with MOE_PARITY_S=240) to show it breaking) (tests/test_moe_bench.py
 #   runs the three at tiny-qwen3-moe on a CPU); $MOE_COST_S, $MOE_PARITY_S, $MOE_E2E_S
 #   bound them.
 # - groupsweep: tuning/sweep_grouped.py, the grouped expert kernels' tiles at the
@@ -332,7 +333,7 @@ for s in $steps; do
               --context="${MOE_PARITY_CONTEXT:-2048}" --window="${MOE_WINDOW:-48}" \
               --ks="${MOE_KS:-1,2,4,8,16,32}" --trees="${MOE_TREES:-8,32}" \
               --dtype="${MOE_DTYPE:-bfloat16}" ${MOE_INTERPRET:+--interpret} --tag=moe \
-              ${MOE_OPTIONS:+--options=$MOE_OPTIONS} \
+              ${MOE_OPTIONS:+--options=$MOE_OPTIONS} --backends="${MOE_BACKENDS:-pallas}" \
               --out="$OUT" 2>&1 | quiet | tail -24 ;;
     moe_e2e) timeout "${MOE_E2E_S:-165}" python3 experiments/bench_e2e.py \
               --target="${MOE_PRESET:-qwen3-30b-a3b}${MOE_LAYERS:+:$MOE_LAYERS}" \

@@ -85,7 +85,8 @@ def test_moe_session_lanes_run_at_a_tiny_preset(tmp_path):
         "MOE_KS": "1,3", "MOE_TREES": "3", "MOE_DRAFT": "tiny-qwen3:1",
         "MOE_HEAD_VOCAB": "256", "MOE_E2E_BATCHES": "1", "MOE_TREE": "spine:2:1",
         "MOE_PROMPT": "8", "MOE_NEW": "4",
-        "MOE_COST_S": "900", "MOE_PARITY_S": "900", "MOE_E2E_S": "900"}
+        "MOE_COST_S": "900", "MOE_PARITY_S": "900", "MOE_E2E_S": "900",
+        "MOE_BACKENDS": "pallas,xla"}
     r = subprocess.run(["bash", "experiments/gpu_session.sh", "moe_cost", "moe_parity",
                         "moe_e2e"], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=2400)
