@@ -4,7 +4,8 @@
   python experiments/tuning/profile_step.py --preset=tiny-qwen3-moe --interpret \
       --dtype=float32 --context=16                                     # CPU smoke run
 
-Builds the preset with random weights, prefills --context tokens, then traces one call of
+Builds the preset with random weights, prefills --context tokens (chunked, no LM head:
+the cache holds context - 1) into a cache of --max_len, then traces one call of
 the timed step loop of the benchmarks (`device_steps`: STEP_REPS forwards of a block of
 --T tokens on the same cache) with `jax.profiler` and summarizes the device timeline per
 forward step (`jspec.bench.trace`): every kernel name's calls and microseconds, the
@@ -32,8 +33,8 @@ from jspec.bench.receipts import write_receipt
 from jspec.bench.timing import STEP_REPS, device_steps, median_time
 from jspec.bench.trace import device_events, summarize, traced
 from jspec.cache import init_cache
+from jspec.chunked_prefill import prefill_jit
 from jspec.cli import options_record, with_option_string
-from jspec.model import forward_nodonate
 from jspec.random_model import PRESETS, random_model
 
 _PRESET = flags.DEFINE_string("preset", "qwen3-30b-a3b", "a random-model preset")
@@ -41,6 +42,8 @@ _LAYERS = flags.DEFINE_integer("layers", 0, "layers (0: the preset's)")
 _B = flags.DEFINE_integer("batch", 1, "rows")
 _T = flags.DEFINE_integer("T", 1, "block size (1: a decode step)")
 _CONTEXT = flags.DEFINE_integer("context", 512, "tokens already in the cache")
+_MAX_LEN = flags.DEFINE_integer("max_len", 0, "the cache's capacity (0: context + T + 16; "
+                                "generate buckets it, e.g. 49152 for a 32K prompt)")
 _BACKEND = flags.DEFINE_enum("backend", "pallas", ["pallas", "xla"], "kernel backend")
 _OPTIONS = flags.DEFINE_string("options", "", "kernel options (jspec.cli's option string, "
                                "e.g. moe_layout_kernel=1)")
@@ -67,9 +70,12 @@ def main(argv):
     cfg = model.config
     B, T, C = _B.value, _T.value, _CONTEXT.value
     rng = np.random.default_rng(0)
-    cache = init_cache(model, B, C + T + 16)
+    max_len = _MAX_LEN.value or C + T + 16
+    if max_len < C + T:
+        raise app.UsageError(f"--max_len={max_len} must hold --context + --T = {C + T}")
+    cache = init_cache(model, B, max_len)
     prompt = jnp.asarray(rng.integers(0, cfg.vocab_size, (B, C)).astype(np.int32))
-    _, cache = forward_nodonate(model, prompt, cache)
+    cache = prefill_jit(model, prompt, jnp.full((B,), C, jnp.int32), cache).cache  # C - 1
     block = jnp.asarray(rng.integers(0, cfg.vocab_size, (B, T)).astype(np.int32))
     step_s = median_time(device_steps, model, block, cache, iters=5, warmup=2) / STEP_REPS
     with tempfile.TemporaryDirectory() as d:
@@ -86,11 +92,11 @@ def main(argv):
         "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
         "date": time.strftime("%Y-%m-%d %H:%M:%S"), "device": jax.devices()[0].device_kind,
         "jax": jax.__version__, "preset": _PRESET.value, "layers": cfg.num_layers,
-        "batch": B, "T": T, "context": C, "dtype": _DTYPE.value,
+        "batch": B, "T": T, "context": C, "max_len": max_len, "dtype": _DTYPE.value,
         "speed_options": options_record(model)["kernel"], "step_ms": step_s * 1e3,
         "steps_traced": STEP_REPS, "trace": kept, **summary}
     out = write_receipt(_OUT.value, f"profile_step_{_PRESET.value}", _TAG.value, report)
-    print(f"{_PRESET.value} ({cfg.num_layers} layers), B={B} T={T} context {C}, "
+    print(f"{_PRESET.value} ({cfg.num_layers} layers), B={B} T={T} context {C} of {max_len}, "
           f"{_BACKEND.value}: step {step_s * 1e3:.3f} ms timed; traced per step: "
           f"{summary.get('events_per_step', 0):.0f} device events, busy "
           f"{summary.get('busy_us_per_step', 0):.0f} us, span "
