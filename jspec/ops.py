@@ -11,9 +11,9 @@ returned `Ops`; it never calls jnp reductions itself. Two backends:
 - `pallas`: the kernels in `pallas_kernels/`, whose reduction order is a
   function of the feature/weight shapes only (rules R1-R3 in the design).
   `KernelOptions.lowering` picks the GPU lowering: "triton" (every kernel through
-  Pallas's Triton backend) or "mosaic" (`matmul`, `matmul_glu`, `rmsnorm` and
-  `add_norm` through Mosaic GPU, `pallas_kernels/mosaic/`; every other kernel,
-  `matmul_partials` included, stays on Triton for now).
+  Pallas's Triton backend) or "mosaic" (`matmul`, `matmul_glu`, `rmsnorm`, `add_norm`,
+  `rope` and `qk_norm_rope` through Mosaic GPU, `pallas_kernels/mosaic/`; every other
+  kernel, `matmul_partials` and attention included, stays on Triton for now).
 
 Every function takes 2-D row-major operands (rows = tokens) except attention.
 """
@@ -51,6 +51,9 @@ from pallas_kernels.mosaic import matmul as mosaic_matmul
 from pallas_kernels.mosaic import matmul_glu as mosaic_matmul_glu
 from pallas_kernels.mosaic.norms import add_rmsnorm as mosaic_add_rmsnorm
 from pallas_kernels.mosaic.norms import rmsnorm as mosaic_rmsnorm
+from pallas_kernels.mosaic.qk_rope import qk_norm_rope as mosaic_qk_norm_rope
+from pallas_kernels.mosaic.qk_rope import rope as mosaic_rope
+from pallas_kernels.mosaic.qk_rope import takes as mosaic_takes_head
 from pallas_kernels.qk_rope import qk_norm_rope, qk_norm_rope_reference
 from pallas_kernels.rmsnorm import rmsnorm, rmsnorm_reference
 from pallas_kernels.rope import rope, rope_reference
@@ -144,6 +147,17 @@ def _fenced(fn: Callable) -> Callable:
     return wrapper
 
 
+def _by_head_dim(mosaic: Callable, triton: Callable) -> Callable:
+    """RoPE / q-k norm + RoPE on Mosaic GPU for the head counts and sizes it takes, else
+    Triton."""
+
+    @functools.wraps(mosaic)
+    def run(x, *args, **kwargs):
+        return (mosaic if mosaic_takes_head(*x.shape[-2:]) else triton)(x, *args, **kwargs)
+
+    return run
+
+
 @functools.cache
 def get_ops(backend: str, interpret: bool = False, lowering: str = "triton") -> Ops:
     if backend == "xla":
@@ -179,8 +193,11 @@ def get_ops(backend: str, interpret: bool = False, lowering: str = "triton") -> 
             matmul_partials=p(matmul_partials, interpret=interpret),
             rmsnorm=p(mosaic_rmsnorm if mosaic else rmsnorm, interpret=interpret),
             add_norm=p(mosaic_add_rmsnorm if mosaic else add_rmsnorm, interpret=interpret),
-            rope=p(rope, interpret=interpret),
-            qk_norm_rope=p(qk_norm_rope, interpret=interpret),
+            rope=_by_head_dim(p(mosaic_rope, interpret), p(rope, interpret)) if mosaic
+            else p(rope, interpret=interpret),
+            qk_norm_rope=_by_head_dim(p(mosaic_qk_norm_rope, interpret),
+                                      p(qk_norm_rope, interpret)) if mosaic
+            else p(qk_norm_rope, interpret=interpret),
             glu=p(glu, interpret=interpret),
             matmul_glu=p(mosaic_matmul_glu if mosaic else matmul_glu, interpret=interpret),
             softcap=p(softcap, interpret=interpret),

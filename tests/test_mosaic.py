@@ -40,7 +40,9 @@ from pallas_kernels.mosaic import (
     matmul,
     matmul_glu,
     mosaic_matmul_config,
+    qk_norm_rope,
     rmsnorm,
+    rope,
 )
 from pallas_kernels.rmsnorm import rmsnorm_reference
 
@@ -156,6 +158,8 @@ def test_ops_dispatch_by_lowering():
     assert kernel(mosaic.rmsnorm) is rmsnorm and kernel(mosaic.add_norm) is add_rmsnorm
     assert kernel(triton.rmsnorm) is not rmsnorm
     assert kernel(mosaic.attention) is kernel(triton.attention)  # the rest stays on Triton
+    assert mosaic.qk_norm_rope.__wrapped__.func is qk_norm_rope  # by head size, else Triton
+    assert mosaic.rope.__wrapped__.func is rope
     assert get_ops("pallas", True, "mosaic").matmul.__wrapped__.func is matmul
 
 
@@ -258,8 +262,8 @@ def test_matmul_glu_lowers_for_cuda():
 def test_model_forward_lowers_with_mosaic_kernels(monkeypatch):
     # A Qwen3-8B-shaped forward (2 layers, decode) with lowering="mosaic": its projections
     # (wqkv, wo, the fused gate/up + GLU, w_down; layers share one body), the LM head, the
-    # block norm and the residual add + norm are Mosaic GPU calls; the other kernels
-    # Triton (lowered for the H200's sm_90).
+    # block norm, the residual add + norm and the q/k norm + RoPE are Mosaic GPU calls;
+    # the other kernels Triton (lowered for the H200's sm_90).
     from jax._src.pallas.triton import gpu_info, pallas_call_registration
 
     from jspec.cache import init_cache
@@ -274,10 +278,76 @@ def test_model_forward_lowers_with_mosaic_kernels(monkeypatch):
     model = model.replace(options=model.options.replace(lowering="mosaic"))
     cache = jax.eval_shape(lambda: init_cache(model, 1, 256))
     text = _lower(apply, model, jax.ShapeDtypeStruct((1, 1), jnp.int32), cache)
-    assert text.count("custom_call @mosaic_gpu") == 7
-    for name, n in (("matmul", 4), ("matmul_glu", 1), ("rmsnorm", 1), ("add_rmsnorm", 1)):
+    assert text.count("custom_call @mosaic_gpu") == 8
+    for name, n in (("matmul", 4), ("matmul_glu", 1), ("rmsnorm", 1), ("add_rmsnorm", 1),
+                    ("qk_norm_rope", 1)):
         assert text.count(f"jspec_mosaic_{name}_mosaic_gpu") == n, name
     assert "__gpu$xla.gpu.triton" in text and "jspec_matmul" not in text
+
+
+# --------------------------------------------------------------------------- q/k norm, RoPE
+def _qk_inputs(m, heads, d, norm, seed=0):
+    ks = jax.random.split(jax.random.key(seed), 5)
+    qkv = jax.random.normal(ks[0], (m, heads, d), jnp.float32).astype(jnp.bfloat16)
+    w = [(1 + 0.1 * jax.random.normal(k, (d,))).astype(jnp.bfloat16) if norm else None
+         for k in ks[1:3]]
+    return qkv, w[0], w[1], jax.random.normal(ks[3], (m, d // 2)), jax.random.normal(
+        ks[4], (m, d // 2))
+
+
+@pytest.mark.parametrize("nq,nk,nv,d,norm,offset", [
+    (32, 8, 8, 128, True, 0.0),  # Qwen3-8B: one block of 64 heads, v heads read, not stored
+    (64, 8, 8, 128, False, 0.0),  # two head blocks, the last past the input's end
+    pytest.param(8, 4, 4, 256, True, 1.0, marks=_SLOW),  # Gemma 3: head_dim 256
+    pytest.param(4, 2, 2, 64, True, 1.0, marks=_SLOW)])
+def test_qk_norm_rope_is_the_formula_and_keeps_rows(nq, nk, nv, d, norm, offset):
+    from pallas_kernels.qk_rope import qk_norm_rope as triton_qk_norm_rope
+    from pallas_kernels.qk_rope import qk_norm_rope_reference
+
+    m = 3
+    qkv, qw, kw, cos, sin = _qk_inputs(m, nq + nk + nv, d, norm)
+    kw_args = dict(num_q=nq, num_k=nk, offset=offset)
+    got = qk_norm_rope(qkv, qw, kw, cos, sin, interpret=True, **kw_args)
+    assert got.shape == (m, nq + nk, d) and got.dtype == qkv.dtype
+    want = qk_norm_rope_reference(qkv, qw, kw, cos, sin, **kw_args)
+    np.testing.assert_allclose(_f32(got), _f32(want), rtol=1e-2, atol=1e-2)
+    # This lowering's own arithmetic (R11: the sum of squares as two half-row sums, the
+    # rotation's products and adds as its compiler contracts them): a few elements differ
+    # from the Triton kernel's in the last place, the rest agree.
+    tri = triton_qk_norm_rope(qkv, qw, kw, cos, sin, interpret=True, **kw_args)
+    assert np.mean(_f32(got) == _f32(tri)) > 0.99
+    for i in range(m):  # a row alone is that row among the others
+        alone = qk_norm_rope(qkv[i:i + 1], qw, kw, cos[i:i + 1], sin[i:i + 1],
+                             interpret=True, **kw_args)
+        assert np.array_equal(np.asarray(alone[0]).view(np.uint16),
+                              np.asarray(got[i]).view(np.uint16)), i
+
+
+def test_rope_and_bad_head_sizes():
+    from pallas_kernels.rope import rope_reference
+
+    x, _, _, cos, sin = _qk_inputs(2, 8, 128, False)
+    np.testing.assert_allclose(_f32(rope(x, cos, sin, interpret=True)),
+                               _f32(rope_reference(x, cos, sin)), rtol=1e-2, atol=1e-2)
+    ops = get_ops("pallas", True, "mosaic")
+    for heads, d in ((4, 12), (12, 64)):  # halves of 6; 12 heads: the Triton kernels take them
+        odd, _, _, c, s = _qk_inputs(2, heads, d, False)
+        with pytest.raises(ValueError, match="head_dim with halves of 8-256"):
+            rope(odd, c, s, interpret=True)
+        np.testing.assert_array_equal(_f32(ops.rope(odd, c, s)),  # the ops fall back
+                                      _f32(get_ops("pallas", True, "triton").rope(odd, c, s)))
+
+
+@pytest.mark.parametrize("m,nq,nk,d", [(1, 32, 8, 128), (17, 32, 4, 128), (2, 8, 4, 256)])
+def test_qk_norm_rope_lowers_for_cuda(m, nq, nk, d):
+    # Qwen3-8B, Qwen3-30B-A3B (36 q and k heads: the output's heads rounded up to 40),
+    # Gemma-3-4B (12: to 16)
+    qkv = jax.ShapeDtypeStruct((m, nq + 2 * nk, d), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((d,), jnp.bfloat16)
+    t = jax.ShapeDtypeStruct((m, d // 2), jnp.float32)
+    fn = functools.partial(qk_norm_rope, num_q=nq, num_k=nk, eps=1e-6)
+    text = _lower(fn, qkv, w, w, t, t)
+    assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 1
 
 
 @pytest.mark.slow  # a device script's CPU smoke run
@@ -296,3 +366,20 @@ def test_mosaic_norms_script_smoke(tmp_path):
     for entry in report["widths"]:
         for k in entry["kernels"].values():
             assert k["alone_mismatch_rows"] == 0 and not any(k["prefix_mismatch_rows"].values())
+
+
+@pytest.mark.slow  # ~50 s: every kernel of a forward interpreted on Mosaic GPU or Triton
+def test_property_p_holds_with_the_mosaic_lowering():
+    # A tiny bf16 Qwen3 (8 q/k/v heads of 32: the Mosaic q/k norm + RoPE takes them) with
+    # lowering="mosaic": one-token steps and verify blocks give the prefill's logits bits.
+    from jspec import parity
+    from jspec.random_model import random_model
+
+    model = random_model("tiny-qwen3", interpret=True, dtype="bfloat16")
+    model = model.replace(options=model.options.replace(lowering="mosaic"))
+    seq = np.random.default_rng(0).integers(0, model.config.vocab_size, 12).astype(np.int32)
+    ref = parity.schedule_logits(model, [seq], parity.prefill_schedule(len(seq)), 24)[0]
+    for steps in (parity.serial_schedule(len(seq)),
+                  parity.verify_schedule(len(seq), 3, prefix=4, seed=1)):
+        got = parity.schedule_logits(model, [seq], steps, 24)[0]
+        assert parity.count_mismatches(got, ref) == (0, None)

@@ -8,9 +8,9 @@ references and the same rules: tiles a function of the weight shape only, K walk
 from 0 upward into one accumulator, no atomics, no reduction across rows. The two
 lowerings may give different bits from each other; each is row-invariant on its own.
 
-So far: the matmul family (`matmul`, `matmul_glu`) and the norms (`rmsnorm`,
-`add_rmsnorm`). `jspec.KernelOptions.lowering` selects them; every other kernel stays
-on Triton.
+So far: the matmul family (`matmul`, `matmul_glu`), the norms (`rmsnorm`,
+`add_rmsnorm`) and RoPE with the q/k norms (`qk_norm_rope`, `rope`).
+`jspec.KernelOptions.lowering` selects them; every other kernel stays on Triton.
 """
 
 from pallas_kernels.mosaic.matmul import (
@@ -20,6 +20,7 @@ from pallas_kernels.mosaic.matmul import (
     mosaic_matmul_config,
 )
 from pallas_kernels.mosaic.norms import add_rmsnorm, rmsnorm
+from pallas_kernels.mosaic.qk_rope import qk_norm_rope, rope
 
 __all__ = ["MosaicMatmulConfig", "add_rmsnorm", "matmul", "matmul_glu", "mosaic_matmul_config",
-           "rmsnorm"]
+           "qk_norm_rope", "rmsnorm", "rope"]

@@ -1,0 +1,155 @@
+"""q/k RMSNorm and RoPE (and RoPE alone) on Mosaic GPU.
+
+The Mosaic GPU lowering of `pallas_kernels/qk_rope.py` and `rope.py` (their docstrings
+give the semantics: per head an RMSNorm over head_dim with one weight for q heads and
+another for k heads, then Hugging Face's "rotate_half" rotation in f32, rounded once).
+
+One program owns one token row and a block of HEADS = 64 heads (grid: rows x head
+blocks), so the row count changes only the grid (R1) and no row's arithmetic sees
+another row (R2). The heads' halves go by TMA from the [M, heads, 2, D/2] view of the
+input into two [64, D/2] tiles (heads past the input's end are zero-filled, heads past
+the output's end are never stored; a TMA copy's tiled dimension, the heads, holds at most
+8 or a multiple of 8, so the output's heads are rounded up to 8 and sliced), and are
+loaded in the warpgroup MMA register layout, whose row reduction has a fixed order per
+row, a function of D only: the sum of squares is each half's row sum, added (this
+lowering's own order, R11). The scaling is `qk_rope.py`'s, rounded to the dtype in the
+same places; the weight of a row is q's or k's by its head index, and the per-row cos
+and sin are broadcast along the heads.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.qk_rope import _check, qk_norm_rope_reference
+from pallas_kernels.rope import _check_shapes, rope_reference
+
+__all__ = ["HEADS", "qk_norm_rope", "qk_norm_rope_reference", "rope", "rope_reference",
+           "takes"]
+
+HEADS = 64  # heads a program: the rows of one warpgroup MMA tile
+
+
+def takes(heads: int, head_dim: int) -> bool:
+    """Whether this lowering takes an input of `heads` heads of `head_dim`: halves of a
+    multiple of 8 elements (TMA moves rows of >= 16 bytes; the register layout's columns),
+    at most 256 (one TMA box), and at most 8 heads or a multiple of 8 (a TMA copy's tiled
+    dimension). Other inputs take the Triton kernels."""
+    half = head_dim // 2
+    return (head_dim % 2 == 0 and half % 8 == 0 and 8 <= half <= 256
+            and (heads <= 8 or heads % 8 == 0))
+
+
+def _kernel(x_gmem, w_gmem, cos_gmem, sin_gmem, o_gmem, x1_s, x2_s, w_s, c_s, s_s, o1_s,
+            o2_s, bar, *, d: int, eps: float, offset: float, num_q: int, norm: bool):
+    # x_gmem [M, Hin, 2, half]; w_gmem [2, 2, half] (q's weight halves, then k's);
+    # cos_gmem, sin_gmem [M, half] f32; o_gmem [M, Hout, 2, half]; *_s: one program's tiles.
+    m, blk = lax.axis_index("m"), lax.axis_index("h")
+    heads = pl.ds(blk * HEADS, HEADS)
+    plgpu.copy_gmem_to_smem(x_gmem.at[m, heads, 0], x1_s, bar)
+    plgpu.copy_gmem_to_smem(x_gmem.at[m, heads, 1], x2_s, bar)
+    plgpu.copy_gmem_to_smem(cos_gmem.at[m], c_s, bar)
+    plgpu.copy_gmem_to_smem(sin_gmem.at[m], s_s, bar)
+    plgpu.copy_gmem_to_smem(w_gmem, w_s, bar)
+    plgpu.barrier_wait(bar)
+    dtype = o1_s.dtype
+    tile = plgpu.Layout.WGMMA
+    x1 = plgpu.load(x1_s.at[...], (), layout=tile).astype(jnp.float32)  # [HEADS, half]
+    x2 = plgpu.load(x2_s.at[...], (), layout=tile).astype(jnp.float32)
+    if norm:
+        ss = (x1 * x1).sum(axis=1) + (x2 * x2).sum(axis=1)  # [HEADS]
+        inv = lax.rsqrt(ss / jnp.float32(d) + jnp.float32(eps))[:, None]
+        head = blk * HEADS + plgpu.broadcasted_iota(jnp.int32, x1.shape, 0, layout=tile)
+        is_q = head < num_q
+
+        def scaled(xh, part):  # elementwise, as qk_rope.py's scaling
+            wq = plgpu.load(w_s.at[0, part], (), layout=tile.reduce(0)).astype(jnp.float32)
+            wk = plgpu.load(w_s.at[1, part], (), layout=tile.reduce(0)).astype(jnp.float32)
+            ws = jnp.where(is_q, jnp.broadcast_to(wq[None, :], xh.shape),
+                           jnp.broadcast_to(wk[None, :], xh.shape))
+            if offset == 0.0:
+                normed = (xh * inv).astype(dtype).astype(jnp.float32)
+                return (normed * ws).astype(dtype).astype(jnp.float32)
+            return (xh * inv * (jnp.float32(offset) + ws)).astype(dtype).astype(jnp.float32)
+
+        x1, x2 = scaled(x1, 0), scaled(x2, 1)
+    c = plgpu.load(c_s.at[...], (), layout=tile.reduce(0))[None, :]
+    s = plgpu.load(s_s.at[...], (), layout=tile.reduce(0))[None, :]
+    o1_s[...] = (x1 * c - x2 * s).astype(dtype)
+    o2_s[...] = (x2 * c + x1 * s).astype(dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(o1_s, o_gmem.at[m, heads, 0])
+    plgpu.copy_smem_to_gmem(o2_s, o_gmem.at[m, heads, 1])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _launch(x, w, cos, sin, heads_out: int, *, eps: float, offset: float, num_q: int,
+            norm: bool, interpret: bool, name: str) -> jax.Array:
+    """x [M, Hin, D], w [2, D] (q's, k's) -> [M, heads_out, D]: the first heads_out heads,
+    each normed (when `norm`) and rotated."""
+    m, hin, d = x.shape
+    half = d // 2
+    hout = heads_out if heads_out <= 8 else -(-heads_out // 8) * 8  # TMA's tiled dimension
+    tile = plgpu.SMEM((HEADS, half), x.dtype)
+    row = plgpu.SMEM((half,), jnp.float32)
+    out = plgpu.kernel(
+        functools.partial(_kernel, d=d, eps=float(eps), offset=float(offset), num_q=num_q,
+                          norm=norm),
+        out_type=jax.ShapeDtypeStruct((m, hout, 2, half), x.dtype),
+        scratch_types=dict(x1_s=tile, x2_s=tile, w_s=plgpu.SMEM((2, 2, half), x.dtype),
+                           c_s=row, s_s=row, o1_s=tile, o2_s=tile,
+                           bar=plgpu.Barrier(num_arrivals=5)),
+        grid=(m, -(-heads_out // HEADS)),
+        grid_names=("m", "h"),
+        kernel_name=name,
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
+    )(x.reshape(m, hin, 2, half), w.astype(x.dtype).reshape(2, 2, half),
+      cos.astype(jnp.float32), sin.astype(jnp.float32))
+    return out.reshape(m, hout, d)[:, :heads_out]  # the heads the caller slices anyway
+
+
+@functools.partial(jax.jit, static_argnames=("num_q", "num_k", "eps", "offset", "interpret"))
+def qk_norm_rope(qkv: jax.Array, q_w: jax.Array | None, k_w: jax.Array | None,
+                 cos: jax.Array, sin: jax.Array, *, num_q: int, num_k: int, eps: float = 1e-6,
+                 offset: float = 0.0, interpret: bool = False) -> jax.Array:
+    """`pallas_kernels.qk_rope.qk_norm_rope` on Mosaic GPU: qkv [M, >= num_q + num_k, D]
+    -> [M, num_q + num_k, D], each q and k head normed (q_w, k_w [D]; both None: no norm)
+    and rotated by per-row cos, sin [M, D/2]. `interpret`: Pallas's GPU interpret mode."""
+    _check(qkv, q_w, k_w, cos, sin, num_q, num_k)
+    if (q_w is None) != (k_w is None):
+        raise ValueError("qk_norm_rope needs both q_w and k_w, or neither")
+    if offset not in (0.0, 1.0):
+        raise ValueError(f"qk_norm_rope supports offset 0.0 or 1.0; got {offset=}")
+    m, heads, d = qkv.shape
+    if not takes(heads, d):
+        raise ValueError(f"the Mosaic GPU qk_norm_rope takes head_dim with halves of 8-256 "
+                         f"elements in multiples of 8 and <= 8 or a multiple of 8 heads; got "
+                         f"{heads} heads of {d}")
+    norm = q_w is not None
+    w = jnp.stack([q_w, k_w]) if norm else jnp.zeros((2, d), qkv.dtype)
+    if m == 0:
+        return qkv[:, : num_q + num_k]
+    return _launch(qkv, w, cos, sin, num_q + num_k, eps=eps, offset=offset, num_q=num_q,
+                   norm=norm, interpret=interpret, name="jspec_mosaic_qk_norm_rope")
+
+
+@functools.partial(jax.jit, static_argnames=("interpret",))
+def rope(x: jax.Array, cos: jax.Array, sin: jax.Array, *, interpret: bool = False) -> jax.Array:
+    """`pallas_kernels.rope.rope` on Mosaic GPU: x [M, H, D] rotated by per-row cos, sin
+    [M, D/2]; x.dtype."""
+    _check_shapes(x, cos, sin)
+    m, h, d = x.shape
+    if not takes(h, d):
+        raise ValueError(f"the Mosaic GPU rope takes head_dim with halves of 8-256 elements "
+                         f"in multiples of 8 and <= 8 or a multiple of 8 heads; got {h} "
+                         f"heads of {d}")
+    if m == 0:
+        return x
+    return _launch(x, jnp.zeros((2, d), x.dtype), cos, sin, h, eps=0.0, offset=0.0, num_q=h,
+                   norm=False, interpret=interpret, name="jspec_mosaic_rope")
