@@ -10,7 +10,10 @@ last three parts:
 row-local by construction: every reduction is elementwise ops in an order written out
 here (a max, which is exact in any order; sums as a fixed pairwise tree over column
 halves or an unrolled left-to-right fold), never `jnp.sum`, whose association XLA may
-pick per shape. Both backends use them.
+pick per shape. `combine` serves both backends, `route` the xla backend; the pallas
+backend routes with `route_kernel`, the same formula and orders in one Pallas program
+per 16 rows (one launch, where `route` is ~2k small XLA reductions on a GPU).
+`tile_layout_kernel` is `tile_layout`'s counting sort in one program, for small blocks.
 
 `grouped_matmul(x [R, K], w [E, K, N], expert [R])`: row r is x[r] @ w[expert[r]]. The
 rows are laid out by expert (a counting sort in integer arithmetic: exact), each expert's
