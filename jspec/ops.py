@@ -89,9 +89,10 @@ class Ops(NamedTuple):
       share);
     grouped_matmul_glu(x [R,K], w [E,K,2F], expert [R], activation) -> [R,F] x.dtype:
       glu of grouped_matmul's halves, bitwise, in one kernel.
-    grouped_mlp(x [M,D], w_gate_up [E,D,2F], w_down [E,F,D], expert [M k], activation)
-      -> [M k, D] f32: grouped_matmul_glu then grouped_matmul over x's rows repeated per
-      slot, bitwise, on one layout of the rows by expert.
+    grouped_mlp(x [M,D], w_gate_up [E,D,2F], w_down [E,F,D], expert [M k], activation,
+      layout_kernel=False) -> [M k, D] f32: grouped_matmul_glu then grouped_matmul over
+      x's rows repeated per slot, bitwise, on one layout of the rows by expert (from one
+      kernel for small blocks when layout_kernel; the xla backend ignores it).
     route(router_logits [M,E] f32, k, norm_topk_prob) -> (weights [M,k] f32, ids [M,k]
       int32): top-k routing, ties to the lowest id, row-local (R9): `route_kernel` (one
       launch) on pallas, `route` (plain jnp, its reference) on xla."""
