@@ -309,8 +309,7 @@ def tile_layout(expert: jax.Array, E: int, bm: int
 LAYOUT_SLOTS = 64  # `tile_layout_kernel` takes up to this many slots (one program)
 
 
-def _layout_kernel(e_ref, dest_ref, te_ref, src_ref, slots_ref, *, E: int, bm: int, R: int,
-                   T: int):
+def _layout_kernel(e_ref, dest_ref, te_ref, src_ref, slots_ref, *, E: int, bm: int, R: int):
     # e_ref [Rp] int32 (slots r >= R: any value, never used); dest_ref [Rp]; te_ref [Tp];
     # src_ref, slots_ref [Tp bm]. `tile_layout`'s integer arithmetic, in one program.
     Rp, Ep, Tp = e_ref.shape[0], next_pow2(E), te_ref.shape[0]
@@ -323,17 +322,16 @@ def _layout_kernel(e_ref, dest_ref, te_ref, src_ref, slots_ref, *, E: int, bm: i
     tiles = lax.div(jnp.sum(onehot, axis=0) + (bm - 1), bm)  # [Ep] whole tiles an expert
     tile_end = jnp.cumsum(tiles, axis=0)  # [Ep]
     start = tile_end - tiles
-    dest = jnp.sum(onehot * start[None, :], axis=1) * bm + rank  # [Rp]
-    dest_ref[...] = jnp.where(r < R, dest, -1)
+    dest = jnp.where(r < R, jnp.sum(onehot * start[None, :], axis=1) * bm + rank, -1)
+    dest_ref[...] = dest  # [Rp]: the slot each row goes to
     t = lax.broadcasted_iota(jnp.int32, (Tp, Ep), 0)
     owner = jnp.sum((tile_end[None, :] <= t).astype(jnp.int32), axis=1)  # [Tp]
     used = jnp.sum(tiles)
     te_ref[...] = jnp.where(lax.broadcasted_iota(jnp.int32, (Tp,), 0) < used, owner, -1)
-    key = jnp.where(r < R, dest, -1)  # [Rp]: the slot each row goes to
 
     def tile(i, carry):  # slots i bm .. i bm + bm - 1: the row in each, or -1
         s = i * bm + lax.broadcasted_iota(jnp.int32, (bm, Rp), 0)
-        hit = key[None, :] == s  # [bm, Rp]: at most one row a slot
+        hit = dest[None, :] == s  # [bm, Rp]: at most one row a slot
         rows = lax.broadcasted_iota(jnp.int32, (bm, Rp), 1)
         src = jnp.sum(jnp.where(hit, rows + 1, 0), axis=1) - 1  # [bm]
         src_ref[pl.ds(i * bm, bm)] = src
@@ -360,7 +358,7 @@ def tile_layout_kernel(expert: jax.Array, E: int, bm: int, *, interpret: bool = 
         raise ValueError(f"tile_layout_kernel takes 1 to {LAYOUT_SLOTS} slots; got {R}")
     Rp, Tp = next_pow2(R), next_pow2(num_tiles(R, E, bm))
     out = pl.pallas_call(
-        functools.partial(_layout_kernel, E=E, bm=bm, R=R, T=num_tiles(R, E, bm)),
+        functools.partial(_layout_kernel, E=E, bm=bm, R=R),
         out_shape=(jax.ShapeDtypeStruct((Rp,), jnp.int32),
                    jax.ShapeDtypeStruct((Tp,), jnp.int32),
                    jax.ShapeDtypeStruct((Tp * bm,), jnp.int32),

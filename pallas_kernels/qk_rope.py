@@ -61,7 +61,8 @@ def _kernel(x_ref, qw_ref, kw_ref, cos_ref, sin_ref, o_ref, *, half: int, d: int
     o_ref[:, half:] = (x2 * c + x1 * s).astype(dtype)
 
 
-def _check(qkv, q_w, k_w, cos, sin, num_q, num_k):
+def _check(qkv, q_w, k_w, cos, sin, num_q, num_k, offset):
+    """The arguments of both lowerings' `qk_norm_rope`, checked before tracing."""
     if qkv.ndim != 3 or qkv.shape[1] < num_q + num_k or qkv.shape[2] % 2:
         raise ValueError(f"qk_norm_rope wants qkv [M, >= {num_q} + {num_k} heads, D] with D "
                          f"even; got {qkv.shape=}")
@@ -75,6 +76,10 @@ def _check(qkv, q_w, k_w, cos, sin, num_q, num_k):
         if w is not None:
             check_float(name, w)
     check_float("qkv", qkv)
+    if (q_w is None) != (k_w is None):
+        raise ValueError("qk_norm_rope needs both q_w and k_w, or neither")
+    if offset not in (0.0, 1.0):
+        raise ValueError(f"qk_norm_rope supports offset 0.0 or 1.0; got {offset=}")
 
 
 @functools.partial(jax.jit, static_argnames=("num_q", "num_k", "eps", "offset", "interpret"))
@@ -84,11 +89,7 @@ def qk_norm_rope(qkv: jax.Array, q_w: jax.Array | None, k_w: jax.Array | None, c
     """qkv [M, >= num_q + num_k, D] (q heads, then k heads, then anything, e.g. v)
     -> [M, num_q + num_k, D]: each head RMSNorm-ed (q_w for q heads, k_w for k heads;
     both None: no norm) then rotated by per-row cos, sin [M, D/2]; qkv.dtype."""
-    _check(qkv, q_w, k_w, cos, sin, num_q, num_k)
-    if (q_w is None) != (k_w is None):
-        raise ValueError("qk_norm_rope needs both q_w and k_w, or neither")
-    if offset not in (0.0, 1.0):
-        raise ValueError(f"qk_norm_rope supports offset 0.0 or 1.0; got {offset=}")
+    _check(qkv, q_w, k_w, cos, sin, num_q, num_k, offset)
     m, _, d = qkv.shape
     cfg = rope_config(d, interpret)
     half, norm = cfg.half, q_w is not None

@@ -121,11 +121,7 @@ def qk_norm_rope(qkv: jax.Array, q_w: jax.Array | None, k_w: jax.Array | None,
     """`pallas_kernels.qk_rope.qk_norm_rope` on Mosaic GPU: qkv [M, >= num_q + num_k, D]
     -> [M, num_q + num_k, D], each q and k head normed (q_w, k_w [D]; both None: no norm)
     and rotated by per-row cos, sin [M, D/2]. `interpret`: Pallas's GPU interpret mode."""
-    _check(qkv, q_w, k_w, cos, sin, num_q, num_k)
-    if (q_w is None) != (k_w is None):
-        raise ValueError("qk_norm_rope needs both q_w and k_w, or neither")
-    if offset not in (0.0, 1.0):
-        raise ValueError(f"qk_norm_rope supports offset 0.0 or 1.0; got {offset=}")
+    _check(qkv, q_w, k_w, cos, sin, num_q, num_k, offset)
     m, heads, d = qkv.shape
     if not takes(heads, d):
         raise ValueError(f"the Mosaic GPU qk_norm_rope takes head_dim with halves of 8-256 "
