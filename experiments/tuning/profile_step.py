@@ -10,7 +10,8 @@ the timed step loop of the benchmarks (`device_steps`: STEP_REPS forwards of a b
 --T tokens on the same cache) with `jax.profiler` and summarizes the device timeline per
 forward step (`jspec.bench.trace`): every kernel name's calls and microseconds, the
 kernels' busy time and the step's span on the device, so `span - busy` is the time the
-device sat between kernels. Prints the top kernels; writes
+device sat between kernels; each XLA fusion also gets its opcodes and the lines of
+jspec behind it, from the compiled HLO (`jspec.bench.hlo`). Prints the top kernels; writes
 profile_step_<preset>[_<tag>].json under --out (and keeps the trace's .json.gz beside it
 with --keep_trace). On a CPU the trace has no device kernels: the run
 only checks that the script works.
@@ -29,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
+from jspec.bench.hlo import fusion_sources
 from jspec.bench.receipts import write_receipt
 from jspec.bench.timing import STEP_REPS, device_steps, median_time
 from jspec.bench.trace import device_events, summarize, traced
@@ -77,10 +79,10 @@ def main(argv):
     prompt = jnp.asarray(rng.integers(0, cfg.vocab_size, (B, C)).astype(np.int32))
     cache = prefill_jit(model, prompt, jnp.full((B,), C, jnp.int32), cache).cache  # C - 1
     block = jnp.asarray(rng.integers(0, cfg.vocab_size, (B, T)).astype(np.int32))
-    step_s = median_time(device_steps, model, block, cache, iters=5, warmup=2) / STEP_REPS
+    steps = device_steps.lower(model, block, cache).compile()  # one compile: time, trace, HLO
+    step_s = median_time(steps, model, block, cache, iters=5, warmup=2) / STEP_REPS
     with tempfile.TemporaryDirectory() as d:
-        trace, path = traced(lambda: jax.block_until_ready(device_steps(model, block, cache)),
-                             d)
+        trace, path = traced(lambda: jax.block_until_ready(steps(model, block, cache)), d)
         kept = None
         if _KEEP.value and path:
             os.makedirs(_OUT.value, exist_ok=True)
@@ -88,6 +90,10 @@ def main(argv):
                                 f"{'_' + _TAG.value if _TAG.value else ''}.trace.json.gz")
             shutil.copyfile(path, kept)
     summary = summarize(device_events(trace), STEP_REPS, top=10_000)
+    sources = fusion_sources(steps.as_text() or "")
+    for r in summary.get("top", []):  # an XLA fusion's opcodes and the lines behind it
+        if r["name"] in sources:
+            r.update(sources[r["name"]])
     report = {
         "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
         "date": time.strftime("%Y-%m-%d %H:%M:%S"), "device": jax.devices()[0].device_kind,
@@ -103,8 +109,9 @@ def main(argv):
           f"{summary.get('span_us_per_step', 0):.0f} us")
     print(f"{'us/step':>9s} {'calls':>6s} {'us each':>8s}  kernel")
     for r in summary.get("top", [])[:_TOP.value]:
+        where = f"  <- {r['sources'][0]}" if r.get("sources") else ""
         print(f"{r['us_per_step']:9.1f} {r['calls_per_step']:6.1f} {r['us_per_call']:8.2f}  "
-              f"{r['name'][:110]}")
+              f"{r['name'][:60]}{where}")
     print(f"receipt: {out}")
 
 
