@@ -303,7 +303,8 @@ def moe_block(ops, model: Model, lp, h, rows: int):
     same), whose result for a row depends on
     that row and the expert's weights only (with `fuse_glu`, `ops.grouped_mlp` lays the
     rows out by expert once for both); `combine` adds a row's k expert outputs left to
-    right in f32.
+    right in f32 (with `moe_combine_kernel`, one kernel does it from the output slots,
+    `ops.grouped_mlp_combine`).
     """
     cfg, opt = model.config, model.options
     Mp, D = h.shape
@@ -313,6 +314,10 @@ def moe_block(ops, model: Model, lp, h, rows: int):
                         schedule=opt.matmul_schedule)  # [M, E]
     weights, ids = ops.route(logits, k, norm_topk_prob=cfg.norm_topk_prob)  # [M, k] each
     expert = ids.reshape(-1)  # [M k]: row r's slots at r*k .. r*k + k - 1
+    if opt.fuse_glu and opt.backend == "pallas" and opt.moe_combine_kernel:
+        return ops.grouped_mlp_combine(x, lp["w_gate_up"], lp["w_down"], expert, weights,
+                                       activation=cfg.activation, rows_out=Mp,
+                                       layout_kernel=bool(opt.moe_layout_kernel))  # [Mp, D]
     if opt.fuse_glu and opt.backend == "pallas":  # one layout for both grouped kernels
         y = ops.grouped_mlp(x, lp["w_gate_up"], lp["w_down"], expert,
                             activation=cfg.activation,

@@ -43,6 +43,8 @@ from pallas_kernels.moe import (
     grouped_matmul_glu_reference,
     grouped_matmul_reference,
     grouped_mlp,
+    grouped_mlp_combine,
+    grouped_mlp_combine_reference,
     grouped_mlp_reference,
     route,
     route_kernel,
@@ -93,6 +95,10 @@ class Ops(NamedTuple):
       layout_kernel=False) -> [M k, D] f32: grouped_matmul_glu then grouped_matmul over
       x's rows repeated per slot, bitwise, on one layout of the rows by expert (from one
       kernel for small blocks when layout_kernel; the xla backend ignores it).
+    grouped_mlp_combine(x [M,D], w_gate_up, w_down, expert [M k], weights [M,k], activation,
+      rows_out, layout_kernel=False) -> [rows_out, D] x.dtype: grouped_mlp's kernels, then
+      each token's k outputs weighted and added left to right in f32 by one kernel
+      (`combine_kernel`, its own bits) from their slots; rows past M exact zeros.
     route(router_logits [M,E] f32, k, norm_topk_prob) -> (weights [M,k] f32, ids [M,k]
       int32): top-k routing, ties to the lowest id, row-local (R9): `route_kernel` (one
       launch) on pallas, `route` (plain jnp, its reference) on xla."""
@@ -113,6 +119,7 @@ class Ops(NamedTuple):
     grouped_matmul: Callable
     grouped_matmul_glu: Callable
     grouped_mlp: Callable
+    grouped_mlp_combine: Callable
     route: Callable
 
 
@@ -179,6 +186,7 @@ def get_ops(backend: str, interpret: bool = False, lowering: str = "triton") -> 
             grouped_matmul=grouped_matmul_reference,
             grouped_matmul_glu=grouped_matmul_glu_reference,
             grouped_mlp=grouped_mlp_reference,
+            grouped_mlp_combine=grouped_mlp_combine_reference,
             route=route,
         )
     if backend == "pallas":
@@ -209,6 +217,7 @@ def get_ops(backend: str, interpret: bool = False, lowering: str = "triton") -> 
             grouped_matmul=p(grouped_matmul, interpret=interpret),
             grouped_matmul_glu=p(grouped_matmul_glu, interpret=interpret),
             grouped_mlp=p(grouped_mlp, interpret=interpret),
+            grouped_mlp_combine=p(grouped_mlp_combine, interpret=interpret),
             route=p(route_kernel, interpret=interpret),
         )
     raise ValueError(f"{backend=}; expected 'xla' or 'pallas'")

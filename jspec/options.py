@@ -64,6 +64,12 @@ class KernelOptions:
         (`tile_layout_kernel`) instead of ~7 small XLA ops (True), or in those ops
         (False or None: the default until it is proven on a GPU). Integer arithmetic:
         the same layout, so the same bits.
+      moe_combine_kernel: pallas: a mixture of experts' combine (each token's k expert
+        outputs weighted and added left to right in f32) in one kernel reading the
+        outputs in their slots (`combine_kernel`: the gather back, products, sum, cast
+        and padding in one launch) (True), or in XLA ops (False or None: the default
+        until it is proven on a GPU). Numeric: the kernel's products and adds are its
+        own, so its bits may differ from the XLA combine's; row-invariant either way.
       matmul_row_group: pallas: up to this many row tiles per matmul program, each
         weight block loaded once for all of them (scheduling only).
       matmul_schedule: pallas: launches of several row tiles use the weight's tuned
@@ -96,6 +102,7 @@ class KernelOptions:
     attn_fused_fold: bool | None = None
     attn_serial_split: bool | None = None
     moe_layout_kernel: bool | None = None
+    moe_combine_kernel: bool | None = None
     matmul_row_group: int = 4
     matmul_schedule: bool = True
     kv_dus: bool = True
@@ -110,7 +117,8 @@ class KernelOptions:
             raise ValueError(f"lowering={self.lowering!r}; expected one of {LOWERINGS}")
         for name in ("interpret", "matmul_schedule", "kv_dus") + FUSIONS:
             _bool(name, getattr(self, name))
-        for name in ("attn_fused_fold", "attn_serial_split", "moe_layout_kernel"):
+        for name in ("attn_fused_fold", "attn_serial_split", "moe_layout_kernel",
+                     "moe_combine_kernel"):
             if getattr(self, name) is not None:
                 _bool(name, getattr(self, name))
         if not isinstance(self.matmul_row_group, int) or self.matmul_row_group < 1:

@@ -214,6 +214,69 @@ def combine(y: jax.Array, weights: jax.Array) -> jax.Array:
     return acc
 
 
+COMBINE_ROWS = 16  # tokens a combine program
+COMBINE_COLS = 256  # columns a combine program (at most)
+
+
+def _combine_kernel(d_ref, w_ref, y_ref, o_ref, *, k: int, M: int):
+    # d_ref [bm, kp] int32: each token's k slots of y (-1 past M); w_ref [bm, kp] f32;
+    # y_ref [S, bn] f32, this column block of the expert outputs; o_ref [bm, bn].
+    bm = o_ref.shape[0]
+    slots, weights = d_ref[...], w_ref[...]
+    col = lax.broadcasted_iota(jnp.int32, slots.shape, 1)
+    acc = None
+    for j in range(k):  # left to right, as `combine`
+        slot = jnp.max(jnp.where(col == j, slots, -1), axis=1)  # [bm]: column j, exact
+        w = jnp.max(jnp.where(col == j, weights, -jnp.inf), axis=1)  # [bm]
+        ys = y_ref[jnp.maximum(slot, 0), :]  # [bm, bn] gathered
+        prod = ys * w[:, None]
+        acc = prod if acc is None else acc + prod
+    row = pl.program_id(0) * bm + lax.broadcasted_iota(jnp.int32, (bm, 1), 0)
+    o_ref[...] = jnp.where(row < M, acc, 0.0).astype(o_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("rows_out", "out_dtype", "interpret"))
+def combine_kernel(y: jax.Array, dest: jax.Array, weights: jax.Array, *, rows_out: int,
+                   out_dtype, interpret: bool = False) -> jax.Array:
+    """`combine` as one Pallas kernel reading the expert outputs where they lie: y [S, N]
+    f32 (any slot order), dest [M k] int32 (token m's j-th expert output is
+    y[dest[m k + j]]), weights [M, k] -> [rows_out, N] out_dtype: token m's row is
+    sum_j weights[m, j] * y[dest[m k + j]] for j = 0 .. k-1 left to right in f32, rows
+    M .. rows_out - 1 exact zeros. One program per COMBINE_ROWS tokens x a column block:
+    the gather, products, sum, cast and padding that are ~4 XLA launches around
+    `combine`. Row-local with a tile fixed by N (R9); its products and adds are compiled
+    in the kernel (Triton may contract them into FMAs, which `combine` forbids), so its
+    bits may differ from `combine`'s in the last place, the same for every M."""
+    if y.ndim != 2 or dest.ndim != 1 or weights.ndim != 2 or \
+            dest.shape[0] != weights.shape[0] * weights.shape[1] or weights.shape[1] < 1:
+        raise ValueError(f"combine_kernel wants y [S, N], dest [M k] and weights [M, k]; got "
+                         f"{y.shape=} {dest.shape=} {weights.shape=}")
+    M, k = weights.shape
+    if rows_out < M:
+        raise ValueError(f"combine_kernel: rows_out={rows_out} < the {M} tokens")
+    S, N = y.shape
+    bn = min(COMBINE_COLS, next_pow2(N))
+    np_ = round_up(N, bn)  # N itself at the models' widths
+    bm, kp = COMBINE_ROWS, next_pow2(k)
+    mp = round_up(max(rows_out, 1), bm)
+    d = pad_axis(pad_axis(dest.astype(jnp.int32).reshape(M, k), 1, kp, value=-1), 0, mp,
+                 value=-1)
+    w = pad_axis(pad_axis(weights.astype(jnp.float32), 1, kp), 0, mp)
+    out = pl.pallas_call(
+        functools.partial(_combine_kernel, k=k, M=M),
+        out_shape=jax.ShapeDtypeStruct((mp, np_), jnp.dtype(out_dtype)),
+        grid=(mp // bm, np_ // bn),
+        in_specs=[pl.BlockSpec((bm, kp), lambda i, j: (i, 0)),
+                  pl.BlockSpec((bm, kp), lambda i, j: (i, 0)),
+                  pl.BlockSpec((S, bn), lambda i, j: (0, j))],
+        out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
+        compiler_params=triton_params(4, 1),
+        interpret=interpret,
+        name="jspec_moe_combine",
+    )(d, w, pad_axis(y.astype(jnp.float32), 1, np_))
+    return out[:rows_out, :N]
+
+
 # --------------------------------------------------------------------------- grouped matmul
 
 
@@ -520,20 +583,11 @@ def grouped_matmul_glu(x: jax.Array, w: jax.Array, expert: jax.Array, *, activat
                    interpret, "jspec_grouped_matmul_glu")
 
 
-@functools.partial(jax.jit, static_argnames=("activation", "interpret", "layout_kernel"))
-def grouped_mlp(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, expert: jax.Array, *,
-                activation: str, interpret: bool = False, layout_kernel: bool = False
-                ) -> jax.Array:
-    """A mixture of experts' expert MLPs: x [M, D] (tokens), expert [M k] (token m's k
-    routed experts at m k .. m k + k - 1), w_gate_up [E, D, 2F], w_down [E, F, D] ->
-    [M k, D] f32, bitwise `grouped_matmul(grouped_matmul_glu(repeat(x, k), w_gate_up,
-    expert), w_down, expert, out_dtype=f32)`: the same kernels, tiles and K loops, and a
-    row's result never depends on the slot it sits in (R9). The rows are laid out by
-    expert once: the gate/up kernel reads each slot's token row of x itself (no
-    repeated copy of x), its output stays in slot order for the down kernel, and one
-    gather puts the rows back. Shapes whose two tilings differ in row tile run the
-    composition. `layout_kernel`: blocks of up to LAYOUT_SLOTS slots get their layout
-    from `tile_layout_kernel` (one launch; the same integers)."""
+def _grouped_mlp_slots(x, w_gate_up, w_down, expert, *, activation: str, interpret: bool,
+                       layout_kernel: bool) -> tuple[jax.Array, jax.Array | None]:
+    """`grouped_mlp`'s work before its last gather: (y, dest), y [S, Dp] f32 in slot
+    order and dest [M k] the slot of each routed row; or (y [M k, D], None) in row order
+    when the two tilings differ in row tile (the composition)."""
     if x.ndim != 2 or expert.ndim != 1 or x.shape[0] == 0 or expert.shape[0] % x.shape[0]:
         raise ValueError(f"grouped_mlp wants x [M, D] (M > 0) and expert [M k]; got "
                          f"{x.shape=} {expert.shape=}")
@@ -549,7 +603,8 @@ def grouped_mlp(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, expert: j
     if cfg_gu.bm != cfg_dn.bm:
         a = grouped_matmul_glu(jnp.repeat(x, k, axis=0), w_gate_up, expert,
                                activation=activation, interpret=interpret)
-        return grouped_matmul(a, w_down, expert, out_dtype=jnp.float32, interpret=interpret)
+        return grouped_matmul(a, w_down, expert, out_dtype=jnp.float32,
+                              interpret=interpret), None
     T = num_tiles(R, E, cfg_gu.bm)
     if layout_kernel and R <= LAYOUT_SLOTS:
         dest, tile_expert, src, slots = tile_layout_kernel(expert, E, cfg_gu.bm,
@@ -574,7 +629,63 @@ def grouped_mlp(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, expert: j
     y = _launch_sorted(_grouped_kernel, a, w_down, tile_expert, slots, cfg_dn,
                        round_up(D, cfg_dn.bn), jnp.float32, [lambda j: j], interpret,
                        "jspec_grouped_matmul", tiles=T)  # [T bm, Dp]
-    return y[dest, :D]
+    return y, dest
+
+
+@functools.partial(jax.jit, static_argnames=("activation", "interpret", "layout_kernel"))
+def grouped_mlp(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, expert: jax.Array, *,
+                activation: str, interpret: bool = False, layout_kernel: bool = False
+                ) -> jax.Array:
+    """A mixture of experts' expert MLPs: x [M, D] (tokens), expert [M k] (token m's k
+    routed experts at m k .. m k + k - 1), w_gate_up [E, D, 2F], w_down [E, F, D] ->
+    [M k, D] f32, bitwise `grouped_matmul(grouped_matmul_glu(repeat(x, k), w_gate_up,
+    expert), w_down, expert, out_dtype=f32)`: the same kernels, tiles and K loops, and a
+    row's result never depends on the slot it sits in (R9). The rows are laid out by
+    expert once: the gate/up kernel reads each slot's token row of x itself (no
+    repeated copy of x), its output stays in slot order for the down kernel, and one
+    gather puts the rows back. Shapes whose two tilings differ in row tile run the
+    composition. `layout_kernel`: blocks of up to LAYOUT_SLOTS slots get their layout
+    from `tile_layout_kernel` (one launch; the same integers)."""
+    y, dest = _grouped_mlp_slots(x, w_gate_up, w_down, expert, activation=activation,
+                                 interpret=interpret, layout_kernel=layout_kernel)
+    return y if dest is None else y[dest, :x.shape[1]]
+
+
+@functools.partial(jax.jit, static_argnames=("activation", "rows_out", "interpret",
+                                             "layout_kernel"))
+def grouped_mlp_combine(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array,
+                        expert: jax.Array, weights: jax.Array, *, activation: str,
+                        rows_out: int, interpret: bool = False, layout_kernel: bool = False
+                        ) -> jax.Array:
+    """A mixture of experts' whole expert half: `grouped_mlp`'s kernels, then
+    `combine_kernel` straight from their slot-order output (no gather back, no separate
+    product, sum, cast and padding launches): x [M, D], expert [M k], weights [M, k] ->
+    [rows_out, D] in x.dtype, rows M .. rows_out - 1 exact zeros. Row-local (R9); the
+    combine's arithmetic is its kernel's, so its bits are its own (see
+    `combine_kernel`)."""
+    M, k = weights.shape if weights.ndim == 2 else (0, 0)
+    if weights.ndim != 2 or M != x.shape[0] or M * k != expert.shape[0]:
+        raise ValueError(f"grouped_mlp_combine wants weights [M, k] with x [M, D] and expert "
+                         f"[M k]; got {weights.shape=} {x.shape=} {expert.shape=}")
+    y, dest = _grouped_mlp_slots(x, w_gate_up, w_down, expert, activation=activation,
+                                 interpret=interpret, layout_kernel=layout_kernel)
+    if dest is None:
+        dest = jnp.arange(M * k, dtype=jnp.int32)
+    out = combine_kernel(y, dest, weights, rows_out=rows_out, out_dtype=x.dtype,
+                         interpret=interpret)
+    return out[:, :x.shape[1]]
+
+
+def grouped_mlp_combine_reference(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array,
+                                  expert: jax.Array, weights: jax.Array, *, activation: str,
+                                  rows_out: int, layout_kernel: bool = False) -> jax.Array:
+    """The `xla` backend's `grouped_mlp_combine`: `grouped_mlp_reference`, `combine`, the
+    cast and the zero rows (NOT row-invariant, through the reference grouped matmul)."""
+    M, k = weights.shape
+    y = grouped_mlp_reference(x, w_gate_up, w_down, expert, activation=activation,
+                              layout_kernel=layout_kernel)
+    out = combine(y.reshape(M, k, x.shape[1]), weights).astype(x.dtype)
+    return pad_axis(out, 0, rows_out)
 
 
 def grouped_mlp_reference(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array,

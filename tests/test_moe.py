@@ -62,6 +62,20 @@ def test_the_layout_kernel_gives_the_default_bits():
         jspec.with_options(model, moe_layout_kernel=1)
 
 
+def test_the_combine_kernel_keeps_property_p():
+    """`moe_combine_kernel` (its own bits): serial steps, verify blocks and the prefill
+    give the same logits as one prefill with it, and the layout kernel beside it."""
+    model = jspec.with_options(load("qwen3_moe", "pallas"), moe_combine_kernel=True)
+    seq = _seq("qwen3_moe")
+    n = len(seq)
+    ref = parity.schedule_logits(model, [seq], parity.prefill_schedule(n), MAX_LEN)[0]
+    both = jspec.with_options(model, moe_layout_kernel=True)
+    for m, steps in ((model, parity.serial_schedule(n)),
+                     (both, parity.verify_schedule(n, 3, prefix=5, seed=1))):
+        got = parity.schedule_logits(m, [seq], steps, MAX_LEN, seed=3)[0]
+        assert parity.count_mismatches(got, ref) == (0, None)
+
+
 def _prompts(name):
     p = expected(name)["prompt"]
     return [p, p[:4], p[3:10]]  # ragged

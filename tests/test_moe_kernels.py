@@ -483,3 +483,95 @@ def test_grouped_mlp_lowers_for_the_h200(h200):
     assert set(re.findall(r'name = "(jspec_[a-z_0-9]*)"', text)) == {
         "jspec_grouped_matmul_glu", "jspec_grouped_matmul"}
     assert "stablehlo.pad" not in text
+
+
+# --------------------------------------------------------------------------- combine kernel
+
+
+@pytest.mark.parametrize("m,k,rows_out,n", [(1, 8, 16, 48), (13, 2, 16, 300), (40, 3, 41, 256),
+                                            (5, 1, 5, 8)])
+def test_combine_kernel_reads_the_slots_left_to_right(m, k, rows_out, n):
+    # One kernel from the slots: token m's row is its k slots' outputs weighted and added
+    # left to right in f32, whatever slots they sit in (y shuffled: the same bits), each
+    # token alone as in the batch, rows past M exact zeros, cast to the dtype once.
+    from pallas_kernels.moe import combine_kernel
+
+    rng = np.random.default_rng(m + k)
+    s = m * k + 7  # extra slots: the empty slots of a layout, never read
+    y = rng.standard_normal((s, n)).astype(np.float32)
+    y[m * k:] = np.nan  # what a never-written slot may hold
+    dest = rng.permutation(m * k).astype(np.int32)
+    w = rng.random((m, k)).astype(np.float32)
+    fn = functools.partial(combine_kernel, interpret=INTERPRET)
+    got = fn(jnp.asarray(y), jnp.asarray(dest), jnp.asarray(w), rows_out=rows_out,
+             out_dtype=jnp.float32)
+    assert got.shape == (rows_out, n)
+    want = w[:, 0, None] * y[dest.reshape(m, k)[:, 0]]
+    for j in range(1, k):
+        want = want + w[:, j, None] * y[dest.reshape(m, k)[:, j]]
+    np.testing.assert_allclose(np.asarray(got[:m]), want, rtol=1e-6, atol=1e-6)
+    assert not np.asarray(got[m:]).any()  # exact zeros
+    perm = rng.permutation(s)  # the same outputs in other slots
+    inv = np.argsort(perm).astype(np.int32)
+    moved = fn(jnp.asarray(y[perm]), jnp.asarray(inv[dest]), jnp.asarray(w),
+               rows_out=rows_out, out_dtype=jnp.float32)
+    _same_bits(moved, got, "the same outputs in other slots")
+    for i in {0, m // 2, m - 1}:
+        alone = fn(jnp.asarray(y), jnp.asarray(dest[i * k:(i + 1) * k]),
+                   jnp.asarray(w[i:i + 1]), rows_out=1, out_dtype=jnp.float32)
+        _same_bits(alone[0], got[i], f"token {i} alone")
+    bf = fn(jnp.asarray(y), jnp.asarray(dest), jnp.asarray(w), rows_out=rows_out,
+            out_dtype=jnp.bfloat16)
+    _same_bits(bf, got.astype(jnp.bfloat16), "one cast at the end")
+
+
+def test_combine_kernel_rejects_bad_shapes():
+    from pallas_kernels.moe import combine_kernel
+
+    y, d, w = jnp.zeros((8, 16)), jnp.zeros((4,), jnp.int32), jnp.zeros((2, 2))
+    with pytest.raises(ValueError, match="dest \\[M k\\] and weights \\[M, k\\]"):
+        combine_kernel(y, d[:3], w, rows_out=2, out_dtype=jnp.float32)
+    with pytest.raises(ValueError, match="rows_out=1 < the 2 tokens"):
+        combine_kernel(y, d, w, rows_out=1, out_dtype=jnp.float32)
+
+
+@pytest.mark.parametrize("m,k,layout", [(1, 8, True), (13, 2, False), (6, 3, True)])
+def test_grouped_mlp_combine_is_grouped_mlp_then_the_combine_kernel(m, k, layout):
+    # No gather back: the combine reads grouped_mlp's slots; the same bits as the kernel
+    # over grouped_mlp's rows in token order (row r at slot r).
+    from pallas_kernels.moe import combine_kernel, grouped_mlp, grouped_mlp_combine
+
+    rng = np.random.default_rng(m * k + 1)
+    D, F = 64, 512
+    x = jnp.asarray(rng.standard_normal((m, D)), jnp.bfloat16)
+    wgu = jnp.asarray(rng.standard_normal((E, D, 2 * F)) * D**-0.5, jnp.bfloat16)
+    wd = jnp.asarray(rng.standard_normal((E, F, D)) * F**-0.5, jnp.bfloat16)
+    expert = jnp.asarray(rng.integers(0, E, m * k), jnp.int32)
+    w = jnp.asarray(rng.random((m, k)), jnp.float32)
+    rows_out = -(-m // 16) * 16
+    fn = functools.partial(grouped_mlp_combine, activation="silu", rows_out=rows_out,
+                           interpret=INTERPRET, layout_kernel=layout)
+    got = fn(x, wgu, wd, expert, w)
+    y = grouped_mlp(x, wgu, wd, expert, activation="silu", interpret=INTERPRET)
+    want = combine_kernel(y, jnp.arange(m * k, dtype=jnp.int32), w, rows_out=rows_out,
+                          out_dtype=jnp.bfloat16, interpret=INTERPRET)
+    _same_bits(got, want, "grouped_mlp_combine")
+    jaxpr = str(jax.make_jaxpr(fn)(x, wgu, wd, expert, w))
+    assert jaxpr.count("pallas_call") == 3 + layout
+    with pytest.raises(ValueError, match="weights \\[M, k\\]"):
+        fn(x, wgu, wd, expert, w[:, :1])
+
+
+def test_combine_kernel_lowers_for_the_h200(h200):
+    from pallas_kernels.moe import grouped_mlp_combine
+
+    args = (jax.ShapeDtypeStruct((1, 2048), jnp.bfloat16),
+            jax.ShapeDtypeStruct((128, 2048, 2 * 768), jnp.bfloat16),
+            jax.ShapeDtypeStruct((128, 768, 2048), jnp.bfloat16),
+            jax.ShapeDtypeStruct((8,), jnp.int32), jax.ShapeDtypeStruct((1, 8), jnp.float32))
+    fn = functools.partial(grouped_mlp_combine, activation="silu", rows_out=16,
+                           layout_kernel=True)
+    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert set(re.findall(r'name = "(jspec_[a-z_0-9]*)"', text)) == {
+        "jspec_grouped_matmul_glu", "jspec_grouped_matmul", "jspec_moe_layout",
+        "jspec_moe_combine"}
