@@ -348,8 +348,8 @@ class Bench:
                              monitor=gpu)
         tokens, lens = jnp.asarray(prompts), jnp.full((B,), self.P, jnp.int32)
 
-        def prefill_only():  # the same compiled prefill that `generate` runs
-            cache = jspec.init_cache(model, B, self.P + N)
+        def prefill_only():  # the same compiled prefill that `generate` runs: its capacity
+            cache = jspec.init_cache(model, B, out.stats["max_len"])
             return jax.block_until_ready(serial_prefill(model, tokens, lens, cache)[0])
 
         _, t_pre, _ = timed(prefill_only, self.iters)
@@ -361,6 +361,7 @@ class Bench:
         decode = n / (t - t_pre) if t - t_pre > 0.1 * t else None
         row = {"batch": B, "backend": backend, "tokens_per_s": n / t, "seconds": t,
                "prefill_s": t_pre, "decode_tokens_per_s": decode, "warmup_s": warm,
+               "generate_stats": {k: out.stats[k] for k in ("ttft_s", "decode_s", "max_len")},
                "roofline_tokens_per_s": roof, "decode_roofline_frac": decode and decode / roof,
                "e2e_roofline_frac": n / t / roof, "step_weight_bytes": wbytes,
                "gpu": gpu[0]}

@@ -328,7 +328,7 @@ for s in $steps; do
               timeout "${PROF_S:-150}" python3 experiments/tuning/profile_step.py \
               --preset="$PROF_PRESET" --T="$t" --batch="${PROF_BATCH:-1}" \
               ${PROF_LAYERS:+--layers=$PROF_LAYERS} ${PROF_FLAGS:-} \
-              --tag="h200_B${PROF_BATCH:-1}_T$t" --out="$OUT" 2>&1 | quiet | tail -34; done ;;
+              --tag="h200_B${PROF_BATCH:-1}_T$t${PROF_TAG:+_$PROF_TAG}" --out="$OUT" 2>&1 | quiet | tail -34; done ;;
     moe_parity) timeout "${MOE_PARITY_S:-120}" python3 experiments/gpu_parity.py \
               --models="${MOE_PRESET:-qwen3-30b-a3b}:${MOE_PARITY_LAYERS:-4}" \
               --context="${MOE_PARITY_CONTEXT:-2048}" --window="${MOE_WINDOW:-48}" \

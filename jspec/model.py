@@ -314,14 +314,15 @@ def moe_block(ops, model: Model, lp, h, rows: int):
                         schedule=opt.matmul_schedule)  # [M, E]
     weights, ids = ops.route(logits, k, norm_topk_prob=cfg.norm_topk_prob)  # [M, k] each
     expert = ids.reshape(-1)  # [M k]: row r's slots at r*k .. r*k + k - 1
-    if opt.fuse_glu and opt.backend == "pallas" and opt.moe_combine_kernel:
+    layout_kernel = opt.moe_layout_kernel is not False  # None: the default, on
+    if opt.fuse_glu and opt.backend == "pallas" and opt.moe_combine_kernel is not False:
         return ops.grouped_mlp_combine(x, lp["w_gate_up"], lp["w_down"], expert, weights,
                                        activation=cfg.activation, rows_out=Mp,
-                                       layout_kernel=bool(opt.moe_layout_kernel))  # [Mp, D]
+                                       layout_kernel=layout_kernel)  # [Mp, D]
     if opt.fuse_glu and opt.backend == "pallas":  # one layout for both grouped kernels
         y = ops.grouped_mlp(x, lp["w_gate_up"], lp["w_down"], expert,
                             activation=cfg.activation,
-                            layout_kernel=bool(opt.moe_layout_kernel))  # [M k, D] f32
+                            layout_kernel=layout_kernel)  # [M k, D] f32
     else:
         xr = jnp.repeat(x, k, axis=0)  # [M k, D]
         gu = ops.grouped_matmul(xr, lp["w_gate_up"], expert, out_dtype=h.dtype)  # [M k, 2Fe]

@@ -49,7 +49,7 @@ def test_the_layout_kernel_gives_the_default_bits():
     """`moe_layout_kernel`: blocks of up to 64 slots lay their rows out in one kernel (the
     same integers), so one-token steps and verify blocks give the default's logits bits;
     the prefill (more slots) takes the XLA layout."""
-    model = load("qwen3_moe", "pallas")
+    model = jspec.with_options(load("qwen3_moe", "pallas"), moe_layout_kernel=False)
     fast = jspec.with_options(model, moe_layout_kernel=True)
     seq = _seq("qwen3_moe")
     n = len(seq)
@@ -63,9 +63,10 @@ def test_the_layout_kernel_gives_the_default_bits():
 
 
 def test_the_combine_kernel_keeps_property_p():
-    """`moe_combine_kernel` (its own bits): serial steps, verify blocks and the prefill
-    give the same logits as one prefill with it, and the layout kernel beside it."""
-    model = jspec.with_options(load("qwen3_moe", "pallas"), moe_combine_kernel=True)
+    """`moe_combine_kernel` (its own bits; on by default): serial steps, verify blocks and
+    the prefill give the same logits as one prefill with it, with the layout kernel beside
+    it or not; without it (the XLA combine) the same holds."""
+    model = jspec.with_options(load("qwen3_moe", "pallas"), moe_layout_kernel=False)
     seq = _seq("qwen3_moe")
     n = len(seq)
     ref = parity.schedule_logits(model, [seq], parity.prefill_schedule(n), MAX_LEN)[0]
@@ -74,6 +75,10 @@ def test_the_combine_kernel_keeps_property_p():
                      (both, parity.verify_schedule(n, 3, prefix=5, seed=1))):
         got = parity.schedule_logits(m, [seq], steps, MAX_LEN, seed=3)[0]
         assert parity.count_mismatches(got, ref) == (0, None)
+    plain = jspec.with_options(model, moe_combine_kernel=False)
+    ref = parity.schedule_logits(plain, [seq], parity.prefill_schedule(n), MAX_LEN)[0]
+    got = parity.schedule_logits(plain, [seq], parity.serial_schedule(n), MAX_LEN, seed=3)[0]
+    assert parity.count_mismatches(got, ref) == (0, None)
 
 
 def _prompts(name):
