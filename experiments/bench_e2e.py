@@ -206,6 +206,21 @@ def timed(fn, iters: int, warmup: bool = True, monitor: list | None = None):
     return out, statistics.median(ts), warm
 
 
+def _decode_speedup(serial_s: float, serial_prefill_s: float, spec_s: float,
+                    spec_ttft_s: float) -> float | None:
+    """Serial decoding's time after its prefill over speculative decoding's after its own
+    (the target's and the drafter's prefills): the speedup a long prompt's prefill hides
+    in the end-to-end ratio. None when either remainder is under 1% of its run."""
+    a, b = serial_s - serial_prefill_s, spec_s - spec_ttft_s
+    if a < 0.01 * serial_s or b < 0.01 * spec_s:
+        return None
+    return a / b
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
 def _merge_gpu(summaries: list[dict]) -> dict:
     """One GpuMonitor summary for several timed blocks (the seeds of a row): the SM
     clock's smallest minimum, median of medians and largest maximum."""
@@ -457,8 +472,9 @@ class Bench:
         self.phase(f"speculative {kind} B={B} gamma={gamma} warm-up (compile + run)", warm)
         t = float(np.mean([r["seconds"] for r in per_seed]))  # mean over seeds of medians
         n = per_seed[0]["tokens"]
-        t_serial = next(r["seconds"] for r in self.report["serial"]
-                        if r["batch"] == B and r["backend"] == "pallas")
+        serial_row = next(r for r in self.report["serial"]
+                          if r["batch"] == B and r["backend"] == "pallas")
+        t_serial = serial_row["seconds"]
         mean = lambda k: float(np.mean([r[k] for r in per_seed]))  # noqa: E731
         row = {"batch": B, "drafter": kind, "gamma": gamma, "oracle_accept": accept,
                "tree": self.tree_spec or None, "draft_kind": self.draft_kind,
@@ -466,6 +482,8 @@ class Bench:
                "tokens_per_target_step": mean("tokens_per_target_step"),
                "tokens_per_s": n / t, "seconds": t, "speedup": t_serial / t,
                "ttft_s": mean("ttft_s"), "warmup_s": warm,
+               "decode_speedup": _decode_speedup(t_serial, serial_row["prefill_s"], t,
+                                                 mean("ttft_s")),
                "parity": all(r["parity"] for r in per_seed), "gpu": _merge_gpu(gpu)}
         if adaptive:
             row["adaptive"] = _ADAPTIVE.value
@@ -717,7 +735,8 @@ def print_tables(rep: dict) -> None:
               f"{'-' if dec is None else f'{dec:.1f}':>12s} {r['roofline_tokens_per_s']:9.1f} "
               f"{'-' if frac is None else f'{frac:.2f}':>5s} {_sm(r):>6s}")
     print(f"\n{'B':>3s} {'drafter':8s} {'draft':8s} {'shape':24s} {'oracle':>6s} "
-          f"{'accept':>6s} {'tok/step':>8s} {'tok/s':>9s} {'speedup':>7s} {'SM MHz':>6s} parity")
+          f"{'accept':>6s} {'tok/step':>8s} {'tok/s':>9s} {'speedup':>7s} {'decode':>6s} "
+          f"{'SM MHz':>6s} parity   (decode: the speedup after the prefills)")
     for r in rep["speculative"]:
         oa = "-" if r["oracle_accept"] is None else f"{r['oracle_accept']:.1f}"
         shape = f"tree {r['tree']}" if r.get("tree") else f"gamma {r['gamma']}"
@@ -728,7 +747,7 @@ def print_tables(rep: dict) -> None:
         print(f"{r['batch']:3d} {r['drafter']:8s} {r.get('draft_kind', 'model'):8s} "
               f"{shape:24s} {oa:>6s} {r['acceptance']:6.3f} "
               f"{r['tokens_per_target_step']:8.2f} {r['tokens_per_s']:9.1f} {r['speedup']:7.2f} "
-              f"{_sm(r):>6s} {r['parity']}")
+              f"{_fmt(r.get('decode_speedup')):>6s} {_sm(r):>6s} {r['parity']}")
     peers = rep["peers"]
     if peers.get("skipped"):
         print(f"\npeers: skipped ({peers['skipped']})")

@@ -314,8 +314,8 @@ def moe_block(ops, model: Model, lp, h, rows: int):
                         schedule=opt.matmul_schedule)  # [M, E]
     weights, ids = ops.route(logits, k, norm_topk_prob=cfg.norm_topk_prob)  # [M, k] each
     expert = ids.reshape(-1)  # [M k]: row r's slots at r*k .. r*k + k - 1
-    layout_kernel = opt.moe_layout_kernel is not False  # None: the default, on
-    if opt.fuse_glu and opt.backend == "pallas" and opt.moe_combine_kernel is not False:
+    layout_kernel = bool(opt.moe_layout_kernel)  # None: the default, off
+    if opt.fuse_glu and opt.backend == "pallas" and opt.moe_combine_kernel:
         return ops.grouped_mlp_combine(x, lp["w_gate_up"], lp["w_down"], expert, weights,
                                        activation=cfg.activation, rows_out=Mp,
                                        layout_kernel=layout_kernel)  # [Mp, D]

@@ -59,17 +59,18 @@ class KernelOptions:
         loads (True; for prefill chunks), or writes them for a fold (False), or by the
         call's row tiles (None: the kernel's rule, today never). The same partials and
         fold order, so the same bits by construction; not yet proven on a GPU.
-      moe_layout_kernel: pallas: a mixture of experts' blocks of up to 64 routed slots
+      moe_layout_kernel: pallas: a mixture of experts' blocks of up to 16 routed slots
         (k per token) lay their rows out by expert in one kernel
-        (`tile_layout_kernel`) instead of ~7 small XLA ops (True or None, the
-        default), or in those ops (False). Integer arithmetic: the same layout, so the
-        same bits.
+        (`tile_layout_kernel`) instead of ~7 small XLA ops (True), or in those ops
+        (False or None: the default until its source loop is proven on a GPU).
+        Integer arithmetic: the same layout, so the same bits.
       moe_combine_kernel: pallas: a mixture of experts' combine (each token's k expert
         outputs weighted and added left to right in f32) in one kernel reading the
         outputs in their slots (`combine_kernel`: the gather back, products, sum, cast
-        and padding in one launch) (True or None, the default), or in XLA ops
-        (False). Numeric: the kernel's products and adds are its own, so its bits may
-        differ from the XLA combine's; row-invariant either way.
+        and padding in one launch) (True), or in XLA ops (False or None: the default;
+        the kernel is proven on the H200 but slower for verify blocks). Numeric: the
+        kernel's products and adds are its own, so its bits may differ from the XLA
+        combine's; row-invariant either way.
       matmul_row_group: pallas: up to this many row tiles per matmul program, each
         weight block loaded once for all of them (scheduling only).
       matmul_schedule: pallas: launches of several row tiles use the weight's tuned

@@ -169,6 +169,9 @@ def test_bench_e2e_smoke(tmp_path):
     assert rep["draft_backend"] == "xla"
     assert {(s["backend"], s["batch"]) for s in rep["serial"]} == {("pallas", 1), ("xla", 1)}
     assert all(s["roofline_tokens_per_s"] > 0 for s in rep["serial"])
+    # the prefill timed at generate's own cache capacity, so decode = run - prefill
+    assert all(s["generate_stats"]["max_len"] >= 24 for s in rep["serial"])
+    assert all("decode_speedup" in s for s in rep["speculative"])
     assert {(s["drafter"], s["gamma"]) for s in rep["speculative"]} == {("oracle", 2),
                                                                         ("lookup", 2)}
     assert all(s["parity"] for s in rep["speculative"])

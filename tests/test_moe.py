@@ -46,7 +46,7 @@ def test_pallas_prefill_steps_and_verify_blocks_are_bitwise_equal(name):
 
 
 def test_the_layout_kernel_gives_the_default_bits():
-    """`moe_layout_kernel`: blocks of up to 64 slots lay their rows out in one kernel (the
+    """`moe_layout_kernel`: blocks of up to 16 slots lay their rows out in one kernel (the
     same integers), so one-token steps and verify blocks give the default's logits bits;
     the prefill (more slots) takes the XLA layout."""
     model = jspec.with_options(load("qwen3_moe", "pallas"), moe_layout_kernel=False)
@@ -63,10 +63,10 @@ def test_the_layout_kernel_gives_the_default_bits():
 
 
 def test_the_combine_kernel_keeps_property_p():
-    """`moe_combine_kernel` (its own bits; on by default): serial steps, verify blocks and
+    """`moe_combine_kernel` (its own bits): serial steps, verify blocks and
     the prefill give the same logits as one prefill with it, with the layout kernel beside
     it or not; without it (the XLA combine) the same holds."""
-    model = jspec.with_options(load("qwen3_moe", "pallas"), moe_layout_kernel=False)
+    model = jspec.with_options(load("qwen3_moe", "pallas"), moe_combine_kernel=True)
     seq = _seq("qwen3_moe")
     n = len(seq)
     ref = parity.schedule_logits(model, [seq], parity.prefill_schedule(n), MAX_LEN)[0]
