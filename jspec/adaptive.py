@@ -59,6 +59,10 @@ class Adaptive:
         of shape starts again at chunk_rounds.
       max_chunk_rounds: the longest chunk (>= chunk_rounds).
       explore_every: a shape not run for this many chunks gets one chunk.
+      stay_margin: the shape of the last chunk is kept unless another one's expected
+        tokens per second beat it by more than this fraction: shapes that nearly tie
+        (e.g. gamma 2 and 4 at a = 0.8) would otherwise alternate, and every change
+        restarts at chunk_rounds (more chunks, each a dispatch and a host read).
       prior_cost: the cost prior's slope per verified proposal (before a measurement).
       schedule: a fixed sequence of shapes (gammas, or the tree), one per chunk and
         cycled, instead of the choice: for research and tests (every shape is exact, so
@@ -74,6 +78,7 @@ class Adaptive:
     chunk_rounds: int = 8
     max_chunk_rounds: int = 64
     explore_every: int = 16
+    stay_margin: float = 0.05
     prior_cost: float = 0.1
     schedule: tuple = ()
     costs: tuple = ()
@@ -94,6 +99,11 @@ class Adaptive:
                 or not 0 <= self.prior_cost < 10:
             raise ValueError(f"Adaptive.prior_cost={self.prior_cost!r} must be a number in "
                              "[0, 10)")
+        if isinstance(self.stay_margin, bool) or not isinstance(self.stay_margin,
+                                                                 (int, float)) \
+                or not 0 <= self.stay_margin < 1:
+            raise ValueError(f"Adaptive.stay_margin={self.stay_margin!r} must be a number in "
+                             "[0, 1)")
         schedule = tuple(self.schedule)
         for s in schedule:
             if s not in self.shapes:
@@ -302,10 +312,16 @@ class Controller:
         if unmeasured:  # probe: the largest chain first, then the others
             chains = [s for s in unmeasured if not isinstance(s, TreeConfig)]
             return max(chains) if chains else unmeasured[0]
-        best = choose(self.acceptance(), self.costs(), self.shapes)
+        acc, costs = self.acceptance(), self.costs()
+        best = choose(acc, costs, self.shapes)
         stale = min(self.shapes, key=lambda s: self.last_run[s])
         if stale != best and self.chunks - self.last_run[stale] > self.cfg.explore_every:
             return stale
+        prev = self.prev
+        if prev is not None and prev != best and self.measured(prev):  # stay on a near tie
+            rate = lambda s: expected_tokens(acc, s) / max(costs[s], 1e-12)  # noqa: E731
+            if rate(prev) * (1 + self.cfg.stay_margin) >= rate(best):
+                return prev
         return best
 
     def chunk_limit(self, shape) -> int:

@@ -210,6 +210,32 @@ def test_a_shape_chosen_again_runs_longer_chunks():
         jspec.Adaptive(chunk_rounds=4, max_chunk_rounds=2)
 
 
+def test_a_near_tie_keeps_the_last_shape():
+    # gamma 2 and gamma 4 within the margin: the last chunk's shape stays (its chunks keep
+    # doubling); a clear winner still takes over; margin 0 is the plain choice.
+    def run(margin, cost4):
+        ad = jspec.Adaptive(gammas=(2, 4), chunk_rounds=4, stay_margin=margin,
+                            costs={"gamma2": 0.010, "gamma4": cost4})
+        ctl = Controller(ad, batch=1, max_new_tokens=10_000)
+        ctl.hits[:] = 8.0  # acceptance ~0.8 at every position
+        ctl.trials[:] = 10.0
+        snap = lambda step: {"step": step, "num": np.zeros(1), "accepted": np.zeros(1),  # noqa: E731
+                             "rounds_live": np.zeros(1), "accepted_at": np.zeros((1, 4)),
+                             "done": np.zeros(1, bool)}
+        ctl.record(4, snap(0), snap(4), seconds=4 * cost4, compiled=True)  # untimed
+        return ctl.pick(), ctl.chunk_limit(ctl.pick())
+
+    acc = Acceptance(rates=np.full((1, 4), 0.8), live=np.ones(1, bool),
+                     remaining=np.full(1, 10_000))
+    e2, e4 = expected_rows(acc.rates, 2)[0], expected_rows(acc.rates, 4)[0]
+    tie = 0.010 * e4 / e2  # gamma 4's cost per round at equal tokens per second
+    assert run(0.05, tie * 1.03) == (4, 8)  # 3% worse: kept, its chunk doubles
+    assert run(0.0, tie * 1.03) == (2, 4)  # no margin: the plain choice
+    assert run(0.05, tie * 1.10) == (2, 4)  # 10% worse: gamma 2 takes over
+    with pytest.raises(ValueError, match="stay_margin=1.5 must be a number in"):
+        jspec.Adaptive(stay_margin=1.5)
+
+
 def test_measured_costs_start_a_run_without_probes():
     # Costs an earlier run measured: no 1-round probes, the first chunk is the choice's
     # (a full chunk), and the costs never reach the compiled config (SpecConfig.static).
