@@ -42,7 +42,7 @@
 # - profile: tuning/profile_step.py, the device kernels of one forward step of
 #   $PROF_PRESET (default qwen3-30b-a3b) per kernel name, at block sizes $PROF_TS
 #   (default 1,5), batch $PROF_BATCH (1), $PROF_LAYERS, $PROF_FLAGS (e.g.
-#   "--context=32768 --max_len=49152": generate's bucketed cache at a 32K prompt).
+#   "--context=32768 --max_len=40960": generate's bucketed cache at a 32K prompt).
 # - e2e_context: bench_e2e.py at the Llama-3-8B shape (32 layers), batch 1, prompts of
 #   $CTX_LENS tokens (default 32768; 131072 wants a call of its own: each of its four
 #   prefills takes ~83 s), feature head at a = 0.8 / 0.9 against serial, parity checked

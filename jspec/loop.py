@@ -27,9 +27,13 @@ import numpy as np
 from jspec._checks import check_count  # noqa: F401  (re-exported: the loops' callers use it)
 
 # Lengths a prompt batch or a cache capacity is rounded up to: powers of two from 16, with
-# a step of 1.5 between them from 1024 on (a 1025-token prompt pads to 1536, not 2048).
+# a step of 1.5 between them from 1024 on (a 1025-token prompt pads to 1536, not 2048) and
+# quarter steps from 16K on (a 32K prompt's cache holds 40,960 slots, not 49,152: the
+# prefill's split-KV partitions and a step's cover the capacity, so a looser bucket
+# costs time as well as memory; compiles are rare at those lengths).
 BUCKETS = tuple(sorted({16 * 2**i for i in range(20)}
-                       | {3 * 2**i for i in range(9, 20)}))
+                       | {3 * 2**i for i in range(9, 20)}
+                       | {q * 2**i for q in (5, 7) for i in range(12, 20)}))
 CHUNK_SECONDS = 0.25  # the host takes control back about this often
 MAX_CHUNK = 1 << 16
 
