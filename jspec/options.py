@@ -68,7 +68,7 @@ class KernelOptions:
         outputs weighted and added left to right in f32) in one kernel reading the
         outputs in their slots (`combine_kernel`: the gather back, products, sum, cast
         and padding in one launch) (True), or in XLA ops (False or None: the default;
-        the kernel is proven on the H200 but slower for verify blocks). Numeric: the
+        slower than the XLA ops for verify blocks, docs/tuning.md). Numeric: the
         kernel's products and adds are its own, so its bits may differ from the XLA
         combine's; row-invariant either way.
       matmul_row_group: pallas: up to this many row tiles per matmul program, each

@@ -372,9 +372,8 @@ def tile_layout(expert: jax.Array, E: int, bm: int
 LAYOUT_SLOTS = 64  # `tile_layout_kernel` takes up to this many slots (one program)
 LAYOUT_CHUNK = 4096  # slot x row compares a pass of its source loop
 # grouped_mlp(layout_kernel=True) takes the kernel up to this many slots and the XLA ops
-# above it (the same integers: scheduling only). On the H200 at the Qwen3-30B-A3B shape
-# the kernel took 2.0 / 5.1 / 12.3 us at 8 / 16 / 40 slots, the ops ~8 us: the step
-# ran 2.5% faster at 16 slots and 1.1% slower at 40.
+# above it (the same integers: scheduling only; where the kernel stops paying:
+# docs/tuning.md, `moe_layout_kernel`).
 LAYOUT_KERNEL_SLOTS = 16
 
 
