@@ -310,9 +310,14 @@ def moe_block(ops, model: Model, lp, h, rows: int):
     Mp, D = h.shape
     x = h[:rows]  # [M, D]
     k = cfg.experts_per_token
-    logits = ops.matmul(x, lp["router"], out_dtype=jnp.float32, row_group=opt.matmul_row_group,
-                        schedule=opt.matmul_schedule)  # [M, E]
-    weights, ids = ops.route(logits, k, norm_topk_prob=cfg.norm_topk_prob)  # [M, k] each
+    # pallas: the router and the routing take all Mp rows and keep the first `rows` (both
+    # row-local: the same bits for those rows), so no slice-and-pad launch sits around
+    # either; the padding rows' routes are dropped, never run.
+    xs = h if opt.backend == "pallas" else x
+    logits = ops.matmul(xs, lp["router"], out_dtype=jnp.float32,
+                        row_group=opt.matmul_row_group, schedule=opt.matmul_schedule)
+    weights, ids = ops.route(logits, k, norm_topk_prob=cfg.norm_topk_prob)
+    weights, ids = weights[:rows], ids[:rows]  # [M, k] each
     expert = ids.reshape(-1)  # [M k]: row r's slots at r*k .. r*k + k - 1
     layout_kernel = bool(opt.moe_layout_kernel)  # None: the default, off
     if opt.fuse_glu and opt.backend == "pallas" and opt.moe_combine_kernel:

@@ -7,6 +7,7 @@ import os
 import shutil
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import expected, fixture_path, load
@@ -79,6 +80,40 @@ def test_the_combine_kernel_keeps_property_p():
     ref = parity.schedule_logits(plain, [seq], parity.prefill_schedule(n), MAX_LEN)[0]
     got = parity.schedule_logits(plain, [seq], parity.serial_schedule(n), MAX_LEN, seed=3)[0]
     assert parity.count_mismatches(got, ref) == (0, None)
+
+
+@pytest.mark.parametrize("combine_kernel", [False, True])
+def test_the_router_on_the_padded_rows_keeps_the_real_rows_bits(combine_kernel):
+    """On pallas the router and the routing take all of a block's padded rows (no slice
+    and pad around them) and keep the real ones: the same expert outputs, bit for bit, as
+    routing the real rows alone; the padding rows stay exact zeros."""
+    from jspec.model import moe_block
+    from jspec.ops import ops_for
+    from pallas_kernels.moe import combine
+
+    model = jspec.with_options(load("qwen3_moe", "pallas"),
+                               moe_combine_kernel=combine_kernel)
+    cfg, opt = model.config, model.options
+    ops = ops_for(opt)
+    lp = next(lp for i, lp in enumerate(model.params["layers"]) if cfg.is_moe_layer(i))
+    rows, Mp, k = 3, 16, cfg.experts_per_token
+    h = np.zeros((Mp, cfg.hidden_size), np.float32)
+    h[:rows] = np.random.default_rng(0).standard_normal((rows, cfg.hidden_size))
+    h = jnp.asarray(h)
+    got = moe_block(ops, model, lp, h, rows)
+    x = h[:rows]  # the real rows alone through the router and the routing
+    logits = ops.matmul(x, lp["router"], out_dtype=jnp.float32)
+    w, ids = ops.route(logits, k, norm_topk_prob=cfg.norm_topk_prob)
+    if combine_kernel:
+        want = ops.grouped_mlp_combine(x, lp["w_gate_up"], lp["w_down"], ids.reshape(-1), w,
+                                       activation=cfg.activation, rows_out=Mp)
+    else:
+        y = ops.grouped_mlp(x, lp["w_gate_up"], lp["w_down"], ids.reshape(-1),
+                            activation=cfg.activation)
+        want = jnp.pad(combine(y.reshape(rows, k, -1), w).astype(h.dtype),
+                       ((0, Mp - rows), (0, 0)))
+    assert np.array_equal(np.asarray(got).view(np.uint32), np.asarray(want).view(np.uint32))
+    assert not np.asarray(got[rows:]).any()
 
 
 def _prompts(name):
