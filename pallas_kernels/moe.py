@@ -255,6 +255,8 @@ def combine_kernel(y: jax.Array, dest: jax.Array, weights: jax.Array, *, rows_ou
     if rows_out < M:
         raise ValueError(f"combine_kernel: rows_out={rows_out} < the {M} tokens")
     S, N = y.shape
+    if M == 0:  # no tokens: the zero rows alone
+        return jnp.zeros((rows_out, N), out_dtype)
     bn = min(COMBINE_COLS, next_pow2(N))
     np_ = round_up(N, bn)  # N itself at the models' widths
     bm, kp = COMBINE_ROWS, next_pow2(k)

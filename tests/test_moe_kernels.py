@@ -535,6 +535,8 @@ def test_combine_kernel_rejects_bad_shapes():
         combine_kernel(y, d[:3], w, rows_out=2, out_dtype=jnp.float32)
     with pytest.raises(ValueError, match="rows_out=1 < the 2 tokens"):
         combine_kernel(y, d, w, rows_out=1, out_dtype=jnp.float32)
+    none = combine_kernel(y[:0], d[:0], w[:0], rows_out=3, out_dtype=jnp.bfloat16)
+    assert none.shape == (3, 16) and none.dtype == jnp.bfloat16 and not none.any()
 
 
 @pytest.mark.parametrize("m,k,layout", [(1, 8, True), (13, 2, False), (5, 3, True),
