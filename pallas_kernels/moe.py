@@ -214,8 +214,18 @@ def combine(y: jax.Array, weights: jax.Array) -> jax.Array:
     return acc
 
 
-COMBINE_ROWS = 16  # tokens a combine program
-COMBINE_COLS = 256  # columns a combine program (at most)
+@dataclasses.dataclass(frozen=True)
+class CombineConfig:
+    """Tiling of `combine_kernel`: tokens a program (bm), columns a program (bn, at most:
+    narrower rows take their next power of two), warps. Scheduling only: the kernel's
+    arithmetic per element is the same for every tiling."""
+
+    bm: int = 16
+    bn: int = 256
+    num_warps: int = 4
+
+
+COMBINE = CombineConfig()  # the default (experiments/tuning/sweep_combine.py times others)
 
 
 def _combine_kernel(d_ref, w_ref, y_ref, o_ref, *, k: int, M: int):
@@ -235,14 +245,15 @@ def _combine_kernel(d_ref, w_ref, y_ref, o_ref, *, k: int, M: int):
     o_ref[...] = jnp.where(row < M, acc, 0.0).astype(o_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("rows_out", "out_dtype", "interpret"))
+@functools.partial(jax.jit, static_argnames=("rows_out", "out_dtype", "interpret", "config"))
 def combine_kernel(y: jax.Array, dest: jax.Array, weights: jax.Array, *, rows_out: int,
-                   out_dtype, interpret: bool = False) -> jax.Array:
+                   out_dtype, interpret: bool = False, config: CombineConfig | None = None
+                   ) -> jax.Array:
     """`combine` as one Pallas kernel reading the expert outputs where they lie: y [S, N]
     f32 (any slot order), dest [M k] int32 (token m's j-th expert output is
     y[dest[m k + j]]), weights [M, k] -> [rows_out, N] out_dtype: token m's row is
     sum_j weights[m, j] * y[dest[m k + j]] for j = 0 .. k-1 left to right in f32, rows
-    M .. rows_out - 1 exact zeros. One program per COMBINE_ROWS tokens x a column block:
+    M .. rows_out - 1 exact zeros. One program per `config.bm` tokens x a column block:
     the gather, products, sum, cast and padding that are ~4 XLA launches around
     `combine`. Row-local with a tile fixed by N (R9); its products and adds are compiled
     in the kernel (Triton may contract them into FMAs, which `combine` forbids), so its
@@ -257,9 +268,10 @@ def combine_kernel(y: jax.Array, dest: jax.Array, weights: jax.Array, *, rows_ou
     S, N = y.shape
     if M == 0:  # no tokens: the zero rows alone
         return jnp.zeros((rows_out, N), out_dtype)
-    bn = min(COMBINE_COLS, next_pow2(N))
+    cfg = config or COMBINE
+    bn = min(cfg.bn, next_pow2(N))
     np_ = round_up(N, bn)  # N itself at the models' widths
-    bm, kp = COMBINE_ROWS, next_pow2(k)
+    bm, kp = cfg.bm, next_pow2(k)
     mp = round_up(max(rows_out, 1), bm)
     d = pad_axis(pad_axis(dest.astype(jnp.int32).reshape(M, k), 1, kp, value=-1), 0, mp,
                  value=-1)
@@ -272,7 +284,7 @@ def combine_kernel(y: jax.Array, dest: jax.Array, weights: jax.Array, *, rows_ou
                   pl.BlockSpec((bm, kp), lambda i, j: (i, 0)),
                   pl.BlockSpec((S, bn), lambda i, j: (0, j))],
         out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
-        compiler_params=triton_params(4, 1),
+        compiler_params=triton_params(cfg.num_warps, 1),
         interpret=interpret,
         name="jspec_moe_combine",
     )(d, w, pad_axis(y.astype(jnp.float32), 1, np_))

@@ -250,6 +250,19 @@ def test_sweep_grouped_smoke(tmp_path):
     assert json.load(open(tmp_path / "sweep_grouped_tuned.json")) == rep["tuned"]
 
 
+@pytest.mark.slow  # a sweep script
+def test_sweep_combine_smoke(tmp_path):
+    r = _run("tuning/sweep_combine.py", "--interpret", "--preset=tiny-qwen3-moe", "--Ts=1,3",
+             "--max_candidates=3", "--iters=1", "--reps=2", f"--out={tmp_path}")
+    assert r.returncode == 0, r.stderr[-2000:]
+    rep = json.load(open(tmp_path / "sweep_combine.json"))
+    assert [r["kind"] for r in rep["rows"]] == ["xla", "kernel", "kernel", "kernel"]
+    assert rep["rows"][1]["config"] == rep["default"]
+    assert all(r["same_bits_as_default"] and r["token_alone_is_its_row"]
+               for r in rep["rows"][1:])
+    assert rep["best"] is not None and rep["best"]["sum_us"] > 0
+
+
 @pytest.mark.slow  # a profiling script
 def test_profile_step_smoke(tmp_path):
     r = _run("tuning/profile_step.py", "--interpret", "--preset=tiny-qwen3-moe",
