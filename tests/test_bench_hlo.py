@@ -3,7 +3,7 @@
 import jax
 import jax.numpy as jnp
 
-from jspec.bench.hlo import fusion_sources
+from jspec.bench.hlo import copy_sources, fusion_sources
 from pallas_kernels._common import pad_axis
 
 
@@ -25,3 +25,21 @@ def test_fusion_sources_name_the_repository_line():
 def test_fusion_sources_of_text_without_tables():
     assert fusion_sources("") == {}
     assert fusion_sources("ENTRY %main (x: f32[]) -> f32[] {\n}\n") == {}
+
+
+def test_copy_sources_list_the_copies_outside_fusions():
+    text = """HloModule m
+
+%fused_computation (p: f32[4]) -> f32[4] {
+  %p = f32[4]{0} parameter(0)
+  ROOT %copy.9 = f32[4]{0} copy(%p)
+}
+
+ENTRY %main (x: f32[4]) -> f32[4] {
+  %x = f32[4]{0} parameter(0)
+  %copy.1 = f32[4]{0} copy(%x)
+  ROOT %f = f32[4]{0} fusion(%copy.1), kind=kLoop, calls=%fused_computation
+}
+"""
+    assert copy_sources(text) == [{"name": "copy.1", "shape": "f32[4]{0}", "sources": []}]
+    assert fusion_sources(text)["f"]["ops"] == ["copy"]

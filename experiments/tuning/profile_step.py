@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from jspec.bench.hlo import fusion_sources
+from jspec.bench.hlo import copy_sources, fusion_sources
 from jspec.bench.receipts import write_receipt
 from jspec.bench.timing import STEP_REPS, device_steps, median_time
 from jspec.bench.trace import device_events, summarize, traced
@@ -90,7 +90,8 @@ def main(argv):
                                 f"{'_' + _TAG.value if _TAG.value else ''}.trace.json.gz")
             shutil.copyfile(path, kept)
     summary = summarize(device_events(trace), STEP_REPS, top=10_000)
-    sources = fusion_sources(steps.as_text() or "")
+    hlo = steps.as_text() or ""
+    sources = fusion_sources(hlo)
     for r in summary.get("top", []):  # an XLA fusion's opcodes and the lines behind it
         if r["name"] in sources:
             r.update(sources[r["name"]])
@@ -100,7 +101,8 @@ def main(argv):
         "jax": jax.__version__, "preset": _PRESET.value, "layers": cfg.num_layers,
         "batch": B, "T": T, "context": C, "max_len": max_len, "dtype": _DTYPE.value,
         "speed_options": options_record(model)["kernel"], "step_ms": step_s * 1e3,
-        "steps_traced": STEP_REPS, "trace": kept, **summary}
+        "steps_traced": STEP_REPS, "trace": kept, **summary,
+        "copies": copy_sources(hlo)}  # what the memcpy kernels may be
     out = write_receipt(_OUT.value, f"profile_step_{_PRESET.value}", _TAG.value, report)
     print(f"{_PRESET.value} ({cfg.num_layers} layers), B={B} T={T} context {C} of {max_len}, "
           f"{_BACKEND.value}: step {step_s * 1e3:.3f} ms timed; traced per step: "

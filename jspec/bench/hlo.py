@@ -20,6 +20,7 @@ _COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) \(.*\{$")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = .*?\b([a-z][\w\-]*)\(")
 _CALLS = re.compile(r"calls=%?([\w.\-]+)")
 _FRAME = re.compile(r"stack_frame_id=(\d+)")
+_COPY = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (\S+) copy(?:-start)?\(")
 
 
 def _kernel_name(name: str) -> str:
@@ -106,4 +107,34 @@ def fusion_sources(hlo_text: str, most: int = 4) -> dict[str, dict]:
         ops, sources = bodies.get(comp, (collections.Counter(), collections.Counter()))
         out[kernel] = {"ops": [o for o, _ in ops.most_common()],
                        "sources": [s for s, _ in sources.most_common(most)]}
+    return out
+
+
+def copy_sources(hlo_text: str, most: int = 64) -> list[dict]:
+    """The compiled program's copy instructions outside fusions (a profile shows them as
+    memcpy kernels, by no instruction name): [{"name", "shape", "sources"}], at most
+    `most`, with the lines of this repository behind each (empty where the compiler
+    added the copy itself, e.g. for a loop's carried buffers)."""
+    lines = hlo_text.splitlines()
+    tables = _tables(lines)
+    fused = set()
+    for line in lines:  # computations that fusions call: their copies are not launches
+        calls = _CALLS.search(line)
+        if calls and " fusion(" in line:
+            fused.add(calls.group(1))
+    out, current = [], None
+    for line in lines:
+        head = _COMPUTATION.match(line)
+        if head:
+            current = head.group(1)
+            continue
+        copy = _COPY.match(line)
+        if not copy or current in fused:
+            continue
+        frame = _FRAME.search(line)
+        text = _frame_text(int(frame.group(1)), tables) if frame else None
+        out.append({"name": copy.group(1), "shape": copy.group(2),
+                    "sources": [text] if text else []})
+        if len(out) >= most:
+            break
     return out
