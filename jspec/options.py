@@ -59,6 +59,10 @@ class KernelOptions:
         loads (True; for prefill chunks), or writes them for a fold (False), or by the
         call's row tiles (None: the kernel's rule, today never). The same partials and
         fold order, so the same bits by construction; not yet proven on a GPU.
+      attn_skip_empty: pallas: split-KV writes no partial for a partition a row tile
+        cannot see (True), or writes the empty state there (False or None: the default
+        until the device has shown it). The fold reads only the partitions a tile sees,
+        so the same bits; a cache larger than its context costs no partial writes.
       moe_layout_kernel: pallas: a mixture of experts' blocks of up to 16 routed slots
         (k per token) lay their rows out by expert in one kernel
         (`tile_layout_kernel`) instead of ~7 small XLA ops (True), or in those ops
@@ -102,6 +106,7 @@ class KernelOptions:
     attn_split_rows: int | None = None
     attn_fused_fold: bool | None = None
     attn_serial_split: bool | None = None
+    attn_skip_empty: bool | None = None
     moe_layout_kernel: bool | None = None
     moe_combine_kernel: bool | None = None
     matmul_row_group: int = 4
@@ -118,8 +123,8 @@ class KernelOptions:
             raise ValueError(f"lowering={self.lowering!r}; expected one of {LOWERINGS}")
         for name in ("interpret", "matmul_schedule", "kv_dus") + FUSIONS:
             _bool(name, getattr(self, name))
-        for name in ("attn_fused_fold", "attn_serial_split", "moe_layout_kernel",
-                     "moe_combine_kernel"):
+        for name in ("attn_fused_fold", "attn_serial_split", "attn_skip_empty",
+                     "moe_layout_kernel", "moe_combine_kernel"):
             if getattr(self, name) is not None:
                 _bool(name, getattr(self, name))
         if not isinstance(self.matmul_row_group, int) or self.matmul_row_group < 1:

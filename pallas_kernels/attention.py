@@ -96,6 +96,12 @@ class AttentionConfig:
     # shown its bits equal the two kernels'); `serial_split=` overrides per call.
     serial_subtiles: int = 2
     serial_split_tiles: int = 0
+    # Split-KV phase 1 writes no partial for a partition its row tile cannot see (True),
+    # or writes the empty state there (False). The fold reads only the partitions a tile
+    # sees (`_fold_partials`), and the empty state folds as an exact no-op, so the bits
+    # are the same either way; a cache larger than the context (a length bucket) then
+    # costs no partial writes. Off until the device has shown it.
+    skip_empty: bool = False
 
 
 def attention_config(
@@ -288,14 +294,29 @@ def _partition_blocks(first, last, c, num_blocks: int, block_k: int, split: int)
 
 def _split_kernel(q_ref, k_ref, v_ref, first_ref, last_ref, m_ref, l_ref, acc_ref, *,
                   scale: float, softcap: float | None, block_k: int, split: int,
-                  v_masked_load: bool = False):
+                  v_masked_load: bool = False, skip_empty: bool = False):
     """Split-KV phase 1: partition c (program axis 3) reduces only the key blocks of
     [c * split, (c + 1) * split), from the empty state; writes its f32 partial
     (m [R], denom [R], acc [R, D]). A partition no row of the tile can see writes the
-    empty state (-inf, 0, 0)."""
-    m_ref[...], l_ref[...], acc_ref[...] = _partition_partial(
-        q_ref, k_ref, v_ref, first_ref[...], last_ref[...], pl.program_id(3), scale=scale,
-        softcap=softcap, block_k=block_k, split=split, v_masked_load=v_masked_load)
+    empty state (-inf, 0, 0), or nothing with `skip_empty` (the fold never reads it)."""
+    c = pl.program_id(3)
+    first, last = first_ref[...], last_ref[...]
+
+    def write():
+        m_ref[...], l_ref[...], acc_ref[...] = _partition_partial(
+            q_ref, k_ref, v_ref, first, last, c, scale=scale, softcap=softcap,
+            block_k=block_k, split=split, v_masked_load=v_masked_load)
+
+    if skip_empty:
+        pl.when(_sees(first, last, c, pl.cdiv(k_ref.shape[0], split), split))(write)
+    else:
+        write()
+
+
+def _sees(first, last, c, parts: int, split: int):
+    """Whether any row of the tile sees a key of partition c (`_block_range`'s span)."""
+    lo, hi = _block_range(first, last, parts, split)
+    return (c >= lo) & (c < hi)
 
 
 FOLD_UNROLL = 4  # partials folded per step of the combine's loop
@@ -373,18 +394,24 @@ def _fold_partials(load, parts: int, first, last, split: int, head_dim: int,
     """(m [R], denom [R], acc [R, D]) of the partials `load(c)` -> (m, l, acc) of
     partitions c, folded in ascending partition order from the empty state (see
     `_combine_kernel`), `unroll` loads a step. `span` = (c0, n) folds only partitions
-    c0 .. c0 + n - 1 (one group of a two-level fold); the others fold as the empty state."""
+    c0 .. c0 + n - 1 (one group of a two-level fold). Partitions the tile cannot see, or
+    outside the span, fold as the empty state without their loads being used (phase 1
+    may not have written them: `AttentionConfig.skip_empty`); phase 1 writes the empty
+    state there otherwise, so the bits are the same."""
 
     fold = _fold_one
     u = unroll
     c0, n = span if span is not None else (0, parts)
+    lo, hi = _block_range(first, last, parts, split)
+    if span is not None:
+        lo = jnp.maximum(lo, c0)
+        hi = jnp.maximum(jnp.minimum(hi, c0 + n), lo)
 
     def step(i, carry):
         loaded = []
         for r in range(u):  # every load of the step first, then the folds in order
             c = i * u + r
-            inside = c < parts if span is None else (c >= c0) & (c < jnp.minimum(c0 + n,
-                                                                                 parts))
+            inside = (c >= lo) & (c < hi)  # the partitions the tile sees, in its span
             m_c, l_c, acc_c = load(jnp.minimum(c, parts - 1))
             loaded.append((jnp.where(inside, m_c, _NEG_INF), jnp.where(inside, l_c, 0.0),
                            jnp.where(inside, acc_c, 0.0)))
@@ -393,10 +420,6 @@ def _fold_partials(load, parts: int, first, last, split: int, head_dim: int,
         return carry
 
     init = _empty_state(first.shape[0], head_dim)
-    lo, hi = _block_range(first, last, parts, split)
-    if span is not None:
-        lo = jnp.maximum(lo, c0)
-        hi = jnp.maximum(jnp.minimum(hi, c0 + n), lo)
     return lax.fori_loop(lax.div(lo, u), lax.div(hi + u - 1, u), step, init)
 
 
@@ -438,7 +461,7 @@ def _combine_kernel(m_ref, l_ref, acc_ref, first_ref, last_ref, o_ref, *, split:
 def _fused_split_kernel(q_ref, k_ref, v_ref, first_ref, last_ref, count_in, count_ref,
                         m_ref, l_ref, acc_ref, *rest, scale: float, softcap: float | None,
                         block_k: int, split: int, v_masked_load: bool, interpret: bool,
-                        fold_group: int = 0):
+                        fold_group: int = 0, skip_empty: bool = False):
     """Split-KV in one launch: phase 1 of partition c (`_split_kernel`), its partial
     stored into whole-array buffers; then the program counts itself in on its row tile's
     counter (a CTA-wide sync first, then one atomic add with acquire/release semantics
@@ -459,12 +482,12 @@ def _fused_split_kernel(q_ref, k_ref, v_ref, first_ref, last_ref, count_in, coun
                                        v_masked_load=v_masked_load)
     _count_and_fold(ids, m, denom, acc, first, last, count_ref, m_ref, l_ref, acc_ref, o_ref,
                     split=split, interpret=interpret, fold_group=fold_group,
-                    group_refs=tuple(group_refs))
+                    group_refs=tuple(group_refs), skip_empty=skip_empty)
 
 
 def _count_and_fold(ids, m, denom, acc, first, last, count_ref, m_ref, l_ref, acc_ref, o_ref,
                     *, split: int, interpret: bool, unroll: int = FOLD_UNROLL,
-                    fold_group: int = 0, group_refs: tuple = ()):
+                    fold_group: int = 0, group_refs: tuple = (), skip_empty: bool = False):
     """The one-launch split-KV tail of program ids = (b, h, r, c) (`_fused_split_kernel`):
     store its partial (m [R], denom [R], acc [R, D]), count in on the row tile's counter,
     and, arriving last, put the counter back to zero, fold the tile's partials (`unroll`
@@ -481,9 +504,16 @@ def _count_and_fold(ids, m, denom, acc, first, last, count_ref, m_ref, l_ref, ac
     head_dim = acc_ref.shape[-1]
     br = m.shape[0]
     rows = pl.ds(pl.multiple_of(r * br, br), br)
-    m_ref[b, h, c, rows] = m
-    l_ref[b, h, c, rows] = denom
-    acc_ref[b, h, c, rows, :] = acc
+
+    def store():
+        m_ref[b, h, c, rows] = m
+        l_ref[b, h, c, rows] = denom
+        acc_ref[b, h, c, rows, :] = acc
+
+    if skip_empty:  # a partition the tile cannot see: nothing to store (never read)
+        pl.when(_sees(first, last, c, parts, split))(store)
+    else:
+        store()
     if not interpret:
         plgpu.debug_barrier()
     tile = (b * pl.num_programs(1) + h) * pl.num_programs(2) + r
@@ -577,7 +607,7 @@ def _visible_range(q_pos, window, group: int, num_rows: int):
 
 
 _STATIC = ("scale", "softcap", "interpret", "config", "split", "split_rows", "fused_fold",
-           "serial_split")
+           "serial_split", "skip_empty")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
@@ -596,6 +626,7 @@ def attention(
     split_rows: int | None = None,
     fused_fold: bool | None = None,
     serial_split: bool | None = None,
+    skip_empty: bool | None = None,
 ) -> jax.Array:
     """Batch-invariant attention of T queries per sequence against a KV cache.
 
@@ -619,10 +650,13 @@ def attention(
     `serial_split` (if not None) overrides the config's choice (`serial_split_tiles`) of
     split-KV without partials in memory for calls of many row tiles: the same partials
     and fold in registers, programs of `serial_subtiles` row tiles sharing K/V loads.
+    `skip_empty` (if not None) overrides the config's `skip_empty`: split-KV writes no
+    partial for a partition a row tile cannot see (the same bits; scheduling only).
     """
     return _attention(q, k_cache, v_cache, q_pos, window, None, scale=scale, softcap=softcap,
                       interpret=interpret, config=config, split=split, split_rows=split_rows,
-                      fused_fold=fused_fold, serial_split=serial_split)[0]
+                      fused_fold=fused_fold, serial_split=serial_split,
+                      skip_empty=skip_empty)[0]
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
@@ -642,6 +676,7 @@ def attention_counted(
     split_rows: int | None = None,
     fused_fold: bool | None = None,
     serial_split: bool | None = None,
+    skip_empty: bool | None = None,
 ) -> tuple[jax.Array, jax.Array | None]:
     """`attention` that also takes and returns the one-launch split-KV path's arrival
     counters: (out [B, T, H, D], counters). The same output bits as `attention`.
@@ -656,16 +691,19 @@ def attention_counted(
     """
     return _attention(q, k_cache, v_cache, q_pos, window, counters, scale=scale,
                       softcap=softcap, interpret=interpret, config=config, split=split,
-                      split_rows=split_rows, fused_fold=fused_fold, serial_split=serial_split)
+                      split_rows=split_rows, fused_fold=fused_fold, serial_split=serial_split,
+                      skip_empty=skip_empty)
 
 
 def _attention(q, k_cache, v_cache, q_pos, window, counters, *, scale, softcap, interpret,
-               config, split, split_rows, fused_fold, serial_split=None):
+               config, split, split_rows, fused_fold, serial_split=None, skip_empty=None):
     _check_inputs(q, k_cache, v_cache, q_pos, window)
     batch, seq, num_heads, head_dim = q.shape
     _, num_kv_heads, cache_len, _ = k_cache.shape
     group = num_heads // num_kv_heads
     cfg = resolve_config(head_dim, group, q.dtype, interpret, config, split, split_rows)
+    if skip_empty is not None:
+        cfg = dataclasses.replace(cfg, skip_empty=bool(skip_empty))
     if cfg.split_rows < 16 or cfg.split_rows & (cfg.split_rows - 1):
         raise ValueError(f"split-KV row tile split_rows={cfg.split_rows} must be a power of "
                          "two >= 16 (Triton tiles)")
@@ -857,7 +895,7 @@ def _split_attention(q_rows, k_cache, v_cache, first, last, cfg: AttentionConfig
     params = plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     kernel = functools.partial(_split_kernel, scale=scale, softcap=softcap,
                                block_k=cfg.block_k, split=cfg.split,
-                               v_masked_load=cfg.v_masked_load)
+                               v_masked_load=cfg.v_masked_load, skip_empty=cfg.skip_empty)
     m, denom, acc = pl.pallas_call(
         kernel,
         grid=(batch, num_kv_heads, rows // br, parts),
@@ -969,7 +1007,8 @@ def _fused_split_attention(q_rows, k_cache, v_cache, first, last, cfg: Attention
     kernel = functools.partial(_fused_split_kernel, scale=scale, softcap=softcap,
                                block_k=cfg.block_k, split=cfg.split,
                                v_masked_load=cfg.v_masked_load, interpret=interpret,
-                               fold_group=cfg.fold_group if groups > 1 else 0)
+                               fold_group=cfg.fold_group if groups > 1 else 0,
+                               skip_empty=cfg.skip_empty)
     part_shapes = [(batch, num_kv_heads, parts, rows), (batch, num_kv_heads, parts, rows),
                    (batch, num_kv_heads, parts, rows, head_dim)]
     if groups > 1:  # the groups' (m, denom, acc)
@@ -1039,7 +1078,8 @@ def _plain_attention(q, k_cache, v_cache, q_pos, window, *, scale, softcap, upca
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "softcap", "split", "split_rows",
-                                             "fused_fold", "serial_split"))
+                                             "fused_fold", "serial_split",
+                                             "skip_empty"))
 def attention_reference(
     q: jax.Array,  # [B, T, H, D]
     k_cache: jax.Array,  # [B, Hkv, S, D]
@@ -1053,6 +1093,7 @@ def attention_reference(
     split_rows: int | None = None,
     fused_fold: bool | None = None,
     serial_split: bool | None = None,
+    skip_empty: bool | None = None,
 ) -> jax.Array:
     """Plain-jnp attention: full softmax over all S keys with the same mask, all in f32
     with IEEE f32 dots (`split`, `split_rows`, `fused_fold` and `serial_split` are accepted
@@ -1060,13 +1101,14 @@ def attention_reference(
     checked against; XLA picks the reduction order per shape, so it is not invariant to T,
     B or S.
     """
-    del split, split_rows, fused_fold, serial_split
+    del split, split_rows, fused_fold, serial_split, skip_empty
     return _plain_attention(q, k_cache, v_cache, q_pos, window, scale=scale,
                             softcap=softcap, upcast=True).astype(q.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "softcap", "split", "split_rows",
-                                             "fused_fold", "serial_split"))
+                                             "fused_fold", "serial_split",
+                                             "skip_empty"))
 def attention_xla(
     q: jax.Array,  # [B, T, H, D]
     k_cache: jax.Array,  # [B, Hkv, S, D]
@@ -1080,12 +1122,13 @@ def attention_xla(
     split_rows: int | None = None,
     fused_fold: bool | None = None,
     serial_split: bool | None = None,
+    skip_empty: bool | None = None,
 ) -> jax.Array:
     """The `xla` backend's attention, as a plain JAX model writes it: q @ k and p @ v in
     the cache dtype with f32 accumulation, the softmax in f32, p cast to the value dtype
     (as the kernel does). Same mask and padding rules as `attention_reference`; for f32
     caches the two are the same function. Not invariant (XLA picks reduction orders).
     """
-    del split, split_rows, fused_fold, serial_split
+    del split, split_rows, fused_fold, serial_split, skip_empty
     return _plain_attention(q, k_cache, v_cache, q_pos, window, scale=scale,
                             softcap=softcap, upcast=False)

@@ -153,6 +153,26 @@ def test_fused_fold_gives_the_two_kernels_bits(case):
         with_options(model, attn_fused_fold=2)
 
 
+def test_skip_empty_gives_the_default_bits(case):
+    # attn_skip_empty: no partial written for a partition a row tile cannot see (the
+    # fold never reads one): the same logits, one launch and two kernels, in a ragged
+    # batch and in a cache twice as large (more empty partitions).
+    model, seq = case
+    rng = np.random.default_rng(8)
+    seqs = [seq, rng.integers(0, model.config.vocab_size, 21).astype(np.int32)]
+    steps = parity.batch_schedule([N, 21], 4, seed=9)
+    for fused in (True, False):
+        base = with_options(model, attn_fused_fold=fused)
+        skip = with_options(base, attn_skip_empty=True)
+        for cap in (MAX_LEN, 2 * MAX_LEN):
+            want = parity.schedule_logits(base, seqs, steps, cap, seed=1)
+            got = parity.schedule_logits(skip, seqs, steps, cap, seed=1)
+            for g, w in zip(got, want, strict=True):
+                assert np.array_equal(bits(g), bits(w)), (fused, cap)
+    with pytest.raises(ValueError, match="attn_skip_empty=1 must be a bool"):
+        with_options(model, attn_skip_empty=1)
+
+
 def test_fused_fold_by_default_for_small_grids(case):
     # attn_fused_fold None: one launch when the call has at most 8 split row tiles
     # (AttentionConfig.fused_fold_tiles), two kernels above.

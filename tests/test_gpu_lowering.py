@@ -158,6 +158,21 @@ def test_serial_split_lowers_for_the_h200():
     assert "jspec_attention_split" not in text.replace("jspec_attention_serial_split", "")
 
 
+@pytest.mark.parametrize("tokens,fused,kernel", [
+    (1, True, "jspec_attention_fused"), (2048, False, "jspec_attention_split")])
+def test_skip_empty_lowers_for_the_h200(tokens, fused, kernel):
+    # split-KV writing no partial for a partition its row tile cannot see: a decode step
+    # (one launch, two-level fold over 64 partitions) and a prefill chunk (two kernels).
+    from pallas_kernels.attention import attention
+
+    q = jax.ShapeDtypeStruct((1, tokens, 32, 128), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, 8, 8192, 128), jnp.bfloat16)
+    pos = jax.ShapeDtypeStruct((1, tokens), jnp.int32)
+    fn = functools.partial(attention, scale=1.0, fused_fold=fused, skip_empty=True)
+    text = _lower(fn, q, kv, kv, pos, jnp.int32(0))
+    assert f'name = "{kernel}"' in text
+
+
 def test_top_p_lowers_for_the_h200():
     x = jax.ShapeDtypeStruct((8, 151936), jnp.float32)
     text = _lower(functools.partial(top_p_kept, top_p=0.9, interpret=False), x)

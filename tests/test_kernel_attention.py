@@ -376,6 +376,27 @@ def test_two_level_fold(fused):
     np.testing.assert_allclose(two_level, ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("fold_group", [0, 2])
+def test_skip_empty_writes_no_partial_and_keeps_the_bits(fused, fold_group):
+    """`skip_empty`: split-KV writes no partial for a partition a row tile cannot see and
+    the fold reads only the partitions the tile sees, so every row keeps its bits: rows
+    near the cache's start (most partitions empty), a window (empty partitions below),
+    padding rows, one and two fold levels, one launch and two kernels. (A fold that read
+    the unwritten partials, e.g. with a mask of `c < parts` alone, fails this test.)"""
+    cfg = dataclasses.replace(attention_config(D, H // HKV, jnp.float32, INTERPRET),
+                              fold_group=fold_group)
+    pos = [[5, 6, -1, 30], [100, 101, 102, 255]]
+    for window in (0, 37):
+        for softcap in (None, 2.0):
+            kw = dict(window=window, softcap=softcap, split=SPLIT, fused_fold=fused,
+                      config=cfg)
+            want = _attn(pos, **kw)
+            got = _attn(pos, skip_empty=True, **kw)
+            assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), (window,
+                                                                              softcap)
+
+
 def test_two_level_fold_counters():
     """The one-launch two-level fold counts on one entry per row tile and one per group
     of each tile (int32[tiles x (1 + groups)]), and leaves them all zero."""
