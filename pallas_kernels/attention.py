@@ -299,8 +299,8 @@ def _split_kernel(q_ref, k_ref, v_ref, first_ref, last_ref, m_ref, l_ref, acc_re
     [c * split, (c + 1) * split), from the empty state; writes its f32 partial
     (m [R], denom [R], acc [R, D]). A partition no row of the tile can see writes the
     empty state (-inf, 0, 0), or nothing with `skip_empty` (the fold never reads it)."""
-    c = pl.program_id(3)
     first, last = first_ref[...], last_ref[...]
+    c = pl.program_id(3)
 
     def write():
         m_ref[...], l_ref[...], acc_ref[...] = _partition_partial(
@@ -390,28 +390,29 @@ def _serial_split_kernel(q_ref, k_ref, v_ref, first_ref, last_ref, o_ref, *, sca
 
 
 def _fold_partials(load, parts: int, first, last, split: int, head_dim: int,
-                   unroll: int = FOLD_UNROLL, span=None):
+                   unroll: int = FOLD_UNROLL, span=None, visible_only: bool = False):
     """(m [R], denom [R], acc [R, D]) of the partials `load(c)` -> (m, l, acc) of
     partitions c, folded in ascending partition order from the empty state (see
     `_combine_kernel`), `unroll` loads a step. `span` = (c0, n) folds only partitions
-    c0 .. c0 + n - 1 (one group of a two-level fold). Partitions the tile cannot see, or
-    outside the span, fold as the empty state without their loads being used (phase 1
-    may not have written them: `AttentionConfig.skip_empty`); phase 1 writes the empty
-    state there otherwise, so the bits are the same."""
+    c0 .. c0 + n - 1 (one group of a two-level fold); the others fold as the empty state.
+    `visible_only`: so do the partitions the tile cannot see, whose loads go unused (phase
+    1 wrote nothing there: `AttentionConfig.skip_empty`); otherwise phase 1 wrote the
+    empty state there, so the bits are the same either way."""
 
     fold = _fold_one
     u = unroll
     c0, n = span if span is not None else (0, parts)
-    lo, hi = _block_range(first, last, parts, split)
-    if span is not None:
-        lo = jnp.maximum(lo, c0)
-        hi = jnp.maximum(jnp.minimum(hi, c0 + n), lo)
 
     def step(i, carry):
         loaded = []
         for r in range(u):  # every load of the step first, then the folds in order
             c = i * u + r
-            inside = (c >= lo) & (c < hi)  # the partitions the tile sees, in its span
+            if visible_only:  # the partitions the tile sees, in its span
+                inside = (c >= lo) & (c < hi)
+            elif span is None:
+                inside = c < parts
+            else:
+                inside = (c >= c0) & (c < jnp.minimum(c0 + n, parts))
             m_c, l_c, acc_c = load(jnp.minimum(c, parts - 1))
             loaded.append((jnp.where(inside, m_c, _NEG_INF), jnp.where(inside, l_c, 0.0),
                            jnp.where(inside, acc_c, 0.0)))
@@ -420,6 +421,10 @@ def _fold_partials(load, parts: int, first, last, split: int, head_dim: int,
         return carry
 
     init = _empty_state(first.shape[0], head_dim)
+    lo, hi = _block_range(first, last, parts, split)  # read by `step` (visible_only)
+    if span is not None:
+        lo = jnp.maximum(lo, c0)
+        hi = jnp.maximum(jnp.minimum(hi, c0 + n), lo)
     return lax.fori_loop(lax.div(lo, u), lax.div(hi + u - 1, u), step, init)
 
 
@@ -429,7 +434,7 @@ def fold_groups(cfg: AttentionConfig, parts: int) -> int:
 
 
 def _group_fold_kernel(m_ref, l_ref, acc_ref, first_ref, last_ref, gm_ref, gl_ref, gacc_ref,
-                       *, split: int, fold_group: int):
+                       *, split: int, fold_group: int, visible_only: bool = False):
     """Split-KV phase 2a (two-level fold): group g (program axis 3) folds its partitions
     [g * fold_group, (g + 1) * fold_group) in order from the empty state, unnormalized:
     (m, denom, acc) of the group, which `_combine_kernel` then folds in group order."""
@@ -437,10 +442,11 @@ def _group_fold_kernel(m_ref, l_ref, acc_ref, first_ref, last_ref, gm_ref, gl_re
     g = pl.program_id(3)
     gm_ref[...], gl_ref[...], gacc_ref[...] = _fold_partials(
         lambda c: (m_ref[c], l_ref[c], acc_ref[c]), parts, first_ref[...], last_ref[...],
-        split, head_dim, span=(g * fold_group, fold_group))
+        split, head_dim, span=(g * fold_group, fold_group), visible_only=visible_only)
 
 
-def _combine_kernel(m_ref, l_ref, acc_ref, first_ref, last_ref, o_ref, *, split: int):
+def _combine_kernel(m_ref, l_ref, acc_ref, first_ref, last_ref, o_ref, *, split: int,
+                    visible_only: bool = False):
     """Split-KV phase 2: folds the partials in ascending partition order into one
     (m, denom, acc) and normalizes. Folding an empty partial is an exact no-op
     (its weight exp(-inf - m) is 0 and the running state's is exp(0) = 1), and the
@@ -454,7 +460,8 @@ def _combine_kernel(m_ref, l_ref, acc_ref, first_ref, last_ref, o_ref, *, split:
     no-ops); indices past the last partition fold the empty state itself."""
     parts, _, head_dim = acc_ref.shape
     _, denom, acc = _fold_partials(lambda c: (m_ref[c], l_ref[c], acc_ref[c]), parts,
-                                   first_ref[...], last_ref[...], split, head_dim)
+                                   first_ref[...], last_ref[...], split, head_dim,
+                                   visible_only=visible_only)
     o_ref[...] = _normalize(denom, acc).astype(o_ref.dtype)
 
 
@@ -540,7 +547,7 @@ def _count_and_fold(ids, m, denom, acc, first, last, count_ref, m_ref, l_ref, ac
 
     def finish(load, n: int, span_keys: int):
         _, denom_all, acc_all = _fold_partials(load, n, first, last, span_keys, head_dim,
-                                               unroll)
+                                               unroll, visible_only=skip_empty)
         o_ref[...] = _normalize(denom_all, acc_all).astype(o_ref.dtype)
 
     if not group_refs:
@@ -554,7 +561,8 @@ def _count_and_fold(ids, m, denom, acc, first, last, count_ref, m_ref, l_ref, ac
     def fold_group_then_count():
         m_g, l_g, acc_g = _fold_partials(loader(m_ref, l_ref, acc_ref), parts, first, last,
                                          split, head_dim, unroll,
-                                         span=(g * fold_group, fold_group))
+                                         span=(g * fold_group, fold_group),
+                                         visible_only=skip_empty)
         gm_ref[b, h, g, rows] = m_g
         gl_ref[b, h, g, rows] = l_g
         gacc_ref[b, h, g, rows, :] = acc_g
@@ -944,7 +952,7 @@ def combine_partials(m, denom, acc, first, last, cfg: AttentionConfig, dtype, *,
     if groups > 1:
         m, denom, acc = pl.pallas_call(
             functools.partial(_group_fold_kernel, split=cfg.split,
-                              fold_group=cfg.fold_group),
+                              fold_group=cfg.fold_group, visible_only=cfg.skip_empty),
             grid=(batch, num_kv_heads, rows // br, groups),
             in_specs=fold_in_specs(parts),
             out_specs=[
@@ -965,7 +973,7 @@ def combine_partials(m, denom, acc, first, last, cfg: AttentionConfig, dtype, *,
         )(m, denom, acc, first, last)
         parts, span_keys = groups, cfg.split * cfg.fold_group
     return pl.pallas_call(
-        functools.partial(_combine_kernel, split=span_keys),
+        functools.partial(_combine_kernel, split=span_keys, visible_only=cfg.skip_empty),
         grid=(batch, num_kv_heads, rows // br),
         in_specs=fold_in_specs(parts),
         out_specs=pl.BlockSpec((None, None, br, head_dim), lambda b, h, r: (b, h, r, 0)),
