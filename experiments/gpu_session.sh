@@ -15,7 +15,9 @@
 #   32K on xla, which must show mismatches. context_bench: bench_context.py at the
 #   Llama-3-8B shape (32 layers), contexts 2K-32K, prefill tokens/s and MFU, decode
 #   against the roofline, pallas and xla side by side at 8K; context_bench_128k: 128K
-#   alone (one timed run).
+#   alone (one timed run). $LONG_OPTIONS / $CONTEXT_OPTIONS (option strings, e.g.
+#   attn_skip_empty=1) with $LONG_TAG / $CONTEXT_TAG prove and time another setting;
+#   $CONTEXT_LENS picks the contexts.
 # - moe_cost, moe_parity, moe_e2e: the mixture of experts at the Qwen3-30B-A3B shape
 #   (random weights), ~7 min for the three on one H200 (or one lane each on three GPUs:
 #   `moe_cost :: moe_parity :: moe_e2e`). moe_cost: bench_moe.py, all 48 layers (~61 GB),
@@ -166,13 +168,14 @@ for s in $steps; do
               --out="$OUT" 2>&1 | quiet | tail -40 ;;
     parity_long) timeout "${PARITY_S:-480}" python3 experiments/gpu_parity.py \
               --models="${LONG_MODELS:-llama3-8b:4}" --contexts="${LONG_CONTEXTS:-32768,131072}" \
-              --window=48 --trees=16,32 --backends=pallas --tag=long --out="$OUT" 2>&1 \
-              | quiet | tail -30 ;;
+              --window=48 --trees=16,32 --backends=pallas ${LONG_OPTIONS:+--options=$LONG_OPTIONS} \
+              --tag="long${LONG_TAG:+_$LONG_TAG}" --out="$OUT" 2>&1 | quiet | tail -30 ;;
     parity_long_xla) timeout "${PARITY_S:-240}" python3 experiments/gpu_parity.py \
               --models="${LONG_MODELS:-llama3-8b:4}" --contexts=32768 --window=48 --trees=32 \
               --backends=xla --tag=long_xla --out="$OUT" 2>&1 | quiet | tail -12 ;;
     context_bench) timeout "${CONTEXT_S:-480}" python3 experiments/bench_context.py \
-              --preset=llama3-8b --contexts=2048,8192,32768 --xla_contexts=8192 --iters=2 \
+              --preset=llama3-8b --contexts="${CONTEXT_LENS:-2048,8192,32768}" --xla_contexts=8192 \
+              --iters=2 ${CONTEXT_OPTIONS:+--options=$CONTEXT_OPTIONS} ${CONTEXT_TAG:+--tag=$CONTEXT_TAG} \
               --out="$OUT" 2>&1 | quiet | tail -12 ;;
     context_bench_128k) timeout "${CONTEXT_S:-480}" python3 experiments/bench_context.py \
               --preset=llama3-8b --contexts=131072 --xla_contexts= --iters=1 --tag=128k \
