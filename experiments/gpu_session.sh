@@ -7,7 +7,7 @@
 # pair_eval schedsweep attnsweep train_head parity_trees kernels_trees main pair_head
 # e2e_session tree_sweep parity_long parity_long_xla context_bench context_bench_128k
 # e2e_batch moe_cost moe_parity moe_e2e tallsweep serial_split e2e_context profile groupsweep
-# combinesweep (default: parity audit kernels spec).
+# combinesweep routesweep (default: parity audit kernels spec).
 # - parity_long: the long-context lane of the parity matrix (pallas): a chunked prefill to
 #   depth, then one-token steps, blocks, verify blocks of 1-32 and trees of 16 and 32
 #   nodes at that depth, against serial decoding there ($LONG_MODELS, default
@@ -42,7 +42,9 @@
 #   of pallas_kernels/matmul_tuned.json so the lane's later steps (moe_parity first)
 #   run with them; commit the table once the MoE matrix has proven it.
 # - combinesweep: tuning/sweep_combine.py, the MoE combine kernel's tilings against the XLA
-#   ops it replaces at 1 / 2 / 5 / 8 tokens, bits checked ($CSWEEP_FLAGS, $CSWEEP_S).
+#   ops it replaces at 1 / 2 / 5 / 8 tokens, bits checked ($CSWEEP_FLAGS, $CSWEEP_S);
+#   routesweep: tuning/sweep_route.py, route_kernel's rows a program and warps against the
+#   jnp route at 1 / 5 / 40 rows ($RSWEEP_FLAGS, $RSWEEP_S).
 # - profile: tuning/profile_step.py, the device kernels of one forward step of
 #   $PROF_PRESET (default qwen3-30b-a3b) per kernel name, at block sizes $PROF_TS
 #   (default 1,5), batch $PROF_BATCH (1), $PROF_LAYERS, $PROF_FLAGS (e.g.
@@ -336,6 +338,8 @@ for s in $steps; do
               --tag="h200_B${PROF_BATCH:-1}_T$t${PROF_TAG:+_$PROF_TAG}" --out="$OUT" 2>&1 | quiet | tail -34; done ;;
     combinesweep) timeout "${CSWEEP_S:-150}" python3 experiments/tuning/sweep_combine.py \
               ${CSWEEP_FLAGS:-} --out="$OUT" --tag=h200 2>&1 | quiet | grep -v "it/s" | tail -20 ;;
+    routesweep) timeout "${RSWEEP_S:-120}" python3 experiments/tuning/sweep_route.py \
+              ${RSWEEP_FLAGS:-} --out="$OUT" --tag=h200 2>&1 | quiet | grep -v "it/s" | tail -14 ;;
     moe_parity) timeout "${MOE_PARITY_S:-120}" python3 experiments/gpu_parity.py \
               --models="${MOE_PRESET:-qwen3-30b-a3b}:${MOE_PARITY_LAYERS:-4}" \
               --context="${MOE_PARITY_CONTEXT:-2048}" --window="${MOE_WINDOW:-48}" \

@@ -125,6 +125,18 @@ def route(router_logits: jax.Array, k: int, *, norm_topk_prob: bool
 ROUTE_ROWS = 16  # rows per program of `route_kernel` (fixed: never a function of M)
 
 
+@dataclasses.dataclass(frozen=True)
+class RouteConfig:
+    """Tiling of `route_kernel`: rows a program, warps. Scheduling only: every reduction
+    of a row is written out (max, the pairwise tree, argmax), the same for every tiling."""
+
+    bm: int = ROUTE_ROWS
+    num_warps: int = 4
+
+
+ROUTE = RouteConfig()  # the default (experiments/tuning/sweep_route.py times others)
+
+
 def _tree_sum_tile(x: jax.Array) -> jax.Array:
     """`_tree_sum` of a kernel's [bm, Ep] tile (Ep a power of two): the same adds of
     column halves, the halves taken by `jnp.split` (a reshape, which XLA could merge into
@@ -164,12 +176,13 @@ def _route_kernel(l_ref, w_ref, i_ref, *, E: int, k: int, norm_topk_prob: bool):
     i_ref[...] = ids
 
 
-@functools.partial(jax.jit, static_argnames=("k", "norm_topk_prob", "interpret"))
+@functools.partial(jax.jit, static_argnames=("k", "norm_topk_prob", "interpret", "config"))
 def route_kernel(router_logits: jax.Array, k: int, *, norm_topk_prob: bool,
-                 interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+                 interpret: bool = False, config: RouteConfig | None = None
+                 ) -> tuple[jax.Array, jax.Array]:
     """`route` in one Pallas kernel (the pallas backend's routing): the same formula, ties
     and orders (max, exp, `_tree_sum`'s pairwise tree, division; k argmax rounds, lowest
-    id first; the left-to-right renormalisation), each program holding ROUTE_ROWS rows x
+    id first; the left-to-right renormalisation), each program holding `config.bm` rows x
     all E experts (padded to a power of two) in registers, so a routing is one launch
     instead of ~2k small XLA reductions. Row-local with a tile that is a function of E
     only (R9): a row's weights and ids never depend on M or on the other rows. Its
@@ -178,7 +191,8 @@ def route_kernel(router_logits: jax.Array, k: int, *, norm_topk_prob: bool,
     the ids are the same."""
     _check_route(router_logits, k)
     M, E = router_logits.shape
-    bm, Ep, kp = ROUTE_ROWS, next_pow2(E), next_pow2(k)
+    cfg = config or ROUTE
+    bm, Ep, kp = cfg.bm, next_pow2(E), next_pow2(k)
     mp = round_up(max(M, 1), bm)
     x = pad_axis(pad_axis(router_logits, 1, Ep, value=-jnp.inf), 0, mp)
     w, ids = pl.pallas_call(
@@ -189,7 +203,7 @@ def route_kernel(router_logits: jax.Array, k: int, *, norm_topk_prob: bool,
         in_specs=[pl.BlockSpec((bm, Ep), lambda i: (i, 0))],
         out_specs=(pl.BlockSpec((bm, kp), lambda i: (i, 0)),
                    pl.BlockSpec((bm, kp), lambda i: (i, 0))),
-        compiler_params=triton_params(4, 1),
+        compiler_params=triton_params(cfg.num_warps, 1),
         interpret=interpret,
         name="jspec_route",
     )(x)

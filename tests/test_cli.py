@@ -263,6 +263,18 @@ def test_sweep_combine_smoke(tmp_path):
     assert rep["best"] is not None and rep["best"]["sum_us"] > 0
 
 
+@pytest.mark.slow  # a sweep script
+def test_sweep_route_smoke(tmp_path):
+    r = _run("tuning/sweep_route.py", "--interpret", "--preset=tiny-qwen3-moe", "--Ms=1,3",
+             "--max_candidates=2", "--iters=1", "--reps=2", f"--out={tmp_path}")
+    assert r.returncode == 0, r.stderr[-2000:]
+    rep = json.load(open(tmp_path / "sweep_route.json"))
+    assert [r["kind"] for r in rep["rows"]] == ["xla", "kernel", "kernel"]
+    assert rep["rows"][1]["config"] == rep["default"]
+    assert all(r["same_bits_as_default"] and r["row_alone_is_its_row"]
+               for r in rep["rows"][1:])
+
+
 @pytest.mark.slow  # a profiling script
 def test_profile_step_smoke(tmp_path):
     r = _run("tuning/profile_step.py", "--interpret", "--preset=tiny-qwen3-moe",
