@@ -1,4 +1,5 @@
-"""jspec.bench.hlo: a compiled program's fusions mapped to the lines of jspec behind them."""
+"""jspec.bench.hlo (a compiled program's fusions and copies mapped to the lines of jspec
+behind them) and `jspec.bench.timing.dependent_launches`."""
 
 import jax
 import jax.numpy as jnp
@@ -43,3 +44,18 @@ ENTRY %main (x: f32[4]) -> f32[4] {
 """
     assert copy_sources(text) == [{"name": "copy.1", "shape": "f32[4]{0}", "sources": []}]
     assert fusion_sources(text)["f"]["ops"] == ["copy"]
+
+
+def test_dependent_launches_chain_the_calls():
+    from jspec.bench.timing import dependent_launches
+
+    calls = []
+
+    def fn(a, b):
+        calls.append(1)  # traced once: one loop body
+        return (a * b, jnp.zeros(2, jnp.int32))
+
+    a, b = jnp.asarray([[2.0, 1.0]]), jnp.asarray([[3.0, 5.0]])
+    loop = dependent_launches(fn, reps=4, carry=1)
+    assert float(loop(a, b)) == 4 * 6.0 and len(calls) == 1
+    assert float(dependent_launches(fn, reps=3)(a, b)) == 3 * 6.0

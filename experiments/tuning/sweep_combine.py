@@ -33,7 +33,7 @@ from absl import app, flags
 from tqdm import tqdm
 
 from jspec.bench.receipts import write_receipt
-from jspec.bench.timing import median_time
+from jspec.bench.timing import dependent_launches, median_time
 from jspec.random_model import preset_config
 from pallas_kernels.moe import COMBINE, CombineConfig, combine, combine_kernel
 
@@ -81,19 +81,6 @@ def xla_path(y, dest, w, *, rows_out: int, out_dtype):
     return jnp.pad(out, ((0, rows_out - T), (0, 0)))
 
 
-def timed_loop(fn, reps: int):
-    """reps dependent calls of fn(y, dest, w) in one jitted loop."""
-    @jax.jit
-    def loop(y, dest, w):
-        def body(_, carry):
-            w, acc = carry
-            out = fn(y, dest, w)
-            first = out[0, 0].astype(jnp.float32)
-            return w + first * 0.0, acc + first
-        return jax.lax.fori_loop(0, reps, body, (w, jnp.float32(0)))[1]
-    return loop
-
-
 def main(argv):
     del argv
     cfg = preset_config(_PRESET.value)
@@ -114,7 +101,7 @@ def main(argv):
         for T, (y, dest, w, rows_out) in blocks.items():
             fn = (functools.partial(xla_path, rows_out=rows_out, out_dtype=dtype)
                   if kind == "xla" else functools.partial(kernel, rows_out=rows_out, config=c))
-            loop = timed_loop(fn, _REPS.value)
+            loop = dependent_launches(fn, _REPS.value, carry=2)  # the weights carry
             times[T] = median_time(loop, y, dest, w, iters=_ITERS.value, warmup=1) \
                 / _REPS.value * 1e6
         rows.append({"kind": kind, "config": None if c is None else vars(c),

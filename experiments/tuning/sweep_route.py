@@ -29,7 +29,7 @@ from absl import app, flags
 from tqdm import tqdm
 
 from jspec.bench.receipts import write_receipt
-from jspec.bench.timing import median_time
+from jspec.bench.timing import dependent_launches, median_time
 from jspec.random_model import preset_config
 from pallas_kernels.moe import ROUTE, RouteConfig, route, route_kernel
 
@@ -53,18 +53,6 @@ def candidates() -> list[RouteConfig]:
     return out[:max(_MAX.value, 1)]
 
 
-def timed_loop(fn, reps: int):
-    """reps dependent calls of fn(logits) -> (weights, ids) in one jitted loop."""
-    @jax.jit
-    def loop(logits):
-        def body(_, carry):
-            x, acc = carry
-            w, _ = fn(x)
-            return x + w[0, 0] * 0.0, acc + w[0, 0]
-        return jax.lax.fori_loop(0, reps, body, (logits, jnp.float32(0)))[1]
-    return loop
-
-
 def main(argv):
     del argv
     cfg = preset_config(_PRESET.value)
@@ -84,7 +72,7 @@ def main(argv):
                         file=sys.stdout):
         fn = (functools.partial(route, k=k, norm_topk_prob=norm) if kind == "xla"
               else functools.partial(kernel, config=c))
-        times = {M: median_time(timed_loop(fn, _REPS.value), x, iters=_ITERS.value,
+        times = {M: median_time(dependent_launches(fn, _REPS.value), x, iters=_ITERS.value,
                                 warmup=1) / _REPS.value * 1e6 for M, x in blocks.items()}
         rows.append({"kind": kind, "config": None if c is None else vars(c),
                      "us_per_launch": times, "sum_us": sum(times.values())})

@@ -3,7 +3,8 @@
 `timed` needs neither jax nor torch (the caller's `fn` must block until its
 work is done); `median_time` and `copy_bandwidth` block on jax arrays;
 `side_by_side` times the text entry points' runs (serial and speculative) alternately
-from the engine's own timings (`run_seconds`).
+from the engine's own timings (`run_seconds`); `dependent_launches` and `device_steps`
+are device-side loops to time.
 """
 
 from __future__ import annotations
@@ -86,6 +87,22 @@ def side_by_side(runs: dict, shapes: dict[str, set], n: int) -> dict:
                 outs[kind].append(run())
     return {kind: sorted(o, key=lambda x: run_seconds(x.stats))[(len(o) - 1) // 2]
             for kind, o in outs.items()}
+
+
+def dependent_launches(fn, reps: int, carry: int = 0):
+    """loop(*args): `reps` calls of fn(*args) in one jitted loop, each depending on the one
+    before (the first element of its first output, times zero, is added to args[carry]),
+    so no call is merged with another or hoisted out; returns the sum of those elements.
+    Time it with `median_time` and divide by reps: a few-us kernel's time a launch."""
+    @jax.jit
+    def loop(*args):
+        def body(_, state):
+            x, acc = state
+            out = fn(*args[:carry], x, *args[carry + 1:])
+            first = jax.tree.leaves(out)[0].reshape(-1)[0].astype(jnp.float32)
+            return x + (first * 0.0).astype(x.dtype), acc + first
+        return jax.lax.fori_loop(0, reps, body, (args[carry], jnp.float32(0)))[1]
+    return loop
 
 
 STEP_REPS = 10  # forward steps per timed device-side loop (`device_steps`)
