@@ -301,11 +301,10 @@ def moe_block(ops, model: Model, lp, h, rows: int):
     row's k experts (lowest id on ties) and their weights (one kernel on pallas); each
     row is repeated once per slot and goes through its expert's gate/up and down by
     `ops.grouped_matmul` (gate/up and the GLU in one kernel when `fuse_glu`: bitwise the
-    same), whose result for a row depends on
-    that row and the expert's weights only (with `fuse_glu`, `ops.grouped_mlp` lays the
-    rows out by expert once for both); `combine` adds a row's k expert outputs left to
-    right in f32 (with `moe_combine_kernel`, one kernel does it from the output slots,
-    `ops.grouped_mlp_combine`).
+    same), whose result for a row depends on that row and the expert's weights only (with
+    `fuse_glu`, `ops.grouped_mlp` lays the rows out by expert once for both); `combine`
+    adds a row's k expert outputs left to right in f32 (with `moe_combine_kernel`, one
+    kernel does it from the output slots, `ops.grouped_mlp_combine`).
     """
     cfg, opt = model.config, model.options
     Mp, D = h.shape
