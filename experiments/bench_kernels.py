@@ -306,7 +306,7 @@ def bench_steps(model, batches, gammas, context, iters, options=()):
                 times[T] = median_time(device_steps, m, tok, cache, iters=iters) / STEP_REPS
                 host[T] = median_time(forward_nodonate, m, tok, cache, iters=iters)
                 if options and backend != "xla":
-                    logits = np.asarray(forward_nodonate(m, tok, cache)[0])
+                    logits = np.asarray(forward_nodonate(m, tok, cache).logits)
                     if backend == "pallas":
                         ref_logits[T] = logits
                     elif backend in numeric:  # other bits by design: how far, for the record
