@@ -43,6 +43,7 @@ from jspec.bench.trace import device_events, traced
 from jspec.cache import init_cache, rollback
 from jspec.cli import with_option_string
 from jspec.feature_head import head_apply, init_head_cache, random_head
+from jspec.chunked_prefill import prefill_jit
 from jspec.model import COMPILER_OPTIONS, apply, forward_nodonate
 from jspec.ops import get_ops
 from jspec.random_model import random_model
@@ -208,6 +209,13 @@ def random_parents(n: int, depth: int, seed: int = 0) -> np.ndarray:
     return np.asarray(parents, np.int32)
 
 
+def _prefilled(model, prompt, cache):
+    """The cache after a prompt, written as every public path writes it (chunks, no LM
+    head: an unchunked forward's [B, P, V] logits of an 8K prompt at batch 8 are 34 GB)."""
+    B, P = prompt.shape
+    return prefill_jit(model, prompt, jnp.full((B,), P, jnp.int32), cache).cache
+
+
 def bench_trees(model, batches, sizes, context, iters):
     """Tree verify steps (pallas): ms against decode (T = 1) and a chain of N + 1."""
     cfg = model.config
@@ -216,7 +224,7 @@ def bench_trees(model, batches, sizes, context, iters):
         cache = init_cache(model, B, context + max(sizes) + 16)
         prompt = (jnp.arange(B * context, dtype=jnp.int32).reshape(B, context) * 7919
                   % cfg.vocab_size)
-        _, cache = forward_nodonate(model, prompt, cache)
+        cache = _prefilled(model, prompt, cache)
         decode = median_time(device_steps, model, jnp.ones((B, 1), jnp.int32), cache,
                              iters=iters) / STEP_REPS
         for n in sizes:
@@ -253,7 +261,7 @@ def bench_head(model, batches, vocab, context, iters):
         cache = init_cache(model, B, context + 16)
         prompt = (jnp.arange(B * context, dtype=jnp.int32).reshape(B, context) * 7919
                   % model.config.vocab_size)
-        _, cache = forward_nodonate(model, prompt, cache)
+        cache = _prefilled(model, prompt, cache)
         decode = median_time(device_steps, model, jnp.ones((B, 1), jnp.int32), cache,
                              iters=iters) / STEP_REPS
         for backend in ("pallas", "xla"):
@@ -296,7 +304,7 @@ def bench_steps(model, batches, gammas, context, iters, options=()):
             cache = init_cache(m, B, context + 16)
             prompt = (jnp.arange(B * context, dtype=jnp.int32).reshape(B, context) * 7919
                       % cfg.vocab_size)
-            _, cache = forward_nodonate(m, prompt, cache)
+            cache = _prefilled(m, prompt, cache)
             times, equal, host = {}, {}, {}
             for T in [1] + [g + 1 for g in gammas]:
                 tok = jnp.ones((B, T), jnp.int32)
