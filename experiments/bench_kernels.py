@@ -41,9 +41,9 @@ from absl import app, flags
 from jspec.bench.timing import STEP_REPS, copy_bandwidth, device_steps, median_time
 from jspec.bench.trace import device_events, traced
 from jspec.cache import init_cache, rollback
+from jspec.chunked_prefill import prefill_jit
 from jspec.cli import with_option_string
 from jspec.feature_head import head_apply, init_head_cache, random_head
-from jspec.chunked_prefill import prefill_jit
 from jspec.model import COMPILER_OPTIONS, apply, forward_nodonate
 from jspec.ops import get_ops
 from jspec.random_model import random_model

@@ -14,9 +14,10 @@ largest, and between chunks of rounds the host picks the next chunk's shape:
   still has to make; for a tree, the row's measured tokens per tree round.
 - cost(s) is measured: seconds per round of the chunks run with s at this batch and
   context (decayed sums, so a growing context moves it), less a chunk's fixed overhead
-  (a dispatch and a sync, the intercept of seconds against rounds where a shape ran
-  chunks of two lengths), so a short probe and a long chunk compare per round. A
-  shape's first call compiles; that chunk is not timed, nor is a run's first chunk.
+  (a dispatch and a sync, timed directly: after the run's first chunk the engine runs
+  two chunks of no rounds and keeps the faster), so a short probe and a long chunk
+  compare per round. A shape's first call compiles; that chunk is not timed, nor is a
+  run's first chunk.
   Before a shape is measured its cost is a prior, cost(0) * (1 + prior_cost *
   proposals(s)). Nothing is modelled, so whatever makes a shape expensive is in its
   cost: a mixture-of-experts verify block reads the union of its tokens' experts, and
@@ -25,9 +26,10 @@ largest, and between chunks of rounds the host picks the next chunk's shape:
   acceptance of every position); after that a shape not run for `explore_every` chunks
   gets one chunk, so a stale estimate cannot lock in. `Adaptive.costs` (seconds per round
   measured by an earlier run at the same batch and context, e.g. its
-  `stats["adaptive"]["measured_s_per_round"]`) starts those shapes measured, so a run
-  that repeats a measured setting begins on its best shape instead of probing; the costs
-  stay on the host and never reach a compiled program.
+  `stats["adaptive"]["measured_s_per_round"]`, which also holds the chunk overhead)
+  starts those shapes measured, so a run that repeats a measured setting begins on its
+  best shape instead of probing; the costs stay on the host and never reach a compiled
+  program.
 
 Every shape is exact (the verify logits are serial decoding's), so the choice changes
 speed only, never the output. `choose` is the pure decision; `Controller` keeps the
@@ -68,9 +70,11 @@ class Adaptive:
         cycled, instead of the choice: for research and tests (every shape is exact, so
         any schedule gives serial output).
       costs: measured seconds per round to start from, by shape name ("decode",
-        "gamma<g>", "tree"; a dict or (name, seconds) pairs), e.g. an earlier run's
-        `stats["adaptive"]["measured_s_per_round"]` at the same batch and context: those
-        shapes are not probed. Host-side only (`SpecConfig.static` drops them).
+        "gamma<g>", "tree"; a dict or (name, seconds) pairs), and optionally
+        "chunk_overhead" (seconds a chunk costs whatever its rounds), e.g. an earlier
+        run's `stats["adaptive"]["measured_s_per_round"]` at the same batch and context:
+        those shapes are not probed, nor the overhead timed. Host-side only
+        (`SpecConfig.static` drops them).
     """
 
     gammas: tuple[int, ...] = (0, 1, 2, 4)
@@ -114,7 +118,7 @@ class Adaptive:
 
     def _check_costs(self, costs) -> tuple[tuple[str, float], ...]:
         pairs = tuple(costs.items()) if isinstance(costs, dict) else tuple(costs)
-        names = {shape_name(s) for s in self.shapes}
+        names = {shape_name(s) for s in self.shapes} | {OVERHEAD}
         out = {}
         for pair in pairs:
             if not (isinstance(pair, tuple) and len(pair) == 2):
@@ -122,10 +126,10 @@ class Adaptive:
                                 f"got {pair!r}")
             name, sec = pair
             if name not in names:
-                raise ValueError(f"Adaptive.costs names {name!r}, which is not one of the "
-                                 f"shapes {sorted(names)}")
+                raise ValueError(f"Adaptive.costs names {name!r}, which is neither one of "
+                                 f"the shapes {sorted(names - {OVERHEAD})} nor {OVERHEAD!r}")
             if isinstance(sec, bool) or not isinstance(sec, (int, float, np.floating)) \
-                    or not np.isfinite(sec) or sec <= 0:
+                    or not np.isfinite(sec) or sec < 0 or (sec == 0 and name != OVERHEAD):
                 raise ValueError(f"Adaptive.costs[{name!r}]={sec!r} must be seconds per round "
                                  "(a finite number > 0)")
             out[name] = float(sec)
@@ -149,6 +153,9 @@ class Adaptive:
     def proposals(self) -> int:
         """The most proposals a round of any shape verifies (sizes the cache)."""
         return max(self.gammas + ((self.tree.num_nodes,) if self.tree is not None else ()))
+
+
+OVERHEAD = "chunk_overhead"  # the key of a chunk's fixed seconds in `Adaptive.costs`
 
 
 def proposals(shape) -> int:
@@ -221,6 +228,8 @@ class Controller:
 
     DECAY = 0.7  # the weight a shape's older chunks keep at each new chunk of it
     PRIOR_ROUNDS = 2.0  # pseudo-rounds pulling a row's rates toward the batch's
+    EMPTY_CHUNKS = 2  # chunks of no rounds timed for the overhead (the fastest counts)
+    HISTORY = 256  # chunks kept in stats()["history"]
 
     def __init__(self, adaptive: Adaptive, batch: int, max_new_tokens: int):
         self.cfg = adaptive
@@ -240,6 +249,9 @@ class Controller:
         self.last_run = {s: -1 for s in self.shapes}
         given = dict(adaptive.costs)  # measured before: used until the shape is timed here
         self.given = {s: given[shape_name(s)] for s in self.shapes if shape_name(s) in given}
+        self.given_overhead = given.get(OVERHEAD)
+        self.empty = []  # seconds of chunks of no rounds: a dispatch and a sync alone
+        self.history = []  # (shape name, rounds, seconds, timed) per chunk
         self.chunks = 0
         self.prev = None  # the last chunk's shape, and how long it ran
         self.prev_rounds = 0
@@ -266,14 +278,31 @@ class Controller:
         """Whether `shape` has a cost: timed in this run, or given (`Adaptive.costs`)."""
         return self.fit[shape][0] > 0 or shape in self.given
 
+    def wants_overhead(self) -> bool:
+        """Whether the engine should time a chunk of no rounds now (`record_overhead`):
+        past the run's first chunk (its shape is compiled), until EMPTY_CHUNKS are
+        timed, unless `Adaptive.costs` gave the overhead or a schedule decides."""
+        return (not self.cfg.schedule and self.chunks > 0 and self.given_overhead is None
+                and len(self.empty) < self.EMPTY_CHUNKS)
+
+    def record_overhead(self, seconds: float):
+        """The wall time of a chunk of no rounds (a dispatch and a sync alone)."""
+        self.empty.append(float(seconds))
+
     def overhead(self) -> float:
-        """Seconds a chunk costs whatever its rounds (a dispatch, a sync): the median
+        """Seconds a chunk costs whatever its rounds (a dispatch, a sync): the fastest
+        timed chunk of no rounds; else the given one (`Adaptive.costs`); else the median
         intercept of seconds against rounds over the shapes timed at two or more chunk
-        lengths; before there is one, what a timed shape's chunks took beyond its given
-        cost (`Adaptive.costs`, per round without overhead); else 0. Kept under 0.9 x
-        the shortest timed chunk, so no shape's cost per round drops to zero. Without it
-        a one-round probe would carry a whole chunk's overhead against a long chunk's
-        share of one."""
+        lengths; else what a timed shape's chunks took beyond its given cost; else 0.
+        Kept under 0.9 x the shortest timed chunk, so no shape's cost per round drops to
+        zero. Without it a one-round probe would carry a whole chunk's overhead against
+        a long chunk's share of one. The estimates from rounds are the fallback: an
+        intercept through chunks of 8 and 16 rounds is noisy, and an overhead read off a
+        given cost that was wrong keeps that cost (a shape measured too cheap would look
+        cheap again)."""
+        if self.empty or self.given_overhead is not None:
+            fixed = min(self.empty) if self.empty else self.given_overhead
+            return float(min(max(fixed, 0.0), 0.9 * self.shortest))
         lines, given = [], []
         for s, (n, r, r2, t, rt) in self.fit.items():
             den = n * r2 - r * r
@@ -346,6 +375,8 @@ class Controller:
         timed = rounds > 0 and not compiled and self.chunks > 0
         self.prev_rounds = self.chunk_limit(shape) if self.measured(shape) else 0
         self.prev = shape
+        if len(self.history) < self.HISTORY:
+            self.history.append((shape_name(shape), rounds, float(seconds), bool(timed)))
         t = self.totals[shape]
         t["chunks"] += 1
         t["rounds"] += rounds
@@ -374,7 +405,8 @@ class Controller:
 
     def stats(self) -> dict:
         """Per shape: chunks, rounds, tokens, seconds per round (timed chunks), chosen
-        (chunks run); and the final costs and rates the choice used."""
+        (chunks run); the final costs and rates the choice used; the chunks in order
+        (`history`: shape, rounds, seconds, timed; the first HISTORY)."""
         out = {}
         for s in self.shapes:
             t = self.totals[s]
@@ -386,8 +418,11 @@ class Controller:
         acc = self.acceptance()
         costs = self.costs()
         measured = {shape_name(s): costs[s] for s in self.shapes if self.measured(s)}
+        if self.empty or self.given_overhead is not None:
+            measured[OVERHEAD] = self.overhead()
         return {"shapes": out, "chunks": self.chunks, "measured_s_per_round": measured,
-                "chunk_overhead_s": self.overhead(),
+                "chunk_overhead_s": self.overhead(), "empty_chunks_s": list(self.empty),
+                "history": [list(h) for h in self.history],
                 "acceptance_by_position": [float(x) for x in acc.rates.mean(0)],
                 "cost_s_per_round": {shape_name(s): float(v) for s, v in costs.items()}}
 

@@ -587,6 +587,14 @@ def _adaptive_chunk(target: Model, drafter, seed, spec: SpecConfig, ctl: Control
 
     def run(state, stop):
         shape = ctl.pick()
+        if ctl.wants_overhead():  # a chunk of no rounds of the last (compiled) shape
+            step, n0 = np.int32(read(state)["step"]), _cache_size(spec_loop)
+            t0 = time.perf_counter()
+            state = spec_loop(target, drafter, state, seed, step, spec=specs[ctl.prev])
+            jax.block_until_ready(state)
+            dt = time.perf_counter() - t0
+            if _cache_size(spec_loop) == n0:
+                ctl.record_overhead(dt)
         before = read(state)
         stop = np.int32(min(int(stop), before["step"] + ctl.chunk_limit(shape)))
         n0 = _cache_size(spec_loop)

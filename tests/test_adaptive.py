@@ -89,8 +89,15 @@ def test_the_chooser_runs_exact_with_measured_costs():
     serial = jspec.generate(target, prompts, max_new_tokens=N, sampler=spec.serial_sampler(),
                             seed=3)
     out = _check(target, jspec.ModelDrafter(target), prompts, spec, serial)
-    shapes = out.stats["adaptive"]["shapes"]
+    ad = out.stats["adaptive"]
+    shapes = ad["shapes"]
     assert shapes["gamma2"]["chunks"] >= 1 and shapes["decode"]["chunks"] >= 1  # both probed
+    # The chunk overhead timed by chunks of no rounds (they change nothing: exact above),
+    # the chunks listed in order.
+    assert len(ad["empty_chunks_s"]) == 2 and ad["chunk_overhead_s"] <= min(ad["empty_chunks_s"])
+    assert ad["measured_s_per_round"]["chunk_overhead"] == ad["chunk_overhead_s"]
+    assert len(ad["history"]) == ad["chunks"] and not ad["history"][0][3]  # first: untimed
+    assert sum(h[1] for h in ad["history"]) == out.stats["rounds"]
 
 
 def _acc(rate, B=4, D=8):
@@ -191,6 +198,47 @@ def test_a_chunks_fixed_overhead_is_not_charged_to_its_rounds():
     assert ctl.overhead() == pytest.approx(0.0009) and ctl.costs()[4] > 0
 
 
+def test_a_given_cost_that_is_wrong_is_corrected_by_one_timed_chunk():
+    # An earlier run measured decode far too cheap (0.4 ms a round; it costs 2.2 ms plus
+    # 1.3 ms a chunk). Decode is chosen first; after its first timed chunk of 8 rounds its
+    # cost is 2.2 ms with the overhead timed on chunks of no rounds, and gamma 4 (3.3 ms a
+    # round, a = 0.8: 3.4 tokens) takes over. Read off the wrong given cost instead, the
+    # overhead would make that chunk's rounds 0.4 ms again and decode would stay.
+    snap = lambda step: {"step": step, "num": np.zeros(1), "accepted": np.zeros(1),  # noqa: E731
+                         "rounds_live": np.zeros(1), "accepted_at": np.zeros((1, 4)),
+                         "done": np.zeros(1, bool)}
+
+    def controller():
+        ad = jspec.Adaptive(gammas=(0, 4), costs={"decode": 0.0004, "gamma4": 0.0033})
+        ctl = Controller(ad, batch=1, max_new_tokens=10_000)
+        ctl.hits[:], ctl.trials[:] = 8.0, 10.0
+        assert ctl.pick() == 0 and not ctl.wants_overhead()
+        ctl.record(0, snap(0), snap(8), seconds=0.05, compiled=False)  # first: untimed
+        return ctl
+
+    ctl = controller()
+    assert ctl.wants_overhead()
+    ctl.record_overhead(0.0015)
+    assert ctl.wants_overhead()
+    ctl.record_overhead(0.0013)
+    assert not ctl.wants_overhead() and ctl.overhead() == pytest.approx(0.0013)
+    ctl.record(0, snap(8), snap(16), seconds=0.0013 + 8 * 0.0022, compiled=False)
+    assert ctl.costs()[0] == pytest.approx(0.0022)
+    assert ctl.pick() == 4
+    assert ctl.stats()["measured_s_per_round"]["chunk_overhead"] == pytest.approx(0.0013)
+    assert [h[:2] + [h[3]] for h in ctl.stats()["history"]] == [["decode", 8, False],
+                                                                ["decode", 8, True]]
+    old = controller()  # no chunk of no rounds timed: the fallback
+    old.record(0, snap(8), snap(16), seconds=0.0013 + 8 * 0.0022, compiled=False)
+    assert old.costs()[0] == pytest.approx(0.0004) and old.pick() == 0
+    # A given overhead: nothing to time; 0 is a valid overhead, a negative one is not.
+    ctl = Controller(jspec.Adaptive(gammas=(0, 4), costs={"chunk_overhead": 0.0}), 1, 64)
+    ctl.record(4, snap(0), snap(1), seconds=0.05, compiled=False)
+    assert not ctl.wants_overhead() and ctl.overhead() == 0.0
+    with pytest.raises(ValueError, match=r"costs\['chunk_overhead'\]=-1.0 must be"):
+        jspec.Adaptive(costs={"chunk_overhead": -1.0})
+
+
 def test_a_shape_chosen_again_runs_longer_chunks():
     ctl = Controller(jspec.Adaptive(gammas=(0, 2), chunk_rounds=4, max_chunk_rounds=16),
                      batch=1, max_new_tokens=1000)
@@ -257,7 +305,7 @@ def test_measured_costs_start_a_run_without_probes():
     ctl = Controller(jspec.Adaptive(gammas=(0, 2), costs={"gamma2": 0.02}), 1, 64)
     assert ctl.pick() == 0 and ctl.chunk_limit(0) == 1
     assert ctl.stats()["measured_s_per_round"] == {"gamma2": pytest.approx(0.02)}
-    with pytest.raises(ValueError, match="names 'gamma3', which is not one of the shapes"):
+    with pytest.raises(ValueError, match="names 'gamma3', which is neither one of the shapes"):
         jspec.Adaptive(gammas=(0, 2), costs={"gamma3": 0.1})
     with pytest.raises(ValueError, match=r"costs\['decode'\]=-1.0 must be seconds"):
         jspec.Adaptive(costs={"decode": -1.0})
@@ -279,6 +327,7 @@ def test_a_run_from_measured_costs_is_exact():
                                                   costs=measured)), serial)
     assert measured and all(v > 0 for v in again.stats["adaptive"]["measured_s_per_round"]
                             .values())
+    assert again.stats["adaptive"]["empty_chunks_s"] == []  # the overhead came with the costs
 
 
 def test_bad_adaptive_settings_get_clear_errors():
