@@ -33,7 +33,8 @@
 #   $MOE_E2E_BATCHES, $MOE_E2E_SHAPES, $MOE_TREE, $MOE_HEAD_VOCAB, $MOE_DRAFT (built, never
 #   run: the feature head drafts), $MOE_DTYPE and
 #   $MOE_INTERPRET (non-empty: Pallas interpret mode) resize them ($MOE_OPTIONS: the
-#   matrix's kernel options, e.g. moe_layout_kernel=1; $MOE_BACKENDS, default pallas:
+#   matrix's kernel options, e.g. moe_layout_kernel=1, with $MOE_TAG naming its receipt;
+#   $MOE_BACKENDS, default pallas:
 #   add xla (pallas,xla, with MOE_PARITY_S=240) to show it breaking) (tests/test_moe_bench.py
 #   runs the three at tiny-qwen3-moe on a CPU); $MOE_COST_S, $MOE_PARITY_S, $MOE_E2E_S
 #   bound them.
@@ -344,7 +345,7 @@ for s in $steps; do
               --models="${MOE_PRESET:-qwen3-30b-a3b}:${MOE_PARITY_LAYERS:-4}" \
               --context="${MOE_PARITY_CONTEXT:-2048}" --window="${MOE_WINDOW:-48}" \
               --ks="${MOE_KS:-1,2,4,8,16,32}" --trees="${MOE_TREES:-8,32}" \
-              --dtype="${MOE_DTYPE:-bfloat16}" ${MOE_INTERPRET:+--interpret} --tag=moe \
+              --dtype="${MOE_DTYPE:-bfloat16}" ${MOE_INTERPRET:+--interpret} --tag="moe${MOE_TAG:+_$MOE_TAG}" \
               ${MOE_OPTIONS:+--options=$MOE_OPTIONS} --backends="${MOE_BACKENDS:-pallas}" \
               --out="$OUT" 2>&1 | quiet | tail -24 ;;
     moe_e2e) timeout "${MOE_E2E_S:-165}" python3 experiments/bench_e2e.py \
