@@ -7,7 +7,11 @@
 # pair_eval schedsweep attnsweep train_head parity_trees kernels_trees main pair_head
 # e2e_session tree_sweep parity_long parity_long_xla context_bench context_bench_128k
 # e2e_batch moe_cost moe_parity moe_e2e tallsweep serial_split e2e_context profile groupsweep
-# combinesweep routesweep (default: parity audit kernels spec).
+# combinesweep routesweep mosaic_attention (default: parity audit kernels spec).
+# - mosaic_attention: tuning/mosaic_attention.py, split-KV phase 1 on Mosaic GPU at the
+#   Llama-3-8B attention shape, contexts 2K and 8K: each token's bits alone, in verify
+#   blocks of 5 / 17 / 33, in a batch of 8 and a doubled cache of garbage; speed against
+#   the Triton split path at batch 1 / 8, T = 1 / 5 ($MATT_FLAGS, $MATT_S).
 # - parity_long: the long-context lane of the parity matrix (pallas): a chunked prefill to
 #   depth, then one-token steps, blocks, verify blocks of 1-32 and trees of 16 and 32
 #   nodes at that depth, against serial decoding there ($LONG_MODELS, default
@@ -339,6 +343,8 @@ for s in $steps; do
               --tag="h200_B${PROF_BATCH:-1}_T$t${PROF_TAG:+_$PROF_TAG}" --out="$OUT" 2>&1 | quiet | tail -34; done ;;
     combinesweep) timeout "${CSWEEP_S:-150}" python3 experiments/tuning/sweep_combine.py \
               ${CSWEEP_FLAGS:-} --out="$OUT" --tag=h200 2>&1 | quiet | grep -v "it/s" | tail -20 ;;
+    mosaic_attention) timeout "${MATT_S:-240}" python3 experiments/tuning/mosaic_attention.py \
+              ${MATT_FLAGS:-} --out="$OUT" --tag=h200 2>&1 | quiet | tail -8 ;;
     routesweep) timeout "${RSWEEP_S:-120}" python3 experiments/tuning/sweep_route.py \
               ${RSWEEP_FLAGS:-} --out="$OUT" --tag=h200 2>&1 | quiet | grep -v "it/s" | tail -14 ;;
     moe_parity) timeout "${MOE_PARITY_S:-120}" python3 experiments/gpu_parity.py \

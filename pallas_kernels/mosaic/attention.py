@@ -1,0 +1,229 @@
+"""Split-KV attention, phase 1, on Mosaic GPU: each partition's f32 partial of a row tile.
+
+The Mosaic GPU lowering of the first kernel of `pallas_kernels/attention.py`'s split-KV
+path (rule R3; that module's docstring gives the semantics and why they are invariant).
+Its partials (m, denom, acc) have the layout the fold takes, [B, Hkv, parts, Rp] and
+[B, Hkv, parts, Rp, D], so `combine_partials` folds them in partition order as it folds
+the Triton kernel's.
+
+One program owns one (batch, kv head, row tile, partition): a tile is BM = 64 query rows
+(one warpgroup MMA M; rows are tokens x query heads of the kv head, as `query_rows` lays
+them out, padded with rows that see nothing), a partition `split` keys aligned at
+position 0, walked in blocks of BK = 64 keys from the tile's first visible block upward.
+Per block: TMA copies K and V into shared memory; S = q @ K^T is one wgmma (K order:
+the head dimension, the wgmma's own fixed k16 order); the scale, the mask by `where`
+(each row's [first, last]), the safe max, exp and the row sums run in f32 in the
+accumulator's register layout, whose reduction order is set by the layout, i.e. by the
+tile shape only; P is rounded to the value dtype, stored to shared memory, and P @ V is a
+second wgmma over the block's keys into an f32 accumulator, then alpha * acc + P @ V as
+in `_online_softmax`. V rows past the tile's last key are zeroed before that wgmma, so
+garbage there (rejected drafts) contributes exact zeros. Nothing is reduced across rows
+and there are no atomics (R2); the grid, the block range and the row padding depend on
+T and the other rows, never a row's arithmetic: a block a row cannot see leaves its
+state bit-identical (the module docstring of `attention.py`).
+
+The bits are this lowering's own (R11): another dot order than Triton's, so other bits;
+each lowering is invariant on its own, proven on the device. On the CPU, Pallas's GPU
+interpret mode runs it (its wgmma takes shared-memory operands only, hence P through
+shared memory); `tests/test_mosaic_attention.py` also lowers it for CUDA.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels import attention as triton_attention  # the row layout and the fold
+from pallas_kernels._common import pad_axis
+
+__all__ = ["BK", "BM", "attention", "split_partials"]
+
+BM = 64  # query rows a program: one wgmma M
+BK = 64  # keys a block
+DTYPES = ("bfloat16", "float16")
+_NEG_INF = float("-inf")
+
+
+def _transforms(dtype) -> tuple:
+    """wgmma's shared-memory layout: 8-row tiles of 64 elements, 128-byte swizzle."""
+    return plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)
+
+
+def _kernel(q_gmem, k_gmem, v_gmem, first_gmem, last_gmem, span_gmem, m_gmem, l_gmem,
+            acc_gmem, q_smem, k_smem, v_smem, vz_smem, p_smem, first_smem, last_smem,
+            span_smem, m_smem, l_smem, acc_smem, bar, kv_bar, *, scale: float,
+            softcap: float | None, split: int, tiles: int, num_kv_heads: int, blocks: int):
+    # q_gmem [B, Hkv, Rp, D]; k_gmem, v_gmem [B, Hkv, S, D]; first/last_gmem [B, Rp];
+    # span_gmem [B, tiles, 16] int32 (the tile's first and last visible key, then pad);
+    # m_gmem, l_gmem [B, Hkv, parts, Rp]; acc_gmem [B, Hkv, parts, Rp, D].
+    t, c = lax.axis_index("t"), lax.axis_index("c")
+    r = lax.rem(t, tiles)
+    h = lax.rem(lax.div(t, tiles), num_kv_heads)
+    b = lax.div(t, tiles * num_kv_heads)
+    rows = pl.ds(r * BM, BM)
+    plgpu.copy_gmem_to_smem(q_gmem.at[b, h, rows], q_smem, bar)
+    plgpu.copy_gmem_to_smem(first_gmem.at[b, rows], first_smem, bar)
+    plgpu.copy_gmem_to_smem(last_gmem.at[b, rows], last_smem, bar)
+    plgpu.copy_gmem_to_smem(span_gmem.at[b, r], span_smem, bar)
+    plgpu.barrier_wait(bar)
+    first_key, last_key = span_smem[0], span_smem[1]  # last_key < first_key: none
+    per = split // BK
+    # The partition's blocks the tile can see (the rest are exact no-ops for every row).
+    lo = jnp.maximum(c * per, lax.div(jnp.maximum(first_key, 0), BK))
+    hi = jnp.minimum(jnp.minimum((c + 1) * per, blocks), lax.div(last_key + BK, BK))
+    hi = jnp.where(last_key < first_key, lo, jnp.maximum(hi, lo))
+    layout = plgpu.Layout.WGMMA
+    first = plgpu.load(first_smem.at[...], layout=layout.reduce(1))  # [BM]
+    last = plgpu.load(last_smem.at[...], layout=layout.reduce(1))
+    head_dim = q_smem.shape[-1]
+
+    def block(j, carry):
+        m, denom, acc = carry  # [BM], [BM], [BM, D] f32
+        start = j * BK
+        keys = pl.ds(start, BK)
+        plgpu.copy_gmem_to_smem(k_gmem.at[b, h, keys], k_smem, kv_bar)
+        plgpu.copy_gmem_to_smem(v_gmem.at[b, h, keys], v_smem, kv_bar)
+        plgpu.barrier_wait(kv_bar)
+
+        def qk(acc_ref):
+            plgpu.wgmma(acc_ref, q_smem, k_smem.transpose((1, 0)))
+            return acc_ref[...]
+
+        s = pl.run_scoped(qk, plgpu.ACC((BM, BK), jnp.float32)) * jnp.float32(scale)
+        if softcap is not None:
+            s = jnp.tanh(s / jnp.float32(softcap)) * jnp.float32(softcap)
+        key = start + plgpu.broadcasted_iota(jnp.int32, (BM, BK), 1, layout=layout)
+        mask = ((key >= lax.broadcast_in_dim(first, (BM, BK), [0]))
+                & (key <= lax.broadcast_in_dim(last, (BM, BK), [0])))
+        s = jnp.where(mask, s, _NEG_INF)
+        m_new = jnp.maximum(m, s.max(axis=1))
+        m_safe = jnp.where(m_new == _NEG_INF, 0.0, m_new)  # nothing seen yet: no NaN
+        alpha = jnp.exp(m - m_safe)
+        p = jnp.where(mask, jnp.exp(s - lax.broadcast_in_dim(m_safe, (BM, BK), [0])), 0.0)
+        denom_new = alpha * denom + p.sum(axis=1)
+        p_smem[...] = p.astype(p_smem.dtype)
+        # V rows past the tile's last key: exact zeros (garbage there times 0 could be NaN).
+        key_v = start + plgpu.broadcasted_iota(jnp.int32, (BK, head_dim), 0, layout=layout)
+        v = plgpu.load(v_smem.at[...], layout=layout)
+        vz_smem[...] = jnp.where(key_v <= last_key, v, jnp.zeros_like(v))
+        plgpu.commit_smem()
+
+        def pv(acc_ref):
+            plgpu.wgmma(acc_ref, p_smem, vz_smem)
+            return acc_ref[...]
+
+        acc_pv = pl.run_scoped(pv, plgpu.ACC((BM, head_dim), jnp.float32))
+        return m_new, denom_new, lax.broadcast_in_dim(alpha, (BM, head_dim), [0]) * acc + acc_pv
+
+    init = (plgpu.layout_cast(jnp.full((BM,), _NEG_INF, jnp.float32), layout.reduce(1)),
+            plgpu.layout_cast(jnp.zeros((BM,), jnp.float32), layout.reduce(1)),
+            plgpu.layout_cast(jnp.zeros((BM, head_dim), jnp.float32), layout))
+    m, denom, acc = lax.fori_loop(lo, hi, block, init)
+    m_smem[...], l_smem[...], acc_smem[...] = m, denom, acc
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(m_smem, m_gmem.at[b, h, c, rows])
+    plgpu.copy_smem_to_gmem(l_smem, l_gmem.at[b, h, c, rows])
+    plgpu.copy_smem_to_gmem(acc_smem, acc_gmem.at[b, h, c, rows])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _spans(first, last, tiles: int):
+    """[B, tiles, 16] int32: each row tile's first and last visible key (integers, exact),
+    padded to one 64-byte row (a TMA copy of at least 16 bytes)."""
+    batch = first.shape[0]
+    f = first.reshape(batch, tiles, BM)
+    l_ = last.reshape(batch, tiles, BM)
+    valid = f <= l_
+    fk = jnp.min(jnp.where(valid, f, jnp.iinfo(jnp.int32).max), axis=-1)
+    lk = jnp.max(jnp.where(valid, l_, -1), axis=-1)
+    span = jnp.stack([fk, lk], axis=-1)
+    return pad_axis(span.astype(jnp.int32), 2, 16)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "softcap", "split", "interpret"))
+def split_partials(q_rows, k_cache, v_cache, first, last, *, scale: float,
+                   softcap: float | None = None, split: int, interpret: bool = False):
+    """Split-KV phase 1 on Mosaic GPU: q_rows [B, Hkv, Rp, D] (Rp a multiple of BM;
+    `query_rows`' layout), k_cache, v_cache [B, Hkv, S, D] (S a multiple of BK),
+    first, last [B, Rp] int32 (`visible_range`) -> (m, denom [B, Hkv, parts, Rp], acc
+    [B, Hkv, parts, Rp, D]) f32, parts = cdiv(S, split): each partition's online softmax from
+    the empty state; a partition no row of a tile sees is the empty state (-inf, 0, 0).
+    `interpret`: Pallas's GPU interpret mode (CPU)."""
+    batch, num_kv_heads, rows, head_dim = q_rows.shape
+    cache_len = k_cache.shape[2]
+    if q_rows.dtype.name not in DTYPES or k_cache.dtype != q_rows.dtype \
+            or v_cache.dtype != q_rows.dtype:
+        raise TypeError(f"split_partials (Mosaic GPU) wants q, K and V of one dtype in "
+                        f"{DTYPES}; got {q_rows.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    if k_cache.shape != (batch, num_kv_heads, cache_len, head_dim) \
+            or v_cache.shape != k_cache.shape:
+        raise ValueError(f"K and V must be [B, Hkv, S, D] = {(batch, num_kv_heads, '*', head_dim)}"
+                         f"; got {k_cache.shape}, {v_cache.shape}")
+    if rows % BM or first.shape != (batch, rows) or last.shape != (batch, rows):
+        raise ValueError(f"q_rows' rows ({rows}) must be a multiple of {BM}, first and "
+                         f"last [B, Rp]; got {first.shape}, {last.shape}")
+    if split <= 0 or split % BK or cache_len % BK:
+        raise ValueError(f"split={split} and the cache length S={cache_len} must be "
+                         f"multiples of {BK} (split > 0)")
+    if head_dim % 64 or head_dim > 256:
+        raise ValueError(f"head_dim={head_dim} must be a multiple of 64 up to 256 (one wgmma "
+                         "N, 128-byte swizzled rows)")
+    tiles, parts = rows // BM, pl.cdiv(cache_len, split)
+    tr = _transforms(q_rows.dtype)
+    kernel = functools.partial(_kernel, scale=float(scale), softcap=softcap, split=split,
+                               tiles=tiles, num_kv_heads=num_kv_heads, blocks=cache_len // BK)
+    dt = q_rows.dtype
+    f32 = jnp.float32
+    return plgpu.kernel(
+        kernel,
+        out_type=(jax.ShapeDtypeStruct((batch, num_kv_heads, parts, rows), f32),
+                  jax.ShapeDtypeStruct((batch, num_kv_heads, parts, rows), f32),
+                  jax.ShapeDtypeStruct((batch, num_kv_heads, parts, rows, head_dim), f32)),
+        scratch_types=dict(
+            q_smem=plgpu.SMEM((BM, head_dim), dt, transforms=tr),
+            k_smem=plgpu.SMEM((BK, head_dim), dt, transforms=tr),
+            v_smem=plgpu.SMEM((BK, head_dim), dt, transforms=tr),
+            vz_smem=plgpu.SMEM((BK, head_dim), dt, transforms=tr),
+            p_smem=plgpu.SMEM((BM, BK), dt, transforms=tr),
+            first_smem=plgpu.SMEM((BM,), jnp.int32),
+            last_smem=plgpu.SMEM((BM,), jnp.int32),
+            span_smem=plgpu.SMEM((16,), jnp.int32),
+            m_smem=plgpu.SMEM((BM,), f32),
+            l_smem=plgpu.SMEM((BM,), f32),
+            acc_smem=plgpu.SMEM((BM, head_dim), f32),
+            bar=plgpu.Barrier(num_arrivals=4),
+            kv_bar=plgpu.Barrier(num_arrivals=2),
+        ),
+        grid=(batch * num_kv_heads * tiles, parts),
+        grid_names=("t", "c"),
+        kernel_name="jspec_mosaic_attention_split",
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
+    )(q_rows, k_cache, v_cache, first, last, _spans(first, last, tiles))
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "softcap", "split", "interpret"))
+def attention(q, k_cache, v_cache, q_pos, window, *, scale: float,
+              softcap: float | None = None, split: int = 128, interpret: bool = False):
+    """`pallas_kernels.attention.attention`'s split-KV path with phase 1 on Mosaic GPU:
+    q [B, T, H, D], k_cache, v_cache [B, Hkv, S, D], q_pos [B, T] (-1: padding, output 0),
+    window [] int32 (0: global) -> [B, T, H, D] in q.dtype. Rows in tiles of BM, the
+    partials folded by `combine_partials` in partition order (the fold is still the
+    Triton lowering's). `split` keys a partition: one model, one split."""
+    batch, seq, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[1]
+    cfg = triton_attention.attention_config(head_dim, num_heads // num_kv_heads, q.dtype,
+                                            interpret)
+    cfg = dataclasses.replace(cfg, split=split, split_rows=BM,
+                                               skip_empty=False, fold_group=16)
+    q_rows, first, last = triton_attention.query_rows(q, q_pos, window, num_kv_heads, cfg)
+    m, denom, acc = split_partials(q_rows, k_cache, v_cache, first, last, scale=scale,
+                                   softcap=softcap, split=split, interpret=interpret)
+    out = triton_attention.combine_partials(m, denom, acc, first, last, cfg, q.dtype,
+                                            interpret=interpret)
+    return triton_attention.rows_to_heads(out, seq, num_heads)

@@ -1,0 +1,152 @@
+"""Split-KV attention's phase 1 on Mosaic GPU (pallas_kernels/mosaic/attention.py) on the CPU.
+
+Pallas's GPU interpret mode runs the kernel (TMA copies, both wgmmas through shared
+memory, the register softmax); the partials fold with `combine_partials` (Triton
+interpret mode). Its wgmma is numpy's matmul, which gives a row bits that depend on the
+row's place among the 64 (tests/test_mosaic.py), so the invariance checks replace it by
+one row at a time, the product every row gets on the hardware: then a token's output is
+bitwise the same alone (a decode step), inside a verify block at another place in its
+tile, beside another batch row, in a larger cache and over other garbage past its
+position. The H200 proves the hardware's rows (`gpu_session.sh mosaic_attention`).
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_mosaic import row_by_row_wgmma  # noqa: F401  (a fixture)
+
+from pallas_kernels.attention import attention_reference
+from pallas_kernels.mosaic.attention import BM, attention, split_partials
+
+H, HKV, D = 8, 2, 64  # 4 query heads a kv head: a decode step fills 4 of a tile's 64 rows
+SCALE = D ** -0.5
+
+
+def _cache(batch: int, length: int, seed: int = 0, garbage_from: int | None = None):
+    kk, kv = jax.random.split(jax.random.key(seed))
+    k = jax.random.normal(kk, (batch, HKV, length, D), jnp.float32).astype(jnp.bfloat16)
+    v = jax.random.normal(kv, (batch, HKV, length, D), jnp.float32).astype(jnp.bfloat16)
+    if garbage_from is not None:  # what rejected drafts or an unused cache hold
+        k = k.at[:, :, garbage_from:].set(jnp.nan)
+        v = v.at[:, :, garbage_from:].set(jnp.inf)
+    return k, v
+
+
+def _q(batch: int, seq: int, seed: int = 1):
+    return jax.random.normal(jax.random.key(seed), (batch, seq, H, D),
+                             jnp.float32).astype(jnp.bfloat16)
+
+
+@pytest.mark.parametrize("window,softcap", [(0, None), (70, 30.0)])
+def test_matches_the_reference(window, softcap):
+    k, v = _cache(2, 256)
+    q = _q(2, 3)
+    q_pos = jnp.asarray([[100, 101, 102], [180, 181, -1]], jnp.int32)
+    got = attention(q, k, v, q_pos, jnp.int32(window), scale=SCALE, softcap=softcap,
+                    split=128, interpret=True)
+    ref = attention_reference(q, k, v, q_pos, jnp.int32(window), scale=SCALE,
+                              softcap=softcap)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(ref, np.float32),
+                               atol=2e-2, rtol=2e-2)
+    assert not np.asarray(got[1, 2]).any()  # a padding token outputs zeros
+
+
+def test_a_tokens_bits_do_not_depend_on_its_block_batch_cache_or_garbage(
+        row_by_row_wgmma):  # noqa: F811
+    p = 150  # the token: position 150 of row 0, its keys 0..150 the same in every call
+    k, v = _cache(1, 256)
+    q = _q(1, 18)
+    run = functools.partial(attention, window=jnp.int32(0), scale=SCALE, split=128,
+                            interpret=True)
+    # A decode step: the token alone (its 4 rows at the top of one tile).
+    alone = run(q[:, 5:6], k, v, jnp.asarray([[p]], jnp.int32))[0, 0]
+    # A verify block of 18 tokens from p - 5: the token's rows at 20..23 of the first
+    # tile, the block's 72 rows spanning two tiles; keys past each row's position are
+    # someone else's drafts.
+    block = run(q, k, v, jnp.arange(p - 5, p + 13, dtype=jnp.int32)[None])[0, 5]
+    # Beside another batch row, in a cache of twice the length whose slots past p hold
+    # non-finite garbage (NaN keys, inf values).
+    k2, v2 = _cache(2, 512, seed=3, garbage_from=p + 1)
+    k2 = k2.at[0, :, :256].set(jnp.where(jnp.arange(256)[:, None] <= p, k[0], k2[0, :, :256]))
+    v2 = v2.at[0, :, :256].set(jnp.where(jnp.arange(256)[:, None] <= p, v[0], v2[0, :, :256]))
+    q2 = jnp.concatenate([q[:, 5:6], _q(1, 1, seed=7)], axis=0)
+    other = run(q2, k2, v2, jnp.asarray([[p], [400]], jnp.int32))[0, 0]
+    assert np.all(np.isfinite(np.asarray(other, np.float32)))
+    for got in (block, other):
+        assert np.array_equal(np.asarray(got).view(np.uint16), np.asarray(alone).view(np.uint16))
+
+
+def test_partials_of_partitions_a_tile_cannot_see_are_empty():
+    k, v = _cache(1, 256)
+    q = _q(1, 1)
+    from pallas_kernels.attention import query_rows
+
+    rows, first, last = query_rows(q, jnp.asarray([[40]], jnp.int32), jnp.int32(0), HKV,
+                                   _cfg())
+    m, denom, acc = split_partials(rows, k, v, first, last, scale=SCALE, split=128,
+                                   interpret=True)
+    assert m.shape == (1, HKV, 2, BM) and acc.shape == (1, HKV, 2, BM, D)
+    assert np.all(np.asarray(m[:, :, 1]) == -np.inf) and not np.asarray(denom[:, :, 1]).any()
+    assert not np.asarray(acc[:, :, 1]).any()
+    assert np.all(np.asarray(denom[:, :, 0, :4]) > 0) and not np.asarray(denom[:, :, 0, 4:]).any()
+
+
+def _cfg():
+    import dataclasses
+
+    from pallas_kernels.attention import attention_config
+
+    return dataclasses.replace(attention_config(D, H // HKV, jnp.bfloat16, True), split=128,
+                               split_rows=BM)
+
+
+def test_bad_input_is_refused():
+    k, v = _cache(1, 256)
+    rows = jnp.zeros((1, HKV, BM, D), jnp.bfloat16)
+    fl = jnp.zeros((1, BM), jnp.int32)
+    call = functools.partial(split_partials, scale=SCALE, interpret=True)
+    with pytest.raises(ValueError, match="split=96 and the cache length S=256 must be multiples"):
+        call(rows, k, v, fl, fl, split=96)
+    with pytest.raises(ValueError, match=r"rows \(32\) must be a multiple of 64"):
+        call(rows[:, :, :32], k, v, fl[:, :32], fl[:, :32], split=128)
+    with pytest.raises(TypeError, match="one dtype in"):
+        call(rows.astype(jnp.float32), k, v, fl, fl, split=128)
+
+
+@pytest.mark.parametrize("seq,softcap", [(1, None), (5, 50.0)])
+def test_lowers_for_cuda(seq, softcap, monkeypatch):
+    # The Llama-3-8B decode / verify shapes at an 8K cache: Mosaic GPU's lowering runs in
+    # Python (PTX is compiled on the device); the fold is Triton, lowered for sm_90.
+    from jax._src.pallas.triton import gpu_info, pallas_call_registration
+
+    info = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200)
+    monkeypatch.setattr(pallas_call_registration.gpu_info_lib, "get_gpu_info",
+                        lambda *a, **k: info)
+    q = jnp.zeros((1, seq, 32, 128), jnp.bfloat16)
+    k = jnp.zeros((1, 8, 8192, 128), jnp.bfloat16)
+    pos = jnp.full((1, seq), 100, jnp.int32)
+    fn = functools.partial(attention, scale=128 ** -0.5, softcap=softcap, split=128)
+    text = jax.jit(fn).trace(q, k, k, pos, jnp.int32(0)).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert "jspec_mosaic_attention_split" in text and "jspec_attention_combine" in text
+
+
+@pytest.mark.slow  # the device script end to end (interpret mode, ~40 s)
+def test_the_device_script_runs_on_a_cpu(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "experiments/tuning/mosaic_attention.py", "--smoke",
+                        f"--out={tmp_path}"], cwd=root, capture_output=True, text=True,
+                       env=os.environ | {"PYTHONPATH": root}, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rep = json.load(open(tmp_path / "mosaic_attention.json"))
+    (entry,) = rep["contexts"]
+    assert rep["complete"] and set(entry["mismatching_tokens"].values()) == {0, 5}
+    assert entry["max_abs_err_vs_reference"] < 2e-2 and entry["us"]["B1_T1"]["mosaic"] > 0
