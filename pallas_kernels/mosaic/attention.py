@@ -1,10 +1,9 @@
-"""Split-KV attention, phase 1, on Mosaic GPU: each partition's f32 partial of a row tile.
+"""Split-KV attention on Mosaic GPU: each partition's f32 partial of a row tile, then the fold.
 
-The Mosaic GPU lowering of the first kernel of `pallas_kernels/attention.py`'s split-KV
-path (rule R3; that module's docstring gives the semantics and why they are invariant).
-Its partials (m, denom, acc) have the layout the fold takes, [B, Hkv, parts, Rp] and
-[B, Hkv, parts, Rp, D], so `combine_partials` folds them in partition order as it folds
-the Triton kernel's.
+The Mosaic GPU lowering of `pallas_kernels/attention.py`'s split-KV path (rule R3; that
+module's docstring gives the semantics and why they are invariant). The partials (m,
+denom, acc) have that path's layout, [B, Hkv, parts, Rp] and [B, Hkv, parts, Rp, D]
+(`combine_partials` folds them too).
 
 One program owns one (batch, kv head, row tile, partition): a tile is BM = 64 query rows
 (one warpgroup MMA M; rows are tokens x query heads of the kv head, as `query_rows` lays
@@ -22,10 +21,16 @@ and there are no atomics (R2); the grid, the block range and the row padding dep
 T and the other rows, never a row's arithmetic: a block a row cannot see leaves its
 state bit-identical (the module docstring of `attention.py`).
 
+`fold_partials`: one program a row tile walks the partitions in order through a TMA
+pipeline and folds them in registers with `attention._fold_one`'s arithmetic: each group of
+16 partitions from the empty state, then the groups in group order (the two-level fold;
+one group gives the one-level bits), then acc / denom (0 for a row that saw nothing). On
+the CPU it equals `combine_partials` bitwise (both run XLA's arithmetic there).
+
 The bits are this lowering's own (R11): another dot order than Triton's, so other bits;
 each lowering is invariant on its own, proven on the device. On the CPU, Pallas's GPU
-interpret mode runs it (its wgmma takes shared-memory operands only, hence P through
-shared memory); `tests/test_mosaic_attention.py` also lowers it for CUDA.
+interpret mode runs them (its wgmma takes shared-memory operands only, hence P through
+shared memory); `tests/test_mosaic_attention.py` also lowers them for CUDA.
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels import attention as triton_attention  # the row layout and the fold
 from pallas_kernels._common import pad_axis
 
-__all__ = ["BK", "BM", "attention", "split_partials"]
+__all__ = ["BK", "BM", "attention", "fold_partials", "split_partials"]
 
 BM = 64  # query rows a program: one wgmma M
 BK = 64  # keys a block
@@ -207,14 +212,104 @@ def split_partials(q_rows, k_cache, v_cache, first, last, *, scale: float,
     )(q_rows, k_cache, v_cache, first, last, _spans(first, last, tiles))
 
 
+def _fold_one(carry, part):
+    """`attention._fold_one` in this layout: the running (m, denom, acc) and a partial."""
+    m, denom, acc = carry
+    m_c, l_c, acc_c = part
+    m_new = jnp.maximum(m, m_c)
+    m_safe = jnp.where(m_new == _NEG_INF, 0.0, m_new)
+    a, b = jnp.exp(m - m_safe), jnp.exp(m_c - m_safe)
+    shape = acc.shape
+    return (m_new, a * denom + b * l_c, lax.broadcast_in_dim(a, shape, [0]) * acc
+            + lax.broadcast_in_dim(b, shape, [0]) * acc_c)
+
+
+def _fold_kernel(m_gmem, l_gmem, acc_gmem, o_gmem, o_smem, *, tiles: int, num_kv_heads: int,
+                 parts: int, fold_group: int):
+    # m_gmem, l_gmem [B x Hkv x parts, Rp]; acc_gmem [B x Hkv x parts, Rp, D] (a TMA copy
+    # strides at most 5 dimensions); o_gmem [B, Hkv, Rp, D]. Each group of `fold_group`
+    # partitions folds from the empty state through a TMA pipeline, in partition order;
+    # the groups fold into the total in order.
+    t = lax.axis_index("t")
+    r = lax.rem(t, tiles)
+    bh = lax.div(t, tiles)
+    h = lax.rem(bh, num_kv_heads)
+    b = lax.div(bh, num_kv_heads)
+    head_dim = o_smem.shape[-1]
+    layout = plgpu.Layout.WGMMA
+
+    def empty():
+        return (plgpu.layout_cast(jnp.full((BM,), _NEG_INF, jnp.float32), layout.reduce(1)),
+                plgpu.layout_cast(jnp.zeros((BM,), jnp.float32), layout.reduce(1)),
+                plgpu.layout_cast(jnp.zeros((BM, head_dim), jnp.float32), layout))
+
+    def step(idx, m_ref, l_ref, acc_ref, group):
+        del idx
+        return _fold_one(group, (plgpu.load(m_ref.at[0], layout=layout.reduce(1)),
+                                 plgpu.load(l_ref.at[0], layout=layout.reduce(1)),
+                                 plgpu.load(acc_ref.at[0], layout=layout)))
+
+    def group_fold(g, size: int):
+        """Group g's `size` partitions in order, from the empty state."""
+        first = g * fold_group
+        base = bh * parts + first
+        specs = [plgpu.BlockSpec((1, BM), lambda c: (base + c, r)),
+                 plgpu.BlockSpec((1, BM), lambda c: (base + c, r)),
+                 plgpu.BlockSpec((1, BM, head_dim), lambda c: (base + c, r, 0))]
+        return plgpu.emit_pipeline(step, grid=(size,), in_specs=specs,
+                                   max_concurrent_steps=min(size, 2), init_carry=empty())(
+            m_gmem, l_gmem, acc_gmem)
+
+    full, tail = divmod(parts, fold_group)
+    total = lax.fori_loop(0, full, lambda g, total: _fold_one(total, group_fold(g, fold_group)),
+                          empty())
+    if tail:
+        total = _fold_one(total, group_fold(full, tail))
+    _, denom, acc = total
+    seen = denom > 0.0  # rows that saw no key (padding) output 0, not 0 / 0
+    out = acc / lax.broadcast_in_dim(jnp.where(seen, denom, 1.0), acc.shape, [0])
+    o_smem[...] = jnp.where(lax.broadcast_in_dim(seen, acc.shape, [0]), out,
+                            0.0).astype(o_smem.dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[b, h, pl.ds(r * BM, BM)])
+    plgpu.wait_smem_to_gmem(0)
+
+
+@functools.partial(jax.jit, static_argnames=("dtype", "fold_group", "interpret"))
+def fold_partials(m, denom, acc, *, dtype, fold_group: int = 16, interpret: bool = False):
+    """Split-KV phase 2 on Mosaic GPU: partials m, denom [B, Hkv, parts, Rp], acc [..., Rp,
+    D] (`split_partials`) folded in partition order per row, in two levels past one
+    group of `fold_group` partitions (groups from the empty state in partition order,
+    then the groups in group order: `combine_partials`' order), normalised -> [B, Hkv,
+    Rp, D] in dtype (rows that saw nothing: 0). Partitions no row sees are empty states,
+    which fold as exact no-ops."""
+    batch, num_kv_heads, parts, rows = m.shape
+    head_dim = acc.shape[-1]
+    if rows % BM or fold_group < 1:
+        raise ValueError(f"fold_partials wants rows ({rows}) a multiple of {BM} and "
+                         f"fold_group={fold_group} >= 1")
+    tiles = rows // BM
+    kernel = functools.partial(_fold_kernel, tiles=tiles, num_kv_heads=num_kv_heads,
+                               parts=parts, fold_group=fold_group)
+    return plgpu.kernel(
+        kernel,
+        out_type=jax.ShapeDtypeStruct((batch, num_kv_heads, rows, head_dim), dtype),
+        scratch_types=dict(o_smem=plgpu.SMEM((BM, head_dim), dtype)),
+        grid=(batch * num_kv_heads * tiles,),
+        grid_names=("t",),
+        kernel_name="jspec_mosaic_attention_fold",
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
+    )(m.reshape(-1, rows), denom.reshape(-1, rows), acc.reshape(-1, rows, head_dim))
+
+
 @functools.partial(jax.jit, static_argnames=("scale", "softcap", "split", "interpret"))
 def attention(q, k_cache, v_cache, q_pos, window, *, scale: float,
               softcap: float | None = None, split: int = 128, interpret: bool = False):
-    """`pallas_kernels.attention.attention`'s split-KV path with phase 1 on Mosaic GPU:
-    q [B, T, H, D], k_cache, v_cache [B, Hkv, S, D], q_pos [B, T] (-1: padding, output 0),
-    window [] int32 (0: global) -> [B, T, H, D] in q.dtype. Rows in tiles of BM, the
-    partials folded by `combine_partials` in partition order (the fold is still the
-    Triton lowering's). `split` keys a partition: one model, one split."""
+    """`pallas_kernels.attention.attention`'s split-KV path on Mosaic GPU: q [B, T, H, D],
+    k_cache, v_cache [B, Hkv, S, D], q_pos [B, T] (-1: padding, output 0), window []
+    int32 (0: global) -> [B, T, H, D] in q.dtype. Rows in tiles of BM (`query_rows`'
+    layout), `split_partials` then `fold_partials` (groups of 16 partitions). `split`
+    keys a partition: one model, one split."""
     batch, seq, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     cfg = triton_attention.attention_config(head_dim, num_heads // num_kv_heads, q.dtype,
@@ -224,6 +319,6 @@ def attention(q, k_cache, v_cache, q_pos, window, *, scale: float,
     q_rows, first, last = triton_attention.query_rows(q, q_pos, window, num_kv_heads, cfg)
     m, denom, acc = split_partials(q_rows, k_cache, v_cache, first, last, scale=scale,
                                    softcap=softcap, split=split, interpret=interpret)
-    out = triton_attention.combine_partials(m, denom, acc, first, last, cfg, q.dtype,
-                                            interpret=interpret)
+    out = fold_partials(m, denom, acc, dtype=q.dtype, fold_group=cfg.fold_group,
+                        interpret=interpret)
     return triton_attention.rows_to_heads(out, seq, num_heads)
