@@ -8,7 +8,7 @@
 # e2e_session tree_sweep parity_long parity_long_xla context_bench context_bench_128k
 # e2e_batch moe_cost moe_parity moe_e2e tallsweep serial_split e2e_context profile groupsweep
 # combinesweep routesweep mosaic_attention (default: parity audit kernels spec).
-# - mosaic_attention: tuning/mosaic_attention.py, split-KV phase 1 on Mosaic GPU at the
+# - mosaic_attention: tuning/mosaic_attention.py, split-KV attention on Mosaic GPU at the
 #   Llama-3-8B attention shape, contexts 2K and 8K: each token's bits alone, in verify
 #   blocks of 5 / 17 / 33, in a batch of 8 and a doubled cache of garbage; speed against
 #   the Triton split path at batch 1 / 8, T = 1 / 5 ($MATT_FLAGS, $MATT_S).

@@ -1,8 +1,7 @@
-"""Split-KV attention's phase 1 on Mosaic GPU (pallas_kernels/mosaic/attention.py) on the CPU.
+"""Split-KV attention on Mosaic GPU (pallas_kernels/mosaic/attention.py) on the CPU.
 
-Pallas's GPU interpret mode runs the kernel (TMA copies, both wgmmas through shared
-memory, the register softmax); the partials fold with `combine_partials` (Triton
-interpret mode). Its wgmma is numpy's matmul, which gives a row bits that depend on the
+Pallas's GPU interpret mode runs both kernels (TMA copies, both wgmmas through shared
+memory, the register softmax; the fold's pipeline over partitions). Its wgmma is numpy's matmul, which gives a row bits that depend on the
 row's place among the 64 (tests/test_mosaic.py), so the invariance checks replace it by
 one row at a time, the product every row gets on the hardware: then a token's output is
 bitwise the same alone (a decode step), inside a verify block at another place in its

@@ -1,4 +1,4 @@
-"""Split-KV attention with phase 1 on Mosaic GPU, on the device: bits and speed against Triton.
+"""Split-KV attention on Mosaic GPU, on the device: bits and speed against Triton.
 
   python experiments/tuning/mosaic_attention.py --out=$OUT            # H200, ~1-2 minutes
   python experiments/tuning/mosaic_attention.py --smoke --out=/tmp/r  # CPU, interpret mode

@@ -11,8 +11,8 @@ lowerings may give different bits from each other; each is row-invariant on its 
 So far: the matmul family (`matmul`, `matmul_glu`), the norms (`rmsnorm`,
 `add_rmsnorm`) and RoPE with the q/k norms (`qk_norm_rope`, `rope`), which
 `jspec.KernelOptions.lowering` selects (every other kernel stays on Triton); and split-KV
-attention's phase 1 (`attention.split_partials`, its fold still Triton's), not yet
-selected by a model: the device proves its rows first (`gpu_session.sh mosaic_attention`).
+attention (`attention.split_partials`, `attention.fold_partials`), not yet selected by
+a model: the device proves its rows first (`gpu_session.sh mosaic_attention`).
 """
 
 from pallas_kernels.mosaic.matmul import (
