@@ -1,9 +1,10 @@
 """Split-KV attention on Mosaic GPU (pallas_kernels/mosaic/attention.py) on the CPU.
 
 Pallas's GPU interpret mode runs both kernels (TMA copies, both wgmmas through shared
-memory, the register softmax; the fold's pipeline over partitions). Its wgmma is numpy's matmul, which gives a row bits that depend on the
-row's place among the 64 (tests/test_mosaic.py), so the invariance checks replace it by
-one row at a time, the product every row gets on the hardware: then a token's output is
+memory, the register softmax; the fold's pipeline over partitions). Its wgmma is numpy's
+matmul, which gives a row bits that depend on the row's place among the 64
+(tests/test_mosaic.py), so the invariance checks replace it by one row at a time, the
+product every row gets on the hardware: then a token's output is
 bitwise the same alone (a decode step), inside a verify block at another place in its
 tile, beside another batch row, in a larger cache and over other garbage past its
 position. The H200 proves the hardware's rows (`gpu_session.sh mosaic_attention`).

@@ -15,8 +15,9 @@ the head dimension, the wgmma's own fixed k16 order); the scale, the mask by `wh
 accumulator's register layout, whose reduction order is set by the layout, i.e. by the
 tile shape only; P is rounded to the value dtype, stored to shared memory, and P @ V is a
 second wgmma over the block's keys into an f32 accumulator, then alpha * acc + P @ V as
-in `_online_softmax`. V rows past the tile's last key are zeroed before that wgmma, so
-garbage there (rejected drafts) contributes exact zeros. Nothing is reduced across rows
+in `_online_softmax`. V rows past the tile's last key are zeroed in shared memory before
+that wgmma (only the block holding the tile's last key has them), so garbage there
+(rejected drafts) contributes exact zeros. Nothing is reduced across rows
 and there are no atomics (R2); the grid, the block range and the row padding depend on
 T and the other rows, never a row's arithmetic: a block a row cannot see leaves its
 state bit-identical (the module docstring of `attention.py`).
@@ -61,7 +62,7 @@ def _transforms(dtype) -> tuple:
 
 
 def _kernel(q_gmem, k_gmem, v_gmem, first_gmem, last_gmem, span_gmem, m_gmem, l_gmem,
-            acc_gmem, q_smem, k_smem, v_smem, vz_smem, p_smem, first_smem, last_smem,
+            acc_gmem, q_smem, k_smem, v_smem, p_smem, first_smem, last_smem,
             span_smem, m_smem, l_smem, acc_smem, bar, kv_bar, *, scale: float,
             softcap: float | None, split: int, tiles: int, num_kv_heads: int, blocks: int):
     # q_gmem [B, Hkv, Rp, D]; k_gmem, v_gmem [B, Hkv, S, D]; first/last_gmem [B, Rp];
@@ -113,14 +114,20 @@ def _kernel(q_gmem, k_gmem, v_gmem, first_gmem, last_gmem, span_gmem, m_gmem, l_
         p = jnp.where(mask, jnp.exp(s - lax.broadcast_in_dim(m_safe, (BM, BK), [0])), 0.0)
         denom_new = alpha * denom + p.sum(axis=1)
         p_smem[...] = p.astype(p_smem.dtype)
-        # V rows past the tile's last key: exact zeros (garbage there times 0 could be NaN).
-        key_v = start + plgpu.broadcasted_iota(jnp.int32, (BK, head_dim), 0, layout=layout)
-        v = plgpu.load(v_smem.at[...], layout=layout)
-        vz_smem[...] = jnp.where(key_v <= last_key, v, jnp.zeros_like(v))
+
+        # V rows past the tile's last key: exact zeros (garbage there times 0 could be
+        # NaN), rewritten in place in the one block that has them.
+        @pl.when(start + BK - 1 > last_key)
+        def _zero_tail():
+            key_v = start + plgpu.broadcasted_iota(jnp.int32, (BK, head_dim), 0,
+                                                   layout=layout)
+            v = plgpu.load(v_smem.at[...], layout=layout)
+            v_smem[...] = jnp.where(key_v <= last_key, v, jnp.zeros_like(v))
+
         plgpu.commit_smem()
 
         def pv(acc_ref):
-            plgpu.wgmma(acc_ref, p_smem, vz_smem)
+            plgpu.wgmma(acc_ref, p_smem, v_smem)
             return acc_ref[...]
 
         acc_pv = pl.run_scoped(pv, plgpu.ACC((BM, head_dim), jnp.float32))
@@ -194,7 +201,6 @@ def split_partials(q_rows, k_cache, v_cache, first, last, *, scale: float,
             q_smem=plgpu.SMEM((BM, head_dim), dt, transforms=tr),
             k_smem=plgpu.SMEM((BK, head_dim), dt, transforms=tr),
             v_smem=plgpu.SMEM((BK, head_dim), dt, transforms=tr),
-            vz_smem=plgpu.SMEM((BK, head_dim), dt, transforms=tr),
             p_smem=plgpu.SMEM((BM, BK), dt, transforms=tr),
             first_smem=plgpu.SMEM((BM,), jnp.int32),
             last_smem=plgpu.SMEM((BM,), jnp.int32),
