@@ -153,6 +153,9 @@ def test_fused_fold_gives_the_two_kernels_bits(case):
         with_options(model, attn_fused_fold=2)
 
 
+@pytest.mark.parametrize("case", [("tiny-qwen3", None),
+                                  pytest.param(("gemma3", None), marks=pytest.mark.slow)],
+                         indirect=True, ids=("tiny-qwen3", "gemma3"))
 def test_skip_empty_gives_the_default_bits(case):
     # attn_skip_empty: no partial written for a partition a row tile cannot see (the
     # fold never reads one): the same logits, one launch and two kernels, in a ragged

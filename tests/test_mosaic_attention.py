@@ -80,17 +80,17 @@ def test_a_tokens_bits_do_not_depend_on_its_block_batch_cache_or_garbage(
 
 
 def test_the_fold_is_combine_partials_on_the_cpu():
-    # 40 partitions of 64 keys (three fold groups): the Mosaic fold and the Triton fold
-    # run the same XLA arithmetic in interpret mode, so the same bits; rows at depth 2000
-    # and 900 fold in two levels, a padding token outputs zeros.
+    # 18 partitions of 64 keys (fold groups of 16 and 2): the Mosaic fold and the Triton
+    # fold run the same XLA arithmetic in interpret mode, so the same bits; rows at depth
+    # 1100 fold in two levels, at 600 in one; a padding token outputs zeros.
     import dataclasses
 
     from pallas_kernels.attention import combine_partials, query_rows
     from pallas_kernels.mosaic.attention import fold_partials
 
-    k, v = _cache(2, 64 * 40)
+    k, v = _cache(2, 64 * 18)
     cfg = dataclasses.replace(_cfg(), split=64, fold_group=16)
-    rows, first, last = query_rows(_q(2, 3), jnp.asarray([[2000, 2001, 2002], [900, 901, -1]],
+    rows, first, last = query_rows(_q(2, 3), jnp.asarray([[1100, 1101, 1102], [600, 601, -1]],
                                                         jnp.int32), jnp.int32(0), HKV, cfg)
     parts = split_partials(rows, k, v, first, last, scale=SCALE, split=64, interpret=True)
     ours = fold_partials(*parts, dtype=jnp.bfloat16, fold_group=16, interpret=True)
