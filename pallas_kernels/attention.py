@@ -91,9 +91,12 @@ class AttentionConfig:
     fold_group: int = 16
     # Split-KV for calls of many row tiles (prefill chunks) without partials in memory
     # (`_serial_split_kernel`): one program runs `serial_subtiles` row tiles over every
-    # partition, each K/V block loaded once for them all. Used when a call has at least
-    # `serial_split_tiles` row tiles a kv head and batch (0: never, until the device has
-    # shown its bits equal the two kernels'); `serial_split=` overrides per call.
+    # partition, each K/V block loaded once for them all. Used when one sequence of a
+    # call has at least `serial_split_tiles` row tiles a kv head (a prefill chunk; never
+    # a step or a verify block of a chain: 33 tokens of 8 query heads a kv head are 17
+    # tiles), whatever the batch; 0: never. The same bits as the two kernels' (proven on
+    # the GPU); XLA on the CPU contracts the in-register fold otherwise, so interpret
+    # mode never takes it by default. `serial_split=` overrides per call.
     serial_subtiles: int = 2
     serial_split_tiles: int = 0
     # Split-KV phase 1 writes no partial for a partition its row tile cannot see (True),
@@ -130,8 +133,11 @@ def attention_config(
     # head), a serial loop over every key block (a Qwen3-8B decode step at 512 keys: 8
     # programs); 128-key partitions run 2 blocks each, which measured fastest at batch 1
     # and 8 (docs/tuning.md).
+    # Prefill chunks (32 or more split row tiles a sequence and kv head: 512 query rows)
+    # run split-KV without partials in memory: at 32K and 128K the two kernels write
+    # 16-row tiles' f32 partials for every partition and each tile reads the whole K/V.
     return AttentionConfig(block_k=64, block_rows=block_rows, num_warps=4,
-                           num_stages=num_stages, split=128)
+                           num_stages=num_stages, split=128, serial_split_tiles=32)
 
 
 def _dot(a: jax.Array, b: jax.Array, *, contract_b: int) -> jax.Array:
@@ -807,7 +813,7 @@ def attention_rows_counted(q_rows, k_cache, v_cache, first, last, cfg: Attention
     if cfg.split:
         tiles = batch * (padded_rows // block_rows)
         if serial_split is None:
-            serial_split = 0 < cfg.serial_split_tiles <= tiles
+            serial_split = 0 < cfg.serial_split_tiles <= padded_rows // block_rows
         if serial_split:
             return _serial_split_attention(q_rows, k_cache, v_cache, first, last, cfg,
                                            scale=float(scale), softcap=softcap,

@@ -158,6 +158,29 @@ def test_serial_split_lowers_for_the_h200():
     assert "jspec_attention_split" not in text.replace("jspec_attention_serial_split", "")
 
 
+@pytest.mark.parametrize("batch,tokens,heads,serial", [
+    (1, 2048, 32, True),  # a prefill chunk: 8,192 rows a kv head, 512 row tiles
+    (1, 128, 32, True),  # 512 rows: 32 tiles, the threshold
+    (1, 64, 32, False),  # 256 rows: 16 tiles
+    (1, 33, 64, False),  # a chain's verify, 8 heads a kv head: 17 tiles
+    (64, 5, 32, False),  # batch 64 x 5 tokens: 128 tiles in all, 2 a sequence
+])
+def test_the_gpu_default_takes_the_serial_split_for_prefill_chunks_only(
+        batch, tokens, heads, serial):
+    # `serial_split_tiles` counts one sequence's row tiles a kv head, never the batch's:
+    # prefill chunks keep no partials in memory; steps and verify blocks run the two
+    # kernels (or the one launch). The same bits either way (the device's proof).
+    from pallas_kernels.attention import attention
+
+    q = jax.ShapeDtypeStruct((batch, tokens, heads, 128), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((batch, 8, 4096, 128), jnp.bfloat16)
+    pos = jax.ShapeDtypeStruct((batch, tokens), jnp.int32)
+    text = _lower(functools.partial(attention, scale=1.0), q, kv, kv, pos, jnp.int32(0))
+    names = set(re.findall(r'name = "(jspec_attention[a-z_]*)"', text))
+    two = {"jspec_attention_split", "jspec_attention_combine", "jspec_attention_group_fold"}
+    assert names == ({"jspec_attention_serial_split"} if serial else two), names
+
+
 @pytest.mark.parametrize("tokens,fused,kernel", [
     (1, True, "jspec_attention_fused"), (2048, False, "jspec_attention_split")])
 def test_skip_empty_lowers_for_the_h200(tokens, fused, kernel):
@@ -168,7 +191,8 @@ def test_skip_empty_lowers_for_the_h200(tokens, fused, kernel):
     q = jax.ShapeDtypeStruct((1, tokens, 32, 128), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((1, 8, 8192, 128), jnp.bfloat16)
     pos = jax.ShapeDtypeStruct((1, tokens), jnp.int32)
-    fn = functools.partial(attention, scale=1.0, fused_fold=fused, skip_empty=True)
+    fn = functools.partial(attention, scale=1.0, fused_fold=fused, serial_split=False,
+                           skip_empty=True)
     text = _lower(fn, q, kv, kv, pos, jnp.int32(0))
     assert f'name = "{kernel}"' in text
 
