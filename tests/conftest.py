@@ -8,12 +8,9 @@ import os
 # programs that run once or twice each. LLVM's optimisation level 0 compiles them ~25%
 # faster (2026-11-30m); it changes how fast the CPU code runs, not IEEE semantics (no
 # fast-math), and every comparison in the suite is between programs compiled alike.
-# Leaving out LLVM's expensive passes (the same semantics) takes ~25% more off a
-# compile-bound test (2026-12-03: a split-KV schedule test 55.6 -> 42.5 s).
 # Set before jax starts its CPU backend; the caller's own XLA_FLAGS follow, so theirs win.
 os.environ["XLA_FLAGS"] = " ".join(
-    f for f in ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true",
-                os.environ.get("XLA_FLAGS", "")) if f)
+    f for f in ("--xla_backend_optimization_level=0", os.environ.get("XLA_FLAGS", "")) if f)
 
 # Many files, and the command-line smokes' subprocesses, compile the same programs (a
 # tiny model's forward at the same shapes). One persistent compilation cache per run,
