@@ -49,13 +49,6 @@ from pallas_kernels.moe import (
     route,
     route_kernel,
 )
-from pallas_kernels.mosaic import matmul as mosaic_matmul
-from pallas_kernels.mosaic import matmul_glu as mosaic_matmul_glu
-from pallas_kernels.mosaic.norms import add_rmsnorm as mosaic_add_rmsnorm
-from pallas_kernels.mosaic.norms import rmsnorm as mosaic_rmsnorm
-from pallas_kernels.mosaic.qk_rope import qk_norm_rope as mosaic_qk_norm_rope
-from pallas_kernels.mosaic.qk_rope import rope as mosaic_rope
-from pallas_kernels.mosaic.qk_rope import takes as mosaic_takes_head
 from pallas_kernels.qk_rope import qk_norm_rope, qk_norm_rope_reference
 from pallas_kernels.rmsnorm import rmsnorm, rmsnorm_reference
 from pallas_kernels.rope import rope, rope_reference
@@ -158,6 +151,7 @@ def _fenced(fn: Callable) -> Callable:
 def _by_head_dim(mosaic: Callable, triton: Callable) -> Callable:
     """RoPE / q-k norm + RoPE on Mosaic GPU for the head counts and sizes it takes, else
     Triton."""
+    from pallas_kernels.mosaic.qk_rope import takes as mosaic_takes_head
 
     @functools.wraps(mosaic)
     def run(x, *args, **kwargs):
@@ -197,6 +191,16 @@ def get_ops(backend: str, interpret: bool = False, lowering: str = "triton") -> 
         if lowering not in ("triton", "mosaic"):
             raise ValueError(f"{lowering=}; expected 'triton' or 'mosaic'")
         mosaic = lowering == "mosaic"
+        if mosaic:  # imported here: Mosaic GPU's modules take ~1.6 s to import
+            from pallas_kernels.mosaic import matmul as mosaic_matmul
+            from pallas_kernels.mosaic import matmul_glu as mosaic_matmul_glu
+            from pallas_kernels.mosaic.norms import add_rmsnorm as mosaic_add_rmsnorm
+            from pallas_kernels.mosaic.norms import rmsnorm as mosaic_rmsnorm
+            from pallas_kernels.mosaic.qk_rope import qk_norm_rope as mosaic_qk_norm_rope
+            from pallas_kernels.mosaic.qk_rope import rope as mosaic_rope
+        else:
+            mosaic_matmul = mosaic_matmul_glu = mosaic_add_rmsnorm = mosaic_rmsnorm = None
+            mosaic_qk_norm_rope = mosaic_rope = None
         return Ops(
             matmul=p(mosaic_matmul if mosaic else matmul, interpret=interpret),
             matmul_partials=p(matmul_partials, interpret=interpret),

@@ -153,7 +153,10 @@ def test_fused_fold_gives_the_two_kernels_bits(case):
         with_options(model, attn_fused_fold=2)
 
 
-@pytest.mark.parametrize("case", [("tiny-qwen3", None),
+# Slow: the kernel's bits with and without skip_empty are the default run's
+# (tests/test_kernel_attention.py::test_skip_empty_writes_no_partial_and_keeps_the_bits);
+# these are the same property through a whole model.
+@pytest.mark.parametrize("case", [pytest.param(("tiny-qwen3", None), marks=pytest.mark.slow),
                                   pytest.param(("gemma3", None), marks=pytest.mark.slow)],
                          indirect=True, ids=("tiny-qwen3", "gemma3"))
 def test_skip_empty_gives_the_default_bits(case):

@@ -92,21 +92,28 @@ def test_draft_options_auto_leave_the_latency_kernels_to_gpus():
     assert draft_options_for(draft, "gpu") == DraftOptions.latency()
 
 
+_SPEC = ("speculative_decode.py", f"--config={ROOT}/configs/speculative.py:runlocal")
+_GEN = ("generate.py", f"--config={ROOT}/configs/generate.py:runlocal")
+
+
 def test_cli_errors_are_one_line(tmp_path):
-    spec = ("speculative_decode.py", f"--config={ROOT}/configs/speculative.py:runlocal")
-    gen = ("generate.py", f"--config={ROOT}/configs/generate.py:runlocal")
-    # A misspelled config key (ml_collections raises it while absl parses the flags).
-    _one_line_error(_run(*spec, "--config.gama=2"), "--config.gama", 'did you mean "gamma"')
-    _one_line_error(_run(*gen, f"--config.checkpoint={tmp_path}/missing"),
+    # A misspelled config key (ml_collections raises it while absl parses the flags), a
+    # checkpoint that is not one, a bad line of a prompts file.
+    _one_line_error(_run(*_SPEC, "--config.gama=2"), "--config.gama", 'did you mean "gamma"')
+    _one_line_error(_run(*_GEN, f"--config.checkpoint={tmp_path}/missing"),
                     "missing: not a checkpoint directory")
-    _one_line_error(_run(*spec, "--config.gamma=100"), "MAX_GAMMA")
-    _one_line_error(_run(*gen, f"--config.prompts={tmp_path}/missing.txt"), "does not exist")
     (tmp_path / "bad.jsonl").write_text('{"prompt": "a"}\n{"text": 1}\n')
-    _one_line_error(_run(*gen, f"--config.prompts={tmp_path}/bad.jsonl"), "bad.jsonl:2")
-    _one_line_error(_run(*gen, "--config.chat=True"), "no chat template")  # the code pair
+    _one_line_error(_run(*_GEN, f"--config.prompts={tmp_path}/bad.jsonl"), "bad.jsonl:2")
     # --debug shows the traceback instead.
-    r = _run(*gen, f"--config.checkpoint={tmp_path}/missing", "--debug")
+    r = _run(*_GEN, f"--config.checkpoint={tmp_path}/missing", "--debug")
     assert r.returncode != 0 and "Traceback" in r.stderr and "CheckpointError" in r.stderr
+
+
+@pytest.mark.slow  # further mistakes through the same one-line path
+def test_more_cli_errors_are_one_line(tmp_path):
+    _one_line_error(_run(*_SPEC, "--config.gamma=100"), "MAX_GAMMA")
+    _one_line_error(_run(*_GEN, f"--config.prompts={tmp_path}/missing.txt"), "does not exist")
+    _one_line_error(_run(*_GEN, "--config.chat=True"), "no chat template")  # the code pair
 
 
 def test_parity_audit_checks_its_flags_before_loading(tmp_path):

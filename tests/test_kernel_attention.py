@@ -197,7 +197,9 @@ def test_gpu_config_interpreted(split):
     np.testing.assert_allclose(out, ref, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("window,fold_group", [(0, 16), (37, 16), (37, 3)])
+@pytest.mark.parametrize("window,fold_group", [  # (37, 3): a window and two fold levels
+    pytest.param(0, 16, marks=pytest.mark.slow), pytest.param(37, 16, marks=pytest.mark.slow),
+    (37, 3)])
 def test_split_fold_steps_at_any_partition_range(window, fold_group):
     """The split-KV fold runs in steps of FOLD_UNROLL partitions aligned at 0: with 16-key
     partitions over a 256-key cache (16 partitions), rows whose visible partitions

@@ -105,7 +105,7 @@ def _rows(model, rng, n_nodes, prefix_lens):
 
 
 @pytest.mark.parametrize("name", ["qwen3", pytest.param("llama3", marks=pytest.mark.slow),
-                                  "gemma3"])
+                                  pytest.param("gemma3", marks=pytest.mark.slow)])
 def test_tree_nodes_equal_serial_decoding_bitwise(name):
     model = load(name, "pallas", "bfloat16")
     rng = np.random.default_rng(5)
