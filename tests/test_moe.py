@@ -46,6 +46,7 @@ def test_pallas_prefill_steps_and_verify_blocks_are_bitwise_equal(name):
     assert parity.count_mismatches(got, ref) == (0, None)
 
 
+@pytest.mark.slow  # the kernel is tile_layout: test_moe_kernels.py, by default
 def test_the_layout_kernel_gives_the_default_bits():
     """`moe_layout_kernel`: blocks of up to 16 slots lay their rows out in one kernel (the
     same integers), so one-token steps and verify blocks give the default's logits bits;
@@ -63,6 +64,7 @@ def test_the_layout_kernel_gives_the_default_bits():
         jspec.with_options(model, moe_layout_kernel=1)
 
 
+@pytest.mark.slow  # opt-in; its rows and order: test_moe_kernels.py's combine tests, by default
 def test_the_combine_kernel_keeps_property_p():
     """`moe_combine_kernel` (its own bits): serial steps, verify blocks and
     the prefill give the same logits as one prefill with it, with the layout kernel beside

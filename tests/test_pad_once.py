@@ -55,9 +55,11 @@ def test_pad_once_removes_pad_and_slice_ops(case):
 
 
 # fuse_add_norm is ignored with Gemma 3's sandwich norms: Gemma 3 with it on repeats the
-# case without it, and runs in the slow run only.
+# case without it, and runs in the slow run only. Gemma 3 with pad_rows_once is in the
+# default run through test_qk_rope.py::test_all_speed_options_together_equal_default.
 @pytest.mark.parametrize("case,fuse", [
-    ("gemma3", False), pytest.param("gemma3", True, marks=pytest.mark.slow),
+    pytest.param("gemma3", False, marks=pytest.mark.slow),
+    pytest.param("gemma3", True, marks=pytest.mark.slow),
     pytest.param("tiny-qwen3", False, marks=pytest.mark.slow), ("tiny-qwen3", True)],
     indirect=["case"])
 def test_pad_once_logits_equal_default_logits(case, fuse):

@@ -59,9 +59,10 @@ def test_pallas_logits_are_schedule_invariant(name, dtype):
     assert all(n == 0 for n, _ in found.values()), found
 
 
-# Gemma 3 (windows, softcap) by default; the hypothesis batch-mix test covers every family.
-@pytest.mark.parametrize("name", [n if n == "gemma3" else pytest.param(n, marks=pytest.mark.slow)
-                                  for n in FAMILIES])
+# Slow: the default run proves a row alone equals the row in a ragged batch with the
+# hypothesis batch-mix test (tests/test_property.py, every family) and on Gemma 3 with
+# split-KV (tests/test_attn_split.py); these are further cases with one-pass attention.
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) for n in FAMILIES])
 def test_pallas_row_alone_equals_row_in_ragged_batch(name):
     model = load(name, "pallas", "bfloat16")
     seq = _seq(name)

@@ -73,6 +73,7 @@ def test_matmul_glu_row_group_is_bitwise_the_grid_kernel(m):
         assert np.array_equal(bits(got), bits(base)), (m, g)
 
 
+@pytest.mark.slow  # the kernels' bits with any row group: the tests above, by default
 def test_model_with_row_groups_gives_the_same_logits():
     model, seq = model_and_tokens("tiny-qwen3", 60, seed=7)
     assert model.options.matmul_row_group == 4  # the default
