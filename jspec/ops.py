@@ -190,29 +190,15 @@ def get_ops(backend: str, interpret: bool = False, lowering: str = "triton") -> 
 
         if lowering not in ("triton", "mosaic"):
             raise ValueError(f"{lowering=}; expected 'triton' or 'mosaic'")
-        mosaic = lowering == "mosaic"
-        if mosaic:  # imported here: Mosaic GPU's modules take ~1.6 s to import
-            from pallas_kernels.mosaic import matmul as mosaic_matmul
-            from pallas_kernels.mosaic import matmul_glu as mosaic_matmul_glu
-            from pallas_kernels.mosaic.norms import add_rmsnorm as mosaic_add_rmsnorm
-            from pallas_kernels.mosaic.norms import rmsnorm as mosaic_rmsnorm
-            from pallas_kernels.mosaic.qk_rope import qk_norm_rope as mosaic_qk_norm_rope
-            from pallas_kernels.mosaic.qk_rope import rope as mosaic_rope
-        else:
-            mosaic_matmul = mosaic_matmul_glu = mosaic_add_rmsnorm = mosaic_rmsnorm = None
-            mosaic_qk_norm_rope = mosaic_rope = None
-        return Ops(
-            matmul=p(mosaic_matmul if mosaic else matmul, interpret=interpret),
+        ops = Ops(
+            matmul=p(matmul, interpret=interpret),
             matmul_partials=p(matmul_partials, interpret=interpret),
-            rmsnorm=p(mosaic_rmsnorm if mosaic else rmsnorm, interpret=interpret),
-            add_norm=p(mosaic_add_rmsnorm if mosaic else add_rmsnorm, interpret=interpret),
-            rope=_by_head_dim(p(mosaic_rope, interpret), p(rope, interpret)) if mosaic
-            else p(rope, interpret=interpret),
-            qk_norm_rope=_by_head_dim(p(mosaic_qk_norm_rope, interpret),
-                                      p(qk_norm_rope, interpret)) if mosaic
-            else p(qk_norm_rope, interpret=interpret),
+            rmsnorm=p(rmsnorm, interpret=interpret),
+            add_norm=p(add_rmsnorm, interpret=interpret),
+            rope=p(rope, interpret=interpret),
+            qk_norm_rope=p(qk_norm_rope, interpret=interpret),
             glu=p(glu, interpret=interpret),
-            matmul_glu=p(mosaic_matmul_glu if mosaic else matmul_glu, interpret=interpret),
+            matmul_glu=p(matmul_glu, interpret=interpret),
             softcap=p(softcap, interpret=interpret),
             logsumexp=p(logsumexp, interpret=interpret),
             attention=p(attention, interpret=interpret),
@@ -223,6 +209,25 @@ def get_ops(backend: str, interpret: bool = False, lowering: str = "triton") -> 
             grouped_mlp=p(grouped_mlp, interpret=interpret),
             grouped_mlp_combine=p(grouped_mlp_combine, interpret=interpret),
             route=p(route_kernel, interpret=interpret),
+        )
+        if lowering == "triton":
+            return ops
+        # Mosaic GPU for the matmuls, norms and RoPE; imported here, as its modules take
+        # ~1.6 s to import.
+        from pallas_kernels.mosaic import matmul as mosaic_matmul
+        from pallas_kernels.mosaic import matmul_glu as mosaic_matmul_glu
+        from pallas_kernels.mosaic.norms import add_rmsnorm as mosaic_add_rmsnorm
+        from pallas_kernels.mosaic.norms import rmsnorm as mosaic_rmsnorm
+        from pallas_kernels.mosaic.qk_rope import qk_norm_rope as mosaic_qk_norm_rope
+        from pallas_kernels.mosaic.qk_rope import rope as mosaic_rope
+
+        return ops._replace(
+            matmul=p(mosaic_matmul, interpret=interpret),
+            rmsnorm=p(mosaic_rmsnorm, interpret=interpret),
+            add_norm=p(mosaic_add_rmsnorm, interpret=interpret),
+            rope=_by_head_dim(p(mosaic_rope, interpret), ops.rope),
+            qk_norm_rope=_by_head_dim(p(mosaic_qk_norm_rope, interpret), ops.qk_norm_rope),
+            matmul_glu=p(mosaic_matmul_glu, interpret=interpret),
         )
     raise ValueError(f"{backend=}; expected 'xla' or 'pallas'")
 

@@ -59,7 +59,7 @@ class KernelOptions:
         loads (True; for prefill chunks), or writes them for a fold (False), or by the
         call's row tiles (None: the kernel's rule: on a GPU, calls with 32 or more
         row tiles a sequence and kv head, i.e. prefill chunks; never in interpret mode).
-        The same partials and fold order, so the same bits (proven on the H200).
+        The same partials and fold order, so the same bits (docs/tuning.md).
       attn_skip_empty: pallas: split-KV writes no partial for a partition a row tile
         cannot see (True), or writes the empty state there (False or None: the default
         until the device has shown it). The fold reads only the partitions a tile sees,

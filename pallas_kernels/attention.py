@@ -94,9 +94,9 @@ class AttentionConfig:
     # partition, each K/V block loaded once for them all. Used when one sequence of a
     # call has at least `serial_split_tiles` row tiles a kv head (a prefill chunk; never
     # a step or a verify block of a chain: 33 tokens of 8 query heads a kv head are 17
-    # tiles), whatever the batch; 0: never. The same bits as the two kernels' (proven on
-    # the GPU); XLA on the CPU contracts the in-register fold otherwise, so interpret
-    # mode never takes it by default. `serial_split=` overrides per call.
+    # tiles), whatever the batch; 0: never. The same bits as the two kernels'
+    # (docs/tuning.md); XLA on the CPU contracts the in-register fold otherwise, so
+    # interpret mode never takes it by default. `serial_split=` overrides per call.
     serial_subtiles: int = 2
     serial_split_tiles: int = 0
     # Split-KV phase 1 writes no partial for a partition its row tile cannot see (True),
@@ -811,9 +811,10 @@ def attention_rows_counted(q_rows, k_cache, v_cache, first, last, cfg: Attention
     batch, _, padded_rows, _ = q_rows.shape
     block_rows = cfg.split_rows if cfg.split else cfg.block_rows
     if cfg.split:
-        tiles = batch * (padded_rows // block_rows)
+        seq_tiles = padded_rows // block_rows  # one sequence's row tiles a kv head
+        tiles = batch * seq_tiles
         if serial_split is None:
-            serial_split = 0 < cfg.serial_split_tiles <= padded_rows // block_rows
+            serial_split = 0 < cfg.serial_split_tiles <= seq_tiles
         if serial_split:
             return _serial_split_attention(q_rows, k_cache, v_cache, first, last, cfg,
                                            scale=float(scale), softcap=softcap,

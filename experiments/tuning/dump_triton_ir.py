@@ -1,8 +1,8 @@
 """The Triton IR of every Pallas kernel in a set of forwards, lowered for the H200 on a CPU.
 
-  PYTHONPATH=$PWD python experiments/tuning/dump_triton_ir.py --out=/tmp/ir_before
+  python experiments/tuning/dump_triton_ir.py --out=/tmp/ir_before
   # ... change the code ...
-  PYTHONPATH=$PWD python experiments/tuning/dump_triton_ir.py --out=/tmp/ir_after
+  python experiments/tuning/dump_triton_ir.py --out=/tmp/ir_after
   diff /tmp/ir_before/hashes.txt /tmp/ir_after/hashes.txt   # nothing: same device code
 
 A change that leaves every kernel's Triton IR byte-identical (locations stripped) leaves
