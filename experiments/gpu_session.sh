@@ -6,7 +6,7 @@
 # kernels_fused spec sweep tuned e2e e2e_b1 e2e_b8 e2e_peers e2e_draftpallas e2e_decompose train pair
 # pair_eval schedsweep attnsweep train_head parity_trees kernels_trees main pair_head
 # e2e_session tree_sweep parity_long parity_long_xla context_bench context_bench_128k
-# e2e_batch moe_cost moe_parity moe_e2e tallsweep serial_split e2e_context profile groupsweep
+# e2e_batch moe_cost moe_parity moe_e2e tallsweep prefillsweep serial_split e2e_context profile groupsweep
 # combinesweep routesweep mosaic_attention (default: parity audit kernels spec).
 # - mosaic_attention: tuning/mosaic_attention.py, split-KV attention on Mosaic GPU at the
 #   Llama-3-8B attention shape, contexts 2K and 8K: each token's bits alone, in verify
@@ -65,7 +65,11 @@
 #   rows (verify blocks at batch 32-64, prefill chunks), merged into the device copy's
 #   pallas_kernels/matmul_tuned.json (a copy comes back in $OUT) so the lane's later steps
 #   (parity first) run with them; commit the file once the matrix has proven it.
-#   $TALL_SHAPES picks the weights (default all five).
+#   $TALL_SHAPES picks the weights (default all five); $TALL_BK adds K tiles to the grid
+#   (e.g. 64,128: bk is scheduling on the GPU, the sweep checks the bits).
+# - prefillsweep: sweep_schedule.py --prefill, the compute-bound tiles of launches of more
+#   than 1,024 rows (prefill chunks), bits at M = 1, 40, 160, 2048, time at 2048 and 8192,
+#   merged like tallsweep's ($PREFILL_SHAPES, default the four weights a prefill runs).
 # - sweep: tuning/sweep_matmul.py, the matmul tile tuning; it writes
 #   $OUT/sweep_matmul[_tag]_tuned.json, and `tuned` merges those tables into the device copy's
 #   pallas_kernels/matmul_tuned.json, so the lane's later steps run with it (commit the
@@ -284,7 +288,12 @@ for s in $steps; do
               | grep -v "it/s" | tail -12 ;;
     tallsweep) timeout "${TALL_S:-330}" python3 experiments/tuning/sweep_schedule.py --tall \
               --shapes="${TALL_SHAPES:-w_gate_up:glu,w_down,lm_head,wqkv,wo}" --iters=3 \
-              --budget_s="$(( ${TALL_S:-330} - 60 ))" --out="$OUT" \
+              --bk="${TALL_BK:-}" --budget_s="$(( ${TALL_S:-330} - 60 ))" --out="$OUT" \
+              --write=pallas_kernels/matmul_tuned.json 2>&1 | quiet | grep -v "it/s" | tail -14
+              cp pallas_kernels/matmul_tuned.json "$OUT/" ;;
+    prefillsweep) timeout "${PREFILL_SWEEP_S:-300}" python3 experiments/tuning/sweep_schedule.py \
+              --prefill --shapes="${PREFILL_SHAPES:-w_gate_up:glu,w_down,wqkv,wo}" --iters=3 \
+              --budget_s="$(( ${PREFILL_SWEEP_S:-300} - 60 ))" --out="$OUT" \
               --write=pallas_kernels/matmul_tuned.json 2>&1 | quiet | grep -v "it/s" | tail -14
               cp pallas_kernels/matmul_tuned.json "$OUT/" ;;
     attnsweep) timeout "${ATTN_SWEEP_S:-300}" python3 experiments/tuning/sweep_attention.py --out="$OUT" \

@@ -36,8 +36,11 @@ programs of at most `row_group` tiles (`row_group_size`; 1 row tile: the grid
 kernel itself); tiles of the last program past the rows are masked.
 
 Schedules (`schedule=True`): a launch of more than one row tile may take other bm, bn,
-warps and stages than the config (`MULTI_TILE`; above `TALL_ROWS` rows, `TALL_TILE`), never
-another bk or split_k, so the same bits; the sweeps check every variant on the device.
+warps, stages and (on the GPU) bk than the config (`MULTI_TILE`; above `TALL_ROWS` rows,
+`TALL_TILE`; above `PREFILL_ROWS` rows, `PREFILL_TILE` or `prefill_rule`), never another
+split_k, so the same bits; the sweeps check every variant on the device. bk is scheduling
+on the GPU only (see SCHEDULE_FIELDS): Triton accumulates each block's dot into the running
+sum, so the K order is the same chain of tensor-core steps whatever bk is.
 """
 
 from __future__ import annotations
@@ -90,7 +93,15 @@ class MatmulConfig:
 # writes a new table in the file's "tuned" format, checking each winner's bits for row
 # invariance on the device.
 TUNED_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "matmul_tuned.json")
-SCHEDULE_FIELDS = ("bm", "bn", "num_warps", "num_stages")  # the only fields MULTI_TILE may set
+# The only fields a schedule may set. bk is one of them because on the GPU it does not
+# set bits: the Triton IR of the K loop is `acc + dot(x_blk, w_blk, 0)` with the dot used
+# once, which Triton's combine pass folds into `dot(x_blk, w_blk, acc)`, so a row's K sum
+# is one chain of tensor-core k-steps from k = 0 upward whatever the K tile is
+# (tests/test_gpu_lowering.py checks that form; `sweep_schedule.py` checks the bits on the
+# device). In interpret mode (XLA on the CPU) each block's dot is summed first, so bk sets
+# bits there, and interpret mode never schedules. A schedule's bk must divide K, as the
+# config's does (the same zero padding: none), and split-K configs keep their bk.
+SCHEDULE_FIELDS = ("bm", "bn", "bk", "num_warps", "num_stages")
 
 
 def tuned_to_json(table: dict[tuple[int, int, str], MatmulConfig]) -> list[dict]:
@@ -148,7 +159,8 @@ def write_tuned_rows(rows: list[dict], path: str = TUNED_FILE) -> list[dict]:
     renumbered = {k for k, c in new.items()
                   if k in old and (old[k].bk, old[k].split_k) != (c.bk, c.split_k)}
     dropped = []
-    for name in ("multi_tile", "multi_tile_glu", "tall_tile", "tall_tile_glu"):
+    for name in ("multi_tile", "multi_tile_glu", "tall_tile", "tall_tile_glu",
+                 "prefill_tile", "prefill_tile_glu"):
         keep = []
         for r in data.get(name, []):
             key = (int(r["K"]), int(r["N"]), str(r["dtype"]))
@@ -178,13 +190,19 @@ MULTI_TILE: dict[tuple[int, int, str], dict[str, int]] = parse_schedules(
 TALL_ROWS = 64
 TALL_TILE: dict[tuple[int, int, str], dict[str, int]] = parse_schedules(
     _TABLES.get("tall_tile", []), TUNED_FILE)
+# Launches of more than PREFILL_ROWS rows (prefill chunks: B x C rows) are compute-bound:
+# they take these overrides where the weight has one, else `prefill_rule`'s tile
+# (`sweep_schedule.py --prefill` checked their bits at M = 1, 40, 160 and 2048).
+PREFILL_ROWS = 1024
+PREFILL_TILE: dict[tuple[int, int, str], dict[str, int]] = parse_schedules(
+    _TABLES.get("prefill_tile", []), TUNED_FILE)
 
 
 def schedule_tables(path: str = TUNED_FILE) -> dict[str, list[dict]]:
     """The data file's schedule tables as JSON rows (for receipts: which schedules ran)."""
     data = read_tuned_file(path)
     return {k: data.get(k, []) for k in ("multi_tile", "multi_tile_glu", "tall_tile",
-                                         "tall_tile_glu")}
+                                         "tall_tile_glu", "prefill_tile", "prefill_tile_glu")}
 
 
 def default_matmul_config(K: int, N: int, dtype, interpret: bool) -> MatmulConfig:
@@ -321,6 +339,15 @@ def _check_shapes(x: jax.Array, w: jax.Array) -> None:
     check_float("x", x)
 
 
+def check_k_tile(cfg: MatmulConfig, bk: int, K: int) -> None:
+    """ValueError unless a schedule may run cfg's [K, N] weight with K tile bk: the same
+    bk, or (split_k == 1) another that divides K where cfg's does too (no zero padding
+    either way, so the same terms in the same order)."""
+    if bk != cfg.bk and (cfg.split_k != 1 or K % bk or K % cfg.bk):
+        raise ValueError(f"a schedule may change bk only where the config does not split K "
+                         f"and both K tiles divide K={K}; got bk={bk} for {cfg}")
+
+
 def multi_tile_config(cfg: MatmulConfig, K: int, N: int, dtype,
                       table: dict | None = None) -> MatmulConfig:
     """`cfg` with the overrides of a [K, N] weight in `table` (default MULTI_TILE;
@@ -330,7 +357,24 @@ def multi_tile_config(cfg: MatmulConfig, K: int, N: int, dtype,
     if set(over) - set(SCHEDULE_FIELDS):
         raise ValueError(f"multi-tile overrides of {(K, N)} may set only {SCHEDULE_FIELDS}; "
                          f"got {over}")
+    check_k_tile(cfg, over.get("bk", cfg.bk), K)
     return dataclasses.replace(cfg, **over)
+
+
+def prefill_rule(cfg: MatmulConfig, K: int, N: int, cols: int | None = None
+                 ) -> dict[str, int]:
+    """The schedule of a launch of more than PREFILL_ROWS rows where the weight has no
+    PREFILL_TILE entry: 128 x 128 output tiles over 64-wide K steps, 8 warps, 3 stages
+    (a compute-bound GEMM's tile; bn halved until it divides `cols`, default N: the GLU
+    kernel passes F, its halves' width). {} (the tall or multi-tile schedule) where the
+    config splits K or 64 does not divide K."""
+    if cfg.split_k != 1 or K % 64 or K % cfg.bk:
+        return {}
+    cols = N if cols is None else cols
+    bn = 128
+    while cols % bn and bn > 16:
+        bn //= 2
+    return {"bm": 128, "bn": bn, "bk": 64, "num_warps": 8, "num_stages": 3}
 
 
 def scheduled_row_group(base_bm: int, bm: int, row_group: int) -> int:
@@ -340,17 +384,27 @@ def scheduled_row_group(base_bm: int, bm: int, row_group: int) -> int:
 
 
 def scheduled(cfg: MatmulConfig, m: int, K: int, N: int, dtype, row_group: int,
-              table: dict | None = None, tall: dict | None = None
+              table: dict | None = None, tall: dict | None = None,
+              prefill: dict | None = None, cols: int | None = None
               ) -> tuple[MatmulConfig, int]:
     """(config, row_group) of a launch of m rows under the multi-tile schedules: cfg
-    itself when m fits one of cfg's row tiles; the `tall` table's overrides (default
-    TALL_TILE) when m > TALL_ROWS and the weight has an entry there; else the `table`'s
-    (default MULTI_TILE). Scheduling fields only: the bits are cfg's whatever m is."""
+    itself when m fits one of cfg's row tiles; when m > PREFILL_ROWS the `prefill`
+    table's overrides (default PREFILL_TILE) or else `prefill_rule`'s; when m > TALL_ROWS
+    the `tall` table's (default TALL_TILE) where the weight has an entry; else the
+    `table`'s (default MULTI_TILE). Scheduling fields only: on the GPU the bits are cfg's
+    whatever m is. cols: the columns a column tile must divide (the GLU kernel: F)."""
     if round_up(m, cfg.bm) <= cfg.bm:
         return cfg, row_group
     tall = TALL_TILE if tall is None else tall
+    prefill = PREFILL_TILE if prefill is None else prefill
     key = (K, N, jnp.dtype(dtype).name)
-    pick = tall if m > TALL_ROWS and key in tall else table
+    rule = prefill_rule(cfg, K, N, cols) if m > PREFILL_ROWS and key not in prefill else {}
+    if m > PREFILL_ROWS and key in prefill:
+        pick = prefill
+    elif rule:
+        pick = {key: rule}
+    else:
+        pick = tall if m > TALL_ROWS and key in tall else table
     out = multi_tile_config(cfg, K, N, dtype, pick)
     return out, scheduled_row_group(cfg.bm, out.bm, row_group)
 

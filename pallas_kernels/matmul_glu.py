@@ -41,15 +41,18 @@ from pallas_kernels.matmul import (
 # Scheduling overrides of this kernel for launches of more than one row tile
 # (`schedule=True`), keyed like `matmul.MULTI_TILE` by the fused weight [K, 2F]: the
 # kernel runs two K loops a program, so its best warps / stages / column tile are its
-# own. Only bm, bn, num_warps and num_stages (bits set by bk; see matmul.MULTI_TILE).
+# own. Scheduling fields only (see matmul.SCHEDULE_FIELDS).
 # Read from matmul_tuned.json ("multi_tile_glu").
 _TABLES = read_tuned_file()
 MULTI_TILE_GLU: dict[tuple[int, int, str], dict[str, int]] = parse_schedules(
     _TABLES["multi_tile_glu"], TUNED_FILE)
 # Launches of more than matmul.TALL_ROWS rows: this kernel's tall overrides
-# ("tall_tile_glu"; see matmul.TALL_TILE).
+# ("tall_tile_glu"; see matmul.TALL_TILE); of more than matmul.PREFILL_ROWS, its prefill
+# overrides ("prefill_tile_glu"; else `matmul.prefill_rule` with bn dividing F).
 TALL_TILE_GLU: dict[tuple[int, int, str], dict[str, int]] = parse_schedules(
     _TABLES.get("tall_tile_glu", []), TUNED_FILE)
+PREFILL_TILE_GLU: dict[tuple[int, int, str], dict[str, int]] = parse_schedules(
+    _TABLES.get("prefill_tile_glu", []), TUNED_FILE)
 
 
 def _kernel(x_ref, wg_ref, wu_ref, o_ref, *, bk: int, nk: int, activation: str,
@@ -121,7 +124,7 @@ def matmul_glu(x: jax.Array, w: jax.Array, *, activation: str,
     cfg = matmul_config(k, 2 * f, w.dtype, interpret) if config is None else config
     if schedule and config is None and not interpret:
         cfg, row_group = scheduled(cfg, m, k, 2 * f, w.dtype, row_group, MULTI_TILE_GLU,
-                                   TALL_TILE_GLU)
+                                   TALL_TILE_GLU, PREFILL_TILE_GLU, cols=f)
     if cfg.split_k != 1 or f % cfg.bn:
         raise ValueError(f"matmul_glu config must not split K and its bn must divide "
                          f"F={f}; got {cfg}")

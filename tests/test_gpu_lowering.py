@@ -240,3 +240,58 @@ def test_tree_verify_lowers_for_the_h200(preset, batch, nodes):
     root = jax.ShapeDtypeStruct((batch,), jnp.int32)
     one = functools.partial(tree_attention, scale=1.0, pack=False)
     assert "jspec_tree_attention" in _lower(one, q, kv, kv, pos, jnp.int32(0), root, path)
+
+
+def _triton_modules(monkeypatch, fn, *args) -> list[str]:
+    """The Triton IR (as Pallas emits it, before Triton's passes) of each kernel of fn."""
+    from jax._src.pallas.triton import lowering
+
+    out = []
+    lower = lowering.lower_jaxpr_to_triton_module
+
+    def capture(*a, **k):
+        result = lower(*a, **k)
+        out.append(result.module.operation.get_asm(enable_debug_info=False))
+        return result
+
+    monkeypatch.setattr(pallas_call_registration.lowering, "lower_jaxpr_to_triton_module",
+                        capture)
+    _lower(fn, *args)
+    return out
+
+
+@pytest.mark.parametrize("glu,rows", [(False, 1), (False, 40), (True, 1), (True, 40)])
+def test_each_k_step_is_a_dot_from_zero_added_once_to_the_running_sum(monkeypatch, glu, rows):
+    # Why bk is a scheduling field on the GPU (matmul.SCHEDULE_FIELDS): every dot of the
+    # K loop starts from a zero accumulator and its one use is the addition to the
+    # loop-carried sum, the form Triton's combine pass folds into dot(a, b, sum). A kernel
+    # that used a block's dot twice, or added it elsewhere, would make bk set bits again.
+    from pallas_kernels.matmul import MatmulConfig, matmul
+    from pallas_kernels.matmul_glu import matmul_glu
+
+    cfg = MatmulConfig(bm=16, bn=64, bk=128, num_warps=4, num_stages=3)
+    x = jax.ShapeDtypeStruct((rows, 512), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((512, 256), jnp.bfloat16)
+    if glu:
+        def fn(x, w):
+            return matmul_glu(x, w, activation="silu", config=cfg, row_group=4)
+    else:
+        def fn(x, w):
+            return matmul(x, w, out_dtype=jnp.bfloat16, config=cfg, row_group=4)
+    (ir,) = _triton_modules(monkeypatch, fn, x, w)
+    # Value names restart in each loop's region: check each K loop's body on its own.
+    loops = [part.split("scf.yield")[0] for part in ir.split("scf.for ")[1:]]
+    assert len(loops) == (2 if glu else 1)  # the GLU kernel: the gate's loop, the up's
+    for body in loops:
+        carried = {a.split("=")[0].strip()
+                   for a in re.search(r"iter_args\(([^)]*)\)", body).group(1).split(",")}
+        zero = {v for v, c in re.findall(r"(%\w+) = tt\.splat %(\w+) ", body)
+                if re.search(rf"%{c} = arith\.constant 0\.000000e\+00 : f32", body)}
+        dots = re.findall(r"(%\w+) = tt\.dot %\w+, %\w+, (%\w+) ", body)
+        assert len(dots) == (3 if rows == 40 else 1)  # row groups: a dot a row tile
+        for res, acc in dots:
+            assert acc in zero, f"{res}'s dot does not start from zero"
+            uses = re.findall(rf"{re.escape(res)}\b(?! =)", body)
+            assert len(uses) == 1, f"{res} is used {len(uses)} times"
+            (add,) = re.findall(rf"= arith\.addf (%\w+), {re.escape(res)} ", body)
+            assert add in carried, f"{res} is added to {add}, not to the loop's running sum"

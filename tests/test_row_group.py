@@ -101,7 +101,8 @@ def test_matmul_row_group_option_parses_and_validates():
 
 # Multi-tile schedules (`matmul(..., schedule=True)`, `ModelConfig.matmul_schedule`): a
 # launch of more than one row tile may take another row tile / column tile / warps /
-# stages than the table's entry, never another bk or split_k.
+# stages / K tile than the table's entry (the K tile on the GPU only: see
+# matmul.SCHEDULE_FIELDS), never another split_k.
 
 
 def test_multi_tile_schedule_changes_scheduling_fields_only(monkeypatch):
@@ -112,16 +113,24 @@ def test_multi_tile_schedule_changes_scheduling_fields_only(monkeypatch):
     for (K, N, dt), over in mm.MULTI_TILE.items():
         base = mm.matmul_config(K, N, jnp.dtype(dt), interpret=False)  # TUNED or the rule
         got = mm.multi_tile_config(base, K, N, jnp.dtype(dt))
-        assert (got.bk, got.split_k) == (base.bk, base.split_k)
+        assert got.split_k == base.split_k and K % got.bk == 0
         assert set(over) <= set(mm.SCHEDULE_FIELDS) and got != base
-    monkeypatch.setitem(mm.MULTI_TILE, (96, 80, "float32"), {"bk": 32})
+    monkeypatch.setitem(mm.MULTI_TILE, (96, 80, "float32"), {"split_k": 2})
     with pytest.raises(ValueError, match="may set only"):
+        mm.multi_tile_config(MatmulConfig(16, 16, 16, 4, 2), 96, 80, jnp.float32)
+    # Another K tile: only unsplit, and only where both K tiles divide K (no padding).
+    monkeypatch.setitem(mm.MULTI_TILE, (96, 80, "float32"), {"bk": 32})
+    assert mm.multi_tile_config(MatmulConfig(16, 16, 16, 4, 2), 96, 80, jnp.float32).bk == 32
+    with pytest.raises(ValueError, match="change bk only"):
+        mm.multi_tile_config(MatmulConfig(16, 16, 16, 4, 2, split_k=2), 96, 80, jnp.float32)
+    monkeypatch.setitem(mm.MULTI_TILE, (96, 80, "float32"), {"bk": 64})
+    with pytest.raises(ValueError, match="change bk only"):
         mm.multi_tile_config(MatmulConfig(16, 16, 16, 4, 2), 96, 80, jnp.float32)
     mg = importlib.import_module("pallas_kernels.matmul_glu")
     for (K, N, dt), over in mg.MULTI_TILE_GLU.items():
         base = mm.matmul_config(K, N, jnp.dtype(dt), interpret=False)
         got = mm.multi_tile_config(base, K, N, jnp.dtype(dt), mg.MULTI_TILE_GLU)
-        assert (got.bk, got.split_k) == (base.bk, base.split_k)
+        assert got.split_k == base.split_k and K % got.bk == 0
         assert set(over) <= set(mm.SCHEDULE_FIELDS) and got != base
 
 
@@ -139,8 +148,29 @@ def test_tall_launches_take_the_tall_schedule():
     assert scheduled(base, TALL_ROWS, *args)[0].bn == 32
     cfg, g = scheduled(base, TALL_ROWS + 1, *args)
     assert (cfg.bm, cfg.bn, cfg.num_warps, cfg.bk, g) == (128, 64, 8, 64, 1)
-    cfg, g = scheduled(base, 2048, 256, 128, jnp.bfloat16, 4, multi, {})
+    cfg, g = scheduled(base, 1024, 256, 128, jnp.bfloat16, 4, multi, {})
     assert (cfg.bn, g) == (32, 4)  # no tall entry: the multi-tile schedule
+
+
+def test_prefill_launches_take_the_prefill_tile():
+    # More than PREFILL_ROWS rows: the weight's prefill entry, else prefill_rule's
+    # compute-bound tile (bn dividing the columns: F for the GLU kernel), else (split K,
+    # or a K that 64 does not divide) the tall / multi-tile schedule.
+    from pallas_kernels.matmul import PREFILL_ROWS, prefill_rule, scheduled
+
+    base = MatmulConfig(bm=16, bn=64, bk=512, num_warps=4, num_stages=3)
+    tall = {(12288, 4096, "bfloat16"): {"num_warps": 2}}
+    args = (12288, 4096, jnp.bfloat16, 4, {}, tall)
+    assert scheduled(base, PREFILL_ROWS, *args)[0].num_warps == 2
+    cfg, g = scheduled(base, PREFILL_ROWS + 1, *args, {})
+    assert (cfg.bm, cfg.bn, cfg.bk, cfg.num_warps, cfg.num_stages, g) == (128, 128, 64, 8, 3, 1)
+    mine = {(12288, 4096, "bfloat16"): {"bm": 64, "bk": 128}}
+    assert scheduled(base, 2048, *args, mine)[0].bk == 128
+    assert prefill_rule(base, 12288, 2 * 10240 + 64, cols=10240 + 32)["bn"] == 32
+    assert prefill_rule(MatmulConfig(16, 64, 128, 4, 4, split_k=2), 4096, 4096) == {}
+    assert prefill_rule(MatmulConfig(16, 64, 32, 4, 4), 96, 4096) == {}
+    assert scheduled(MatmulConfig(16, 64, 32, 4, 4), 2048, 96, 4096, jnp.bfloat16, 4, {}, {},
+                     {})[0].bm == 16
 
 
 @pytest.mark.parametrize("m", [1, 40, 160])

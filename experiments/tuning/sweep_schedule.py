@@ -17,19 +17,26 @@ property P, as row groups do. This script checks exactly that for each weight of
 M of --rows (row groups of --row_group, as the model runs them) and times it at the Ms
 of --timed (default the largest of --rows), device-side (the busy time of a profiler
 trace of a jitted loop over enough weight copies to miss the L2). Writes
-`sweep_schedule.json`: per weight, the table config's time, every variant's bits_equal
+`sweep_schedule.json` (`sweep_schedule_tall.json`, `..._prefill.json`): per weight, the table config's time, every variant's bits_equal
 and time, and the fastest variant with equal bits. `--bm=32,64` first tries the config
 with other row tiles (same bk): does a larger dot give every row the config's bits? (On
 the H200 it did, so MULTI_TILE may set bm; the crosses then include the two best row
 tiles too.)
 
 --tall sweeps the tier of launches of more than `matmul.TALL_ROWS` rows (a verify block
-at batch 32-64, a prefill chunk): bits at M = 1, 40, 160, 320 and 2048, time summed at
-160 and 320, over a grid of row tiles (64, 128) x column tiles (the config's, twice it) x
-warps (4, 8), then the winner at 2-4 pipeline stages; the schedule such launches run with
-today is timed first. --write=FILE merges each weight's winner into a tile data file
-(tall_tile / tall_tile_glu, or multi_tile / multi_tile_glu without --tall), only where
-every variant of the weight gave the config's bits and the winner beats the config.
+at batch 32-64): bits at M = 1, 40, 160, 320 and 2048, time summed at 160 and 320, over a
+grid of row tiles (64, 128) x column tiles (the config's, twice it) x warps (4, 8), with
+--bk also at those K tiles (64-row tiles at 4 warps, 128-row at 8), then the winner at 2-4
+pipeline stages; the schedule such launches run with today is timed first. --prefill
+sweeps the tier of more than `matmul.PREFILL_ROWS` rows (prefill chunks, B x C rows):
+bits at M = 1, 40, 160 and 2048, time at --timed (default 2048, 8192), over compute-bound
+tiles (`PREFILL_GRID`, `prefill_rule`'s first), then the winner at 2-5 stages. A variant
+with another bk is the claim of `matmul.SCHEDULE_FIELDS` (Triton accumulates each block's
+dot into the running sum, so bk does not set bits on the GPU), checked here bitwise like
+every other field. --write=FILE merges each weight's winner into a tile data file
+(tall_tile[_glu] with --tall, prefill_tile[_glu] with --prefill, else multi_tile[_glu]),
+only where every variant of the weight gave the config's bits and the winner beats the
+config.
 """
 
 from __future__ import annotations
@@ -53,6 +60,9 @@ from jspec.bench.trace import device_events, summarize, traced
 from jspec.random_model import weight_shapes
 from pallas_kernels.matmul import (
     MULTI_TILE,
+    PREFILL_TILE,
+    TALL_ROWS,
+    TALL_TILE,
     TUNED_FILE,
     MatmulConfig,
     matmul,
@@ -60,9 +70,16 @@ from pallas_kernels.matmul import (
     multi_tile_config,
     parse_schedules,
     read_tuned_file,
+    scheduled,
     scheduled_row_group,
 )
-from pallas_kernels.matmul_glu import MULTI_TILE_GLU, fusable, matmul_glu
+from pallas_kernels.matmul_glu import (
+    MULTI_TILE_GLU,
+    PREFILL_TILE_GLU,
+    TALL_TILE_GLU,
+    fusable,
+    matmul_glu,
+)
 
 _PRESET = flags.DEFINE_string("preset", "qwen3-8b", "model shape preset")
 _SHAPES = flags.DEFINE_list("shapes", ["wo", "w_down", "wqkv", "w_gate_up:glu", "lm_head"],
@@ -79,6 +96,11 @@ _TIMED = flags.DEFINE_list("timed", [], "row counts timed (default: the largest 
 _TALL = flags.DEFINE_bool("tall", False, "the tall tier: --rows 1,40,160,320,2048, --timed "
                           "160,320, --bm 64,128 unless given, and the winners as the data "
                           "file's tall_tile / tall_tile_glu rows")
+_PREFILL = flags.DEFINE_bool("prefill", False, "the prefill tier: --rows 1,40,160,2048, "
+                             "--timed 2048,8192, the PREFILL_GRID tiles, and the winners as "
+                             "the data file's prefill_tile / prefill_tile_glu rows")
+_BK = flags.DEFINE_list("bk", [], "with --tall: also these K tiles (bits checked like every "
+                        "other field; see matmul.SCHEDULE_FIELDS)")
 _WRITE = flags.DEFINE_string("write", "", "a tile data file (pallas_kernels/matmul_tuned.json) "
                              "to merge the winners into (multi_tile[_glu], or tall_tile[_glu] "
                              "with --tall), so later steps of the same call run with them")
@@ -108,21 +130,47 @@ def variants(base: MatmulConfig, N: int, limit: int, bms=()) -> list[MatmulConfi
     return out[:limit]
 
 
-def tall_variants(base: MatmulConfig, N: int, bms) -> list[MatmulConfig]:
+def tall_variants(base: MatmulConfig, N: int, bms, bks=(), K: int = 0) -> list[MatmulConfig]:
     """The tall tier's grid: each row tile of bms x bn (the base's, twice it) x warps
-    (4, 8), at the base's bk, split_k and stages (N: the columns bn must divide)."""
+    (4, 8), at the base's bk, split_k and stages (N: the columns bn must divide); then
+    each K tile of bks that may replace the base's (`check_k_tile`) at those row and
+    column tiles, 4 warps for 64-row tiles and 8 for taller ones."""
     bns = [b for b in (base.bn, base.bn * 2) if N % b == 0]
-    return [dataclasses.replace(base, bm=bm, bn=bn, num_warps=w)
-            for bm in bms for bn in bns for w in (4, 8)]
+    out = [dataclasses.replace(base, bm=bm, bn=bn, num_warps=w)
+           for bm in bms for bn in bns for w in (4, 8)]
+    for bk in bks:
+        if bk == base.bk or base.split_k != 1 or K % bk or K % base.bk:
+            continue
+        out += [dataclasses.replace(base, bm=bm, bn=bn, bk=bk, num_warps=4 if bm <= 64 else 8)
+                for bm in bms for bn in bns]
+    return out
+
+
+# The prefill tier's tiles (bm, bn, bk, warps, stages): `prefill_rule`'s first, then the
+# shapes of a compute-bound bf16 GEMM on a Hopper part.
+PREFILL_GRID = ((128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 64, 4, 4),
+                (64, 128, 64, 4, 4), (128, 64, 64, 4, 4), (64, 256, 32, 4, 4),
+                (128, 128, 128, 8, 2), (256, 128, 64, 8, 3))
+
+
+def prefill_variants(base: MatmulConfig, N: int, K: int) -> list[MatmulConfig]:
+    """PREFILL_GRID's tiles at the base's split_k, where bn divides N and bk may replace
+    the base's (N: the columns bn must divide; F for the GLU kernel)."""
+    out = []
+    for bm, bn, bk, w, st in PREFILL_GRID:
+        if N % bn == 0 and base.split_k == 1 and K % bk == 0 and K % base.bk == 0:
+            out.append(dataclasses.replace(base, bm=bm, bn=bn, bk=bk, num_warps=w,
+                                           num_stages=st))
+    return out
 
 
 def stage_variants(best: MatmulConfig, done: set) -> list[MatmulConfig]:
     """The tall grid's winner at other pipeline depths."""
-    return [c for c in (dataclasses.replace(best, num_stages=s) for s in (2, 3, 4))
+    return [c for c in (dataclasses.replace(best, num_stages=s) for s in (2, 3, 4, 5))
             if c not in done]
 
 
-FIELDS = ("bm", "bn", "num_warps", "num_stages")  # what a variant may change
+FIELDS = ("bm", "bn", "bk", "num_warps", "num_stages")  # what a variant may change
 
 
 def combos(base: MatmulConfig, ran: list[dict], done: set) -> list[MatmulConfig]:
@@ -151,10 +199,11 @@ def bits(a) -> np.ndarray:
 
 def sweep_weight(name: str, K: int, N: int, rows: list[int], timed: list[int], rg: int, key,
                  t0: float, interp: bool, bms: list[int], glu: bool = False,
-                 current: MatmulConfig | None = None, tall: bool = False) -> dict:
+                 current: list[MatmulConfig] | None = None, tall: bool = False,
+                 prefill: bool = False, bks=()) -> dict:
     """The table config of a [K, N] weight and its variants: bits at each M of rows, time
-    summed over the Ms of timed. current: the schedule such launches run with today (timed
-    first, so a winner must beat it too).
+    summed over the Ms of timed. current: the schedules such launches run with today and
+    before `prefill_rule` (timed first, so a winner must beat them too).
     glu: the weight is [K, 2F] and runs through matmul_glu (silu)."""
     dt = jnp.bfloat16
     base = matmul_config(K, N, dt, interp)
@@ -215,13 +264,17 @@ def sweep_weight(name: str, K: int, N: int, rows: list[int], timed: list[int], r
                 continue
             entry["variants"].append({**row, "bits_equal": equal, "us": us, "us_at": at})
 
-    first = []
-    if current is not None and current != base:
-        first = [current]  # the multi-tile schedule these launches run with today
+    # The schedules these launches run with today, and ran with before the prefill rule.
+    first = [c for c in dict.fromkeys(current or ()) if c != base]
     cols = N // 2 if glu else N
-    grid = tall_variants(base, cols, bms) if tall else variants(base, cols, _MAX.value, bms)
-    try_all(first + [c for c in grid if c != current], name)
-    if tall:
+    if prefill:
+        grid = prefill_variants(base, cols, K)
+    elif tall:
+        grid = tall_variants(base, cols, bms, bks, K)
+    else:
+        grid = variants(base, cols, _MAX.value, bms)
+    try_all(first + [c for c in grid if c not in first], name)
+    if tall or prefill:
         ok = [v for v in entry["variants"] if "us" in v and all(v["bits_equal"].values())]
         if ok:
             best = MatmulConfig(**min(ok, key=lambda v: v["us"])["config"])
@@ -252,11 +305,11 @@ def winners(report: dict) -> tuple[list[dict], list[dict]]:
     return out
 
 
-def write_winners(report: dict, tall: bool, path: str = TUNED_FILE) -> dict:
-    """Merges the winners into the data file's schedule tables (replacing rows of the same
-    key); returns the rows written."""
+def write_winners(report: dict, tier: str, path: str = TUNED_FILE) -> dict:
+    """Merges the winners into the data file's schedule tables of `tier` ("multi", "tall"
+    or "prefill"; replacing rows of the same key); returns the rows written."""
     data = read_tuned_file(path)
-    names = ("tall_tile", "tall_tile_glu") if tall else ("multi_tile", "multi_tile_glu")
+    names = (f"{tier}_tile", f"{tier}_tile_glu")
     written = {}
     for name, rows in zip(names, winners(report), strict=True):
         keep = {(r["K"], r["N"], r["dtype"]): r for r in data.get(name, [])}
@@ -271,20 +324,29 @@ def write_winners(report: dict, tall: bool, path: str = TUNED_FILE) -> dict:
 
 def main(_):
     interp = _INTERPRET.value
-    tall = _TALL.value
-    rows = sorted(int(r) for r in _ROWS.value or (["1", "40", "160", "320", "2048"] if tall
-                                                  else ["1", "40"]))
-    timed = sorted(int(r) for r in _TIMED.value or (["160", "320"] if tall else rows[-1:]))
+    tall, prefill = _TALL.value, _PREFILL.value
+    if tall and prefill:
+        raise app.UsageError("--tall and --prefill are two sweeps: pass one")
+    tier = "tall" if tall else "prefill" if prefill else "multi"
+    default_rows = {"tall": "1,40,160,320,2048", "prefill": "1,40,160,2048", "multi": "1,40"}
+    rows = sorted(int(r) for r in _ROWS.value or default_rows[tier].split(","))
+    timed = sorted(int(r) for r in _TIMED.value or (
+        ["160", "320"] if tall else ["2048", "8192"] if prefill else rows[-1:]))
     bms = [int(b) for b in _BM.value or (["64", "128"] if tall else [])]
+    bks = [int(b) for b in _BK.value]
+    if any(b < 16 or b & (b - 1) for b in bks):
+        raise app.UsageError(f"--bk must be powers of 2 >= 16; got {bks}")
     if min(rows + timed) < 1 or any(b < 16 or b & (b - 1) for b in bms):
         raise app.UsageError(f"--rows / --timed must be >= 1 and --bm powers of 2 >= 16; got "
                              f"{rows=} {timed=} {bms=}")
     rg = _ROW_GROUP.value
+    receipt = os.path.join(_OUT.value, "sweep_schedule.json" if tier == "multi"
+                           else f"sweep_schedule_{tier}.json")
     t0 = time.time()
     report = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
               "date": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(sys.argv),
-              "preset": _PRESET.value, "rows": rows, "timed": timed, "bm": bms, "tall": tall,
-              "row_group": rg, "weights": []}
+              "preset": _PRESET.value, "rows": rows, "timed": timed, "bm": bms, "bk": bks,
+              "tier": tier, "row_group": rg, "weights": []}
     all_shapes = weight_shapes(_PRESET.value)
     for i, spec in enumerate(_SHAPES.value):
         name, _, kind = spec.partition(":")
@@ -294,18 +356,25 @@ def main(_):
         K, N = all_shapes[name]
         glu = kind == "glu"
         base = matmul_config(K, N, jnp.bfloat16, interp)
-        current = None if interp else multi_tile_config(
-            base, K, N, jnp.bfloat16, MULTI_TILE_GLU if glu else MULTI_TILE)
+        tables = ((MULTI_TILE_GLU, TALL_TILE_GLU, PREFILL_TILE_GLU) if glu
+                  else (MULTI_TILE, TALL_TILE, PREFILL_TILE))
+        key = (K, N, "bfloat16")
+        current = None if interp else [
+            scheduled(base, max(timed), K, N, jnp.bfloat16, rg, *tables,
+                      cols=N // 2 if glu else None)[0],
+            multi_tile_config(base, K, N, jnp.bfloat16,
+                              tables[1] if key in tables[1] and max(timed) > TALL_ROWS
+                              else tables[0])]
         report["weights"].append(sweep_weight(spec, K, N, rows, timed, rg, jax.random.key(i),
                                               t0, interp, bms, glu=glu, current=current,
-                                              tall=tall))
+                                              tall=tall, prefill=prefill, bks=bks))
         os.makedirs(_OUT.value, exist_ok=True)
-        with open(os.path.join(_OUT.value, "sweep_schedule.json"), "w") as f:
+        with open(receipt, "w") as f:
             json.dump(report, f, indent=1)
 
     if _WRITE.value:
-        report["written"] = write_winners(report, tall, _WRITE.value)
-        with open(os.path.join(_OUT.value, "sweep_schedule.json"), "w") as f:
+        report["written"] = write_winners(report, tier, _WRITE.value)
+        with open(receipt, "w") as f:
             json.dump(report, f, indent=1)
     print(f"\n{report['device']}, jax {jax.__version__}, {_PRESET.value}, M = {rows}, "
           f"row groups of {rg}; us per call summed over M = {timed}")
