@@ -177,9 +177,9 @@ _TABLES = read_tuned_file()
 TUNED: dict[tuple[int, int, str], MatmulConfig] = parse_tuned(_TABLES["tuned"], TUNED_FILE)
 # Scheduling overrides for launches of more than one row tile (`matmul(...,
 # schedule=True)`: a verify block of several rows per sequence, a prefill), per weight
-# shape: another row tile / column tile / warps / pipeline stages than its
-# `matmul_config`, with the same bk and split_k, so the same bits (a row's sum order is
-# set by bk and split_k; the sweeps checked every variant's bits at M = 1 and 40).
+# shape: another row tile / column tile / K tile / warps / pipeline stages than its
+# `matmul_config`, with the same split_k, so the same bits on the GPU (SCHEDULE_FIELDS;
+# the sweeps checked every variant's bits at M = 1 and 40).
 # Decode (one row tile) keeps the config.
 MULTI_TILE: dict[tuple[int, int, str], dict[str, int]] = parse_schedules(
     _TABLES["multi_tile"], TUNED_FILE)

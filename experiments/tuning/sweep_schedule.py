@@ -7,18 +7,20 @@ for a multi-tile launch (a batch-8 verify block)?
   python experiments/tuning/sweep_schedule.py --interpret --preset=tiny-qwen3 --rows=1,40 \
       --max_candidates=2 --out=/tmp                                      # CPU smoke
 
-A row's sum order in `pallas_kernels.matmul` is set by its K tile (bk) and split-K
-count; bn, num_warps and num_stages only decide which program computes which output
-columns and how loads are pipelined. If, on the device, every variant of a weight's
-table config with the same bm, bk and split-K gives the table config's bits, then a
-launch of several row tiles may use its own (bn, warps, stages) without touching
-property P, as row groups do. This script checks exactly that for each weight of
+A row's sum order in `pallas_kernels.matmul` is set by its split-K count and, in
+interpret mode, its K tile (bk); bn, num_warps and num_stages only decide which program
+computes which output columns and how loads are pipelined, and on the GPU bk only how
+far each load reaches (`matmul.SCHEDULE_FIELDS`). If, on the device, every variant of a
+weight's table config with the same split-K gives the table config's bits, then a
+launch of several row tiles may use its own tiles without touching property P, as row
+groups do. This script checks exactly that for each weight of
 --preset: for every variant it compares the logits bitwise with the table config at each
 M of --rows (row groups of --row_group, as the model runs them) and times it at the Ms
 of --timed (default the largest of --rows), device-side (the busy time of a profiler
 trace of a jitted loop over enough weight copies to miss the L2). Writes
-`sweep_schedule.json` (`sweep_schedule_tall.json`, `..._prefill.json`): per weight, the table config's time, every variant's bits_equal
-and time, and the fastest variant with equal bits. `--bm=32,64` first tries the config
+`sweep_schedule.json` (`sweep_schedule_tall.json`, `..._prefill.json`): per weight,
+the table config's time, every variant's bits_equal and time, and the fastest variant
+with equal bits. `--bm=32,64` first tries the config
 with other row tiles (same bk): does a larger dot give every row the config's bits? (On
 the H200 it did, so MULTI_TILE may set bm; the crosses then include the two best row
 tiles too.)
@@ -88,7 +90,7 @@ _SHAPES = flags.DEFINE_list("shapes", ["wo", "w_down", "wqkv", "w_gate_up:glu", 
 _BM = flags.DEFINE_list("bm", [], "also try these row tiles first (same bk, bn, warps, stages): "
                         "does a larger dot give every row the config's bits?")
 _COMBOS = flags.DEFINE_bool("combos", True, "after the one-field variants, cross the two "
-                            "fastest bit-equal values of bn, warps and stages")
+                            "fastest bit-equal values of each field")
 _ROWS = flags.DEFINE_list("rows", [], "row counts compared bitwise (default 1, 40; with --tall "
                           "1, 40, 160, 320, 2048)")
 _TIMED = flags.DEFINE_list("timed", [], "row counts timed (default: the largest of --rows); a "
@@ -99,8 +101,8 @@ _TALL = flags.DEFINE_bool("tall", False, "the tall tier: --rows 1,40,160,320,204
 _PREFILL = flags.DEFINE_bool("prefill", False, "the prefill tier: --rows 1,40,160,2048, "
                              "--timed 2048,8192, the PREFILL_GRID tiles, and the winners as "
                              "the data file's prefill_tile / prefill_tile_glu rows")
-_BK = flags.DEFINE_list("bk", [], "with --tall: also these K tiles (bits checked like every "
-                        "other field; see matmul.SCHEDULE_FIELDS)")
+_BK = flags.DEFINE_list("bk", [], "also these K tiles (bits checked like every other field; "
+                        "see matmul.SCHEDULE_FIELDS)")
 _WRITE = flags.DEFINE_string("write", "", "a tile data file (pallas_kernels/matmul_tuned.json) "
                              "to merge the winners into (multi_tile[_glu], or tall_tile[_glu] "
                              "with --tall), so later steps of the same call run with them")
@@ -113,11 +115,16 @@ _INTERPRET = flags.DEFINE_bool("interpret", False, "CPU smoke run (timings mean 
 _OUT = flags.DEFINE_string("out", os.environ.get("OUT", "experiments/results"), "receipt dir")
 
 
-def variants(base: MatmulConfig, N: int, limit: int, bms=()) -> list[MatmulConfig]:
+def variants(base: MatmulConfig, N: int, limit: int, bms=(), bks=(), K: int = 0
+             ) -> list[MatmulConfig]:
     """The base config with other bn / warps / stages (same bm, bk, split_k): bn first;
-    before them, the base with each row tile of `bms`. N: the columns bn must divide
-    (F for the GLU kernel)."""
+    before them, the base with each row tile of `bms`, then at each K tile of `bks` that
+    may replace the base's (`check_k_tile`), at the base's row tile and those of `bms`.
+    N: the columns bn must divide (F for the GLU kernel)."""
     out = [dataclasses.replace(base, bm=bm) for bm in bms if bm != base.bm]
+    if base.split_k == 1 and K % base.bk == 0:
+        out += [dataclasses.replace(base, bm=bm, bk=bk) for bk in bks if bk != base.bk
+                and K % bk == 0 for bm in dict.fromkeys([base.bm, *bms])]
     for bn in (base.bn // 2, base.bn * 2, base.bn // 4, base.bn * 4):
         if bn >= 16 and N % bn == 0:
             out.append(dataclasses.replace(base, bn=bn))
@@ -272,7 +279,7 @@ def sweep_weight(name: str, K: int, N: int, rows: list[int], timed: list[int], r
     elif tall:
         grid = tall_variants(base, cols, bms, bks, K)
     else:
-        grid = variants(base, cols, _MAX.value, bms)
+        grid = variants(base, cols, _MAX.value, bms, bks, K)
     try_all(first + [c for c in grid if c not in first], name)
     if tall or prefill:
         ok = [v for v in entry["variants"] if "us" in v and all(v["bits_equal"].values())]
