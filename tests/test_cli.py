@@ -322,9 +322,9 @@ def test_sweep_schedule_tall_writes_its_winners(tmp_path):
     r = _run("tuning/sweep_schedule.py", "--interpret", "--preset=tiny-qwen3", "--tall",
              "--rows=1,80", "--shapes=wo", "--iters=1", f"--write={table}", f"--out={tmp_path}")
     assert r.returncode == 0, r.stderr[-2000:]
-    rep = json.load(open(tmp_path / "sweep_schedule.json"))
+    rep = json.load(open(tmp_path / "sweep_schedule_tall.json"))
     (w,) = rep["weights"]
-    assert rep["tall"] and rep["timed"] == [160, 320] and rep["bm"] == [64, 128]
+    assert rep["tier"] == "tall" and rep["timed"] == [160, 320] and rep["bm"] == [64, 128]
     grid = [v for v in w["variants"] if v["phase"] == "wo"]
     assert {v["config"]["bm"] for v in grid} == {64, 128} and len(grid) >= 4
     assert all(v["bits_equal"] == {"1": True, "80": True} for v in w["variants"])
@@ -334,6 +334,30 @@ def test_sweep_schedule_tall_writes_its_winners(tmp_path):
     assert data["multi_tile"] == read_tuned_file()["multi_tile"]  # only the tall table
     if w["fastest_equal"]["us"] < w["base_us"]:
         assert rows[(w["K"], w["N"], "bfloat16")]["bm"] == w["fastest_equal"]["config"]["bm"]
+
+
+@pytest.mark.slow  # a sweep script
+def test_sweep_schedule_prefill_checks_every_tile_and_writes_only_equal_bits(tmp_path):
+    # The prefill tier: PREFILL_GRID's tiles (other K tiles among them) and the schedules
+    # such launches run with; in interpret mode a K tile sets bits (XLA sums each block's
+    # dot first), so a weight where some tile changed them is never written.
+    import shutil
+
+    from pallas_kernels.matmul import TUNED_FILE, read_tuned_file
+
+    table = tmp_path / "tuned.json"
+    shutil.copy(TUNED_FILE, table)
+    r = _run("tuning/sweep_schedule.py", "--interpret", "--preset=tiny-qwen3", "--prefill",
+             "--rows=1,40", "--timed=40", "--shapes=w_down", "--iters=1", f"--write={table}",
+             f"--out={tmp_path}")
+    assert r.returncode == 0, r.stderr[-2000:]
+    rep = json.load(open(tmp_path / "sweep_schedule_prefill.json"))
+    (w,) = rep["weights"]
+    assert rep["tier"] == "prefill" and rep["rows"] == [1, 40]
+    assert len({v["config"]["bk"] for v in w["variants"]}) > 1
+    written = {(r["K"], r["N"]) for r in read_tuned_file(str(table)).get("prefill_tile", [])}
+    assert ((w["K"], w["N"]) in written) == (
+        w["all_bits_equal"] and w["fastest_equal"]["us"] < w["base_us"])
 
 
 @pytest.mark.slow  # a sweep script
