@@ -392,13 +392,16 @@ def scheduled(cfg: MatmulConfig, m: int, K: int, N: int, dtype, row_group: int,
     table's overrides (default PREFILL_TILE) or else `prefill_rule`'s; when m > TALL_ROWS
     the `tall` table's (default TALL_TILE) where the weight has an entry; else the
     `table`'s (default MULTI_TILE). Scheduling fields only: on the GPU the bits are cfg's
-    whatever m is. cols: the columns a column tile must divide (the GLU kernel: F)."""
+    whatever m is. cols: the columns a column tile must divide (the GLU kernel: F). The
+    rule applies to 2-byte weights only (its tile was proven and fits for bf16)."""
     if round_up(m, cfg.bm) <= cfg.bm:
         return cfg, row_group
     tall = TALL_TILE if tall is None else tall
     prefill = PREFILL_TILE if prefill is None else prefill
     key = (K, N, jnp.dtype(dtype).name)
-    rule = prefill_rule(cfg, K, N, cols) if m > PREFILL_ROWS and key not in prefill else {}
+    # The rule's tile is proven for 2-byte weights (f32 ones take the tables' schedules).
+    rule = (prefill_rule(cfg, K, N, cols) if m > PREFILL_ROWS and key not in prefill
+            and jnp.dtype(dtype).itemsize == 2 else {})
     if m > PREFILL_ROWS and key in prefill:
         pick = prefill
     elif rule:

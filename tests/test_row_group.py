@@ -171,6 +171,8 @@ def test_prefill_launches_take_the_prefill_tile():
     assert prefill_rule(MatmulConfig(16, 64, 32, 4, 4), 96, 4096) == {}
     assert scheduled(MatmulConfig(16, 64, 32, 4, 4), 2048, 96, 4096, jnp.bfloat16, 4, {}, {},
                      {})[0].bm == 16
+    f32 = MatmulConfig(16, 64, 64, 4, 4)  # f32 weights: the tables, never the rule
+    assert scheduled(f32, 2048, 4096, 4096, jnp.float32, 4, {}, {}, {}) == (f32, 4)
 
 
 @pytest.mark.parametrize("m", [1, 40, 160])
