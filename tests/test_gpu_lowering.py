@@ -295,3 +295,28 @@ def test_each_k_step_is_a_dot_from_zero_added_once_to_the_running_sum(monkeypatc
             assert len(uses) == 1, f"{res} is used {len(uses)} times"
             (add,) = re.findall(rf"= arith\.addf (%\w+), {re.escape(res)} ", body)
             assert add in carried, f"{res} is added to {add}, not to the loop's running sum"
+
+
+@pytest.mark.parametrize("glu", [False, True])
+def test_a_prefill_launch_lowers_with_the_prefill_tile(monkeypatch, glu):
+    # More than PREFILL_ROWS rows on the GPU: the Qwen3-8B weights' prefill entries or
+    # prefill_rule (128-row tiles, K steps of 64), where a decode step keeps the table
+    # config (w_down: K steps of 512).
+    from pallas_kernels.matmul import PREFILL_ROWS, matmul
+    from pallas_kernels.matmul_glu import matmul_glu
+
+    K, N = (4096, 24576) if glu else (12288, 4096)
+    w = jax.ShapeDtypeStruct((K, N), jnp.bfloat16)
+
+    def fn(x, w):
+        if glu:
+            return matmul_glu(x, w, activation="silu", row_group=4, schedule=True)
+        return matmul(x, w, out_dtype=jnp.bfloat16, row_group=4, schedule=True)
+
+    for m, tile in [(PREFILL_ROWS + 1, "64xbf16>"), (1, "x512xbf16>" if not glu else None)]:
+        (ir,) = _triton_modules(monkeypatch, fn, jax.ShapeDtypeStruct((m, K), jnp.bfloat16),
+                                w)
+        dots = re.findall(r"tt\.dot %\w+, %\w+, %\w+ : (tensor<\w+>) \*", ir)
+        assert dots, "no dot in the kernel"
+        if tile:
+            assert all(d.endswith(tile) for d in dots), (m, dots)
