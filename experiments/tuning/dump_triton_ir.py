@@ -8,8 +8,8 @@
 A change that leaves every kernel's Triton IR byte-identical (locations stripped) leaves
 what the device compiles unchanged, so the bits proven there still hold; a change that
 does not must be proven on the device again (`gpu_parity`, the sweeps). Covered: the
-target forward of the Qwen3-8B and Gemma-3-4B shapes at decode, verify, a 17-token block
-and a 70-token prefill (B = 1, and B = 8 at decode); the fused draft forward of the
+target forward of the Qwen3-8B and Gemma-3-4B shapes at decode, verify, a 17-token block,
+a 70-token and an 1,100-token prefill (B = 1, and B = 8 at decode); the fused draft forward of the
 Qwen3-0.6B and Gemma-3-4B shapes; tree verifies of 17 and 65 tokens. Nothing runs on a
 device: `gpu_info` answers with the H200's entry and jax lowers for "cuda" with abstract
 weights (as tests/test_gpu_lowering.py does). Writes one `<case>_<i>_<kernel>.mlir` per
@@ -60,6 +60,10 @@ def _cases():
             cache = jax.eval_shape(lambda model=model, B=B: init_cache(model, B, 256))
             yield (f"{preset}_B{B}_T{T}", apply,
                    (model, jax.ShapeDtypeStruct((B, T), jnp.int32), cache))
+        # A prefill launch of more than matmul.PREFILL_ROWS rows (the prefill tier).
+        cache = jax.eval_shape(lambda model=model: init_cache(model, 1, 2048))
+        yield (f"{preset}_B1_T1100", apply,
+               (model, jax.ShapeDtypeStruct((1, 1100), jnp.int32), cache))
         for n in (17, 65):
             cache = jax.eval_shape(lambda model=model: init_cache(model, 1, 256))
             parents = jnp.asarray([[-1] + [(t - 1) // 2 for t in range(1, n)]], jnp.int32)
