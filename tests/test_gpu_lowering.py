@@ -279,17 +279,41 @@ def test_each_k_step_is_a_dot_from_zero_added_once_to_the_running_sum(monkeypatc
         def fn(x, w):
             return matmul(x, w, out_dtype=jnp.bfloat16, config=cfg, row_group=4)
     (ir,) = _triton_modules(monkeypatch, fn, x, w)
+    _check_k_loops(ir, loops=2 if glu else 1, dots=3 if rows == 40 else 1)
+
+
+def test_the_grouped_expert_kernels_k_steps_have_the_same_form(monkeypatch):
+    # The mixture-of-experts kernels walk K with the same loop (R9): a schedule may one day
+    # set their K tile on the same grounds.
+    from pallas_kernels.matmul import MatmulConfig
+    from pallas_kernels.moe import grouped_matmul
+
+    cfg = MatmulConfig(bm=16, bn=64, bk=128, num_warps=4, num_stages=3)
+    x = jax.ShapeDtypeStruct((5, 512), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((4, 512, 256), jnp.bfloat16)
+    expert = jax.ShapeDtypeStruct((5,), jnp.int32)
+    irs = _triton_modules(monkeypatch, lambda x, w, e: grouped_matmul(
+        x, w, e, out_dtype=jnp.bfloat16, config=cfg), x, w, expert)
+    kernels = [ir for ir in irs if "tt.dot" in ir]
+    assert len(kernels) == 1
+    _check_k_loops(kernels[0], loops=1, dots=1)
+
+
+def _check_k_loops(ir: str, loops: int, dots: int) -> None:
+    """Each of the `loops` K loops of a kernel's IR has `dots` dots, each from a zero
+    accumulator, used once, by the addition to one of the loop's carried sums."""
     # Value names restart in each loop's region: check each K loop's body on its own.
-    loops = [part.split("scf.yield")[0] for part in ir.split("scf.for ")[1:]]
-    assert len(loops) == (2 if glu else 1)  # the GLU kernel: the gate's loop, the up's
-    for body in loops:
+    bodies = [part.split("scf.yield")[0] for part in ir.split("scf.for ")[1:]]
+    bodies = [b for b in bodies if "tt.dot" in b]
+    assert len(bodies) == loops  # the GLU kernel: the gate's loop, the up's
+    for body in bodies:
         carried = {a.split("=")[0].strip()
                    for a in re.search(r"iter_args\(([^)]*)\)", body).group(1).split(",")}
         zero = {v for v, c in re.findall(r"(%\w+) = tt\.splat %(\w+) ", body)
                 if re.search(rf"%{c} = arith\.constant 0\.000000e\+00 : f32", body)}
-        dots = re.findall(r"(%\w+) = tt\.dot %\w+, %\w+, (%\w+) ", body)
-        assert len(dots) == (3 if rows == 40 else 1)  # row groups: a dot a row tile
-        for res, acc in dots:
+        found = re.findall(r"(%\w+) = tt\.dot %\w+, %\w+, (%\w+) ", body)
+        assert len(found) == dots  # row groups: a dot a row tile
+        for res, acc in found:
             assert acc in zero, f"{res}'s dot does not start from zero"
             uses = re.findall(rf"{re.escape(res)}\b(?! =)", body)
             assert len(uses) == 1, f"{res} is used {len(uses)} times"
