@@ -79,7 +79,9 @@ class KernelOptions:
       matmul_row_group: pallas: up to this many row tiles per matmul program, each
         weight block loaded once for all of them (scheduling only).
       matmul_schedule: pallas: launches of several row tiles use the weight's tuned
-        multi-tile schedule (scheduling only).
+        multi-tile schedule, verify blocks of more than 64 rows its tall one and prefill
+        chunks of more than 1,024 rows a compute-bound tile (scheduling only on the GPU,
+        the K tile included: `pallas_kernels.matmul.SCHEDULE_FIELDS`).
       kv_dus: a batch-1 call writes its new K/V with one dynamic_update_slice per
         buffer, not a vmapped one (the same cache bits).
       lowering: pallas: how the matmul family (`matmul`, `matmul_glu`), the norms
