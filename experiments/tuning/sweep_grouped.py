@@ -18,9 +18,10 @@ Each winner is checked on the device: every routed row computed alone equals the
 row inside the block of max(--Ts) tokens, bitwise. Writes sweep_grouped[_tag].json (every
 candidate's times) and sweep_grouped[_tag]_tuned.json (rows {E, K, N, dtype, config} of
 winners that beat the rule by --min_gain and are row-invariant); --write merges those into
-the "grouped" table of pallas_kernels/matmul_tuned.json. A winner with another bk than
-the rule changes the kernels' bits (a new K order): the MoE parity matrix must run with
-the table before it is committed.
+the "grouped" table of pallas_kernels/matmul_tuned.json. On the GPU a winner with another
+bk keeps the K order (each block's dot accumulates into the running sum, as in the dense
+matmul: `matmul.SCHEDULE_FIELDS`), other fields never touch it; the MoE parity matrix runs
+with the table before it is committed all the same.
 """
 
 from __future__ import annotations
