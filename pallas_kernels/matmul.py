@@ -431,8 +431,9 @@ def matmul(
     configs give different bits, so one weight must always use one config.
     `row_group` > 1 lets one program compute up to that many row tiles, each weight
     block loaded once for them (split_k == 1 only); the bits do not change.
-    `schedule` lets a launch of more than one row tile take the MULTI_TILE overrides of
-    the table's config (row tile, column tile, warps, stages: scheduling only).
+    `schedule` lets a launch of more than one row tile take the overrides of its tier
+    (`scheduled`: MULTI_TILE, TALL_TILE, PREFILL_TILE or `prefill_rule`; the row tile,
+    column tile, K tile, warps and stages: scheduling only on the GPU).
     """
     _check_shapes(x, w)
     out_dtype = jnp.dtype(jnp.float32 if out_dtype is None else out_dtype)

@@ -112,7 +112,8 @@ def matmul_glu(x: jax.Array, w: jax.Array, *, activation: str,
     """act(x @ w[:, :F]) * (x @ w[:, F:]) for x [M, K], w [K, 2F]; returns x.dtype.
     `row_group` as in `matmul` (scheduling only, the same bits). `config` overrides
     `matmul_config(K, 2F)` (sweeps and tests; it must not split K); `schedule` lets a
-    launch of more than one row tile take the MULTI_TILE_GLU overrides."""
+    launch of more than one row tile take its tier's overrides (MULTI_TILE_GLU,
+    TALL_TILE_GLU, PREFILL_TILE_GLU or `matmul.prefill_rule`)."""
     _check_shapes(x, w)
     check_glu_weight(w, activation)
     m, k = x.shape
