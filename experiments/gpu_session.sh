@@ -69,7 +69,8 @@
 #   (e.g. 64,128: bk is scheduling on the GPU, the sweep checks the bits).
 # - prefillsweep: sweep_schedule.py --prefill, the compute-bound tiles of launches of more
 #   than 1,024 rows (prefill chunks), bits at M = 1, 40, 160, 2048, time at 2048 and 8192,
-#   merged like tallsweep's ($PREFILL_SHAPES, default the four weights a prefill runs).
+#   merged like tallsweep's ($PREFILL_SHAPES, default the four weights a prefill runs;
+#   $PREFILL_PRESET, default qwen3-8b: llama3-8b tunes bench_context's shapes).
 # - sweep: tuning/sweep_matmul.py, the matmul tile tuning; it writes
 #   $OUT/sweep_matmul[_tag]_tuned.json, and `tuned` merges those tables into the device copy's
 #   pallas_kernels/matmul_tuned.json, so the lane's later steps run with it (commit the
@@ -292,7 +293,8 @@ for s in $steps; do
               --write=pallas_kernels/matmul_tuned.json 2>&1 | quiet | grep -v "it/s" | tail -14
               cp pallas_kernels/matmul_tuned.json "$OUT/" ;;
     prefillsweep) timeout "${PREFILL_SWEEP_S:-300}" python3 experiments/tuning/sweep_schedule.py \
-              --prefill --shapes="${PREFILL_SHAPES:-w_gate_up:glu,w_down,wqkv,wo}" --iters=3 \
+              --prefill --preset="${PREFILL_PRESET:-qwen3-8b}" \
+              --shapes="${PREFILL_SHAPES:-w_gate_up:glu,w_down,wqkv,wo}" --iters=3 \
               --budget_s="$(( ${PREFILL_SWEEP_S:-300} - 60 ))" --out="$OUT" \
               --write=pallas_kernels/matmul_tuned.json 2>&1 | quiet | grep -v "it/s" | tail -14
               cp pallas_kernels/matmul_tuned.json "$OUT/" ;;
