@@ -179,6 +179,9 @@ def test_bench_e2e_smoke(tmp_path):
     # the prefill timed at generate's own cache capacity, so decode = run - prefill
     assert all(s["generate_stats"]["max_len"] >= 24 for s in rep["serial"])
     assert all("decode_speedup" in s for s in rep["speculative"])
+    # The speculative prefill in its two parts, once a drafter kind and batch.
+    parts = [s["prefill_parts"] for s in rep["speculative"] if "prefill_parts" in s]
+    assert len(parts) == 2 and all(min(p.values()) > 0 for p in parts)
     assert {(s["drafter"], s["gamma"]) for s in rep["speculative"]} == {("oracle", 2),
                                                                         ("lookup", 2)}
     assert all(s["parity"] for s in rep["speculative"])
