@@ -107,7 +107,7 @@ _WRITE = flags.DEFINE_string("write", "", "a tile data file (pallas_kernels/matm
                              "to merge the winners into (multi_tile[_glu], or tall_tile[_glu] "
                              "with --tall), so later steps of the same call run with them")
 _ROW_GROUP = flags.DEFINE_integer("row_group", 4, "row tiles per program (the model's default)")
-_MAX = flags.DEFINE_integer("max_candidates", 12, "variants per weight")
+_MAX = flags.DEFINE_integer("max_candidates", 12, "variants per weight, and crosses after them")
 _ITERS = flags.DEFINE_integer("iters", 5, "timed loops per variant")
 _COLD = flags.DEFINE_float("cold_mb", 256.0, "weight bytes cycled per timed loop (MB)")
 _BUDGET = flags.DEFINE_float("budget_s", 200.0, "no new variant is started after this")
@@ -180,23 +180,27 @@ def stage_variants(best: MatmulConfig, done: set) -> list[MatmulConfig]:
 FIELDS = ("bm", "bn", "bk", "num_warps", "num_stages")  # what a variant may change
 
 
-def combos(base: MatmulConfig, ran: list[dict], done: set) -> list[MatmulConfig]:
+def combos(base: MatmulConfig, ran: list[dict], done: set, base_us: float = 0.0,
+           limit: int | None = None) -> list[MatmulConfig]:
     """Crosses of the two fastest bit-equal values of each field (the base's included),
-    each field's values timed with the others at the base's."""
+    each field's values timed with the others at the base's; with `limit`, the `limit`
+    crosses whose fields' one-field gains over base_us add up to the most."""
     ok = [(MatmulConfig(**v["config"]), v["us"]) for v in ran if all(v["bits_equal"].values())]
-    best = {}
+    best, gain = {}, {}
     for f in FIELDS:
         times = {getattr(base, f): float("inf")}
         for c, us in ok:
             if all(getattr(c, g) == getattr(base, g) for g in FIELDS if g != f):
                 times[getattr(c, f)] = min(times.get(getattr(c, f), us), us)
         best[f] = sorted(times, key=times.get)[:2]
+        gain[f] = {v: (base_us - t if t < float("inf") else 0.0) for v, t in times.items()}
     out = []
     for values in itertools.product(*(best[f] for f in FIELDS)):
         c = dataclasses.replace(base, **dict(zip(FIELDS, values, strict=True)))
         if c not in done and c != base:
-            out.append(c)
-    return out
+            out.append((-sum(gain[f][v] for f, v in zip(FIELDS, values, strict=True)), c))
+    out = [c for _, c in sorted(out, key=lambda p: p[0])]
+    return out if limit is None else out[:limit]
 
 
 def bits(a) -> np.ndarray:
@@ -290,7 +294,7 @@ def sweep_weight(name: str, K: int, N: int, rows: list[int], timed: list[int], r
     elif _COMBOS.value:
         ran = [v for v in entry["variants"] if "us" in v]
         done = {MatmulConfig(**v["config"]) for v in entry["variants"]}
-        try_all(combos(base, ran, done), name + " combos")
+        try_all(combos(base, ran, done, entry["base_us"], _MAX.value), name + " combos")
     ran = [v for v in entry["variants"] if "us" in v]
     same = [v for v in ran if all(v["bits_equal"].values())]
     entry["all_bits_equal"] = len(same) == len(ran)
