@@ -339,11 +339,16 @@ def _check_shapes(x: jax.Array, w: jax.Array) -> None:
     check_float("x", x)
 
 
+def k_tile_ok(cfg: MatmulConfig, bk: int, K: int) -> bool:
+    """Whether a schedule may run cfg's [K, N] weight with K tile bk: the same bk, or
+    (split_k == 1) another that divides K where cfg's does too (no zero padding either
+    way, so the same terms in the same order)."""
+    return bk == cfg.bk or (cfg.split_k == 1 and K % bk == 0 and K % cfg.bk == 0)
+
+
 def check_k_tile(cfg: MatmulConfig, bk: int, K: int) -> None:
-    """ValueError unless a schedule may run cfg's [K, N] weight with K tile bk: the same
-    bk, or (split_k == 1) another that divides K where cfg's does too (no zero padding
-    either way, so the same terms in the same order)."""
-    if bk != cfg.bk and (cfg.split_k != 1 or K % bk or K % cfg.bk):
+    """ValueError unless `k_tile_ok`."""
+    if not k_tile_ok(cfg, bk, K):
         raise ValueError(f"a schedule may change bk only where the config does not split K "
                          f"and both K tiles divide K={K}; got bk={bk} for {cfg}")
 
@@ -367,8 +372,8 @@ def prefill_rule(cfg: MatmulConfig, K: int, N: int, cols: int | None = None
     PREFILL_TILE entry: 128 x 128 output tiles over 64-wide K steps, 8 warps, 3 stages
     (a compute-bound GEMM's tile; bn halved until it divides `cols`, default N: the GLU
     kernel passes F, its halves' width). {} (the tall or multi-tile schedule) where the
-    config splits K or 64 does not divide K."""
-    if cfg.split_k != 1 or K % 64 or K % cfg.bk:
+    K tile of 64 may not replace the config's (`k_tile_ok`)."""
+    if cfg.split_k != 1 or not k_tile_ok(cfg, 64, K):
         return {}
     cols = N if cols is None else cols
     bn = 128
@@ -400,14 +405,15 @@ def scheduled(cfg: MatmulConfig, m: int, K: int, N: int, dtype, row_group: int,
     prefill = PREFILL_TILE if prefill is None else prefill
     key = (K, N, jnp.dtype(dtype).name)
     # The rule's tile is proven for 2-byte weights (f32 ones take the tables' schedules).
-    rule = (prefill_rule(cfg, K, N, cols) if m > PREFILL_ROWS and key not in prefill
-            and jnp.dtype(dtype).itemsize == 2 else {})
+    rule = m > PREFILL_ROWS and jnp.dtype(dtype).itemsize == 2 and prefill_rule(cfg, K, N, cols)
     if m > PREFILL_ROWS and key in prefill:
         pick = prefill
     elif rule:
         pick = {key: rule}
+    elif m > TALL_ROWS and key in tall:
+        pick = tall
     else:
-        pick = tall if m > TALL_ROWS and key in tall else table
+        pick = table
     out = multi_tile_config(cfg, K, N, dtype, pick)
     return out, scheduled_row_group(cfg.bm, out.bm, row_group)
 

@@ -62,14 +62,14 @@ from jspec.bench.trace import device_events, summarize, traced
 from jspec.random_model import weight_shapes
 from pallas_kernels.matmul import (
     MULTI_TILE,
+    PREFILL_ROWS,
     PREFILL_TILE,
-    TALL_ROWS,
     TALL_TILE,
     TUNED_FILE,
     MatmulConfig,
+    k_tile_ok,
     matmul,
     matmul_config,
-    multi_tile_config,
     parse_schedules,
     read_tuned_file,
     scheduled,
@@ -122,9 +122,8 @@ def variants(base: MatmulConfig, N: int, limit: int, bms=(), bks=(), K: int = 0
     may replace the base's (`check_k_tile`), at the base's row tile and those of `bms`.
     N: the columns bn must divide (F for the GLU kernel)."""
     out = [dataclasses.replace(base, bm=bm) for bm in bms if bm != base.bm]
-    if base.split_k == 1 and K % base.bk == 0:
-        out += [dataclasses.replace(base, bm=bm, bk=bk) for bk in bks if bk != base.bk
-                and K % bk == 0 for bm in dict.fromkeys([base.bm, *bms])]
+    out += [dataclasses.replace(base, bm=bm, bk=bk) for bk in bks
+            if bk != base.bk and k_tile_ok(base, bk, K) for bm in dict.fromkeys([base.bm, *bms])]
     for bn in (base.bn // 2, base.bn * 2, base.bn // 4, base.bn * 4):
         if bn >= 16 and N % bn == 0:
             out.append(dataclasses.replace(base, bn=bn))
@@ -146,7 +145,7 @@ def tall_variants(base: MatmulConfig, N: int, bms, bks=(), K: int = 0) -> list[M
     out = [dataclasses.replace(base, bm=bm, bn=bn, num_warps=w)
            for bm in bms for bn in bns for w in (4, 8)]
     for bk in bks:
-        if bk == base.bk or base.split_k != 1 or K % bk or K % base.bk:
+        if bk == base.bk or not k_tile_ok(base, bk, K):
             continue
         out += [dataclasses.replace(base, bm=bm, bn=bn, bk=bk, num_warps=4 if bm <= 64 else 8)
                 for bm in bms for bn in bns]
@@ -165,7 +164,7 @@ def prefill_variants(base: MatmulConfig, N: int, K: int) -> list[MatmulConfig]:
     the base's (N: the columns bn must divide; F for the GLU kernel)."""
     out = []
     for bm, bn, bk, w, st in PREFILL_GRID:
-        if N % bn == 0 and base.split_k == 1 and K % bk == 0 and K % base.bk == 0:
+        if N % bn == 0 and base.split_k == 1 and k_tile_ok(base, bk, K):
             out.append(dataclasses.replace(base, bm=bm, bn=bn, bk=bk, num_warps=w,
                                            num_stages=st))
     return out
@@ -369,13 +368,11 @@ def main(_):
         base = matmul_config(K, N, jnp.bfloat16, interp)
         tables = ((MULTI_TILE_GLU, TALL_TILE_GLU, PREFILL_TILE_GLU) if glu
                   else (MULTI_TILE, TALL_TILE, PREFILL_TILE))
-        key = (K, N, "bfloat16")
+        # Today's schedule at the largest timed M, and (below the prefill tier) the one
+        # such launches ran with before the prefill rule.
         current = None if interp else [
-            scheduled(base, max(timed), K, N, jnp.bfloat16, rg, *tables,
-                      cols=N // 2 if glu else None)[0],
-            multi_tile_config(base, K, N, jnp.bfloat16,
-                              tables[1] if key in tables[1] and max(timed) > TALL_ROWS
-                              else tables[0])]
+            scheduled(base, m, K, N, jnp.bfloat16, rg, *tables, cols=N // 2 if glu else None)[0]
+            for m in (max(timed), min(max(timed), PREFILL_ROWS))]
         report["weights"].append(sweep_weight(spec, K, N, rows, timed, rg, jax.random.key(i),
                                               t0, interp, bms, glu=glu, current=current,
                                               tall=tall, prefill=prefill, bks=bks))
