@@ -115,11 +115,11 @@ _INTERPRET = flags.DEFINE_bool("interpret", False, "CPU smoke run (timings mean 
 _OUT = flags.DEFINE_string("out", os.environ.get("OUT", "experiments/results"), "receipt dir")
 
 
-def variants(base: MatmulConfig, N: int, limit: int, bms=(), bks=(), K: int = 0
+def variants(base: MatmulConfig, N: int, K: int, limit: int, bms=(), bks=()
              ) -> list[MatmulConfig]:
     """The base config with other bn / warps / stages (same bm, bk, split_k): bn first;
     before them, the base with each row tile of `bms`, then at each K tile of `bks` that
-    may replace the base's (`check_k_tile`), at the base's row tile and those of `bms`.
+    may replace the base's (`k_tile_ok`), at the base's row tile and those of `bms`.
     N: the columns bn must divide (F for the GLU kernel)."""
     out = [dataclasses.replace(base, bm=bm) for bm in bms if bm != base.bm]
     out += [dataclasses.replace(base, bm=bm, bk=bk) for bk in bks
@@ -136,7 +136,7 @@ def variants(base: MatmulConfig, N: int, limit: int, bms=(), bks=(), K: int = 0
     return out[:limit]
 
 
-def tall_variants(base: MatmulConfig, N: int, bms, bks=(), K: int = 0) -> list[MatmulConfig]:
+def tall_variants(base: MatmulConfig, N: int, K: int, bms, bks=()) -> list[MatmulConfig]:
     """The tall tier's grid: each row tile of bms x bn (the base's, twice it) x warps
     (4, 8), at the base's bk, split_k and stages (N: the columns bn must divide); then
     each K tile of bks that may replace the base's (`check_k_tile`) at those row and
@@ -280,9 +280,9 @@ def sweep_weight(name: str, K: int, N: int, rows: list[int], timed: list[int], r
     if prefill:
         grid = prefill_variants(base, cols, K)
     elif tall:
-        grid = tall_variants(base, cols, bms, bks, K)
+        grid = tall_variants(base, cols, K, bms, bks)
     else:
-        grid = variants(base, cols, _MAX.value, bms, bks, K)
+        grid = variants(base, cols, K, _MAX.value, bms, bks)
     try_all(first + [c for c in grid if c not in first], name)
     if tall or prefill:
         ok = [v for v in entry["variants"] if "us" in v and all(v["bits_equal"].values())]
