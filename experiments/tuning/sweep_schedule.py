@@ -139,7 +139,7 @@ def variants(base: MatmulConfig, N: int, K: int, limit: int, bms=(), bks=()
 def tall_variants(base: MatmulConfig, N: int, K: int, bms, bks=()) -> list[MatmulConfig]:
     """The tall tier's grid: each row tile of bms x bn (the base's, twice it) x warps
     (4, 8), at the base's bk, split_k and stages (N: the columns bn must divide); then
-    each K tile of bks that may replace the base's (`check_k_tile`) at those row and
+    each K tile of bks that may replace the base's (`k_tile_ok`) at those row and
     column tiles, 4 warps for 64-row tiles and 8 for taller ones."""
     bns = [b for b in (base.bn, base.bn * 2) if N % b == 0]
     out = [dataclasses.replace(base, bm=bm, bn=bn, num_warps=w)
