@@ -12,8 +12,9 @@ returned `Ops`; it never calls jnp reductions itself. Two backends:
   function of the feature/weight shapes only (rules R1-R3 in the design).
   `KernelOptions.lowering` picks the GPU lowering: "triton" (every kernel through
   Pallas's Triton backend) or "mosaic" (`matmul`, `matmul_glu`, `rmsnorm`, `add_norm`,
-  `rope` and `qk_norm_rope` through Mosaic GPU, `pallas_kernels/mosaic/`; every other
-  kernel, `matmul_partials` and attention included, stays on Triton for now).
+  `rope`, `qk_norm_rope`, `attention` and `tree_attention` through Mosaic GPU,
+  `pallas_kernels/mosaic/`, for the shapes each takes, decided by shapes and options
+  alone; every other kernel, `matmul_partials` included, stays on Triton for now).
 
 Every function takes 2-D row-major operands (rows = tokens) except attention.
 """
@@ -160,6 +161,27 @@ def _by_head_dim(mosaic: Callable, triton: Callable) -> Callable:
     return run
 
 
+def _attention_by_shape(mosaic: Callable, triton: Callable, extra: int) -> Callable:
+    """Attention (extra = 0), attention_counted (1: the counters, passed through) or
+    tree attention (2: root, path) on Mosaic GPU where `mosaic.attention.takes` the
+    model's head size, dtype and split, else Triton. The Triton-only options (split_rows,
+    the one-launch fold, serial split, skipped partials, pack) do not apply to Mosaic's
+    tiles."""
+    from pallas_kernels.mosaic.attention import SPLIT
+    from pallas_kernels.mosaic.attention import takes as mosaic_takes
+
+    @functools.wraps(triton)
+    def run(q, k, v, q_pos, window, *rest, scale, softcap=None, split=None, **kwargs):
+        if not mosaic_takes(q.shape[-1], q.dtype, split):
+            return triton(q, k, v, q_pos, window, *rest, scale=scale, softcap=softcap,
+                          split=split, **kwargs)
+        out = mosaic(q, k, v, q_pos, window, *rest[1:] if extra == 1 else rest,
+                     scale=scale, softcap=softcap, split=SPLIT if split is None else split)
+        return (out, rest[0]) if extra == 1 else out
+
+    return run
+
+
 @functools.cache
 def get_ops(backend: str, interpret: bool = False, lowering: str = "triton") -> Ops:
     if backend == "xla":
@@ -212,8 +234,9 @@ def get_ops(backend: str, interpret: bool = False, lowering: str = "triton") -> 
         )
         if lowering == "triton":
             return ops
-        # Mosaic GPU for the matmuls, norms and RoPE; imported here, as its modules take
-        # ~1.6 s to import.
+        # Mosaic GPU for the matmuls, norms, RoPE and attention; imported here, as its
+        # modules take ~1.6 s to import.
+        from pallas_kernels.mosaic import attention as mosaic_attention
         from pallas_kernels.mosaic import matmul as mosaic_matmul
         from pallas_kernels.mosaic import matmul_glu as mosaic_matmul_glu
         from pallas_kernels.mosaic.norms import add_rmsnorm as mosaic_add_rmsnorm
@@ -228,6 +251,12 @@ def get_ops(backend: str, interpret: bool = False, lowering: str = "triton") -> 
             rope=_by_head_dim(p(mosaic_rope, interpret), ops.rope),
             qk_norm_rope=_by_head_dim(p(mosaic_qk_norm_rope, interpret), ops.qk_norm_rope),
             matmul_glu=p(mosaic_matmul_glu, interpret=interpret),
+            attention=_attention_by_shape(p(mosaic_attention.attention, interpret),
+                                          ops.attention, 0),
+            attention_counted=_attention_by_shape(p(mosaic_attention.attention, interpret),
+                                                  ops.attention_counted, 1),
+            tree_attention=_attention_by_shape(p(mosaic_attention.tree_attention, interpret),
+                                               ops.tree_attention, 2),
         )
     raise ValueError(f"{backend=}; expected 'xla' or 'pallas'")
 

@@ -19,7 +19,8 @@ import pytest
 from test_mosaic import row_by_row_wgmma  # noqa: F401  (a fixture)
 
 from pallas_kernels.attention import attention_reference
-from pallas_kernels.mosaic.attention import BM, attention, split_partials
+from pallas_kernels.mosaic.attention import BM, attention, split_partials, tree_attention
+from pallas_kernels.tree_attention import tree_attention_xla
 
 H, HKV, D = 8, 2, 64  # 4 query heads a kv head: a decode step fills 4 of a tile's 64 rows
 SCALE = D ** -0.5
@@ -136,18 +137,88 @@ def test_bad_input_is_refused():
         call(rows.astype(jnp.float32), k, v, fl, fl, split=128)
 
 
-@pytest.mark.parametrize("seq,softcap", [(1, None), (5, 50.0)])
-def test_lowers_for_cuda(seq, softcap):
-    # The Llama-3-8B decode / verify shapes at an 8K cache (64 partitions: the two-level
-    # fold): Mosaic GPU's lowering runs in Python (PTX is compiled on the device).
-    q = jnp.zeros((1, seq, 32, 128), jnp.bfloat16)
-    k = jnp.zeros((1, 8, 8192, 128), jnp.bfloat16)
+@pytest.mark.parametrize("seq,softcap,heads,kv_heads,head_dim", [
+    (1, None, 32, 8, 128), (5, 50.0, 32, 8, 128), (5, None, 8, 4, 256)])
+def test_lowers_for_cuda(seq, softcap, heads, kv_heads, head_dim):
+    # The Llama-3-8B (and Gemma-3-4B) decode / verify shapes at an 8K cache (64
+    # partitions: the two-level fold): Mosaic GPU's lowering runs in Python (PTX is
+    # compiled on the device).
+    q = jnp.zeros((1, seq, heads, head_dim), jnp.bfloat16)
+    k = jnp.zeros((1, kv_heads, 8192, head_dim), jnp.bfloat16)
     pos = jnp.full((1, seq), 100, jnp.int32)
-    fn = functools.partial(attention, scale=128 ** -0.5, softcap=softcap, split=128)
+    fn = functools.partial(attention, scale=head_dim ** -0.5, softcap=softcap, split=128)
     text = jax.jit(fn).trace(q, k, k, pos, jnp.int32(0)).lower(
         lowering_platforms=("cuda",)).as_text()
     assert "jspec_mosaic_attention_split" in text and "jspec_mosaic_attention_fold" in text
     assert "triton" not in text  # no Triton kernel on the path
+
+
+def _tree(root: int):
+    """A root at `root` and 7 nodes in two branches (slots root .. root + 7 in node order):
+    parents [-1, 0, 0, 1, 2, 3, 3, 5], depths up to 4."""
+    parents = [-1, 0, 0, 1, 2, 3, 3, 5]
+    depth, path = [0], [[0]]
+    for i in range(1, len(parents)):
+        depth.append(depth[parents[i]] + 1)
+        path.append(path[parents[i]] + [i])
+    slots = np.zeros((1, len(parents), 5), np.int32)
+    for i, pth in enumerate(path):
+        slots[0, i, :len(pth)] = [root + j for j in pth]
+    return (jnp.asarray([root], jnp.int32), jnp.asarray(slots),
+            jnp.asarray([[root + d for d in depth]], jnp.int32), path)
+
+
+@pytest.mark.parametrize("window,softcap", [(0, None), (70, 30.0)])
+def test_tree_attention_matches_the_xla_tree(window, softcap):
+    k, v = _cache(1, 256)
+    root, path, q_pos, _ = _tree(121)
+    q = _q(1, 8)
+    got = tree_attention(q, k, v, q_pos, jnp.int32(window), root, path, scale=SCALE,
+                         softcap=softcap, split=128, interpret=True)
+    ref = tree_attention_xla(q, k, v, q_pos, jnp.int32(window), root, path, scale=SCALE,
+                             softcap=softcap)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(ref, np.float32),
+                               atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("root", [121, 126])  # the tail in one key block, or across two
+def test_a_tree_nodes_bits_are_its_root_paths_serial_step(root, row_by_row_wgmma):  # noqa: F811
+    # The tree's slots hold its nodes (two branches); the serial cache of a node holds its
+    # root path at positions root .. root + depth. Partition 0 ends at key 127, so the
+    # tail crosses into partition 1; slots past the tree hold NaN / inf garbage.
+    k, v = _cache(1, 256, garbage_from=root + 8)
+    root_a, path, q_pos, paths = _tree(root)
+    q = _q(1, 8, seed=4)
+    tree = tree_attention(q, k, v, q_pos, jnp.int32(0), root_a, path, scale=SCALE,
+                          split=128, interpret=True)
+    for i, pth in enumerate(paths):
+        # Serial decoding's cache for node i: the prefix, then its ancestors and itself
+        # in order; garbage past its position.
+        slots = np.arange(256)
+        slots[root:root + len(pth)] = [root + j for j in pth]
+        ks, vs = k[:, :, slots], v[:, :, slots]
+        alone = attention(q[:, i:i + 1], ks, vs, q_pos[:, i:i + 1], jnp.int32(0),
+                          scale=SCALE, split=128, interpret=True)[0, 0]
+        assert np.array_equal(np.asarray(tree[0, i]).view(np.uint16),
+                              np.asarray(alone).view(np.uint16)), i
+    # A control the check can fail: a node's keys in slot order (its sibling's slot
+    # where its ancestor should be) are not its root path's.
+    sibling = tree_attention(q, k, v, q_pos, jnp.int32(0), root_a,
+                             path.at[0, 4, 1].set(root + 1), scale=SCALE, split=128,
+                             interpret=True)
+    assert not np.array_equal(np.asarray(sibling[0, 4]), np.asarray(tree[0, 4]))
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(32, 8, 128), (8, 4, 256)])
+def test_tree_attention_lowers_for_cuda(heads, kv_heads, head_dim):
+    # Llama-3-8B's and Gemma-3-4B's attention shapes at an 8K cache.
+    q = jnp.zeros((1, 8, heads, head_dim), jnp.bfloat16)
+    k = jnp.zeros((1, kv_heads, 8192, head_dim), jnp.bfloat16)
+    root, path, q_pos, _ = _tree(5000)
+    fn = functools.partial(tree_attention, scale=head_dim ** -0.5, split=128)
+    text = jax.jit(fn).trace(q, k, k, q_pos, jnp.int32(0), root, path).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert "jspec_mosaic_tree_attention_split" in text and "triton" not in text
 
 
 @pytest.mark.slow  # the device script end to end (interpret mode, ~40 s)

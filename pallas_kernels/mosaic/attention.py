@@ -48,11 +48,23 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels import attention as triton_attention  # the row layout and the fold
 from pallas_kernels._common import pad_axis
 
-__all__ = ["BK", "BM", "attention", "fold_partials", "split_partials"]
+__all__ = ["BK", "BM", "SPLIT", "attention", "fold_partials", "split_partials", "takes",
+           "tree_attention"]
 
 BM = 64  # query rows a program: one wgmma M
 BK = 64  # keys a block
+SPLIT = 128  # keys a partition when the model names none (Triton's GPU default)
 DTYPES = ("bfloat16", "float16")
+
+
+def takes(head_dim: int, dtype, split: int | None) -> bool:
+    """Whether this lowering runs a model's attention: bf16 / f16, head_dim a multiple of
+    64 up to 256 (one wgmma N) and split-KV (`split` None: SPLIT; 0, one pass, is
+    Triton's alone). Shapes and options only, so one model takes one lowering on every
+    path."""
+    split = SPLIT if split is None else split
+    return (jnp.dtype(dtype).name in DTYPES and head_dim % 64 == 0 and head_dim <= 256
+            and split > 0 and split % BK == 0)
 _NEG_INF = float("-inf")
 
 
@@ -61,13 +73,18 @@ def _transforms(dtype) -> tuple:
     return plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)
 
 
-def _kernel(q_gmem, k_gmem, v_gmem, first_gmem, last_gmem, span_gmem, m_gmem, l_gmem,
-            acc_gmem, q_smem, k_smem, v_smem, p_smem, first_smem, last_smem,
-            span_smem, m_smem, l_smem, acc_smem, bar, kv_bar, *, scale: float,
-            softcap: float | None, split: int, tiles: int, num_kv_heads: int, blocks: int):
+def _kernel(q_gmem, k_gmem, v_gmem, first_gmem, last_gmem, span_gmem, *refs, q_smem, k_smem,
+            v_smem, p_smem, first_smem, last_smem, span_smem, m_smem, l_smem, acc_smem, bar,
+            kv_bar, scale: float, softcap: float | None, split: int, tiles: int,
+            num_kv_heads: int, blocks: int, tree: bool = False):
     # q_gmem [B, Hkv, Rp, D]; k_gmem, v_gmem [B, Hkv, S, D]; first/last_gmem [B, Rp];
-    # span_gmem [B, tiles, 16] int32 (the tile's first and last visible key, then pad);
+    # span_gmem [B, tiles, 16] int32 (the tile's first and last visible key, the tail's
+    # first position (trees), then pad); with `tree`, then k/v_tail_gmem [B x Hkv x T, L,
+    # D] (token t = tile t's keys at positions tail .. tail + L - 1, by `tail_index`);
     # m_gmem, l_gmem [B, Hkv, parts, Rp]; acc_gmem [B, Hkv, parts, Rp, D].
+    if tree:
+        k_tail_gmem, v_tail_gmem, *refs = refs
+    m_gmem, l_gmem, acc_gmem = refs
     t, c = lax.axis_index("t"), lax.axis_index("c")
     r = lax.rem(t, tiles)
     h = lax.rem(lax.div(t, tiles), num_kv_heads)
@@ -93,8 +110,23 @@ def _kernel(q_gmem, k_gmem, v_gmem, first_gmem, last_gmem, span_gmem, m_gmem, l_
         m, denom, acc = carry  # [BM], [BM], [BM, D] f32
         start = j * BK
         keys = pl.ds(start, BK)
-        plgpu.copy_gmem_to_smem(k_gmem.at[b, h, keys], k_smem, kv_bar)
-        plgpu.copy_gmem_to_smem(v_gmem.at[b, h, keys], v_smem, kv_bar)
+        if not tree:
+            plgpu.copy_gmem_to_smem(k_gmem.at[b, h, keys], k_smem, kv_bar)
+            plgpu.copy_gmem_to_smem(v_gmem.at[b, h, keys], v_smem, kv_bar)
+        else:  # the prefix from the cache, the tail's blocks from the token's own keys
+            tail_block = lax.div(span_smem[2], BK)  # the tail's first block (root's)
+
+            @pl.when(j < tail_block)
+            def _prefix():
+                plgpu.copy_gmem_to_smem(k_gmem.at[b, h, keys], k_smem, kv_bar)
+                plgpu.copy_gmem_to_smem(v_gmem.at[b, h, keys], v_smem, kv_bar)
+
+            @pl.when(j >= tail_block)
+            def _tail():
+                own = (b * num_kv_heads + h) * tiles + r, pl.ds((j - tail_block) * BK, BK)
+                plgpu.copy_gmem_to_smem(k_tail_gmem.at[own], k_smem, kv_bar)
+                plgpu.copy_gmem_to_smem(v_tail_gmem.at[own], v_smem, kv_bar)
+
         plgpu.barrier_wait(kv_bar)
 
         def qk(acc_ref):
@@ -167,6 +199,13 @@ def split_partials(q_rows, k_cache, v_cache, first, last, *, scale: float,
     [B, Hkv, parts, Rp, D]) f32, parts = cdiv(S, split): each partition's online softmax from
     the empty state; a partition no row of a tile sees is the empty state (-inf, 0, 0).
     `interpret`: Pallas's GPU interpret mode (CPU)."""
+    _check_rows(q_rows, k_cache, v_cache, first, last, split)
+    span = _spans(first, last, q_rows.shape[2] // BM)
+    return _split_call(q_rows, k_cache, v_cache, first, last, span, None, scale=scale,
+                       softcap=softcap, split=split, interpret=interpret)
+
+
+def _check_rows(q_rows, k_cache, v_cache, first, last, split: int) -> None:
     batch, num_kv_heads, rows, head_dim = q_rows.shape
     cache_len = k_cache.shape[2]
     if q_rows.dtype.name not in DTYPES or k_cache.dtype != q_rows.dtype \
@@ -186,10 +225,19 @@ def split_partials(q_rows, k_cache, v_cache, first, last, *, scale: float,
     if head_dim % 64 or head_dim > 256:
         raise ValueError(f"head_dim={head_dim} must be a multiple of 64 up to 256 (one wgmma "
                          "N, 128-byte swizzled rows)")
+
+
+def _split_call(q_rows, k_cache, v_cache, first, last, span, tails, *, scale, softcap, split,
+                interpret):
+    """The phase-1 launch: the chain's (tails None) or the tree's (tails: the tokens' tail
+    keys and values [B x Hkv x T, L, D], one token a tile)."""
+    batch, num_kv_heads, rows, head_dim = q_rows.shape
+    cache_len = k_cache.shape[2]
     tiles, parts = rows // BM, pl.cdiv(cache_len, split)
     tr = _transforms(q_rows.dtype)
     kernel = functools.partial(_kernel, scale=float(scale), softcap=softcap, split=split,
-                               tiles=tiles, num_kv_heads=num_kv_heads, blocks=cache_len // BK)
+                               tiles=tiles, num_kv_heads=num_kv_heads,
+                               blocks=cache_len // BK, tree=tails is not None)
     dt = q_rows.dtype
     f32 = jnp.float32
     return plgpu.kernel(
@@ -213,9 +261,10 @@ def split_partials(q_rows, k_cache, v_cache, first, last, *, scale: float,
         ),
         grid=(batch * num_kv_heads * tiles, parts),
         grid_names=("t", "c"),
-        kernel_name="jspec_mosaic_attention_split",
+        kernel_name="jspec_mosaic_attention_split" if tails is None
+        else "jspec_mosaic_tree_attention_split",
         interpret=plgpu.InterpretGPUParams() if interpret else None,
-    )(q_rows, k_cache, v_cache, first, last, _spans(first, last, tiles))
+    )(q_rows, k_cache, v_cache, first, last, span, *(tails or ()))
 
 
 def _fold_one(carry, part):
@@ -328,3 +377,52 @@ def attention(q, k_cache, v_cache, q_pos, window, *, scale: float,
     out = fold_partials(m, denom, acc, dtype=q.dtype, fold_group=cfg.fold_group,
                         interpret=interpret)
     return triton_attention.rows_to_heads(out, seq, num_heads)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "softcap", "split", "interpret"))
+def tree_attention(q, k_cache, v_cache, q_pos, window, root, path, *, scale: float,
+                   softcap: float | None = None, split: int = SPLIT, interpret: bool = False):
+    """`pallas_kernels.tree_attention.tree_attention` (rule R7) on this lowering: q [B, T,
+    H, D] at logical positions q_pos [B, T] (root + depth), k_cache, v_cache [B, Hkv, S,
+    D] holding the prefix at slots 0..root-1 and the tree's tokens where `path` [B, T, D +
+    1] says, root [B] -> [B, T, H, D].
+
+    One token's G query heads a tile, at its rows 0..G-1: a one-token step's rows. Key
+    blocks before the tail's first (root rounded down to BK: the committed prefix) come
+    from the cache, as a step's do; the tail's blocks from the token's own keys,
+    gathered by XLA beforehand in logical order (`tail_index`: the prefix, then the
+    node's ancestors, then its own slot, which its mask hides). Same blocks, same rows,
+    same partitions and fold as `attention` runs for the token alone at that position, so
+    a node's output is bitwise its root path's serial one, whatever the tree."""
+    from pallas_kernels.tree_attention import tail_index  # the Triton kernel's gather
+
+    batch, seq, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[1]
+    group = num_heads // num_kv_heads
+    if group > BM:
+        raise ValueError(f"tree_attention (Mosaic GPU) takes at most {BM} query heads a kv "
+                         f"head; got {group}")
+    tail, start = tail_index(root.astype(jnp.int32), q_pos.astype(jnp.int32),
+                             path.astype(jnp.int32), BK)  # [B, T, L], [B]
+    bidx = jnp.arange(batch)[:, None, None, None]
+    hidx = jnp.arange(num_kv_heads)[None, :, None, None]
+    length = tail.shape[-1]
+
+    def gather(cache):  # [B, Hkv, S, D] -> [B x Hkv x T, L, D]: token t's keys in order
+        return cache[bidx, hidx, tail[:, None]].reshape(-1, length, head_dim)
+
+    q_rows = q.reshape(batch, seq, num_kv_heads, group, head_dim).transpose(0, 2, 1, 3, 4)
+    q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, 0), (0, BM - group), (0, 0)))
+    q_rows = q_rows.reshape(batch, num_kv_heads, seq * BM, head_dim)
+    # Each token's rows as a one-token step lays them out (`visible_range`).
+    first, last = triton_attention.visible_range(q_pos.reshape(batch * seq, 1), window,
+                                                 group, BM)
+    first, last = first.reshape(batch, seq * BM), last.reshape(batch, seq * BM)
+    _check_rows(q_rows, k_cache, v_cache, first, last, split)
+    span = _spans(first, last, seq).at[:, :, 2].set(start[:, None])
+    m, denom, acc = _split_call(q_rows, k_cache, v_cache, first, last, span,
+                                (gather(k_cache), gather(v_cache)), scale=scale,
+                                softcap=softcap, split=split, interpret=interpret)
+    out = fold_partials(m, denom, acc, dtype=q.dtype, fold_group=16, interpret=interpret)
+    out = out.reshape(batch, num_kv_heads, seq, BM, head_dim)[:, :, :, :group]
+    return out.transpose(0, 2, 1, 3, 4).reshape(batch, seq, num_heads, head_dim)
