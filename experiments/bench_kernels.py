@@ -296,7 +296,8 @@ def bench_steps(model, batches, gammas, context, iters, options=()):
         variant = with_option_string(base, opt)
         variants[f"pallas+{opt}"] = variant
         if any(getattr(variant.options, k) != getattr(base.options, k)
-               for k in ("attn_split", "attn_split_rows", "row_partials")):  # numeric
+               for k in ("attn_split", "attn_split_rows", "row_partials", "lowering")):
+            # numeric (rule R11: each lowering its own bits)
             numeric.add(f"pallas+{opt}")
     for B in batches:
         ref_logits = {}

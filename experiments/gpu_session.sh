@@ -7,7 +7,13 @@
 # pair_eval schedsweep attnsweep train_head parity_trees kernels_trees main pair_head
 # e2e_session tree_sweep parity_long parity_long_xla context_bench context_bench_128k
 # e2e_batch moe_cost moe_parity moe_e2e tallsweep prefillsweep serial_split e2e_context profile groupsweep
-# combinesweep routesweep mosaic_attention (default: parity audit kernels spec).
+# combinesweep routesweep mosaic_attention mosaic (default: parity audit kernels spec).
+# - mosaic: the lowering="mosaic" model (every kernel of a dense forward on Mosaic GPU,
+#   attention and trees included): the parity matrix at 8K on Qwen3-8B:4 and
+#   Gemma-3-4B:6 with ragged batches and trees of 8-64 nodes ($MOSAIC_MODELS,
+#   $MOSAIC_TREES, $MOSAIC_PARITY_S), then bench_kernels.py's whole steps at the
+#   Qwen3-8B shape (36 layers), Triton and Mosaic GPU side by side at batches 1 / 8,
+#   T = 1 / 5 / 17, contexts $MOSAIC_CONTEXTS (default "512 8192"; $MOSAIC_KERNELS_S).
 # - mosaic_attention: tuning/mosaic_attention.py, split-KV attention on Mosaic GPU at the
 #   Llama-3-8B attention shape, contexts 2K and 8K: each token's bits alone, in verify
 #   blocks of 5 / 17 / 33, in a batch of 8 and a doubled cache of garbage; speed against
@@ -354,6 +360,16 @@ for s in $steps; do
               --tag="h200_B${PROF_BATCH:-1}_T$t${PROF_TAG:+_$PROF_TAG}" --out="$OUT" 2>&1 | quiet | tail -34; done ;;
     combinesweep) timeout "${CSWEEP_S:-150}" python3 experiments/tuning/sweep_combine.py \
               ${CSWEEP_FLAGS:-} --out="$OUT" --tag=h200 2>&1 | quiet | grep -v "it/s" | tail -20 ;;
+    mosaic) timeout "${MOSAIC_PARITY_S:-330}" python3 experiments/gpu_parity.py \
+              --models="${MOSAIC_MODELS:-qwen3-8b:4,gemma3-4b:6}" --context=8192 --window=48 \
+              --batches=4,32 --trees="${MOSAIC_TREES:-8,16,32,64}" --backends=pallas \
+              --options=lowering=mosaic --tag=mosaic --out="$OUT" 2>&1 | quiet | tail -40
+            for ctx in ${MOSAIC_CONTEXTS:-512 8192}; do
+              timeout "${MOSAIC_KERNELS_S:-150}" python3 experiments/bench_kernels.py \
+                --preset=qwen3-8b --batches=1,8 --gammas=4,16 --context="$ctx" --iters=5 \
+                --options=lowering=mosaic --noops --tag="mosaic_ctx$ctx" --out="$OUT" 2>&1 \
+                | quiet | tail -16
+            done ;;
     mosaic_attention) timeout "${MATT_S:-240}" python3 experiments/tuning/mosaic_attention.py \
               ${MATT_FLAGS:-} --out="$OUT" --tag=h200 2>&1 | quiet | tail -8 ;;
     routesweep) timeout "${RSWEEP_S:-120}" python3 experiments/tuning/sweep_route.py \

@@ -157,7 +157,25 @@ def test_ops_dispatch_by_lowering():
     assert kernel(triton.matmul) is not matmul
     assert kernel(mosaic.rmsnorm) is rmsnorm and kernel(mosaic.add_norm) is add_rmsnorm
     assert kernel(triton.rmsnorm) is not rmsnorm
-    assert kernel(mosaic.attention) is kernel(triton.attention)  # the rest stays on Triton
+    assert kernel(mosaic.grouped_mlp) is kernel(triton.grouped_mlp)  # the rest: Triton
+    # Attention by head size, dtype and split: Mosaic GPU where it takes them, else Triton.
+    q, kv = jnp.zeros((1, 1, 4, 32), jnp.bfloat16), jnp.zeros((1, 2, 64, 32), jnp.bfloat16)
+    pos, w = jnp.zeros((1, 1), jnp.int32), jnp.int32(0)
+    calls = []
+    with pytest.MonkeyPatch.context() as mp:
+        import pallas_kernels.mosaic.attention as mosaic_attention
+
+        mp.setattr(mosaic_attention, "takes", lambda *a: calls.append(a) or False)
+        get_ops.cache_clear()
+        ops = get_ops("pallas", True, "mosaic")
+        ops.attention(q, kv, kv, pos, w, scale=1.0, split=0)
+        get_ops.cache_clear()
+    assert calls == [(32, jnp.bfloat16, 0)]
+    from pallas_kernels.mosaic.attention import takes
+
+    assert takes(128, jnp.bfloat16, None) and takes(256, jnp.float16, 64)
+    assert not takes(32, jnp.bfloat16, None) and not takes(128, jnp.float32, None)
+    assert not takes(128, jnp.bfloat16, 0) and not takes(128, jnp.bfloat16, 96)
     assert mosaic.qk_norm_rope.__wrapped__.func is qk_norm_rope  # by head size, else Triton
     assert mosaic.rope.__wrapped__.func is rope
     assert get_ops("pallas", True, "mosaic").matmul.__wrapped__.func is matmul
@@ -258,17 +276,22 @@ def test_matmul_glu_lowers_for_cuda():
     assert "tensor<40x12288xbf16>" in text
 
 
-@pytest.mark.slow  # a further case of a property the default run proves
-def test_model_forward_lowers_with_mosaic_kernels(monkeypatch):
-    # A Qwen3-8B-shaped forward (2 layers, decode) with lowering="mosaic": its projections
-    # (wqkv, wo, the fused gate/up + GLU, w_down; layers share one body), the LM head, the
-    # block norm, the residual add + norm and the q/k norm + RoPE are Mosaic GPU calls;
-    # the other kernels Triton (lowered for the H200's sm_90).
+@pytest.mark.parametrize("tree", [False, pytest.param(True, marks=_SLOW)])
+def test_model_forward_lowers_with_mosaic_kernels_only(monkeypatch, tree):
+    # A Qwen3-8B-shaped forward (2 layers) with lowering="mosaic": a decode step (or a
+    # tree verify of 4 nodes) lowers for the H200 with every kernel on Mosaic GPU: the
+    # projections (wqkv, wo, the fused gate/up + GLU, w_down; layers share one body), the
+    # LM head, the block norm, the residual add + norm, the q/k norm + RoPE and split-KV
+    # attention (or tree attention) with its fold. No Triton kernel, so no
+    # `jax-pallas-triton` deprecation warning.
+    import warnings
+
     from jax._src.pallas.triton import gpu_info, pallas_call_registration
 
     from jspec.cache import init_cache
     from jspec.model import Model, apply
     from jspec.random_model import preset_config, random_params
+    from jspec.tree import from_parents
 
     info = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200)
     monkeypatch.setattr(pallas_call_registration.gpu_info_lib, "get_gpu_info",
@@ -277,12 +300,23 @@ def test_model_forward_lowers_with_mosaic_kernels(monkeypatch):
     model = Model(config=cfg, params=jax.eval_shape(lambda: random_params(cfg)))
     model = model.replace(options=model.options.replace(lowering="mosaic"))
     cache = jax.eval_shape(lambda: init_cache(model, 1, 256))
-    text = _lower(apply, model, jax.ShapeDtypeStruct((1, 1), jnp.int32), cache)
-    assert text.count("custom_call @mosaic_gpu") == 8
+    fn, tokens = apply, jax.ShapeDtypeStruct((1, 1), jnp.int32)
+    if tree:
+        tokens = jax.ShapeDtypeStruct((1, 4), jnp.int32)
+
+        def fn(model, tokens, cache):
+            t = from_parents(jnp.asarray([[-1, 0, 0, 1]], jnp.int32), cache.lengths, 2)
+            return apply(model, tokens, cache, tree=t)
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*Pallas Triton backend is deprecated")
+        text = _lower(fn, model, tokens, cache)
+    attention = "tree_attention" if tree else "attention"
     for name, n in (("matmul", 4), ("matmul_glu", 1), ("rmsnorm", 1), ("add_rmsnorm", 1),
-                    ("qk_norm_rope", 1)):
+                    ("qk_norm_rope", 1), (f"{attention}_split", 1), ("attention_fold", 1)):
         assert text.count(f"jspec_mosaic_{name}_mosaic_gpu") == n, name
-    assert "__gpu$xla.gpu.triton" in text and "jspec_matmul" not in text
+    assert text.count("custom_call @mosaic_gpu") == 10
+    assert "__gpu$xla.gpu.triton" not in text and "jspec_matmul" not in text
 
 
 # --------------------------------------------------------------------------- q/k norm, RoPE

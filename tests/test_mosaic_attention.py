@@ -237,3 +237,32 @@ def test_the_device_script_runs_on_a_cpu(tmp_path):
     (entry,) = rep["contexts"]
     assert rep["complete"] and set(entry["mismatching_tokens"].values()) == {0, 5}
     assert entry["max_abs_err_vs_reference"] < 2e-2 and entry["us"]["B1_T1"]["mosaic"] > 0
+
+
+def _tiny_model():
+    """A tiny bf16 Qwen3 whose heads (64 wide) Mosaic GPU's attention takes, on every
+    Mosaic GPU kernel the lowering has (interpret mode)."""
+    from jspec.model import Model
+    from jspec.options import KernelOptions
+    from jspec.random_model import preset_config, random_params
+
+    cfg = preset_config("tiny-qwen3", dtype="bfloat16").replace(head_dim=64,
+                                                               attn_scale=64 ** -0.5)
+    return Model(config=cfg, params=random_params(cfg, 0),
+                 options=KernelOptions(interpret=True, lowering="mosaic"))
+
+
+@pytest.mark.slow  # whole forwards interpreted (minutes); the kernel tests above prove the rows
+def test_property_p_holds_with_mosaic_attention_chains_and_trees(row_by_row_wgmma):  # noqa: F811
+    from test_tree import _rows, check_tree
+
+    from jspec import parity
+
+    model = _tiny_model()
+    rng = np.random.default_rng(0)
+    seq = rng.integers(0, model.config.vocab_size, 10).astype(np.int32)
+    ref = parity.schedule_logits(model, [seq], parity.prefill_schedule(len(seq)), 64)[0]
+    got = parity.schedule_logits(model, [seq], parity.verify_schedule(len(seq), 3, prefix=4,
+                                                                       seed=1), 64)[0]
+    assert parity.count_mismatches(got, ref) == (0, None)
+    assert check_tree(model, _rows(model, rng, 3, [6]), "prefill", seed=2) == 0
