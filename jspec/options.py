@@ -85,11 +85,16 @@ class KernelOptions:
       kv_dus: a batch-1 call writes its new K/V with one dynamic_update_slice per
         buffer, not a vmapped one (the same cache bits).
       lowering: pallas: how the matmul family (`matmul`, `matmul_glu`), the norms
-        (`rmsnorm`, the residual add + norm) and RoPE with the q/k norms are lowered for
-        the GPU: "triton" (pallas_kernels/*.py) or "mosaic" (Mosaic GPU: wgmma and TMA,
-        pallas_kernels/mosaic/). The other kernels (attention, routing, the grouped
-        experts), and `row_partials` > 1 and tensor-parallel column tiles, stay on
-        Triton. Numeric (rule R11): each lowering gives its own bits, each row-invariant.
+        (`rmsnorm`, the residual add + norm), RoPE with the q/k norms and attention
+        (split-KV steps, verify blocks and trees) are lowered for the GPU: "triton"
+        (pallas_kernels/*.py) or "mosaic" (Mosaic GPU: wgmma and TMA,
+        pallas_kernels/mosaic/; a dense forward then runs no Triton kernel). Attention
+        goes to Mosaic GPU where it takes the model's head size, dtype and split
+        (`pallas_kernels.mosaic.attention.takes`; its 64-row tiles ignore the
+        attn_split_rows / fused-fold / serial-split / skip-empty options); the other
+        kernels (routing, the grouped experts, top-p), `row_partials` > 1 and
+        tensor-parallel column tiles stay on Triton. Numeric (rule R11): each lowering
+        gives its own bits, each row-invariant.
       row_partials: S > 1 computes the row-parallel weights (wo, w_down) as S f32
         partials over equal K chunks, added left to right: the same bits at every
         tensor-parallel degree dividing S (one device included); 1: one K loop.

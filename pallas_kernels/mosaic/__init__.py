@@ -8,11 +8,11 @@ references and the same rules: tiles a function of the weight shape only, K walk
 from 0 upward into one accumulator, no atomics, no reduction across rows. The two
 lowerings may give different bits from each other; each is row-invariant on its own.
 
-So far: the matmul family (`matmul`, `matmul_glu`), the norms (`rmsnorm`,
-`add_rmsnorm`) and RoPE with the q/k norms (`qk_norm_rope`, `rope`), which
-`jspec.KernelOptions.lowering` selects (every other kernel stays on Triton); and split-KV
-attention (`attention.split_partials`, `attention.fold_partials`), not yet selected by
-a model: the device proves its rows first (`gpu_session.sh mosaic_attention`).
+So far, every kernel of a dense forward, which `jspec.KernelOptions.lowering` selects:
+the matmul family (`matmul`, `matmul_glu`), the norms (`rmsnorm`, `add_rmsnorm`), RoPE
+with the q/k norms (`qk_norm_rope`, `rope`), and split-KV and tree attention
+(`attention.attention`, `attention.tree_attention`, for the shapes `attention.takes`).
+The mixture-of-experts kernels and top-p stay on Triton.
 """
 
 from pallas_kernels.mosaic.matmul import (
