@@ -11,7 +11,8 @@
 # - mosaic: the lowering="mosaic" model (every kernel of a dense forward on Mosaic GPU,
 #   attention and trees included): the parity matrix at 8K on Qwen3-8B:4 and
 #   Gemma-3-4B:6 with ragged batches and trees of 8-64 nodes ($MOSAIC_MODELS,
-#   $MOSAIC_TREES, $MOSAIC_PARITY_S), then bench_kernels.py's whole steps at the
+#   $MOSAIC_TREES, $MOSAIC_PARITY_S), tuning/mosaic_top_p.py (the top-p cut's rows
+#   alone and among 160, against Triton), then bench_kernels.py's whole steps at the
 #   Qwen3-8B shape (36 layers), Triton and Mosaic GPU side by side at batches 1 / 8,
 #   T = 1 / 5 / 17, contexts $MOSAIC_CONTEXTS (default "512 8192"; $MOSAIC_KERNELS_S).
 # - mosaic_attention: tuning/mosaic_attention.py, split-KV attention on Mosaic GPU at the
@@ -364,6 +365,8 @@ for s in $steps; do
               --models="${MOSAIC_MODELS:-qwen3-8b:4,gemma3-4b:6}" --context=8192 --window=48 \
               --batches=4,32 --trees="${MOSAIC_TREES:-8,16,32,64}" --backends=pallas \
               --options=lowering=mosaic --tag=mosaic --out="$OUT" 2>&1 | quiet | tail -40
+            timeout 150 python3 experiments/tuning/mosaic_top_p.py --tag=h200 --out="$OUT" 2>&1 \
+              | quiet | tail -8
             for ctx in ${MOSAIC_CONTEXTS:-512 8192}; do
               timeout "${MOSAIC_KERNELS_S:-150}" python3 experiments/bench_kernels.py \
                 --preset=qwen3-8b --batches=1,8 --gammas=4,16 --context="$ctx" --iters=5 \

@@ -32,7 +32,7 @@ from jspec.cache import KVCache, init_cache
 from jspec.chunked_prefill import prefill as chunked_prefill
 from jspec.loop import bucket, check_count, raise_non_finite, run_chunked, token_bar
 from jspec.model import COMPILER_OPTIONS, Model, apply, check_tokens, row_flags
-from jspec.sampling import Greedy, Sample
+from jspec.sampling import Greedy, Sample, with_lowering
 
 PAD = -1  # marks output slots after a row stopped
 GREEDY = Greedy()
@@ -271,6 +271,7 @@ def generate(model: Model, prompts, *, max_new_tokens: int, sampler=GREEDY,
     [0, 2**31); stop_tokens: token ids in [0, vocab_size).
     """
     check_sampler(sampler)
+    sampler = with_lowering(sampler, model.options.lowering)
     seed, stop_tokens = check_run_args(model, seed=seed, stop_tokens=stop_tokens,
                                        vocab_size=_vocab(model), max_len=max_len,
                                        progress=progress)
@@ -311,6 +312,7 @@ def generate_stream(model: Model, prompts, *, max_new_tokens: int, sampler=GREED
     are checked at the call, before the first step is asked for.
     """
     check_sampler(sampler)
+    sampler = with_lowering(sampler, model.options.lowering)
     seed, stop_tokens = check_run_args(model, seed=seed, stop_tokens=stop_tokens,
                                        vocab_size=_vocab(model), max_len=max_len)
     tokens, lens, cache = _setup(model, prompts, max_new_tokens, max_len, stop_tokens)

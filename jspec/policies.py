@@ -300,12 +300,14 @@ class GumbelCoupled(TokenMatching):
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
+    lowering: str | None = None  # the top-p kernel's (`Sample.lowering`)
 
     def __post_init__(self):
         self.serial_sampler()  # checks the values, naming a bad one
 
     def serial_sampler(self) -> Sample:
-        return Sample(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
+        return Sample(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
+                      lowering=self.lowering)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -318,6 +320,7 @@ class RejectionSampling(Policy):
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
+    lowering: str | None = None  # the top-p kernel's (`Sample.lowering`)
 
     draft_seed_salt: ClassVar[int] = _SALT_DRAFT
     uses_draft_logits: ClassVar[bool] = True
@@ -328,7 +331,8 @@ class RejectionSampling(Policy):
         self.serial_sampler()  # checks the values, naming a bad one
 
     def serial_sampler(self) -> Sample:
-        return Sample(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
+        return Sample(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
+                      lowering=self.lowering)
 
     def accept(self, logits, drafts, draft_logits, seed, rows, positions, valid):
         return rejection_sample(self.serial_sampler(), logits, draft_logits, drafts, seed,

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from jspec._checks import check_count, check_real
+from jspec.options import LOWERINGS
 from pallas_kernels.top_p import top_p_kept
 
 
@@ -40,13 +41,18 @@ class Sample:
       temperature: > 0.
       top_k: keep the k largest logits (0: all).
       top_p: keep the smallest set of largest-probability tokens whose mass >= top_p.
+      lowering: the top-p kernel's GPU lowering, "triton" or "mosaic" (each its own
+        row-invariant cut, rule R11); None: the model's `KernelOptions.lowering`, which
+        `generate` and `speculative_generate` fill in (`with_lowering`), else "triton".
     """
 
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
+    lowering: str | None = None
 
     def __post_init__(self):
+        check_lowering(self.lowering)
         t = check_real("temperature", self.temperature, low=0)
         if t == 0:
             raise ValueError(f"temperature={self.temperature!r} must be > 0 for Sample (use "
@@ -59,7 +65,7 @@ class Sample:
     def filtered_logits(self, logits):
         """logits [B, V] f32 -> logits / T with filtered entries at -inf."""
         x = logits / jnp.float32(self.temperature)
-        return filter_top_k_top_p(x, self.top_k, self.top_p)
+        return filter_top_k_top_p(x, self.top_k, self.top_p, self.lowering)
 
     def __call__(self, logits, seed, rows, positions):
         x = self.filtered_logits(logits)
@@ -67,13 +73,28 @@ class Sample:
         return jnp.argmax(x + g, axis=-1).astype(jnp.int32)
 
 
-def filter_top_k_top_p(x, top_k: int, top_p: float):
+def check_lowering(lowering) -> None:
+    if lowering is not None and lowering not in LOWERINGS:
+        raise ValueError(f"lowering={lowering!r}; expected one of {LOWERINGS} or None (the "
+                         "model's)")
+
+
+def with_lowering(obj, lowering: str):
+    """A sampler or policy whose `lowering` field is None, with the model's `lowering` in
+    it (the same object otherwise): what `generate` and `speculative_generate` run."""
+    if dataclasses.is_dataclass(obj) and getattr(obj, "lowering", "") is None:
+        return dataclasses.replace(obj, lowering=lowering)
+    return obj
+
+
+def filter_top_k_top_p(x, top_k: int, top_p: float, lowering: str | None = None):
     """x [B, V] f32 -> x with everything outside top-k / top-p set to -inf.
 
     Both cuts are bitwise functions of the row (rule R1): top-k is a selection, and
     top-p counts the kept tokens in a Pallas kernel that sums each row in a fixed
-    order (`pallas_kernels.top_p`), where XLA's softmax and cumsum would sum it in an
-    order chosen from [B, V]."""
+    order (`pallas_kernels.top_p`, or `pallas_kernels.mosaic.top_p` with lowering
+    "mosaic"), where XLA's softmax and cumsum would sum it in an order chosen from
+    [B, V]."""
     V = x.shape[-1]
     if top_k and top_k < V:
         kth = jax.lax.top_k(x, top_k)[0][:, -1:]  # [B, 1]
@@ -81,7 +102,7 @@ def filter_top_k_top_p(x, top_k: int, top_p: float):
     if top_p < 1.0:
         order = jnp.argsort(-x, axis=-1, stable=True)  # [B, V]
         sorted_x = jnp.take_along_axis(x, order, axis=-1)
-        kept = _top_p_kept(sorted_x, top_p)  # [B]: always >= 1
+        kept = _top_p_kept(sorted_x, top_p, lowering)  # [B]: always >= 1
         keep_sorted = jnp.arange(V, dtype=jnp.int32)[None, :] < kept[:, None]
         keep = jnp.zeros_like(keep_sorted).at[
             jnp.arange(x.shape[0])[:, None], order].set(keep_sorted)
@@ -89,13 +110,16 @@ def filter_top_k_top_p(x, top_k: int, top_p: float):
     return x
 
 
-def _top_p_kept(sorted_x, top_p: float):
-    """The top-p kernel, compiled on a GPU, interpreted (and fenced off from XLA's
-    fusion, as `jspec.ops` fences every interpreted kernel) on the CPU."""
+def _top_p_kept(sorted_x, top_p: float, lowering: str | None = None):
+    """The top-p kernel of `lowering`, compiled on a GPU, interpreted (and fenced off from
+    XLA's fusion, as `jspec.ops` fences every interpreted kernel) on the CPU."""
+    kernel = top_p_kept
+    if lowering == "mosaic":
+        from pallas_kernels.mosaic.top_p import top_p_kept as kernel
     if jax.default_backend() != "cpu":
-        return top_p_kept(sorted_x, top_p)
+        return kernel(sorted_x, top_p)
     fenced = jax.lax.optimization_barrier(sorted_x)
-    return jax.lax.optimization_barrier(top_p_kept(fenced, top_p, interpret=True))
+    return jax.lax.optimization_barrier(kernel(fenced, top_p, interpret=True))
 
 
 def position_keys(seed, rows, positions):

@@ -39,6 +39,7 @@ from jspec.generate import PAD, first_non_finite, pad_prompts, plan_shapes
 from jspec.loop import check_count, raise_non_finite, run_chunked, token_bar
 from jspec.model import COMPILER_OPTIONS, Forward, Model, apply, row_flags
 from jspec.policies import Policy, resolve_policy
+from jspec.sampling import with_lowering
 from jspec.tree import TreeConfig, commit_path, from_parents
 
 # The largest gamma: a verify block of up to 33 positions (the block sizes the parity
@@ -513,7 +514,11 @@ def _validate(target: Model, drafter, spec: SpecConfig) -> None:
 
 
 def _setup(target, drafter, prompts, spec, max_len):
+    """Checks a run's arguments -> (tokens, lens, max_len, spec with the policy's top-p
+    lowering resolved to the target's: `jspec.sampling.with_lowering`)."""
     _validate(target, drafter, spec)
+    spec = dataclasses.replace(spec, policy=with_lowering(spec.policy,
+                                                          target.options.lowering))
     tokens, lens = pad_prompts(prompts, target.config.vocab_size)
     # max_new_tokens + gamma + 1 positions after the prompt: the last round's verify block.
     padded, max_len = plan_shapes(tokens.shape[1], spec.max_new_tokens + spec.proposals + 1,
@@ -528,7 +533,7 @@ def _setup(target, drafter, prompts, spec, max_len):
         if R[0] != tokens.shape[0] or R[1] < int(lens.max()) + spec.max_new_tokens:
             raise ValueError(f"OracleDrafter.reference has shape {R}; need [B={tokens.shape[0]}, "
                              f">= {int(lens.max()) + spec.max_new_tokens}] (prompt + output)")
-    return tokens, lens, max_len
+    return tokens, lens, max_len, spec
 
 
 def _stats(state: SpecState, spec: SpecConfig, drafter, prefill_s: float, loop_s: float) -> dict:
@@ -649,7 +654,7 @@ def speculative_generate(target: Model, drafter, prompts, spec: SpecConfig, *,
     runtime audit (spec.audit_every) finds a difference.
     """
     check_bool("progress", progress)
-    tokens, lens, max_len = _setup(target, drafter, prompts, spec, max_len)
+    tokens, lens, max_len, spec = _setup(target, drafter, prompts, spec, max_len)
     adaptive, seed, spec = spec.adaptive, jnp.int32(spec.seed), spec.static()
     t0 = time.perf_counter()
     state = prefill(target, drafter, jnp.asarray(tokens), jnp.asarray(lens), seed,
@@ -687,7 +692,7 @@ def speculative_stream(target: Model, drafter, prompts, spec: SpecConfig, *,
     The concatenation equals `speculative_generate(...)` with the same arguments. The
     arguments are checked at the call, before the first round is asked for.
     """
-    tokens, lens, max_len = _setup(target, drafter, prompts, spec, max_len)
+    tokens, lens, max_len, spec = _setup(target, drafter, prompts, spec, max_len)
     return _stream(target, drafter, tokens, lens, spec, max_len)
 
 
