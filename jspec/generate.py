@@ -271,10 +271,10 @@ def generate(model: Model, prompts, *, max_new_tokens: int, sampler=GREEDY,
     [0, 2**31); stop_tokens: token ids in [0, vocab_size).
     """
     check_sampler(sampler)
-    sampler = with_lowering(sampler, model.options.lowering)
     seed, stop_tokens = check_run_args(model, seed=seed, stop_tokens=stop_tokens,
                                        vocab_size=_vocab(model), max_len=max_len,
                                        progress=progress)
+    sampler = with_lowering(sampler, model.options.lowering)
     tokens, lens, cache = _setup(model, prompts, max_new_tokens, max_len, stop_tokens)
     max_len = cache.max_len
     t0 = time.perf_counter()
@@ -312,9 +312,9 @@ def generate_stream(model: Model, prompts, *, max_new_tokens: int, sampler=GREED
     are checked at the call, before the first step is asked for.
     """
     check_sampler(sampler)
-    sampler = with_lowering(sampler, model.options.lowering)
     seed, stop_tokens = check_run_args(model, seed=seed, stop_tokens=stop_tokens,
                                        vocab_size=_vocab(model), max_len=max_len)
+    sampler = with_lowering(sampler, model.options.lowering)
     tokens, lens, cache = _setup(model, prompts, max_new_tokens, max_len, stop_tokens)
     return _stream(model, tokens, lens, cache, max_new_tokens, sampler, stop_tokens, seed)
 
