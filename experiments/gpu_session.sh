@@ -7,7 +7,7 @@
 # pair_eval schedsweep attnsweep train_head parity_trees kernels_trees main pair_head
 # e2e_session tree_sweep parity_long parity_long_xla context_bench context_bench_128k
 # e2e_batch moe_cost moe_parity moe_e2e tallsweep prefillsweep serial_split e2e_context profile groupsweep
-# combinesweep routesweep mosaic_attention mosaic (default: parity audit kernels spec).
+# combinesweep routesweep mosaic_attention mosaic e2e_mosaic (default: parity audit kernels spec).
 # - mosaic: the lowering="mosaic" model (every kernel of a dense forward on Mosaic GPU,
 #   attention and trees included): the parity matrix at 8K on Qwen3-8B:4 and
 #   Gemma-3-4B:6 with ragged batches and trees of 8-64 nodes ($MOSAIC_MODELS,
@@ -15,6 +15,8 @@
 #   alone and among 160, against Triton), then bench_kernels.py's whole steps at the
 #   Qwen3-8B shape (36 layers), Triton and Mosaic GPU side by side at batches 1 / 8,
 #   T = 1 / 5 / 17, contexts $MOSAIC_CONTEXTS (default "512 8192"; $MOSAIC_KERNELS_S).
+#   e2e_mosaic: bench_e2e.py at the Qwen3-8B shape (36 layers), serial and a feature
+#   head (gamma 4, a = 0.8), batches $E2E_BATCHES (default 1,8), once a lowering.
 # - mosaic_attention: tuning/mosaic_attention.py, split-KV attention on Mosaic GPU at the
 #   Llama-3-8B attention shape, contexts 2K and 8K: each token's bits alone, in verify
 #   blocks of 5 / 17 / 33, in a batch of 8 and a doubled cache of garbage; speed against
@@ -364,14 +366,21 @@ for s in $steps; do
     mosaic) timeout "${MOSAIC_PARITY_S:-330}" python3 experiments/gpu_parity.py \
               --models="${MOSAIC_MODELS:-qwen3-8b:4,gemma3-4b:6}" --context=8192 --window=48 \
               --batches=4,32 --trees="${MOSAIC_TREES:-8,16,32,64}" --backends=pallas \
-              --options=lowering=mosaic --tag=mosaic --out="$OUT" 2>&1 | quiet | tail -40
+              --options=mosaic --tag=mosaic --out="$OUT" 2>&1 | quiet | tail -40
             timeout 150 python3 experiments/tuning/mosaic_top_p.py --tag=h200 --out="$OUT" 2>&1 \
               | quiet | tail -8
             for ctx in ${MOSAIC_CONTEXTS:-512 8192}; do
               timeout "${MOSAIC_KERNELS_S:-150}" python3 experiments/bench_kernels.py \
                 --preset=qwen3-8b --batches=1,8 --gammas=4,16 --context="$ctx" --iters=5 \
-                --options=lowering=mosaic --noops --tag="mosaic_ctx$ctx" --out="$OUT" 2>&1 \
+                --options=mosaic --noops --tag="mosaic_ctx$ctx" --out="$OUT" 2>&1 \
                 | quiet | tail -16
+            done ;;
+    e2e_mosaic) for low in triton mosaic; do  # serial and speculative, the two lowerings
+              timeout "${E2E_S:-270}" python3 experiments/bench_e2e.py --target=qwen3-8b \
+                --draft=qwen3-0.6b:1 --drafter=feature --batches="${E2E_BATCHES:-1,8}" \
+                --prompt_len=512 --max_new_tokens=128 --gammas=4 --accept=0.8 --nolookup \
+                --nopeers --serial_backends=pallas --iters=2 --options="$low" \
+                --out="$OUT" --tag="h200_lowering-$low" 2>&1 | quiet | grep -v "it/s" | tail -14
             done ;;
     mosaic_attention) timeout "${MATT_S:-240}" python3 experiments/tuning/mosaic_attention.py \
               ${MATT_FLAGS:-} --out="$OUT" --tag=h200 2>&1 | quiet | tail -8 ;;

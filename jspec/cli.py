@@ -81,7 +81,7 @@ def parse_options(text: str, kernel: KernelOptions | None = None,
             fields[kind][field] = conv(number)
         elif name == "plain":
             fields["kernel"] |= dict.fromkeys(FUSIONS, False)
-        elif name in LOWERINGS:  # the matmuls' Pallas lowering (KernelOptions.lowering)
+        elif name in LOWERINGS:  # the GPU lowering of the kernels (KernelOptions.lowering)
             fields["kernel"]["lowering"] = name
         elif name == "draft":
             latency = DraftOptions.latency()
