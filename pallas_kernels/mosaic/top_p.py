@@ -12,8 +12,10 @@ V only), is walked twice in ascending blocks through a TMA pipeline; e_j = exp(x
 - the cut, with thr = p * total: `before` is the carry of the earlier blocks' sums; a
   block with before + its sum < thr keeps all BLOCK entries; the first block where that
   fails (the crossing block) is walked the same way by its rows of LANES (each row's
-  `jnp.sum`), and the crossing row entry by entry, left to right, adding each e_j to the
-  running mass and keeping the entries where it is < thr; later blocks keep none.
+  `jnp.sum`), and the crossing row entry by entry, left to right: the row's own prefix
+  sum of e, added to the earlier mass once an entry (a prefix of small terms summed on
+  its own, as a cumsum would, not each onto the large running mass), keeping the entries
+  where that is < thr; later blocks keep none.
 kept = 1 + that count, at most V: a prefix of the sorted order (the first token always),
 an exact count, so a bitwise function of the row. Block and row sums in the layout's
 order and a sequential walk inside the crossing row are this lowering's definition of
@@ -73,13 +75,14 @@ def _kernel(x_gmem, x0_gmem, o_gmem, x0_smem, o_smem, bar, *, blocks: int, top_p
             row_whole = (row_open == 1) & (run + row_sum < thr)
             row_crossing = (row_open == 1) & jnp.logical_not(row_whole)
 
-            def entry(j, c2):  # the crossing row, entry by entry, left to right
-                r_run, r_kept = c2
-                r_run = r_run + jnp.exp(x_ref[r, j] - shift)
-                return r_run, r_kept + (r_run < thr).astype(jnp.int32)
+            def entry(j, c2):  # the crossing row, entry by entry, left to right: the
+                # row's own prefix sum, added to the earlier mass once an entry
+                local, r_kept = c2
+                local = local + jnp.exp(x_ref[r, j] - shift)
+                return local, r_kept + (run + local < thr).astype(jnp.int32)
 
             _, inside = lax.fori_loop(0, jnp.where(row_crossing, LANES, 0), entry,
-                                      (run, jnp.int32(0)))
+                                      (jnp.float32(0), jnp.int32(0)))
             return (jnp.where(row_whole, run + row_sum, run),
                     kept + jnp.where(row_whole, jnp.int32(LANES), inside),
                     jnp.where(row_crossing, jnp.int32(0), row_open))
