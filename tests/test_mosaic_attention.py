@@ -170,9 +170,11 @@ def _tree(root: int):
 
 @pytest.mark.parametrize("window,softcap", [(0, None), (70, 30.0)])
 def test_tree_attention_matches_the_xla_tree(window, softcap):
-    k, v = _cache(1, 256)
-    root, path, q_pos, _ = _tree(121)
-    q = _q(1, 8)
+    # Two batch rows, roots 121 and 60: each token's tail from its own row's keys.
+    k, v = _cache(2, 256)
+    trees = [_tree(121), _tree(60)]
+    root, path, q_pos = (jnp.concatenate([t[i] for t in trees]) for i in range(3))
+    q = _q(2, 8)
     got = tree_attention(q, k, v, q_pos, jnp.int32(window), root, path, scale=SCALE,
                          softcap=softcap, split=128, interpret=True)
     ref = tree_attention_xla(q, k, v, q_pos, jnp.int32(window), root, path, scale=SCALE,
