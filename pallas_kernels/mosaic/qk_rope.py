@@ -60,8 +60,8 @@ def _kernel(x_gmem, w_gmem, cos_gmem, sin_gmem, o_gmem, x1_s, x2_s, w_s, c_s, s_
     plgpu.barrier_wait(bar)
     dtype = o1_s.dtype
     tile = plgpu.Layout.WGMMA
-    x1 = plgpu.load(x1_s.at[...], (), layout=tile).astype(jnp.float32)  # [HEADS, half]
-    x2 = plgpu.load(x2_s.at[...], (), layout=tile).astype(jnp.float32)
+    x1 = plgpu.load(x1_s.at[...], layout=tile).astype(jnp.float32)  # [HEADS, half]
+    x2 = plgpu.load(x2_s.at[...], layout=tile).astype(jnp.float32)
     if norm:
         ss = (x1 * x1).sum(axis=1) + (x2 * x2).sum(axis=1)  # [HEADS]
         inv = lax.rsqrt(ss / jnp.float32(d) + jnp.float32(eps))[:, None]
@@ -69,8 +69,8 @@ def _kernel(x_gmem, w_gmem, cos_gmem, sin_gmem, o_gmem, x1_s, x2_s, w_s, c_s, s_
         is_q = head < num_q
 
         def scaled(xh, part):  # elementwise, as qk_rope.py's scaling
-            wq = plgpu.load(w_s.at[0, part], (), layout=tile.reduce(0)).astype(jnp.float32)
-            wk = plgpu.load(w_s.at[1, part], (), layout=tile.reduce(0)).astype(jnp.float32)
+            wq = plgpu.load(w_s.at[0, part], layout=tile.reduce(0)).astype(jnp.float32)
+            wk = plgpu.load(w_s.at[1, part], layout=tile.reduce(0)).astype(jnp.float32)
             ws = jnp.where(is_q, jnp.broadcast_to(wq[None, :], xh.shape),
                            jnp.broadcast_to(wk[None, :], xh.shape))
             if offset == 0.0:
@@ -79,8 +79,8 @@ def _kernel(x_gmem, w_gmem, cos_gmem, sin_gmem, o_gmem, x1_s, x2_s, w_s, c_s, s_
             return (xh * inv * (jnp.float32(offset) + ws)).astype(dtype).astype(jnp.float32)
 
         x1, x2 = scaled(x1, 0), scaled(x2, 1)
-    c = plgpu.load(c_s.at[...], (), layout=tile.reduce(0))[None, :]
-    s = plgpu.load(s_s.at[...], (), layout=tile.reduce(0))[None, :]
+    c = plgpu.load(c_s.at[...], layout=tile.reduce(0))[None, :]
+    s = plgpu.load(s_s.at[...], layout=tile.reduce(0))[None, :]
     o1_s[...] = (x1 * c - x2 * s).astype(dtype)
     o2_s[...] = (x2 * c + x1 * s).astype(dtype)
     plgpu.commit_smem()
