@@ -70,3 +70,18 @@ def test_the_sampler_takes_the_models_lowering():
     for row, o in zip(kept, order, strict=True):
         k = row[o]
         assert k[0] and not k[np.argmin(k):].any()
+
+
+def test_runs_fill_in_the_models_lowering():
+    # generate and speculative_generate hand the sampler / policy the model's lowering
+    # (checked on the arguments, before anything is compiled).
+    from jspec import speculative
+    from jspec.random_model import random_model
+
+    model = jspec.with_options(random_model("tiny-qwen3", interpret=True), lowering="mosaic")
+    spec = jspec.SpecConfig(gamma=2, max_new_tokens=4,
+                            policy=jspec.policies.GumbelCoupled(temperature=0.7, top_p=0.9))
+    *_, resolved = speculative._setup(model, jspec.PromptLookupDrafter(), [[1, 2, 3]], spec,
+                                      None)
+    assert resolved.serial_sampler().lowering == "mosaic"
+    assert spec.serial_sampler().lowering is None  # the caller's config is left as it was
