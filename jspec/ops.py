@@ -161,12 +161,11 @@ def _by_head_dim(mosaic: Callable, triton: Callable) -> Callable:
     return run
 
 
-def _attention_by_shape(mosaic: Callable, triton: Callable, extra: int) -> Callable:
-    """Attention (extra = 0), attention_counted (1: the counters, passed through) or
-    tree attention (2: root, path) on Mosaic GPU where `mosaic.attention.takes` the
-    model's head size, dtype and split, else Triton. The Triton-only options (split_rows,
-    the one-launch fold, serial split, skipped partials, pack) do not apply to Mosaic's
-    tiles."""
+def _attention_by_shape(mosaic: Callable, triton: Callable, counted: bool = False) -> Callable:
+    """Attention, tree attention or (counted) attention_counted, whose counters pass
+    through, on Mosaic GPU where `mosaic.attention.takes` the model's head size, dtype and
+    split, else Triton. The Triton-only options (split_rows, the one-launch fold, serial
+    split, skipped partials, pack) do not apply to Mosaic's tiles."""
     from pallas_kernels.mosaic.attention import SPLIT
     from pallas_kernels.mosaic.attention import takes as mosaic_takes
 
@@ -175,9 +174,9 @@ def _attention_by_shape(mosaic: Callable, triton: Callable, extra: int) -> Calla
         if not mosaic_takes(q.shape[-1], q.dtype, split):
             return triton(q, k, v, q_pos, window, *rest, scale=scale, softcap=softcap,
                           split=split, **kwargs)
-        out = mosaic(q, k, v, q_pos, window, *rest[1:] if extra == 1 else rest,
-                     scale=scale, softcap=softcap, split=SPLIT if split is None else split)
-        return (out, rest[0]) if extra == 1 else out
+        out = mosaic(q, k, v, q_pos, window, *rest[counted:], scale=scale, softcap=softcap,
+                     split=SPLIT if split is None else split)
+        return (out, rest[0]) if counted else out
 
     return run
 
@@ -252,11 +251,11 @@ def get_ops(backend: str, interpret: bool = False, lowering: str = "triton") -> 
             qk_norm_rope=_by_head_dim(p(mosaic_qk_norm_rope, interpret), ops.qk_norm_rope),
             matmul_glu=p(mosaic_matmul_glu, interpret=interpret),
             attention=_attention_by_shape(p(mosaic_attention.attention, interpret),
-                                          ops.attention, 0),
+                                          ops.attention),
             attention_counted=_attention_by_shape(p(mosaic_attention.attention, interpret),
-                                                  ops.attention_counted, 1),
+                                                  ops.attention_counted, counted=True),
             tree_attention=_attention_by_shape(p(mosaic_attention.tree_attention, interpret),
-                                               ops.tree_attention, 2),
+                                               ops.tree_attention),
         )
     raise ValueError(f"{backend=}; expected 'xla' or 'pallas'")
 

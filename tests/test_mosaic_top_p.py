@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_kernels import _kept64  # the float64 definition of the count
 
 import jspec
 from jspec.sampling import Sample, filter_top_k_top_p, with_lowering
@@ -19,15 +20,6 @@ def _sorted_rows(m: int, v: int, seed: int = 0, scale: float = 3.0):
     x = x.at[0].set(-jnp.inf)  # an all-masked row (top-k can leave one)
     x = x.at[1, v // 2:].set(-jnp.inf)  # a masked tail
     return -jnp.sort(-x, axis=1)
-
-
-def _kept64(sorted_x, p):
-    """1 + #{j : the mass up to and with token j < p}, in float64."""
-    s = np.asarray(sorted_x, np.float64)
-    live = np.isfinite(s[:, :1])
-    e = np.exp(s - np.where(live, s[:, :1], 0.0))
-    incl = np.cumsum(e, axis=1)
-    return np.minimum(1 + (incl < p * e.sum(axis=1, keepdims=True)).sum(axis=1), s.shape[1])
 
 
 @pytest.mark.parametrize("v,p,scale", [(1000, 0.5, 3.0), (1000, 0.95, 3.0),

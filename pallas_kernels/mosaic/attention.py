@@ -47,6 +47,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import attention as triton_attention  # the row layout and the fold
 from pallas_kernels._common import pad_axis
+from pallas_kernels.tree_attention import tail_index  # the Triton tree kernel's gather
 
 __all__ = ["BK", "BM", "SPLIT", "attention", "fold_partials", "split_partials", "takes",
            "tree_attention"]
@@ -394,8 +395,6 @@ def tree_attention(q, k_cache, v_cache, q_pos, window, root, path, *, scale: flo
     node's ancestors, then its own slot, which its mask hides). Same blocks, same rows,
     same partitions and fold as `attention` runs for the token alone at that position, so
     a node's output is bitwise its root path's serial one, whatever the tree."""
-    from pallas_kernels.tree_attention import tail_index  # the Triton kernel's gather
-
     batch, seq, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
