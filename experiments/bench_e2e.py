@@ -440,7 +440,7 @@ class Bench:
         takes none), and the drafter's init on its output (a feature head's or a draft
         model's own prefill). Their sum less the serial prefill is what speculation adds
         before its first round."""
-        tokens, lens, max_len = spec_setup(self.target, drafter, self.prompts(B), spec, None)
+        tokens, lens, max_len, spec = spec_setup(self.target, drafter, self.prompts(B), spec, None)
         tokens, lens = jnp.asarray(tokens), jnp.asarray(lens)
         layers = feature_layers(drafter)
 

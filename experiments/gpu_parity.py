@@ -49,6 +49,7 @@ table reports them and the run exits 1.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -69,6 +70,7 @@ from jspec.random_model import random_model
 from jspec.sharding import init_cache  # the sharded cache for a sharded model
 from jspec.tree import from_parents
 from pallas_kernels.matmul import TUNED, read_tuned_file, schedule_tables, tuned_to_json
+from pallas_kernels.mosaic.matmul import read_tuned_file as read_mosaic_tuned
 
 FLAGS = flags.DEFINE_string("models", "qwen3-8b:4,gemma3-4b:6", "preset:num_layers list")
 _CONTEXT = flags.DEFINE_integer("context", 8192, "sequence length checked")
@@ -390,6 +392,8 @@ def main(argv):
               "matmul_tuned": tuned_to_json(TUNED),
               "matmul_schedules": schedule_tables(),
               "matmul_grouped": read_tuned_file().get("grouped", []),
+              "mosaic_matmul_tuned": {f"{k}x{n}:{d}": dataclasses.asdict(c) for (k, n, d), c
+                                      in read_mosaic_tuned().items()},
               "date": time.strftime("%Y-%m-%d"), "context": _CONTEXT.value,
               "contexts": _CONTEXTS.value or None,
               "window": _WINDOW.value, "options": _OPTIONS.value, "tp": _TP.value or None,

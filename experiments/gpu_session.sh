@@ -7,7 +7,12 @@
 # pair_eval schedsweep attnsweep train_head parity_trees kernels_trees main pair_head
 # e2e_session tree_sweep parity_long parity_long_xla context_bench context_bench_128k
 # e2e_batch moe_cost moe_parity moe_e2e tallsweep prefillsweep serial_split e2e_context profile groupsweep
-# combinesweep routesweep mosaic_attention mosaic e2e_mosaic (default: parity audit kernels spec).
+# combinesweep routesweep mosaic_attention mosaic mosaic_top_p mosaic_swapped e2e_mosaic table
+# (default: parity audit kernels spec); table copies the device's matmul_tuned.json to $OUT.
+# - mosaic_swapped: tuning/mosaic_matmul.py --swapped (the swapped design's bits and time
+#   against the plain one and Triton, Qwen3-8B weights), writing the passing, faster configs
+#   into pallas_kernels/mosaic/matmul_tuned.json (copied to $OUT) for a later `mosaic` step
+#   ($MOSAIC_TOPP=0 skips its top-p) to prove.
 # - mosaic: the lowering="mosaic" model (every kernel of a dense forward on Mosaic GPU,
 #   attention and trees included): the parity matrix at 8K on Qwen3-8B:4 and
 #   Gemma-3-4B:6 with ragged batches and trees of 8-64 nodes ($MOSAIC_MODELS,
@@ -367,8 +372,8 @@ for s in $steps; do
               --models="${MOSAIC_MODELS:-qwen3-8b:4,gemma3-4b:6}" --context=8192 --window=48 \
               --batches=4,32 --trees="${MOSAIC_TREES:-8,16,32,64}" --backends=pallas \
               --options=mosaic --tag=mosaic --out="$OUT" 2>&1 | quiet | tail -40
-            timeout 150 python3 experiments/tuning/mosaic_top_p.py --tag=h200 --out="$OUT" 2>&1 \
-              | quiet | tail -8
+            [ "${MOSAIC_TOPP:-1}" = 1 ] && timeout 150 python3 experiments/tuning/mosaic_top_p.py \
+              --tag=h200 --out="$OUT" 2>&1 | quiet | tail -8
             for ctx in ${MOSAIC_CONTEXTS:-512 8192}; do
               timeout "${MOSAIC_KERNELS_S:-150}" python3 experiments/bench_kernels.py \
                 --preset=qwen3-8b --batches=1,8 --gammas=4,16 --context="$ctx" --iters=5 \
@@ -382,6 +387,16 @@ for s in $steps; do
                 --nopeers --serial_backends=pallas --iters=2 --options="$low" \
                 --out="$OUT" --tag="h200_lowering-$low" 2>&1 | quiet | grep -v "it/s" | tail -14
             done ;;
+    mosaic_top_p) timeout "${TOPP_S:-150}" python3 experiments/tuning/mosaic_top_p.py --tag=h200 \
+              --out="$OUT" 2>&1 | quiet | tail -8 ;;
+    table) cp pallas_kernels/matmul_tuned.json "$OUT/" ;;  # the device copy's tile table
+    mosaic_swapped) timeout "${MSW_S:-270}" python3 experiments/tuning/mosaic_matmul.py \
+              --swapped --noplain_bits --rows=1,16,17,40,64,160 --iters=10 \
+              --alone=0,1,7,8,15,16,31,63,64,100 --shapes=wqkv,w_gate_up,w_down,wo,lm_head \
+              --configs="${MSW_CONFIGS:-s:128:6,s:256:4}" --budget_s="${MSW_BUDGET:-200}" \
+              --write=pallas_kernels/mosaic/matmul_tuned.json --tag=h200_swapped \
+              --out="$OUT" 2>&1 | quiet | tail -40
+            cp pallas_kernels/mosaic/matmul_tuned.json "$OUT/mosaic_matmul_tuned.json" 2>/dev/null ;;
     mosaic_attention) timeout "${MATT_S:-240}" python3 experiments/tuning/mosaic_attention.py \
               ${MATT_FLAGS:-} --out="$OUT" --tag=h200 2>&1 | quiet | tail -8 ;;
     routesweep) timeout "${RSWEEP_S:-120}" python3 experiments/tuning/sweep_route.py \

@@ -33,6 +33,7 @@ tests/test_mosaic.py).
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import time
@@ -48,6 +49,7 @@ from pallas_kernels import mosaic
 from pallas_kernels.glu import glu
 from pallas_kernels.matmul import matmul as triton_matmul
 from pallas_kernels.matmul import matmul_reference
+from pallas_kernels.mosaic.matmul import swapped_stages
 
 _ROWS = flags.DEFINE_list("rows", ["1", "16", "17", "40", "64", "160", "320"], "row counts M")
 _ALONE = flags.DEFINE_list("alone", ["0", "1", "7", "8", "31", "63", "64", "100", "319"],
@@ -58,8 +60,19 @@ _ITERS = flags.DEFINE_integer("iters", 20, "timed calls per measurement (median)
 _REPS = flags.DEFINE_integer("reps", 20, "kernel launches per timed call")
 _COLD = flags.DEFINE_float("cold_mb", 256.0, "weight copies to read at least this many MB "
                            "per loop, so no weight is served from L2 (0: one copy)")
-_CONFIGS = flags.DEFINE_list("configs", [], "extra Mosaic tiles bn:bk:stages timed at M=1 "
-                             "and 17 for every shape (scheduling study; bk changes bits)")
+_CONFIGS = flags.DEFINE_list("configs", [], "extra Mosaic tiles bn:bk:stages (or s:bk:stages, "
+                             "the swapped design) timed at M=1 and 17 for every shape "
+                             "(scheduling study; bk changes bits)")
+_SWAPPED = flags.DEFINE_bool("swapped", False, "also the swapped design (weight columns as the "
+                             "wgmma M, 16 tokens as N): its bits checked like the plain "
+                             "design's, timed at every M")
+_PLAIN_BITS = flags.DEFINE_bool("plain_bits", True, "check the plain design's bits too "
+                                 "(--noplain_bits: time it only; its bits are proven)")
+_WRITE = flags.DEFINE_string("write", "", "with --swapped: a data file "
+                             "(pallas_kernels/mosaic/matmul_tuned.json) that takes the swapped "
+                             "config of each weight whose swapped bits pass every check and "
+                             "that is faster summed over M = 1 and 17 (the GLU's time for "
+                             "w_gate_up)")
 _BUDGET = flags.DEFINE_float("budget_s", 200.0, "no new shape is started after this many s")
 _SMOKE = flags.DEFINE_bool("smoke", False, "CPU: tiny shapes, interpret mode")
 _OUT = flags.DEFINE_string("out", os.environ.get("OUT", "experiments/results"), "receipt dir")
@@ -76,9 +89,20 @@ def bits(a) -> np.ndarray:
     return a.view(np.uint16 if a.dtype.itemsize == 2 else np.uint32)
 
 
+def swapped_config(K: int, dtype, stages: int | None = None) -> mosaic.MosaicMatmulConfig:
+    """The swapped design at the rule's K tile (at least 64)."""
+    bk = max(64, mosaic.mosaic_matmul_config(K, 128, dtype).bk)
+    return mosaic.MosaicMatmulConfig(bn=64, bk=bk, swapped=True,
+                                     stages=stages or swapped_stages(bk, dtype))
+
+
 def methods(out_dtype, interpret: bool) -> dict:
-    """name -> fn(x [M, K], w [K, N]) -> [M, N]: the three matmuls compared."""
+    """name -> fn(x [M, K], w [K, N]) -> [M, N]: the matmuls compared."""
+    swapped = {} if not _SWAPPED.value else {"mosaic_swapped": lambda x, w: mosaic.matmul(
+        x, w, out_dtype=out_dtype, interpret=interpret,
+        config=swapped_config(w.shape[0], w.dtype))}
     return {
+        **swapped,
         "mosaic": lambda x, w: mosaic.matmul(x, w, out_dtype=out_dtype, interpret=interpret),
         "triton": lambda x, w: triton_matmul(x, w, out_dtype=out_dtype, interpret=interpret,
                                              row_group=4, schedule=True),
@@ -129,14 +153,15 @@ def invariance(fn, x, rows: list[int], alone: list[int]) -> dict:
             "alone_mismatch": [r for r, bad in lone.items() if bad]}
 
 
-def glu_checks(x, w, rows, alone, interpret: bool) -> dict:
+def glu_checks(x, w, rows, alone, interpret: bool, config=None) -> dict:
     """The fused Mosaic matmul_glu: row invariance, its timing is in the table; and
     whether it equals the Triton glu kernel on the Mosaic matmul's halves."""
-    fused = lambda a, b: mosaic.matmul_glu(a, b, activation="silu", interpret=interpret)
+    fused = lambda a, b: mosaic.matmul_glu(a, b, activation="silu", interpret=interpret,
+                                           config=config)
     out = {"invariance": invariance(lambda a: fused(a, w), x, rows, alone)}
     try:
-        gate, up = jnp.split(mosaic.matmul(x, w, out_dtype=x.dtype, interpret=interpret), 2,
-                             axis=-1)
+        gate, up = jnp.split(mosaic.matmul(x, w, out_dtype=x.dtype, interpret=interpret,
+                                           config=config), 2, axis=-1)
         unfused = glu(gate, up, activation="silu", interpret=interpret)
         out["equals_triton_glu_of_halves"] = bool(np.array_equal(bits(fused(x, w)),
                                                                  bits(unfused)))
@@ -170,15 +195,33 @@ def run_shape(name: str, K: int, N: int, rows: list[int], alone: list[int], bw: 
     fns = methods(out_dtype, interpret)
     rep = {"K": K, "N": N, "weight_bytes": wb, "weight_copies": copies,
            "config": dataclasses.asdict(mosaic.mosaic_matmul_config(K, N, dtype)),
-           "bits": invariance(lambda a: fns["mosaic"](a, w), x, rows, alone),
-           "other_bn": other_bn_same_bits(x[:16], w, out_dtype, interpret), "time": {}}
+           "bits": invariance(lambda a: fns["mosaic"](a, w), x, rows, alone)
+           if _PLAIN_BITS.value else {},
+           "other_bn": other_bn_same_bits(x[:16], w, out_dtype, interpret)
+           if _PLAIN_BITS.value else {}, "time": {}}
+    if _SWAPPED.value:
+        sw = swapped_config(K, dtype)
+        rep["swapped"] = {"config": dataclasses.asdict(sw),
+                          "bits": invariance(lambda a: fns["mosaic_swapped"](a, w), x, rows,
+                                             alone)}
+        try:  # informative: does the swapped instruction give the plain design's bits?
+            rep["swapped"]["equals_plain"] = bool(np.array_equal(
+                bits(fns["mosaic_swapped"](x[:40], w)), bits(fns["mosaic"](x[:40], w))))
+        except Exception as e:  # noqa: BLE001
+            rep["swapped"]["equals_plain"] = f"{type(e).__name__}: {str(e)[:400]}"
     if name == "w_gate_up":
         fns["mosaic_glu"] = lambda a, b: mosaic.matmul_glu(a, b, activation="silu",
                                                            interpret=interpret)
-        rep["glu"] = glu_checks(x, w, rows, alone, interpret)
+        rep["glu"] = glu_checks(x, w, rows, alone, interpret) if _PLAIN_BITS.value else {}
+        if _SWAPPED.value:
+            fns["mosaic_swapped_glu"] = lambda a, b: mosaic.matmul_glu(
+                a, b, activation="silu", interpret=interpret, config=sw)
+            rep["swapped"]["glu"] = glu_checks(x, w, rows, alone, interpret, config=sw)
     for spec in _CONFIGS.value:
-        bn, bk, st = (int(v) for v in spec.split(":"))
-        cfg = mosaic.MosaicMatmulConfig(bn=bn, bk=bk, stages=st)
+        bn, bk, st = spec.split(":")
+        cfg = (swapped_config(K, dtype, int(st)) if bn == "s" else
+               mosaic.MosaicMatmulConfig(bn=int(bn), bk=int(bk), stages=int(st)))
+        cfg = dataclasses.replace(cfg, bk=int(bk))
         fns[f"mosaic[{spec}]"] = (lambda c: lambda a, b: mosaic.matmul(
             a, b, out_dtype=out_dtype, interpret=interpret, config=c))(cfg)
     for m in rows:
@@ -193,10 +236,60 @@ def run_shape(name: str, K: int, N: int, rows: list[int], alone: list[int], bw: 
     return rep
 
 
+def swapped_passes(rep: dict) -> bool:
+    """Every bit check of the swapped design clean (the GLU's too, for w_gate_up)."""
+    checks = [rep["swapped"]["bits"]] + ([rep["swapped"]["glu"]["invariance"]]
+                                         if "glu" in rep["swapped"] else [])
+    return all("error" not in c and not any(c["prefix_mismatch_rows"].values())
+               and c["alone_mismatch_rows"] == 0 for c in checks)
+
+
+def write_tuned(path: str, report: dict) -> list[str]:
+    """Merges each passing, faster swapped config into the data file; returns the
+    weights written."""
+    data = json.load(open(path)) if os.path.exists(path) else {
+        "about": "Per-weight-shape configs of pallas_kernels/mosaic/matmul.py (read at "
+                 "import; shapes not listed use the plain design's rule). Written by "
+                 "experiments/tuning/mosaic_matmul.py --swapped --write after its bit checks; "
+                 "the provenance names the receipts and the parity matrix that proved it.",
+        "provenance": [], "tuned": []}
+    written = []
+    for name, rep in report["shapes"].items():
+        if "swapped" not in rep or not swapped_passes(rep):
+            continue
+        plain, swapped = ("mosaic_glu", "mosaic_swapped_glu") if "glu" in rep["swapped"] else (
+            "mosaic", "mosaic_swapped")
+        try:
+            t = {k: sum(rep["time"][m][k]["us"] for m in ("1", "17")) for k in (plain, swapped)}
+        except KeyError:
+            continue
+        if t[swapped] < t[plain]:
+            data["tuned"] = [e for e in data["tuned"]
+                             if (e["K"], e["N"]) != (rep["K"], rep["N"])]
+            data["tuned"].append({"K": rep["K"], "N": rep["N"], "dtype": "bfloat16",
+                                  "config": rep["swapped"]["config"],
+                                  "us_m1_m17": [t[plain], t[swapped]]})
+            written.append(name)
+    data["provenance"].append({"date": time.strftime("%Y-%m-%d"), "device": report["device"],
+                               "jax": report["jax"], "weights": written,
+                               "command": "python experiments/tuning/mosaic_matmul.py "
+                                          "--swapped --write=" + path})
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1)
+    return written
+
+
 def table(report: dict) -> str:
     lines = []
     for name, rep in report["shapes"].items():
         b = rep["bits"]
+        if "swapped" in rep:
+            sb = rep["swapped"]["bits"]
+            lines.append(f"{name} swapped {rep['swapped']['config']}  prefix mismatches "
+                         f"{sb.get('prefix_mismatch_rows')}  alone mismatches "
+                         f"{sb.get('alone_mismatch_rows')}  equals plain "
+                         f"{rep['swapped'].get('equals_plain')}  glu "
+                         f"{rep['swapped'].get('glu', {}).get('invariance')}")
         lines.append(f"{name} {rep['K']}x{rep['N']} {rep['config']}  prefix mismatches "
                      f"{b.get('prefix_mismatch_rows')}  alone mismatches "
                      f"{b.get('alone_mismatch_rows')}  other bn same bits "
@@ -231,6 +324,10 @@ def main(argv):
         report["shapes"][name] = run_shape(name, K, N, rows, alone, bw, interpret)
         report["shapes"][name]["elapsed_s"] = time.perf_counter() - t0
         path = write_receipt(_OUT.value, "mosaic_matmul", _TAG.value, report)
+    if _WRITE.value and _SWAPPED.value and not interpret:
+        report["written"] = write_tuned(_WRITE.value, report)
+        path = write_receipt(_OUT.value, "mosaic_matmul", _TAG.value, report)
+        print(f"{_WRITE.value}: swapped config written for {report['written']}")
     print(table(report))
     print(f"receipt: {path}  (skipped: {report['skipped']})")
 

@@ -27,12 +27,27 @@ so it is `glu` of this `matmul`'s halves in the same arithmetic.
 
 Only 16-bit operands (bf16, f16): an f32 wgmma multiplies in TF32, which is not the
 f32 product the Triton lowering and the reference promise.
+
+**The swapped design** (`MosaicMatmulConfig(swapped=True)`): the wgmma's 64-row M is
+taken by 64 of the weight's columns and its N by 16 tokens, acc [64, 16] =
+w block^T @ x block^T (both operands transposed views of the TMA-loaded blocks), so one
+token fills a sixteenth of the instruction instead of a sixty-fourth and a step copies
+the weight's [bk, 64] block and x's [16 t, bk] block, not a 64-row x block. Every M runs
+the same [64, 16] instruction: a program takes up to TOKEN_TILES token tiles (each its
+own accumulator, the weight block loaded once for all: scheduling), K is walked in the
+same fixed order, and the output tile is stored through a transposed view of shared
+memory. A token's column of the product is the same sum whatever the other columns
+hold and whichever of the 16 it is (R1): the claim `tuning/mosaic_matmul.py --swapped`
+checks on the device, as the rows were checked for the plain design. The design is part
+of the configuration (R11: its own bits), chosen per weight shape by `TUNED_FILE`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import json
+import os
 
 import jax
 import jax.numpy as jnp
@@ -48,6 +63,9 @@ __all__ = ["BM", "MosaicMatmulConfig", "matmul", "matmul_glu", "matmul_glu_refer
            "matmul_reference", "mosaic_matmul_config"]
 
 BM = 64  # rows per program tile: one wgmma M (fixed: the row count changes only the grid)
+BT = 16  # swapped: tokens per wgmma N (fixed: every M runs the same instruction)
+TOKEN_TILES = 4  # swapped: token tiles a program at most (scheduling: a function of M)
+TUNED_FILE = os.path.join(os.path.dirname(__file__), "matmul_tuned.json")
 BK_TILES = (128, 64, 32, 16)  # bk: the largest that divides K
 BN_TILES = (128, 64, 32)  # bn: the largest that divides N and leaves MIN_COLUMN_TILES
 MIN_COLUMN_TILES = 128  # column tiles wanted at decode, where they are the whole grid
@@ -61,6 +79,7 @@ class MosaicMatmulConfig:
     bn: int  # output columns per program (the wgmma N)
     bk: int  # K elements per pipeline step (one wgmma of bk / 16 k16 steps)
     stages: int  # pipeline steps in flight (scheduling only: no bits change)
+    swapped: bool = False  # the weight's columns as the wgmma M (bn = 64), tokens as N
 
     def __post_init__(self):
         for name in ("bn", "bk"):
@@ -71,6 +90,12 @@ class MosaicMatmulConfig:
         if not isinstance(self.stages, int) or self.stages < 2:
             raise ValueError(f"MosaicMatmulConfig.stages={self.stages!r} must be an int >= 2 "
                              "(one wgmma stays in flight while the next step loads)")
+        if not isinstance(self.swapped, bool):
+            raise TypeError(f"MosaicMatmulConfig.swapped={self.swapped!r} must be a bool")
+        if self.swapped and (self.bn != BM or self.bk < 64):
+            raise ValueError(f"MosaicMatmulConfig(swapped=True) takes bn={BM} (the wgmma M) "
+                             f"and bk >= 64 (both operands' 128-byte swizzle); got bn={self.bn}, "
+                             f"bk={self.bk}")
 
 
 def _largest_dividing(n: int, tiles: tuple[int, ...]) -> int | None:
@@ -95,8 +120,30 @@ def pipeline_stages(bk: int, bn: int, dtype, weights: int = 1) -> int:
     return max(2, min(MAX_STAGES, SMEM_BUDGET // per_step))
 
 
-def mosaic_matmul_config(K: int, N: int, dtype) -> MosaicMatmulConfig:
-    """Tiles for a [K, N] weight; deliberately takes no M. bk depends on K alone."""
+def swapped_stages(bk: int, dtype, weights: int = 1) -> int:
+    """Pipeline depth of the swapped design within SMEM_BUDGET at TOKEN_TILES: each step
+    holds x's [16 TOKEN_TILES, bk] block and `weights` [bk, 64] blocks."""
+    per_step = (BT * TOKEN_TILES * bk + weights * bk * BM) * jnp.dtype(dtype).itemsize
+    return max(2, min(MAX_STAGES, SMEM_BUDGET // per_step))
+
+
+@functools.cache
+def read_tuned_file(path: str = TUNED_FILE) -> dict:
+    """{(K, N, dtype name): MosaicMatmulConfig} from the data file (none: {})."""
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        data = json.load(f)
+    return {(e["K"], e["N"], e["dtype"]): MosaicMatmulConfig(**e["config"])
+            for e in data.get("tuned", [])}
+
+
+def mosaic_matmul_config(K: int, N: int, dtype, tuned: bool = True) -> MosaicMatmulConfig:
+    """Tiles for a [K, N] weight; deliberately takes no M: `TUNED_FILE`'s entry for the
+    shape (unless tuned=False), else the rule (the plain design, bk of K alone)."""
+    entry = read_tuned_file().get((K, N, jnp.dtype(dtype).name)) if tuned else None
+    if entry is not None:
+        return entry
     bk = _largest_dividing(K, BK_TILES) or BK_TILES[-1]
     bn = _column_tile(N)
     return MosaicMatmulConfig(bn=bn, bk=bk, stages=pipeline_stages(bk, bn, dtype))
@@ -145,6 +192,43 @@ def _kernel(x_gmem, w_gmem, o_gmem, o_smem, *, cfg: MosaicMatmulConfig, nk: int,
     plgpu.wait_smem_to_gmem(0)
 
 
+def _kernel_swapped(x_gmem, w_gmem, o_gmem, o_smem, *, cfg: MosaicMatmulConfig, nk: int,
+                    tiles: int, column_offsets: tuple[int, ...], epilogue):
+    # x_gmem [Mr, Kp], w_gmem [Kp, Np], o_gmem [Mr, N'] in GMEM; o_smem [16 tiles, 64].
+    # Program (g, j): token tiles g * tiles ... of 16 tokens, the weight's columns
+    # j * 64 ... (and j + c for each column offset c: the GLU's up half).
+    g, j = lax.axis_index("m"), lax.axis_index("n")
+    transforms = _operand_transforms(cfg, x_gmem.dtype)
+    x_spec = plgpu.BlockSpec((BT * tiles, cfg.bk), lambda k: (g, k), transforms=transforms,
+                             delay_release=1)
+    w_specs = [plgpu.BlockSpec((cfg.bk, BM), lambda k, c=c: (k, j + c),
+                               transforms=transforms, delay_release=1)
+               for c in column_offsets]
+    n_acc = len(column_offsets)
+
+    def scope(*accs):  # [64, 16] f32 each: token tile t, column block c at t * n_acc + c
+        def step(_, x_smem, *w_smem):  # x_smem [16 tiles, bk], w_smem [bk, 64] each
+            for t in range(tiles):
+                xt = x_smem.at[pl.ds(t * BT, BT)].transpose((1, 0))  # [bk, 16]
+                for c, w in enumerate(w_smem):  # acc += w block^T @ x block^T
+                    plgpu.wgmma(accs[t * n_acc + c], w.transpose((1, 0)), xt)
+            plgpu.wgmma_wait(1)
+
+        plgpu.emit_pipeline(step, grid=(nk,), in_specs=[x_spec, *w_specs],
+                            max_concurrent_steps=min(cfg.stages, max(nk, 2)))(
+            x_gmem, *([w_gmem] * n_acc))
+        for t in range(tiles):  # [64, 16] -> the output's [16, 64] tile, transposed view
+            out = epilogue(*(accs[t * n_acc + c][...] for c in range(n_acc)))
+            o_smem.transpose((1, 0))[:, pl.ds(t * BT, BT)] = out
+
+    pl.run_scoped(scope, *(plgpu.ACC((BM, BT), jnp.float32) for _ in range(tiles * n_acc)))
+    plgpu.commit_smem()
+    # Tokens past the array's end are not stored (TMA skips them).
+    plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[pl.ds(g * tiles * BT, tiles * BT),
+                                              pl.ds(j * BM, BM)])
+    plgpu.wait_smem_to_gmem(0)
+
+
 def _check(x: jax.Array, w: jax.Array, name: str) -> None:
     if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[0]:
         raise ValueError(f"{name} wants x [M, K] and w [K, N]; got {x.shape=} {w.shape=}")
@@ -171,14 +255,21 @@ def _launch(x, w, cfg: MosaicMatmulConfig, n_out: int, out_dtype, column_offsets
     kp = round_up(k, cfg.bk)  # extra K terms add exact zeros at the end of the sum
     xp = pad_axis(pad_axis(x, 1, kp), 0, m if m <= 8 else round_up(m, 8))  # [Mr, Kp]
     wp = pad_axis(w, 0, kp)
-    kernel = functools.partial(_kernel, cfg=cfg, nk=kp // cfg.bk,
-                               column_offsets=column_offsets, epilogue=epilogue)
+    if cfg.swapped:  # up to TOKEN_TILES 16-token tiles a program
+        tiles = min(TOKEN_TILES, -(-xp.shape[0] // BT))
+        kernel = functools.partial(_kernel_swapped, cfg=cfg, nk=kp // cfg.bk, tiles=tiles,
+                                   column_offsets=column_offsets, epilogue=epilogue)
+        o_tile, m_tile = (BT * tiles, BM), BT * tiles
+    else:
+        kernel = functools.partial(_kernel, cfg=cfg, nk=kp // cfg.bk,
+                                   column_offsets=column_offsets, epilogue=epilogue)
+        o_tile, m_tile = (BM, cfg.bn), BM
     return plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct((xp.shape[0], n_out), out_dtype),
-        scratch_types=dict(o_smem=plgpu.SMEM((BM, cfg.bn), out_dtype)),
-        grid=(-(-xp.shape[0] // BM), n_out // cfg.bn),  # row tiles first: the tiles of
-        grid_names=("m", "n"),  # one weight column block run side by side
+        scratch_types=dict(o_smem=plgpu.SMEM(o_tile, out_dtype)),
+        grid=(-(-xp.shape[0] // m_tile), n_out // cfg.bn),  # row tiles first: the tiles
+        grid_names=("m", "n"),  # of one weight column block run side by side
         kernel_name=name,
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )(xp, wp)
@@ -201,7 +292,15 @@ def matmul(x: jax.Array, w: jax.Array, *, out_dtype=None, interpret: bool = Fals
     out_dtype = jnp.dtype(jnp.float32 if out_dtype is None else out_dtype)
     m, k = x.shape
     n = w.shape[1]
-    cfg = _config(config, k, n, w.dtype, "matmul")
+    # The data file's configs serve 16-bit outputs (the swapped design's store); an f32
+    # output (logits) of a listed shape takes the rule.
+    cfg = _config(config, k, n, w.dtype, "matmul") if out_dtype.itemsize == 2 or config else (
+        mosaic_matmul_config(k, n, w.dtype, tuned=False))
+    if cfg.swapped and out_dtype.itemsize != 2:
+        raise ValueError(f"matmul (Mosaic GPU): the swapped design stores 16-bit outputs only "
+                         f"(Mosaic GPU finds no layout for an {out_dtype.name} tile's "
+                         f"transposed store); got out_dtype={out_dtype.name} for w {w.shape}: "
+                         "use the plain design (swapped=False) for this weight")
     wp = pad_axis(w, 1, round_up(n, cfg.bn))  # [K, Np]; real model widths divide bn
     out = _launch(x, wp, cfg, wp.shape[1], out_dtype, (0,),
                   lambda acc: acc.astype(out_dtype), interpret, "jspec_mosaic_matmul")
@@ -229,7 +328,9 @@ def matmul_glu(x: jax.Array, w: jax.Array, *, activation: str, interpret: bool =
         raise ValueError(f"matmul_glu (Mosaic GPU): F={f} must be a multiple of the column "
                          f"tile bn={cfg.bn} of w {w.shape}")
     # Two weight blocks a step: a shallower pipeline in the same shared memory.
-    cfg = dataclasses.replace(cfg, stages=pipeline_stages(cfg.bk, cfg.bn, w.dtype, 2))
+    cfg = dataclasses.replace(cfg, stages=min(cfg.stages, (
+        swapped_stages(cfg.bk, w.dtype, 2) if cfg.swapped
+        else pipeline_stages(cfg.bk, cfg.bn, w.dtype, 2))))
     dtype = x.dtype
 
     def epilogue(gate, up):  # [BM, bn] f32 each, rounded to the dtype as `matmul` does

@@ -1,0 +1,187 @@
+"""The swapped design of the Mosaic GPU matmul (`MosaicMatmulConfig(swapped=True)`) on the
+CPU: the weight's 64 columns as the wgmma's M, 16 tokens as its N, both operands
+transposed views of the TMA-loaded blocks, the output stored through a transposed view.
+
+Pallas's GPU interpret mode computes each wgmma as numpy's `acc + a @ b`, here
+a = w block^T [64, bk] and b = x block^T [bk, 16]; as in tests/test_mosaic.py, numpy's
+BLAS may give an output element bits that depend on its place in the block, so a
+token's bits are checked across token counts at the same place in its tile, and, with
+the interpreter's product replaced by one token's column at a time (as the hardware
+computes every column alike), a token alone equals that token among others at any
+place. Whether the H200's wgmma does is proven on the device
+(`experiments/tuning/mosaic_matmul.py --swapped`).
+"""
+
+import functools
+import importlib
+import json
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+
+from pallas_kernels.matmul import matmul_reference
+from pallas_kernels.matmul_glu import _glu_tile, matmul_glu_reference
+from pallas_kernels.mosaic import MosaicMatmulConfig, matmul, matmul_glu
+from pallas_kernels.mosaic.matmul import (
+    TOKEN_TILES,
+    mosaic_matmul_config,
+    read_tuned_file,
+    swapped_stages,
+)
+
+K, N = 128, 128  # one K step, two 64-column blocks
+SWAPPED = MosaicMatmulConfig(bn=64, bk=128, stages=4, swapped=True)
+
+
+def mm(x, w, config=SWAPPED):  # the swapped design stores 16-bit outputs (bf16 here)
+    return np.asarray(matmul(x, w, out_dtype=jnp.bfloat16, interpret=True, config=config))
+
+
+def _inputs(m: int, k: int = K, n: int = N, seed: int = 0):
+    kx, kw = jax.random.split(jax.random.key(seed))
+    x = jax.random.normal(kx, (m, k), jnp.float32).astype(jnp.bfloat16)
+    w = (jax.random.normal(kw, (k, n), jnp.float32) * 0.05).astype(jnp.bfloat16)
+    return x, w
+
+
+class _ColumnByColumn:
+    """numpy, except that matmul forms each column of a @ b on its own (one token's
+    column: the same matrix-vector product whatever its place among the 16)."""
+
+    def __getattr__(self, name):
+        return getattr(np, name)
+
+    @staticmethod
+    def matmul(a, b, dtype):
+        a = np.asarray(a, dtype)
+        return np.stack([a @ np.asarray(col, dtype) for col in np.asarray(b).T], axis=1)
+
+
+@pytest.fixture
+def column_by_column_wgmma(monkeypatch):
+    monkeypatch.setattr(gpu_callbacks, "np", _ColumnByColumn())
+
+
+def test_swapped_config_is_checked():
+    with pytest.raises(ValueError, match="swapped=True"):
+        MosaicMatmulConfig(bn=32, bk=128, stages=4, swapped=True)
+    with pytest.raises(ValueError, match="bk >= 64"):
+        MosaicMatmulConfig(bn=64, bk=32, stages=4, swapped=True)
+    with pytest.raises(TypeError, match="swapped"):
+        MosaicMatmulConfig(bn=64, bk=128, stages=4, swapped=1)
+    x, w = _inputs(1)  # an f32 tile's transposed store does not lower: refused up front
+    with pytest.raises(ValueError, match="16-bit outputs only"):
+        matmul(x, w, out_dtype=jnp.float32, interpret=True, config=SWAPPED)
+    # Shared memory at the most token tiles: x's [64, bk] and the weight's [bk, 64] blocks.
+    assert swapped_stages(128, jnp.bfloat16) == 4 and swapped_stages(128, jnp.bfloat16, 2) == 4
+    assert swapped_stages(256, jnp.bfloat16, 2) == 2
+
+
+def test_swapped_matches_reference_and_casts_once():
+    x, w = _inputs(70)  # two programs of token tiles (4 + 1), the last one partial
+    yb = matmul(x, w, out_dtype=jnp.bfloat16, interpret=True, config=SWAPPED)
+    assert yb.dtype == jnp.bfloat16 and yb.shape == (70, N)
+    # The f32 sum rounded once: the reference's f32 product in bf16, within its rounding.
+    ref = matmul_reference(x, w)
+    np.testing.assert_allclose(np.asarray(yb, np.float32), np.asarray(ref), rtol=8e-3, atol=1e-3)
+
+
+def test_tokens_keep_their_bits_across_token_counts():
+    x, w = _inputs(80, seed=2)
+    full = mm(x, w)
+    for m in (1, 16, 17, 65):  # one tile; a full one; a second; a second program
+        assert np.array_equal(mm(x[:m], w),
+                              full[:m]), m
+
+
+def test_token_alone_equals_token_among_others(column_by_column_wgmma):
+    x, w = _inputs(80, seed=1)
+    alone = {r: mm(x[r:r + 1], w)[0]
+             for r in (0, 9, 16, 79)}
+    for m in (16, 40, 80):
+        among = mm(x[:m], w)
+        for r, row in alone.items():
+            if r < m:
+                assert np.array_equal(among[r], row), (m, r)
+    # Every token at another place in its tile (rolled by 5): the same bits.
+    rolled = mm(jnp.roll(x[:40], 5, axis=0), w)
+    assert np.array_equal(np.roll(rolled, -5, axis=0),
+                          mm(x[:40], w))
+
+
+def test_another_k_tile_is_another_sum():
+    # Control for the checks above: the bits they compare can differ (R11: a
+    # configuration has its own bits; in interpret mode the K tile sets the sum order).
+    x, w = _inputs(64, k=1024, seed=3)
+    a = mm(x, w)
+    b = mm(x, w, MosaicMatmulConfig(bn=64, bk=64, stages=4, swapped=True))
+    np.testing.assert_allclose(a.astype(np.float32), b.astype(np.float32), rtol=1e-2, atol=1e-2)
+    assert not np.array_equal(a.view(np.uint16), b.view(np.uint16))
+
+
+def test_swapped_glu_is_glu_of_the_swapped_halves():
+    x, w = _inputs(17, n=256)  # F = 128: two 64-column blocks per half
+    got = matmul_glu(x, w, activation="silu", interpret=True, config=SWAPPED)
+    gate, up = jnp.split(matmul(x, w, out_dtype=x.dtype, interpret=True, config=SWAPPED), 2,
+                         axis=-1)
+    assert np.array_equal(np.asarray(got), np.asarray(_glu_tile(gate, up, "silu")))
+    ref = matmul_glu_reference(x, w, activation="silu")
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(ref, np.float32),
+                               rtol=2e-2, atol=2e-2)
+
+
+def test_the_tuned_file_picks_the_design_per_weight_shape(tmp_path, monkeypatch):
+    module = importlib.import_module("pallas_kernels.mosaic.matmul")  # not the function
+    path = tmp_path / "matmul_tuned.json"
+    path.write_text(json.dumps({"tuned": [{"K": 4096, "N": 6144, "dtype": "bfloat16",
+                                           "config": dict(bn=64, bk=128, stages=5,
+                                                          swapped=True)}]}))
+    monkeypatch.setattr(module, "TUNED_FILE", str(path))
+    read_tuned_file.cache_clear()
+    monkeypatch.setattr(module, "read_tuned_file",
+                        functools.partial(read_tuned_file, str(path)))
+    try:
+        assert module.mosaic_matmul_config(4096, 6144, jnp.bfloat16) == MosaicMatmulConfig(
+            bn=64, bk=128, stages=5, swapped=True)
+        assert not module.mosaic_matmul_config(4096, 4096, jnp.bfloat16).swapped  # the rule
+        assert not module.mosaic_matmul_config(4096, 6144, jnp.float16).swapped
+        assert not module.mosaic_matmul_config(4096, 6144, jnp.bfloat16, tuned=False).swapped
+    finally:
+        read_tuned_file.cache_clear()
+    # The library's own table, where there is one, holds only swapped configs it proved.
+    assert all(c.swapped for c in read_tuned_file().values())
+    assert mosaic_matmul_config(96, 4096, jnp.bfloat16).bk == 32
+
+
+def _lower(fn, *args) -> str:
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("m,k,n", [(1, 4096, 6144), (40, 12288, 4096), (160, 4096, 151936)])
+def test_swapped_lowers_for_cuda(m, k, n):
+    x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((k, n), jnp.bfloat16)
+    cfg = MosaicMatmulConfig(bn=64, bk=128, stages=swapped_stages(128, jnp.bfloat16),
+                             swapped=True)
+    text = _lower(functools.partial(matmul, out_dtype=jnp.bfloat16, config=cfg), x, w)
+    assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 1
+    glu_w = jax.ShapeDtypeStruct((4096, 24576), jnp.bfloat16)
+    text = _lower(functools.partial(matmul_glu, activation="silu", config=cfg),
+                  jax.ShapeDtypeStruct((m, 4096), jnp.bfloat16), glu_w)
+    assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 1
+    assert TOKEN_TILES * 16 == 64  # a program's tokens: one plain design's row tile
+
+
+def test_the_library_table_serves_16_bit_outputs_and_f32_takes_the_rule():
+    tuned = read_tuned_file()
+    assert {(k, n) for k, n, _ in tuned} <= {(4096, 6144), (4096, 24576), (12288, 4096),
+                                              (4096, 4096)}  # Qwen3-8B weights, H200-proven
+    x = jax.ShapeDtypeStruct((1, 4096), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((4096, 6144), jnp.bfloat16)
+    for out_dtype in (jnp.bfloat16, jnp.float32):  # f32 (logits): the plain design lowers
+        text = _lower(functools.partial(matmul, out_dtype=out_dtype), x, w)
+        assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 1
