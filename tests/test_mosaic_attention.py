@@ -168,7 +168,8 @@ def _tree(root: int):
             jnp.asarray([[root + d for d in depth]], jnp.int32), path)
 
 
-@pytest.mark.parametrize("window,softcap", [(0, None), (70, 30.0)])
+@pytest.mark.parametrize("window,softcap", [(0, None),
+                                            pytest.param(70, 30.0, marks=pytest.mark.slow)])
 def test_tree_attention_matches_the_xla_tree(window, softcap):
     # Two batch rows, roots 121 and 60: each token's tail from its own row's keys.
     k, v = _cache(2, 256)
@@ -183,7 +184,8 @@ def test_tree_attention_matches_the_xla_tree(window, softcap):
                                atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.parametrize("root", [121, 126])  # the tail in one key block, or across two
+@pytest.mark.parametrize("root", [pytest.param(121, marks=pytest.mark.slow), 126])  # the tail in
+# one key block (slow), or across two
 def test_a_tree_nodes_bits_are_its_root_paths_serial_step(root, row_by_row_wgmma):  # noqa: F811
     # The tree's slots hold its nodes (two branches); the serial cache of a node holds its
     # root path at positions root .. root + depth. Partition 0 ends at key 127, so the

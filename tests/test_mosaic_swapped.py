@@ -161,7 +161,9 @@ def _lower(fn, *args) -> str:
     return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
-@pytest.mark.parametrize("m,k,n", [(1, 4096, 6144), (40, 12288, 4096), (160, 4096, 151936)])
+@pytest.mark.parametrize("m,k,n", [(1, 4096, 6144),
+                                   pytest.param(40, 12288, 4096, marks=pytest.mark.slow),
+                                   pytest.param(160, 4096, 151936, marks=pytest.mark.slow)])
 def test_swapped_lowers_for_cuda(m, k, n):
     x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
     w = jax.ShapeDtypeStruct((k, n), jnp.bfloat16)
