@@ -124,6 +124,7 @@ def test_parity_audit_checks_its_flags_before_loading(tmp_path):
     assert not list(tmp_path.iterdir())
 
 
+@pytest.mark.slow  # the stop: tests/test_numerics.py; the one-line error: the test above
 def test_speculative_cli_stops_on_non_finite_logits(tmp_path):
     # Finite weights whose logits overflow (a final norm weight of 3e38): the run ends
     # with a one-line error and exit code 1, never "PARITY: OK".

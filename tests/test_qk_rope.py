@@ -101,6 +101,7 @@ _GEMMA_BY_DEFAULT = pytest.mark.parametrize(
 
 
 @_GEMMA_BY_DEFAULT
+@pytest.mark.slow  # Gemma's fused q/k norm + RoPE is in the default run's options-together test
 def test_fused_qk_rope_logits_equal_default(case):
     model, seq = case
     fused = with_options(model, fuse_qk_rope=True)

@@ -69,10 +69,11 @@ _SWAPPED = flags.DEFINE_bool("swapped", False, "also the swapped design (weight 
 _PLAIN_BITS = flags.DEFINE_bool("plain_bits", True, "check the plain design's bits too "
                                  "(--noplain_bits: time it only; its bits are proven)")
 _WRITE = flags.DEFINE_string("write", "", "with --swapped: a data file "
-                             "(pallas_kernels/mosaic/matmul_tuned.json) that takes the swapped "
-                             "config of each weight whose swapped bits pass every check and "
-                             "that is faster summed over M = 1 and 17 (the GLU's time for "
-                             "w_gate_up)")
+                             "(pallas_kernels/mosaic/matmul_tuned.json) that takes, for each "
+                             "weight whose swapped bits pass every check, the fastest summed "
+                             "over M = 1 and 17 of the swapped config and the s: --configs "
+                             "with its bits (at M = 1, 40, max), where faster than the plain "
+                             "design (the GLU's time for w_gate_up)")
 _BUDGET = flags.DEFINE_float("budget_s", 200.0, "no new shape is started after this many s")
 _SMOKE = flags.DEFINE_bool("smoke", False, "CPU: tiny shapes, interpret mode")
 _OUT = flags.DEFINE_string("out", os.environ.get("OUT", "experiments/results"), "receipt dir")
@@ -224,6 +225,15 @@ def run_shape(name: str, K: int, N: int, rows: list[int], alone: list[int], bw: 
         cfg = dataclasses.replace(cfg, bk=int(bk))
         fns[f"mosaic[{spec}]"] = (lambda c: lambda a, b: mosaic.matmul(
             a, b, out_dtype=out_dtype, interpret=interpret, config=c))(cfg)
+        if cfg.swapped and _SWAPPED.value:  # a candidate for the table: its bits checked
+            try:
+                same = all(np.array_equal(bits(fns[f"mosaic[{spec}]"](x[:m], w)),
+                                          bits(fns["mosaic_swapped"](x[:m], w)))
+                           for m in (1, 40, max(rows)))
+            except Exception as e:  # noqa: BLE001
+                same = f"{type(e).__name__}: {str(e)[:300]}"
+            rep["swapped"].setdefault("variants", {})[spec] = {
+                "config": dataclasses.asdict(cfg), "equals_swapped": same}
     for m in rows:
         for meth, fn in fns.items():
             if meth.startswith("mosaic[") and m not in (1, 17):
@@ -257,18 +267,26 @@ def write_tuned(path: str, report: dict) -> list[str]:
     for name, rep in report["shapes"].items():
         if "swapped" not in rep or not swapped_passes(rep):
             continue
-        plain, swapped = ("mosaic_glu", "mosaic_swapped_glu") if "glu" in rep["swapped"] else (
+        glu = "glu" in rep["swapped"]
+        plain, swapped = ("mosaic_glu", "mosaic_swapped_glu") if glu else (
             "mosaic", "mosaic_swapped")
-        try:
-            t = {k: sum(rep["time"][m][k]["us"] for m in ("1", "17")) for k in (plain, swapped)}
-        except KeyError:
-            continue
-        if t[swapped] < t[plain]:
+        configs = {swapped: rep["swapped"]["config"]}
+        if not glu:  # the GLU's depth is capped by its two weight blocks: variants time
+            configs.update({f"mosaic[{spec}]": v["config"]  # the plain matmul only
+                            for spec, v in rep["swapped"].get("variants", {}).items()
+                            if v["equals_swapped"] is True})
+        t = {}
+        for k in (plain, *configs):
+            try:
+                t[k] = sum(rep["time"][m][k]["us"] for m in ("1", "17"))
+            except KeyError:
+                pass
+        best = min((k for k in configs if k in t), key=t.get, default=None)
+        if best is not None and plain in t and t[best] < t[plain]:
             data["tuned"] = [e for e in data["tuned"]
                              if (e["K"], e["N"]) != (rep["K"], rep["N"])]
             data["tuned"].append({"K": rep["K"], "N": rep["N"], "dtype": "bfloat16",
-                                  "config": rep["swapped"]["config"],
-                                  "us_m1_m17": [t[plain], t[swapped]]})
+                                  "config": configs[best], "us_m1_m17": [t[plain], t[best]]})
             written.append(name)
     data["provenance"].append({"date": time.strftime("%Y-%m-%d"), "device": report["device"],
                                "jax": report["jax"], "weights": written,
