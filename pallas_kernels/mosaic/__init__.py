@@ -12,7 +12,9 @@ So far, every kernel of a dense forward, which `jspec.KernelOptions.lowering` se
 the matmul family (`matmul`, `matmul_glu`), the norms (`rmsnorm`, `add_rmsnorm`), RoPE
 with the q/k norms (`qk_norm_rope`, `rope`), and split-KV and tree attention
 (`attention.attention`, `attention.tree_attention`, for the shapes `attention.takes`).
-The mixture-of-experts kernels and top-p stay on Triton.
+The mixture-of-experts kernels stay on Triton; top-p has its own (`top_p.py`). The
+matmul's design (64-row tiles, or the swapped design's 64 weight columns by 16 tokens) is
+chosen per weight shape by `matmul_tuned.json`, written by a device sweep's bit checks.
 """
 
 from pallas_kernels.mosaic.matmul import (
