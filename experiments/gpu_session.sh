@@ -182,6 +182,10 @@ audit() {  # preset layers: pallas audit at 512..8192 and a 2048-token generatio
     --contexts=512,2048,8192 --long_tokens=2048 --out="$OUT" --tag="h200_$1" \
     2>&1 | quiet | grep -v "it/s" | tail -30
 }
+top_p() {  # tuning/mosaic_top_p.py: the Mosaic top-p's rows alone and among others
+  timeout "${TOPP_S:-150}" python3 experiments/tuning/mosaic_top_p.py --tag=h200 --out="$OUT" \
+    2>&1 | quiet | tail -8
+}
 pair_dir() { if [ -n "${PAIR:-}" ]; then echo "$PAIR";
              elif [ -d "$OUT/codepair" ]; then echo "$OUT/codepair";
              else echo jspec/assets/codepair; fi; }
@@ -372,8 +376,7 @@ for s in $steps; do
               --models="${MOSAIC_MODELS:-qwen3-8b:4,gemma3-4b:6}" --context=8192 --window=48 \
               --batches=4,32 --trees="${MOSAIC_TREES:-8,16,32,64}" --backends=pallas \
               --options=mosaic --tag=mosaic --out="$OUT" 2>&1 | quiet | tail -40
-            [ "${MOSAIC_TOPP:-1}" = 1 ] && timeout 150 python3 experiments/tuning/mosaic_top_p.py \
-              --tag=h200 --out="$OUT" 2>&1 | quiet | tail -8
+            [ "${MOSAIC_TOPP:-1}" = 1 ] && top_p
             for ctx in ${MOSAIC_CONTEXTS:-512 8192}; do
               timeout "${MOSAIC_KERNELS_S:-150}" python3 experiments/bench_kernels.py \
                 --preset=qwen3-8b --batches=1,8 --gammas=4,16 --context="$ctx" --iters=5 \
@@ -387,8 +390,7 @@ for s in $steps; do
                 --nopeers --serial_backends=pallas --iters=2 --options="$low" \
                 --out="$OUT" --tag="h200_lowering-$low" 2>&1 | quiet | grep -v "it/s" | tail -14
             done ;;
-    mosaic_top_p) timeout "${TOPP_S:-150}" python3 experiments/tuning/mosaic_top_p.py --tag=h200 \
-              --out="$OUT" 2>&1 | quiet | tail -8 ;;
+    mosaic_top_p) top_p ;;
     table) cp pallas_kernels/matmul_tuned.json "$OUT/" ;;  # the device copy's tile table
     mosaic_swapped) timeout "${MSW_S:-270}" python3 experiments/tuning/mosaic_matmul.py \
               --swapped --noplain_bits --rows=1,16,17,40,64,160 --iters=10 \

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+from test_mosaic import _inputs as mosaic_inputs
 
 from pallas_kernels.matmul import matmul_reference
 from pallas_kernels.matmul_glu import _glu_tile, matmul_glu_reference
@@ -29,8 +30,8 @@ from pallas_kernels.mosaic import MosaicMatmulConfig, matmul, matmul_glu
 from pallas_kernels.mosaic.matmul import (
     TOKEN_TILES,
     mosaic_matmul_config,
+    pipeline_stages,
     read_tuned_file,
-    swapped_stages,
 )
 
 K, N = 128, 128  # one K step, two 64-column blocks
@@ -41,11 +42,7 @@ def mm(x, w, config=SWAPPED):  # the swapped design stores 16-bit outputs (bf16 
     return np.asarray(matmul(x, w, out_dtype=jnp.bfloat16, interpret=True, config=config))
 
 
-def _inputs(m: int, k: int = K, n: int = N, seed: int = 0):
-    kx, kw = jax.random.split(jax.random.key(seed))
-    x = jax.random.normal(kx, (m, k), jnp.float32).astype(jnp.bfloat16)
-    w = (jax.random.normal(kw, (k, n), jnp.float32) * 0.05).astype(jnp.bfloat16)
-    return x, w
+_inputs = functools.partial(mosaic_inputs, k=K, n=N)  # x [m, k], w [k, n] bf16
 
 
 class _ColumnByColumn:
@@ -77,8 +74,9 @@ def test_swapped_config_is_checked():
     with pytest.raises(ValueError, match="16-bit outputs only"):
         matmul(x, w, out_dtype=jnp.float32, interpret=True, config=SWAPPED)
     # Shared memory at the most token tiles: x's [64, bk] and the weight's [bk, 64] blocks.
-    assert swapped_stages(128, jnp.bfloat16) == 4 and swapped_stages(128, jnp.bfloat16, 2) == 4
-    assert swapped_stages(256, jnp.bfloat16, 2) == 2
+    assert pipeline_stages(128, 64, jnp.bfloat16) == 4
+    assert pipeline_stages(128, 64, jnp.bfloat16, 2) == 4
+    assert pipeline_stages(256, 64, jnp.bfloat16, 2) == 2
 
 
 def test_swapped_matches_reference_and_casts_once():
@@ -167,7 +165,7 @@ def _lower(fn, *args) -> str:
 def test_swapped_lowers_for_cuda(m, k, n):
     x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
     w = jax.ShapeDtypeStruct((k, n), jnp.bfloat16)
-    cfg = MosaicMatmulConfig(bn=64, bk=128, stages=swapped_stages(128, jnp.bfloat16),
+    cfg = MosaicMatmulConfig(bn=64, bk=128, stages=pipeline_stages(128, 64, jnp.bfloat16),
                              swapped=True)
     text = _lower(functools.partial(matmul, out_dtype=jnp.bfloat16, config=cfg), x, w)
     assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 1

@@ -49,7 +49,7 @@ from pallas_kernels import mosaic
 from pallas_kernels.glu import glu
 from pallas_kernels.matmul import matmul as triton_matmul
 from pallas_kernels.matmul import matmul_reference
-from pallas_kernels.mosaic.matmul import swapped_stages
+from pallas_kernels.mosaic.matmul import pipeline_stages
 
 _ROWS = flags.DEFINE_list("rows", ["1", "16", "17", "40", "64", "160", "320"], "row counts M")
 _ALONE = flags.DEFINE_list("alone", ["0", "1", "7", "8", "31", "63", "64", "100", "319"],
@@ -92,9 +92,9 @@ def bits(a) -> np.ndarray:
 
 def swapped_config(K: int, dtype, stages: int | None = None) -> mosaic.MosaicMatmulConfig:
     """The swapped design at the rule's K tile (at least 64)."""
-    bk = max(64, mosaic.mosaic_matmul_config(K, 128, dtype).bk)
+    bk = max(64, mosaic.mosaic_matmul_config(K, 128, dtype, tuned=False).bk)
     return mosaic.MosaicMatmulConfig(bn=64, bk=bk, swapped=True,
-                                     stages=stages or swapped_stages(bk, dtype))
+                                     stages=stages or pipeline_stages(bk, 64, dtype))
 
 
 def methods(out_dtype, interpret: bool) -> dict:

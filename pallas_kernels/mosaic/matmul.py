@@ -64,7 +64,8 @@ __all__ = ["BM", "MosaicMatmulConfig", "matmul", "matmul_glu", "matmul_glu_refer
 
 BM = 64  # rows per program tile: one wgmma M (fixed: the row count changes only the grid)
 BT = 16  # swapped: tokens per wgmma N (fixed: every M runs the same instruction)
-TOKEN_TILES = 4  # swapped: token tiles a program at most (scheduling: a function of M)
+TOKEN_TILES = BM // BT  # swapped: token tiles a program at most (scheduling: a function of
+# M), so x's block is the plain design's [64, bk] and `pipeline_stages` serves both designs
 TUNED_FILE = os.path.join(os.path.dirname(__file__), "matmul_tuned.json")
 BK_TILES = (128, 64, 32, 16)  # bk: the largest that divides K
 BN_TILES = (128, 64, 32)  # bn: the largest that divides N and leaves MIN_COLUMN_TILES
@@ -117,13 +118,6 @@ def pipeline_stages(bk: int, bn: int, dtype, weights: int = 1) -> int:
     """Pipeline depth that fits SMEM_BUDGET: each step holds x's [64, bk] block and
     `weights` [bk, bn] blocks (2 for the fused GLU)."""
     per_step = (BM * bk + weights * bk * bn) * jnp.dtype(dtype).itemsize
-    return max(2, min(MAX_STAGES, SMEM_BUDGET // per_step))
-
-
-def swapped_stages(bk: int, dtype, weights: int = 1) -> int:
-    """Pipeline depth of the swapped design within SMEM_BUDGET at TOKEN_TILES: each step
-    holds x's [16 TOKEN_TILES, bk] block and `weights` [bk, 64] blocks."""
-    per_step = (BT * TOKEN_TILES * bk + weights * bk * BM) * jnp.dtype(dtype).itemsize
     return max(2, min(MAX_STAGES, SMEM_BUDGET // per_step))
 
 
@@ -237,9 +231,9 @@ def _check(x: jax.Array, w: jax.Array, name: str) -> None:
                         f"f32 wgmma multiplies in TF32); got {x.dtype=} {w.dtype=}")
 
 
-def _config(config, K: int, N: int, dtype, name: str) -> MosaicMatmulConfig:
+def _config(config, K: int, N: int, dtype, name: str, tuned: bool = True) -> MosaicMatmulConfig:
     if config is None:
-        return mosaic_matmul_config(K, N, dtype)
+        return mosaic_matmul_config(K, N, dtype, tuned)
     if not isinstance(config, MosaicMatmulConfig):
         raise TypeError(f"{name} (Mosaic GPU) takes a MosaicMatmulConfig or None; got "
                         f"{type(config).__name__} (the Triton lowering's tiles, e.g. a "
@@ -294,8 +288,7 @@ def matmul(x: jax.Array, w: jax.Array, *, out_dtype=None, interpret: bool = Fals
     n = w.shape[1]
     # The data file's configs serve 16-bit outputs (the swapped design's store); an f32
     # output (logits) of a listed shape takes the rule.
-    cfg = _config(config, k, n, w.dtype, "matmul") if out_dtype.itemsize == 2 or config else (
-        mosaic_matmul_config(k, n, w.dtype, tuned=False))
+    cfg = _config(config, k, n, w.dtype, "matmul", tuned=out_dtype.itemsize == 2)
     if cfg.swapped and out_dtype.itemsize != 2:
         raise ValueError(f"matmul (Mosaic GPU): the swapped design stores 16-bit outputs only "
                          f"(Mosaic GPU finds no layout for an {out_dtype.name} tile's "
@@ -328,9 +321,8 @@ def matmul_glu(x: jax.Array, w: jax.Array, *, activation: str, interpret: bool =
         raise ValueError(f"matmul_glu (Mosaic GPU): F={f} must be a multiple of the column "
                          f"tile bn={cfg.bn} of w {w.shape}")
     # Two weight blocks a step: a shallower pipeline in the same shared memory.
-    cfg = dataclasses.replace(cfg, stages=min(cfg.stages, (
-        swapped_stages(cfg.bk, w.dtype, 2) if cfg.swapped
-        else pipeline_stages(cfg.bk, cfg.bn, w.dtype, 2))))
+    cfg = dataclasses.replace(cfg, stages=min(cfg.stages,
+                                              pipeline_stages(cfg.bk, cfg.bn, w.dtype, 2)))
     dtype = x.dtype
 
     def epilogue(gate, up):  # [BM, bn] f32 each, rounded to the dtype as `matmul` does
