@@ -185,3 +185,43 @@ def test_the_library_table_serves_16_bit_outputs_and_f32_takes_the_rule():
     for out_dtype in (jnp.bfloat16, jnp.float32):  # f32 (logits): the plain design lowers
         text = _lower(functools.partial(matmul, out_dtype=out_dtype), x, w)
         assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 1
+
+
+def test_the_sweep_writes_only_passing_faster_configs(tmp_path):
+    """tuning/mosaic_matmul.py --write: a weight enters the table only when every bit check
+    of its swapped design passed and it (or a bit-equal variant) beat the plain design at
+    M = 1 and 17; the provenance names the run's command and receipt."""
+    import importlib.util
+    import os
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location(
+        "_mosaic_matmul_sweep", os.path.join(root, "experiments/tuning/mosaic_matmul.py"))
+    sweep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sweep)
+    clean = {"prefix_mismatch_rows": {"1": 0, "160": 0}, "alone_mismatch_rows": 0}
+    base = dict(bn=64, bk=128, stages=4, swapped=True)
+    six = dict(base, stages=6)
+
+    def shape(K, N, times, bits=clean, variant_equal=True):
+        return {"K": K, "N": N, "time": {m: {k: {"us": t} for k, t in ts.items()}
+                                         for m, ts in times.items()},
+                "swapped": {"config": base, "bits": bits,
+                            "variants": {"s:128:6": {"config": six,
+                                                     "equals_swapped": variant_equal}}}}
+
+    fast = {"1": {"mosaic": 50.0, "mosaic_swapped": 30.0, "mosaic[s:128:6]": 25.0},
+            "17": {"mosaic": 50.0, "mosaic_swapped": 30.0, "mosaic[s:128:6]": 25.0}}
+    slow = {m: {"mosaic": 20.0, "mosaic_swapped": 30.0} for m in ("1", "17")}
+    report = {"device": "d", "jax": "j", "command": "python sweep --write", "shapes": {
+        "a": shape(4096, 6144, fast),  # the 6-stage variant wins
+        "b": shape(4096, 4096, fast, variant_equal="ValueError: smem"),  # base wins
+        "c": shape(12288, 4096, slow),  # slower than the plain design
+        "d": shape(4096, 1024, fast, bits=dict(clean, alone_mismatch_rows=1))}}
+    path = tmp_path / "t.json"
+    assert sweep.write_tuned(str(path), report, receipt="r.json") == ["a", "b"]
+    data = json.loads(path.read_text())
+    got = {(e["K"], e["N"]): e["config"] for e in data["tuned"]}
+    assert got == {(4096, 6144): six, (4096, 4096): base}
+    assert data["provenance"][-1]["command"] == "python sweep --write"
+    assert data["provenance"][-1]["receipt"] == "r.json"

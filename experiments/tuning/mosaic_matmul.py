@@ -36,6 +36,7 @@ import dataclasses
 import json
 import math
 import os
+import sys
 import time
 
 import jax
@@ -254,9 +255,10 @@ def swapped_passes(rep: dict) -> bool:
                and c["alone_mismatch_rows"] == 0 for c in checks)
 
 
-def write_tuned(path: str, report: dict) -> list[str]:
+def write_tuned(path: str, report: dict, receipt: str | None = None) -> list[str]:
     """Merges each passing, faster swapped config into the data file; returns the
-    weights written."""
+    weights written. Its provenance entry records this run's command and `receipt`;
+    the parity matrix that proves the table is added by hand once it has run."""
     data = json.load(open(path)) if os.path.exists(path) else {
         "about": "Per-weight-shape configs of pallas_kernels/mosaic/matmul.py (read at "
                  "import; shapes not listed use the plain design's rule). Written by "
@@ -290,8 +292,7 @@ def write_tuned(path: str, report: dict) -> list[str]:
             written.append(name)
     data["provenance"].append({"date": time.strftime("%Y-%m-%d"), "device": report["device"],
                                "jax": report["jax"], "weights": written,
-                               "command": "python experiments/tuning/mosaic_matmul.py "
-                                          "--swapped --write=" + path})
+                               "command": report["command"], "receipt": receipt})
     with open(path, "w") as f:
         json.dump(data, f, indent=1)
     return written
@@ -330,7 +331,8 @@ def main(argv):
         rows, alone = [1, 16, 17, 65], [0, 9, 64]
         flags.FLAGS.iters, flags.FLAGS.reps = 2, 1
     bw = copy_bandwidth(5)
-    report = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
+    report = {"command": " ".join(["python"] + sys.argv), "date": time.strftime("%Y-%m-%d"),
+              "device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
               "smoke": interpret, "rows": rows, "alone": alone, "copy_bw_GBps": bw / 1e9,
               "cold_mb": _COLD.value, "shapes": {}, "skipped": []}
     t0, path = time.perf_counter(), None
@@ -343,7 +345,7 @@ def main(argv):
         report["shapes"][name]["elapsed_s"] = time.perf_counter() - t0
         path = write_receipt(_OUT.value, "mosaic_matmul", _TAG.value, report)
     if _WRITE.value and _SWAPPED.value and not interpret:
-        report["written"] = write_tuned(_WRITE.value, report)
+        report["written"] = write_tuned(_WRITE.value, report, receipt=path)
         path = write_receipt(_OUT.value, "mosaic_matmul", _TAG.value, report)
         print(f"{_WRITE.value}: swapped config written for {report['written']}")
     print(table(report))
