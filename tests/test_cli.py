@@ -297,6 +297,16 @@ def test_profile_step_smoke(tmp_path):
     assert rep["device_events"] == 0  # a CPU trace has no device timeline
 
 
+@pytest.mark.slow  # a profiling script: speculative rounds
+def test_profile_step_rounds_smoke(tmp_path):
+    r = _run("tuning/profile_step.py", "--interpret", "--preset=tiny-qwen3", "--dtype=float32",
+             "--context=16", "--batch=2", "--round=2", "--head_vocab=0", f"--out={tmp_path}")
+    assert r.returncode == 0, r.stderr[-2000:]
+    rep = json.load(open(tmp_path / "profile_step_tiny-qwen3.json"))
+    assert rep["step_ms"] > 0 and rep["T"] == 3
+    assert rep["round"] == {"gamma": 2, "draft": "feature head", "head_vocab": 0}
+
+
 @pytest.mark.slow  # a sweep script
 def test_sweep_schedule_smoke(tmp_path):
     r = _run("tuning/sweep_schedule.py", "--interpret", "--preset=tiny-qwen3", "--rows=1,40",

@@ -1,6 +1,8 @@
 """Where a forward step's time goes: the device kernels of one step, from a profiler trace.
 
   python experiments/tuning/profile_step.py --preset=qwen3-30b-a3b --T=1 --out=$OUT   # H200
+  python experiments/tuning/profile_step.py --preset=qwen3-8b --layers=12 --batch=32 \
+      --context=576 --round=4 --out=$OUT         # H200: speculative rounds, not a step
   python experiments/tuning/profile_step.py --preset=tiny-qwen3-moe --interpret \
       --dtype=float32 --context=16                                     # CPU smoke run
 
@@ -15,6 +17,14 @@ jspec behind it, from the compiled HLO (`jspec.bench.hlo`). Prints the top kerne
 profile_step_<preset>[_<tag>].json under --out (and keeps the trace's .json.gz beside it
 with --keep_trace). On a CPU the trace has no device kernels: the run
 only checks that the script works.
+
+--round=G profiles speculative rounds instead: a chain of G drafts from a feature head
+with random weights (its draft vocabulary the first --head_vocab ids) under an oracle
+drafter, one `spec_loop` chunk of STEP_REPS rounds on a copy of the prefilled state, so
+the summary is per round: the verify forward, the head's G forwards, acceptance, the
+commit and whatever the loop adds between them (--nodraft: the oracle alone, no head:
+the round less the drafter). The oracle's reference tokens are random, so no draft is
+accepted; a round's shapes, and so its cost, do not depend on acceptance.
 """
 
 from __future__ import annotations
@@ -30,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
+import jspec
 from jspec.bench.hlo import copy_sources, fusion_sources
 from jspec.bench.receipts import write_receipt
 from jspec.bench.timing import STEP_REPS, device_steps, median_time
@@ -37,7 +48,11 @@ from jspec.bench.trace import device_events, summarize, traced
 from jspec.cache import init_cache
 from jspec.chunked_prefill import prefill_jit
 from jspec.cli import options_record, with_option_string
+from jspec.feature_head import random_head
 from jspec.random_model import PRESETS, random_model
+from jspec.speculative import _setup as spec_setup
+from jspec.speculative import prefill as spec_prefill
+from jspec.speculative import spec_loop
 
 _PRESET = flags.DEFINE_string("preset", "qwen3-30b-a3b", "a random-model preset")
 _LAYERS = flags.DEFINE_integer("layers", 0, "layers (0: the preset's)")
@@ -55,14 +70,58 @@ _TOP = flags.DEFINE_integer("top", 25, "kernel names printed")
 _KEEP = flags.DEFINE_bool("keep_trace", False, "copy the Perfetto trace next to the receipt")
 _OUT = flags.DEFINE_string("out", os.environ.get("OUT", "experiments/results"), "receipt dir")
 _TAG = flags.DEFINE_string("tag", "", "receipt file name suffix")
+_ROUND = flags.DEFINE_integer("round", 0, "profile speculative rounds of this many drafts "
+                              "(a feature head under an oracle) instead of a forward step")
+_DRAFT = flags.DEFINE_bool("draft", True, "with --round: the head drafts (--nodraft: the "
+                           "oracle alone, no drafter compute)")
+_HEAD_VOCAB = flags.DEFINE_integer("head_vocab", 16384, "with --round: the head's draft "
+                                   "vocabulary (0: the target's)")
+
+
+def round_program(model, B: int, C: int, gamma: int, rng):
+    """(compiled spec_loop, args maker, max_len): STEP_REPS rounds of gamma drafts after a
+    prefill of C random tokens a row; make() gives fresh arguments (the loop donates its
+    state)."""
+    V = model.config.vocab_size
+    prompt = rng.integers(0, V, (B, C)).astype(np.int32)
+    N = STEP_REPS + 8  # no draft is accepted: a token a round, no row finishes
+    ref = jnp.asarray(np.concatenate([prompt, rng.integers(0, V, (B, N)).astype(np.int32)], 1))
+    draft = None
+    if _DRAFT.value:
+        draft = jspec.FeatureDrafter(random_head(model, draft_vocab_size=_HEAD_VOCAB.value or None))
+    drafter = jspec.OracleDrafter(ref, corrupt_prob=jnp.float32(0.2), draft=draft)
+    spec = jspec.SpecConfig(gamma=gamma, max_new_tokens=N)
+    tokens, lens, max_len, spec = spec_setup(model, drafter, prompt, spec, None)
+    seed, spec = jnp.int32(0), spec.static()
+    state = spec_prefill(model, drafter, jnp.asarray(tokens), jnp.asarray(lens), seed,
+                         spec=spec, max_len=max_len)
+    stop = jnp.int32(STEP_REPS)
+    loop = spec_loop.lower(model, drafter, state, seed, stop, spec=spec).compile()
+
+    def make():
+        return (model, drafter, jax.block_until_ready(jax.tree.map(jnp.copy, state)), seed,
+                stop)
+
+    return loop, make, max_len
+
+
+def round_seconds(loop, make, iters: int) -> float:
+    """Median seconds of one chunk of STEP_REPS rounds (the state's copy outside the clock)."""
+    times = []
+    for _ in range(iters + 1):
+        args = make()
+        t0 = time.perf_counter()
+        jax.block_until_ready(loop(*args))
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times[1:]))
 
 
 def main(argv):
     del argv
     if _PRESET.value not in PRESETS:
         raise app.UsageError(f"--preset={_PRESET.value!r}: choose from {sorted(PRESETS)}")
-    if min(_B.value, _T.value, _CONTEXT.value) < 1:
-        raise app.UsageError("--batch, --T and --context must be >= 1")
+    if min(_B.value, _T.value, _CONTEXT.value) < 1 or _ROUND.value < 0:
+        raise app.UsageError("--batch, --T and --context must be >= 1, --round >= 0")
     kw = dict(interpret=_INTERPRET.value, dtype=_DTYPE.value)
     if _LAYERS.value:
         kw["num_layers"] = _LAYERS.value
@@ -75,14 +134,22 @@ def main(argv):
     max_len = _MAX_LEN.value or C + T + 16
     if max_len < C + T:
         raise app.UsageError(f"--max_len={max_len} must hold --context + --T = {C + T}")
-    cache = init_cache(model, B, max_len)
-    prompt = jnp.asarray(rng.integers(0, cfg.vocab_size, (B, C)).astype(np.int32))
-    cache = prefill_jit(model, prompt, jnp.full((B,), C, jnp.int32), cache).cache  # C - 1
-    block = jnp.asarray(rng.integers(0, cfg.vocab_size, (B, T)).astype(np.int32))
-    steps = device_steps.lower(model, block, cache).compile()  # one compile: time, trace, HLO
-    step_s = median_time(steps, model, block, cache, iters=5, warmup=2) / STEP_REPS
+    if _ROUND.value:
+        steps, make, max_len = round_program(model, B, C, _ROUND.value, rng)
+        T = _ROUND.value + 1  # the verify block
+        step_s = round_seconds(steps, make, iters=5) / STEP_REPS
+        args = make()
+        run = lambda: jax.block_until_ready(steps(*args))  # noqa: E731
+    else:
+        cache = init_cache(model, B, max_len)
+        prompt = jnp.asarray(rng.integers(0, cfg.vocab_size, (B, C)).astype(np.int32))
+        cache = prefill_jit(model, prompt, jnp.full((B,), C, jnp.int32), cache).cache  # C - 1
+        block = jnp.asarray(rng.integers(0, cfg.vocab_size, (B, T)).astype(np.int32))
+        steps = device_steps.lower(model, block, cache).compile()  # one compile: all uses
+        step_s = median_time(steps, model, block, cache, iters=5, warmup=2) / STEP_REPS
+        run = lambda: jax.block_until_ready(steps(model, block, cache))  # noqa: E731
     with tempfile.TemporaryDirectory() as d:
-        trace, path = traced(lambda: jax.block_until_ready(steps(model, block, cache)), d)
+        trace, path = traced(run, d)
         kept = None
         if _KEEP.value and path:
             os.makedirs(_OUT.value, exist_ok=True)
@@ -100,12 +167,16 @@ def main(argv):
         "date": time.strftime("%Y-%m-%d %H:%M:%S"), "device": jax.devices()[0].device_kind,
         "jax": jax.__version__, "preset": _PRESET.value, "layers": cfg.num_layers,
         "batch": B, "T": T, "context": C, "max_len": max_len, "dtype": _DTYPE.value,
+        "round": _ROUND.value and {"gamma": _ROUND.value, "draft": "feature head" if
+                                   _DRAFT.value else None, "head_vocab": _HEAD_VOCAB.value},
         "speed_options": options_record(model)["kernel"], "step_ms": step_s * 1e3,
         "steps_traced": STEP_REPS, "trace": kept, **summary,
         "copies": copy_sources(hlo)}  # what the memcpy kernels may be
     out = write_receipt(_OUT.value, f"profile_step_{_PRESET.value}", _TAG.value, report)
+    what = (f"round of gamma {_ROUND.value} ({'head' if _DRAFT.value else 'no draft'})"
+            if _ROUND.value else "step")
     print(f"{_PRESET.value} ({cfg.num_layers} layers), B={B} T={T} context {C} of {max_len}, "
-          f"{_BACKEND.value}: step {step_s * 1e3:.3f} ms timed; traced per step: "
+          f"{_BACKEND.value}: {what} {step_s * 1e3:.3f} ms timed; traced per {what.split()[0]}: "
           f"{summary.get('events_per_step', 0):.0f} device events, busy "
           f"{summary.get('busy_us_per_step', 0):.0f} us, span "
           f"{summary.get('span_us_per_step', 0):.0f} us")
