@@ -1,6 +1,7 @@
 """The swapped design of the Mosaic GPU matmul (`MosaicMatmulConfig(swapped=True)`) on the
 CPU: the weight's 64 columns as the wgmma's M, 16 tokens as its N, both operands
-transposed views of the TMA-loaded blocks, the output stored through a transposed view.
+transposed views of the TMA-loaded blocks, a 16-bit output stored through a transposed
+view, an f32 one column-major and transposed back.
 
 Pallas's GPU interpret mode computes each wgmma as numpy's `acc + a @ b`, here
 a = w block^T [64, bk] and b = x block^T [bk, 16]; as in tests/test_mosaic.py, numpy's
@@ -38,7 +39,7 @@ K, N = 128, 128  # one K step, two 64-column blocks
 SWAPPED = MosaicMatmulConfig(bn=64, bk=128, stages=4, swapped=True)
 
 
-def mm(x, w, config=SWAPPED):  # the swapped design stores 16-bit outputs (bf16 here)
+def mm(x, w, config=SWAPPED):  # bf16 outputs (f32 ones are stored column-major)
     return np.asarray(matmul(x, w, out_dtype=jnp.bfloat16, interpret=True, config=config))
 
 
@@ -70,9 +71,6 @@ def test_swapped_config_is_checked():
         MosaicMatmulConfig(bn=64, bk=32, stages=4, swapped=True)
     with pytest.raises(TypeError, match="swapped"):
         MosaicMatmulConfig(bn=64, bk=128, stages=4, swapped=1)
-    x, w = _inputs(1)  # an f32 tile's transposed store does not lower: refused up front
-    with pytest.raises(ValueError, match="16-bit outputs only"):
-        matmul(x, w, out_dtype=jnp.float32, interpret=True, config=SWAPPED)
     # Shared memory at the most token tiles: x's [64, bk] and the weight's [bk, 64] blocks.
     assert pipeline_stages(128, 64, jnp.bfloat16) == 4
     assert pipeline_stages(128, 64, jnp.bfloat16, 2) == 4
@@ -88,12 +86,25 @@ def test_swapped_matches_reference_and_casts_once():
     np.testing.assert_allclose(np.asarray(yb, np.float32), np.asarray(ref), rtol=8e-3, atol=1e-3)
 
 
-def test_tokens_keep_their_bits_across_token_counts():
+@pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32])
+def test_tokens_keep_their_bits_across_token_counts(out_dtype):
     x, w = _inputs(80, seed=2)
-    full = mm(x, w)
+    full = np.asarray(matmul(x, w, out_dtype=out_dtype, interpret=True, config=SWAPPED))
     for m in (1, 16, 17, 65):  # one tile; a full one; a second; a second program
-        assert np.array_equal(mm(x[:m], w),
-                              full[:m]), m
+        got = np.asarray(matmul(x[:m], w, out_dtype=out_dtype, interpret=True, config=SWAPPED))
+        assert got.shape == (m, N) and np.array_equal(got, full[:m]), m
+
+
+def test_f32_outputs_are_the_accumulators_stored_column_major():
+    """An f32 output (the logits) is stored as the [64 columns, 16 tokens] accumulators lie
+    and transposed back: the bf16 output is exactly its rounding, element for element."""
+    x, w = _inputs(70, seed=3)  # two programs of token tiles (4 + 1), the last one partial
+    y32 = matmul(x, w, out_dtype=jnp.float32, interpret=True, config=SWAPPED)
+    assert y32.dtype == jnp.float32 and y32.shape == (70, N)
+    yb = mm(x, w)
+    assert np.array_equal(np.asarray(y32.astype(jnp.bfloat16)), yb)
+    np.testing.assert_allclose(np.asarray(y32), np.asarray(matmul_reference(x, w)),
+                               rtol=1e-5, atol=1e-5)
 
 
 def test_token_alone_equals_token_among_others(column_by_column_wgmma):
@@ -167,8 +178,9 @@ def test_swapped_lowers_for_cuda(m, k, n):
     w = jax.ShapeDtypeStruct((k, n), jnp.bfloat16)
     cfg = MosaicMatmulConfig(bn=64, bk=128, stages=pipeline_stages(128, 64, jnp.bfloat16),
                              swapped=True)
-    text = _lower(functools.partial(matmul, out_dtype=jnp.bfloat16, config=cfg), x, w)
-    assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 1
+    for out_dtype in (jnp.bfloat16, jnp.float32):
+        text = _lower(functools.partial(matmul, out_dtype=out_dtype, config=cfg), x, w)
+        assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 1
     glu_w = jax.ShapeDtypeStruct((4096, 24576), jnp.bfloat16)
     text = _lower(functools.partial(matmul_glu, activation="silu", config=cfg),
                   jax.ShapeDtypeStruct((m, 4096), jnp.bfloat16), glu_w)
@@ -176,15 +188,30 @@ def test_swapped_lowers_for_cuda(m, k, n):
     assert TOKEN_TILES * 16 == 64  # a program's tokens: one plain design's row tile
 
 
-def test_the_library_table_serves_16_bit_outputs_and_f32_takes_the_rule():
+def test_the_library_table_serves_both_output_dtypes():
     tuned = read_tuned_file()
     assert {(k, n) for k, n, _ in tuned} <= {(4096, 6144), (4096, 24576), (12288, 4096),
                                               (4096, 4096)}  # Qwen3-8B weights, H200-proven
     x = jax.ShapeDtypeStruct((1, 4096), jnp.bfloat16)
     w = jax.ShapeDtypeStruct((4096, 6144), jnp.bfloat16)
-    for out_dtype in (jnp.bfloat16, jnp.float32):  # f32 (logits): the plain design lowers
+    assert mosaic_matmul_config(4096, 6144, jnp.bfloat16).swapped
+    for out_dtype in (jnp.bfloat16, jnp.float32):  # f32: the column-major store lowers
         text = _lower(functools.partial(matmul, out_dtype=out_dtype), x, w)
         assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 1
+
+
+def test_an_f32_tile_transposed_store_finds_no_layout():
+    """Why f32 outputs are stored column-major: the 16-bit outputs' transposed store, given
+    an f32 tile, fails Mosaic GPU's layout inference (the check runs when lowering)."""
+    module = importlib.import_module("pallas_kernels.mosaic.matmul")
+
+    def transposed_store(x, w):
+        return module._launch(x, w, SWAPPED, w.shape[1], jnp.float32, (0,), lambda a: a,
+                              False, "t")
+
+    with pytest.raises(ValueError, match="infer a possible set of layouts"):
+        _lower(transposed_store, jax.ShapeDtypeStruct((1, 4096), jnp.bfloat16),
+               jax.ShapeDtypeStruct((4096, 1024), jnp.bfloat16))
 
 
 def test_the_sweep_writes_only_passing_faster_configs(tmp_path):

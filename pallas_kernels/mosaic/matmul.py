@@ -36,10 +36,13 @@ the weight's [bk, 64] block and x's [16 t, bk] block, not a 64-row x block. Ever
 the same [64, 16] instruction: a program takes up to TOKEN_TILES token tiles (each its
 own accumulator, the weight block loaded once for all: scheduling), K is walked in the
 same fixed order, and the output tile is stored through a transposed view of shared
-memory. A token's column of the product is the same sum whatever the other columns
-hold and whichever of the 16 it is (R1): the claim `tuning/mosaic_matmul.py --swapped`
-checks on the device, as the rows were checked for the plain design. The design is part
-of the configuration (R11: its own bits), chosen per weight shape by `TUNED_FILE`.
+memory (a 16-bit output; Mosaic GPU finds no layout for an f32 tile's transposed store,
+so an f32 output, the logits, is stored column-major as the accumulators lie and
+`matmul` returns its transpose: the same values). A token's column of the product is
+the same sum whatever the other columns hold and whichever of the 16 it is (R1): the
+claim `tuning/mosaic_matmul.py --swapped` checks on the device, as the rows were checked
+for the plain design. The design is part of the configuration (R11: its own bits),
+chosen per weight shape by `TUNED_FILE`.
 """
 
 from __future__ import annotations
@@ -187,10 +190,13 @@ def _kernel(x_gmem, w_gmem, o_gmem, o_smem, *, cfg: MosaicMatmulConfig, nk: int,
 
 
 def _kernel_swapped(x_gmem, w_gmem, o_gmem, o_smem, *, cfg: MosaicMatmulConfig, nk: int,
-                    tiles: int, column_offsets: tuple[int, ...], epilogue):
+                    tiles: int, column_offsets: tuple[int, ...], epilogue,
+                    columns_major: bool = False):
     # x_gmem [Mr, Kp], w_gmem [Kp, Np], o_gmem [Mr, N'] in GMEM; o_smem [16 tiles, 64].
     # Program (g, j): token tiles g * tiles ... of 16 tokens, the weight's columns
     # j * 64 ... (and j + c for each column offset c: the GLU's up half).
+    # columns_major: o_gmem is the product's transpose [N', Mo] and o_smem [64, 16 tiles]:
+    # each [64, 16] accumulator is stored as it lies (f32 outputs: `matmul` transposes).
     g, j = lax.axis_index("m"), lax.axis_index("n")
     transforms = _operand_transforms(cfg, x_gmem.dtype)
     x_spec = plgpu.BlockSpec((BT * tiles, cfg.bk), lambda k: (g, k), transforms=transforms,
@@ -213,13 +219,17 @@ def _kernel_swapped(x_gmem, w_gmem, o_gmem, o_smem, *, cfg: MosaicMatmulConfig, 
             x_gmem, *([w_gmem] * n_acc))
         for t in range(tiles):  # [64, 16] -> the output's [16, 64] tile, transposed view
             out = epilogue(*(accs[t * n_acc + c][...] for c in range(n_acc)))
-            o_smem.transpose((1, 0))[:, pl.ds(t * BT, BT)] = out
+            if columns_major:
+                o_smem[:, pl.ds(t * BT, BT)] = out
+            else:
+                o_smem.transpose((1, 0))[:, pl.ds(t * BT, BT)] = out
 
     pl.run_scoped(scope, *(plgpu.ACC((BM, BT), jnp.float32) for _ in range(tiles * n_acc)))
     plgpu.commit_smem()
     # Tokens past the array's end are not stored (TMA skips them).
-    plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[pl.ds(g * tiles * BT, tiles * BT),
-                                              pl.ds(j * BM, BM)])
+    tokens, columns = pl.ds(g * tiles * BT, tiles * BT), pl.ds(j * BM, BM)
+    plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[(columns, tokens) if columns_major
+                                              else (tokens, columns)])
     plgpu.wait_smem_to_gmem(0)
 
 
@@ -231,9 +241,9 @@ def _check(x: jax.Array, w: jax.Array, name: str) -> None:
                         f"f32 wgmma multiplies in TF32); got {x.dtype=} {w.dtype=}")
 
 
-def _config(config, K: int, N: int, dtype, name: str, tuned: bool = True) -> MosaicMatmulConfig:
+def _config(config, K: int, N: int, dtype, name: str) -> MosaicMatmulConfig:
     if config is None:
-        return mosaic_matmul_config(K, N, dtype, tuned)
+        return mosaic_matmul_config(K, N, dtype)
     if not isinstance(config, MosaicMatmulConfig):
         raise TypeError(f"{name} (Mosaic GPU) takes a MosaicMatmulConfig or None; got "
                         f"{type(config).__name__} (the Triton lowering's tiles, e.g. a "
@@ -242,9 +252,10 @@ def _config(config, K: int, N: int, dtype, name: str, tuned: bool = True) -> Mos
 
 
 def _launch(x, w, cfg: MosaicMatmulConfig, n_out: int, out_dtype, column_offsets, epilogue,
-            interpret: bool, name: str):
+            interpret: bool, name: str, columns_major: bool = False):
     """Pads K (and rows to a multiple of 8, which TMA's 8-row tiles need) with zeros where
-    needed and runs `_kernel` over a (row tiles, n_out / bn) grid. -> [Mr, n_out]."""
+    needed and runs `_kernel` over a (row tiles, n_out / bn) grid. -> [Mr, n_out]
+    (columns_major, swapped only: the transpose [n_out, Mo], Mo the programs' tokens)."""
     m, k = x.shape
     kp = round_up(k, cfg.bk)  # extra K terms add exact zeros at the end of the sum
     xp = pad_axis(pad_axis(x, 1, kp), 0, m if m <= 8 else round_up(m, 8))  # [Mr, Kp]
@@ -252,15 +263,21 @@ def _launch(x, w, cfg: MosaicMatmulConfig, n_out: int, out_dtype, column_offsets
     if cfg.swapped:  # up to TOKEN_TILES 16-token tiles a program
         tiles = min(TOKEN_TILES, -(-xp.shape[0] // BT))
         kernel = functools.partial(_kernel_swapped, cfg=cfg, nk=kp // cfg.bk, tiles=tiles,
-                                   column_offsets=column_offsets, epilogue=epilogue)
+                                   column_offsets=column_offsets, epilogue=epilogue,
+                                   columns_major=columns_major)
         o_tile, m_tile = (BT * tiles, BM), BT * tiles
     else:
+        if columns_major:
+            raise ValueError("columns_major is the swapped design's store")
         kernel = functools.partial(_kernel, cfg=cfg, nk=kp // cfg.bk,
                                    column_offsets=column_offsets, epilogue=epilogue)
         o_tile, m_tile = (BM, cfg.bn), BM
+    out_shape = (xp.shape[0], n_out)
+    if columns_major:  # every program's token box inside the array (none clipped)
+        o_tile, out_shape = o_tile[::-1], (n_out, round_up(xp.shape[0], m_tile))
     return plgpu.kernel(
         kernel,
-        out_type=jax.ShapeDtypeStruct((xp.shape[0], n_out), out_dtype),
+        out_type=jax.ShapeDtypeStruct(out_shape, out_dtype),
         scratch_types=dict(o_smem=plgpu.SMEM(o_tile, out_dtype)),
         grid=(-(-xp.shape[0] // m_tile), n_out // cfg.bn),  # row tiles first: the tiles
         grid_names=("m", "n"),  # of one weight column block run side by side
@@ -286,18 +303,16 @@ def matmul(x: jax.Array, w: jax.Array, *, out_dtype=None, interpret: bool = Fals
     out_dtype = jnp.dtype(jnp.float32 if out_dtype is None else out_dtype)
     m, k = x.shape
     n = w.shape[1]
-    # The data file's configs serve 16-bit outputs (the swapped design's store); an f32
-    # output (logits) of a listed shape takes the rule.
-    cfg = _config(config, k, n, w.dtype, "matmul", tuned=out_dtype.itemsize == 2)
-    if cfg.swapped and out_dtype.itemsize != 2:
-        raise ValueError(f"matmul (Mosaic GPU): the swapped design stores 16-bit outputs only "
-                         f"(Mosaic GPU finds no layout for an {out_dtype.name} tile's "
-                         f"transposed store); got out_dtype={out_dtype.name} for w {w.shape}: "
-                         "use the plain design (swapped=False) for this weight")
+    cfg = _config(config, k, n, w.dtype, "matmul")
+    # Mosaic GPU finds no layout for an f32 tile's transposed store: the swapped design
+    # stores f32 outputs column-major, as its accumulators lie, and the result is their
+    # transpose (the same values: a layout change, no arithmetic).
+    columns_major = cfg.swapped and out_dtype.itemsize != 2
     wp = pad_axis(w, 1, round_up(n, cfg.bn))  # [K, Np]; real model widths divide bn
     out = _launch(x, wp, cfg, wp.shape[1], out_dtype, (0,),
-                  lambda acc: acc.astype(out_dtype), interpret, "jspec_mosaic_matmul")
-    return out[:m, :n]
+                  lambda acc: acc.astype(out_dtype), interpret, "jspec_mosaic_matmul",
+                  columns_major=columns_major)
+    return out[:n, :m].T if columns_major else out[:m, :n]
 
 
 @functools.partial(jax.jit, static_argnames=("activation", "interpret", "row_group", "config",
