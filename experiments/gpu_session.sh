@@ -79,7 +79,8 @@
 #   rows (verify blocks at batch 32-64, prefill chunks), merged into the device copy's
 #   pallas_kernels/matmul_tuned.json (a copy comes back in $OUT) so the lane's later steps
 #   (parity first) run with them; commit the file once the matrix has proven it.
-#   $TALL_SHAPES picks the weights (default all five); $TALL_BK adds K tiles to the grid
+#   $TALL_SHAPES picks the weights (default the target's five; head_wqkv, head_fc and
+#   head_lm_head are the feature head's own); $TALL_BK adds K tiles to the grid
 #   (e.g. 64,128: bk is scheduling on the GPU, the sweep checks the bits).
 # - prefillsweep: sweep_schedule.py --prefill, the compute-bound tiles of launches of more
 #   than 1,024 rows (prefill chunks), bits at M = 1, 40, 160, 2048, time at 2048 and 8192,

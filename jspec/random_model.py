@@ -99,15 +99,21 @@ def preset_config(name: str, *, num_layers: int | None = None,
     return ModelConfig(dtype=dtype, **kw)
 
 
-def weight_shapes(preset: str) -> dict[str, tuple[int, int]]:
+def weight_shapes(preset: str, head_vocab: int | None = None) -> dict[str, tuple[int, int]]:
     """[K, N] of each matmul weight of a preset, as `random_params` lays them out (for a
-    mixture of experts: the router and one expert's gate/up and down)."""
+    mixture of experts: the router and one expert's gate/up and down), and of its default
+    feature head's own (`feature_head.random_head`: head_wqkv over [embedding, hidden],
+    head_fc over the target's features, head_lm_head over head_vocab tokens, default the
+    target's vocabulary; its wo and MLP are the target's shapes)."""
     c = preset_config(preset, num_layers=1)
     D, V = c.hidden_size, c.vocab_size
     F = c.expert_size if c.moe else c.intermediate_size
     shapes = {"wqkv": (D, c.q_size + 2 * c.kv_size), "wo": (c.q_size, D),
               "w_gate_up": (D, 2 * F), "w_down": (F, D), "lm_head": (D, V)}
-    return shapes | ({"router": (D, c.num_experts)} if c.moe else {})
+    # The default head (`head_config`): the target's width and heads, three feature layers.
+    head = {"head_wqkv": (2 * D, c.q_size + 2 * c.kv_size), "head_fc": (3 * D, D),
+            "head_lm_head": (D, head_vocab or V)}
+    return shapes | head | ({"router": (D, c.num_experts)} if c.moe else {})
 
 
 def random_params(cfg: ModelConfig, seed: int = 0) -> dict:

@@ -279,3 +279,17 @@ def test_head_prefill_in_chunks_is_the_one_call_bitwise(chunk):
     for b, n in enumerate(np.asarray(one.cache.lengths)):
         for buf, ref in ((got.cache.k[0], one.cache.k[0]), (got.cache.v[0], one.cache.v[0])):
             assert np.array_equal(bits(buf[b, :, :n]), bits(ref[b, :, :n])), f"row {b}"
+
+
+def test_weight_shapes_name_the_default_heads_weights():
+    """The tuning sweeps' shapes for a feature head (`random_model.weight_shapes`) are the
+    default head's: its wqkv over [embedding, hidden], fc over three feature layers."""
+    from jspec.random_model import random_model, weight_shapes
+
+    head = random_head(random_model("tiny-qwen3", dtype="float32"), draft_vocab_size=64)
+    shapes = weight_shapes("tiny-qwen3", head_vocab=64)
+    assert shapes["head_wqkv"] == head.params["layer"]["wqkv"].shape
+    assert shapes["head_fc"] == head.params["fc"].shape
+    assert shapes["head_lm_head"] == head.params["lm_head"].shape
+    for name in ("wo", "w_gate_up", "w_down"):  # the target's shapes
+        assert shapes[name] == head.params["layer"][name].shape

@@ -74,8 +74,8 @@ _ROUND = flags.DEFINE_integer("round", 0, "profile speculative rounds of this ma
                               "(a feature head under an oracle) instead of a forward step")
 _DRAFT = flags.DEFINE_bool("draft", True, "with --round: the head drafts (--nodraft: the "
                            "oracle alone, no drafter compute)")
-_HEAD_VOCAB = flags.DEFINE_integer("head_vocab", 16384, "with --round: the head's draft "
-                                   "vocabulary (0: the target's)")
+_HEAD_VOCAB = flags.DEFINE_integer("head_vocab", 32768, "with --round: the head's draft "
+                                   "vocabulary (0: the target's; bench_e2e.py's default)")
 
 
 def round_program(model, B: int, C: int, gamma: int, rng):

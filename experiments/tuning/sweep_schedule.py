@@ -86,7 +86,10 @@ from pallas_kernels.matmul_glu import (
 _PRESET = flags.DEFINE_string("preset", "qwen3-8b", "model shape preset")
 _SHAPES = flags.DEFINE_list("shapes", ["wo", "w_down", "wqkv", "w_gate_up:glu", "lm_head"],
                             "weights, in this order; NAME:glu runs a [K, 2F] weight through "
-                            "the fused matmul_glu kernel (as the model does) instead of matmul")
+                            "the fused matmul_glu kernel (as the model does) instead of matmul; "
+                            "head_wqkv, head_fc, head_lm_head: the feature head's own")
+_HEAD_VOCAB = flags.DEFINE_integer("head_vocab", 32768, "the feature head's draft vocabulary "
+                                   "(head_lm_head's N; bench_e2e.py's default)")
 _BM = flags.DEFINE_list("bm", [], "also try these row tiles first (same bk, bn, warps, stages): "
                         "does a larger dot give every row the config's bits?")
 _COMBOS = flags.DEFINE_bool("combos", True, "after the one-field variants, cross the two "
@@ -357,7 +360,7 @@ def main(_):
               "date": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(sys.argv),
               "preset": _PRESET.value, "rows": rows, "timed": timed, "bm": bms, "bk": bks,
               "tier": tier, "row_group": rg, "weights": []}
-    all_shapes = weight_shapes(_PRESET.value)
+    all_shapes = weight_shapes(_PRESET.value, _HEAD_VOCAB.value)
     for i, spec in enumerate(_SHAPES.value):
         name, _, kind = spec.partition(":")
         if name not in all_shapes or kind not in ("", "glu"):
