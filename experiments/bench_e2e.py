@@ -493,7 +493,8 @@ class Bench:
             per_seed.append({"seed": seed, "seconds": t, "parity": parity,
                              "tokens": int(out.num_tokens.sum()), **{
                                  k: out.stats[k] for k in ("acceptance_rate",
-                                                           "tokens_per_target_step", "ttft_s")},
+                                                           "tokens_per_target_step", "ttft_s",
+                                                           "rounds")},
                              **({"adaptive": out.stats["adaptive"]} if adaptive else {})})
         self.phase(f"speculative {kind} B={B} gamma={gamma} warm-up (compile + run)", warm)
         t = float(np.mean([r["seconds"] for r in per_seed]))  # mean over seeds of medians
@@ -511,6 +512,13 @@ class Bench:
                "decode_speedup": _decode_speedup(t_serial, serial_row["prefill_s"], t,
                                                  mean("ttft_s")),
                "parity": all(r["parity"] for r in per_seed), "gpu": _merge_gpu(gpu)}
+        # The loop's rounds against the rows' live rounds: a batch runs until its last row
+        # is done, and a done row's slots still ride along in every round after.
+        rounds = mean("rounds")
+        row |= {"loop_rounds": rounds,
+                "live_row_fraction": n / row["tokens_per_target_step"] / (B * rounds)
+                if rounds else None,
+                "decode_s_per_round": (t - row["ttft_s"]) / rounds if rounds else None}
         if not adaptive and (kind, B) not in self.parts:  # once a drafter and batch
             self.parts[(kind, B)] = self.prefill_parts(drafter, B, spec)
             row["prefill_parts"] = self.parts[(kind, B)]

@@ -104,13 +104,13 @@ def test_cli_errors_are_one_line(tmp_path):
                     "missing: not a checkpoint directory")
     (tmp_path / "bad.jsonl").write_text('{"prompt": "a"}\n{"text": 1}\n')
     _one_line_error(_run(*_GEN, f"--config.prompts={tmp_path}/bad.jsonl"), "bad.jsonl:2")
-    # --debug shows the traceback instead.
-    r = _run(*_GEN, f"--config.checkpoint={tmp_path}/missing", "--debug")
-    assert r.returncode != 0 and "Traceback" in r.stderr and "CheckpointError" in r.stderr
 
 
 @pytest.mark.slow  # further mistakes through the same one-line path
 def test_more_cli_errors_are_one_line(tmp_path):
+    # --debug shows the traceback instead.
+    r = _run(*_GEN, f"--config.checkpoint={tmp_path}/missing", "--debug")
+    assert r.returncode != 0 and "Traceback" in r.stderr and "CheckpointError" in r.stderr
     _one_line_error(_run(*_SPEC, "--config.gamma=100"), "MAX_GAMMA")
     _one_line_error(_run(*_GEN, f"--config.prompts={tmp_path}/missing.txt"), "does not exist")
     _one_line_error(_run(*_GEN, "--config.chat=True"), "no chat template")  # the code pair
@@ -186,6 +186,9 @@ def test_bench_e2e_smoke(tmp_path):
     assert {(s["drafter"], s["gamma"]) for s in rep["speculative"]} == {("oracle", 2),
                                                                         ("lookup", 2)}
     assert all(s["parity"] for s in rep["speculative"])
+    # The loop's rounds and how many of its row slots were live (a done row rides along).
+    assert all(s["loop_rounds"] > 0 and 0 < s["live_row_fraction"] <= 1
+               and s["decode_s_per_round"] > 0 for s in rep["speculative"])
     # Each timed row says what the GPU ran at; a CPU run says there was nothing to read.
     assert all("gpu" in s for s in rep["serial"] + rep["speculative"])
     # The adaptive rows (the timed runs start from the warm-up's measured costs).

@@ -7,6 +7,7 @@ import sys
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 import jspec
@@ -55,6 +56,7 @@ def test_hf_tensor_names_and_layout():
     assert sum(v.size for v in t.values()) == TINY.num_params()
 
 
+@pytest.mark.slow  # a training script's smoke run (its export: the default tests below)
 def test_train_pair_smoke_run(tmp_path):
     out = tmp_path / "pair"
     cmd = [sys.executable, os.path.join(ROOT, "experiments", "train_pair.py"), "--preset=cpu",
