@@ -67,7 +67,9 @@
 # - profile: tuning/profile_step.py, the device kernels of one forward step of
 #   $PROF_PRESET (default qwen3-30b-a3b) per kernel name, at block sizes $PROF_TS
 #   (default 1,5), batch $PROF_BATCH (1), $PROF_LAYERS, $PROF_FLAGS (e.g.
-#   "--context=32768 --max_len=40960": generate's bucketed cache at a 32K prompt).
+#   "--context=32768 --max_len=40960": generate's bucketed cache at a 32K prompt);
+#   $PROF_ROUNDS (e.g. 4; PROF_TS= skips the steps) adds speculative rounds of those
+#   gammas with the feature head and without a drafter (`--round`, `--nodraft`).
 # - e2e_context: bench_e2e.py at the Llama-3-8B shape (32 layers), batch 1, prompts of
 #   $CTX_LENS tokens (default 32768; 131072 wants a call of its own: each of its four
 #   prefills takes ~83 s), feature head at a = 0.8 / 0.9 against serial, parity checked
@@ -152,7 +154,7 @@ set -u
 export PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # run from the repository root
 OUT=${OUT:-experiments/results}
-PROF_TS=${PROF_TS:-1,5}; PROF_PRESET=${PROF_PRESET:-qwen3-30b-a3b}
+PROF_TS=${PROF_TS-1,5}; PROF_ROUNDS=${PROF_ROUNDS:-}; PROF_PRESET=${PROF_PRESET:-qwen3-30b-a3b}
 mkdir -p "$OUT"
 # Packing (below) replaces $OUT's files by one archive: only for an $OUT that starts empty
 # (a device call's), never for a folder of earlier receipts.
@@ -370,7 +372,14 @@ for s in $steps; do
               timeout "${PROF_S:-150}" python3 experiments/tuning/profile_step.py \
               --preset="$PROF_PRESET" --T="$t" --batch="${PROF_BATCH:-1}" \
               ${PROF_LAYERS:+--layers=$PROF_LAYERS} ${PROF_FLAGS:-} \
-              --tag="h200_B${PROF_BATCH:-1}_T$t${PROF_TAG:+_$PROF_TAG}" --out="$OUT" 2>&1 | quiet | tail -34; done ;;
+              --tag="h200_B${PROF_BATCH:-1}_T$t${PROF_TAG:+_$PROF_TAG}" --out="$OUT" 2>&1 | quiet | tail -34; done
+            for g in ${PROF_ROUNDS//,/ }; do  # speculative rounds, with and without the head
+              for d in draft nodraft; do
+                timeout "${PROF_S:-150}" python3 experiments/tuning/profile_step.py \
+                --preset="$PROF_PRESET" --round="$g" --"$d" --batch="${PROF_BATCH:-1}" \
+                ${PROF_LAYERS:+--layers=$PROF_LAYERS} ${PROF_FLAGS:-} \
+                --tag="h200_B${PROF_BATCH:-1}_round$g${d#draft}${PROF_TAG:+_$PROF_TAG}" \
+                --out="$OUT" 2>&1 | quiet | tail -24; done; done ;;
     combinesweep) timeout "${CSWEEP_S:-150}" python3 experiments/tuning/sweep_combine.py \
               ${CSWEEP_FLAGS:-} --out="$OUT" --tag=h200 2>&1 | quiet | grep -v "it/s" | tail -20 ;;
     mosaic) timeout "${MOSAIC_PARITY_S:-330}" python3 experiments/gpu_parity.py \

@@ -88,7 +88,9 @@ def round_program(model, B: int, C: int, gamma: int, rng):
     ref = jnp.asarray(np.concatenate([prompt, rng.integers(0, V, (B, N)).astype(np.int32)], 1))
     draft = None
     if _DRAFT.value:
-        draft = jspec.FeatureDrafter(random_head(model, draft_vocab_size=_HEAD_VOCAB.value or None))
+        hv = _HEAD_VOCAB.value  # at most the target's vocabulary (0: all of it)
+        draft = jspec.FeatureDrafter(random_head(model, draft_vocab_size=hv if 0 < hv < V
+                                                 else None))
     drafter = jspec.OracleDrafter(ref, corrupt_prob=jnp.float32(0.2), draft=draft)
     spec = jspec.SpecConfig(gamma=gamma, max_new_tokens=N)
     tokens, lens, max_len, spec = spec_setup(model, drafter, prompt, spec, None)
@@ -167,8 +169,9 @@ def main(argv):
         "date": time.strftime("%Y-%m-%d %H:%M:%S"), "device": jax.devices()[0].device_kind,
         "jax": jax.__version__, "preset": _PRESET.value, "layers": cfg.num_layers,
         "batch": B, "T": T, "context": C, "max_len": max_len, "dtype": _DTYPE.value,
-        "round": _ROUND.value and {"gamma": _ROUND.value, "draft": "feature head" if
-                                   _DRAFT.value else None, "head_vocab": _HEAD_VOCAB.value},
+        "round": _ROUND.value and {
+            "gamma": _ROUND.value, "draft": "feature head" if _DRAFT.value else None,
+            "head_vocab": min(_HEAD_VOCAB.value or cfg.vocab_size, cfg.vocab_size)},
         "speed_options": options_record(model)["kernel"], "step_ms": step_s * 1e3,
         "steps_traced": STEP_REPS, "trace": kept, **summary,
         "copies": copy_sources(hlo)}  # what the memcpy kernels may be
