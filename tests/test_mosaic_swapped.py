@@ -13,6 +13,7 @@ place. Whether the H200's wgmma does is proven on the device
 (`experiments/tuning/mosaic_matmul.py --swapped`).
 """
 
+import dataclasses
 import functools
 import importlib
 import json
@@ -33,6 +34,7 @@ from pallas_kernels.mosaic.matmul import (
     mosaic_matmul_config,
     pipeline_stages,
     read_tuned_file,
+    swapped_stages,
 )
 
 K, N = 128, 128  # one K step, two 64-column blocks
@@ -93,6 +95,37 @@ def test_tokens_keep_their_bits_across_token_counts(out_dtype):
     for m in (1, 16, 17, 65):  # one tile; a full one; a second; a second program
         got = np.asarray(matmul(x[:m], w, out_dtype=out_dtype, interpret=True, config=SWAPPED))
         assert got.shape == (m, N) and np.array_equal(got, full[:m]), m
+
+
+def test_more_token_tiles_a_program_keep_every_tokens_bits():
+    """token_tiles is scheduling: 10 tiles take 160 tokens in one program (its weight
+    blocks read once), and every token's bits are those of 4 tiles a program."""
+    x, w = _inputs(170, seed=4)
+    ten = dataclasses.replace(SWAPPED, token_tiles=10)
+    four = mm(x, w)
+    for m in (1, 17, 65, 160, 170):  # one tile; two; five; one program of ten; two programs
+        assert np.array_equal(mm(x[:m], w, config=ten), four[:m]), m
+    y = np.asarray(matmul(x, w, out_dtype=jnp.float32, interpret=True, config=ten))
+    assert np.array_equal(y, np.asarray(matmul(x, w, out_dtype=jnp.float32, interpret=True,
+                                               config=SWAPPED)))
+    glu = matmul_glu(x, w, activation="silu", interpret=True, config=ten)
+    assert np.array_equal(np.asarray(glu), np.asarray(
+        matmul_glu(x, w, activation="silu", interpret=True, config=SWAPPED)))
+
+
+def test_token_tiles_are_checked_and_the_pipeline_shrinks_to_fit():
+    for bad in (0, 17, 2.0):
+        with pytest.raises(ValueError, match="token_tiles"):
+            dataclasses.replace(SWAPPED, token_tiles=bad)
+    with pytest.raises(ValueError, match="token_tiles"):  # the plain design has none
+        MosaicMatmulConfig(bn=64, bk=128, stages=4, token_tiles=8)
+    six = MosaicMatmulConfig(bn=64, bk=128, stages=6, swapped=True, token_tiles=16)
+    bf16, f32 = jnp.bfloat16, jnp.float32
+    assert swapped_stages(six, TOKEN_TILES, bf16, bf16) == 6  # the config's, as proven
+    assert swapped_stages(six, 10, bf16, bf16) == 3  # [160, 128] x blocks: 3 fit
+    assert swapped_stages(six, 10, bf16, f32, weights=2) == 2
+    with pytest.raises(ValueError, match="pipeline steps"):
+        swapped_stages(dataclasses.replace(six, bk=256), 16, bf16, bf16)
 
 
 def test_f32_outputs_are_the_accumulators_stored_column_major():
@@ -186,6 +219,12 @@ def test_swapped_lowers_for_cuda(m, k, n):
                   jax.ShapeDtypeStruct((m, 4096), jnp.bfloat16), glu_w)
     assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 1
     assert TOKEN_TILES * 16 == 64  # a program's tokens: one plain design's row tile
+    if m == 160:  # 160 tokens in one program a column block
+        ten = dataclasses.replace(cfg, token_tiles=10)
+        for out_dtype in (jnp.bfloat16, jnp.float32):
+            _lower(functools.partial(matmul, out_dtype=out_dtype, config=ten), x, w)
+        _lower(functools.partial(matmul_glu, activation="silu", config=ten),
+               jax.ShapeDtypeStruct((m, 4096), jnp.bfloat16), glu_w)
 
 
 def test_the_library_table_serves_both_output_dtypes():
@@ -245,10 +284,18 @@ def test_the_sweep_writes_only_passing_faster_configs(tmp_path):
         "b": shape(4096, 4096, fast, variant_equal="ValueError: smem"),  # base wins
         "c": shape(12288, 4096, slow),  # slower than the plain design
         "d": shape(4096, 1024, fast, bits=dict(clean, alone_mismatch_rows=1))}}
+    # More token tiles: the same times at M <= 64, so chosen by the largest M alone.
+    ten = dict(six, token_tiles=10)
+    tall = shape(4096, 2048, {**fast, "160": {"mosaic": 90.0, "mosaic_swapped": 80.0,
+                                              "mosaic[s:128:6:10]": 40.0}})
+    tall["swapped"]["variants"]["s:128:6:10"] = {"config": ten, "equals_swapped": True}
+    for m in ("1", "17"):
+        tall["time"][m]["mosaic[s:128:6:10]"] = {"us": 20.0}  # faster by noise: not chosen
+    report["shapes"]["e"] = tall
     path = tmp_path / "t.json"
-    assert sweep.write_tuned(str(path), report, receipt="r.json") == ["a", "b"]
+    assert sweep.write_tuned(str(path), report, receipt="r.json") == ["a", "b", "e"]
     data = json.loads(path.read_text())
     got = {(e["K"], e["N"]): e["config"] for e in data["tuned"]}
-    assert got == {(4096, 6144): six, (4096, 4096): base}
+    assert got == {(4096, 6144): six, (4096, 4096): base, (4096, 2048): ten}
     assert data["provenance"][-1]["command"] == "python sweep --write"
     assert data["provenance"][-1]["receipt"] == "r.json"

@@ -50,7 +50,7 @@ from pallas_kernels import mosaic
 from pallas_kernels.glu import glu
 from pallas_kernels.matmul import matmul as triton_matmul
 from pallas_kernels.matmul import matmul_reference
-from pallas_kernels.mosaic.matmul import pipeline_stages
+from pallas_kernels.mosaic.matmul import TOKEN_TILES, pipeline_stages
 
 _ROWS = flags.DEFINE_list("rows", ["1", "16", "17", "40", "64", "160", "320"], "row counts M")
 _ALONE = flags.DEFINE_list("alone", ["0", "1", "7", "8", "31", "63", "64", "100", "319"],
@@ -61,8 +61,9 @@ _ITERS = flags.DEFINE_integer("iters", 20, "timed calls per measurement (median)
 _REPS = flags.DEFINE_integer("reps", 20, "kernel launches per timed call")
 _COLD = flags.DEFINE_float("cold_mb", 256.0, "weight copies to read at least this many MB "
                            "per loop, so no weight is served from L2 (0: one copy)")
-_CONFIGS = flags.DEFINE_list("configs", [], "extra Mosaic tiles bn:bk:stages (or s:bk:stages, "
-                             "the swapped design) timed at M=1 and 17 for every shape "
+_CONFIGS = flags.DEFINE_list("configs", [], "extra Mosaic tiles bn:bk:stages (or "
+                             "s:bk:stages[:token_tiles], the swapped design) timed at M=1 and "
+                             "17 (token_tiles: also at the largest M) for every shape "
                              "(scheduling study; bk changes bits)")
 _SWAPPED = flags.DEFINE_bool("swapped", False, "also the swapped design (weight columns as the "
                              "wgmma M, 16 tokens as N): its bits checked like the plain "
@@ -219,11 +220,15 @@ def run_shape(name: str, K: int, N: int, rows: list[int], alone: list[int], bw: 
             fns["mosaic_swapped_glu"] = lambda a, b: mosaic.matmul_glu(
                 a, b, activation="silu", interpret=interpret, config=sw)
             rep["swapped"]["glu"] = glu_checks(x, w, rows, alone, interpret, config=sw)
+    tall = {}  # variants with more token tiles: timed at the largest M too
     for spec in _CONFIGS.value:
-        bn, bk, st = spec.split(":")
+        bn, bk, st, *tiles = spec.split(":")
         cfg = (swapped_config(K, dtype, int(st)) if bn == "s" else
                mosaic.MosaicMatmulConfig(bn=int(bn), bk=int(bk), stages=int(st)))
         cfg = dataclasses.replace(cfg, bk=int(bk))
+        if tiles:
+            cfg = dataclasses.replace(cfg, token_tiles=int(tiles[0]))
+            tall[f"mosaic[{spec}]"] = True
         fns[f"mosaic[{spec}]"] = (lambda c: lambda a, b: mosaic.matmul(
             a, b, out_dtype=out_dtype, interpret=interpret, config=c))(cfg)
         if cfg.swapped and _SWAPPED.value:  # a candidate for the table: its bits checked
@@ -237,7 +242,8 @@ def run_shape(name: str, K: int, N: int, rows: list[int], alone: list[int], bw: 
                 "config": dataclasses.asdict(cfg), "equals_swapped": same}
     for m in rows:
         for meth, fn in fns.items():
-            if meth.startswith("mosaic[") and m not in (1, 17):
+            if meth.startswith("mosaic[") and m not in (1, 17) and not (
+                    meth in tall and m == max(rows)):
                 continue
             r = time_us(fn, x[:m], ws)
             if "us" in r:
@@ -283,12 +289,25 @@ def write_tuned(path: str, report: dict, receipt: str | None = None) -> list[str
                 t[k] = sum(rep["time"][m][k]["us"] for m in ("1", "17"))
             except KeyError:
                 pass
-        best = min((k for k in configs if k in t), key=t.get, default=None)
+        # Token tiles past the default change nothing at M <= 64: chosen at the largest M
+        # (among bit-equal variants of the winner's bk), the rest at M = 1 and 17.
+        short = {k: c for k, c in configs.items()
+                 if c.get("token_tiles", TOKEN_TILES) == TOKEN_TILES}
+        best = min((k for k in short if k in t), key=t.get, default=None)
         if best is not None and plain in t and t[best] < t[plain]:
+            config = dict(configs[best])
+            m_max = str(max(int(m) for m in rep["time"]))
+            at = {k: rep["time"][m_max][k]["us"] for k, c in configs.items()
+                  if k in rep["time"][m_max] and "us" in rep["time"][m_max][k]
+                  and c["bk"] == config["bk"]}
+            tiles = min(at, key=at.get, default=None)
+            if tiles is not None and configs[tiles].get("token_tiles", TOKEN_TILES) != \
+                    TOKEN_TILES:
+                config["token_tiles"] = configs[tiles]["token_tiles"]
             data["tuned"] = [e for e in data["tuned"]
                              if (e["K"], e["N"]) != (rep["K"], rep["N"])]
             data["tuned"].append({"K": rep["K"], "N": rep["N"], "dtype": "bfloat16",
-                                  "config": configs[best], "us_m1_m17": [t[plain], t[best]]})
+                                  "config": config, "us_m1_m17": [t[plain], t[best]]})
             written.append(name)
     data["provenance"].append({"date": time.strftime("%Y-%m-%d"), "device": report["device"],
                                "jax": report["jax"], "weights": written,

@@ -33,7 +33,7 @@ taken by 64 of the weight's columns and its N by 16 tokens, acc [64, 16] =
 w block^T @ x block^T (both operands transposed views of the TMA-loaded blocks), so one
 token fills a sixteenth of the instruction instead of a sixty-fourth and a step copies
 the weight's [bk, 64] block and x's [16 t, bk] block, not a 64-row x block. Every M runs
-the same [64, 16] instruction: a program takes up to TOKEN_TILES token tiles (each its
+the same [64, 16] instruction: a program takes up to `token_tiles` token tiles (each its
 own accumulator, the weight block loaded once for all: scheduling), K is walked in the
 same fixed order, and the output tile is stored through a transposed view of shared
 memory (a 16-bit output; Mosaic GPU finds no layout for an f32 tile's transposed store,
@@ -67,8 +67,11 @@ __all__ = ["BM", "MosaicMatmulConfig", "matmul", "matmul_glu", "matmul_glu_refer
 
 BM = 64  # rows per program tile: one wgmma M (fixed: the row count changes only the grid)
 BT = 16  # swapped: tokens per wgmma N (fixed: every M runs the same instruction)
-TOKEN_TILES = BM // BT  # swapped: token tiles a program at most (scheduling: a function of
-# M), so x's block is the plain design's [64, bk] and `pipeline_stages` serves both designs
+TOKEN_TILES = BM // BT  # swapped: token tiles a program at most by default (scheduling: a
+# function of M), so x's block is the plain design's [64, bk] and `pipeline_stages` serves
+# both designs; a config may take up to MAX_TOKEN_TILES (16 tiles: a TMA box's 256 rows)
+MAX_TOKEN_TILES = 16
+SMEM_MAX = 232448  # bytes of shared memory a Hopper program may hold (the opt-in limit)
 TUNED_FILE = os.path.join(os.path.dirname(__file__), "matmul_tuned.json")
 BK_TILES = (128, 64, 32, 16)  # bk: the largest that divides K
 BN_TILES = (128, 64, 32)  # bn: the largest that divides N and leaves MIN_COLUMN_TILES
@@ -84,6 +87,11 @@ class MosaicMatmulConfig:
     bk: int  # K elements per pipeline step (one wgmma of bk / 16 k16 steps)
     stages: int  # pipeline steps in flight (scheduling only: no bits change)
     swapped: bool = False  # the weight's columns as the wgmma M (bn = 64), tokens as N
+    # swapped: 16-token tiles a program at most, each its own accumulator, the weight
+    # block loaded once for all (scheduling: no bits change). Past TOKEN_TILES the x block
+    # grows, so the pipeline holds fewer steps (`swapped_stages`); 10 tiles take a
+    # 160-row verify block in one program per column block, its weights read once.
+    token_tiles: int = TOKEN_TILES
 
     def __post_init__(self):
         for name in ("bn", "bk"):
@@ -96,6 +104,11 @@ class MosaicMatmulConfig:
                              "(one wgmma stays in flight while the next step loads)")
         if not isinstance(self.swapped, bool):
             raise TypeError(f"MosaicMatmulConfig.swapped={self.swapped!r} must be a bool")
+        if (not isinstance(self.token_tiles, int) or not 1 <= self.token_tiles <= MAX_TOKEN_TILES
+                or (not self.swapped and self.token_tiles != TOKEN_TILES)):
+            raise ValueError(f"MosaicMatmulConfig.token_tiles={self.token_tiles!r} must be an "
+                             f"int in 1..{MAX_TOKEN_TILES} (the swapped design's; the plain "
+                             f"design's row tile is {BM})")
         if self.swapped and (self.bn != BM or self.bk < 64):
             raise ValueError(f"MosaicMatmulConfig(swapped=True) takes bn={BM} (the wgmma M) "
                              f"and bk >= 64 (both operands' 128-byte swizzle); got bn={self.bn}, "
@@ -122,6 +135,23 @@ def pipeline_stages(bk: int, bn: int, dtype, weights: int = 1) -> int:
     `weights` [bk, bn] blocks (2 for the fused GLU)."""
     per_step = (BM * bk + weights * bk * bn) * jnp.dtype(dtype).itemsize
     return max(2, min(MAX_STAGES, SMEM_BUDGET // per_step))
+
+
+def swapped_stages(cfg: MosaicMatmulConfig, tiles: int, dtype, out_dtype, weights: int = 1
+                   ) -> int:
+    """The swapped design's pipeline depth for a program of `tiles` token tiles: the
+    config's, or, past TOKEN_TILES tiles, as many steps as SMEM_MAX holds beside the
+    output tile (each step: x's [16 tiles, bk] block and `weights` [bk, 64] blocks)."""
+    if tiles <= TOKEN_TILES:
+        return cfg.stages
+    size = jnp.dtype(dtype).itemsize
+    per_step = (BT * tiles + weights * BM) * cfg.bk * size
+    fit = (SMEM_MAX - BT * tiles * BM * jnp.dtype(out_dtype).itemsize) // per_step
+    if fit < 2:
+        raise ValueError(f"MosaicMatmulConfig(token_tiles={cfg.token_tiles}, bk={cfg.bk}): "
+                         f"{tiles} token tiles leave shared memory for {fit} pipeline steps "
+                         "(2 at least): fewer token tiles or a smaller bk")
+    return min(cfg.stages, fit)
 
 
 @functools.cache
@@ -260,9 +290,11 @@ def _launch(x, w, cfg: MosaicMatmulConfig, n_out: int, out_dtype, column_offsets
     kp = round_up(k, cfg.bk)  # extra K terms add exact zeros at the end of the sum
     xp = pad_axis(pad_axis(x, 1, kp), 0, m if m <= 8 else round_up(m, 8))  # [Mr, Kp]
     wp = pad_axis(w, 0, kp)
-    if cfg.swapped:  # up to TOKEN_TILES 16-token tiles a program
-        tiles = min(TOKEN_TILES, -(-xp.shape[0] // BT))
-        kernel = functools.partial(_kernel_swapped, cfg=cfg, nk=kp // cfg.bk, tiles=tiles,
+    if cfg.swapped:  # up to cfg.token_tiles 16-token tiles a program
+        tiles = min(cfg.token_tiles, -(-xp.shape[0] // BT))
+        stages = swapped_stages(cfg, tiles, x.dtype, out_dtype, len(column_offsets))
+        kernel = functools.partial(_kernel_swapped, cfg=dataclasses.replace(cfg, stages=stages),
+                                   nk=kp // cfg.bk, tiles=tiles,
                                    column_offsets=column_offsets, epilogue=epilogue,
                                    columns_major=columns_major)
         o_tile, m_tile = (BT * tiles, BM), BT * tiles
