@@ -292,10 +292,20 @@ def test_the_sweep_writes_only_passing_faster_configs(tmp_path):
     for m in ("1", "17"):
         tall["time"][m]["mosaic[s:128:6:10]"] = {"us": 20.0}  # faster by noise: not chosen
     report["shapes"]["e"] = tall
+    # The fused GLU: its own token-tile variants, timed as the GLU at the largest M.
+    glu = shape(4096, 24576, {m: {"mosaic_glu": 90.0, "mosaic_swapped_glu": 70.0}
+                              for m in ("1", "17")})
+    glu["time"]["160"] = {"mosaic_swapped_glu": {"us": 200.0},
+                          "mosaic_glu[s:128:4:10]": {"us": 90.0}}
+    glu["swapped"]["glu"] = {"invariance": clean}
+    glu["swapped"]["glu_variants"] = {"s:128:4:10": {"config": dict(base, token_tiles=10),
+                                                     "equals_swapped": True}}
+    report["shapes"]["g"] = glu
     path = tmp_path / "t.json"
-    assert sweep.write_tuned(str(path), report, receipt="r.json") == ["a", "b", "e"]
+    assert sweep.write_tuned(str(path), report, receipt="r.json") == ["a", "b", "e", "g"]
     data = json.loads(path.read_text())
     got = {(e["K"], e["N"]): e["config"] for e in data["tuned"]}
-    assert got == {(4096, 6144): six, (4096, 4096): base, (4096, 2048): ten}
+    assert got == {(4096, 6144): six, (4096, 4096): base, (4096, 2048): ten,
+                   (4096, 24576): dict(base, token_tiles=10)}
     assert data["provenance"][-1]["command"] == "python sweep --write"
     assert data["provenance"][-1]["receipt"] == "r.json"

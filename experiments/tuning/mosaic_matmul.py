@@ -240,10 +240,25 @@ def run_shape(name: str, K: int, N: int, rows: list[int], alone: list[int], bw: 
                 same = f"{type(e).__name__}: {str(e)[:300]}"
             rep["swapped"].setdefault("variants", {})[spec] = {
                 "config": dataclasses.asdict(cfg), "equals_swapped": same}
+            if tiles and "mosaic_swapped_glu" in fns:  # the GLU at more token tiles
+                glu = f"mosaic_glu[{spec}]"
+                fns[glu] = (lambda c: lambda a, b: mosaic.matmul_glu(
+                    a, b, activation="silu", interpret=interpret, config=c))(cfg)
+                tall[glu] = True
+                try:
+                    same = all(np.array_equal(bits(fns[glu](x[:m], w)),
+                                              bits(fns["mosaic_swapped_glu"](x[:m], w)))
+                               for m in (1, 40, max(rows)))
+                except Exception as e:  # noqa: BLE001
+                    same = f"{type(e).__name__}: {str(e)[:300]}"
+                rep["swapped"].setdefault("glu_variants", {})[spec] = {
+                    "config": dataclasses.asdict(cfg), "equals_swapped": same}
     for m in rows:
         for meth, fn in fns.items():
-            if meth.startswith("mosaic[") and m not in (1, 17) and not (
+            if meth.startswith(("mosaic[", "mosaic_glu[")) and m not in (1, 17) and not (
                     meth in tall and m == max(rows)):
+                continue
+            if meth.startswith("mosaic_glu[") and m != max(rows):
                 continue
             r = time_us(fn, x[:m], ws)
             if "us" in r:
@@ -282,6 +297,10 @@ def write_tuned(path: str, report: dict, receipt: str | None = None) -> list[str
         if not glu:  # the GLU's depth is capped by its two weight blocks: variants time
             configs.update({f"mosaic[{spec}]": v["config"]  # the plain matmul only
                             for spec, v in rep["swapped"].get("variants", {}).items()
+                            if v["equals_swapped"] is True})
+        else:  # its token tiles: the GLU itself, timed at the largest M
+            configs.update({f"mosaic_glu[{spec}]": v["config"]
+                            for spec, v in rep["swapped"].get("glu_variants", {}).items()
                             if v["equals_swapped"] is True})
         t = {}
         for k in (plain, *configs):
