@@ -185,6 +185,16 @@ def other_bn_same_bits(x, w, out_dtype, interpret: bool) -> dict:
         return {"bn": [cfg.bn, alt.bn], "error": f"{type(e).__name__}: {str(e)[:400]}"}
 
 
+def same_bits(fn, ref, x, w, rows) -> bool | str:
+    """Whether fn gives ref's bits at M = 1, 40 and the largest M (an error's text if it
+    fails to run): the check a variant passes before the table may take it."""
+    try:
+        return all(np.array_equal(bits(fn(x[:m], w)), bits(ref(x[:m], w)))
+                   for m in (1, 40, max(rows)))
+    except Exception as e:  # noqa: BLE001
+        return f"{type(e).__name__}: {str(e)[:300]}"
+
+
 def run_shape(name: str, K: int, N: int, rows: list[int], alone: list[int], bw: float,
               interpret: bool) -> dict:
     dtype = jnp.bfloat16
@@ -232,12 +242,7 @@ def run_shape(name: str, K: int, N: int, rows: list[int], alone: list[int], bw: 
         fns[f"mosaic[{spec}]"] = (lambda c: lambda a, b: mosaic.matmul(
             a, b, out_dtype=out_dtype, interpret=interpret, config=c))(cfg)
         if cfg.swapped and _SWAPPED.value:  # a candidate for the table: its bits checked
-            try:
-                same = all(np.array_equal(bits(fns[f"mosaic[{spec}]"](x[:m], w)),
-                                          bits(fns["mosaic_swapped"](x[:m], w)))
-                           for m in (1, 40, max(rows)))
-            except Exception as e:  # noqa: BLE001
-                same = f"{type(e).__name__}: {str(e)[:300]}"
+            same = same_bits(fns[f"mosaic[{spec}]"], fns["mosaic_swapped"], x, w, rows)
             rep["swapped"].setdefault("variants", {})[spec] = {
                 "config": dataclasses.asdict(cfg), "equals_swapped": same}
             if tiles and "mosaic_swapped_glu" in fns:  # the GLU at more token tiles
@@ -245,20 +250,15 @@ def run_shape(name: str, K: int, N: int, rows: list[int], alone: list[int], bw: 
                 fns[glu] = (lambda c: lambda a, b: mosaic.matmul_glu(
                     a, b, activation="silu", interpret=interpret, config=c))(cfg)
                 tall[glu] = True
-                try:
-                    same = all(np.array_equal(bits(fns[glu](x[:m], w)),
-                                              bits(fns["mosaic_swapped_glu"](x[:m], w)))
-                               for m in (1, 40, max(rows)))
-                except Exception as e:  # noqa: BLE001
-                    same = f"{type(e).__name__}: {str(e)[:300]}"
+                same = same_bits(fns[glu], fns["mosaic_swapped_glu"], x, w, rows)
                 rep["swapped"].setdefault("glu_variants", {})[spec] = {
                     "config": dataclasses.asdict(cfg), "equals_swapped": same}
     for m in rows:
         for meth, fn in fns.items():
-            if meth.startswith(("mosaic[", "mosaic_glu[")) and m not in (1, 17) and not (
-                    meth in tall and m == max(rows)):
+            if meth.startswith("mosaic_glu[") and m != max(rows):  # token tiles only
                 continue
-            if meth.startswith("mosaic_glu[") and m != max(rows):
+            if meth.startswith("mosaic[") and m not in (1, 17) and not (
+                    meth in tall and m == max(rows)):
                 continue
             r = time_us(fn, x[:m], ws)
             if "us" in r:
