@@ -249,6 +249,8 @@ def test_trace_summarizes_a_device_timeline():
                                                                                        11.0)
     assert s["us_per_step_by_kind"] == {"pallas": 5.0, "xla": 2.5, "copy": 2.0}
     assert s["top"][0]["op"] == "jit(decode_loop)/while/body/pallas_call"
+    assert s["idle_gaps"] == [{"before": "jspec_matmul", "after": "loop_add_fusion",
+                               "gaps_per_step": 0.5, "us_per_step": 2.5}]
     assert trace.summarize([], 1, 5)["device_events"] == 0
 
 

@@ -12,7 +12,8 @@ the timed step loop of the benchmarks (`device_steps`: STEP_REPS forwards of a b
 --T tokens on the same cache) with `jax.profiler` and summarizes the device timeline per
 forward step (`jspec.bench.trace`): every kernel name's calls and microseconds, the
 kernels' busy time and the step's span on the device, so `span - busy` is the time the
-device sat between kernels; each XLA fusion also gets its opcodes and the lines of
+device sat between kernels (and the kernel pairs around the costliest of those gaps);
+each XLA fusion also gets its opcodes and the lines of
 jspec behind it, from the compiled HLO (`jspec.bench.hlo`). Prints the top kernels; writes
 profile_step_<preset>[_<tag>].json under --out (and keeps the trace's .json.gz beside it
 with --keep_trace). On a CPU the trace has no device kernels: the run
@@ -188,6 +189,10 @@ def main(argv):
         where = f"  <- {r['sources'][0]}" if r.get("sources") else ""
         print(f"{r['us_per_step']:9.1f} {r['calls_per_step']:6.1f} {r['us_per_call']:8.2f}  "
               f"{r['name'][:60]}{where}")
+    print(f"{'idle us':>9s} {'gaps':>6s}  between kernels (before -> after)")
+    for g in summary.get("idle_gaps", [])[:8]:
+        print(f"{g['us_per_step']:9.1f} {g['gaps_per_step']:6.1f}  {g['before'][:45]} -> "
+              f"{g['after'][:45]}")
     print(f"receipt: {out}")
 
 

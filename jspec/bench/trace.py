@@ -62,21 +62,28 @@ def _op_of(args: dict) -> str:
 
 
 def summarize(events: list[dict], per: int, top: int) -> dict:
-    """Per-step figures of a device timeline (`per` steps or rounds in it)."""
+    """Per-step figures of a device timeline (`per` steps or rounds in it). `idle_gaps`:
+    where the device sat between kernels, the costliest (kernel before, kernel after)
+    pairs with their gaps and microseconds a step."""
     if not events:
         return {"device_events": 0, "note": "no device timeline in the trace (CPU run, or the "
                 "profiler saw no GPU activity)"}
     events = sorted(events, key=lambda e: e["ts"])
     start = events[0]["ts"]
     end = max(e["ts"] + e["dur"] for e in events)
-    busy, cur_s, cur_e = 0.0, None, None
+    busy, cur_s, cur_e, last = 0.0, None, None, None
+    gaps = collections.defaultdict(lambda: [0, 0.0])  # (before, after) -> [count, us]
     for e in events:  # union of intervals
         s, t = e["ts"], e["ts"] + e["dur"]
         if cur_e is None or s > cur_e:
-            busy += 0.0 if cur_e is None else cur_e - cur_s
-            cur_s, cur_e = s, t
-        else:
-            cur_e = max(cur_e, t)
+            if cur_e is not None:
+                busy += cur_e - cur_s
+                g = gaps[(last[:80], e["name"][:80])]
+                g[0] += 1
+                g[1] += s - cur_e
+            cur_s, cur_e, last = s, t, e["name"]
+        elif t >= cur_e:
+            cur_e, last = t, e["name"]
     busy += cur_e - cur_s
     by_kind, by_name = collections.Counter(), collections.defaultdict(lambda: [0, 0.0])
     count_kind = collections.Counter()
@@ -103,6 +110,9 @@ def summarize(events: list[dict], per: int, top: int) -> dict:
                  "us_per_step": t / per, "us_per_call": t / c,
                  "op": ops[n].most_common(1)[0][0] if ops[n] else ""}
                 for n, (c, t) in costly],
+        "idle_gaps": [{"before": b, "after": a, "gaps_per_step": c / per,
+                       "us_per_step": t / per}
+                      for (b, a), (c, t) in sorted(gaps.items(), key=lambda kv: -kv[1][1])[:12]],
     }
 
 
