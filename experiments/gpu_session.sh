@@ -84,7 +84,8 @@
 #   pallas_kernels/matmul_tuned.json (a copy comes back in $OUT) so the lane's later steps
 #   (parity first) run with them; commit the file once the matrix has proven it.
 #   $TALL_SHAPES picks the weights (default the target's five; head_wqkv, head_fc and
-#   head_lm_head are the feature head's own); $TALL_BK adds K tiles to the grid
+#   head_lm_head are the feature head's own); $TALL_BM replaces the row tiles (default
+#   64,128); $TALL_BK adds K tiles to the grid
 #   (e.g. 64,128: bk is scheduling on the GPU, the sweep checks the bits).
 # - prefillsweep: sweep_schedule.py --prefill, the compute-bound tiles of launches of more
 #   than 1,024 rows (prefill chunks), bits at M = 1, 40, 160, 2048, time at 2048 and 8192,
@@ -121,7 +122,7 @@
 #   feature head, chains and trees (real acceptance); e2e_session: Qwen3-8B serial and
 #   oracle speculation (a = 0.8, 0.9, gamma 4) with the Qwen3-0.6B draft and with a feature
 #   head, chains and a 32-node tree, batches 1 and 8 (~7-8 min). e2e_batch: fixed gamma 4
-#   against adaptive round shapes (gammas 0,1,2,4) side by side, feature head, oracle
+#   against adaptive round shapes ($E2E_ADAPTIVE, default gammas 0,1,2,4) side by side, feature head, oracle
 #   a = 0.8, prompt 512, 128 new tokens, batches $E2E_BATCHES (default 1,8,16,32,64), the
 #   Qwen3-8B shape with 12 of its 36 layers (to fit ~5-8 min with a compile per shape and
 #   batch); the receipt's adaptive_stats say which shapes ran.
@@ -312,7 +313,7 @@ for s in $steps; do
               | grep -v "it/s" | tail -12 ;;
     tallsweep) timeout "${TALL_S:-330}" python3 experiments/tuning/sweep_schedule.py --tall \
               --shapes="${TALL_SHAPES:-w_gate_up:glu,w_down,lm_head,wqkv,wo}" --iters=3 \
-              --bk="${TALL_BK:-}" --budget_s="$(( ${TALL_S:-330} - 60 ))" --out="$OUT" \
+              --bk="${TALL_BK:-}" --bm="${TALL_BM:-}" --budget_s="$(( ${TALL_S:-330} - 60 ))" --out="$OUT" \
               --write=pallas_kernels/matmul_tuned.json 2>&1 | quiet | grep -v "it/s" | tail -14
               cp pallas_kernels/matmul_tuned.json "$OUT/" ;;
     prefillsweep) timeout "${PREFILL_SWEEP_S:-300}" python3 experiments/tuning/sweep_schedule.py \
@@ -355,7 +356,7 @@ for s in $steps; do
     e2e_batch) timeout "${E2E_S:-540}" python3 experiments/bench_e2e.py --target=qwen3-8b:12 \
               --draft=qwen3-0.6b:1 --drafter=feature --batches="${E2E_BATCHES:-1,8,16,32,64}" \
               --prompt_len=512 --max_new_tokens=128 --gammas=4 --accept=0.8 \
-              --adaptive=0,1,2,4 --nolookup --nopeers --serial_backends=pallas --iters=2 \
+              --adaptive="${E2E_ADAPTIVE:-0,1,2,4}" --nolookup --nopeers --serial_backends=pallas --iters=2 \
               --out="$OUT" --tag=h200_adaptive 2>&1 | quiet | grep -v "it/s" | tail -30 ;;
     e2e_context) for ctx in ${CTX_LENS:-32768}; do  # speculative speedup at depth (37.4)
                 timeout "${E2E_CTX_S:-540}" python3 experiments/bench_e2e.py --target=llama3-8b \
