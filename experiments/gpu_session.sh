@@ -122,9 +122,9 @@
 #   feature head, chains and trees (real acceptance); e2e_session: Qwen3-8B serial and
 #   oracle speculation (a = 0.8, 0.9, gamma 4) with the Qwen3-0.6B draft and with a feature
 #   head, chains and a 32-node tree, batches 1 and 8 (~7-8 min). e2e_batch: fixed gamma 4
-#   against adaptive round shapes ($E2E_ADAPTIVE, default gammas 0,1,2,4) side by side, feature head, oracle
-#   a = 0.8, prompt 512, 128 new tokens, batches $E2E_BATCHES (default 1,8,16,32,64), the
-#   Qwen3-8B shape with 12 of its 36 layers (to fit ~5-8 min with a compile per shape and
+#   against adaptive round shapes ($E2E_ADAPTIVE, default gammas 0,1,2,4) side by side,
+#   feature head, oracle a = 0.8, prompt 512, 128 new tokens, batches $E2E_BATCHES
+#   (default 1,8,16,32,64), the Qwen3-8B shape with 12 of its 36 layers (to fit ~5-8 min with a compile per shape and
 #   batch); the receipt's adaptive_stats say which shapes ran.
 # - train_head trains a feature head for the embedded pair's target (train_draft_head.py,
 #   the gpu preset: ~2 min on an H200) into $OUT/head (config.json, model.safetensors,
@@ -313,7 +313,8 @@ for s in $steps; do
               | grep -v "it/s" | tail -12 ;;
     tallsweep) timeout "${TALL_S:-330}" python3 experiments/tuning/sweep_schedule.py --tall \
               --shapes="${TALL_SHAPES:-w_gate_up:glu,w_down,lm_head,wqkv,wo}" --iters=3 \
-              --bk="${TALL_BK:-}" --bm="${TALL_BM:-}" --budget_s="$(( ${TALL_S:-330} - 60 ))" --out="$OUT" \
+              --bk="${TALL_BK:-}" --bm="${TALL_BM:-}" --out="$OUT" \
+              --budget_s="$(( ${TALL_S:-330} - 60 ))" \
               --write=pallas_kernels/matmul_tuned.json 2>&1 | quiet | grep -v "it/s" | tail -14
               cp pallas_kernels/matmul_tuned.json "$OUT/" ;;
     prefillsweep) timeout "${PREFILL_SWEEP_S:-300}" python3 experiments/tuning/sweep_schedule.py \
@@ -356,7 +357,8 @@ for s in $steps; do
     e2e_batch) timeout "${E2E_S:-540}" python3 experiments/bench_e2e.py --target=qwen3-8b:12 \
               --draft=qwen3-0.6b:1 --drafter=feature --batches="${E2E_BATCHES:-1,8,16,32,64}" \
               --prompt_len=512 --max_new_tokens=128 --gammas=4 --accept=0.8 \
-              --adaptive="${E2E_ADAPTIVE:-0,1,2,4}" --nolookup --nopeers --serial_backends=pallas --iters=2 \
+              --adaptive="${E2E_ADAPTIVE:-0,1,2,4}" --nolookup --nopeers \
+              --serial_backends=pallas --iters=2 \
               --out="$OUT" --tag=h200_adaptive 2>&1 | quiet | grep -v "it/s" | tail -30 ;;
     e2e_context) for ctx in ${CTX_LENS:-32768}; do  # speculative speedup at depth (37.4)
                 timeout "${E2E_CTX_S:-540}" python3 experiments/bench_e2e.py --target=llama3-8b \
