@@ -86,7 +86,8 @@
 #   $TALL_SHAPES picks the weights (default the target's five; head_wqkv, head_fc and
 #   head_lm_head are the feature head's own); $TALL_BM replaces the row tiles (default
 #   64,128); $TALL_BK adds K tiles to the grid
-#   (e.g. 64,128: bk is scheduling on the GPU, the sweep checks the bits).
+#   (e.g. 64,128: bk is scheduling on the GPU, the sweep checks the bits); $TALL_FLAGS
+#   passes more (e.g. "--nogrid --row_groups=2,3": today's schedule in row groups).
 # - prefillsweep: sweep_schedule.py --prefill, the compute-bound tiles of launches of more
 #   than 1,024 rows (prefill chunks), bits at M = 1, 40, 160, 2048, time at 2048 and 8192,
 #   merged like tallsweep's ($PREFILL_SHAPES, default the four weights a prefill runs;
@@ -313,7 +314,7 @@ for s in $steps; do
               | grep -v "it/s" | tail -12 ;;
     tallsweep) timeout "${TALL_S:-330}" python3 experiments/tuning/sweep_schedule.py --tall \
               --shapes="${TALL_SHAPES:-w_gate_up:glu,w_down,lm_head,wqkv,wo}" --iters=3 \
-              --bk="${TALL_BK:-}" --bm="${TALL_BM:-}" --out="$OUT" \
+              --bk="${TALL_BK:-}" --bm="${TALL_BM:-}" ${TALL_FLAGS:-} --out="$OUT" \
               --budget_s="$(( ${TALL_S:-330} - 60 ))" \
               --write=pallas_kernels/matmul_tuned.json 2>&1 | quiet | grep -v "it/s" | tail -14
               cp pallas_kernels/matmul_tuned.json "$OUT/" ;;

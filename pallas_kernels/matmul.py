@@ -36,11 +36,12 @@ programs of at most `row_group` tiles (`row_group_size`; 1 row tile: the grid
 kernel itself); tiles of the last program past the rows are masked.
 
 Schedules (`schedule=True`): a launch of more than one row tile may take other bm, bn,
-warps, stages and (on the GPU) bk than the config (`MULTI_TILE`; above `TALL_ROWS` rows,
-`TALL_TILE`; above `PREFILL_ROWS` rows, `PREFILL_TILE` or `prefill_rule`), never another
-split_k, so the same bits; the sweeps check every variant on the device. bk is scheduling
-on the GPU only (see SCHEDULE_FIELDS): Triton accumulates each block's dot into the running
-sum, so the K order is the same chain of tensor-core steps whatever bk is.
+warps, stages, row group and (on the GPU) bk than the config (`MULTI_TILE`; above
+`TALL_ROWS` rows, `TALL_TILE`; above `PREFILL_ROWS` rows, `PREFILL_TILE` or
+`prefill_rule`), never another split_k, so the same bits; the sweeps check every variant
+on the device. bk is scheduling on the GPU only (see SCHEDULE_FIELDS): Triton
+accumulates each block's dot into the running sum, so the K order is the same chain of
+tensor-core steps whatever bk is.
 """
 
 from __future__ import annotations
@@ -102,6 +103,11 @@ TUNED_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "matmul_tu
 # bits there, and interpret mode never schedules. A schedule's bk must divide K, as the
 # config's does (the same zero padding: none), and split-K configs keep their bk.
 SCHEDULE_FIELDS = ("bm", "bn", "bk", "num_warps", "num_stages")
+# A schedule table row may also set the row group of its launches (`ROW_GROUP_FIELD`: row
+# tiles per program, each weight block loaded once for them), capped by the caller's
+# `row_group`; like the fields above it decides only which program computes a tile.
+ROW_GROUP_FIELD = "row_group"
+TABLE_FIELDS = SCHEDULE_FIELDS + (ROW_GROUP_FIELD,)
 
 
 def tuned_to_json(table: dict[tuple[int, int, str], MatmulConfig]) -> list[dict]:
@@ -131,10 +137,14 @@ def parse_schedules(rows, where: str) -> dict[tuple[int, int, str], dict[str, in
     out = {}
     for r in rows:
         fields = dict(r["fields"])
-        bad = set(fields) - set(SCHEDULE_FIELDS)
+        bad = set(fields) - set(TABLE_FIELDS)
         if bad:
-            raise ValueError(f"{where}: a schedule may set only {SCHEDULE_FIELDS}; got "
+            raise ValueError(f"{where}: a schedule may set only {TABLE_FIELDS}; got "
                              f"{sorted(bad)} for K={r['K']}, N={r['N']}")
+        g = fields.get(ROW_GROUP_FIELD, 1)
+        if isinstance(g, bool) or not isinstance(g, int) or g < 1:
+            raise ValueError(f"{where}: row_group must be an int >= 1; got {g!r} for "
+                             f"K={r['K']}, N={r['N']}")
         out[(int(r["K"]), int(r["N"]), str(r["dtype"]))] = fields
     return out
 
@@ -358,7 +368,8 @@ def multi_tile_config(cfg: MatmulConfig, K: int, N: int, dtype,
     """`cfg` with the overrides of a [K, N] weight in `table` (default MULTI_TILE;
     scheduling fields only)."""
     table = MULTI_TILE if table is None else table
-    over = table.get((K, N, jnp.dtype(dtype).name), {})
+    over = dict(table.get((K, N, jnp.dtype(dtype).name), {}))
+    over.pop(ROW_GROUP_FIELD, None)  # which program computes a tile: `scheduled` reads it
     if set(over) - set(SCHEDULE_FIELDS):
         raise ValueError(f"multi-tile overrides of {(K, N)} may set only {SCHEDULE_FIELDS}; "
                          f"got {over}")
@@ -397,8 +408,10 @@ def scheduled(cfg: MatmulConfig, m: int, K: int, N: int, dtype, row_group: int,
     table's overrides (default PREFILL_TILE) or else `prefill_rule`'s; when m > TALL_ROWS
     the `tall` table's (default TALL_TILE) where the weight has an entry; else the
     `table`'s (default MULTI_TILE). Scheduling fields only: on the GPU the bits are cfg's
-    whatever m is. cols: the columns a column tile must divide (the GLU kernel: F). The
-    rule applies to 2-byte weights only (its tile was proven and fits for bf16)."""
+    whatever m is. The row group is the picked entry's `row_group` (at most the caller's
+    row_group), else `scheduled_row_group`. cols: the columns a column tile must divide
+    (the GLU kernel: F). The rule applies to 2-byte weights only (its tile was proven and
+    fits for bf16)."""
     if round_up(m, cfg.bm) <= cfg.bm:
         return cfg, row_group
     tall = TALL_TILE if tall is None else tall
@@ -415,6 +428,9 @@ def scheduled(cfg: MatmulConfig, m: int, K: int, N: int, dtype, row_group: int,
     else:
         pick = table
     out = multi_tile_config(cfg, K, N, dtype, pick)
+    group = pick.get(key, {}).get(ROW_GROUP_FIELD)
+    if group is not None:
+        return out, min(group, row_group)
     return out, scheduled_row_group(cfg.bm, out.bm, row_group)
 
 

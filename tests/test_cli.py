@@ -340,7 +340,8 @@ def test_sweep_schedule_tall_writes_its_winners(tmp_path):
     table = tmp_path / "tuned.json"
     shutil.copy(TUNED_FILE, table)
     r = _run("tuning/sweep_schedule.py", "--interpret", "--preset=tiny-qwen3", "--tall",
-             "--rows=1,80", "--shapes=wo", "--iters=1", f"--write={table}", f"--out={tmp_path}")
+             "--rows=1,80", "--shapes=wo", "--iters=1", "--row_groups=2", f"--write={table}",
+             f"--out={tmp_path}")
     assert r.returncode == 0, r.stderr[-2000:]
     rep = json.load(open(tmp_path / "sweep_schedule_tall.json"))
     (w,) = rep["weights"]
@@ -348,12 +349,19 @@ def test_sweep_schedule_tall_writes_its_winners(tmp_path):
     grid = [v for v in w["variants"] if v["phase"] == "wo"]
     assert {v["config"]["bm"] for v in grid} == {64, 128} and len(grid) >= 4
     assert all(v["bits_equal"] == {"1": True, "80": True} for v in w["variants"])
-    assert {v["phase"] for v in w["variants"]} == {"wo", "wo stages"}
+    assert {v["phase"] for v in w["variants"]} == {"wo", "wo stages", "wo row groups"}
+    # Row groups: two row tiles a program, the grid's winner at its column tile and half.
+    grouped = [v for v in w["variants"] if v["phase"] == "wo row groups"]
+    assert grouped and all(v["row_group"] == 2 for v in grouped)
+    assert all("row_group" not in v for v in w["variants"] if v["phase"] != "wo row groups")
     data = read_tuned_file(str(table))
     rows = parse_schedules(data["tall_tile"], str(table))
     assert data["multi_tile"] == read_tuned_file()["multi_tile"]  # only the tall table
-    if w["fastest_equal"]["us"] < w["base_us"]:
-        assert rows[(w["K"], w["N"], "bfloat16")]["bm"] == w["fastest_equal"]["config"]["bm"]
+    best = w["fastest_equal"]
+    if best["us"] < w["base_us"]:
+        row = rows[(w["K"], w["N"], "bfloat16")]
+        assert row["bm"] == best["config"]["bm"]
+        assert row.get("row_group") == best.get("row_group")
 
 
 @pytest.mark.slow  # a sweep script

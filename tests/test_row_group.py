@@ -11,6 +11,7 @@ give the bits of the grid kernel, which computes each row tile in its own progra
 CPU, Pallas in interpret mode; JSPEC_PALLAS_INTERPRET=0 runs (a) compiled on a GPU.
 """
 
+import dataclasses
 import functools
 import os
 
@@ -150,6 +151,27 @@ def test_tall_launches_take_the_tall_schedule():
     assert (cfg.bm, cfg.bn, cfg.num_warps, cfg.bk, g) == (128, 64, 8, 64, 1)
     cfg, g = scheduled(base, 1024, 256, 128, jnp.bfloat16, 4, multi, {})
     assert (cfg.bn, g) == (32, 4)  # no tall entry: the multi-tile schedule
+    # A table's row_group sets the launch's row group, at most the caller's.
+    grouped = {(256, 128, "bfloat16"): {"bm": 64, "row_group": 3}}
+    assert scheduled(base, 160, 256, 128, jnp.bfloat16, 4, multi, grouped) == (
+        dataclasses.replace(base, bm=64), 3)
+    assert scheduled(base, 160, 256, 128, jnp.bfloat16, 2, multi, grouped)[1] == 2
+    assert scheduled(base, 40, 256, 128, jnp.bfloat16, 4, multi, grouped)[1] == 4
+
+
+def test_schedule_tables_check_the_row_group_field():
+    from pallas_kernels.matmul import multi_tile_config, parse_schedules
+
+    row = {"K": 256, "N": 128, "dtype": "bfloat16", "fields": {"bm": 64, "row_group": 2}}
+    table = parse_schedules([row], "t")
+    base = MatmulConfig(bm=16, bn=64, bk=64, num_warps=4, num_stages=2)
+    assert multi_tile_config(base, 256, 128, jnp.bfloat16, table) == dataclasses.replace(
+        base, bm=64)
+    for bad in (0, 1.5, True, "2"):
+        with pytest.raises(ValueError, match="row_group must be an int >= 1"):
+            parse_schedules([{**row, "fields": {"row_group": bad}}], "t")
+    with pytest.raises(ValueError, match="may set only"):
+        parse_schedules([{**row, "fields": {"split_k": 2}}], "t")
 
 
 def test_prefill_launches_take_the_prefill_tile():

@@ -32,7 +32,11 @@ grid of row tiles (64, 128) x column tiles (the config's, twice it) x warps (4, 
 pipeline stages; the schedule such launches run with today is timed first. --prefill
 sweeps the tier of more than `matmul.PREFILL_ROWS` rows (prefill chunks, B x C rows):
 bits at M = 1, 40, 160 and 2048, time at --timed (default 2048, 8192), over compute-bound
-tiles (`PREFILL_GRID`, `prefill_rule`'s first), then the winner at 2-5 stages. A variant
+tiles (`PREFILL_GRID`, `prefill_rule`'s first), then the winner at 2-5 stages. With
+--tall --row_groups=2,3 the fastest bit-equal schedule is then tried with g row tiles a
+program (`matmul.ROW_GROUP_FIELD`: each weight block read once for g x bm rows), at its
+column tile and half of it; --nogrid skips the grid and the stages (today's schedule and
+its row groups only). A variant
 with another bk is the claim of `matmul.SCHEDULE_FIELDS` (Triton accumulates each block's
 dot into the running sum, so bk does not set bits on the GPU), checked here bitwise like
 every other field. --write=FILE merges each weight's winner into a tile data file
@@ -64,6 +68,7 @@ from pallas_kernels.matmul import (
     MULTI_TILE,
     PREFILL_ROWS,
     PREFILL_TILE,
+    ROW_GROUP_FIELD,
     TALL_TILE,
     TUNED_FILE,
     MatmulConfig,
@@ -110,6 +115,12 @@ _WRITE = flags.DEFINE_string("write", "", "a tile data file (pallas_kernels/matm
                              "to merge the winners into (multi_tile[_glu], or tall_tile[_glu] "
                              "with --tall), so later steps of the same call run with them")
 _ROW_GROUP = flags.DEFINE_integer("row_group", 4, "row tiles per program (the model's default)")
+_GROUPS = flags.DEFINE_list("row_groups", [], "with --tall: then the fastest bit-equal schedule "
+                            "with these row groups (row tiles a program, the weight block read "
+                            "once for them; the table's row_group field), at its column tile "
+                            "and half of it, its warps and 8")
+_GRID = flags.DEFINE_bool("grid", True, "the tier's grid of tiles and its stages (off: today's "
+                          "schedule and, with --tall, --row_groups only)")
 _MAX = flags.DEFINE_integer("max_candidates", 12, "variants per weight, and crosses after them")
 _ITERS = flags.DEFINE_integer("iters", 5, "timed loops per variant")
 _COLD = flags.DEFINE_float("cold_mb", 256.0, "weight bytes cycled per timed loop (MB)")
@@ -173,6 +184,20 @@ def prefill_variants(base: MatmulConfig, N: int, K: int) -> list[MatmulConfig]:
     return out
 
 
+def group_variants(best: MatmulConfig, N: int, groups, done: set
+                   ) -> list[tuple[MatmulConfig, int]]:
+    """(config, row group) pairs: `best` at each row group of `groups` (> 1), at its
+    column tile and half of it (dividing N) and at its warps and 8."""
+    out = []
+    for g in groups:
+        for bn in dict.fromkeys((best.bn, best.bn // 2)):
+            for w in dict.fromkeys((best.num_warps, 8)):
+                c = dataclasses.replace(best, bn=bn, num_warps=w)
+                if g > 1 and bn >= 16 and N % bn == 0 and (c, g) not in done:
+                    out.append((c, g))
+    return out
+
+
 def stage_variants(best: MatmulConfig, done: set) -> list[MatmulConfig]:
     """The tall grid's winner at other pipeline depths."""
     return [c for c in (dataclasses.replace(best, num_stages=s) for s in (2, 3, 4, 5))
@@ -213,10 +238,11 @@ def bits(a) -> np.ndarray:
 def sweep_weight(name: str, K: int, N: int, rows: list[int], timed: list[int], rg: int, key,
                  t0: float, interp: bool, bms: list[int], glu: bool = False,
                  current: list[MatmulConfig] | None = None, tall: bool = False,
-                 prefill: bool = False, bks=()) -> dict:
+                 prefill: bool = False, bks=(), groups=(), grid: bool = True) -> dict:
     """The table config of a [K, N] weight and its variants: bits at each M of rows, time
     summed over the Ms of timed. current: the schedules such launches run with today and
-    before `prefill_rule` (timed first, so a winner must beat them too).
+    before `prefill_rule`, each a config or (config, row group) (timed first, so a winner
+    must beat them too). groups: row groups tried on the tall tier's winner.
     glu: the weight is [K, 2F] and runs through matmul_glu (silu)."""
     dt = jnp.bfloat16
     base = matmul_config(K, N, dt, interp)
@@ -230,24 +256,25 @@ def sweep_weight(name: str, K: int, N: int, rows: list[int], timed: list[int], r
     xs = {m: jax.random.normal(jax.random.fold_in(k2, m), (m, K), jnp.float32).astype(dt)
           for m in sorted(set(rows) | set(timed))}
 
-    def call(x, w, cfg):
-        g = scheduled_row_group(base.bm, cfg.bm, rg)  # as the model's schedule runs it
+    def call(x, w, cfg, g=None):
+        if g is None:  # as the model's schedule runs it without a row_group field
+            g = scheduled_row_group(base.bm, cfg.bm, rg)
         if glu:
             return matmul_glu(x, w, activation="silu", interpret=interp, config=cfg,
                               row_group=g)
         return matmul(x, w, out_dtype=dt, interpret=interp, config=cfg, row_group=g)
 
-    def run(cfg, m):
-        return call(xs[m], ws[0], cfg)
+    def run(cfg, m, g=None):
+        return call(xs[m], ws[0], cfg, g)
 
-    def per_call_us(cfg) -> tuple[float, dict[str, float]]:
-        at = {str(m): us_at(cfg, m) for m in timed}
+    def per_call_us(cfg, g=None) -> tuple[float, dict[str, float]]:
+        at = {str(m): us_at(cfg, m, g) for m in timed}
         return sum(at.values()), at
 
-    def us_at(cfg, m) -> float:
+    def us_at(cfg, m, g=None) -> float:
         # Separate weight buffers (a slice of one stacked array would be copied out for
         # every call and timed with it); only the kernel's own events are counted.
-        fn = jax.jit(lambda w: [call(xs[m], w[c], cfg) for c in range(copies)])
+        fn = jax.jit(lambda w: [call(xs[m], w[c], cfg, g) for c in range(copies)])
         jax.block_until_ready(fn(ws))
         with tempfile.TemporaryDirectory() as d:
             trace, _ = traced(lambda: [jax.block_until_ready(fn(ws))
@@ -263,15 +290,17 @@ def sweep_weight(name: str, K: int, N: int, rows: list[int], timed: list[int], r
     entry["base_us"], entry["base_us_at"] = per_call_us(base)
 
     def try_all(cfgs, desc):
-        for cfg in tqdm(cfgs, desc=desc):
-            row = {"config": vars(cfg), "phase": desc}
+        for item in tqdm(cfgs, desc=desc):
+            cfg, g = item if isinstance(item, tuple) else (item, None)
+            row = {"config": vars(cfg), "phase": desc} | (
+                {ROW_GROUP_FIELD: g} if g is not None else {})
             if time.time() - t0 > _BUDGET.value:
                 entry["variants"].append({**row, "skipped": "budget"})
                 continue
             try:
-                equal = {str(m): bool(np.array_equal(bits(run(cfg, m)), want[m]))
+                equal = {str(m): bool(np.array_equal(bits(run(cfg, m, g)), want[m]))
                          for m in rows}
-                us, at = per_call_us(cfg)
+                us, at = per_call_us(cfg, g)
             except Exception as e:  # a config Triton cannot build: recorded
                 entry["variants"].append({**row, "error": str(e).splitlines()[0][:200]})
                 continue
@@ -280,19 +309,31 @@ def sweep_weight(name: str, K: int, N: int, rows: list[int], timed: list[int], r
     # The schedules these launches run with today, and ran with before the prefill rule.
     first = [c for c in dict.fromkeys(current or ()) if c != base]
     cols = N // 2 if glu else N
-    if prefill:
-        grid = prefill_variants(base, cols, K)
+    if not grid:
+        tiles = []
+    elif prefill:
+        tiles = prefill_variants(base, cols, K)
     elif tall:
-        grid = tall_variants(base, cols, K, bms, bks)
+        tiles = tall_variants(base, cols, K, bms, bks)
     else:
-        grid = variants(base, cols, K, _MAX.value, bms, bks)
-    try_all(first + [c for c in grid if c not in first], name)
-    if tall or prefill:
-        ok = [v for v in entry["variants"] if "us" in v and all(v["bits_equal"].values())]
-        if ok:
-            best = MatmulConfig(**min(ok, key=lambda v: v["us"])["config"])
-            done = {MatmulConfig(**v["config"]) for v in entry["variants"]}
-            try_all(stage_variants(best, done), name + " stages")
+        tiles = variants(base, cols, K, _MAX.value, bms, bks)
+    try_all(first + [c for c in tiles if c not in first], name)
+
+    def fastest_ungrouped():
+        ok = [v for v in entry["variants"] if "us" in v and all(v["bits_equal"].values())
+              and ROW_GROUP_FIELD not in v]
+        return MatmulConfig(**min(ok, key=lambda v: v["us"])["config"]) if ok else base
+
+    def ran_variants():
+        return {(MatmulConfig(**v["config"]), v.get(ROW_GROUP_FIELD)) for v in
+                entry["variants"]} | {MatmulConfig(**v["config"]) for v in entry["variants"]
+                                      if ROW_GROUP_FIELD not in v}
+
+    if (tall or prefill) and grid:
+        try_all(stage_variants(fastest_ungrouped(), ran_variants()), name + " stages")
+        if tall and groups:
+            try_all(group_variants(fastest_ungrouped(), cols, groups, ran_variants()),
+                    name + " row groups")
     elif _COMBOS.value:
         ran = [v for v in entry["variants"] if "us" in v]
         done = {MatmulConfig(**v["config"]) for v in entry["variants"]}
@@ -313,6 +354,8 @@ def winners(report: dict) -> tuple[list[dict], list[dict]]:
         if not best or not e.get("all_bits_equal") or best["us"] >= e["base_us"]:
             continue  # some variant changed bits, or none beats the config: keep it
         fields = {f: best["config"][f] for f in FIELDS if best["config"][f] != e["base"][f]}
+        if best.get(ROW_GROUP_FIELD) is not None:
+            fields[ROW_GROUP_FIELD] = best[ROW_GROUP_FIELD]
         out[e["kernel"] == "matmul_glu"].append(
             {"K": e["K"], "N": e["N"], "dtype": "bfloat16", "fields": fields})
     return out
@@ -347,6 +390,10 @@ def main(_):
         ["160", "320"] if tall else ["2048", "8192"] if prefill else rows[-1:]))
     bms = [int(b) for b in _BM.value or (["64", "128"] if tall else [])]
     bks = [int(b) for b in _BK.value]
+    groups = [int(g) for g in _GROUPS.value]
+    if groups and (not tall or min(groups) < 2):
+        raise app.UsageError(f"--row_groups are tried on the tall tier (--tall), each >= 2; "
+                             f"got {groups}")
     if any(b < 16 or b & (b - 1) for b in bks):
         raise app.UsageError(f"--bk must be powers of 2 >= 16; got {bks}")
     if min(rows + timed) < 1 or any(b < 16 or b & (b - 1) for b in bms):
@@ -373,12 +420,16 @@ def main(_):
                   else (MULTI_TILE, TALL_TILE, PREFILL_TILE))
         # Today's schedule at the largest timed M, and (below the prefill tier) the one
         # such launches ran with before the prefill rule.
+        # A schedule whose row group is its table's own travels as (config, row group).
         current = None if interp else [
-            scheduled(base, m, K, N, jnp.bfloat16, rg, *tables, cols=N // 2 if glu else None)[0]
-            for m in (max(timed), min(max(timed), PREFILL_ROWS))]
+            c if g == scheduled_row_group(base.bm, c.bm, rg) else (c, g)
+            for c, g in (scheduled(base, m, K, N, jnp.bfloat16, rg, *tables,
+                                   cols=N // 2 if glu else None)
+                         for m in (max(timed), min(max(timed), PREFILL_ROWS)))]
         report["weights"].append(sweep_weight(spec, K, N, rows, timed, rg, jax.random.key(i),
                                               t0, interp, bms, glu=glu, current=current,
-                                              tall=tall, prefill=prefill, bks=bks))
+                                              tall=tall, prefill=prefill, bks=bks,
+                                              groups=groups, grid=_GRID.value))
         os.makedirs(_OUT.value, exist_ok=True)
         with open(receipt, "w") as f:
             json.dump(report, f, indent=1)
@@ -399,7 +450,8 @@ def main(_):
         n_eq = sum(all(v["bits_equal"].values()) for v in ran)
         b = e["fastest_equal"]
         print(f"{e['weight']:14s} {e['base_us']:9.2f} {len(ran):8d} {n_eq:10d} "
-              f"{(b['us'] if b else float('nan')):13.2f}  {b['config'] if b else '-'}")
+              f"{(b['us'] if b else float('nan')):13.2f}  {b['config'] if b else '-'}"
+              f"{', row group ' + str(b[ROW_GROUP_FIELD]) if b and ROW_GROUP_FIELD in b else ''}")
     if _WRITE.value:
         print(f"written to {_WRITE.value}: {json.dumps(report['written'])}")
     print(f"receipt: {os.path.join(_OUT.value, 'sweep_schedule.json')}")
