@@ -331,9 +331,9 @@ def sweep_weight(name: str, K: int, N: int, rows: list[int], timed: list[int], r
 
     if (tall or prefill) and grid:
         try_all(stage_variants(fastest_ungrouped(), ran_variants()), name + " stages")
-        if tall and groups:
-            try_all(group_variants(fastest_ungrouped(), cols, groups, ran_variants()),
-                    name + " row groups")
+    if tall and groups:
+        try_all(group_variants(fastest_ungrouped(), cols, groups, ran_variants()),
+                name + " row groups")
     elif _COMBOS.value:
         ran = [v for v in entry["variants"] if "us" in v]
         done = {MatmulConfig(**v["config"]) for v in entry["variants"]}
