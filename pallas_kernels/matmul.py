@@ -414,6 +414,7 @@ def scheduled(cfg: MatmulConfig, m: int, K: int, N: int, dtype, row_group: int,
     fits for bf16)."""
     if round_up(m, cfg.bm) <= cfg.bm:
         return cfg, row_group
+    table = MULTI_TILE if table is None else table
     tall = TALL_TILE if tall is None else tall
     prefill = PREFILL_TILE if prefill is None else prefill
     key = (K, N, jnp.dtype(dtype).name)

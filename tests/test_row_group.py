@@ -157,6 +157,11 @@ def test_tall_launches_take_the_tall_schedule():
         dataclasses.replace(base, bm=64), 3)
     assert scheduled(base, 160, 256, 128, jnp.bfloat16, 2, multi, grouped)[1] == 2
     assert scheduled(base, 40, 256, 128, jnp.bfloat16, 4, multi, grouped)[1] == 4
+    # The data file's own tables (the defaults), as the model calls it.
+    for K, N, dt in (256, 128, jnp.bfloat16), (4096, 24576, jnp.bfloat16):
+        for m in (17, 160, 2048):
+            cfg, g = scheduled(base, m, K, N, dt, 4)
+            assert cfg.split_k == base.split_k and g >= 1
 
 
 def test_schedule_tables_check_the_row_group_field():
