@@ -394,7 +394,8 @@ def main(argv):
               "matmul_grouped": read_tuned_file().get("grouped", []),
               "mosaic_matmul_tuned": {f"{k}x{n}:{d}": dataclasses.asdict(c) for (k, n, d), c
                                       in read_mosaic_tuned().items()},
-              "date": time.strftime("%Y-%m-%d"), "context": _CONTEXT.value,
+              "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv),
+              "context": _CONTEXT.value,
               "contexts": _CONTEXTS.value or None,
               "window": _WINDOW.value, "options": _OPTIONS.value, "tp": _TP.value or None,
               "processes": jax.process_count(), "row_partials": _ROW_PARTIALS.value or None,

@@ -32,6 +32,7 @@ import json
 import math
 import os
 import re
+import sys
 import time
 
 import jax
@@ -363,7 +364,8 @@ def main(argv):
                 seen.add((K, N))
                 todo.append((f"{p} {s}", K, N))
     receipt = {"device": dev, "jax": jax.__version__, "date": time.strftime("%Y-%m-%d"),
-               "copy_TBps": bw / 1e12, "rows": rows, "reps": _REPS.value,
+               "command": " ".join(sys.argv), "copy_TBps": bw / 1e12, "rows": rows,
+               "reps": _REPS.value,
                "iters": _ITERS.value, "finalists": _FINALISTS.value, "interpret":
                _INTERPRET.value, "shapes": [], "skipped": []}
     os.makedirs(_OUT.value, exist_ok=True)
