@@ -8,7 +8,10 @@ the shared growth of `jspec.tree_drafting` with its own forward.
 How a drafter samples its proposals (`ProposeContext.draft_sampler`, from
 `Policy.draft_sampler()`): argmax for exact_greedy; for gumbel_coupled, the target's own
 sampler with the same (seed, row, position) noise, so a good draft agrees with the target
-often; for rejection_sampling, the same sampler under an independent seed.
+often; for rejection_sampling, the same sampler under an independent seed. A head of its
+own vocabulary (a pruned draft model, a feature head) draws through
+`jspec.drafting.head_draw`: the argmax on its own columns, mapped to ids, for
+exact_greedy; the sampler over its logits spread to the target's vocabulary otherwise.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from flax import struct
 from jspec._checks import check_count, check_type
 from jspec.cache import init_cache, rollback
 from jspec.chunked_prefill import prefill
-from jspec.drafting import Drafter, ProposeContext, one_hot_logits, to_target_vocab
+from jspec.drafting import Drafter, ProposeContext, head_draw, one_hot_logits, to_target_vocab
 from jspec.feature_head import FeatureHead, head_apply, init_head_cache
 from jspec.model import Model, apply
 from jspec.sampling import uniform_noise
@@ -90,9 +93,10 @@ class ModelDrafter(Drafter):
     `ids`. The target's verify still decides every token: outputs stay exact under
     exact_greedy (and distribution-exact under rejection_sampling); acceptance may drop
     where the target's token lies outside `ids`. `head_slot` [V] int32 maps each token to
-    its column of the pruned head (-1: not scored); None for the full head. The pruned
-    drafter's `model` returns logits over its head's columns, not token ids: use it
-    through the drafter, not with `jspec.generate` or `jspec.forward`.
+    its column of the pruned head (-1: not scored); None for the full head. A greedy
+    draft takes the argmax of the head's own columns (`jspec.drafting.head_draw`). The
+    pruned drafter's `model` returns logits over its head's columns, not token ids: use
+    it through the drafter, not with `jspec.generate` or `jspec.forward`.
     """
 
     model: Model
@@ -145,15 +149,13 @@ class ModelDrafter(Drafter):
         return ModelDraftState(cache=cache, next_logits=logits[:, 0])
 
     def propose(self, state: ModelDraftState, ctx: ProposeContext):
-        sample = ctx.draft_sampler
-        first = self._full(state.next_logits, ctx.vocab)  # [B, V]
-        d1 = sample(first, ctx.seed, ctx.rows, ctx.pos + 1)
+        draw = head_draw(ctx, self.head_slot, state.next_logits.shape[-1])
+        d1, first = draw(state.next_logits, ctx.pos + 1)  # [B], [B, V]
 
         def step(carry, i):
             cache, tok = carry
             logits, cache = apply(self.model, tok[:, None], cache)
-            logits = self._full(logits[:, 0], ctx.vocab)
-            nxt = sample(logits, ctx.seed, ctx.rows, ctx.pos + 2 + i)
+            nxt, logits = draw(logits[:, 0], ctx.pos + 2 + i)
             return (cache, nxt), (nxt, logits)
 
         # Unrolled: the steps join the round's straight-line code, which XLA captures in
@@ -487,6 +489,12 @@ class FeatureDrafter(Drafter):
     hidden state), and one step of gamma + 1 positions in `commit` that rewrites the
     accepted positions with the target's true features and computes the next round's
     first proposal: gamma head forwards a round.
+
+    The head scores its own Vd columns (`head_slot` in its params: the column of each
+    target id). Proposals are drawn by `jspec.drafting.head_draw`: under a greedy draft
+    sampler the argmax over the Vd columns with ties to the lowest target id, the token
+    Greedy takes from the logits spread over the target's V ids, which are then built
+    only for policies that read draft_logits; other samplers draw from the spread.
     """
 
     head: object  # FeatureHead
@@ -532,16 +540,14 @@ class FeatureDrafter(Drafter):
                                  next_logits=nl, next_hidden=nh)
 
     def propose(self, state: FeatureDraftState, ctx: ProposeContext):
-        sample = ctx.draft_sampler
-        first = self._full(state.next_logits, ctx.vocab)  # [B, V]
-        d1 = sample(first, ctx.seed, ctx.rows, ctx.pos + 1)
+        draw = head_draw(ctx, self.head.params["head_slot"], state.next_logits.shape[-1])
+        d1, first = draw(state.next_logits, ctx.pos + 1)  # [B], [B, V]
 
         def step(carry, i):
             cache, tok, hid = carry
             logits, hid, cache = head_apply(self.head, tok[:, None], hid[:, None], cache,
                                             fuse=False)
-            logits = self._full(logits[:, 0], ctx.vocab)
-            nxt = sample(logits, ctx.seed, ctx.rows, ctx.pos + 2 + i)
+            nxt, logits = draw(logits[:, 0], ctx.pos + 2 + i)
             return (cache, nxt, hid[:, 0]), (nxt, logits)
 
         (cache, _, _), (toks, logits) = jax.lax.scan(

@@ -17,6 +17,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from jspec.sampling import Greedy, greedy_over_ids
+
 
 @struct.dataclass
 class ProposeContext:
@@ -30,7 +32,8 @@ class ProposeContext:
       gamma: proposals per round (a tree's depth for trees).
       vocab: the target's vocabulary size.
       draft_sampler: how proposals are drawn from draft logits (`Policy.draft_sampler()`):
-        called as draft_sampler(logits [B, V], seed, rows [B], positions [B]) -> [B].
+        called as draft_sampler(logits [B, V], seed, rows [B], positions [B]) -> [B]; a
+        drafter whose head scores its own columns draws through `head_draw`.
     """
 
     cur: jax.Array
@@ -52,11 +55,13 @@ class Drafter(Protocol):
         after the prompts (row b's prompt is tokens[b, :lens[b]]; past it, padding).
         The cache capacity is max_len; gamma is the round's depth.
       propose(state, ctx) -> (drafts [B, g] int32, draft_logits [B, g, V] f32, state)
-        proposal i for position ctx.pos + 1 + i, drawn with ctx.draft_sampler from
-        draft_logits[:, i] (the target's vocabulary: `to_target_vocab`); a deterministic
-        drafter returns `one_hot_logits(drafts, ctx.vocab)`. Only policies with
-        `uses_draft_logits` (rejection sampling) read them. A proposal outside
-        [0, V) is rejected by every policy and never reaches the target's cache.
+        proposal i for position ctx.pos + 1 + i, the token ctx.draft_sampler draws from
+        draft_logits[:, i] (the target's vocabulary: `to_target_vocab`; `head_draw` draws
+        it from a smaller head's own columns when the sampler is `Greedy`); a
+        deterministic drafter returns `one_hot_logits(drafts, ctx.vocab)`. Only policies
+        with `uses_draft_logits` (rejection sampling) read them: under the others XLA
+        never builds them. A proposal outside [0, V) is rejected by every policy and never
+        reaches the target's cache.
       commit(state, ctx, n_acc [B], nxt [B], drafts [B, g], features=None) -> state
         the verify accepted drafts[:, :n_acc] and the target's next token nxt
         (correction or bonus): the committed sequence is now ..., cur, d_1..d_n_acc, nxt
@@ -155,3 +160,45 @@ def to_target_vocab(logits, slot, vocab: int):
         pad = [(0, 0)] * (logits.ndim - 1) + [(0, vocab - V)]
         logits = jnp.pad(logits, pad, constant_values=-jnp.inf)
     return logits
+
+
+def column_ids(slot, n: int):
+    """The inverse of `slot` ([V] int32, the column of each id, -1 for none; entries in
+    [-1, n)): the lowest id of each of the n columns [n] int32, -1 for a column no id
+    maps to (a scatter-min, so a column two ids share carries the one Greedy picks)."""
+    V = slot.shape[0]
+    at = jnp.where(slot >= 0, slot, n)  # no column: past the end, dropped
+    ids = jnp.full((n,), V, jnp.int32).at[at].min(jnp.arange(V, dtype=jnp.int32), mode="drop")
+    return jnp.where(ids < V, ids, -1)
+
+
+def head_draw(ctx: ProposeContext, slot, n: int):
+    """How a drafter whose head scores n columns (`slot` as `to_target_vocab` takes it;
+    None: the columns are ids 0..n-1) draws its proposals: returns
+    draw(logits [B, n] f32, positions [B]) -> (tokens [B] int32, the logits in the
+    target's ids [B, V] f32, `to_target_vocab(logits, slot, ctx.vocab)`: what `propose`
+    returns as draft_logits).
+
+    With a `Greedy` draft sampler (the class itself: a subclass may change the rule) the
+    token comes from the n columns directly (`greedy_over_ids`), the token Greedy picks
+    from the [B, V] logits for every input (on a GPU, rows of several NaNs aside, as
+    `greedy_over_ids` says); those are then built only if the policy reads them. The
+    column ids (`column_ids`: one scatter of V int32 a propose, for the [B, V] spread and
+    reduction it saves at every draw) are made here from `slot` itself rather than stored
+    beside it, where an edit of one would leave the other stale. Any other sampler draws
+    from the [B, V] logits."""
+    sampler, vocab = ctx.draft_sampler, ctx.vocab
+
+    def spread(logits):
+        return to_target_vocab(logits, slot, vocab)
+
+    if type(sampler) is not Greedy:
+        def draw(logits, positions):
+            full = spread(logits)
+            return sampler(full, ctx.seed, ctx.rows, positions), full
+        return draw
+    if slot is None:  # ids 0..n-1 in order, -inf past them: argmax of the columns is the same
+        return lambda logits, positions: (sampler(logits, ctx.seed, ctx.rows, positions),
+                                          spread(logits))
+    ids = column_ids(slot, n)  # [n]
+    return lambda logits, positions: (greedy_over_ids(logits, ids), spread(logits))

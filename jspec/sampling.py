@@ -8,7 +8,8 @@ a speculative verify block: `argmax(logits / T + G(seed, row, position))` is
 exactly sampling from softmax(logits / T) (the Gumbel-max trick).
 
 `jnp.argmax` returns the lowest index among equal maxima; every path in jspec
-uses it, so ties break the same way everywhere.
+uses it (or `greedy_over_ids`, its rule over a head's columns mapped to ids), so
+ties break the same way everywhere.
 """
 
 from __future__ import annotations
@@ -31,6 +32,36 @@ class Greedy:
         """logits [B, V] f32; seed [] int32; rows, positions [B] int32 -> tokens [B] int32."""
         del seed, rows, positions
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+
+def greedy_over_ids(logits, ids):
+    """`Greedy`'s token for logits [B, n] f32 whose column c stands for token id ids[c]
+    ([n] int32, -1: no id), as if they were spread over the vocabulary with -inf at every
+    other id (`jspec.drafting.to_target_vocab`), without spreading them: the argmax rule
+    taken over ids, not columns. The largest logit wins, NaN counting as the largest;
+    ties go to the lowest id whatever order the columns are in; a row with nothing above
+    -inf gets id 0, as Greedy's argmax over a row of -inf does. Columns of no id take no
+    part. -> [B] int32.
+
+    NaN against NaN goes to the lowest id too. jnp.argmax keeps whichever of two NaNs its
+    reduction meets first: the lowest index on the CPU; on a GPU XLA's reduction order
+    decides, so Greedy over the spread logits may take another of a row's several NaNs
+    there (one NaN, or none, gives the same token everywhere)."""
+    x = jnp.where(ids >= 0, logits, -jnp.inf)  # [B, n]
+    i = jnp.broadcast_to(jnp.where(ids >= 0, ids, jnp.iinfo(jnp.int32).max), x.shape)
+    init = (jnp.array(-jnp.inf, x.dtype), jnp.array(0, jnp.int32))  # argmax's own
+    return jax.lax.reduce((x, i.astype(jnp.int32)), init, _larger_then_lower_id, (1,))[1]
+
+
+def _larger_then_lower_id(a, b):
+    """The argmax reducer over (logit, id) pairs: NaN above every number, then the larger
+    logit, then the lower id. Commutative and associative (a maximum under one total
+    order), so the result does not depend on how XLA splits the reduction."""
+    (av, ai), (bv, bi) = a, b
+    a_nan, b_nan = av != av, bv != bv
+    tie = (av == bv) | (a_nan & b_nan)
+    take_b = (b_nan & ~a_nan) | (bv > av) | (tie & (bi < ai))
+    return jnp.where(take_b, bv, av), jnp.where(take_b, bi, ai)
 
 
 @dataclasses.dataclass(frozen=True)

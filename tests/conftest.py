@@ -105,6 +105,26 @@ def bits(x) -> np.ndarray:
     return x.view(np.uint16 if x.dtype.itemsize == 2 else np.uint32)
 
 
+def awkward_logits(rng: np.random.Generator, B: int, n: int) -> np.ndarray:
+    """[B, n] f32 logits a greedy rule must get exactly right: small integers (exact ties
+    in most rows), and rows cycling through mostly -inf, all -inf, a few NaNs, a few +inf,
+    and signed zeros among -inf."""
+    x = rng.integers(-2, 3, (B, n)).astype(np.float32)
+    for b in range(B):
+        kind, few = b % 6, rng.choice(n, int(rng.integers(1, 5)), replace=False)
+        if kind == 1:
+            x[b] = np.where(rng.random(n) < 0.9, -np.inf, x[b])
+        elif kind == 2:
+            x[b] = -np.inf
+        elif kind == 3:
+            x[b, few] = np.nan
+        elif kind == 4:
+            x[b, few] = np.inf
+        elif kind == 5:
+            x[b] = np.where(rng.random(n) < 0.5, -np.inf, np.where(rng.random(n) < 0.5, 0.0, -0.0))
+    return x
+
+
 def with_config(model: jspec.Model, **fields) -> jspec.Model:
     """The model with some ModelConfig fields replaced (the params are shared)."""
     return model.replace(config=model.config.replace(**fields))

@@ -8,21 +8,29 @@ invariance claim), the published layout round-trips bitwise and matches a plain-
 reference forward, and bad heads are rejected naming the problem.
 """
 
+import dataclasses
 import json
 import os
+import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import bits, expected, load
+from conftest import awkward_logits, bits, expected, load
 from safetensors.numpy import load_file, save_file
 
 import jspec
 from jspec.cache import init_cache
+from jspec.drafters import FeatureDraftState
+from jspec.drafting import ProposeContext, head_draw, to_target_vocab
 from jspec.eagle import load_eagle3, save_eagle3
 from jspec.feature_head import eagle3_layers, head_apply, init_head_cache, random_head
-from jspec.model import apply
+from jspec.model import Model, apply
+from jspec.options import KernelOptions
+from jspec.policies import ExactGreedy
+from jspec.random_model import preset_config, random_params
+from jspec.sampling import Greedy
 
 
 def _head(target, *, vd=None, layers=None, seed=0, dtype="float32"):
@@ -52,9 +60,13 @@ def test_features_are_the_residual_stream_and_change_no_logit():
                                   pytest.param("llama3", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("policy", [  # gumbel_coupled: test_speculative proves it once
     "exact_greedy", pytest.param("gumbel_coupled", marks=pytest.mark.slow)])
-def test_feature_drafter_output_equals_serial(name, policy):
+@pytest.mark.parametrize("columns", ["prefix", "shuffled"])
+def test_feature_drafter_output_equals_serial(name, policy, columns):
+    # prefix: the head's columns are ids 0..V/2-1; shuffled: V/2 random ids in random
+    # order (a greedy draft takes the head's own columns, ties to the lowest id).
     target = load(name, "pallas")
-    drafter = jspec.FeatureDrafter(_head(target, vd=target.config.vocab_size // 2))
+    head = _head(target, vd=target.config.vocab_size // 2)
+    drafter = jspec.FeatureDrafter(_shuffled(head, 5) if columns == "shuffled" else head)
     p = expected(name)["prompt"]
     prompts = [p, p[:5], p[:1]]  # ragged, one a single token (no feature pair yet)
     spec = jspec.SpecConfig(gamma=3, max_new_tokens=10, policy=policy,
@@ -65,6 +77,132 @@ def test_feature_drafter_output_equals_serial(name, policy):
     for b in range(len(prompts)):
         assert out.row(b) == serial.row(b)
     assert out.stats["draft_forwards"] == 3 * out.stats["rounds"] + 1
+
+
+def _shuffled(head, seed: int, *, share: bool = False):
+    """The head with its Vd columns standing for Vd random target ids in random order
+    (the column -> id map not monotone) and some columns for none; share: two ids on
+    one column (a hand-made slot; published maps are one-to-one)."""
+    V, Vd = head.config.vocab_size, head.config.layer.vocab_size
+    rng = np.random.default_rng(seed)
+    m = Vd - Vd // 8  # the last columns in the shuffled order stand for no id
+    slot = np.full(V, -1, np.int32)
+    slot[rng.choice(V, m, replace=False)] = rng.permutation(Vd)[:m]
+    if share:
+        slot[np.flatnonzero(slot < 0)[:2]] = slot[np.flatnonzero(slot >= 0)[0]]
+    return head.replace(params={**head.params, "head_slot": jnp.asarray(slot)})
+
+
+class _SpreadGreedy(Greedy):
+    """Greedy's rule drawn the general way, from the logits spread over the target's ids:
+    `head_draw` takes the head's own columns for `Greedy` itself only."""
+
+
+def _ctx(B: int, gamma: int, vocab: int, sampler) -> ProposeContext:
+    z = jnp.zeros((B,), jnp.int32)
+    return ProposeContext(cur=z, pos=z, rows=jnp.arange(B, dtype=jnp.int32), seed=jnp.int32(0),
+                          gamma=gamma, vocab=vocab, draft_sampler=sampler)
+
+
+@pytest.mark.parametrize("columns", ["shuffled", "shared", "short", "none", "every"])
+def test_greedy_draws_on_the_head_columns_are_greedy_on_the_target_ids(columns):
+    # The head's own n columns give bitwise the token Greedy takes from the [B, V]
+    # spread, on ties between columns whose ids run backwards, -inf rows, NaN, +inf and
+    # signed zeros; the spread logits (the draft_logits) are the same bits. (Rows of
+    # several NaNs: the lowest id, jnp.argmax's first NaN on the CPU; not a GPU's, see
+    # `greedy_over_ids`.)
+    V, n, B = 97, 40, 96
+    rng = np.random.default_rng(1)
+    slot = np.full(V, -1, np.int32)
+    if columns in ("shuffled", "shared"):  # 32 of the 40 columns, ids out of order
+        slot[rng.choice(V, 32, replace=False)] = rng.permutation(n)[:32]
+        if columns == "shared":  # two more ids share a mapped id's column
+            slot[np.flatnonzero(slot < 0)[:2]] = slot[np.flatnonzero(slot >= 0)[3]]
+    elif columns == "short":  # a draft vocabulary of 80 ids, a prefix of the target's
+        slot = np.full(80, -1, np.int32)
+        slot[rng.choice(80, n, replace=False)] = np.arange(n)
+    elif columns == "every":  # every id, in random order
+        n = V
+        slot = rng.permutation(V).astype(np.int32)
+    x = jnp.asarray(awkward_logits(rng, B, n))
+    slot = None if columns == "none" else jnp.asarray(slot)
+
+    @jax.jit
+    def draws(x, slot):
+        pos = jnp.zeros((B,), jnp.int32)
+        return [head_draw(_ctx(B, 1, V, s), slot, n)(x, pos) for s in (Greedy(), _SpreadGreedy())]
+
+    (tok, full), (want, want_full) = draws(x, slot)
+    assert np.array_equal(np.asarray(tok), np.asarray(want))
+    assert np.array_equal(bits(full), bits(want_full))
+    assert np.array_equal(bits(full), bits(to_target_vocab(x, slot, V)))
+    if columns not in ("none", "short"):  # the case is one a rule over columns gets wrong
+        ids = np.full(n, -1)
+        ids[np.asarray(slot)[np.asarray(slot) >= 0]] = np.flatnonzero(np.asarray(slot) >= 0)
+        by_column = ids[np.asarray(jnp.argmax(jnp.where(ids >= 0, x, -jnp.inf), -1))]
+        assert np.sum(by_column != np.asarray(want)) > 0
+
+
+@pytest.mark.parametrize("share", [False, True])
+def test_greedy_proposals_are_the_spread_logits_greedy_bitwise(share):
+    # A whole propose (gamma 3: the first draw from the state's logits, two head steps):
+    # proposals and draft_logits are the general path's bits, from awkward first logits.
+    target = load("qwen3", "xla")
+    V = target.config.vocab_size
+    head = _shuffled(_head(target, vd=V // 2), 2, share=share)
+    drafter = jspec.FeatureDrafter(head)
+    B, D = 12, head.config.layer.hidden_size
+    rng = np.random.default_rng(3)
+    state = FeatureDraftState(cache=init_head_cache(head, B, 16),
+                              next_logits=jnp.asarray(awkward_logits(rng, B, V // 2)),
+                              next_hidden=jnp.asarray(rng.standard_normal((B, D)), jnp.float32))
+    propose = jax.jit(lambda st, ctx: drafter.propose(st, ctx)[:2])
+    got = propose(state, _ctx(B, 3, V, Greedy()))
+    want = propose(state, _ctx(B, 3, V, _SpreadGreedy()))
+    assert np.array_equal(np.asarray(got[0]), np.asarray(want[0]))
+    assert np.array_equal(bits(got[1]), bits(want[1]))
+    assert got[1].shape == (B, 3, V)
+
+
+@dataclasses.dataclass(frozen=True)
+class _SpreadExactGreedy(ExactGreedy):
+    """exact_greedy whose drafts are drawn from the spread logits (the general path)."""
+
+    def draft_sampler(self):
+        return _SpreadGreedy()
+
+
+def _round_shapes(policy) -> set[tuple[str, tuple[int, ...]]]:
+    """The (dtype, dims) of every array with a target-vocabulary axis in the compiled
+    round of a feature head of 96 columns on a 1009-token target, batch 3, gamma 3."""
+    V, B = 1009, 3
+    cfg = preset_config("tiny-qwen3", num_layers=1, dtype="float32").replace(vocab_size=V)
+    xla = KernelOptions(backend="xla")
+    target = Model(config=cfg, params=random_params(cfg), options=xla)
+    drafter = jspec.FeatureDrafter(_shuffled(random_head(target, draft_vocab_size=96,
+                                                         feature_layers=(0, 1), options=xla), 4))
+    spec = jspec.SpecConfig(gamma=3, max_new_tokens=8, policy=policy).static()
+    args = (jax.ShapeDtypeStruct((B, 5), jnp.int32), jax.ShapeDtypeStruct((B,), jnp.int32))
+    state = jax.eval_shape(lambda t, n: jspec.speculative._prefill(
+        target, drafter, t, n, jnp.int32(0), spec=spec, max_len=32), *args)
+    text = jspec.speculative.one_round.lower(target, drafter, state, jnp.int32(0),
+                                             spec=spec).compile().as_text()
+    found = {(t, tuple(int(d) for d in dims.split(",")))
+             for t, dims in re.findall(r"\b([a-z]+\d*)\[([\d,]+)\]", text)}
+    return {(t, d) for t, d in found if V in d}
+
+
+def test_a_greedy_round_builds_no_target_vocabulary_logits_per_draft_step():
+    # Per draft step the general path spreads [B, 96] over [B, 1009] (in some layout);
+    # a greedy round draws on the 96 columns and XLA drops the unread spread: what is
+    # left of the target's vocabulary is the verify's [B * 4, V] logits, the LM head,
+    # the audit buffer [2, V] and [V] maps.
+    def per_row(shapes):  # the dims besides V of the float arrays
+        return {int(np.prod(d)) // 1009 for t, d in shapes if t.startswith("f")}
+
+    spread = per_row(_round_shapes(_SpreadExactGreedy()))
+    assert {3, 9} & spread, spread  # [B, V] per step ([B, g, V] stacked): the check can fail
+    assert not {3, 9} & per_row(_round_shapes(ExactGreedy()))
 
 
 @pytest.mark.slow  # a further case of a property the default run proves

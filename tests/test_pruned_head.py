@@ -10,17 +10,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import bits, expected, load
+from conftest import awkward_logits, bits, expected, load
 
 import jspec
-from jspec.drafters import ProposeContext
+from jspec.cache import init_cache
+from jspec.drafters import ModelDraftState, ProposeContext
 from jspec.sampling import Greedy
 
 
-def _ctx(cur, pos, gamma, vocab):
+def _ctx(cur, pos, gamma, vocab, sampler=None):
     B = cur.shape[0]
     return ProposeContext(cur=cur, pos=pos, rows=jnp.arange(B, dtype=jnp.int32),
-                          seed=jnp.int32(0), gamma=gamma, vocab=vocab, draft_sampler=Greedy())
+                          seed=jnp.int32(0), gamma=gamma, vocab=vocab,
+                          draft_sampler=sampler or Greedy())
 
 
 def _round(drafter, prompts, gamma=3):
@@ -43,6 +45,36 @@ def test_a_head_of_every_token_is_the_full_head_bitwise():
     same = _round(jspec.ModelDrafter.pruned(draft, np.arange(V)), prompts)
     for a, b in zip(full, same, strict=True):
         assert np.array_equal(bits(a), bits(b))
+
+
+class _SpreadGreedy(Greedy):
+    """Greedy's rule drawn the general way, from the logits spread over the target's ids
+    (`jspec.drafting.head_draw` takes the head's own columns for `Greedy` itself only)."""
+
+
+@pytest.mark.parametrize("head", ["full", "pruned", "shuffled"])
+def test_greedy_proposals_are_the_spread_logits_greedy_bitwise(head):
+    # A greedy draft draws on its head's columns; proposals and draft_logits are the
+    # general path's bits from awkward first logits (ties, -inf rows, NaN, +inf, signed
+    # zeros), with the columns in id order or shuffled (a hand-made head_slot).
+    draft = load("qwen3", "xla")
+    V, B, gamma = draft.config.vocab_size, 12, 3
+    rng = np.random.default_rng(4)
+    ids = np.sort(rng.choice(V, V // 3, replace=False))
+    drafter = jspec.ModelDrafter(draft) if head == "full" else jspec.ModelDrafter.pruned(draft, ids)
+    if head == "shuffled":
+        slot = np.full(V, -1, np.int32)
+        slot[rng.permutation(ids)] = np.arange(ids.size)
+        drafter = drafter.replace(head_slot=jnp.asarray(slot))
+    n = V if head == "full" else ids.size
+    state = ModelDraftState(cache=init_cache(draft, B, 16),
+                            next_logits=jnp.asarray(awkward_logits(rng, B, n)))
+    z = jnp.zeros((B,), jnp.int32)
+    propose = jax.jit(lambda st, ctx: drafter.propose(st, ctx)[:2])
+    got = propose(state, _ctx(z, z, gamma, V))
+    want = propose(state, _ctx(z, z, gamma, V, _SpreadGreedy()))
+    assert np.array_equal(np.asarray(got[0]), np.asarray(want[0]))
+    assert np.array_equal(bits(got[1]), bits(want[1]))
 
 
 @pytest.mark.slow  # a further case of a property the default run proves
