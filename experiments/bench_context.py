@@ -29,6 +29,7 @@ reported). The JSON receipt is rewritten after every measurement.
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 
 import jax
@@ -148,7 +149,8 @@ def main(argv):
     model = with_option_string(model, _OPTIONS.value)
     bw = copy_bandwidth(3)
     report = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
-              "date": time.strftime("%Y-%m-%d %H:%M:%S"), "preset": _PRESET.value,
+              "date": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(sys.argv),
+              "preset": _PRESET.value,
               "layers": model.config.num_layers, "dtype": _DTYPE.value, "batch": 1,
               "options": options_record(model), "peak_flops": PEAK_FLOPS,
               "peak_bandwidth": PEAK_BANDWIDTH, "copy_bandwidth": bw,
