@@ -94,6 +94,8 @@ _NEW = flags.DEFINE_integer("max_new_tokens", 48, "tokens generated per row")
 _GAMMAS = flags.DEFINE_list("gammas", ["2", "4", "6", "8"], "gammas (oracle and lookup)")
 _ACCEPT = flags.DEFINE_list("accept", ["0.5", "0.7", "0.8", "0.9"], "oracle acceptance rates")
 _LOOKUP = flags.DEFINE_bool("lookup", True, "also run the prompt-lookup drafter")
+_COMPACT = flags.DEFINE_bool("compact", False, "speculative runs go on with their live rows "
+                             "alone once half of the batch is done (SpecConfig.compact)")
 _ADAPTIVE = flags.DEFINE_string(
     "adaptive", "", "candidate gammas of adaptive round shapes, e.g. '0,1,2,4' (0: a plain "
     "decode step; a sweep's tree joins them): after each oracle run at the headline gamma, "
@@ -466,7 +468,8 @@ class Bench:
         shapes = parse_adaptive(_ADAPTIVE.value, self.tree) if adaptive else None
         for seed in seeds:  # the seed is a runtime array: one compile serves them all
             spec = jspec.SpecConfig(gamma=gamma, max_new_tokens=self.N, seed=seed,
-                                    tree=None if adaptive else self.tree, adaptive=shapes)
+                                    tree=None if adaptive else self.tree, adaptive=shapes,
+                                    compact=_COMPACT.value)
 
             def run(spec=spec):
                 return jspec.speculative_generate(self.target, drafter, self.prompts(B), spec)

@@ -359,8 +359,8 @@ for s in $steps; do
               --draft=qwen3-0.6b:1 --drafter=feature --batches="${E2E_BATCHES:-1,8,16,32,64}" \
               --prompt_len=512 --max_new_tokens=128 --gammas=4 --accept=0.8 \
               --adaptive="${E2E_ADAPTIVE:-0,1,2,4}" --nolookup --nopeers \
-              --serial_backends=pallas --iters=2 \
-              --out="$OUT" --tag=h200_adaptive 2>&1 | quiet | grep -v "it/s" | tail -30 ;;
+              --serial_backends=pallas --iters=2 ${E2E_FLAGS:-} \
+              --out="$OUT" --tag="h200_adaptive${E2E_TAG:-}" 2>&1 | quiet | grep -v "it/s" | tail -30 ;;
     e2e_context) for ctx in ${CTX_LENS:-32768}; do  # speculative speedup at depth (37.4)
                 timeout "${E2E_CTX_S:-540}" python3 experiments/bench_e2e.py --target=llama3-8b \
                   --draft=tiny-qwen3:1 --drafter=feature --head_vocab=16384 --batches=1 \

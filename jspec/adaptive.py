@@ -364,6 +364,17 @@ class Controller:
                        self.cfg.max_chunk_rounds)
         return self.cfg.chunk_rounds
 
+    def select_rows(self, idx: np.ndarray, live: int):
+        """The per-row statistics of rows idx (a compaction: `jspec.compaction`); rows
+        past the first `live` are padding (done, nothing to make)."""
+        pad = np.arange(len(idx)) >= live
+        for name in ("hits", "trials", "tree_acc", "tree_rounds"):
+            a = getattr(self, name)[idx].copy()
+            a[pad] = 0
+            setattr(self, name, a)
+        self.live = self.live[idx] & ~pad
+        self.remaining = np.where(pad, 0, self.remaining[idx])
+
     # ------------------------------------------------------------------ what happened
     def record(self, shape, before: dict, after: dict, seconds: float, compiled: bool):
         """One chunk of `shape`: before/after are host snapshots of the state (`snapshot`);
@@ -428,7 +439,7 @@ class Controller:
 
 
 SNAPSHOT_FIELDS = ("step", "num", "accepted", "rounds_live", "accepted_at", "done",
-                   "audit_bad", "bad")
+                   "audit_bad", "bad", "proposed", "rows")
 
 
 def snapshot(state) -> dict:

@@ -358,13 +358,17 @@ class OracleDrafter(Drafter):
             return ()
         return self.draft.init(tokens, lens, max_len, gamma, features=features)
 
+    def _reference(self, ctx: ProposeContext):
+        """The reference rows of the batch's rows, by row id (a compacted batch's too)."""
+        return jnp.take(self.reference, ctx.rows, axis=0, mode="clip")
+
     def propose(self, state, ctx: ProposeContext):
         model_drafts = None
         if self.draft is not None:
             model_drafts, _, state = self.draft.propose(state, ctx)  # [B, g]
         R = self.reference.shape[1]
         pos = ctx.pos[:, None] + 1 + jnp.arange(ctx.gamma)[None, :]  # [B, g]
-        truth = jnp.take_along_axis(self.reference, jnp.minimum(pos, R - 1), axis=1)
+        truth = jnp.take_along_axis(self._reference(ctx), jnp.minimum(pos, R - 1), axis=1)
         B, g = pos.shape
         rows = jnp.broadcast_to(ctx.rows[:, None], (B, g)).reshape(-1)
         u = uniform_noise(ctx.seed + _SALT_ORACLE, rows, pos.reshape(-1)).reshape(B, g)
@@ -398,7 +402,7 @@ class OracleDrafter(Drafter):
         B, n = ctx.cur.shape[0], len(parents)
         R = self.reference.shape[1]
         pos = ctx.pos[:, None] + jnp.asarray(depth)[None]  # [B, N + 1] each node's position
-        truth = jnp.take_along_axis(self.reference, jnp.minimum(pos, R - 1), axis=1)
+        truth = jnp.take_along_axis(self._reference(ctx), jnp.minimum(pos, R - 1), axis=1)
         probs = (jnp.asarray([1.0 - self.corrupt_prob]) if self.rank_probs is None
                  else jnp.asarray(self.rank_probs))
         # The rank whose child carries the truth below each node (-1: none).

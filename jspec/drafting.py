@@ -27,7 +27,8 @@ class ProposeContext:
     Attributes:
       cur: [B] last committed token (its position is `pos`).
       pos: [B] int32 position of `cur`; proposal i sits at pos + 1 + i.
-      rows: [B] int32 row ids (noise keys).
+      rows: [B] int32 the rows' ids in the run's batch (noise keys; a compacted batch keeps
+        them, and its padding rows hold the batch size).
       seed: [] int32 draft seed (`Policy.draft_seed_salt` added to the run's seed).
       gamma: proposals per round (a tree's depth for trees).
       vocab: the target's vocabulary size.
@@ -86,10 +87,17 @@ class Drafter(Protocol):
       ([B, g + 1, n D]: cur and the proposals) and commit_tree ([B, D + 1, n D]: the
       root and the accepted path), at no extra target cost.
 
+    select_rows(state, idx [B'] int32) -> state (optional): the state of rows idx, for a
+      run that goes on with its live rows in a smaller batch (`SpecConfig.compact`).
+      Without it the engine takes axis 0 of every array leaf
+      (`jspec.compaction.select_rows`: a batch-major state, as the shipped drafters').
+      Arrays of the drafter itself that hold a row each are read by `ctx.rows`, the
+      rows' ids in the run's batch (as `OracleDrafter.reference` is).
+
     The engine guarantees: the cache capacity max_len holds every live row's round (its
     proposals and the verify block); rows advance independently, each at its own pos;
     a round's state is the one the previous call returned; arguments have the shapes
-    above, fixed for a compiled run.
+    above, fixed for a compiled run (a compacted run compiles its smaller batch once).
     """
 
     feature_layers: tuple[int, ...] = ()

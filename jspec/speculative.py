@@ -33,6 +33,7 @@ from jspec._checks import check_bool, check_ints, check_seed, check_type
 from jspec.adaptive import Adaptive, Controller, snapshot
 from jspec.cache import init_cache, rollback
 from jspec.chunked_prefill import prefill as chunked_prefill
+from jspec.compaction import RowBook, batch_for, compact, plan
 from jspec.drafters import FeatureDrafter, ModelDrafter, OracleDrafter, PromptLookupDrafter
 from jspec.drafting import ProposeContext, check_drafter, grows_trees
 from jspec.generate import PAD, first_non_finite, pad_prompts, plan_shapes
@@ -74,6 +75,10 @@ class SpecConfig:
       adaptive: a `jspec.Adaptive`: the round shape (plain decode steps, gammas, a tree)
         is chosen per chunk of rounds from measured costs and running acceptance
         (`jspec.adaptive`); gamma and tree are then unused (give the tree in Adaptive).
+      compact: `speculative_generate` continues with the live rows alone, in a batch of
+        the next power of two, once at most half of the batch is live (rows that finish
+        early no longer ride along). Each smaller batch compiles its loop once; property
+        P makes the output the same. The drafter must implement `select_rows`.
     """
 
     gamma: int = 4
@@ -87,6 +92,7 @@ class SpecConfig:
     audit_every: int = 0
     tree: TreeConfig | None = None
     adaptive: Adaptive | None = None
+    compact: bool = False
 
     def __post_init__(self):
         for name, least in (("audit_every", 0), ("gamma", 1), ("max_new_tokens", 1)):
@@ -95,6 +101,8 @@ class SpecConfig:
             raise ValueError(f"gamma={self.gamma} exceeds MAX_GAMMA={MAX_GAMMA} (a verify "
                              f"block of at most {MAX_GAMMA + 1} positions)")
         object.__setattr__(self, "seed", check_seed("seed", self.seed))
+        if not isinstance(self.compact, bool):
+            raise TypeError(f"compact must be a bool; got {self.compact!r}")
         policy = resolve_policy(self.policy, self.temperature, self.top_k, self.top_p)
         object.__setattr__(self, "policy", policy)
         for name in ("temperature", "top_k", "top_p"):  # carried by the policy now
@@ -140,7 +148,7 @@ class SpecConfig:
         """The part that decides compiled code: the seed travels as an array instead, and
         an adaptive run's measured costs stay on the host."""
         adaptive = None if self.adaptive is None else self.adaptive.without_costs()
-        return dataclasses.replace(self, seed=0, adaptive=adaptive)
+        return dataclasses.replace(self, seed=0, adaptive=adaptive, compact=False)
 
     def serial_sampler(self):
         """The serial sampler this run reproduces (`jspec.generate(sampler=...)`)."""
@@ -186,6 +194,9 @@ class SpecState:
         activations (`Forward.bad`; the prompt's included): the loop stops.
       bad_at: [3] int32 (row, position, code) of the first such block (position of cur
         and code -1 when only the logits are broken; `jspec.loop.raise_non_finite`).
+      rows: [B] int32 each row's id in the run's batch (its noise key and its row of
+        `out`; `SpecConfig.compact` keeps the live rows only; a padding row holds the
+        batch size, an id past `out`, and is done).
     """
 
     step: jax.Array
@@ -205,6 +216,7 @@ class SpecState:
     audits: jax.Array
     bad: jax.Array
     bad_at: jax.Array
+    rows: jax.Array
 
 
 class ParityError(RuntimeError):
@@ -238,14 +250,14 @@ def _prefill(target: Model, drafter, tokens, lens, seed, *, spec: SpecConfig, ma
                      audit_logits=jnp.zeros((2, target.config.vocab_size), jnp.float32),
                      audits=jnp.int32(0), bad=jnp.any(bad),
                      bad_at=jnp.where(jnp.any(bad), jnp.stack([row, flags[row, 1], flags[row, 0]]),
-                                      -1))
+                                      -1),
+                     rows=jnp.arange(B, dtype=jnp.int32))
 
 
 def _context(target: Model, state: SpecState, seed, spec: SpecConfig) -> ProposeContext:
-    B = state.cur.shape[0]
     draft_seed = seed + spec.policy.draft_seed_salt if spec.policy.draft_seed_salt else seed
     return ProposeContext(cur=state.cur, pos=state.cache.lengths,
-                          rows=jnp.arange(B, dtype=jnp.int32), seed=draft_seed,
+                          rows=state.rows, seed=draft_seed,
                           gamma=spec.depth, vocab=target.config.vocab_size,
                           draft_sampler=spec.draft_sampler())
 
@@ -270,11 +282,12 @@ def _verify(target: Model, cache, cur, drafts, layers: tuple[int, ...] = ()) -> 
     return apply(target, tokens, cache, features=layers)
 
 
-def _accept(logits, drafts, draft_logits, seed, pos, *, spec: SpecConfig):
-    """Phase 3: the policy's (n_acc [B], next token [B]); pos [B] is the position of cur.
-    A proposal outside the vocabulary is never accepted."""
+def _accept(logits, drafts, draft_logits, seed, pos, *, spec: SpecConfig, rows=None):
+    """Phase 3: the policy's (n_acc [B], next token [B]); pos [B] is the position of cur;
+    rows [B] the rows' ids (noise keys; default 0..B-1). A proposal outside the vocabulary
+    is never accepted."""
     B, G, V = logits.shape
-    rows = jnp.arange(B, dtype=jnp.int32)
+    rows = jnp.arange(B, dtype=jnp.int32) if rows is None else rows
     positions = pos[:, None] + 1 + jnp.arange(G, dtype=jnp.int32)[None, :]
     valid = _in_vocab(drafts, V)
     return spec.policy.accept(logits, jnp.where(valid, drafts, 0), draft_logits, seed, rows,
@@ -349,7 +362,7 @@ def _audit(target: Model, state: SpecState, cache, cur, drafts, logits, *, spec:
         flat = jnp.argmax(diff.reshape(-1))
         b, i = flat // G, flat % G
         bad = jnp.any(diff)
-        return (bad, jnp.stack([state.step, b, i]).astype(jnp.int32),
+        return (bad, jnp.stack([state.step, state.rows[b], i]).astype(jnp.int32),
                 jnp.stack([logits[b, i], serial[b, i]]))
 
     def skip(_):
@@ -368,8 +381,8 @@ def _check_finite(state: SpecState, out: Forward, pos, positions) -> SpecState:
     logits hold NaN or inf in a live row, or whose forward flagged its activations
     (`Forward.bad`): the loop stops after the round and the host raises NonFiniteError."""
     bad, row, flag = first_non_finite(out.logits, ~state.done, row_flags(out.bad, positions))
-    at = jnp.where(flag[0] >= 0, jnp.stack([row, flag[1], flag[0]]),
-                   jnp.stack([row, pos[row], jnp.int32(-1)]))
+    at = jnp.where(flag[0] >= 0, jnp.stack([state.rows[row], flag[1], flag[0]]),
+                   jnp.stack([state.rows[row], pos[row], jnp.int32(-1)]))
     return state.replace(bad=state.bad | bad, bad_at=jnp.where(bad & ~state.bad, at,
                                                                 state.bad_at))
 
@@ -428,7 +441,7 @@ def _round(target: Model, drafter, state: SpecState, seed, *, spec: SpecConfig) 
     state = _check_finite(state, out, ctx.pos, ctx.pos[:, None] + jnp.arange(G)[None, :])
     if spec.audit_every:
         state = _audit(target, state, cache, state.cur, drafts, logits, spec=spec)
-    n_acc, nxt = _accept(logits, drafts, draft_logits, seed, ctx.pos, spec=spec)
+    n_acc, nxt = _accept(logits, drafts, draft_logits, seed, ctx.pos, spec=spec, rows=ctx.rows)
     # A flagged round still commits (its tokens are never returned: the host raises).
     return _commit(drafter, state, ctx, cache, dstate, drafts, n_acc, nxt, spec=spec,
                    features=feats)
@@ -447,14 +460,18 @@ one_round = jax.jit(_round, static_argnames=("spec",), donate_argnames=("state",
 
 @functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("state",),
                    compiler_options=COMPILER_OPTIONS)
-def spec_loop(target: Model, drafter, state: SpecState, seed, stop, *,
+def spec_loop(target: Model, drafter, state: SpecState, seed, stop, live_floor=None, *,
               spec: SpecConfig) -> SpecState:
     """Rounds until every row is done, or `stop` rounds (an int32 array: the host runs
-    the loop in chunks): one lax.while_loop, no host sync inside."""
+    the loop in chunks), or (with `live_floor`, an int32 array) no more than live_floor
+    rows are live: one lax.while_loop, no host sync inside."""
 
     def cond(s):
-        return (~jnp.all(s.done) & (s.step < jnp.minimum(stop, spec.max_new_tokens))
-                & ~s.audit_bad & ~s.bad)
+        go = (~jnp.all(s.done) & (s.step < jnp.minimum(stop, spec.max_new_tokens))
+              & ~s.audit_bad & ~s.bad)
+        if live_floor is not None:
+            go = go & (jnp.sum(~s.done) > live_floor)
+        return go
 
     return jax.lax.while_loop(cond, lambda s: _round(target, drafter, s, seed, spec=spec), state)
 
@@ -469,7 +486,9 @@ class SpecOutput:
       tokens_per_target_step, target_forwards, draft_forwards, ttft_s, tpot_s,
       tokens_per_s (timings include compilation on the first call of a shape),
       prompt_bucket, max_len (the padded prompt length and cache capacity: the shapes
-      the compiled programs are keyed by).
+      the compiled programs are keyed by), batch_sizes (the batch, then each size a
+      compaction continued in: `SpecConfig.compact`) and compactions (round, live rows,
+      batch of each).
     """
 
     tokens: np.ndarray
@@ -536,12 +555,15 @@ def _setup(target, drafter, prompts, spec, max_len):
     return tokens, lens, max_len, spec
 
 
-def _stats(state: SpecState, spec: SpecConfig, drafter, prefill_s: float, loop_s: float) -> dict:
-    num = np.asarray(state.num)
-    proposed, accepted = int(np.sum(state.proposed)), int(np.sum(state.accepted))
+def _stats(state: SpecState, spec: SpecConfig, drafter, prefill_s: float, loop_s: float,
+           rows: dict | None = None) -> dict:
+    """rows: the per-row counters by row id (`compaction.RowBook`; default the state's)."""
+    rows = rows or {f: np.asarray(getattr(state, f)) for f in RowBook.FIELDS}
+    num = rows["num"]
+    proposed, accepted = int(np.sum(rows["proposed"])), int(np.sum(rows["accepted"]))
     rounds = int(state.step)
-    live_rounds = int(np.sum(state.rounds_live))
-    by_pos = np.asarray(state.accepted_at).sum(axis=0) / max(live_rounds, 1)
+    live_rounds = int(np.sum(rows["rounds_live"]))
+    by_pos = np.asarray(rows["accepted_at"]).sum(axis=0) / max(live_rounds, 1)
     total = int(num.sum())
     return {
         "proposed": proposed, "accepted": accepted,
@@ -584,10 +606,11 @@ def _reader():
     return read
 
 
-def _adaptive_chunk(target: Model, drafter, seed, spec: SpecConfig, ctl: Controller, read):
+def _adaptive_chunk(target: Model, drafter, seed, spec: SpecConfig, ctl: Controller, read,
+                    floor=lambda: None):
     """run(state, stop) for `run_chunked`: each chunk runs the shape the controller picks
     (its own compiled loop, at most ctl.chunk_limit rounds) and reports what it did;
-    read: the run's `_reader`."""
+    read: the run's `_reader`; floor() the loop's live_floor (compaction)."""
     specs = {s: shape_spec(spec, s) for s in ctl.shapes}
 
     def run(state, stop):
@@ -595,7 +618,8 @@ def _adaptive_chunk(target: Model, drafter, seed, spec: SpecConfig, ctl: Control
         if ctl.wants_overhead():  # a chunk of no rounds of the last (compiled) shape
             step, n0 = np.int32(read(state)["step"]), _cache_size(spec_loop)
             t0 = time.perf_counter()
-            state = spec_loop(target, drafter, state, seed, step, spec=specs[ctl.prev])
+            state = spec_loop(target, drafter, state, seed, step, floor(),
+                              spec=specs[ctl.prev])
             jax.block_until_ready(state)
             dt = time.perf_counter() - t0
             if _cache_size(spec_loop) == n0:
@@ -604,7 +628,7 @@ def _adaptive_chunk(target: Model, drafter, seed, spec: SpecConfig, ctl: Control
         stop = np.int32(min(int(stop), before["step"] + ctl.chunk_limit(shape)))
         n0 = _cache_size(spec_loop)
         t0 = time.perf_counter()
-        state = spec_loop(target, drafter, state, seed, stop, spec=specs[shape])
+        state = spec_loop(target, drafter, state, seed, stop, floor(), spec=specs[shape])
         jax.block_until_ready(state)
         dt = time.perf_counter() - t0
         ctl.record(shape, before, read(state), dt,
@@ -655,34 +679,71 @@ def speculative_generate(target: Model, drafter, prompts, spec: SpecConfig, *,
     """
     check_bool("progress", progress)
     tokens, lens, max_len, spec = _setup(target, drafter, prompts, spec, max_len)
+    compacting = spec.compact
     adaptive, seed, spec = spec.adaptive, jnp.int32(spec.seed), spec.static()
     t0 = time.perf_counter()
     state = prefill(target, drafter, jnp.asarray(tokens), jnp.asarray(lens), seed,
                     spec=spec, max_len=max_len)
     jax.block_until_ready(state)
     t1 = time.perf_counter()
-    N = spec.max_new_tokens
-    ctl = Controller(adaptive, len(lens), N) if adaptive is not None else None
+    N, B = spec.max_new_tokens, len(lens)
+    ctl = Controller(adaptive, B, N) if adaptive is not None else None
     read = _reader()  # one host transfer a chunk serves the loop, the bar and the controller
+    book, sizes, moves = RowBook(B, spec.depth), [B], []  # compaction: rows gone, sizes
+
+    def floor():  # the loop stops for a compaction at half the batch (None: never)
+        return np.int32(sizes[-1] // 2) if compacting else None
+
     if ctl is None:
-        run = lambda s, stop: spec_loop(target, drafter, s, seed, stop, spec=spec)  # noqa: E731
+        run = lambda s, stop: spec_loop(target, drafter, s, seed, stop, floor(),  # noqa: E731
+                                        spec=spec)
     else:
-        run = _adaptive_chunk(target, drafter, seed, spec, ctl, read)
-    with token_bar(progress, len(lens) * N, "speculative") as update:
-        state = run_chunked(
-            run, state, step=lambda s: read(s)["step"],
-            finished=lambda s: _finished(read(s), N),
-            progress=lambda s: update(int(np.sum(read(s)["num"]))))
+        run = _adaptive_chunk(target, drafter, seed, spec, ctl, read, floor)
+    with token_bar(progress, B * N, "speculative") as update:
+        while True:
+            state = run_chunked(
+                run, state, step=lambda s: read(s)["step"],
+                finished=lambda s: _finished(read(s), N) or (
+                    compacting and _halved(read(s), sizes[-1])),
+                progress=lambda s: update(int(np.sum(book.merged(read(s))["num"]))))
+            snap = read(state)
+            if _finished(snap, N):
+                break
+            state = _compacted(state, drafter, snap, book, sizes, ctl)
+            moves.append({"round": int(snap["step"]), "live": int(np.sum(~snap["done"])),
+                          "batch": sizes[-1]})
     t2 = time.perf_counter()
     raise_non_finite(state.bad, state.bad_at, "speculative decoding (verify)",
                          target.config.num_layers)
     _raise_on_audit(state)
-    stats = _stats(state, spec, drafter, t1 - t0, t2 - t1)
+    rows = book.merged(read(state))
+    stats = _stats(state, spec, drafter, t1 - t0, t2 - t1, rows)
     if ctl is not None:
         stats |= _adaptive_stats(ctl, drafter)
-    stats |= {"prompt_bucket": int(tokens.shape[1]), "max_len": int(max_len)}
-    return SpecOutput(tokens=np.asarray(state.out), num_tokens=np.asarray(state.num),
+    stats |= {"prompt_bucket": int(tokens.shape[1]), "max_len": int(max_len),
+              "batch_sizes": sizes, "compactions": moves}
+    return SpecOutput(tokens=np.asarray(state.out), num_tokens=rows["num"].astype(np.int32),
                       prompt_lens=lens, stats=stats)
+
+
+def _halved(snap: dict, batch: int) -> bool:
+    """At most half of a batch of more than one row is live (a compaction is due)."""
+    return batch > 1 and int(np.sum(~snap["done"])) <= batch // 2
+
+
+def _compacted(state: SpecState, drafter, snap: dict, book: RowBook, sizes: list,
+               ctl: Controller | None) -> SpecState:
+    """The state of the live rows alone, in a batch of the next power of two; the rows
+    that leave keep their counters in `book`; `sizes` gets the new batch size."""
+    done = np.asarray(snap["done"])
+    live = int(np.sum(~done))
+    size = batch_for(live)
+    book.record(snap)
+    idx, ids = plan(done, np.asarray(snap["rows"]), size, book.batch)
+    if ctl is not None:
+        ctl.select_rows(idx, live)
+    sizes.append(size)
+    return compact(state, drafter, idx, ids)
 
 
 def speculative_stream(target: Model, drafter, prompts, spec: SpecConfig, *,

@@ -347,7 +347,7 @@ class TextPipeline:
                     max_new_tokens: int = 128, temperature: float | None = None,
                     top_k: int | None = None, top_p: float | None = None, seed: int = 0,
                     stop_tokens: Sequence[int] = (), audit_every: int = 0,
-                    tree=None, adaptive=None) -> SpecConfig:
+                    tree=None, adaptive=None, compact: bool = False) -> SpecConfig:
         """The `SpecConfig` of a run. The policy (`jspec.policies.resolve_policy`): None
         is ExactGreedy() at temperature None or 0, else GumbelCoupled(temperature, top_k,
         top_p) (sampled output equal to `generate`'s with the same arguments); a name is
@@ -357,7 +357,9 @@ class TextPipeline:
         tree: a `jspec.TreeConfig` or its command-line form ("3,2,1", "dynamic:4,16,5")
         to verify draft trees instead of chains of gamma.
         adaptive: a `jspec.Adaptive`: the round shape chosen per chunk of rounds (a tree
-        given here joins its shapes)."""
+        given here joins its shapes).
+        compact: go on with the live rows alone once half of a batch is done
+        (`SpecConfig.compact`)."""
         if isinstance(tree, str):
             tree = parse_tree(tree)
         if adaptive is not None and tree is not None:
@@ -365,7 +367,7 @@ class TextPipeline:
         return SpecConfig(gamma=gamma, policy=resolve_policy(policy, temperature, top_k, top_p),
                           max_new_tokens=max_new_tokens, seed=seed,
                           stop_tokens=tuple(stop_tokens), audit_every=audit_every, tree=tree,
-                          adaptive=adaptive)
+                          adaptive=adaptive, compact=compact)
 
     def _need_drafter(self):
         if self.drafter is None:
@@ -380,17 +382,18 @@ class TextPipeline:
                              top_p: float | None = None, seed: int = 0,
                              stop_tokens: Sequence[int] | None = None, audit_every: int = 0,
                              max_len: int | None = None, progress: bool = False,
-                             tree=None, adaptive=None) -> TextOutput:
+                             tree=None, adaptive=None, compact: bool = False) -> TextOutput:
         """Speculative decoding with the pipeline's drafter: the same tokens as
         `generate` with the same arguments (policy None, or an exact one: exact_greedy,
         gumbel_coupled). Policy and sampling arguments as `spec_config`; tree: verify
-        draft trees; adaptive: a `jspec.Adaptive` (round shapes chosen as the run goes)."""
+        draft trees; adaptive: a `jspec.Adaptive` (round shapes chosen as the run goes);
+        compact: a batch goes on with its live rows alone once half of it is done."""
         drafter = self._need_drafter()
         ids, stop = self._encode_all(prompts, stop_tokens)
         spec = self.spec_config(gamma=gamma, policy=policy, max_new_tokens=max_new_tokens,
                                 temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                                 stop_tokens=stop, audit_every=audit_every, tree=tree,
-                                adaptive=adaptive)
+                                adaptive=adaptive, compact=compact)
         out = speculative_generate(self.target, drafter, ids, spec, max_len=max_len,
                                    progress=progress)
         return self._output(out, ids, stop)

@@ -1,0 +1,95 @@
+"""Compaction: a speculative run goes on with its live rows in a smaller batch.
+
+In a batched run the rows finish at different rounds (each accepts its own drafts), and
+a finished row still rides along in every round: its verify rows, its attention, its
+draft steps. With `SpecConfig(compact=True)` the loop stops once at most half of the
+batch is live (`spec_loop(..., live_floor)`), and the host continues with the live rows
+alone in a batch of the next power of two (`batch_for`), padding rows filling the rest.
+
+Nothing about a row's numbers changes: property P makes a row's logits a function of its
+own tokens, whatever rows and how many are computed with it, so the output equals the
+uncompacted run's, and serial decoding's. What moves is bookkeeping:
+
+- `SpecState.rows` holds each row's id in the run's batch: its noise key (sampling
+  policies, the oracle) and its row of `out`, which keeps the run's batch size. A padding
+  row holds that batch size as its id (its writes to `out` are dropped) and is done.
+- The per-row counters of the rows that leave the batch are kept on the host (`RowBook`)
+  and merged into the statistics at the end.
+- The drafter's state is cut by `drafter.select_rows(state, idx)` where the drafter has
+  one, else by `select_rows` below: every array leaf's axis 0 (a batch-major state, as
+  the shipped drafters' are). A drafter's own per-row arrays (`OracleDrafter.reference`)
+  are read through `ProposeContext.rows`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def batch_for(live: int) -> int:
+    """The batch size the live rows continue in: the next power of two >= live (>= 1)."""
+    return 1 << max(int(live) - 1, 0).bit_length()
+
+
+def select_rows(state, idx):
+    """Rows idx ([B'] int32) of a batch-major pytree: axis 0 of every array leaf."""
+    return jax.tree.map(lambda x: jnp.take(x, idx, axis=0) if jnp.ndim(x) else x, state)
+
+
+def plan(done: np.ndarray, ids: np.ndarray, batch: int, pad_id: int
+         ) -> tuple[np.ndarray, np.ndarray]:
+    """(idx, ids) of a compaction to `batch` rows: the live rows in order, then padding
+    rows (a done row's slot, with id `pad_id`: the run's batch size, past `out`)."""
+    live = np.flatnonzero(~done)
+    if len(live) > batch:
+        raise ValueError(f"{len(live)} live rows do not fit a batch of {batch}")
+    filler = np.flatnonzero(done)[:1] if len(live) < batch else np.zeros(0, np.int64)
+    idx = np.concatenate([live, np.repeat(filler, batch - len(live))]).astype(np.int32)
+    return idx, np.where(np.arange(batch) < len(live), ids[idx], pad_id).astype(np.int32)
+
+
+@jax.jit
+def _compact(state, drafter, idx, ids):  # compiled once per pair of batch sizes
+    take = lambda x: jnp.take(x, idx, axis=0)  # noqa: E731
+    pad = jnp.arange(idx.shape[0]) >= jnp.sum(~state.done)
+    pick = getattr(drafter, "select_rows", None)
+    draft = pick(state.draft, idx) if pick is not None else select_rows(state.draft, idx)
+    return state.replace(
+        cache=select_rows(state.cache, idx), draft=draft, cur=take(state.cur),
+        num=take(state.num), done=take(state.done) | pad, proposed=take(state.proposed),
+        accepted=take(state.accepted), accepted_at=take(state.accepted_at),
+        rounds_live=take(state.rounds_live), rows=ids)
+
+
+def compact(state, drafter, idx: np.ndarray, ids: np.ndarray):
+    """The state of rows idx ([B'] int32, positions in the current batch) with row ids
+    `ids` ([B'] int32); rows past the live ones are padding (done)."""
+    return _compact(state, drafter, jnp.asarray(idx), jnp.asarray(ids))
+
+
+class RowBook:
+    """Host copies of the per-row counters, by row id: the rows that left the batch keep
+    their last values, the live ones are written again at the end."""
+
+    FIELDS = ("num", "proposed", "accepted", "accepted_at", "rounds_live")
+
+    def __init__(self, batch: int, depth: int):
+        self.batch = batch
+        self.arrays = {f: np.zeros((batch,) if f != "accepted_at" else (batch, depth),
+                                   np.int64) for f in self.FIELDS}
+
+    def record(self, snap: dict) -> None:
+        """Writes a state's counters (a host snapshot holding FIELDS and "rows")."""
+        ids = np.asarray(snap["rows"])
+        real = ids < self.batch
+        for f in self.FIELDS:
+            self.arrays[f][ids[real]] = np.asarray(snap[f])[real]
+
+    def merged(self, snap: dict) -> dict:
+        """The counters by row id with a state's rows written over the recorded ones."""
+        out = RowBook(self.batch, self.arrays["accepted_at"].shape[1])
+        out.arrays = {f: a.copy() for f, a in self.arrays.items()}
+        out.record(snap)
+        return out.arrays
