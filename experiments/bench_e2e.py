@@ -211,6 +211,16 @@ def timed(fn, iters: int, warmup: bool = True, monitor: list | None = None):
     return out, statistics.median(ts), warm
 
 
+def _row_slots(stats: dict, batch: int) -> int:
+    """Row slots a run's rounds held: each round times the batch it ran in (a compaction
+    continues in a smaller one, `stats["compactions"]`)."""
+    slots, start, size = 0, 0, batch
+    for c in stats["compactions"]:
+        slots += (c["round"] - start) * size
+        start, size = c["round"], c["batch"]
+    return slots + (stats["rounds"] - start) * size
+
+
 def _decode_speedup(serial_s: float, serial_prefill_s: float, spec_s: float,
                     spec_ttft_s: float) -> float | None:
     """Serial decoding's time after its prefill over speculative decoding's after its own
@@ -494,7 +504,9 @@ class Bench:
             parity = bool(np.array_equal(out.tokens, serial.tokens)
                           and np.array_equal(out.num_tokens, serial.num_tokens))
             per_seed.append({"seed": seed, "seconds": t, "parity": parity,
-                             "tokens": int(out.num_tokens.sum()), **{
+                             "tokens": int(out.num_tokens.sum()),
+                             "row_slots": _row_slots(out.stats, B),
+                             "compactions": out.stats["compactions"], **{
                                  k: out.stats[k] for k in ("acceptance_rate",
                                                            "tokens_per_target_step", "ttft_s",
                                                            "rounds")},
@@ -516,10 +528,11 @@ class Bench:
                                                  mean("ttft_s")),
                "parity": all(r["parity"] for r in per_seed), "gpu": _merge_gpu(gpu)}
         # The loop's rounds against the rows' live rounds: a batch runs until its last row
-        # is done, and a done row's slots still ride along in every round after.
+        # is done, and a done row's slots still ride along in every round after (until a
+        # compaction, --compact, leaves them behind).
         rounds = mean("rounds")
-        row |= {"loop_rounds": rounds,
-                "live_row_fraction": n / row["tokens_per_target_step"] / (B * rounds)
+        row |= {"loop_rounds": rounds, "compactions": per_seed[0]["compactions"],
+                "live_row_fraction": n / row["tokens_per_target_step"] / mean("row_slots")
                 if rounds else None,
                 "decode_s_per_round": (t - row["ttft_s"]) / rounds if rounds else None}
         if not adaptive and (kind, B) not in self.parts:  # once a drafter and batch

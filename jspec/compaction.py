@@ -51,13 +51,30 @@ def plan(done: np.ndarray, ids: np.ndarray, batch: int, pad_id: int
 
 
 @jax.jit
+def _take(x, idx):
+    return jnp.take(x, idx, axis=0)
+
+
+def _cut_cache(cache, idx):
+    """The target cache's rows idx, a layer's K or V at a time, each old buffer freed once
+    cut: the peak is the old cache and one layer's cut, not both caches."""
+    def cut(x):
+        y = _take(x, idx)
+        x.delete()
+        return y
+
+    return cache.replace(k=tuple(cut(x) for x in cache.k), v=tuple(cut(x) for x in cache.v),
+                         lengths=_take(cache.lengths, idx))
+
+
+@jax.jit
 def _compact(state, drafter, idx, ids):  # compiled once per pair of batch sizes
     take = lambda x: jnp.take(x, idx, axis=0)  # noqa: E731
     pad = jnp.arange(idx.shape[0]) >= jnp.sum(~state.done)
     pick = getattr(drafter, "select_rows", None)
     draft = pick(state.draft, idx) if pick is not None else select_rows(state.draft, idx)
     return state.replace(
-        cache=select_rows(state.cache, idx), draft=draft, cur=take(state.cur),
+        draft=draft, cur=take(state.cur),
         num=take(state.num), done=take(state.done) | pad, proposed=take(state.proposed),
         accepted=take(state.accepted), accepted_at=take(state.accepted_at),
         rounds_live=take(state.rounds_live), rows=ids)
@@ -65,8 +82,12 @@ def _compact(state, drafter, idx, ids):  # compiled once per pair of batch sizes
 
 def compact(state, drafter, idx: np.ndarray, ids: np.ndarray):
     """The state of rows idx ([B'] int32, positions in the current batch) with row ids
-    `ids` ([B'] int32); rows past the live ones are padding (done)."""
-    return _compact(state, drafter, jnp.asarray(idx), jnp.asarray(ids))
+    `ids` ([B'] int32); rows past the live ones are padding (done). The state is consumed:
+    its target cache's buffers are freed as they are cut."""
+    idx = jnp.asarray(idx)
+    cache = _cut_cache(state.cache, idx)
+    return _compact(state.replace(cache=None), drafter, idx, jnp.asarray(ids)).replace(
+        cache=cache)
 
 
 class RowBook:

@@ -752,7 +752,11 @@ def speculative_stream(target: Model, drafter, prompts, spec: SpecConfig, *,
 
     The concatenation equals `speculative_generate(...)` with the same arguments. The
     arguments are checked at the call, before the first round is asked for.
+    `SpecConfig.compact` is refused: a stream yields every row's tokens a round.
     """
+    if isinstance(spec, SpecConfig) and spec.compact:
+        raise ValueError("SpecConfig(compact=True) applies to speculative_generate; a "
+                         "stream keeps its batch (it yields every row's tokens a round)")
     tokens, lens, max_len, spec = _setup(target, drafter, prompts, spec, max_len)
     return _stream(target, drafter, tokens, lens, spec, max_len)
 

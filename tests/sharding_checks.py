@@ -271,6 +271,15 @@ def check_spec(args):
         out[label] = {"equal": all(got.row(b) == ser.row(b) for b in range(len(prompts))),
                       "acceptance": got.stats["acceptance_rate"],
                       "tokens": int(got.stats["tokens"])}
+    if args.full:  # rows 0 and 1 stop early: the last row goes on alone (SpecConfig.compact)
+        free = serial["exact_greedy"]
+        stops = tuple(sorted({free.row(0)[1], free.row(1)[2]} - set(free.row(2))))
+        ser = jspec.generate(sharded, prompts, max_new_tokens=N, stop_tokens=list(stops))
+        got = jspec.speculative_generate(
+            sharded, jspec.ModelDrafter(draft), prompts,
+            jspec.SpecConfig(gamma=3, max_new_tokens=N, stop_tokens=stops, compact=True))
+        out["compacted"] = {"equal": all(got.row(b) == ser.row(b) for b in range(3)),
+                            "batch_sizes": got.stats["batch_sizes"], "stops": list(stops)}
     return out
 
 

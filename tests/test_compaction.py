@@ -103,3 +103,7 @@ def test_the_plan_and_the_book():
     assert book.arrays["num"].tolist() == [6, 0, 5]  # merged() leaves the book as it was
     with pytest.raises(TypeError, match="compact must be a bool"):
         jspec.SpecConfig(compact=1)
+    target = load("qwen3", "pallas")
+    with pytest.raises(ValueError, match="applies to speculative_generate"):
+        jspec.speculative_stream(target, jspec.PromptLookupDrafter(), [[1, 2, 3]],
+                                 jspec.SpecConfig(compact=True))

@@ -2,7 +2,7 @@
 see tests/test_sharding.py): `speculative_generate` == `generate` token for token with
 the target over the mesh and the drafter replicated (a draft model; in the slow run also
 prompt lookup with gumbel_coupled sampling, a feature head and a draft tree, under the
-runtime audit),
+runtime audit, and a run whose finished rows are compacted out),
 and `load_hf(mesh=...)` places exactly the shards `shard(load_hf(...))` does."""
 
 import pytest
@@ -17,7 +17,10 @@ slow = pytest.mark.slow
 @pytest.mark.slow  # a further case of a property the default run proves
 def test_speculative_equals_serial_with_a_sharded_target(family, tp, full):
     found = run("spec", family, tp, *(["--full"] if full else []))
-    assert len(found) == (4 if full else 1)
+    assert len(found) == (5 if full else 1)
+    if full:  # the sharded cache cut to the live row (`jspec.compaction`)
+        packed = found.pop("compacted")
+        assert packed["equal"] and len(packed["batch_sizes"]) > 1, packed
     for label, res in found.items():
         assert res["equal"] and res["tokens"] == 30, (label, found)
     assert found["model draft"]["acceptance"] == 1.0  # the target's own weights, on xla
