@@ -38,6 +38,20 @@ def select_rows(state, idx):
     return jax.tree.map(lambda x: jnp.take(x, idx, axis=0) if jnp.ndim(x) else x, state)
 
 
+def check_batch_major(drafter, state, batch: int) -> None:
+    """ValueError unless every array leaf of a drafter's state has the batch as axis 0 (what
+    `select_rows` cuts), for a drafter without its own `select_rows`."""
+    if getattr(drafter, "select_rows", None) is not None:
+        return
+    for path, leaf in jax.tree_util.tree_leaves_with_path(state):
+        shape = jnp.shape(leaf)
+        if shape and shape[0] != batch:
+            raise ValueError(
+                f"SpecConfig(compact=True): {type(drafter).__name__}'s state leaf "
+                f"{jax.tree_util.keystr(path)} has shape {shape}, not [B={batch}, ...]; give "
+                "the drafter a select_rows(state, idx) that cuts its rows (jspec.Drafter)")
+
+
 def plan(done: np.ndarray, ids: np.ndarray, batch: int, pad_id: int
          ) -> tuple[np.ndarray, np.ndarray]:
     """(idx, ids) of a compaction to `batch` rows: the live rows in order, then padding

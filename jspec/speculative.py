@@ -33,7 +33,7 @@ from jspec._checks import check_bool, check_ints, check_seed, check_type
 from jspec.adaptive import Adaptive, Controller, snapshot
 from jspec.cache import init_cache, rollback
 from jspec.chunked_prefill import prefill as chunked_prefill
-from jspec.compaction import RowBook, batch_for, compact, plan
+from jspec.compaction import RowBook, batch_for, check_batch_major, compact, plan
 from jspec.drafters import FeatureDrafter, ModelDrafter, OracleDrafter, PromptLookupDrafter
 from jspec.drafting import ProposeContext, check_drafter, grows_trees
 from jspec.generate import PAD, first_non_finite, pad_prompts, plan_shapes
@@ -687,6 +687,8 @@ def speculative_generate(target: Model, drafter, prompts, spec: SpecConfig, *,
     jax.block_until_ready(state)
     t1 = time.perf_counter()
     N, B = spec.max_new_tokens, len(lens)
+    if compacting:
+        check_batch_major(drafter, state.draft, B)
     ctl = Controller(adaptive, B, N) if adaptive is not None else None
     read = _reader()  # one host transfer a chunk serves the loop, the bar and the controller
     book, sizes, moves = RowBook(B, spec.depth), [B], []  # compaction: rows gone, sizes

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import expected, load
+from flax import struct
 
 import jspec
 from jspec.compaction import RowBook, batch_for, plan
@@ -107,3 +108,25 @@ def test_the_plan_and_the_book():
     with pytest.raises(ValueError, match="applies to speculative_generate"):
         jspec.speculative_stream(target, jspec.PromptLookupDrafter(), [[1, 2, 3]],
                                  jspec.SpecConfig(compact=True))
+    # A drafter state that is not batch-major, and no select_rows: named before any round.
+    with pytest.raises(ValueError, match=r"state leaf .* has shape \(7,\), not \[B=2"):
+        jspec.speculative_generate(target, _Odd(), [[1, 2, 3], [4, 5]],
+                                   jspec.SpecConfig(gamma=2, max_new_tokens=4, compact=True))
+
+
+@struct.dataclass
+class _Odd(jspec.Drafter):
+    """Proposes token 0; its state is a [7] counter, not a row each."""
+
+    def init(self, tokens, lens, max_len, gamma, features=None):
+        return jnp.zeros((7,), jnp.int32)
+
+    def forwards_per_round(self, gamma):
+        return 0
+
+    def propose(self, state, ctx):
+        drafts = jnp.zeros((ctx.cur.shape[0], ctx.gamma), jnp.int32)
+        return drafts, jspec.drafting.one_hot_logits(drafts, ctx.vocab), state
+
+    def commit(self, state, ctx, n_acc, nxt, drafts, features=None):
+        return state
