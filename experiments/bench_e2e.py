@@ -94,6 +94,10 @@ _NEW = flags.DEFINE_integer("max_new_tokens", 48, "tokens generated per row")
 _GAMMAS = flags.DEFINE_list("gammas", ["2", "4", "6", "8"], "gammas (oracle and lookup)")
 _ACCEPT = flags.DEFINE_list("accept", ["0.5", "0.7", "0.8", "0.9"], "oracle acceptance rates")
 _LOOKUP = flags.DEFINE_bool("lookup", True, "also run the prompt-lookup drafter")
+_STOPS = flags.DEFINE_integer("stops", 0, "K stop tokens, each the token at a random step of "
+                              "a random row of an untimed serial run at that batch: rows end "
+                              "far apart (serial and speculative runs stop at them; needs "
+                              "--nopeers)")
 _COMPACT = flags.DEFINE_bool("compact", False, "speculative runs go on with their live rows "
                              "alone once half of the batch is done (SpecConfig.compact)")
 _ADAPTIVE = flags.DEFINE_string(
@@ -311,6 +315,7 @@ class Bench:
         V = self.target.config.vocab_size
         self.all_prompts = make_prompts(V, max(self.batches + [1]), self.P)
         self.serial: dict[int, jspec.GenerateOutput] = {}
+        self.stops: dict[int, tuple[int, ...]] = {}  # --stops, by batch
         self.compiled: set = set()
         self.costs: dict = {}  # adaptive runs: key -> the last run's measured costs
         self.parts: dict = {}  # (drafter kind, batch) -> the speculative prefill's parts
@@ -340,7 +345,7 @@ class Bench:
             "options": _OPTIONS.value, "speed_options": options_record(self.target)["kernel"],
             "draft_option_fields": options_record(self.draft),
             "dtype": _DTYPE.value, "batches": self.batches,
-            "prompt_len": self.P, "max_new_tokens": self.N, "iters": self.iters,
+            "prompt_len": self.P, "max_new_tokens": self.N, "iters": self.iters, "stops": {},
             "copy_TBps": bw / 1e12, "mean_context": ctx, "weight_bytes": wbytes,
             "kv_bytes_per_row": kv, "phases_s": {"build_target": t1 - t0, "build_draft": t2 - t1,
                                                  "copy_bandwidth": t3 - t2},
@@ -375,8 +380,9 @@ class Bench:
         model = self.target.with_backend(backend)
         prompts, N = self.prompts(B), self.N
         gpu = []
-        out, t, warm = timed(lambda: jspec.generate(model, prompts, max_new_tokens=N), self.iters,
-                             monitor=gpu)
+        stops = self.stops_at(B)
+        out, t, warm = timed(lambda: jspec.generate(model, prompts, max_new_tokens=N,
+                                                    stop_tokens=stops), self.iters, monitor=gpu)
         tokens, lens = jnp.asarray(prompts), jnp.full((B,), self.P, jnp.int32)
 
         def prefill_only():  # the same compiled prefill that `generate` runs: its capacity
@@ -402,6 +408,19 @@ class Bench:
             row["tokens_equal_pallas"] = bool(np.array_equal(out.tokens, self.serial[B].tokens))
         self.report["serial"].append(row)
         self.save()
+
+    def stops_at(self, B: int) -> tuple[int, ...]:
+        """--stops tokens at batch B (made once, from an untimed serial run of the target)."""
+        if not _STOPS.value:
+            return ()
+        if B not in self.stops:
+            free = jspec.generate(self.target, self.prompts(B), max_new_tokens=self.N)
+            rng = np.random.default_rng(B)
+            self.stops[B] = tuple(sorted({int(free.tokens[rng.integers(B),
+                                                         rng.integers(self.N)])
+                                          for _ in range(_STOPS.value)}))
+            self.report["stops"][str(B)] = list(self.stops[B])
+        return self.stops[B]
 
     # --- speculative ---------------------------------------------------------------------
     def drafter(self, kind: str, B: int, accept: float | None):
@@ -479,7 +498,7 @@ class Bench:
         for seed in seeds:  # the seed is a runtime array: one compile serves them all
             spec = jspec.SpecConfig(gamma=gamma, max_new_tokens=self.N, seed=seed,
                                     tree=None if adaptive else self.tree, adaptive=shapes,
-                                    compact=_COMPACT.value)
+                                    compact=_COMPACT.value, stop_tokens=self.stops_at(B))
 
             def run(spec=spec):
                 return jspec.speculative_generate(self.target, drafter, self.prompts(B), spec)
@@ -749,6 +768,9 @@ def main(argv):
         return
     if _DRAFT_HEAD.value < 0:
         raise app.UsageError(f"--draft_head must be >= 0; got {_DRAFT_HEAD.value}")
+    if _STOPS.value < 0 or (_STOPS.value and _PEERS.value):
+        raise app.UsageError(f"--stops must be >= 0, and the peers make every row's "
+                             f"max_new_tokens (add --nopeers); got --stops={_STOPS.value}")
     bench = Bench()
     if _DRAFT_HEAD.value > bench.draft.config.vocab_size:
         raise app.UsageError(f"--draft_head={_DRAFT_HEAD.value} exceeds the draft's vocabulary "

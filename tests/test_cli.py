@@ -168,10 +168,11 @@ def test_bench_e2e_smoke(tmp_path):
     r = _run("bench_e2e.py", "--target=tiny-qwen3", "--draft=tiny-qwen3:1", "--batches=1",
              "--prompt_len=16", "--max_new_tokens=8", "--gammas=2", "--accept=0.8", "--iters=1",
              "--nopeers", "--draft_backend=xla", "--oracle_seeds=2", "--draft_head=256",
-             "--adaptive=0,2", f"--out={tmp_path}")
+             "--adaptive=0,2", "--stops=2", f"--out={tmp_path}")
     assert r.returncode == 0, r.stderr[-2000:]
     with open(tmp_path / "bench_e2e.json") as f:
         rep = json.load(f)
+    assert 1 <= len(rep["stops"]["1"]) <= 2  # rows stop at them, serial and speculative
     assert rep["complete"] and rep["copy_TBps"] > 0 and rep["peers"]["skipped"] == "--nopeers"
     assert rep["oracle_waits_for_draft"] is True and rep["draft_head"] == 256
     assert rep["draft_backend"] == "xla"
@@ -208,6 +209,8 @@ def test_bench_e2e_smoke(tmp_path):
     bad = _run("bench_e2e.py", "--target=tiny-qwen3", "--draft=tiny-qwen3:1", "--nopeers",
                "--draft_head=100000", f"--out={tmp_path}")
     assert bad.returncode != 0 and "exceeds the draft's vocabulary (512)" in bad.stderr
+    bad = _run("bench_e2e.py", "--target=tiny-qwen3", "--stops=2", f"--out={tmp_path}")
+    assert bad.returncode != 0 and "add --nopeers" in bad.stderr
 
 
 @pytest.mark.slow  # an experiment script's run; its engine calls are the default run's
