@@ -386,6 +386,7 @@ def test_sweep_schedule_prefill_checks_every_tile_and_writes_only_equal_bits(tmp
     (w,) = rep["weights"]
     assert rep["tier"] == "prefill" and rep["rows"] == [1, 40]
     assert len({v["config"]["bk"] for v in w["variants"]}) > 1
+    assert {v["phase"] for v in w["variants"]} <= {"w_down", "w_down stages"}  # no crosses
     written = {(r["K"], r["N"]) for r in read_tuned_file(str(table)).get("prefill_tile", [])}
     assert ((w["K"], w["N"]) in written) == (
         w["all_bits_equal"] and w["fastest_equal"]["us"] < w["base_us"])

@@ -324,17 +324,18 @@ def sweep_weight(name: str, K: int, N: int, rows: list[int], timed: list[int], r
               and ROW_GROUP_FIELD not in v]
         return MatmulConfig(**min(ok, key=lambda v: v["us"])["config"]) if ok else base
 
-    def ran_variants():
-        return {(MatmulConfig(**v["config"]), v.get(ROW_GROUP_FIELD)) for v in
-                entry["variants"]} | {MatmulConfig(**v["config"]) for v in entry["variants"]
-                                      if ROW_GROUP_FIELD not in v}
+    def ran_variants():  # (config, row group or None) of every variant so far
+        return {(MatmulConfig(**v["config"]), v.get(ROW_GROUP_FIELD))
+                for v in entry["variants"]}
 
-    if (tall or prefill) and grid:
-        try_all(stage_variants(fastest_ungrouped(), ran_variants()), name + " stages")
-    if tall and groups:
-        try_all(group_variants(fastest_ungrouped(), cols, groups, ran_variants()),
-                name + " row groups")
-    elif _COMBOS.value:
+    if tall or prefill:
+        if grid:
+            done = {c for c, g in ran_variants() if g is None}
+            try_all(stage_variants(fastest_ungrouped(), done), name + " stages")
+        if tall and groups:
+            try_all(group_variants(fastest_ungrouped(), cols, groups, ran_variants()),
+                    name + " row groups")
+    elif _COMBOS.value and grid:
         ran = [v for v in entry["variants"] if "us" in v]
         done = {MatmulConfig(**v["config"]) for v in entry["variants"]}
         try_all(combos(base, ran, done, entry["base_us"], _MAX.value), name + " combos")
