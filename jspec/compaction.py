@@ -81,17 +81,17 @@ def _cut_cache(cache, idx):
                          lengths=_take(cache.lengths, idx))
 
 
+# The state's per-row fields besides the caches (a padding row copies a done row's, so
+# it is done too).
+_ROW_FIELDS = ("cur", "num", "done", "proposed", "accepted", "accepted_at", "rounds_live")
+
+
 @jax.jit
 def _compact(state, drafter, idx, ids):  # compiled once per pair of batch sizes
-    take = lambda x: jnp.take(x, idx, axis=0)  # noqa: E731
-    pad = jnp.arange(idx.shape[0]) >= jnp.sum(~state.done)
     pick = getattr(drafter, "select_rows", None)
     draft = pick(state.draft, idx) if pick is not None else select_rows(state.draft, idx)
-    return state.replace(
-        draft=draft, cur=take(state.cur),
-        num=take(state.num), done=take(state.done) | pad, proposed=take(state.proposed),
-        accepted=take(state.accepted), accepted_at=take(state.accepted_at),
-        rounds_live=take(state.rounds_live), rows=ids)
+    rows = select_rows({f: getattr(state, f) for f in _ROW_FIELDS}, idx)
+    return state.replace(draft=draft, rows=ids, **rows)
 
 
 def compact(state, drafter, idx: np.ndarray, ids: np.ndarray):
@@ -117,14 +117,17 @@ class RowBook:
 
     def record(self, snap: dict) -> None:
         """Writes a state's counters (a host snapshot holding FIELDS and "rows")."""
-        ids = np.asarray(snap["rows"])
-        real = ids < self.batch
-        for f in self.FIELDS:
-            self.arrays[f][ids[real]] = np.asarray(snap[f])[real]
+        _write(self.arrays, snap, self.batch)
 
     def merged(self, snap: dict) -> dict:
         """The counters by row id with a state's rows written over the recorded ones."""
-        out = RowBook(self.batch, self.arrays["accepted_at"].shape[1])
-        out.arrays = {f: a.copy() for f, a in self.arrays.items()}
-        out.record(snap)
-        return out.arrays
+        out = {f: a.copy() for f, a in self.arrays.items()}
+        _write(out, snap, self.batch)
+        return out
+
+
+def _write(arrays: dict, snap: dict, batch: int) -> None:
+    ids = np.asarray(snap["rows"])
+    real = ids < batch  # padding rows hold the batch size
+    for f, a in arrays.items():
+        a[ids[real]] = np.asarray(snap[f])[real]

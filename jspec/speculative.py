@@ -556,9 +556,8 @@ def _setup(target, drafter, prompts, spec, max_len):
 
 
 def _stats(state: SpecState, spec: SpecConfig, drafter, prefill_s: float, loop_s: float,
-           rows: dict | None = None) -> dict:
-    """rows: the per-row counters by row id (`compaction.RowBook`; default the state's)."""
-    rows = rows or {f: np.asarray(getattr(state, f)) for f in RowBook.FIELDS}
+           rows: dict) -> dict:
+    """rows: the per-row counters by row id (`compaction.RowBook.merged`)."""
     num = rows["num"]
     proposed, accepted = int(np.sum(rows["proposed"])), int(np.sum(rows["accepted"]))
     rounds = int(state.step)
