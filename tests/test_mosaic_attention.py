@@ -100,6 +100,32 @@ def test_the_fold_is_combine_partials_on_the_cpu():
     assert np.asarray(ours[1, :, :8]).all(axis=-1).all() and not np.asarray(ours[1, :, 8:]).any()
 
 
+def test_the_fold_splits_head_columns_and_keeps_the_bits():
+    # head_dim 128: two fold programs a row tile (FOLD_D columns each), every column folded
+    # as one program would; and the split programs keep two key blocks in flight.
+    import dataclasses
+
+    from pallas_kernels.attention import attention_config, combine_partials, query_rows
+    from pallas_kernels.mosaic.attention import FOLD_D, fold_partials, kv_buffers
+
+    d = 2 * FOLD_D
+    assert kv_buffers(128, d, jnp.bfloat16) == 2 and kv_buffers(128, 256, jnp.bfloat16) == 1
+    kk, kv = jax.random.split(jax.random.key(3))
+    k = jax.random.normal(kk, (1, HKV, 64 * 20, d), jnp.float32).astype(jnp.bfloat16)
+    v = jax.random.normal(kv, (1, HKV, 64 * 20, d), jnp.float32).astype(jnp.bfloat16)
+    q = jax.random.normal(jax.random.key(4), (1, 2, H, d), jnp.float32).astype(jnp.bfloat16)
+    cfg = dataclasses.replace(attention_config(d, H // HKV, jnp.bfloat16, True), split=128,
+                              split_rows=BM, fold_group=16)
+    rows, first, last = query_rows(q, jnp.asarray([[1270, 1271]], jnp.int32), jnp.int32(0),
+                                   HKV, cfg)
+    parts = split_partials(rows, k, v, first, last, scale=d ** -0.5, split=128,
+                           interpret=True)
+    ours = fold_partials(*parts, dtype=jnp.bfloat16, fold_group=16, interpret=True)
+    theirs = combine_partials(*parts, first, last, cfg, jnp.bfloat16, interpret=True)
+    assert np.array_equal(np.asarray(ours).view(np.uint16), np.asarray(theirs).view(np.uint16))
+    assert np.asarray(ours[0, :, :8]).all()
+
+
 def test_partials_of_partitions_a_tile_cannot_see_are_empty():
     k, v = _cache(1, 256)
     q = _q(1, 1)

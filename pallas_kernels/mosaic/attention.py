@@ -22,8 +22,12 @@ and there are no atomics (R2); the grid, the block range and the row padding dep
 T and the other rows, never a row's arithmetic: a block a row cannot see leaves its
 state bit-identical (the module docstring of `attention.py`).
 
-`fold_partials`: one program a row tile walks the partitions in order through a TMA
-pipeline and folds them in registers with `attention._fold_one`'s arithmetic: each group of
+A program keeps up to `kv_buffers` key blocks in flight (the next block's copies are
+issued before the current block's products): scheduling, the same arithmetic.
+
+`fold_partials`: one program a row tile and FOLD_D head-dimension columns walks the
+partitions in order through a TMA pipeline (FOLD_STEPS partials in flight) and folds
+them in registers with `attention._fold_one`'s arithmetic: each group of
 16 partitions from the empty state, then the groups in group order (the two-level fold;
 one group gives the one-level bits), then acc / denom (0 for a row that saw nothing). On
 the CPU it equals `combine_partials` bitwise (both run XLA's arithmetic there).
@@ -49,12 +53,15 @@ from pallas_kernels import attention as triton_attention  # the row layout and t
 from pallas_kernels._common import pad_axis
 from pallas_kernels.tree_attention import tail_index  # the Triton tree kernel's gather
 
-__all__ = ["BK", "BM", "SPLIT", "attention", "fold_partials", "split_partials", "takes",
-           "tree_attention"]
+__all__ = ["BK", "BM", "SPLIT", "attention", "fold_partials", "kv_buffers", "split_partials",
+           "takes", "tree_attention"]
 
 BM = 64  # query rows a program: one wgmma M
 BK = 64  # keys a block
 SPLIT = 128  # keys a partition when the model names none (Triton's GPU default)
+SMEM_BUDGET = 200 * 1024  # shared memory a split program may take (the H200 has 227 KiB)
+FOLD_D = 64  # head-dimension columns a fold program owns
+FOLD_STEPS = 4  # partials a fold program has in flight
 DTYPES = ("bfloat16", "float16")
 
 
@@ -67,6 +74,16 @@ def takes(head_dim: int, dtype, split: int | None) -> bool:
     return (jnp.dtype(dtype).name in DTYPES and head_dim % 64 == 0 and head_dim <= 256
             and split > 0 and split % BK == 0)
 _NEG_INF = float("-inf")
+
+
+def kv_buffers(split: int, head_dim: int, dtype) -> int:
+    """Key blocks a split program keeps in flight: all of its partition's (split // BK)
+    where shared memory holds them beside q, P and the f32 partial, else fewer (at least
+    one). A function of the shapes; it moves no arithmetic, so no bits."""
+    item = jnp.dtype(dtype).itemsize
+    fixed = BM * head_dim * (item + 4) + BM * BK * item + 4 * BM * 4
+    per_block = 2 * BK * head_dim * item  # K and V
+    return max(1, min(split // BK, (SMEM_BUDGET - fixed) // per_block))
 
 
 def _transforms(dtype) -> tuple:
@@ -107,31 +124,45 @@ def _kernel(q_gmem, k_gmem, v_gmem, first_gmem, last_gmem, span_gmem, *refs, q_s
     last = plgpu.load(last_smem.at[...], layout=layout.reduce(1))
     head_dim = q_smem.shape[-1]
 
-    def block(j, carry):
-        m, denom, acc = carry  # [BM], [BM], [BM, D] f32
-        start = j * BK
-        keys = pl.ds(start, BK)
+    nbuf = k_smem.shape[0]  # key blocks in flight (scheduling only: the same arithmetic)
+
+    def issue(j):
+        """TMA copies of key block j's K and V into slot (j - lo) % nbuf."""
+        slot = lax.rem(j - lo, nbuf)
+        keys = pl.ds(j * BK, BK)
+        k_dst, v_dst, done = k_smem.at[slot], v_smem.at[slot], kv_bar.at[slot]
         if not tree:
-            plgpu.copy_gmem_to_smem(k_gmem.at[b, h, keys], k_smem, kv_bar)
-            plgpu.copy_gmem_to_smem(v_gmem.at[b, h, keys], v_smem, kv_bar)
+            plgpu.copy_gmem_to_smem(k_gmem.at[b, h, keys], k_dst, done)
+            plgpu.copy_gmem_to_smem(v_gmem.at[b, h, keys], v_dst, done)
         else:  # the prefix from the cache, the tail's blocks from the token's own keys
             tail_block = lax.div(span_smem[2], BK)  # the tail's first block (root's)
 
             @pl.when(j < tail_block)
             def _prefix():
-                plgpu.copy_gmem_to_smem(k_gmem.at[b, h, keys], k_smem, kv_bar)
-                plgpu.copy_gmem_to_smem(v_gmem.at[b, h, keys], v_smem, kv_bar)
+                plgpu.copy_gmem_to_smem(k_gmem.at[b, h, keys], k_dst, done)
+                plgpu.copy_gmem_to_smem(v_gmem.at[b, h, keys], v_dst, done)
 
             @pl.when(j >= tail_block)
             def _tail():
                 own = (b * num_kv_heads + h) * tiles + r, pl.ds((j - tail_block) * BK, BK)
-                plgpu.copy_gmem_to_smem(k_tail_gmem.at[own], k_smem, kv_bar)
-                plgpu.copy_gmem_to_smem(v_tail_gmem.at[own], v_smem, kv_bar)
+                plgpu.copy_gmem_to_smem(k_tail_gmem.at[own], k_dst, done)
+                plgpu.copy_gmem_to_smem(v_tail_gmem.at[own], v_dst, done)
 
-        plgpu.barrier_wait(kv_bar)
+    ahead = nbuf - 1  # blocks issued before the loop reaches them
+    for i in range(ahead):
+        pl.when(lo + i < hi)(functools.partial(issue, lo + i))
+
+    def block(j, carry):
+        m, denom, acc = carry  # [BM], [BM], [BM, D] f32
+        start = j * BK
+        slot = lax.rem(j - lo, nbuf)
+        # Block j + ahead into the slot block j - 1 used (its wgmmas are done).
+        pl.when(j + ahead < hi)(functools.partial(issue, j + ahead))
+        plgpu.barrier_wait(kv_bar.at[slot])
+        k_smem_j, v_smem_j = k_smem.at[slot], v_smem.at[slot]
 
         def qk(acc_ref):
-            plgpu.wgmma(acc_ref, q_smem, k_smem.transpose((1, 0)))
+            plgpu.wgmma(acc_ref, q_smem, k_smem_j.transpose((1, 0)))
             return acc_ref[...]
 
         s = pl.run_scoped(qk, plgpu.ACC((BM, BK), jnp.float32)) * jnp.float32(scale)
@@ -154,13 +185,13 @@ def _kernel(q_gmem, k_gmem, v_gmem, first_gmem, last_gmem, span_gmem, *refs, q_s
         def _zero_tail():
             key_v = start + plgpu.broadcasted_iota(jnp.int32, (BK, head_dim), 0,
                                                    layout=layout)
-            v = plgpu.load(v_smem.at[...], layout=layout)
-            v_smem[...] = jnp.where(key_v <= last_key, v, jnp.zeros_like(v))
+            v = plgpu.load(v_smem_j.at[...], layout=layout)
+            v_smem_j[...] = jnp.where(key_v <= last_key, v, jnp.zeros_like(v))
 
         plgpu.commit_smem()
 
         def pv(acc_ref):
-            plgpu.wgmma(acc_ref, p_smem, v_smem)
+            plgpu.wgmma(acc_ref, p_smem, v_smem_j)
             return acc_ref[...]
 
         acc_pv = pl.run_scoped(pv, plgpu.ACC((BM, head_dim), jnp.float32))
@@ -241,6 +272,7 @@ def _split_call(q_rows, k_cache, v_cache, first, last, span, tails, *, scale, so
                                blocks=cache_len // BK, tree=tails is not None)
     dt = q_rows.dtype
     f32 = jnp.float32
+    nbuf = kv_buffers(split, head_dim, dt)
     return plgpu.kernel(
         kernel,
         out_type=(jax.ShapeDtypeStruct((batch, num_kv_heads, parts, rows), f32),
@@ -248,8 +280,8 @@ def _split_call(q_rows, k_cache, v_cache, first, last, span, tails, *, scale, so
                   jax.ShapeDtypeStruct((batch, num_kv_heads, parts, rows, head_dim), f32)),
         scratch_types=dict(
             q_smem=plgpu.SMEM((BM, head_dim), dt, transforms=tr),
-            k_smem=plgpu.SMEM((BK, head_dim), dt, transforms=tr),
-            v_smem=plgpu.SMEM((BK, head_dim), dt, transforms=tr),
+            k_smem=plgpu.SMEM((nbuf, BK, head_dim), dt, transforms=tr),
+            v_smem=plgpu.SMEM((nbuf, BK, head_dim), dt, transforms=tr),
             p_smem=plgpu.SMEM((BM, BK), dt, transforms=tr),
             first_smem=plgpu.SMEM((BM,), jnp.int32),
             last_smem=plgpu.SMEM((BM,), jnp.int32),
@@ -258,7 +290,7 @@ def _split_call(q_rows, k_cache, v_cache, first, last, span, tails, *, scale, so
             l_smem=plgpu.SMEM((BM,), f32),
             acc_smem=plgpu.SMEM((BM, head_dim), f32),
             bar=plgpu.Barrier(num_arrivals=4),
-            kv_bar=plgpu.Barrier(num_arrivals=2),
+            kv_bar=plgpu.Barrier(num_arrivals=2, num_barriers=nbuf),
         ),
         grid=(batch * num_kv_heads * tiles, parts),
         grid_names=("t", "c"),
@@ -283,21 +315,22 @@ def _fold_one(carry, part):
 def _fold_kernel(m_gmem, l_gmem, acc_gmem, o_gmem, o_smem, *, tiles: int, num_kv_heads: int,
                  parts: int, fold_group: int):
     # m_gmem, l_gmem [B x Hkv x parts, Rp]; acc_gmem [B x Hkv x parts, Rp, D] (a TMA copy
-    # strides at most 5 dimensions); o_gmem [B, Hkv, Rp, D]. Each group of `fold_group`
-    # partitions folds from the empty state through a TMA pipeline, in partition order;
-    # the groups fold into the total in order.
-    t = lax.axis_index("t")
+    # strides at most 5 dimensions); o_gmem [B, Hkv, Rp, D]. A program owns a row tile's
+    # FOLD_D columns d (its m and denom are every column's, the same arithmetic in every
+    # program). Each group of `fold_group` partitions folds from the empty state through a
+    # TMA pipeline, in partition order; the groups fold into the total in order.
+    t, d = lax.axis_index("t"), lax.axis_index("d")
     r = lax.rem(t, tiles)
     bh = lax.div(t, tiles)
     h = lax.rem(bh, num_kv_heads)
     b = lax.div(bh, num_kv_heads)
-    head_dim = o_smem.shape[-1]
+    cols = o_smem.shape[-1]  # FOLD_D, or the head dimension
     layout = plgpu.Layout.WGMMA
 
     def empty():
         return (plgpu.layout_cast(jnp.full((BM,), _NEG_INF, jnp.float32), layout.reduce(1)),
                 plgpu.layout_cast(jnp.zeros((BM,), jnp.float32), layout.reduce(1)),
-                plgpu.layout_cast(jnp.zeros((BM, head_dim), jnp.float32), layout))
+                plgpu.layout_cast(jnp.zeros((BM, cols), jnp.float32), layout))
 
     def step(idx, m_ref, l_ref, acc_ref, group):
         del idx
@@ -311,9 +344,10 @@ def _fold_kernel(m_gmem, l_gmem, acc_gmem, o_gmem, o_smem, *, tiles: int, num_kv
         base = bh * parts + first
         specs = [plgpu.BlockSpec((1, BM), lambda c: (base + c, r)),
                  plgpu.BlockSpec((1, BM), lambda c: (base + c, r)),
-                 plgpu.BlockSpec((1, BM, head_dim), lambda c: (base + c, r, 0))]
+                 plgpu.BlockSpec((1, BM, cols), lambda c: (base + c, r, d))]
         return plgpu.emit_pipeline(step, grid=(size,), in_specs=specs,
-                                   max_concurrent_steps=min(size, 2), init_carry=empty())(
+                                   max_concurrent_steps=min(size, FOLD_STEPS),
+                                   init_carry=empty())(
             m_gmem, l_gmem, acc_gmem)
 
     full, tail = divmod(parts, fold_group)
@@ -327,7 +361,7 @@ def _fold_kernel(m_gmem, l_gmem, acc_gmem, o_gmem, o_smem, *, tiles: int, num_kv
     o_smem[...] = jnp.where(lax.broadcast_in_dim(seen, acc.shape, [0]), out,
                             0.0).astype(o_smem.dtype)
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[b, h, pl.ds(r * BM, BM)])
+    plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[b, h, pl.ds(r * BM, BM), pl.ds(d * cols, cols)])
     plgpu.wait_smem_to_gmem(0)
 
 
@@ -338,21 +372,23 @@ def fold_partials(m, denom, acc, *, dtype, fold_group: int = 16, interpret: bool
     group of `fold_group` partitions (groups from the empty state in partition order,
     then the groups in group order: `combine_partials`' order), normalised -> [B, Hkv,
     Rp, D] in dtype (rows that saw nothing: 0). Partitions no row sees are empty states,
-    which fold as exact no-ops."""
+    which fold as exact no-ops. A program a row tile and FOLD_D columns (each column's
+    fold is its own: the split moves no arithmetic)."""
     batch, num_kv_heads, parts, rows = m.shape
     head_dim = acc.shape[-1]
     if rows % BM or fold_group < 1:
         raise ValueError(f"fold_partials wants rows ({rows}) a multiple of {BM} and "
                          f"fold_group={fold_group} >= 1")
     tiles = rows // BM
+    cols = FOLD_D if head_dim % FOLD_D == 0 else head_dim
     kernel = functools.partial(_fold_kernel, tiles=tiles, num_kv_heads=num_kv_heads,
                                parts=parts, fold_group=fold_group)
     return plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct((batch, num_kv_heads, rows, head_dim), dtype),
-        scratch_types=dict(o_smem=plgpu.SMEM((BM, head_dim), dtype)),
-        grid=(batch * num_kv_heads * tiles,),
-        grid_names=("t",),
+        scratch_types=dict(o_smem=plgpu.SMEM((BM, cols), dtype)),
+        grid=(batch * num_kv_heads * tiles, head_dim // cols),
+        grid_names=("t", "d"),
         kernel_name="jspec_mosaic_attention_fold",
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )(m.reshape(-1, rows), denom.reshape(-1, rows), acc.reshape(-1, rows, head_dim))
