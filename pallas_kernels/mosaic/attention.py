@@ -22,9 +22,6 @@ and there are no atomics (R2); the grid, the block range and the row padding dep
 T and the other rows, never a row's arithmetic: a block a row cannot see leaves its
 state bit-identical (the module docstring of `attention.py`).
 
-A program keeps up to `kv_buffers` key blocks in flight (the next block's copies are
-issued before the current block's products): scheduling, the same arithmetic.
-
 `fold_partials`: one program a row tile and FOLD_D head-dimension columns walks the
 partitions in order through a TMA pipeline (FOLD_STEPS partials in flight) and folds
 them in registers with `attention._fold_one`'s arithmetic: each group of
@@ -53,13 +50,12 @@ from pallas_kernels import attention as triton_attention  # the row layout and t
 from pallas_kernels._common import pad_axis
 from pallas_kernels.tree_attention import tail_index  # the Triton tree kernel's gather
 
-__all__ = ["BK", "BM", "SPLIT", "attention", "fold_partials", "kv_buffers", "split_partials",
-           "takes", "tree_attention"]
+__all__ = ["BK", "BM", "SPLIT", "attention", "fold_partials", "split_partials", "takes",
+           "tree_attention"]
 
 BM = 64  # query rows a program: one wgmma M
 BK = 64  # keys a block
 SPLIT = 128  # keys a partition when the model names none (Triton's GPU default)
-SMEM_BUDGET = 200 * 1024  # shared memory a split program may take (the H200 has 227 KiB)
 FOLD_D = 64  # head-dimension columns a fold program owns
 FOLD_STEPS = 4  # partials a fold program has in flight
 DTYPES = ("bfloat16", "float16")
@@ -74,16 +70,6 @@ def takes(head_dim: int, dtype, split: int | None) -> bool:
     return (jnp.dtype(dtype).name in DTYPES and head_dim % 64 == 0 and head_dim <= 256
             and split > 0 and split % BK == 0)
 _NEG_INF = float("-inf")
-
-
-def kv_buffers(split: int, head_dim: int, dtype) -> int:
-    """Key blocks a split program keeps in flight: all of its partition's (split // BK)
-    where shared memory holds them beside q, P and the f32 partial, else fewer (at least
-    one). A function of the shapes; it moves no arithmetic, so no bits."""
-    item = jnp.dtype(dtype).itemsize
-    fixed = BM * head_dim * (item + 4) + BM * BK * item + 4 * BM * 4
-    per_block = 2 * BK * head_dim * item  # K and V
-    return max(1, min(split // BK, (SMEM_BUDGET - fixed) // per_block))
 
 
 def _transforms(dtype) -> tuple:
@@ -124,45 +110,31 @@ def _kernel(q_gmem, k_gmem, v_gmem, first_gmem, last_gmem, span_gmem, *refs, q_s
     last = plgpu.load(last_smem.at[...], layout=layout.reduce(1))
     head_dim = q_smem.shape[-1]
 
-    nbuf = k_smem.shape[0]  # key blocks in flight (scheduling only: the same arithmetic)
-
-    def issue(j):
-        """TMA copies of key block j's K and V into slot (j - lo) % nbuf."""
-        slot = lax.rem(j - lo, nbuf)
-        keys = pl.ds(j * BK, BK)
-        k_dst, v_dst, done = k_smem.at[slot], v_smem.at[slot], kv_bar.at[slot]
+    def block(j, carry):
+        m, denom, acc = carry  # [BM], [BM], [BM, D] f32
+        start = j * BK
+        keys = pl.ds(start, BK)
         if not tree:
-            plgpu.copy_gmem_to_smem(k_gmem.at[b, h, keys], k_dst, done)
-            plgpu.copy_gmem_to_smem(v_gmem.at[b, h, keys], v_dst, done)
+            plgpu.copy_gmem_to_smem(k_gmem.at[b, h, keys], k_smem, kv_bar)
+            plgpu.copy_gmem_to_smem(v_gmem.at[b, h, keys], v_smem, kv_bar)
         else:  # the prefix from the cache, the tail's blocks from the token's own keys
             tail_block = lax.div(span_smem[2], BK)  # the tail's first block (root's)
 
             @pl.when(j < tail_block)
             def _prefix():
-                plgpu.copy_gmem_to_smem(k_gmem.at[b, h, keys], k_dst, done)
-                plgpu.copy_gmem_to_smem(v_gmem.at[b, h, keys], v_dst, done)
+                plgpu.copy_gmem_to_smem(k_gmem.at[b, h, keys], k_smem, kv_bar)
+                plgpu.copy_gmem_to_smem(v_gmem.at[b, h, keys], v_smem, kv_bar)
 
             @pl.when(j >= tail_block)
             def _tail():
                 own = (b * num_kv_heads + h) * tiles + r, pl.ds((j - tail_block) * BK, BK)
-                plgpu.copy_gmem_to_smem(k_tail_gmem.at[own], k_dst, done)
-                plgpu.copy_gmem_to_smem(v_tail_gmem.at[own], v_dst, done)
+                plgpu.copy_gmem_to_smem(k_tail_gmem.at[own], k_smem, kv_bar)
+                plgpu.copy_gmem_to_smem(v_tail_gmem.at[own], v_smem, kv_bar)
 
-    ahead = nbuf - 1  # blocks issued before the loop reaches them
-    for i in range(ahead):
-        pl.when(lo + i < hi)(functools.partial(issue, lo + i))
-
-    def block(j, carry):
-        m, denom, acc = carry  # [BM], [BM], [BM, D] f32
-        start = j * BK
-        slot = lax.rem(j - lo, nbuf)
-        # Block j + ahead into the slot block j - 1 used (its wgmmas are done).
-        pl.when(j + ahead < hi)(functools.partial(issue, j + ahead))
-        plgpu.barrier_wait(kv_bar.at[slot])
-        k_smem_j, v_smem_j = k_smem.at[slot], v_smem.at[slot]
+        plgpu.barrier_wait(kv_bar)
 
         def qk(acc_ref):
-            plgpu.wgmma(acc_ref, q_smem, k_smem_j.transpose((1, 0)))
+            plgpu.wgmma(acc_ref, q_smem, k_smem.transpose((1, 0)))
             return acc_ref[...]
 
         s = pl.run_scoped(qk, plgpu.ACC((BM, BK), jnp.float32)) * jnp.float32(scale)
@@ -185,13 +157,13 @@ def _kernel(q_gmem, k_gmem, v_gmem, first_gmem, last_gmem, span_gmem, *refs, q_s
         def _zero_tail():
             key_v = start + plgpu.broadcasted_iota(jnp.int32, (BK, head_dim), 0,
                                                    layout=layout)
-            v = plgpu.load(v_smem_j.at[...], layout=layout)
-            v_smem_j[...] = jnp.where(key_v <= last_key, v, jnp.zeros_like(v))
+            v = plgpu.load(v_smem.at[...], layout=layout)
+            v_smem[...] = jnp.where(key_v <= last_key, v, jnp.zeros_like(v))
 
         plgpu.commit_smem()
 
         def pv(acc_ref):
-            plgpu.wgmma(acc_ref, p_smem, v_smem_j)
+            plgpu.wgmma(acc_ref, p_smem, v_smem)
             return acc_ref[...]
 
         acc_pv = pl.run_scoped(pv, plgpu.ACC((BM, head_dim), jnp.float32))
@@ -272,7 +244,6 @@ def _split_call(q_rows, k_cache, v_cache, first, last, span, tails, *, scale, so
                                blocks=cache_len // BK, tree=tails is not None)
     dt = q_rows.dtype
     f32 = jnp.float32
-    nbuf = kv_buffers(split, head_dim, dt)
     return plgpu.kernel(
         kernel,
         out_type=(jax.ShapeDtypeStruct((batch, num_kv_heads, parts, rows), f32),
@@ -280,8 +251,8 @@ def _split_call(q_rows, k_cache, v_cache, first, last, span, tails, *, scale, so
                   jax.ShapeDtypeStruct((batch, num_kv_heads, parts, rows, head_dim), f32)),
         scratch_types=dict(
             q_smem=plgpu.SMEM((BM, head_dim), dt, transforms=tr),
-            k_smem=plgpu.SMEM((nbuf, BK, head_dim), dt, transforms=tr),
-            v_smem=plgpu.SMEM((nbuf, BK, head_dim), dt, transforms=tr),
+            k_smem=plgpu.SMEM((BK, head_dim), dt, transforms=tr),
+            v_smem=plgpu.SMEM((BK, head_dim), dt, transforms=tr),
             p_smem=plgpu.SMEM((BM, BK), dt, transforms=tr),
             first_smem=plgpu.SMEM((BM,), jnp.int32),
             last_smem=plgpu.SMEM((BM,), jnp.int32),
@@ -290,7 +261,7 @@ def _split_call(q_rows, k_cache, v_cache, first, last, span, tails, *, scale, so
             l_smem=plgpu.SMEM((BM,), f32),
             acc_smem=plgpu.SMEM((BM, head_dim), f32),
             bar=plgpu.Barrier(num_arrivals=4),
-            kv_bar=plgpu.Barrier(num_arrivals=2, num_barriers=nbuf),
+            kv_bar=plgpu.Barrier(num_arrivals=2),
         ),
         grid=(batch * num_kv_heads * tiles, parts),
         grid_names=("t", "c"),
