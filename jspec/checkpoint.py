@@ -18,6 +18,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 
 import jax
 import numpy as np
@@ -143,8 +144,12 @@ def restore_params(path: str, like: Model) -> Model:
         try:
             params = ckptr.restore(path, abstract)
         except Exception as e:  # orbax/tensorstore raise many types for damaged data
-            raise CheckpointError(f"{path}: orbax could not restore the params "
-                                  f"({type(e).__name__}: {e})") from e
+            # A damaged compressed chunk fails to decode: name its array where the
+            # store's message does (`Error reading "layers.0.w_gate_up/0.0"`).
+            found = re.search(r"""Error reading "([\w.]+)/|'path': '([\w.]+)/'""", str(e))
+            what = f"array '{found.group(1) or found.group(2)}' could not be read" if found \
+                else "orbax could not restore the params"
+            raise CheckpointError(f"{path}: {what} ({type(e).__name__}: {e})") from e
     if digests is None:
         LOG.warning("%s: no %s (written before jspec stored digests): the restored params "
                     "cannot be verified", path, DIGEST_FILE)

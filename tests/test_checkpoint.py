@@ -41,7 +41,9 @@ def test_round_trip_is_verified(saved):
 
 def test_corrupted_data_file_names_the_array(saved):
     """64 bytes overwritten in the middle of the largest data file: orbax restores it
-    without complaint (changed values, some NaN); the digests catch it."""
+    without complaint (changed values, some NaN) and the digests catch it, or, where the
+    bytes land on a compressed chunk's header (the store's layout varies by run), the
+    chunk fails to decode; either error names the array."""
     path, model = saved
     files = [os.path.join(root, f) for root, _, fs in os.walk(path) for f in fs]
     largest = max(files, key=os.path.getsize)
@@ -49,7 +51,8 @@ def test_corrupted_data_file_names_the_array(saved):
         f.seek(os.path.getsize(largest) // 2)
         f.write(b"\xff" * 64)
     with pytest.raises(jspec.CheckpointError,
-                       match=r"array '[\w.]+' differs from the digest written at save"):
+                       match=r"array '[\w.]+' (differs from the digest written at save"
+                             r"|could not be read)"):
         jspec.restore_params(path, model)
 
 
