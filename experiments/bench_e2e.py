@@ -504,6 +504,12 @@ class Bench:
                 return jspec.speculative_generate(self.target, drafter, self.prompts(B), spec)
 
             w = None
+            if (adaptive or _COMPACT.value) and key not in self.compiled:
+                # Every round shape at every batch size a compaction can reach, compiled
+                # before any run: which ones a run meets depends on when its rows finish.
+                info = jspec.warm_up(self.target, drafter, self.prompts(B), spec)
+                self.phase(f"speculative {kind} B={B} gamma={gamma} jspec.warm_up "
+                           f"({info['programs']} programs)", info["seconds"])
             if adaptive and _ADAPTIVE_COSTS.value:
                 if key not in self.compiled:  # the warm-up run measures the shapes' costs
                     t0 = time.perf_counter()

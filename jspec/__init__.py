@@ -45,6 +45,7 @@ from jspec.text import (
     read_prompts,
 )
 from jspec.tree import TreeConfig, parse_tree
+from jspec.warm import warm_up
 
 __all__ = [
     "Adaptive",
@@ -100,5 +101,6 @@ __all__ = [
     "save_params",
     "speculative_generate",
     "speculative_stream",
+    "warm_up",
     "with_options",
 ]

@@ -69,12 +69,13 @@ def _take(x, idx):
     return jnp.take(x, idx, axis=0)
 
 
-def _cut_cache(cache, idx):
+def _cut_cache(cache, idx, consume: bool = True):
     """The target cache's rows idx, a layer's K or V at a time, each old buffer freed once
-    cut: the peak is the old cache and one layer's cut, not both caches."""
+    cut (consume): the peak is the old cache and one layer's cut, not both caches."""
     def cut(x):
         y = _take(x, idx)
-        x.delete()
+        if consume:
+            x.delete()
         return y
 
     return cache.replace(k=tuple(cut(x) for x in cache.k), v=tuple(cut(x) for x in cache.v),
@@ -94,12 +95,13 @@ def _compact(state, drafter, idx, ids):  # compiled once per pair of batch sizes
     return state.replace(draft=draft, rows=ids, **rows)
 
 
-def compact(state, drafter, idx: np.ndarray, ids: np.ndarray):
+def compact(state, drafter, idx: np.ndarray, ids: np.ndarray, *, consume: bool = True):
     """The state of rows idx ([B'] int32, positions in the current batch) with row ids
-    `ids` ([B'] int32); rows past the live ones are padding (done). The state is consumed:
-    its target cache's buffers are freed as they are cut."""
+    `ids` ([B'] int32); rows past the live ones are padding (done). The state is consumed
+    (its target cache's buffers are freed as they are cut) unless consume=False; the new
+    state may share the old one's other buffers either way."""
     idx = jnp.asarray(idx)
-    cache = _cut_cache(state.cache, idx)
+    cache = _cut_cache(state.cache, idx, consume)
     return _compact(state.replace(cache=None), drafter, idx, jnp.asarray(ids)).replace(
         cache=cache)
 

@@ -130,3 +130,30 @@ class _Odd(jspec.Drafter):
 
     def commit(self, state, ctx, n_acc, nxt, drafts, features=None):
         return state
+
+
+def test_warm_up_compiles_what_a_compacted_adaptive_run_meets():
+    # Which sizes and shapes a compacted adaptive run reaches depends on when its rows
+    # finish and what the controller picks; jspec.warm_up compiles every one of them, so
+    # the run itself compiles nothing.
+    from jspec import compaction
+    from jspec.speculative import _cache_size, spec_loop
+    from jspec.warm import compaction_sizes
+
+    assert [compaction_sizes(b) for b in (1, 2, 3, 5, 6, 8)] == [
+        [], [1], [1], [2, 1], [4, 2, 1], [4, 2, 1]]
+    target = load("llama3", "xla")
+    prompts = _batch("llama3")
+    free = jspec.generate(target, prompts, max_new_tokens=N)
+    stops = _stops([free.row(b) for b in range(8)], ((0, 2), (1, 3), (2, 5), (3, 6), (4, 8)))
+    drafter = jspec.PromptLookupDrafter()
+    ad = jspec.Adaptive(gammas=(0, 2), chunk_rounds=1)
+    spec = jspec.SpecConfig(max_new_tokens=N, stop_tokens=stops, adaptive=ad, compact=True)
+    info = jspec.warm_up(target, drafter, prompts, spec)
+    assert info["batch_sizes"] == [8, 4, 2, 1] and info["shapes"] == ["decode", "gamma2"]
+    assert info["programs"] >= 8  # two loops at each of four sizes, and the cuts
+    counted = (spec_loop, compaction._compact, compaction._take)
+    before = [_cache_size(f) for f in counted]
+    out = jspec.speculative_generate(target, drafter, prompts, spec)
+    assert len(out.stats["batch_sizes"]) >= 3, out.stats["compactions"]
+    assert [_cache_size(f) for f in counted] == before
