@@ -48,11 +48,23 @@ _SALT_ORACLE_TOKEN = 0x0AC1F
 
 @struct.dataclass
 class ModelDraftState:
-    """cache holds every committed token including `cur`; next_logits [B, n] (the draft
-    head's columns) follow `cur`."""
+    """cache and pending hold every committed token including `cur`: the cache up to its
+    lengths, then pending[:, :n_pending] (tokens of plain decode steps not yet run through
+    the draft; n_pending [] int32 is the same for every row, each step adds one to each).
+    next_logits [B, n] (the draft head's columns) follow `cur` when n_pending is 0.
+    pending None: every token is in the cache."""
 
     cache: object
     next_logits: jax.Array
+    pending: jax.Array | None = None
+    n_pending: jax.Array | None = None
+
+
+def _with_block(max_len: int, block: int, config) -> int:
+    """A drafter cache's length: max_len and a catch-up block's padding past it, within
+    the model's positions (at the very end a block's padding may then overwrite the
+    last entries, which costs draft quality there, never exactness)."""
+    return min(max_len + block, max(config.max_position, max_len))
 
 
 def frequent_tokens(token_ids, n: int, vocab_size: int) -> np.ndarray:
@@ -86,6 +98,12 @@ class ModelDrafter(Drafter):
     the target's next token), so the draft catches up on a fully accepted block
     and on the bonus token with static shapes: gamma draft forwards a round.
 
+    A plain decode step (an `Adaptive` shape with gamma 0) runs no draft forward: its
+    token waits in the state's `pending` block, and the draft runs `catch_up` of them in
+    one forward when the block is full, or the waiting ones before its next proposal. A
+    run of decode steps then costs the draft one forward per `catch_up` steps, so falling
+    back to plain decoding costs little more than serial decoding.
+
     `ModelDrafter.pruned(model, ids)` drafts with an LM head that scores only the tokens
     `ids` (e.g. a corpus's most frequent ones, `frequent_tokens`): a Qwen3-0.6B head over
     151,936 tokens is ~311 MB, read by every draft forward. Every other token gets draft
@@ -101,9 +119,11 @@ class ModelDrafter(Drafter):
 
     model: Model
     head_slot: jax.Array | None = None
+    catch_up: int = struct.field(pytree_node=False, default=8)
 
     def __post_init__(self):
         check_type("ModelDrafter's model", self.model, Model, "a jspec.Model")
+        check_count("ModelDrafter's catch_up", self.catch_up, 1)
 
     @classmethod
     def pruned(cls, model: Model, ids) -> ModelDrafter:
@@ -142,13 +162,31 @@ class ModelDrafter(Drafter):
         return to_target_vocab(logits, self.head_slot, vocab)
 
     def init(self, tokens, lens, max_len: int, gamma: int, features=None) -> ModelDraftState:
-        cache = init_cache(self.model, tokens.shape[0], max_len)
+        B, K = tokens.shape[0], self.catch_up
+        cache = init_cache(self.model, B, _with_block(max_len, K, self.model.config))
         cache = prefill(self.model, tokens, lens, cache).cache  # chunked, no LM head: at lens - 1
         last = jnp.take_along_axis(tokens, (lens - 1)[:, None], axis=1)  # [B, 1]
         logits, cache = apply(self.model, last, cache)  # the last prompt token's logits
-        return ModelDraftState(cache=cache, next_logits=logits[:, 0])
+        return ModelDraftState(cache=cache, next_logits=logits[:, 0],
+                               pending=jnp.zeros((B, K), jnp.int32), n_pending=jnp.int32(0))
+
+    def _catch_up(self, state: ModelDraftState) -> ModelDraftState:
+        """The pending tokens run through the draft in one forward of `catch_up` tokens (the
+        slots past n_pending are padding, written past the new lengths and never read)."""
+        n = state.n_pending
+        logits, cache = apply(self.model, state.pending, state.cache)
+        cache = rollback(cache, state.cache.lengths + n)
+        nl = jax.lax.dynamic_index_in_dim(logits, n - 1, axis=1, keepdims=False)
+        return state.replace(cache=cache, next_logits=nl, n_pending=jnp.int32(0))
+
+    def _caught_up(self, state: ModelDraftState) -> ModelDraftState:
+        """The state with no token pending (before a proposal)."""
+        if state.pending is None:
+            return state
+        return jax.lax.cond(state.n_pending > 0, self._catch_up, lambda s: s, state)
 
     def propose(self, state: ModelDraftState, ctx: ProposeContext):
+        state = self._caught_up(state)
         draw = head_draw(ctx, self.head_slot, state.next_logits.shape[-1])
         d1, first = draw(state.next_logits, ctx.pos + 1)  # [B], [B, V]
 
@@ -169,19 +207,26 @@ class ModelDrafter(Drafter):
 
     def commit(self, state: ModelDraftState, ctx: ProposeContext, n_acc, nxt, drafts,
                features=None):
-        if drafts.shape[1] == 0:  # a plain decode step: no proposals, n_acc = 0
+        if drafts.shape[1] == 0 and state.pending is not None:  # a plain decode step:
+            pending = jax.lax.dynamic_update_index_in_dim(  # nxt waits (cur is in)
+                state.pending, nxt.astype(jnp.int32), state.n_pending, axis=1)
+            state = state.replace(pending=pending, n_pending=state.n_pending + 1)
+            return jax.lax.cond(state.n_pending == self.catch_up, self._catch_up,
+                                lambda s: s, state)
+        if drafts.shape[1] == 0:  # no pending block (a state made by hand)
             last = ctx.cur
         else:
             prev = jnp.take_along_axis(drafts, jnp.maximum(n_acc - 1, 0)[:, None], 1)[:, 0]
             last = jnp.where(n_acc == 0, ctx.cur, prev)
         cache = rollback(state.cache, ctx.pos + n_acc)
         logits, cache = apply(self.model, jnp.stack([last, nxt], axis=1), cache)
-        return ModelDraftState(cache=cache, next_logits=logits[:, 1])
+        return state.replace(cache=cache, next_logits=logits[:, 1])
 
 
     def propose_tree(self, state: ModelDraftState, ctx: ProposeContext, tree):
         """The draft model's cache holds the committed tokens with cur at slot pos; the
         nodes are written after it, depth by depth, each depth one tree forward."""
+        state = self._caught_up(state)
         first = self._full(state.next_logits, ctx.vocab)
         root = ctx.pos
         if tree.dynamic is None:
@@ -440,11 +485,17 @@ class FeatureDraftState:
     """The head's cache holds the pairs (token i + 1, feature i) at positions i < pos;
     next_logits [B, Vd] and next_hidden [B, D] are its output at position pos - 1 (the
     pair (cur, the target's feature before cur)): the first proposal's logits and the
-    hidden state the second step reads."""
+    hidden state the second step reads. Plain decode steps' pairs wait in pending_tokens
+    [B, K], pending_features [B, K, n Dt] (their first n_pending, [] int32, the same for
+    every row) until a catch-up block runs them; the outputs above are then stale until
+    it has. pending None: nothing ever waits."""
 
     cache: object
     next_logits: jax.Array
     next_hidden: jax.Array
+    pending_tokens: jax.Array | None = None
+    pending_features: jax.Array | None = None
+    n_pending: jax.Array | None = None
 
 
 def _head_prefill(head, toks, feats, cache, last, lens):
@@ -499,14 +550,19 @@ class FeatureDrafter(Drafter):
     sampler the argmax over the Vd columns with ties to the lowest target id, the token
     Greedy takes from the logits spread over the target's V ids, which are then built
     only for policies that read draft_logits; other samplers draw from the spread.
+
+    A plain decode step (an `Adaptive` shape with gamma 0) runs no head forward: its pair
+    (token, the target's feature) waits, and the head runs `catch_up` of them in one
+    forward when the block is full, or the waiting ones before its next proposal.
     """
 
     head: object  # FeatureHead
+    catch_up: int = struct.field(pytree_node=False, default=8)
 
     def __post_init__(self):
-
         check_type("FeatureDrafter's head", self.head, FeatureHead,
                    "a jspec.FeatureHead (jspec.load_eagle3, feature_head.random_head)")
+        check_count("FeatureDrafter's catch_up", self.catch_up, 1)
 
     @property
     def feature_layers(self) -> tuple[int, ...]:
@@ -527,11 +583,16 @@ class FeatureDrafter(Drafter):
         if features is None:
             raise ValueError("FeatureDrafter.init needs the target's features")
         B, P = tokens.shape
-        cache = init_head_cache(self.head, B, max_len)
+        K = self.catch_up
+        cache = init_head_cache(self.head, B,
+                                _with_block(max_len, K, self.head.layer_model.config))
         D, Vd = self.head.config.layer.hidden_size, self.head.config.layer.vocab_size
+        pending = dict(pending_tokens=jnp.zeros((B, K), jnp.int32),
+                       pending_features=jnp.zeros((B, K, features.shape[-1]), features.dtype),
+                       n_pending=jnp.int32(0))
         if P < 2:  # no pair yet: a uniform first guess (the target decides anyway)
             return FeatureDraftState(cache=cache, next_logits=jnp.zeros((B, Vd), jnp.float32),
-                                     next_hidden=jnp.zeros((B, D), cache.k[0].dtype))
+                                     next_hidden=jnp.zeros((B, D), cache.k[0].dtype), **pending)
         # Pairs (t_{i+1}, f_i), i = 0 .. P - 2, at head positions 0 .. P - 2.
         # The LM head at each row's last pair alone (no [B, P, Vd] logits, rule R10).
         last = jnp.maximum(lens - 2, 0).astype(jnp.int32)  # [B]
@@ -541,9 +602,30 @@ class FeatureDrafter(Drafter):
         nl = jnp.where(single, 0.0, logits)
         nh = jnp.where(single, 0, nh)
         return FeatureDraftState(cache=rollback(cache, jnp.maximum(lens - 1, 0)),
-                                 next_logits=nl, next_hidden=nh)
+                                 next_logits=nl, next_hidden=nh, **pending)
+
+    def _catch_up(self, state: FeatureDraftState) -> FeatureDraftState:
+        """The pending pairs through the head in one forward of `catch_up` positions (past
+        n_pending: padding, written past the new lengths and never read)."""
+        n = state.n_pending
+        B = state.pending_tokens.shape[0]
+        at = jnp.full((B,), n - 1, jnp.int32)
+        logits, hidden, cache = head_apply(self.head, state.pending_tokens,
+                                           state.pending_features, state.cache, fuse=True,
+                                           at=at)
+        return state.replace(cache=rollback(cache, state.cache.lengths + n), next_logits=logits,
+                             next_hidden=jax.lax.dynamic_index_in_dim(hidden, n - 1, axis=1,
+                                                                      keepdims=False),
+                             n_pending=jnp.int32(0))
+
+    def _caught_up(self, state: FeatureDraftState) -> FeatureDraftState:
+        """The state with no pair pending (before a proposal)."""
+        if state.n_pending is None:
+            return state
+        return jax.lax.cond(state.n_pending > 0, self._catch_up, lambda s: s, state)
 
     def propose(self, state: FeatureDraftState, ctx: ProposeContext):
+        state = self._caught_up(state)
         draw = head_draw(ctx, self.head.params["head_slot"], state.next_logits.shape[-1])
         d1, first = draw(state.next_logits, ctx.pos + 1)  # [B], [B, V]
 
@@ -566,6 +648,16 @@ class FeatureDrafter(Drafter):
         if features is None:
             raise ValueError("FeatureDrafter.commit needs the verify's features")
         g = drafts.shape[1]
+        if g == 0 and state.n_pending is not None:  # a plain decode step: (nxt, f_cur) waits
+            n = state.n_pending
+            put = lambda buf, x: jax.lax.dynamic_update_index_in_dim(buf, x, n, axis=1)  # noqa: E731
+            state = state.replace(
+                pending_tokens=put(state.pending_tokens, nxt.astype(jnp.int32)),
+                pending_features=put(state.pending_features,
+                                     features[:, 0].astype(state.pending_features.dtype)),
+                n_pending=n + 1)
+            return jax.lax.cond(state.n_pending == self.catch_up, self._catch_up,
+                                lambda s: s, state)
         slot = jnp.arange(g + 1)[None, :]
         # Pairs (t_{j+1}, f_j) from cur's position on: the accepted drafts, then nxt.
         emitted = jnp.where(slot < n_acc[:, None], jnp.pad(drafts, ((0, 0), (0, 1))),
@@ -574,14 +666,15 @@ class FeatureDrafter(Drafter):
         at = n_acc.astype(jnp.int32)  # [B]: the LM head at the pair after the accepted ones
         logits, hidden, cache = head_apply(self.head, emitted, features, cache, fuse=True,
                                            at=at)
-        return FeatureDraftState(cache=rollback(cache, ctx.pos + n_acc + 1), next_logits=logits,
-                                 next_hidden=jnp.take_along_axis(hidden, at[:, None, None],
-                                                                 axis=1)[:, 0])
+        return state.replace(cache=rollback(cache, ctx.pos + n_acc + 1), next_logits=logits,
+                             next_hidden=jnp.take_along_axis(hidden, at[:, None, None],
+                                                             axis=1)[:, 0])
 
     def propose_tree(self, state: FeatureDraftState, ctx: ProposeContext, tree):
         """The head's cache holds the pairs before cur's position; a node at depth d >= 1
         is the pair (its token, its parent's head hidden state) at position pos + d - 1,
         written depth by depth after them (the root has no head entry)."""
+        state = self._caught_up(state)
         if tree.dynamic is None:
             return self._static_tree(state, ctx, tree)
         head, root = self.head, ctx.pos

@@ -661,7 +661,8 @@ def _compiled(ctl: Controller, shape, before: int, after: int) -> bool:
 def _adaptive_stats(ctl: Controller, drafter) -> dict:
     """The adaptive statistics, and draft forwards counted per shape."""
     ad = ctl.stats()
-    # A plain decode step still catches the drafter up (one forward for a model's).
+    # A plain decode step still catches the drafter up: counted as one forward (a feature
+    # head's; a ModelDrafter runs one a `catch_up` block of them, so fewer).
     depth = lambda s: s.depth if isinstance(s, TreeConfig) else max(int(s), 1)  # noqa: E731
     fwd = sum(t["rounds"] * drafter.forwards_per_round(depth(s)) for s, t in ctl.totals.items())
     return {"adaptive": ad, "draft_forwards": fwd + int(drafter.forwards_per_round(1) > 0)}

@@ -10,9 +10,12 @@ depend on when rows finish and on which shape the controller picks.
 `warm_up` compiles them all ahead: the prefill at the run's batch and prompt bucket; the
 round loop of every shape (the adaptive shapes, else the chain or tree) at the batch and,
 with compaction, at every power of two below it that a compaction can reach; and the
-compaction programs between each pair of those sizes. Each loop is called on a real state
-of that size for a chunk of no rounds, so the programs are the run's own (the jit caches
-are keyed by the same shapes and static config) and nothing is decoded.
+compaction programs between each pair of those sizes. Each loop runs one round on a
+throwaway state of that size, so the programs are the run's own (the jit caches are keyed
+by the same shapes and static config) and each has run once: on a GPU a program's first
+execution loads its kernels, milliseconds that a chunk of no rounds (the loop's body never
+entered) would leave to the run's first round of that shape, where `Adaptive` times its
+probe.
 """
 
 from __future__ import annotations
@@ -61,6 +64,7 @@ def warm_up(target, drafter, prompts, spec: SpecConfig, *, max_len: int | None =
             ) -> dict:
     """Compiles what `speculative_generate(target, drafter, prompts, spec,
     max_len=max_len)` runs, so that the run compiles nothing (see the module docstring).
+    For `speculative_generate`; a stream (`speculative_stream`) runs other programs.
 
     The prompts fix the batch and the prompt bucket, as they do for the run; their tokens
     do not matter. Returns {"seconds", "programs" (newly compiled round loops and
@@ -79,10 +83,10 @@ def warm_up(target, drafter, prompts, spec: SpecConfig, *, max_len: int | None =
     state = prefill(target, drafter, jnp.asarray(tokens), jnp.asarray(lens), seed,
                     spec=spec, max_len=max_len)
 
-    def loops(state, size):  # every shape's loop at this size: a chunk of no rounds
+    def loops(state, size):  # every shape's loop at this size, one round each
         floor = np.int32(size // 2) if compacting else None
         for one in specs.values():
-            state = spec_loop(target, drafter, state, seed, np.int32(state.step), floor,
+            state = spec_loop(target, drafter, state, seed, np.int32(state.step + 1), floor,
                               spec=one)
         return jax.block_until_ready(state)
 

@@ -366,3 +366,26 @@ def test_decode_shape_state_is_the_engine_state():
     s0 = one_round(target, jspec.PromptLookupDrafter(), state, jnp.int32(0),
                    spec=shape_spec(spec, 0))
     assert int(s0.num[0]) == 1 and int(s0.proposed[0]) == 0
+
+
+def test_a_draft_model_catches_up_on_decode_steps_in_blocks():
+    # Plain decode steps leave the draft model's tokens pending; it runs them in blocks of
+    # catch_up (when full, or before its next proposal). The draft runs on pallas, so by
+    # property P a block gives it the bits of one token at a time: the proposals, and so
+    # the acceptance, are the same whatever catch_up, and the output is serial's. (The
+    # feature head's blocks: tests/test_feature_drafter.py.)
+    target = load("qwen3", "pallas")
+    prompts = _prompts("qwen3")
+    serial = jspec.generate(target, prompts, max_new_tokens=16)
+    sched = (2, 0, 0, 2, 0, 0, 0, 0, TREE, 0, 2)  # decode runs of 2 and 4 (catch_up 3)
+    ad = jspec.Adaptive(gammas=(0, 2), tree=TREE, chunk_rounds=1, schedule=sched)
+    spec = jspec.SpecConfig(max_new_tokens=16, adaptive=ad)
+    runs = {k: _check(target, jspec.ModelDrafter(target, catch_up=k), prompts, spec, serial)
+            for k in (1, 3)}
+    for key in ("proposed", "accepted", "acceptance_by_position"):
+        assert runs[1].stats[key] == runs[3].stats[key], key
+    assert runs[3].stats["adaptive"]["shapes"]["decode"]["rounds"] >= 6
+    with pytest.raises(ValueError, match="catch_up"):
+        jspec.ModelDrafter(target, catch_up=0)
+    with pytest.raises(ValueError, match="catch_up"):
+        jspec.FeatureDrafter(_feature(target).head, catch_up=0)

@@ -431,3 +431,41 @@ def test_weight_shapes_name_the_default_heads_weights():
     assert shapes["head_lm_head"] == head.params["lm_head"].shape
     for name in ("wo", "w_gate_up", "w_down"):  # the target's shapes
         assert shapes[name] == head.params["layer"][name].shape
+
+
+def test_a_catch_up_block_gives_the_heads_one_step_bits():
+    # Plain decode steps (commits of no drafts) leave their (token, feature) pairs pending;
+    # the head runs them in blocks of catch_up when full and before a proposal. On pallas
+    # a block gives the head the bits of one pair at a time (property P), so the next
+    # proposals and their logits are the same for catch_up 1 (every step) and 3 (a block
+    # of 3 in the third commit, then 2 before the proposal), from ragged rows.
+    target = load("qwen3", "xla")
+    V = target.config.vocab_size
+    head = random_head(target, seed=0, feature_layers=(1, target.config.num_layers),
+                       dtype="float32", options=KernelOptions(backend="pallas", interpret=True))
+    B, P = 2, 6
+    rng = np.random.default_rng(5)
+    nd = 2 * target.config.hidden_size
+    tokens = jnp.asarray(rng.integers(0, V, (B, P)), jnp.int32)
+    lens = jnp.asarray([6, 4], jnp.int32)
+    feats = jnp.asarray(rng.standard_normal((B, P, nd)), jnp.float32)
+    steps = [(jnp.asarray(rng.integers(0, V, B), jnp.int32),
+              jnp.asarray(rng.standard_normal((B, 1, nd)), jnp.float32)) for _ in range(5)]
+    out = {}
+    for k in (1, 3):
+        drafter = jspec.FeatureDrafter(head, catch_up=k)
+        state = drafter.init(tokens, lens, 32, 2, features=feats)
+        cur, pos = tokens[jnp.arange(B), lens - 1], lens - 1
+        commit = jax.jit(lambda st, c, p, nxt, f, d=drafter: d.commit(
+            st, ProposeContext(cur=c, pos=p, rows=jnp.arange(B, dtype=jnp.int32),
+                               seed=jnp.int32(0), gamma=0, vocab=V, draft_sampler=Greedy()),
+            jnp.zeros((B,), jnp.int32), nxt, jnp.zeros((B, 0), jnp.int32), features=f))
+        for nxt, f in steps:
+            state = commit(state, cur, pos, nxt, f)
+            cur, pos = nxt, pos + 1
+        assert int(state.n_pending) == (0 if k == 1 else 2)
+        ctx = ProposeContext(cur=cur, pos=pos, rows=jnp.arange(B, dtype=jnp.int32),
+                             seed=jnp.int32(0), gamma=2, vocab=V, draft_sampler=Greedy())
+        out[k] = drafter.propose(state, ctx)[:2]
+    assert np.array_equal(np.asarray(out[1][0]), np.asarray(out[3][0]))
+    assert np.array_equal(bits(out[1][1]), bits(out[3][1]))
