@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jspec import compaction
+from jspec._checks import check_bool
 from jspec.adaptive import shape_name
 from jspec.compaction import batch_for, compact
 from jspec.speculative import (
@@ -60,16 +61,44 @@ def _first(state, drafter, n: int):
     return compact(state, drafter, idx, idx, consume=False)
 
 
-def warm_up(target, drafter, prompts, spec: SpecConfig, *, max_len: int | None = None
-            ) -> dict:
+def _bar(enabled: bool, total: int):
+    """A tqdm bar of round loops (None when not enabled)."""
+    if not enabled:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="warm-up", unit="loop", leave=False)
+
+
+def _compile_sizes(state, drafter, B: int, sizes: list[int], loops):
+    """Every shape's loop at the batch and each size, and every compaction pair (from, to)
+    between them; returns the batch's state."""
+    state = loops(state, B)
+    if sizes:
+        compaction.check_batch_major(drafter, state.draft, B)
+    for i, frm in enumerate([B] + sizes):
+        source = state if i == 0 else _first(state, drafter, frm)
+        for to in sizes[i:]:
+            small = _first(source, drafter, to)
+            if i == 0:  # each size's loops once
+                loops(_fresh(small), to)
+            del small
+        del source
+    return state
+
+
+def warm_up(target, drafter, prompts, spec: SpecConfig, *, max_len: int | None = None,
+            progress: bool = False) -> dict:
     """Compiles what `speculative_generate(target, drafter, prompts, spec,
     max_len=max_len)` runs, so that the run compiles nothing (see the module docstring).
     For `speculative_generate`; a stream (`speculative_stream`) runs other programs.
 
     The prompts fix the batch and the prompt bucket, as they do for the run; their tokens
-    do not matter. Returns {"seconds", "programs" (newly compiled round loops and
-    compaction programs; -1 where jax does not count), "batch_sizes", "shapes" (names)}.
+    do not matter. progress=True shows a bar of the loops compiled. Returns {"seconds",
+    "programs" (newly compiled round loops and compaction programs; -1 where jax does not
+    count), "batch_sizes", "shapes" (names)}.
     """
+    check_bool("progress", progress)
     t0 = time.perf_counter()
     tokens, lens, max_len, spec = _setup(target, drafter, prompts, spec, max_len)
     compacting, adaptive = spec.compact, spec.adaptive
@@ -82,26 +111,24 @@ def warm_up(target, drafter, prompts, spec: SpecConfig, *, max_len: int | None =
 
     state = prefill(target, drafter, jnp.asarray(tokens), jnp.asarray(lens), seed,
                     spec=spec, max_len=max_len)
+    sizes = compaction_sizes(B) if compacting else []
+    bar = _bar(progress, len(specs) * (1 + len(sizes)))
 
     def loops(state, size):  # every shape's loop at this size, one round each
         floor = np.int32(size // 2) if compacting else None
         for one in specs.values():
             state = spec_loop(target, drafter, state, seed, np.int32(state.step + 1), floor,
                               spec=one)
-        return jax.block_until_ready(state)
+            jax.block_until_ready(state)
+            if bar is not None:
+                bar.update(1)
+        return state
 
-    state = loops(state, B)
-    sizes = compaction_sizes(B) if compacting else []
-    if sizes:
-        compaction.check_batch_major(drafter, state.draft, B)
-    for i, frm in enumerate([B] + sizes):  # every pair (from, to) a compaction can take
-        source = state if i == 0 else _first(state, drafter, frm)
-        for to in sizes[i:]:
-            small = _first(source, drafter, to)
-            if i == 0:  # each size's loops once
-                loops(_fresh(small), to)
-            del small
-        del source
+    try:
+        state = _compile_sizes(state, drafter, B, sizes, loops)
+    finally:
+        if bar is not None:
+            bar.close()
     after = [_cache_size(f) for f in counted]
     grown = sum(a - b for a, b in zip(after, before, strict=True))
     programs = -1 if min(before + after) < 0 else grown
