@@ -205,7 +205,7 @@ def test_a_text_pipeline_drafts_with_an_eagle3_head(gemma, tmp_path):
     prompts = ["Hi", [{"role": "user", "content": "Say é"}]]
     spec = pipe.speculative_generate(prompts, max_new_tokens=12, gamma=2)
     assert spec.ids == serial.generate(prompts, max_new_tokens=12).ids
-    with pytest.raises(ValueError, match="a draft or a head"):
+    with pytest.raises(ValueError, match="one of draft, drafter and head"):
         load_text(gemma[0], gemma[1], head=head_dir)
 
 
