@@ -124,7 +124,8 @@
 #   oracle speculation (a = 0.8, 0.9, gamma 4) with the Qwen3-0.6B draft and with a feature
 #   head, chains and a 32-node tree, batches 1 and 8 (~7-8 min). e2e_batch: fixed gamma 4
 #   against adaptive round shapes ($E2E_ADAPTIVE, default gammas 0,1,2,4) side by side,
-#   feature head, oracle a = 0.8, prompt 512, 128 new tokens, batches $E2E_BATCHES
+#   $E2E_DRAFTER (feature, or model with the draft $E2E_DRAFT, default qwen3-0.6b:1),
+#   oracle a = $E2E_ACCEPT (default 0.8), prompt 512, 128 new tokens, batches $E2E_BATCHES
 #   (default 1,8,16,32,64), the Qwen3-8B shape with 12 of its 36 layers (to fit ~5-8 min with a compile per shape and
 #   batch); the receipt's adaptive_stats say which shapes ran.
 # - train_head trains a feature head for the embedded pair's target (train_draft_head.py,
@@ -356,8 +357,9 @@ for s in $steps; do
               --serial_backends=pallas --iters=2 --out="$OUT" --tag=h200_session \
               2>&1 | quiet | grep -v "it/s" | tail -40 ;;
     e2e_batch) timeout "${E2E_S:-540}" python3 experiments/bench_e2e.py --target=qwen3-8b:12 \
-              --draft=qwen3-0.6b:1 --drafter=feature --batches="${E2E_BATCHES:-1,8,16,32,64}" \
-              --prompt_len=512 --max_new_tokens=128 --gammas=4 --accept=0.8 \
+              --draft="${E2E_DRAFT:-qwen3-0.6b:1}" --drafter="${E2E_DRAFTER:-feature}" \
+              --batches="${E2E_BATCHES:-1,8,16,32,64}" --prompt_len=512 --max_new_tokens=128 \
+              --gammas=4 --accept="${E2E_ACCEPT:-0.8}" \
               --adaptive="${E2E_ADAPTIVE:-0,1,2,4}" --nolookup --nopeers \
               --serial_backends=pallas --iters=2 ${E2E_FLAGS:-} \
               --out="$OUT" --tag="h200_adaptive${E2E_TAG:-}" 2>&1 | quiet | grep -v "it/s" | tail -30 ;;
