@@ -42,6 +42,10 @@ from jspec.tree_drafting import (
 __all__ = ["Drafter", "FeatureDrafter", "ModelDrafter", "OracleDrafter", "PromptLookupDrafter",
            "ProposeContext", "frequent_tokens", "one_hot_logits", "to_target_vocab"]
 
+# The largest catch-up block of plain decode steps (ModelDrafter, FeatureDrafter): one
+# forward of that many positions a block; past a few dozen the saving is already ~all.
+MAX_CATCH_UP = 64
+
 _SALT_ORACLE = 0x0AC1E
 _SALT_ORACLE_TOKEN = 0x0AC1F
 
@@ -123,7 +127,7 @@ class ModelDrafter(Drafter):
 
     def __post_init__(self):
         check_type("ModelDrafter's model", self.model, Model, "a jspec.Model")
-        check_count("ModelDrafter's catch_up", self.catch_up, 1)
+        check_count("ModelDrafter's catch_up", self.catch_up, 1, MAX_CATCH_UP)
 
     @classmethod
     def pruned(cls, model: Model, ids) -> ModelDrafter:
@@ -562,7 +566,7 @@ class FeatureDrafter(Drafter):
     def __post_init__(self):
         check_type("FeatureDrafter's head", self.head, FeatureHead,
                    "a jspec.FeatureHead (jspec.load_eagle3, feature_head.random_head)")
-        check_count("FeatureDrafter's catch_up", self.catch_up, 1)
+        check_count("FeatureDrafter's catch_up", self.catch_up, 1, MAX_CATCH_UP)
 
     @property
     def feature_layers(self) -> tuple[int, ...]:

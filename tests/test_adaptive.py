@@ -385,7 +385,8 @@ def test_a_draft_model_catches_up_on_decode_steps_in_blocks():
     for key in ("proposed", "accepted", "acceptance_by_position"):
         assert runs[1].stats[key] == runs[3].stats[key], key
     assert runs[3].stats["adaptive"]["shapes"]["decode"]["rounds"] >= 6
-    with pytest.raises(ValueError, match="catch_up"):
-        jspec.ModelDrafter(target, catch_up=0)
-    with pytest.raises(ValueError, match="catch_up"):
-        jspec.FeatureDrafter(_feature(target).head, catch_up=0)
+    for bad in (0, 65, 2.5, True):
+        with pytest.raises(ValueError, match=r"catch_up=.* must be an integer in \[1, 64\]"):
+            jspec.ModelDrafter(target, catch_up=bad)
+        with pytest.raises(ValueError, match=r"catch_up=.* must be an integer in \[1, 64\]"):
+            jspec.FeatureDrafter(_feature(target).head, catch_up=bad)
