@@ -385,6 +385,20 @@ def test_a_draft_model_catches_up_on_decode_steps_in_blocks():
     for key in ("proposed", "accepted", "acceptance_by_position"):
         assert runs[1].stats[key] == runs[3].stats[key], key
     assert runs[3].stats["adaptive"]["shapes"]["decode"]["rounds"] >= 6
+    # Two decode rounds run no draft forward: their tokens wait, the draft cache stays put.
+    from jspec.speculative import one_round, prefill, shape_spec
+
+    fast = load("qwen3", "xla")
+    drafter = jspec.ModelDrafter(fast, catch_up=3)
+    toks = jnp.asarray(expected("qwen3")["prompt"][None, :6])
+    state = prefill(fast, drafter, toks, jnp.array([6]), jnp.int32(0), spec=spec.static(),
+                    max_len=32)
+    length = int(state.draft.cache.lengths[0])
+    for _ in range(2):
+        state = one_round(fast, drafter, state, jnp.int32(0), spec=shape_spec(spec.static(), 0))
+    assert int(state.draft.n_pending) == 2 and int(state.draft.cache.lengths[0]) == length
+    state = one_round(fast, drafter, state, jnp.int32(0), spec=shape_spec(spec.static(), 0))
+    assert int(state.draft.n_pending) == 0 and int(state.draft.cache.lengths[0]) == length + 3
     for bad in (0, 65, 2.5, True):
         with pytest.raises(ValueError, match=r"catch_up=.* must be an integer in \[1, 64\]"):
             jspec.ModelDrafter(target, catch_up=bad)
