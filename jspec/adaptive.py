@@ -17,7 +17,8 @@ largest, and between chunks of rounds the host picks the next chunk's shape:
   (a dispatch and a sync, timed directly: after the run's first chunk the engine runs
   two chunks of no rounds and keeps the faster), so a short probe and a long chunk
   compare per round. A shape's first call compiles; that chunk is not timed, nor is a
-  run's first chunk.
+  run's first chunk (`jspec.warm_up` compiles and runs every shape once before a run, so
+  no probe pays a compile or a program's first launch).
   Before a shape is measured its cost is a prior, cost(0) * (1 + prior_cost *
   proposals(s)). Nothing is modelled, so whatever makes a shape expensive is in its
   cost: a mixture-of-experts verify block reads the union of its tokens' experts, and
