@@ -56,12 +56,31 @@ class ModelDraftState:
     lengths, then pending[:, :n_pending] (tokens of plain decode steps not yet run through
     the draft; n_pending [] int32 is the same for every row, each step adds one to each).
     next_logits [B, n] (the draft head's columns) follow `cur` when n_pending is 0.
-    pending None: every token is in the cache."""
+    n_pending None (a state made by hand): every token is in the cache."""
 
     cache: object
     next_logits: jax.Array
     pending: jax.Array | None = None
     n_pending: jax.Array | None = None
+
+
+def _caught_up(state, catch_up):
+    """The state with no step pending (before a proposal): `catch_up(state)` runs the
+    waiting block if any. A state with no pending block (made by hand) is returned."""
+    if state.n_pending is None:
+        return state
+    return jax.lax.cond(state.n_pending > 0, catch_up, lambda s: s, state)
+
+
+def _wait(state, block: int, catch_up, **values):
+    """A plain decode step's values wait: each pending buffer (a state field, [B, K, ...])
+    gets its value at slot n_pending; a full block of `block` runs through `catch_up`."""
+    n = state.n_pending
+    put = {k: jax.lax.dynamic_update_index_in_dim(getattr(state, k),
+                                                  v.astype(getattr(state, k).dtype), n, axis=1)
+           for k, v in values.items()}
+    state = state.replace(n_pending=n + 1, **put)
+    return jax.lax.cond(state.n_pending == block, catch_up, lambda s: s, state)
 
 
 def _with_block(max_len: int, block: int, config) -> int:
@@ -183,14 +202,8 @@ class ModelDrafter(Drafter):
         nl = jax.lax.dynamic_index_in_dim(logits, n - 1, axis=1, keepdims=False)
         return state.replace(cache=cache, next_logits=nl, n_pending=jnp.int32(0))
 
-    def _caught_up(self, state: ModelDraftState) -> ModelDraftState:
-        """The state with no token pending (before a proposal)."""
-        if state.pending is None:
-            return state
-        return jax.lax.cond(state.n_pending > 0, self._catch_up, lambda s: s, state)
-
     def propose(self, state: ModelDraftState, ctx: ProposeContext):
-        state = self._caught_up(state)
+        state = _caught_up(state, self._catch_up)
         draw = head_draw(ctx, self.head_slot, state.next_logits.shape[-1])
         d1, first = draw(state.next_logits, ctx.pos + 1)  # [B], [B, V]
 
@@ -211,12 +224,8 @@ class ModelDrafter(Drafter):
 
     def commit(self, state: ModelDraftState, ctx: ProposeContext, n_acc, nxt, drafts,
                features=None):
-        if drafts.shape[1] == 0 and state.pending is not None:  # a plain decode step:
-            pending = jax.lax.dynamic_update_index_in_dim(  # nxt waits (cur is in)
-                state.pending, nxt.astype(jnp.int32), state.n_pending, axis=1)
-            state = state.replace(pending=pending, n_pending=state.n_pending + 1)
-            return jax.lax.cond(state.n_pending == self.catch_up, self._catch_up,
-                                lambda s: s, state)
+        if drafts.shape[1] == 0 and state.n_pending is not None:  # a plain decode step:
+            return _wait(state, self.catch_up, self._catch_up, pending=nxt)  # nxt waits
         if drafts.shape[1] == 0:  # no pending block (a state made by hand)
             last = ctx.cur
         else:
@@ -230,7 +239,7 @@ class ModelDrafter(Drafter):
     def propose_tree(self, state: ModelDraftState, ctx: ProposeContext, tree):
         """The draft model's cache holds the committed tokens with cur at slot pos; the
         nodes are written after it, depth by depth, each depth one tree forward."""
-        state = self._caught_up(state)
+        state = _caught_up(state, self._catch_up)
         first = self._full(state.next_logits, ctx.vocab)
         root = ctx.pos
         if tree.dynamic is None:
@@ -492,7 +501,7 @@ class FeatureDraftState:
     hidden state the second step reads. Plain decode steps' pairs wait in pending_tokens
     [B, K], pending_features [B, K, n Dt] (their first n_pending, [] int32, the same for
     every row) until a catch-up block runs them; the outputs above are then stale until
-    it has. pending None: nothing ever waits."""
+    it has. n_pending None (a state made by hand): nothing ever waits."""
 
     cache: object
     next_logits: jax.Array
@@ -622,14 +631,8 @@ class FeatureDrafter(Drafter):
                                                                       keepdims=False),
                              n_pending=jnp.int32(0))
 
-    def _caught_up(self, state: FeatureDraftState) -> FeatureDraftState:
-        """The state with no pair pending (before a proposal)."""
-        if state.n_pending is None:
-            return state
-        return jax.lax.cond(state.n_pending > 0, self._catch_up, lambda s: s, state)
-
     def propose(self, state: FeatureDraftState, ctx: ProposeContext):
-        state = self._caught_up(state)
+        state = _caught_up(state, self._catch_up)
         draw = head_draw(ctx, self.head.params["head_slot"], state.next_logits.shape[-1])
         d1, first = draw(state.next_logits, ctx.pos + 1)  # [B], [B, V]
 
@@ -653,15 +656,8 @@ class FeatureDrafter(Drafter):
             raise ValueError("FeatureDrafter.commit needs the verify's features")
         g = drafts.shape[1]
         if g == 0 and state.n_pending is not None:  # a plain decode step: (nxt, f_cur) waits
-            n = state.n_pending
-            put = lambda buf, x: jax.lax.dynamic_update_index_in_dim(buf, x, n, axis=1)  # noqa: E731
-            state = state.replace(
-                pending_tokens=put(state.pending_tokens, nxt.astype(jnp.int32)),
-                pending_features=put(state.pending_features,
-                                     features[:, 0].astype(state.pending_features.dtype)),
-                n_pending=n + 1)
-            return jax.lax.cond(state.n_pending == self.catch_up, self._catch_up,
-                                lambda s: s, state)
+            return _wait(state, self.catch_up, self._catch_up, pending_tokens=nxt,
+                         pending_features=features[:, 0])
         slot = jnp.arange(g + 1)[None, :]
         # Pairs (t_{j+1}, f_j) from cur's position on: the accepted drafts, then nxt.
         emitted = jnp.where(slot < n_acc[:, None], jnp.pad(drafts, ((0, 0), (0, 1))),
@@ -678,7 +674,7 @@ class FeatureDrafter(Drafter):
         """The head's cache holds the pairs before cur's position; a node at depth d >= 1
         is the pair (its token, its parent's head hidden state) at position pos + d - 1,
         written depth by depth after them (the root has no head entry)."""
-        state = self._caught_up(state)
+        state = _caught_up(state, self._catch_up)
         if tree.dynamic is None:
             return self._static_tree(state, ctx, tree)
         head, root = self.head, ctx.pos
