@@ -79,14 +79,15 @@ def run_chunked(run: Callable, state, *, step: Callable, finished: Callable,
 
 
 @contextlib.contextmanager
-def token_bar(enabled: bool, total: int, desc: str):
-    """A tqdm bar of generated tokens (a no-op when not enabled); yields update(n_done)."""
+def token_bar(enabled: bool, total: int, desc: str, unit: str = "tok"):
+    """A tqdm bar of generated tokens, or other `unit`s (a no-op when not enabled); yields
+    update(n_done)."""
     if not enabled:
         yield lambda n: None
         return
     from tqdm.auto import tqdm
 
-    bar = tqdm(total=total, desc=desc, unit="tok", leave=False)
+    bar = tqdm(total=total, desc=desc, unit=unit, leave=False)
     try:
         yield lambda n: bar.update(max(0, int(n) - bar.n))
     finally:

@@ -30,6 +30,7 @@ from jspec import compaction
 from jspec._checks import check_bool
 from jspec.adaptive import shape_name
 from jspec.compaction import batch_for, compact
+from jspec.loop import token_bar
 from jspec.speculative import (
     SpecConfig,
     _cache_size,
@@ -59,15 +60,6 @@ def _first(state, drafter, n: int):
     """The first n rows as a state of n rows; `state` is kept."""
     idx = np.arange(n, dtype=np.int32)
     return compact(state, drafter, idx, idx, consume=False)
-
-
-def _bar(enabled: bool, total: int):
-    """A tqdm bar of round loops (None when not enabled)."""
-    if not enabled:
-        return None
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, desc="warm-up", unit="loop", leave=False)
 
 
 def _compile_sizes(state, drafter, B: int, sizes: list[int], loops):
@@ -112,23 +104,20 @@ def warm_up(target, drafter, prompts, spec: SpecConfig, *, max_len: int | None =
     state = prefill(target, drafter, jnp.asarray(tokens), jnp.asarray(lens), seed,
                     spec=spec, max_len=max_len)
     sizes = compaction_sizes(B) if compacting else []
-    bar = _bar(progress, len(specs) * (1 + len(sizes)))
+    done = [0]
+    with token_bar(progress, len(specs) * (1 + len(sizes)), "warm-up", "loop") as update:
 
-    def loops(state, size):  # every shape's loop at this size, one round each
-        floor = np.int32(size // 2) if compacting else None
-        for one in specs.values():
-            state = spec_loop(target, drafter, state, seed, np.int32(state.step + 1), floor,
-                              spec=one)
-            jax.block_until_ready(state)
-            if bar is not None:
-                bar.update(1)
-        return state
+        def loops(state, size):  # every shape's loop at this size, one round each
+            floor = np.int32(size // 2) if compacting else None
+            for one in specs.values():
+                state = spec_loop(target, drafter, state, seed, np.int32(state.step + 1),
+                                  floor, spec=one)
+                jax.block_until_ready(state)
+                done[0] += 1
+                update(done[0])
+            return state
 
-    try:
         state = _compile_sizes(state, drafter, B, sizes, loops)
-    finally:
-        if bar is not None:
-            bar.close()
     after = [_cache_size(f) for f in counted]
     grown = sum(a - b for a, b in zip(after, before, strict=True))
     programs = -1 if min(before + after) < 0 else grown
