@@ -17,20 +17,21 @@ largest, and between chunks of rounds the host picks the next chunk's shape:
   (a dispatch and a sync, timed directly: after the run's first chunk the engine runs
   two chunks of no rounds and keeps the faster), so a short probe and a long chunk
   compare per round. A shape's first call compiles; that chunk is not timed, nor is a
-  run's first chunk (`jspec.warm_up` compiles and runs every shape once before a run, so
-  no probe pays a compile or a program's first launch).
+  shape's first chunk in a run (the run's first chunk among them: on a GPU a program's
+  first call on a new state updates its command buffers; `jspec.warm_up` compiles and runs
+  every shape once before a run, so no probe pays a compile or a program's first launch).
   Before a shape is measured its cost is a prior, cost(0) * (1 + prior_cost *
   proposals(s)). Nothing is modelled, so whatever makes a shape expensive is in its
   cost: a mixture-of-experts verify block reads the union of its tokens' experts, and
   that shows up in the measured seconds.
-- Every shape runs once first (a short probe, the largest chain first: it measures the
-  acceptance of every position); after that a shape not run for `explore_every` chunks
-  gets one chunk, so a stale estimate cannot lock in. `Adaptive.costs` (seconds per round
-  measured by an earlier run at the same batch and context, e.g. its
-  `stats["adaptive"]["measured_s_per_round"]`, which also holds the chunk overhead)
-  starts those shapes measured, so a run that repeats a measured setting begins on its
-  best shape instead of probing; the costs stay on the host and never reach a compiled
-  program.
+- Every shape is probed first (one-round chunks, twice: the first is not timed; the
+  largest chain first: it measures the acceptance of every position); after that a
+  shape not run for `explore_every` chunks gets one chunk, so a stale estimate cannot
+  lock in. `Adaptive.costs` (seconds per round measured by an earlier run at the same
+  batch and context, e.g. its `stats["adaptive"]["measured_s_per_round"]`, which also
+  holds the chunk overhead) starts those shapes measured, so a run that repeats a
+  measured setting begins on its best shape instead of probing; the costs stay on the
+  host and never reach a compiled program.
 
 Every shape is exact (the verify logits are serial decoding's), so the choice changes
 speed only, never the output. `choose` is the pure decision; `Controller` keeps the
@@ -380,11 +381,15 @@ class Controller:
     def record(self, shape, before: dict, after: dict, seconds: float, compiled: bool):
         """One chunk of `shape`: before/after are host snapshots of the state (`snapshot`);
         seconds its wall time; compiled whether the call compiled (then it is not timed).
-        A run's first chunk is not timed either: right after the prefill a round costs
-        more than in steady state (docs/results.md, "The envelope"), and a one-round
-        probe timed there would rule its shape out."""
+        Nor is a shape's first chunk in a run (the run's first chunk among them): right
+        after the prefill a round costs more than in steady state (docs/results.md, "The
+        envelope"), and on a GPU a program's first call on a run's state also updates
+        its XLA command buffers (recorded with the buffers of its last call, another
+        state's), milliseconds that a one-round probe would charge to its shape's
+        rounds and so rule it out."""
         rounds = int(after["step"] - before["step"])
-        timed = rounds > 0 and not compiled and self.chunks > 0
+        first = self.totals[shape]["chunks"] == 0  # the shape's first call in this run
+        timed = rounds > 0 and not compiled and not first
         self.prev_rounds = self.chunk_limit(shape) if self.measured(shape) else 0
         self.prev = shape
         if len(self.history) < self.HISTORY:

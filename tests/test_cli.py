@@ -316,6 +316,25 @@ def test_profile_step_rounds_smoke(tmp_path):
     assert rep["round"] == {"gamma": 2, "draft": "feature head", "head_vocab": 512}
 
 
+@pytest.mark.slow  # a timing script: chunks of rounds, then the engine's own chunks
+def test_chunk_cost_smoke(tmp_path):
+    r = _run("tuning/chunk_cost.py", "--interpret", "--preset=tiny-qwen3", "--layers=0",
+             "--dtype=float32", "--batches=2", "--context=16", "--rounds=0,1,2", "--iters=1",
+             "--engine_runs=1", f"--out={tmp_path}")
+    assert r.returncode == 0, r.stderr[-2000:]
+    rep = json.load(open(tmp_path / "chunk_cost_tiny-qwen3.json"))
+    (b,) = rep["batches"]
+    assert set(b["shapes"]) == {"decode", "gamma1", "gamma2", "gamma4"} and b["step_s"] > 0
+    assert all(len(s["seconds"]) == 3 and s["s_per_round"] is not None
+               for s in b["shapes"].values())
+    (run,) = b["engine_runs"]  # each shape's first chunk in the run is not timed
+    first = {}
+    for name, _, _, timed in run["history"]:
+        first.setdefault(name, timed)
+    assert first and not any(first.values()), run["history"]
+    assert (tmp_path / "chunk_cost_tiny-qwen3.png").exists()
+
+
 @pytest.mark.slow  # a sweep script
 def test_sweep_schedule_smoke(tmp_path):
     r = _run("tuning/sweep_schedule.py", "--interpret", "--preset=tiny-qwen3", "--rows=1,40",
