@@ -398,7 +398,8 @@ class Bench:
         decode = n / (t - t_pre) if t - t_pre > 0.1 * t else None
         row = {"batch": B, "backend": backend, "tokens_per_s": n / t, "seconds": t,
                "prefill_s": t_pre, "decode_tokens_per_s": decode, "warmup_s": warm,
-               "generate_stats": {k: out.stats[k] for k in ("ttft_s", "decode_s", "max_len")},
+               "generate_stats": {k: out.stats[k] for k in ("ttft_s", "decode_s", "max_len",
+                                                            "timeline")},
                "roofline_tokens_per_s": roof, "decode_roofline_frac": decode and decode / roof,
                "e2e_roofline_frac": n / t / roof, "step_weight_bytes": wbytes,
                "gpu": gpu[0]}
@@ -534,7 +535,7 @@ class Bench:
                              "compactions": out.stats["compactions"], **{
                                  k: out.stats[k] for k in ("acceptance_rate",
                                                            "tokens_per_target_step", "ttft_s",
-                                                           "rounds")},
+                                                           "rounds", "timeline")},
                              **({"adaptive": out.stats["adaptive"]} if adaptive else {})})
         self.phase(f"speculative {kind} B={B} gamma={gamma} warm-up (compile + run)", warm)
         t = float(np.mean([r["seconds"] for r in per_seed]))  # mean over seeds of medians
@@ -567,6 +568,9 @@ class Bench:
             row["adaptive"] = _ADAPTIVE.value
             row["adaptive_costs_from_warmup"] = _ADAPTIVE_COSTS.value
             row["adaptive_stats"] = per_seed[-1]["adaptive"]  # the last seed's run
+        # Where the run's time went (the last seed's run): setup, prefill, each call of the
+        # loop's program, the host's time between calls (loop_s - calls_s), and after.
+        row["timeline"] = per_seed[-1]["timeline"]
         if len(per_seed) > 1:
             row["seeds"] = per_seed
         return row

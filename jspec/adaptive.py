@@ -254,6 +254,7 @@ class Controller:
         self.given_overhead = given.get(OVERHEAD)
         self.empty = []  # seconds of chunks of no rounds: a dispatch and a sync alone
         self.history = []  # (shape name, rounds, seconds, timed) per chunk
+        self.sequence = []  # [shape, rounds] of the run's chunks, a shape's run merged
         self.chunks = 0
         self.prev = None  # the last chunk's shape, and how long it ran
         self.prev_rounds = 0
@@ -394,6 +395,10 @@ class Controller:
         self.prev = shape
         if len(self.history) < self.HISTORY:
             self.history.append((shape_name(shape), rounds, float(seconds), bool(timed)))
+        if self.sequence and self.sequence[-1][0] == shape:
+            self.sequence[-1][1] += rounds
+        elif rounds:
+            self.sequence.append([shape, rounds])
         t = self.totals[shape]
         t["chunks"] += 1
         t["rounds"] += rounds

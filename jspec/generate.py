@@ -46,7 +46,9 @@ class GenerateOutput:
     prompt_lens: [B] int32.
     stats: tokens, ttft_s (prefill), decode_s, tokens_per_s, prompt_bucket (the padded
       prompt length), max_len (the cache's logical capacity): the last two key the
-      compiled programs (timings include compilation on the first call of a shape).
+      compiled programs (timings include compilation on the first call of a shape);
+      timeline (`generate`: the prefill's and the loop's seconds, each call of the
+      loop's program as [steps, seconds] and their sum, calls_s).
     """
 
     tokens: np.ndarray
@@ -284,19 +286,32 @@ def generate(model: Model, prompts, *, max_new_tokens: int, sampler=GREEDY,
     t1 = time.perf_counter()
     seed = jnp.int32(seed)
     B = tokens.shape[0]
+    calls = []  # [steps, seconds] of each call of the loop, as the host timed it
+
+    def run(s, stop):
+        before, t = int(stop), time.perf_counter()
+        s = jax.block_until_ready(decode_loop(model, s, seed, stop,
+                                              max_new_tokens=max_new_tokens,
+                                              sampler=sampler, stop_tokens=stop_tokens))
+        calls.append([before, time.perf_counter() - t])
+        return s
+
     with token_bar(progress, B * max_new_tokens, "generate") as update:
         state = run_chunked(
-            lambda s, stop: decode_loop(model, s, seed, stop, max_new_tokens=max_new_tokens,
-                                        sampler=sampler, stop_tokens=stop_tokens),
-            state, step=lambda s: int(s.step),
+            run, state, step=lambda s: int(s.step),
             finished=lambda s: (int(s.step) >= max_new_tokens or bool(jnp.all(s.done))
                                 or bool(s.bad)),
             progress=lambda s: update(int(jnp.sum(s.num))))
     t2 = time.perf_counter()
     raise_non_finite(state.bad, state.bad_at, "serial decoding", model.config.num_layers)
     num = np.asarray(state.num)
+    stats = _stats(num, tokens, max_len, t1 - t0, t2 - t1)
+    steps = [0] + [min(c[0], int(state.step)) for c in calls]  # each call's stop -> steps
+    calls = [[b - a, c[1]] for a, b, c in zip(steps[:-1], steps[1:], calls, strict=True)]
+    stats["timeline"] = {"prefill_s": t1 - t0, "loop_s": t2 - t1,
+                         "calls_s": float(sum(c[1] for c in calls)), "calls": calls}
     return GenerateOutput(tokens=np.asarray(state.out), num_tokens=num, prompt_lens=lens,
-                          stats=_stats(num, tokens, max_len, t1 - t0, t2 - t1))
+                          stats=stats)
 
 
 _step_jit = jax.jit(_step, static_argnames=("sampler", "stop_tokens"),

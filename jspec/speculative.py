@@ -488,7 +488,10 @@ class SpecOutput:
       prompt_bucket, max_len (the padded prompt length and cache capacity: the shapes
       the compiled programs are keyed by), batch_sizes (the batch, then each size a
       compaction continued in: `SpecConfig.compact`) and compactions (round, live rows,
-      batch of each).
+      batch of each); timeline (speculative_generate: seconds of the argument checks,
+      the prefill, the loop, and after it; each call of the loop's program as [rounds,
+      seconds] and their sum, calls_s: loop_s - calls_s is the host's time between
+      calls).
     """
 
     tokens: np.ndarray
@@ -659,13 +662,39 @@ def _compiled(ctl: Controller, shape, before: int, after: int) -> bool:
 
 
 def _adaptive_stats(ctl: Controller, drafter) -> dict:
-    """The adaptive statistics, and draft forwards counted per shape."""
-    ad = ctl.stats()
-    # A plain decode step still catches the drafter up: counted as one forward (a feature
-    # head's; a ModelDrafter runs one a `catch_up` block of them, so fewer).
-    depth = lambda s: s.depth if isinstance(s, TreeConfig) else max(int(s), 1)  # noqa: E731
-    fwd = sum(t["rounds"] * drafter.forwards_per_round(depth(s)) for s, t in ctl.totals.items())
-    return {"adaptive": ad, "draft_forwards": fwd + int(drafter.forwards_per_round(1) > 0)}
+    """The adaptive statistics, and the draft forwards the run's chunks ran in order."""
+    return {"adaptive": ctl.stats(),
+            "draft_forwards": draft_forwards(drafter, ctl.sequence)}
+
+
+def draft_forwards(drafter, sequence) -> int:
+    """The draft forwards of a run whose rounds were `sequence` ([shape, rounds], in
+    order; shape 0 a plain decode step), its prefill's included. A drafter with a
+    `catch_up` block (the draft model, the feature head; an oracle's draft) runs no
+    forward on a decode step: the step's token waits, and one forward runs the block
+    when it is full or before the next proposal; other drafters count a decode step as
+    a round of one proposal."""
+    block = catch_up_block(drafter)
+    fwd, pending = int(drafter.forwards_per_round(1) > 0), 0
+    for shape, rounds in sequence:
+        if not isinstance(shape, TreeConfig) and int(shape) == 0 and block is not None:
+            pending += rounds
+            fwd, pending = fwd + pending // block, pending % block
+            continue
+        if pending:  # flushed before the proposal
+            fwd, pending = fwd + 1, 0
+        depth = shape.depth if isinstance(shape, TreeConfig) else max(int(shape), 1)
+        fwd += rounds * drafter.forwards_per_round(depth)
+    return fwd
+
+
+def catch_up_block(drafter) -> int | None:
+    """The decode steps one catch-up forward of the drafter runs (`catch_up`), or None
+    for a drafter without the block (it runs no draft, or one a step)."""
+    inner = drafter.draft if isinstance(drafter, OracleDrafter) else drafter
+    if isinstance(inner, ModelDrafter | FeatureDrafter):
+        return inner.catch_up
+    return None
 
 
 def speculative_generate(target: Model, drafter, prompts, spec: SpecConfig, *,
@@ -678,6 +707,7 @@ def speculative_generate(target: Model, drafter, prompts, spec: SpecConfig, *,
     runtime audit (spec.audit_every) finds a difference.
     """
     check_bool("progress", progress)
+    ts = time.perf_counter()
     tokens, lens, max_len, spec = _setup(target, drafter, prompts, spec, max_len)
     compacting = spec.compact
     adaptive, seed, spec = spec.adaptive, jnp.int32(spec.seed), spec.static()
@@ -701,10 +731,18 @@ def speculative_generate(target: Model, drafter, prompts, spec: SpecConfig, *,
                                         spec=spec)
     else:
         run = _adaptive_chunk(target, drafter, seed, spec, ctl, read, floor)
+    calls = []  # [rounds, seconds] of each call of the loop, as the host timed it
+
+    def timed_run(s, stop):
+        before, t = read(s)["step"], time.perf_counter()
+        s = jax.block_until_ready(run(s, stop))
+        calls.append([read(s)["step"] - before, time.perf_counter() - t])
+        return s
+
     with token_bar(progress, B * N, "speculative") as update:
         while True:
             state = run_chunked(
-                run, state, step=lambda s: read(s)["step"],
+                timed_run, state, step=lambda s: read(s)["step"],
                 finished=lambda s: _finished(read(s), N) or (
                     compacting and _halved(read(s), sizes[-1])),
                 progress=lambda s: update(int(np.sum(book.merged(read(s))["num"]))))
@@ -724,7 +762,11 @@ def speculative_generate(target: Model, drafter, prompts, spec: SpecConfig, *,
         stats |= _adaptive_stats(ctl, drafter)
     stats |= {"prompt_bucket": int(tokens.shape[1]), "max_len": int(max_len),
               "batch_sizes": sizes, "compactions": moves}
-    return SpecOutput(tokens=np.asarray(state.out), num_tokens=rows["num"].astype(np.int32),
+    out = np.asarray(state.out)
+    stats["timeline"] = {"setup_s": t0 - ts, "prefill_s": t1 - t0, "loop_s": t2 - t1,
+                         "calls_s": float(sum(c[1] for c in calls)), "calls": calls,
+                         "finish_s": time.perf_counter() - t2}
+    return SpecOutput(tokens=out, num_tokens=rows["num"].astype(np.int32),
                       prompt_lens=lens, stats=stats)
 
 

@@ -41,7 +41,15 @@ def _check(target, drafter, prompts, spec, serial):
         out.num_tokens.sum())
     assert sum(s["rounds"] for s in ad.values()) == out.stats["rounds"]
     assert sum(s["accepted"] for s in ad.values()) == out.stats["accepted"]
+    _check_timeline(out.stats["timeline"], out.stats["rounds"])
     return out
+
+
+def _check_timeline(tl, rounds):
+    """The run's timeline: every call of the loop accounted for, inside the loop's time."""
+    assert sum(c[0] for c in tl["calls"]) == rounds and all(c[0] >= 0 for c in tl["calls"])
+    assert tl["calls_s"] == pytest.approx(sum(c[1] for c in tl["calls"]))
+    assert 0 < tl["calls_s"] <= tl["loop_s"] and tl["prefill_s"] > 0
 
 
 @pytest.mark.parametrize("kind", [pytest.param("model", marks=pytest.mark.slow), "feature",
@@ -60,6 +68,10 @@ def test_forced_shape_changes_mid_run_equal_serial_greedy(kind):
                  serial)
     used = {k for k, s in out.stats["adaptive"]["shapes"].items() if s["chunks"]}
     assert used == {"decode", "gamma2", "tree" if tree else "gamma1"}
+    _check_timeline(serial.stats["timeline"], N)  # serial: a step a token, no stop tokens
+    fixed = jspec.speculative_generate(target, drafter, prompts,
+                                       jspec.SpecConfig(gamma=2, max_new_tokens=N))
+    _check_timeline(fixed.stats["timeline"], fixed.stats["rounds"])
 
 
 @pytest.mark.slow  # a further case of a property the default run proves
@@ -390,6 +402,23 @@ def test_a_draft_model_catches_up_on_decode_steps_in_blocks():
     for key in ("proposed", "accepted", "acceptance_by_position"):
         assert runs[1].stats[key] == runs[3].stats[key], key
     assert runs[3].stats["adaptive"]["shapes"]["decode"]["rounds"] >= 6
+    # Draft forwards: a block of catch_up decode steps is one, and a flush before a
+    # proposal another (hand-counted: init 1, then per chunk below).
+    from jspec.speculative import draft_forwards
+
+    seq = [[2, 1], [0, 2], [2, 1], [0, 4], [TREE, 1], [0, 1], [2, 1]]
+    d1, d3 = (jspec.ModelDrafter(target, catch_up=k) for k in (1, 3))
+    assert draft_forwards(d3, seq) == 1 + 2 + 0 + (1 + 2) + 1 + (1 + 2) + 0 + (1 + 2)
+    assert draft_forwards(d1, seq) == 1 + 2 + 2 + 2 + 4 + 2 + 1 + 2
+    assert draft_forwards(jspec.OracleDrafter(jnp.zeros((1, 4), jnp.int32), draft=d3),
+                          seq) == draft_forwards(d3, seq)
+    assert draft_forwards(jspec.PromptLookupDrafter(), seq) == 0
+    for k, out in runs.items():
+        ran = [[{"decode": 0, "gamma2": 2, "tree": TREE}[h[0]], h[1]]
+               for h in out.stats["adaptive"]["history"]]
+        assert out.stats["draft_forwards"] == draft_forwards(
+            jspec.ModelDrafter(target, catch_up=k), ran)
+    assert runs[3].stats["draft_forwards"] < runs[1].stats["draft_forwards"]
     # Two decode rounds run no draft forward: their tokens wait, the draft cache stays put.
     from jspec.speculative import one_round, prefill, shape_spec
 
