@@ -6,7 +6,7 @@
 # kernels_fused spec sweep tuned e2e e2e_b1 e2e_b8 e2e_peers e2e_draftpallas e2e_decompose train pair
 # pair_eval schedsweep attnsweep train_head parity_trees kernels_trees main pair_head
 # e2e_session tree_sweep parity_long parity_long_xla context_bench context_bench_128k
-# e2e_batch moe_cost moe_parity moe_e2e tallsweep prefillsweep serial_split e2e_context profile groupsweep
+# e2e_batch chunk_cost moe_cost moe_parity moe_e2e tallsweep prefillsweep serial_split e2e_context profile groupsweep
 # combinesweep routesweep mosaic_attention mosaic mosaic_top_p mosaic_swapped e2e_mosaic table
 # (default: parity audit kernels spec); table copies the device's matmul_tuned.json to $OUT.
 # - mosaic_swapped: tuning/mosaic_matmul.py --swapped (the swapped design's bits and time
@@ -71,7 +71,8 @@
 #   (default 1,5), batch $PROF_BATCH (1), $PROF_LAYERS, $PROF_FLAGS (e.g.
 #   "--context=32768 --max_len=40960": generate's bucketed cache at a 32K prompt);
 #   $PROF_ROUNDS (e.g. 4; PROF_TS= skips the steps) adds speculative rounds of those
-#   gammas with the feature head and without a drafter (`--round`, `--nodraft`).
+#   gammas with the feature head and without a drafter (`--round`, `--nodraft`; 0: an
+#   adaptive run's plain decode rounds, `--decode_round`).
 # - e2e_context: bench_e2e.py at the Llama-3-8B shape (32 layers), batch 1, prompts of
 #   $CTX_LENS tokens (default 32768; 131072 wants a call of its own: each of its four
 #   prefills takes ~83 s), feature head at a = 0.8 / 0.9 against serial, parity checked
@@ -127,7 +128,10 @@
 #   $E2E_DRAFTER (feature, or model with the draft $E2E_DRAFT, default qwen3-0.6b:1),
 #   oracle a = $E2E_ACCEPT (default 0.8), prompt 512, 128 new tokens, batches $E2E_BATCHES
 #   (default 1,8,16,32,64), the Qwen3-8B shape with 12 of its 36 layers (to fit ~5-8 min with a compile per shape and
-#   batch); the receipt's adaptive_stats say which shapes ran.
+#   batch); the receipt's adaptive_stats say which shapes ran. chunk_cost:
+#   tuning/chunk_cost.py at the same shape, batches $CHUNK_BATCHES (default 1,32,64): each
+#   round shape's seconds against a chunk's rounds, and the engine's own probes after
+#   warm_up (~80 s).
 # - train_head trains a feature head for the embedded pair's target (train_draft_head.py,
 #   the gpu preset: ~2 min on an H200) into $OUT/head (config.json, model.safetensors,
 #   README.md, train_log.json); `eval_pair.py --head=$OUT/head` measures it. It reads
@@ -376,6 +380,8 @@ for s in $steps; do
               --other_Ts=1,5 --xla_Ts="${MOE_XLA_TS-1,5}" --context="${MOE_CONTEXT:-512}" \
               --iters=5 --dtype="${MOE_DTYPE:-bfloat16}" ${MOE_INTERPRET:+--interpret} \
               --out="$OUT" --tag=h200 2>&1 | quiet | tail -30 ;;
+    chunk_cost) timeout "${CHUNK_S:-300}" python3 experiments/tuning/chunk_cost.py \
+              --batches="${CHUNK_BATCHES:-1,32,64}" --out="$OUT" --tag=h200 2>&1 | quiet | tail -24 ;;
     profile) for t in ${PROF_TS//,/ }; do
               timeout "${PROF_S:-150}" python3 experiments/tuning/profile_step.py \
               --preset="$PROF_PRESET" --T="$t" --batch="${PROF_BATCH:-1}" \
@@ -384,7 +390,8 @@ for s in $steps; do
             for g in ${PROF_ROUNDS//,/ }; do  # speculative rounds, with and without the head
               for d in draft nodraft; do
                 timeout "${PROF_S:-150}" python3 experiments/tuning/profile_step.py \
-                --preset="$PROF_PRESET" --round="$g" --"$d" --batch="${PROF_BATCH:-1}" \
+                --preset="$PROF_PRESET" "$([ "$g" = 0 ] && echo --decode_round || echo --round="$g")" \
+                --"$d" --batch="${PROF_BATCH:-1}" \
                 ${PROF_LAYERS:+--layers=$PROF_LAYERS} ${PROF_FLAGS:-} \
                 --tag="h200_B${PROF_BATCH:-1}_round$g${d#draft}${PROF_TAG:+_$PROF_TAG}" \
                 --out="$OUT" 2>&1 | quiet | tail -24; done; done ;;

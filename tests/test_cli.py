@@ -314,6 +314,11 @@ def test_profile_step_rounds_smoke(tmp_path):
     assert rep["step_ms"] > 0 and rep["T"] == 3
     # The default head vocabulary (32,768) is capped at the target's (512 here).
     assert rep["round"] == {"gamma": 2, "draft": "feature head", "head_vocab": 512}
+    r = _run("tuning/profile_step.py", "--interpret", "--preset=tiny-qwen3", "--dtype=float32",
+             "--context=16", "--batch=2", "--decode_round", f"--out={tmp_path}")
+    assert r.returncode == 0, r.stderr[-2000:]
+    rep = json.load(open(tmp_path / "profile_step_tiny-qwen3.json"))
+    assert rep["T"] == 1 and rep["round"]["gamma"] == 0 and rep["step_ms"] > 0
 
 
 @pytest.mark.slow  # a timing script: chunks of rounds, then the engine's own chunks

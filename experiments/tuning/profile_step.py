@@ -26,6 +26,9 @@ the summary is per round: the verify forward, the head's G forwards, acceptance,
 commit and whatever the loop adds between them (--nodraft: the oracle alone, no head:
 the round less the drafter). The oracle's reference tokens are random, so no draft is
 accepted; a round's shapes, and so its cost, do not depend on acceptance.
+--decode_round profiles an adaptive run's plain decode rounds instead (`Adaptive`'s
+gamma 0: a one-token verify, the head's tokens waiting in `catch_up` blocks): what a
+decode round adds to a forward step.
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ from jspec.feature_head import random_head
 from jspec.random_model import PRESETS, random_model
 from jspec.speculative import _setup as spec_setup
 from jspec.speculative import prefill as spec_prefill
-from jspec.speculative import spec_loop
+from jspec.speculative import shape_spec, spec_loop
 
 _PRESET = flags.DEFINE_string("preset", "qwen3-30b-a3b", "a random-model preset")
 _LAYERS = flags.DEFINE_integer("layers", 0, "layers (0: the preset's)")
@@ -77,12 +80,14 @@ _DRAFT = flags.DEFINE_bool("draft", True, "with --round: the head drafts (--nodr
                            "oracle alone, no drafter compute)")
 _HEAD_VOCAB = flags.DEFINE_integer("head_vocab", 32768, "with --round: the head's draft "
                                    "vocabulary (0: the target's; bench_e2e.py's default)")
+_DECODE_ROUND = flags.DEFINE_bool("decode_round", False, "profile an adaptive run's plain "
+                                  "decode rounds (gamma 0) instead of a step")
 
 
 def round_program(model, B: int, C: int, gamma: int, rng):
-    """(compiled spec_loop, args maker, max_len): STEP_REPS rounds of gamma drafts after a
-    prefill of C random tokens a row; make() gives fresh arguments (the loop donates its
-    state)."""
+    """(compiled spec_loop, args maker, max_len): STEP_REPS rounds of gamma drafts (0: an
+    adaptive run's plain decode rounds) after a prefill of C random tokens a row; make()
+    gives fresh arguments (the loop donates its state)."""
     V = model.config.vocab_size
     prompt = rng.integers(0, V, (B, C)).astype(np.int32)
     N = STEP_REPS + 8  # no draft is accepted: a token a round, no row finishes
@@ -93,13 +98,15 @@ def round_program(model, B: int, C: int, gamma: int, rng):
         draft = jspec.FeatureDrafter(random_head(model, draft_vocab_size=hv if 0 < hv < V
                                                  else None))
     drafter = jspec.OracleDrafter(ref, corrupt_prob=jnp.float32(0.2), draft=draft)
-    spec = jspec.SpecConfig(gamma=gamma, max_new_tokens=N)
+    adaptive = jspec.Adaptive(gammas=(0, 1)) if gamma == 0 else None  # 0: decode rounds
+    spec = jspec.SpecConfig(gamma=max(gamma, 1), max_new_tokens=N, adaptive=adaptive)
     tokens, lens, max_len, spec = spec_setup(model, drafter, prompt, spec, None)
     seed, spec = jnp.int32(0), spec.static()
     state = spec_prefill(model, drafter, jnp.asarray(tokens), jnp.asarray(lens), seed,
                          spec=spec, max_len=max_len)
     stop = jnp.int32(STEP_REPS)
-    loop = spec_loop.lower(model, drafter, state, seed, stop, spec=spec).compile()
+    one = shape_spec(spec, 0) if gamma == 0 else spec
+    loop = spec_loop.lower(model, drafter, state, seed, stop, spec=one).compile()
 
     def make():
         return (model, drafter, jax.block_until_ready(jax.tree.map(jnp.copy, state)), seed,
@@ -137,7 +144,9 @@ def main(argv):
     max_len = _MAX_LEN.value or C + T + 16
     if max_len < C + T:
         raise app.UsageError(f"--max_len={max_len} must hold --context + --T = {C + T}")
-    if _ROUND.value:
+    if _ROUND.value and _DECODE_ROUND.value:
+        raise app.UsageError("--round and --decode_round: pick one")
+    if _ROUND.value or _DECODE_ROUND.value:
         steps, make, max_len = round_program(model, B, C, _ROUND.value, rng)
         T = _ROUND.value + 1  # the verify block
         step_s = round_seconds(steps, make, iters=5) / STEP_REPS
@@ -170,7 +179,7 @@ def main(argv):
         "date": time.strftime("%Y-%m-%d %H:%M:%S"), "device": jax.devices()[0].device_kind,
         "jax": jax.__version__, "preset": _PRESET.value, "layers": cfg.num_layers,
         "batch": B, "T": T, "context": C, "max_len": max_len, "dtype": _DTYPE.value,
-        "round": _ROUND.value and {
+        "round": (_ROUND.value or _DECODE_ROUND.value) and {
             "gamma": _ROUND.value, "draft": "feature head" if _DRAFT.value else None,
             "head_vocab": min(_HEAD_VOCAB.value or cfg.vocab_size, cfg.vocab_size)},
         "speed_options": options_record(model)["kernel"], "step_ms": step_s * 1e3,
@@ -178,7 +187,7 @@ def main(argv):
         "copies": copy_sources(hlo)}  # what the memcpy kernels may be
     out = write_receipt(_OUT.value, f"profile_step_{_PRESET.value}", _TAG.value, report)
     what = (f"round of gamma {_ROUND.value} ({'head' if _DRAFT.value else 'no draft'})"
-            if _ROUND.value else "step")
+            if _ROUND.value or _DECODE_ROUND.value else "step")
     print(f"{_PRESET.value} ({cfg.num_layers} layers), B={B} T={T} context {C} of {max_len}, "
           f"{_BACKEND.value}: {what} {step_s * 1e3:.3f} ms timed; traced per {what.split()[0]}: "
           f"{summary.get('events_per_step', 0):.0f} device events, busy "
