@@ -44,9 +44,9 @@ from jspec.chunked_prefill import prefill_jit
 from jspec.cli import options_record
 from jspec.feature_head import random_head
 from jspec.random_model import PRESETS, random_model
+from jspec.speculative import MAX_GAMMA, shape_spec, spec_loop
 from jspec.speculative import _setup as spec_setup
 from jspec.speculative import prefill as spec_prefill
-from jspec.speculative import shape_spec, spec_loop
 
 _PRESET = flags.DEFINE_string("preset", "qwen3-8b", "a random-model preset")
 _LAYERS = flags.DEFINE_integer("layers", 12, "layers (0: the preset's)")
@@ -149,10 +149,30 @@ def plot(report: dict, path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+def _ints(flag, values, lo: int, hi: int | None = None) -> list[int]:
+    """A list flag's integers, each in [lo, hi], or a usage error naming the flag."""
+    try:
+        out = [int(v) for v in values]
+    except ValueError:
+        out = []
+    if not out or any(v < lo or (hi is not None and v > hi) for v in out):
+        raise app.UsageError(f"--{flag}={','.join(values)}: integers in [{lo}, "
+                             f"{'inf' if hi is None else hi}], at least one")
+    return out
+
+
 def main(argv):
     del argv
     if _PRESET.value not in PRESETS:
         raise app.UsageError(f"--preset={_PRESET.value!r}: choose from {sorted(PRESETS)}")
+    _ints("batches", _BATCHES.value, 1)
+    _ints("rounds", _ROUNDS.value, 0)
+    _ints("shapes", _SHAPES.value, 0, MAX_GAMMA)
+    for name, flag in (("iters", _ITERS), ("context", _CONTEXT)):
+        if flag.value < 1:
+            raise app.UsageError(f"--{name}={flag.value} must be >= 1")
+    if _ENGINE_RUNS.value < 0:
+        raise app.UsageError(f"--engine_runs={_ENGINE_RUNS.value} must be >= 0")
     kw = dict(interpret=_INTERPRET.value, dtype=_DTYPE.value)
     if _LAYERS.value:
         kw["num_layers"] = _LAYERS.value
