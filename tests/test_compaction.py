@@ -58,6 +58,13 @@ def test_a_compacted_run_equals_serial_and_the_uncompacted_run():
         assert packed.stats[key] == plain.stats[key], key
     np.testing.assert_array_equal(packed.num_tokens, plain.num_tokens)
     np.testing.assert_array_equal(packed.tokens, plain.tokens)
+    # Every loop call in the timeline, across cuts (serial: a step a token of its longest
+    # row, the loop ending when every row has stopped).
+    for out, rounds in ((plain, plain.stats["rounds"]), (packed, packed.stats["rounds"]),
+                        (serial, int(serial.num_tokens.max()))):
+        tl = out.stats["timeline"]
+        assert sum(c[0] for c in tl["calls"]) == rounds and tl["calls_s"] <= tl["loop_s"]
+    assert len(packed.stats["timeline"]["calls"]) > len(moves)
 
 
 def test_compaction_keeps_row_ids_under_sampling_adaptive_shapes_and_trees():
