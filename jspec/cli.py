@@ -10,7 +10,8 @@ names joined by "+" or ",", applied left to right:
   name=<int>     a valued option: attn_split, attn_split_rows, attn_fused_fold (0/1),
                  attn_serial_split (0/1), attn_skip_empty (0/1), moe_layout_kernel (0/1),
                  moe_combine_kernel (0/1),
-                 matmul_row_group, matmul_schedule (0/1), kv_dus (0/1), row_partials,
+                 matmul_row_group, matmul_schedule (0/1), kv_dus (0/1),
+                 kv_write_kernel (0/1), row_partials,
                  and the draft's xla_two_rows, xla_pallas_attention, draft_fused, draft_programs,
                  draft_warps, draft_attn_stages, draft_rope_attention,
                  draft_fold_unroll (the `DraftOptions` fields, prefixed)
@@ -48,6 +49,7 @@ _VALUED = {
     "matmul_row_group": ("kernel", "matmul_row_group", int),
     "matmul_schedule": ("kernel", "matmul_schedule", bool),
     "kv_dus": ("kernel", "kv_dus", bool),
+    "kv_write_kernel": ("kernel", "kv_write_kernel", bool),
     "row_partials": ("kernel", "row_partials", int),
     "prefill_chunk": ("kernel", "prefill_chunk", int),
     "xla_two_rows": ("draft", "xla_two_rows", bool),

@@ -231,13 +231,20 @@ def attention_block(ops, model: Model, lp, h, k_buf, v_buf, pos, lengths, cos, s
     rg, sched = opt.matmul_row_group, opt.matmul_schedule
     qkv = ops.matmul(h, lp["wqkv"], out_dtype=dtype, row_group=rg, schedule=sched,
                      config=column_config(model, lp["wqkv"]))  # [Mp, (H + 2Hkv) hd]
+    written = False  # the new K/V already in the caches (kv_write_kernel)
     if opt.fuse_qk_rope and opt.backend == "pallas":
         # All Mp rows (cos/sin come padded to Mp alike): the kernel then needs no pad of its
         # own, and rows past B*T (zero rows, see pad_rows_once) are sliced off after.
         heads = qkv.reshape(-1, H + 2 * Hkv, hd)
         ws = (lp["q_norm"], lp["k_norm"]) if cfg.qk_norm else (None, None)
-        qk = ops.qk_norm_rope(heads, *ws, cos, sin, num_q=H, num_k=Hkv, eps=cfg.rms_eps,
-                              offset=cfg.norm_offset)  # [Mp, H + Hkv, hd]
+        if opt.kv_write_kernel and ops.qk_norm_rope_kv is not None:
+            qk, k_buf, v_buf = ops.qk_norm_rope_kv(
+                heads, *ws, cos, sin, k_buf, v_buf, lengths, T=T, num_q=H, num_k=Hkv,
+                eps=cfg.rms_eps, offset=cfg.norm_offset)  # and K/V into the caches (R3)
+            written = True
+        else:
+            qk = ops.qk_norm_rope(heads, *ws, cos, sin, num_q=H, num_k=Hkv, eps=cfg.rms_eps,
+                                  offset=cfg.norm_offset)  # [Mp, H + Hkv, hd]
         qk_bad = nonfinite_rows(qk)  # [Mp]: the zero rows are finite
         qk = qk[: B * T]  # [B*T, H + Hkv, hd]
         q, k, v = qk[:, :H], qk[:, H:], heads[: B * T, H + Hkv:]
@@ -252,11 +259,11 @@ def attention_block(ops, model: Model, lp, h, k_buf, v_buf, pos, lengths, cos, s
         qk_bad = nonfinite_rows(jnp.concatenate([q, k], axis=1))  # one reduction, [B*T]
         if h.shape[0] > B * T:  # [Mp]: the zero rows are fine
             qk_bad = jnp.concatenate([qk_bad, jnp.zeros((h.shape[0] - B * T,), bool)])
-    k_new = k.reshape(B, T, Hkv, hd).transpose(0, 2, 1, 3)  # [B, Hkv, T, hd]
-    v_new = v.reshape(B, T, Hkv, hd).transpose(0, 2, 1, 3)
-    # New K/V go into the cache before attention reads it (rule R3).
-    k_buf = write_kv(k_buf, k_new, lengths, single=opt.kv_dus)
-    v_buf = write_kv(v_buf, v_new, lengths, single=opt.kv_dus)
+    if not written:  # new K/V go into the cache before attention reads it (rule R3)
+        k_new = k.reshape(B, T, Hkv, hd).transpose(0, 2, 1, 3)  # [B, Hkv, T, hd]
+        v_new = v.reshape(B, T, Hkv, hd).transpose(0, 2, 1, 3)
+        k_buf = write_kv(k_buf, k_new, lengths, single=opt.kv_dus)
+        v_buf = write_kv(v_buf, v_new, lengths, single=opt.kv_dus)
     if tree is not None:
         o = ops.tree_attention(q.reshape(B, T, H, hd), k_buf, v_buf, pos, window, tree.root,
                                tree.path, scale=cfg.attn_scale, softcap=cfg.attn_softcap,

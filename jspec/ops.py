@@ -50,7 +50,7 @@ from pallas_kernels.moe import (
     route,
     route_kernel,
 )
-from pallas_kernels.qk_rope import qk_norm_rope, qk_norm_rope_reference
+from pallas_kernels.qk_rope import qk_norm_rope, qk_norm_rope_kv, qk_norm_rope_reference
 from pallas_kernels.rmsnorm import rmsnorm, rmsnorm_reference
 from pallas_kernels.rope import rope, rope_reference
 from pallas_kernels.softcap import softcap, softcap_reference
@@ -66,6 +66,10 @@ class Ops(NamedTuple):
     rope(x [M,H,D], cos [M,D/2], sin [M,D/2]) -> [M,H,D];
     qk_norm_rope(qkv [M,>=Hq+Hk,D], q_w [D] | None, k_w, cos, sin, num_q, num_k, eps,
                  offset) -> [M,Hq+Hk,D];
+    qk_norm_rope_kv(qkv [M,Hq+2Hk,D], q_w, k_w, cos, sin, k_buf [B,Hk,S,D], v_buf,
+                 lengths [B], T, num_q, num_k, eps, offset) -> (qk_norm_rope's [M,Hq+Hk,D],
+      k_buf, v_buf with the new K and V written at each sequence's length), one launch;
+      None where the backend or lowering has no such kernel (xla, Mosaic GPU);
     glu(gate [M,F], up [M,F], activation) -> [M,F];
     matmul_glu(x [M,K], w [K,2F], activation, row_group=1, schedule=False) -> glu of
       x @ w's halves, [M,F] x.dtype (row_group, schedule: scheduling only);
@@ -115,6 +119,7 @@ class Ops(NamedTuple):
     grouped_mlp: Callable
     grouped_mlp_combine: Callable
     route: Callable
+    qk_norm_rope_kv: Callable | None = None
 
 
 def _passing_counters(attention_fn: Callable) -> Callable:
@@ -230,6 +235,7 @@ def get_ops(backend: str, interpret: bool = False, lowering: str = "triton") -> 
             grouped_mlp=p(grouped_mlp, interpret=interpret),
             grouped_mlp_combine=p(grouped_mlp_combine, interpret=interpret),
             route=p(route_kernel, interpret=interpret),
+            qk_norm_rope_kv=p(qk_norm_rope_kv, interpret=interpret),
         )
         if lowering == "triton":
             return ops
@@ -249,6 +255,7 @@ def get_ops(backend: str, interpret: bool = False, lowering: str = "triton") -> 
             add_norm=p(mosaic_add_rmsnorm, interpret=interpret),
             rope=_by_head_dim(p(mosaic_rope, interpret), ops.rope),
             qk_norm_rope=_by_head_dim(p(mosaic_qk_norm_rope, interpret), ops.qk_norm_rope),
+            qk_norm_rope_kv=None,  # Mosaic GPU's q/k kernel writes no cache
             matmul_glu=p(mosaic_matmul_glu, interpret=interpret),
             attention=_attention_by_shape(p(mosaic_attention.attention, interpret),
                                           ops.attention),

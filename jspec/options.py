@@ -84,6 +84,11 @@ class KernelOptions:
         the K tile included: `pallas_kernels.matmul.SCHEDULE_FIELDS`).
       kv_dus: a batch-1 call writes its new K/V with one dynamic_update_slice per
         buffer, not a vmapped one (the same cache bits).
+      kv_write_kernel: pallas, Triton lowering, with fuse_qk_rope: the q/k norm + RoPE
+        kernel also writes the new K and V into the caches (`qk_norm_rope_kv`: one launch
+        instead of that kernel and two cache updates) (True), or XLA writes them (False
+        or None: the default until the device has shown it faster). A copy: the same
+        cache bits.
       lowering: pallas: how the matmul family (`matmul`, `matmul_glu`), the norms
         (`rmsnorm`, the residual add + norm), RoPE with the q/k norms and attention
         (split-KV steps, verify blocks and trees) are lowered for the GPU: "triton"
@@ -120,6 +125,7 @@ class KernelOptions:
     matmul_row_group: int = 4
     matmul_schedule: bool = True
     kv_dus: bool = True
+    kv_write_kernel: bool | None = None
     row_partials: int = 1
     lowering: str = "triton"
     prefill_chunk: int = 2048
@@ -132,7 +138,7 @@ class KernelOptions:
         for name in ("interpret", "matmul_schedule", "kv_dus") + FUSIONS:
             _bool(name, getattr(self, name))
         for name in ("attn_fused_fold", "attn_serial_split", "attn_skip_empty",
-                     "moe_layout_kernel", "moe_combine_kernel"):
+                     "moe_layout_kernel", "moe_combine_kernel", "kv_write_kernel"):
             if getattr(self, name) is not None:
                 _bool(name, getattr(self, name))
         if not isinstance(self.matmul_row_group, int) or self.matmul_row_group < 1:

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._common import check_float, pad_axis, pad_rows, triton_params
 from pallas_kernels.rmsnorm import rmsnorm, rmsnorm_config
@@ -36,7 +37,17 @@ def _kernel(x_ref, qw_ref, kw_ref, cos_ref, sin_ref, o_ref, *, half: int, d: int
             offset: float, num_q: int, norm: bool):
     # x_ref, o_ref [bm, 2*half]: one head; qw_ref, kw_ref [1, 2*half] (q weight, k weight);
     # cos_ref, sin_ref [bm, half] f32.
-    dtype = o_ref.dtype
+    y1, y2 = _normed_rotated(x_ref, qw_ref, kw_ref, cos_ref, sin_ref, o_ref.dtype,
+                             pl.program_id(1) < num_q, half=half, d=d, eps=eps, offset=offset,
+                             norm=norm)
+    o_ref[:, :half] = y1
+    o_ref[:, half:] = y2
+
+
+def _normed_rotated(x_ref, qw_ref, kw_ref, cos_ref, sin_ref, dtype, is_q, *, half: int,
+                    d: int, eps: float, offset: float, norm: bool):
+    """One head's two halves [bm, half] each, normed (with the q weight where is_q, else
+    the k weight) and rotated (dtype): the kernels' one arithmetic."""
     x1 = x_ref[:, :half].astype(jnp.float32)
     x2 = x_ref[:, half:].astype(jnp.float32)
     if norm:
@@ -44,7 +55,6 @@ def _kernel(x_ref, qw_ref, kw_ref, cos_ref, sin_ref, o_ref, *, half: int, d: int
         acc = jnp.zeros(xs.shape, jnp.float32) + xs * xs
         ms = jnp.sum(acc, axis=1, keepdims=True) / jnp.float32(d)  # [bm, 1]
         inv = lax.rsqrt(ms + jnp.float32(eps))
-        is_q = pl.program_id(1) < num_q
 
         def scaled(xh, cols):  # elementwise, exactly as rmsnorm's scaling pass
             ws = jnp.where(is_q, qw_ref[:, cols], kw_ref[:, cols]).astype(jnp.float32)  # [1, half]
@@ -57,8 +67,67 @@ def _kernel(x_ref, qw_ref, kw_ref, cos_ref, sin_ref, o_ref, *, half: int, d: int
         x2 = scaled(x2, pl.ds(half, half))
     c = cos_ref[...]
     s = sin_ref[...]
-    o_ref[:, :half] = (x1 * c - x2 * s).astype(dtype)
-    o_ref[:, half:] = (x2 * c + x1 * s).astype(dtype)
+    return (x1 * c - x2 * s).astype(dtype), (x2 * c + x1 * s).astype(dtype)
+
+
+def _cache_rows(lengths_ref, first_row: int, bm: int, *, T: int, M: int, S: int, heads: int,
+                head, rows: int):
+    """Rows [bm] of a cache viewed as [B heads S, D] for token rows first_row .. + bm of a
+    block of T tokens a sequence (token row r: sequence r // T, its (r % T)-th new token,
+    at position lengths[r // T] + r % T), and which rows are written: the M = B T token
+    rows whose position lies in the cache (the others, padding, point past its end:
+    never stored on the GPU, dropped in interpret mode)."""
+    r = first_row + jnp.arange(bm, dtype=jnp.int32)
+    b = r // T
+    real = r < M
+    b = jnp.where(real, b, 0)
+    pos = plgpu.load(lengths_ref.at[b]) + (r - b * T)
+    ok = real & (pos >= 0) & (pos < S)
+    return jnp.where(ok, (b * heads + head) * S + pos, rows), ok
+
+
+def _store_rows(ref, rows, ok, y1, y2, half: int):
+    """y1 | y2 [bm, half] into rows [bm] of ref [R, 2 half] where ok."""
+    bm = rows.shape[0]
+    cols = jnp.arange(half, dtype=jnp.int32)
+    rr = jnp.broadcast_to(rows[:, None], (bm, half))
+    mask = jnp.broadcast_to(ok[:, None], (bm, half))
+    for j, y in enumerate((y1, y2)):
+        cc = jnp.broadcast_to(cols[None, :] + j * half, (bm, half))
+        plgpu.store(ref.at[rr, cc], y.astype(ref.dtype), mask=mask)
+
+
+def _kv_kernel(x_ref, qw_ref, kw_ref, cos_ref, sin_ref, len_ref, kin_ref, vin_ref, o_ref,
+               k_ref, v_ref, *, half: int, d: int, eps: float, offset: float, num_q: int,
+               num_k: int, norm: bool, T: int, M: int, S: int):
+    # As _kernel for the q and k heads (grid axis 1 < num_q + num_k), and each k head's
+    # rows also into k_ref; the v heads (the rest) copied into v_ref. k_ref, v_ref [B num_k
+    # S, 2*half] alias kin_ref, vin_ref (the caches, updated in place).
+    del kin_ref, vin_ref
+    j = pl.program_id(1)
+    is_q = j < num_q
+    bm = x_ref.shape[0]
+    first = pl.program_id(0) * bm
+    nqk = num_q + num_k
+
+    @pl.when(j < nqk)
+    def _():
+        y1, y2 = _normed_rotated(x_ref, qw_ref, kw_ref, cos_ref, sin_ref, o_ref.dtype,
+                                 is_q, half=half, d=d, eps=eps, offset=offset, norm=norm)
+        o_ref[:, :half] = y1
+        o_ref[:, half:] = y2
+
+        @pl.when(j >= num_q)
+        def _():
+            rows, ok = _cache_rows(len_ref, first, bm, T=T, M=M, S=S, heads=num_k,
+                                   head=j - num_q, rows=k_ref.shape[0])
+            _store_rows(k_ref, rows, ok, y1, y2, half)
+
+    @pl.when(j >= nqk)
+    def _():
+        rows, ok = _cache_rows(len_ref, first, bm, T=T, M=M, S=S, heads=num_k, head=j - nqk,
+                               rows=v_ref.shape[0])
+        _store_rows(v_ref, rows, ok, x_ref[:, :half], x_ref[:, half:], half)
 
 
 def _check(qkv, q_w, k_w, cos, sin, num_q, num_k, offset):
@@ -126,6 +195,75 @@ def qk_norm_rope(qkv: jax.Array, q_w: jax.Array | None, k_w: jax.Array | None, c
     if 2 * half != d:
         out = out.reshape(m, -1, 2, half)[..., : d // 2].reshape(m, -1, d)
     return out
+
+
+@functools.partial(jax.jit, static_argnames=("T", "num_q", "num_k", "eps", "offset",
+                                             "interpret"))
+def qk_norm_rope_kv(qkv: jax.Array, q_w: jax.Array | None, k_w: jax.Array | None,
+                    cos: jax.Array, sin: jax.Array, k_buf: jax.Array, v_buf: jax.Array,
+                    lengths: jax.Array, *, T: int, num_q: int, num_k: int, eps: float = 1e-6,
+                    offset: float = 0.0, interpret: bool = False
+                    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`qk_norm_rope`, and the new K and V written into the caches, in one launch:
+    qkv [M, num_q + 2 num_k, D] (q, k, then v heads), k_buf / v_buf [B, num_k, S, D],
+    lengths [B] int32 -> (qk [M, num_q + num_k, D], k_buf, v_buf). The first B T rows
+    of qkv are the tokens, T a sequence (row r: sequence r // T at position lengths[r //
+    T] + r % T); each k head's result row and each v head's row goes to that position
+    of its head's cache, as `jspec.cache.write_kv` puts them (a copy: the same bits);
+    padding rows and positions past S are not written (write_kv's caller guarantees
+    lengths + T <= S). qk is `qk_norm_rope`'s, the same arithmetic and tiles. The
+    caches are updated in place (input_output_aliases). Head sizes whose halves need
+    padding (odd D / 2) take `qk_norm_rope` and the writes separately."""
+    _check(qkv, q_w, k_w, cos, sin, num_q, 2 * num_k, offset)
+    m, _, d = qkv.shape
+    B, _, S, _ = k_buf.shape
+    if (k_buf.shape != (B, num_k, S, d) or v_buf.shape != k_buf.shape
+            or v_buf.dtype != k_buf.dtype or lengths.shape != (B,) or B * T > m or T < 1):
+        raise ValueError(f"qk_norm_rope_kv wants k_buf, v_buf [B, {num_k}, S, {d}] alike, "
+                         f"lengths [B] and B T <= M = {m}; got {k_buf.shape=} {v_buf.shape=} "
+                         f"{lengths.shape=} {T=}")
+    cfg = rope_config(d, interpret)
+    half, norm = cfg.half, q_w is not None
+    if 2 * half != d:
+        from jspec.cache import write_kv
+
+        qk = qk_norm_rope(qkv, q_w, k_w, cos, sin, num_q=num_q, num_k=num_k, eps=eps,
+                          offset=offset, interpret=interpret)
+        k_new = qk[: B * T, num_q:].reshape(B, T, num_k, d).transpose(0, 2, 1, 3)
+        v_new = qkv[: B * T, num_q + num_k:num_q + 2 * num_k].reshape(B, T, num_k, d)
+        return (qk, write_kv(k_buf, k_new, lengths),
+                write_kv(v_buf, v_new.transpose(0, 2, 1, 3), lengths))
+    xp = pad_rows(qkv[:, : num_q + 2 * num_k], cfg.bm)  # [Mp, heads, D]
+    cp = pad_rows(cos.astype(jnp.float32), cfg.bm)  # [Mp, half]
+    sp = pad_rows(sin.astype(jnp.float32), cfg.bm)
+    weight = lambda w: (jnp.zeros((1, d), qkv.dtype) if w is None  # noqa: E731
+                        else w.astype(qkv.dtype).reshape(1, d))
+    mp, nqk = xp.shape[0], num_q + num_k
+    num_warps = rmsnorm_config(d, qkv.dtype, interpret).num_warps if norm else cfg.num_warps
+    flat = lambda buf: buf.reshape(B * num_k * S, d)  # noqa: E731
+    whole = pl.BlockSpec((B * num_k * S, d), lambda i, j: (0, 0))
+    table_spec = pl.BlockSpec((cfg.bm, half), lambda i, j: (i, 0))
+    out, k_out, v_out = pl.pallas_call(
+        functools.partial(_kv_kernel, half=half, d=d, eps=float(eps), offset=float(offset),
+                          num_q=num_q, num_k=num_k, norm=norm, T=T, M=B * T, S=S),
+        out_shape=(jax.ShapeDtypeStruct((mp, nqk, d), qkv.dtype),
+                   jax.ShapeDtypeStruct((B * num_k * S, d), k_buf.dtype),
+                   jax.ShapeDtypeStruct((B * num_k * S, d), v_buf.dtype)),
+        grid=(mp // cfg.bm, num_q + 2 * num_k),
+        in_specs=[pl.BlockSpec((cfg.bm, None, d), lambda i, j: (i, j, 0)),
+                  pl.BlockSpec((1, d), lambda i, j: (0, 0)),
+                  pl.BlockSpec((1, d), lambda i, j: (0, 0)), table_spec, table_spec,
+                  pl.BlockSpec((B,), lambda i, j: (0,)), whole, whole],
+        # A v head's program writes no q / k head: it maps to the last one, unwritten.
+        out_specs=(pl.BlockSpec((cfg.bm, None, d),
+                                lambda i, j: (i, jnp.minimum(j, nqk - 1), 0)), whole, whole),
+        input_output_aliases={6: 1, 7: 2},
+        compiler_params=triton_params(num_warps, cfg.num_stages),
+        interpret=interpret,
+        name="jspec_qk_norm_rope_kv",
+    )(xp, weight(q_w), weight(k_w), cp, sp, lengths.astype(jnp.int32), flat(k_buf),
+      flat(v_buf))
+    return out[:m], k_out.reshape(k_buf.shape), v_out.reshape(v_buf.shape)
 
 
 def qk_norm_rope_unfused(qkv, q_w, k_w, cos, sin, *, num_q: int, num_k: int, eps: float = 1e-6,

@@ -99,6 +99,19 @@ def test_fused_draft_lowers_for_the_h200(preset, tokens, one_kernel, slots):
     assert "jspec_matmul" not in names  # the xla backend: no invariant matmul kernels
 
 
+@pytest.mark.parametrize("batch,tokens", [(1, 1), (8, 5)])
+def test_kv_write_kernel_lowers_for_the_h200(batch, tokens):
+    # kv_write_kernel: the q/k norm + RoPE kernel writes the new K/V into the caches
+    # (scattered rows, aliased buffers): no cache update outside it.
+    model = _abstract_model("qwen3-8b")
+    model = model.replace(options=model.options.replace(kv_write_kernel=True))
+    cache = jax.eval_shape(lambda: init_cache(model, batch, 256))
+    text = _lower(apply, model, jax.ShapeDtypeStruct((batch, tokens), jnp.int32), cache)
+    names = set(re.findall(r'name = "(jspec_[a-z_0-9]*)"', text))
+    assert "jspec_qk_norm_rope_kv" in names and "jspec_qk_norm_rope" not in names, names
+    assert "dynamic_update_slice" not in text and "stablehlo.scatter" not in text
+
+
 @pytest.mark.parametrize("batch,tokens", [(1, 1), (8, 5), (8, 9)])
 def test_split_row_tile_32_lowers_for_the_h200(batch, tokens):
     # attn_split_rows=32: a batch-8 verify block's 20 (gamma 4) or 36 (gamma 8) rows of a

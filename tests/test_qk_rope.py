@@ -84,6 +84,45 @@ def test_qk_norm_rope_bad_input():
         qk_norm_rope(qkv, qw, kw[:8], cos, sin, num_q=2, num_k=2, interpret=True)
 
 
+@pytest.mark.parametrize("B,T,hq,hk,d,S,lens,norm,offset,dtype", [
+    (1, 1, 4, 2, 64, 32, [5], True, 0.0, jnp.float32),
+    (3, 2, 4, 2, 64, 32, [0, 7, 30], True, 0.0, jnp.float32),  # the last at the end
+    (2, 5, 8, 2, 128, 40, [3, 11], False, 0.0, jnp.bfloat16),
+    (4, 1, 4, 1, 64, 16, [15, 0, 2, 9], True, 1.0, jnp.bfloat16),
+    (2, 9, 4, 2, 32, 20, [1, 11], True, 0.0, jnp.float32)])  # 18 tokens, 32 rows
+def test_qk_norm_rope_kv_writes_what_write_kv_writes(B, T, hq, hk, d, S, lens, norm, offset,
+                                                     dtype):
+    # kv_write_kernel: qk is qk_norm_rope's, and the caches get the k heads' results and
+    # the v heads at each sequence's length, bit for bit as write_kv puts them; padding
+    # rows are never written (they hold garbage here).
+    from jspec.cache import write_kv
+    from pallas_kernels.qk_rope import qk_norm_rope_kv
+
+    M = B * T
+    m = -(-M // 16) * 16
+    qkv, qw, kw, cos, sin = _inputs(m, hq, 2 * hk, d, dtype, seed=B + T, extra=0)
+    qw, kw = (qw, kw) if norm else (None, None)
+    rng = np.random.default_rng(1)
+    kb, vb = (jnp.asarray(rng.standard_normal((B, hk, S, d)), dtype) for _ in range(2))
+    lengths = jnp.asarray(lens, jnp.int32)
+    qk = qk_norm_rope(qkv, qw, kw, cos, sin, num_q=hq, num_k=hk, offset=offset,
+                      interpret=INTERPRET)
+    new = lambda x: x[:M].reshape(B, T, hk, d).transpose(0, 2, 1, 3)  # noqa: E731
+    want_k, want_v = write_kv(kb, new(qk[:, hq:]), lengths), write_kv(vb, new(qkv[:, hq + hk:]),
+                                                                       lengths)
+    got, k2, v2 = qk_norm_rope_kv(qkv, qw, kw, cos, sin, kb, vb, lengths, T=T, num_q=hq,
+                                  num_k=hk, offset=offset, interpret=INTERPRET)
+    for a, b in ((got, qk), (k2, want_k), (v2, want_v)):
+        assert np.array_equal(bits(a), bits(b))
+    # A position past the cache is not written (write_kv's caller guarantees none).
+    _, k3, _ = qk_norm_rope_kv(qkv, qw, kw, cos, sin, kb, vb, jnp.full((B,), S - 1, jnp.int32),
+                               T=T, num_q=hq, num_k=hk, offset=offset, interpret=INTERPRET)
+    np.testing.assert_array_equal(bits(k3[:, :, : S - 1]), bits(kb[:, :, : S - 1]))
+    with pytest.raises(ValueError, match="qk_norm_rope_kv wants k_buf"):
+        qk_norm_rope_kv(qkv, qw, kw, cos, sin, kb, vb[:, :, :4], lengths, T=T, num_q=hq,
+                        num_k=hk, interpret=True)
+
+
 # ------------------------------------------------------------------ the model
 
 # Llama 3 (no q/k norm) in the slow run: the kernel-level tests cover norm off.
@@ -128,6 +167,34 @@ def test_fused_qk_rope_has_fewer_kernels(case):
     assert fused["jspec_rope"] == 0 and fused["jspec_qk_norm_rope"] == L, fused
     qk_norms = 2 * L if model.config.qk_norm else 0
     assert plain["jspec_rmsnorm"] - fused["jspec_rmsnorm"] == qk_norms, (plain, fused)
+
+
+def test_kv_write_kernel_logits_and_caches_equal_default(case):
+    # The K/V written by the q/k kernel (kv_write_kernel): the same logits at prefill,
+    # one-token steps and verify blocks, and the same caches for a ragged batch.
+    model, seq = case
+    model = with_options(model, fuse_qk_rope=True)
+    fast = with_options(model, kv_write_kernel=True)
+    jaxpr = jax.make_jaxpr(apply)(fast.with_backend("pallas", interpret=False),
+                                  jnp.zeros((1, 2), jnp.int32), init_cache(fast, 1, MAX_LEN))
+    counts = eqn_counts(jaxpr.jaxpr)  # the kernel runs: one a layer, no other q/k kernel
+    assert counts["pallas_call:jspec_qk_norm_rope_kv"] == model.config.num_layers
+    assert counts["pallas_call:jspec_qk_norm_rope"] == 0
+    steps = parity.verify_schedule(N, 3, prefix=2, seed=5)
+    want = parity.schedule_logits(model, [seq], steps, MAX_LEN, seed=6)[0]
+    got = parity.schedule_logits(fast, [seq], steps, MAX_LEN, seed=6)[0]
+    assert np.array_equal(bits(got), bits(want))
+    toks = jnp.asarray(np.stack([seq[:5], seq[5:10]]))
+    cache = init_cache(model, 2, MAX_LEN)
+    _, cache = apply(model, toks[:, :3], cache)  # both rows at 3, then one more block
+    want = [apply(m, toks[:, 3:], jax.tree.map(jnp.copy, cache))
+            for m in (model, fast)]
+    (lw, cw), (lf, cf) = want
+    assert np.array_equal(bits(lf), bits(lw))
+    for a, b in zip(jax.tree.leaves(cf), jax.tree.leaves(cw), strict=True):
+        assert np.array_equal(bits(a), bits(b))
+    with pytest.raises(ValueError, match="kv_write_kernel=1 must be a bool"):
+        with_options(model, kv_write_kernel=1)
 
 
 @_GEMMA_BY_DEFAULT
