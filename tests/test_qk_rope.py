@@ -207,3 +207,27 @@ def test_all_speed_options_together_equal_default(case):
     want = parity.schedule_logits(model, [seq], steps, MAX_LEN, seed=6)[0]
     got = parity.schedule_logits(fast, [seq], steps, MAX_LEN, seed=6)[0]
     assert np.array_equal(bits(got), bits(want))
+
+
+@pytest.mark.slow  # a further case: the default run checks the kernel and the model's bits
+def test_kv_write_kernel_speculative_trees_equal_serial():
+    # End to end with the K/V written by the q/k kernel: chains and a draft tree (its
+    # tokens' K/V go in at the same slots) give serial greedy decoding's tokens, and
+    # serial's tokens are the default path's.
+    from conftest import expected, load
+
+    import jspec
+
+    base = load("qwen3", "pallas")
+    target = with_options(base, kv_write_kernel=True)
+    assert target.options.fuse_qk_rope  # else the option does nothing
+    p = expected("qwen3")["prompt"]
+    prompts = [p, p[:5]]
+    serial = jspec.generate(target, prompts, max_new_tokens=8)
+    default = jspec.generate(base, prompts, max_new_tokens=8)
+    np.testing.assert_array_equal(serial.tokens, default.tokens)
+    drafter = jspec.ModelDrafter(target)
+    for spec in (jspec.SpecConfig(gamma=3, max_new_tokens=8),
+                 jspec.SpecConfig(tree=jspec.TreeConfig(branching=(2, 1)), max_new_tokens=8)):
+        out = jspec.speculative_generate(target, drafter, prompts, spec)
+        assert [out.row(b) for b in range(2)] == [serial.row(b) for b in range(2)]
