@@ -16,6 +16,11 @@ Llama-style weight, the product with the weight rounded again), then the HF
 power-of-2 head_dim the result equals `rmsnorm` then `rope` bit for bit on the
 CPU (tests/test_qk_rope.py), and property P holds by construction either way:
 the tiling depends on head_dim and interpret mode only.
+
+`qk_norm_rope_kv` (`KernelOptions.kv_write_kernel`) runs the same programs over the v
+heads too and stores each k head's result and each v head's row into the K / V caches
+at the token's position (masked scattered row stores into the aliased buffers), so no
+cache update runs after it; a copy, so the caches hold `write_kv`'s bits.
 """
 
 from __future__ import annotations
