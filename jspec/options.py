@@ -141,6 +141,9 @@ class KernelOptions:
                      "moe_layout_kernel", "moe_combine_kernel", "kv_write_kernel"):
             if getattr(self, name) is not None:
                 _bool(name, getattr(self, name))
+        if self.kv_write_kernel and not self.fuse_qk_rope:
+            raise ValueError("kv_write_kernel=True writes the new K/V from the fused q/k "
+                             "norm + RoPE kernel: it needs fuse_qk_rope=True")
         if not isinstance(self.matmul_row_group, int) or self.matmul_row_group < 1:
             raise ValueError(f"matmul_row_group={self.matmul_row_group!r} must be an int >= 1")
         if self.attn_split is not None and (not isinstance(self.attn_split, int)
@@ -162,7 +165,7 @@ class KernelOptions:
     def plain(self) -> KernelOptions:
         """The same options with every fusion off (`FUSIONS`): the path each fusion is
         checked against, bit for bit."""
-        return self.replace(**dict.fromkeys(FUSIONS, False))
+        return self.replace(kv_write_kernel=None, **dict.fromkeys(FUSIONS, False))
 
 
 # The fusions: each gives the plain path's bits (tests/test_fused.py, test_pad_once.py,

@@ -195,6 +195,9 @@ def test_kv_write_kernel_logits_and_caches_equal_default(case):
         assert np.array_equal(bits(a), bits(b))
     with pytest.raises(ValueError, match="kv_write_kernel=1 must be a bool"):
         with_options(model, kv_write_kernel=1)
+    with pytest.raises(ValueError, match="kv_write_kernel=True .* needs fuse_qk_rope=True"):
+        with_options(model, fuse_qk_rope=False, kv_write_kernel=True)
+    assert fast.options.plain().kv_write_kernel is None
 
 
 @_GEMMA_BY_DEFAULT
