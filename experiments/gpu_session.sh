@@ -127,8 +127,9 @@
 #   against adaptive round shapes ($E2E_ADAPTIVE, default gammas 0,1,2,4) side by side,
 #   $E2E_DRAFTER (feature, or model with the draft $E2E_DRAFT, default qwen3-0.6b:1),
 #   oracle a = $E2E_ACCEPT (default 0.8), prompt 512, 128 new tokens, batches $E2E_BATCHES
-#   (default 1,8,16,32,64), the Qwen3-8B shape with 12 of its 36 layers (to fit ~5-8 min with a compile per shape and
-#   batch); the receipt's adaptive_stats say which shapes ran. chunk_cost:
+#   (default 1,8,16,32,64), the Qwen3-8B shape with 12 of its 36 layers ($E2E_TARGET, e.g.
+#   qwen3-8b for all 36; 12 fit ~5-8 min with a compile per shape and batch); the receipt's
+#   adaptive_stats say which shapes ran. chunk_cost:
 #   tuning/chunk_cost.py at the same shape, batches $CHUNK_BATCHES (default 1,32,64): each
 #   round shape's seconds against a chunk's rounds, and the engine's own probes after
 #   warm_up (~80 s).
@@ -360,7 +361,7 @@ for s in $steps; do
               --batch_shapes="1:model/;1:feature/;1:feature/spine:8:4,3,3,2,2,1,1,0;8:feature/" \
               --serial_backends=pallas --iters=2 --out="$OUT" --tag=h200_session \
               2>&1 | quiet | grep -v "it/s" | tail -40 ;;
-    e2e_batch) timeout "${E2E_S:-540}" python3 experiments/bench_e2e.py --target=qwen3-8b:12 \
+    e2e_batch) timeout "${E2E_S:-540}" python3 experiments/bench_e2e.py --target="${E2E_TARGET:-qwen3-8b:12}" \
               --draft="${E2E_DRAFT:-qwen3-0.6b:1}" --drafter="${E2E_DRAFTER:-feature}" \
               --batches="${E2E_BATCHES:-1,8,16,32,64}" --prompt_len=512 --max_new_tokens=128 \
               --gammas=4 --accept="${E2E_ACCEPT:-0.8}" \
