@@ -30,8 +30,9 @@ largest, and between chunks of rounds the host picks the next chunk's shape:
   lock in. `Adaptive.costs` (seconds per round measured by an earlier run at the same
   batch and context, e.g. its `stats["adaptive"]["measured_s_per_round"]`, which also
   holds the chunk overhead) starts those shapes measured, so a run that repeats a
-  measured setting begins on its best shape instead of probing; the costs stay on the
-  host and never reach a compiled program.
+  measured setting skips the probes (its first chunk, before any acceptance is seen, is
+  the largest chain: it measures every position); the costs stay on the host and never
+  reach a compiled program.
 
 Every shape is exact (the verify logits are serial decoding's), so the choice changes
 speed only, never the output. `choose` is the pure decision; `Controller` keeps the
@@ -344,6 +345,9 @@ class Controller:
         if unmeasured:  # probe: the largest chain first, then the others
             chains = [s for s in unmeasured if not isinstance(s, TreeConfig)]
             return max(chains) if chains else unmeasured[0]
+        chains = [s for s in self.shapes if not isinstance(s, TreeConfig)]
+        if chains and not self.trials.any():  # no acceptance seen: measure every position
+            return max(chains)
         acc, costs = self.acceptance(), self.costs()
         best = choose(acc, costs, self.shapes)
         stale = min(self.shapes, key=lambda s: self.last_run[s])

@@ -302,8 +302,9 @@ def test_a_near_tie_keeps_the_last_shape():
 
 
 def test_measured_costs_start_a_run_without_probes():
-    # Costs an earlier run measured: no 1-round probes, the first chunk is the choice's
-    # (a full chunk), and the costs never reach the compiled config (SpecConfig.static).
+    # Costs an earlier run measured: no 1-round probes; the first chunk, before any
+    # acceptance is seen, is the largest chain (it measures every position; a full
+    # chunk), then the choice's; the costs never reach the compiled config.
     costs = {"decode": 0.010, "gamma1": 0.011, "gamma4": 0.013}
     ad = jspec.Adaptive(gammas=(0, 1, 4), chunk_rounds=8, costs=costs)
     assert ad.costs == (("decode", 0.01), ("gamma1", 0.011), ("gamma4", 0.013))
@@ -311,8 +312,16 @@ def test_measured_costs_start_a_run_without_probes():
     assert ctl.costs() == {0: pytest.approx(0.010), 1: pytest.approx(0.011),
                            4: pytest.approx(0.013)}
     first = ctl.pick()
-    assert first == choose(ctl.acceptance(), ctl.costs(), ctl.shapes)
-    assert ctl.chunk_limit(first) == 8  # not a probe
+    assert first == 4 and ctl.chunk_limit(first) == 8  # not a probe
+    # Even where the prior acceptance (0.5) would choose decode: the largest chain first.
+    dear = Controller(jspec.Adaptive(gammas=(0, 1, 4),
+                                     costs=costs | {"gamma1": 0.02, "gamma4": 0.03}), 2, 64)
+    assert choose(dear.acceptance(), dear.costs(), dear.shapes) == 0 and dear.pick() == 4
+    snap = lambda step: {"step": step, "num": np.zeros(2), "accepted": np.zeros(2),  # noqa: E731
+                         "rounds_live": np.full(2, step), "accepted_at": np.zeros((2, 4)),
+                         "done": np.zeros(2, bool)}
+    dear.record(4, snap(0), snap(8), seconds=0.1, compiled=False)  # nothing accepted
+    assert dear.pick() == choose(dear.acceptance(), dear.costs(), dear.shapes) == 0
     assert Controller(jspec.Adaptive(gammas=(0, 1, 4)), 2, 64).chunk_limit(4) == 1  # probes
     spec = jspec.SpecConfig(adaptive=ad)
     assert spec.static() == jspec.SpecConfig(adaptive=jspec.Adaptive(gammas=(0, 1, 4),
