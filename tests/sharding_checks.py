@@ -122,6 +122,10 @@ def check_matrix(args):
     from jspec import sharding
 
     model = _load(args.family, args.dtype)
+    if args.options:  # e.g. kv_write_kernel=1: the matrix with that option on
+        from jspec.cli import with_option_string
+
+        model = with_option_string(model, args.options)
     seq = _seq(args.family, args.n)
     out = {}
     one = None
@@ -493,6 +497,7 @@ def main():
     ap.add_argument("--full", action="store_true")
     ap.add_argument("--n", type=int, default=16)
     ap.add_argument("--preset", default="tiny-qwen3")
+    ap.add_argument("--options", default="", help="matrix: a jspec.cli option string")
     args = ap.parse_args()
     if args.check in ("matrix", "spec"):
         args.family = args.rest[0]

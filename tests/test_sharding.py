@@ -39,6 +39,14 @@ def test_property_p_holds_within_each_degree(family, dtype, tps, full):
         assert all(n == 0 for n, _ in res["found"].values()), (tp, res)
 
 
+@pytest.mark.slow  # a further case: the option's bits on one device are the default's
+def test_kv_write_kernel_keeps_p_and_one_devices_bits_at_tp_2():
+    # The q/k kernel writes each shard's K/V heads into its own cache shard.
+    found = run("matrix", "qwen3", "bfloat16", "2", "--options", "kv_write_kernel=1")
+    assert len(found["2"]["found"]) >= 4
+    assert all(n == 0 for n, _ in found["2"]["found"].values()), found
+
+
 @pytest.mark.parametrize("dtype,preset,full", [
     ("float32", "tiny-qwen3", False),
     pytest.param("bfloat16", "tiny-qwen3", True, marks=slow),
