@@ -802,6 +802,12 @@ def main(argv):
         print(f"receipt: {bench.stem()}.json, plots: {bench.stem()}_*.png")
 
 
+def _host_ms(row: dict) -> str:
+    """The run's time between its loop calls, ms (its timeline; receipts before it: -)."""
+    tl = row.get("timeline")
+    return "-" if not tl else f"{(tl['loop_s'] - tl['calls_s']) * 1e3:.1f}"
+
+
 def _sm(row: dict) -> str:
     """The row's median SM clock (MHz) as sampled by GpuMonitor, or '-'."""
     sm = row.get("gpu", {}).get("sm_mhz")
@@ -821,7 +827,8 @@ def print_tables(rep: dict) -> None:
               f"{'-' if frac is None else f'{frac:.2f}':>5s} {_sm(r):>6s}")
     print(f"\n{'B':>3s} {'drafter':8s} {'draft':8s} {'shape':24s} {'oracle':>6s} "
           f"{'accept':>6s} {'tok/step':>8s} {'tok/s':>9s} {'speedup':>7s} {'decode':>6s} "
-          f"{'SM MHz':>6s} parity   (decode: the speedup after the prefills)")
+          f"{'SM MHz':>6s} {'host ms':>7s} parity   (decode: the speedup after the prefills; "
+          "host: the loop's time between its calls)")
     for r in rep["speculative"]:
         oa = "-" if r["oracle_accept"] is None else f"{r['oracle_accept']:.1f}"
         shape = f"tree {r['tree']}" if r.get("tree") else f"gamma {r['gamma']}"
@@ -832,7 +839,8 @@ def print_tables(rep: dict) -> None:
         print(f"{r['batch']:3d} {r['drafter']:8s} {r.get('draft_kind', 'model'):8s} "
               f"{shape:24s} {oa:>6s} {r['acceptance']:6.3f} "
               f"{r['tokens_per_target_step']:8.2f} {r['tokens_per_s']:9.1f} {r['speedup']:7.2f} "
-              f"{_fmt(r.get('decode_speedup')):>6s} {_sm(r):>6s} {r['parity']}")
+              f"{_fmt(r.get('decode_speedup')):>6s} {_sm(r):>6s} {_host_ms(r):>7s} "
+              f"{r['parity']}")
     peers = rep["peers"]
     if peers.get("skipped"):
         print(f"\npeers: skipped ({peers['skipped']})")

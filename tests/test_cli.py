@@ -192,6 +192,12 @@ def test_bench_e2e_smoke(tmp_path):
                and s["decode_s_per_round"] > 0 for s in rep["speculative"])
     # Each timed row says what the GPU ran at; a CPU run says there was nothing to read.
     assert all("gpu" in s for s in rep["serial"] + rep["speculative"])
+    # Where each run's time went: every loop call, inside the loop's time.
+    for s in rep["speculative"]:
+        tl = s["timeline"]
+        assert tl["calls"] and 0 < tl["calls_s"] <= tl["loop_s"]
+    assert all(s["generate_stats"]["timeline"]["calls"] for s in rep["serial"])
+    assert "host ms" in r.stdout
     # The adaptive rows (the timed runs start from the warm-up's measured costs).
     adapt = [s for s in rep["speculative"] if s.get("adaptive")]
     assert adapt and all(s["parity"] and s["adaptive_costs_from_warmup"] for s in adapt)
