@@ -66,10 +66,16 @@ def build(c) -> text.TextPipeline:
     else:
         target_path, draft_path = jspec.default_pair()
         draft_path = c.draft or draft_path
-        if c.drafter in ("auto", "feature") and not head and not c.draft:
+        auto_model = c.drafter == "auto" and c.draft_head  # a head to prune: the draft model
+        if c.drafter in ("auto", "feature") and not head and not c.draft and not auto_model:
             head = default_head()  # the pair's feature head: the better drafter of the two
         print(f"[no target given: the embedded code pair, {os.path.dirname(target_path)}]")
     draft_backend = c.draft_backend or c.backend
+    if c.draft_head and (c.drafter == "prompt_lookup"
+                         or (head and c.drafter in ("auto", "feature"))):
+        kind = "prompt lookup" if c.drafter == "prompt_lookup" else "a feature head"
+        raise app.UsageError(f"--config.draft_head prunes a draft model's LM head; the "
+                             f"drafter here is {kind}: use --config.drafter=model")
     if head and c.drafter in ("auto", "feature"):
         return text.load_text(target_path, head=head, dtype=c.dtype, backend=c.backend,
                               draft_backend=draft_backend)

@@ -160,6 +160,10 @@ def test_speculative_cli_with_a_pruned_draft_head(tmp_path):
     bad = _run("speculative_decode.py", f"--config={ROOT}/configs/speculative.py:runlocal",
                f"--config.draft_head={tmp_path}/missing.npy")
     assert bad.returncode != 0 and "no such file" in bad.stderr
+    # A head to prune but a drafter without one: an error, not a silently unused flag.
+    bad = _run("speculative_decode.py", f"--config={ROOT}/configs/speculative.py:runlocal",
+               f"--config.draft_head={corpus}", "--config.drafter=feature")
+    assert bad.returncode != 0 and "use --config.drafter=model" in bad.stderr
 
 
 @pytest.mark.slow  # a further case of a property the default run proves
