@@ -42,17 +42,22 @@ def _kernel(x_ref, qw_ref, kw_ref, cos_ref, sin_ref, o_ref, *, half: int, d: int
             offset: float, num_q: int, norm: bool):
     # x_ref, o_ref [bm, 2*half]: one head; qw_ref, kw_ref [1, 2*half] (q weight, k weight);
     # cos_ref, sin_ref [bm, half] f32.
-    y1, y2 = _normed_rotated(x_ref, qw_ref, kw_ref, cos_ref, sin_ref, o_ref.dtype,
-                             pl.program_id(1) < num_q, half=half, d=d, eps=eps, offset=offset,
-                             norm=norm)
-    o_ref[:, :half] = y1
-    o_ref[:, half:] = y2
+    dtype = o_ref.dtype
+    x1, x2 = _normed(x_ref, qw_ref, kw_ref, dtype, lambda: pl.program_id(1) < num_q,
+                     half=half, d=d, eps=eps, offset=offset, norm=norm)
+    c = cos_ref[...]
+    s = sin_ref[...]
+    o_ref[:, :half] = (x1 * c - x2 * s).astype(dtype)
+    o_ref[:, half:] = (x2 * c + x1 * s).astype(dtype)
 
 
-def _normed_rotated(x_ref, qw_ref, kw_ref, cos_ref, sin_ref, dtype, is_q, *, half: int,
-                    d: int, eps: float, offset: float, norm: bool):
-    """One head's two halves [bm, half] each, normed (with the q weight where is_q, else
-    the k weight) and rotated (dtype): the kernels' one arithmetic."""
+def _normed(x_ref, qw_ref, kw_ref, dtype, is_q, *, half: int, d: int, eps: float,
+            offset: float, norm: bool):
+    """One head's two halves [bm, half] in f32, normed (with the q weight where is_q(),
+    else the k weight; none without norm), before the rotation: the kernels' one
+    arithmetic. `_kernel` keeps its own order of ops around it (is_q called where its
+    test sits, each half rotated and stored in turn): its device code is the one the
+    H200 proofs hold for."""
     x1 = x_ref[:, :half].astype(jnp.float32)
     x2 = x_ref[:, half:].astype(jnp.float32)
     if norm:
@@ -60,6 +65,7 @@ def _normed_rotated(x_ref, qw_ref, kw_ref, cos_ref, sin_ref, dtype, is_q, *, hal
         acc = jnp.zeros(xs.shape, jnp.float32) + xs * xs
         ms = jnp.sum(acc, axis=1, keepdims=True) / jnp.float32(d)  # [bm, 1]
         inv = lax.rsqrt(ms + jnp.float32(eps))
+        is_q = is_q()
 
         def scaled(xh, cols):  # elementwise, exactly as rmsnorm's scaling pass
             ws = jnp.where(is_q, qw_ref[:, cols], kw_ref[:, cols]).astype(jnp.float32)  # [1, half]
@@ -70,9 +76,7 @@ def _normed_rotated(x_ref, qw_ref, kw_ref, cos_ref, sin_ref, dtype, is_q, *, hal
 
         x1 = scaled(x1, pl.ds(0, half))
         x2 = scaled(x2, pl.ds(half, half))
-    c = cos_ref[...]
-    s = sin_ref[...]
-    return (x1 * c - x2 * s).astype(dtype), (x2 * c + x1 * s).astype(dtype)
+    return x1, x2
 
 
 def _cache_rows(lengths_ref, first_row: int, bm: int, *, T: int, M: int, S: int, heads: int,
@@ -117,8 +121,12 @@ def _kv_kernel(x_ref, qw_ref, kw_ref, cos_ref, sin_ref, len_ref, kin_ref, vin_re
 
     @pl.when(j < nqk)
     def _():
-        y1, y2 = _normed_rotated(x_ref, qw_ref, kw_ref, cos_ref, sin_ref, o_ref.dtype,
-                                 is_q, half=half, d=d, eps=eps, offset=offset, norm=norm)
+        dtype = o_ref.dtype
+        x1, x2 = _normed(x_ref, qw_ref, kw_ref, dtype, lambda: is_q, half=half, d=d,
+                         eps=eps, offset=offset, norm=norm)
+        c = cos_ref[...]
+        s = sin_ref[...]
+        y1, y2 = (x1 * c - x2 * s).astype(dtype), (x2 * c + x1 * s).astype(dtype)
         o_ref[:, :half] = y1
         o_ref[:, half:] = y2
 
