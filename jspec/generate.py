@@ -289,11 +289,11 @@ def generate(model: Model, prompts, *, max_new_tokens: int, sampler=GREEDY,
     calls = []  # [steps, seconds] of each call of the loop, as the host timed it
 
     def run(s, stop):
-        before, t = int(stop), time.perf_counter()
+        t = time.perf_counter()
         s = jax.block_until_ready(decode_loop(model, s, seed, stop,
                                               max_new_tokens=max_new_tokens,
                                               sampler=sampler, stop_tokens=stop_tokens))
-        calls.append([before, time.perf_counter() - t])
+        calls.append([int(stop), time.perf_counter() - t])  # the call's stop, for now
         return s
 
     with token_bar(progress, B * max_new_tokens, "generate") as update:
@@ -306,7 +306,8 @@ def generate(model: Model, prompts, *, max_new_tokens: int, sampler=GREEDY,
     raise_non_finite(state.bad, state.bad_at, "serial decoding", model.config.num_layers)
     num = np.asarray(state.num)
     stats = _stats(num, tokens, max_len, t1 - t0, t2 - t1)
-    steps = [0] + [min(c[0], int(state.step)) for c in calls]  # each call's stop -> steps
+    last = int(state.step)  # each call's stop -> the steps it ran
+    steps = [0] + [min(c[0], last) for c in calls]
     calls = [[b - a, c[1]] for a, b, c in zip(steps[:-1], steps[1:], calls, strict=True)]
     stats["timeline"] = {"prefill_s": t1 - t0, "loop_s": t2 - t1,
                          "calls_s": float(sum(c[1] for c in calls)), "calls": calls}
