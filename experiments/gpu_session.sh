@@ -72,7 +72,10 @@
 #   "--context=32768 --max_len=40960": generate's bucketed cache at a 32K prompt);
 #   $PROF_ROUNDS (e.g. 4; PROF_TS= skips the steps) adds speculative rounds of those
 #   gammas with the feature head and without a drafter (`--round`, `--nodraft`; 0: an
-#   adaptive run's plain decode rounds, `--decode_round`).
+#   adaptive run's plain decode rounds, `--decode_round`; serial: serial decoding's own
+#   loop, `--serial_loop`). What a loop adds to a step, e.g. `PROF_PRESET=qwen3-8b
+#   PROF_LAYERS=12 PROF_BATCH=64 PROF_TS=1 PROF_ROUNDS=0,serial profile`, then again with
+#   XLA_FLAGS=--xla_gpu_enable_command_buffer= and PROF_TAG=nocmdbuf.
 # - e2e_context: bench_e2e.py at the Llama-3-8B shape (32 layers), batch 1, prompts of
 #   $CTX_LENS tokens (default 32768; 131072 wants a call of its own: each of its four
 #   prefills takes ~83 s), feature head at a = 0.8 / 0.9 against serial, parity checked
@@ -389,6 +392,12 @@ for s in $steps; do
               ${PROF_LAYERS:+--layers=$PROF_LAYERS} ${PROF_FLAGS:-} \
               --tag="h200_B${PROF_BATCH:-1}_T$t${PROF_TAG:+_$PROF_TAG}" --out="$OUT" 2>&1 | quiet | tail -34; done
             for g in ${PROF_ROUNDS//,/ }; do  # speculative rounds, with and without the head
+              if [ "$g" = serial ]; then  # serial decoding's loop
+                timeout "${PROF_S:-150}" python3 experiments/tuning/profile_step.py \
+                --preset="$PROF_PRESET" --serial_loop --batch="${PROF_BATCH:-1}" \
+                ${PROF_LAYERS:+--layers=$PROF_LAYERS} ${PROF_FLAGS:-} \
+                --tag="h200_B${PROF_BATCH:-1}_serial${PROF_TAG:+_$PROF_TAG}" \
+                --out="$OUT" 2>&1 | quiet | tail -24; continue; fi
               for d in draft nodraft; do
                 timeout "${PROF_S:-150}" python3 experiments/tuning/profile_step.py \
                 --preset="$PROF_PRESET" "$([ "$g" = 0 ] && echo --decode_round || echo --round="$g")" \

@@ -28,7 +28,10 @@ the round less the drafter). The oracle's reference tokens are random, so no dra
 accepted; a round's shapes, and so its cost, do not depend on acceptance.
 --decode_round profiles an adaptive run's plain decode rounds instead (`Adaptive`'s
 gamma 0: a one-token verify, the head's tokens waiting in `catch_up` blocks): what a
-decode round adds to a forward step.
+decode round adds to a forward step. --serial_loop profiles serial decoding's own loop
+(`jspec.generate.decode_loop`, greedy, STEP_REPS steps, the loop's stop read on the device
+each step as in `jspec.generate`): what its loop adds to a forward step, beside a decode
+round's.
 """
 
 from __future__ import annotations
@@ -53,7 +56,10 @@ from jspec.cache import init_cache
 from jspec.chunked_prefill import prefill_jit
 from jspec.cli import options_record, with_option_string
 from jspec.feature_head import random_head
+from jspec.generate import decode_loop, init_state
+from jspec.generate import prefill as generate_prefill
 from jspec.random_model import PRESETS, random_model
+from jspec.sampling import with_lowering
 from jspec.speculative import _setup as spec_setup
 from jspec.speculative import prefill as spec_prefill
 from jspec.speculative import shape_spec, spec_loop
@@ -82,6 +88,8 @@ _HEAD_VOCAB = flags.DEFINE_integer("head_vocab", 32768, "with --round: the head'
                                    "vocabulary (0: the target's; bench_e2e.py's default)")
 _DECODE_ROUND = flags.DEFINE_bool("decode_round", False, "profile an adaptive run's plain "
                                   "decode rounds (gamma 0) instead of a step")
+_SERIAL_LOOP = flags.DEFINE_bool("serial_loop", False, "profile serial decoding's loop "
+                                 "(jspec.generate's decode_loop) instead of a step")
 
 
 def round_program(model, B: int, C: int, gamma: int, rng):
@@ -115,6 +123,29 @@ def round_program(model, B: int, C: int, gamma: int, rng):
     return loop, make, max_len
 
 
+def serial_program(model, B: int, C: int, rng):
+    """(compiled decode_loop, args maker, max_len): STEP_REPS greedy steps of serial
+    decoding after a prefill of C random tokens a row, as `jspec.generate` runs them (a
+    while loop whose stop is read on the device each step); make() gives fresh arguments
+    (the loop donates its state)."""
+    V = model.config.vocab_size
+    N = STEP_REPS + 8  # the loop stops at `stop`, before max_new_tokens
+    max_len = C + N + 16
+    prompt = jnp.asarray(rng.integers(0, V, (B, C)).astype(np.int32))
+    cache = init_cache(model, B, max_len)
+    cache, cur, flags = generate_prefill(model, prompt, jnp.full((B,), C, jnp.int32), cache)
+    state = init_state(cache, cur, N, flags)
+    seed, stop = jnp.int32(0), jnp.int32(STEP_REPS)
+    sampler = with_lowering(jspec.Greedy(), model.options.lowering)  # as generate's
+    kw = dict(max_new_tokens=N, sampler=sampler, stop_tokens=())
+    loop = decode_loop.lower(model, state, seed, stop, **kw).compile()
+
+    def make():
+        return (model, jax.block_until_ready(jax.tree.map(jnp.copy, state)), seed, stop)
+
+    return loop, make, max_len
+
+
 def round_seconds(loop, make, iters: int) -> float:
     """Median seconds of one chunk of STEP_REPS rounds (the state's copy outside the clock)."""
     times = []
@@ -144,9 +175,15 @@ def main(argv):
     max_len = _MAX_LEN.value or C + T + 16
     if max_len < C + T:
         raise app.UsageError(f"--max_len={max_len} must hold --context + --T = {C + T}")
-    if _ROUND.value and _DECODE_ROUND.value:
-        raise app.UsageError("--round and --decode_round: pick one")
-    if _ROUND.value or _DECODE_ROUND.value:
+    if sum(map(bool, (_ROUND.value, _DECODE_ROUND.value, _SERIAL_LOOP.value))) > 1:
+        raise app.UsageError("--round, --decode_round and --serial_loop: pick one")
+    if _SERIAL_LOOP.value:
+        steps, make, max_len = serial_program(model, B, C, rng)
+        T = 1
+        step_s = round_seconds(steps, make, iters=5) / STEP_REPS
+        args = make()
+        run = lambda: jax.block_until_ready(steps(*args))  # noqa: E731
+    elif _ROUND.value or _DECODE_ROUND.value:
         steps, make, max_len = round_program(model, B, C, _ROUND.value, rng)
         T = _ROUND.value + 1  # the verify block
         step_s = round_seconds(steps, make, iters=5) / STEP_REPS
@@ -179,6 +216,7 @@ def main(argv):
         "date": time.strftime("%Y-%m-%d %H:%M:%S"), "device": jax.devices()[0].device_kind,
         "jax": jax.__version__, "preset": _PRESET.value, "layers": cfg.num_layers,
         "batch": B, "T": T, "context": C, "max_len": max_len, "dtype": _DTYPE.value,
+        "serial_loop": _SERIAL_LOOP.value,
         "round": (_ROUND.value or _DECODE_ROUND.value) and {
             "gamma": _ROUND.value, "draft": "feature head" if _DRAFT.value else None,
             "head_vocab": min(_HEAD_VOCAB.value or cfg.vocab_size, cfg.vocab_size)},
@@ -187,7 +225,8 @@ def main(argv):
         "copies": copy_sources(hlo)}  # what the memcpy kernels may be
     out = write_receipt(_OUT.value, f"profile_step_{_PRESET.value}", _TAG.value, report)
     what = (f"round of gamma {_ROUND.value} ({'head' if _DRAFT.value else 'no draft'})"
-            if _ROUND.value or _DECODE_ROUND.value else "step")
+            if _ROUND.value or _DECODE_ROUND.value
+            else "step of serial decoding's loop" if _SERIAL_LOOP.value else "step")
     print(f"{_PRESET.value} ({cfg.num_layers} layers), B={B} T={T} context {C} of {max_len}, "
           f"{_BACKEND.value}: {what} {step_s * 1e3:.3f} ms timed; traced per {what.split()[0]}: "
           f"{summary.get('events_per_step', 0):.0f} device events, busy "
