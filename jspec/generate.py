@@ -205,6 +205,11 @@ def plan_shapes(longest: int, extra: int, max_len: int | None, max_position: int
     kept (the prompt bucket then stays within it); bad sizes raise ValueError."""
     need = longest + extra
     if max_len is None:
+        if need > max_position:
+            raise ValueError(f"the longest prompt ({longest} tokens) + {extra} positions after "
+                             f"it (max_new_tokens, and a speculative run's verify block) = "
+                             f"{need} exceeds the model's max_position_embeddings "
+                             f"({max_position})")
         padded = bucket(longest)
         max_len = bucket(padded + extra, cap=max_position)
         if max_len < padded + extra:  # at the model's limit: no padding

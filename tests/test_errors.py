@@ -22,6 +22,10 @@ def test_prompt_longer_than_cache():
     model = load("qwen3", "xla")
     with pytest.raises(ValueError, match="exceeds max_len"):
         jspec.generate(model, [np.arange(30)], max_new_tokens=8, max_len=32)
+    P = model.config.max_position  # no max_len given: the model's positions bound the run
+    with pytest.raises(ValueError, match=rf"\(30 tokens\) \+ {P} positions .* exceeds the "
+                       rf"model's max_position_embeddings \({P}\)"):
+        jspec.generate(model, [np.arange(30)], max_new_tokens=P)
     cache = jspec.init_cache(model, 1, 16)
     with pytest.raises(ValueError, match="exceeds the cache max_len 16"):
         jspec.forward(model, np.zeros((1, 17), np.int32), cache)
