@@ -778,6 +778,17 @@ def main(argv):
         return
     if _DRAFT_HEAD.value < 0:
         raise app.UsageError(f"--draft_head must be >= 0; got {_DRAFT_HEAD.value}")
+    try:
+        accepts = [float(a) for a in _ACCEPT.value]
+        ranks = [float(r) for r in _RANK_PROBS.value]
+    except ValueError as e:
+        raise app.UsageError(f"--accept and --rank_probs take numbers: {e}") from None
+    if not all(0 <= a <= 1 for a in accepts) or not all(r >= 0 for r in ranks):
+        raise app.UsageError(f"--accept values must lie in [0, 1] and --rank_probs be >= 0; "
+                             f"got {accepts}, {ranks}")
+    if any(_TREE.value.split(";")) and max(accepts) + sum(ranks) > 1 + 1e-6:
+        raise app.UsageError(f"trees: --accept ({max(accepts)}) + --rank_probs ({sum(ranks)}) "
+                             "exceed 1 (the probabilities that rank 0, 1, .. hold the truth)")
     if _STOPS.value < 0 or (_STOPS.value and _PEERS.value):
         raise app.UsageError(f"--stops must be >= 0, and the peers make every row's "
                              f"max_new_tokens (add --nopeers); got --stops={_STOPS.value}")

@@ -535,6 +535,27 @@ def _validate(target: Model, drafter, spec: SpecConfig) -> None:
             raise ValueError(f"stop token {t} is out of range [0, {target.config.vocab_size})")
 
 
+def _check_oracle(drafter: OracleDrafter) -> None:
+    """An oracle's reference is [B, R] integer ids; its probabilities lie in [0, 1]."""
+    ref = drafter.reference
+    if getattr(ref, "ndim", None) != 2 or not np.issubdtype(np.dtype(ref.dtype), np.integer):
+        raise ValueError(f"OracleDrafter.reference must be a [B, R] integer array (each "
+                         f"row's prompt and serial output); got "
+                         f"{type(ref).__name__} {getattr(ref, 'shape', '')} "
+                         f"{getattr(ref, 'dtype', '')}")
+    p = np.asarray(drafter.corrupt_prob)
+    numeric = np.issubdtype(p.dtype, np.floating) or np.issubdtype(p.dtype, np.integer)
+    if p.ndim != 0 or not numeric or not 0 <= float(p) <= 1:
+        raise ValueError(f"OracleDrafter.corrupt_prob={drafter.corrupt_prob!r} must be a "
+                         "probability in [0, 1]")
+    if drafter.rank_probs is not None:
+        r = np.asarray(drafter.rank_probs, np.float64)
+        if r.ndim != 1 or r.size == 0 or not np.all(np.isfinite(r)) or np.any(r < 0) \
+                or r.sum() > 1 + 1e-6:
+            raise ValueError(f"OracleDrafter.rank_probs={drafter.rank_probs!r} must be a "
+                             "non-empty 1-D list of probabilities summing to at most 1")
+
+
 def _setup(target, drafter, prompts, spec, max_len):
     """Checks a run's arguments -> (tokens, lens, max_len, spec with the policy's top-p
     lowering resolved to the target's: `jspec.sampling.with_lowering`)."""
@@ -551,6 +572,7 @@ def _setup(target, drafter, prompts, spec, max_len):
         raise ValueError(f"PromptLookupDrafter(max_ngram={drafter.max_ngram}) exceeds the "
                          f"cache max_len={max_len}: no n-gram that long fits the history")
     if isinstance(drafter, OracleDrafter):
+        _check_oracle(drafter)
         R = drafter.reference.shape
         if R[0] != tokens.shape[0] or R[1] < int(lens.max()) + spec.max_new_tokens:
             raise ValueError(f"OracleDrafter.reference has shape {R}; need [B={tokens.shape[0]}, "

@@ -221,6 +221,11 @@ def test_bench_e2e_smoke(tmp_path):
     assert bad.returncode != 0 and "exceeds the draft's vocabulary (512)" in bad.stderr
     bad = _run("bench_e2e.py", "--target=tiny-qwen3", "--stops=2", f"--out={tmp_path}")
     assert bad.returncode != 0 and "add --nopeers" in bad.stderr
+    bad = _run("bench_e2e.py", "--accept=0.9", "--rank_probs=0.2", "--tree=3,2", "--nopeers",
+               f"--out={tmp_path}")
+    assert bad.returncode != 0 and "exceed 1" in bad.stderr
+    bad = _run("bench_e2e.py", "--accept=x", "--nopeers", f"--out={tmp_path}")
+    assert bad.returncode != 0 and "take numbers" in bad.stderr
 
 
 @pytest.mark.slow  # an experiment script's run; its engine calls are the default run's

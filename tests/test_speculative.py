@@ -180,6 +180,15 @@ def test_bad_speculative_configs_get_clear_errors():
     with pytest.raises(ValueError, match="OracleDrafter.reference has shape"):
         jspec.speculative_generate(target, jspec.OracleDrafter(jnp.zeros((3, 5), jnp.int32)),
                                    p, jspec.SpecConfig())
+    ref = jnp.zeros((len(p), 200), jnp.int32)
+    for bad, what in [(dict(reference=ref[0]), "reference must be a \\[B, R\\] integer"),
+                      (dict(reference=ref.astype(jnp.float32)), "integer array"),
+                      (dict(corrupt_prob=1.5), "corrupt_prob=1.5"),
+                      (dict(corrupt_prob=float("nan")), "corrupt_prob=nan"),
+                      (dict(rank_probs=[0.8, 0.3]), "summing to at most 1")]:
+        with pytest.raises(ValueError, match=what):
+            jspec.speculative_generate(target, jspec.OracleDrafter(**({"reference": ref} | bad)),
+                                       p, jspec.SpecConfig())
     with pytest.raises(ValueError, match="exceeds max_len"):
         jspec.speculative_generate(target, jspec.PromptLookupDrafter(), p,
                                    jspec.SpecConfig(max_new_tokens=8), max_len=16)
