@@ -142,6 +142,11 @@ def main(argv):
     if _CHECK.value is not None:
         c.check_parity = _CHECK.value
     prompts = cli.config_prompts(c)
+    cli.check_output(c.output)
+    if isinstance(c.timing_runs, bool) or not isinstance(c.timing_runs, int) \
+            or c.timing_runs < 1:
+        raise ValueError(f"timing_runs={c.timing_runs!r} must be an integer >= 1 (timed runs "
+                         "per prompt, speculative and serial: the median is shown)")
     policy = cli.config_policy(c)
     adaptive = cli.parse_adaptive(c.get("adaptive", ""), parse_tree(c.get("tree", "")))
     jspec.SpecConfig(gamma=c.gamma, policy=policy, max_new_tokens=c.max_new_tokens,

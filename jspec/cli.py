@@ -232,6 +232,20 @@ def config_prompts(c) -> list:
     return [as_chat(c.prompt) if c.get("chat", False) else c.prompt]
 
 
+def check_output(path: str) -> None:
+    """A text entry point's `--config.output` (a .jsonl file written after each prompt):
+    checked before anything loads or runs, so a bad path costs no generation."""
+    if not path:
+        return
+    if os.path.isdir(path):
+        raise ValueError(f"output {path!r} is a directory; give a file, e.g. out.jsonl")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise ValueError(f"output {path!r}: the directory {parent!r} does not exist")
+    if not os.access(parent, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise ValueError(f"output {path!r} is not writable")
+
+
 def show_prompt(prompt) -> str:
     """A prompt as printed before its continuation: a string as it is; a chat as its
     messages, one "[role] content" line each, and "[assistant] " for the reply."""

@@ -114,6 +114,11 @@ def test_more_cli_errors_are_one_line(tmp_path):
     _one_line_error(_run(*_SPEC, "--config.gamma=100"), "MAX_GAMMA")
     _one_line_error(_run(*_GEN, f"--config.prompts={tmp_path}/missing.txt"), "does not exist")
     _one_line_error(_run(*_GEN, "--config.chat=True"), "no chat template")  # the code pair
+    # An output path that cannot be written, or no timed runs: before anything runs.
+    _one_line_error(_run(*_GEN, f"--config.output={tmp_path}/no/dir/out.jsonl"),
+                    "does not exist")
+    _one_line_error(_run(*_SPEC, f"--config.output={tmp_path}"), "is a directory")
+    _one_line_error(_run(*_SPEC, "--config.timing_runs=0"), "timing_runs=0")
 
 
 def test_parity_audit_checks_its_flags_before_loading(tmp_path):
