@@ -38,6 +38,7 @@ import numpy as np
 from absl import app, flags
 
 import jspec
+from jspec.bench import flag_checks
 from jspec.bench.receipts import write_receipt
 from jspec.bench.timing import copy_bandwidth
 from jspec.cli import options_record, with_option_string
@@ -60,6 +61,9 @@ _OPTIONS = flags.DEFINE_string("options", "", "speed options (jspec.cli option s
 _INTERPRET = flags.DEFINE_bool("interpret", False, "Pallas interpret mode (CPU smoke runs)")
 _OUT = flags.DEFINE_string("out", "experiments/results", "receipt dir")
 _TAG = flags.DEFINE_string("tag", "", "receipt name suffix")
+
+flag_checks.require_counts(_CONTEXTS, _XLA, _STEPS, _ITERS)
+
 
 
 def layer_weights(model: jspec.Model) -> int:

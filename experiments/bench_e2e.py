@@ -65,7 +65,7 @@ from absl import app, flags  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 import jspec  # noqa: E402
-from jspec.bench import hf_peers, plotting  # noqa: E402
+from jspec.bench import flag_checks, hf_peers, plotting  # noqa: E402
 from jspec.bench.gpu_monitor import GpuMonitor  # noqa: E402
 from jspec.bench.moe_bytes import uniform_union  # noqa: E402
 from jspec.bench.timing import copy_bandwidth  # noqa: E402
@@ -163,6 +163,10 @@ _COORDINATOR = flags.DEFINE_string("coordinator_address", None, "host:port of pr
                                    "for a mesh over several processes (jax.distributed)")
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", 1, "processes (jax.distributed)")
 _PROCESS_ID = flags.DEFINE_integer("process_id", 0, "this process's index (jax.distributed)")
+
+flag_checks.require_counts(_BATCHES, _GAMMAS, _PROMPT_LEN, _NEW, _ITERS, _ORACLE_SEEDS, _PEER_GAMMA)
+flag_checks.require_probabilities(_ACCEPT)
+
 
 
 def load_model(spec: str, seed: int, mesh=None, row_partials: int = 0) -> jspec.Model:

@@ -38,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
+from jspec.bench import flag_checks
 from jspec.bench.timing import STEP_REPS, copy_bandwidth, device_steps, median_time
 from jspec.bench.trace import device_events, traced
 from jspec.cache import init_cache, rollback
@@ -76,6 +77,9 @@ _TAG = flags.DEFINE_string("tag", "", "receipt file name suffix")
 
 
 REPS = 20  # kernel launches per timed call, so host dispatch does not dominate
+
+flag_checks.require_counts(_BATCHES, _GAMMAS, _CONTEXT, _ITERS, _TREES, _TREE_DEPTH)
+
 
 
 def looped(fn):

@@ -42,6 +42,7 @@ import numpy as np
 from absl import app, flags
 
 import jspec.model as jspec_model
+from jspec.bench import flag_checks
 from jspec.bench.moe_bytes import step_read_bytes, uniform_union
 from jspec.bench.receipts import write_receipt
 from jspec.bench.timing import STEP_REPS, copy_bandwidth, device_steps, median_time
@@ -91,6 +92,9 @@ def routed_experts(model, tokens, cache):
         apply(model, tokens, cache)
     B, T = tokens.shape  # pallas routes a block's padded rows too: keep the B * T real
     return jnp.stack([ids[:B * T] for ids in seen]).reshape(len(seen), B, T, -1)
+
+flag_checks.require_counts(_BATCHES, _TS, _OTHER_TS, _XLA_TS, _CONTEXT, _ITERS)
+
 
 
 def unions(ids: np.ndarray, T: int) -> np.ndarray:

@@ -27,7 +27,7 @@ from absl import app, flags
 from tqdm import tqdm
 
 import jspec
-from jspec.bench import plotting
+from jspec.bench import flag_checks, plotting
 from jspec.bench.timing import timed
 from jspec.loading import default_interpret
 from jspec.random_model import random_model
@@ -47,6 +47,10 @@ _DRAFTERS = flags.DEFINE_list("drafters", ["model", "oracle", "lookup"], "drafte
 _ITERS = flags.DEFINE_integer("iters", 3, "timed repetitions (median)")
 _OUT = flags.DEFINE_string("out", os.environ.get("OUT", "experiments/results"), "output dir")
 _TAG = flags.DEFINE_string("tag", "", "suffix of the receipt's file name")
+
+flag_checks.require_counts(_BATCH, _PROMPT_LEN, _NEW, _GAMMAS, _ORACLE_GAMMAS, _ITERS)
+flag_checks.require_probabilities(_ACCEPT)
+
 
 
 def load_model(spec: str, seed: int):

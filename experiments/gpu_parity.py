@@ -61,6 +61,7 @@ import numpy as np
 from absl import app, flags
 
 from jspec import parity, sharding
+from jspec.bench import flag_checks
 from jspec.bench.receipts import write_receipt
 from jspec.cache import rollback
 from jspec.chunked_prefill import prefill_jit
@@ -101,6 +102,10 @@ _COORDINATOR = flags.DEFINE_string("coordinator_address", None, "host:port of pr
                                    "for a mesh over several processes (jax.distributed)")
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", 1, "processes (jax.distributed)")
 _PROCESS_ID = flags.DEFINE_integer("process_id", 0, "this process's index (jax.distributed)")
+
+flag_checks.require_counts(_CONTEXT, _CONTEXTS, _CHUNK2, _WINDOW, _KS, _BATCHES, _TREES,
+                           _TREE_DEPTH, _TREE_SEEDS, _DEGREE_TOKENS)
+
 
 
 def degenerate_count(logits) -> int:

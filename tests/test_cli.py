@@ -501,3 +501,22 @@ def test_bench_kernels_smoke(tmp_path):
     assert steps == {(b, t) for b in ("pallas", "xla", "pallas+matmul_row_group=1")
                      for t in (1, 2)}
     assert rep["options_bits_equal_pallas"] is True
+
+
+def test_flag_checks_fail_at_parsing():
+    from absl import flags
+
+    from jspec.bench import flag_checks
+    fv = flags.FlagValues()
+    batches = flags.DEFINE_list("batches", ["1"], "", flag_values=fv)
+    iters = flags.DEFINE_integer("iters", 3, "", flag_values=fv)
+    accept = flags.DEFINE_list("accept", ["0.8"], "", flag_values=fv)
+    flag_checks.require_counts(batches, iters)
+    flag_checks.require_probabilities(accept)
+    fv(["prog", "--batches=1,8", "--iters=2", "--accept=0,1"])  # good values parse
+    for bad in ("--batches=0", "--batches=a", "--batches=1.5", "--iters=0", "--accept=1.5",
+                "--accept=nan"):
+        with pytest.raises(flags.IllegalFlagValueError, match="must hold"):
+            fv(["prog", bad])
+    r = _run("bench_e2e.py", "--batches=0")  # an entry point: before any model is built
+    assert r.returncode != 0 and "--batches=['0']: must hold integers >= 1" in r.stderr

@@ -6,6 +6,8 @@ The benchmark scripts under `experiments/` are built from these, and so can a us
   `jax.block_until_ready` (`median_time`, `timed`), and the device's copy bandwidth
   (`copy_bandwidth`), the roofline that decode tokens/s are compared with;
 - `jspec.bench.receipts`: a run's report written as a JSON receipt;
+- `jspec.bench.flag_checks`: absl validators, so a bad count or probability fails at flag
+  parsing, before anything is built;
 - `jspec.bench.prompt_sets`: the prompts of MT-bench and HumanEval, read from the
   packages that ship them (the `jspec[prompts]` extra);
 - `jspec.bench.trace`: the device timeline of a `jax.profiler` trace, the kernels a

@@ -1,0 +1,33 @@
+"""absl flag validators for the benchmark and experiment entry points: a bad number is
+an error at flag parsing, naming the flag, before any model is built or run."""
+
+from __future__ import annotations
+
+from absl import flags
+
+
+def _values(value) -> list:
+    return list(value) if isinstance(value, list | tuple) else [value]
+
+
+def require_counts(*holders, least: int = 1) -> None:
+    """Each flag (an integer, or a list of them) holds integers >= least."""
+    for holder in holders:
+        def ok(value, least=least):
+            try:
+                return all(not isinstance(v, bool) and float(v) == int(v) and int(v) >= least
+                           for v in _values(value))
+            except (TypeError, ValueError):
+                return False
+        flags.register_validator(holder, ok, message=f"must hold integers >= {least}")
+
+
+def require_probabilities(*holders) -> None:
+    """Each flag (a number, or a list of them) holds numbers in [0, 1]."""
+    for holder in holders:
+        def ok(value):
+            try:
+                return all(0 <= float(v) <= 1 for v in _values(value))
+            except (TypeError, ValueError):
+                return False
+        flags.register_validator(holder, ok, message="must hold numbers in [0, 1]")
