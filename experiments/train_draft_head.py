@@ -39,6 +39,7 @@ from ml_collections import config_flags
 from tqdm import tqdm
 
 import jspec
+from jspec import cli
 from jspec.feature_head import eagle3_layers, head_config
 from jspec.train.corpus import HELD_OUT, read, stdlib_files
 from jspec.train.head import HeadModule, target_outputs, to_feature_head, ttt_loss
@@ -183,6 +184,46 @@ def evaluate(eval_step, head, target, wins: np.ndarray, B: int) -> dict:
                for k in ("ce", "agree")}}
 
 
+def check_config(c) -> None:
+    """Every number in range before anything loads; a bad one is a ValueError naming it."""
+    def number(name, ok, want):
+        v = c[name]
+        if isinstance(v, bool) or not isinstance(v, int | float) or not np.isfinite(v) \
+                or not ok(v):
+            raise ValueError(f"--config.{name}={v!r} must be {want}")
+    for name in ("steps", "batch", "seq_len", "ttt_steps", "log_every", "ckpt_keep",
+                 "eval_every", "eval_windows"):
+        number(name, lambda v: float(v) == int(v) and v >= 1, "an integer >= 1")
+    for name in ("warmup", "heldout_windows", "max_files", "draft_vocab_size"):
+        number(name, lambda v: float(v) == int(v) and v >= 0, "an integer >= 0")
+    number("lr", lambda v: v > 0, "> 0")
+    number("init_std", lambda v: v > 0, "> 0")
+    number("clip", lambda v: v > 0, "> 0")
+    number("weight_decay", lambda v: v >= 0, ">= 0")
+    number("time_limit_s", lambda v: v >= 0, ">= 0 (0: no limit)")
+    number("final_lr_frac", lambda v: 0 <= v <= 1, "in [0, 1]")
+    number("b2", lambda v: 0 <= v < 1, "in [0, 1)")
+    number("step_decay", lambda v: 0 < v <= 1, "in (0, 1]")
+
+
+def clear_checkpoints(ckpt_dir: str, delete: bool = True) -> None:
+    """Removes an earlier run's orbax checkpoints at ckpt_dir (step directories); a
+    directory holding anything else is refused, never deleted (delete=False: the check
+    alone, before anything loads)."""
+    if not os.path.exists(ckpt_dir):
+        return
+    names = os.listdir(ckpt_dir) if os.path.isdir(ckpt_dir) else None
+    if names is None or not all(n.split(".")[0].isdigit() for n in names):
+        raise ValueError(f"{ckpt_dir} holds files that are not this script's checkpoints "
+                         "(orbax step directories); pick another --config.workdir")
+    if delete:
+        shutil.rmtree(ckpt_dir)
+
+
+def checkpoint_dir(c) -> str:
+    return os.path.abspath(os.path.join(c.workdir, "ckpt"))
+
+
 def train(c, head: HeadModule, target, data: np.ndarray, valid_w: np.ndarray, dt) -> dict:
     """AdamW on random windows of data; orbax keeps the checkpoints with the lowest
     validation loss, and the best is restored into head at the end."""
@@ -196,8 +237,8 @@ def train(c, head: HeadModule, target, data: np.ndarray, valid_w: np.ndarray, dt
                      optax.adamw(sched, b2=c.b2, weight_decay=c.weight_decay))
     opt = nnx.Optimizer(head, tx, wrt=nnx.Param)
     train_step, eval_step = step_fns(head.config.feature_layers, K, c.step_decay, dt)
-    ckpt_dir = os.path.abspath(os.path.join(c.workdir, "ckpt"))
-    shutil.rmtree(ckpt_dir, ignore_errors=True)  # this run's checkpoints only
+    ckpt_dir = checkpoint_dir(c)
+    clear_checkpoints(ckpt_dir)  # an earlier run's checkpoints, nothing else
     mngr = ocp.CheckpointManager(ckpt_dir, options=ocp.CheckpointManagerOptions(
         max_to_keep=c.ckpt_keep, best_fn=lambda m: m["valid_loss"], best_mode="min",
         create=True))
@@ -210,6 +251,9 @@ def train(c, head: HeadModule, target, data: np.ndarray, valid_w: np.ndarray, dt
         loss, aux = train_step(head, opt, target,
                                jnp.asarray(np.stack([data[s: s + T] for s in starts])))
         done = i + 1
+        if not np.isfinite(float(loss)):  # nothing trained past here is worth keeping
+            raise jspec.NonFiniteError(f"the training loss is {float(loss)} at step {done}; "
+                                     "lower --config.lr or check b2 / clip (nothing exported)")
         if i % c.log_every == 0 or done == c.steps:
             agree = rounded(aux["agree"])
             curve.append({"step": done, "loss": round(float(loss), 4), "ce": rounded(aux["ce"]),
@@ -242,6 +286,8 @@ def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
     c = _CONFIG.value
+    check_config(c)
+    clear_checkpoints(checkpoint_dir(c), delete=False)
     t_start = time.perf_counter()
     gpu = jax.devices()[0].platform == "gpu"
     target_dtype = c.target_dtype or ("bfloat16" if gpu else "float32")
@@ -254,6 +300,9 @@ def main(argv):
     r = train(c, head, target, d["data"], d["valid"], dt)
     best = {"step": r["best_step"], "valid": r["best_valid"],
             "heldout": evaluate(r["eval_step"], head, target, d["held"], c.batch)}
+    if not np.isfinite(best["valid"]["loss"]):
+        raise jspec.NonFiniteError(f"the kept step's validation loss is {best['valid']['loss']}"
+                                 "; nothing exported")
 
     os.makedirs(c.out_dir, exist_ok=True)
     jspec.save_eagle3(c.out_dir, to_feature_head(head, target, dtype=c.export_dtype))
@@ -290,4 +339,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

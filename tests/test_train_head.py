@@ -166,3 +166,23 @@ def test_shipped_head_loads_and_drafts_exactly():
     serial = jspec.generate(target, [prompt], max_new_tokens=16)
     assert out.row(0) == serial.row(0)
     assert out.stats["accepted"] > 0
+
+
+def test_train_script_checks_its_config_and_workdir_first(tmp_path):
+    # Each mistake: one line, before anything loads; a workdir whose ckpt/ holds other
+    # files is refused and left as it was (its files are never deleted).
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "notes.txt").write_text("keep me")
+    base = [sys.executable, os.path.join(ROOT, "experiments", "train_draft_head.py"),
+            f"--config={os.path.join(ROOT, 'configs', 'train_draft_head.py')}:cpu,runlocal",
+            f"--config.out_dir={tmp_path / 'head'}"]
+    for flag, words in (("--config.lr=-1", "lr=-1.0 must be > 0"),
+                        ("--config.b2=1.0", "b2=1.0 must be in [0, 1)"),
+                        ("--config.ttt_steps=0", "ttt_steps=0 must be an integer >= 1"),
+                        (f"--config.workdir={tmp_path}", "not this script's checkpoints")):
+        r = subprocess.run(base + [flag], cwd=ROOT, capture_output=True, text=True,
+                           timeout=120)
+        assert r.returncode == 2 and words in r.stderr and "Traceback" not in r.stderr, \
+            r.stderr[-2000:]
+    assert (tmp_path / "ckpt" / "notes.txt").read_text() == "keep me"
+    assert not (tmp_path / "head").exists()
