@@ -31,6 +31,8 @@ from absl import app, flags, logging
 from flax import nnx
 from tqdm import tqdm
 
+from jspec.bench import flag_checks
+from jspec.loop import NonFiniteError
 from jspec.train.corpus import HELD_OUT, read, stdlib_files
 from jspec.train.nnx_qwen3 import PairModelConfig, Qwen3, export_hf
 
@@ -60,6 +62,11 @@ _CKPT_EVERY = flags.DEFINE_integer("ckpt_every", 1000, "orbax checkpoint interva
 _WORKDIR = flags.DEFINE_string("workdir", "/tmp/jspec_train_pair", "checkpoints and data cache")
 _OUT_DIR = flags.DEFINE_string("out_dir", "jspec/assets/codepair", "export dir")
 _MODELS = flags.DEFINE_list("models", ["target", "draft"], "which models to train")
+flag_checks.require_counts(_STEPS, _BATCH, _SEQ, _MAX_FILES, least=0)
+flag_checks.require_counts(_VOCAB, least=256)  # the byte alphabet at least
+flag_checks.require_counts(_CKPT_EVERY)
+flag_checks.require_positive(_LR, _TIME_LIMIT)
+flag_checks.require_choices(_MODELS, ("target", "draft"))
 
 
 def split_validation(files: list[str]) -> tuple[list[str], list[str]]:
@@ -151,6 +158,9 @@ def train_one(name: str, mc: PairModelConfig, data: np.ndarray, valid: np.ndarra
         batch = jnp.asarray(np.stack([data[s: s + T + 1] for s in starts]))
         loss = step(model, opt, batch)
         done = i + 1
+        if not np.isfinite(float(loss)):  # nothing trained past here is worth keeping
+            raise NonFiniteError(f"{name}: the training loss is {float(loss)} at step "
+                                       f"{done}; lower --lr (nothing exported)")
         if i % 50 == 0 or done == p["steps"]:
             losses.append((done, float(loss)))
             bar.set_postfix(loss=f"{losses[-1][1]:.3f}")

@@ -507,16 +507,23 @@ def test_flag_checks_fail_at_parsing():
     from absl import flags
 
     from jspec.bench import flag_checks
-    fv = flags.FlagValues()
-    batches = flags.DEFINE_list("batches", ["1"], "", flag_values=fv)
-    iters = flags.DEFINE_integer("iters", 3, "", flag_values=fv)
-    accept = flags.DEFINE_list("accept", ["0.8"], "", flag_values=fv)
-    flag_checks.require_counts(batches, iters)
-    flag_checks.require_probabilities(accept)
-    fv(["prog", "--batches=1,8", "--iters=2", "--accept=0,1"])  # good values parse
+
+    def parse(arg):  # fresh flags each time: a failed parse keeps its bad value
+        fv = flags.FlagValues()
+        flag_checks.require_counts(flags.DEFINE_list("batches", ["1"], "", flag_values=fv),
+                                   flags.DEFINE_integer("iters", 3, "", flag_values=fv))
+        flag_checks.require_probabilities(flags.DEFINE_list("accept", ["0.8"], "",
+                                                            flag_values=fv))
+        flag_checks.require_positive(flags.DEFINE_float("lr", 1e-3, "", flag_values=fv))
+        flag_checks.require_choices(flags.DEFINE_list("models", ["a"], "", flag_values=fv),
+                                    ("a", "b"))
+        fv(["prog", arg])
+
+    for good in ("--batches=1,8", "--iters=2", "--accept=0,1", "--lr=0.5", "--models=b,a"):
+        parse(good)
     for bad in ("--batches=0", "--batches=a", "--batches=1.5", "--iters=0", "--accept=1.5",
-                "--accept=nan"):
-        with pytest.raises(flags.IllegalFlagValueError, match="must hold"):
-            fv(["prog", bad])
+                "--accept=nan", "--lr=0", "--lr=inf", "--models=c", "--models="):
+        with pytest.raises(flags.IllegalFlagValueError, match="must"):
+            parse(bad)
     r = _run("bench_e2e.py", "--batches=0")  # an entry point: before any model is built
     assert r.returncode != 0 and "--batches=['0']: must hold integers >= 1" in r.stderr

@@ -31,3 +31,21 @@ def require_probabilities(*holders) -> None:
             except (TypeError, ValueError):
                 return False
         flags.register_validator(holder, ok, message="must hold numbers in [0, 1]")
+
+
+def require_positive(*holders) -> None:
+    """Each flag (a number) is finite and > 0."""
+    for holder in holders:
+        def ok(value):
+            try:
+                return 0 < float(value) < float("inf")
+            except (TypeError, ValueError):
+                return False
+        flags.register_validator(holder, ok, message="must be a finite number > 0")
+
+
+def require_choices(holder, choices) -> None:
+    """A list flag names only `choices`, and at least one of them."""
+    def ok(value):
+        return bool(value) and all(v in choices for v in value)
+    flags.register_validator(holder, ok, message=f"must name one or more of {list(choices)}")
