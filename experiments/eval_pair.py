@@ -42,7 +42,7 @@ from tqdm import tqdm
 
 import jspec
 from jspec import cli
-from jspec.bench import plotting
+from jspec.bench import flag_checks, plotting
 from jspec.bench.timing import timed
 from jspec.loading import default_pair
 from jspec.train.corpus import read, stdlib_files
@@ -75,6 +75,11 @@ _TREES = flags.DEFINE_string("trees", "", "draft trees verified too, separated b
                              "its depth (the same draft forwards a round)")
 _OUT = flags.DEFINE_string("out", os.environ.get("OUT", "experiments/results"), "receipt dir")
 _TAG = flags.DEFINE_string("tag", "", "receipt file name suffix")
+
+flag_checks.require_counts(_NUM, _BATCH, _PROMPT_LEN, _NEW, _GAMMAS, _ITERS, _PEER_GAMMAS)
+flag_checks.require_counts(_HEADS, least=0)
+flag_checks.require_positive(_TEMP)
+
 
 
 def load_prompts(pair: str, tok) -> list[np.ndarray]:
