@@ -168,7 +168,6 @@ flag_checks.require_counts(_BATCHES, _GAMMAS, _PROMPT_LEN, _NEW, _ITERS, _ORACLE
 flag_checks.require_probabilities(_ACCEPT)
 
 
-
 def load_model(spec: str, seed: int, mesh=None, row_partials: int = 0) -> jspec.Model:
     """A checkpoint or a preset; with a mesh, tensor-parallel over it (never whole on one
     device)."""
