@@ -515,6 +515,16 @@ def check_tokens(model: Model, tokens, cache: KVCache) -> None:
         raise ValueError(f"tokens has batch {B} but the cache has {cache.batch_size} rows")
     if T < 1:
         raise ValueError(f"tokens has T={T}; need at least one token")
+    k0 = cache.k[0] if cache.k else None
+    if len(cache.k) != cfg.num_layers or k0 is None or k0.ndim != 4 \
+            or k0.shape[1] != cfg.num_kv_heads or k0.shape[3] != cfg.head_dim \
+            or jnp.dtype(k0.dtype) != jnp.dtype(cfg.dtype):
+        got = (f"{len(cache.k)} x {tuple(k0.shape)} {jnp.dtype(k0.dtype).name}"
+               if k0 is not None else "no layers")
+        raise ValueError(f"the cache does not fit this model: its K buffers are {got}; the "
+                         f"model needs {cfg.num_layers} x [B, {cfg.num_kv_heads}, S, "
+                         f"{cfg.head_dim}] {jnp.dtype(cfg.dtype).name} (one a layer: "
+                         "jspec.init_cache(model, ...))")
     if not isinstance(tokens, jax.core.Tracer):
         arr = np.asarray(tokens)
         if not np.issubdtype(arr.dtype, np.integer):

@@ -29,6 +29,10 @@ def test_prompt_longer_than_cache():
     cache = jspec.init_cache(model, 1, 16)
     with pytest.raises(ValueError, match="exceeds the cache max_len 16"):
         jspec.forward(model, np.zeros((1, 17), np.int32), cache)
+    other = jspec.init_cache(model, 1, 16)  # another model's cache: a layer fewer
+    other = other.replace(k=other.k[:-1], v=other.v[:-1])
+    with pytest.raises(ValueError, match=r"does not fit this model: its K buffers are 1 x"):
+        jspec.forward(model, np.zeros((1, 2), np.int32), other)
 
 
 def test_token_id_out_of_range():
