@@ -533,6 +533,13 @@ def load_text(target: str | os.PathLike, draft: str | os.PathLike | None = None,
     """
     check_path("target", target)
     if isinstance(drafter, str | os.PathLike):
+        names = {"prompt_lookup": "jspec.PromptLookupDrafter()", "lookup":
+                 "jspec.PromptLookupDrafter()", "feature": "head=<an EAGLE-3 head dir>",
+                 "model": "draft=<a checkpoint>", "auto": "draft= or head="}
+        if str(drafter) in names and not os.path.exists(drafter):
+            raise ValueError(f"drafter={drafter!r}: load_text takes a drafter object or a "
+                             f"checkpoint path, not a command-line name; use "
+                             f"{names[str(drafter)]}")
         if draft is not None:
             raise ValueError("load_text takes one draft checkpoint: draft= or drafter=, not both")
         draft, drafter = drafter, None

@@ -221,5 +221,7 @@ def test_load_text_takes_objects(gemma):
         load_text(gemma[0], drafter=pipe.target)
     with pytest.raises(ValueError, match="one of draft, drafter and head"):
         load_text(gemma[0], gemma[1], drafter=lookup)
+    with pytest.raises(ValueError, match=r"not a command-line name; use jspec.PromptLookup"):
+        load_text(gemma[0], drafter="prompt_lookup")
     with pytest.raises(ValueError, match=r"'exact_greedy'.*temperature=0.8"):
         pipe.speculative_generate("Hi", policy="exact_greedy", temperature=0.8)
