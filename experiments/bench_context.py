@@ -65,7 +65,6 @@ _TAG = flags.DEFINE_string("tag", "", "receipt name suffix")
 flag_checks.require_counts(_CONTEXTS, _XLA, _STEPS, _ITERS)
 
 
-
 def layer_weights(model: jspec.Model) -> int:
     """Matmul weights of the decoder layers (a prefill token's 2 * this flops)."""
     return sum(int(np.prod(w.shape)) for lp in model.params["layers"] for k, w in lp.items()

@@ -781,14 +781,13 @@ def main(argv):
         return
     if _DRAFT_HEAD.value < 0:
         raise app.UsageError(f"--draft_head must be >= 0; got {_DRAFT_HEAD.value}")
+    accepts = [float(a) for a in _ACCEPT.value]  # numbers in [0, 1]: checked at parsing
     try:
-        accepts = [float(a) for a in _ACCEPT.value]
         ranks = [float(r) for r in _RANK_PROBS.value]
     except ValueError as e:
-        raise app.UsageError(f"--accept and --rank_probs take numbers: {e}") from None
-    if not all(0 <= a <= 1 for a in accepts) or not all(r >= 0 for r in ranks):
-        raise app.UsageError(f"--accept values must lie in [0, 1] and --rank_probs be >= 0; "
-                             f"got {accepts}, {ranks}")
+        raise app.UsageError(f"--rank_probs take numbers: {e}") from None
+    if not all(r >= 0 for r in ranks):
+        raise app.UsageError(f"--rank_probs must be >= 0; got {ranks}")
     if any(_TREE.value.split(";")) and max(accepts) + sum(ranks) > 1 + 1e-6:
         raise app.UsageError(f"trees: --accept ({max(accepts)}) + --rank_probs ({sum(ranks)}) "
                              "exceed 1 (the probabilities that rank 0, 1, .. hold the truth)")

@@ -81,7 +81,6 @@ REPS = 20  # kernel launches per timed call, so host dispatch does not dominate
 flag_checks.require_counts(_BATCHES, _GAMMAS, _CONTEXT, _ITERS, _TREES, _TREE_DEPTH)
 
 
-
 def looped(fn):
     """REPS dependent calls of fn(x, *rest) in one jitted loop (the carry feeds the next
     input, so nothing can be hoisted out of the loop)."""

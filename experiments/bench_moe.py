@@ -67,6 +67,8 @@ _DTYPE = flags.DEFINE_string("dtype", "bfloat16", "weights and activations (a CP
                              "needs float32)")
 _OUT = flags.DEFINE_string("out", os.environ.get("OUT", "experiments/results"), "receipt dir")
 _TAG = flags.DEFINE_string("tag", "", "receipt file name suffix")
+flag_checks.require_counts(_BATCHES, _TS, _OTHER_TS, _XLA_TS, _CONTEXT, _ITERS)
+
 
 @functools.partial(jax.jit, compiler_options=COMPILER_OPTIONS)
 def routed_experts(model, tokens, cache):
@@ -92,8 +94,6 @@ def routed_experts(model, tokens, cache):
         apply(model, tokens, cache)
     B, T = tokens.shape  # pallas routes a block's padded rows too: keep the B * T real
     return jnp.stack([ids[:B * T] for ids in seen]).reshape(len(seen), B, T, -1)
-
-flag_checks.require_counts(_BATCHES, _TS, _OTHER_TS, _XLA_TS, _CONTEXT, _ITERS)
 
 
 

@@ -52,7 +52,6 @@ flag_checks.require_counts(_BATCH, _PROMPT_LEN, _NEW, _GAMMAS, _ORACLE_GAMMAS, _
 flag_checks.require_probabilities(_ACCEPT)
 
 
-
 def load_model(spec: str, seed: int):
     if os.path.isdir(spec):
         return jspec.load_hf(spec, dtype=_DTYPE.value, backend=_BACKEND.value)

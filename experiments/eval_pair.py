@@ -81,7 +81,6 @@ flag_checks.require_counts(_HEADS, least=0)
 flag_checks.require_positive(_TEMP)
 
 
-
 def load_prompts(pair: str, tok) -> list[np.ndarray]:
     return held_out_prompts(pair, lambda t: tok.encode(t, add_special_tokens=False),
                             _PROMPT_LEN.value, _NUM.value)

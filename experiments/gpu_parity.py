@@ -107,7 +107,6 @@ flag_checks.require_counts(_CONTEXT, _CONTEXTS, _CHUNK2, _WINDOW, _KS, _BATCHES,
                            _TREE_DEPTH, _TREE_SEEDS, _DEGREE_TOKENS)
 
 
-
 def degenerate_count(logits) -> int:
     """[n, V] on device -> rows whose logits are all equal or hold NaN/inf (counted there:
     the rows never come to the host)."""

@@ -160,7 +160,7 @@ def train_one(name: str, mc: PairModelConfig, data: np.ndarray, valid: np.ndarra
         done = i + 1
         if not np.isfinite(float(loss)):  # nothing trained past here is worth keeping
             raise NonFiniteError(f"{name}: the training loss is {float(loss)} at step "
-                                       f"{done}; lower --lr (nothing exported)")
+                                 f"{done}; lower --lr (nothing exported)")
         if i % 50 == 0 or done == p["steps"]:
             losses.append((done, float(loss)))
             bar.set_postfix(loss=f"{losses[-1][1]:.3f}")

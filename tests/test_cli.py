@@ -229,7 +229,7 @@ def test_bench_e2e_smoke(tmp_path):
     bad = _run("bench_e2e.py", "--accept=0.9", "--rank_probs=0.2", "--tree=3,2", "--nopeers",
                f"--out={tmp_path}")
     assert bad.returncode != 0 and "exceed 1" in bad.stderr
-    bad = _run("bench_e2e.py", "--accept=x", "--nopeers", f"--out={tmp_path}")
+    bad = _run("bench_e2e.py", "--rank_probs=x", "--nopeers", f"--out={tmp_path}")
     assert bad.returncode != 0 and "take numbers" in bad.stderr
 
 

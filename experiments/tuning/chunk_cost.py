@@ -37,6 +37,7 @@ from absl import app, flags
 
 import jspec
 from jspec.adaptive import shape_name
+from jspec.bench import flag_checks
 from jspec.bench.receipts import write_receipt
 from jspec.bench.timing import STEP_REPS, device_steps, median_time
 from jspec.cache import init_cache
@@ -62,6 +63,11 @@ _INTERPRET = flags.DEFINE_bool("interpret", False, "CPU smoke run")
 _DTYPE = flags.DEFINE_string("dtype", "bfloat16", "weights and activations")
 _OUT = flags.DEFINE_string("out", os.environ.get("OUT", "experiments/results"), "receipt dir")
 _TAG = flags.DEFINE_string("tag", "", "receipt file name suffix")
+flag_checks.require_counts(_BATCHES, nonempty=True)
+flag_checks.require_counts(_ROUNDS, least=0, nonempty=True)
+flag_checks.require_counts(_SHAPES, least=0, most=MAX_GAMMA, nonempty=True)
+flag_checks.require_counts(_ITERS, _CONTEXT)
+flag_checks.require_counts(_ENGINE_RUNS, least=0)
 
 
 def fit(ns, ts):
@@ -149,30 +155,10 @@ def plot(report: dict, path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
-def _ints(flag, values, lo: int, hi: int | None = None) -> list[int]:
-    """A list flag's integers, each in [lo, hi], or a usage error naming the flag."""
-    try:
-        out = [int(v) for v in values]
-    except ValueError:
-        out = []
-    if not out or any(v < lo or (hi is not None and v > hi) for v in out):
-        raise app.UsageError(f"--{flag}={','.join(values)}: integers in [{lo}, "
-                             f"{'inf' if hi is None else hi}], at least one")
-    return out
-
-
 def main(argv):
     del argv
     if _PRESET.value not in PRESETS:
         raise app.UsageError(f"--preset={_PRESET.value!r}: choose from {sorted(PRESETS)}")
-    _ints("batches", _BATCHES.value, 1)
-    _ints("rounds", _ROUNDS.value, 0)
-    _ints("shapes", _SHAPES.value, 0, MAX_GAMMA)
-    for name, flag in (("iters", _ITERS), ("context", _CONTEXT)):
-        if flag.value < 1:
-            raise app.UsageError(f"--{name}={flag.value} must be >= 1")
-    if _ENGINE_RUNS.value < 0:
-        raise app.UsageError(f"--engine_runs={_ENGINE_RUNS.value} must be >= 0")
     kw = dict(interpret=_INTERPRET.value, dtype=_DTYPE.value)
     if _LAYERS.value:
         kw["num_layers"] = _LAYERS.value

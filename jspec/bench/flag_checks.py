@@ -10,16 +10,22 @@ def _values(value) -> list:
     return list(value) if isinstance(value, list | tuple) else [value]
 
 
-def require_counts(*holders, least: int = 1) -> None:
-    """Each flag (an integer, or a list of them) holds integers >= least."""
+def require_counts(*holders, least: int = 1, most: int | None = None,
+                   nonempty: bool = False) -> None:
+    """Each flag (an integer, or a list of them) holds integers in [least, most] (and,
+    with nonempty, at least one)."""
+    span = f">= {least}" if most is None else f"in [{least}, {most}]"
     for holder in holders:
-        def ok(value, least=least):
+        def ok(value):
+            values = _values(value)
             try:
-                return all(not isinstance(v, bool) and float(v) == int(v) and int(v) >= least
-                           for v in _values(value))
+                return (bool(values) or not nonempty) and all(
+                    not isinstance(v, bool) and float(v) == int(v) and int(v) >= least
+                    and (most is None or int(v) <= most) for v in values)
             except (TypeError, ValueError):
                 return False
-        flags.register_validator(holder, ok, message=f"must hold integers >= {least}")
+        flags.register_validator(holder, ok, message=f"must hold integers {span}"
+                                 + (", at least one" if nonempty else ""))
 
 
 def require_probabilities(*holders) -> None:
