@@ -87,8 +87,7 @@ class KernelOptions:
       kv_write_kernel: pallas, Triton lowering, with fuse_qk_rope: the q/k norm + RoPE
         kernel also writes the new K and V into the caches (`qk_norm_rope_kv`: one launch
         instead of that kernel and two cache updates) (True), or XLA writes them (False
-        or None: the default; on the H200 it is no faster). A copy: the same
-        cache bits.
+        or None: the default; why: docs/tuning.md). A copy: the same cache bits.
       lowering: pallas: how the matmul family (`matmul`, `matmul_glu`), the norms
         (`rmsnorm`, the residual add + norm), RoPE with the q/k norms and attention
         (split-KV steps, verify blocks and trees) are lowered for the GPU: "triton"

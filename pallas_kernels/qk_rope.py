@@ -57,7 +57,7 @@ def _normed(x_ref, qw_ref, kw_ref, dtype, is_q, *, half: int, d: int, eps: float
     else the k weight; none without norm), before the rotation: the kernels' one
     arithmetic. `_kernel` keeps its own order of ops around it (is_q called where its
     test sits, each half rotated and stored in turn): its device code is the one the
-    H200 proofs hold for."""
+    parity matrices proved (docs/results.md)."""
     x1 = x_ref[:, :half].astype(jnp.float32)
     x2 = x_ref[:, half:].astype(jnp.float32)
     if norm:
