@@ -27,6 +27,7 @@ from ml_collections import config_flags
 
 import jspec
 from jspec import cli, parity, text
+from jspec._checks import check_count
 from jspec.bench.timing import run_seconds as seconds
 from jspec.bench.timing import side_by_side
 from jspec.loading import default_head
@@ -143,10 +144,7 @@ def main(argv):
         c.check_parity = _CHECK.value
     prompts = cli.config_prompts(c)
     cli.check_output(c.output)
-    if isinstance(c.timing_runs, bool) or not isinstance(c.timing_runs, int) \
-            or c.timing_runs < 1:
-        raise ValueError(f"timing_runs={c.timing_runs!r} must be an integer >= 1 (timed runs "
-                         "per prompt, speculative and serial: the median is shown)")
+    check_count("timing_runs", c.timing_runs)  # timed runs a prompt (medians shown)
     policy = cli.config_policy(c)
     adaptive = cli.parse_adaptive(c.get("adaptive", ""), parse_tree(c.get("tree", "")))
     jspec.SpecConfig(gamma=c.gamma, policy=policy, max_new_tokens=c.max_new_tokens,

@@ -40,6 +40,7 @@ from tqdm import tqdm
 
 import jspec
 from jspec import cli
+from jspec._checks import check_count
 from jspec.feature_head import eagle3_layers, head_config
 from jspec.train.corpus import HELD_OUT, read, stdlib_files
 from jspec.train.head import HeadModule, target_outputs, to_feature_head, ttt_loss
@@ -193,9 +194,9 @@ def check_config(c) -> None:
             raise ValueError(f"--config.{name}={v!r} must be {want}")
     for name in ("steps", "batch", "seq_len", "ttt_steps", "log_every", "ckpt_keep",
                  "eval_every", "eval_windows"):
-        number(name, lambda v: float(v) == int(v) and v >= 1, "an integer >= 1")
+        check_count(f"--config.{name}", c[name])
     for name in ("warmup", "heldout_windows", "max_files", "draft_vocab_size"):
-        number(name, lambda v: float(v) == int(v) and v >= 0, "an integer >= 0")
+        check_count(f"--config.{name}", c[name], least=0)
     number("lr", lambda v: v > 0, "> 0")
     number("init_std", lambda v: v > 0, "> 0")
     number("clip", lambda v: v > 0, "> 0")
