@@ -8,7 +8,8 @@ names joined by "+" or ",", applied left to right:
   plain          every fusion off
   draft          `DraftOptions.latency()`: the latency set for a small GPU draft
   name=<int>     a valued option: attn_split, attn_split_rows, attn_fused_fold (0/1),
-                 attn_serial_split (0/1), attn_skip_empty (0/1), moe_layout_kernel (0/1),
+                 attn_serial_split (0/1), attn_skip_empty (0/1), attn_group_split (0/1),
+                 moe_layout_kernel (0/1),
                  moe_combine_kernel (0/1),
                  matmul_row_group, matmul_schedule (0/1), kv_dus (0/1),
                  kv_write_kernel (0/1), row_partials,
@@ -43,6 +44,7 @@ _VALUED = {
     "attn_split_rows": ("kernel", "attn_split_rows", int),
     "attn_fused_fold": ("kernel", "attn_fused_fold", bool),
     "attn_serial_split": ("kernel", "attn_serial_split", bool),
+    "attn_group_split": ("kernel", "attn_group_split", bool),
     "attn_skip_empty": ("kernel", "attn_skip_empty", bool),
     "moe_layout_kernel": ("kernel", "moe_layout_kernel", bool),
     "moe_combine_kernel": ("kernel", "moe_combine_kernel", bool),

@@ -277,7 +277,8 @@ def attention_block(ops, model: Model, lp, h, k_buf, v_buf, pos, lengths, cos, s
                                 split=opt.attn_split, split_rows=opt.attn_split_rows,
                                 fused_fold=opt.attn_fused_fold,
                                 serial_split=opt.attn_serial_split,
-                                skip_empty=opt.attn_skip_empty)  # [B, T, H, hd]
+                                skip_empty=opt.attn_skip_empty,
+                                group_split=opt.attn_group_split)  # [B, T, H, hd]
     o = pad_axis(o.reshape(B * T, H * hd), 0, h.shape[0])  # [Mp, H*hd]
     o = row_parallel(ops, model, o, lp["wo"], dtype, row_group=rg, schedule=sched)  # [Mp, D]
     return o, k_buf, v_buf, counters, qk_bad

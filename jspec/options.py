@@ -64,6 +64,12 @@ class KernelOptions:
         cannot see (True), or writes the empty state there (False or None: the default
         until the device has shown it). The fold reads only the partitions a tile sees,
         so the same bits; a cache larger than its context costs no partial writes.
+      attn_group_split: pallas: past one fold group of split-KV partitions, a program
+        per (row tile, group) computes its partitions' partials in turn and folds them
+        in registers, writing only the group's (True), or every partition's partial
+        is written and folded (False), or by the call's group programs (None: the
+        kernel's rule, `AttentionConfig.group_split_programs`). The same partials and
+        fold order, so the same bits (docs/tuning.md).
       moe_layout_kernel: pallas: a mixture of experts' blocks of up to 16 routed slots
         (k per token) lay their rows out by expert in one kernel
         (`tile_layout_kernel`) instead of ~7 small XLA ops (True), or in those ops
@@ -119,6 +125,7 @@ class KernelOptions:
     attn_fused_fold: bool | None = None
     attn_serial_split: bool | None = None
     attn_skip_empty: bool | None = None
+    attn_group_split: bool | None = None
     moe_layout_kernel: bool | None = None
     moe_combine_kernel: bool | None = None
     matmul_row_group: int = 4
@@ -137,6 +144,7 @@ class KernelOptions:
         for name in ("interpret", "matmul_schedule", "kv_dus") + FUSIONS:
             _bool(name, getattr(self, name))
         for name in ("attn_fused_fold", "attn_serial_split", "attn_skip_empty",
+                     "attn_group_split",
                      "moe_layout_kernel", "moe_combine_kernel", "kv_write_kernel"):
             if getattr(self, name) is not None:
                 _bool(name, getattr(self, name))

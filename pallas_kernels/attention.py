@@ -105,6 +105,17 @@ class AttentionConfig:
     # are the same either way; a cache larger than the context (a length bucket) then
     # costs no partial writes. Off until the device has shown it.
     skip_empty: bool = False
+    # Split-KV's two-level fold with a program per fold group (`_group_split_kernel`):
+    # each (row tile, group) program computes its group's partition partials one after
+    # another and folds them in registers, writing only the group's (m, denom, acc) for
+    # the fold over groups; the per-partition partials never reach memory. The same
+    # partials, fold order and expressions as the two-level fold of the two kernels (or
+    # the one launch), so the same bits (the device's to show: XLA on the CPU contracts
+    # an in-register fold otherwise, as for `serial_split`). Used when a call has more
+    # than one fold group and at least this many group programs (batch x kv heads x row
+    # tiles x groups): long contexts, where a partition a program streams 64 KB and
+    # writes an f32 partial of its 16 rows; 0: never. `group_split=` overrides per call.
+    group_split_programs: int = 0
 
 
 def attention_config(
@@ -136,8 +147,12 @@ def attention_config(
     # Prefill chunks (32 or more split row tiles a sequence and kv head: 512 query rows)
     # run split-KV without partials in memory: at 32K and 128K the two kernels write
     # 16-row tiles' f32 partials for every partition and each tile reads the whole K/V.
+    # Past one fold group (2,048 keys), calls of at least 256 group programs run a
+    # program per group (a decode step at 128K keys: 8 kv heads x 64 groups); fewer
+    # programs stream too little at once, so they keep a program per partition.
     return AttentionConfig(block_k=64, block_rows=block_rows, num_warps=4,
-                           num_stages=num_stages, split=128, serial_split_tiles=32)
+                           num_stages=num_stages, split=128, serial_split_tiles=32,
+                           group_split_programs=256)
 
 
 def _dot(a: jax.Array, b: jax.Array, *, contract_b: int) -> jax.Array:
@@ -323,6 +338,34 @@ def _sees(first, last, c, parts: int, split: int):
     """Whether any row of the tile sees a key of partition c (`_block_range`'s span)."""
     lo, hi = _block_range(first, last, parts, split)
     return (c >= lo) & (c < hi)
+
+
+def _group_split_kernel(q_ref, k_ref, v_ref, first_ref, last_ref, m_ref, l_ref, acc_ref, *,
+                        scale: float, softcap: float | None, block_k: int, split: int,
+                        fold_group: int, v_masked_load: bool = False):
+    """Split-KV phase 1 and the first level of the two-level fold in one program: group
+    g (program axis 3) computes the partial of each partition of [g * fold_group, (g + 1)
+    * fold_group) that the tile can see, in ascending order (`_partition_partial`, as
+    `_split_kernel` writes it), and folds each into the group's state from the empty
+    state (`_fold_one`, as `_group_fold_kernel` folds the loaded partials; the partitions
+    it skips are the tile's unseen ones, whose empty partials fold as exact no-ops there).
+    Writes the group's unnormalized (m, denom, acc), the empty state for a group the tile
+    cannot see, for `_combine_kernel` to fold in group order."""
+    first, last = first_ref[...], last_ref[...]
+    rows, head_dim = q_ref.shape
+    parts = pl.cdiv(k_ref.shape[0], split)
+    g = pl.program_id(3)
+    lo, hi = _block_range(first, last, parts, split)  # the partitions the tile sees
+    c0 = jnp.maximum(lo, g * fold_group)
+    c1 = jnp.maximum(jnp.minimum(hi, (g + 1) * fold_group), c0)
+
+    def partition(c, carry):
+        return _fold_one(carry, _partition_partial(
+            q_ref, k_ref, v_ref, first, last, c, scale=scale, softcap=softcap,
+            block_k=block_k, split=split, v_masked_load=v_masked_load))
+
+    m_ref[...], l_ref[...], acc_ref[...] = lax.fori_loop(c0, c1, partition,
+                                                         _empty_state(rows, head_dim))
 
 
 FOLD_UNROLL = 4  # partials folded per step of the combine's loop
@@ -621,7 +664,7 @@ def _visible_range(q_pos, window, group: int, num_rows: int):
 
 
 _STATIC = ("scale", "softcap", "interpret", "config", "split", "split_rows", "fused_fold",
-           "serial_split", "skip_empty")
+           "serial_split", "skip_empty", "group_split")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
@@ -641,6 +684,7 @@ def attention(
     fused_fold: bool | None = None,
     serial_split: bool | None = None,
     skip_empty: bool | None = None,
+    group_split: bool | None = None,
 ) -> jax.Array:
     """Batch-invariant attention of T queries per sequence against a KV cache.
 
@@ -666,11 +710,14 @@ def attention(
     and fold in registers, programs of `serial_subtiles` row tiles sharing K/V loads.
     `skip_empty` (if not None) overrides the config's `skip_empty`: split-KV writes no
     partial for a partition a row tile cannot see (the same bits; scheduling only).
+    `group_split` (if not None) overrides the config's choice (`group_split_programs`) of
+    a program per fold group past one group of partitions: the same partials and fold,
+    the partitions' partials kept in registers (scheduling only).
     """
     return _attention(q, k_cache, v_cache, q_pos, window, None, scale=scale, softcap=softcap,
                       interpret=interpret, config=config, split=split, split_rows=split_rows,
                       fused_fold=fused_fold, serial_split=serial_split,
-                      skip_empty=skip_empty)[0]
+                      skip_empty=skip_empty, group_split=group_split)[0]
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
@@ -691,6 +738,7 @@ def attention_counted(
     fused_fold: bool | None = None,
     serial_split: bool | None = None,
     skip_empty: bool | None = None,
+    group_split: bool | None = None,
 ) -> tuple[jax.Array, jax.Array | None]:
     """`attention` that also takes and returns the one-launch split-KV path's arrival
     counters: (out [B, T, H, D], counters). The same output bits as `attention`.
@@ -706,11 +754,12 @@ def attention_counted(
     return _attention(q, k_cache, v_cache, q_pos, window, counters, scale=scale,
                       softcap=softcap, interpret=interpret, config=config, split=split,
                       split_rows=split_rows, fused_fold=fused_fold, serial_split=serial_split,
-                      skip_empty=skip_empty)
+                      skip_empty=skip_empty, group_split=group_split)
 
 
 def _attention(q, k_cache, v_cache, q_pos, window, counters, *, scale, softcap, interpret,
-               config, split, split_rows, fused_fold, serial_split=None, skip_empty=None):
+               config, split, split_rows, fused_fold, serial_split=None, skip_empty=None,
+               group_split=None):
     _check_inputs(q, k_cache, v_cache, q_pos, window)
     batch, seq, num_heads, head_dim = q.shape
     _, num_kv_heads, cache_len, _ = k_cache.shape
@@ -729,16 +778,18 @@ def _attention(q, k_cache, v_cache, q_pos, window, counters, *, scale, softcap, 
     if cfg.split < 0 or cfg.split % cfg.block_k:
         raise ValueError(f"split-KV partition size {cfg.split} must be 0 or a positive "
                          f"multiple of block_k={cfg.block_k}")
-    if cfg.fold_group < 0 or cfg.serial_subtiles < 1 or cfg.serial_split_tiles < 0:
+    if (cfg.fold_group < 0 or cfg.serial_subtiles < 1 or cfg.serial_split_tiles < 0
+            or cfg.group_split_programs < 0):
         raise ValueError(f"split-KV fold_group={cfg.fold_group} must be >= 0, "
-                         f"serial_subtiles={cfg.serial_subtiles} >= 1 and "
-                         f"serial_split_tiles={cfg.serial_split_tiles} >= 0")
+                         f"serial_subtiles={cfg.serial_subtiles} >= 1, "
+                         f"serial_split_tiles={cfg.serial_split_tiles} >= 0 and "
+                         f"group_split_programs={cfg.group_split_programs} >= 0")
 
     q_rows, first, last = query_rows(q, q_pos, window, num_kv_heads, cfg)
     out, counters = attention_rows_counted(q_rows, k_cache, v_cache, first, last, cfg,
                                            counters, scale=float(scale), softcap=softcap,
                                            interpret=interpret, fused_fold=fused_fold,
-                                           serial_split=serial_split)
+                                           serial_split=serial_split, group_split=group_split)
     return rows_to_heads(out, seq, num_heads), counters
 
 
@@ -805,7 +856,7 @@ def attention_rows(q_rows, k_cache, v_cache, first, last, cfg: AttentionConfig, 
 def attention_rows_counted(q_rows, k_cache, v_cache, first, last, cfg: AttentionConfig,
                            counters, *, scale: float, softcap: float | None = None,
                            interpret: bool = False, fused_fold: bool | None = None,
-                           serial_split: bool | None = None):
+                           serial_split: bool | None = None, group_split: bool | None = None):
     """`attention_rows` with the arrival counters of `attention_counted`: -> (out,
     counters)."""
     batch, _, padded_rows, _ = q_rows.shape
@@ -819,6 +870,13 @@ def attention_rows_counted(q_rows, k_cache, v_cache, first, last, cfg: Attention
             return _serial_split_attention(q_rows, k_cache, v_cache, first, last, cfg,
                                            scale=float(scale), softcap=softcap,
                                            interpret=interpret), counters
+        groups = fold_groups(cfg, pl.cdiv(k_cache.shape[2], cfg.split))
+        if group_split is None:
+            group_split = 0 < cfg.group_split_programs <= tiles * k_cache.shape[1] * groups
+        if group_split and groups > 1:
+            return _group_split_attention(q_rows, k_cache, v_cache, first, last, cfg,
+                                          scale=float(scale), softcap=softcap,
+                                          interpret=interpret), counters
         if fused_fold is None:
             fused_fold = tiles <= cfg.fused_fold_tiles
         if fused_fold:
@@ -878,6 +936,44 @@ def _serial_split_attention(q_rows, k_cache, v_cache, first, last, cfg: Attentio
     out = _row_tile_call(kernel, q_rows, k_cache, v_cache, first, last, cfg, rp, interpret,
                          "jspec_attention_serial_split")
     return out[:, :, :rows]
+
+
+def _group_split_attention(q_rows, k_cache, v_cache, first, last, cfg: AttentionConfig, *,
+                           scale: float, softcap: float | None, interpret: bool):
+    """Split-KV with a program per (batch, kv head, row tile, fold group)
+    (`_group_split_kernel`), then the fold over groups (`_combine_kernel` over groups of
+    `split x fold_group` keys, as the two-level fold's second level) -> [B, Hkv, Rp, D]."""
+    batch, num_kv_heads, rows, head_dim = q_rows.shape
+    cache_len = k_cache.shape[2]
+    groups = fold_groups(cfg, pl.cdiv(cache_len, cfg.split))
+    br = cfg.split_rows
+    kernel = functools.partial(_group_split_kernel, scale=scale, softcap=softcap,
+                               block_k=cfg.block_k, split=cfg.split,
+                               fold_group=cfg.fold_group, v_masked_load=cfg.v_masked_load)
+    m, denom, acc = pl.pallas_call(
+        kernel,
+        grid=(batch, num_kv_heads, rows // br, groups),
+        in_specs=_partition_in_specs(br, head_dim, cache_len),
+        out_specs=[
+            pl.BlockSpec((None, None, None, br), lambda b, h, r, g: (b, h, g, r)),
+            pl.BlockSpec((None, None, None, br), lambda b, h, r, g: (b, h, g, r)),
+            pl.BlockSpec((None, None, None, br, head_dim), lambda b, h, r, g: (b, h, g, r, 0)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((batch, num_kv_heads, groups, rows), jnp.float32),
+            jax.ShapeDtypeStruct((batch, num_kv_heads, groups, rows), jnp.float32),
+            jax.ShapeDtypeStruct((batch, num_kv_heads, groups, rows, head_dim), jnp.float32),
+        ],
+        compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps,
+                                             num_stages=cfg.num_stages),
+        interpret=interpret,
+        name="jspec_attention_group_split",
+    )(q_rows, k_cache, v_cache, first, last)
+    # The groups' results fold like one level over partitions of split x fold_group keys.
+    over_groups = dataclasses.replace(cfg, split=cfg.split * cfg.fold_group, fold_group=0,
+                                      skip_empty=False)
+    return combine_partials(m, denom, acc, first, last, over_groups, q_rows.dtype,
+                            interpret=interpret)
 
 
 def _partition_in_specs(br: int, head_dim: int, cache_len: int) -> list:
@@ -1094,7 +1190,7 @@ def _plain_attention(q, k_cache, v_cache, q_pos, window, *, scale, softcap, upca
 
 @functools.partial(jax.jit, static_argnames=("scale", "softcap", "split", "split_rows",
                                              "fused_fold", "serial_split",
-                                             "skip_empty"))
+                                             "skip_empty", "group_split"))
 def attention_reference(
     q: jax.Array,  # [B, T, H, D]
     k_cache: jax.Array,  # [B, Hkv, S, D]
@@ -1109,6 +1205,7 @@ def attention_reference(
     fused_fold: bool | None = None,
     serial_split: bool | None = None,
     skip_empty: bool | None = None,
+    group_split: bool | None = None,
 ) -> jax.Array:
     """Plain-jnp attention: full softmax over all S keys with the same mask, all in f32
     with IEEE f32 dots (`split`, `split_rows`, `fused_fold` and `serial_split` are accepted
@@ -1116,14 +1213,14 @@ def attention_reference(
     checked against; XLA picks the reduction order per shape, so it is not invariant to T,
     B or S.
     """
-    del split, split_rows, fused_fold, serial_split, skip_empty
+    del split, split_rows, fused_fold, serial_split, skip_empty, group_split
     return _plain_attention(q, k_cache, v_cache, q_pos, window, scale=scale,
                             softcap=softcap, upcast=True).astype(q.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "softcap", "split", "split_rows",
                                              "fused_fold", "serial_split",
-                                             "skip_empty"))
+                                             "skip_empty", "group_split"))
 def attention_xla(
     q: jax.Array,  # [B, T, H, D]
     k_cache: jax.Array,  # [B, Hkv, S, D]
@@ -1138,12 +1235,13 @@ def attention_xla(
     fused_fold: bool | None = None,
     serial_split: bool | None = None,
     skip_empty: bool | None = None,
+    group_split: bool | None = None,
 ) -> jax.Array:
     """The `xla` backend's attention, as a plain JAX model writes it: q @ k and p @ v in
     the cache dtype with f32 accumulation, the softmax in f32, p cast to the value dtype
     (as the kernel does). Same mask and padding rules as `attention_reference`; for f32
     caches the two are the same function. Not invariant (XLA picks reduction orders).
     """
-    del split, split_rows, fused_fold, serial_split, skip_empty
+    del split, split_rows, fused_fold, serial_split, skip_empty, group_split
     return _plain_attention(q, k_cache, v_cache, q_pos, window, scale=scale,
                             softcap=softcap, upcast=False)

@@ -104,6 +104,32 @@ def test_serial_split_logits_schedule_invariant():
         with_options(model, attn_serial_split=1)
 
 
+def test_group_split_logits_schedule_invariant():
+    # attn_group_split: past one fold group, a program per (row tile, group) folds its
+    # partitions' partials in registers: P within that path, prefill == steps == verify
+    # blocks == a row in a ragged batch == a doubled cache (more groups) (bits against
+    # the two kernels: the device's).
+    model, seq = model_and_tokens("tiny-qwen3", N, seed=11)
+    model = with_options(model, attn_split=16, attn_group_split=True)  # 5 groups of 2
+    counts = eqn_counts(jax.make_jaxpr(apply)(model, jnp.zeros((1, 1), jnp.int32),
+                                                 init_cache(model, 1, MAX_LEN)).jaxpr)
+    assert counts["pallas_call:jspec_attention_group_split"] == model.config.num_layers
+    assert counts["pallas_call:jspec_attention_split"] == 0
+    want = parity.schedule_logits(model, [seq], parity.prefill_schedule(N), MAX_LEN, seed=1)[0]
+    for label, steps in [("serial", parity.serial_schedule(N)),
+                         ("verify k=4", parity.verify_schedule(N, 4, prefix=2, seed=2))]:
+        got = parity.schedule_logits(model, [seq], steps, MAX_LEN, seed=1)[0]
+        assert np.array_equal(bits(got), bits(want)), label
+    rng = np.random.default_rng(5)
+    others = [rng.integers(0, model.config.vocab_size, n).astype(np.int32) for n in (7, 33)]
+    batch = parity.schedule_logits(model, [seq] + others,
+                                   parity.batch_schedule([N, 7, 33], 4, seed=3),
+                                   2 * MAX_LEN, seed=1)
+    assert np.array_equal(bits(batch[0]), bits(want)), "ragged batch, cache x2"
+    with pytest.raises(ValueError, match="attn_group_split=1 must be a bool"):
+        with_options(model, attn_group_split=1)
+
+
 def test_split_kernels_run_and_size_is_checked(case):
     model, _ = case
     model = with_options(model, attn_fused_fold=False)  # two kernels (default: by row tiles)

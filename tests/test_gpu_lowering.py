@@ -146,13 +146,15 @@ def test_fused_fold_attention_lowers_for_the_h200(preset, backend, batch, tokens
     (8, 5, {"jspec_attention_split", "jspec_attention_group_fold", "jspec_attention_combine"})])
 def test_two_level_fold_lowers_for_the_h200(batch, tokens, kernels):
     # An 8,192-slot cache: 64 partitions of 128 keys, folded in 4 groups of 16 (the
-    # group counters and buffers of the one launch; the group-fold kernel of the two).
+    # group counters and buffers of the one launch; the group-fold kernel of the two,
+    # which batch 8 x 5 tokens would leave for a program per group by default).
     from pallas_kernels.attention import attention
 
     q = jax.ShapeDtypeStruct((batch, tokens, 32, 128), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((batch, 8, 8192, 128), jnp.bfloat16)
     pos = jax.ShapeDtypeStruct((batch, tokens), jnp.int32)
-    text = _lower(functools.partial(attention, scale=1.0), q, kv, kv, pos, jnp.int32(0))
+    text = _lower(functools.partial(attention, scale=1.0, group_split=False), q, kv, kv, pos,
+                  jnp.int32(0))
     assert kernels <= set(re.findall(r'name = "(jspec_[a-z_0-9]*)"', text))
     assert f"tensor<{batch}x8x4x" in text  # the groups' partials
 
@@ -171,27 +173,53 @@ def test_serial_split_lowers_for_the_h200():
     assert "jspec_attention_split" not in text.replace("jspec_attention_serial_split", "")
 
 
-@pytest.mark.parametrize("batch,tokens,heads,serial", [
-    (1, 2048, 32, True),  # a prefill chunk: 8,192 rows a kv head, 512 row tiles
-    (1, 128, 32, True),  # 512 rows: 32 tiles, the threshold
-    (1, 64, 32, False),  # 256 rows: 16 tiles
-    (1, 33, 64, False),  # a chain's verify, 8 heads a kv head: 17 tiles
-    (64, 5, 32, False),  # batch 64 x 5 tokens: 128 tiles in all, 2 a sequence
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_group_split_lowers_for_the_h200(tokens):
+    # A decode step and a verify block at 131,072 keys: a program per (row tile, fold
+    # group), 64 groups of 16 partitions, then the fold over groups; no partition partial.
+    from pallas_kernels.attention import attention
+
+    q = jax.ShapeDtypeStruct((1, tokens, 32, 128), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, 8, 131072, 128), jnp.bfloat16)
+    pos = jax.ShapeDtypeStruct((1, tokens), jnp.int32)
+    text = _lower(functools.partial(attention, scale=1.0, group_split=True), q, kv, kv, pos,
+                  jnp.int32(0))
+    names = set(re.findall(r'name = "(jspec_attention[a-z_]*)"', text))
+    assert names == {"jspec_attention_group_split", "jspec_attention_combine"}, names
+    assert "tensor<1x8x64x" in text  # the groups' partials
+    assert "tensor<1x8x1024x" not in text  # no partition's
+
+
+@pytest.mark.parametrize("batch,tokens,heads,keys,path", [
+    (1, 2048, 32, 4096, "serial"),  # a prefill chunk: 8,192 rows a kv head, 512 row tiles
+    (1, 128, 32, 4096, "serial"),  # 512 rows: 32 tiles, the threshold
+    (1, 64, 32, 4096, "group"),  # 256 rows: 16 tiles x 8 kv heads x 2 groups = 256
+    (1, 33, 64, 4096, "group"),  # a chain's verify, 8 heads a kv head: 17 tiles
+    (64, 5, 32, 4096, "group"),  # batch 64 x 5 tokens: 128 tiles in all, 2 a sequence
+    (1, 5, 32, 4096, "fused"),  # 2 tiles x 8 kv heads x 2 groups: too few group programs
+    (1, 1, 32, 32768, "fused"),  # 8 x 16 = 128 group programs; 8 tiles: one launch
+    (1, 1, 32, 131072, "group"),  # 8 x 64 = 512
+    (32, 5, 32, 1024, "two"),  # one fold group (8 partitions)
 ])
-def test_the_gpu_default_takes_the_serial_split_for_prefill_chunks_only(
-        batch, tokens, heads, serial):
+def test_the_gpu_default_picks_the_split_path_by_shape(batch, tokens, heads, keys, path):
     # `serial_split_tiles` counts one sequence's row tiles a kv head, never the batch's:
-    # prefill chunks keep no partials in memory; steps and verify blocks run the two
-    # kernels (or the one launch). The same bits either way (the device's proof).
+    # prefill chunks keep no partials in memory. Past one fold group, calls of at least
+    # `group_split_programs` (row tile, kv head, group) programs run a program per group;
+    # others the two kernels, or the one launch for at most 8 row tiles. The same bits
+    # every way (the device's proof).
     from pallas_kernels.attention import attention
 
     q = jax.ShapeDtypeStruct((batch, tokens, heads, 128), jnp.bfloat16)
-    kv = jax.ShapeDtypeStruct((batch, 8, 4096, 128), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((batch, 8, keys, 128), jnp.bfloat16)
     pos = jax.ShapeDtypeStruct((batch, tokens), jnp.int32)
     text = _lower(functools.partial(attention, scale=1.0), q, kv, kv, pos, jnp.int32(0))
     names = set(re.findall(r'name = "(jspec_attention[a-z_]*)"', text))
-    two = {"jspec_attention_split", "jspec_attention_combine", "jspec_attention_group_fold"}
-    assert names == ({"jspec_attention_serial_split"} if serial else two), names
+    two = {"jspec_attention_split", "jspec_attention_combine"}
+    want = {"serial": {"jspec_attention_serial_split"},
+            "group": {"jspec_attention_group_split", "jspec_attention_combine"},
+            "two": two | ({"jspec_attention_group_fold"} if keys > 2048 else set()),
+            "fused": {"jspec_attention_fused"}}[path]
+    assert names == want, names
 
 
 @pytest.mark.parametrize("tokens,fused,kernel", [
@@ -205,7 +233,7 @@ def test_skip_empty_lowers_for_the_h200(tokens, fused, kernel):
     kv = jax.ShapeDtypeStruct((1, 8, 8192, 128), jnp.bfloat16)
     pos = jax.ShapeDtypeStruct((1, tokens), jnp.int32)
     fn = functools.partial(attention, scale=1.0, fused_fold=fused, serial_split=False,
-                           skip_empty=True)
+                           skip_empty=True, group_split=False)
     text = _lower(fn, q, kv, kv, pos, jnp.int32(0))
     assert f'name = "{kernel}"' in text
 

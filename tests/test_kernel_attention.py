@@ -443,11 +443,44 @@ def test_serial_split_is_invariant_and_accurate(subtiles):
     assert np.array_equal(out, _attn([[29, 30, 31, 32]], **kw))
 
 
+def test_group_split_is_invariant_and_accurate():
+    """Split-KV with a program per fold group (`group_split`: each computes its group's
+    partition partials in turn and folds them in registers; the fold over groups reads
+    only the groups'): every row of a call with windows, garbage past its keys, a ragged
+    batch or another cache capacity (more groups) is bitwise the same row alone, and
+    within f32 rounding of the reference. (Its bits against the two kernels' are the
+    device's to show, as for `serial_split`.)"""
+    cfg = dataclasses.replace(attention_config(D, H // HKV, jnp.float32, INTERPRET),
+                              split=SPLIT)
+    assert cfg.fold_group and S_MAX // SPLIT > 2 * cfg.fold_group  # several groups
+    kw = dict(config=cfg, group_split=True)
+
+    def alone(p, window=0, cache_len=S_MAX):
+        return _attn([[p]], window=window, fill="zeros", cache_len=cache_len, **kw)[0, 0]
+
+    for window, pos in ((0, [list(range(100, 120))]),
+                        (37, [[3, 4, 5, 250, 251, 252], [60, 61, 62, -1, -1, -1]])):
+        out = _attn(pos, window=window, **kw)
+        for (b, t), p in np.ndenumerate(np.asarray(pos)):
+            want = alone(p, window) if p >= 0 else np.zeros((H, D), np.float32)
+            assert np.array_equal(out[b, t], want), (p, window)
+        ref = _attn(pos, window=window, fn=attention_reference)
+        np.testing.assert_allclose(out, ref, atol=1e-5, rtol=1e-5)
+    # A smaller cache (fewer groups; one group: the one-level fold) changes no bits.
+    for cache_len in (64, 2 * SPLIT * cfg.fold_group):
+        out = _attn([[29, 30, 31, 32]], cache_len=cache_len, fill="zeros", **kw)
+        assert np.array_equal(out, _attn([[29, 30, 31, 32]], **kw)), cache_len
+    # The rule: a call takes it from group_split_programs group programs on.
+    rule = dataclasses.replace(cfg, group_split_programs=1)
+    assert np.array_equal(_attn([[150, 151]], config=rule),
+                          _attn([[150, 151]], config=cfg, group_split=True))
+
+
 def test_split_size_is_checked():
     for bad in (BLOCK_K + 1, -BLOCK_K):
         with pytest.raises(ValueError, match="split-KV partition size"):
             _attn([[3]], split=bad)
     cfg = attention_config(D, H // HKV, jnp.float32, INTERPRET)
-    for bad in (dict(fold_group=-1), dict(serial_subtiles=0)):
+    for bad in (dict(fold_group=-1), dict(serial_subtiles=0), dict(group_split_programs=-1)):
         with pytest.raises(ValueError, match="fold_group=.* must be >= 0"):
             _attn([[3]], split=SPLIT, config=dataclasses.replace(cfg, **bad))
