@@ -47,6 +47,9 @@ _WARPS = flags.DEFINE_list("warps", ["2", "4", "8"], "num_warps values")
 _STAGES = flags.DEFINE_list("stages", ["1", "2", "3"], "num_stages values (phase 1)")
 _MASKED = flags.DEFINE_list("masked", ["0", "1"], "v_masked_load values (0: select)")
 _SPLIT_ROWS = flags.DEFINE_list("split_rows", [], "split row tiles (default: the config's)")
+_SUBTILES = flags.DEFINE_list("serial_subtiles", [], "serial_subtiles values (default: the "
+                              "config's): row tiles a program of the serial split (prefill "
+                              "chunks, e.g. --tokens=2048) sharing its K/V loads")
 _GROUP = flags.DEFINE_list("group_split", [], "group_split_programs values (default: the "
                            "config's; 1: a program per fold group whenever a call has two)")
 _COLD = flags.DEFINE_integer("cold_mb", 256, "cache bytes cycled per timed loop (> L2; "
@@ -89,11 +92,13 @@ def main(_):
     ref = dataclasses.replace(base, v_masked_load=False)
     rows_opts = [int(r) for r in _SPLIT_ROWS.value] or [base.split_rows]
     group_opts = [int(g) for g in _GROUP.value] or [base.group_split_programs]
+    sub_opts = [int(g) for g in _SUBTILES.value] or [base.serial_subtiles]
     variants = [dataclasses.replace(base, num_warps=int(w), num_stages=int(s),
                                     v_masked_load=bool(int(m)), split_rows=r,
-                                    group_split_programs=g)
-                for m, w, s, r, g in itertools.product(_MASKED.value, _WARPS.value,
-                                                       _STAGES.value, rows_opts, group_opts)]
+                                    group_split_programs=g, serial_subtiles=u)
+                for m, w, s, r, g, u in itertools.product(
+                    _MASKED.value, _WARPS.value, _STAGES.value, rows_opts, group_opts,
+                    sub_opts)]
     variants = [ref] + [v for v in variants if v != ref]
     shapes = [(int(b), int(t)) for b in _BATCHES.value for t in _TOKENS.value]
     scale = float(mcfg.attn_scale)
@@ -125,7 +130,7 @@ def main(_):
         if not events:  # CPU: host time per call
             return {"us": 1e6 * median_time(fn, caches, iters=_ITERS.value) / len(caches)}
         out = {"us": summarize(events, n, 1)["kernel_us_per_step"]}
-        for name in ("split", "combine", "group_split"):
+        for name in ("split", "combine", "group_split", "serial_split"):
             ev = [e for e in events if e["name"].startswith(f"jspec_attention_{name}")]
             out[f"{name}_us"] = sum(e["dur"] for e in ev) / n
         return out
@@ -156,12 +161,14 @@ def main(_):
           f"{_CONTEXT.value} keys; us per call (phase 1 + fold); bits vs the reference "
           f"(first row)")
     keys = [f"B{b}T{t}" for b, t in shapes]
-    print(f"{'masked':>6s} {'warps':>5s} {'stages':>6s} {'rows':>4s} {'group':>5s} {'bits':>5s} "
+    print(f"{'masked':>6s} {'warps':>5s} {'stages':>6s} {'rows':>4s} {'group':>5s} "
+          f"{'subt':>4s} {'bits':>5s} "
           + " ".join(f"{k:>16s}" for k in keys))
     for v in report["variants"]:
         c = v["config"]
         head = (f"{int(c['v_masked_load']):6d} {c['num_warps']:5d} {c['num_stages']:6d} "
-                f"{c['split_rows']:4d} {c['group_split_programs']:5d} ")
+                f"{c['split_rows']:4d} {c['group_split_programs']:5d} "
+                f"{c['serial_subtiles']:4d} ")
         if "error" in v or "skipped" in v:
             print(head + (v.get("error") or v.get("skipped"))[:80])
             continue
