@@ -27,12 +27,14 @@ import numpy as np
 from jspec._checks import check_count  # noqa: F401  (re-exported: the loops' callers use it)
 
 # Lengths a prompt batch or a cache capacity is rounded up to: powers of two from 16, with
-# a step of 1.5 between them from 1024 on (a 1025-token prompt pads to 1536, not 2048) and
-# quarter steps from 16K on (a 32K prompt's cache holds 40,960 slots, not 49,152: the
-# prefill's split-KV partitions and a step's cover the capacity, so a looser bucket
-# costs time as well as memory; compiles are rare at those lengths).
+# a step of 1.5 between them from 256 on (a 512-token prompt and 128 new tokens take a
+# 768-slot cache, not 1,024; a 1025-token prompt pads to 1536, not 2048) and quarter
+# steps from 16K on (a 32K prompt's cache holds 40,960 slots, not 49,152): split-KV's
+# partitions cover the capacity, so a looser bucket costs every step time as well as
+# memory (a batch-64 step over 1,024 slots for 576 positions: ~10 us a layer more than
+# over 529); a bucket more an octave costs a compile more at most.
 BUCKETS = tuple(sorted({16 * 2**i for i in range(20)}
-                       | {3 * 2**i for i in range(9, 20)}
+                       | {3 * 2**i for i in range(7, 20)}
                        | {q * 2**i for q in (5, 7) for i in range(12, 20)}))
 CHUNK_SECONDS = 0.25  # the host takes control back about this often
 MAX_CHUNK = 1 << 16

@@ -33,7 +33,10 @@ changes nothing. Different bits from one pass, the same invariance. Past one gro
 `fold_group` partitions (aligned at partition 0) the fold has two fixed levels: each
 group in partition order, then the groups in group order; the groups fold in parallel,
 so a long context's fold is no longer one serial chain over every partition. A row
-whose keys lie in the first group gets the one-level bits exactly.
+whose keys lie in the first group gets the one-level bits exactly. Where a call has
+enough (row tile, group) pairs, one program per pair computes its group's partition
+partials in turn and folds them in registers (`_group_split_kernel`): the same partials
+in the same order, only the groups' results written for the fold over groups.
 
 The Triton lowering (NVIDIA) needs power-of-two tile shapes and >= 16 per dot dimension;
 `attention_config` only hands out such shapes and `head_dim` must be a power of two >= 16.

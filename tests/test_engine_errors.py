@@ -130,6 +130,8 @@ def test_length_buckets_share_programs_and_change_no_token():
         assert exact.stats["prompt_bucket"] == n
         assert out.row(0) == exact.row(0)
     assert loop.bucket(1025) == 1536 and loop.bucket(5, cap=4) == 5
+    assert loop.bucket(512 + 128) == 768 and loop.bucket(257) == 384
+    assert loop.bucket(200) == 256 and loop.bucket(17) == 32
     assert loop.bucket(32768 + 128) == 40960 and loop.bucket(16385) == 20480
     assert all(b % 4096 == 0 for b in loop.BUCKETS if b >= 16384)  # whole fold groups
 

@@ -236,6 +236,29 @@ def test_random_tiles_equal_decode(pos, window, fill):
     )
 
 
+@settings(max_examples=6, deadline=None)
+@given(
+    pos=st.lists(st.integers(-1, 255), min_size=8, max_size=8),
+    window=st.sampled_from([0, 1, 17, 40]),
+    fold_group=st.sampled_from([2, 3]),
+)
+def test_random_rows_in_group_programs_equal_alone(pos, window, fold_group):
+    """Split-KV with a program per fold group (16-key partitions, groups of 2 or 3): any
+    positions in a [2, 4] call, windows moving a row's first visible partition anywhere in
+    a group, equal the same row alone in a cache of another capacity, bitwise."""
+    cfg = AttentionConfig(block_k=16, block_rows=16, num_warps=4, num_stages=2, split=16,
+                          fold_group=fold_group, group_split_programs=1)
+    pos = np.asarray(pos).reshape(2, 4)
+    out = _attn(pos, window=window, config=cfg)
+    for (b, t), p in np.ndenumerate(pos):
+        if p < 0:
+            assert not np.any(out[b, t])
+            continue
+        cap = min(16 * (p // 16 + 2), S_MAX)  # fewer groups, perhaps one
+        want = _attn([[p]], cache_len=cap, window=window, fill="zeros", config=cfg)[0, 0]
+        assert np.array_equal(out[b, t], want), (p, window)
+
+
 # 3. The plain-jnp ("xla") path is NOT invariant, so a parity check can fail.
 
 
