@@ -77,8 +77,9 @@
 #   PROF_LAYERS=12 PROF_BATCH=64 PROF_TS=1 PROF_ROUNDS=0,serial profile`, then again with
 #   XLA_FLAGS=--xla_gpu_enable_command_buffer= and PROF_TAG=nocmdbuf.
 # - e2e_context: bench_e2e.py at the Llama-3-8B shape (32 layers), batch 1, prompts of
-#   $CTX_LENS tokens (default 32768; 131072 wants a call of its own: each of its four
-#   prefills takes ~83 s), feature head at a = 0.8 / 0.9 against serial, parity checked
+#   $CTX_LENS tokens (default 32768; 128K wants a call of its own and a prompt within the
+#   model's 131,072 positions: CTX_LENS=130944 CTX_ACCEPT=0.8, four ~71 s prefills),
+#   feature head at a = $CTX_ACCEPT (default 0.8,0.9) against serial, parity checked
 #   (the draft preset is built, never run: the head drafts).
 # - serial_split: split-KV without partials in memory (attn_serial_split, off by default):
 #   bench_kernels steps after an 8K prompt with it on, checked bitwise against the
@@ -374,7 +375,7 @@ for s in $steps; do
     e2e_context) for ctx in ${CTX_LENS:-32768}; do  # speculative speedup at depth (37.4)
                 timeout "${E2E_CTX_S:-540}" python3 experiments/bench_e2e.py --target=llama3-8b \
                   --draft=tiny-qwen3:1 --drafter=feature --head_vocab=16384 --batches=1 \
-                  --prompt_len="$ctx" --max_new_tokens=128 --gammas=4 --accept=0.8,0.9 \
+                  --prompt_len="$ctx" --max_new_tokens=128 --gammas=4 --accept="${CTX_ACCEPT:-0.8,0.9}" \
                   --nolookup --nopeers --serial_backends=pallas --iters=1 --out="$OUT" \
                   --tag="h200_ctx$ctx" 2>&1 | quiet | grep -v "it/s" | tail -10
               done ;;

@@ -12,9 +12,10 @@ returned `Ops`; it never calls jnp reductions itself. Two backends:
   function of the feature/weight shapes only (rules R1-R3 in the design).
   `KernelOptions.lowering` picks the GPU lowering: "triton" (every kernel through
   Pallas's Triton backend) or "mosaic" (`matmul`, `matmul_glu`, `rmsnorm`, `add_norm`,
-  `rope`, `qk_norm_rope`, `attention` and `tree_attention` through Mosaic GPU,
-  `pallas_kernels/mosaic/`, for the shapes each takes, decided by shapes and options
-  alone; every other kernel, `matmul_partials` included, stays on Triton for now).
+  `rope`, `qk_norm_rope`, `attention`, `tree_attention` and the grouped expert kernels
+  through Mosaic GPU, `pallas_kernels/mosaic/`, for the shapes each takes, decided by
+  shapes and options alone, and the experts' routing in plain jnp; every other kernel,
+  `matmul_partials` included, stays on Triton for now).
 
 Every function takes 2-D row-major operands (rows = tokens) except attention.
 """
@@ -166,6 +167,21 @@ def _by_head_dim(mosaic: Callable, triton: Callable) -> Callable:
     return run
 
 
+def _experts_by_shape(mosaic: Callable, triton: Callable) -> Callable:
+    """A grouped expert kernel (`grouped_matmul`, `grouped_matmul_glu`, `grouped_mlp`,
+    `grouped_mlp_combine`) on Mosaic GPU for 16-bit weights whose GLU width is a multiple
+    of its 64-column block, else Triton (shapes and dtypes decide, never rows)."""
+    from pallas_kernels.mosaic.matmul import BM, DTYPES
+
+    @functools.wraps(mosaic)
+    def run(x, w, *args, **kwargs):
+        glu = "activation" in kwargs
+        ok = x.dtype.name in DTYPES and not (glu and (w.shape[2] // 2) % BM)
+        return (mosaic if ok else triton)(x, w, *args, **kwargs)
+
+    return run
+
+
 def _attention_by_shape(mosaic: Callable, triton: Callable, counted: bool = False) -> Callable:
     """Attention, tree attention or (counted) attention_counted, whose counters pass
     through, on Mosaic GPU where `mosaic.attention.takes` the model's head size, dtype and
@@ -239,11 +255,12 @@ def get_ops(backend: str, interpret: bool = False, lowering: str = "triton") -> 
         )
         if lowering == "triton":
             return ops
-        # Mosaic GPU for the matmuls, norms, RoPE and attention; imported here, as its
+        # Mosaic GPU for the matmuls, norms, RoPE, attention and experts; imported here, as its
         # modules take ~1.6 s to import.
         from pallas_kernels.mosaic import attention as mosaic_attention
         from pallas_kernels.mosaic import matmul as mosaic_matmul
         from pallas_kernels.mosaic import matmul_glu as mosaic_matmul_glu
+        from pallas_kernels.mosaic import moe as mosaic_moe
         from pallas_kernels.mosaic.norms import add_rmsnorm as mosaic_add_rmsnorm
         from pallas_kernels.mosaic.norms import rmsnorm as mosaic_rmsnorm
         from pallas_kernels.mosaic.qk_rope import qk_norm_rope as mosaic_qk_norm_rope
@@ -263,6 +280,17 @@ def get_ops(backend: str, interpret: bool = False, lowering: str = "triton") -> 
                                                   ops.attention_counted, counted=True),
             tree_attention=_attention_by_shape(p(mosaic_attention.tree_attention, interpret),
                                                ops.tree_attention),
+            # A mixture of experts: the grouped kernels on Mosaic GPU, the routing in
+            # plain jnp (`route`: row-local by construction, no Triton kernel).
+            grouped_matmul=_experts_by_shape(p(mosaic_moe.grouped_matmul, interpret),
+                                             ops.grouped_matmul),
+            grouped_matmul_glu=_experts_by_shape(p(mosaic_moe.grouped_matmul_glu, interpret),
+                                                 ops.grouped_matmul_glu),
+            grouped_mlp=_experts_by_shape(p(mosaic_moe.grouped_mlp, interpret),
+                                          ops.grouped_mlp),
+            grouped_mlp_combine=_experts_by_shape(p(mosaic_moe.grouped_mlp_combine, interpret),
+                                                  ops.grouped_mlp_combine),
+            route=route,
         )
     raise ValueError(f"{backend=}; expected 'xla' or 'pallas'")
 

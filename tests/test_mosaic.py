@@ -157,7 +157,13 @@ def test_ops_dispatch_by_lowering():
     assert kernel(triton.matmul) is not matmul
     assert kernel(mosaic.rmsnorm) is rmsnorm and kernel(mosaic.add_norm) is add_rmsnorm
     assert kernel(triton.rmsnorm) is not rmsnorm
-    assert kernel(mosaic.grouped_mlp) is kernel(triton.grouped_mlp)  # the rest: Triton
+    from pallas_kernels import moe as triton_moe
+    from pallas_kernels.mosaic import moe as mosaic_moe
+
+    assert kernel(mosaic.grouped_mlp) is mosaic_moe.grouped_mlp  # experts by shape
+    assert kernel(triton.grouped_mlp) is triton_moe.grouped_mlp
+    assert mosaic.route is triton_moe.route and kernel(triton.route) is triton_moe.route_kernel
+    assert kernel(mosaic.matmul_partials) is kernel(triton.matmul_partials)  # still Triton
     # Attention by head size, dtype and split: Mosaic GPU where it takes them, else Triton.
     q, kv = jnp.zeros((1, 1, 4, 32), jnp.bfloat16), jnp.zeros((1, 2, 64, 32), jnp.bfloat16)
     pos, w = jnp.zeros((1, 1), jnp.int32), jnp.int32(0)

@@ -1,0 +1,184 @@
+"""The Mosaic GPU lowering of the mixture-of-experts kernels (pallas_kernels/mosaic/moe.py)
+on the CPU, through Pallas's GPU interpret mode (see tests/test_mosaic.py for what the
+interpreter's wgmma is and why a row-by-row product stands in for the hardware's when
+slots are compared alone and among others).
+
+Rule R9 on this lowering: a slot's expert output is the same bits whatever other slots
+are routed beside it (many on its expert, one per expert, experts left empty), equal to
+the reference within rounding; the expert MLP is bitwise its two grouped kernels; a
+mixture-of-experts forward keeps property P on this lowering and lowers for CUDA with no
+Triton kernel.
+"""
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_mosaic import row_by_row_wgmma  # noqa: F401  (a fixture)
+
+from pallas_kernels.moe import (
+    combine,
+    grouped_matmul_glu_reference,
+    grouped_matmul_reference,
+)
+from pallas_kernels.mosaic.moe import (
+    grouped_config,
+    grouped_matmul,
+    grouped_matmul_glu,
+    grouped_mlp,
+    grouped_mlp_combine,
+)
+
+E, K, N = 4, 128, 128  # 4 experts, one K step of 128, two 64-column blocks
+
+
+def _weights(e=E, k=K, n=N, seed=0):
+    return (jax.random.normal(jax.random.key(seed), (e, k, n), jnp.float32) * 0.05
+            ).astype(jnp.bfloat16)
+
+
+def _rows(r, k=K, seed=1):
+    return jax.random.normal(jax.random.key(seed), (r, k), jnp.float32).astype(jnp.bfloat16)
+
+
+def test_config_is_a_function_of_the_weight_shape():
+    assert grouped_config(128, 2048, 1536, jnp.bfloat16).bk == 128
+    cfg = grouped_config(8, 192, 64, jnp.bfloat16)
+    assert cfg.bk == 64 and cfg.swapped and cfg.token_tiles == 1 and cfg.bn == 64
+
+
+def test_matches_the_reference():
+    x, w = _rows(11), _weights()
+    expert = jnp.array([3, 0, 3, 1, 3, 3, 0, 1, 3, 1, 3], jnp.int32)  # expert 2 empty
+    y = grouped_matmul(x, w, expert, out_dtype=jnp.float32, interpret=True)
+    ref = grouped_matmul_reference(x.astype(jnp.float32), w.astype(jnp.float32), expert,
+                                   out_dtype=jnp.float32)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(ref), atol=1e-5, rtol=1e-5)
+    g = grouped_matmul_glu(x, w, expert, activation="silu", interpret=True)
+    gate, up = jnp.split(grouped_matmul(x, w, expert, out_dtype=x.dtype, interpret=True), 2,
+                         axis=-1)
+    from pallas_kernels.matmul_glu import _glu_tile
+
+    assert np.array_equal(np.asarray(g), np.asarray(_glu_tile(gate, up, "silu")))
+    np.testing.assert_allclose(
+        np.asarray(g, np.float32),
+        np.asarray(grouped_matmul_glu_reference(x, w, expert, activation="silu"), np.float32),
+        atol=2e-2, rtol=2e-2)
+
+
+def test_the_expert_mlp_is_its_two_kernels_and_combines():
+    M, k, F = 5, 2, N // 2
+    x = _rows(M)
+    w_gu, w_dn = _weights(), _weights(E, F, K, seed=3)
+    expert = jnp.array([1, 3, 3, 1, 0, 3, 1, 1, 3, 0], jnp.int32)
+    y = grouped_mlp(x, w_gu, w_dn, expert, activation="gelu_tanh", interpret=True)
+    a = grouped_matmul_glu(jnp.repeat(x, k, axis=0), w_gu, expert, activation="gelu_tanh",
+                           interpret=True)
+    want = grouped_matmul(a, w_dn, expert, out_dtype=jnp.float32, interpret=True)
+    assert y.shape == (M * k, K) and np.array_equal(np.asarray(y), np.asarray(want))
+    weights = jax.nn.softmax(jax.random.normal(jax.random.key(5), (M, k)), axis=-1)
+    out = grouped_mlp_combine(x, w_gu, w_dn, expert, weights, activation="gelu_tanh",
+                              rows_out=8, interpret=True)
+    assert out.shape == (8, K) and not np.any(np.asarray(out[M:], np.float32))
+    assert np.array_equal(np.asarray(out[:M]),
+                          np.asarray(combine(want.reshape(M, k, K), weights).astype(x.dtype)))
+
+
+@pytest.mark.parametrize("routing", ["one expert, two tiles", "one row each", "random"])
+def test_a_slots_bits_do_not_depend_on_the_routing_beside_it(routing, row_by_row_wgmma):  # noqa: F811
+    R = 20
+    x, w = _rows(R), _weights()
+    expert = {"one expert, two tiles": jnp.full((R,), 2, jnp.int32),
+              "one row each": jnp.arange(R, dtype=jnp.int32) % E,
+              "random": jax.random.randint(jax.random.key(7), (R,), 0, E)}[routing]
+    among = np.asarray(grouped_matmul(x, w, expert, out_dtype=jnp.float32, interpret=True))
+    for r in (0, 7, R - 1):
+        alone = grouped_matmul(x[r:r + 1], w, expert[r:r + 1], out_dtype=jnp.float32,
+                               interpret=True)
+        assert np.array_equal(np.asarray(alone)[0], among[r]), (routing, r)
+    perm = np.random.default_rng(0).permutation(R)
+    shuffled = grouped_matmul(x[perm], w, expert[perm], out_dtype=jnp.float32,
+                              interpret=True)
+    assert np.array_equal(np.asarray(shuffled), among[perm])
+
+
+def test_bad_input_is_refused():
+    x, w = _rows(3), _weights()
+    expert = jnp.zeros((3,), jnp.int32)
+    with pytest.raises(TypeError, match="16-bit"):
+        grouped_matmul(x.astype(jnp.float32), w.astype(jnp.float32), expert,
+                       out_dtype=None, interpret=True)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        grouped_matmul_glu(x, w[:, :, :96], expert, activation="silu", interpret=True)
+    with pytest.raises(ValueError, match="activation"):
+        grouped_matmul_glu(x, w, expert, activation="relu6", interpret=True)
+
+
+def _lower(fn, *args) -> str:
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("M", [1, 5])
+def test_the_expert_mlp_lowers_for_cuda(M):
+    # The Qwen3-30B-A3B expert shapes (128 experts, 8 a token, hidden 2048, width 768): a
+    # decode step's 8 slots and a 5-token verify block's 40; two Mosaic GPU kernels.
+    x = jax.ShapeDtypeStruct((M, 2048), jnp.bfloat16)
+    w_gu = jax.ShapeDtypeStruct((128, 2048, 1536), jnp.bfloat16)
+    w_dn = jax.ShapeDtypeStruct((128, 768, 2048), jnp.bfloat16)
+    expert = jax.ShapeDtypeStruct((M * 8,), jnp.int32)
+    text = _lower(functools.partial(grouped_mlp, activation="silu"), x, w_gu, w_dn, expert)
+    assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 2
+    assert "__gpu$xla.gpu.triton" not in text and "triton_kernel_call" not in text
+
+
+@pytest.mark.parametrize("schedules", ["blocks", pytest.param("steps, verify",
+                                                             marks=pytest.mark.slow)])
+def test_property_p_holds_for_experts_on_mosaic(schedules):
+    # A tiny bf16 Qwen3-MoE (8 experts, 2 a token, a dense layer between two sparse ones)
+    # with lowering="mosaic": blocks of 4, 1, 3, 1, 1 tokens (slow: one-token steps
+    # throughout, verify blocks) give the prefill's logits bits (its head size of 32
+    # keeps attention on Triton; the next test lowers a real one).
+    from jspec import parity
+    from jspec.random_model import random_model
+
+    model = random_model("tiny-qwen3-moe", interpret=True, dtype="bfloat16")
+    model = model.replace(options=model.options.replace(lowering="mosaic"))
+    n = 10
+    seq = np.random.default_rng(0).integers(0, model.config.vocab_size, n).astype(np.int32)
+    ref = parity.schedule_logits(model, [seq], parity.prefill_schedule(n), 24)[0]
+    runs = ([parity.block_schedule(n, [4, 1, 3, 1, 1])] if schedules == "blocks" else
+            [parity.serial_schedule(n), parity.verify_schedule(n, 3, prefix=4, seed=1)])
+    for steps in runs:
+        got = parity.schedule_logits(model, [seq], steps, 24)[0]
+        assert parity.count_mismatches(got, ref) == (0, None)
+
+
+def test_an_expert_forward_lowers_with_mosaic_kernels_only(monkeypatch):
+    # A Qwen3-30B-A3B-shaped forward (2 layers) with lowering="mosaic": a decode step
+    # lowers for the H200 with no Triton kernel (no `jax-pallas-triton` warning): the
+    # router through the matmul, the routing in jnp, the grouped gate/up + GLU and down
+    # kernels, and the dense kernels of tests/test_mosaic.py.
+    import warnings
+
+    from jax._src.pallas.triton import gpu_info, pallas_call_registration
+
+    from jspec.cache import init_cache
+    from jspec.model import Model, apply
+    from jspec.random_model import preset_config, random_params
+
+    info = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200)
+    monkeypatch.setattr(pallas_call_registration.gpu_info_lib, "get_gpu_info",
+                        lambda *a, **k: info)
+    cfg = preset_config("qwen3-30b-a3b", num_layers=2)
+    model = Model(config=cfg, params=jax.eval_shape(lambda: random_params(cfg)))
+    model = model.replace(options=model.options.replace(lowering="mosaic"))
+    cache = jax.eval_shape(lambda: init_cache(model, 1, 256))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*Pallas Triton backend is deprecated")
+        text = _lower(apply, model, jax.ShapeDtypeStruct((1, 1), jnp.int32), cache)
+    for name in ("grouped_matmul_glu", "grouped_matmul"):
+        assert text.count(f"jspec_mosaic_{name}_mosaic_gpu") == 1, name
+    assert "__gpu$xla.gpu.triton" not in text and "jspec_route" not in text
