@@ -24,7 +24,8 @@ block size T (--Ts for the first batch, --other_Ts for the others):
     --peak_TBps (default 4.8 TB/s, the H200's HBM3e bandwidth as specified; the copy
     bandwidth measured in this process is recorded beside it), and roofline / measured.
 At T = 1 that is serial decoding: tokens/s = B / step time against B / roofline time.
-Prints a table; writes a JSON receipt (rewritten after every row, so a run cut short
+--options sets the pallas rows' kernel options (e.g. `mosaic`: the Mosaic GPU lowering,
+its expert kernels included). Prints a table; writes a JSON receipt (rewritten after every row, so a run cut short
 keeps its data) under --out (bench_moe_<preset>[_<tag>].json).
 """
 
@@ -47,7 +48,7 @@ from jspec.bench.moe_bytes import step_read_bytes, uniform_union
 from jspec.bench.receipts import write_receipt
 from jspec.bench.timing import STEP_REPS, copy_bandwidth, device_steps, median_time
 from jspec.cache import init_cache
-from jspec.cli import options_record
+from jspec.cli import options_record, with_option_string
 from jspec.model import COMPILER_OPTIONS, apply, forward_nodonate
 from jspec.random_model import PRESETS, random_model
 
@@ -67,6 +68,8 @@ _DTYPE = flags.DEFINE_string("dtype", "bfloat16", "weights and activations (a CP
                              "needs float32)")
 _OUT = flags.DEFINE_string("out", os.environ.get("OUT", "experiments/results"), "receipt dir")
 _TAG = flags.DEFINE_string("tag", "", "receipt file name suffix")
+_OPTIONS = flags.DEFINE_string("options", "", "kernel options of the pallas rows (jspec.cli's "
+                               "option string, e.g. mosaic or moe_layout_kernel=1)")
 flag_checks.require_counts(_BATCHES, _TS, _OTHER_TS, _XLA_TS, _CONTEXT, _ITERS)
 
 
@@ -117,6 +120,8 @@ class Run:
             kw["num_layers"] = _LAYERS.value
         t0 = time.perf_counter()
         self.model = random_model(_PRESET.value, **kw)
+        if _OPTIONS.value:
+            self.model = with_option_string(self.model, _OPTIONS.value)
         jax.block_until_ready(self.model.params)
         self.build_s = time.perf_counter() - t0
         cfg = self.model.config

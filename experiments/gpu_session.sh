@@ -53,7 +53,8 @@
 #   $MOE_E2E_BATCHES, $MOE_E2E_SHAPES, $MOE_TREE, $MOE_HEAD_VOCAB, $MOE_DRAFT (built, never
 #   run: the feature head drafts), $MOE_DTYPE and
 #   $MOE_INTERPRET (non-empty: Pallas interpret mode) resize them ($MOE_OPTIONS: the
-#   matrix's kernel options, e.g. moe_layout_kernel=1, with $MOE_TAG naming its receipt;
+#   cost's and the matrix's kernel options, e.g. moe_layout_kernel=1 or mosaic (the
+#   Mosaic GPU expert kernels), with $MOE_TAG naming their receipts;
 #   $MOE_BACKENDS, default pallas:
 #   add xla (pallas,xla, with MOE_PARITY_S=240) to show it breaking) (tests/test_moe_bench.py
 #   runs the three at tiny-qwen3-moe on a CPU); $MOE_COST_S, $MOE_PARITY_S, $MOE_E2E_S
@@ -384,7 +385,8 @@ for s in $steps; do
               --batches="${MOE_BATCHES:-1}" --Ts="${MOE_TS:-1,5,2,3,8,9,17,33}" \
               --other_Ts=1,5 --xla_Ts="${MOE_XLA_TS-1,5}" --context="${MOE_CONTEXT:-512}" \
               --iters=5 --dtype="${MOE_DTYPE:-bfloat16}" ${MOE_INTERPRET:+--interpret} \
-              --out="$OUT" --tag=h200 2>&1 | quiet | tail -30 ;;
+              ${MOE_OPTIONS:+--options=$MOE_OPTIONS} \
+              --out="$OUT" --tag="h200${MOE_TAG:+_$MOE_TAG}" 2>&1 | quiet | tail -30 ;;
     chunk_cost) timeout "${CHUNK_S:-300}" python3 experiments/tuning/chunk_cost.py \
               --batches="${CHUNK_BATCHES:-1,32,64}" --out="$OUT" --tag=h200 2>&1 | quiet | tail -24 ;;
     profile) for t in ${PROF_TS//,/ }; do
