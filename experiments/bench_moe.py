@@ -25,8 +25,8 @@ block size T (--Ts for the first batch, --other_Ts for the others):
     bandwidth measured in this process is recorded beside it), and roofline / measured.
 At T = 1 that is serial decoding: tokens/s = B / step time against B / roofline time.
 --options sets the pallas rows' kernel options (e.g. `mosaic`: the Mosaic GPU lowering,
-its expert kernels included). Prints a table; writes a JSON receipt (rewritten after every row, so a run cut short
-keeps its data) under --out (bench_moe_<preset>[_<tag>].json).
+its expert kernels included). Prints a table; writes a JSON receipt (rewritten after
+every row, so a run cut short keeps its data) under --out (bench_moe_<preset>[_<tag>].json).
 """
 
 from __future__ import annotations
