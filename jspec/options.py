@@ -98,11 +98,13 @@ class KernelOptions:
         (`rmsnorm`, the residual add + norm), RoPE with the q/k norms and attention
         (split-KV steps, verify blocks and trees) are lowered for the GPU: "triton"
         (pallas_kernels/*.py) or "mosaic" (Mosaic GPU: wgmma and TMA,
-        pallas_kernels/mosaic/; a dense forward then runs no Triton kernel). Attention
-        goes to Mosaic GPU where it takes the model's head size, dtype and split
+        pallas_kernels/mosaic/; a forward then runs no Triton kernel). Attention goes
+        to Mosaic GPU where it takes the model's head size, dtype and split
         (`pallas_kernels.mosaic.attention.takes`; its 64-row tiles ignore the
-        attn_split_rows / fused-fold / serial-split / skip-empty options); the other
-        kernels (routing, the grouped experts, top-p), `row_partials` > 1 and
+        attn_split_rows / fused-fold / serial-split / skip-empty / group-split
+        options); a mixture of experts' grouped kernels where the weights are 16-bit
+        and the expert width a multiple of 64 (routing in plain jnp; the layout and
+        combine kernel options do not apply); top-p, `row_partials` > 1 and
         tensor-parallel column tiles stay on Triton. Numeric (rule R11): each lowering
         gives its own bits, each row-invariant.
       row_partials: S > 1 computes the row-parallel weights (wo, w_down) as S f32
