@@ -953,20 +953,13 @@ def _group_split_attention(q_rows, k_cache, v_cache, first, last, cfg: Attention
     kernel = functools.partial(_group_split_kernel, scale=scale, softcap=softcap,
                                block_k=cfg.block_k, split=cfg.split,
                                fold_group=cfg.fold_group, v_masked_load=cfg.v_masked_load)
+    out_specs, out_shape = partial_outputs(batch, num_kv_heads, groups, rows, br, head_dim)
     m, denom, acc = pl.pallas_call(
         kernel,
         grid=(batch, num_kv_heads, rows // br, groups),
         in_specs=_partition_in_specs(br, head_dim, cache_len),
-        out_specs=[
-            pl.BlockSpec((None, None, None, br), lambda b, h, r, g: (b, h, g, r)),
-            pl.BlockSpec((None, None, None, br), lambda b, h, r, g: (b, h, g, r)),
-            pl.BlockSpec((None, None, None, br, head_dim), lambda b, h, r, g: (b, h, g, r, 0)),
-        ],
-        out_shape=[
-            jax.ShapeDtypeStruct((batch, num_kv_heads, groups, rows), jnp.float32),
-            jax.ShapeDtypeStruct((batch, num_kv_heads, groups, rows), jnp.float32),
-            jax.ShapeDtypeStruct((batch, num_kv_heads, groups, rows, head_dim), jnp.float32),
-        ],
+        out_specs=out_specs,
+        out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps,
                                              num_stages=cfg.num_stages),
         interpret=interpret,
@@ -991,6 +984,19 @@ def _partition_in_specs(br: int, head_dim: int, cache_len: int) -> list:
     ]
 
 
+def partial_outputs(batch: int, num_kv_heads: int, n: int, rows: int, br: int,
+                    head_dim: int) -> tuple[list, list]:
+    """(out_specs, out_shape) of a split-KV kernel writing f32 (m, denom, acc) partials
+    [B, Hkv, n, Rp(, D)], one per partition (or fold group) c of a (b, h, r, c) grid."""
+    return ([pl.BlockSpec((None, None, None, br), lambda b, h, r, c: (b, h, c, r)),
+             pl.BlockSpec((None, None, None, br), lambda b, h, r, c: (b, h, c, r)),
+             pl.BlockSpec((None, None, None, br, head_dim),
+                          lambda b, h, r, c: (b, h, c, r, 0))],
+            [jax.ShapeDtypeStruct((batch, num_kv_heads, n, rows), jnp.float32),
+             jax.ShapeDtypeStruct((batch, num_kv_heads, n, rows), jnp.float32),
+             jax.ShapeDtypeStruct((batch, num_kv_heads, n, rows, head_dim), jnp.float32)])
+
+
 def _split_attention(q_rows, k_cache, v_cache, first, last, cfg: AttentionConfig, *,
                      scale: float, softcap: float | None, interpret: bool):
     """Split-KV (flash-decoding, rule R3): [B, Hkv, Rp, D] rows -> outputs, in two kernels
@@ -1010,20 +1016,13 @@ def _split_attention(q_rows, k_cache, v_cache, first, last, cfg: AttentionConfig
     kernel = functools.partial(_split_kernel, scale=scale, softcap=softcap,
                                block_k=cfg.block_k, split=cfg.split,
                                v_masked_load=cfg.v_masked_load, skip_empty=cfg.skip_empty)
+    out_specs, out_shape = partial_outputs(batch, num_kv_heads, parts, rows, br, head_dim)
     m, denom, acc = pl.pallas_call(
         kernel,
         grid=(batch, num_kv_heads, rows // br, parts),
         in_specs=_partition_in_specs(br, head_dim, cache_len),
-        out_specs=[
-            pl.BlockSpec((None, None, None, br), lambda b, h, r, c: (b, h, c, r)),
-            pl.BlockSpec((None, None, None, br), lambda b, h, r, c: (b, h, c, r)),
-            pl.BlockSpec((None, None, None, br, head_dim), lambda b, h, r, c: (b, h, c, r, 0)),
-        ],
-        out_shape=[
-            jax.ShapeDtypeStruct((batch, num_kv_heads, parts, rows), jnp.float32),
-            jax.ShapeDtypeStruct((batch, num_kv_heads, parts, rows), jnp.float32),
-            jax.ShapeDtypeStruct((batch, num_kv_heads, parts, rows, head_dim), jnp.float32),
-        ],
+        out_specs=out_specs,
+        out_shape=out_shape,
         compiler_params=params,
         interpret=interpret,
         name="jspec_attention_split",
@@ -1056,23 +1055,14 @@ def combine_partials(m, denom, acc, first, last, cfg: AttentionConfig, dtype, *,
         ]
 
     if groups > 1:
+        out_specs, out_shape = partial_outputs(batch, num_kv_heads, groups, rows, br, head_dim)
         m, denom, acc = pl.pallas_call(
             functools.partial(_group_fold_kernel, split=cfg.split,
                               fold_group=cfg.fold_group, visible_only=cfg.skip_empty),
             grid=(batch, num_kv_heads, rows // br, groups),
             in_specs=fold_in_specs(parts),
-            out_specs=[
-                pl.BlockSpec((None, None, None, br), lambda b, h, r, g: (b, h, g, r)),
-                pl.BlockSpec((None, None, None, br), lambda b, h, r, g: (b, h, g, r)),
-                pl.BlockSpec((None, None, None, br, head_dim),
-                             lambda b, h, r, g: (b, h, g, r, 0)),
-            ],
-            out_shape=[
-                jax.ShapeDtypeStruct((batch, num_kv_heads, groups, rows), jnp.float32),
-                jax.ShapeDtypeStruct((batch, num_kv_heads, groups, rows), jnp.float32),
-                jax.ShapeDtypeStruct((batch, num_kv_heads, groups, rows, head_dim),
-                                     jnp.float32),
-            ],
+            out_specs=out_specs,
+            out_shape=out_shape,
             compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=1),
             interpret=interpret,
             name="jspec_attention_group_fold",

@@ -619,21 +619,40 @@ def grouped_matmul_glu(x: jax.Array, w: jax.Array, expert: jax.Array, *, activat
                    interpret, "jspec_grouped_matmul_glu")
 
 
+def check_mlp(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, expert: jax.Array
+              ) -> tuple[int, int, int, int, int]:
+    """`grouped_mlp`'s operands checked -> (M, k, E, D, F): x [M, D] (M > 0), expert
+    [M k], w_gate_up [E, D, 2F], w_down [E, F, D] in x's dtype."""
+    if x.ndim != 2 or expert.ndim != 1 or x.shape[0] == 0 or expert.shape[0] % x.shape[0]:
+        raise ValueError(f"grouped_mlp wants x [M, D] (M > 0) and expert [M k]; got "
+                         f"{x.shape=} {expert.shape=}")
+    M = x.shape[0]
+    _check_grouped(x, w_gate_up, expert[:M])
+    E, D, F = w_gate_up.shape[0], w_gate_up.shape[1], w_gate_up.shape[2] // 2
+    if w_down.shape != (E, F, D) or w_down.dtype != x.dtype:
+        raise ValueError(f"grouped_mlp wants w_down [E, F, D] = {(E, F, D)} in {x.dtype}; got "
+                         f"{w_down.shape=} {w_down.dtype=}")
+    return M, expert.shape[0] // M, E, D, F
+
+
+def check_combine_weights(x: jax.Array, expert: jax.Array, weights: jax.Array
+                          ) -> tuple[int, int]:
+    """`grouped_mlp_combine`'s weights [M, k] checked against x [M, D] and expert [M k]
+    -> (M, k)."""
+    M, k = weights.shape if weights.ndim == 2 else (0, 0)
+    if weights.ndim != 2 or M != x.shape[0] or M * k != expert.shape[0]:
+        raise ValueError(f"grouped_mlp_combine wants weights [M, k] with x [M, D] and expert "
+                         f"[M k]; got {weights.shape=} {x.shape=} {expert.shape=}")
+    return M, k
+
+
 def _grouped_mlp_slots(x, w_gate_up, w_down, expert, *, activation: str, interpret: bool,
                        layout_kernel: bool) -> tuple[jax.Array, jax.Array | None]:
     """`grouped_mlp`'s work before its last gather: (y, dest), y [S, Dp] f32 in slot
     order and dest [M k] the slot of each routed row; or (y [M k, D], None) in row order
     when the two tilings differ in row tile (the composition)."""
-    if x.ndim != 2 or expert.ndim != 1 or x.shape[0] == 0 or expert.shape[0] % x.shape[0]:
-        raise ValueError(f"grouped_mlp wants x [M, D] (M > 0) and expert [M k]; got "
-                         f"{x.shape=} {expert.shape=}")
-    M, R = x.shape[0], expert.shape[0]
-    _check_grouped(x, w_gate_up, expert[:M])
-    k = R // M
-    E, D, F = w_gate_up.shape[0], w_gate_up.shape[1], w_gate_up.shape[2] // 2
-    if w_down.shape != (E, F, D) or w_down.dtype != x.dtype:
-        raise ValueError(f"grouped_mlp wants w_down [E, F, D] = {(E, F, D)} in {x.dtype}; got "
-                         f"{w_down.shape=} {w_down.dtype=}")
+    M, k, E, D, F = check_mlp(x, w_gate_up, w_down, expert)
+    R = M * k
     cfg_gu = grouped_config(E, D, 2 * F, w_gate_up.dtype, interpret)
     cfg_dn = grouped_config(E, F, D, w_down.dtype, interpret)
     if cfg_gu.bm != cfg_dn.bm:
@@ -699,10 +718,7 @@ def grouped_mlp_combine(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array,
     [rows_out, D] in x.dtype, rows M .. rows_out - 1 exact zeros. Row-local (R9); the
     combine's arithmetic is its kernel's, so its bits are its own (see
     `combine_kernel`)."""
-    M, k = weights.shape if weights.ndim == 2 else (0, 0)
-    if weights.ndim != 2 or M != x.shape[0] or M * k != expert.shape[0]:
-        raise ValueError(f"grouped_mlp_combine wants weights [M, k] with x [M, D] and expert "
-                         f"[M k]; got {weights.shape=} {x.shape=} {expert.shape=}")
+    M, k = check_combine_weights(x, expert, weights)
     y, dest = _grouped_mlp_slots(x, w_gate_up, w_down, expert, activation=activation,
                                  interpret=interpret, layout_kernel=layout_kernel)
     if dest is None:

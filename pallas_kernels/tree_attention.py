@@ -55,6 +55,7 @@ from pallas_kernels.attention import (
     _partition_blocks,
     _plain_attention,
     combine_partials,
+    partial_outputs,
     query_rows,
     resolve_config,
     rows_to_heads,
@@ -252,19 +253,11 @@ def tree_attention(q, k_cache, v_cache, q_pos, window, root, path, *, scale: flo
         )(*args)
     else:
         parts = pl.cdiv(S, cfg.split)
+        out_specs, out_shape = partial_outputs(B, Hkv, parts, Rp, R, hd)
         m, denom, acc = pl.pallas_call(
             functools.partial(_tree_split_kernel, split=cfg.split, **static),
             grid=(B, Hkv, Rp // R, parts), in_specs=in_specs,
-            out_specs=[
-                pl.BlockSpec((None, None, None, R), lambda b, h, r, c: (b, h, c, r)),
-                pl.BlockSpec((None, None, None, R), lambda b, h, r, c: (b, h, c, r)),
-                pl.BlockSpec((None, None, None, R, hd), lambda b, h, r, c: (b, h, c, r, 0)),
-            ],
-            out_shape=[
-                jax.ShapeDtypeStruct((B, Hkv, parts, Rp), jnp.float32),
-                jax.ShapeDtypeStruct((B, Hkv, parts, Rp), jnp.float32),
-                jax.ShapeDtypeStruct((B, Hkv, parts, Rp, hd), jnp.float32),
-            ],
+            out_specs=out_specs, out_shape=out_shape,
             compiler_params=params, interpret=interpret, name="jspec_tree_attention_split",
         )(*args)
         out = combine_partials(m, denom, acc, first, last, cfg, q_rows.dtype,

@@ -42,7 +42,13 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels._common import pad_axis, round_up
 from pallas_kernels.glu import ACTIVATIONS
 from pallas_kernels.matmul_glu import _glu_tile
-from pallas_kernels.moe import _check_grouped, combine, tile_layout
+from pallas_kernels.moe import (
+    _check_grouped,
+    check_combine_weights,
+    check_mlp,
+    combine,
+    tile_layout,
+)
 from pallas_kernels.mosaic.matmul import (
     BM,
     BT,
@@ -67,6 +73,10 @@ def grouped_config(E: int, K: int, N: int, dtype) -> MosaicMatmulConfig:
 
 def _check(x: jax.Array, w: jax.Array, expert: jax.Array, name: str) -> None:
     _check_grouped(x, w, expert)
+    _check_16bit(x, name)
+
+
+def _check_16bit(x: jax.Array, name: str) -> None:
     if x.dtype.name not in DTYPES:
         raise TypeError(f"{name} (Mosaic GPU) wants 16-bit x and w in {DTYPES} (an f32 "
                         f"wgmma multiplies in TF32); got {x.dtype=}")
@@ -188,21 +198,14 @@ def _mlp_slots(x, w_gate_up, w_down, expert, *, activation: str, interpret: bool
     """(y [S, Dp] f32 in slot order, dest [M k]): one layout for both kernels; slot s
     of the gate/up kernel reads token row src[s] // k (the token's k routed copies read
     its one row), its output stays in slot order for the down kernel."""
-    if x.ndim != 2 or expert.ndim != 1 or x.shape[0] == 0 or expert.shape[0] % x.shape[0]:
-        raise ValueError(f"grouped_mlp wants x [M, D] (M > 0) and expert [M k]; got "
-                         f"{x.shape=} {expert.shape=}")
-    M, R = x.shape[0], expert.shape[0]
-    _check(x, w_gate_up, expert[:M], "grouped_mlp")
-    F = _check_glu(w_gate_up, activation, "grouped_mlp")
-    E, D = w_gate_up.shape[:2]
-    if w_down.shape != (E, F, D) or w_down.dtype != x.dtype:
-        raise ValueError(f"grouped_mlp wants w_down [E, F, D] = {(E, F, D)} in {x.dtype}; "
-                         f"got {w_down.shape=} {w_down.dtype=}")
+    M, k, E, D, F = check_mlp(x, w_gate_up, w_down, expert)
+    _check_16bit(x, "grouped_mlp")
+    _check_glu(w_gate_up, activation, "grouped_mlp")
     if F % BM:
         raise ValueError(f"grouped_mlp (Mosaic GPU): the expert width F={F} must be a "
                          f"multiple of {BM}")
     dest, tile_expert, src = _layout(expert, E)
-    a = _launch_sorted(_slot_rows(x, src, R // M), w_gate_up, tile_expert,
+    a = _launch_sorted(_slot_rows(x, src, k), w_gate_up, tile_expert,
                        grouped_config(E, D, 2 * F, x.dtype), F, x.dtype, (0, F // BM),
                        _glu_epilogue(x.dtype, activation), interpret,
                        "jspec_mosaic_grouped_matmul_glu")  # [S, F]
@@ -236,10 +239,7 @@ def grouped_mlp_combine(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array,
                         ) -> jax.Array:
     """`grouped_mlp`, then `combine` (a token's k outputs weighted and added left to right
     in f32), the cast to x.dtype and zero rows to rows_out: [rows_out, D]."""
-    M, k = weights.shape if weights.ndim == 2 else (0, 0)
-    if weights.ndim != 2 or M != x.shape[0] or M * k != expert.shape[0]:
-        raise ValueError(f"grouped_mlp_combine wants weights [M, k] with x [M, D] and expert "
-                         f"[M k]; got {weights.shape=} {x.shape=} {expert.shape=}")
+    M, k = check_combine_weights(x, expert, weights)
     y = grouped_mlp(x, w_gate_up, w_down, expert, activation=activation,
                     interpret=interpret, layout_kernel=layout_kernel)
     out = combine(y.reshape(M, k, x.shape[1]), weights).astype(x.dtype)
