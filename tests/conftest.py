@@ -153,6 +153,17 @@ def eqn_counts(jaxpr, counts: collections.Counter | None = None) -> collections.
     return counts
 
 
+@pytest.fixture
+def h200(monkeypatch):
+    """Pallas's Triton lowering answers `gpu_info` with the H200's entry (sm_90), so
+    kernels lower for CUDA on a CPU (no GPU needed)."""
+    from jax._src.pallas.triton import gpu_info, pallas_call_registration
+
+    info = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200)
+    monkeypatch.setattr(pallas_call_registration.gpu_info_lib, "get_gpu_info",
+                        lambda *a, **k: info)
+
+
 @pytest.fixture(params=FAMILIES)
 def family(request):
     return request.param

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 from conftest import slow_except
-from jax._src.pallas.triton import gpu_info, pallas_call_registration
+from jax._src.pallas.triton import pallas_call_registration
 
 from jspec.cache import init_cache
 from jspec.model import Model, apply
@@ -29,12 +29,7 @@ from jspec.random_model import preset_config, random_params
 from pallas_kernels.logsumexp import logsumexp
 from pallas_kernels.top_p import top_p_kept
 
-
-@pytest.fixture(autouse=True)
-def h200(monkeypatch):
-    info = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200)
-    monkeypatch.setattr(pallas_call_registration.gpu_info_lib, "get_gpu_info",
-                        lambda *a, **k: info)
+pytestmark = pytest.mark.usefixtures("h200")  # conftest: lowered for the H200
 
 
 def _lower(fn, *args) -> str:

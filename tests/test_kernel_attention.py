@@ -438,6 +438,21 @@ def test_two_level_fold_counters():
         attention_counted(q, k, v, qp, jnp.int32(0), jnp.zeros((tiles,), jnp.int32), **kw)
 
 
+def _assert_rows_alone_and_accurate(kw):
+    """Every row of calls with windows, garbage past its keys and a ragged batch (`_attn`
+    with kw) is bitwise the same row alone (zeros past it), and within f32 rounding of
+    the reference (accuracy; the invariance is the bitwise part)."""
+    for window, pos in ((0, [list(range(100, 120))]),
+                        (37, [[3, 4, 5, 250, 251, 252], [60, 61, 62, -1, -1, -1]])):
+        out = _attn(pos, window=window, **kw)
+        for (b, t), p in np.ndenumerate(np.asarray(pos)):
+            want = (_attn([[p]], window=window, fill="zeros", **kw)[0, 0] if p >= 0
+                    else np.zeros((H, D), np.float32))
+            assert np.array_equal(out[b, t], want), (p, window)
+        ref = _attn(pos, window=window, fn=attention_reference)
+        np.testing.assert_allclose(out, ref, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("subtiles", [2, 3])
 def test_serial_split_is_invariant_and_accurate(subtiles):
     """Split-KV without partials in memory (`serial_split`: programs of several row tiles
@@ -450,18 +465,7 @@ def test_serial_split_is_invariant_and_accurate(subtiles):
     cfg = dataclasses.replace(attention_config(D, H // HKV, jnp.float32, INTERPRET),
                               split=SPLIT, serial_subtiles=subtiles)
     kw = dict(config=cfg, serial_split=True)
-
-    def alone(p, window=0):
-        return _attn([[p]], window=window, fill="zeros", **kw)[0, 0]
-
-    for window, pos in ((0, [list(range(100, 120))]),
-                        (37, [[3, 4, 5, 250, 251, 252], [60, 61, 62, -1, -1, -1]])):
-        out = _attn(pos, window=window, **kw)
-        for (b, t), p in np.ndenumerate(np.asarray(pos)):
-            want = alone(p, window) if p >= 0 else np.zeros((H, D), np.float32)
-            assert np.array_equal(out[b, t], want), (p, window)
-        ref = _attn(pos, window=window, fn=attention_reference)
-        np.testing.assert_allclose(out, ref, atol=1e-5, rtol=1e-5)
+    _assert_rows_alone_and_accurate(kw)
     out = _attn([[29, 30, 31, 32]], cache_len=64, fill="zeros", **kw)
     assert np.array_equal(out, _attn([[29, 30, 31, 32]], **kw))
 
@@ -477,18 +481,7 @@ def test_group_split_is_invariant_and_accurate():
                               split=SPLIT)
     assert cfg.fold_group and S_MAX // SPLIT > 2 * cfg.fold_group  # several groups
     kw = dict(config=cfg, group_split=True)
-
-    def alone(p, window=0, cache_len=S_MAX):
-        return _attn([[p]], window=window, fill="zeros", cache_len=cache_len, **kw)[0, 0]
-
-    for window, pos in ((0, [list(range(100, 120))]),
-                        (37, [[3, 4, 5, 250, 251, 252], [60, 61, 62, -1, -1, -1]])):
-        out = _attn(pos, window=window, **kw)
-        for (b, t), p in np.ndenumerate(np.asarray(pos)):
-            want = alone(p, window) if p >= 0 else np.zeros((H, D), np.float32)
-            assert np.array_equal(out[b, t], want), (p, window)
-        ref = _attn(pos, window=window, fn=attention_reference)
-        np.testing.assert_allclose(out, ref, atol=1e-5, rtol=1e-5)
+    _assert_rows_alone_and_accurate(kw)
     # A smaller cache (fewer groups; one group: the one-level fold) changes no bits.
     for cache_len in (64, 2 * SPLIT * cfg.fold_group):
         out = _attn([[29, 30, 31, 32]], cache_len=cache_len, fill="zeros", **kw)

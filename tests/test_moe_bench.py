@@ -12,7 +12,6 @@ import sys
 import jax
 import jax.numpy as jnp
 import pytest
-from jax._src.pallas.triton import gpu_info, pallas_call_registration
 
 from jspec.bench.moe_bytes import expert_bytes, step_read_bytes, uniform_union
 from jspec.cache import init_cache
@@ -47,13 +46,6 @@ def test_a_decode_step_reads_k_experts_and_a_block_their_union():
     embed = tiny.params["embed"].size * tiny.params["embed"].dtype.itemsize
     assert step_read_bytes(tiny, 1, 1, 0, experts_read=[8, 8])["weights"] + 2 * 8 * \
         expert_bytes(tiny, 0) == full - embed
-
-
-@pytest.fixture
-def h200(monkeypatch):
-    info = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200)
-    monkeypatch.setattr(pallas_call_registration.gpu_info_lib, "get_gpu_info",
-                        lambda *a, **k: info)
 
 
 @pytest.mark.parametrize("batch,tokens", [(1, 1), (1, 5), *[  # the rest: other row counts

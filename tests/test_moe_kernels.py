@@ -349,15 +349,6 @@ def test_combine_rejects_bad_shapes():
 # --------------------------------------------------------------------------- GPU lowering
 
 
-@pytest.fixture
-def h200(monkeypatch):
-    from jax._src.pallas.triton import gpu_info, pallas_call_registration
-
-    info = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200)
-    monkeypatch.setattr(pallas_call_registration.gpu_info_lib, "get_gpu_info",
-                        lambda *a, **k: info)
-
-
 @pytest.mark.parametrize("k,n", [(2048, 2 * 768), (768, 2048)])  # Qwen3-30B-A3B experts
 @pytest.mark.parametrize("r", [1, 8, 40])
 def test_grouped_matmul_lowers_for_the_h200(h200, k, n, r):

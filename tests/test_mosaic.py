@@ -258,8 +258,6 @@ def _lower(fn, *args) -> str:
     return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
-
-
 @pytest.mark.parametrize("m,k,n", [
     (1, 4096, 6144), (17, 12288, 4096), (320, 4096, 151936),
     pytest.param(1, 4096, 151936, marks=_SLOW), pytest.param(17, 4096, 6144, marks=_SLOW),
@@ -283,7 +281,7 @@ def test_matmul_glu_lowers_for_cuda():
 
 
 @pytest.mark.parametrize("tree", [False, pytest.param(True, marks=_SLOW)])
-def test_model_forward_lowers_with_mosaic_kernels_only(monkeypatch, tree):
+def test_model_forward_lowers_with_mosaic_kernels_only(h200, tree):
     # A Qwen3-8B-shaped forward (2 layers) with lowering="mosaic": a decode step (or a
     # tree verify of 4 nodes) lowers for the H200 with every kernel on Mosaic GPU: the
     # projections (wqkv, wo, the fused gate/up + GLU, w_down; layers share one body), the
@@ -292,16 +290,11 @@ def test_model_forward_lowers_with_mosaic_kernels_only(monkeypatch, tree):
     # `jax-pallas-triton` deprecation warning.
     import warnings
 
-    from jax._src.pallas.triton import gpu_info, pallas_call_registration
-
     from jspec.cache import init_cache
     from jspec.model import Model, apply
     from jspec.random_model import preset_config, random_params
     from jspec.tree import from_parents
 
-    info = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200)
-    monkeypatch.setattr(pallas_call_registration.gpu_info_lib, "get_gpu_info",
-                        lambda *a, **k: info)
     cfg = preset_config("qwen3-8b", num_layers=2)
     model = Model(config=cfg, params=jax.eval_shape(lambda: random_params(cfg)))
     model = model.replace(options=model.options.replace(lowering="mosaic"))

@@ -156,22 +156,17 @@ def test_property_p_holds_for_experts_on_mosaic(schedules):
         assert parity.count_mismatches(got, ref) == (0, None)
 
 
-def test_an_expert_forward_lowers_with_mosaic_kernels_only(monkeypatch):
+def test_an_expert_forward_lowers_with_mosaic_kernels_only(h200):
     # A Qwen3-30B-A3B-shaped forward (2 layers) with lowering="mosaic": a decode step
     # lowers for the H200 with no Triton kernel (no `jax-pallas-triton` warning): the
     # router through the matmul, the routing in jnp, the grouped gate/up + GLU and down
     # kernels, and the dense kernels of tests/test_mosaic.py.
     import warnings
 
-    from jax._src.pallas.triton import gpu_info, pallas_call_registration
-
     from jspec.cache import init_cache
     from jspec.model import Model, apply
     from jspec.random_model import preset_config, random_params
 
-    info = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200)
-    monkeypatch.setattr(pallas_call_registration.gpu_info_lib, "get_gpu_info",
-                        lambda *a, **k: info)
     cfg = preset_config("qwen3-30b-a3b", num_layers=2)
     model = Model(config=cfg, params=jax.eval_shape(lambda: random_params(cfg)))
     model = model.replace(options=model.options.replace(lowering="mosaic"))
