@@ -210,11 +210,8 @@ def plan_shapes(longest: int, extra: int, max_len: int | None, max_position: int
                              f"it (max_new_tokens, and a speculative run's verify block) = "
                              f"{need} exceeds the model's max_position_embeddings "
                              f"({max_position})")
-        padded = bucket(longest)
-        max_len = bucket(padded + extra, cap=max_position)
-        if max_len < padded + extra:  # at the model's limit: no padding
-            padded, max_len = longest, need
-        return padded, max_len
+        padded = bucket(longest, cap=max_position - extra)  # near the limit: less padding
+        return padded, bucket(padded + extra, cap=max_position)
     check_count("max_len", max_len)
     if need > max_len:
         raise ValueError(f"the longest prompt ({longest} tokens) + {extra} positions after it "

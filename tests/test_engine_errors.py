@@ -136,6 +136,23 @@ def test_length_buckets_share_programs_and_change_no_token():
     assert all(b % 4096 == 0 for b in loop.BUCKETS if b >= 16384)  # whole fold groups
 
 
+def test_buckets_stop_at_the_models_limit():
+    from jspec.generate import plan_shapes
+
+    # a prompt whose bucket is the limit itself, with new tokens after it: the prompt
+    # pads less, the cache is the limit (it was rounded past it)
+    assert plan_shapes(130944, 128, None, 131072) == (130944, 131072)
+    assert plan_shapes(130000, 128, None, 131072) == (130944, 131072)
+    assert plan_shapes(100, 28, None, 128) == (100, 128)
+    assert plan_shapes(512, 128, None, 1 << 17) == (512, 768)
+    with pytest.raises(ValueError, match="exceeds the model's max_position_embeddings"):
+        plan_shapes(130945, 128, None, 131072)
+    for longest in range(1, 300, 7):  # never past the limit, never below the need
+        for limit in range(longest + 9, 400, 13):
+            padded, max_len = plan_shapes(longest, 9, None, limit)
+            assert longest <= padded and padded + 9 <= max_len <= limit
+
+
 def test_the_loop_runs_in_chunks_with_the_same_tokens(monkeypatch):
     model = load("qwen3", "xla")
     want = jspec.generate(model, _prompts(), max_new_tokens=6)
