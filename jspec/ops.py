@@ -100,7 +100,8 @@ class Ops(NamedTuple):
       (`combine_kernel`, its own bits) from their slots; rows past M exact zeros.
     route(router_logits [M,E] f32, k, norm_topk_prob) -> (weights [M,k] f32, ids [M,k]
       int32): top-k routing, ties to the lowest id, row-local (R9): `route_kernel` (one
-      launch) on pallas, `route` (plain jnp, its reference) on xla."""
+      launch; `mosaic.route.route_kernel` on Mosaic GPU) on pallas, `route` (plain jnp,
+      its reference) on xla."""
 
     matmul: Callable
     matmul_partials: Callable
@@ -178,6 +179,20 @@ def _experts_by_shape(mosaic: Callable, triton: Callable) -> Callable:
         glu = "activation" in kwargs
         ok = x.dtype.name in DTYPES and not (glu and (w.shape[2] // 2) % BM)
         return (mosaic if ok else triton)(x, w, *args, **kwargs)
+
+    return run
+
+
+def _route_by_shape(mosaic: Callable, triton: Callable) -> Callable:
+    """Routing on Mosaic GPU where `mosaic.route.takes` the expert count (E <= 256), else
+    Triton's kernel (a kernel either way: XLA's elementwise code may round a row's exp
+    by its place in a vectorised loop, so plain jnp is not row-invariant)."""
+    from pallas_kernels.mosaic.route import takes
+
+    @functools.wraps(mosaic)
+    def run(router_logits, k, **kwargs):
+        return (mosaic if takes(router_logits.shape[-1], k) else triton)(router_logits, k,
+                                                                         **kwargs)
 
     return run
 
@@ -261,6 +276,7 @@ def get_ops(backend: str, interpret: bool = False, lowering: str = "triton") -> 
         from pallas_kernels.mosaic import matmul as mosaic_matmul
         from pallas_kernels.mosaic import matmul_glu as mosaic_matmul_glu
         from pallas_kernels.mosaic import moe as mosaic_moe
+        from pallas_kernels.mosaic import route as mosaic_route
         from pallas_kernels.mosaic.norms import add_rmsnorm as mosaic_add_rmsnorm
         from pallas_kernels.mosaic.norms import rmsnorm as mosaic_rmsnorm
         from pallas_kernels.mosaic.qk_rope import qk_norm_rope as mosaic_qk_norm_rope
@@ -280,8 +296,7 @@ def get_ops(backend: str, interpret: bool = False, lowering: str = "triton") -> 
                                                   ops.attention_counted, counted=True),
             tree_attention=_attention_by_shape(p(mosaic_attention.tree_attention, interpret),
                                                ops.tree_attention),
-            # A mixture of experts: the grouped kernels on Mosaic GPU, the routing in
-            # plain jnp (`route`: row-local by construction, no Triton kernel).
+            # A mixture of experts: the grouped kernels and the routing on Mosaic GPU.
             grouped_matmul=_experts_by_shape(p(mosaic_moe.grouped_matmul, interpret),
                                              ops.grouped_matmul),
             grouped_matmul_glu=_experts_by_shape(p(mosaic_moe.grouped_matmul_glu, interpret),
@@ -290,7 +305,7 @@ def get_ops(backend: str, interpret: bool = False, lowering: str = "triton") -> 
                                           ops.grouped_mlp),
             grouped_mlp_combine=_experts_by_shape(p(mosaic_moe.grouped_mlp_combine, interpret),
                                                   ops.grouped_mlp_combine),
-            route=route,
+            route=_route_by_shape(p(mosaic_route.route_kernel, interpret), ops.route),
         )
     raise ValueError(f"{backend=}; expected 'xla' or 'pallas'")
 

@@ -252,9 +252,17 @@ def _route_f64(logits: np.ndarray, k: int, norm: bool):
     return (w / w.sum(-1, keepdims=True) if norm else w), ids
 
 
-# Both routings: plain jnp (the xla backend) and the kernel (pallas; interpreted here).
+def _mosaic_route(*args, **kwargs):
+    from pallas_kernels.mosaic.route import route_kernel as mosaic_route_kernel
+
+    return mosaic_route_kernel(*args, interpret=True, **kwargs)
+
+
+# The routings: plain jnp (the xla backend), the kernel (pallas; interpreted here) and its
+# Mosaic GPU lowering (in Pallas's GPU interpret mode).
 ROUTES = [pytest.param(route, id="jnp"),
-          pytest.param(functools.partial(route_kernel, interpret=INTERPRET), id="kernel")]
+          pytest.param(functools.partial(route_kernel, interpret=INTERPRET), id="kernel"),
+          pytest.param(_mosaic_route, id="mosaic")]
 
 
 @pytest.mark.parametrize("route_fn", ROUTES)
@@ -282,20 +290,39 @@ def test_route_breaks_ties_by_the_lowest_expert_id(route_fn):
     assert len(set(np.asarray(w)[3].tolist())) == 1
 
 
-@pytest.mark.parametrize("route_fn", ROUTES)
+@pytest.mark.parametrize("route_fn", ROUTES[1:])
 def test_route_rows_are_independent(route_fn):
     """A row's weights and ids are the same alone, in blocks around it and in a batch of
-    33 (three of the kernel's row tiles)."""
+    130 (nine of the kernel's row tiles, three of the Mosaic kernel's). Plain jnp is not
+    (see the next test): the kernels are why the pallas backend keeps P through routing."""
     rng = np.random.default_rng(5)
     e, k = 128, 8
-    logits = jnp.asarray(3 * rng.standard_normal((33, e)), jnp.float32)
+    logits = jnp.asarray(3 * rng.standard_normal((130, e)), jnp.float32)
     w, ids = route_fn(logits, k, norm_topk_prob=True)
-    for i in (0, 15, 16, 32):
+    for i in (0, 15, 16, 63, 64, 129):
         wi, idsi = route_fn(logits[i:i + 1], k, norm_topk_prob=True)
         _same_bits(wi[0], w[i], f"route weights of row {i}")
         _same_bits(idsi[0], ids[i], f"route ids of row {i}")
         part = slice(max(i - 3, 0), i + 2)
         _same_bits(route_fn(logits[part], k, norm_topk_prob=True)[0], w[part], "route block")
+
+
+def test_plain_jnp_routing_picks_the_same_ids_but_not_always_the_same_weight_bits():
+    """`route` (the xla backend's) is row-local in its formula, but XLA compiles its
+    elementwise exp / division per call shape (on the CPU a vectorised body and a scalar
+    tail), so a weight may round differently with the rows beside it: the reason the
+    pallas backend routes in a kernel. Its ids are the same here."""
+    rng = np.random.default_rng(5)
+    logits = jnp.asarray(3 * rng.standard_normal((130, 128)), jnp.float32)
+    w, ids = route(logits, 8, norm_topk_prob=True)
+    differ = 0
+    for i in range(0, 130, 5):
+        wb, ib = route(logits[i:i + 5], 8, norm_topk_prob=True)
+        _same_bits(ib, ids[i:i + 5], f"ids of rows {i}-{i + 4}")
+        np.testing.assert_allclose(np.asarray(wb), np.asarray(w[i:i + 5]), rtol=1e-6, atol=0)
+        differ += int((np.asarray(wb) != np.asarray(w[i:i + 5])).sum())
+    print(f"plain jnp routing: {differ} of {130 * 8} weights differ in their bits "
+          f"between 5-row calls and one 130-row call")
 
 
 def test_combine_rows_are_independent():
@@ -319,8 +346,19 @@ def test_route_rejects_bad_input(route_fn):
 
 
 def test_ops_dispatch_route():
+    from pallas_kernels.mosaic import route as mosaic_route
+
     assert get_ops("xla").route is route
     assert get_ops("pallas", interpret=False).route.func is route_kernel
+    assert get_ops("pallas", interpret=False, lowering="mosaic").route.__wrapped__.func is \
+        mosaic_route.route_kernel
+    on_mosaic = get_ops("pallas", interpret=True, lowering="mosaic").route
+    logits = jnp.asarray(np.random.default_rng(0).standard_normal((3, 300)), jnp.float32)
+    _same_bits(on_mosaic(logits, 2, norm_topk_prob=False)[1],  # E > 256: Triton's kernel
+               route_kernel(logits, 2, norm_topk_prob=False, interpret=True)[1],
+               "ids of 300 experts")
+    with pytest.raises(ValueError, match="at most 256 experts"):
+        mosaic_route.route_kernel(logits, 2, norm_topk_prob=False, interpret=True)
 
 
 # --------------------------------------------------------------------------- combine
@@ -370,6 +408,17 @@ def test_route_kernel_lowers_for_the_h200(h200, m, e, k):
     text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("__gpu$xla.gpu.triton") == 1
     assert set(re.findall(r'name = "(jspec_[a-z_0-9]*)"', text)) == {"jspec_route"}
+
+
+@pytest.mark.parametrize("m,e,k", [(1, 128, 8), (40, 128, 8), (2048, 128, 8), (5, 8, 2),
+                                   (3, 256, 8)])
+def test_mosaic_route_kernel_lowers_for_cuda(m, e, k):
+    from pallas_kernels.mosaic.route import route_kernel as mosaic_route_kernel
+
+    fn = functools.partial(mosaic_route_kernel, k=k, norm_topk_prob=True)
+    text = jax.jit(fn).trace(jax.ShapeDtypeStruct((m, e), jnp.float32)).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert text.count("jspec_mosaic_route") >= 1 and "__gpu$xla.gpu.triton" not in text
 
 
 # --------------------------------------------------------------------------- fused GLU

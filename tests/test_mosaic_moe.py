@@ -159,7 +159,7 @@ def test_property_p_holds_for_experts_on_mosaic(schedules):
 def test_an_expert_forward_lowers_with_mosaic_kernels_only(h200):
     # A Qwen3-30B-A3B-shaped forward (2 layers) with lowering="mosaic": a decode step
     # lowers for the H200 with no Triton kernel (no `jax-pallas-triton` warning): the
-    # router through the matmul, the routing in jnp, the grouped gate/up + GLU and down
+    # router through the matmul, the routing kernel, the grouped gate/up + GLU and down
     # kernels, and the dense kernels of tests/test_mosaic.py.
     import warnings
 
@@ -174,6 +174,6 @@ def test_an_expert_forward_lowers_with_mosaic_kernels_only(h200):
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*Pallas Triton backend is deprecated")
         text = _lower(apply, model, jax.ShapeDtypeStruct((1, 1), jnp.int32), cache)
-    for name in ("grouped_matmul_glu", "grouped_matmul"):
+    for name in ("grouped_matmul_glu", "grouped_matmul", "route"):
         assert text.count(f"jspec_mosaic_{name}_mosaic_gpu") == 1, name
     assert "__gpu$xla.gpu.triton" not in text and "jspec_route" not in text

@@ -13,8 +13,8 @@ the matmul family (`matmul`, `matmul_glu`), the norms (`rmsnorm`, `add_rmsnorm`)
 with the q/k norms (`qk_norm_rope`, `rope`), and split-KV and tree attention
 (`attention.attention`, `attention.tree_attention`, for the shapes `attention.takes`),
 and a mixture of experts' grouped kernels (`moe.py`: gate/up + GLU and down, 16-bit
-weights, expert widths a multiple of 64; its routing runs in plain jnp); top-p has its
-own (`top_p.py`). The
+weights, expert widths a multiple of 64) and routing (`route.py`, up to 256 experts);
+top-p has its own (`top_p.py`). The
 matmul's design (64-row tiles, or the swapped design's 64 weight columns by 16 tokens) is
 chosen per weight shape by `matmul_tuned.json`, written by a device sweep's bit checks.
 """

@@ -2,9 +2,8 @@
 
 The Mosaic GPU lowering of `pallas_kernels/moe.py`'s grouped kernels, whose docstring
 says what R9 asks; the layout (`tile_layout`: a counting sort in integer arithmetic,
-exact), the routing (`route`: plain jnp, row-local by construction) and the combine
-(`combine`: left to right in f32) are that module's, so a mixture of experts on this
-lowering runs no Triton kernel.
+exact) and the combine (`combine`: left to right in f32) are that module's, the routing
+`mosaic/route.py`'s, so a mixture of experts on this lowering runs no Triton kernel.
 
 The rows are laid out by expert in tiles of 16 slots (one wgmma N), each expert's rows in
 whole tiles, the group's last tile padded with empty slots, so no tile mixes two
