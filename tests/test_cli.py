@@ -308,10 +308,11 @@ def test_sweep_route_smoke(tmp_path):
              "--max_candidates=2", "--iters=1", "--reps=2", f"--out={tmp_path}")
     assert r.returncode == 0, r.stderr[-2000:]
     rep = json.load(open(tmp_path / "sweep_route.json"))
-    assert [r["kind"] for r in rep["rows"]] == ["xla", "kernel", "kernel"]
-    assert rep["rows"][1]["config"] == rep["default"]
+    assert [r["kind"] for r in rep["rows"]] == ["xla", "mosaic", "kernel", "kernel"]
+    assert rep["rows"][2]["config"] == rep["default"]
     assert all(r["same_bits_as_default"] and r["row_alone_is_its_row"]
-               for r in rep["rows"][1:])
+               for r in rep["rows"][2:])
+    assert rep["rows"][1]["row_alone_is_its_row"] and rep["rows"][1]["ids_equal_triton"]
 
 
 @pytest.mark.slow  # a profiling script

@@ -12,7 +12,9 @@ ended by `block_until_ready`. The winner has the smallest sum over --Ms (a tilin
 not depend on the row count, R1). Every candidate's weights and ids are checked against
 the default tiling's, bitwise, and every row computed alone against the block. Writes
 sweep_route[_tag].json; a new default goes into `pallas_kernels.moe.ROUTE` by hand, with
-the MoE matrix run on it.
+the MoE matrix run on it. --mosaic also times the Mosaic GPU lowering
+(`pallas_kernels.mosaic.route`, its own bits: every row alone against the block, and
+whether its ids equal the Triton kernel's).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ _REPS = flags.DEFINE_integer("reps", 64, "dependent launches per timed call")
 _INTERPRET = flags.DEFINE_bool("interpret", False, "CPU smoke run (timings mean nothing)")
 _OUT = flags.DEFINE_string("out", os.environ.get("OUT", "experiments/results"), "receipt dir")
 _TAG = flags.DEFINE_string("tag", "", "receipt name suffix")
+_MOSAIC = flags.DEFINE_bool("mosaic", True, "also time the Mosaic GPU route kernel")
 
 # (bm, warps) after the default: fewer warps first (a [16, 128] tile is 2,048 values; the
 # k argmax rounds are reductions across the tile's columns), then smaller row tiles.
@@ -67,11 +70,18 @@ def main(argv):
     cands = candidates()
     kernel = functools.partial(route_kernel, k=k, norm_topk_prob=norm,
                                interpret=_INTERPRET.value)
+    mosaic = None
+    if _MOSAIC.value:
+        from pallas_kernels.mosaic.route import route_kernel as mosaic_route_kernel
+
+        mosaic = functools.partial(mosaic_route_kernel, k=k, norm_topk_prob=norm,
+                                   interpret=_INTERPRET.value)
     rows = []
-    for kind, c in tqdm([("xla", None)] + [("kernel", c) for c in cands], desc="tilings",
+    kinds = [("xla", None)] + ([("mosaic", None)] if mosaic else [])
+    for kind, c in tqdm(kinds + [("kernel", c) for c in cands], desc="tilings",
                         file=sys.stdout):
         fn = (functools.partial(route, k=k, norm_topk_prob=norm) if kind == "xla"
-              else functools.partial(kernel, config=c))
+              else mosaic if kind == "mosaic" else functools.partial(kernel, config=c))
         times = {M: median_time(dependent_launches(fn, _REPS.value), x, iters=_ITERS.value,
                                 warmup=1) / _REPS.value * 1e6 for M, x in blocks.items()}
         rows.append({"kind": kind, "config": None if c is None else vars(c),
@@ -79,7 +89,14 @@ def main(argv):
     M = max(Ms)
     x = blocks[M]
     ref_w, ref_i = (np.asarray(a) for a in kernel(x, config=ROUTE))
-    for r, c in zip(rows[1:], cands, strict=True):
+    if mosaic:
+        w, i = (np.asarray(a) for a in mosaic(x))
+        alone = [tuple(np.asarray(a)[0] for a in mosaic(x[m:m + 1])) for m in range(M)]
+        rows[1]["ids_equal_triton"] = bool(np.array_equal(i, ref_i))
+        rows[1]["row_alone_is_its_row"] = bool(
+            np.array_equal(np.stack([a[0] for a in alone]).view(np.uint32), w.view(np.uint32))
+            and np.array_equal(np.stack([a[1] for a in alone]), i))
+    for r, c in zip(rows[1 + bool(mosaic):], cands, strict=True):
         w, i = (np.asarray(a) for a in kernel(x, config=c))
         r["same_bits_as_default"] = bool(np.array_equal(w.view(np.uint32),
                                                         ref_w.view(np.uint32))
@@ -89,7 +106,8 @@ def main(argv):
         r["row_alone_is_its_row"] = bool(
             np.array_equal(np.stack([a[0] for a in alone]).view(np.uint32), w.view(np.uint32))
             and np.array_equal(np.stack([a[1] for a in alone]), i))
-    ok = [r for r in rows[1:] if r["same_bits_as_default"] and r["row_alone_is_its_row"]]
+    ok = [r for r in rows if r["kind"] == "kernel" and r["same_bits_as_default"]
+          and r["row_alone_is_its_row"]]
     best = min(ok, key=lambda r: r["sum_us"]) if ok else None
     report = {
         "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
@@ -100,10 +118,14 @@ def main(argv):
     out = write_receipt(_OUT.value, "sweep_route", _TAG.value, report)
     print(f"{_PRESET.value}: E={E} k={k}, us a launch at M = {Ms}")
     for r in sorted(rows, key=lambda r: r["sum_us"]):
-        name = "xla (route)" if r["kind"] == "xla" else "bm={bm} warps={num_warps}".format(
-            **r["config"])
-        bits = "" if r["kind"] == "xla" or (r["same_bits_as_default"]
-                                            and r["row_alone_is_its_row"]) else "  BITS DIFFER"
+        name = ("xla (route)" if r["kind"] == "xla" else "mosaic" if r["kind"] == "mosaic"
+                else "bm={bm} warps={num_warps}".format(**r["config"]))
+        if r["kind"] == "mosaic":
+            bits = ("" if r["row_alone_is_its_row"] else "  ROWS DIFFER") + (
+                "" if r["ids_equal_triton"] else "  (ids differ from Triton's)")
+        else:
+            bits = "" if r["kind"] == "xla" or (r["same_bits_as_default"]
+                                                and r["row_alone_is_its_row"]) else "  BITS DIFFER"
         print(f"  {name:20s} " + " ".join(f"{r['us_per_launch'][m]:7.2f}" for m in Ms)
               + f"  sum {r['sum_us']:7.2f}{bits}")
     print(f"receipt: {out}")
