@@ -77,10 +77,10 @@ def _transforms(dtype) -> tuple:
     return plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)
 
 
-def _kernel(q_gmem, k_gmem, v_gmem, first_gmem, last_gmem, span_gmem, *refs, q_smem, k_smem,
-            v_smem, p_smem, first_smem, last_smem, span_smem, m_smem, l_smem, acc_smem, bar,
-            kv_bar, scale: float, softcap: float | None, split: int, tiles: int,
-            num_kv_heads: int, blocks: int, tree: bool = False):
+def _kernel(q_gmem, k_gmem, v_gmem, first_gmem, last_gmem, span_gmem, *refs, q_smem,
+            first_smem, last_smem, span_smem, bar, kv_bar, scale: float,
+            softcap: float | None, split: int, tiles: int, num_kv_heads: int, blocks: int,
+            tree: bool = False):
     # q_gmem [B, Hkv, Rp, D]; k_gmem, v_gmem [B, Hkv, S, D]; first/last_gmem [B, Rp];
     # span_gmem [B, tiles, 16] int32 (the tile's first and last visible key, the tail's
     # first position (trees), then pad); with `tree`, then k/v_tail_gmem [B x Hkv x T, L,
@@ -109,8 +109,15 @@ def _kernel(q_gmem, k_gmem, v_gmem, first_gmem, last_gmem, span_gmem, *refs, q_s
     first = plgpu.load(first_smem.at[...], layout=layout.reduce(1))  # [BM]
     last = plgpu.load(last_smem.at[...], layout=layout.reduce(1))
     head_dim = q_smem.shape[-1]
+    dt, tr = q_smem.dtype, _transforms(q_smem.dtype)
+    # Shared memory in two scopes (scheduling only: the same arithmetic): the key loop's
+    # K, V and P buffers, then the partial's staging in the same space, so a program
+    # holds ~56 KB at D = 128 (not 88) and more programs share an SM.
+    loop_smem = (plgpu.SMEM((BK, head_dim), dt, transforms=tr),
+                 plgpu.SMEM((BK, head_dim), dt, transforms=tr),
+                 plgpu.SMEM((BM, BK), dt, transforms=tr))
 
-    def block(j, carry):
+    def block(j, carry, k_smem, v_smem, p_smem):
         m, denom, acc = carry  # [BM], [BM], [BM, D] f32
         start = j * BK
         keys = pl.ds(start, BK)
@@ -172,13 +179,20 @@ def _kernel(q_gmem, k_gmem, v_gmem, first_gmem, last_gmem, span_gmem, *refs, q_s
     init = (plgpu.layout_cast(jnp.full((BM,), _NEG_INF, jnp.float32), layout.reduce(1)),
             plgpu.layout_cast(jnp.zeros((BM,), jnp.float32), layout.reduce(1)),
             plgpu.layout_cast(jnp.zeros((BM, head_dim), jnp.float32), layout))
-    m, denom, acc = lax.fori_loop(lo, hi, block, init)
-    m_smem[...], l_smem[...], acc_smem[...] = m, denom, acc
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(m_smem, m_gmem.at[b, h, c, rows])
-    plgpu.copy_smem_to_gmem(l_smem, l_gmem.at[b, h, c, rows])
-    plgpu.copy_smem_to_gmem(acc_smem, acc_gmem.at[b, h, c, rows])
-    plgpu.wait_smem_to_gmem(0)
+    m, denom, acc = pl.run_scoped(
+        lambda *bufs: lax.fori_loop(lo, hi, lambda j, carry: block(j, carry, *bufs), init),
+        *loop_smem)
+
+    def store(m_smem, l_smem, acc_smem):
+        m_smem[...], l_smem[...], acc_smem[...] = m, denom, acc
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(m_smem, m_gmem.at[b, h, c, rows])
+        plgpu.copy_smem_to_gmem(l_smem, l_gmem.at[b, h, c, rows])
+        plgpu.copy_smem_to_gmem(acc_smem, acc_gmem.at[b, h, c, rows])
+        plgpu.wait_smem_to_gmem(0)
+
+    pl.run_scoped(store, plgpu.SMEM((BM,), jnp.float32), plgpu.SMEM((BM,), jnp.float32),
+                  plgpu.SMEM((BM, head_dim), jnp.float32))
 
 
 def _spans(first, last, tiles: int):
@@ -251,15 +265,9 @@ def _split_call(q_rows, k_cache, v_cache, first, last, span, tails, *, scale, so
                   jax.ShapeDtypeStruct((batch, num_kv_heads, parts, rows, head_dim), f32)),
         scratch_types=dict(
             q_smem=plgpu.SMEM((BM, head_dim), dt, transforms=tr),
-            k_smem=plgpu.SMEM((BK, head_dim), dt, transforms=tr),
-            v_smem=plgpu.SMEM((BK, head_dim), dt, transforms=tr),
-            p_smem=plgpu.SMEM((BM, BK), dt, transforms=tr),
             first_smem=plgpu.SMEM((BM,), jnp.int32),
             last_smem=plgpu.SMEM((BM,), jnp.int32),
             span_smem=plgpu.SMEM((16,), jnp.int32),
-            m_smem=plgpu.SMEM((BM,), f32),
-            l_smem=plgpu.SMEM((BM,), f32),
-            acc_smem=plgpu.SMEM((BM, head_dim), f32),
             bar=plgpu.Barrier(num_arrivals=4),
             kv_bar=plgpu.Barrier(num_arrivals=2),
         ),
