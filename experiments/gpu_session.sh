@@ -13,8 +13,8 @@
 #   against the plain one and Triton, Qwen3-8B weights), writing the passing, faster configs
 #   into pallas_kernels/mosaic/matmul_tuned.json (copied to $OUT) for a later `mosaic` step
 #   ($MOSAIC_TOPP=0 skips its top-p) to prove. $MSW_CONFIGS: the variants, s:bk:stages
-#   (timed at M = 1, 17) or s:bk:stages:token_tiles (also at 160: one program a column
-#   block); $MSW_SHAPES (default all five), $MSW_S, $MSW_BUDGET.
+#   (timed at M = 1, 17) or s:bk:stages:token_tiles[:w] (also at 160: one program a column
+#   block; w: one wgmma of N = 160); $MSW_SHAPES (default all five), $MSW_S, $MSW_BUDGET.
 # - mosaic: the lowering="mosaic" model (every kernel of a dense forward on Mosaic GPU,
 #   attention and trees included): the parity matrix at 8K on Qwen3-8B:4 and
 #   Gemma-3-4B:6 with ragged batches and trees of 8-64 nodes ($MOSAIC_MODELS,
@@ -433,7 +433,7 @@ for s in $steps; do
     mosaic_swapped) timeout "${MSW_S:-270}" python3 experiments/tuning/mosaic_matmul.py \
               --swapped --noplain_bits --rows=1,16,17,40,64,160 --iters=10 \
               --alone=0,1,7,8,15,16,31,63,64,100 --shapes="${MSW_SHAPES:-wqkv,w_gate_up,w_down,wo,lm_head}" \
-              --configs="${MSW_CONFIGS:-s:128:6,s:128:6:10}" --budget_s="${MSW_BUDGET:-200}" \
+              --configs="${MSW_CONFIGS:-s:128:6,s:128:6:10,s:128:6:10:w}" --budget_s="${MSW_BUDGET:-200}" \
               --write=pallas_kernels/mosaic/matmul_tuned.json --tag=h200_swapped \
               --out="$OUT" 2>&1 | quiet | tail -40
             cp pallas_kernels/mosaic/matmul_tuned.json "$OUT/mosaic_matmul_tuned.json" 2>/dev/null ;;

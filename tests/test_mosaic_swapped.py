@@ -113,6 +113,27 @@ def test_more_token_tiles_a_program_keep_every_tokens_bits():
         matmul_glu(x, w, activation="silu", interpret=True, config=SWAPPED)))
 
 
+def test_a_wide_accumulator_keeps_every_tokens_bits(column_by_column_wgmma):
+    """wide: a program's tokens in one [64, 16 tiles] accumulator, one wgmma of N = 16
+    tiles a step. With each column of the product formed alike (as the hardware is
+    claimed to; the device sweep checks it), every token's bits are the narrow
+    design's, for the matmul (both output dtypes) and the GLU."""
+    x, w = _inputs(170, seed=4)
+    wide = dataclasses.replace(SWAPPED, token_tiles=10, wide=True)
+    narrow = mm(x, w)
+    for m in (1, 17, 160, 170):  # N = 16, 32, 160; two programs (160 + 10)
+        assert np.array_equal(mm(x[:m], w, config=wide), narrow[:m]), m
+    for out_dtype in (jnp.float32,):
+        assert np.array_equal(
+            np.asarray(matmul(x, w, out_dtype=out_dtype, interpret=True, config=wide)),
+            np.asarray(matmul(x, w, out_dtype=out_dtype, interpret=True, config=SWAPPED)))
+    glu = matmul_glu(x[:40], w, activation="silu", interpret=True, config=wide)
+    assert np.array_equal(np.asarray(glu), np.asarray(
+        matmul_glu(x[:40], w, activation="silu", interpret=True, config=SWAPPED)))
+    with pytest.raises(ValueError, match="wide"):
+        MosaicMatmulConfig(bn=64, bk=128, stages=4, wide=True)  # the plain design has none
+
+
 def test_token_tiles_are_checked_and_the_pipeline_shrinks_to_fit():
     for bad in (0, 17, 2.0):
         with pytest.raises(ValueError, match="token_tiles"):
@@ -225,6 +246,11 @@ def test_swapped_lowers_for_cuda(m, k, n):
             _lower(functools.partial(matmul, out_dtype=out_dtype, config=ten), x, w)
         _lower(functools.partial(matmul_glu, activation="silu", config=ten),
                jax.ShapeDtypeStruct((m, 4096), jnp.bfloat16), glu_w)
+        wide = dataclasses.replace(ten, wide=True)  # one wgmma of N = 160 a step
+        for out_dtype in (jnp.bfloat16, jnp.float32):
+            _lower(functools.partial(matmul, out_dtype=out_dtype, config=wide), x, w)
+        _lower(functools.partial(matmul_glu, activation="silu", config=wide),
+               jax.ShapeDtypeStruct((m, 4096), jnp.bfloat16), glu_w)
 
 
 def test_the_library_table_serves_both_output_dtypes():
@@ -292,6 +318,14 @@ def test_the_sweep_writes_only_passing_faster_configs(tmp_path):
     for m in ("1", "17"):
         tall["time"][m]["mosaic[s:128:6:10]"] = {"us": 20.0}  # faster by noise: not chosen
     report["shapes"]["e"] = tall
+    wide = dict(ten, wide=True)  # one wide accumulator: chosen where faster at 160 rows
+    tall_wide = shape(2048, 2048, {**fast, "160": {"mosaic": 90.0, "mosaic_swapped": 80.0,
+                                                   "mosaic[s:128:6:10]": 40.0,
+                                                   "mosaic[s:128:6:10:w]": 30.0}})
+    tall_wide["swapped"]["variants"].update({
+        "s:128:6:10": {"config": ten, "equals_swapped": True},
+        "s:128:6:10:w": {"config": wide, "equals_swapped": True}})
+    report["shapes"]["f"] = tall_wide
     # The fused GLU: its own token-tile variants, timed as the GLU at the largest M.
     glu = shape(4096, 24576, {m: {"mosaic_glu": 90.0, "mosaic_swapped_glu": 70.0}
                               for m in ("1", "17")})
@@ -302,10 +336,10 @@ def test_the_sweep_writes_only_passing_faster_configs(tmp_path):
                                                      "equals_swapped": True}}
     report["shapes"]["g"] = glu
     path = tmp_path / "t.json"
-    assert sweep.write_tuned(str(path), report, receipt="r.json") == ["a", "b", "e", "g"]
+    assert sweep.write_tuned(str(path), report, receipt="r.json") == ["a", "b", "e", "f", "g"]
     data = json.loads(path.read_text())
     got = {(e["K"], e["N"]): e["config"] for e in data["tuned"]}
     assert got == {(4096, 6144): six, (4096, 4096): base, (4096, 2048): ten,
-                   (4096, 24576): dict(base, token_tiles=10)}
+                   (2048, 2048): wide, (4096, 24576): dict(base, token_tiles=10)}
     assert data["provenance"][-1]["command"] == "python sweep --write"
     assert data["provenance"][-1]["receipt"] == "r.json"

@@ -62,7 +62,8 @@ _REPS = flags.DEFINE_integer("reps", 20, "kernel launches per timed call")
 _COLD = flags.DEFINE_float("cold_mb", 256.0, "weight copies to read at least this many MB "
                            "per loop, so no weight is served from L2 (0: one copy)")
 _CONFIGS = flags.DEFINE_list("configs", [], "extra Mosaic tiles bn:bk:stages (or "
-                             "s:bk:stages[:token_tiles], the swapped design) timed at M=1 and "
+                             "s:bk:stages[:token_tiles[:w]], the swapped design; w: the "
+                             "program's tokens in one wide accumulator) timed at M=1 and "
                              "17 (token_tiles: also at the largest M) for every shape "
                              "(scheduling study; bk changes bits)")
 _SWAPPED = flags.DEFINE_bool("swapped", False, "also the swapped design (weight columns as the "
@@ -237,7 +238,7 @@ def run_shape(name: str, K: int, N: int, rows: list[int], alone: list[int], bw: 
                mosaic.MosaicMatmulConfig(bn=int(bn), bk=int(bk), stages=int(st)))
         cfg = dataclasses.replace(cfg, bk=int(bk))
         if tiles:
-            cfg = dataclasses.replace(cfg, token_tiles=int(tiles[0]))
+            cfg = dataclasses.replace(cfg, token_tiles=int(tiles[0]), wide=tiles[1:] == ["w"])
             tall[f"mosaic[{spec}]"] = True
         fns[f"mosaic[{spec}]"] = (lambda c: lambda a, b: mosaic.matmul(
             a, b, out_dtype=out_dtype, interpret=interpret, config=c))(cfg)
@@ -323,6 +324,8 @@ def write_tuned(path: str, report: dict, receipt: str | None = None) -> list[str
             if tiles is not None and configs[tiles].get("token_tiles", TOKEN_TILES) != \
                     TOKEN_TILES:
                 config["token_tiles"] = configs[tiles]["token_tiles"]
+                if configs[tiles].get("wide"):
+                    config["wide"] = True
             data["tuned"] = [e for e in data["tuned"]
                              if (e["K"], e["N"]) != (rep["K"], rep["N"])]
             data["tuned"].append({"K": rep["K"], "N": rep["N"], "dtype": "bfloat16",

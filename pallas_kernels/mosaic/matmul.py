@@ -42,7 +42,11 @@ so an f32 output, the logits, is stored column-major as the accumulators lie and
 the same sum whatever the other columns hold and whichever of the 16 it is (R1): the
 claim `tuning/mosaic_matmul.py --swapped` checks on the device, as the rows were checked
 for the plain design. The design is part of the configuration (R11: its own bits),
-chosen per weight shape by `TUNED_FILE`.
+chosen per weight shape by `TUNED_FILE`. `wide` puts a program's token tiles in one
+[64, 16 tiles] accumulator, one wgmma of N = 16 tiles a step (a 160-row verify block: one
+instruction where ten were issued); the same sums if the hardware forms every column of
+an instruction alike whatever its N, which the sweep's bit checks decide before the
+table may take it.
 """
 
 from __future__ import annotations
@@ -92,6 +96,10 @@ class MosaicMatmulConfig:
     # grows, so the pipeline holds fewer steps (`swapped_stages`); 10 tiles take a
     # 160-row verify block in one program per column block, its weights read once.
     token_tiles: int = TOKEN_TILES
+    # swapped: a program's token tiles in one accumulator [64, 16 tiles] and one wgmma of
+    # N = 16 tiles a step (not one [64, 16] each). Numeric until the device shows a
+    # column's bits do not depend on the instruction's N: the sweep's bit checks decide.
+    wide: bool = False
 
     def __post_init__(self):
         for name in ("bn", "bk"):
@@ -109,6 +117,9 @@ class MosaicMatmulConfig:
             raise ValueError(f"MosaicMatmulConfig.token_tiles={self.token_tiles!r} must be an "
                              f"int in 1..{MAX_TOKEN_TILES} (the swapped design's; the plain "
                              f"design's row tile is {BM})")
+        if not isinstance(self.wide, bool) or (self.wide and not self.swapped):
+            raise ValueError(f"MosaicMatmulConfig.wide={self.wide!r} is the swapped design's "
+                             "(a bool)")
         if self.swapped and (self.bn != BM or self.bk < 64):
             raise ValueError(f"MosaicMatmulConfig(swapped=True) takes bn={BM} (the wgmma M) "
                              f"and bk >= 64 (both operands' 128-byte swizzle); got bn={self.bn}, "
@@ -235,11 +246,14 @@ def _kernel_swapped(x_gmem, w_gmem, o_gmem, o_smem, *, cfg: MosaicMatmulConfig, 
                                transforms=transforms, delay_release=1)
                for c in column_offsets]
     n_acc = len(column_offsets)
+    # wide: one [64, 16 tiles] accumulator a column block (each "tile" below is then the
+    # whole program's tokens); else one [64, 16] a (token tile, column block).
+    acc_tiles, width = (1, BT * tiles) if cfg.wide else (tiles, BT)
 
-    def scope(*accs):  # [64, 16] f32 each: token tile t, column block c at t * n_acc + c
+    def scope(*accs):  # token tile t, column block c at t * n_acc + c
         def step(_, x_smem, *w_smem):  # x_smem [16 tiles, bk], w_smem [bk, 64] each
-            for t in range(tiles):
-                xt = x_smem.at[pl.ds(t * BT, BT)].transpose((1, 0))  # [bk, 16]
+            for t in range(acc_tiles):
+                xt = x_smem.at[pl.ds(t * width, width)].transpose((1, 0))  # [bk, width]
                 for c, w in enumerate(w_smem):  # acc += w block^T @ x block^T
                     plgpu.wgmma(accs[t * n_acc + c], w.transpose((1, 0)), xt)
             plgpu.wgmma_wait(1)
@@ -247,14 +261,15 @@ def _kernel_swapped(x_gmem, w_gmem, o_gmem, o_smem, *, cfg: MosaicMatmulConfig, 
         plgpu.emit_pipeline(step, grid=(nk,), in_specs=[x_spec, *w_specs],
                             max_concurrent_steps=min(cfg.stages, max(nk, 2)))(
             x_gmem, *([w_gmem] * n_acc))
-        for t in range(tiles):  # [64, 16] -> the output's [16, 64] tile, transposed view
+        for t in range(acc_tiles):  # [64, width] -> the output's [width, 64], transposed
             out = epilogue(*(accs[t * n_acc + c][...] for c in range(n_acc)))
             if columns_major:
-                o_smem[:, pl.ds(t * BT, BT)] = out
+                o_smem[:, pl.ds(t * width, width)] = out
             else:
-                o_smem.transpose((1, 0))[:, pl.ds(t * BT, BT)] = out
+                o_smem.transpose((1, 0))[:, pl.ds(t * width, width)] = out
 
-    pl.run_scoped(scope, *(plgpu.ACC((BM, BT), jnp.float32) for _ in range(tiles * n_acc)))
+    pl.run_scoped(scope, *(plgpu.ACC((BM, width), jnp.float32)
+                           for _ in range(acc_tiles * n_acc)))
     plgpu.commit_smem()
     # Tokens past the array's end are not stored (TMA skips them).
     tokens, columns = pl.ds(g * tiles * BT, tiles * BT), pl.ds(j * BM, BM)
