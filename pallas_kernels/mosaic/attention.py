@@ -80,12 +80,14 @@ def _transforms(dtype) -> tuple:
 def _kernel(q_gmem, k_gmem, v_gmem, first_gmem, last_gmem, span_gmem, *refs, q_smem,
             first_smem, last_smem, span_smem, bar, kv_bar, scale: float,
             softcap: float | None, split: int, tiles: int, num_kv_heads: int, blocks: int,
-            tree: bool = False):
+            tree: bool = False, store_rows: int | None = None):
     # q_gmem [B, Hkv, Rp, D]; k_gmem, v_gmem [B, Hkv, S, D]; first/last_gmem [B, Rp];
     # span_gmem [B, tiles, 16] int32 (the tile's first and last visible key, the tail's
     # first position (trees), then pad); with `tree`, then k/v_tail_gmem [B x Hkv x T, L,
     # D] (token t = tile t's keys at positions tail .. tail + L - 1, by `tail_index`);
-    # m_gmem, l_gmem [B, Hkv, parts, Rp]; acc_gmem [B, Hkv, parts, Rp, D].
+    # m_gmem, l_gmem [B, Hkv, parts, Rp]; acc_gmem [B, Hkv, parts, Rp, D]; or, with
+    # store_rows (compact: a tile's first store_rows rows only, tile after tile),
+    # [1, 1, parts, R] and [1, 1, parts, R, D], R >= B x Hkv x tiles x store_rows.
     if tree:
         k_tail_gmem, v_tail_gmem, *refs = refs
     m_gmem, l_gmem, acc_gmem = refs
@@ -186,13 +188,39 @@ def _kernel(q_gmem, k_gmem, v_gmem, first_gmem, last_gmem, span_gmem, *refs, q_s
     def store(m_smem, l_smem, acc_smem):
         m_smem[...], l_smem[...], acc_smem[...] = m, denom, acc
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(m_smem, m_gmem.at[b, h, c, rows])
-        plgpu.copy_smem_to_gmem(l_smem, l_gmem.at[b, h, c, rows])
-        plgpu.copy_smem_to_gmem(acc_smem, acc_gmem.at[b, h, c, rows])
+        if store_rows is None:
+            plgpu.copy_smem_to_gmem(m_smem, m_gmem.at[b, h, c, rows])
+            plgpu.copy_smem_to_gmem(l_smem, l_gmem.at[b, h, c, rows])
+            plgpu.copy_smem_to_gmem(acc_smem, acc_gmem.at[b, h, c, rows])
+        else:  # the tile's real rows only (storage: every stored row has its bits)
+            own, out = pl.ds(0, store_rows), pl.ds(t * store_rows, store_rows)
+            plgpu.copy_smem_to_gmem(m_smem.at[own], m_gmem.at[0, 0, c, out])
+            plgpu.copy_smem_to_gmem(l_smem.at[own], l_gmem.at[0, 0, c, out])
+            plgpu.copy_smem_to_gmem(acc_smem.at[own], acc_gmem.at[0, 0, c, out])
         plgpu.wait_smem_to_gmem(0)
 
     pl.run_scoped(store, plgpu.SMEM((BM,), jnp.float32), plgpu.SMEM((BM,), jnp.float32),
                   plgpu.SMEM((BM, head_dim), jnp.float32))
+
+
+COMPACT_ROWS = 16  # rows a tile stores where a call's rows of a kv head fit in them
+
+
+def _compact_rows(tiles: int, store_rows: int) -> int:
+    """The compact row axis: every tile's store_rows rows, padded to whole fold tiles
+    (the padding rows are never written; their folded values are never read)."""
+    return pl.cdiv(tiles * store_rows, BM) * BM
+
+
+def _fold_compact(m, denom, acc, *, dtype, interpret, shape, fold_group: int = 16):
+    """`fold_partials` of compact partials -> [*shape, store_rows, D]: the fold's programs
+    take 64 rows of the compact axis (four tiles' rows at 16), every row folded alone."""
+    out = fold_partials(m, denom, acc, dtype=dtype, fold_group=fold_group,
+                        interpret=interpret)
+    n = 1
+    for dim in shape:
+        n *= dim
+    return out[0, 0, :n * COMPACT_ROWS].reshape(*shape, COMPACT_ROWS, acc.shape[-1])
 
 
 def _spans(first, last, tiles: int):
@@ -246,23 +274,30 @@ def _check_rows(q_rows, k_cache, v_cache, first, last, split: int) -> None:
 
 
 def _split_call(q_rows, k_cache, v_cache, first, last, span, tails, *, scale, softcap, split,
-                interpret):
+                interpret, store_rows: int | None = None):
     """The phase-1 launch: the chain's (tails None) or the tree's (tails: the tokens' tail
-    keys and values [B x Hkv x T, L, D], one token a tile)."""
+    keys and values [B x Hkv x T, L, D], one token a tile). store_rows (a multiple of 8
+    below BM): each tile's first store_rows rows only, as rows of one compact row axis
+    (`_compact_rows`), where the tiles' other rows are padding (a one-token step's G
+    rows): a quarter of the partials' bytes at 16."""
     batch, num_kv_heads, rows, head_dim = q_rows.shape
     cache_len = k_cache.shape[2]
     tiles, parts = rows // BM, pl.cdiv(cache_len, split)
     tr = _transforms(q_rows.dtype)
     kernel = functools.partial(_kernel, scale=float(scale), softcap=softcap, split=split,
                                tiles=tiles, num_kv_heads=num_kv_heads,
-                               blocks=cache_len // BK, tree=tails is not None)
+                               blocks=cache_len // BK, tree=tails is not None,
+                               store_rows=store_rows)
     dt = q_rows.dtype
     f32 = jnp.float32
+    lead, rows_out = (batch, num_kv_heads), rows
+    if store_rows is not None:
+        lead, rows_out = (1, 1), _compact_rows(batch * num_kv_heads * tiles, store_rows)
     return plgpu.kernel(
         kernel,
-        out_type=(jax.ShapeDtypeStruct((batch, num_kv_heads, parts, rows), f32),
-                  jax.ShapeDtypeStruct((batch, num_kv_heads, parts, rows), f32),
-                  jax.ShapeDtypeStruct((batch, num_kv_heads, parts, rows, head_dim), f32)),
+        out_type=(jax.ShapeDtypeStruct((*lead, parts, rows_out), f32),
+                  jax.ShapeDtypeStruct((*lead, parts, rows_out), f32),
+                  jax.ShapeDtypeStruct((*lead, parts, rows_out, head_dim), f32)),
         scratch_types=dict(
             q_smem=plgpu.SMEM((BM, head_dim), dt, transforms=tr),
             first_smem=plgpu.SMEM((BM,), jnp.int32),
@@ -388,10 +423,19 @@ def attention(q, k_cache, v_cache, q_pos, window, *, scale: float,
     cfg = dataclasses.replace(cfg, split=split, split_rows=BM,
                                                skip_empty=False, fold_group=16)
     q_rows, first, last = triton_attention.query_rows(q, q_pos, window, num_kv_heads, cfg)
-    m, denom, acc = split_partials(q_rows, k_cache, v_cache, first, last, scale=scale,
-                                   softcap=softcap, split=split, interpret=interpret)
-    out = fold_partials(m, denom, acc, dtype=q.dtype, fold_group=cfg.fold_group,
-                        interpret=interpret)
+    if seq * (num_heads // num_kv_heads) > COMPACT_ROWS:
+        m, denom, acc = split_partials(q_rows, k_cache, v_cache, first, last, scale=scale,
+                                       softcap=softcap, split=split, interpret=interpret)
+        out = fold_partials(m, denom, acc, dtype=q.dtype, fold_group=cfg.fold_group,
+                            interpret=interpret)
+        return triton_attention.rows_to_heads(out, seq, num_heads)
+    # A step (or a block) whose rows of a kv head fit in 16: its tile stores those only.
+    _check_rows(q_rows, k_cache, v_cache, first, last, split)
+    parts = _split_call(q_rows, k_cache, v_cache, first, last, _spans(first, last, 1), None,
+                        scale=scale, softcap=softcap, split=split, interpret=interpret,
+                        store_rows=COMPACT_ROWS)
+    out = _fold_compact(*parts, dtype=q.dtype, interpret=interpret,
+                        shape=(batch, num_kv_heads), fold_group=cfg.fold_group)
     return triton_attention.rows_to_heads(out, seq, num_heads)
 
 
@@ -434,9 +478,17 @@ def tree_attention(q, k_cache, v_cache, q_pos, window, root, path, *, scale: flo
     first, last = first.reshape(batch, seq * BM), last.reshape(batch, seq * BM)
     _check_rows(q_rows, k_cache, v_cache, first, last, split)
     span = _spans(first, last, seq).at[:, :, 2].set(start[:, None])
-    m, denom, acc = _split_call(q_rows, k_cache, v_cache, first, last, span,
-                                (gather(k_cache), gather(v_cache)), scale=scale,
-                                softcap=softcap, split=split, interpret=interpret)
-    out = fold_partials(m, denom, acc, dtype=q.dtype, fold_group=16, interpret=interpret)
-    out = out.reshape(batch, num_kv_heads, seq, BM, head_dim)[:, :, :, :group]
+    tails = (gather(k_cache), gather(v_cache))
+    if group > COMPACT_ROWS:
+        m, denom, acc = _split_call(q_rows, k_cache, v_cache, first, last, span, tails,
+                                    scale=scale, softcap=softcap, split=split,
+                                    interpret=interpret)
+        out = fold_partials(m, denom, acc, dtype=q.dtype, fold_group=16, interpret=interpret)
+        out = out.reshape(batch, num_kv_heads, seq, BM, head_dim)[:, :, :, :group]
+    else:  # each token's tile stores its G rows' 16 (a one-token step's, as `attention`)
+        parts = _split_call(q_rows, k_cache, v_cache, first, last, span, tails, scale=scale,
+                            softcap=softcap, split=split, interpret=interpret,
+                            store_rows=COMPACT_ROWS)
+        out = _fold_compact(*parts, dtype=q.dtype, interpret=interpret,
+                            shape=(batch, num_kv_heads, seq))[:, :, :, :group]
     return out.transpose(0, 2, 1, 3, 4).reshape(batch, seq, num_heads, head_dim)
