@@ -67,6 +67,13 @@ def pad_prompts(prompts, vocab_size: int, length: int | None = None
     if isinstance(prompts, np.ndarray | jax.Array) and np.ndim(prompts) == 2:
         rows = [np.asarray(r) for r in np.asarray(prompts)]
     else:
+        prompts = list(prompts)
+        for b, r in enumerate(prompts):  # numpy would take True for token id 1
+            if isinstance(r, list | tuple):
+                i = next((i for i, x in enumerate(r) if isinstance(x, bool | np.bool_)), None)
+                if i is not None:
+                    raise ValueError(f"prompt {b}: token {i} is {r[i]!r}, a bool, not a "
+                                     "token id")
         rows = [np.asarray(r) for r in prompts]
     if not rows:
         raise ValueError("prompts is empty: need at least one prompt")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jspec.config import ModelConfig, RopeSpec
+from jspec.config import ModelConfig, RopeSpec, canonical_dtype
 from jspec.model import Model
 from jspec.options import KernelOptions
 
@@ -80,6 +80,8 @@ PRESETS: dict[str, dict] = {
 
 def preset_config(name: str, *, num_layers: int | None = None,
                   dtype: str = "bfloat16") -> ModelConfig:
+    """A preset's config; dtype as `jspec.load_hf` takes it (a name or a jnp / numpy
+    dtype)."""
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; choose from {sorted(PRESETS)}")
     kw = {**_COMMON, **PRESETS[name]}
@@ -96,7 +98,7 @@ def preset_config(name: str, *, num_layers: int | None = None,
     else:
         kw["layer_sliding"] = (False,) * L
         kw["attn_scale"] = kw["head_dim"] ** -0.5
-    return ModelConfig(dtype=dtype, **kw)
+    return ModelConfig(dtype=canonical_dtype(dtype), **kw)
 
 
 def weight_shapes(preset: str, head_vocab: int | None = None) -> dict[str, tuple[int, int]]:
@@ -155,8 +157,16 @@ def random_params(cfg: ModelConfig, seed: int = 0) -> dict:
 
 
 def random_model(name: str, *, seed: int = 0, backend: str = "pallas",
-                 interpret: bool = False, **kw) -> Model:
-    """A preset's config with random params (`preset_config` takes **kw)."""
+                 interpret: bool | None = None, **kw) -> Model:
+    """A preset's config with random params (`preset_config` takes **kw: num_layers,
+    dtype). interpret: Pallas kernels in interpret mode (default: where there is no GPU,
+    as `jspec.load_hf`)."""
+    from jspec._checks import check_bool
+    from jspec.loading import default_interpret
+
+    if interpret is None:
+        interpret = default_interpret()
+    check_bool("interpret", interpret)
     cfg = preset_config(name, **kw)
     return Model(config=cfg, params=random_params(cfg, seed),
                  options=KernelOptions(backend=backend, interpret=interpret))

@@ -94,8 +94,11 @@ class Sample:
                                                      low_open=True))
 
     def filtered_logits(self, logits):
-        """logits [B, V] f32 -> logits / T with filtered entries at -inf."""
-        x = logits / jnp.float32(self.temperature)
+        """logits [B, V] f32 -> (logits - the row's max) / T with filtered entries at -inf:
+        logits / T's distribution without its overflow, so a tiny T sends every entry
+        below the max to -inf (greedy in the limit) instead of several to +inf."""
+        top = jnp.max(logits, axis=-1, keepdims=True)  # exact in any order
+        x = (logits - jnp.where(jnp.isfinite(top), top, 0.0)) / jnp.float32(self.temperature)
         return filter_top_k_top_p(x, self.top_k, self.top_p, self.lowering)
 
     def __call__(self, logits, seed, rows, positions):

@@ -173,13 +173,13 @@ def read_prompts(path: str | os.PathLike, *, chat: bool = False) -> list[Prompt]
       .jsonl: one JSON object per line, with "prompt" (a string) or "messages" (a chat);
       .json: one JSON list whose items are strings, chats, or such objects;
       anything else: plain text, one prompt per non-empty line.
-    chat=True wraps every string prompt as one user message. Errors name the line (the
-    item of a .json list)."""
+    chat=True wraps every string prompt as one user message. UTF-8, a leading byte-order
+    mark dropped. Errors name the line (the item of a .json list)."""
     path = check_path("path", path)
     chat = check_bool("chat", chat)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"prompts file {path!r} does not exist")
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8-sig") as f:  # a leading byte-order mark is no text
         text = f.read()
     prompts: list[Prompt] = []
     if path.endswith(".json"):

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from jspec._checks import check_ints
+from jspec._checks import check_count, check_ints
 
 
 @struct.dataclass
@@ -208,11 +208,16 @@ class TreeConfig:
 def spine_paths(depth: int, branches) -> tuple[tuple[int, ...], ...]:
     """A lopsided tree (the shape EAGLE's static trees take): a spine of `depth` rank-0
     nodes, and below the spine node of depth d - 1 a rank-1 child followed by a chain of
-    branches[d - 1] rank-0 nodes (d = 1 .. depth)."""
+    branches[d - 1] rank-0 nodes (d = 1 .. depth): at most `depth` lengths, each >= 0."""
+    depth = check_count("spine depth", depth, least=1)
+    branches = tuple(branches)
+    if len(branches) > depth:
+        raise ValueError(f"a spine of depth {depth} has {depth} side branches at most; got "
+                         f"{len(branches)} lengths {list(branches)}")
+    branches = [check_count(f"side branch {d}'s length", n, least=0)
+                for d, n in enumerate(branches, start=1)]
     paths = [(0,) * d for d in range(1, depth + 1)]
     for d, n in enumerate(branches, start=1):
-        if d > depth:
-            break
         side = (0,) * (d - 1) + (1,)
         paths += [side + (0,) * k for k in range(n + 1)]
     return tuple(paths)

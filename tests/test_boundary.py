@@ -15,6 +15,7 @@ from conftest import expected, fixture_path, load
 
 import jspec
 from jspec import sharding
+from jspec.random_model import random_model
 from jspec.text import as_prompts
 
 
@@ -92,6 +93,12 @@ SEQUENCES = {  # strings for lists, bare numbers, float entries, empty lists, ou
     "tree not str": (lambda: jspec.parse_tree(3), TypeError, "tree must be a string"),
     "prompts empty": (lambda: jspec.generate(_model(), [], max_new_tokens=2), ValueError,
                       "prompts is empty"),
+    "prompt bool id": (lambda: jspec.generate(_model(), [[5, True]], max_new_tokens=2),
+                       ValueError, "prompt 0: token 1 is True, a bool"),
+    "spine extra": (lambda: jspec.parse_tree("spine:2:4,3,2"), ValueError,
+                    "depth 2 has 2 side branches at most"),
+    "spine negative": (lambda: jspec.parse_tree("spine:2:-5,1"), ValueError,
+                       "side branch 1's length=-5"),
 }
 
 OBJECTS = {  # wrong objects: None, a raw Model where a drafter is wanted, strings
@@ -125,6 +132,8 @@ BOOLS = {  # 0/1 and strings where True/False is wanted
     "chat": (lambda: jspec.read_prompts(fixture_path("qwen3") + "/config.json", chat="yes"),
              "chat='yes'"),
     "interpret": (lambda: jspec.load_hf(fixture_path("qwen3"), interpret="no"), "interpret='no'"),
+    "random_model interpret": (lambda: random_model("tiny-qwen3", interpret="no"),
+                               "interpret='no'"),
     "spec progress": (lambda: jspec.speculative_generate(
         _model(), jspec.PromptLookupDrafter(), _p(), jspec.SpecConfig(), progress=1),
         "progress=1"),
@@ -259,6 +268,20 @@ def test_read_prompts_reads_a_json_list(tmp_path):
             jspec.read_prompts(str(f))
     (tmp_path / "p.txt").write_text('["a"]\n')  # any other extension: plain lines
     assert jspec.read_prompts(str(tmp_path / "p.txt")) == ['["a"]']
+    bom = b"\xef\xbb\xbf"  # a leading byte-order mark is dropped, whatever the format
+    for name, body, want in (("b.txt", b"def f():\n", ["def f():"]),
+                             ("b.jsonl", b'{"prompt": "x"}\n', ["x"]),
+                             ("b.json", b'["x"]', ["x"])):
+        (tmp_path / name).write_bytes(bom + body)
+        assert jspec.read_prompts(str(tmp_path / name)) == want, name
+
+
+def test_random_models_run_where_they_are_made():
+    # interpret mode by default where there is no GPU (as load_hf); dtypes as load_hf
+    model = random_model("tiny-qwen3", dtype=jnp.float32)
+    assert model.options.interpret == (jax.default_backend() == "cpu")
+    assert model.config.dtype == "float32"
+    assert jspec.generate(model, [[1, 2, 3]], max_new_tokens=2).num_tokens[0] == 2
 
 
 @pytest.mark.parametrize("content", [5, None, [{"type": "text", "text": "Hi"}]])

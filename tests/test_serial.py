@@ -82,6 +82,11 @@ def test_sampling_is_seeded_and_top_k_1_is_greedy():
     assert top1.row(0) == greedy.row(0)
     tiny_p = jspec.generate(model, p, max_new_tokens=16, sampler=jspec.Sample(1.0, top_p=1e-6))
     assert tiny_p.row(0) == greedy.row(0)
+    # Temperatures so small that logits / T overflows f32: greedy in the limit (the
+    # shift by the row's max keeps one finite entry), never the lowest positive id.
+    for t in (1e-30, 1e-38, 1e-45):
+        cold = jspec.generate(model, p, max_new_tokens=16, sampler=jspec.Sample(t), seed=5)
+        assert cold.row(0) == greedy.row(0), t
 
 
 def test_stop_tokens_end_a_row_and_pad_the_rest():
