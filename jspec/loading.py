@@ -43,7 +43,7 @@ from jspec.config import (
     from_hf_config,
 )
 from jspec.model import Model
-from jspec.options import KernelOptions
+from jspec.options import KernelOptions, default_interpret  # noqa: F401 (re-exported)
 from jspec.torch_bin import TorchBin
 
 LOG = logging.getLogger("jspec")
@@ -442,11 +442,6 @@ def default_head() -> str:
         raise CheckpointError(f"the embedded code pair's head is missing: no {head}/"
                               "model.safetensors (make it with experiments/train_draft_head.py)")
     return head
-
-
-def default_interpret() -> bool:
-    """Pallas kernels run in interpret mode where there is no GPU."""
-    return jax.default_backend() == "cpu"
 
 
 # ---------------------------------------------------------------- interpret warning

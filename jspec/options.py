@@ -34,6 +34,14 @@ def _bool(name: str, value) -> None:
         raise ValueError(f"{name}={value!r} must be a bool")
 
 
+
+def default_interpret() -> bool:
+    """Pallas kernels run in interpret mode where there is no GPU."""
+    import jax
+
+    return jax.default_backend() == "cpu"
+
+
 @dataclasses.dataclass(frozen=True)
 class KernelOptions:
     """Kernel choices of a forward pass (the static part of `Model`).

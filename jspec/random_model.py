@@ -162,7 +162,7 @@ def random_model(name: str, *, seed: int = 0, backend: str = "pallas",
     dtype). interpret: Pallas kernels in interpret mode (default: where there is no GPU,
     as `jspec.load_hf`)."""
     from jspec._checks import check_bool
-    from jspec.loading import default_interpret
+    from jspec.options import default_interpret
 
     if interpret is None:
         interpret = default_interpret()
