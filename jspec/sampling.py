@@ -4,8 +4,9 @@ Every sampler is row-local (rule R5): the token of a row depends only on that
 row's logits, the seed, the row index and the absolute position being sampled.
 Random samplers draw Gumbel noise keyed by (seed, row, position), so the token
 chosen at a position is the same whether it is sampled by serial decoding or by
-a speculative verify block: `argmax(logits / T + G(seed, row, position))` is
-exactly sampling from softmax(logits / T) (the Gumbel-max trick).
+a speculative verify block: `argmax((logits - max) / T + G(seed, row, position))` is
+exactly sampling from softmax(logits / T) (the Gumbel-max trick; the row's max taken
+out first so that no temperature overflows).
 
 `jnp.argmax` returns the lowest index among equal maxima; every path in jspec
 uses it (or `greedy_over_ids`, its rule over a head's columns mapped to ids), so
