@@ -10,6 +10,12 @@ by its pytree path, e.g. "layers.0.wqkv") the sha256 of its bytes, its shape and
 and every restored array's digest after; any difference is a `CheckpointError` naming
 the array. A checkpoint without the file (written before it existed) restores with a
 warning that it cannot be verified.
+
+A tensor-parallel model's params are global arrays in its shards' layout (each weight's
+shard blocks side by side: `jspec.sharding.place`), the same shapes as the unsharded
+model's but other contents, so the digest file also records the tensor-parallel degree
+and `restore_params` refuses a `like` of another degree (its arrays would restore
+scrambled).
 """
 
 from __future__ import annotations
@@ -72,14 +78,20 @@ def save_params(path: str, model: Model) -> None:
         ckptr.save(path, model.params)
         ckptr.wait_until_finished()
     record = {"format": DIGEST_FORMAT, "algorithm": "sha256",
-              "arrays": param_digests(model.params)}
+              "tensor_parallel": _degree(model), "arrays": param_digests(model.params)}
     tmp = os.path.join(path, DIGEST_FILE + ".tmp")
     with open(tmp, "w") as f:
         json.dump(record, f, indent=1, sort_keys=True)
     os.replace(tmp, os.path.join(path, DIGEST_FILE))
 
 
-def _read_digests(path: str) -> dict[str, dict] | None:
+def _degree(model: Model) -> int:
+    """The tensor-parallel degree of a model's params layout (1: unsharded)."""
+    return model.parallel.size if model.parallel is not None else 1
+
+
+def _read_digests(path: str) -> dict | None:
+    """The digest file's record ({"arrays": ..., "tensor_parallel": ...}), or None."""
     fn = os.path.join(path, DIGEST_FILE)
     if not os.path.exists(fn):
         return None
@@ -91,7 +103,20 @@ def _read_digests(path: str) -> dict[str, dict] | None:
             raise ValueError(f"algorithm {record.get('algorithm')!r}")
     except (ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"{fn}: not a jspec digest file ({e})") from e
-    return arrays
+    return record
+
+
+def _check_layout(path: str, record: dict | None, like: Model) -> None:
+    saved = (record or {}).get("tensor_parallel")  # absent: saved before it was recorded
+    if saved is not None and saved != _degree(like):
+        def how(n):
+            return "unsharded" if n == 1 else f"tensor-parallel over {n} devices"
+
+        raise CheckpointError(
+            f"{path}: the params were saved from a model that is {how(saved)}, and `like` "
+            f"is {how(_degree(like))}: the layouts differ (the arrays would restore "
+            "scrambled); restore into a `like` of the saved layout "
+            "(jspec.sharding.shard(model, make_mesh(n))), or save the unsharded model")
 
 
 def _stored_specs(ckptr, path: str) -> dict[str, tuple]:
@@ -135,7 +160,9 @@ def restore_params(path: str, like: Model) -> Model:
                "jspec.load_hf or jspec.random_model of the same config)")
     if not os.path.isdir(path):
         raise FileNotFoundError(f"{path}: no orbax checkpoint directory")
-    digests = _read_digests(path)
+    record = _read_digests(path)
+    _check_layout(path, record, like)
+    digests = None if record is None else record["arrays"]
     import orbax.checkpoint as ocp
 
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, like.params)

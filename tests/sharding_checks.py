@@ -325,6 +325,40 @@ def check_load(args):
     return out
 
 
+def check_checkpoint(args):
+    """save_params / restore_params across layouts: a TP = 2 model's params restore into a
+    TP = 2 model bitwise; into an unsharded model or one of TP = 4 (the same global shapes,
+    other contents) they are refused, as unsharded params are into TP = 2."""
+    import tempfile
+
+    import jax
+    import numpy as np
+
+    import jspec
+    from jspec import sharding
+    from jspec._checks import CheckpointError
+
+    one = _load("qwen3", "bfloat16", "xla")
+    two, four = (sharding.shard(one, sharding.make_mesh(n)) for n in (2, 4))
+    out = {}
+    with tempfile.TemporaryDirectory() as d:
+        for name, m in (("tp1", one), ("tp2", two)):
+            jspec.save_params(os.path.join(d, name), m)
+        back = jspec.restore_params(os.path.join(d, "tp2"), two)
+        out["tp2 into tp2 bitwise"] = all(
+            np.array_equal(np.asarray(x).view(np.uint16), np.asarray(y).view(np.uint16))
+            for x, y in zip(jax.tree.leaves(back.params), jax.tree.leaves(two.params),
+                            strict=True))
+        for src, like, label in (("tp1", two, "tp1 into tp2"), ("tp2", one, "tp2 into tp1"),
+                                 ("tp2", four, "tp2 into tp4")):
+            try:
+                jspec.restore_params(os.path.join(d, src), like)
+                out[label] = "restored"
+            except CheckpointError as e:
+                out[label] = str(e)
+    return out
+
+
 def _mp_run(model_sharded, mesh, family):
     """A forward and a speculative generation: what both sides of `multiprocess` run."""
     import numpy as np
@@ -485,7 +519,8 @@ def check_cost(args):
 
 CHECKS = {"matrix": check_matrix, "degree": check_degree, "cost": check_cost,
           "lower": check_lower,
-          "spec": check_spec, "load": check_load, "mp-worker": check_mp_worker,
+          "spec": check_spec, "load": check_load, "checkpoint": check_checkpoint,
+          "mp-worker": check_mp_worker,
           "mp-reference": check_mp_reference}
 
 

@@ -39,6 +39,22 @@ def test_load_hf_with_a_mesh_places_the_shards_of_shard():
     assert len(found["qwen3:4"]["wqkv blocks"]) == 4
 
 
+def test_checkpoints_restore_only_into_their_layout():
+    # A sharded model's params are its shards' layout in arrays of the unsharded shapes:
+    # restoring them into another degree would scramble them, so it is refused.
+    found = run("checkpoint")
+    assert found.pop("tp2 into tp2 bitwise") is True
+    assert found["tp1 into tp2"].endswith(
+        "saved from a model that is unsharded, and `like` is tensor-parallel over 2 devices: "
+        "the "
+        "layouts differ (the arrays would restore scrambled); restore into a `like` of the "
+        "saved layout (jspec.sharding.shard(model, make_mesh(n))), or save the unsharded "
+        "model")
+    assert "model that is tensor-parallel over 2 devices, and `like` is unsharded" in \
+        found["tp2 into tp1"]
+    assert "and `like` is tensor-parallel over 4 devices" in found["tp2 into tp4"]
+
+
 def test_the_sharded_forward_lowers_for_the_h200():
     """shard_map around the Pallas kernels lowers for CUDA (Triton IR, H200 info standing
     in, nothing compiled or run; see tests/test_gpu_lowering.py): Llama-3-70B- and
