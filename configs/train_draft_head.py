@@ -13,6 +13,9 @@ Presets (the argument after the colon, comma-separated with `runlocal`):
             from the training split, ~0.3 of an epoch);
   cpu       a smoke run for CI (under a minute);
   runlocal  shrinks any preset further (a few steps over a few files).
+Only `gpu` writes the shipped head (jspec/assets/codepair/head) by default; the others
+write /tmp/jspec_head_<preset>. An out_dir that holds a head already is replaced only
+with --config.overwrite=True (the `gpu` preset's default: it makes the head to ship).
 With no target, the head is trained for the embedded code pair's target on the CPython
 standard library split the pair was trained on (the held-out modules stay out).
 Override any field: `--config.draft_vocab_size=2048 --config.steps=500`.
@@ -45,7 +48,10 @@ def get_config(arg=None):
     c = ml_collections.ConfigDict()
     c.preset = presets[0]
     c.target = ""  # HF checkpoint dir of the target; "" = the embedded code pair's
-    c.out_dir = "jspec/assets/codepair/head"  # the head (published EAGLE-3 layout) + log
+    ship = c.preset == "gpu" and "runlocal" not in args
+    # the head (published EAGLE-3 layout) + log; a smoke or CPU run never the shipped one
+    c.out_dir = "jspec/assets/codepair/head" if ship else f"/tmp/jspec_head_{c.preset}"
+    c.overwrite = ship  # replace a head already in out_dir
     c.workdir = "/tmp/jspec_train_head"  # orbax checkpoints (this run's; cleared at start)
     # The head: EAGLE-3's feature layers (() = 2, L // 2, L - 3), the draft vocabulary
     # (0 = the target's whole vocabulary; n = the corpus's n most frequent tokens, with

@@ -207,6 +207,22 @@ def check_config(c) -> None:
     number("step_decay", lambda v: 0 < v <= 1, "in (0, 1]")
 
 
+def check_paths(c) -> None:
+    """out_dir and workdir usable before anything loads: directories (or absent), and an
+    out_dir holding a head already only with --config.overwrite=True (no head is lost)."""
+    for name in ("out_dir", "workdir"):
+        path = c[name]
+        if not isinstance(path, str) or not path:
+            raise ValueError(f"--config.{name}={path!r} must be a directory path")
+        if os.path.exists(path) and not os.path.isdir(path):
+            raise ValueError(f"--config.{name}={path!r} is a file, not a directory")
+    if not isinstance(c.overwrite, bool):
+        raise ValueError(f"--config.overwrite={c.overwrite!r} must be True or False")
+    if os.path.exists(os.path.join(c.out_dir, "model.safetensors")) and not c.overwrite:
+        raise ValueError(f"--config.out_dir={c.out_dir!r} holds a head already; pass "
+                         "--config.overwrite=True to replace it, or another out_dir")
+
+
 def clear_checkpoints(ckpt_dir: str, delete: bool = True) -> None:
     """Removes an earlier run's orbax checkpoints at ckpt_dir (step directories); a
     directory holding anything else is refused, never deleted (delete=False: the check
@@ -288,6 +304,7 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
     c = _CONFIG.value
     check_config(c)
+    check_paths(c)
     clear_checkpoints(checkpoint_dir(c), delete=False)
     t_start = time.perf_counter()
     gpu = jax.devices()[0].platform == "gpu"

@@ -176,13 +176,35 @@ def test_train_script_checks_its_config_and_workdir_first(tmp_path):
     base = [sys.executable, os.path.join(ROOT, "experiments", "train_draft_head.py"),
             f"--config={os.path.join(ROOT, 'configs', 'train_draft_head.py')}:cpu,runlocal",
             f"--config.out_dir={tmp_path / 'head'}"]
+    (tmp_path / "a_file").write_text("x")
+    (tmp_path / "shipped").mkdir()
+    (tmp_path / "shipped" / "model.safetensors").write_text("a head")
     for flag, words in (("--config.lr=-1", "lr=-1.0 must be > 0"),
                         ("--config.b2=1.0", "b2=1.0 must be in [0, 1)"),
                         ("--config.ttt_steps=0", "ttt_steps=0 must be an integer >= 1"),
-                        (f"--config.workdir={tmp_path}", "not this script's checkpoints")):
+                        (f"--config.workdir={tmp_path}", "not this script's checkpoints"),
+                        (f"--config.workdir={tmp_path / 'a_file'}", "is a file, not a dir"),
+                        (f"--config.out_dir={tmp_path / 'a_file'}", "is a file, not a dir"),
+                        (f"--config.out_dir={tmp_path / 'shipped'}",
+                         "holds a head already; pass --config.overwrite=True")):
         r = subprocess.run(base + [flag], cwd=ROOT, capture_output=True, text=True,
                            timeout=120)
         assert r.returncode == 2 and words in r.stderr and "Traceback" not in r.stderr, \
             r.stderr[-2000:]
     assert (tmp_path / "ckpt" / "notes.txt").read_text() == "keep me"
     assert not (tmp_path / "head").exists()
+    assert (tmp_path / "shipped" / "model.safetensors").read_text() == "a head"
+
+
+def test_only_the_gpu_preset_writes_the_shipped_head_by_default():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "_train_head_config", os.path.join(ROOT, "configs", "train_draft_head.py"))
+    config = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(config)
+    gpu = config.get_config("gpu")
+    assert gpu.out_dir == "jspec/assets/codepair/head" and gpu.overwrite
+    for arg in ("cpu", "cpu,runlocal", "cpu_head", "gpu,runlocal"):
+        c = config.get_config(arg)
+        assert c.out_dir.startswith("/tmp/jspec_head_") and not c.overwrite, arg
