@@ -3,6 +3,10 @@
   python experiments/train_pair.py                       # GPU preset (H200: a few minutes)
   python experiments/train_pair.py --preset=cpu --out_dir=/tmp/pair   # small, slow, on a CPU
 
+Only the gpu preset exports to the shipped pair (jspec/assets/codepair) by default, the
+others to /tmp/jspec_pair_<preset>; an out_dir holding a pair already is replaced only
+with --overwrite (the gpu preset's default), checked before anything trains.
+
 Data: every `.py` file of the running Python's standard library, except tests,
 idlelib, turtledemo and site-packages; the modules in `HELD_OUT` are kept out
 for evaluation. A byte-level BPE tokenizer (`tokenizers`) is trained on the
@@ -60,7 +64,10 @@ _MAX_FILES = flags.DEFINE_integer("max_files", 0, "use only the first N training
 _TIME_LIMIT = flags.DEFINE_float("time_limit_s", 150.0, "stop a model's training after this")
 _CKPT_EVERY = flags.DEFINE_integer("ckpt_every", 1000, "orbax checkpoint interval (steps)")
 _WORKDIR = flags.DEFINE_string("workdir", "/tmp/jspec_train_pair", "checkpoints and data cache")
-_OUT_DIR = flags.DEFINE_string("out_dir", "jspec/assets/codepair", "export dir")
+_OUT_DIR = flags.DEFINE_string("out_dir", "", "export dir (default: the shipped pair for "
+                               "the gpu preset, /tmp/jspec_pair_<preset> otherwise)")
+_OVERWRITE = flags.DEFINE_bool("overwrite", None, "replace a pair already in out_dir "
+                               "(default: only for the gpu preset)")
 _MODELS = flags.DEFINE_list("models", ["target", "draft"], "which models to train")
 flag_checks.require_counts(_STEPS, _BATCH, _SEQ, _MAX_FILES, least=0)
 flag_checks.require_counts(_VOCAB, least=256)  # the byte alphabet at least
@@ -218,9 +225,29 @@ def model_card(cfgs: dict, results: dict, meta: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def out_dir() -> str:
+    """The export dir, checked before anything trains: a directory (or absent), holding no
+    pair unless --overwrite (no exported pair is lost to a smoke run)."""
+    ship = _PRESET.value == "gpu"
+    out = _OUT_DIR.value or ("jspec/assets/codepair" if ship else
+                             f"/tmp/jspec_pair_{_PRESET.value}")
+    overwrite = ship if _OVERWRITE.value is None else _OVERWRITE.value
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise app.UsageError(f"--out_dir={out!r} is a file, not a directory")
+    held = [m for m in _MODELS.value
+            if os.path.exists(os.path.join(out, m, "model.safetensors"))]
+    if held and not overwrite:
+        raise app.UsageError(f"--out_dir={out!r} holds a trained {held[0]} already; pass "
+                             "--overwrite to replace it, or another --out_dir")
+    if os.path.exists(_WORKDIR.value) and not os.path.isdir(_WORKDIR.value):
+        raise app.UsageError(f"--workdir={_WORKDIR.value!r} is a file, not a directory")
+    return out
+
+
 def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
+    out = out_dir()
     p = dict(PRESETS[_PRESET.value])
     for key, flag in (("steps", _STEPS), ("batch", _BATCH), ("seq_len", _SEQ)):
         if flag.value:
@@ -260,7 +287,6 @@ def main(argv):
             "heldout_tokens": int(len(heldout)), "vocab_size": len(tok), "lr": _LR.value,
             "compute_dtype": jnp.dtype(dt).name, **p,
             "total_seconds": time.perf_counter() - t_start}
-    out = _OUT_DIR.value
     os.makedirs(out, exist_ok=True)
     card = model_card(cfgs, results, meta)
     eos = tok.convert_tokens_to_ids(EOS)

@@ -73,6 +73,23 @@ def test_train_pair_smoke_run(tmp_path):
     assert m.config.vocab_size == 300 and m.config.num_layers == 2
 
 
+def test_train_pair_keeps_an_exported_pair(tmp_path):
+    # Checked before anything trains: a pair already in out_dir is replaced only with
+    # --overwrite (only the gpu preset writes the shipped pair by default), a file is no dir.
+    (tmp_path / "pair" / "draft").mkdir(parents=True)
+    (tmp_path / "pair" / "draft" / "model.safetensors").write_text("trained")
+    (tmp_path / "a_file").write_text("x")
+    base = [sys.executable, os.path.join(ROOT, "experiments", "train_pair.py"), "--preset=cpu",
+            "--models=draft", f"--workdir={tmp_path / 'work'}"]
+    for flag, words in ((f"--out_dir={tmp_path / 'pair'}", "holds a trained draft already"),
+                        (f"--out_dir={tmp_path / 'a_file'}", "is a file, not a directory")):
+        r = subprocess.run(base + [flag], cwd=ROOT, capture_output=True, text=True,
+                           timeout=120)
+        assert r.returncode != 0 and words in r.stderr, r.stderr[-2000:]
+    assert (tmp_path / "pair" / "draft" / "model.safetensors").read_text() == "trained"
+    assert not (tmp_path / "work").exists()  # nothing started
+
+
 def test_embedded_pair_ships_and_loads():
     target, draft = jspec.default_pair()
     pair = os.path.dirname(target)
