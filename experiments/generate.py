@@ -11,7 +11,6 @@ stats); --config.stream=True prints the text as it is generated. Without
 a small Qwen3 trained on the CPython standard library).
 """
 
-import json
 import os
 
 import jax
@@ -43,50 +42,52 @@ def main(argv):
           f"D={model.config.hidden_size} V={model.config.vocab_size} dtype={c.dtype} "
           f"device={jax.devices()[0].platform}; stop ids {list(stop)}")
     print(cli.backend_line(model, "model"))
-    out_file = open(c.output, "w", encoding="utf-8") if c.output else None
+    cli.check_prompt_lengths(pipe, prompts, c.max_new_tokens, c.max_len or None)
     shapes = {"serial": set()}
-    for i, prompt in enumerate(prompts):
-        if len(prompts) > 1:
-            print(f"--- prompt {i + 1}/{len(prompts)}")
-        print(cli.show_prompt(prompt), end="", flush=True)
-        if c.stream:
-            s = pipe.stream(prompt, speculative=False, **kw)
-            for piece in s:
-                print(piece, end="", flush=True)
-            print()
-            key = plan_shapes(len(s.prompt_ids), c.max_new_tokens, c.max_len or None,
-                              model.config.max_position)
-            first = key not in shapes["serial"]
-            shapes["serial"].add(key)
-            ids, generated, dt = s.ids, s.text, s.seconds
-            stats = {"tokens": len(ids), "seconds": dt, "prompt_bucket": key[0],
-                     "max_len": key[1]}
-            record = {"prompt": prompt, "text": generated, "ids": ids,
-                      "prompt_ids": s.prompt_ids, "finish_reason": s.finish_reason}
-        else:
-            out = pipe.generate([prompt], **kw)
-            key = (out.stats["prompt_bucket"], out.stats["max_len"])
-            first = False
-            if key not in shapes["serial"]:  # that run compiled: time a second one
-                shapes["serial"].add(key)
-                out = pipe.generate([prompt], **kw)
-            print(out.texts[0])
-            ids, stats = out.ids[0], out.stats
-            dt = stats["tokens"] / max(stats["tokens_per_s"], 1e-9)
-            record = {"prompt": prompt, "text": out.texts[0], "ids": ids,
-                      "prompt_ids": out.prompt_ids[0], "finish_reason": out.finish_reasons[0]}
-        print(f"tokens: {ids}")
-        note = "incl. prefill" + (", streamed" if c.stream else "") + (
-            ", and compilation" if first else "")
-        print(f"{len(ids)} new tokens in {dt:.3f}s: {len(ids) / max(dt, 1e-9):.1f} tokens/s "
-              f"({note})")
-        if out_file:
-            out_file.write(json.dumps(record | {"stats": stats}) + "\n")
-            out_file.flush()
-    if out_file:
-        out_file.close()
+    with cli.OutputFile(c.output) as out_file:
+        for i, prompt in enumerate(prompts):
+            run_prompt(c, pipe, model, prompts, i, prompt, kw, shapes, out_file)
     print(cli.shapes_line(shapes, len(prompts)))
     return 0
+
+
+def run_prompt(c, pipe, model, prompts, i, prompt, kw, shapes, out_file):
+    """One prompt: generated (or streamed), printed, its record written."""
+    if len(prompts) > 1:
+        print(f"--- prompt {i + 1}/{len(prompts)}")
+    print(cli.show_prompt(prompt), end="", flush=True)
+    if c.stream:
+        s = pipe.stream(prompt, speculative=False, **kw)
+        for piece in s:
+            print(piece, end="", flush=True)
+        print()
+        key = plan_shapes(len(s.prompt_ids), c.max_new_tokens, c.max_len or None,
+                          model.config.max_position)
+        first = key not in shapes["serial"]
+        shapes["serial"].add(key)
+        ids, generated, dt = s.ids, s.text, s.seconds
+        stats = {"tokens": len(ids), "seconds": dt, "prompt_bucket": key[0],
+                 "max_len": key[1]}
+        record = {"prompt": prompt, "text": generated, "ids": ids,
+                  "prompt_ids": s.prompt_ids, "finish_reason": s.finish_reason}
+    else:
+        out = pipe.generate([prompt], **kw)
+        key = (out.stats["prompt_bucket"], out.stats["max_len"])
+        first = False
+        if key not in shapes["serial"]:  # that run compiled: time a second one
+            shapes["serial"].add(key)
+            out = pipe.generate([prompt], **kw)
+        print(out.texts[0])
+        ids, stats = out.ids[0], out.stats
+        dt = stats["tokens"] / max(stats["tokens_per_s"], 1e-9)
+        record = {"prompt": prompt, "text": out.texts[0], "ids": ids,
+                  "prompt_ids": out.prompt_ids[0], "finish_reason": out.finish_reasons[0]}
+    print(f"tokens: {ids}")
+    note = "incl. prefill" + (", streamed" if c.stream else "") + (
+        ", and compilation" if first else "")
+    print(f"{len(ids)} new tokens in {dt:.3f}s: {len(ids) / max(dt, 1e-9):.1f} tokens/s "
+          f"({note})")
+    out_file.write(record | {"stats": stats})
 
 
 if __name__ == "__main__":

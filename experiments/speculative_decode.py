@@ -16,7 +16,6 @@ medians of --config.timing_runs runs of each, alternated, whose programs were co
 already; the last line says for how many shapes programs were compiled.
 """
 
-import json
 import os
 import sys
 
@@ -177,68 +176,14 @@ def main(argv):
                                       f"{cli.draft_options_text(draft.draft_options)}"
                                       if draft is not None else "")
           + (f"; head backend: {head.options.backend}" if head is not None else ""))
-    out_file = open(c.output, "w", encoding="utf-8") if c.output else None
+    spec = pipe.spec_config(**{k: v for k, v in spec_kw.items() if k != "stop_tokens"})
+    cli.check_prompt_lengths(pipe, prompts, spec.max_new_tokens + spec.proposals + 1, None)
     shapes = {"speculative": set(), "serial": set()}
     records, failed = [], set()
-    for i, prompt in enumerate(prompts):
-        if len(prompts) > 1:
-            print(f"--- prompt {i + 1}/{len(prompts)}")
-        streamed = None
-        if c.stream:
-            streamed = pipe.stream(prompt, speculative=True, **spec_kw)
-            print(cli.show_prompt(prompt), end="", flush=True)
-            for piece in streamed:
-                print(piece, end="", flush=True)
-            print()
-        runs = {"speculative": lambda p=prompt: pipe.speculative_generate([p], **spec_kw)}
-        if c.check_parity:
-            runs["serial"] = lambda p=prompt: pipe.generate([p], **serial_kw)
-        timed = side_by_side(runs, shapes, c.timing_runs)
-        out = timed["speculative"]
-        tokens, s = out.ids[0], out.stats
-        if streamed is None:
-            print(cli.show_prompt(prompt) + out.texts[0])
-        elif streamed.ids != tokens:  # both are speculative: an engine bug
-            logging.error("the streamed tokens differ from speculative_generate's")
-            failed.add(i)
-        print_spec_stats(s, bool(c.audit_every))
-        record = {"prompt": prompt, "text": out.texts[0], "ids": tokens,
-                  "prompt_ids": out.prompt_ids[0], "finish_reason": out.finish_reasons[0],
-                  "stats": s}
-        if c.check_parity:
-            serial = timed["serial"]
-            n, speedup = serial.stats["tokens"], seconds(serial.stats) / seconds(s)
-            print(f"serial: {n} tokens, {serial.stats['tokens_per_s']:.1f} tokens/s; "
-                  f"speedup {speedup:.2f}x")
-            same = serial.ids[0] == tokens
-            seq = list(serial.prompt_ids[0]) + list(serial.ids[0])
-            degenerate = parity.degenerate_positions(target, seq[:-1] or seq,
-                                                     len(serial.prompt_ids[0]) - 1)
-            record |= {"parity": same and not degenerate, "serial_stats": serial.stats,
-                       "speedup": speedup, "degenerate_positions": degenerate}
-            if degenerate:
-                logging.error("%d generated tokens (first at position %d) were sampled "
-                              "from %s", len(degenerate), degenerate[0], parity.DEGENERATE)
-                print(f"PARITY: FAILED (degenerate logits at {len(degenerate)} positions)")
-                failed.add(i)
-            elif not policy.exact:
-                print(f"parity: {c.policy} is distribution-exact; tokens identical: {same}")
-            elif same:
-                print(f"PARITY: OK ({n} tokens identical to serial decoding)")
-            else:
-                a, b = serial.ids[0], tokens
-                first = next((j for j in range(min(len(a), len(b))) if a[j] != b[j]),
-                             min(len(a), len(b)))
-                logging.error("PARITY FAILURE at generated token %d: serial %s vs "
-                              "speculative %s", first, a[first:first + 5], b[first:first + 5])
-                print("PARITY: FAILED")
-                failed.add(i)
-        records.append(record)
-        if out_file:
-            out_file.write(json.dumps(record) + "\n")
-            out_file.flush()
-    if out_file:
-        out_file.close()
+    with cli.OutputFile(c.output) as out_file:
+        for i, prompt in enumerate(prompts):
+            run_prompt(c, pipe, target, policy, prompts, i, prompt, spec_kw, serial_kw,
+                       shapes, records, failed, out_file)
     if len(prompts) > 1:
         summary(records, c.check_parity)
         if c.check_parity and policy.exact:
@@ -253,6 +198,66 @@ def main(argv):
     if failed:
         sys.exit(1)
     return 0
+
+
+def run_prompt(c, pipe, target, policy, prompts, i, prompt, spec_kw, serial_kw, shapes,
+               records, failed, out_file):
+    """One prompt: speculative (and serial, checking parity) runs side by side, printed,
+    its record written; a failed check adds i to `failed`."""
+    if len(prompts) > 1:
+        print(f"--- prompt {i + 1}/{len(prompts)}")
+    streamed = None
+    if c.stream:
+        streamed = pipe.stream(prompt, speculative=True, **spec_kw)
+        print(cli.show_prompt(prompt), end="", flush=True)
+        for piece in streamed:
+            print(piece, end="", flush=True)
+        print()
+    runs = {"speculative": lambda p=prompt: pipe.speculative_generate([p], **spec_kw)}
+    if c.check_parity:
+        runs["serial"] = lambda p=prompt: pipe.generate([p], **serial_kw)
+    timed = side_by_side(runs, shapes, c.timing_runs)
+    out = timed["speculative"]
+    tokens, s = out.ids[0], out.stats
+    if streamed is None:
+        print(cli.show_prompt(prompt) + out.texts[0])
+    elif streamed.ids != tokens:  # both are speculative: an engine bug
+        logging.error("the streamed tokens differ from speculative_generate's")
+        failed.add(i)
+    print_spec_stats(s, bool(c.audit_every))
+    record = {"prompt": prompt, "text": out.texts[0], "ids": tokens,
+              "prompt_ids": out.prompt_ids[0], "finish_reason": out.finish_reasons[0],
+              "stats": s}
+    if c.check_parity:
+        serial = timed["serial"]
+        n, speedup = serial.stats["tokens"], seconds(serial.stats) / seconds(s)
+        print(f"serial: {n} tokens, {serial.stats['tokens_per_s']:.1f} tokens/s; "
+              f"speedup {speedup:.2f}x")
+        same = serial.ids[0] == tokens
+        seq = list(serial.prompt_ids[0]) + list(serial.ids[0])
+        degenerate = parity.degenerate_positions(target, seq[:-1] or seq,
+                                                 len(serial.prompt_ids[0]) - 1)
+        record |= {"parity": same and not degenerate, "serial_stats": serial.stats,
+                   "speedup": speedup, "degenerate_positions": degenerate}
+        if degenerate:
+            logging.error("%d generated tokens (first at position %d) were sampled "
+                          "from %s", len(degenerate), degenerate[0], parity.DEGENERATE)
+            print(f"PARITY: FAILED (degenerate logits at {len(degenerate)} positions)")
+            failed.add(i)
+        elif not policy.exact:
+            print(f"parity: {c.policy} is distribution-exact; tokens identical: {same}")
+        elif same:
+            print(f"PARITY: OK ({n} tokens identical to serial decoding)")
+        else:
+            a, b = serial.ids[0], tokens
+            first = next((j for j in range(min(len(a), len(b))) if a[j] != b[j]),
+                         min(len(a), len(b)))
+            logging.error("PARITY FAILURE at generated token %d: serial %s vs "
+                          "speculative %s", first, a[first:first + 5], b[first:first + 5])
+            print("PARITY: FAILED")
+            failed.add(i)
+    records.append(record)
+    out_file.write(record)
 
 
 if __name__ == "__main__":

@@ -248,6 +248,56 @@ def check_output(path: str) -> None:
         raise ValueError(f"output {path!r} is not writable")
 
 
+class OutputFile:
+    """A text entry point's `--config.output` (None: none), a JSON record a line as each
+    prompt completes, into `<path>.partial`, renamed over `path` when the loop ends: a run
+    that fails leaves an existing `path` as it was and its records so far in the
+    `.partial` file (named on stderr). A context manager."""
+
+    def __init__(self, path: str | None):
+        self.path = path or None
+        self.partial = None if self.path is None else self.path + ".partial"
+        self._file = None if self.partial is None else open(self.partial, "w",
+                                                            encoding="utf-8")
+        self.records = 0
+
+    def write(self, record: dict) -> None:
+        if self._file is not None:
+            import json
+
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
+            self.records += 1
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if self._file is None:
+            return False
+        self._file.close()
+        if exc_type is None:
+            os.replace(self.partial, self.path)
+        else:
+            print(f"{self.path} left as it was; {self.records} records of this run in "
+                  f"{self.partial}", file=sys.stderr)
+        return False
+
+
+def check_prompt_lengths(pipe, prompts, extra: int, max_len: int | None) -> None:
+    """Every prompt fits the model with `extra` positions after it (max_new_tokens, and a
+    speculative run's verify block), checked before the first prompt runs: a ValueError
+    naming the prompt."""
+    from jspec.generate import plan_shapes
+
+    limit = pipe.target.config.max_position
+    for i, prompt in enumerate(prompts):
+        try:
+            plan_shapes(len(pipe.encode(prompt)), extra, max_len, limit)
+        except ValueError as e:
+            raise ValueError(f"prompt {i + 1} of {len(prompts)}: {e}") from None
+
+
 def show_prompt(prompt) -> str:
     """A prompt as printed before its continuation: a string as it is; a chat as its
     messages, one "[role] content" line each, and "[assistant] " for the reply."""

@@ -121,6 +121,20 @@ def test_more_cli_errors_are_one_line(tmp_path):
     _one_line_error(_run(*_SPEC, "--config.timing_runs=0"), "timing_runs=0")
 
 
+def test_an_output_file_is_replaced_only_by_a_finished_run(tmp_path):
+    # A prompt too long for the model (the code pair's 4,096 positions) is refused before
+    # the first prompt runs, and an existing output file stays as it was.
+    out = tmp_path / "out.jsonl"
+    out.write_text('{"old": "kept"}\n')
+    (tmp_path / "prompts.txt").write_text("import os\n" + "x = 1; " * 3000 + "\n")
+    for cmd in (_GEN, _SPEC):
+        r = _run(*cmd, f"--config.prompts={tmp_path / 'prompts.txt'}",
+                 f"--config.output={out}")
+        _one_line_error(r, "prompt 2 of 2:", "exceeds the model's max_position_embeddings")
+        assert "import os" not in r.stdout  # nothing ran
+        assert out.read_text() == '{"old": "kept"}\n'
+
+
 def test_parity_audit_checks_its_flags_before_loading(tmp_path):
     # Each mistake: one line, exit code 2, and no model loaded (no receipt written).
     for flag, words in (("--tree=x,2", ("--tree", "'x' is not an integer")),
