@@ -61,6 +61,10 @@ SPECULATORS_KEYS = ("speculators_model_type", "speculators_config", "speculators
                     "transformer_layer_config")
 
 
+# The fields the head's layer is built from (the rest default as transformers' do).
+REQUIRED_KEYS = ("vocab_size", "hidden_size", "num_attention_heads", "intermediate_size")
+
+
 def _read_config(path: str) -> dict:
     fn = os.path.join(path, "config.json")
     cfg = read_config_json(path, " (an EAGLE-3 head directory has one)")
@@ -78,6 +82,13 @@ def _read_config(path: str) -> dict:
     for flag in ("attention_bias", "mlp_bias", "bias"):
         if cfg.get(flag):
             raise UnsupportedModelError(f"{fn}: {flag}=True is not supported")
+    for key in REQUIRED_KEYS:
+        value = cfg.get(key)
+        if value is None:
+            raise CheckpointError(f"{fn}: no {key!r}; an EAGLE-3 head's config names "
+                                  f"{', '.join(REQUIRED_KEYS)}")
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise CheckpointError(f"{fn}: {key}={value!r} must be a positive integer")
     return cfg
 
 

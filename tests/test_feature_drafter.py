@@ -364,7 +364,7 @@ def _edit(d, tmp_path, *, config=None, drop=(), add=None, change=None):
 
 
 @pytest.mark.parametrize("kind", ["hidden", "vocab", "missing", "extra", "shape", "d2t",
-                                  "t2d", "arch", "layers"])
+                                  "t2d", "arch", "layers", "no field", "bad field"])
 def test_bad_heads_are_rejected_naming_the_problem(published, tmp_path, kind):
     target, head, d = published
     D, V = target.config.hidden_size, target.config.vocab_size
@@ -383,6 +383,10 @@ def test_bad_heads_are_rejected_naming_the_problem(published, tmp_path, kind):
                  "an EAGLE-3 head is one of"),
         "layers": (dict(config={"eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 9]}}),
                    r"feature layers \[9\] are outside"),
+        "no field": (dict(config={"intermediate_size": None}),
+                     "config.json: no 'intermediate_size'; an EAGLE-3 head's config names"),
+        "bad field": (dict(config={"num_attention_heads": 2.5}),
+                      "num_attention_heads=2.5 must be a positive integer"),
     }
     edit, match = cases[kind]
     with pytest.raises(ValueError, match=match):
