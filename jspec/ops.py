@@ -12,10 +12,10 @@ returned `Ops`; it never calls jnp reductions itself. Two backends:
   function of the feature/weight shapes only (rules R1-R3 in the design).
   `KernelOptions.lowering` picks the GPU lowering: "triton" (every kernel through
   Pallas's Triton backend) or "mosaic" (`matmul`, `matmul_glu`, `rmsnorm`, `add_norm`,
-  `rope`, `qk_norm_rope`, `attention`, `tree_attention` and the grouped expert kernels
-  through Mosaic GPU, `pallas_kernels/mosaic/`, for the shapes each takes, decided by
-  shapes and options alone, and the experts' routing in plain jnp; every other kernel,
-  `matmul_partials` included, stays on Triton for now).
+  `rope`, `qk_norm_rope`, `attention`, `tree_attention`, the grouped expert kernels
+  and routing through Mosaic GPU, `pallas_kernels/mosaic/`, for the shapes each takes,
+  decided by shapes and options alone; every other kernel, `matmul_partials` included,
+  stays on Triton for now).
 
 Every function takes 2-D row-major operands (rows = tokens) except attention.
 """

@@ -34,7 +34,6 @@ def _bool(name: str, value) -> None:
         raise ValueError(f"{name}={value!r} must be a bool")
 
 
-
 def default_interpret() -> bool:
     """Pallas kernels run in interpret mode where there is no GPU."""
     import jax
@@ -111,8 +110,8 @@ class KernelOptions:
         (`pallas_kernels.mosaic.attention.takes`; its 64-row tiles ignore the
         attn_split_rows / fused-fold / serial-split / skip-empty / group-split
         options); a mixture of experts' grouped kernels where the weights are 16-bit
-        and the expert width a multiple of 64 (routing in plain jnp; the layout and
-        combine kernel options do not apply); top-p, `row_partials` > 1 and
+        and the expert width a multiple of 64, and routing over up to 256 experts (the
+        layout and combine kernel options do not apply); top-p, `row_partials` > 1 and
         tensor-parallel column tiles stay on Triton. Numeric (rule R11): each lowering
         gives its own bits, each row-invariant.
       row_partials: S > 1 computes the row-parallel weights (wo, w_down) as S f32

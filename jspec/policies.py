@@ -294,8 +294,8 @@ class ExactGreedy(TokenMatching):
 @dataclasses.dataclass(frozen=True)
 class GumbelCoupled(TokenMatching):
     """Sampled decoding's output token for token ("gumbel_coupled"): the target's token
-    at each position is argmax((logits - max) / T + G(seed, row, position)), the serial `Sample`
-    draw, and drafters draw with the same noise, so a good draft agrees often."""
+    at each position is argmax((logits - max) / T + G(seed, row, position)), the serial
+    `Sample` draw, and drafters draw with the same noise, so a good draft agrees often."""
 
     temperature: float = 1.0
     top_k: int = 0

@@ -89,23 +89,24 @@ def main(argv):
     M = max(Ms)
     x = blocks[M]
     ref_w, ref_i = (np.asarray(a) for a in kernel(x, config=ROUTE))
+
+    def rows_alone(fn, w, i) -> bool:  # every row computed alone: the block's bits
+        alone = [tuple(np.asarray(a)[0] for a in fn(x[m:m + 1])) for m in range(M)]
+        return bool(np.array_equal(np.stack([a[0] for a in alone]).view(np.uint32),
+                                   w.view(np.uint32))
+                    and np.array_equal(np.stack([a[1] for a in alone]), i))
+
     if mosaic:
         w, i = (np.asarray(a) for a in mosaic(x))
-        alone = [tuple(np.asarray(a)[0] for a in mosaic(x[m:m + 1])) for m in range(M)]
         rows[1]["ids_equal_triton"] = bool(np.array_equal(i, ref_i))
-        rows[1]["row_alone_is_its_row"] = bool(
-            np.array_equal(np.stack([a[0] for a in alone]).view(np.uint32), w.view(np.uint32))
-            and np.array_equal(np.stack([a[1] for a in alone]), i))
+        rows[1]["row_alone_is_its_row"] = rows_alone(mosaic, w, i)
     for r, c in zip(rows[1 + bool(mosaic):], cands, strict=True):
-        w, i = (np.asarray(a) for a in kernel(x, config=c))
+        fn = functools.partial(kernel, config=c)
+        w, i = (np.asarray(a) for a in fn(x))
         r["same_bits_as_default"] = bool(np.array_equal(w.view(np.uint32),
                                                         ref_w.view(np.uint32))
                                          and np.array_equal(i, ref_i))
-        alone = [tuple(np.asarray(a)[0] for a in kernel(x[m:m + 1], config=c))
-                 for m in range(M)]
-        r["row_alone_is_its_row"] = bool(
-            np.array_equal(np.stack([a[0] for a in alone]).view(np.uint32), w.view(np.uint32))
-            and np.array_equal(np.stack([a[1] for a in alone]), i))
+        r["row_alone_is_its_row"] = rows_alone(fn, w, i)
     ok = [r for r in rows if r["kind"] == "kernel" and r["same_bits_as_default"]
           and r["row_alone_is_its_row"]]
     best = min(ok, key=lambda r: r["sum_us"]) if ok else None
