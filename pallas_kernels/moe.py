@@ -147,6 +147,15 @@ def _tree_sum_tile(x: jax.Array) -> jax.Array:
     return x[:, 0]
 
 
+def renormalised(ws: list) -> list:
+    """A routing kernel's k chosen weights (one [rows] vector each, in the order chosen)
+    divided by their left-to-right sum: `route`'s renormalisation, written out."""
+    total = ws[0]
+    for w in ws[1:]:
+        total = total + w
+    return [w / total for w in ws]
+
+
 def _route_kernel(l_ref, w_ref, i_ref, *, E: int, k: int, norm_topk_prob: bool):
     # l_ref [bm, Ep] f32 router logits (columns past E: -inf); w_ref, i_ref [bm, kp].
     logits = l_ref[...]
@@ -165,10 +174,7 @@ def _route_kernel(l_ref, w_ref, i_ref, *, E: int, k: int, norm_topk_prob: bool):
         ids = jnp.where(slot == j, i[:, None], ids)
         left = jnp.where(hit, -jnp.inf, left)
     if norm_topk_prob:
-        total = ws[0]
-        for w in ws[1:]:
-            total = total + w
-        ws = [w / total for w in ws]
+        ws = renormalised(ws)
     out = jnp.zeros(w_ref.shape, jnp.float32)
     for j, w in enumerate(ws):
         out = jnp.where(slot == j, w[:, None], out)

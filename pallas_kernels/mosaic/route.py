@@ -27,7 +27,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels._common import pad_axis, round_up
-from pallas_kernels.moe import _check_route
+from pallas_kernels.moe import _check_route, renormalised
 
 __all__ = ["ROWS", "route_kernel", "takes"]
 
@@ -71,10 +71,7 @@ def _kernel(l_gmem, w_gmem, i_gmem, l_smem, w_smem, i_smem, bar, *, E: int, k: i
         ids = jnp.where(slot == j, rows_to(i, ids.shape), ids)
         left = jnp.where(col == rows_to(i), -jnp.inf, left)
     if norm_topk_prob:
-        total = ws[0]
-        for w in ws[1:]:
-            total = total + w
-        ws = [w / total for w in ws]
+        ws = renormalised(ws)
     out = plgpu.layout_cast(jnp.zeros((ROWS, kp), jnp.float32), layout)
     for j, w in enumerate(ws):
         out = jnp.where(slot == j, rows_to(w, out.shape), out)
