@@ -28,6 +28,7 @@ text entry points' shared pieces.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import sys
 
@@ -263,8 +264,6 @@ class OutputFile:
 
     def write(self, record: dict) -> None:
         if self._file is not None:
-            import json
-
             self._file.write(json.dumps(record) + "\n")
             self._file.flush()
             self.records += 1
