@@ -39,7 +39,7 @@ from jspec.options import DRAFT_FIELDS, KERNEL_FIELDS, DraftOptions, KernelOptio
 from jspec.rope import rope_tables
 from pallas_kernels._common import pad_axis, pad_rows
 from pallas_kernels.matmul import add_partials, matmul_config
-from pallas_kernels.moe import combine
+from pallas_kernels.route import combine
 
 COMPILER_OPTIONS = {"xla_allow_excess_precision": False}
 ROW_TILE = 16  # pad_rows_once: every kernel's GPU row tile divides this

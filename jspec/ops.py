@@ -48,12 +48,11 @@ from pallas_kernels.moe import (
     grouped_mlp_combine,
     grouped_mlp_combine_reference,
     grouped_mlp_reference,
-    route,
-    route_kernel,
 )
 from pallas_kernels.qk_rope import qk_norm_rope, qk_norm_rope_kv, qk_norm_rope_reference
 from pallas_kernels.rmsnorm import rmsnorm, rmsnorm_reference
 from pallas_kernels.rope import rope, rope_reference
+from pallas_kernels.route import route, route_kernel
 from pallas_kernels.softcap import softcap, softcap_reference
 from pallas_kernels.tree_attention import tree_attention, tree_attention_xla
 

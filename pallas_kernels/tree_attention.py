@@ -47,18 +47,18 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.attention import (
-    AttentionConfig,
-    _block_range,
     _check_inputs,
-    _normalize,
-    _online_softmax,
-    _partition_blocks,
     _plain_attention,
-    combine_partials,
-    partial_outputs,
     query_rows,
     resolve_config,
     rows_to_heads,
+)
+from pallas_kernels.attention_split import _partition_blocks, combine_partials, partial_outputs
+from pallas_kernels.attention_tile import (
+    AttentionConfig,
+    _block_range,
+    _normalize,
+    _online_softmax,
 )
 
 

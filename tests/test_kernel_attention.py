@@ -206,7 +206,7 @@ def test_split_fold_steps_at_any_partition_range(window, fold_group):
     start and end anywhere in a step (a window moves the start) equal the same row
     decoded alone in a cache of another capacity, bitwise. With fold groups of 3
     partitions (two levels) the groups' spans straddle the steps as well."""
-    from pallas_kernels.attention import FOLD_UNROLL
+    from pallas_kernels.attention_split import FOLD_UNROLL
 
     assert FOLD_UNROLL > 1
     cfg = AttentionConfig(block_k=16, block_rows=16, num_warps=4, num_stages=2, split=16,

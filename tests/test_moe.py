@@ -91,7 +91,7 @@ def test_the_router_on_the_padded_rows_keeps_the_real_rows_bits(combine_kernel):
     routing the real rows alone; the padding rows stay exact zeros."""
     from jspec.model import moe_block
     from jspec.ops import ops_for
-    from pallas_kernels.moe import combine
+    from pallas_kernels.route import combine
 
     model = jspec.with_options(load("qwen3_moe", "pallas"),
                                moe_combine_kernel=combine_kernel)

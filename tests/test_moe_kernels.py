@@ -29,16 +29,14 @@ from jspec.ops import get_ops
 from pallas_kernels.moe import (
     LAYOUT_KERNEL_SLOTS,
     LAYOUT_SLOTS,
-    combine,
     grouped_config,
     grouped_matmul,
     grouped_matmul_reference,
     num_tiles,
-    route,
-    route_kernel,
     tile_layout,
     tile_layout_kernel,
 )
+from pallas_kernels.route import combine, route, route_kernel
 
 INTERPRET = os.environ.get("JSPEC_PALLAS_INTERPRET", "1") != "0"
 E, K, N = 8, 96, 48  # tiny experts: K and N not multiples of the interpret tiles
@@ -536,7 +534,7 @@ def test_combine_kernel_reads_the_slots_left_to_right(m, k, rows_out, n):
     # One kernel from the slots: token m's row is its k slots' outputs weighted and added
     # left to right in f32, whatever slots they sit in (y shuffled: the same bits), each
     # token alone as in the batch, rows past M exact zeros, cast to the dtype once.
-    from pallas_kernels.moe import combine_kernel
+    from pallas_kernels.route import combine_kernel
 
     rng = np.random.default_rng(m + k)
     s = m * k + 7  # extra slots: the empty slots of a layout, never read
@@ -570,7 +568,7 @@ def test_combine_kernel_reads_the_slots_left_to_right(m, k, rows_out, n):
 
 
 def test_combine_kernel_rejects_bad_shapes():
-    from pallas_kernels.moe import combine_kernel
+    from pallas_kernels.route import combine_kernel
 
     y, d, w = jnp.zeros((8, 16)), jnp.zeros((4,), jnp.int32), jnp.zeros((2, 2))
     with pytest.raises(ValueError, match="dest \\[M k\\] and weights \\[M, k\\]"):
@@ -586,7 +584,8 @@ def test_combine_kernel_rejects_bad_shapes():
 def test_grouped_mlp_combine_is_grouped_mlp_then_the_combine_kernel(m, k, layout):
     # No gather back: the combine reads grouped_mlp's slots; the same bits as the kernel
     # over grouped_mlp's rows in token order (row r at slot r).
-    from pallas_kernels.moe import combine_kernel, grouped_mlp, grouped_mlp_combine
+    from pallas_kernels.moe import grouped_mlp, grouped_mlp_combine
+    from pallas_kernels.route import combine_kernel
 
     rng = np.random.default_rng(m * k + 1)
     D, F = 64, 512

@@ -86,7 +86,8 @@ def test_the_fold_is_combine_partials_on_the_cpu():
     # 1100 fold in two levels, at 600 in one; a padding token outputs zeros.
     import dataclasses
 
-    from pallas_kernels.attention import combine_partials, query_rows
+    from pallas_kernels.attention import query_rows
+    from pallas_kernels.attention_split import combine_partials
     from pallas_kernels.mosaic.attention import fold_partials
 
     k, v = _cache(2, 64 * 18)
@@ -105,7 +106,8 @@ def test_the_fold_splits_head_columns_and_keeps_the_bits():
     # as one program would.
     import dataclasses
 
-    from pallas_kernels.attention import attention_config, combine_partials, query_rows
+    from pallas_kernels.attention import attention_config, query_rows
+    from pallas_kernels.attention_split import combine_partials
     from pallas_kernels.mosaic.attention import FOLD_D, fold_partials
 
     d = 2 * FOLD_D

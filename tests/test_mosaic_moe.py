@@ -19,11 +19,7 @@ import numpy as np
 import pytest
 from test_mosaic import row_by_row_wgmma  # noqa: F401  (a fixture)
 
-from pallas_kernels.moe import (
-    combine,
-    grouped_matmul_glu_reference,
-    grouped_matmul_reference,
-)
+from pallas_kernels.moe import grouped_matmul_glu_reference, grouped_matmul_reference
 from pallas_kernels.mosaic.moe import (
     grouped_config,
     grouped_matmul,
@@ -31,6 +27,7 @@ from pallas_kernels.mosaic.moe import (
     grouped_mlp,
     grouped_mlp_combine,
 )
+from pallas_kernels.route import combine
 
 E, K, N = 4, 128, 128  # 4 experts, one K step of 128, two 64-column blocks
 

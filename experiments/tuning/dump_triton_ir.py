@@ -9,11 +9,13 @@ A change that leaves every kernel's Triton IR byte-identical (locations stripped
 what the device compiles unchanged, so the bits proven there still hold; a change that
 does not must be proven on the device again (`gpu_parity`, the sweeps). Covered: the
 target forward of the Qwen3-8B and Gemma-3-4B shapes at decode, verify, a 17-token block,
-a 70-token and an 1,100-token prefill (B = 1, and B = 8 at decode); the fused draft forward of the
-Qwen3-0.6B and Gemma-3-4B shapes; tree verifies of 17 and 65 tokens. Nothing runs on a
-device: `gpu_info` answers with the H200's entry and jax lowers for "cuda" with abstract
-weights (as tests/test_gpu_lowering.py does). Writes one `<case>_<i>_<kernel>.mlir` per
-kernel and `hashes.txt`.
+a 70-token and an 1,100-token prefill (B = 1, and B = 8 at decode); decode steps over
+4,096 and 65,536 keys (the two-level fold, a program per fold group); the Qwen3-30B-A3B
+shape at 1, 5 and 70 tokens, with and without the layout and combine kernels; the fused
+draft forward of the Qwen3-0.6B and Gemma-3-4B shapes; tree verifies of 17 and 65 tokens.
+Nothing runs on a device: `gpu_info` answers with the H200's entry and jax lowers for
+"cuda" with abstract weights (as tests/test_gpu_lowering.py does). Writes one
+`<case>_<i>_<kernel>.mlir` per kernel and `hashes.txt`.
 """
 
 from __future__ import annotations
@@ -73,6 +75,22 @@ def _cases():
 
             yield (f"tree_{preset}_N{n}", verify,
                    (model, jax.ShapeDtypeStruct((1, n), jnp.int32), cache, parents))
+    # Long contexts: a two-level fold (32 partitions) and a program per fold group (65,536
+    # keys: 8 kv heads x 64 groups).
+    model = _abstract("qwen3-8b")
+    for S in (4096, 65536):
+        cache = jax.eval_shape(lambda S=S: init_cache(model, 1, S))
+        yield (f"qwen3-8b_B1_T1_S{S}", apply,
+               (model, jax.ShapeDtypeStruct((1, 1), jnp.int32), cache))
+    # Mixtures of experts: routing, the grouped kernels, the layout and combine kernels.
+    model = _abstract("qwen3-30b-a3b")
+    for tag, fields in [("", {}), ("_kernels", {"moe_layout_kernel": True,
+                                                "moe_combine_kernel": True})]:
+        m = model.replace(options=model.options.replace(**fields))
+        for T in (1, 5, 70):
+            cache = jax.eval_shape(lambda m=m: init_cache(m, 1, 256))
+            yield (f"qwen3-30b-a3b{tag}_B1_T{T}", apply,
+                   (m, jax.ShapeDtypeStruct((1, T), jnp.int32), cache))
     for preset in ["qwen3-0.6b", "gemma3-4b"]:
         model = _abstract(preset)
         model = model.replace(options=model.options.replace(backend="xla"),

@@ -1,4 +1,4 @@
-"""Tiles of the mixture-of-experts combine kernel (`pallas_kernels.moe.combine_kernel`).
+"""Tiles of the mixture-of-experts combine kernel (`pallas_kernels.route.combine_kernel`).
 
   python experiments/tuning/sweep_combine.py --out=$OUT                  # H200, Qwen3-30B-A3B
   python experiments/tuning/sweep_combine.py --interpret --preset=tiny-qwen3-moe --Ts=1,2 \
@@ -16,7 +16,7 @@ on the token count, R1).
 On the device every candidate's output is checked against the default tiling's, bitwise
 (the arithmetic per element is the same whatever the tiling), and every token of the
 largest block computed alone against the block. Writes sweep_combine[_tag].json; a new
-default goes into `pallas_kernels.moe.COMBINE` by hand, with the MoE matrix run on it.
+default goes into `pallas_kernels.route.COMBINE` by hand, with the MoE matrix run on it.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from tqdm import tqdm
 from jspec.bench.receipts import write_receipt
 from jspec.bench.timing import dependent_launches, median_time
 from jspec.random_model import preset_config
-from pallas_kernels.moe import COMBINE, CombineConfig, combine, combine_kernel
+from pallas_kernels.route import COMBINE, CombineConfig, combine, combine_kernel
 
 _PRESET = flags.DEFINE_string("preset", "qwen3-30b-a3b", "a mixture-of-experts preset")
 _TS = flags.DEFINE_list("Ts", ["1", "2", "5", "8"], "tokens a block; the winner minimises "

@@ -1,4 +1,4 @@
-"""Tiles of the mixture-of-experts routing kernel (`pallas_kernels.moe.route_kernel`).
+"""Tiles of the mixture-of-experts routing kernel (`pallas_kernels.route.route_kernel`).
 
   python experiments/tuning/sweep_route.py --out=$OUT                    # H200, Qwen3-30B-A3B
   python experiments/tuning/sweep_route.py --interpret --preset=tiny-qwen3-moe --Ms=1,3 \
@@ -11,7 +11,7 @@ weights' first element times zero), the median of --iters calls after warm-up, e
 ended by `block_until_ready`. The winner has the smallest sum over --Ms (a tiling may
 not depend on the row count, R1). Every candidate's weights and ids are checked against
 the default tiling's, bitwise, and every row computed alone against the block. Writes
-sweep_route[_tag].json; a new default goes into `pallas_kernels.moe.ROUTE` by hand, with
+sweep_route[_tag].json; a new default goes into `pallas_kernels.route.ROUTE` by hand, with
 the MoE matrix run on it. --mosaic also times the Mosaic GPU lowering
 (`pallas_kernels.mosaic.route`, its own bits: every row alone against the block, and
 whether its ids equal the Triton kernel's).
@@ -33,7 +33,7 @@ from tqdm import tqdm
 from jspec.bench.receipts import write_receipt
 from jspec.bench.timing import dependent_launches, median_time
 from jspec.random_model import preset_config
-from pallas_kernels.moe import ROUTE, RouteConfig, route, route_kernel
+from pallas_kernels.route import ROUTE, RouteConfig, route, route_kernel
 
 _PRESET = flags.DEFINE_string("preset", "qwen3-30b-a3b", "a mixture-of-experts preset")
 _MS = flags.DEFINE_list("Ms", ["1", "5", "40"], "token rows a block; the winner minimises "

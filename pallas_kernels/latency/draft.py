@@ -11,7 +11,7 @@ layer on them and the glue between. With these a layer is six launches:
 
   1. residual add + RMSNorm + wqkv            `matvec` (norm prologue)
   2. q/k RMSNorm + RoPE + the K/V cache write  `qk_rope_write` (the cache in place)
-  3. attention                                 the split-KV kernel of attention.py
+  3. attention                                 the split-KV kernel of attention_split.py
   4. wo                                        `matvec`
   5. residual add + RMSNorm + gate/up + GLU    `matvec` (norm prologue, GLU epilogue)
   6. w_down                                    `matvec`
@@ -38,16 +38,15 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._common import triton_params
-from pallas_kernels.attention import (
+from pallas_kernels.attention import row_count
+from pallas_kernels.attention_split import (
     FOLD_UNROLL,
-    AttentionConfig,
     _count_and_fold,
-    _online_softmax,
     _partition_blocks,
     fold_groups,
-    row_count,
     split_counters,
 )
+from pallas_kernels.attention_tile import AttentionConfig, _online_softmax
 from pallas_kernels.glu import _activation
 
 MAX_ROWS = 16  # rows (batch x tokens) a call may carry

@@ -41,13 +41,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels._common import pad_axis, round_up
 from pallas_kernels.glu import ACTIVATIONS
 from pallas_kernels.matmul_glu import _glu_tile
-from pallas_kernels.moe import (
-    _check_grouped,
-    check_combine_weights,
-    check_mlp,
-    combine,
-    tile_layout,
-)
+from pallas_kernels.moe import _check_grouped, check_combine_weights, check_mlp, tile_layout
 from pallas_kernels.mosaic.matmul import (
     BM,
     BT,
@@ -56,6 +50,7 @@ from pallas_kernels.mosaic.matmul import (
     MosaicMatmulConfig,
     _kernel_swapped,
 )
+from pallas_kernels.route import combine
 
 __all__ = ["grouped_config", "grouped_matmul", "grouped_matmul_glu", "grouped_mlp",
            "grouped_mlp_combine"]

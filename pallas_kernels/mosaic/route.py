@@ -1,6 +1,6 @@
 """Top-k routing on Mosaic GPU: router logits [M, E] f32 -> (weights [M, k], ids [M, k]).
 
-The Mosaic GPU lowering of `pallas_kernels.moe.route_kernel` (its docstring, and
+The Mosaic GPU lowering of `pallas_kernels.route.route_kernel` (its docstring, and
 `route`'s, give the formula: softmax over all E experts in f32, k rounds of argmax with
 the lowest id winning a tie, the chosen probabilities renormalised left to right when
 `norm_topk_prob`). One program holds ROWS = 64 rows x all E experts (padded with -inf to
@@ -27,7 +27,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels._common import pad_axis, round_up
-from pallas_kernels.moe import _check_route, renormalised
+from pallas_kernels.route import _check_route, renormalised
 
 __all__ = ["ROWS", "route_kernel", "takes"]
 
@@ -86,14 +86,14 @@ def _kernel(l_gmem, w_gmem, i_gmem, l_smem, w_smem, i_smem, bar, *, E: int, k: i
 @functools.partial(jax.jit, static_argnames=("k", "norm_topk_prob", "interpret"))
 def route_kernel(router_logits: jax.Array, k: int, *, norm_topk_prob: bool,
                  interpret: bool = False) -> tuple[jax.Array, jax.Array]:
-    """`pallas_kernels.moe.route` in one Mosaic GPU kernel: router_logits [M, E] f32 ->
+    """`pallas_kernels.route.route` in one Mosaic GPU kernel: router_logits [M, E] f32 ->
     (weights [M, k] f32, ids [M, k] int32), ids in the order chosen. E <= 256
     (`takes`). `interpret`: Pallas's GPU interpret mode (CPU)."""
     _check_route(router_logits, k)
     M, E = router_logits.shape
     if not takes(E, k):
         raise ValueError(f"route_kernel (Mosaic GPU) takes at most {MAX_EXPERTS} experts; "
-                         f"got E={E} (route with pallas_kernels.moe.route)")
+                         f"got E={E} (route with pallas_kernels.route.route)")
     if M == 0:
         return jnp.zeros((0, k), jnp.float32), jnp.zeros((0, k), jnp.int32)
     Ep, kp, mp = round_up(E, COLS), round_up(k, 8), round_up(M, ROWS)
