@@ -124,6 +124,10 @@ class ModelConfig:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
                      "num_heads", "num_kv_heads", "head_dim", "max_position"):
             _positive_int(HF_NAMES.get(name, name), getattr(self, name))
+        if self.head_dim < 16 or self.head_dim & (self.head_dim - 1):
+            raise ValueError(f"head_dim={self.head_dim} is not a power of two >= 16, which "
+                             "the attention kernels' tiles need (Llama 3, Qwen3, Gemma 3, "
+                             "Qwen3-MoE and Mixtral use 64-256)")
         _at_least_int("sliding_window", self.sliding_window, 0)
         _positive_float("rms_norm_eps", self.rms_eps)
         _positive_float("attn_scale", self.attn_scale)
@@ -336,6 +340,7 @@ def from_hf_config(hf: Any, *, dtype: Any = "bfloat16", source: str | None = Non
 
 def _from_hf_config(hf: Any, dtype: str, source: str | None) -> ModelConfig:
     check_model_type(getattr(hf, "model_type", None), getattr(hf, "architectures", None))
+    wrapper = getattr(hf, "model_type", None) in TEXT_OF_MULTIMODAL
     hf = text_config(hf)
     model_type = hf.model_type
     _check_no_bias(hf, model_type)
@@ -365,8 +370,8 @@ def _from_hf_config(hf: Any, dtype: str, source: str | None) -> ModelConfig:
         act = _get(hf, "hidden_act", "silu")
         if act != "silu":
             raise UnsupportedModelError(f"{model_type}: hidden_act={act!r} is not supported")
-        if model_type == "qwen3" and _get(hf, "use_sliding_window", False):
-            raise UnsupportedModelError("qwen3: use_sliding_window=True is not supported")
+        if model_type == "qwen3":
+            _no_sliding_layers(hf, model_type)
         return ModelConfig(
             family="llama" if model_type == "llama" else "qwen3",
             rope=rope_spec(rope_params, _get(hf, "rope_theta", None), model_type),
@@ -412,7 +417,11 @@ def _from_hf_config(hf: Any, dtype: str, source: str | None) -> ModelConfig:
         # transformers' Gemma 3 stores attn_logit_softcapping but never applies it
         # (Gemma 2 did); jspec follows the reference implementation.
         attn_softcap=None,
-        final_softcap=_float_or_none(_get(hf, "final_logit_softcapping", None)),
+        # The class transformers loads for a multimodal "gemma3" checkpoint
+        # (Gemma3ForConditionalGeneration, AutoModelForCausalLM's choice too) never applies
+        # the final softcap its text_config may hold; Gemma3ForCausalLM does.
+        final_softcap=None if wrapper else _float_or_none(
+            _get(hf, "final_logit_softcapping", None)),
         activation="gelu_tanh",
         **common,
     )
@@ -436,8 +445,7 @@ def _moe_config(hf: Any, model_type: str, common: dict) -> ModelConfig:
                 "does not implement (Qwen3-MoE and Mixtral have none)")
     L = common["num_layers"]
     if model_type == "qwen3_moe":
-        if _get(hf, "use_sliding_window", False):
-            raise UnsupportedModelError("qwen3_moe: use_sliding_window=True is not supported")
+        _no_sliding_layers(hf, model_type)
         num_experts = int(_get(hf, "num_experts", 0))
         step = int(_get(hf, "decoder_sparse_step", 1))
         dense = {int(i) for i in _get(hf, "mlp_only_layers", [])}
@@ -485,6 +493,20 @@ def _moe_config(hf: Any, model_type: str, common: dict) -> ModelConfig:
         layer_experts=experts,
         **common,
     )
+
+
+def _no_sliding_layers(hf: Any, model_type: str) -> None:
+    """Qwen3 and Qwen3-MoE run every layer with full attention: a config that asks for
+    sliding-window layers, by `use_sliding_window` or by `layer_types`, is refused."""
+    if _get(hf, "use_sliding_window", False):
+        raise UnsupportedModelError(f"{model_type}: use_sliding_window=True is not supported")
+    sliding = [i for i, t in enumerate(_get(hf, "layer_types", None) or [])
+               if t != "full_attention"]
+    if sliding:
+        raise UnsupportedModelError(
+            f"{model_type}: layer_types asks for layers {sliding} to be "
+            f"{_get(hf, 'layer_types')[sliding[0]]!r}; jspec runs Qwen3 layers with full "
+            "attention only")
 
 
 def _checked_float(name: str, x: Any) -> float:

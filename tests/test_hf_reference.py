@@ -12,7 +12,9 @@ from conftest import FAMILIES, MOE_FAMILIES, expected, fixture_path, load
 import jspec
 
 BACKENDS = ("xla", "pallas")
-ALL = FAMILIES + MOE_FAMILIES
+# gemma3_mm: a multimodal Gemma 3 checkpoint (Gemma3ForConditionalGeneration), its text
+# model read out of it; that class applies no final softcap where its text_config sets one.
+ALL = FAMILIES + MOE_FAMILIES + ("gemma3_mm",)
 
 
 def full_sequence(name):

@@ -137,6 +137,9 @@ def _copy_fixture(tmp_path, name="qwen3"):
     ("qwen3", {"num_key_value_heads": 3}, "not a multiple of num_key_value_heads=3"),
     ("qwen3", {"intermediate_size": 0}, "intermediate_size=0"),
     ("qwen3", {"head_dim": 0}, "head_dim=0"),
+    ("qwen3", {"head_dim": 24}, "head_dim=24 is not a power of two >= 16"),  # at load
+    ("qwen3", {"layer_types": ["full_attention", "sliding_attention"]},
+     "layer_types asks for layers \\[1\\] to be 'sliding_attention'"),
     ("gemma3", {"final_logit_softcapping": -30.0}, "final_softcap=-30.0"),
 ])
 def test_a_config_that_breaks_the_numerics_is_refused_naming_file_and_field(
