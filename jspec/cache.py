@@ -105,7 +105,8 @@ def _check_rollback(cache: KVCache, lengths) -> None:
     if isinstance(cache.lengths, jax.core.Tracer):  # only the capacity is known
         high, bound = np.full((B,), cache.max_len), f"max_len={cache.max_len}"
     else:
-        high, bound = np.asarray(cache.lengths), "the row's current length"
+        high = np.minimum(np.asarray(cache.lengths), cache.max_len)
+        bound = "the row's current length (at most max_len)"
     bad = (arr < 0) | (arr > high)
     if bad.any():
         rows = np.flatnonzero(bad)

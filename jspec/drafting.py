@@ -94,6 +94,12 @@ class Drafter(Protocol):
       Arrays of the drafter itself that hold a row each are read by `ctx.rows`, the
       rows' ids in the run's batch (as `OracleDrafter.reference` is).
 
+    The engine checks what a drafter returns as it traces the run: drafts and tree tokens
+    and parents of exactly these shapes and integer dtypes, draft logits (where the policy
+    reads them) of these shapes in floating point, else a ValueError naming the drafter;
+    a tree node outside a well-formed tree of the config's depth (`jspec.tree.well_formed`)
+    is never accepted.
+
     The engine guarantees: the cache capacity max_len holds every live row's round (its
     proposals and the verify block); rows advance independently, each at its own pos;
     a round's state is the one the previous call returned; arguments have the shapes

@@ -67,8 +67,14 @@ def pad_prompts(prompts, vocab_size: int, length: int | None = None
     if isinstance(prompts, np.ndarray | jax.Array) and np.ndim(prompts) == 2:
         rows = [np.asarray(r) for r in np.asarray(prompts)]
     else:
+        if isinstance(prompts, str | bytes):
+            raise ValueError("prompts are lists of token ids, one a prompt; got a "
+                             f"{type(prompts).__name__} (text goes through jspec.load_text)")
         prompts = list(prompts)
         for b, r in enumerate(prompts):  # numpy would take True for token id 1
+            if isinstance(r, str | bytes):
+                raise ValueError(f"prompt {b} is a {type(r).__name__}, not a list of token "
+                                 "ids (text goes through jspec.load_text)")
             if isinstance(r, list | tuple):
                 i = next((i for i, x in enumerate(r) if isinstance(x, bool | np.bool_)), None)
                 if i is not None:

@@ -114,5 +114,6 @@ def raise_non_finite(bad, at, what: str, num_layers: int | None = None) -> None:
 
     raise NonFiniteError(
         f"{what}: row {row}, position {pos}: {describe_bad(code, num_layers or 0)}; the run "
-        "stopped there (the logits computed from it are not to be trusted). The weights are "
-        "finite but the activations are not: a broken scale, RoPE table or weight.")
+        "stopped there (the logits computed from it are not to be trusted). jspec.load_hf "
+        "checks that a checkpoint's weights are finite (a model built by hand is not "
+        "checked): look for a broken weight, scale or RoPE table.")

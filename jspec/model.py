@@ -95,6 +95,9 @@ class Forward:
     def __iter__(self):
         return iter((self.logits, self.cache))
 
+    def __getitem__(self, i):  # as the pair it unpacks to: [0] the logits, [1] the cache
+        return (self.logits, self.cache)[i]
+
 
 # Forward.bad codes, in the order the forward meets the checks (the smallest code of a row
 # is where it first went wrong):
@@ -141,12 +144,15 @@ def flag(bad, rows, code: int):
 
 def row_flags(bad, positions, counted=None):
     """bad [B, T] int32 (`Forward.bad` of one call), positions [B, T] of its slots,
-    counted [B, T] bool (default all) -> [B, 2] (code, position) of each row's first flagged
-    counted slot, or (-1, -1)."""
+    counted [B, T] bool (default all) -> [B, 2] (code, position) of each row's earliest
+    flag, or (-1, -1): the smallest code among its flagged counted slots (the forward's
+    first check that failed: a non-finite input at a later position can reach earlier
+    positions of the same block through attention's p @ v, flagged a layer later), the
+    first slot holding it."""
     flagged = bad >= 0
     if counted is not None:
         flagged = flagged & counted
-    t = jnp.argmax(flagged, axis=1)[:, None]
+    t = jnp.argmin(jnp.where(flagged, bad, jnp.iinfo(jnp.int32).max), axis=1)[:, None]
     code = jnp.take_along_axis(bad, t, axis=1)[:, 0]
     pos = jnp.take_along_axis(positions, t, axis=1)[:, 0]
     hit = jnp.any(flagged, axis=1)
@@ -404,6 +410,7 @@ def apply(model: Model, tokens: jax.Array, cache: KVCache, *, features: tuple[in
         return model.parallel.apply(model, tokens, cache, features=features, tree=tree,
                                     logits=logits)
     cfg, opt = model.config, model.options
+    check_call_shape(tokens, cache)
     B, T = tokens.shape
     fused_draft.check_layout(model)
     bad = [i for i in features if not 0 <= i <= cfg.num_layers]
@@ -505,9 +512,10 @@ forward_jit = jax.jit(apply, donate_argnames=("cache",), compiler_options=COMPIL
 forward_nodonate = jax.jit(apply, compiler_options=COMPILER_OPTIONS)
 
 
-def check_tokens(model: Model, tokens, cache: KVCache) -> None:
-    """Host-side checks of a forward call; raises ValueError naming the problem."""
-    cfg = model.config
+def check_call_shape(tokens, cache: KVCache) -> None:
+    """The static shape of a call, checked wherever it is traced (`apply` too), and its
+    capacity where the cache's lengths are concrete (an eager `apply`): a ValueError, not a
+    silent clamp of the cache writes."""
     shape = np.shape(tokens)
     if len(shape) != 2:
         raise ValueError(f"tokens must be [B, T]; got shape {shape}")
@@ -516,6 +524,22 @@ def check_tokens(model: Model, tokens, cache: KVCache) -> None:
         raise ValueError(f"tokens has batch {B} but the cache has {cache.batch_size} rows")
     if T < 1:
         raise ValueError(f"tokens has T={T}; need at least one token")
+    if not isinstance(cache.lengths, jax.core.Tracer):
+        lengths = np.asarray(cache.lengths)
+        if (lengths < 0).any():
+            b = int(np.argmax(lengths < 0))
+            raise ValueError(f"row {b}: the cache's length {int(lengths[b])} is negative")
+        over = lengths + T > cache.max_len
+        if over.any():
+            b = int(np.argmax(over))
+            raise ValueError(f"row {b}: length {int(lengths[b])} + {T} new tokens exceeds the "
+                             f"cache max_len {cache.max_len}")
+
+
+def check_tokens(model: Model, tokens, cache: KVCache) -> None:
+    """Host-side checks of a forward call; raises ValueError naming the problem."""
+    cfg = model.config
+    check_call_shape(tokens, cache)
     k0 = cache.k[0] if cache.k else None
     if len(cache.k) != cfg.num_layers or k0 is None or k0.ndim != 4 \
             or k0.shape[1] != cfg.num_kv_heads or k0.shape[3] != cfg.head_dim \
@@ -535,13 +559,6 @@ def check_tokens(model: Model, tokens, cache: KVCache) -> None:
             b, t = np.argwhere(bad)[0]
             raise ValueError(f"token id {int(arr[b, t])} at [{b}, {t}] is out of range "
                              f"[0, {cfg.vocab_size})")
-    if not isinstance(cache.lengths, jax.core.Tracer):
-        lengths = np.asarray(cache.lengths)
-        over = lengths + T > cache.max_len
-        if over.any():
-            b = int(np.argmax(over))
-            raise ValueError(f"row {b}: length {int(lengths[b])} + {T} new tokens exceeds the "
-                             f"cache max_len {cache.max_len}")
 
 
 def forward(model: Model, tokens, cache: KVCache, *, donate: bool = True) -> Forward:
@@ -554,6 +571,11 @@ def forward(model: Model, tokens, cache: KVCache, *, donate: bool = True) -> For
     check_type("model", model, Model, "a jspec.Model (jspec.load_hf, jspec.random_model)")
     check_type("cache", cache, KVCache, "a jspec.KVCache (jspec.init_cache)")
     check_bool("donate", donate)
+    if any(isinstance(x, jax.core.Tracer) for x in (tokens, cache.lengths)):
+        raise TypeError("jspec.forward is called from the host (it checks its arguments and "
+                        "runs its own compiled program); inside jax.jit, lax.scan or vmap "
+                        "call jspec.apply(model, tokens, cache), which returns the same "
+                        "Forward")
     check_tokens(model, tokens, cache)
     tokens = jnp.asarray(tokens, jnp.int32)
     fn = forward_jit if donate else forward_nodonate

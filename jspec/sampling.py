@@ -19,6 +19,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jspec._checks import check_count, check_real
 from jspec.options import LOWERINGS
@@ -89,6 +90,10 @@ class Sample:
         if t == 0:
             raise ValueError(f"temperature={self.temperature!r} must be > 0 for Sample (use "
                              "Greedy for 0)")
+        t32 = np.float32(t) if t <= float(np.finfo(np.float32).max) else np.float32(np.inf)
+        if not np.isfinite(t32) or t32 == 0:
+            raise ValueError(f"temperature={self.temperature!r} is {float(t32)} in float32, "
+                             "where the logits are divided by it: give one in [1e-38, 3e38]")
         object.__setattr__(self, "temperature", t)
         object.__setattr__(self, "top_k", check_count("top_k", self.top_k, least=0))
         object.__setattr__(self, "top_p", check_real("top_p", self.top_p, low=0, high=1,
@@ -176,9 +181,17 @@ def uniform_noise(seed, rows, positions):
 
 
 def make_sampler(temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0):
-    """Greedy for temperature 0, otherwise Sample."""
+    """Greedy for temperature 0, otherwise Sample. top_k / top_p filter a sampler's
+    logits: at temperature 0 (greedy) they must keep their defaults, 0 and 1.0 (as
+    `jspec.policies.resolve_policy` has it), never be ignored."""
     temperature = check_real("temperature", temperature, low=0)
     if temperature == 0:
+        set_ = [f"{k}={v!r}" for k, v, d in (("top_k", top_k, 0), ("top_p", top_p, 1.0))
+                if v != d]
+        if set_:
+            raise ValueError(f"temperature=0 is greedy decoding, which {' and '.join(set_)} "
+                             "would not change: sample with temperature > 0, or leave them "
+                             "at top_k=0, top_p=1.0")
         return Greedy()
     return Sample(temperature=temperature, top_k=top_k, top_p=top_p)
 

@@ -41,7 +41,7 @@ from jspec.loop import check_count, raise_non_finite, run_chunked, token_bar
 from jspec.model import COMPILER_OPTIONS, Forward, Model, apply, row_flags
 from jspec.policies import Policy, resolve_policy
 from jspec.sampling import with_lowering
-from jspec.tree import TreeConfig, commit_path, from_parents
+from jspec.tree import TreeConfig, commit_path, from_parents, well_formed
 
 # The largest gamma: a verify block of up to 33 positions (the block sizes the parity
 # matrix proves); the draft's gamma steps are unrolled into the compiled round, so an
@@ -262,9 +262,32 @@ def _context(target: Model, state: SpecState, seed, spec: SpecConfig) -> Propose
                           draft_sampler=spec.draft_sampler())
 
 
-def _draft(drafter, dstate, ctx: ProposeContext):
-    """Phase 1: gamma proposals [B, g] (+ the logits they came from [B, g, V])."""
+def _check_proposals(drafter, what: str, x, shape: tuple, kind: str) -> None:
+    """A drafter's output against the `jspec.Drafter` protocol, at trace time (shapes and
+    dtypes are static): a clear error naming the drafter, never a silent cast or a block
+    past the cache the engine planned."""
+    got_shape = getattr(x, "shape", None)
+    dtype = getattr(x, "dtype", None)
+    ok_dtype = dtype is not None and (
+        jnp.issubdtype(dtype, jnp.integer) if kind == "int" else
+        jnp.issubdtype(dtype, jnp.floating))
+    if got_shape is None or tuple(got_shape) != shape or not ok_dtype:
+        want = "integer token ids" if kind == "int" else "floating-point logits"
+        got = (f"{dtype}{list(got_shape)}" if got_shape is not None
+               else type(x).__name__)
+        raise ValueError(f"{type(drafter).__name__}: {what} must be {want} of shape "
+                         f"{list(shape)} (the jspec.Drafter protocol); got {got}")
+
+
+def _draft(drafter, dstate, ctx: ProposeContext, *, draft_logits_read: bool = False):
+    """Phase 1: gamma proposals [B, g] (+ the logits they came from [B, g, V], checked
+    where the policy reads them)."""
     drafts, draft_logits, dstate = drafter.propose(dstate, ctx)
+    B, g = ctx.cur.shape[0], ctx.gamma
+    _check_proposals(drafter, "propose's drafts", drafts, (B, g), "int")
+    if draft_logits_read:
+        _check_proposals(drafter, "propose's draft_logits", draft_logits, (B, g, ctx.vocab),
+                         "float")
     return drafts.astype(jnp.int32), draft_logits, dstate
 
 
@@ -399,7 +422,16 @@ def _tree_round(target: Model, drafter, state: SpecState, seed, *,
     ctx = _context(target, state, seed, spec)
     tokens, parents, q, dstate = drafter.propose_tree(state.draft, ctx, tree)  # [B, N + 1]
     V = target.config.vocab_size
-    valid = _in_vocab(tokens, V).at[:, 0].set(True)
+    n1 = (ctx.cur.shape[0], tree.num_nodes + 1)
+    _check_proposals(drafter, "propose_tree's tokens", tokens, n1, "int")
+    _check_proposals(drafter, "propose_tree's parents", parents, n1, "int")
+    if spec.policy.uses_draft_logits:
+        _check_proposals(drafter, "propose_tree's q", q, n1 + (V,), "float")
+    # A node outside a well-formed tree of depth <= D (a broken drafter's) is never
+    # accepted and becomes a lone root, so the layout reads no broken parent chain.
+    formed = well_formed(parents, D).at[:, 0].set(True)
+    parents = jnp.where(formed, parents, -1).at[:, 0].set(-1).astype(jnp.int32)
+    valid = (_in_vocab(tokens, V) & formed).at[:, 0].set(True)
     tokens = jnp.where(valid, tokens.astype(jnp.int32), 0)
     t_in = from_parents(parents, state.cache.lengths, D)
     layers = feature_layers(drafter)
@@ -430,7 +462,8 @@ def _round(target: Model, drafter, state: SpecState, seed, *, spec: SpecConfig) 
         return _tree_round(target, drafter, state, seed, spec=spec)
     ctx = _context(target, state, seed, spec)
     if spec.proposals:
-        drafts, draft_logits, dstate = _draft(drafter, state.draft, ctx)
+        drafts, draft_logits, dstate = _draft(drafter, state.draft, ctx,
+                                              draft_logits_read=spec.policy.uses_draft_logits)
     else:  # a plain decode step (an adaptive shape): verify [cur] alone, no proposals
         B, V = state.cur.shape[0], target.config.vocab_size
         drafts, draft_logits = jnp.zeros((B, 0), jnp.int32), jnp.zeros((B, 0, V), jnp.float32)

@@ -422,11 +422,10 @@ class TextPipeline:
                                     tree=tree, adaptive=adaptive)
             steps = (rows[0] for rows in speculative_stream(
                 self.target, self._need_drafter(), [ids], spec, max_len=max_len))
-        else:
+        else:  # the serial decoding the same policy reproduces (`speculative_generate`'s)
+            sampler = resolve_policy(policy, temperature, top_k, top_p).serial_sampler()
             steps = ([int(t[0])] for t in generate_stream(
-                self.target, [ids], max_new_tokens=max_new_tokens,
-                sampler=make_sampler(temperature or 0.0, top_k or 0,
-                                     1.0 if top_p is None else top_p),
+                self.target, [ids], max_new_tokens=max_new_tokens, sampler=sampler,
                 stop_tokens=stop, seed=seed, max_len=max_len))
         return TextStream(self.tokenizer, ids, steps, stop)
 

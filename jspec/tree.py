@@ -18,6 +18,7 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from jspec._checks import check_count, check_ints
@@ -69,9 +70,43 @@ def ancestors(parents, depth, max_depth: int):
     return out
 
 
+def well_formed(parents, max_depth: int):
+    """[B, T] bool: the nodes of a well-formed tree: node 0 the root (parent -1), every
+    other node's parent an earlier node, itself well formed, and the node at most
+    max_depth below the root. A drafter's other nodes (`_tree_round`) are never accepted;
+    the well-formed ones' layout (`from_parents`) reads their own ancestors only."""
+    B, T = parents.shape
+    idx = jnp.arange(T, dtype=jnp.int32)[None, :]
+    local = jnp.where(idx == 0, parents == -1, (parents >= 0) & (parents < idx))  # [B, T]
+    ok, node = local, parents
+    for _ in range(max_depth):  # static: each ancestor up to the root well formed
+        up = jnp.take_along_axis(local, jnp.clip(node, 0, T - 1), 1)
+        ok = ok & jnp.where(node >= 0, up, True)
+        node = jnp.where(node >= 0, jnp.take_along_axis(parents, jnp.clip(node, 0, T - 1), 1),
+                         -1)
+    return ok & (node < 0)  # the root reached within max_depth parents
+
+
+def check_parents(parents, max_depth: int) -> None:
+    """Host-side check of concrete parents [B, T] (`well_formed` everywhere), a
+    ValueError naming the first bad node. Traced parents (inside jit) are not checked."""
+    arr = np.asarray(parents)
+    if arr.ndim != 2 or not np.issubdtype(arr.dtype, np.integer):
+        raise ValueError(f"parents must be integers [B, T]; got {arr.dtype}{list(arr.shape)}")
+    bad = ~np.asarray(well_formed(jnp.asarray(arr, jnp.int32), max_depth))
+    if bad.any():
+        b, t = (int(x) for x in np.argwhere(bad)[0])
+        raise ValueError(f"parents[{b}] is not a tree of depth <= max_depth={max_depth}: node "
+                         f"{t} (parent {int(arr[b, t])}); node 0 must be the root (parent "
+                         "-1) and every other node's parent an earlier node")
+
+
 def from_parents(parents, lengths, max_depth: int) -> TreeInput:
     """The layout of a call whose tokens are one tree per row: token 0 the root (parent
-    -1) at the row's length, token t at slot lengths + t; parents [B, T] as in `depths`."""
+    -1) at the row's length, token t at slot lengths + t; parents [B, T] as in `depths`.
+    Concrete parents are checked (`check_parents`)."""
+    if not isinstance(parents, jax.core.Tracer):
+        check_parents(parents, max_depth)
     depth = depths(parents, max_depth)
     anc = ancestors(parents, depth, max_depth)
     path = jnp.where(anc >= 0, lengths[:, None, None] + anc, -1)

@@ -293,3 +293,48 @@ def test_chat_content_must_be_a_string(content, tmp_path):
     f.write_text(json.dumps({"messages": chat}) + "\n")
     with pytest.raises(ValueError, match=r"p.jsonl:1: message 0"):
         jspec.read_prompts(str(f))
+
+
+# --------------------------------------------------------- research scripts' compositions
+
+
+def test_apply_checks_the_batch_and_an_eager_calls_capacity():
+    # Before: tokens [3, T] on a 2-row cache gave [3, T, V] logits and a 2-row cache, and
+    # an eager apply past max_len clamped its cache writes (logits off by up to 7.8).
+    model = _model()
+    cache = jspec.init_cache(model, 2, 16)
+    with pytest.raises(ValueError, match="tokens has batch 3 but the cache has 2 rows"):
+        jax.jit(jspec.apply)(model, jnp.zeros((3, 1), jnp.int32), cache)
+    cache = jspec.apply(model, jnp.ones((2, 12), jnp.int32), cache).cache
+    with pytest.raises(ValueError, match="row 0: length 12 \\+ 5 new tokens exceeds the cache "
+                       "max_len 16"):
+        jspec.apply(model, jnp.ones((2, 5), jnp.int32), cache)
+    with pytest.raises(ValueError, match="row 1: the cache's length -1 is negative"):
+        jspec.forward(model, np.ones((2, 1), np.int32),
+                      cache.replace(lengths=jnp.asarray([3, -1], jnp.int32)))
+    out = jspec.apply(model, jnp.ones((2, 4), jnp.int32), cache)
+    assert out[0] is out.logits and out[1] is out.cache  # indexes as the pair it unpacks to
+
+
+def test_text_where_token_ids_are_wanted_names_load_text():
+    for prompts in ("abc", ["abc"]):
+        with pytest.raises(ValueError, match="text goes through jspec.load_text"):
+            jspec.generate(_model(), prompts, max_new_tokens=2)
+
+
+def test_forward_inside_jit_names_apply():
+    model, cache = _model(), jspec.init_cache(_model(), 1, 8)
+    with pytest.raises(TypeError, match="inside jax.jit, lax.scan or vmap call jspec.apply"):
+        jax.jit(lambda c: jspec.forward(model, jnp.ones((1, 2), jnp.int32), c))(cache)
+
+
+@pytest.mark.parametrize("call, fragment", [
+    (lambda: jspec.make_sampler(0.0, top_p=0.5), "temperature=0 is greedy decoding, which "
+     "top_p=0.5 would not change"),
+    (lambda: jspec.make_sampler(0, top_k=-5, top_p=7.0), "top_k=-5 and top_p=7.0"),
+    (lambda: jspec.Sample(temperature=1e300), r"temperature=1e\+300 is inf in float32"),
+    (lambda: jspec.Sample(temperature=1e-50), r"temperature=1e-50 is 0.0 in float32"),
+])
+def test_sampling_arguments_are_never_ignored_or_overflowed(call, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        call()

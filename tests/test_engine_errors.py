@@ -47,6 +47,19 @@ def test_non_finite_logits_stop_serial_and_speculative_runs(value):
         list(jspec.generate_stream(model, _prompts(), max_new_tokens=4))
 
 
+def test_a_non_finite_input_is_named_where_it_entered():
+    # Token 5's embedding is NaN. Attention's p @ v carries it back to position 0 (0 x NaN)
+    # a layer later; the error names position 1 and the residual stream entering layer 0,
+    # where it came in (before: position 0, layer 1, "the weights are finite").
+    model = load("qwen3", "xla")
+    params = dict(model.params)
+    params["embed"] = params["embed"].at[5].set(np.nan)
+    model = model.replace(params=params)
+    with pytest.raises(jspec.NonFiniteError, match="row 0, position 1: the residual stream "
+                       "entering layer 0"):
+        jspec.generate(model, [np.asarray([1, 5, 2], np.int32)], max_new_tokens=2)
+
+
 @struct.dataclass
 class _WildDrafter(jspec.Drafter):
     """Proposes ids outside [0, V) at every other slot (a broken drafter)."""

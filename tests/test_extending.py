@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import expected, load
+from flax import struct
 
 import jspec
 from jspec.policies import resolve_policy
@@ -157,3 +158,73 @@ def test_policies_and_sampling_arguments_agree():
     assert pipe.spec_config(temperature=0.8).policy == jspec.GumbelCoupled(0.8)
     with pytest.raises(ValueError, match="temperature=0.8"):
         pipe.spec_config(policy="exact_greedy", temperature=0.8)
+
+
+@struct.dataclass
+class _Bent(jspec.Drafter):
+    """BigramDrafter's proposals bent out of the protocol by `bend(drafts, logits)` (chains)
+    or `bend_tree(tokens, parents)` (trees)."""
+
+    inner: object
+    bend: object = struct.field(pytree_node=False, default=None)
+    bend_tree: object = struct.field(pytree_node=False, default=None)
+
+    def init(self, *a, **k):
+        return self.inner.init(*a, **k)
+
+    def forwards_per_round(self, gamma):
+        return 0
+
+    def propose(self, state, ctx):
+        drafts, logits, state = self.inner.propose(state, ctx)
+        return (*self.bend(drafts, logits), state)
+
+    def commit(self, state, ctx, n_acc, nxt, drafts, features=None):
+        return state
+
+    def propose_tree(self, state, ctx, tree):
+        tokens, parents, q, state = self.inner.propose_tree(state, ctx, tree)
+        return (*self.bend_tree(tokens, parents), q, state)
+
+
+@pytest.mark.parametrize("bend,policy,words", [
+    (lambda d, q: (jnp.concatenate([d, d], 1), q), "exact_greedy",
+     r"drafts must be integer token ids of shape \[2, 3\].*got int32\[2, 6\]"),
+    (lambda d, q: (d[:, 0], q), "exact_greedy", r"drafts must .* got int32\[2\]"),
+    (lambda d, q: (d + 0.5, q), "exact_greedy", r"drafts must .* got float32\[2, 3\]"),
+    (lambda d, q: (d, None), "rejection_sampling", r"draft_logits must be floating.*NoneType"),
+])
+def test_proposals_outside_the_protocol_are_an_error_naming_the_drafter(setup, bend, policy,
+                                                                         words):
+    # Before, more proposals than gamma were verified past the planned cache (output no
+    # longer serial's) and float drafts were cast to ids without a word.
+    target, _, drafter = setup
+    temp = {"temperature": 0.8} if policy != "exact_greedy" else {}
+    spec = jspec.SpecConfig(gamma=3, max_new_tokens=N,
+                            policy=resolve_policy(policy, **temp))
+    with pytest.raises(ValueError, match=f"_Bent: propose's {words}"):
+        jspec.speculative_generate(target, _Bent(drafter, bend=bend), _prompts(), spec)
+
+
+def test_a_malformed_draft_tree_drops_its_bad_nodes_and_keeps_serial_output(setup):
+    # Node 3 points at a later node and node 5 at itself; the tree's depth-3 chain
+    # (1 -> 3 -> ...) is cut with its subtree. Before, a node deeper than the tree's depth
+    # was verified at a cut position and could be accepted: output not serial's.
+    target, serial, drafter = setup
+
+    def bend_tree(tokens, parents):
+        return tokens, parents.at[:, 3].set(6).at[:, 5].set(5)
+
+    tree = TreeConfig(branching=(2, 2, 1))
+    spec = jspec.SpecConfig(max_new_tokens=N, tree=tree)
+    out = jspec.speculative_generate(target, _Bent(drafter, bend_tree=bend_tree), _prompts(),
+                                     spec)
+    for b in range(2):
+        assert out.row(b) == serial.row(b)
+    # node 5 lies four deep, node 8 names a later parent, node 9 hangs under node 5
+    parents = jnp.asarray([[-1, 0, 0, 1, 3, 4, 2, 0, 9, 5]])
+    assert jspec.tree.well_formed(parents, 3).tolist() == [
+        [True, True, True, True, True, False, True, True, False, False]]
+    with pytest.raises(ValueError, match=r"parents\[0\] is not a tree of depth <= "
+                       r"max_depth=3: node 5 \(parent 4\)"):
+        jspec.tree.from_parents(parents, jnp.zeros((1,), jnp.int32), 3)

@@ -192,6 +192,21 @@ def test_embedded_pair_text_speculative_equals_serial():
     assert os.path.basename(pipe.name) == "target"
 
 
+def test_a_serial_stream_decodes_as_its_policy_says():
+    # Before, stream(speculative=False) dropped `policy` and decoded greedily, and took
+    # top_k with temperature None silently where the speculative stream refused it.
+    pipe = load_text(*jspec.default_pair())
+    prompt = "def rgb_to_hls(r, g, b):\n"
+    sampled = pipe.generate(prompt, max_new_tokens=8, temperature=0.9, seed=3)
+    stream = pipe.stream(prompt, speculative=False, policy=jspec.GumbelCoupled(0.9), seed=3,
+                         max_new_tokens=8)
+    assert "".join(stream) == sampled.texts[0] and stream.ids == sampled.ids[0]
+    assert stream.ids != pipe.generate(prompt, max_new_tokens=8).ids[0]
+    for speculative in (False, True):
+        with pytest.raises(ValueError, match="top_k"):
+            pipe.stream(prompt, speculative=speculative, top_k=5, max_new_tokens=8)
+
+
 @pytest.mark.slow  # tests/test_feature_drafter.py proves the feature drafter's exactness
 def test_a_text_pipeline_drafts_with_an_eagle3_head(gemma, tmp_path):
     from jspec.eagle import save_eagle3
