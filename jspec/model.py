@@ -516,7 +516,13 @@ def check_call_shape(tokens, cache: KVCache) -> None:
     """The static shape of a call, checked wherever it is traced (`apply` too), and its
     capacity where the cache's lengths are concrete (an eager `apply`): a ValueError, not a
     silent clamp of the cache writes."""
-    shape = np.shape(tokens)
+    try:
+        shape = np.shape(tokens)
+    except ValueError:  # numpy's "inhomogeneous shape"
+        raise ValueError("tokens must be [B, T]: rows of one length (pad, or call per row)"
+                         ) from None
+    if jnp.dtype(cache.lengths.dtype) != jnp.int32:
+        raise ValueError(f"the cache's lengths must be int32; got {cache.lengths.dtype}")
     if len(shape) != 2:
         raise ValueError(f"tokens must be [B, T]; got shape {shape}")
     B, T = shape

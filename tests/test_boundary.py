@@ -312,6 +312,11 @@ def test_apply_checks_the_batch_and_an_eager_calls_capacity():
     with pytest.raises(ValueError, match="row 1: the cache's length -1 is negative"):
         jspec.forward(model, np.ones((2, 1), np.int32),
                       cache.replace(lengths=jnp.asarray([3, -1], jnp.int32)))
+    with pytest.raises(ValueError, match="rows of one length"):
+        jspec.forward(model, [[1, 2], [3]], cache)
+    with pytest.raises(ValueError, match="lengths must be int32; got float32"):
+        jspec.forward(model, np.ones((2, 1), np.int32),
+                      cache.replace(lengths=cache.lengths.astype(jnp.float32)))
     out = jspec.apply(model, jnp.ones((2, 4), jnp.int32), cache)
     assert out[0] is out.logits and out[1] is out.cache  # indexes as the pair it unpacks to
 
