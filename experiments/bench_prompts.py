@@ -183,15 +183,17 @@ def main(argv):
     del argv
     c = _CONFIG.value
     tree = c.tree or None
-    jspec.SpecConfig(gamma=c.gamma, policy=c.policy, max_new_tokens=c.max_new_tokens,
-                     temperature=c.temperature, tree=parse_tree(c.tree))  # fail before loading
+    policy = cli.policy_of(c.policy, c.temperature)  # temperature: sampling policies only
+    jspec.SpecConfig(gamma=c.gamma, policy=policy, max_new_tokens=c.max_new_tokens,
+                     tree=parse_tree(c.tree))  # fail before loading
     prompts = load_prompts(c)
     pipe = build(c)
     chat = bool(c.chat and getattr(pipe.tokenizer, "chat_template", None))
     stop = (pipe.stop_ids + (pipe.chat_stop_ids if chat else ())) if c.stop_at_eos else ()
     kw = dict(max_new_tokens=c.max_new_tokens, seed=c.seed, stop_tokens=stop)
-    spec_kw = kw | dict(gamma=c.gamma, policy=c.policy, temperature=c.temperature, tree=tree)
-    serial_kw = kw | dict(temperature=0.0 if c.policy == "exact_greedy" else c.temperature)
+    spec_kw = kw | dict(gamma=c.gamma, policy=policy, tree=tree)
+    sampler = policy.serial_sampler()  # the serial run the policy reproduces
+    serial_kw = kw | dict(temperature=getattr(sampler, "temperature", 0.0))
     platform = jax.devices()[0].platform
     report = {"device": jax.devices()[0].device_kind, "platform": platform,
               "jax": jax.__version__, "date": time.strftime("%Y-%m-%d"),
