@@ -89,7 +89,7 @@ def check_flags() -> dict:
     from jspec.config import canonical_dtype
     from jspec.loading import resolve_checkpoint
     from jspec.random_model import PRESETS
-    from jspec.speculative import MAX_GAMMA
+    from jspec.spec_config import MAX_GAMMA
 
     if _CKPT.value:
         resolve_checkpoint(_CKPT.value)  # a directory, or a hub id in the local cache

@@ -29,9 +29,9 @@ from jspec.model import Model, apply, forward, with_options
 from jspec.options import DraftOptions, KernelOptions
 from jspec.policies import ExactGreedy, GumbelCoupled, Policy, RejectionSampling
 from jspec.sampling import Greedy, Sample, make_sampler
+from jspec.spec_config import SpecConfig
 from jspec.speculative import (
     ParityError,
-    SpecConfig,
     SpecOutput,
     speculative_generate,
     speculative_stream,

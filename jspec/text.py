@@ -40,7 +40,8 @@ from jspec.model import Model, with_options
 from jspec.options import DraftOptions, KernelOptions, draft_options_for
 from jspec.policies import Policy, resolve_policy
 from jspec.sampling import make_sampler
-from jspec.speculative import SpecConfig, speculative_generate, speculative_stream
+from jspec.spec_config import SpecConfig
+from jspec.speculative import speculative_generate, speculative_stream
 from jspec.tree import parse_tree
 
 # End-of-turn tokens of common chat templates (ChatML, Gemma, Llama 3, Phi-3).

@@ -31,14 +31,8 @@ from jspec._checks import check_bool
 from jspec.adaptive import shape_name
 from jspec.compaction import batch_for, compact
 from jspec.loop import token_bar
-from jspec.speculative import (
-    SpecConfig,
-    _cache_size,
-    _setup,
-    prefill,
-    shape_spec,
-    spec_loop,
-)
+from jspec.spec_config import SpecConfig, shape_spec
+from jspec.speculative import _cache_size, _setup, prefill, spec_loop
 
 
 def compaction_sizes(batch: int) -> list[int]:

@@ -382,7 +382,8 @@ def test_decode_shape_state_is_the_engine_state():
     """A gamma-0 round proposes nothing and keeps the state's shapes (one SpecState for
     every shape)."""
     target = load("qwen3", "pallas")
-    from jspec.speculative import one_round, prefill, shape_spec
+    from jspec.spec_config import shape_spec
+    from jspec.speculative import one_round, prefill
 
     spec = jspec.SpecConfig(max_new_tokens=4, adaptive=jspec.Adaptive(gammas=(0, 2)))
     toks = jnp.asarray(expected("qwen3")["prompt"][None, :6])
@@ -429,7 +430,8 @@ def test_a_draft_model_catches_up_on_decode_steps_in_blocks():
             jspec.ModelDrafter(target, catch_up=k), ran)
     assert runs[3].stats["draft_forwards"] < runs[1].stats["draft_forwards"]
     # Two decode rounds run no draft forward: their tokens wait, the draft cache stays put.
-    from jspec.speculative import one_round, prefill, shape_spec
+    from jspec.spec_config import shape_spec
+    from jspec.speculative import one_round, prefill
 
     fast = load("qwen3", "xla")
     drafter = jspec.ModelDrafter(fast, catch_up=3)

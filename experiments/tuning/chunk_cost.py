@@ -45,9 +45,10 @@ from jspec.chunked_prefill import prefill_jit
 from jspec.cli import options_record
 from jspec.feature_head import random_head
 from jspec.random_model import PRESETS, random_model
-from jspec.speculative import MAX_GAMMA, shape_spec, spec_loop
+from jspec.spec_config import MAX_GAMMA, shape_spec
 from jspec.speculative import _setup as spec_setup
 from jspec.speculative import prefill as spec_prefill
+from jspec.speculative import spec_loop
 
 _PRESET = flags.DEFINE_string("preset", "qwen3-8b", "a random-model preset")
 _LAYERS = flags.DEFINE_integer("layers", 12, "layers (0: the preset's)")

@@ -60,9 +60,10 @@ from jspec.generate import decode_loop, init_state
 from jspec.generate import prefill as generate_prefill
 from jspec.random_model import PRESETS, random_model
 from jspec.sampling import with_lowering
+from jspec.spec_config import shape_spec
 from jspec.speculative import _setup as spec_setup
 from jspec.speculative import prefill as spec_prefill
-from jspec.speculative import shape_spec, spec_loop
+from jspec.speculative import spec_loop
 
 _PRESET = flags.DEFINE_string("preset", "qwen3-30b-a3b", "a random-model preset")
 _LAYERS = flags.DEFINE_integer("layers", 0, "layers (0: the preset's)")
