@@ -246,11 +246,26 @@ def check_sampler(sampler) -> None:
                         f"{sampler!r:.100}")
 
 
+def check_not_a_draft(model: Model) -> None:
+    """The model a run decodes (serial, or the target of a speculative run) takes no draft
+    latency choices: `DraftOptions.fused` sends calls of at most 2 rows through kernels
+    that make no invariance claim (its logits would then depend on the call's shape), and
+    the xla ones change the baseline's arithmetic."""
+    on = [n for n in ("fused", "xla_two_rows", "xla_pallas_attention")
+          if getattr(model.draft_options, n)]
+    if on:
+        raise ValueError(f"the model decoded here has DraftOptions {', '.join(on)} on: those "
+                         "are a draft model's latency choices (no invariance claim); give "
+                         "them to a drafter's model only, or jspec.with_options(model, "
+                         "jspec.DraftOptions())")
+
+
 def check_run_args(model, *, seed, stop_tokens, vocab_size: int, max_len=None,
                    progress=False) -> tuple[int, tuple[int, ...]]:
     """The arguments a serial or speculative run shares, checked on the host: returns
     (seed, stop_tokens as a tuple of ids in [0, vocab_size))."""
     check_type("model", model, Model, "a jspec.Model (jspec.load_hf, jspec.random_model)")
+    check_not_a_draft(model)
     if max_len is not None:
         check_count("max_len", max_len)
     check_bool("progress", progress)

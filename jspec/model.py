@@ -197,6 +197,10 @@ def row_parallel(ops, model: Model, x, w, out_dtype, **kw):
         return ops.matmul(x, w, out_dtype=out_dtype, **kw)
     if S % size:
         raise ValueError(f"row_partials={S} is not a multiple of the parallel degree {size}")
+    if w.shape[0] % S:
+        raise ValueError(f"row_partials={S} must divide the K of every row-parallel weight "
+                         f"(wo, w_down); this model's [{w.shape[0]}, {w.shape[1]}] has "
+                         f"K={w.shape[0]}")
     parts = ops.matmul_partials(x, w, splits=S // size)  # [S / size, M, N] f32
     if par is not None:
         parts = jax.lax.all_gather(parts, par.axis, axis=0, tiled=True)  # [S, M, N]

@@ -81,14 +81,15 @@ class KernelOptions:
         (k per token) lay their rows out by expert in one kernel
         (`tile_layout_kernel`) instead of ~7 small XLA ops (True), or in those ops
         (False or None: the default until its source loop is proven on a GPU).
-        Integer arithmetic: the same layout, so the same bits.
+        Integer arithmetic: the same layout, so the same bits. Needs fuse_glu.
       moe_combine_kernel: pallas: a mixture of experts' combine (each token's k expert
         outputs weighted and added left to right in f32) in one kernel reading the
         outputs in their slots (`combine_kernel`: the gather back, products, sum, cast
         and padding in one launch) (True), or in XLA ops (False or None: the default;
         slower than the XLA ops for verify blocks, docs/tuning.md). Numeric: the
         kernel's products and adds are its own, so its bits may differ from the XLA
-        combine's; row-invariant either way.
+        combine's; row-invariant either way. Needs fuse_glu (its slots are the fused
+        expert MLP's).
       matmul_row_group: pallas: up to this many row tiles per matmul program, each
         weight block loaded once for all of them (scheduling only).
       matmul_schedule: pallas: launches of several row tiles use the weight's tuned
@@ -160,6 +161,10 @@ class KernelOptions:
         if self.kv_write_kernel and not self.fuse_qk_rope:
             raise ValueError("kv_write_kernel=True writes the new K/V from the fused q/k "
                              "norm + RoPE kernel: it needs fuse_qk_rope=True")
+        for name in ("moe_layout_kernel", "moe_combine_kernel"):
+            if getattr(self, name) and not self.fuse_glu:
+                raise ValueError(f"{name}=True works on the fused expert MLP's one layout "
+                                 "(`grouped_mlp`): it needs fuse_glu=True")
         if not isinstance(self.matmul_row_group, int) or self.matmul_row_group < 1:
             raise ValueError(f"matmul_row_group={self.matmul_row_group!r} must be an int >= 1")
         if self.attn_split is not None and (not isinstance(self.attn_split, int)
@@ -181,7 +186,8 @@ class KernelOptions:
     def plain(self) -> KernelOptions:
         """The same options with every fusion off (`FUSIONS`): the path each fusion is
         checked against, bit for bit."""
-        return self.replace(kv_write_kernel=None, **dict.fromkeys(FUSIONS, False))
+        return self.replace(kv_write_kernel=None, moe_layout_kernel=None,
+                            **dict.fromkeys(FUSIONS, False))
 
 
 # The fusions: each gives the plain path's bits (tests/test_fused.py, test_pad_once.py,

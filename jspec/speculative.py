@@ -36,7 +36,7 @@ from jspec.chunked_prefill import prefill as chunked_prefill
 from jspec.compaction import RowBook, batch_for, check_batch_major, compact, plan
 from jspec.drafters import FeatureDrafter, ModelDrafter, OracleDrafter, PromptLookupDrafter
 from jspec.drafting import ProposeContext, check_drafter, grows_trees
-from jspec.generate import PAD, first_non_finite, pad_prompts, plan_shapes
+from jspec.generate import PAD, check_not_a_draft, first_non_finite, pad_prompts, plan_shapes
 from jspec.loop import raise_non_finite, run_chunked, token_bar
 from jspec.model import COMPILER_OPTIONS, Forward, Model, apply, row_flags
 from jspec.sampling import with_lowering
@@ -412,6 +412,7 @@ class SpecOutput:
 
 def _validate(target: Model, drafter, spec: SpecConfig) -> None:
     check_type("target", target, Model, "a jspec.Model (jspec.load_hf, jspec.random_model)")
+    check_not_a_draft(target)
     check_drafter(drafter)
     if not isinstance(spec, SpecConfig):
         raise TypeError(f"spec must be a jspec.SpecConfig; got {type(spec).__name__}")

@@ -343,3 +343,30 @@ def test_forward_inside_jit_names_apply():
 def test_sampling_arguments_are_never_ignored_or_overflowed(call, fragment):
     with pytest.raises(ValueError, match=fragment):
         call()
+
+
+def test_a_decoded_model_takes_no_draft_latency_options():
+    # Before, a target with DraftOptions.fused ran its calls of <= 2 rows through the
+    # draft's latency kernels: its one-token steps' logits differed from its prefill's.
+    fused = jspec.with_options(load("qwen3", "pallas"), jspec.DraftOptions(fused=True))
+    with pytest.raises(ValueError, match="DraftOptions fused on: those are a draft model's"):
+        jspec.generate(fused, _p(), max_new_tokens=2)
+    with pytest.raises(ValueError, match="DraftOptions fused on"):
+        jspec.speculative_generate(fused, jspec.PromptLookupDrafter(), _p(),
+                                   jspec.SpecConfig(max_new_tokens=2))
+
+
+@pytest.mark.parametrize("name", ["moe_layout_kernel", "moe_combine_kernel"])
+def test_moe_kernel_options_need_the_fused_expert_mlp(name):
+    # Before, both were ignored without fuse_glu (and the combine kernel's own bits then
+    # came and went with a fusion documented as bit-neutral).
+    with pytest.raises(ValueError, match=f"{name}=True .* needs fuse_glu=True"):
+        jspec.KernelOptions(fuse_glu=False, **{name: True})
+    assert jspec.KernelOptions(moe_layout_kernel=True).plain().moe_layout_kernel is None
+
+
+def test_row_partials_that_do_not_divide_a_weight_name_the_option():
+    model = jspec.with_options(random_model("tiny-qwen3"), row_partials=3)
+    with pytest.raises(ValueError, match=r"row_partials=3 must divide the K of every "
+                       r"row-parallel weight \(wo, w_down\)"):
+        jspec.forward(model, np.ones((1, 2), np.int32), jspec.init_cache(model, 1, 64))
