@@ -115,9 +115,10 @@ class KernelOptions:
         layout and combine kernel options do not apply); top-p, `row_partials` > 1 and
         tensor-parallel column tiles stay on Triton. Numeric (rule R11): each lowering
         gives its own bits, each row-invariant.
-      row_partials: S > 1 computes the row-parallel weights (wo, w_down) as S f32
-        partials over equal K chunks, added left to right: the same bits at every
-        tensor-parallel degree dividing S (one device included); 1: one K loop.
+      row_partials: S > 1 computes the row-parallel weights (wo, a dense MLP's w_down;
+        S must divide their K) as S f32 partials over equal K chunks, added left to
+        right: the same bits at every tensor-parallel degree dividing S (one device
+        included); 1: one K loop. An expert's w_down keeps one K loop (R9).
         Numeric: each S gives its own bits.
       prefill_chunk: a prompt is prefilled in chunks of this many tokens (the last one
         shorter), with no LM head (`jspec.generate.prefill`): memory, not numerics;
