@@ -90,7 +90,8 @@ class Sample:
         if t == 0:
             raise ValueError(f"temperature={self.temperature!r} must be > 0 for Sample (use "
                              "Greedy for 0)")
-        t32 = np.float32(t) if t <= float(np.finfo(np.float32).max) else np.float32(np.inf)
+        with np.errstate(over="ignore"):
+            t32 = np.float32(t)
         if not np.isfinite(t32) or t32 == 0:
             raise ValueError(f"temperature={self.temperature!r} is {float(t32)} in float32, "
                              "where the logits are divided by it: give one in [1e-38, 3e38]")
