@@ -41,6 +41,7 @@ from tqdm import tqdm
 import jspec
 from jspec import cli
 from jspec._checks import check_count
+from jspec.eagle import saved_files
 from jspec.feature_head import eagle3_layers, head_config
 from jspec.train.corpus import HELD_OUT, read, stdlib_files
 from jspec.train.head import HeadModule, target_outputs, to_feature_head, ttt_loss
@@ -218,7 +219,7 @@ def check_paths(c) -> None:
             raise ValueError(f"--config.{name}={path!r} is a file, not a directory")
     if not isinstance(c.overwrite, bool):
         raise ValueError(f"--config.overwrite={c.overwrite!r} must be True or False")
-    if os.path.exists(os.path.join(c.out_dir, "model.safetensors")) and not c.overwrite:
+    if saved_files(c.out_dir) and not c.overwrite:
         raise ValueError(f"--config.out_dir={c.out_dir!r} holds a head already; pass "
                          "--config.overwrite=True to replace it, or another out_dir")
 
@@ -323,7 +324,8 @@ def main(argv):
                                  "; nothing exported")
 
     os.makedirs(c.out_dir, exist_ok=True)
-    jspec.save_eagle3(c.out_dir, to_feature_head(head, target, dtype=c.export_dtype))
+    jspec.save_eagle3(c.out_dir, to_feature_head(head, target, dtype=c.export_dtype),
+                      overwrite=c.overwrite)
     V, Vd = tcfg.vocab_size, head.config.layer.vocab_size
     tied = not c.train_lm_head and Vd == V and tcfg.tie_embeddings
     if tied:

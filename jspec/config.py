@@ -225,6 +225,13 @@ def rope_spec(params: dict | None, fallback_theta: float | None, where: str) -> 
     need = {"default": (), "linear": ("factor",),
             "llama3": ("factor", "low_freq_factor", "high_freq_factor",
                        "original_max_position_embeddings")}[kind]
+    partial = params.get("partial_rotary_factor")
+    if kind != "default" and partial is not None and partial != 1:
+        # transformers' linear and llama3 tables rotate only that share of each head (its
+        # default table, which Llama and Qwen3 compute themselves, ignores it, as jspec)
+        raise UnsupportedModelError(f"{where}: partial_rotary_factor={partial!r} with "
+                                    f"rope_type={kind!r} is not supported (RoPE over the "
+                                    "whole head only)")
     missing = [k for k in need if params.get(k) is None]
     if missing:
         raise UnsupportedModelError(f"{where}: rope_type={kind!r} needs {missing} in "

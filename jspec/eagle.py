@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 from typing import Literal
 
@@ -36,9 +37,14 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from jspec import hf_names
+from jspec._checks import check_bool, check_path
 from jspec.config import UnsupportedModelError, canonical_dtype, rope_spec
 from jspec.feature_head import FeatureHead, eagle3_layers, head_config, slot_map
 from jspec.loading import (
+    BIN_FILE,
+    BIN_INDEX_FILE,
+    INDEX_FILE,
+    SINGLE_FILE,
     CheckpointError,
     TensorReader,
     np_dtype,
@@ -51,6 +57,9 @@ from jspec.options import KernelOptions
 LOG = logging.getLogger("jspec")
 
 ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
+# The top-level architecture of vllm-project/speculators' EAGLE-3 configs (their layer
+# nested in `transformer_layer_config`, which may name an architecture of its own).
+SPECULATORS_ARCHITECTURE = "Eagle3Speculator"
 # How a config's feature layer ids count (see `feature_layers`).
 Convention = Literal["auto", "entering", "after"]
 CONVENTIONS = ("auto", "entering", "after")
@@ -69,19 +78,29 @@ def _read_config(path: str) -> dict:
     fn = os.path.join(path, "config.json")
     cfg = read_config_json(path, " (an EAGLE-3 head directory has one)")
     if "transformer_layer_config" in cfg:  # the speculators layout: the layer nested
-        cfg = {**cfg["transformer_layer_config"], **{k: v for k, v in cfg.items()
-                                                     if k != "transformer_layer_config"}}
-        cfg.setdefault("architectures", [ARCHITECTURES[0]])
+        top = {k: v for k, v in cfg.items() if k != "transformer_layer_config"}
+        cfg = {**cfg["transformer_layer_config"], **top}
+        cfg["architectures"] = [ARCHITECTURES[0] if a == SPECULATORS_ARCHITECTURE else a
+                                for a in top.get("architectures") or ARCHITECTURES[:1]]
     archs = cfg.get("architectures") or []
     if not any(a in ARCHITECTURES for a in archs):
         raise UnsupportedModelError(f"{fn}: architectures={archs}; an EAGLE-3 head is one of "
                                     f"{ARCHITECTURES}")
-    if int(cfg.get("num_hidden_layers", 1)) != 1:
-        raise UnsupportedModelError(f"{fn}: num_hidden_layers={cfg['num_hidden_layers']}; "
+    if cfg.get("num_hidden_layers", 1) != 1:
+        raise UnsupportedModelError(f"{fn}: num_hidden_layers={cfg['num_hidden_layers']!r}; "
                                     "jspec's feature head has one decoder layer")
     for flag in ("attention_bias", "mlp_bias", "bias"):
         if cfg.get(flag):
             raise UnsupportedModelError(f"{fn}: {flag}=True is not supported")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise UnsupportedModelError(f"{fn}: hidden_act={cfg['hidden_act']!r} is not supported "
+                                    "(the head's MLP is Llama's, silu)")
+    eps = cfg.get("rms_norm_eps", 1e-6)
+    if isinstance(eps, bool) or not isinstance(eps, int | float) or not 0 < eps < math.inf:
+        raise CheckpointError(f"{fn}: rms_norm_eps={eps!r} must be a finite number > 0")
+    if not isinstance(cfg.get("norm_before_residual", False), bool):
+        raise CheckpointError(f"{fn}: norm_before_residual={cfg['norm_before_residual']!r} "
+                              "must be true or false")
     for key in REQUIRED_KEYS:
         value = cfg.get(key)
         if value is None:
@@ -197,7 +216,7 @@ def load_eagle3(path: str, target: Model, *, dtype=None,
     dt = np_dtype(dtype)
 
     def get(name, shape):
-        return reader.get(name, shape).astype(dt)
+        return reader.get(name, shape, dt)
 
     def lin(name, out_dim, in_dim):  # HF [out, in] -> [in, out]
         return np.ascontiguousarray(get(name, (out_dim, in_dim)).T)
@@ -257,10 +276,23 @@ def _head_slot(reader: TensorReader, path: str, Vd: int, V: int):
     return jnp.asarray(slot)
 
 
-def save_eagle3(path: str, head: FeatureHead, *, save_embedding: bool = False) -> str:
+# The files of a checkpoint in a directory: save_eagle3 replaces none without overwrite.
+CHECKPOINT_FILES = ("config.json", SINGLE_FILE, INDEX_FILE, BIN_FILE, BIN_INDEX_FILE)
+
+
+def saved_files(path: str) -> list[str]:
+    """The checkpoint files (`CHECKPOINT_FILES`) directory `path` holds already."""
+    return [n for n in CHECKPOINT_FILES if os.path.exists(os.path.join(path, n))]
+
+
+def save_eagle3(path: str, head: FeatureHead, *, save_embedding: bool = False,
+                overwrite: bool = False) -> str:
     """Writes `head` in the published EAGLE-3 layout (config.json, model.safetensors);
     `load_eagle3(path, target)` reads it back bitwise; the EAGLE reference
-    implementation, vLLM and SGLang read it right too.
+    implementation, vLLM and SGLang read it right too. `path` is a new or empty
+    directory, or one holding a checkpoint (`CHECKPOINT_FILES`: a head, or a model) only
+    with overwrite=True, which replaces its config.json and model.safetensors (the
+    single file is what every reader loads before an index or a `.bin`).
 
     How each reads the width of the features and the embedding:
     - EAGLE (SafeAILab/EAGLE `cnets.Model`): fc is [D, 3 target_hidden_size] if the config
@@ -275,6 +307,15 @@ def save_eagle3(path: str, head: FeatureHead, *, save_embedding: bool = False) -
     cannot run such a head), and the embedding is otherwise left out unless
     save_embedding.
     """
+    check_path("path", path)
+    check_bool("overwrite", overwrite)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise FileExistsError(f"{path}: a file, not a directory")
+    existing = saved_files(path)
+    if existing and not overwrite:
+        raise FileExistsError(f"{path} holds a checkpoint already ({', '.join(existing)}); "
+                              "save_eagle3 replaces none without overwrite=True: pass it, or "
+                              "another directory")
     cfg, p = head.config, head.params
     L = cfg.layer
     D = L.hidden_size

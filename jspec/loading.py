@@ -53,6 +53,8 @@ SINGLE_FILE = "model.safetensors"
 BIN_INDEX_FILE = "pytorch_model.bin.index.json"
 BIN_FILE = "pytorch_model.bin"
 # (index, single file) pairs in the order they are looked for: safetensors first.
+# Within a format the single file wins over an index, as in transformers (a directory
+# holding both loads the single file there, and so here).
 WEIGHT_FILES = ((INDEX_FILE, SINGLE_FILE), (BIN_INDEX_FILE, BIN_FILE))
 # Checkpoints with more safetensors bytes than this show a progress bar (on stderr).
 PROGRESS_MIN_BYTES = 500 * 2**20
@@ -141,7 +143,13 @@ class TensorReader:
         self.path = path
         self._files: dict[str, Any] = {}
         index_path, single_path = _weight_files(path)
-        if os.path.exists(index_path):
+        if os.path.exists(single_path):
+            self.where = {name: single_path for name in self._open(single_path)[1]}
+            if os.path.exists(index_path):
+                LOG.warning("%s: both %s and %s; reading %s (as transformers does)", path,
+                            os.path.basename(single_path), os.path.basename(index_path),
+                            os.path.basename(single_path))
+        elif os.path.exists(index_path):
             try:
                 with open(index_path) as f:
                     index = json.load(f)
@@ -153,15 +161,17 @@ class TensorReader:
                 raise CheckpointError(f"{index_path}: no \"weight_map\" object (the shard "
                                       "index maps each tensor name to its file name)")
             self.where = {name: os.path.join(path, fn) for name, fn in weight_map.items()}
-        elif os.path.exists(single_path):
-            self.where = {name: single_path for name in self._open(single_path)[1]}
         else:
             raise CheckpointError(f"{path}: no {SINGLE_FILE}, {INDEX_FILE}, {BIN_FILE} or "
                                   f"{BIN_INDEX_FILE}")
-        for fn in sorted(set(self.where.values())):
+        shards = sorted(set(self.where.values()))
+        for fn in shards:
             if not os.path.exists(fn):
                 raise CheckpointError(f"{path}: shard {os.path.basename(fn)} named in the index "
                                       "is missing")
+        for fn in shards:  # a shard's tensors the index leaves out: read (or unused) too
+            for name in sorted(self._open(fn)[1] - self.where.keys()):
+                self.where[name] = fn
         self.used: set[str] = set()
 
     def _open(self, fn: str):
@@ -209,7 +219,10 @@ class TensorReader:
                                       f"({nan} NaN, {bad - nan} inf) of {arr.size}")
         return arr
 
-    def get(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+    def get(self, name: str, shape: tuple[int, ...], dtype=None) -> np.ndarray:
+        """The tensor, checked for its shape; cast to `dtype` if given, where a value
+        beyond the dtype's range (float64 above float32's largest, float32 rounding to
+        bfloat16 inf) is an error, not an inf in the weights."""
         if name not in self.where:
             raise CheckpointError(f"{self.path}: missing tensor {name!r} "
                                   f"(expected shape {shape})")
@@ -218,7 +231,28 @@ class TensorReader:
             raise CheckpointError(f"tensor {name!r} in {self.where[name]} has shape "
                                   f"{tuple(arr.shape)}; expected {tuple(shape)}")
         self.used.add(name)
-        return arr
+        if dtype is None:
+            return arr
+        with np.errstate(over="ignore"):
+            out = arr.astype(dtype)
+        if _narrows(arr.dtype, out.dtype):
+            bad = out.size - int(np.count_nonzero(np.isfinite(out)))  # arr is finite (read)
+            if bad:
+                raise CheckpointError(
+                    f"tensor {name!r} in {self.where[name]} has {bad} values beyond the "
+                    f"range of {np.dtype(dtype).name} (largest magnitude "
+                    f"{float(np.abs(arr).max()):.4g}, stored as {arr.dtype}): they would "
+                    "load as inf")
+        return out
+
+
+def _narrows(src, dst) -> bool:
+    """Whether casting float dtype src to float dtype dst can overflow (dst's largest
+    finite value is below src's)."""
+    try:
+        return float(ml_dtypes.finfo(dst).max) < float(ml_dtypes.finfo(src).max)
+    except ValueError:  # not floating point
+        return False
 
 
 def text_prefix(reader: TensorReader) -> str:
@@ -245,7 +279,7 @@ def convert_params(cfg: ModelConfig, reader: TensorReader, *, progress: bool = F
     place = place or (lambda key, w: w)
 
     def get(name, shape):
-        return reader.get(name, shape).astype(dt)
+        return reader.get(name, shape, dt)
 
     bar = tqdm(range(cfg.num_layers), desc=f"loading {display_name(reader.path)}",
                unit="layer", file=sys.stderr, disable=not progress, leave=False)

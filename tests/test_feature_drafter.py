@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import awkward_logits, bits, expected, load
+from conftest import FIXTURES, awkward_logits, bits, expected, load
 from safetensors.numpy import load_file, save_file
 
 import jspec
@@ -364,7 +364,8 @@ def _edit(d, tmp_path, *, config=None, drop=(), add=None, change=None):
 
 
 @pytest.mark.parametrize("kind", ["hidden", "vocab", "missing", "extra", "shape", "d2t",
-                                  "t2d", "arch", "layers", "no field", "bad field"])
+                                  "t2d", "arch", "layers", "no field", "bad field", "act",
+                                  "eps", "residual flag", "overflow"])
 def test_bad_heads_are_rejected_naming_the_problem(published, tmp_path, kind):
     target, head, d = published
     D, V = target.config.hidden_size, target.config.vocab_size
@@ -387,10 +388,89 @@ def test_bad_heads_are_rejected_naming_the_problem(published, tmp_path, kind):
                      "config.json: no 'intermediate_size'; an EAGLE-3 head's config names"),
         "bad field": (dict(config={"num_attention_heads": 2.5}),
                       "num_attention_heads=2.5 must be a positive integer"),
+        # Each of these loaded before, read otherwise than written: a gelu head as silu,
+        # eps 0 as the target's eps, the string "false" as True, 1e300 as inf.
+        "act": (dict(config={"hidden_act": "gelu"}), "hidden_act='gelu' is not supported"),
+        "eps": (dict(config={"rms_norm_eps": 0}), "rms_norm_eps=0 must be a finite number"),
+        "residual flag": (dict(config={"norm_before_residual": "false"}),
+                          "norm_before_residual='false' must be true or false"),
+        "overflow": (dict(change={"norm.weight": lambda w: w.astype(np.float64) * 1e300}),
+                     "'norm.weight'.*64 values beyond the range of float32"),
     }
     edit, match = cases[kind]
     with pytest.raises(ValueError, match=match):
         load_eagle3(_edit(d, tmp_path, **edit), target)
+
+
+def test_a_speculators_head_loads_as_its_published_layout(published, tmp_path):
+    """vllm-project/speculators writes "architectures": ["Eagle3Speculator"] at the top and
+    the layer's Llama config (with an architecture of its own) in
+    transformer_layer_config, weights under layers.0.; that head was refused."""
+    target, head, d = published
+    cfg = json.load(open(os.path.join(d, "config.json")))
+    layer = {k: cfg[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads",
+                                 "num_key_value_heads", "head_dim", "rms_norm_eps",
+                                 "rope_theta", "vocab_size")}
+    layer |= {"model_type": "llama", "num_hidden_layers": 1,
+              "architectures": ["LlamaForCausalLM"]}
+    spec = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
+            "speculators_version": "0.1.0", "draft_vocab_size": cfg["draft_vocab_size"],
+            "norm_before_residual": False, "target_hidden_size": None,
+            "eagle_aux_hidden_state_layer_ids":
+                cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"],
+            "speculators_config": {"algorithm": "eagle3", "verifier": {"name_or_path": "t"}},
+            "transformer_layer_config": layer}
+    (tmp_path / "spec").mkdir()
+    (tmp_path / "spec" / "config.json").write_text(json.dumps(spec))
+    t = {k.replace("midlayer.", "layers.0."): v
+         for k, v in load_file(os.path.join(d, "model.safetensors")).items()}
+    save_file(t, str(tmp_path / "spec" / "model.safetensors"))
+    back = load_eagle3(str(tmp_path / "spec"), target, options=jspec.KernelOptions(backend="xla"))
+    assert back.config == head.config
+    for a, b in zip(jax.tree.leaves(back.params), jax.tree.leaves(head.params), strict=True):
+        assert np.array_equal(bits(a), bits(b))
+    spec["architectures"] = ["EagleSpeculator"]  # EAGLE-1: still refused
+    (tmp_path / "spec" / "config.json").write_text(json.dumps(spec))
+    with pytest.raises(ValueError, match=r"architectures=\['EagleSpeculator'\]"):
+        load_eagle3(str(tmp_path / "spec"), target)
+
+
+def test_save_eagle3_replaces_no_checkpoint_unless_asked(published, tmp_path):
+    """save_eagle3 wrote over whatever config.json and model.safetensors a directory held
+    (a target model's own), and into a sharded head's directory, whose index was then read
+    in place of the new file (the old head loaded, silently)."""
+    target, head, d = published
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (model_dir / name).write_bytes(open(os.path.join(FIXTURES, "qwen3", name), "rb").read())
+    before = {n: (model_dir / n).read_bytes() for n in os.listdir(model_dir)}
+    with pytest.raises(FileExistsError, match=r"holds a checkpoint already \(config.json, "
+                                              r"model.safetensors\).*overwrite=True"):
+        save_eagle3(str(model_dir), head)
+    assert {n: (model_dir / n).read_bytes() for n in os.listdir(model_dir)} == before
+    # A sharded head, replaced on request: the new single file is what loads (as in
+    # transformers, a single file wins over an index).
+    sharded = tmp_path / "sharded"
+    sharded.mkdir()
+    t = load_file(os.path.join(d, "model.safetensors"))
+    names = sorted(t)
+    weight_map = {}
+    for i in range(2):
+        fn = f"model-{i + 1:05d}-of-00002.safetensors"
+        save_file({n: t[n] for n in names[i::2]}, str(sharded / fn))
+        weight_map |= dict.fromkeys(names[i::2], fn)
+    (sharded / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    (sharded / "config.json").write_text(open(os.path.join(d, "config.json")).read())
+    new = _head(target, vd=target.config.vocab_size // 2, seed=4)
+    new = new.replace(params={**new.params, "head_slot": head.params["head_slot"]})
+    with pytest.raises(FileExistsError, match="model.safetensors.index.json"):
+        save_eagle3(str(sharded), new)
+    save_eagle3(str(sharded), new, overwrite=True)
+    back = load_eagle3(str(sharded), target, options=jspec.KernelOptions(backend="xla"))
+    for a, b in zip(jax.tree.leaves(back.params), jax.tree.leaves(new.params), strict=True):
+        assert np.array_equal(bits(a), bits(b))
+    save_eagle3(str(tmp_path / "new" / "dir"), head)  # a new directory: no flag needed
 
 
 @pytest.mark.parametrize("chunk", [3, 4])

@@ -33,8 +33,8 @@ def _copy_fixture(tmp_path, name="qwen3"):
     return dst
 
 
-def _edit_tensors(d, edit):
-    fn = d / "model.safetensors"
+def _edit_tensors(d, edit, name="model.safetensors"):
+    fn = d / name
     tensors = load_file(fn)
     edit(tensors)
     save_file(tensors, fn)
@@ -330,3 +330,70 @@ def test_interpret_mode_warns_once(tmp_path, caplog):
     msg = warned[0].getMessage()
     assert "interpreted on the CPU" in msg and "a token" in msg and "backend='xla'" in msg
     assert loading.interpret_seconds_per_token(135_000_000) == pytest.approx(1.9)
+
+
+# ------------------------------------------------------------ what loads, and as what
+
+
+@pytest.mark.parametrize("stored, dtype, value", [("float64", "float32", 1e300),
+                                                  ("float32", "bfloat16", 3.4e38)])
+def test_values_beyond_the_load_dtype_are_an_error(tmp_path, stored, dtype, value):
+    """The finiteness check ran on the stored values: a float64 weight above float32's
+    largest, or a float32 one that rounds to bfloat16's inf, loaded as inf."""
+    d = _copy_fixture(tmp_path)
+    name = "model.layers.0.mlp.down_proj.weight"
+
+    def edit(t):
+        t[name] = t[name].astype(stored)
+        t[name][3, 5] = value
+    _edit_tensors(d, edit)
+    with pytest.raises(jspec.CheckpointError,
+                       match=f"tensor '{name}' in {d}/model.safetensors has 1 values beyond "
+                             f"the range of {dtype} .*stored as {stored}"):
+        jspec.load_hf(str(d), dtype=dtype, backend="xla")
+
+
+def test_a_single_file_wins_over_an_index_as_in_transformers(tmp_path, caplog):
+    """A directory with both model.safetensors and a shard index: transformers loads the
+    single file, jspec read the index (other weights than the reference's, silently)."""
+    d = _copy_fixture(tmp_path, "qwen3_sharded")
+    t = load_file(os.path.join(fixture_path("qwen3"), "model.safetensors"))
+    t["model.norm.weight"] = t["model.norm.weight"] * 2
+    save_file(t, str(d / "model.safetensors"))
+    caplog.set_level(logging.WARNING, logger="jspec")
+    model = _xla(d)
+    np.testing.assert_array_equal(np.asarray(model.params["final_norm"]), t["model.norm.weight"])
+    assert any("reading model.safetensors (as transformers does)" in r.getMessage()
+               for r in caplog.records)
+
+
+def test_a_shards_tensors_left_out_of_the_index_are_read_or_an_error(tmp_path):
+    """The index alone named the tensors: one a shard holds but the index leaves out was
+    neither read (a "missing tensor" transformers loads) nor flagged as unused."""
+    d = _copy_fixture(tmp_path, "qwen3_sharded")
+    index = json.loads((d / "model.safetensors.index.json").read_text())
+    shard = index["weight_map"].pop("model.norm.weight")
+    (d / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert bits(_xla(d).params["final_norm"]).tolist() == bits(
+        _xla(fixture_path("qwen3")).params["final_norm"]).tolist()
+
+    def edit(t):
+        t["model.layers.2.mlp.up_proj.weight"] = np.ones((128, 64), np.float32)
+    _edit_tensors(d, edit, shard)
+    with pytest.raises(jspec.CheckpointError, match="not used: weights for layer 2 but "
+                                                    "num_hidden_layers=2"):
+        _xla(d)
+
+
+@pytest.mark.parametrize("rope_type", ["llama3", "linear"])
+def test_partial_rotary_factor_with_scaled_rope_is_refused(tmp_path, rope_type):
+    """transformers' llama3 and linear tables rotate partial_rotary_factor of each head;
+    jspec rotated the whole head without a word."""
+    d = _copy_fixture(tmp_path, "llama3")
+    if rope_type == "linear":
+        _edit_config(d, rope_parameters={"rope_type": "linear", "factor": 2.0,
+                                         "rope_theta": 5e5})
+    _edit_config(d, partial_rotary_factor=0.5)
+    with pytest.raises(jspec.UnsupportedModelError,
+                       match=f"partial_rotary_factor=0.5 with rope_type='{rope_type}'"):
+        _xla(d)
