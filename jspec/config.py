@@ -348,6 +348,12 @@ def from_hf_config(hf: Any, *, dtype: Any = "bfloat16", source: str | None = Non
 def _from_hf_config(hf: Any, dtype: str, source: str | None) -> ModelConfig:
     check_model_type(getattr(hf, "model_type", None), getattr(hf, "architectures", None))
     wrapper = getattr(hf, "model_type", None) in TEXT_OF_MULTIMODAL
+    quant = getattr(hf, "quantization_config", None)
+    if quant:  # its weights are not the dense floats the model reads
+        method = quant.get("quant_method") if isinstance(quant, dict) else None
+        raise UnsupportedModelError(
+            f"quantization_config (quant_method={method!r}): quantized checkpoints are not "
+            "supported; load the unquantized (bf16 / f16 / f32) checkpoint")
     hf = text_config(hf)
     model_type = hf.model_type
     _check_no_bias(hf, model_type)

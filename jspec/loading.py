@@ -205,6 +205,10 @@ class TensorReader:
         except CheckpointError:
             raise
         except Exception as e:
+            if "float8" in str(e):  # numpy's safetensors reader has no float8 types
+                raise CheckpointError(f"{fn}: tensor {name!r} is stored in float8: quantized "
+                                      "checkpoints are not supported; load the unquantized "
+                                      "(bf16 / f16 / f32) checkpoint") from e
             raise CheckpointError(f"{fn}: could not read tensor {name!r}: {e}") from e
         floating = np.issubdtype(arr.dtype, np.floating) or arr.dtype in (
             ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2)

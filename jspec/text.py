@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import time
 from collections.abc import Iterator, Sequence
@@ -43,6 +44,8 @@ from jspec.sampling import make_sampler
 from jspec.spec_config import SpecConfig
 from jspec.speculative import speculative_generate, speculative_stream
 from jspec.tree import parse_tree
+
+LOG = logging.getLogger("jspec")
 
 # End-of-turn tokens of common chat templates (ChatML, Gemma, Llama 3, Phi-3).
 END_OF_TURN = ("<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|eom_id|>", "<|end|>")
@@ -560,7 +563,15 @@ def load_text(target: str | os.PathLike, draft: str | os.PathLike | None = None,
             check_same_tokenizer(tok, load_tokenizer(draft_path), target_path, draft_path)
     model = load_hf(target_path, dtype=dtype, backend=backend)
     gen = load_generation_config(target_path)
-    stop, chat_stop = stop_ids_of(target_path, tok, gen, model.config.vocab_size)
+    V = model.config.vocab_size
+    stop, chat_stop = stop_ids_of(target_path, tok, gen, V)
+    if len(tok) > V:  # a tokenizer of another model, or tokens added without resizing
+        LOG.warning("%s: the tokenizer has %d ids and the model's vocabulary %d: text that "
+                    "tokenizes to an id >= %d cannot be generated from", target_path,
+                    len(tok), V, V)
+    if not stop:
+        LOG.warning("%s: no EOS id of the generation config or tokenizer is in the model's "
+                    "vocabulary (%d): generations stop at max_new_tokens only", target_path, V)
     if draft_path is not None:
         draft_model = load_hf(draft_path, dtype=dtype, backend=draft_backend)
         drafter = ModelDrafter(apply_draft_options(draft_model, draft_options))

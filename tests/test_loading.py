@@ -303,6 +303,39 @@ def test_config_not_json(tmp_path):
         _xla(d)
 
 
+def test_quantized_checkpoint_refused(tmp_path):
+    # A quantization_config means the stored tensors are not the dense floats jspec
+    # reads: refused by name, before any weight is read.
+    d = _copy_fixture(tmp_path)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(jspec.UnsupportedModelError, match="quant_method='fp8'.*not supported"):
+        _xla(d)
+
+
+def test_float8_tensor_named(tmp_path):
+    # A float8 tensor (an FP8 checkpoint without its quantization_config): an error that
+    # says so, not numpy's missing attribute.
+    d = _copy_fixture(tmp_path)
+    tensors = load_file(str(d / "model.safetensors"))
+    n = tensors["model.norm.weight"].size
+    header, offset, blobs = {}, 0, []
+    for name, a in tensors.items():
+        dtype, data = ("F8_E4M3", b"\x38" * n) if name == "model.norm.weight" else (
+            {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}[a.dtype.name], a.tobytes())
+        header[name] = {"dtype": dtype, "shape": list(a.shape),
+                        "data_offsets": [offset, offset + len(data)]}
+        offset += len(data)
+        blobs.append(data)
+    head = json.dumps(header).encode()
+    head += b" " * (-len(head) % 8)
+    (d / "model.safetensors").write_bytes(len(head).to_bytes(8, "little") + head
+                                          + b"".join(blobs))
+    with pytest.raises(jspec.CheckpointError, match="'model.norm.weight' is stored in float8"):
+        _xla(d)
+
+
 def test_missing_path(tmp_path):
     with pytest.raises(jspec.CheckpointError, match="not a checkpoint directory"):
         _xla(tmp_path / "nowhere")

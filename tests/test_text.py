@@ -138,6 +138,23 @@ def test_a_draft_with_another_tokenizer_is_an_error_naming_both(gemma):
     assert gemma[0] in str(e.value) and code_draft in str(e.value)
 
 
+def test_a_tokenizer_larger_than_the_vocabulary_is_named_at_load(gemma, tmp_path, caplog):
+    # The Gemma target with the code pair's 4,096-id tokenizer: load_text says so at once
+    # (before, the first prompt with an id past the vocabulary failed without naming it).
+    import logging
+    import shutil
+
+    d = tmp_path / "target"
+    shutil.copytree(gemma[0], d)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(jspec.default_pair()[0], f), d / f)
+    caplog.set_level(logging.WARNING, logger="jspec")
+    pipe = load_text(str(d))
+    V = pipe.target.config.vocab_size
+    assert any(f"the tokenizer has 4096 ids and the model's vocabulary {V}" in r.getMessage()
+               for r in caplog.records), [r.getMessage() for r in caplog.records]
+
+
 def _stop_at_end_of_turn_after(pipe, token: int) -> TextPipeline:
     """The pipeline's target with the LM head's <end_of_turn> column a copy of `token`'s:
     where `token` wins, <end_of_turn> ties it and wins (argmax takes the lowest index).
