@@ -92,11 +92,12 @@ def check_ints(name: str, value, *, least: int | None = None, high: int | None =
 
 
 def check_path(name: str, value) -> str:
-    """A str or os.PathLike (not None, not bytes) -> str."""
+    """A str or os.PathLike (not None, not bytes) -> str, a leading ~ expanded to the
+    home directory (as a shell does)."""
     if not isinstance(value, str | os.PathLike) or not os.fspath(value):
         raise TypeError(f"{name} must be a path (a str or os.PathLike); got "
                         f"{type(value).__name__} {value!r:.100}")
-    return os.fspath(value)
+    return os.path.expanduser(os.fspath(value))
 
 
 def check_type(name: str, value, kinds: type | tuple[type, ...], accepted: str,

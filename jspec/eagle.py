@@ -307,7 +307,7 @@ def save_eagle3(path: str, head: FeatureHead, *, save_embedding: bool = False,
     cannot run such a head), and the embedding is otherwise left out unless
     save_embedding.
     """
-    check_path("path", path)
+    path = check_path("path", path)
     check_bool("overwrite", overwrite)
     if os.path.exists(path) and not os.path.isdir(path):
         raise FileExistsError(f"{path}: a file, not a directory")

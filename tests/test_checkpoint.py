@@ -39,6 +39,17 @@ def test_round_trip_is_verified(saved):
     _equal(jspec.restore_params(path, model), model)
 
 
+def test_a_path_under_home_is_expanded(tmp_path, monkeypatch):
+    # "~/ckpt" is the home directory's, as in a shell (not a folder named "~" here).
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    model = _model()
+    jspec.save_params("~/ckpt", model)
+    assert os.path.exists(tmp_path / "home" / "ckpt" / DIGEST_FILE)
+    assert not os.path.exists(tmp_path / "~")
+    _equal(jspec.restore_params("~/ckpt", model), model)
+
+
 def test_corrupted_data_file_names_the_array(saved):
     """64 bytes overwritten in the middle of the largest data file: orbax restores it
     without complaint (changed values, some NaN) and the digests catch it, or, where the
