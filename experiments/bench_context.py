@@ -28,6 +28,7 @@ reported). The JSON receipt is rewritten after every measurement.
 
 from __future__ import annotations
 
+import os
 import statistics
 import sys
 import time
@@ -35,13 +36,14 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import app, flags
+from absl import flags
 
 import jspec
+from jspec import cli
 from jspec.bench import flag_checks
 from jspec.bench.receipts import write_receipt
 from jspec.bench.timing import copy_bandwidth
-from jspec.cli import options_record, with_option_string
+from jspec.cli import options_record, parse_options, with_option_string
 from jspec.generate import decode_loop, init_state
 from jspec.generate import prefill as serial_prefill
 from jspec.random_model import random_model
@@ -52,13 +54,16 @@ PEAK_BANDWIDTH = 4.8e12  # H200 HBM3e, bytes/s
 _PRESET = flags.DEFINE_string("preset", "llama3-8b", "random-weight preset (jspec.random_model)")
 _LAYERS = flags.DEFINE_integer("layers", 0, "decoder layers (0: the preset's)")
 _DTYPE = flags.DEFINE_string("dtype", "bfloat16", "parameter dtype")
-_CONTEXTS = flags.DEFINE_list("contexts", ["2048", "8192", "32768", "131072"], "contexts n")
+_CONTEXTS = flags.DEFINE_list("contexts", ["2048", "8192", "32768", "131072"],
+                              "contexts n (at most max_position; one there runs "
+                              "max_position - --decode_steps, said and recorded)")
 _XLA = flags.DEFINE_list("xla_contexts", ["8192"], "contexts also run on the xla backend")
 _STEPS = flags.DEFINE_integer("decode_steps", 32, "decode steps timed from each context")
 _ITERS = flags.DEFINE_integer("iters", 3, "timed runs (medians) after a warm-up")
 _OPTIONS = flags.DEFINE_string("options", "", "speed options (jspec.cli option string, e.g. "
                                "prefill_chunk=4096)")
-_INTERPRET = flags.DEFINE_bool("interpret", False, "Pallas interpret mode (CPU smoke runs)")
+_INTERPRET = flags.DEFINE_bool("interpret", None, "Pallas interpret mode (default: where "
+                               "there is no GPU, as for CPU smoke runs)")
 _OUT = flags.DEFINE_string("out", "experiments/results", "receipt dir")
 _TAG = flags.DEFINE_string("tag", "", "receipt name suffix")
 
@@ -121,7 +126,10 @@ def bench_decode(model, cache, cur, steps: int, iters: int):
 def run_context(model, n: int, bw: float) -> dict:
     """One row of the receipt: prefill and decode at context n on the model's backend."""
     cfg, steps = model.config, _STEPS.value
-    n = min(n, cfg.max_position - steps)  # the cache holds n + steps - 1 positions
+    asked, n = n, min(n, cfg.max_position - steps)  # the cache holds n + steps - 1 positions
+    if n != asked:  # said and recorded, never silent
+        print(f"--contexts={asked}: {n} tokens, the model's max_position "
+              f"({cfg.max_position}) less --decode_steps={steps}", flush=True)
     tokens = jnp.asarray(np.random.default_rng(n).integers(0, cfg.vocab_size, (1, n)),
                          jnp.int32)
     cache, cur, t_pre, warm_pre = bench_prefill(model, tokens, n + steps, _ITERS.value)
@@ -129,7 +137,7 @@ def run_context(model, n: int, bw: float) -> dict:
     t_dec, warm_dec = bench_decode(model, cache, cur, steps, _ITERS.value)
     del cache
     roof = PEAK_BANDWIDTH / step_bytes(model, n + (steps - 1) / 2)
-    row = {"backend": model.options.backend, "context": n,
+    row = {"backend": model.options.backend, "context": n, "context_asked": asked,
            "prefill_s": t_pre, "prefill_tokens_per_s": n / t_pre,
            "prefill_tflops": flops / t_pre / 1e12, "prefill_mfu": flops / t_pre / PEAK_FLOPS,
            "prefill_warmup_s": warm_pre, "decode_steps": steps,
@@ -144,8 +152,36 @@ def run_context(model, n: int, bw: float) -> dict:
     return row
 
 
+def check_flags() -> None:
+    """Every flag checked before the model is built: a ValueError naming the flag."""
+    from jspec.random_model import PRESETS, preset_config
+
+    if _PRESET.value not in PRESETS:
+        raise ValueError(f"--preset={_PRESET.value!r}: choose from {sorted(PRESETS)}")
+    if _LAYERS.value < 0:
+        raise ValueError(f"--layers={_LAYERS.value} must be >= 0 (0: the preset's)")
+    if os.path.exists(_OUT.value) and not os.path.isdir(_OUT.value):
+        raise ValueError(f"--out={_OUT.value!r} is a file, not a directory")
+    try:
+        parse_options(_OPTIONS.value)
+    except ValueError as e:
+        raise ValueError(f"--options: {e}") from None
+    cfg = preset_config(_PRESET.value, num_layers=_LAYERS.value or None, dtype=_DTYPE.value)
+    contexts = [int(c) for c in _CONTEXTS.value]
+    if _STEPS.value >= cfg.max_position:  # a context at max_position less the steps
+        raise ValueError(f"--decode_steps={_STEPS.value} leaves no context below "
+                         f"{_PRESET.value}'s max_position ({cfg.max_position})")
+    if max(contexts) > cfg.max_position:
+        raise ValueError(f"--contexts={max(contexts)} exceeds {_PRESET.value}'s "
+                         f"max_position ({cfg.max_position})")
+    extra = [x for x in _XLA.value if int(x) not in contexts]
+    if extra:
+        raise ValueError(f"--xla_contexts {extra} are not among --contexts {contexts}")
+
+
 def main(argv):
     del argv
+    check_flags()
     kw = {"num_layers": _LAYERS.value} if _LAYERS.value else {}
     t0 = time.perf_counter()
     model = random_model(_PRESET.value, dtype=_DTYPE.value, interpret=_INTERPRET.value, **kw)
@@ -160,7 +196,7 @@ def main(argv):
               "layer_weights": layer_weights(model), "build_s": time.perf_counter() - t0,
               "rows": []}
     for n in (int(c) for c in _CONTEXTS.value):
-        backends = ["pallas"] + (["xla"] if str(n) in _XLA.value else [])
+        backends = ["pallas"] + (["xla"] if n in {int(x) for x in _XLA.value} else [])
         for backend in backends:
             report["rows"].append(run_context(model.with_backend(backend), n, bw))
             write_receipt(_OUT.value, "bench_context", _TAG.value, report)
@@ -174,4 +210,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

@@ -65,12 +65,18 @@ from absl import app, flags  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 import jspec  # noqa: E402
+from jspec import cli  # noqa: E402
 from jspec.bench import flag_checks, hf_peers, plotting  # noqa: E402
 from jspec.bench.gpu_monitor import GpuMonitor  # noqa: E402
 from jspec.bench.moe_bytes import uniform_union  # noqa: E402
 from jspec.bench.timing import copy_bandwidth  # noqa: E402
 from jspec.chunked_prefill import prefill_jit as chunked_prefill  # noqa: E402
-from jspec.cli import options_record, parse_adaptive, with_option_string  # noqa: E402
+from jspec.cli import (  # noqa: E402
+    options_record,
+    parse_adaptive,
+    parse_options,
+    with_option_string,
+)
 from jspec.generate import prefill as serial_prefill  # noqa: E402
 from jspec.loading import default_interpret  # noqa: E402
 from jspec.random_model import random_model  # noqa: E402
@@ -166,6 +172,8 @@ _PROCESS_ID = flags.DEFINE_integer("process_id", 0, "this process's index (jax.d
 
 flag_checks.require_counts(_BATCHES, _GAMMAS, _PROMPT_LEN, _NEW, _ITERS, _ORACLE_SEEDS, _PEER_GAMMA)
 flag_checks.require_probabilities(_ACCEPT)
+flag_checks.require_choices(_DRAFTER, ("model", "feature"))
+flag_checks.require_choices(_SERIAL_BACKENDS, ("pallas", "xla"))
 
 
 def load_model(spec: str, seed: int, mesh=None, row_partials: int = 0) -> jspec.Model:
@@ -765,8 +773,58 @@ def merge_receipts(paths: list[str]) -> dict:
     return rep
 
 
+def check_flags() -> None:
+    """The flags parsed only as the runs reach them, checked before any model is built: a
+    bad one is a ValueError naming it (a tree, an option string, a preset, --out)."""
+    from jspec.random_model import PRESETS
+
+    if os.path.exists(_OUT.value) and not os.path.isdir(_OUT.value):
+        raise ValueError(f"--out={_OUT.value!r} is a file, not a directory")
+    if _REPLOT.value:
+        return
+    if "pallas" not in _SERIAL_BACKENDS.value:
+        raise ValueError(f"--serial_backends={','.join(_SERIAL_BACKENDS.value)}: must hold "
+                         "pallas (the speedups' baseline and the oracle's reference)")
+    for flag, spec in (("target", _TARGET.value), ("draft", _DRAFT.value)):
+        name, _, layers = spec.partition(":")
+        if os.path.isdir(spec):
+            continue
+        if name not in PRESETS:
+            raise ValueError(f"--{flag}={spec!r}: not a directory, and {name!r} is not a "
+                             f"preset; choose from {sorted(PRESETS)}")
+        if layers and not (layers.isdigit() and int(layers) >= 1):
+            raise ValueError(f"--{flag}={spec!r}: the layers after ':' must be an integer >= 1")
+    for flag, names in (("options", _OPTIONS.value), ("draft_options", _DRAFT_OPTIONS.value)):
+        try:
+            parse_options(",".join(names))
+        except ValueError as e:
+            raise ValueError(f"--{flag}: {e}") from None
+    trees = []
+    for t in _TREE.value.split(";"):
+        try:
+            trees.append(parse_tree(t))
+        except ValueError as e:
+            raise ValueError(f"--tree: {e}") from None
+    for t in trees:
+        try:
+            parse_adaptive(_ADAPTIVE.value, t)
+        except ValueError as e:
+            raise ValueError(f"--adaptive: {e}") from None
+    for entry in filter(None, _BATCH_SHAPES.value.split(";")):
+        b, _, shape = entry.partition(":")
+        d, _, t = shape.partition("/")
+        if not b.isdigit() or d not in ("model", "feature"):
+            raise ValueError(f"--batch_shapes entry {entry!r}: want 'B:drafter/tree' (a batch "
+                             "size, model or feature, a tree or '' for chains)")
+        try:
+            parse_tree(t)
+        except ValueError as e:
+            raise ValueError(f"--batch_shapes entry {entry!r}: {e}") from None
+
+
 def main(argv):
     del argv
+    check_flags()
     plotting.require_pyplot()  # the plots come after the measuring: fail before it
     init_distributed(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
     if _TP.value and _PEERS.value:
@@ -914,4 +972,4 @@ def plot(rep: dict, stem: str) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

@@ -58,7 +58,8 @@ _GAMMAS = flags.DEFINE_list("gammas", [str(g) for g in range(1, 9)], "verify gam
 _CONTEXT = flags.DEFINE_integer("context", 512, "tokens already in the cache")
 _ITERS = flags.DEFINE_integer("iters", 20, "timed runs per measurement")
 _OUT = flags.DEFINE_string("out", os.environ.get("OUT", "experiments/results"), "receipt dir")
-_INTERPRET = flags.DEFINE_bool("interpret", False, "CPU smoke run (tiny timings mean nothing)")
+_INTERPRET = flags.DEFINE_bool("interpret", None, "Pallas interpret mode (default: where there "
+                               "is no GPU: a CPU smoke run, whose tiny timings mean nothing)")
 _DTYPE = flags.DEFINE_string("dtype", "bfloat16", "weights and activations (a CPU smoke run "
                              "needs float32: XLA's CPU runtime has no bf16 x bf16 -> f32 dot)")
 _OPTIONS = flags.DEFINE_list(

@@ -43,6 +43,7 @@ import numpy as np
 from absl import app, flags
 
 import jspec.model as jspec_model
+from jspec import cli
 from jspec.bench import flag_checks
 from jspec.bench.moe_bytes import step_read_bytes, uniform_union
 from jspec.bench.receipts import write_receipt
@@ -50,7 +51,7 @@ from jspec.bench.timing import STEP_REPS, copy_bandwidth, device_steps, median_t
 from jspec.cache import init_cache
 from jspec.cli import options_record, with_option_string
 from jspec.model import COMPILER_OPTIONS, apply, forward_nodonate
-from jspec.random_model import PRESETS, random_model
+from jspec.random_model import PRESETS, preset_config, random_model
 
 _PRESET = flags.DEFINE_string("preset", "qwen3-30b-a3b", "a mixture-of-experts preset")
 _LAYERS = flags.DEFINE_integer("layers", 0, "layers (0: the preset's)")
@@ -63,7 +64,8 @@ _XLA_TS = flags.DEFINE_list("xla_Ts", ["1", "5"], "block sizes also timed on xla
 _CONTEXT = flags.DEFINE_integer("context", 512, "tokens already in the cache")
 _ITERS = flags.DEFINE_integer("iters", 5, "timed runs per measurement")
 _PEAK = flags.DEFINE_float("peak_TBps", 4.8, "bandwidth of the roofline (TB/s)")
-_INTERPRET = flags.DEFINE_bool("interpret", False, "CPU smoke run (tiny timings mean nothing)")
+_INTERPRET = flags.DEFINE_bool("interpret", None, "Pallas interpret mode (default: where there "
+                               "is no GPU: a CPU smoke run, whose tiny timings mean nothing)")
 _DTYPE = flags.DEFINE_string("dtype", "bfloat16", "weights and activations (a CPU smoke run "
                              "needs float32)")
 _OUT = flags.DEFINE_string("out", os.environ.get("OUT", "experiments/results"), "receipt dir")
@@ -71,6 +73,7 @@ _TAG = flags.DEFINE_string("tag", "", "receipt file name suffix")
 _OPTIONS = flags.DEFINE_string("options", "", "kernel options of the pallas rows (jspec.cli's "
                                "option string, e.g. mosaic or moe_layout_kernel=1)")
 flag_checks.require_counts(_BATCHES, _TS, _OTHER_TS, _XLA_TS, _CONTEXT, _ITERS)
+flag_checks.require_positive(_PEAK)
 
 
 @functools.partial(jax.jit, compiler_options=COMPILER_OPTIONS)
@@ -219,6 +222,10 @@ def main(argv):
     del argv
     if _PRESET.value not in PRESETS:
         raise app.UsageError(f"--preset={_PRESET.value!r}: choose from {sorted(PRESETS)}")
+    if not preset_config(_PRESET.value).moe:
+        raise app.UsageError(f"--preset={_PRESET.value} has no mixture-of-experts layer")
+    if os.path.exists(_OUT.value) and not os.path.isdir(_OUT.value):
+        raise app.UsageError(f"--out={_OUT.value!r} is a file, not a directory")
     ts = [int(t) for t in _TS.value]
     other = [int(t) for t in _OTHER_TS.value]
     if min(ts + other) < 1 or 1 not in ts:
@@ -247,4 +254,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

@@ -34,6 +34,7 @@ from tqdm import tqdm
 
 import jspec
 from jspec import cli, text
+from jspec._checks import check_count
 from jspec.bench import prompt_sets
 from jspec.bench.receipts import write_receipt
 from jspec.bench.timing import run_seconds, side_by_side
@@ -185,7 +186,10 @@ def main(argv):
     tree = c.tree or None
     policy = cli.policy_of(c.policy, c.temperature)  # temperature: sampling policies only
     jspec.SpecConfig(gamma=c.gamma, policy=policy, max_new_tokens=c.max_new_tokens,
-                     tree=parse_tree(c.tree))  # fail before loading
+                     seed=c.seed, tree=parse_tree(c.tree))  # fail before loading
+    check_count("timing_runs", c.timing_runs)  # timed runs a prompt (medians)
+    if os.path.exists(c.out) and not os.path.isdir(c.out):
+        raise app.UsageError(f"--config.out={c.out!r} is a file, not a directory")
     prompts = load_prompts(c)
     pipe = build(c)
     chat = bool(c.chat and getattr(pipe.tokenizer, "chat_template", None))

@@ -183,8 +183,40 @@ def run_peers(pair, prompts, jtarget, report, save):
             gammas=[int(g) for g in _PEER_GAMMAS.value], save=save_peers)
 
 
+def check_flags() -> None:
+    """The flags read only as the sweep reaches them, checked before anything loads: a
+    bad one is a ValueError naming it."""
+    from jspec.config import canonical_dtype
+    from jspec.options import BACKENDS
+
+    for flag, value in (("backend", _BACKEND.value), ("draft_backend", _DRAFT_BACKEND.value)):
+        if value and value not in BACKENDS:
+            raise ValueError(f"--{flag}={value!r}: expected one of {BACKENDS}")
+    canonical_dtype(_DTYPE.value)
+    if not _POLICIES.value:
+        raise ValueError("--policies is empty: give exact_greedy and/or gumbel_coupled")
+    trees = []
+    for t in filter(None, _TREES.value.split(";")):
+        try:
+            trees.append(parse_tree(t))
+        except ValueError as e:
+            raise ValueError(f"--trees: {e}") from None
+    for policy in _POLICIES.value:
+        try:
+            p = cli.policy_of(policy, _TEMP.value)
+        except ValueError as e:
+            raise ValueError(f"--policies: {e}") from None
+        for g in _GAMMAS.value:
+            jspec.SpecConfig(gamma=int(g), policy=p, max_new_tokens=_NEW.value)
+        for tree in trees:
+            jspec.SpecConfig(policy=p, max_new_tokens=_NEW.value, tree=tree)
+    if os.path.exists(_OUT.value) and not os.path.isdir(_OUT.value):
+        raise ValueError(f"--out={_OUT.value!r} is a file, not a directory")
+
+
 def main(argv):
     del argv
+    check_flags()
     plotting.require_pyplot()  # the plots come after the measuring: fail before it
     pair = _PAIR.value or os.path.dirname(default_pair()[0])
     kinds = _DRAFTERS.value
@@ -328,4 +360,4 @@ def plot(report, stem):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

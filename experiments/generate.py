@@ -18,6 +18,7 @@ from ml_collections import config_flags
 
 import jspec
 from jspec import cli, text
+from jspec._checks import check_seed
 from jspec.generate import plan_shapes
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -31,6 +32,7 @@ def main(argv):
     prompts = cli.config_prompts(c)
     cli.check_output(c.output)
     jspec.make_sampler(c.temperature, c.top_k, c.top_p)  # a bad value fails before loading
+    check_seed("seed", c.seed)
     pipe = text.load_text(c.checkpoint or jspec.default_pair()[0], dtype=c.dtype,
                           backend=c.backend)
     model = pipe.target

@@ -141,17 +141,22 @@ def controls(model, contexts, ks, rng):
         yield audit.prefix_controls(model, prefix, cont, ks, max_len=max_len)
 
 
-def long_generation(model, rng, n_tokens, gamma, tree_config):
+def load_head(model):
+    """The feature drafter's head: --head (loaded with the model, so a bad one fails
+    before the controls run), else random weights (what is checked is the verify, not
+    the head's proposals)."""
+    options = model.options.replace(backend=_HEAD_BACKEND.value)
+    if _HEAD.value:
+        return jspec.load_eagle3(_HEAD.value, model, options=options)
+    return random_head(model, options=options)
+
+
+def long_generation(model, head, rng, n_tokens, gamma, tree_config):
     V = model.config.vocab_size
     prompt = rng.integers(0, V, 32).astype(np.int32)
     serial = jspec.generate(model, [prompt], max_new_tokens=n_tokens)
     spec = jspec.SpecConfig(gamma=gamma, max_new_tokens=n_tokens)
     res = {"prompt_digest": audit.digest(prompt), "tokens": n_tokens, "gamma": gamma}
-    if _HEAD.value:
-        head = jspec.load_eagle3(_HEAD.value, model,
-                                 options=model.options.replace(backend=_HEAD_BACKEND.value))
-    else:  # random weights: what is checked is the verify, not the head's proposals
-        head = random_head(model, options=model.options.replace(backend=_HEAD_BACKEND.value))
     feature = jspec.FeatureDrafter(head)
     tree = jspec.SpecConfig(tree=tree_config, max_new_tokens=n_tokens)
     for name, drafter, cfg in (("self-draft", jspec.ModelDrafter(model), spec),
@@ -233,6 +238,7 @@ def main(argv):
     checked = check_flags()
     contexts, ks = checked["contexts"], checked["ks"]
     model = load()
+    head = load_head(model)
     rng = np.random.default_rng(0)
     t0 = time.perf_counter()
     report = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
@@ -257,8 +263,8 @@ def main(argv):
             tqdm.write(f"prefix {part[0]['prefix_len']}: " + ", ".join(
                 f"k={c['k']} {'equal' if c['equal'] else 'DIFFERS'}" for c in part)
                 + f" ({time.perf_counter() - t0:.0f} s)")
-        report["long_generation"] = long_generation(model, rng, _LONG.value, _GAMMA.value,
-                                                    checked["tree"])
+        report["long_generation"] = long_generation(model, head, rng, _LONG.value,
+                                                    _GAMMA.value, checked["tree"])
         save()
         report["near_ties"] = near_tie_checks(model, rng, min(contexts[-1], 512), _NEAR.value)
         save()

@@ -147,8 +147,9 @@ def main(argv):
     policy = cli.config_policy(c)
     adaptive = cli.parse_adaptive(c.get("adaptive", ""), parse_tree(c.get("tree", "")))
     jspec.SpecConfig(gamma=c.gamma, policy=policy, max_new_tokens=c.max_new_tokens,
-                     audit_every=c.audit_every, adaptive=adaptive,  # bad values fail here,
-                     tree=None if adaptive else parse_tree(c.get("tree", "")))  # not later
+                     seed=c.seed, audit_every=c.audit_every,  # bad values fail here,
+                     adaptive=adaptive,  # not later
+                     tree=None if adaptive else parse_tree(c.get("tree", "")))
     pipe = build(c)
     target = pipe.target
     chat = any(not isinstance(p, str) for p in prompts)

@@ -40,7 +40,8 @@ from tqdm import tqdm
 
 import jspec
 from jspec import cli
-from jspec._checks import check_count
+from jspec._checks import check_count, check_seed
+from jspec.config import canonical_dtype
 from jspec.eagle import saved_files
 from jspec.feature_head import eagle3_layers, head_config
 from jspec.train.corpus import HELD_OUT, read, stdlib_files
@@ -206,6 +207,15 @@ def check_config(c) -> None:
     number("final_lr_frac", lambda v: 0 <= v <= 1, "in [0, 1]")
     number("b2", lambda v: 0 <= v < 1, "in [0, 1)")
     number("step_decay", lambda v: 0 < v <= 1, "in (0, 1]")
+    check_seed("--config.seed", c.seed)
+    # The dtypes: a bad one (export_dtype: read only at the export) fails here, not
+    # after the training it would throw away.
+    for name in ("target_dtype", "compute_dtype", "export_dtype"):
+        if name == "export_dtype" or c[name]:  # "": the platform's default
+            try:
+                c[name] = canonical_dtype(c[name])  # "bf16" -> "bfloat16", as read below
+            except ValueError as e:
+                raise ValueError(f"--config.{name}: {e}") from None
 
 
 def check_paths(c) -> None:

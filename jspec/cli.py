@@ -32,6 +32,7 @@ import json
 import os
 import sys
 
+from jspec._checks import check_real
 from jspec.loop import NonFiniteError
 from jspec.model import with_options
 from jspec.options import FUSIONS, LOWERINGS, DraftOptions, KernelOptions
@@ -112,8 +113,18 @@ def with_option_string(model, text: str):
 
 def policy_of(name: str, temperature: float, top_k: int = 0, top_p: float = 1.0):
     """The verify policy object of a --policy name and the sampling flags, which only the
-    sampling policies read (exact_greedy ignores them: the flags' defaults sample)."""
+    sampling policies read (exact_greedy ignores the temperature, whose flag's default
+    samples, but checks its range; a top_k or top_p set away from its default, 0 and 1.0,
+    is an error with exact_greedy, never ignored)."""
     if name == "exact_greedy":
+        check_real("temperature", temperature, low=0)
+        set_ = [f"{k}={v!r}" for k, v, d in (("top_k", top_k, 0), ("top_p", top_p, 1.0))
+                if v != d]
+        if set_:
+            raise ValueError(f"policy exact_greedy does not sample, so {' and '.join(set_)} "
+                             "would not change its output: use a sampling policy "
+                             "(gumbel_coupled, rejection_sampling), or leave them at "
+                             "top_k=0, top_p=1.0")
         return resolve_policy(name)
     return resolve_policy(name, temperature, top_k, top_p)
 

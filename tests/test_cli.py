@@ -544,3 +544,86 @@ def test_flag_checks_fail_at_parsing():
             parse(bad)
     r = _run("bench_e2e.py", "--batches=0")  # an entry point: before any model is built
     assert r.returncode != 0 and "--batches=['0']: must hold integers >= 1" in r.stderr
+
+
+def test_exact_greedy_refuses_sampling_flags_it_would_ignore():
+    # exact_greedy does not sample: a top_k / top_p set away from its default is an error
+    # (as make_sampler's at temperature 0), and the temperature it ignores is still a number
+    # in range; the sampling policies take all three.
+    from jspec.cli import policy_of
+
+    assert policy_of("exact_greedy", 0.8) == jspec.ExactGreedy()  # the flag's default
+    for kw, words in ((dict(top_p=0.5), "top_p=0.5"), (dict(top_k=7), "top_k=7")):
+        with pytest.raises(ValueError, match=words):
+            policy_of("exact_greedy", 0.8, **kw)
+    with pytest.raises(ValueError, match="temperature=-3"):
+        policy_of("exact_greedy", -3.0)
+    assert policy_of("gumbel_coupled", 0.8, 7, 0.5) == jspec.GumbelCoupled(0.8, 7, 0.5)
+
+
+def test_text_entry_points_check_seeds_and_timed_runs_before_loading(tmp_path):
+    # A bad seed fails before the model loads (it used to surface after loading, and in
+    # generate.py after the prompt was printed); bench_prompts' timing_runs=0 is refused,
+    # not clipped to 1, and a --config.out that is a file fails before any prompt runs.
+    r = _run(*_SPEC, "--config.seed=-1")
+    _one_line_error(r, "seed=-1")
+    assert "embedded code pair" not in r.stdout
+    _one_line_error(_run(*_GEN, "--config.temperature=0.5", "--config.seed=-4"), "seed=-4")
+    bp = ("bench_prompts.py", f"--config={ROOT}/configs/bench_prompts.py:runlocal")
+    _one_line_error(_run(*bp, "--config.timing_runs=0"), "timing_runs=0")
+    (tmp_path / "afile").write_text("")
+    _one_line_error(_run(*bp, f"--config.out={tmp_path / 'afile'}"), "is a file")
+
+
+def test_bench_e2e_checks_its_flags_before_building(tmp_path):
+    # A misspelled drafter ran the draft model under the wrong label; serial runs without
+    # pallas (the oracle's reference) ended in a KeyError; a bad tree was a traceback after
+    # the serial runs. Now each is one line before any model is built (no receipt).
+    for flag, words in (("--drafter=featur", "--drafter=['featur']"),
+                        ("--serial_backends=xla", "must hold pallas"),
+                        ("--tree=8,8", "--tree: tree '8,8'")):
+        _one_line_error(_run("bench_e2e.py", "--nopeers", flag, f"--out={tmp_path}"), *words)
+    assert not list(tmp_path.iterdir())
+
+
+def test_benchmarks_check_their_flags_before_building(tmp_path):
+    # bench_moe: a zero roofline bandwidth divided by zero after the measuring; an
+    # unknown preset or option string was a traceback; eval_pair: an unknown policy
+    # failed after the serial run.
+    _one_line_error(_run("bench_moe.py", "--preset=tiny-qwen3-moe", "--peak_TBps=0",
+                         f"--out={tmp_path}"), "--peak_TBps=0.0: must be a finite number > 0")
+    _one_line_error(_run("bench_context.py", "--preset=tiny-foo", f"--out={tmp_path}"),
+                    "--preset='tiny-foo'")
+    _one_line_error(_run("bench_context.py", "--preset=tiny-qwen3", "--contexts=200000",
+                         f"--out={tmp_path}"), "--contexts=200000 exceeds")
+    _one_line_error(_run("eval_pair.py", "--policies=greedy", "--nopeers",
+                         f"--out={tmp_path}"), "--policies: unknown verify policy 'greedy'")
+    assert not list(tmp_path.iterdir())
+
+
+def test_train_draft_head_checks_its_dtypes_before_training(tmp_path):
+    # An export dtype it cannot write was found only at the export, after the training.
+    r = _run("train_draft_head.py",
+             f"--config={ROOT}/configs/train_draft_head.py:cpu,runlocal",
+             f"--config.out_dir={tmp_path / 'head'}", f"--config.workdir={tmp_path / 'w'}",
+             "--config.export_dtype=int8")
+    _one_line_error(r, "--config.export_dtype: dtype='int8'")
+    assert "train head" not in r.stderr and not list(tmp_path.iterdir())
+
+
+def test_parity_audit_loads_its_head_before_the_controls(tmp_path):
+    # A --head that is no EAGLE-3 head failed only after the same-prefix controls ran.
+    r = _run("parity_audit.py", "--preset=tiny-qwen3", "--layers=1", "--contexts=8",
+             "--ks=1", f"--head={jspec.default_pair()[0]}", f"--out={tmp_path}")
+    _one_line_error(r, "an EAGLE-3 head is one of")
+    assert "same-prefix controls" not in r.stderr and not list(tmp_path.iterdir())
+
+
+def test_benchmarks_default_to_interpret_mode_without_a_gpu(tmp_path):
+    # Without --interpret on a CPU the kernels failed deep inside JAX ("Only interpret
+    # mode is supported on CPU backend"); now the default is interpret mode where there
+    # is no GPU, as in jspec.load_hf and random_model.
+    r = _run("bench_moe.py", "--preset=tiny-qwen3-moe", "--layers=1", "--context=8",
+             "--Ts=1", "--xla_Ts=1", "--iters=1", "--dtype=float32", f"--out={tmp_path}")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert json.load(open(tmp_path / "bench_moe_tiny-qwen3-moe.json"))["complete"]
