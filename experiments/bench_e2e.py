@@ -69,6 +69,7 @@ from jspec import cli  # noqa: E402
 from jspec.bench import flag_checks, hf_peers, plotting  # noqa: E402
 from jspec.bench.gpu_monitor import GpuMonitor  # noqa: E402
 from jspec.bench.moe_bytes import uniform_union  # noqa: E402
+from jspec.bench.receipts import receipt_stem  # noqa: E402
 from jspec.bench.timing import copy_bandwidth  # noqa: E402
 from jspec.chunked_prefill import prefill_jit as chunked_prefill  # noqa: E402
 from jspec.cli import (  # noqa: E402
@@ -384,7 +385,7 @@ class Bench:
         os.replace(tmp, self.stem() + ".json")
 
     def stem(self) -> str:
-        return os.path.join(_OUT.value, "bench_e2e" + (f"_{_TAG.value}" if _TAG.value else ""))
+        return receipt_stem(_OUT.value, "bench_e2e", _TAG.value)
 
     # --- serial ----------------------------------------------------------------------
     def run_serial(self, B: int, backend: str) -> None:

@@ -39,6 +39,7 @@ import numpy as np
 from absl import app, flags
 
 from jspec.bench import flag_checks
+from jspec.bench.receipts import receipt_stem
 from jspec.bench.timing import STEP_REPS, copy_bandwidth, device_steps, median_time
 from jspec.bench.trace import device_events, traced
 from jspec.cache import init_cache, rollback
@@ -411,9 +412,7 @@ def main(argv):
               "copy_TBps": bw / 1e12, "matmuls": mm, "steps": steps,
               "weight_bytes": wbytes, "kv_bytes_per_row": kv,
               "options_bits_equal_pallas": all(r.get("bits_equal_pallas", True) for r in steps)}
-    os.makedirs(_OUT.value, exist_ok=True)
-    tag = f"_{_TAG.value}" if _TAG.value else ""
-    path = os.path.join(_OUT.value, f"bench_kernels_{_PRESET.value}{tag}.json")
+    path = receipt_stem(_OUT.value, f"bench_kernels_{_PRESET.value}", _TAG.value) + ".json"
     with open(path, "w") as f:
         json.dump(report, f, indent=1)
     print(f"receipt: {path}")

@@ -28,6 +28,7 @@ from tqdm import tqdm
 
 import jspec
 from jspec.bench import flag_checks, plotting
+from jspec.bench.receipts import receipt_stem
 from jspec.bench.timing import timed
 from jspec.loading import default_interpret
 from jspec.random_model import random_model
@@ -142,8 +143,7 @@ def print_table(rows):
 
 
 def save(report):
-    os.makedirs(_OUT.value, exist_ok=True)
-    stem = os.path.join(_OUT.value, "bench_speculative" + (f"_{_TAG.value}" if _TAG.value else ""))
+    stem = receipt_stem(_OUT.value, "bench_speculative", _TAG.value)
     with open(stem + ".json", "w") as f:
         json.dump(report, f, indent=1)
     plot(report, stem)

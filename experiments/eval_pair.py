@@ -43,6 +43,7 @@ from tqdm import tqdm
 import jspec
 from jspec import cli
 from jspec.bench import flag_checks, plotting
+from jspec.bench.receipts import receipt_stem
 from jspec.bench.timing import timed
 from jspec.loading import default_pair
 from jspec.train.corpus import read, stdlib_files
@@ -261,8 +262,7 @@ def main(argv):
               "head": os.path.abspath(head_dir) if head_dir else None,
               "serial": [], "runs": []}
     dev = jax.devices()[0].platform
-    stem = os.path.join(_OUT.value, f"eval_pair_{dev}" + (f"_{_TAG.value}" if _TAG.value else ""))
-    os.makedirs(_OUT.value, exist_ok=True)
+    stem = receipt_stem(_OUT.value, f"eval_pair_{dev}", _TAG.value)
 
     def save(r):
         with open(stem + ".json", "w") as f:

@@ -43,6 +43,7 @@ from tqdm import tqdm
 
 import jspec
 from jspec import audit, cli
+from jspec.bench.receipts import receipt_stem
 from jspec.feature_head import random_head
 from jspec.loading import default_interpret
 from jspec.random_model import random_model
@@ -247,9 +248,7 @@ def main(argv):
               "layers": model.config.num_layers, "backend": _BACKEND.value,
               "dtype": _DTYPE.value, "contexts": contexts, "ks": ks, "complete": False,
               "same_prefix_controls": [], "near_ties": []}
-    os.makedirs(_OUT.value, exist_ok=True)
-    path = os.path.join(_OUT.value, "parity_audit" + (f"_{_TAG.value}" if _TAG.value else "")
-                        + ".json")
+    path = receipt_stem(_OUT.value, "parity_audit", _TAG.value) + ".json"
 
     def save():  # after every phase, so a run cut short keeps a receipt
         with open(path + ".tmp", "w") as f:

@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
+from jspec.bench.receipts import receipt_stem
 from jspec.bench.timing import median_time
 from pallas_kernels.attention import attention as triton_attention
 from pallas_kernels.attention import attention_reference
@@ -120,9 +121,7 @@ def main(argv):
               "date": time.strftime("%Y-%m-%d %H:%M:%S"), "smoke": smoke,
               "shape": {"heads": heads, "kv_heads": kv_heads, "head_dim": d, "split": SPLIT},
               "Ts": Ts, "reps": _REPS.value, "iters": _ITERS.value, "contexts": []}
-    os.makedirs(_OUT.value, exist_ok=True)
-    tag = f"_{_TAG.value}" if _TAG.value else ""
-    path = os.path.join(_OUT.value, f"mosaic_attention{tag}.json")
+    path = receipt_stem(_OUT.value, "mosaic_attention", _TAG.value) + ".json"
     for c in contexts:
         key = jax.random.key(c)
         length = c + 64

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
+from jspec.bench.receipts import receipt_stem
 from jspec.bench.timing import median_time
 from pallas_kernels import add_rmsnorm as triton_add_rmsnorm
 from pallas_kernels import rmsnorm as triton_rmsnorm
@@ -93,7 +94,7 @@ def main(argv):
     report = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
               "date": time.strftime("%Y-%m-%d"), "rows": rows, "reps": _REPS.value,
               "iters": _ITERS.value, "smoke": smoke, "widths": []}
-    path = os.path.join(_OUT.value, f"mosaic_norms{'_' + _TAG.value if _TAG.value else ''}.json")
+    path = receipt_stem(_OUT.value, "mosaic_norms", _TAG.value) + ".json"
     os.makedirs(_OUT.value, exist_ok=True)
     print(f"{'D':>5} {'kernel':<12} {'M':>5} {'mosaic us':>10} {'triton us':>10}")
     for d in widths:

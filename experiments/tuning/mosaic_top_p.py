@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
+from jspec.bench.receipts import receipt_stem
 from jspec.bench.timing import median_time
 from pallas_kernels.mosaic.top_p import top_p_kept
 from pallas_kernels.top_p import top_p_kept as triton_top_p_kept
@@ -67,7 +68,7 @@ def main(argv):
     report = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
               "date": time.strftime("%Y-%m-%d"), "vocab": v, "rows": rows,
               "scale": _SCALE.value, "smoke": smoke, "ps": []}
-    path = os.path.join(_OUT.value, f"mosaic_top_p{'_' + _TAG.value if _TAG.value else ''}.json")
+    path = receipt_stem(_OUT.value, "mosaic_top_p", _TAG.value) + ".json"
     os.makedirs(_OUT.value, exist_ok=True)
     for p in [float(p) for p in _PS.value]:
         mosaic = jax.jit(lambda a, p=p: top_p_kept(a, p, interpret=smoke))

@@ -180,9 +180,7 @@ def main(argv):
               f"invariant {entry.get('row_invariant')}", flush=True)
     report["tuned"] = tuned
     path = write_receipt(_OUT.value, "sweep_grouped", _TAG.value, report)
-    name = "sweep_grouped" + (f"_{_TAG.value}" if _TAG.value else "") + "_tuned.json"
-    os.makedirs(_OUT.value, exist_ok=True)
-    with open(os.path.join(_OUT.value, name), "w") as f:
+    with open(path[:-len(".json")] + "_tuned.json", "w") as f:
         json.dump(tuned, f, indent=1)
     if _WRITE.value and tuned:
         write_grouped_rows(tuned)

@@ -40,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
+from jspec.bench.receipts import receipt_stem
 from jspec.bench.timing import copy_bandwidth, median_time
 from jspec.random_model import weight_shapes
 from pallas_kernels._common import round_up
@@ -392,10 +393,8 @@ def main(argv):
                "reps": _REPS.value,
                "iters": _ITERS.value, "finalists": _FINALISTS.value, "interpret":
                _INTERPRET.value, "shapes": [], "skipped": []}
-    os.makedirs(_OUT.value, exist_ok=True)
-    tag = f"_{_TAG.value}" if _TAG.value else ""
-    path = os.path.join(_OUT.value, f"sweep_matmul{tag}.json")
-    tuned_path = os.path.join(_OUT.value, f"sweep_matmul{tag}_tuned.json")
+    stem = receipt_stem(_OUT.value, "sweep_matmul", _TAG.value)
+    path, tuned_path = stem + ".json", stem + "_tuned.json"
     for n, (name, K, N) in enumerate(todo):
         if time.perf_counter() - t_start > _BUDGET.value:
             receipt["skipped"].append(name)

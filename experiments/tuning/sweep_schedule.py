@@ -61,6 +61,7 @@ import numpy as np
 from absl import app, flags
 from tqdm import tqdm
 
+from jspec.bench.receipts import receipt_stem
 from jspec.bench.timing import median_time
 from jspec.bench.trace import device_events, summarize, traced
 from jspec.random_model import weight_shapes
@@ -401,8 +402,8 @@ def main(_):
         raise app.UsageError(f"--rows / --timed must be >= 1 and --bm powers of 2 >= 16; got "
                              f"{rows=} {timed=} {bms=}")
     rg = _ROW_GROUP.value
-    receipt = os.path.join(_OUT.value, "sweep_schedule.json" if tier == "multi"
-                           else f"sweep_schedule_{tier}.json")
+    receipt = receipt_stem(_OUT.value, "sweep_schedule" if tier == "multi"
+                           else f"sweep_schedule_{tier}") + ".json"
     t0 = time.time()
     report = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
               "date": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(sys.argv),

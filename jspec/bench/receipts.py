@@ -1,16 +1,42 @@
-"""JSON receipts: a benchmark run's report, written where the run says."""
+"""JSON receipts: a benchmark run's report, written where the run says.
+
+A run writes its receipt (and its plots) under one stem, rewriting it as it goes so a run
+cut short keeps what it measured. A receipt an earlier run left under the same name is
+never replaced: the new run takes the next free `_run<N>` stem and says so.
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import sys
+
+_STEMS: dict[str, str] = {}  # this process's stems, by the stem asked for
+
+
+def receipt_stem(out_dir: str, name: str, tag: str = "") -> str:
+    """<out_dir>/<name>[_<tag>] for this run (the folder made if missing): the same stem
+    for every write of the run; where an earlier run's <stem>.json exists, the first
+    free <stem>_run<N> (N = 2, 3, ...), printed on stderr."""
+    os.makedirs(out_dir, exist_ok=True)
+    base = os.path.join(out_dir, name + (f"_{tag}" if tag else ""))
+    if base not in _STEMS:
+        stem, n = base, 1
+        while os.path.exists(stem + ".json"):
+            n += 1
+            stem = f"{base}_run{n}"
+        if stem != base:
+            print(f"{base}.json is an earlier run's receipt, kept: this run writes "
+                  f"{stem}.json", file=sys.stderr, flush=True)
+        _STEMS[base] = stem
+    return _STEMS[base]
 
 
 def write_receipt(out_dir: str, name: str, tag: str, report: dict) -> str:
-    """Writes report to <out_dir>/<name>[_<tag>].json (the folder made if missing);
-    returns the path."""
-    os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, name + (f"_{tag}" if tag else "") + ".json")
-    with open(path, "w") as f:
+    """Writes report to `receipt_stem(out_dir, name, tag)`.json, whole (a temporary file
+    replaced), and returns the path."""
+    path = receipt_stem(out_dir, name, tag) + ".json"
+    with open(path + ".tmp", "w") as f:
         json.dump(report, f, indent=1)
+    os.replace(path + ".tmp", path)
     return path

@@ -1,0 +1,36 @@
+"""A run never replaces an earlier run's receipt: it rewrites its own as it goes, and
+takes the next free `_run<N>` stem where an earlier receipt of its name exists."""
+
+import json
+import subprocess
+import sys
+
+from jspec.bench import receipts
+
+
+def test_a_run_rewrites_its_own_receipt_and_keeps_earlier_ones(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(receipts, "_STEMS", {})
+    out = str(tmp_path / "out")
+    first = receipts.write_receipt(out, "bench_x", "h200", {"step": 1})
+    assert receipts.write_receipt(out, "bench_x", "h200", {"step": 2}) == first  # as it goes
+    assert json.loads(open(first).read()) == {"step": 2}
+    monkeypatch.setattr(receipts, "_STEMS", {})  # a second run of the same command
+    second = receipts.write_receipt(out, "bench_x", "h200", {"run": 2})
+    assert second == f"{out}/bench_x_h200_run2.json"
+    assert json.loads(open(first).read()) == {"step": 2}  # the earlier run's, kept
+    assert "earlier run's receipt, kept" in capsys.readouterr().err
+    monkeypatch.setattr(receipts, "_STEMS", {})
+    assert receipts.receipt_stem(out, "bench_x", "h200") == f"{out}/bench_x_h200_run3"
+    assert receipts.receipt_stem(out, "bench_y") == f"{out}/bench_y"  # no tag, no receipt yet
+
+
+def test_a_benchmark_run_twice_keeps_both_receipts(tmp_path):
+    # The same sweep command twice into one folder (a CPU smoke run): two receipts.
+    cmd = [sys.executable, "experiments/tuning/sweep_matmul.py", "--interpret",
+           "--presets=tiny-qwen3", "--shapes=wo", "--rows=1", "--max_candidates=1",
+           "--iters=1", "--reps=1", "--noxla_probe", f"--out={tmp_path}", "--tag=t"]
+    for _ in range(2):
+        subprocess.run(cmd, check=True, capture_output=True)
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["sweep_matmul_t.json", "sweep_matmul_t_run2.json",
+                     "sweep_matmul_t_run2_tuned.json", "sweep_matmul_t_tuned.json"], names
