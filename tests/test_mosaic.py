@@ -323,6 +323,40 @@ def test_model_forward_lowers_with_mosaic_kernels_only(h200, tree):
     assert "__gpu$xla.gpu.triton" not in text and "jspec_matmul" not in text
 
 
+@_SLOW  # further cases of the test above: every family, block shape and cache size
+@pytest.mark.parametrize("preset,batch,T,max_len,tree", [
+    ("llama3-8b", 1, 2048, 4096, False),  # a prefill chunk
+    ("llama3-8b", 1, 5, 131072, False),  # a verify block over a 128K cache
+    ("gemma3-4b", 1, 17, 256, False),  # a 17-row block, sliding and global layers
+    ("gemma3-4b", 1, 1, 131072, False),
+    ("mixtral-8x7b", 8, 5, 256, False),  # experts, a batch's verify
+    ("qwen3-30b-a3b", 1, 2048, 4096, False),
+    ("qwen3-0.6b", 1, 8, 256, True)])  # a tree
+def test_every_family_lowers_with_mosaic_kernels_only(h200, preset, batch, T, max_len, tree):
+    import warnings
+
+    from jspec.cache import init_cache
+    from jspec.model import Model, apply
+    from jspec.random_model import preset_config, random_params
+    from jspec.tree import from_parents
+
+    cfg = preset_config(preset, num_layers=2)
+    model = Model(config=cfg, params=jax.eval_shape(lambda: random_params(cfg)))
+    model = model.replace(options=model.options.replace(lowering="mosaic"))
+    cache = jax.eval_shape(lambda: init_cache(model, batch, max_len))
+    fn = apply
+    if tree:
+        def fn(model, tokens, cache):
+            parents = jnp.asarray([[-1] + list(range(T - 1))] * batch, jnp.int32)
+            return apply(model, tokens, cache, tree=from_parents(parents, cache.lengths, 2))
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*Pallas Triton backend is deprecated")
+        text = _lower(fn, model, jax.ShapeDtypeStruct((batch, T), jnp.int32), cache)
+    assert text.count("custom_call @mosaic_gpu") >= 7
+    assert "__gpu$xla.gpu.triton" not in text
+
+
 # --------------------------------------------------------------------------- q/k norm, RoPE
 def _qk_inputs(m, heads, d, norm, seed=0):
     ks = jax.random.split(jax.random.key(seed), 5)
