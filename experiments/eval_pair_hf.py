@@ -40,10 +40,12 @@ def held_out_prompts(pair: str, encode, prompt_len: int, num: int) -> list[np.nd
     with open(os.path.join(pair, "heldout_prompts.json")) as f:
         items = json.load(f)
     rows = [np.asarray(encode(it["text"])) for it in items]
-    rows = [r[-prompt_len:].astype(np.int32) for r in rows if len(r) >= prompt_len][:num]
-    if not rows:
-        raise SystemExit(f"no held-out prompt has {prompt_len} tokens; lower --prompt_len")
-    return rows
+    rows = [r[-prompt_len:].astype(np.int32) for r in rows if len(r) >= prompt_len]
+    if len(rows) < num:
+        raise SystemExit(f"--num_prompts={num}: {len(rows)} of the pair's {len(items)} "
+                         f"held-out prompts have {prompt_len} tokens (--prompt_len); ask "
+                         "for at most that many")
+    return rows[:num]
 
 
 def load_hf_pair(pair: str, dtype: str):

@@ -258,6 +258,15 @@ def check_output(path: str) -> None:
         raise ValueError(f"output {path!r}: the directory {parent!r} does not exist")
     if not os.access(parent, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
         raise ValueError(f"output {path!r} is not writable")
+    partial = path + ".partial"  # what OutputFile writes first: opened here, not assumed
+    existed = os.path.exists(partial)
+    try:
+        with open(partial, "a"):
+            pass
+    except OSError as e:
+        raise ValueError(f"output {path!r}: cannot write {partial!r}: {e.strerror}") from None
+    if not existed:
+        os.remove(partial)
 
 
 class OutputFile:

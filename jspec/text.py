@@ -181,6 +181,8 @@ def read_prompts(path: str | os.PathLike, *, chat: bool = False) -> list[Prompt]
     mark dropped. Errors name the line (the item of a .json list)."""
     path = check_path("path", path)
     chat = check_bool("chat", chat)
+    if os.path.isdir(path):
+        raise IsADirectoryError(f"prompts file {path!r} is a directory; give a file")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"prompts file {path!r} does not exist")
     with open(path, encoding="utf-8-sig") as f:  # a leading byte-order mark is no text

@@ -118,6 +118,8 @@ def test_more_cli_errors_are_one_line(tmp_path):
     _one_line_error(_run(*_GEN, f"--config.output={tmp_path}/no/dir/out.jsonl"),
                     "does not exist")
     _one_line_error(_run(*_SPEC, f"--config.output={tmp_path}"), "is a directory")
+    _one_line_error(_run(*_GEN, f"--config.prompts={tmp_path}"), "is a directory; give a file")
+    _one_line_error(_run(*_GEN, "--config.output=/proc/out.jsonl"), "cannot write")
     _one_line_error(_run(*_SPEC, "--config.timing_runs=0"), "timing_runs=0")
 
 
