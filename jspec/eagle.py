@@ -235,7 +235,10 @@ def load_eagle3(path: str, target: Model, *, dtype=None,
     if reader.has("embed_tokens.weight"):
         params["embed"] = get("embed_tokens.weight", (V, D))
     elif D == tcfg.hidden_size:
-        params["embed"] = target.params["embed"]  # the target's own, shared
+        embed = target.params["embed"]  # the target's own, shared (a copy in the
+        if embed.dtype != dt:  # head's dtype where that differs: a tied LM head is it)
+            embed = jnp.asarray(embed, dt)
+        params["embed"] = embed
     else:
         raise CheckpointError(f"{path}: no embed_tokens.weight and the head's width {D} is "
                               f"not the target's {tcfg.hidden_size}")

@@ -226,7 +226,7 @@ def random_head(target: Model, *, seed: int = 0, draft_vocab_size: int | None = 
         return (1.0 + 0.1 * jax.random.normal(next(keys), (n,), jnp.float32)).astype(dt)
 
     params = {
-        "embed": target.params["embed"],
+        "embed": target.params["embed"].astype(dt),  # the target's, in the head's dtype
         "layer": {"input_norm": norm(D), "hidden_norm": norm(D), "post_norm": norm(D),
                   "wqkv": w(2 * D, L.q_size + 2 * L.kv_size), "wo": w(L.q_size, D),
                   "w_gate_up": w(D, 2 * F), "w_down": w(F, D)},
@@ -235,6 +235,8 @@ def random_head(target: Model, *, seed: int = 0, draft_vocab_size: int | None = 
     }
     if cfg.has_fc:
         params["fc"] = w(cfg.feature_width, D)
+    if D != target.config.hidden_size:  # the target's embedding is Dt wide: its own [V, D]
+        params["embed"] = w(cfg.vocab_size, D)
     return FeatureHead(config=cfg, params=params,
                        options=options or target.options)
 

@@ -410,15 +410,26 @@ class SpecOutput:
         return [int(t) for t in self.tokens[b, : self.num_tokens[b]]]
 
 
+# Drafters whose propose_tree grows static trees only (no draft scores to rank a
+# dynamic tree's candidates by); `_validate` names them before anything is traced.
+STATIC_TREE_DRAFTERS = (PromptLookupDrafter, OracleDrafter)
+
+
 def _validate(target: Model, drafter, spec: SpecConfig) -> None:
     check_type("target", target, Model, "a jspec.Model (jspec.load_hf, jspec.random_model)")
     check_not_a_draft(target)
     check_drafter(drafter)
     if not isinstance(spec, SpecConfig):
         raise TypeError(f"spec must be a jspec.SpecConfig; got {type(spec).__name__}")
-    if spec.tree is not None and not grows_trees(drafter):
+    trees = [t for t in (spec.tree, spec.adaptive.tree if spec.adaptive is not None else None)
+             if t is not None]  # an adaptive run's tree is one of its round shapes
+    if trees and not grows_trees(drafter):
         raise ValueError(f"{type(drafter).__name__} grows no draft trees (it implements no "
                          "propose_tree); use chains (gamma) or a tree drafter")
+    if any(t.dynamic is not None for t in trees) and isinstance(drafter, STATIC_TREE_DRAFTERS):
+        raise ValueError(f"{type(drafter).__name__} grows static trees (branching or paths), "
+                         "not dynamic ones: TreeConfig(dynamic=...) needs a drafter with "
+                         "draft scores (ModelDrafter, FeatureDrafter)")
     drafters = [drafter] + ([drafter.draft] if isinstance(drafter, OracleDrafter)
                             and drafter.draft is not None else [])
     models = [d for d in drafters if isinstance(d, ModelDrafter)]
@@ -429,6 +440,11 @@ def _validate(target: Model, drafter, spec: SpecConfig) -> None:
                 raise ValueError(f"the feature head was built for a target of vocabulary "
                                  f"{hc.vocab_size} and width {hc.target_hidden}; this target "
                                  f"has {tc.vocab_size} and {tc.hidden_size}")
+            embed = d.head.params["embed"].shape
+            if embed[-1] != hc.layer.hidden_size:
+                raise ValueError(f"the feature head's embedding is {embed[-1]} wide; its layer "
+                                 f"is {hc.layer.hidden_size} wide (a head narrower than the "
+                                 "target brings its own embedding [V, D])")
             if max(hc.feature_layers) > tc.num_layers:
                 raise ValueError(f"the feature head reads layers {hc.feature_layers}; the "
                                  f"target has {tc.num_layers}")

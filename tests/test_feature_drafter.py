@@ -553,3 +553,40 @@ def test_a_catch_up_block_gives_the_heads_one_step_bits():
         out[k] = drafter.propose(state, ctx)[:2]
     assert np.array_equal(np.asarray(out[1][0]), np.asarray(out[3][0]))
     assert np.array_equal(bits(out[1][1]), bits(out[3][1]))
+
+
+def test_a_head_narrower_than_the_target_brings_its_own_embedding():
+    # random_head(hidden_size=D < Dt) gave the head the target's [V, Dt] embedding under a
+    # D-wide layer: the first draft step died on a broadcasting error deep in the trace.
+    # Now it makes its own [V, D] embedding and drafts; a head whose embedding does not
+    # fit its layer is named before the run.
+    target = load("qwen3", "pallas")
+    head = random_head(target, hidden_size=32, num_heads=2, num_kv_heads=1, head_dim=16,
+                       feature_layers=(0, 2), options=KernelOptions(backend="xla"))
+    assert head.params["embed"].shape == (target.config.vocab_size, 32)
+    p = expected("qwen3")["prompt"]
+    prompts = [p, p[:1]]
+    out = jspec.speculative_generate(target, jspec.FeatureDrafter(head), prompts,
+                                     jspec.SpecConfig(gamma=2, max_new_tokens=6))
+    serial = jspec.generate(target, prompts, max_new_tokens=6)
+    assert [out.row(b) for b in range(2)] == [serial.row(b) for b in range(2)]
+    wrong = head.replace(params={**head.params, "embed": target.params["embed"]})
+    with pytest.raises(ValueError, match="embedding is 64 wide; its layer is 32 wide"):
+        jspec.speculative_generate(target, jspec.FeatureDrafter(wrong), prompts,
+                                   jspec.SpecConfig(gamma=2, max_new_tokens=6))
+
+
+def test_a_head_in_another_dtype_than_its_target_casts_the_shared_embedding():
+    # The code pair's head ties its LM head to the target's embedding, which it shares.
+    # load_eagle3(dtype=...) other than the target's left that embedding (and so the LM
+    # head) in the target's dtype under a head of another: the first draft step died on
+    # "matmul wants x and w of one dtype" deep in the trace. Now the shared embedding is
+    # cast to the head's dtype (random_head's too).
+    target = jspec.load_hf(jspec.default_pair()[0], dtype="bfloat16", backend="xla")
+    head = load_eagle3(jspec.loading.default_head(), target, dtype="float32")
+    assert {x.dtype for x in jax.tree.leaves(head.params) if x.dtype != jnp.int32} == {
+        jnp.dtype(jnp.float32)}
+    assert random_head(target, dtype="float32").params["embed"].dtype == jnp.float32
+    out = jspec.speculative_generate(target, jspec.FeatureDrafter(head), [[1, 2, 3, 4, 5]],
+                                     jspec.SpecConfig(gamma=2, max_new_tokens=4))
+    assert out.num_tokens.tolist() == [4]

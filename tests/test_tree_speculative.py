@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import expected, load
+from flax import struct
 from scipy import stats
 
 import jspec
@@ -150,3 +151,49 @@ def test_trees_are_bounded_and_named():
     with pytest.raises(ValueError, match="static trees"):
         jspec.speculative_generate(target, jspec.PromptLookupDrafter(), _prompts(),
                                    jspec.SpecConfig(max_new_tokens=4, tree=DYNAMIC))
+
+
+def test_a_tree_no_drafter_can_grow_is_named_before_any_program_runs(monkeypatch):
+    # A dynamic tree with prompt lookup or the oracle (static trees only), and an adaptive
+    # run's tree with a chain-only drafter, are ValueErrors at the call: before, the first
+    # was raised while tracing the loop, after the prefill had run (a stream's on its
+    # first item, a warm-up's mid-compile), and the adaptive tree was never checked (a
+    # NotImplementedError deep in the trace of the tree's first chunk).
+    from jspec import speculative, warm
+
+    def no_program(*a, **k):
+        raise AssertionError("a program ran before the arguments were checked")
+
+    monkeypatch.setattr(speculative, "prefill", no_program)
+    monkeypatch.setattr(warm, "prefill", no_program)
+    target = load("qwen3", "xla")
+    ref = jnp.zeros((2, 12 + 4), jnp.int32)
+
+    @struct.dataclass
+    class Chains(jspec.Drafter):  # chains only: no propose_tree
+        def init(self, tokens, lens, max_len, gamma, features=None):
+            return ()
+
+        def forwards_per_round(self, gamma):
+            return 0
+
+        def propose(self, state, ctx):
+            d = jnp.broadcast_to(ctx.cur[:, None], (ctx.cur.shape[0], ctx.gamma))
+            return d, jspec.drafters.one_hot_logits(d, ctx.vocab), state
+
+        def commit(self, state, ctx, n_acc, nxt, drafts, features=None):
+            return state
+
+    adaptive_dynamic = jspec.SpecConfig(max_new_tokens=4, adaptive=jspec.Adaptive(
+        gammas=(1,), tree=DYNAMIC))
+    for drafter in (jspec.PromptLookupDrafter(), jspec.OracleDrafter(ref)):
+        name = type(drafter).__name__
+        for spec in (jspec.SpecConfig(max_new_tokens=4, tree=DYNAMIC), adaptive_dynamic):
+            for run in (jspec.speculative_generate, jspec.speculative_stream, jspec.warm_up):
+                with pytest.raises(ValueError, match=f"{name} grows static trees"):
+                    run(target, drafter, _prompts(), spec)
+    for tree in (STATIC, DYNAMIC):
+        spec = jspec.SpecConfig(max_new_tokens=4, adaptive=jspec.Adaptive(gammas=(1,), tree=tree))
+        for run in (jspec.speculative_generate, jspec.speculative_stream, jspec.warm_up):
+            with pytest.raises(ValueError, match="Chains grows no draft trees"):
+                run(target, Chains(), _prompts(), spec)
