@@ -69,7 +69,7 @@ from jspec import cli  # noqa: E402
 from jspec.bench import flag_checks, hf_peers, plotting  # noqa: E402
 from jspec.bench.gpu_monitor import GpuMonitor  # noqa: E402
 from jspec.bench.moe_bytes import uniform_union  # noqa: E402
-from jspec.bench.receipts import receipt_stem  # noqa: E402
+from jspec.bench.receipts import receipt_stem, write_receipt  # noqa: E402
 from jspec.bench.timing import copy_bandwidth  # noqa: E402
 from jspec.chunked_prefill import prefill_jit as chunked_prefill  # noqa: E402
 from jspec.cli import (  # noqa: E402
@@ -378,11 +378,7 @@ class Bench:
     def save(self) -> None:
         if jax.process_index() != 0:  # several processes: the first writes the receipt
             return
-        os.makedirs(_OUT.value, exist_ok=True)
-        tmp = self.stem() + ".json.tmp"
-        with open(tmp, "w") as f:  # replaced whole, so a run killed mid-write keeps a receipt
-            json.dump(self.report, f, indent=1)
-        os.replace(tmp, self.stem() + ".json")
+        write_receipt(_OUT.value, "bench_e2e", _TAG.value, self.report)
 
     def stem(self) -> str:
         return receipt_stem(_OUT.value, "bench_e2e", _TAG.value)

@@ -27,7 +27,6 @@ writes a JSON receipt under --out (--tag suffix).
 from __future__ import annotations
 
 import functools
-import json
 import os
 import sys
 import tempfile
@@ -39,7 +38,7 @@ import numpy as np
 from absl import app, flags
 
 from jspec.bench import flag_checks
-from jspec.bench.receipts import receipt_stem
+from jspec.bench.receipts import write_receipt
 from jspec.bench.timing import STEP_REPS, copy_bandwidth, device_steps, median_time
 from jspec.bench.trace import device_events, traced
 from jspec.cache import init_cache, rollback
@@ -412,9 +411,7 @@ def main(argv):
               "copy_TBps": bw / 1e12, "matmuls": mm, "steps": steps,
               "weight_bytes": wbytes, "kv_bytes_per_row": kv,
               "options_bits_equal_pallas": all(r.get("bits_equal_pallas", True) for r in steps)}
-    path = receipt_stem(_OUT.value, f"bench_kernels_{_PRESET.value}", _TAG.value) + ".json"
-    with open(path, "w") as f:
-        json.dump(report, f, indent=1)
+    path = write_receipt(_OUT.value, f"bench_kernels_{_PRESET.value}", _TAG.value, report)
     print(f"receipt: {path}")
     if not report["options_bits_equal_pallas"]:
         sys.exit(f"PARITY FAILURE: logits with {_OPTIONS.value} differ from the default "

@@ -16,7 +16,6 @@ lookup (`lookup`). Writes a JSON receipt and two PNG plots under --out.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 
@@ -28,7 +27,7 @@ from tqdm import tqdm
 
 import jspec
 from jspec.bench import flag_checks, plotting
-from jspec.bench.receipts import receipt_stem
+from jspec.bench.receipts import write_receipt
 from jspec.bench.timing import timed
 from jspec.loading import default_interpret
 from jspec.random_model import random_model
@@ -143,9 +142,7 @@ def print_table(rows):
 
 
 def save(report):
-    stem = receipt_stem(_OUT.value, "bench_speculative", _TAG.value)
-    with open(stem + ".json", "w") as f:
-        json.dump(report, f, indent=1)
+    stem = write_receipt(_OUT.value, "bench_speculative", _TAG.value, report)[:-len(".json")]
     plot(report, stem)
     print(f"receipt: {stem}.json, plots: {stem}_*.png")
 

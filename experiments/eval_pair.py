@@ -29,7 +29,6 @@ head costs in acceptance on a real pair. Parity is asserted for every head.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -43,7 +42,7 @@ from tqdm import tqdm
 import jspec
 from jspec import cli
 from jspec.bench import flag_checks, plotting
-from jspec.bench.receipts import receipt_stem
+from jspec.bench.receipts import receipt_stem, write_receipt
 from jspec.bench.timing import timed
 from jspec.loading import default_pair
 from jspec.train.corpus import read, stdlib_files
@@ -265,8 +264,7 @@ def main(argv):
     stem = receipt_stem(_OUT.value, f"eval_pair_{dev}", _TAG.value)
 
     def save(r):
-        with open(stem + ".json", "w") as f:
-            json.dump(r, f, indent=1)
+        write_receipt(_OUT.value, f"eval_pair_{dev}", _TAG.value, r)
 
     print(f"{len(prompts)} held-out prompts x {_NEW.value} tokens, batch {_BATCH.value}, "
           f"{_BACKEND.value}/{_DTYPE.value} on {dev} (load {time.perf_counter() - t0:.1f} s)")

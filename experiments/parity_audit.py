@@ -31,7 +31,6 @@ agrees on nothing) and a `jspec.NonFiniteError` always exit 1.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -43,7 +42,7 @@ from tqdm import tqdm
 
 import jspec
 from jspec import audit, cli
-from jspec.bench.receipts import receipt_stem
+from jspec.bench.receipts import receipt_stem, write_receipt
 from jspec.feature_head import random_head
 from jspec.loading import default_interpret
 from jspec.random_model import random_model
@@ -251,9 +250,7 @@ def main(argv):
     path = receipt_stem(_OUT.value, "parity_audit", _TAG.value) + ".json"
 
     def save():  # after every phase, so a run cut short keeps a receipt
-        with open(path + ".tmp", "w") as f:
-            json.dump(report, f, indent=1)
-        os.replace(path + ".tmp", path)
+        write_receipt(_OUT.value, "parity_audit", _TAG.value, report)
 
     try:
         for part in controls(model, contexts, ks, rng):

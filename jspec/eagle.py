@@ -41,10 +41,7 @@ from jspec._checks import check_bool, check_path
 from jspec.config import UnsupportedModelError, canonical_dtype, rope_spec
 from jspec.feature_head import FeatureHead, eagle3_layers, head_config, slot_map
 from jspec.loading import (
-    BIN_FILE,
-    BIN_INDEX_FILE,
-    INDEX_FILE,
-    SINGLE_FILE,
+    WEIGHT_FILES,
     CheckpointError,
     TensorReader,
     np_dtype,
@@ -280,7 +277,7 @@ def _head_slot(reader: TensorReader, path: str, Vd: int, V: int):
 
 
 # The files of a checkpoint in a directory: save_eagle3 replaces none without overwrite.
-CHECKPOINT_FILES = ("config.json", SINGLE_FILE, INDEX_FILE, BIN_FILE, BIN_INDEX_FILE)
+CHECKPOINT_FILES = ("config.json",) + tuple(f for pair in WEIGHT_FILES for f in pair)
 
 
 def saved_files(path: str) -> list[str]:

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from jspec.bench.receipts import receipt_stem
+from jspec.bench.receipts import receipt_stem, write_receipt
 from jspec.bench.timing import median_time
 from pallas_kernels.attention import attention as triton_attention
 from pallas_kernels.attention import attention_reference
@@ -146,11 +146,10 @@ def main(argv):
                     for name, f in (("mosaic", mosaic), ("triton", triton))}
         report["contexts"].append(entry)
         print(json.dumps(entry))
-        with open(path, "w") as f:  # after every context: a time-out keeps what ran
-            json.dump(report, f, indent=1)
+        # after every context: a time-out keeps what ran
+        write_receipt(_OUT.value, "mosaic_attention", _TAG.value, report)
     report["complete"] = True
-    with open(path, "w") as f:
-        json.dump(report, f, indent=1)
+    write_receipt(_OUT.value, "mosaic_attention", _TAG.value, report)
     print("receipt:", path)
 
 

@@ -22,7 +22,6 @@ interpret mode on the CPU (a test of the script; its timings mean nothing).
 
 from __future__ import annotations
 
-import json
 import os
 import time
 
@@ -31,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from jspec.bench.receipts import receipt_stem
+from jspec.bench.receipts import receipt_stem, write_receipt
 from jspec.bench.timing import median_time
 from pallas_kernels import add_rmsnorm as triton_add_rmsnorm
 from pallas_kernels import rmsnorm as triton_rmsnorm
@@ -95,7 +94,6 @@ def main(argv):
               "date": time.strftime("%Y-%m-%d"), "rows": rows, "reps": _REPS.value,
               "iters": _ITERS.value, "smoke": smoke, "widths": []}
     path = receipt_stem(_OUT.value, "mosaic_norms", _TAG.value) + ".json"
-    os.makedirs(_OUT.value, exist_ok=True)
     print(f"{'D':>5} {'kernel':<12} {'M':>5} {'mosaic us':>10} {'triton us':>10}")
     for d in widths:
         kx, ko, kw = jax.random.split(jax.random.key(d), 3)
@@ -119,8 +117,7 @@ def main(argv):
                   f"{r['alone_mismatch_rows']} of {r['alone_checked']}, elements differing "
                   f"from Triton {r['differs_from_triton']}")
         report["widths"].append(entry)
-        with open(path, "w") as f:
-            json.dump(report, f, indent=1)
+        write_receipt(_OUT.value, "mosaic_norms", _TAG.value, report)
     print(f"receipt: {path}")
 
 

@@ -20,7 +20,6 @@ Writes the JSON receipt to --out/mosaic_top_p[_tag].json.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 
@@ -29,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from jspec.bench.receipts import receipt_stem
+from jspec.bench.receipts import receipt_stem, write_receipt
 from jspec.bench.timing import median_time
 from pallas_kernels.mosaic.top_p import top_p_kept
 from pallas_kernels.top_p import top_p_kept as triton_top_p_kept
@@ -69,7 +68,6 @@ def main(argv):
               "date": time.strftime("%Y-%m-%d"), "vocab": v, "rows": rows,
               "scale": _SCALE.value, "smoke": smoke, "ps": []}
     path = receipt_stem(_OUT.value, "mosaic_top_p", _TAG.value) + ".json"
-    os.makedirs(_OUT.value, exist_ok=True)
     for p in [float(p) for p in _PS.value]:
         mosaic = jax.jit(lambda a, p=p: top_p_kept(a, p, interpret=smoke))
         triton = jax.jit(lambda a, p=p: triton_top_p_kept(a, p, interpret=smoke))
@@ -90,8 +88,7 @@ def main(argv):
               f"{entry['alone_mismatch_rows']}, rows differing from triton "
               f"{entry['differs_from_triton']}, from float64 {entry['differs_from_float64']}")
         report["ps"].append(entry)
-        with open(path, "w") as f:
-            json.dump(report, f, indent=1)
+        write_receipt(_OUT.value, "mosaic_top_p", _TAG.value, report)
     print(f"receipt: {path}")
 
 

@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from jspec.bench.receipts import receipt_stem
+from jspec.bench.receipts import receipt_stem, write_receipt
 from jspec.bench.timing import copy_bandwidth, median_time
 from jspec.random_model import weight_shapes
 from pallas_kernels._common import round_up
@@ -404,8 +404,7 @@ def main(argv):
         r["wall_s"] = time.perf_counter() - t0
         receipt["shapes"].append(r)
         receipt["elapsed_s"] = time.perf_counter() - t_start
-        with open(path, "w") as f:
-            json.dump(receipt, f, indent=1)
+        write_receipt(_OUT.value, "sweep_matmul", _TAG.value, receipt)
         table = {(r["K"], r["N"], r["dtype"]): MatmulConfig(**c["config"])
                  for r, c in selected(receipt["shapes"])}
         with open(tuned_path, "w") as f:  # rows for write_tuned_rows (--apply)

@@ -61,7 +61,7 @@ import numpy as np
 from absl import app, flags
 from tqdm import tqdm
 
-from jspec.bench.receipts import receipt_stem
+from jspec.bench.receipts import write_receipt
 from jspec.bench.timing import median_time
 from jspec.bench.trace import device_events, summarize, traced
 from jspec.random_model import weight_shapes
@@ -402,8 +402,7 @@ def main(_):
         raise app.UsageError(f"--rows / --timed must be >= 1 and --bm powers of 2 >= 16; got "
                              f"{rows=} {timed=} {bms=}")
     rg = _ROW_GROUP.value
-    receipt = receipt_stem(_OUT.value, "sweep_schedule" if tier == "multi"
-                           else f"sweep_schedule_{tier}") + ".json"
+    receipt_name = "sweep_schedule" if tier == "multi" else f"sweep_schedule_{tier}"
     t0 = time.time()
     report = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
               "date": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(sys.argv),
@@ -432,14 +431,11 @@ def main(_):
                                               t0, interp, bms, glu=glu, current=current,
                                               tall=tall, prefill=prefill, bks=bks,
                                               groups=groups, grid=_GRID.value))
-        os.makedirs(_OUT.value, exist_ok=True)
-        with open(receipt, "w") as f:
-            json.dump(report, f, indent=1)
+        write_receipt(_OUT.value, receipt_name, "", report)
 
     if _WRITE.value:
         report["written"] = write_winners(report, tier, _WRITE.value)
-        with open(receipt, "w") as f:
-            json.dump(report, f, indent=1)
+        write_receipt(_OUT.value, receipt_name, "", report)
     print(f"\n{report['device']}, jax {jax.__version__}, {_PRESET.value}, M = {rows}, "
           f"row groups of {rg}; us per call summed over M = {timed}")
     print(f"{'weight':14s} {'table us':>9s} {'variants':>8s} {'bits equal':>10s} "
