@@ -43,6 +43,7 @@ import json
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
@@ -140,6 +141,27 @@ def tile_layout(expert: jax.Array, E: int, bm: int
     tile_expert = jnp.where(t < tile_end[-1], owner, -1)
     src = jnp.full((T * bm,), -1, jnp.int32).at[dest].set(jnp.arange(R, dtype=jnp.int32))
     return dest.astype(jnp.int32), tile_expert.astype(jnp.int32), src
+
+
+def token_layout(expert: jax.Array, bm: int
+                 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """One token's layout, with no layout work: expert [k] (the token's k routed
+    experts, distinct as top-k gives them) -> (dest [k], tile_expert [k], src [k bm],
+    slots [k bm]) as `tile_layout_kernel` returns them: slot r routed row r sits alone in
+    tile r, in slot 0 (dest = r bm, src[r bm] = r, slots[r bm] = r bm, every other slot
+    -1), tile_expert is `expert` itself.
+
+    `tile_layout` gives one token's k distinct experts the same tiles (one each, the row
+    in slot 0), in ascending expert id and with one spare tile: the same programs on the
+    same data in another grid order, so the same bits, without its ~7 integer XLA ops
+    or a layout kernel (dest, src and slots are constants). Repeated ids still give
+    each row its own tile (R9: a row's bits never depend on its slot)."""
+    k = expert.shape[0]
+    s = np.arange(k * bm)
+    first = s % bm == 0
+    src = np.where(first, s // bm, -1)
+    return (jnp.asarray(np.arange(k) * bm, jnp.int32), expert.astype(jnp.int32),
+            jnp.asarray(src, jnp.int32), jnp.asarray(np.where(first, s, -1), jnp.int32))
 
 
 LAYOUT_SLOTS = 64  # `tile_layout_kernel` takes up to this many slots (one program)
@@ -406,7 +428,10 @@ def _grouped_mlp_slots(x, w_gate_up, w_down, expert, *, activation: str, interpr
         return grouped_matmul(a, w_down, expert, out_dtype=jnp.float32,
                               interpret=interpret), None
     T = num_tiles(R, E, cfg_gu.bm)
-    if layout_kernel and R <= LAYOUT_KERNEL_SLOTS:
+    if M == 1:  # one token (a batch-1 decode step): a tile per routed row, no layout ops
+        dest, tile_expert, src, slots = token_layout(expert, cfg_gu.bm)
+        T = k
+    elif layout_kernel and R <= LAYOUT_KERNEL_SLOTS:
         dest, tile_expert, src, slots = tile_layout_kernel(expert, E, cfg_gu.bm,
                                                            interpret=interpret)
         dest = dest[:R]
@@ -444,8 +469,10 @@ def grouped_mlp(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, expert: j
     expert once: the gate/up kernel reads each slot's token row of x itself (no
     repeated copy of x), its output stays in slot order for the down kernel, and one
     gather puts the rows back. Shapes whose two tilings differ in row tile run the
-    composition. `layout_kernel`: blocks of up to LAYOUT_KERNEL_SLOTS slots get their
-    layout from `tile_layout_kernel` (one launch; the same integers)."""
+    composition. One token (M = 1, a batch-1 decode step) takes `token_layout`: no
+    layout work at all, the same bits. `layout_kernel`: other blocks of up to
+    LAYOUT_KERNEL_SLOTS slots get their layout from `tile_layout_kernel` (one launch;
+    the same integers)."""
     y, dest = _grouped_mlp_slots(x, w_gate_up, w_down, expert, activation=activation,
                                  interpret=interpret, layout_kernel=layout_kernel)
     return y if dest is None else y[dest, :x.shape[1]]

@@ -35,6 +35,7 @@ from pallas_kernels.moe import (
     num_tiles,
     tile_layout,
     tile_layout_kernel,
+    token_layout,
 )
 from pallas_kernels.route import combine, route, route_kernel
 
@@ -153,6 +154,25 @@ def test_tile_layout_keeps_groups_in_whole_tiles(kind):
         assert (np.diff(slots) == 1).all() and (slots[:1] % bm == 0).all()
     needed = sum(-(-np.sum(expert == e) // bm) for e in range(E))
     assert needed == len(used) <= T
+
+
+@pytest.mark.parametrize("k,bm", [(8, 16), (2, 8), (1, 32)])
+def test_token_layout_runs_tile_layouts_tiles_for_one_token(k, bm):
+    # One token's k distinct experts: tile_layout gives each a tile with the row in slot
+    # 0 (ascending ids, one spare tile); token_layout the same tiles in route order, so
+    # every program sees the same expert and the same slot sources.
+    expert = jnp.asarray(np.random.default_rng(k).permutation(E)[:k], jnp.int32)
+    dest, tile_expert, src = (np.asarray(a) for a in tile_layout(expert, E, bm))
+    td, tt, ts, tslots = (np.asarray(a) for a in token_layout(expert, bm))
+    assert tt.shape == (k,) and ts.shape == tslots.shape == (k * bm,)
+    np.testing.assert_array_equal(tt, expert)
+    np.testing.assert_array_equal(ts[td], np.arange(k))
+    np.testing.assert_array_equal(tslots, np.where(ts >= 0, np.arange(k * bm), -1))
+    sorted_tiles = {(int(tile_expert[t]), tuple(src[t * bm:(t + 1) * bm] >= 0))
+                    for t in range(k)}
+    token_tiles = {(int(tt[t]), tuple(ts[t * bm:(t + 1) * bm] >= 0)) for t in range(k)}
+    assert sorted_tiles == token_tiles and (tile_expert[k:] == -1).all()
+    np.testing.assert_array_equal(src[dest], ts[td])  # each row: slot 0 of its tile
 
 
 @settings(max_examples=6, deadline=None, derandomize=True,  # an opt-in kernel
@@ -467,13 +487,14 @@ def test_grouped_matmul_glu_lowers_for_the_h200(h200):
 @pytest.mark.parametrize("m,k,routing,F,layout", [
     (1, 8, "spread", 512, False), (13, 2, "one", 512, False), (6, 3, "spread", 64, False),
     (21, 2, "two", 512, False), (1, 8, "spread", 512, True), (21, 2, "two", 512, True),
-    (6, 3, "spread", 64, True)])
+    (6, 3, "spread", 64, True), (1, 4, "distinct", 512, False), (1, 2, "one", 64, True)])
 def test_grouped_mlp_is_the_two_grouped_kernels_bitwise(m, k, routing, F, layout):
     # grouped_mlp lays the rows out by expert once: the gate/up kernel reads each slot's
     # token row itself, its output stays in slot order for the down kernel. Every row
     # equals the composition over the repeated rows, bit for bit: routings of one token
     # a slot each, every slot on one expert, and two experts for all (empty experts);
-    # F = 512 with the fused GLU kernel, F = 64 with the grouped matmul and `glu`.
+    # F = 512 with the fused GLU kernel, F = 64 with the grouped matmul and `glu`. One
+    # token (m = 1) takes `token_layout`: no layout ops or kernel, even with repeated ids.
     from pallas_kernels.moe import grouped_matmul_glu, grouped_mlp, grouped_mlp_reference
 
     rng = np.random.default_rng(m * k)
@@ -482,7 +503,8 @@ def test_grouped_mlp_is_the_two_grouped_kernels_bitwise(m, k, routing, F, layout
     wgu = jnp.asarray(rng.standard_normal((E, D, 2 * F)) * D**-0.5, jnp.bfloat16)
     wd = jnp.asarray(rng.standard_normal((E, F, D)) * F**-0.5, jnp.bfloat16)
     ids = {"spread": rng.integers(0, E, m * k), "one": np.full(m * k, 3),
-           "two": rng.choice([1, 6], m * k)}[routing]
+           "two": rng.choice([1, 6], m * k),
+           "distinct": rng.permutation(E)[:m * k]}[routing]
     expert = jnp.asarray(ids, jnp.int32)
     fn = functools.partial(grouped_mlp, activation="silu", interpret=INTERPRET,
                            layout_kernel=layout)  # layout: tile_layout_kernel's (R <= 64)
@@ -493,10 +515,12 @@ def test_grouped_mlp_is_the_two_grouped_kernels_bitwise(m, k, routing, F, layout
     _same_bits(got, want, "one layout vs the composition")
     jaxpr = str(jax.make_jaxpr(fn)(x, wgu, wd, expert))
     # the GLU kernel when unfused; the layout kernel (whose cumsums sit inside it)
-    kernel = layout and m * k <= LAYOUT_KERNEL_SLOTS  # above it, the XLA layout
+    kernel = layout and 1 < m * k <= LAYOUT_KERNEL_SLOTS and m > 1  # above: XLA ops
     assert jaxpr.count("pallas_call") == 2 + (F == 64) + kernel
-    assert kernel or jaxpr.count("cumsum") == str(jax.make_jaxpr(
+    layout_ops = 0 if m == 1 else str(jax.make_jaxpr(
         lambda e: tile_layout(e, E, BM))(expert)).count("cumsum")  # one layout
+    assert kernel or jaxpr.count("cumsum") == layout_ops
+    assert m > 1 or "scatter" not in jaxpr
     ref = grouped_mlp_reference(x, wgu, wd, expert, activation="silu")
     np.testing.assert_allclose(np.asarray(ref), np.asarray(got), rtol=3e-2, atol=3e-2)
     with pytest.raises(ValueError, match="grouped_mlp wants x"):
@@ -603,21 +627,25 @@ def test_grouped_mlp_combine_is_grouped_mlp_then_the_combine_kernel(m, k, layout
                           out_dtype=jnp.bfloat16, interpret=INTERPRET)
     _same_bits(got, want, "grouped_mlp_combine")
     jaxpr = str(jax.make_jaxpr(fn)(x, wgu, wd, expert, w))
-    assert jaxpr.count("pallas_call") == 3 + (layout and m * k <= LAYOUT_KERNEL_SLOTS)
+    kernel = layout and m > 1 and m * k <= LAYOUT_KERNEL_SLOTS  # one token: no layout
+    assert jaxpr.count("pallas_call") == 3 + kernel
     with pytest.raises(ValueError, match="weights \\[M, k\\]"):
         fn(x, wgu, wd, expert, w[:, :1])
 
 
-def test_combine_kernel_lowers_for_the_h200(h200):
+@pytest.mark.parametrize("m", [1, 2])
+def test_combine_kernel_lowers_for_the_h200(h200, m):
+    # A batch-1 step (one token) needs no layout kernel: `token_layout`.
     from pallas_kernels.moe import grouped_mlp_combine
 
-    args = (jax.ShapeDtypeStruct((1, 2048), jnp.bfloat16),
+    args = (jax.ShapeDtypeStruct((m, 2048), jnp.bfloat16),
             jax.ShapeDtypeStruct((128, 2048, 2 * 768), jnp.bfloat16),
             jax.ShapeDtypeStruct((128, 768, 2048), jnp.bfloat16),
-            jax.ShapeDtypeStruct((8,), jnp.int32), jax.ShapeDtypeStruct((1, 8), jnp.float32))
+            jax.ShapeDtypeStruct((8 * m,), jnp.int32),
+            jax.ShapeDtypeStruct((m, 8), jnp.float32))
     fn = functools.partial(grouped_mlp_combine, activation="silu", rows_out=16,
                            layout_kernel=True)
     text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert set(re.findall(r'name = "(jspec_[a-z_0-9]*)"', text)) == {
-        "jspec_grouped_matmul_glu", "jspec_grouped_matmul", "jspec_moe_layout",
-        "jspec_moe_combine"}
+        "jspec_grouped_matmul_glu", "jspec_grouped_matmul", "jspec_moe_combine"} | (
+        {"jspec_moe_layout"} if m > 1 else set())

@@ -66,11 +66,14 @@ def test_matches_the_reference():
         atol=2e-2, rtol=2e-2)
 
 
-def test_the_expert_mlp_is_its_two_kernels_and_combines():
-    M, k, F = 5, 2, N // 2
+@pytest.mark.parametrize("M,ids", [(5, [1, 3, 3, 1, 0, 3, 1, 1, 3, 0]), (1, [3, 0, 2, 1]),
+                                   (1, [2, 2])])
+def test_the_expert_mlp_is_its_two_kernels_and_combines(M, ids):
+    # One token (M = 1) takes `token_layout` (a tile per routed row), even on repeated ids.
+    k, F = len(ids) // M, N // 2
     x = _rows(M)
     w_gu, w_dn = _weights(), _weights(E, F, K, seed=3)
-    expert = jnp.array([1, 3, 3, 1, 0, 3, 1, 1, 3, 0], jnp.int32)
+    expert = jnp.array(ids, jnp.int32)
     y = grouped_mlp(x, w_gu, w_dn, expert, activation="gelu_tanh", interpret=True)
     a = grouped_matmul_glu(jnp.repeat(x, k, axis=0), w_gu, expert, activation="gelu_tanh",
                            interpret=True)

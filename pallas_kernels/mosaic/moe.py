@@ -41,7 +41,13 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels._common import pad_axis, round_up
 from pallas_kernels.glu import ACTIVATIONS
 from pallas_kernels.matmul_glu import _glu_tile
-from pallas_kernels.moe import _check_grouped, check_combine_weights, check_mlp, tile_layout
+from pallas_kernels.moe import (
+    _check_grouped,
+    check_combine_weights,
+    check_mlp,
+    tile_layout,
+    token_layout,
+)
 from pallas_kernels.mosaic.matmul import (
     BM,
     BT,
@@ -189,16 +195,20 @@ def grouped_matmul_glu(x: jax.Array, w: jax.Array, expert: jax.Array, *, activat
 
 
 def _mlp_slots(x, w_gate_up, w_down, expert, *, activation: str, interpret: bool):
-    """(y [S, Dp] f32 in slot order, dest [M k]): one layout for both kernels; slot s
-    of the gate/up kernel reads token row src[s] // k (the token's k routed copies read
-    its one row), its output stays in slot order for the down kernel."""
+    """(y [S, Dp] f32 in slot order, dest [M k]): one layout for both kernels
+    (`token_layout` for one token); slot s of the gate/up kernel reads token row
+    src[s] // k (the token's k routed copies read its one row), its output stays in slot
+    order for the down kernel."""
     M, k, E, D, F = check_mlp(x, w_gate_up, w_down, expert)
     _check_16bit(x, "grouped_mlp")
     _check_glu(w_gate_up, activation, "grouped_mlp")
     if F % BM:
         raise ValueError(f"grouped_mlp (Mosaic GPU): the expert width F={F} must be a "
                          f"multiple of {BM}")
-    dest, tile_expert, src = _layout(expert, E)
+    if M == 1:  # one token: a tile per routed row, no layout ops (the same bits)
+        dest, tile_expert, src, _ = token_layout(expert, BT)
+    else:
+        dest, tile_expert, src = _layout(expert, E)
     a = _launch_sorted(_slot_rows(x, src, k), w_gate_up, tile_expert,
                        grouped_config(E, D, 2 * F, x.dtype), F, x.dtype, (0, F // BM),
                        _glu_epilogue(x.dtype, activation), interpret,
