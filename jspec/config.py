@@ -27,7 +27,7 @@ import math
 import numbers
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen3", "gemma3_text", "qwen3_moe", "mixtral")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen3", "gemma3_text", "qwen3_moe", "mixtral")
 # Multimodal wrappers whose text model jspec loads: model_type -> the text model's type.
 TEXT_OF_MULTIMODAL = {"gemma3": "gemma3_text"}
 DTYPES = ("float32", "bfloat16")
@@ -63,14 +63,15 @@ class ModelConfig:
     `jspec.KernelOptions` and `jspec.DraftOptions`.
 
     Attributes:
-      family: "llama", "qwen3", "gemma3", "qwen3_moe" or "mixtral".
+      family: "llama", "mistral", "qwen3", "gemma3", "qwen3_moe" or "mixtral".
       vocab_size, hidden_size, intermediate_size, num_layers: the usual sizes.
       num_heads, num_kv_heads, head_dim: grouped-query attention's shape.
       rms_eps: RMSNorm epsilon.
       rope: the RoPE table of global layers; rope_local: that of sliding layers
         (Gemma 3), None elsewhere.
       sliding_window: keys a sliding layer sees (0: none).
-      layer_sliding: per layer, True if it uses the sliding window (Gemma 3).
+      layer_sliding: per layer, True if it uses the sliding window (Gemma 3's local
+        layers; every layer of a Mistral or Mixtral with a window).
       qk_norm: per-head RMSNorm of q and k (Qwen3, Gemma 3).
       norm_offset: 0.0 for `w * x_hat`, 1.0 for Gemma's `(1 + w) * x_hat`.
       sandwich_norms: Gemma's post-attention and post-MLP norms.
@@ -379,18 +380,21 @@ def _from_hf_config(hf: Any, dtype: str, source: str | None) -> ModelConfig:
     rope_params = _get(hf, "rope_parameters", None)
     if model_type in ("qwen3_moe", "mixtral"):
         return _moe_config(hf, model_type, common)
-    if model_type in ("llama", "qwen3"):
+    if model_type in ("llama", "mistral", "qwen3"):
         act = _get(hf, "hidden_act", "silu")
         if act != "silu":
             raise UnsupportedModelError(f"{model_type}: hidden_act={act!r} is not supported")
         if model_type == "qwen3":
             _no_sliding_layers(hf, model_type)
+        # Mistral is Llama with one sliding window on every layer (null: none);
+        # transformers' Mistral ignores `layer_types`, and so does jspec.
+        window = int(_get(hf, "sliding_window", 0)) if model_type == "mistral" else 0
         return ModelConfig(
-            family="llama" if model_type == "llama" else "qwen3",
+            family=model_type,
             rope=rope_spec(rope_params, _get(hf, "rope_theta", None), model_type),
             rope_local=None,
-            sliding_window=0,
-            layer_sliding=(False,) * num_layers,
+            sliding_window=window,
+            layer_sliding=(window > 0,) * num_layers,
             qk_norm=model_type == "qwen3",
             norm_offset=0.0,
             sandwich_norms=False,

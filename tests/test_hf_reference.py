@@ -14,7 +14,8 @@ import jspec
 BACKENDS = ("xla", "pallas")
 # gemma3_mm: a multimodal Gemma 3 checkpoint (Gemma3ForConditionalGeneration), its text
 # model read out of it; that class applies no final softcap where its text_config sets one.
-ALL = FAMILIES + MOE_FAMILIES + ("gemma3_mm",)
+# mistral: Llama with one sliding window on every layer (the dense draft of a Mixtral).
+ALL = FAMILIES + ("mistral",) + MOE_FAMILIES + ("gemma3_mm",)
 
 
 def full_sequence(name):
@@ -77,6 +78,19 @@ def test_family_features_are_read():
     assert gemma.sliding_window < len(full_sequence("gemma3"))
     assert gemma.rope_local.theta != gemma.rope.theta
     assert gemma.attn_softcap is None and gemma.final_softcap and gemma.embed_scale
+
+
+def test_mistral_features_are_read():
+    from transformers import AutoConfig
+
+    mistral = load("mistral", "xla").config
+    assert mistral.family == "mistral" and all(mistral.layer_sliding)
+    assert mistral.sliding_window == 16 < len(full_sequence("mistral"))
+    assert mistral.head_dim == 32 and not mistral.qk_norm and not mistral.tie_embeddings
+    raw = AutoConfig.from_pretrained(fixture_path("mistral"))
+    raw.sliding_window = None  # Mistral v0.2+: no window
+    cfg = jspec.from_hf_config(raw)
+    assert cfg.sliding_window == 0 and not any(cfg.layer_sliding)
 
 
 def test_moe_features_are_read():
