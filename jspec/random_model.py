@@ -52,6 +52,11 @@ PRESETS: dict[str, dict] = {
                       head_dim=256, rope=RopeSpec(1e6), rope_local=RopeSpec(1e4),
                       sliding_window=1024, qk_norm=True, norm_offset=1.0, sandwich_norms=True,
                       embed_scale=2560**0.5, activation="gelu_tanh", tie_embeddings=True),
+    # Mistral 7B (v0.2 / v0.3 alike: no window): Mixtral 8x7B's attention and tokenizer.
+    "mistral-7b": dict(family="mistral", vocab_size=32000, hidden_size=4096,
+                       intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8,
+                       head_dim=128, rope=RopeSpec(1e6), qk_norm=False, tie_embeddings=False,
+                       rms_eps=1e-5, max_position=32768),
     # Mixtures of experts. Qwen3-30B-A3B: 128 experts of width 768, 8 a token, every layer
     # sparse; Mixtral 8x7B: 8 experts of width 14336 (its intermediate_size), 2 a token.
     "qwen3-30b-a3b": dict(family="qwen3_moe", vocab_size=151936, hidden_size=2048,
@@ -95,8 +100,8 @@ def preset_config(name: str, *, num_layers: int | None = None,
     if kw["family"] == "gemma3":
         kw["layer_sliding"] = tuple((i + 1) % every != 0 for i in range(L))
         kw["attn_scale"] = 256**-0.5  # query_pre_attn_scalar
-    else:
-        kw["layer_sliding"] = (False,) * L
+    else:  # a window (Mistral, Mixtral) is on every layer
+        kw["layer_sliding"] = (kw.get("sliding_window", 0) > 0,) * L
         kw["attn_scale"] = kw["head_dim"] ** -0.5
     return ModelConfig(dtype=canonical_dtype(dtype), **kw)
 

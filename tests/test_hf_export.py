@@ -46,7 +46,7 @@ def test_real_shape_configs_convert():
 
     from jspec.random_model import preset_config
 
-    for name in ("qwen3-8b", "qwen3-0.6b", "llama3-8b", "gemma3-4b"):
+    for name in ("qwen3-8b", "qwen3-0.6b", "llama3-8b", "gemma3-4b", "mistral-7b"):
         cfg = preset_config(name)
         d = hf_config_dict(cfg)
         hf = AutoConfig.for_model(d.pop("model_type"), **d)
