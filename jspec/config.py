@@ -27,7 +27,8 @@ import math
 import numbers
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen3", "gemma3_text", "qwen3_moe", "mixtral")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "qwen3_moe",
+                         "mixtral")
 # Multimodal wrappers whose text model jspec loads: model_type -> the text model's type.
 TEXT_OF_MULTIMODAL = {"gemma3": "gemma3_text"}
 DTYPES = ("float32", "bfloat16")
@@ -63,7 +64,7 @@ class ModelConfig:
     `jspec.KernelOptions` and `jspec.DraftOptions`.
 
     Attributes:
-      family: "llama", "mistral", "qwen3", "gemma3", "qwen3_moe" or "mixtral".
+      family: "llama", "mistral", "qwen2", "qwen3", "gemma3", "qwen3_moe" or "mixtral".
       vocab_size, hidden_size, intermediate_size, num_layers: the usual sizes.
       num_heads, num_kv_heads, head_dim: grouped-query attention's shape.
       rms_eps: RMSNorm epsilon.
@@ -87,6 +88,8 @@ class ModelConfig:
         MLP width.
       norm_topk_prob: the k routing weights are renormalised to sum to 1.
       layer_experts: per layer, True if its MLP is a mixture of experts (empty: none is).
+      qkv_bias: q, k and v projections carry a bias (Qwen2), added in f32 to the f32
+        product before its one rounding to the dtype.
     """
 
     family: str
@@ -118,6 +121,7 @@ class ModelConfig:
     expert_size: int = 0
     norm_topk_prob: bool = False
     layer_experts: tuple[bool, ...] = ()
+    qkv_bias: bool = False
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -380,11 +384,11 @@ def _from_hf_config(hf: Any, dtype: str, source: str | None) -> ModelConfig:
     rope_params = _get(hf, "rope_parameters", None)
     if model_type in ("qwen3_moe", "mixtral"):
         return _moe_config(hf, model_type, common)
-    if model_type in ("llama", "mistral", "qwen3"):
+    if model_type in ("llama", "mistral", "qwen2", "qwen3"):
         act = _get(hf, "hidden_act", "silu")
         if act != "silu":
             raise UnsupportedModelError(f"{model_type}: hidden_act={act!r} is not supported")
-        if model_type == "qwen3":
+        if model_type in ("qwen2", "qwen3"):
             _no_sliding_layers(hf, model_type)
         # Mistral is Llama with one sliding window on every layer (null: none);
         # transformers' Mistral ignores `layer_types`, and so does jspec.
@@ -403,6 +407,7 @@ def _from_hf_config(hf: Any, dtype: str, source: str | None) -> ModelConfig:
             attn_softcap=None,
             final_softcap=None,
             activation="silu",
+            qkv_bias=model_type == "qwen2",  # Qwen2's q/k/v projections always have one
             **common,
         )
     # gemma3_text
@@ -513,8 +518,9 @@ def _moe_config(hf: Any, model_type: str, common: dict) -> ModelConfig:
 
 
 def _no_sliding_layers(hf: Any, model_type: str) -> None:
-    """Qwen3 and Qwen3-MoE run every layer with full attention: a config that asks for
-    sliding-window layers, by `use_sliding_window` or by `layer_types`, is refused."""
+    """Qwen2, Qwen3 and Qwen3-MoE here run every layer with full attention (the published
+    checkpoints do): a config that asks for sliding-window layers, by
+    `use_sliding_window` or by `layer_types`, is refused."""
     if _get(hf, "use_sliding_window", False):
         raise UnsupportedModelError(f"{model_type}: use_sliding_window=True is not supported")
     sliding = [i for i, t in enumerate(_get(hf, "layer_types", None) or [])
@@ -522,8 +528,8 @@ def _no_sliding_layers(hf: Any, model_type: str) -> None:
     if sliding:
         raise UnsupportedModelError(
             f"{model_type}: layer_types asks for layers {sliding} to be "
-            f"{_get(hf, 'layer_types')[sliding[0]]!r}; jspec runs Qwen3 layers with full "
-            "attention only")
+            f"{_get(hf, 'layer_types')[sliding[0]]!r}; jspec runs {model_type} layers with "
+            "full attention only")
 
 
 def _checked_float(name: str, x: Any) -> float:

@@ -73,6 +73,9 @@ def prepare(model):
     if want and model.config.moe:
         raise ValueError(f"DraftOptions.fused: the draft's latency path has no mixture of "
                          f"experts ({model.config.family}); leave it off for this model")
+    if want and model.config.qkv_bias:
+        raise ValueError(f"DraftOptions.fused: the draft's latency path has no q/k/v biases "
+                         f"({model.config.family}); leave it off for this model")
     if is_transposed(model.params) == want:
         return model
     return model.replace(params=_swap(model.params, want))

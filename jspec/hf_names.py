@@ -8,8 +8,9 @@ of, in order, each with its output width:
 
 A row with `in_dim` is a linear weight: each HF tensor is [out, in] and jspec's param is
 their transposes [in, out] side by side (q/k/v and gate/up are fused this way); a row
-without is a vector [out] (a norm). Widths are symbols ("D", "F", "Q", "KV", "hd", "2D")
-looked up in a dims dict (`dims(cfg)`), so one row serves every size.
+without is a vector [out] (a norm; Qwen2's q/k/v biases, concatenated the same way).
+Widths are symbols ("D", "F", "Q", "KV", "hd", "2D") looked up in a dims dict
+(`dims(cfg)`), so one row serves every size.
 
 `build` reads a layer through a table (the loader, `jspec.loading.convert_params`, used
 by the sharded loader too, and the EAGLE-3 loader); `split` is its inverse (the HF
@@ -71,6 +72,8 @@ QKV = (("self_attn.q_proj.weight", "Q"), ("self_attn.k_proj.weight", "KV"),
 O_PROJ = (("self_attn.o_proj.weight", "D"),)
 ATTENTION = (norm("attn_norm", "input_layernorm.weight"), linear("wqkv", QKV, "D"),
              linear("wo", O_PROJ, "Q"))
+QKV_BIAS = (Tensor("bqkv", (("self_attn.q_proj.bias", "Q"), ("self_attn.k_proj.bias", "KV"),
+                            ("self_attn.v_proj.bias", "KV"))),)  # Qwen2
 QK_NORM = (norm("q_norm", "self_attn.q_norm.weight", "hd"),
            norm("k_norm", "self_attn.k_norm.weight", "hd"))
 PLAIN_NORMS = (norm("mlp_norm", "post_attention_layernorm.weight"),)
@@ -93,7 +96,7 @@ def layer_table(cfg, i: int = 0) -> tuple[Tensor, ...]:
     experts' sparse layer has no dense MLP rows: its router and stacked experts are read by
     the family's function in `jspec.loading.MOE_LAYERS`."""
     mlp = () if cfg.is_moe_layer(i) else MLP
-    return (ATTENTION + (QK_NORM if cfg.qk_norm else ())
+    return (ATTENTION + (QKV_BIAS if cfg.qkv_bias else ()) + (QK_NORM if cfg.qk_norm else ())
             + (SANDWICH_NORMS if cfg.sandwich_norms else PLAIN_NORMS) + mlp)
 
 
@@ -112,8 +115,8 @@ def build(table: tuple[Tensor, ...], widths: dict[str, int],
     out = {}
     for t in table:
         if t.in_dim is None:
-            ((name, dim),) = t.parts
-            out[t.key] = np.ascontiguousarray(get(prefix + name, (widths[dim],)))
+            vs = [get(prefix + name, (widths[dim],)) for name, dim in t.parts]
+            out[t.key] = np.ascontiguousarray(vs[0] if len(vs) == 1 else np.concatenate(vs))
             continue
         ws = [get(prefix + name, (widths[o], widths[t.in_dim])).T for name, o in t.parts]
         out[t.key] = np.ascontiguousarray(ws[0] if len(ws) == 1 else np.concatenate(ws, axis=1))
@@ -126,9 +129,10 @@ def split(table: tuple[Tensor, ...], widths: dict[str, int], layer: dict, prefix
     or jax arrays, each brought to the host when its turn comes)."""
     for t in table:
         w = np.asarray(layer[t.key])
-        if t.in_dim is None:
-            yield prefix + t.parts[0][0], w
-            continue
         cuts = np.cumsum([widths[o] for _, o in t.parts])[:-1]
+        if t.in_dim is None:
+            for (name, _), part in zip(t.parts, np.split(w, cuts), strict=True):
+                yield prefix + name, np.ascontiguousarray(part)
+            continue
         for (name, _), part in zip(t.parts, np.split(w, cuts, axis=1), strict=True):
             yield prefix + name, np.ascontiguousarray(part.T)

@@ -14,7 +14,7 @@ layer's weights in place rather than a slice copied out of a stacked array):
   embed [V, D]; final_norm [D]; lm_head [D, V] (a transposed copy when tied; a
   draft's pruned head has fewer columns: `jspec.ModelDrafter.pruned`)
   layers: list of L dicts: attn_norm [D]; wqkv [D, (H + 2 Hkv) hd]; wo [H hd, D];
-          q_norm, k_norm [hd] (Qwen3, Gemma 3); mlp_norm [D];
+          bqkv [(H + 2 Hkv) hd] (Qwen2); q_norm, k_norm [hd] (Qwen3, Gemma 3); mlp_norm [D];
           w_gate_up [D, 2F]; w_down [F, D];
           post_attn_norm, post_mlp_norm [D] (Gemma 3);
           a mixture-of-experts layer (`ModelConfig.is_moe_layer`) has instead
@@ -239,8 +239,11 @@ def attention_block(ops, model: Model, lp, h, k_buf, v_buf, pos, lengths, cos, s
     dtype = h.dtype
     hd, H, Hkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
     rg, sched = opt.matmul_row_group, opt.matmul_schedule
-    qkv = ops.matmul(h, lp["wqkv"], out_dtype=dtype, row_group=rg, schedule=sched,
-                     config=column_config(model, lp["wqkv"]))  # [Mp, (H + 2Hkv) hd]
+    bias = cfg.qkv_bias  # Qwen2: the bias joins the f32 product, one rounding (as HF's)
+    qkv = ops.matmul(h, lp["wqkv"], out_dtype=jnp.float32 if bias else dtype, row_group=rg,
+                     schedule=sched, config=column_config(model, lp["wqkv"]))  # [Mp, ...]
+    if bias:  # row-local: a row's bits stay a function of that row (P)
+        qkv = (qkv + lp["bqkv"].astype(jnp.float32)).astype(dtype)  # [Mp, (H + 2Hkv) hd]
     written = False  # the new K/V already in the caches (kv_write_kernel)
     if opt.fuse_qk_rope and opt.backend == "pallas":
         # All Mp rows (cos/sin come padded to Mp alike): the kernel then needs no pad of its

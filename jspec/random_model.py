@@ -40,6 +40,9 @@ PRESETS: dict[str, dict] = {
     "tiny-qwen3": dict(family="qwen3", vocab_size=512, hidden_size=128, intermediate_size=256,
                        num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,
                        rope=RopeSpec(1e6), qk_norm=True, tie_embeddings=True),
+    "tiny-qwen2": dict(family="qwen2", vocab_size=512, hidden_size=128, intermediate_size=256,
+                       num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,
+                       rope=RopeSpec(1e6), qk_norm=False, tie_embeddings=True, qkv_bias=True),
     "tiny-gemma3": dict(family="gemma3", vocab_size=256, hidden_size=64, intermediate_size=128,
                         num_layers=4, num_heads=4, num_kv_heads=2, head_dim=16,
                         rope=RopeSpec(1e6), rope_local=RopeSpec(1e4), sliding_window=16,
@@ -52,6 +55,11 @@ PRESETS: dict[str, dict] = {
                       head_dim=256, rope=RopeSpec(1e6), rope_local=RopeSpec(1e4),
                       sliding_window=1024, qk_norm=True, norm_offset=1.0, sandwich_norms=True,
                       embed_scale=2560**0.5, activation="gelu_tanh", tie_embeddings=True),
+    # Qwen2.5 7B (and the DeepSeek-R1 distills of it): q/k/v biases, 28 q / 4 kv heads.
+    "qwen2.5-7b": dict(family="qwen2", vocab_size=152064, hidden_size=3584,
+                       intermediate_size=18944, num_layers=28, num_heads=28, num_kv_heads=4,
+                       head_dim=128, rope=RopeSpec(1e6), qk_norm=False, tie_embeddings=False,
+                       qkv_bias=True),
     # Mistral 7B (v0.2 / v0.3 alike: no window): Mixtral 8x7B's attention and tokenizer.
     "mistral-7b": dict(family="mistral", vocab_size=32000, hidden_size=4096,
                        intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8,
@@ -155,6 +163,8 @@ def random_params(cfg: ModelConfig, seed: int = 0) -> dict:
             lp |= {"q_norm": norm(hd), "k_norm": norm(hd)}
         if cfg.sandwich_norms:
             lp |= {"post_attn_norm": norm(D), "post_mlp_norm": norm(D)}
+        if cfg.qkv_bias:
+            lp["bqkv"] = w(cfg.q_size + 2 * cfg.kv_size, fan_in=100)
         layers.append(lp)
     embed = w(V, D, fan_in=1)
     lm_head = embed.T if cfg.tie_embeddings else w(D, V, fan_in=D)

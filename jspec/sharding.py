@@ -143,6 +143,8 @@ def param_spec(name: str, axis: str) -> P:
     """The PartitionSpec of a parameter by its key (a layer's or the top level's)."""
     if name in COLUMN or name == "lm_head":
         return P(None, axis)
+    if name == "bqkv":  # wqkv's columns' biases, split as they are
+        return P(axis)
     if name in ROW:
         return P(axis, None)
     return P()
@@ -165,9 +167,9 @@ def cache_specs(cache: KVCache, axis: str = AXIS) -> KVCache:
 def global_shape(name: str, w_shape: tuple[int, ...], cfg: ModelConfig, size: int
                  ) -> tuple[int, ...]:
     """The shape a weight of the whole model (`cfg`, unreplicated) takes when sharded."""
-    if name == "wqkv":
+    if name in ("wqkv", "bqkv"):
         tp_cfg = sharded_config(cfg, size)
-        return (w_shape[0], tp_cfg.q_size + 2 * tp_cfg.kv_size)
+        return w_shape[:-1] + (tp_cfg.q_size + 2 * tp_cfg.kv_size,)
     if name == "lm_head":
         return (w_shape[0], padded_vocab(w_shape[1], size))
     return tuple(w_shape)
@@ -175,9 +177,11 @@ def global_shape(name: str, w_shape: tuple[int, ...], cfg: ModelConfig, size: in
 
 def shard_block(name: str, w: np.ndarray, cfg: ModelConfig, size: int, s: int) -> np.ndarray:
     """Shard s's block of a weight of the whole model (`cfg`, HF-fused layout), on the
-    host: [q_s | k_s | v_s] of wqkv, [gate_s | up_s] of w_gate_up, the rows of wo and
+    host: [q_s | k_s | v_s] of wqkv (and of bqkv), [gate_s | up_s] of w_gate_up, the rows of wo and
     w_down, the vocabulary columns of lm_head (zero past V); the whole of the others."""
     H, Hkv, hd, F = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
+    if name == "bqkv":  # the columns of wqkv's block
+        return shard_block("wqkv", w[None], cfg, size, s)[0]
     if name == "wqkv":
         hq = H // size
         q = w[:, s * hq * hd:(s + 1) * hq * hd]

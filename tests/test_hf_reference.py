@@ -14,8 +14,9 @@ import jspec
 BACKENDS = ("xla", "pallas")
 # gemma3_mm: a multimodal Gemma 3 checkpoint (Gemma3ForConditionalGeneration), its text
 # model read out of it; that class applies no final softcap where its text_config sets one.
-# mistral: Llama with one sliding window on every layer (the dense draft of a Mixtral).
-ALL = FAMILIES + ("mistral",) + MOE_FAMILIES + ("gemma3_mm",)
+# mistral: Llama with one sliding window on every layer (the dense draft of a Mixtral);
+# qwen2: q/k/v biases.
+ALL = FAMILIES + ("mistral", "qwen2") + MOE_FAMILIES + ("gemma3_mm",)
 
 
 def full_sequence(name):
@@ -91,6 +92,13 @@ def test_mistral_features_are_read():
     raw.sliding_window = None  # Mistral v0.2+: no window
     cfg = jspec.from_hf_config(raw)
     assert cfg.sliding_window == 0 and not any(cfg.layer_sliding)
+
+
+def test_qwen2_biases_are_read():
+    model = load("qwen2", "xla")
+    cfg, lp = model.config, model.params["layers"][0]
+    assert cfg.family == "qwen2" and cfg.qkv_bias and not cfg.qk_norm and cfg.tie_embeddings
+    assert lp["bqkv"].shape == (cfg.q_size + 2 * cfg.kv_size,) and np.abs(lp["bqkv"]).min() > 0
 
 
 def test_moe_features_are_read():

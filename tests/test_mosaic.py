@@ -331,7 +331,9 @@ def test_model_forward_lowers_with_mosaic_kernels_only(h200, tree):
     ("gemma3-4b", 1, 1, 131072, False),
     ("mixtral-8x7b", 8, 5, 256, False),  # experts, a batch's verify
     ("qwen3-30b-a3b", 1, 2048, 4096, False),
-    ("qwen3-0.6b", 1, 8, 256, True)])  # a tree
+    ("qwen3-0.6b", 1, 8, 256, True),  # a tree
+    ("qwen2.5-7b", 1, 5, 256, False),  # q/k/v biases (an f32 product), 32 / 8 heads
+    ("mistral-7b", 1, 1, 256, False)])
 def test_every_family_lowers_with_mosaic_kernels_only(h200, preset, batch, T, max_len, tree):
     import warnings
 
@@ -341,6 +343,8 @@ def test_every_family_lowers_with_mosaic_kernels_only(h200, preset, batch, T, ma
     from jspec.tree import from_parents
 
     cfg = preset_config(preset, num_layers=2)
+    if preset == "qwen2.5-7b":  # its 28 + 4 q/k heads take the Triton q/k kernel (`takes`)
+        cfg = cfg.replace(num_heads=32, num_kv_heads=8)
     model = Model(config=cfg, params=jax.eval_shape(lambda: random_params(cfg)))
     model = model.replace(options=model.options.replace(lowering="mosaic"))
     cache = jax.eval_shape(lambda: init_cache(model, batch, max_len))

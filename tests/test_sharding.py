@@ -49,6 +49,7 @@ def test_kv_write_kernel_keeps_p_and_one_devices_bits_at_tp_2():
 
 @pytest.mark.parametrize("dtype,preset,full", [
     ("float32", "tiny-qwen3", False),
+    ("float32", "tiny-qwen2", False),  # q/k/v biases split with their columns
     pytest.param("bfloat16", "tiny-qwen3", True, marks=slow),
     pytest.param("float32", "tiny-gemma3", True, marks=slow)])
 @pytest.mark.slow  # a further case of a property the default run proves

@@ -26,7 +26,8 @@ def _prompts(name):
 
 def _poor_draft(name):
     # Another family's tiny model with the same vocabulary: mostly rejected.
-    other = {"qwen3": "llama3", "llama3": "gemma3", "gemma3": "qwen3", "mistral": "llama3"}[name]
+    other = {"qwen3": "llama3", "llama3": "gemma3", "gemma3": "qwen3", "mistral": "llama3",
+             "qwen2": "qwen3"}[name]
     return jspec.ModelDrafter(load(other, "pallas"))
 
 
@@ -56,6 +57,7 @@ CASES = [  # (gamma, family, drafter): every gamma 1..8, every drafter, every fa
     pytest.param(8, "llama3", "oracle+draft", marks=_slow),
     pytest.param(4, "gemma3", "perfect", marks=_slow),
     (3, "mistral", "oracle+draft"),  # every layer windowed (16 keys), a 36-token context
+    (4, "qwen2", "oracle"),  # q/k/v biases
 ]
 
 

@@ -27,6 +27,7 @@ from jspec import hf_names
 
 ARCHITECTURES = {"llama": ("llama", "LlamaForCausalLM"),
                  "mistral": ("mistral", "MistralForCausalLM"),
+                 "qwen2": ("qwen2", "Qwen2ForCausalLM"),
                  "qwen3": ("qwen3", "Qwen3ForCausalLM"),
                  "gemma3": ("gemma3_text", "Gemma3ForCausalLM")}
 
@@ -52,7 +53,7 @@ def hf_config_dict(cfg) -> dict:
          "rms_norm_eps": cfg.rms_eps, "tie_word_embeddings": cfg.tie_embeddings,
          "max_position_embeddings": cfg.max_position, "attention_bias": False,
          "dtype": cfg.dtype, "bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
-    if cfg.family in ("llama", "mistral", "qwen3"):
+    if cfg.family in ("llama", "mistral", "qwen2", "qwen3"):
         if abs(cfg.attn_scale - cfg.head_dim**-0.5) > 0:
             raise ValueError(f"{cfg.family}: attn_scale {cfg.attn_scale} != head_dim**-0.5")
         d |= {"hidden_act": "silu", "rope_parameters": _rope(cfg.rope)}
