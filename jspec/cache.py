@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jspec._checks import check_count
+from jspec._checks import check_count, check_type
 
 # Key-block granularity of the cache capacity: every attention kernel
 # configuration uses a key block that divides this.
@@ -87,10 +87,25 @@ def rollback(cache: KVCache, lengths) -> KVCache:
     in [0, the row's current length] where the cache's lengths are concrete too (else in
     [0, max_len]); a ValueError names the rows. Traced lengths (inside jit, as the
     engine calls it) are the caller's responsibility."""
+    check_type("cache", cache, KVCache, "a jspec.KVCache (jspec.init_cache)")
+    check_live(cache)
     if not isinstance(lengths, jax.core.Tracer):
         _check_rollback(cache, lengths)
     lengths = jnp.broadcast_to(jnp.asarray(lengths, jnp.int32), cache.lengths.shape)
     return cache.replace(lengths=lengths)
+
+
+def check_live(cache: KVCache, name: str = "cache") -> None:
+    """A ValueError if the cache's buffers were donated to an earlier call (`jspec.forward`
+    donates its input cache: its buffers hold the returned one's now), not jax's "Array
+    has been deleted" from deep inside the call. A rollback shares its cache's buffers,
+    so donating either consumes both."""
+    if any(isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and x.is_deleted()
+           for x in jax.tree.leaves(cache)):
+        raise ValueError(f"{name} was donated to an earlier jspec.forward, which reused its "
+                         "buffers for the cache it returned (a rollback of it shares them): "
+                         "go on from the returned cache, or pass donate=False to keep this "
+                         "one")
 
 
 def _check_rollback(cache: KVCache, lengths) -> None:

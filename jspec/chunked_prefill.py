@@ -22,10 +22,12 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
-from jspec.cache import KVCache, rollback
-from jspec.model import COMPILER_OPTIONS, Model, apply, row_flags
+from jspec._checks import check_ints, check_type
+from jspec.cache import KVCache, check_live, rollback
+from jspec.model import COMPILER_OPTIONS, Model, apply, check_tokens, row_flags
 
 
 @struct.dataclass
@@ -98,5 +100,36 @@ def prefill(model: Model, tokens, lens, cache: KVCache, *, features: tuple[int, 
     return Prefilled(rollback(cache, start + lens - 1), feats, flags)
 
 
-prefill_jit = jax.jit(prefill, static_argnames=("features",), donate_argnames=("cache",),
-                      compiler_options=COMPILER_OPTIONS)
+_prefill_jit = jax.jit(prefill, static_argnames=("features",), donate_argnames=("cache",),
+                       compiler_options=COMPILER_OPTIONS)
+
+
+def prefill_jit(model: Model, tokens, lens, cache: KVCache, *,
+                features: tuple[int, ...] = ()) -> Prefilled:
+    """`prefill` from the host: compiled, the cache donated, and the arguments checked
+    first as `jspec.forward` checks its own (tokens [B, P] of ids in the vocabulary that
+    fit the cache; lens [B] integers in [1, P]), each a ValueError or TypeError naming
+    the problem: a traced prefill would take a length of 0 (a cache length of -1) or
+    past P (slots never written) without a word."""
+    check_type("model", model, Model, "a jspec.Model (jspec.load_hf, jspec.random_model)")
+    check_type("cache", cache, KVCache, "a jspec.KVCache (jspec.init_cache)")
+    check_live(cache)
+    if any(isinstance(x, jax.core.Tracer) for x in (tokens, lens, cache.lengths)):
+        raise TypeError("prefill_jit is called from the host; inside jax.jit, lax.scan or "
+                        "vmap call jspec.chunked_prefill.prefill, which returns the same "
+                        "Prefilled")
+    check_tokens(model, tokens, cache)
+    B, P = np.shape(tokens)
+    arr = np.asarray(lens)
+    if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
+        raise ValueError(f"lens must be integers; got dtype {arr.dtype}")
+    if arr.shape != (B,):
+        raise ValueError(f"lens must hold one length a row ([{B}]); got shape {arr.shape}")
+    bad = (arr < 1) | (arr > P)
+    if bad.any():
+        b = int(np.argmax(bad))
+        raise ValueError(f"lens[{b}]={int(arr[b])} must lie in [1, P={P}] (row b's prompt "
+                         "is tokens[b, :lens[b]])")
+    features = check_ints("features", features)
+    return _prefill_jit(model, jnp.asarray(tokens, jnp.int32), jnp.asarray(arr, jnp.int32),
+                        cache, features=features)

@@ -141,7 +141,16 @@ def grows_trees(drafter) -> bool:
 def check_drafter(drafter, name: str = "drafter") -> None:
     """TypeError unless `drafter` implements `Drafter`, naming what is missing; a bare
     model or feature head is named with the wrapper it needs."""
+    if isinstance(drafter, type):  # the protocol's members are on the class too
+        raise TypeError(f"{name} must be a drafter object, not the class "
+                        f"{drafter.__name__}: instantiate it, e.g. {drafter.__name__}(...)")
     if isinstance(drafter, Drafter):
+        leaves = jax.tree_util.tree_leaves(drafter)
+        if len(leaves) == 1 and leaves[0] is drafter:  # not a registered pytree
+            raise TypeError(f"{name} {type(drafter).__name__} is not a pytree: the engine "
+                            "passes a drafter into its compiled loop, so decorate its class "
+                            "with @flax.struct.dataclass (arrays as fields, settings as "
+                            "struct.field(pytree_node=False))")
         return
     missing = [m for m in DRAFTER_MEMBERS if not hasattr(drafter, m)]
     kind = type(drafter).__name__

@@ -70,7 +70,11 @@ def pad_prompts(prompts, vocab_size: int, length: int | None = None
         if isinstance(prompts, str | bytes):
             raise ValueError("prompts are lists of token ids, one a prompt; got a "
                              f"{type(prompts).__name__} (text goes through jspec.load_text)")
-        prompts = list(prompts)
+        try:
+            prompts = list(prompts)
+        except TypeError:
+            raise TypeError(f"prompts must be a list of prompts, each a list of token ids "
+                            f"(or a [B, P] array); got {type(prompts).__name__}") from None
         for b, r in enumerate(prompts):  # numpy would take True for token id 1
             if isinstance(r, str | bytes):
                 raise ValueError(f"prompt {b} is a {type(r).__name__}, not a list of token "
@@ -84,6 +88,9 @@ def pad_prompts(prompts, vocab_size: int, length: int | None = None
     if not rows:
         raise ValueError("prompts is empty: need at least one prompt")
     for b, r in enumerate(rows):
+        if r.ndim == 0:
+            raise ValueError(f"prompt {b} is one token id ({r.item()!r}), not a list of them: "
+                             "prompts is a list of prompts; give one prompt as [prompt]")
         if r.ndim != 1 or r.size == 0:
             raise ValueError(f"prompt {b} must be a non-empty 1-D token list; got shape {r.shape}")
         if not np.issubdtype(r.dtype, np.integer):

@@ -31,12 +31,13 @@ import numpy as np
 from flax import struct
 
 from jspec import fused_draft
-from jspec._checks import check_bool, check_type
-from jspec.cache import KVCache, write_kv
+from jspec._checks import check_bool, check_ints, check_type
+from jspec.cache import KVCache, check_live, write_kv
 from jspec.config import ModelConfig
 from jspec.ops import get_ops, ops_for
 from jspec.options import DRAFT_FIELDS, KERNEL_FIELDS, DraftOptions, KernelOptions, Parallel
 from jspec.rope import rope_tables
+from jspec.tree import TreeInput
 from pallas_kernels._common import pad_axis, pad_rows
 from pallas_kernels.matmul import add_partials, matmul_config
 from pallas_kernels.route import combine
@@ -392,7 +393,9 @@ def apply(model: Model, tokens: jax.Array, cache: KVCache, *, features: tuple[in
 
     tokens [B, T] int32 are appended at each row's length; returns a `Forward` (logits
     [B, T, V] f32, the new cache, features). `forward` is the checked, jitted call of this
-    function for use from the host.
+    function for use from the host. The arguments' kinds and the tokens' static shape and
+    dtype (integers, T <= max_len) are checked wherever it is traced; an eager call with
+    concrete tokens and lengths also checks the ids and the capacity, as `forward` does.
 
     features: layer indices i in [0, L] whose residual-stream input (the hidden state
     entering layer i; i = L: the one entering the final norm, HF's `hidden_states[i]`)
@@ -413,12 +416,25 @@ def apply(model: Model, tokens: jax.Array, cache: KVCache, *, features: tuple[in
     """
     if not isinstance(logits, bool):
         raise TypeError(f"logits={logits!r} must be a bool (static)")
+    check_type("model", model, Model, "a jspec.Model (jspec.load_hf, jspec.random_model)")
+    check_type("cache", cache, KVCache, "a jspec.KVCache (jspec.init_cache)")
+    features = check_ints("features", features)
+    if tree is not None:
+        check_type("tree", tree, TreeInput, "None or a jspec.tree.TreeInput "
+                   "(jspec.tree.from_parents)")
+    check_live(cache)
     if model.parallel is not None and not model.parallel.inside:  # per shard, shard_map
         return model.parallel.apply(model, tokens, cache, features=features, tree=tree,
                                     logits=logits)
     cfg, opt = model.config, model.options
     check_call_shape(tokens, cache)
+    if not isinstance(tokens, jax.core.Tracer):  # an eager call: ids checked as forward's
+        check_token_ids(tokens, cfg.vocab_size)
+        if not isinstance(tokens, jax.Array):
+            tokens = jnp.asarray(tokens, jnp.int32)
     B, T = tokens.shape
+    if tree is not None:
+        check_tree_shape(tree, B, T)
     fused_draft.check_layout(model)
     bad = [i for i in features if not 0 <= i <= cfg.num_layers]
     if bad:
@@ -520,9 +536,10 @@ forward_nodonate = jax.jit(apply, compiler_options=COMPILER_OPTIONS)
 
 
 def check_call_shape(tokens, cache: KVCache) -> None:
-    """The static shape of a call, checked wherever it is traced (`apply` too), and its
-    capacity where the cache's lengths are concrete (an eager `apply`): a ValueError, not a
-    silent clamp of the cache writes."""
+    """The static shape and dtype of a call, checked wherever it is traced (`apply` too:
+    integer tokens [B, T] with T <= max_len), and its capacity where the cache's lengths
+    are concrete (an eager `apply`): a ValueError, not a silent clamp of the cache writes or
+    a float cast to ids."""
     try:
         shape = np.shape(tokens)
     except ValueError:  # numpy's "inhomogeneous shape"
@@ -532,11 +549,18 @@ def check_call_shape(tokens, cache: KVCache) -> None:
         raise ValueError(f"the cache's lengths must be int32; got {cache.lengths.dtype}")
     if len(shape) != 2:
         raise ValueError(f"tokens must be [B, T]; got shape {shape}")
+    dtype = getattr(tokens, "dtype", None)
+    dtype = np.asarray(tokens).dtype if dtype is None else np.dtype(dtype)
+    if not np.issubdtype(dtype, np.integer):  # static: checked inside jit too
+        raise ValueError(f"tokens must be integers; got dtype {dtype}")
     B, T = shape
     if B != cache.batch_size:
         raise ValueError(f"tokens has batch {B} but the cache has {cache.batch_size} rows")
     if T < 1:
         raise ValueError(f"tokens has T={T}; need at least one token")
+    if T > cache.max_len:  # static: a traced call would clamp its cache writes silently
+        raise ValueError(f"{T} new tokens a row (tokens [B, T]) exceeds the cache max_len "
+                         f"{cache.max_len}")
     if not isinstance(cache.lengths, jax.core.Tracer):
         lengths = np.asarray(cache.lengths)
         if (lengths < 0).any():
@@ -547,6 +571,18 @@ def check_call_shape(tokens, cache: KVCache) -> None:
             b = int(np.argmax(over))
             raise ValueError(f"row {b}: length {int(lengths[b])} + {T} new tokens exceeds the "
                              f"cache max_len {cache.max_len}")
+
+
+def check_tree_shape(tree: TreeInput, B: int, T: int) -> None:
+    """A tree call's `TreeInput` describes the call's tokens [B, T]: root [B], depth [B, T],
+    path [B, T, D + 1] (static shapes), else a ValueError; a tree of other sizes would
+    place the tokens at other nodes' positions without a word."""
+    shapes = (np.shape(tree.root), np.shape(tree.depth), np.shape(tree.path)[:2])
+    if shapes != ((B,), (B, T), (B, T)) or np.ndim(tree.path) != 3:
+        raise ValueError(f"tree (root {np.shape(tree.root)}, depth {np.shape(tree.depth)}, "
+                         f"path {np.shape(tree.path)}) does not describe tokens [B={B}, T={T}]: "
+                         f"need root [{B}], depth [{B}, {T}], path [{B}, {T}, D + 1] "
+                         "(jspec.tree.from_parents of the call's [B, T] parents)")
 
 
 def check_tokens(model: Model, tokens, cache: KVCache) -> None:
@@ -564,14 +600,19 @@ def check_tokens(model: Model, tokens, cache: KVCache) -> None:
                          f"{cfg.head_dim}] {jnp.dtype(cfg.dtype).name} (one a layer: "
                          "jspec.init_cache(model, ...))")
     if not isinstance(tokens, jax.core.Tracer):
-        arr = np.asarray(tokens)
-        if not np.issubdtype(arr.dtype, np.integer):
-            raise ValueError(f"tokens must be integers; got dtype {arr.dtype}")
-        bad = (arr < 0) | (arr >= cfg.vocab_size)
-        if bad.any():
-            b, t = np.argwhere(bad)[0]
-            raise ValueError(f"token id {int(arr[b, t])} at [{b}, {t}] is out of range "
-                             f"[0, {cfg.vocab_size})")
+        check_token_ids(tokens, cfg.vocab_size)
+
+
+def check_token_ids(tokens, vocab_size: int) -> None:
+    """Concrete tokens [B, T] (their shape and dtype already checked): every id in
+    [0, vocab_size), else a ValueError naming the first one out of range (an id past the
+    embedding would be read as NaN)."""
+    arr = np.asarray(tokens)
+    bad = (arr < 0) | (arr >= vocab_size)
+    if bad.any():
+        b, t = np.argwhere(bad)[0]
+        raise ValueError(f"token id {int(arr[b, t])} at [{b}, {t}] is out of range "
+                         f"[0, {vocab_size})")
 
 
 def forward(model: Model, tokens, cache: KVCache, *, donate: bool = True) -> Forward:
@@ -584,6 +625,7 @@ def forward(model: Model, tokens, cache: KVCache, *, donate: bool = True) -> For
     check_type("model", model, Model, "a jspec.Model (jspec.load_hf, jspec.random_model)")
     check_type("cache", cache, KVCache, "a jspec.KVCache (jspec.init_cache)")
     check_bool("donate", donate)
+    check_live(cache)
     if any(isinstance(x, jax.core.Tracer) for x in (tokens, cache.lengths)):
         raise TypeError("jspec.forward is called from the host (it checks its arguments and "
                         "runs its own compiled program); inside jax.jit, lax.scan or vmap "

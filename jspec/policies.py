@@ -384,6 +384,12 @@ def resolve_policy(policy=None, temperature=None, top_k=None, top_p=None) -> Pol
         raise TypeError(f"policy must be a jspec.Policy (ExactGreedy(), GumbelCoupled(...), "
                         f"RejectionSampling(...)) or one of the names {tuple(POLICIES)}; "
                         f"got {type(policy).__name__}")
+    try:
+        hash(policy)
+    except TypeError:
+        raise TypeError(f"policy {type(policy).__name__} is not hashable: a policy is static "
+                        "config of the compiled loop, so make it a frozen dataclass "
+                        "(@dataclasses.dataclass(frozen=True))") from None
     sampler = policy.serial_sampler()
     if isinstance(sampler, Greedy):
         _check_greedy(repr(policy), given)

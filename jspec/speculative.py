@@ -187,8 +187,30 @@ def _accept(logits, drafts, draft_logits, seed, pos, *, spec: SpecConfig, rows=N
     rows = jnp.arange(B, dtype=jnp.int32) if rows is None else rows
     positions = pos[:, None] + 1 + jnp.arange(G, dtype=jnp.int32)[None, :]
     valid = _in_vocab(drafts, V)
-    return spec.policy.accept(logits, jnp.where(valid, drafts, 0), draft_logits, seed, rows,
-                              positions, valid)
+    out = spec.policy.accept(logits, jnp.where(valid, drafts, 0), draft_logits, seed, rows,
+                             positions, valid)
+    return _check_answer(spec.policy, "accept", out, ("n_acc", "next"), B)
+
+
+def _check_answer(policy, method: str, out, names: tuple[str, ...], B: int):
+    """A policy's answer against the `jspec.Policy` protocol, at trace time: a tuple of
+    integer arrays of shape [B] each, else a ValueError naming the policy (not a
+    broadcast scalar or a float count deep inside the loop's carry). -> int32 arrays."""
+    def kind(x):  # int32[2], or the type of a non-array
+        shape = getattr(x, "shape", None)
+        return f"{x.dtype}{list(shape)}" if shape is not None else type(x).__name__
+
+    want = ", ".join(f"{n} [{B}]" for n in names)
+    if not isinstance(out, tuple | list) or len(out) != len(names):
+        got = (f"{len(out)} values" if isinstance(out, tuple | list) else f"one {kind(out)}")
+        raise ValueError(f"{type(policy).__name__}.{method} must return ({want}) (the "
+                         f"jspec.Policy protocol); got {got}")
+    for n, x in zip(names, out, strict=True):
+        shape = getattr(x, "shape", None)
+        if shape is None or tuple(shape) != (B,) or not jnp.issubdtype(x.dtype, jnp.integer):
+            raise ValueError(f"{type(policy).__name__}.{method}: {n} must be integers of "
+                             f"shape [{B}] (the jspec.Policy protocol); got {kind(x)}")
+    return tuple(x.astype(jnp.int32) for x in out)
 
 
 def _commit(drafter, state: SpecState, ctx: ProposeContext, cache, dstate, drafts, n_acc, nxt,
@@ -313,8 +335,9 @@ def _tree_round(target: Model, drafter, state: SpecState, seed, *,
     logits, cache = out.logits, out.cache
     state = _check_finite(state, out, ctx.pos, ctx.pos[:, None] + t_in.depth)
     positions = ctx.pos[:, None] + 1 + t_in.depth  # of the token after each node
-    node, n, nxt = spec.policy.accept_tree(logits, tokens, parents, t_in.depth, q, valid, seed,
-                                           ctx.rows, positions, max_depth=D, max_children=K)
+    node, n, nxt = _check_answer(spec.policy, "accept_tree", spec.policy.accept_tree(
+        logits, tokens, parents, t_in.depth, q, valid, seed, ctx.rows, positions, max_depth=D,
+        max_children=K), ("node", "n", "next"), ctx.cur.shape[0])
     path = jnp.take_along_axis(t_in.path, node[:, None, None], axis=1)[:, 0]  # [B, D + 1]
     idx = jnp.maximum(path - ctx.pos[:, None], 0)  # the path's call indices
     path_tokens = jnp.take_along_axis(tokens, idx[:, 1:], axis=1)  # [B, D]

@@ -4,6 +4,7 @@ One table per class of mistake: (call, error type, message fragment naming the a
 and what it accepts). Every call here fails on the host, so the file runs in seconds.
 """
 
+import dataclasses
 import json
 import shutil
 
@@ -15,6 +16,7 @@ from conftest import expected, fixture_path, load
 
 import jspec
 from jspec import sharding
+from jspec.chunked_prefill import prefill_jit
 from jspec.random_model import random_model
 from jspec.text import as_prompts
 
@@ -95,15 +97,63 @@ SEQUENCES = {  # strings for lists, bare numbers, float entries, empty lists, ou
                       "prompts is empty"),
     "prompt bool id": (lambda: jspec.generate(_model(), [[5, True]], max_new_tokens=2),
                        ValueError, "prompt 0: token 1 is True, a bool"),
+    "prompts flat": (lambda: jspec.generate(_model(), [5, 6], max_new_tokens=2), ValueError,
+                     r"prompt 0 is one token id \(5\), not a list of them: .* \[prompt\]"),
+    "prompts None": (lambda: jspec.generate(_model(), None, max_new_tokens=2), TypeError,
+                     "prompts must be a list of prompts, each a list of token ids"),
     "spine extra": (lambda: jspec.parse_tree("spine:2:4,3,2"), ValueError,
                     "depth 2 has 2 side branches at most"),
     "spine negative": (lambda: jspec.parse_tree("spine:2:-5,1"), ValueError,
                        "side branch 1's length=-5"),
 }
 
+class _NotAPytree:
+    """Every member of jspec.Drafter, but a plain class: jit cannot take it."""
+
+    feature_layers = ()
+
+    def init(self, tokens, lens, max_len, gamma, features=None):
+        return ()
+
+    def propose(self, state, ctx):
+        return None
+
+    def commit(self, state, ctx, n_acc, nxt, drafts, features=None):
+        return state
+
+    def forwards_per_round(self, gamma):
+        return 0
+
+    def propose_tree(self, state, ctx, tree):
+        return None
+
+    def commit_tree(self, state, ctx, n, nxt, path, features=None):
+        return state
+
+
+@dataclasses.dataclass  # not frozen: unhashable, so no static config of a compiled loop
+class _UnfrozenPolicy(jspec.Policy):
+    def serial_sampler(self):
+        return jspec.Greedy()
+
+    def accept(self, logits, drafts, draft_logits, seed, rows, positions, valid):
+        return jspec.ExactGreedy().accept(logits, drafts, draft_logits, seed, rows, positions,
+                                          valid)
+
+
 OBJECTS = {  # wrong objects: None, a raw Model where a drafter is wanted, strings
     "drafter None": (_spec(lambda: None), "drafter must be a jspec drafter"),
     "drafter Model": (_spec(_model), r"got Model: wrap it: ModelDrafter\(model\)"),
+    # Before, these two passed the protocol check and failed in jit ("Error interpreting
+    # argument to <function _prefill> as an abstract array").
+    "drafter class": (_spec(lambda: jspec.PromptLookupDrafter),
+                      r"not the class PromptLookupDrafter: instantiate it"),
+    "drafter not a pytree": (_spec(_NotAPytree), r"_NotAPytree is not a pytree: .* "
+                             r"@flax.struct.dataclass"),
+    # Before: "Non-hashable static arguments are not supported" from jit, at the run.
+    "policy unhashable": (lambda: jspec.SpecConfig(policy=_UnfrozenPolicy()),
+                          r"_UnfrozenPolicy is not hashable: .* frozen dataclass"),
+    "rollback dict": (lambda: jspec.rollback({"lengths": 1}, 0), "cache must be a jspec.KVCache"),
     "ModelDrafter None": (lambda: jspec.ModelDrafter(None), "ModelDrafter's model"),
     "FeatureDrafter Model": (lambda: jspec.FeatureDrafter(_model()), "FeatureDrafter's head"),
     "sampler str": (_gen(sampler="greedy"), "sampler must be a jspec sampler"),
@@ -370,3 +420,119 @@ def test_row_partials_that_do_not_divide_a_weight_name_the_option():
     with pytest.raises(ValueError, match=r"row_partials=3 must divide the K of every "
                        r"row-parallel weight \(wo, w_down\)"):
         jspec.forward(model, np.ones((1, 2), np.int32), jspec.init_cache(model, 1, 64))
+
+
+def test_apply_checks_its_tokens_and_arguments_before_tracing():
+    # Before: an eager apply of an id past the vocabulary returned NaN logits without a
+    # word; float tokens failed in jnp.take ("indices must have an integer type"); T past
+    # max_len inside jit failed in dynamic_update_slice; a str model, int features or a str
+    # tree raised AttributeError / "'int' object is not iterable" from inside the forward.
+    model = _model()
+    V = model.config.vocab_size
+    cache = jspec.init_cache(model, 1, 16)
+    with pytest.raises(ValueError, match=rf"token id {V} at \[0, 1\] is out of range \[0, {V}\)"):
+        jspec.apply(model, jnp.asarray([[1, V]], jnp.int32), cache)
+    for call in (jspec.apply, jax.jit(jspec.apply)):
+        with pytest.raises(ValueError, match="tokens must be integers; got dtype float32"):
+            call(model, jnp.ones((1, 2), jnp.float32), cache)
+    with pytest.raises(ValueError, match=r"17 new tokens a row \(tokens \[B, T\]\) exceeds the "
+                       "cache max_len 16"):
+        jax.jit(jspec.apply)(model, jnp.ones((1, 17), jnp.int32), cache)
+    ones = jnp.ones((1, 2), jnp.int32)
+    for kw, kind, fragment in (({"model": "qwen3"}, TypeError, "model must be a jspec.Model"),
+                               ({"cache": {}}, TypeError, "cache must be a jspec.KVCache"),
+                               ({"features": 1}, TypeError, "features must be a list or tuple"),
+                               ({"tree": "2,1"}, TypeError, "tree must be None or a jspec.tree"
+                                                            ".TreeInput")):
+        args = {"model": model, "tokens": ones, "cache": cache} | kw
+        with pytest.raises(kind, match=fragment):
+            jspec.apply(args.pop("model"), args.pop("tokens"), args.pop("cache"), **args)
+    # ids in range as a list (or an int64 array) run as the int32 array does
+    want = jspec.apply(model, jnp.asarray([[1, 2]], jnp.int32), cache).logits
+    for tokens in ([[1, 2]], np.asarray([[1, 2]], np.int64)):
+        assert np.array_equal(jspec.apply(model, tokens, cache).logits, want)
+
+
+def test_a_donated_cache_is_named_not_found_deleted():
+    # Before: jax's "Array has been deleted with shape=int32[1]" from inside the call.
+    model = _model()
+    one = np.ones((1, 1), np.int32)
+    cache = jspec.init_cache(model, 1, 16)
+    new = jspec.forward(model, np.ones((1, 2), np.int32), cache).cache  # cache donated
+    for call in (lambda: jspec.forward(model, one, cache),
+                 lambda: jspec.apply(model, jnp.asarray(one), cache),
+                 lambda: jspec.rollback(cache, 0)):
+        with pytest.raises(ValueError, match="cache was donated to an earlier jspec.forward"):
+            call()
+    kept = jspec.forward(model, one, new, donate=False).cache  # new stays alive
+    jspec.forward(model, one, jspec.rollback(new, 1))  # the rollback shares new's buffers
+    with pytest.raises(ValueError, match="a rollback of it shares them"):
+        jspec.forward(model, one, new)
+    assert int(kept.lengths[0]) == 3
+
+
+@pytest.mark.parametrize("lens, fragment", [
+    ([0, 2], r"lens\[0\]=0 must lie in \[1, P=4\]"),  # was: a cache length of -1
+    ([4, 5], r"lens\[1\]=5 must lie in \[1, P=4\]"),  # was: slots never written, read
+    ([4.0, 2.0], "lens must be integers; got dtype float"),  # was: cast
+    ([4], r"one length a row \(\[2\]\); got shape \(1,\)"),  # was: broadcast
+])
+def test_the_host_prefill_checks_its_lengths(lens, fragment):
+    model = _model()
+    tokens = np.asarray([[1, 2, 3, 4], [5, 6, 7, 8]], np.int32)
+    with pytest.raises(ValueError, match=fragment):
+        prefill_jit(model, tokens, np.asarray(lens), jspec.init_cache(model, 2, 16))
+
+
+def test_the_host_prefill_checks_its_tokens():
+    model = _model()
+    V = model.config.vocab_size
+    tokens = np.asarray([[1, 2, 3, V]], np.int32)  # was: NaN K/V written without a word
+    with pytest.raises(ValueError, match=f"token id {V} at \\[0, 3\\] is out of range"):
+        prefill_jit(model, tokens, np.asarray([4]), jspec.init_cache(model, 1, 16))
+    with pytest.raises(ValueError, match="exceeds the cache max_len 2"):
+        prefill_jit(model, tokens - 1, np.asarray([4]), jspec.init_cache(model, 1, 2))
+    out = prefill_jit(model, tokens - 1, np.asarray([3]), jspec.init_cache(model, 1, 16))
+    assert out.cache.lengths.tolist() == [2]
+
+
+def _answer(bend):
+    @dataclasses.dataclass(frozen=True)
+    class Bent(jspec.Policy):
+        def serial_sampler(self):
+            return jspec.Greedy()
+
+        def accept(self, logits, drafts, draft_logits, seed, rows, positions, valid):
+            return bend(*jspec.ExactGreedy().accept(logits, drafts, draft_logits, seed, rows,
+                                                    positions, valid))
+
+    return Bent()
+
+
+@pytest.mark.parametrize("bend, fragment", [
+    (lambda n, x: (n[0], x), r": n_acc must be integers of shape \[1\] .*got int32\[\]"),
+    (lambda n, x: (n.astype(jnp.float32), x), r": n_acc must be integers .*got float32\[1\]"),
+    (lambda n, x: (n, x[:, None]), r": next must be integers .*got int32\[1, 1\]"),
+    (lambda n, x: n, r" must return \(n_acc \[1\], next \[1\]\) .*got one int32\[1\]"),
+])
+def test_a_policys_answer_outside_the_protocol_is_an_error_naming_it(bend, fragment):
+    # Before: a scalar n_acc was broadcast over the rows without a word; a float one failed
+    # as a while_loop carry mismatch naming the drafter's state ("s.draft.hlen").
+    with pytest.raises(ValueError, match=f"Bent.accept{fragment}"):
+        jspec.speculative_generate(_model(), jspec.PromptLookupDrafter(), _p(),
+                                   jspec.SpecConfig(gamma=2, max_new_tokens=2,
+                                                    policy=_answer(bend)))
+
+
+def test_a_tree_call_must_describe_its_tokens():
+    # Before: on pallas a TreeInput of 4 nodes with 3 (or 5) tokens ran, each token at
+    # another node's position, and returned [B, T, V] logits without a word (on xla: a
+    # reshape TypeError from inside the attention).
+    model = _model()
+    cache = jspec.init_cache(model, 1, 16)
+    tree = jspec.tree.from_parents(jnp.asarray([[-1, 0, 0, 1]], jnp.int32), cache.lengths, 2)
+    for T in (3, 5):
+        with pytest.raises(ValueError, match=rf"does not describe tokens \[B=1, T={T}\]: need "
+                           rf"root \[1\], depth \[1, {T}\]"):
+            jspec.apply(model, jnp.ones((1, T), jnp.int32), cache, tree=tree)
+    assert jspec.apply(model, jnp.ones((1, 4), jnp.int32), cache, tree=tree).logits.shape[1] == 4
