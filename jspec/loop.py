@@ -96,16 +96,27 @@ def token_bar(enabled: bool, total: int, desc: str, unit: str = "tok"):
         bar.close()
 
 
+POLICY_CODE = -2  # a loop's flag code: a policy's answer outside the protocol's ranges
+
+
 def raise_non_finite(bad, at, what: str, num_layers: int | None = None) -> None:
     """Raises NonFiniteError if the loop flagged a row: at = (row, position[, code]), code
     -1 (or absent): its logits hold NaN or inf; else a `jspec.model.Forward.bad` code naming
-    where the forward's activations went wrong (`jspec.model.describe_bad`)."""
+    where the forward's activations went wrong (`jspec.model.describe_bad`). Code
+    POLICY_CODE: a ValueError, the policy's answer (values, seen only as the loop runs)
+    lay outside `jspec.Policy`'s ranges."""
     if not bool(bad):
         return
     at = [int(x) for x in np.asarray(at)]
     row, pos = at[:2]
     code = at[2] if len(at) > 2 else -1
-    if code < 0:
+    if code == POLICY_CODE:
+        raise ValueError(
+            f"{what}: at row {row}, position {pos} the policy answered outside the "
+            "jspec.Policy protocol (accept: n_acc in [0, gamma], next in [0, vocab); "
+            "accept_tree: node in [0, nodes], n in [0, depth], next in [0, vocab)); the run "
+            "stopped there")
+    if code == -1:
         raise NonFiniteError(
             f"{what}: the logits at row {row}, position {pos} hold NaN or inf; the run "
             "stopped there. The model's weights or inputs are broken (jspec.load_hf rejects "

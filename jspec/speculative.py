@@ -37,7 +37,7 @@ from jspec.compaction import RowBook, batch_for, check_batch_major, compact, pla
 from jspec.drafters import FeatureDrafter, ModelDrafter, OracleDrafter, PromptLookupDrafter
 from jspec.drafting import ProposeContext, check_drafter, grows_trees
 from jspec.generate import PAD, check_not_a_draft, first_non_finite, pad_prompts, plan_shapes
-from jspec.loop import raise_non_finite, run_chunked, token_bar
+from jspec.loop import POLICY_CODE, raise_non_finite, run_chunked, token_bar
 from jspec.model import COMPILER_OPTIONS, Forward, Model, apply, row_flags
 from jspec.sampling import with_lowering
 from jspec.spec_config import SpecConfig, shape_spec
@@ -306,6 +306,19 @@ def _check_finite(state: SpecState, out: Forward, pos, positions) -> SpecState:
                                                                 state.bad_at))
 
 
+def _check_policy_range(state: SpecState, pos, outside) -> SpecState:
+    """Flags the first live row whose policy answer lies outside `jspec.Policy`'s ranges
+    (outside [B] bool; values, so seen only as the loop runs): the loop stops after the
+    round and the host raises a ValueError (`raise_non_finite`, code POLICY_CODE), not an
+    output with holes in it."""
+    off = outside & ~state.done
+    row = jnp.argmax(off).astype(jnp.int32)
+    bad = jnp.any(off)
+    at = jnp.stack([state.rows[row], pos[row], jnp.int32(POLICY_CODE)])
+    return state.replace(bad=state.bad | bad, bad_at=jnp.where(bad & ~state.bad, at,
+                                                                state.bad_at))
+
+
 def _tree_round(target: Model, drafter, state: SpecState, seed, *,
                 spec: SpecConfig) -> SpecState:
     """A tree round: the drafter grows a tree under cur (`propose_tree`); one target
@@ -338,6 +351,8 @@ def _tree_round(target: Model, drafter, state: SpecState, seed, *,
     node, n, nxt = _check_answer(spec.policy, "accept_tree", spec.policy.accept_tree(
         logits, tokens, parents, t_in.depth, q, valid, seed, ctx.rows, positions, max_depth=D,
         max_children=K), ("node", "n", "next"), ctx.cur.shape[0])
+    state = _check_policy_range(state, ctx.pos, (node < 0) | (node >= n1[1]) | (n < 0) | (n > D)
+                                | (nxt < 0) | (nxt >= V))
     path = jnp.take_along_axis(t_in.path, node[:, None, None], axis=1)[:, 0]  # [B, D + 1]
     idx = jnp.maximum(path - ctx.pos[:, None], 0)  # the path's call indices
     path_tokens = jnp.take_along_axis(tokens, idx[:, 1:], axis=1)  # [B, D]
@@ -372,6 +387,9 @@ def _round(target: Model, drafter, state: SpecState, seed, *, spec: SpecConfig) 
     if spec.audit_every:
         state = _audit(target, state, cache, state.cur, drafts, logits, spec=spec)
     n_acc, nxt = _accept(logits, drafts, draft_logits, seed, ctx.pos, spec=spec, rows=ctx.rows)
+    V = target.config.vocab_size
+    state = _check_policy_range(state, ctx.pos,
+                                (n_acc < 0) | (n_acc >= G) | (nxt < 0) | (nxt >= V))
     # A flagged round still commits (its tokens are never returned: the host raises).
     return _commit(drafter, state, ctx, cache, dstate, drafts, n_acc, nxt, spec=spec,
                    features=feats)

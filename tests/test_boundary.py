@@ -524,6 +524,33 @@ def test_a_policys_answer_outside_the_protocol_is_an_error_naming_it(bend, fragm
                                                     policy=_answer(bend)))
 
 
+@pytest.mark.parametrize("bend", [lambda n, x: (n + 3, x), lambda n, x: (n - 1, x),
+                                  lambda n, x: (n, x + 10**6)])
+def test_a_policys_values_outside_the_protocol_stop_the_run(bend):
+    # Values are seen only as the loop runs: n_acc past gamma left -1 holes in a row whose
+    # count still held them; a negative one or an id past the vocabulary surfaced as a
+    # NonFiniteError about the residual stream. Now the round is flagged and named.
+    with pytest.raises(ValueError, match="the policy answered outside the jspec.Policy "
+                       r"protocol \(accept: n_acc in \[0, gamma\]"):
+        jspec.speculative_generate(_model(), jspec.PromptLookupDrafter(), _p(),
+                                   jspec.SpecConfig(gamma=2, max_new_tokens=4,
+                                                    policy=_answer(bend)))
+
+
+def test_a_tree_policys_values_outside_the_protocol_stop_the_run():
+    @dataclasses.dataclass(frozen=True)
+    class BentTree(jspec.ExactGreedy):
+        def accept_tree(self, *args, **kw):
+            node, n, nxt = super().accept_tree(*args, **kw)
+            return node + 100, n, nxt  # past the tree's nodes
+
+    with pytest.raises(ValueError, match=r"accept_tree: node in \[0, nodes\]"):
+        jspec.speculative_generate(
+            _model(), jspec.ModelDrafter(_model()), _p(),
+            jspec.SpecConfig(max_new_tokens=4, policy=BentTree(),
+                             tree=jspec.TreeConfig(branching=(2, 1))))
+
+
 def test_a_tree_call_must_describe_its_tokens():
     # Before: on pallas a TreeInput of 4 nodes with 3 (or 5) tokens ran, each token at
     # another node's position, and returned [B, T, V] logits without a word (on xla: a
