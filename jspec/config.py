@@ -4,12 +4,15 @@
 treedef of `Model`), so every field is a plain immutable Python value. It
 describes the architecture only; how the forward runs is `jspec.options`.
 
-Supported families: Llama 3 (`llama`, with `llama3` RoPE scaling), Qwen3
-(`qwen3`, per-head q/k RMSNorm) and Gemma 3 text (`gemma3_text`: embedding
-scale, `(1 + w)` RMSNorm, four norms per layer, sliding-window layers with their
-own RoPE base, optional attention and final softcapping, gelu-tanh MLP). The
-official multimodal Gemma 3 directories (`gemma3`, Gemma3ForConditionalGeneration)
-give their text model: `from_hf_config` reads their `text_config`.
+Supported families: Llama 3 (`llama`, with `llama3` RoPE scaling), Mistral (`mistral`:
+Llama's layers, an optional sliding window on every layer), Qwen2 / Qwen2.5 (`qwen2`:
+q/k/v biases), Qwen3 (`qwen3`, per-head q/k RMSNorm), Gemma 2 (`gemma2`: Gemma 3's layers
+without q/k norms, one RoPE base, attention and final softcapping) and Gemma 3 text
+(`gemma3_text`: embedding scale, `(1 + w)` RMSNorm, four norms per layer,
+sliding-window layers with their own RoPE base, optional final softcapping, gelu-tanh
+MLP). The official multimodal Gemma 3 directories (`gemma3`,
+Gemma3ForConditionalGeneration) give their text model: `from_hf_config` reads their
+`text_config`.
 
 Mixtures of experts: Qwen3-MoE (`qwen3_moe`: Qwen3's attention with q/k norms; a layer
 is sparse when it is not in `mlp_only_layers` and (i + 1) % `decoder_sparse_step` == 0,
@@ -27,8 +30,8 @@ import math
 import numbers
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "qwen3_moe",
-                         "mixtral")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text",
+                         "qwen3_moe", "mixtral")
 # Multimodal wrappers whose text model jspec loads: model_type -> the text model's type.
 TEXT_OF_MULTIMODAL = {"gemma3": "gemma3_text"}
 DTYPES = ("float32", "bfloat16")
@@ -64,7 +67,8 @@ class ModelConfig:
     `jspec.KernelOptions` and `jspec.DraftOptions`.
 
     Attributes:
-      family: "llama", "mistral", "qwen2", "qwen3", "gemma3", "qwen3_moe" or "mixtral".
+      family: "llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "qwen3_moe" or
+        "mixtral".
       vocab_size, hidden_size, intermediate_size, num_layers: the usual sizes.
       num_heads, num_kv_heads, head_dim: grouped-query attention's shape.
       rms_eps: RMSNorm epsilon.
@@ -410,19 +414,37 @@ def _from_hf_config(hf: Any, dtype: str, source: str | None) -> ModelConfig:
             qkv_bias=model_type == "qwen2",  # Qwen2's q/k/v projections always have one
             **common,
         )
-    # gemma3_text
+    # gemma2, gemma3_text
     act = _get(hf, "hidden_activation", "gelu_pytorch_tanh")
     if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
-        raise UnsupportedModelError(f"gemma3_text: hidden_activation={act!r} is not supported")
+        raise UnsupportedModelError(f"{model_type}: hidden_activation={act!r} is not supported")
     if _get(hf, "use_bidirectional_attention", False):
         raise UnsupportedModelError(
-            "gemma3_text: use_bidirectional_attention=True is not supported")
+            f"{model_type}: use_bidirectional_attention=True is not supported")
     layer_types = list(_get(hf, "layer_types", []))
     if len(layer_types) != num_layers:
-        raise UnsupportedModelError(f"gemma3_text: {len(layer_types)=} != {num_layers=}")
+        raise UnsupportedModelError(f"{model_type}: {len(layer_types)=} != {num_layers=}")
     unknown = set(layer_types) - {"sliding_attention", "full_attention"}
     if unknown:
-        raise UnsupportedModelError(f"gemma3_text: unknown layer_types {sorted(unknown)}")
+        raise UnsupportedModelError(f"{model_type}: unknown layer_types {sorted(unknown)}")
+    if model_type == "gemma2":  # one RoPE table; softcapped scores (transformers applies it)
+        return ModelConfig(
+            family="gemma2",
+            rope=rope_spec(rope_params, _get(hf, "rope_theta", None), model_type),
+            rope_local=None,
+            sliding_window=int(_get(hf, "sliding_window", 0)),
+            layer_sliding=tuple(t == "sliding_attention" for t in layer_types),
+            qk_norm=False,
+            norm_offset=1.0,
+            sandwich_norms=True,
+            attn_scale=_checked_float("query_pre_attn_scalar",
+                                      hf.query_pre_attn_scalar) ** -0.5,
+            embed_scale=float(hf.hidden_size) ** 0.5,
+            attn_softcap=_float_or_none(_get(hf, "attn_logit_softcapping", None)),
+            final_softcap=_float_or_none(_get(hf, "final_logit_softcapping", None)),
+            activation="gelu_tanh",
+            **common,
+        )
     rope_params = rope_params or {}
     return ModelConfig(
         family="gemma3",

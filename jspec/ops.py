@@ -12,8 +12,8 @@ returned `Ops`; it never calls jnp reductions itself. Two backends:
   function of the feature/weight shapes only (rules R1-R3 in the design).
   `KernelOptions.lowering` picks the GPU lowering: "triton" (every kernel through
   Pallas's Triton backend) or "mosaic" (`matmul`, `matmul_glu`, `rmsnorm`, `add_norm`,
-  `rope`, `qk_norm_rope`, `attention`, `tree_attention`, the grouped expert kernels
-  and routing through Mosaic GPU, `pallas_kernels/mosaic/`, for the shapes each takes,
+  `rope`, `qk_norm_rope`, `attention`, `tree_attention`, `softcap`, the grouped expert
+  kernels and routing through Mosaic GPU, `pallas_kernels/mosaic/`, for the shapes each takes,
   decided by shapes and options alone; every other kernel, `matmul_partials` included,
   stays on Triton for now).
 
@@ -280,6 +280,7 @@ def get_ops(backend: str, interpret: bool = False, lowering: str = "triton") -> 
         from pallas_kernels.mosaic.norms import rmsnorm as mosaic_rmsnorm
         from pallas_kernels.mosaic.qk_rope import qk_norm_rope as mosaic_qk_norm_rope
         from pallas_kernels.mosaic.qk_rope import rope as mosaic_rope
+        from pallas_kernels.mosaic.softcap import softcap as mosaic_softcap
 
         return ops._replace(
             matmul=p(mosaic_matmul, interpret=interpret),
@@ -289,6 +290,7 @@ def get_ops(backend: str, interpret: bool = False, lowering: str = "triton") -> 
             qk_norm_rope=_by_head_dim(p(mosaic_qk_norm_rope, interpret), ops.qk_norm_rope),
             qk_norm_rope_kv=None,  # Mosaic GPU's q/k kernel writes no cache
             matmul_glu=p(mosaic_matmul_glu, interpret=interpret),
+            softcap=p(mosaic_softcap, interpret=interpret),
             attention=_attention_by_shape(p(mosaic_attention.attention, interpret),
                                           ops.attention),
             attention_counted=_attention_by_shape(p(mosaic_attention.attention, interpret),

@@ -49,6 +49,13 @@ PRESETS: dict[str, dict] = {
                         global_every=2, qk_norm=True, norm_offset=1.0, sandwich_norms=True,
                         embed_scale=8.0, activation="gelu_tanh", tie_embeddings=True,
                         final_softcap=30.0),
+    # Gemma 2 9B: sliding (window 4096) and global layers alternating, softcaps 50 / 30.
+    "gemma2-9b": dict(family="gemma2", vocab_size=256000, hidden_size=3584,
+                      intermediate_size=14336, num_layers=42, num_heads=16, num_kv_heads=8,
+                      head_dim=256, rope=RopeSpec(1e4), sliding_window=4096, global_every=2,
+                      qk_norm=False, norm_offset=1.0, sandwich_norms=True,
+                      embed_scale=3584**0.5, activation="gelu_tanh", tie_embeddings=True,
+                      attn_softcap=50.0, final_softcap=30.0, max_position=8192),
     # Gemma 3 4B text tower: 5 sliding layers (window 1024) per global layer.
     "gemma3-4b": dict(family="gemma3", vocab_size=262208, hidden_size=2560,
                       intermediate_size=10240, num_layers=34, num_heads=8, num_kv_heads=4,
@@ -105,7 +112,7 @@ def preset_config(name: str, *, num_layers: int | None = None,
     dense = kw.pop("mlp_only_layers", ())
     if kw.get("num_experts"):  # sparse layers: all but mlp_only_layers (Qwen3-MoE's name)
         kw["layer_experts"] = tuple(i not in dense for i in range(L))
-    if kw["family"] == "gemma3":
+    if kw["family"] in ("gemma2", "gemma3"):
         kw["layer_sliding"] = tuple((i + 1) % every != 0 for i in range(L))
         kw["attn_scale"] = 256**-0.5  # query_pre_attn_scalar
     else:  # a window (Mistral, Mixtral) is on every layer

@@ -33,7 +33,7 @@ def test_random_preset_round_trip_bitwise(preset, tmp_path):
     _assert_same(model, jspec.load_hf(str(tmp_path), dtype="bfloat16", interpret=True))
 
 
-@pytest.mark.parametrize("name", ["llama3", "qwen3", "gemma3", "mistral", "qwen2"])
+@pytest.mark.parametrize("name", ["llama3", "qwen3", "gemma3", "mistral", "qwen2", "gemma2"])
 def test_fixture_checkpoint_round_trip_bitwise(name, tmp_path):
     model = jspec.load_hf(fixture_path(name), dtype="float32", interpret=True)
     save_hf_dir(model.config, model.params, str(tmp_path))
@@ -47,7 +47,7 @@ def test_real_shape_configs_convert():
     from jspec.random_model import preset_config
 
     for name in ("qwen3-8b", "qwen3-0.6b", "llama3-8b", "gemma3-4b", "mistral-7b",
-                 "qwen2.5-7b"):
+                 "qwen2.5-7b", "gemma2-9b"):
         cfg = preset_config(name)
         d = hf_config_dict(cfg)
         hf = AutoConfig.for_model(d.pop("model_type"), **d)

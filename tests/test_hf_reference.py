@@ -15,8 +15,8 @@ BACKENDS = ("xla", "pallas")
 # gemma3_mm: a multimodal Gemma 3 checkpoint (Gemma3ForConditionalGeneration), its text
 # model read out of it; that class applies no final softcap where its text_config sets one.
 # mistral: Llama with one sliding window on every layer (the dense draft of a Mixtral);
-# qwen2: q/k/v biases.
-ALL = FAMILIES + ("mistral", "qwen2") + MOE_FAMILIES + ("gemma3_mm",)
+# qwen2: q/k/v biases; gemma2: softcapped attention scores.
+ALL = FAMILIES + ("mistral", "qwen2", "gemma2") + MOE_FAMILIES + ("gemma3_mm",)
 
 
 def full_sequence(name):
@@ -99,6 +99,13 @@ def test_qwen2_biases_are_read():
     cfg, lp = model.config, model.params["layers"][0]
     assert cfg.family == "qwen2" and cfg.qkv_bias and not cfg.qk_norm and cfg.tie_embeddings
     assert lp["bqkv"].shape == (cfg.q_size + 2 * cfg.kv_size,) and np.abs(lp["bqkv"]).min() > 0
+
+
+def test_gemma2_features_are_read():
+    cfg = load("gemma2", "xla").config
+    assert cfg.family == "gemma2" and cfg.attn_softcap == 5.0 and cfg.final_softcap == 30.0
+    assert cfg.layer_sliding == (True, False, True) and cfg.rope_local is None
+    assert cfg.sandwich_norms and not cfg.qk_norm and cfg.attn_scale == 24**-0.5
 
 
 def test_moe_features_are_read():

@@ -169,6 +169,10 @@ def test_ops_dispatch_by_lowering():
 
     assert kernel(triton.route) is triton_route.route_kernel
     assert kernel(mosaic.matmul_partials) is kernel(triton.matmul_partials)  # still Triton
+    from pallas_kernels.mosaic import softcap as mosaic_softcap
+
+    assert kernel(mosaic.softcap) is mosaic_softcap.softcap
+    assert kernel(triton.softcap) is not mosaic_softcap.softcap
     # Attention by head size, dtype and split: Mosaic GPU where it takes them, else Triton.
     q, kv = jnp.zeros((1, 1, 4, 32), jnp.bfloat16), jnp.zeros((1, 2, 64, 32), jnp.bfloat16)
     pos, w = jnp.zeros((1, 1), jnp.int32), jnp.int32(0)
@@ -333,7 +337,8 @@ def test_model_forward_lowers_with_mosaic_kernels_only(h200, tree):
     ("qwen3-30b-a3b", 1, 2048, 4096, False),
     ("qwen3-0.6b", 1, 8, 256, True),  # a tree
     ("qwen2.5-7b", 1, 5, 256, False),  # q/k/v biases (an f32 product), 32 / 8 heads
-    ("mistral-7b", 1, 1, 256, False)])
+    ("mistral-7b", 1, 1, 256, False),
+    ("gemma2-9b", 1, 5, 256, False)])  # softcapped attention scores
 def test_every_family_lowers_with_mosaic_kernels_only(h200, preset, batch, T, max_len, tree):
     import warnings
 
@@ -359,6 +364,35 @@ def test_every_family_lowers_with_mosaic_kernels_only(h200, preset, batch, T, ma
         text = _lower(fn, model, jax.ShapeDtypeStruct((batch, T), jnp.int32), cache)
     assert text.count("custom_call @mosaic_gpu") >= 7
     assert "__gpu$xla.gpu.triton" not in text
+
+
+# --------------------------------------------------------------------------- softcap
+
+
+@pytest.mark.parametrize("m,n", [(1, 256), (3, 5000), (17, 4096)])
+def test_softcap_is_the_formula_and_keeps_rows(m, n):
+    # Gemma's final logits: every element alone, whatever the rows and columns beside it.
+    from pallas_kernels.mosaic.softcap import softcap, softcap_reference
+
+    x = jax.random.normal(jax.random.key(m), (m, n), jnp.float32) * 40.0
+    y = softcap(x, 30.0, interpret=True)
+    assert y.shape == (m, n) and float(jnp.max(jnp.abs(y))) <= 30.0
+    np.testing.assert_allclose(np.asarray(y), np.asarray(softcap_reference(x, 30.0)),
+                               rtol=1e-6, atol=1e-5)
+    for r in {0, m - 1}:
+        alone = softcap(x[r:r + 1, : n - 7], 30.0, interpret=True)  # another row count, N
+        assert np.array_equal(np.asarray(alone[0]).view(np.uint32),
+                              np.asarray(y[r, : n - 7]).view(np.uint32))
+    with pytest.raises(ValueError, match="float32"):
+        softcap(x.astype(jnp.bfloat16), 30.0, interpret=True)
+
+
+def test_softcap_lowers_for_cuda():
+    from pallas_kernels.mosaic.softcap import softcap
+
+    text = _lower(functools.partial(softcap, cap=30.0),
+                  jax.ShapeDtypeStruct((16, 256000), jnp.float32))
+    assert text.count("custom_call @mosaic_gpu") == 1 and "triton" not in text
 
 
 # --------------------------------------------------------------------------- q/k norm, RoPE

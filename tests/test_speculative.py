@@ -27,7 +27,7 @@ def _prompts(name):
 def _poor_draft(name):
     # Another family's tiny model with the same vocabulary: mostly rejected.
     other = {"qwen3": "llama3", "llama3": "gemma3", "gemma3": "qwen3", "mistral": "llama3",
-             "qwen2": "qwen3"}[name]
+             "qwen2": "qwen3", "gemma2": "gemma3"}[name]
     return jspec.ModelDrafter(load(other, "pallas"))
 
 
@@ -58,6 +58,7 @@ CASES = [  # (gamma, family, drafter): every gamma 1..8, every drafter, every fa
     pytest.param(4, "gemma3", "perfect", marks=_slow),
     (3, "mistral", "oracle+draft"),  # every layer windowed (16 keys), a 36-token context
     (4, "qwen2", "oracle"),  # q/k/v biases
+    (3, "gemma2", "lookup"),  # softcapped attention scores
 ]
 
 

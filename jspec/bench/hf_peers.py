@@ -29,6 +29,7 @@ ARCHITECTURES = {"llama": ("llama", "LlamaForCausalLM"),
                  "mistral": ("mistral", "MistralForCausalLM"),
                  "qwen2": ("qwen2", "Qwen2ForCausalLM"),
                  "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+                 "gemma2": ("gemma2", "Gemma2ForCausalLM"),
                  "gemma3": ("gemma3_text", "Gemma3ForCausalLM")}
 
 
@@ -64,9 +65,9 @@ def hf_config_dict(cfg) -> dict:
         else:
             d["use_sliding_window"] = False
         return d
-    # gemma3_text: the embedding scale is always sqrt(hidden) in transformers.
+    # gemma2, gemma3_text: the embedding scale is always sqrt(hidden) in transformers.
     if cfg.embed_scale != float(cfg.hidden_size) ** 0.5:
-        raise ValueError(f"gemma3: embed_scale {cfg.embed_scale} != sqrt(hidden_size); "
+        raise ValueError(f"{cfg.family}: embed_scale {cfg.embed_scale} != sqrt(hidden_size); "
                          "transformers cannot express it")
     scalar = cfg.attn_scale**-2.0
     if float(round(scalar)) ** -0.5 == cfg.attn_scale:
@@ -75,10 +76,13 @@ def hf_config_dict(cfg) -> dict:
           "sliding_window": cfg.sliding_window,
           "layer_types": ["sliding_attention" if s else "full_attention"
                           for s in cfg.layer_sliding],
-          "rope_parameters": {"full_attention": _rope(cfg.rope),
+          "final_logit_softcapping": cfg.final_softcap, "use_bidirectional_attention": False}
+    if cfg.family == "gemma2":
+        return d | {"rope_parameters": _rope(cfg.rope),
+                    "attn_logit_softcapping": cfg.attn_softcap}
+    d |= {"rope_parameters": {"full_attention": _rope(cfg.rope),
                               "sliding_attention": _rope(cfg.rope_local or cfg.rope)},
-          "final_logit_softcapping": cfg.final_softcap, "attn_logit_softcapping": None,
-          "use_bidirectional_attention": False}
+          "attn_logit_softcapping": None}
     return d
 
 
