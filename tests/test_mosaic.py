@@ -336,7 +336,7 @@ def test_model_forward_lowers_with_mosaic_kernels_only(h200, tree):
     ("mixtral-8x7b", 8, 5, 256, False),  # experts, a batch's verify
     ("qwen3-30b-a3b", 1, 2048, 4096, False),
     ("qwen3-0.6b", 1, 8, 256, True),  # a tree
-    ("qwen2.5-7b", 1, 5, 256, False),  # q/k/v biases (an f32 product), 32 / 8 heads
+    ("qwen2.5-7b", 1, 5, 256, False),  # q/k/v biases (an f32 product), 28 + 4 + 4 heads
     ("mistral-7b", 1, 1, 256, False),
     ("gemma2-9b", 1, 5, 256, False)])  # softcapped attention scores
 def test_every_family_lowers_with_mosaic_kernels_only(h200, preset, batch, T, max_len, tree):
@@ -348,8 +348,6 @@ def test_every_family_lowers_with_mosaic_kernels_only(h200, preset, batch, T, ma
     from jspec.tree import from_parents
 
     cfg = preset_config(preset, num_layers=2)
-    if preset == "qwen2.5-7b":  # its 28 + 4 q/k heads take the Triton q/k kernel (`takes`)
-        cfg = cfg.replace(num_heads=32, num_kv_heads=8)
     model = Model(config=cfg, params=jax.eval_shape(lambda: random_params(cfg)))
     model = model.replace(options=model.options.replace(lowering="mosaic"))
     cache = jax.eval_shape(lambda: init_cache(model, batch, max_len))
@@ -408,6 +406,7 @@ def _qk_inputs(m, heads, d, norm, seed=0):
 @pytest.mark.parametrize("nq,nk,nv,d,norm,offset", [
     (32, 8, 8, 128, True, 0.0),  # Qwen3-8B: one block of 64 heads, v heads read, not stored
     (64, 8, 8, 128, False, 0.0),  # two head blocks, the last past the input's end
+    (28, 4, 4, 128, False, 0.0),  # Qwen2.5-7B: 36 heads, padded to 40 for the TMA copy
     pytest.param(8, 4, 4, 256, True, 1.0, marks=_SLOW),  # Gemma 3: head_dim 256
     pytest.param(4, 2, 2, 64, True, 1.0, marks=_SLOW)])
 def test_qk_norm_rope_is_the_formula_and_keeps_rows(nq, nk, nv, d, norm, offset):
@@ -440,7 +439,7 @@ def test_rope_and_bad_head_sizes():
     np.testing.assert_allclose(_f32(rope(x, cos, sin, interpret=True)),
                                _f32(rope_reference(x, cos, sin)), rtol=1e-2, atol=1e-2)
     ops = get_ops("pallas", True, "mosaic")
-    for heads, d in ((4, 12), (12, 64)):  # halves of 6; 12 heads: the Triton kernels take them
+    for heads, d in ((4, 12), (12, 8)):  # halves of 6, 4: the Triton kernels take them
         odd, _, _, c, s = _qk_inputs(2, heads, d, False)
         with pytest.raises(ValueError, match="head_dim with halves of 8-256"):
             rope(odd, c, s, interpret=True)
@@ -448,10 +447,11 @@ def test_rope_and_bad_head_sizes():
                                       _f32(get_ops("pallas", True, "triton").rope(odd, c, s)))
 
 
-@pytest.mark.parametrize("m,nq,nk,d", [(1, 32, 8, 128), (17, 32, 4, 128), (2, 8, 4, 256)])
+@pytest.mark.parametrize("m,nq,nk,d", [(1, 32, 8, 128), (17, 32, 4, 128), (2, 8, 4, 256),
+                                        (1, 28, 4, 128)])
 def test_qk_norm_rope_lowers_for_cuda(m, nq, nk, d):
     # Qwen3-8B, Qwen3-30B-A3B (36 q and k heads: the output's heads rounded up to 40),
-    # Gemma-3-4B (12: to 16)
+    # Gemma-3-4B (12: to 16), Qwen2.5-7B (36 input heads padded to 40)
     qkv = jax.ShapeDtypeStruct((m, nq + 2 * nk, d), jnp.bfloat16)
     w = jax.ShapeDtypeStruct((d,), jnp.bfloat16)
     t = jax.ShapeDtypeStruct((m, d // 2), jnp.float32)

@@ -9,7 +9,9 @@ blocks), so the row count changes only the grid (R1) and no row's arithmetic see
 another row (R2). The heads' halves go by TMA from the [M, heads, 2, D/2] view of the
 input into two [64, D/2] tiles (heads past the input's end are zero-filled, heads past
 the output's end are never stored; a TMA copy's tiled dimension, the heads, holds at most
-8 or a multiple of 8, so the output's heads are rounded up to 8 and sliced), and are
+8 or a multiple of 8, so the output's heads are rounded up to 8 and sliced, and an input
+of another head count (Qwen2.5-7B's 28 + 4 + 4) is padded with zero heads first: each
+head's arithmetic is its own, so the padding changes no real head's bits), and are
 loaded in the warpgroup MMA register layout, whose row reduction has a fixed order per
 row, a function of D only: the sum of squares is each half's row sum, added (this
 lowering's own order, R11). The scaling is `qk_rope.py`'s, rounded to the dtype in the
@@ -27,6 +29,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels._common import pad_axis
 from pallas_kernels.qk_rope import _check, qk_norm_rope_reference
 from pallas_kernels.rope import _check_shapes, rope_reference
 
@@ -38,12 +41,17 @@ HEADS = 64  # heads a program: the rows of one warpgroup MMA tile
 
 def takes(heads: int, head_dim: int) -> bool:
     """Whether this lowering takes an input of `heads` heads of `head_dim`: halves of a
-    multiple of 8 elements (TMA moves rows of >= 16 bytes; the register layout's columns),
-    at most 256 (one TMA box), and at most 8 heads or a multiple of 8 (a TMA copy's tiled
-    dimension). Other inputs take the Triton kernels."""
+    multiple of 8 elements (TMA moves rows of >= 16 bytes; the register layout's columns)
+    and at most 256 (one TMA box); any head count (padded to a multiple of 8 past 8).
+    Other inputs take the Triton kernels."""
+    del heads
     half = head_dim // 2
-    return (head_dim % 2 == 0 and half % 8 == 0 and 8 <= half <= 256
-            and (heads <= 8 or heads % 8 == 0))
+    return head_dim % 2 == 0 and half % 8 == 0 and 8 <= half <= 256
+
+
+def _tma_heads(n: int) -> int:
+    """n heads as a TMA copy's tiled dimension holds them: at most 8, or a multiple of 8."""
+    return n if n <= 8 else -(-n // 8) * 8
 
 
 def _kernel(x_gmem, w_gmem, cos_gmem, sin_gmem, o_gmem, x1_s, x2_s, w_s, c_s, s_s, o1_s,
@@ -93,9 +101,10 @@ def _launch(x, w, cos, sin, heads_out: int, *, eps: float, offset: float, num_q:
             norm: bool, interpret: bool, name: str) -> jax.Array:
     """x [M, Hin, D], w [2, D] (q's, k's) -> [M, heads_out, D]: the first heads_out heads,
     each normed (when `norm`) and rotated."""
+    x = pad_axis(x, 1, _tma_heads(x.shape[1]))  # zero heads, never stored (module doc)
     m, hin, d = x.shape
     half = d // 2
-    hout = heads_out if heads_out <= 8 else -(-heads_out // 8) * 8  # TMA's tiled dimension
+    hout = _tma_heads(heads_out)
     tile = plgpu.SMEM((HEADS, half), x.dtype)
     row = plgpu.SMEM((half,), jnp.float32)
     out = plgpu.kernel(
@@ -125,8 +134,7 @@ def qk_norm_rope(qkv: jax.Array, q_w: jax.Array | None, k_w: jax.Array | None,
     m, heads, d = qkv.shape
     if not takes(heads, d):
         raise ValueError(f"the Mosaic GPU qk_norm_rope takes head_dim with halves of 8-256 "
-                         f"elements in multiples of 8 and <= 8 or a multiple of 8 heads; got "
-                         f"{heads} heads of {d}")
+                         f"elements in multiples of 8; got {heads} heads of {d}")
     norm = q_w is not None
     w = jnp.stack([q_w, k_w]) if norm else jnp.zeros((2, d), qkv.dtype)
     if m == 0:
@@ -143,8 +151,7 @@ def rope(x: jax.Array, cos: jax.Array, sin: jax.Array, *, interpret: bool = Fals
     m, h, d = x.shape
     if not takes(h, d):
         raise ValueError(f"the Mosaic GPU rope takes head_dim with halves of 8-256 elements "
-                         f"in multiples of 8 and <= 8 or a multiple of 8 heads; got {h} "
-                         f"heads of {d}")
+                         f"in multiples of 8; got {h} heads of {d}")
     if m == 0:
         return x
     return _launch(x, jnp.zeros((2, d), x.dtype), cos, sin, h, eps=0.0, offset=0.0, num_q=h,
