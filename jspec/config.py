@@ -14,7 +14,9 @@ MLP). The official multimodal Gemma 3 directories (`gemma3`,
 Gemma3ForConditionalGeneration) give their text model: `from_hf_config` reads their
 `text_config`.
 
-Mixtures of experts: Qwen3-MoE (`qwen3_moe`: Qwen3's attention with q/k norms; a layer
+Mixtures of experts: Qwen2-MoE (`qwen2_moe`: Qwen2's attention, Qwen3-MoE's routing and
+layers, plus a shared expert a sparse layer adds under a sigmoid gate), Qwen3-MoE
+(`qwen3_moe`: Qwen3's attention with q/k norms; a layer
 is sparse when it is not in `mlp_only_layers` and (i + 1) % `decoder_sparse_step` == 0,
 the others keep a dense MLP of `intermediate_size`; experts of `moe_intermediate_size`;
 softmax over all experts, top k, renormalised over the k when `norm_topk_prob`; no
@@ -31,7 +33,7 @@ import numbers
 from typing import Any
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text",
-                         "qwen3_moe", "mixtral")
+                         "qwen2_moe", "qwen3_moe", "mixtral")
 # Multimodal wrappers whose text model jspec loads: model_type -> the text model's type.
 TEXT_OF_MULTIMODAL = {"gemma3": "gemma3_text"}
 DTYPES = ("float32", "bfloat16")
@@ -67,8 +69,8 @@ class ModelConfig:
     `jspec.KernelOptions` and `jspec.DraftOptions`.
 
     Attributes:
-      family: "llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "qwen3_moe" or
-        "mixtral".
+      family: "llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "qwen2_moe",
+        "qwen3_moe" or "mixtral".
       vocab_size, hidden_size, intermediate_size, num_layers: the usual sizes.
       num_heads, num_kv_heads, head_dim: grouped-query attention's shape.
       rms_eps: RMSNorm epsilon.
@@ -94,6 +96,9 @@ class ModelConfig:
       layer_experts: per layer, True if its MLP is a mixture of experts (empty: none is).
       qkv_bias: q, k and v projections carry a bias (Qwen2), added in f32 to the f32
         product before its one rounding to the dtype.
+      shared_expert_size: a sparse layer's shared expert's width (Qwen2-MoE; 0: none): a
+        GLU MLP every token runs, scaled by sigmoid(x @ its gate) and added to the routed
+        experts' sum.
     """
 
     family: str
@@ -126,6 +131,7 @@ class ModelConfig:
     norm_topk_prob: bool = False
     layer_experts: tuple[bool, ...] = ()
     qkv_bias: bool = False
+    shared_expert_size: int = 0
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -151,6 +157,10 @@ class ModelConfig:
         check_rope(self.rope, "rope")
         if self.rope_local is not None:
             check_rope(self.rope_local, "rope_local")
+        _at_least_int("shared_expert_size", self.shared_expert_size, 0)
+        if self.shared_expert_size and not any(self.layer_experts):
+            raise ValueError(f"shared_expert_size={self.shared_expert_size} needs sparse "
+                             "layers (layer_experts)")
         if self.layer_experts and len(self.layer_experts) != self.num_layers:
             raise ValueError(f"{len(self.layer_experts)=} != {self.num_layers=}")
         if any(self.layer_experts) and not (
@@ -386,7 +396,7 @@ def _from_hf_config(hf: Any, dtype: str, source: str | None) -> ModelConfig:
         dtype=dtype,
     )
     rope_params = _get(hf, "rope_parameters", None)
-    if model_type in ("qwen3_moe", "mixtral"):
+    if model_type in ("qwen2_moe", "qwen3_moe", "mixtral"):
         return _moe_config(hf, model_type, common)
     if model_type in ("llama", "mistral", "qwen2", "qwen3"):
         act = _get(hf, "hidden_act", "silu")
@@ -471,34 +481,39 @@ def _from_hf_config(hf: Any, dtype: str, source: str | None) -> ModelConfig:
     )
 
 
-# Config fields of MoE families jspec does not implement: shared experts (Qwen2-MoE,
-# DeepSeek). Qwen3-MoE has none; a config that asks for them is refused, not ignored.
+# Config fields of shared experts. jspec implements Qwen2-MoE's (one, sigmoid-gated);
+# any other family's (DeepSeek's) is refused, not ignored.
 SHARED_EXPERT_FIELDS = ("shared_expert_intermediate_size", "n_shared_experts",
                         "num_shared_experts")
 
 
 def _moe_config(hf: Any, model_type: str, common: dict) -> ModelConfig:
-    """qwen3_moe and mixtral: the dense families' attention and a mixture of experts."""
+    """qwen2_moe, qwen3_moe and mixtral: the dense families' attention and a mixture of
+    experts."""
     act = _get(hf, "hidden_act", "silu")
     if act != "silu":
         raise UnsupportedModelError(f"{model_type}: hidden_act={act!r} is not supported")
+    shared = int(_get(hf, "shared_expert_intermediate_size", 0)) if model_type == "qwen2_moe" \
+        else 0
     for name in SHARED_EXPERT_FIELDS:
-        if _get(hf, name, 0):
+        if _get(hf, name, 0) and not (model_type == "qwen2_moe"
+                                      and name == "shared_expert_intermediate_size"):
             raise UnsupportedModelError(
                 f"{model_type}: {name}={_get(hf, name)} asks for shared experts, which jspec "
-                "does not implement (Qwen3-MoE and Mixtral have none)")
+                "implements for Qwen2-MoE only (Qwen3-MoE and Mixtral have none)")
     L = common["num_layers"]
-    if model_type == "qwen3_moe":
+    if model_type in ("qwen2_moe", "qwen3_moe"):
         _no_sliding_layers(hf, model_type)
         num_experts = int(_get(hf, "num_experts", 0))
         step = int(_get(hf, "decoder_sparse_step", 1))
         dense = {int(i) for i in _get(hf, "mlp_only_layers", [])}
         if step < 1:
-            raise UnsupportedModelError(f"qwen3_moe: decoder_sparse_step={step}; expected >= 1")
+            raise UnsupportedModelError(f"{model_type}: decoder_sparse_step={step}; expected "
+                                        ">= 1")
         bad = sorted(i for i in dense if not 0 <= i < L)
         if bad:
-            raise UnsupportedModelError(f"qwen3_moe: mlp_only_layers {bad} are outside the "
-                                        f"{L} layers")
+            raise UnsupportedModelError(f"{model_type}: mlp_only_layers {bad} are outside "
+                                        f"the {L} layers")
         experts = tuple(num_experts > 0 and i not in dense and (i + 1) % step == 0
                         for i in range(L))
         expert_size = int(hf.moe_intermediate_size)
@@ -517,6 +532,8 @@ def _moe_config(hf: Any, model_type: str, common: dict) -> ModelConfig:
     head_dim = common["head_dim"]
     return ModelConfig(
         family=model_type,
+        qkv_bias=model_type == "qwen2_moe" and bool(_get(hf, "qkv_bias", True)),
+        shared_expert_size=shared if any(experts) else 0,
         rope=rope_spec(_get(hf, "rope_parameters", None), _get(hf, "rope_theta", None),
                        model_type),
         rope_local=None,

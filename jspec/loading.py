@@ -347,6 +347,22 @@ def qwen3_moe_experts(cfg: ModelConfig, reader: TensorReader, get, lp: str) -> d
                                      lambda e: f"{ex}{e}.down_proj.weight"))
 
 
+def qwen2_moe_experts(cfg: ModelConfig, reader: TensorReader, get, lp: str) -> dict:
+    """A Qwen2-MoE sparse layer: Qwen3-MoE's router and experts, and its shared expert
+    `mlp.shared_expert.{gate,up,down}_proj` (w_shared_gate_up [D, 2Fs], w_shared_down
+    [Fs, D]) with its gate `mlp.shared_expert_gate.weight` (w_shared_gate [D, 1])."""
+    D, Fs = cfg.hidden_size, cfg.shared_expert_size
+    se = lp + "mlp.shared_expert."
+    return qwen3_moe_experts(cfg, reader, get, lp) | {
+        "w_shared_gate_up": np.ascontiguousarray(np.concatenate(
+            [get(se + "gate_proj.weight", (Fs, D)).T, get(se + "up_proj.weight", (Fs, D)).T],
+            axis=1)),
+        "w_shared_down": np.ascontiguousarray(get(se + "down_proj.weight", (D, Fs)).T),
+        "w_shared_gate": np.ascontiguousarray(get(lp + "mlp.shared_expert_gate.weight",
+                                                  (1, D)).T),
+    }
+
+
 def mixtral_experts(cfg: ModelConfig, reader: TensorReader, get, lp: str) -> dict:
     """A Mixtral layer: `block_sparse_moe.gate.weight`, `block_sparse_moe.experts.{e}.
     {w1,w3,w2}` (gate, up, down; as transformers saves them) or transformers 5's fused
@@ -361,7 +377,8 @@ def mixtral_experts(cfg: ModelConfig, reader: TensorReader, get, lp: str) -> dic
 
 
 # family -> the loader of a sparse layer's router and experts.
-MOE_LAYERS = {"qwen3_moe": qwen3_moe_experts, "mixtral": mixtral_experts}
+MOE_LAYERS = {"qwen2_moe": qwen2_moe_experts, "qwen3_moe": qwen3_moe_experts,
+              "mixtral": mixtral_experts}
 
 
 # ------------------------------------------------------------------- unused tensors

@@ -343,9 +343,10 @@ def moe_block(ops, model: Model, lp, h, rows: int):
     expert = ids.reshape(-1)  # [M k]: row r's slots at r*k .. r*k + k - 1
     layout_kernel = bool(opt.moe_layout_kernel)  # None: the default, off
     if opt.fuse_glu and opt.backend == "pallas" and opt.moe_combine_kernel:
-        return ops.grouped_mlp_combine(x, lp["w_gate_up"], lp["w_down"], expert, weights,
-                                       activation=cfg.activation, rows_out=Mp,
-                                       layout_kernel=layout_kernel)  # [Mp, D]
+        out = ops.grouped_mlp_combine(x, lp["w_gate_up"], lp["w_down"], expert, weights,
+                                      activation=cfg.activation, rows_out=Mp,
+                                      layout_kernel=layout_kernel)  # [Mp, D]
+        return shared_expert(ops, model, lp, h, out)
     if opt.fuse_glu and opt.backend == "pallas":  # one layout for both grouped kernels
         y = ops.grouped_mlp(x, lp["w_gate_up"], lp["w_down"], expert,
                             activation=cfg.activation,
@@ -357,7 +358,23 @@ def moe_block(ops, model: Model, lp, h, rows: int):
         a = ops.glu(gate, up, activation=cfg.activation)  # [M k, Fe]
         y = ops.grouped_matmul(a, lp["w_down"], expert, out_dtype=jnp.float32)  # [M k, D]
     out = combine(y.reshape(rows, k, D), weights).astype(h.dtype)  # [M, D]
-    return pad_axis(out, 0, Mp)  # [Mp, D]: the padding rows stay exact zeros
+    out = pad_axis(out, 0, Mp)  # [Mp, D]: the padding rows stay exact zeros
+    return shared_expert(ops, model, lp, h, out)
+
+
+def shared_expert(ops, model: Model, lp, h, routed):
+    """A Qwen2-MoE sparse layer's shared expert over all Mp rows of h (a dense GLU MLP,
+    `mlp_block`'s kernels): routed + sigmoid(h @ w_shared_gate) * its output, in
+    transformers' roundings (`ops.shared_gate`: the sigmoid in a kernel, row-local).
+    Zero padding rows stay zeros. Without one (`shared_expert_size` 0): routed."""
+    if not model.config.shared_expert_size:
+        return routed
+    shared = mlp_block(ops, model, {"w_gate_up": lp["w_shared_gate_up"],
+                                    "w_down": lp["w_shared_down"]}, h)  # [Mp, D]
+    opt = model.options
+    gate = ops.matmul(h, lp["w_shared_gate"], out_dtype=h.dtype,
+                      row_group=opt.matmul_row_group, schedule=opt.matmul_schedule)  # [Mp, 1]
+    return ops.shared_gate(routed, shared, gate)
 
 
 def with_options(model: Model, *options: KernelOptions | DraftOptions, **fields) -> Model:

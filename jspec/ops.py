@@ -53,6 +53,7 @@ from pallas_kernels.qk_rope import qk_norm_rope, qk_norm_rope_kv, qk_norm_rope_r
 from pallas_kernels.rmsnorm import rmsnorm, rmsnorm_reference
 from pallas_kernels.rope import rope, rope_reference
 from pallas_kernels.route import route, route_kernel
+from pallas_kernels.shared_gate import shared_gate, shared_gate_reference
 from pallas_kernels.softcap import softcap, softcap_reference
 from pallas_kernels.tree_attention import tree_attention, tree_attention_xla
 
@@ -100,7 +101,9 @@ class Ops(NamedTuple):
     route(router_logits [M,E] f32, k, norm_topk_prob) -> (weights [M,k] f32, ids [M,k]
       int32): top-k routing, ties to the lowest id, row-local (R9): `route_kernel` (one
       launch; `mosaic.route.route_kernel` on Mosaic GPU) on pallas, `route` (plain jnp,
-      its reference) on xla."""
+      its reference) on xla;
+    shared_gate(y [M,D], s [M,D], g [M,1]) -> y + sigmoid(g) * s in their dtype
+      (Qwen2-MoE's shared expert, transformers' roundings; sigmoid in a kernel on pallas)."""
 
     matmul: Callable
     matmul_partials: Callable
@@ -120,6 +123,7 @@ class Ops(NamedTuple):
     grouped_mlp: Callable
     grouped_mlp_combine: Callable
     route: Callable
+    shared_gate: Callable
     qk_norm_rope_kv: Callable | None = None
 
 
@@ -238,6 +242,7 @@ def get_ops(backend: str, interpret: bool = False, lowering: str = "triton") -> 
             grouped_mlp=grouped_mlp_reference,
             grouped_mlp_combine=grouped_mlp_combine_reference,
             route=route,
+            shared_gate=shared_gate_reference,
         )
     if backend == "pallas":
         def p(fn, interpret):
@@ -265,6 +270,7 @@ def get_ops(backend: str, interpret: bool = False, lowering: str = "triton") -> 
             grouped_mlp=p(grouped_mlp, interpret=interpret),
             grouped_mlp_combine=p(grouped_mlp_combine, interpret=interpret),
             route=p(route_kernel, interpret=interpret),
+            shared_gate=p(shared_gate, interpret=interpret),
             qk_norm_rope_kv=p(qk_norm_rope_kv, interpret=interpret),
         )
         if lowering == "triton":
@@ -280,6 +286,7 @@ def get_ops(backend: str, interpret: bool = False, lowering: str = "triton") -> 
         from pallas_kernels.mosaic.norms import rmsnorm as mosaic_rmsnorm
         from pallas_kernels.mosaic.qk_rope import qk_norm_rope as mosaic_qk_norm_rope
         from pallas_kernels.mosaic.qk_rope import rope as mosaic_rope
+        from pallas_kernels.mosaic.shared_gate import shared_gate as mosaic_shared_gate
         from pallas_kernels.mosaic.softcap import softcap as mosaic_softcap
 
         return ops._replace(
@@ -307,6 +314,7 @@ def get_ops(backend: str, interpret: bool = False, lowering: str = "triton") -> 
             grouped_mlp_combine=_experts_by_shape(p(mosaic_moe.grouped_mlp_combine, interpret),
                                                   ops.grouped_mlp_combine),
             route=_route_by_shape(p(mosaic_route.route_kernel, interpret), ops.route),
+            shared_gate=p(mosaic_shared_gate, interpret=interpret),
         )
     raise ValueError(f"{backend=}; expected 'xla' or 'pallas'")
 

@@ -79,6 +79,13 @@ PRESETS: dict[str, dict] = {
                           head_dim=128, rope=RopeSpec(1e6), qk_norm=True, tie_embeddings=False,
                           num_experts=128, experts_per_token=8, expert_size=768,
                           norm_topk_prob=True, max_position=40960),
+    # Qwen1.5-MoE-A2.7B: 60 experts of width 1408, 4 a token, a shared expert of 5632.
+    "qwen1.5-moe-a2.7b": dict(family="qwen2_moe", vocab_size=151936, hidden_size=2048,
+                              intermediate_size=5632, num_layers=24, num_heads=16,
+                              num_kv_heads=16, head_dim=128, rope=RopeSpec(1e6),
+                              qk_norm=False, tie_embeddings=False, num_experts=60,
+                              experts_per_token=4, expert_size=1408, qkv_bias=True,
+                              shared_expert_size=5632, max_position=8192),
     "mixtral-8x7b": dict(family="mixtral", vocab_size=32000, hidden_size=4096,
                          intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8,
                          head_dim=128, rope=RopeSpec(1e6), qk_norm=False, tie_embeddings=False,
@@ -90,6 +97,11 @@ PRESETS: dict[str, dict] = {
                            head_dim=32, rope=RopeSpec(1e6), qk_norm=True, tie_embeddings=False,
                            num_experts=8, experts_per_token=2, expert_size=64,
                            norm_topk_prob=True, mlp_only_layers=(1,)),
+    "tiny-qwen2-moe": dict(family="qwen2_moe", vocab_size=512, hidden_size=128,
+                           intermediate_size=256, num_layers=2, num_heads=4, num_kv_heads=2,
+                           head_dim=32, rope=RopeSpec(1e6), qk_norm=False,
+                           tie_embeddings=False, num_experts=8, experts_per_token=2,
+                           expert_size=64, qkv_bias=True, shared_expert_size=128),
     "tiny-mixtral": dict(family="mixtral", vocab_size=512, hidden_size=128,
                          intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
                          head_dim=32, rope=RopeSpec(1e6), qk_norm=False, tie_embeddings=False,
@@ -172,6 +184,10 @@ def random_params(cfg: ModelConfig, seed: int = 0) -> dict:
             lp |= {"post_attn_norm": norm(D), "post_mlp_norm": norm(D)}
         if cfg.qkv_bias:
             lp["bqkv"] = w(cfg.q_size + 2 * cfg.kv_size, fan_in=100)
+        if cfg.shared_expert_size and cfg.is_moe_layer(len(layers)):
+            Fs = cfg.shared_expert_size
+            lp |= {"w_shared_gate_up": w(D, 2 * Fs, fan_in=D),
+                   "w_shared_down": w(Fs, D, fan_in=Fs), "w_shared_gate": w(D, 1, fan_in=D)}
         layers.append(lp)
     embed = w(V, D, fan_in=1)
     lm_head = embed.T if cfg.tie_embeddings else w(D, V, fan_in=D)

@@ -16,7 +16,9 @@ BACKENDS = ("xla", "pallas")
 # model read out of it; that class applies no final softcap where its text_config sets one.
 # mistral: Llama with one sliding window on every layer (the dense draft of a Mixtral);
 # qwen2: q/k/v biases; gemma2: softcapped attention scores.
-ALL = FAMILIES + ("mistral", "qwen2", "gemma2") + MOE_FAMILIES + ("gemma3_mm",)
+# qwen2_moe: Qwen2's attention, a shared expert under a sigmoid gate.
+MOE = MOE_FAMILIES + ("qwen2_moe",)
+ALL = FAMILIES + ("mistral", "qwen2", "gemma2") + MOE + ("gemma3_mm",)
 
 
 def full_sequence(name):
@@ -33,7 +35,7 @@ def test_logits_match_transformers(name, backend):
     logits, _ = jspec.forward(model, seq[None], cache)
     np.testing.assert_allclose(np.asarray(logits[0]), expected(name)["logits"],
                                rtol=2e-4, atol=1e-3)
-    if name in MOE_FAMILIES:  # routing and experts: max error relative to the logits' range
+    if name in MOE:  # routing and experts: max error relative to the logits' range
         ref = expected(name)["logits"]
         assert np.abs(np.asarray(logits[0]) - ref).max() <= 1e-4 * np.abs(ref).max()
 
@@ -106,6 +108,14 @@ def test_gemma2_features_are_read():
     assert cfg.family == "gemma2" and cfg.attn_softcap == 5.0 and cfg.final_softcap == 30.0
     assert cfg.layer_sliding == (True, False, True) and cfg.rope_local is None
     assert cfg.sandwich_norms and not cfg.qk_norm and cfg.attn_scale == 24**-0.5
+
+
+def test_qwen2_moe_features_are_read():
+    model = load("qwen2_moe", "xla")
+    cfg, layers = model.config, model.params["layers"]
+    assert cfg.layer_experts == (True, False, True) and cfg.shared_expert_size == 32
+    assert cfg.qkv_bias and not cfg.qk_norm and not cfg.norm_topk_prob
+    assert layers[0]["w_shared_gate"].shape == (64, 1) and "w_shared_down" not in layers[1]
 
 
 def test_moe_features_are_read():

@@ -27,7 +27,8 @@ def _seq(name, n=24):
     return np.concatenate([e["prompt"], e["greedy"]])[:n].astype(np.int32)
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", pytest.param("mixtral", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("name", ["qwen3_moe", pytest.param("mixtral", marks=pytest.mark.slow),
+                                  pytest.param("qwen2_moe", marks=pytest.mark.slow)])
 def test_pallas_prefill_steps_and_verify_blocks_are_bitwise_equal(name):
     """P on an MoE target: one prefill, one-token steps, verify blocks with rejected
     garbage rolled back, and a ragged batch give the same logits bits at every position."""
@@ -136,11 +137,12 @@ def _head(target):
     ("qwen3_moe", "feature head", 3),
     pytest.param("mixtral", "lookup", 2, marks=pytest.mark.slow),
     pytest.param("mixtral", "dense draft", 4, marks=pytest.mark.slow),
-    pytest.param("mixtral", "feature head", 3, marks=pytest.mark.slow)])
+    pytest.param("mixtral", "feature head", 3, marks=pytest.mark.slow),
+    ("qwen2_moe", "dense draft", 3)])  # a shared expert under its sigmoid gate
 def test_exact_greedy_on_moe_target_equals_serial(name, kind, gamma):
     target = load(name, "pallas")
     prompts = _prompts(name)
-    dense = "mistral" if name == "mixtral" else "qwen3"  # Mixtral's draft: a Mistral
+    dense = {"mixtral": "mistral", "qwen2_moe": "qwen2"}.get(name, "qwen3")  # same family
     drafter = {"dense draft": lambda: jspec.ModelDrafter(load(dense, "pallas")),
                "lookup": lambda: jspec.PromptLookupDrafter(max_ngram=3),
                "feature head": lambda: jspec.FeatureDrafter(_head(target))}[kind]()

@@ -649,3 +649,38 @@ def test_combine_kernel_lowers_for_the_h200(h200, m):
     assert set(re.findall(r'name = "(jspec_[a-z_0-9]*)"', text)) == {
         "jspec_grouped_matmul_glu", "jspec_grouped_matmul", "jspec_moe_combine"} | (
         {"jspec_moe_layout"} if m > 1 else set())
+
+
+# --------------------------------------------------------------------------- shared expert gate
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_shared_gate_is_transformers_arithmetic_and_keeps_rows(dtype):
+    # Qwen2-MoE: y + sigmoid(g) * s with each step rounded to the dtype; a row's bits
+    # never depend on the rows beside it (the sigmoid in the kernel, not XLA's logistic).
+    from pallas_kernels.shared_gate import shared_gate, shared_gate_reference
+
+    ks = jax.random.split(jax.random.key(3), 3)
+    y, s = (jax.random.normal(k, (21, 300)).astype(dtype) for k in ks[:2])
+    g = (4 * jax.random.normal(ks[2], (21, 1))).astype(dtype)
+    got = shared_gate(y, s, g, interpret=INTERPRET)
+    assert got.shape == y.shape and got.dtype == dtype
+    tol = 1e-6 if dtype == jnp.float32 else 1e-2
+    np.testing.assert_allclose(np.asarray(got, np.float32),
+                               np.asarray(shared_gate_reference(y, s, g), np.float32),
+                               rtol=tol, atol=tol)
+    for r in (0, 17):
+        alone = shared_gate(y[r:r + 1], s[r:r + 1], g[r:r + 1], interpret=INTERPRET)
+        _same_bits(alone[0], got[r], f"row {r}")
+    with pytest.raises(ValueError, match="g \\[M, 1\\]"):
+        shared_gate(y, s, g[:, 0], interpret=INTERPRET)
+    with pytest.raises(ValueError, match="one float dtype"):
+        shared_gate(y, s.astype(jnp.float16), g, interpret=INTERPRET)
+
+
+def test_shared_gate_lowers_for_the_h200(h200):
+    from pallas_kernels.shared_gate import shared_gate
+
+    args = [jax.ShapeDtypeStruct(shape, jnp.bfloat16) for shape in ((16, 2048),) * 2 + ((16, 1),)]
+    text = jax.jit(shared_gate).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert set(re.findall(r'name = "(jspec_[a-z_0-9]*)"', text)) == {"jspec_shared_gate"}

@@ -177,3 +177,23 @@ def test_an_expert_forward_lowers_with_mosaic_kernels_only(h200):
     for name in ("grouped_matmul_glu", "grouped_matmul", "route"):
         assert text.count(f"jspec_mosaic_{name}_mosaic_gpu") == 1, name
     assert "__gpu$xla.gpu.triton" not in text and "jspec_route" not in text
+
+
+def test_the_shared_expert_gate_keeps_rows_and_lowers_for_cuda():
+    # Qwen2-MoE's gate on Mosaic GPU: the Triton kernel's arithmetic (`gate_tile`), a row
+    # alone as among others, one Mosaic GPU kernel.
+    from pallas_kernels.mosaic.shared_gate import shared_gate
+    from pallas_kernels.shared_gate import shared_gate_reference
+
+    ks = jax.random.split(jax.random.key(4), 3)
+    y, s = (jax.random.normal(k, (5, 4100)).astype(jnp.bfloat16) for k in ks[:2])
+    g = (4 * jax.random.normal(ks[2], (5, 1))).astype(jnp.bfloat16)
+    got = shared_gate(y, s, g, interpret=True)
+    np.testing.assert_allclose(np.asarray(got, np.float32),
+                               np.asarray(shared_gate_reference(y, s, g), np.float32),
+                               rtol=1e-2, atol=1e-2)
+    alone = shared_gate(y[3:4], s[3:4], g[3:4], interpret=True)
+    assert np.array_equal(np.asarray(alone[0]).view(np.uint16), np.asarray(got[3]).view(np.uint16))
+    args = [jax.ShapeDtypeStruct(sh, jnp.bfloat16) for sh in ((16, 2048), (16, 2048), (16, 1))]
+    text = _lower(shared_gate, *args)
+    assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 1 and "triton" not in text
