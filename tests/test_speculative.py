@@ -56,8 +56,8 @@ CASES = [  # (gamma, family, drafter): every gamma 1..8, every drafter, every fa
     pytest.param(6, "gemma3", "poor", marks=_slow), pytest.param(7, "qwen3", "lookup", marks=_slow),
     pytest.param(8, "llama3", "oracle+draft", marks=_slow),
     pytest.param(4, "gemma3", "perfect", marks=_slow),
-    (3, "mistral", "oracle+draft"),  # every layer windowed (16 keys), a 36-token context
-    (4, "qwen2", "oracle"),  # q/k/v biases
+    pytest.param(3, "mistral", "oracle+draft", marks=_slow),  # every layer windowed (16)
+    pytest.param(4, "qwen2", "oracle", marks=_slow),  # q/k/v biases
     (3, "gemma2", "lookup"),  # softcapped attention scores
 ]
 
