@@ -354,12 +354,13 @@ def test_profile_step_rounds_smoke(tmp_path):
     r = _run("tuning/profile_step.py", "--interpret", "--preset=tiny-qwen3", "--dtype=float32",
              "--context=16", "--batch=2", "--decode_round", f"--out={tmp_path}")
     assert r.returncode == 0, r.stderr[-2000:]
-    rep = json.load(open(tmp_path / "profile_step_tiny-qwen3.json"))
+    # A later run of the same name never replaces a receipt: it takes the next _run<N>.
+    rep = json.load(open(tmp_path / "profile_step_tiny-qwen3_run2.json"))
     assert rep["T"] == 1 and rep["round"]["gamma"] == 0 and rep["step_ms"] > 0
     r = _run("tuning/profile_step.py", "--interpret", "--preset=tiny-qwen3", "--dtype=float32",
              "--context=16", "--batch=2", "--serial_loop", f"--out={tmp_path}")
     assert r.returncode == 0, r.stderr[-2000:]
-    rep = json.load(open(tmp_path / "profile_step_tiny-qwen3.json"))
+    rep = json.load(open(tmp_path / "profile_step_tiny-qwen3_run3.json"))
     assert rep["T"] == 1 and rep["serial_loop"] is True and not rep["round"]
     r = _run("tuning/profile_step.py", "--interpret", "--preset=tiny-qwen3", "--serial_loop",
              "--round=2", f"--out={tmp_path}")

@@ -11,7 +11,7 @@ does not must be proven on the device again (`gpu_parity`, the sweeps). Covered:
 target forward of the Qwen3-8B and Gemma-3-4B shapes at decode, verify, a 17-token block,
 a 70-token and an 1,100-token prefill (B = 1, and B = 8 at decode); decode steps over
 4,096 and 65,536 keys (the two-level fold, a program per fold group); the Qwen3-30B-A3B
-shape at 1, 5 and 70 tokens, with and without the layout and combine kernels; the fused
+shape at 1, 2, 5 and 70 tokens, with and without the layout and combine kernels; the fused
 draft forward of the Qwen3-0.6B and Gemma-3-4B shapes; tree verifies of 17 and 65 tokens.
 Nothing runs on a device: `gpu_info` answers with the H200's entry and jax lowers for
 "cuda" with abstract weights (as tests/test_gpu_lowering.py does). Writes one
@@ -87,7 +87,7 @@ def _cases():
     for tag, fields in [("", {}), ("_kernels", {"moe_layout_kernel": True,
                                                 "moe_combine_kernel": True})]:
         m = model.replace(options=model.options.replace(**fields))
-        for T in (1, 5, 70):
+        for T in (1, 2, 5, 70):  # T = 1: `token_layout`; 2: the layout kernel's 16 slots
             cache = jax.eval_shape(lambda m=m: init_cache(m, 1, 256))
             yield (f"qwen3-30b-a3b{tag}_B1_T{T}", apply,
                    (m, jax.ShapeDtypeStruct((1, T), jnp.int32), cache))
