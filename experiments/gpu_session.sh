@@ -211,8 +211,8 @@ for s in $steps; do
   echo "=== $s"
   case $s in
     *=*) export "${s?}" ;;  # NAME=value (no spaces) sets a variable for the lane's later steps
-    parity) timeout "${PARITY_S:-170}" python3 experiments/gpu_parity.py --models=qwen3-8b:4,gemma3-4b:6 \
-              --context=8192 --window=48 --options="${PARITY_OPTIONS:-}" --tag="${PARITY_TAG:-}" \
+    parity) timeout "${PARITY_S:-170}" python3 experiments/gpu_parity.py \
+              --models="${PARITY_MODELS:-qwen3-8b:4,gemma3-4b:6}" --context=8192 --window=48 --options="${PARITY_OPTIONS:-}" --tag="${PARITY_TAG:-}" \
               --out="$OUT" 2>&1 | quiet | tail -40 ;;
     parity_long) timeout "${PARITY_S:-480}" python3 experiments/gpu_parity.py \
               --models="${LONG_MODELS:-llama3-8b:4}" --contexts="${LONG_CONTEXTS:-32768,131072}" \
