@@ -437,23 +437,25 @@ def _from_hf_config(hf: Any, dtype: str, source: str | None) -> ModelConfig:
     unknown = set(layer_types) - {"sliding_attention", "full_attention"}
     if unknown:
         raise UnsupportedModelError(f"{model_type}: unknown layer_types {sorted(unknown)}")
+    gemma = dict(  # the layers Gemma 2 and Gemma 3 share
+        sliding_window=int(_get(hf, "sliding_window", 0)),
+        layer_sliding=tuple(t == "sliding_attention" for t in layer_types),
+        norm_offset=1.0,
+        sandwich_norms=True,
+        attn_scale=_checked_float("query_pre_attn_scalar", hf.query_pre_attn_scalar) ** -0.5,
+        embed_scale=float(hf.hidden_size) ** 0.5,
+        activation="gelu_tanh",
+        **common,
+    )
     if model_type == "gemma2":  # one RoPE table; softcapped scores (transformers applies it)
         return ModelConfig(
             family="gemma2",
             rope=rope_spec(rope_params, _get(hf, "rope_theta", None), model_type),
             rope_local=None,
-            sliding_window=int(_get(hf, "sliding_window", 0)),
-            layer_sliding=tuple(t == "sliding_attention" for t in layer_types),
             qk_norm=False,
-            norm_offset=1.0,
-            sandwich_norms=True,
-            attn_scale=_checked_float("query_pre_attn_scalar",
-                                      hf.query_pre_attn_scalar) ** -0.5,
-            embed_scale=float(hf.hidden_size) ** 0.5,
             attn_softcap=_float_or_none(_get(hf, "attn_logit_softcapping", None)),
             final_softcap=_float_or_none(_get(hf, "final_logit_softcapping", None)),
-            activation="gelu_tanh",
-            **common,
+            **gemma,
         )
     rope_params = rope_params or {}
     return ModelConfig(
@@ -461,13 +463,7 @@ def _from_hf_config(hf: Any, dtype: str, source: str | None) -> ModelConfig:
         rope=rope_spec(rope_params.get("full_attention"), None, "gemma3 full_attention"),
         rope_local=rope_spec(rope_params.get("sliding_attention"), None,
                               "gemma3 sliding_attention"),
-        sliding_window=int(_get(hf, "sliding_window", 0)),
-        layer_sliding=tuple(t == "sliding_attention" for t in layer_types),
         qk_norm=True,
-        norm_offset=1.0,
-        sandwich_norms=True,
-        attn_scale=_checked_float("query_pre_attn_scalar", hf.query_pre_attn_scalar) ** -0.5,
-        embed_scale=float(hf.hidden_size) ** 0.5,
         # transformers' Gemma 3 stores attn_logit_softcapping but never applies it
         # (Gemma 2 did); jspec follows the reference implementation.
         attn_softcap=None,
@@ -476,8 +472,7 @@ def _from_hf_config(hf: Any, dtype: str, source: str | None) -> ModelConfig:
         # the final softcap its text_config may hold; Gemma3ForCausalLM does.
         final_softcap=None if wrapper else _float_or_none(
             _get(hf, "final_logit_softcapping", None)),
-        activation="gelu_tanh",
-        **common,
+        **gemma,
     )
 
 
