@@ -52,13 +52,30 @@ class UnsupportedModelError(ValueError):
 
 
 @dataclasses.dataclass(frozen=True)
+class Yarn:
+    """YaRN scaling (transformers' `rope_type="yarn"`): inverse frequencies blended between
+    the original and the `factor`-interpolated ones by a linear ramp over the dimensions
+    whose rotations over `original_max` positions lie between beta_slow and beta_fast
+    (the ramp's ends floored and ceiled when `truncate`); cos and sin scaled by
+    `attention_factor` (resolved from the checkpoint's factor, mscale and mscale_all_dim)."""
+
+    factor: float
+    original_max: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float = 1.0
+    truncate: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
 class RopeSpec:
     """One RoPE table: base, and optional scaling: llama3 (factor, low, high,
-    original_max) or linear (every inverse frequency divided by a factor)."""
+    original_max), linear (every inverse frequency divided by a factor) or yarn."""
 
     theta: float
     llama3: tuple[float, float, float, int] | None = None
     linear: float | None = None
+    yarn: Yarn | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -223,6 +240,49 @@ def check_rope(spec: RopeSpec, where: str = "rope") -> None:
             raise ValueError(f"{where}: llama3 low_freq_factor={low!r} must be less than "
                              f"high_freq_factor={high!r}")
         _positive_int(f"{where}: llama3 original_max_position_embeddings", old_len)
+    if spec.yarn is not None:
+        y = spec.yarn
+        for name in ("factor", "beta_fast", "beta_slow", "attention_factor"):
+            _positive_float(f"{where}: yarn {name}", getattr(y, name))
+        _positive_int(f"{where}: yarn original_max_position_embeddings", y.original_max)
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _yarn(params: dict) -> Yarn:
+    """transformers' `_compute_yarn_parameters` reading of `params` (checked by the caller)."""
+    factor = float(params["factor"])
+    attention = params.get("attention_factor")
+    if attention is None:
+        mscale, mscale_all = params.get("mscale"), params.get("mscale_all_dim")
+        attention = (_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all)
+                     if mscale and mscale_all else _yarn_mscale(factor))
+    truncate = params.get("truncate", True)
+    if not isinstance(truncate, bool):
+        raise ValueError(f"yarn truncate={truncate!r} must be true or false")
+    return Yarn(factor=factor, original_max=int(params["original_max_position_embeddings"]),
+                beta_fast=float(params.get("beta_fast") or 32.0),
+                beta_slow=float(params.get("beta_slow") or 1.0),
+                attention_factor=float(attention), truncate=truncate)
+
+
+def rope_parameters(spec: RopeSpec) -> dict:
+    """transformers' `rope_parameters` for a RopeSpec (`rope_spec`'s inverse)."""
+    d = {"rope_theta": spec.theta}
+    if spec.linear is not None:
+        return d | {"rope_type": "linear", "factor": spec.linear}
+    if spec.llama3 is not None:
+        factor, low, high, old = spec.llama3
+        return d | {"rope_type": "llama3", "factor": factor, "low_freq_factor": low,
+                    "high_freq_factor": high, "original_max_position_embeddings": old}
+    if spec.yarn is not None:
+        y = spec.yarn
+        return d | {"rope_type": "yarn", "factor": y.factor, "beta_fast": y.beta_fast,
+                    "beta_slow": y.beta_slow, "attention_factor": y.attention_factor,
+                    "truncate": y.truncate, "original_max_position_embeddings": y.original_max}
+    return d | {"rope_type": "default"}
 
 
 def _get(hf: Any, name: str, default: Any = None) -> Any:
@@ -238,12 +298,17 @@ def rope_spec(params: dict | None, fallback_theta: float | None, where: str) -> 
     if theta is None:
         raise UnsupportedModelError(f"{where}: no rope_theta in rope_parameters")
     kind = params.get("rope_type", params.get("type", "default")) or "default"
-    if kind not in ("default", "linear", "llama3"):
+    if kind == "dynamic":
         raise UnsupportedModelError(
-            f"{where}: rope_type={kind!r} is not supported (default, linear, llama3)")
+            f"{where}: rope_type='dynamic' is not supported: its table changes with the "
+            "sequence's length, so a position's logits would depend on later tokens")
+    if kind not in ("default", "linear", "llama3", "yarn"):
+        raise UnsupportedModelError(
+            f"{where}: rope_type={kind!r} is not supported (default, linear, llama3, yarn)")
     need = {"default": (), "linear": ("factor",),
             "llama3": ("factor", "low_freq_factor", "high_freq_factor",
-                       "original_max_position_embeddings")}[kind]
+                       "original_max_position_embeddings"),
+            "yarn": ("factor", "original_max_position_embeddings")}[kind]
     partial = params.get("partial_rotary_factor")
     if kind != "default" and partial is not None and partial != 1:
         # transformers' linear and llama3 tables rotate only that share of each head (its
@@ -259,11 +324,16 @@ def rope_spec(params: dict | None, fallback_theta: float | None, where: str) -> 
         _real("rope_theta", theta)
         for k in need:
             _real(k, params[k])
+        for k in ("beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim"):
+            if kind == "yarn" and params.get(k) is not None:
+                _real(k, params[k])
         old = params.get("original_max_position_embeddings")
         if old is not None and (isinstance(old, bool) or float(old) != int(old)):
             raise ValueError(f"original_max_position_embeddings={old!r} must be an integer")
         if kind == "default":
             spec = RopeSpec(theta=float(theta))
+        elif kind == "yarn":
+            spec = RopeSpec(theta=float(theta), yarn=_yarn(params))
         elif kind == "linear":
             # Linear scaling divides every inverse frequency by `factor` (Gemma 3 4B-27B's
             # global layers).

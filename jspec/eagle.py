@@ -38,7 +38,7 @@ from safetensors.numpy import save_file
 
 from jspec import hf_names
 from jspec._checks import check_bool, check_path
-from jspec.config import UnsupportedModelError, canonical_dtype, rope_spec
+from jspec.config import UnsupportedModelError, canonical_dtype, rope_parameters, rope_spec
 from jspec.feature_head import FeatureHead, eagle3_layers, head_config, slot_map
 from jspec.loading import (
     WEIGHT_FILES,
@@ -350,17 +350,14 @@ def save_eagle3(path: str, head: FeatureHead, *, save_embedding: bool = False,
 def _config(head: FeatureHead) -> dict:
     cfg = head.config
     L = cfg.layer
-    rope = {"rope_type": "default", "rope_theta": L.rope.theta}
-    if L.rope.llama3 is not None:
-        f, lo, hi, old = L.rope.llama3
-        rope |= {"rope_type": "llama3", "factor": f, "low_freq_factor": lo,
-                 "high_freq_factor": hi, "original_max_position_embeddings": old}
+    rope = rope_parameters(L.rope)
     config = {
         "architectures": [ARCHITECTURES[0]], "model_type": "llama", "hidden_act": "silu",
         "hidden_size": L.hidden_size, "intermediate_size": L.intermediate_size,
         "num_attention_heads": L.num_heads, "num_key_value_heads": L.num_kv_heads,
         "head_dim": L.head_dim, "num_hidden_layers": 1, "rms_norm_eps": L.rms_eps,
-        "rope_theta": L.rope.theta, "rope_scaling": rope if L.rope.llama3 else None,
+        "rope_theta": L.rope.theta,
+        "rope_scaling": rope if rope["rope_type"] != "default" else None,
         "max_position_embeddings": L.max_position, "tie_word_embeddings": False,
         "vocab_size": cfg.vocab_size, "draft_vocab_size": L.vocab_size,
         "torch_dtype": L.dtype, "norm_before_residual": cfg.norm_before_residual,

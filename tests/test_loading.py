@@ -205,6 +205,64 @@ def test_linear_rope_is_transformers_linear(gemma3):
                                       / np.float32(hd)))).astype(np.float32).view(np.uint32))
 
 
+YARN = np.load(fixture_path("rope_yarn.npz"))
+
+
+@pytest.mark.parametrize("case", range(len(json.loads(str(YARN["cases"])))))
+def test_yarn_rope_is_transformers_yarn(case):
+    """YaRN (Qwen3 / Qwen2.5 long-context configs, gpt-oss, DeepSeek): the inverse
+    frequencies, the attention factor and the scaled cos / sin tables transformers' rotary
+    embeddings compute (`rope_yarn.npz`, made by `make_fixtures.py rope_yarn`)."""
+    from jspec.config import rope_parameters, rope_spec
+    from jspec.rope import rope_table
+
+    kw, params = json.loads(str(YARN["cases"]))[case]
+    spec = rope_spec(params, None, "yarn")
+    hd = kw["head_dim"]
+    # numpy's and torch's float32 pow differ by an ulp at some exponents; at position p
+    # that moves an angle by ~p ulps (p < 160 here)
+    np.testing.assert_allclose(rope_inv_freq(spec, hd), YARN[f"inv_freq_{case}"], rtol=2.5e-7)
+    assert spec.yarn.attention_factor == pytest.approx(float(YARN[f"attention_factor_{case}"]),
+                                                       rel=1e-12)
+    cos, sin = rope_table(spec, hd, YARN[f"cos_{case}"].shape[0])
+    np.testing.assert_allclose(cos, YARN[f"cos_{case}"], rtol=0, atol=3e-5)
+    np.testing.assert_allclose(sin, YARN[f"sin_{case}"], rtol=0, atol=3e-5)
+    assert rope_spec(rope_parameters(spec), None, "again") == spec  # the inverse
+
+
+def test_yarn_config_loads_and_runs_with_its_table(tmp_path):
+    """A Qwen3 checkpoint with Qwen's documented long-context `rope_scaling` (yarn, factor 4)
+    loads with the yarn table, and its logits move (the table is used)."""
+    d = _copy_fixture(tmp_path)
+    plain = _xla(d)
+    _edit_config(d, rope_parameters={"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0,
+                                     "original_max_position_embeddings": 16})
+    model = _xla(d)
+    assert model.config.rope.yarn.factor == 4.0
+    tokens = np.load(os.path.join(fixture_path("qwen3"), "expected.npz"))["prompt"].tolist()
+    a, b = _logits(plain, tokens), _logits(model, tokens)
+    assert np.isfinite(b).all() and np.abs(a - b).max() > 1e-3
+
+
+@pytest.mark.parametrize("params,field", [
+    ({"rope_type": "yarn", "rope_theta": 1e4, "original_max_position_embeddings": 64},
+     "needs \\['factor'\\]"),
+    ({"rope_type": "yarn", "rope_theta": 1e4, "factor": 0.0,
+      "original_max_position_embeddings": 64}, "yarn factor=0.0"),
+    ({"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "beta_fast": -1.0,
+      "original_max_position_embeddings": 64}, "yarn beta_fast=-1.0"),
+    ({"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "truncate": "no",
+      "original_max_position_embeddings": 64}, "truncate='no'"),
+    ({"rope_type": "dynamic", "rope_theta": 1e4, "factor": 4.0}, "depend on later tokens"),
+    ({"rope_type": "longrope", "rope_theta": 1e4}, "rope_type='longrope' is not supported"),
+])
+def test_bad_or_unsupported_rope_is_named(params, field):
+    from jspec.config import rope_spec
+
+    with pytest.raises(jspec.UnsupportedModelError, match=f"where: .*{field}"):
+        rope_spec(params, None, "where")
+
+
 # ------------------------------------------------------------------- unused tensors
 
 

@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterator
 import numpy as np
 
 from jspec import hf_names
+from jspec.config import rope_parameters
 
 ARCHITECTURES = {"llama": ("llama", "LlamaForCausalLM"),
                  "mistral": ("mistral", "MistralForCausalLM"),
@@ -31,15 +32,6 @@ ARCHITECTURES = {"llama": ("llama", "LlamaForCausalLM"),
                  "qwen3": ("qwen3", "Qwen3ForCausalLM"),
                  "gemma2": ("gemma2", "Gemma2ForCausalLM"),
                  "gemma3": ("gemma3_text", "Gemma3ForCausalLM")}
-
-
-def _rope(spec) -> dict:
-    if spec.llama3 is None:
-        return {"rope_type": "default", "rope_theta": spec.theta}
-    factor, low, high, old_len = spec.llama3
-    return {"rope_type": "llama3", "rope_theta": spec.theta, "factor": factor,
-            "low_freq_factor": low, "high_freq_factor": high,
-            "original_max_position_embeddings": old_len}
 
 
 def hf_config_dict(cfg) -> dict:
@@ -57,7 +49,7 @@ def hf_config_dict(cfg) -> dict:
     if cfg.family in ("llama", "mistral", "qwen2", "qwen3"):
         if abs(cfg.attn_scale - cfg.head_dim**-0.5) > 0:
             raise ValueError(f"{cfg.family}: attn_scale {cfg.attn_scale} != head_dim**-0.5")
-        d |= {"hidden_act": "silu", "rope_parameters": _rope(cfg.rope)}
+        d |= {"hidden_act": "silu", "rope_parameters": rope_parameters(cfg.rope)}
         if cfg.family == "llama":
             d["mlp_bias"] = False
         elif cfg.family == "mistral":
@@ -78,10 +70,10 @@ def hf_config_dict(cfg) -> dict:
                           for s in cfg.layer_sliding],
           "final_logit_softcapping": cfg.final_softcap, "use_bidirectional_attention": False}
     if cfg.family == "gemma2":
-        return d | {"rope_parameters": _rope(cfg.rope),
+        return d | {"rope_parameters": rope_parameters(cfg.rope),
                     "attn_logit_softcapping": cfg.attn_softcap}
-    d |= {"rope_parameters": {"full_attention": _rope(cfg.rope),
-                              "sliding_attention": _rope(cfg.rope_local or cfg.rope)},
+    d |= {"rope_parameters": {"full_attention": rope_parameters(cfg.rope),
+                              "sliding_attention": rope_parameters(cfg.rope_local or cfg.rope)},
           "attn_logit_softcapping": None}
     return d
 
