@@ -22,7 +22,10 @@ the others keep a dense MLP of `intermediate_size`; experts of `moe_intermediate
 softmax over all experts, top k, renormalised over the k when `norm_topk_prob`; no
 shared experts, and a config asking for them is refused) and Mixtral (`mixtral`: Llama's
 attention with an optional sliding window on every layer; every layer sparse, experts of
-`intermediate_size`, the top-k weights always renormalised).
+`intermediate_size`, the top-k weights always renormalised) and gpt-oss (`gpt_oss`:
+attention with q/k/v/o biases and per-head sinks, sliding and full layers, yarn RoPE;
+experts with biases under a clamped SwiGLU, weights a softmax over the k largest biased
+router logits; MXFP4 experts dequantized at load).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ import numbers
 from typing import Any
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text",
-                         "qwen2_moe", "qwen3_moe", "mixtral")
+                         "qwen2_moe", "qwen3_moe", "mixtral", "gpt_oss")
 # Multimodal wrappers whose text model jspec loads: model_type -> the text model's type.
 TEXT_OF_MULTIMODAL = {"gemma3": "gemma3_text"}
 DTYPES = ("float32", "bfloat16")
@@ -87,7 +90,7 @@ class ModelConfig:
 
     Attributes:
       family: "llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "qwen2_moe",
-        "qwen3_moe" or "mixtral".
+        "qwen3_moe", "mixtral" or "gpt_oss".
       vocab_size, hidden_size, intermediate_size, num_layers: the usual sizes.
       num_heads, num_kv_heads, head_dim: grouped-query attention's shape.
       rms_eps: RMSNorm epsilon.
@@ -116,6 +119,10 @@ class ModelConfig:
       shared_expert_size: a sparse layer's shared expert's width (Qwen2-MoE; 0: none): a
         GLU MLP every token runs, scaled by sigmoid(x @ its gate) and added to the routed
         experts' sum.
+      o_bias: the output projection carries a bias (gpt-oss, layer param `bo` [D]), added
+        in f32 to the f32 product before its one rounding.
+      router_bias: the router carries a bias (gpt-oss, `router_bias` [E]), added to its
+        f32 logits.
     """
 
     family: str
@@ -149,6 +156,11 @@ class ModelConfig:
     layer_experts: tuple[bool, ...] = ()
     qkv_bias: bool = False
     shared_expert_size: int = 0
+    o_bias: bool = False
+    router_bias: bool = False
+    attn_sinks: bool = False
+    expert_bias: bool = False
+    topk_softmax: bool = False
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -438,14 +450,17 @@ def _from_hf_config(hf: Any, dtype: str, source: str | None) -> ModelConfig:
     check_model_type(getattr(hf, "model_type", None), getattr(hf, "architectures", None))
     wrapper = getattr(hf, "model_type", None) in TEXT_OF_MULTIMODAL
     quant = getattr(hf, "quantization_config", None)
-    if quant:  # its weights are not the dense floats the model reads
-        method = quant.get("quant_method") if isinstance(quant, dict) else None
+    method = quant.get("quant_method") if isinstance(quant, dict) else None
+    if quant and not (hf.model_type == "gpt_oss" and method == "mxfp4"):
+        # its weights are not the dense floats the model reads (gpt-oss's MXFP4 experts
+        # are: `jspec.loading` dequantizes them exactly, as transformers does)
         raise UnsupportedModelError(
             f"quantization_config (quant_method={method!r}): quantized checkpoints are not "
             "supported; load the unquantized (bf16 / f16 / f32) checkpoint")
     hf = text_config(hf)
     model_type = hf.model_type
-    _check_no_bias(hf, model_type)
+    if model_type != "gpt_oss":
+        _check_no_bias(hf, model_type)
     num_heads = hf.num_attention_heads
     _positive_int("num_attention_heads", num_heads)
     _positive_int("hidden_size", hf.hidden_size)
@@ -468,6 +483,8 @@ def _from_hf_config(hf: Any, dtype: str, source: str | None) -> ModelConfig:
     rope_params = _get(hf, "rope_parameters", None)
     if model_type in ("qwen2_moe", "qwen3_moe", "mixtral"):
         return _moe_config(hf, model_type, common)
+    if model_type == "gpt_oss":
+        return _gpt_oss_config(hf, common)
     if model_type in ("llama", "mistral", "qwen2", "qwen3"):
         act = _get(hf, "hidden_act", "silu")
         if act != "silu":
@@ -617,6 +634,54 @@ def _moe_config(hf: Any, model_type: str, common: dict) -> ModelConfig:
         expert_size=expert_size if any(experts) else 0,
         norm_topk_prob=norm_topk,
         layer_experts=experts,
+        **common,
+    )
+
+
+def _gpt_oss_config(hf: Any, common: dict) -> ModelConfig:
+    """gpt-oss: every layer a mixture of experts (biased experts under a clamped SwiGLU,
+    routed by a softmax over the k largest biased router logits), attention with biases
+    and per-head sinks, sliding and full layers by `layer_types`, yarn RoPE."""
+    L = common["num_layers"]
+    limit = _get(hf, "swiglu_limit", 7.0)
+    if limit != 7.0:  # transformers' GptOssExperts hard-codes 7
+        raise UnsupportedModelError(f"gpt_oss: swiglu_limit={limit!r} is not supported (7.0)")
+    types = list(_get(hf, "layer_types", None) or
+                 ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(L)])
+    if len(types) != L or set(types) - {"sliding_attention", "full_attention"}:
+        raise UnsupportedModelError(f"gpt_oss: layer_types={types!r}: expected {L} of "
+                                    "'sliding_attention' / 'full_attention'")
+    window = int(_get(hf, "sliding_window", 0))
+    num_experts, k = int(hf.num_local_experts), int(hf.num_experts_per_tok)
+    if not 1 <= k <= num_experts:
+        raise UnsupportedModelError(f"gpt_oss: num_experts_per_tok={k} is not in "
+                                    f"[1, {num_experts}]")
+    bias = bool(_get(hf, "attention_bias", True))
+    return ModelConfig(
+        family="gpt_oss",
+        rope=rope_spec(_get(hf, "rope_parameters", None), _get(hf, "rope_theta", None),
+                       "gpt_oss"),
+        rope_local=None,
+        sliding_window=window,
+        layer_sliding=tuple(window > 0 and t == "sliding_attention" for t in types),
+        qk_norm=False,
+        norm_offset=0.0,
+        sandwich_norms=False,
+        attn_scale=common["head_dim"] ** -0.5,
+        embed_scale=None,
+        attn_softcap=None,
+        final_softcap=None,
+        activation="gpt_oss",
+        num_experts=num_experts,
+        experts_per_token=k,
+        expert_size=common["intermediate_size"],
+        layer_experts=(True,) * L,
+        qkv_bias=bias,
+        o_bias=bias,
+        attn_sinks=True,
+        expert_bias=True,
+        router_bias=True,
+        topk_softmax=True,
         **common,
     )
 

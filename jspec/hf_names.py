@@ -9,7 +9,7 @@ of, in order, each with its output width:
 A row with `in_dim` is a linear weight: each HF tensor is [out, in] and jspec's param is
 their transposes [in, out] side by side (q/k/v and gate/up are fused this way); a row
 without is a vector [out] (a norm; Qwen2's q/k/v biases, concatenated the same way).
-Widths are symbols ("D", "F", "Q", "KV", "hd", "2D") looked up in a dims dict
+Widths are symbols ("D", "F", "Q", "KV", "hd", "H", "2D") looked up in a dims dict
 (`dims(cfg)`), so one row serves every size.
 
 `build` reads a layer through a table (the loader, `jspec.loading.convert_params`, used
@@ -74,6 +74,8 @@ ATTENTION = (norm("attn_norm", "input_layernorm.weight"), linear("wqkv", QKV, "D
              linear("wo", O_PROJ, "Q"))
 QKV_BIAS = (Tensor("bqkv", (("self_attn.q_proj.bias", "Q"), ("self_attn.k_proj.bias", "KV"),
                             ("self_attn.v_proj.bias", "KV"))),)  # Qwen2
+O_BIAS = (Tensor("bo", (("self_attn.o_proj.bias", "D"),)),)  # gpt-oss
+SINKS = (Tensor("sinks", (("self_attn.sinks", "H"),)),)  # gpt-oss: a logit a head
 QK_NORM = (norm("q_norm", "self_attn.q_norm.weight", "hd"),
            norm("k_norm", "self_attn.k_norm.weight", "hd"))
 PLAIN_NORMS = (norm("mlp_norm", "post_attention_layernorm.weight"),)
@@ -96,7 +98,8 @@ def layer_table(cfg, i: int = 0) -> tuple[Tensor, ...]:
     experts' sparse layer has no dense MLP rows: its router and stacked experts are read by
     the family's function in `jspec.loading.MOE_LAYERS`."""
     mlp = () if cfg.is_moe_layer(i) else MLP
-    return (ATTENTION + (QKV_BIAS if cfg.qkv_bias else ()) + (QK_NORM if cfg.qk_norm else ())
+    return (ATTENTION + (QKV_BIAS if cfg.qkv_bias else ()) + (O_BIAS if cfg.o_bias else ())
+            + (SINKS if cfg.attn_sinks else ()) + (QK_NORM if cfg.qk_norm else ())
             + (SANDWICH_NORMS if cfg.sandwich_norms else PLAIN_NORMS) + mlp)
 
 
@@ -104,7 +107,7 @@ def dims(cfg) -> dict[str, int]:
     """Width symbols of a `ModelConfig` (a feature head's layer config too)."""
     D = cfg.hidden_size
     return {"D": D, "2D": 2 * D, "F": cfg.intermediate_size, "Q": cfg.q_size,
-            "KV": cfg.kv_size, "hd": cfg.head_dim}
+            "KV": cfg.kv_size, "hd": cfg.head_dim, "H": cfg.num_heads}
 
 
 def build(table: tuple[Tensor, ...], widths: dict[str, int],

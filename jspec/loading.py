@@ -250,6 +250,20 @@ class TensorReader:
         return out
 
 
+    def get_packed(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+        """A quantized weight's uint8 blocks or scales (MXFP4), checked for shape and dtype."""
+        if name not in self.where:
+            raise CheckpointError(f"{self.path}: missing tensor {name!r} "
+                                  f"(expected shape {shape})")
+        handle, _ = self._open(self.where[name])
+        arr = handle.get_tensor(name)
+        if arr.dtype != np.uint8 or tuple(arr.shape) != tuple(shape):
+            raise CheckpointError(f"tensor {name!r} in {self.where[name]} is {arr.dtype} "
+                                  f"{tuple(arr.shape)}; MXFP4 wants uint8 {tuple(shape)}")
+        self.used.add(name)
+        return arr
+
+
 def _narrows(src, dst) -> bool:
     """Whether casting float dtype src to float dtype dst can overflow (dst's largest
     finite value is below src's)."""
@@ -376,9 +390,63 @@ def mixtral_experts(cfg: ModelConfig, reader: TensorReader, get, lp: str) -> dic
                                      lambda e: f"{ex}{e}.w2.weight"))
 
 
+# MXFP4's e2m1 values by 4-bit code (the OCP microscaling format gpt-oss ships its
+# experts in, as transformers' `integrations.mxfp4.FP4_VALUES`).
+FP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+                       -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32)
+
+
+def dequantize_mxfp4(blocks: np.ndarray, scales: np.ndarray, name: str = "") -> np.ndarray:
+    """MXFP4 [N, G, 16] uint8 blocks (two e2m1 codes a byte, the low nibble first) and
+    [N, G] uint8 e8m0 scales (2 ** (s - 127) per 32 values) -> float32 [G * 32, N], i.e.
+    transformers' `convert_moe_packed_tensors` for one expert: every value is exact (a
+    code times a power of two); a scale of 255 (e8m0's NaN) or one overflowing float32 is
+    a CheckpointError naming `name`."""
+    codes = np.stack([blocks & 0x0F, blocks >> 4], axis=-1)  # [N, G, 16, 2]
+    values = FP4_VALUES[codes].reshape(*blocks.shape[:2], 32)  # [N, G, 32]
+    with np.errstate(over="ignore"):
+        out = values * np.ldexp(np.float32(1), scales.astype(np.int32) - 127)[..., None]
+    if not np.isfinite(out).all() or (scales == 255).any():
+        raise CheckpointError(f"{name}: an MXFP4 scale is NaN (255) or overflows float32")
+    return np.ascontiguousarray(out.reshape(blocks.shape[0], -1).T)
+
+
+def _deinterleave(w: np.ndarray) -> np.ndarray:
+    """gpt-oss's gate / up columns alternate (gate even, up odd): jspec's [gate | up]."""
+    return np.concatenate([w[..., 0::2], w[..., 1::2]], axis=-1)
+
+
+def gpt_oss_experts(cfg: ModelConfig, reader: TensorReader, get, lp: str) -> dict:
+    """A gpt-oss layer: `mlp.router.{weight,bias}` and `mlp.experts.{gate_up,down}_proj`
+    ([E, in, out]) with their `_bias` ([E, out]), stored in the param dtype or as MXFP4
+    (`{name}_blocks` / `{name}_scales`, dequantized exactly one expert at a time)."""
+    D, E, Fe = cfg.hidden_size, cfg.num_experts, cfg.expert_size
+    ex, dt = lp + "mlp.experts.", np_dtype(cfg.dtype)
+
+    def weight(name, K, N):  # [E, K, N] in the param dtype
+        if not reader.has(ex + name + "_blocks"):
+            return get(ex + name, (E, K, N))
+        if K % 32:
+            raise CheckpointError(f"{ex}{name}_blocks: MXFP4 needs an input width that is a "
+                                  f"multiple of 32; it is {K}")
+        blocks = reader.get_packed(ex + name + "_blocks", (E, N, K // 32, 16))
+        scales = reader.get_packed(ex + name + "_scales", (E, N, K // 32))
+        return np.stack([dequantize_mxfp4(blocks[e], scales[e], ex + name).astype(dt)
+                         for e in range(E)])
+
+    return {
+        "router": get(lp + "mlp.router.weight", (E, D)).T,
+        "router_bias": get(lp + "mlp.router.bias", (E,)),
+        "w_gate_up": _deinterleave(weight("gate_up_proj", D, 2 * Fe)),
+        "b_gate_up": _deinterleave(get(ex + "gate_up_proj_bias", (E, 2 * Fe))),
+        "w_down": weight("down_proj", Fe, D),
+        "b_down": get(ex + "down_proj_bias", (E, D)),
+    }
+
+
 # family -> the loader of a sparse layer's router and experts.
 MOE_LAYERS = {"qwen2_moe": qwen2_moe_experts, "qwen3_moe": qwen3_moe_experts,
-              "mixtral": mixtral_experts}
+              "mixtral": mixtral_experts, "gpt_oss": gpt_oss_experts}
 
 
 # ------------------------------------------------------------------- unused tensors

@@ -14,11 +14,13 @@ layer's weights in place rather than a slice copied out of a stacked array):
   embed [V, D]; final_norm [D]; lm_head [D, V] (a transposed copy when tied; a
   draft's pruned head has fewer columns: `jspec.ModelDrafter.pruned`)
   layers: list of L dicts: attn_norm [D]; wqkv [D, (H + 2 Hkv) hd]; wo [H hd, D];
-          bqkv [(H + 2 Hkv) hd] (Qwen2); q_norm, k_norm [hd] (Qwen3, Gemma 3); mlp_norm [D];
+          bqkv [(H + 2 Hkv) hd] (Qwen2, gpt-oss); bo [D], sinks [H] (gpt-oss);
+          q_norm, k_norm [hd] (Qwen3, Gemma 3); mlp_norm [D];
           w_gate_up [D, 2F]; w_down [F, D];
           post_attn_norm, post_mlp_norm [D] (Gemma 3);
           a mixture-of-experts layer (`ModelConfig.is_moe_layer`) has instead
-          router [D, E]; w_gate_up [E, D, 2Fe]; w_down [E, Fe, D] (Fe: expert_size)
+          router [D, E]; w_gate_up [E, D, 2Fe]; w_down [E, Fe, D] (Fe: expert_size);
+          gpt-oss adds router_bias [E], b_gate_up [E, 2Fe], b_down [E, D]
 """
 
 from __future__ import annotations
@@ -294,7 +296,11 @@ def attention_block(ops, model: Model, lp, h, k_buf, v_buf, pos, lengths, cos, s
                                 skip_empty=opt.attn_skip_empty,
                                 group_split=opt.attn_group_split)  # [B, T, H, hd]
     o = pad_axis(o.reshape(B * T, H * hd), 0, h.shape[0])  # [Mp, H*hd]
-    o = row_parallel(ops, model, o, lp["wo"], dtype, row_group=rg, schedule=sched)  # [Mp, D]
+    if cfg.o_bias:  # gpt-oss: as the q/k/v bias, into the f32 product before its rounding
+        o = row_parallel(ops, model, o, lp["wo"], jnp.float32, row_group=rg, schedule=sched)
+        o = (o + lp["bo"].astype(jnp.float32)).astype(dtype)  # [Mp, D]
+    else:
+        o = row_parallel(ops, model, o, lp["wo"], dtype, row_group=rg, schedule=sched)
     return o, k_buf, v_buf, counters, qk_bad
 
 
@@ -338,6 +344,8 @@ def moe_block(ops, model: Model, lp, h, rows: int):
     xs = h if opt.backend == "pallas" else x
     logits = ops.matmul(xs, lp["router"], out_dtype=jnp.float32,
                         row_group=opt.matmul_row_group, schedule=opt.matmul_schedule)
+    if cfg.router_bias:  # gpt-oss: row-local, the same bits for a row in any block
+        logits = logits + lp["router_bias"].astype(jnp.float32)
     weights, ids = ops.route(logits, k, norm_topk_prob=cfg.norm_topk_prob)
     weights, ids = weights[:rows], ids[:rows]  # [M, k] each
     expert = ids.reshape(-1)  # [M k]: row r's slots at r*k .. r*k + k - 1

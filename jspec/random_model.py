@@ -3,22 +3,30 @@
 Random weights measure speed and exercise every numeric path; they say nothing
 about acceptance. Shapes follow the public configs of the named models; the
 number of layers can be cut to save time (`num_layers=`). Mixture-of-experts presets
-(qwen3-30b-a3b, mixtral-8x7b, tiny-qwen3-moe, tiny-mixtral) give their sparse layers a
+(qwen3-30b-a3b, mixtral-8x7b, gpt-oss-20b and their tiny-* shapes) give their sparse layers a
 router and stacked experts (layout in jspec/model.py).
 """
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
-from jspec.config import ModelConfig, RopeSpec, canonical_dtype
+from jspec.config import ModelConfig, RopeSpec, Yarn, canonical_dtype
 from jspec.model import Model
 from jspec.options import KernelOptions
 
 _COMMON = dict(rms_eps=1e-6, rope_local=None, sliding_window=0, norm_offset=0.0,
                sandwich_norms=False, embed_scale=None, attn_softcap=None, final_softcap=None,
                activation="silu", max_position=131072)
+
+_GPT_OSS_YARN = Yarn(factor=32.0, original_max=4096, attention_factor=0.1 * math.log(32) + 1,
+                     truncate=False)
+_GPT_OSS = dict(qk_norm=False, tie_embeddings=False, activation="gpt_oss", qkv_bias=True,
+                o_bias=True, attn_sinks=True, expert_bias=True, router_bias=True,
+                topk_softmax=True)
 
 PRESETS: dict[str, dict] = {
     "qwen3-8b": dict(family="qwen3", vocab_size=151936, hidden_size=4096,
@@ -91,6 +99,13 @@ PRESETS: dict[str, dict] = {
                          head_dim=128, rope=RopeSpec(1e6), qk_norm=False, tie_embeddings=False,
                          num_experts=8, experts_per_token=2, expert_size=14336,
                          norm_topk_prob=True, rms_eps=1e-5, max_position=32768),
+    # gpt-oss-20b: 32 biased experts of width 2880, 4 a token; attention with biases and
+    # sinks, sliding (128) and full layers alternating; yarn RoPE x32.
+    "gpt-oss-20b": dict(family="gpt_oss", vocab_size=201088, hidden_size=2880,
+                        intermediate_size=2880, num_layers=24, num_heads=64, num_kv_heads=8,
+                        head_dim=64, rope=RopeSpec(150000.0, yarn=_GPT_OSS_YARN),
+                        sliding_window=128, **_GPT_OSS, num_experts=32, experts_per_token=4,
+                        expert_size=2880, rms_eps=1e-5),
     # Tiny MoE shapes for CPU runs; layer 1 of tiny-qwen3-moe keeps a dense MLP.
     "tiny-qwen3-moe": dict(family="qwen3_moe", vocab_size=512, hidden_size=128,
                            intermediate_size=256, num_layers=3, num_heads=4, num_kv_heads=2,
@@ -107,6 +122,11 @@ PRESETS: dict[str, dict] = {
                          head_dim=32, rope=RopeSpec(1e6), qk_norm=False, tie_embeddings=False,
                          num_experts=4, experts_per_token=2, expert_size=128,
                          norm_topk_prob=True, rms_eps=1e-5),
+    "tiny-gpt-oss": dict(family="gpt_oss", vocab_size=512, hidden_size=128,
+                         intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                         head_dim=32, rope=RopeSpec(150000.0, yarn=_GPT_OSS_YARN),
+                         sliding_window=8, **_GPT_OSS, num_experts=8, experts_per_token=2,
+                         expert_size=64, rms_eps=1e-5),
 }
 
 
@@ -127,6 +147,9 @@ def preset_config(name: str, *, num_layers: int | None = None,
     if kw["family"] in ("gemma2", "gemma3"):
         kw["layer_sliding"] = tuple((i + 1) % every != 0 for i in range(L))
         kw["attn_scale"] = 256**-0.5  # query_pre_attn_scalar
+    elif kw["family"] == "gpt_oss":  # sliding and full layers alternate, sliding first
+        kw["layer_sliding"] = tuple(i % 2 == 0 for i in range(L))
+        kw["attn_scale"] = kw["head_dim"] ** -0.5
     else:  # a window (Mistral, Mixtral) is on every layer
         kw["layer_sliding"] = (kw.get("sliding_window", 0) > 0,) * L
         kw["attn_scale"] = kw["head_dim"] ** -0.5
@@ -184,6 +207,10 @@ def random_params(cfg: ModelConfig, seed: int = 0) -> dict:
             lp |= {"post_attn_norm": norm(D), "post_mlp_norm": norm(D)}
         if cfg.qkv_bias:
             lp["bqkv"] = w(cfg.q_size + 2 * cfg.kv_size, fan_in=100)
+        if cfg.o_bias:
+            lp["bo"] = w(D, fan_in=100)
+        if cfg.router_bias and cfg.is_moe_layer(len(layers)):
+            lp["router_bias"] = w(cfg.num_experts, fan_in=1)
         if cfg.shared_expert_size and cfg.is_moe_layer(len(layers)):
             Fs = cfg.shared_expert_size
             lp |= {"w_shared_gate_up": w(D, 2 * Fs, fan_in=D),
