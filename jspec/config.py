@@ -36,7 +36,7 @@ import numbers
 from typing import Any
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text",
-                         "qwen2_moe", "qwen3_moe", "mixtral", "gpt_oss")
+                         "qwen2_moe", "qwen3_moe", "mixtral")
 # Multimodal wrappers whose text model jspec loads: model_type -> the text model's type.
 TEXT_OF_MULTIMODAL = {"gemma3": "gemma3_text"}
 DTYPES = ("float32", "bfloat16")
