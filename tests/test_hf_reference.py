@@ -16,13 +16,16 @@ BACKENDS = ("xla", "pallas")
 # model read out of it; that class applies no final softcap where its text_config sets one.
 # mistral: Llama with one sliding window on every layer (the dense draft of a Mixtral);
 # qwen2: q/k/v biases; gemma2: softcapped attention scores.
-# qwen2_moe: Qwen2's attention, a shared expert under a sigmoid gate.
-MOE = MOE_FAMILIES + ("qwen2_moe",)
+# qwen2_moe: Qwen2's attention, a shared expert under a sigmoid gate; gpt_oss: biases
+# everywhere, attention sinks, a clamped SwiGLU, yarn RoPE; gpt_oss_mxfp4: the same model
+# with its experts stored as MXFP4 (gpt_oss's expected values).
+MOE = MOE_FAMILIES + ("qwen2_moe", "gpt_oss", "gpt_oss_mxfp4")
 ALL = FAMILIES + ("mistral", "qwen2", "gemma2") + MOE + ("gemma3_mm",)
+SAME_MODEL = {"gpt_oss_mxfp4": "gpt_oss"}  # fixtures of one model, one expected.npz
 
 
 def full_sequence(name):
-    e = expected(name)
+    e = expected(SAME_MODEL.get(name, name))
     return np.concatenate([e["prompt"], e["greedy"]]).astype(np.int32)
 
 
@@ -33,17 +36,16 @@ def test_logits_match_transformers(name, backend):
     seq = full_sequence(name)
     cache = jspec.init_cache(model, 1, len(seq))
     logits, _ = jspec.forward(model, seq[None], cache)
-    np.testing.assert_allclose(np.asarray(logits[0]), expected(name)["logits"],
-                               rtol=2e-4, atol=1e-3)
+    ref = expected(SAME_MODEL.get(name, name))["logits"]
+    np.testing.assert_allclose(np.asarray(logits[0]), ref, rtol=2e-4, atol=1e-3)
     if name in MOE:  # routing and experts: max error relative to the logits' range
-        ref = expected(name)["logits"]
         assert np.abs(np.asarray(logits[0]) - ref).max() <= 1e-4 * np.abs(ref).max()
 
 
 @pytest.mark.parametrize("name", ALL)
 def test_batched_logits_match_transformers(name):
     model = load(name, "xla")
-    e = expected(name)
+    e = expected(SAME_MODEL.get(name, name))
     cache = jspec.init_cache(model, 2, e["batch_prompts"].shape[1])
     logits, _ = jspec.forward(model, e["batch_prompts"], cache)
     np.testing.assert_allclose(np.asarray(logits), e["batch_logits"], rtol=2e-4, atol=1e-3)
@@ -55,7 +57,7 @@ def test_batched_logits_match_transformers(name):
     (n, b) if (n, b) in {("qwen3", "pallas"), ("qwen3_moe", "pallas")}
     else pytest.param(n, b, marks=pytest.mark.slow) for b in BACKENDS for n in ALL])
 def test_greedy_matches_transformers_generate(name, backend):
-    e = expected(name)
+    e = expected(SAME_MODEL.get(name, name))
     n = len(e["greedy"])
     assert n >= 32
     out = jspec.generate(load(name, backend), [e["prompt"]], max_new_tokens=n)
@@ -116,6 +118,26 @@ def test_qwen2_moe_features_are_read():
     assert cfg.layer_experts == (True, False, True) and cfg.shared_expert_size == 32
     assert cfg.qkv_bias and not cfg.qk_norm and not cfg.norm_topk_prob
     assert layers[0]["w_shared_gate"].shape == (64, 1) and "w_shared_down" not in layers[1]
+
+
+def test_gpt_oss_features_are_read():
+    """Every gpt-oss part is read, and MXFP4 experts load to the float checkpoint's bits
+    (the fixture's float experts are transformers' dequantization of the MXFP4 ones)."""
+    model, packed = load("gpt_oss", "xla"), load("gpt_oss_mxfp4", "xla")
+    cfg, lp = model.config, model.params["layers"][0]
+    assert cfg.family == "gpt_oss" and cfg.activation == "gpt_oss" and cfg.topk_softmax
+    assert cfg.layer_sliding == (True, False, True) and cfg.sliding_window == 8
+    assert cfg.qkv_bias and cfg.o_bias and cfg.attn_sinks and cfg.expert_bias
+    assert cfg.router_bias and cfg.rope.yarn.factor == 4.0 and not cfg.rope.yarn.truncate
+    shapes = {"bo": (64,), "sinks": (4,), "router_bias": (4,), "b_gate_up": (4, 64),
+              "b_down": (4, 64), "w_gate_up": (4, 64, 64), "w_down": (4, 32, 64)}
+    assert {k: lp[k].shape for k in shapes} == shapes
+    assert cfg == packed.config
+    for a, b in zip(model.params["layers"], packed.params["layers"], strict=True):
+        assert a.keys() == b.keys()
+        for k in a:
+            np.testing.assert_array_equal(np.asarray(a[k]).view(np.uint32),
+                                          np.asarray(b[k]).view(np.uint32), err_msg=k)
 
 
 def test_moe_features_are_read():

@@ -263,6 +263,38 @@ def test_bad_or_unsupported_rope_is_named(params, field):
         rope_spec(params, None, "where")
 
 
+GATE_UP = "model.layers.1.mlp.experts.gate_up_proj"
+
+
+def _set(name, fn):
+    def edit(t):
+        t[name] = fn(t[name])
+    return edit
+
+
+@pytest.mark.parametrize("edit,match", [
+    (_set(GATE_UP + "_scales", lambda s: np.where(np.arange(s.size).reshape(s.shape) == 5,
+                                                  np.uint8(255), s)),
+     "gate_up_proj: an MXFP4 scale is NaN"),
+    (_set(GATE_UP + "_blocks", lambda b: b.astype(np.float32)),
+     "gate_up_proj_blocks.*is float32.*MXFP4 wants uint8"),
+    (_set(GATE_UP + "_scales", lambda s: s[:, :, :1]), "gate_up_proj_scales.*wants uint8"),
+    (lambda t: t.pop(GATE_UP + "_scales"), "missing tensor .*gate_up_proj_scales"),
+])
+def test_bad_mxfp4_experts_are_named(tmp_path, edit, match):
+    d = _copy_fixture(tmp_path, "gpt_oss_mxfp4")
+    _edit_tensors(d, edit)
+    with pytest.raises(jspec.CheckpointError, match=match):
+        _xla(d)
+
+
+def test_a_quantized_checkpoint_other_than_gpt_oss_mxfp4_is_refused(tmp_path):
+    d = _copy_fixture(tmp_path)
+    _edit_config(d, quantization_config={"quant_method": "mxfp4"})
+    with pytest.raises(jspec.UnsupportedModelError, match="quant_method='mxfp4'.*not supported"):
+        _xla(d)
+
+
 # ------------------------------------------------------------------- unused tensors
 
 
