@@ -99,6 +99,8 @@ class ModelConfig:
       shared_expert_size: a sparse layer's shared expert's width (Qwen2-MoE; 0: none): a
         GLU MLP every token runs, scaled by sigmoid(x @ its gate) and added to the routed
         experts' sum.
+      attn_sinks: per-head learned sink logits in the softmax's denominator (gpt-oss):
+        layer param `sinks` [num_heads].
     """
 
     family: str
@@ -132,6 +134,7 @@ class ModelConfig:
     layer_experts: tuple[bool, ...] = ()
     qkv_bias: bool = False
     shared_expert_size: int = 0
+    attn_sinks: bool = False
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
