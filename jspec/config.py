@@ -123,6 +123,8 @@ class ModelConfig:
         in f32 to the f32 product before its one rounding.
       router_bias: the router carries a bias (gpt-oss, `router_bias` [E]), added to its
         f32 logits.
+      attn_sinks: per-head learned sink logits in the softmax's denominator (gpt-oss):
+        layer param `sinks` [num_heads].
     """
 
     family: str

@@ -37,6 +37,7 @@ from pallas_kernels.attention import (
     attention_config,
     attention_rows_counted,
     row_count,
+    row_sinks,
     visible_range,
 )
 from pallas_kernels.latency.draft import (
@@ -132,7 +133,8 @@ def forward(model, tokens: jax.Array, cache):
     Rp = row_count(acfg, T * G)  # attention rows a kv head
     fold = opt.attn_fused_fold
     # q/k norm, RoPE, the K/V write and attention in one launch where split-KV folds in one
-    one_kernel = dopt.rope_attention and fold is not False and \
+    # (not with sinks: that kernel has none; the rows' own attention then takes them)
+    one_kernel = dopt.rope_attention and fold is not False and not cfg.attn_sinks and \
         rope_attention_takes(acfg, B, T, G)
     ranges = {}  # window -> first, last [B, Rp]
 
@@ -171,10 +173,11 @@ def forward(model, tokens: jax.Array, cache):
                     qkv, *ws, *rope, cache.k[i], cache.v[i], num_q=H, num_k=Hkv, tokens=T,
                     rows=Rp, eps=cfg.rms_eps, offset=cfg.norm_offset,
                     interpret=opt.interpret)  # q [B, Hkv, Rp, hd]
+                sinks = row_sinks(lp["sinks"], Hkv, T, Rp) if cfg.attn_sinks else None
                 a, counters = attention_rows_counted(
                     q, k_buf, v_buf, *ranges[sliding], acfg, counters, scale=cfg.attn_scale,
                     softcap=cfg.attn_softcap, interpret=opt.interpret,
-                    fused_fold=fold)  # [B, Hkv, Rp, hd]
+                    fused_fold=fold, sinks=sinks)  # [B, Hkv, Rp, hd]
             new_k.append(k_buf)
             new_v.append(v_buf)
             o = matvec(a, lp["wo_t"], heads=(T, G), **common)  # [M, D]

@@ -280,16 +280,18 @@ def attention_block(ops, model: Model, lp, h, k_buf, v_buf, pos, lengths, cos, s
         v_new = v.reshape(B, T, Hkv, hd).transpose(0, 2, 1, 3)
         k_buf = write_kv(k_buf, k_new, lengths, single=opt.kv_dus)
         v_buf = write_kv(v_buf, v_new, lengths, single=opt.kv_dus)
+    sinks = lp["sinks"] if cfg.attn_sinks else None  # [H] (gpt-oss) or None
     if tree is not None:
         o = ops.tree_attention(q.reshape(B, T, H, hd), k_buf, v_buf, pos, window, tree.root,
-                               tree.path, scale=cfg.attn_scale, softcap=cfg.attn_softcap,
-                               split=opt.attn_split, split_rows=opt.attn_split_rows)
+                               tree.path, sinks=sinks, scale=cfg.attn_scale,
+                               softcap=cfg.attn_softcap, split=opt.attn_split,
+                               split_rows=opt.attn_split_rows)
     else:
         attention = ops.attention_counted
         if opt.backend == "xla" and model.draft_options.xla_pallas_attention:
             attention = get_ops("pallas", opt.interpret).attention_counted
         o, counters = attention(q.reshape(B, T, H, hd), k_buf, v_buf, pos, window, counters,
-                                scale=cfg.attn_scale, softcap=cfg.attn_softcap,
+                                sinks=sinks, scale=cfg.attn_scale, softcap=cfg.attn_softcap,
                                 split=opt.attn_split, split_rows=opt.attn_split_rows,
                                 fused_fold=opt.attn_fused_fold,
                                 serial_split=opt.attn_serial_split,

@@ -76,7 +76,8 @@ class Ops(NamedTuple):
       x @ w's halves, [M,F] x.dtype (row_group, schedule: scheduling only);
     softcap(x [M,N], cap) -> [M,N] f32;
     logsumexp(x [M,V]) -> [M] f32;
-    attention(q [B,T,H,D], k [B,Hkv,S,D], v, q_pos [B,T], window [], scale, softcap);
+    attention(q [B,T,H,D], k [B,Hkv,S,D], v, q_pos [B,T], window [], sinks=None, scale,
+      softcap): sinks [H] (gpt-oss's per-head sink logits) or None, on every attention op;
     attention_counted(q, k, v, q_pos, window, counters, ...) -> (attention's output,
       counters): a forward threads the one-launch split-KV path's arrival counters from
       layer to layer (`pallas_kernels.attention.attention_counted`); the xla backend
@@ -209,12 +210,13 @@ def _attention_by_shape(mosaic: Callable, triton: Callable, counted: bool = Fals
     from pallas_kernels.mosaic.attention import takes as mosaic_takes
 
     @functools.wraps(triton)
-    def run(q, k, v, q_pos, window, *rest, scale, softcap=None, split=None, **kwargs):
+    def run(q, k, v, q_pos, window, *rest, scale, softcap=None, split=None, sinks=None,
+            **kwargs):
         if not mosaic_takes(q.shape[-1], q.dtype, split):
             return triton(q, k, v, q_pos, window, *rest, scale=scale, softcap=softcap,
-                          split=split, **kwargs)
+                          split=split, sinks=sinks, **kwargs)
         out = mosaic(q, k, v, q_pos, window, *rest[counted:], scale=scale, softcap=softcap,
-                     split=SPLIT if split is None else split)
+                     split=SPLIT if split is None else split, sinks=sinks)
         return (out, rest[0]) if counted else out
 
     return run

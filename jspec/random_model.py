@@ -215,6 +215,8 @@ def random_params(cfg: ModelConfig, seed: int = 0) -> dict:
             Fs = cfg.shared_expert_size
             lp |= {"w_shared_gate_up": w(D, 2 * Fs, fan_in=D),
                    "w_shared_down": w(Fs, D, fan_in=Fs), "w_shared_gate": w(D, 1, fan_in=D)}
+        if cfg.attn_sinks:  # one logit a query head, of the scores' scale
+            lp["sinks"] = w(cfg.num_heads, fan_in=1)
         layers.append(lp)
     embed = w(V, D, fan_in=1)
     lm_head = embed.T if cfg.tie_embeddings else w(D, V, fan_in=D)

@@ -10,7 +10,8 @@ model out Megatron-style over one mesh axis ("tp", of size TP):
 - attention by kv head: shard s holds kv heads [s Hkv / TP, (s + 1) Hkv / TP) and the q
   heads of their groups; where Hkv < TP each kv head is replicated on TP / Hkv shards
   (the sharded model's config then has TP kv heads, each group's copy serving the q
-  heads of one shard: the same attention, head for head);
+  heads of one shard: the same attention, head for head); a layer's `sinks` [H] (one
+  per q head, gpt-oss) split with its q heads;
 - the LM head split by vocabulary (padded with zero columns to a multiple of TP, the
   padding sliced off the gathered logits); embedding and norms replicated;
 - the KV cache [B, Hkv, S, D] split on its kv-head axis like the heads.
@@ -143,7 +144,7 @@ def param_spec(name: str, axis: str) -> P:
     """The PartitionSpec of a parameter by its key (a layer's or the top level's)."""
     if name in COLUMN or name == "lm_head":
         return P(None, axis)
-    if name == "bqkv":  # wqkv's columns' biases, split as they are
+    if name in ("bqkv", "sinks"):  # wqkv's columns' biases; the q heads' sinks
         return P(axis)
     if name in ROW:
         return P(axis, None)
@@ -182,6 +183,8 @@ def shard_block(name: str, w: np.ndarray, cfg: ModelConfig, size: int, s: int) -
     H, Hkv, hd, F = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
     if name == "bqkv":  # the columns of wqkv's block
         return shard_block("wqkv", w[None], cfg, size, s)[0]
+    if name == "sinks":  # shard s's q heads [s H / TP, (s + 1) H / TP), as wqkv's q
+        return w[s * (H // size):(s + 1) * (H // size)]
     if name == "wqkv":
         hq = H // size
         q = w[:, s * hq * hd:(s + 1) * hq * hd]

@@ -57,10 +57,11 @@ from pallas_kernels.attention_tile import (
     _attention_kernel,
     _row_tile_call,
     attention_config,
+    row_sinks,
 )
 
 
-def _check_inputs(q, k_cache, v_cache, q_pos, window) -> None:
+def _check_inputs(q, k_cache, v_cache, q_pos, window, sinks=None) -> None:
     if q.ndim != 4:
         raise ValueError(f"q must be [B, T, H, D]; got {q.shape=}")
     batch, seq, num_heads, head_dim = q.shape
@@ -84,6 +85,9 @@ def _check_inputs(q, k_cache, v_cache, q_pos, window) -> None:
         raise ValueError(f"dtype mismatch: {q.dtype=}, {k_cache.dtype=}, {v_cache.dtype=}")
     if head_dim < 16 or head_dim & (head_dim - 1):
         raise ValueError(f"head_dim must be a power of two >= 16 (Triton tiles); {head_dim=}")
+    if sinks is not None and jnp.shape(sinks) != (num_heads,):
+        raise ValueError(f"sinks must be [H] = [{num_heads}] (one per query head); got "
+                         f"{jnp.shape(sinks)=}")
 
 
 def _visible_range(q_pos, window, group: int, num_rows: int):
@@ -110,6 +114,7 @@ def attention(
     v_cache: jax.Array,  # [B, Hkv, S, D]
     q_pos: jax.Array,  # [B, T] int32 absolute positions, -1 = padding
     window: jax.Array,  # [] int32, 0 = no sliding window
+    sinks: jax.Array | None = None,  # [H] per-head sink logits (gpt-oss), or None
     *,
     scale: float,
     softcap: float | None = None,
@@ -149,11 +154,15 @@ def attention(
     `group_split` (if not None) overrides the config's choice (`group_split_programs`) of
     a program per fold group past one group of partitions: the same partials and fold,
     the partitions' partials kept in registers (scheduling only).
+    `sinks` [H] (gpt-oss's learned sink logits, or None): query head h's softmax
+    denominator gains exp(sinks[h] - m), folded in once at the normalization after every
+    key block and partial, so the invariance holds as without; None traces exactly the
+    kernels without sinks.
     """
     return _attention(q, k_cache, v_cache, q_pos, window, None, scale=scale, softcap=softcap,
                       interpret=interpret, config=config, split=split, split_rows=split_rows,
                       fused_fold=fused_fold, serial_split=serial_split,
-                      skip_empty=skip_empty, group_split=group_split)[0]
+                      skip_empty=skip_empty, group_split=group_split, sinks=sinks)[0]
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
@@ -164,6 +173,7 @@ def attention_counted(
     q_pos: jax.Array,  # [B, T]
     window: jax.Array,  # []
     counters: jax.Array | None,  # [n] int32 zeros, or None
+    sinks: jax.Array | None = None,  # [H] or None, as `attention`'s
     *,
     scale: float,
     softcap: float | None = None,
@@ -190,13 +200,13 @@ def attention_counted(
     return _attention(q, k_cache, v_cache, q_pos, window, counters, scale=scale,
                       softcap=softcap, interpret=interpret, config=config, split=split,
                       split_rows=split_rows, fused_fold=fused_fold, serial_split=serial_split,
-                      skip_empty=skip_empty, group_split=group_split)
+                      skip_empty=skip_empty, group_split=group_split, sinks=sinks)
 
 
 def _attention(q, k_cache, v_cache, q_pos, window, counters, *, scale, softcap, interpret,
                config, split, split_rows, fused_fold, serial_split=None, skip_empty=None,
-               group_split=None):
-    _check_inputs(q, k_cache, v_cache, q_pos, window)
+               group_split=None, sinks=None):
+    _check_inputs(q, k_cache, v_cache, q_pos, window, sinks)
     batch, seq, num_heads, head_dim = q.shape
     _, num_kv_heads, cache_len, _ = k_cache.shape
     group = num_heads // num_kv_heads
@@ -222,10 +232,13 @@ def _attention(q, k_cache, v_cache, q_pos, window, counters, *, scale, softcap, 
                          f"group_split_programs={cfg.group_split_programs} >= 0")
 
     q_rows, first, last = query_rows(q, q_pos, window, num_kv_heads, cfg)
+    if sinks is not None:
+        sinks = row_sinks(sinks, num_kv_heads, seq, q_rows.shape[2])  # [Hkv, Rp]
     out, counters = attention_rows_counted(q_rows, k_cache, v_cache, first, last, cfg,
                                            counters, scale=float(scale), softcap=softcap,
                                            interpret=interpret, fused_fold=fused_fold,
-                                           serial_split=serial_split, group_split=group_split)
+                                           serial_split=serial_split, group_split=group_split,
+                                           sinks=sinks)
     return rows_to_heads(out, seq, num_heads), counters
 
 
@@ -279,22 +292,24 @@ def visible_range(q_pos, window, group: int, num_rows: int):
 
 def attention_rows(q_rows, k_cache, v_cache, first, last, cfg: AttentionConfig, *,
                    scale: float, softcap: float | None = None, interpret: bool = False,
-                   fused_fold: bool | None = None):
+                   fused_fold: bool | None = None, sinks=None):
     """`attention` on rows already laid out per kv head: q_rows [B, Hkv, Rp, D] (row
     t * G + i is token t's query head g * G + i; Rp = `row_count(cfg, T * G)`, padding rows
     zero), first / last [B, Rp] from `visible_range` -> [B, Hkv, Rp, D], padding rows 0.
-    For callers that build q in this layout (the draft kernels) and read the output in it."""
+    For callers that build q in this layout (the draft kernels) and read the output in it.
+    sinks: each row's sink logit in this layout, [Hkv, Rp] f32 (`row_sinks`), or None."""
     return attention_rows_counted(q_rows, k_cache, v_cache, first, last, cfg, None,
                                   scale=scale, softcap=softcap, interpret=interpret,
-                                  fused_fold=fused_fold)[0]
+                                  fused_fold=fused_fold, sinks=sinks)[0]
 
 
 def attention_rows_counted(q_rows, k_cache, v_cache, first, last, cfg: AttentionConfig,
                            counters, *, scale: float, softcap: float | None = None,
                            interpret: bool = False, fused_fold: bool | None = None,
-                           serial_split: bool | None = None, group_split: bool | None = None):
+                           serial_split: bool | None = None, group_split: bool | None = None,
+                           sinks=None):
     """`attention_rows` with the arrival counters of `attention_counted`: -> (out,
-    counters)."""
+    counters). sinks: [Hkv, Rp] f32 per row (`row_sinks`) or None."""
     batch, _, padded_rows, _ = q_rows.shape
     block_rows = cfg.split_rows if cfg.split else cfg.block_rows
     if cfg.split:
@@ -305,41 +320,45 @@ def attention_rows_counted(q_rows, k_cache, v_cache, first, last, cfg: Attention
         if serial_split:
             return _serial_split_attention(q_rows, k_cache, v_cache, first, last, cfg,
                                            scale=float(scale), softcap=softcap,
-                                           interpret=interpret), counters
+                                           interpret=interpret, sinks=sinks), counters
         groups = fold_groups(cfg, pl.cdiv(k_cache.shape[2], cfg.split))
         if group_split is None:
             group_split = 0 < cfg.group_split_programs <= tiles * k_cache.shape[1] * groups
         if group_split and groups > 1:
             return _group_split_attention(q_rows, k_cache, v_cache, first, last, cfg,
                                           scale=float(scale), softcap=softcap,
-                                          interpret=interpret), counters
+                                          interpret=interpret, sinks=sinks), counters
         if fused_fold is None:
             fused_fold = tiles <= cfg.fused_fold_tiles
         if fused_fold:
             return _fused_split_attention(q_rows, k_cache, v_cache, first, last, cfg,
                                           counters, scale=float(scale), softcap=softcap,
-                                          interpret=interpret)
+                                          interpret=interpret, sinks=sinks)
         return _split_attention(q_rows, k_cache, v_cache, first, last, cfg,
                                 scale=float(scale), softcap=softcap,
-                                interpret=interpret), counters
+                                interpret=interpret, sinks=sinks), counters
     else:
         kernel = functools.partial(
             _attention_kernel, scale=float(scale), softcap=softcap, block_k=cfg.block_k,
             v_masked_load=cfg.v_masked_load,
         )
         out = _row_tile_call(kernel, q_rows, k_cache, v_cache, first, last, cfg,
-                             cfg.block_rows, interpret, "jspec_attention")  # [B, Hkv, Rp, D]
+                             cfg.block_rows, interpret, "jspec_attention",
+                             sinks=sinks)  # [B, Hkv, Rp, D]
     return out, counters
 
 
 def _plain_attention(q, k_cache, v_cache, q_pos, window, *, scale, softcap, upcast: bool,
-                     key_pos=None):
+                     key_pos=None, sinks=None):
     """Full softmax over all S keys in plain jnp. upcast: q, k, v and p in f32 with IEEE
     f32 dots (the accurate reference); else dots in the cache dtype with f32 accumulation
     and p cast to the value dtype for p @ v (what a plain JAX model runs). key_pos
     [B, T, S] (optional): each slot's logical position for each query, -1 where the
-    query must not see it (a tree's other branches); by default a slot is its position."""
-    _check_inputs(q, k_cache, v_cache, q_pos, window)
+    query must not see it (a tree's other branches); by default a slot is its position.
+    sinks [H] (or None): transformers' gpt-oss eager attention, a column of head h's sink
+    logit concatenated to the masked scores, in the max and the softmax's sum, then
+    dropped before p @ v."""
+    _check_inputs(q, k_cache, v_cache, q_pos, window, sinks)
     batch, seq, num_heads, head_dim = q.shape
     num_kv_heads, cache_len = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -361,10 +380,18 @@ def _plain_attention(q, k_cache, v_cache, q_pos, window, *, scale, softcap, upca
     window = jnp.asarray(window, jnp.int32)
     mask = (key >= 0) & (key <= pos) & ((window <= 0) | (key > pos - window))
     s = jnp.where(mask, s, _NEG_INF)
+    if sinks is not None:  # [B, Hkv, G, T, S + 1]: the sink column, always visible
+        col = jnp.broadcast_to(sinks.astype(f32).reshape(1, num_kv_heads, group, 1, 1),
+                               s.shape[:-1] + (1,))
+        s = jnp.concatenate([s, col], axis=-1)
+        mask = jnp.concatenate([jnp.broadcast_to(mask, col.shape[:-1] + (cache_len,)),
+                                jnp.ones(col.shape, bool)], axis=-1)
     m = jnp.max(s, axis=-1, keepdims=True)
     m = jnp.where(m == _NEG_INF, 0.0, m)
     p = jnp.where(mask, jnp.exp(s - m), 0.0)
     denom = jnp.moveaxis(jnp.sum(p, axis=-1, keepdims=True), 3, 1)  # [B, T, Hkv, G, 1]
+    if sinks is not None:
+        p = p[..., :cache_len]  # the sink column is in the sum only
     o = dot_f32(functools.partial(jnp.einsum, "bkgts,bksd->btkgd"), p.astype(v_cache.dtype),
                 v_cache, precision=prec)  # [B, T, Hkv, G, D] f32
     o = jnp.where(denom > 0, o / jnp.where(denom > 0, denom, 1.0), 0.0)
@@ -380,6 +407,7 @@ def attention_reference(
     v_cache: jax.Array,  # [B, Hkv, S, D]
     q_pos: jax.Array,  # [B, T]
     window: jax.Array,  # []
+    sinks: jax.Array | None = None,  # [H] or None
     *,
     scale: float,
     softcap: float | None = None,
@@ -398,7 +426,7 @@ def attention_reference(
     """
     del split, split_rows, fused_fold, serial_split, skip_empty, group_split
     return _plain_attention(q, k_cache, v_cache, q_pos, window, scale=scale,
-                            softcap=softcap, upcast=True).astype(q.dtype)
+                            softcap=softcap, upcast=True, sinks=sinks).astype(q.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "softcap", "split", "split_rows",
@@ -410,6 +438,7 @@ def attention_xla(
     v_cache: jax.Array,  # [B, Hkv, S, D]
     q_pos: jax.Array,  # [B, T]
     window: jax.Array,  # []
+    sinks: jax.Array | None = None,  # [H] or None
     *,
     scale: float,
     softcap: float | None = None,
@@ -427,4 +456,4 @@ def attention_xla(
     """
     del split, split_rows, fused_fold, serial_split, skip_empty, group_split
     return _plain_attention(q, k_cache, v_cache, q_pos, window, scale=scale,
-                            softcap=softcap, upcast=False)
+                            softcap=softcap, upcast=False, sinks=sinks)

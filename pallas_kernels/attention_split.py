@@ -30,9 +30,12 @@ from pallas_kernels.attention_tile import (
     _NEG_INF,
     AttentionConfig,
     _block_range,
+    _load,
     _normalize,
     _online_softmax,
     _row_tile_call,
+    _sink_out,
+    sink_spec,
 )
 
 
@@ -131,7 +134,7 @@ def _empty_state(rows: int, head_dim: int):
             jnp.zeros((rows, head_dim), jnp.float32))
 
 
-def _serial_split_kernel(q_ref, k_ref, v_ref, first_ref, last_ref, o_ref, *, scale: float,
+def _serial_split_kernel(q_ref, k_ref, v_ref, first_ref, last_ref, *refs, scale: float,
                          softcap: float | None, block_k: int, split: int, fold_group: int,
                          subtiles: int):
     """Split-KV without partials in memory, for calls of many row tiles (prefill chunks):
@@ -144,7 +147,8 @@ def _serial_split_kernel(q_ref, k_ref, v_ref, first_ref, last_ref, o_ref, *, sca
     is an exact no-op for it, so the tile's (m, denom, acc) are those of the two split
     kernels (the same expressions on the same operands; their bits are the device's to
     prove). The partials never reach memory and the K/V reads are shared by `subtiles`
-    row tiles."""
+    row tiles. refs: (sink_ref [rows] f32, with sinks), o_ref."""
+    sink_ref, o_ref = _sink_out(refs)
     rows, head_dim = q_ref.shape
     br = rows // subtiles
     parts = pl.cdiv(k_ref.shape[0], split)
@@ -178,8 +182,9 @@ def _serial_split_kernel(q_ref, k_ref, v_ref, first_ref, last_ref, o_ref, *, sca
 
     totals = lax.fori_loop(lax.div(lo, group), lax.div(hi + group - 1, group), one_group,
                            tuple(_empty_state(br, head_dim) for _ in range(subtiles)))
-    for i, (_, denom, acc) in enumerate(totals):
-        o_ref[pl.ds(i * br, br), :] = _normalize(denom, acc).astype(o_ref.dtype)
+    for i, (m, denom, acc) in enumerate(totals):
+        sink = None if sink_ref is None else sink_ref[pl.ds(i * br, br)]
+        o_ref[pl.ds(i * br, br), :] = _normalize(denom, acc, m, sink).astype(o_ref.dtype)
 
 
 def _fold_partials(load, parts: int, first, last, split: int, head_dim: int,
@@ -238,7 +243,7 @@ def _group_fold_kernel(m_ref, l_ref, acc_ref, first_ref, last_ref, gm_ref, gl_re
         split, head_dim, span=(g * fold_group, fold_group), visible_only=visible_only)
 
 
-def _combine_kernel(m_ref, l_ref, acc_ref, first_ref, last_ref, o_ref, *, split: int,
+def _combine_kernel(m_ref, l_ref, acc_ref, first_ref, last_ref, *refs, split: int,
                     visible_only: bool = False):
     """Split-KV phase 2: folds the partials in ascending partition order into one
     (m, denom, acc) and normalizes. Folding an empty partial is an exact no-op
@@ -250,18 +255,20 @@ def _combine_kernel(m_ref, l_ref, acc_ref, first_ref, last_ref, o_ref, *, split:
     in steps of FOLD_UNROLL aligned at partition 0, so a step's loads issue together
     rather than one round trip per partial. The partitions a step adds at either end
     are ones no row of the tile sees (phase 1 wrote the empty state there: exact
-    no-ops); indices past the last partition fold the empty state itself."""
+    no-ops); indices past the last partition fold the empty state itself. refs:
+    (sink_ref [R] f32, with sinks: folded in at the normalization), o_ref."""
+    sink_ref, o_ref = _sink_out(refs)
     parts, _, head_dim = acc_ref.shape
-    _, denom, acc = _fold_partials(lambda c: (m_ref[c], l_ref[c], acc_ref[c]), parts,
+    m, denom, acc = _fold_partials(lambda c: (m_ref[c], l_ref[c], acc_ref[c]), parts,
                                    first_ref[...], last_ref[...], split, head_dim,
                                    visible_only=visible_only)
-    o_ref[...] = _normalize(denom, acc).astype(o_ref.dtype)
+    o_ref[...] = _normalize(denom, acc, m, _load(sink_ref)).astype(o_ref.dtype)
 
 
-def _fused_split_kernel(q_ref, k_ref, v_ref, first_ref, last_ref, count_in, count_ref,
-                        m_ref, l_ref, acc_ref, *rest, scale: float, softcap: float | None,
-                        block_k: int, split: int, v_masked_load: bool, interpret: bool,
-                        fold_group: int = 0, skip_empty: bool = False):
+def _fused_split_kernel(q_ref, k_ref, v_ref, first_ref, last_ref, count_in, *rest,
+                        scale: float, softcap: float | None, block_k: int, split: int,
+                        v_masked_load: bool, interpret: bool, fold_group: int = 0,
+                        skip_empty: bool = False, sinks: bool = False):
     """Split-KV in one launch: phase 1 of partition c (`_split_kernel`), its partial
     stored into whole-array buffers; then the program counts itself in on its row tile's
     counter (a CTA-wide sync first, then one atomic add with acquire/release semantics
@@ -272,9 +279,11 @@ def _fused_split_kernel(q_ref, k_ref, v_ref, first_ref, last_ref, count_in, coun
     other program of the tile has counted itself in already, so the buffer leaves the
     call as zeroed as it came and the next call may take it as is. With a two-level fold
     (`rest` = group buffers gm, gl, gacc, then o) the counting runs per group of
-    `fold_group` partitions first (`_count_and_fold`)."""
+    `fold_group` partitions first (`_count_and_fold`). `sinks`: `rest` starts with
+    sink_ref [R] f32 (an input), which the fold's normalization takes."""
     del count_in  # aliased to count_ref
-    *group_refs, o_ref = rest
+    sink_ref, rest = (rest[0], rest[1:]) if sinks else (None, rest)
+    count_ref, m_ref, l_ref, acc_ref, *group_refs, o_ref = rest
     ids = tuple(pl.program_id(i) for i in range(4))  # b, h, r, c
     first, last = first_ref[...], last_ref[...]
     m, denom, acc = _partition_partial(q_ref, k_ref, v_ref, first, last, ids[3], scale=scale,
@@ -282,12 +291,13 @@ def _fused_split_kernel(q_ref, k_ref, v_ref, first_ref, last_ref, count_in, coun
                                        v_masked_load=v_masked_load)
     _count_and_fold(ids, m, denom, acc, first, last, count_ref, m_ref, l_ref, acc_ref, o_ref,
                     split=split, interpret=interpret, fold_group=fold_group,
-                    group_refs=tuple(group_refs), skip_empty=skip_empty)
+                    group_refs=tuple(group_refs), skip_empty=skip_empty, sink_ref=sink_ref)
 
 
 def _count_and_fold(ids, m, denom, acc, first, last, count_ref, m_ref, l_ref, acc_ref, o_ref,
                     *, split: int, interpret: bool, unroll: int = FOLD_UNROLL,
-                    fold_group: int = 0, group_refs: tuple = (), skip_empty: bool = False):
+                    fold_group: int = 0, group_refs: tuple = (), skip_empty: bool = False,
+                    sink_ref=None):
     """The one-launch split-KV tail of program ids = (b, h, r, c) (`_fused_split_kernel`):
     store its partial (m [R], denom [R], acc [R, D]), count in on the row tile's counter,
     and, arriving last, put the counter back to zero, fold the tile's partials (`unroll`
@@ -298,7 +308,8 @@ def _count_and_fold(ids, m, denom, acc, first, last, count_ref, m_ref, l_ref, ac
     count_ref, after the tiles' own); the group's last arrival folds the group's
     partitions (`_fold_partials` with a span), stores the group's (m, denom, acc) and
     counts in on the row tile's counter; the tile's last group folds the groups in order.
-    Every counter it takes is put back to zero by the program that arrives last on it."""
+    Every counter it takes is put back to zero by the program that arrives last on it.
+    `sink_ref` (the tile's sinks [R] f32, or None) joins the last fold's normalization."""
     b, h, r, c = ids
     parts = acc_ref.shape[2]
     head_dim = acc_ref.shape[-1]
@@ -339,9 +350,9 @@ def _count_and_fold(ids, m, denom, acc, first, last, count_ref, m_ref, l_ref, ac
             then()
 
     def finish(load, n: int, span_keys: int):
-        _, denom_all, acc_all = _fold_partials(load, n, first, last, span_keys, head_dim,
-                                               unroll, visible_only=skip_empty)
-        o_ref[...] = _normalize(denom_all, acc_all).astype(o_ref.dtype)
+        m_all, denom_all, acc_all = _fold_partials(load, n, first, last, span_keys, head_dim,
+                                                   unroll, visible_only=skip_empty)
+        o_ref[...] = _normalize(denom_all, acc_all, m_all, _load(sink_ref)).astype(o_ref.dtype)
 
     if not group_refs:
         count_in(tile, parts, lambda: finish(loader(m_ref, l_ref, acc_ref), parts, split))
@@ -369,10 +380,12 @@ def _count_and_fold(ids, m, denom, acc, first, last, count_ref, m_ref, l_ref, ac
 
 
 def _serial_split_attention(q_rows, k_cache, v_cache, first, last, cfg: AttentionConfig, *,
-                            scale: float, softcap: float | None, interpret: bool):
+                            scale: float, softcap: float | None, interpret: bool,
+                            sinks=None):
     """Split-KV in one launch without partials (`_serial_split_kernel`): a program per
     (batch, kv head, `cfg.serial_subtiles` split row tiles); rows padded to whole
-    programs and cut back -> [B, Hkv, Rp, D]."""
+    programs and cut back -> [B, Hkv, Rp, D]. sinks: [Hkv, Rp] f32 per row
+    (`row_sinks`) or None."""
     rows = q_rows.shape[2]
     rp = cfg.split_rows * cfg.serial_subtiles
     padded = pl.cdiv(rows, rp) * rp
@@ -380,19 +393,22 @@ def _serial_split_attention(q_rows, k_cache, v_cache, first, last, cfg: Attentio
         q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, padded - rows), (0, 0)))
         first = jnp.pad(first, ((0, 0), (0, padded - rows)), constant_values=0)
         last = jnp.pad(last, ((0, 0), (0, padded - rows)), constant_values=-1)
+        if sinks is not None:
+            sinks = jnp.pad(sinks, ((0, 0), (0, padded - rows)))
     kernel = functools.partial(_serial_split_kernel, scale=scale, softcap=softcap,
                                block_k=cfg.block_k, split=cfg.split,
                                fold_group=cfg.fold_group, subtiles=cfg.serial_subtiles)
     out = _row_tile_call(kernel, q_rows, k_cache, v_cache, first, last, cfg, rp, interpret,
-                         "jspec_attention_serial_split")
+                         "jspec_attention_serial_split", sinks=sinks)
     return out[:, :, :rows]
 
 
 def _group_split_attention(q_rows, k_cache, v_cache, first, last, cfg: AttentionConfig, *,
-                           scale: float, softcap: float | None, interpret: bool):
+                           scale: float, softcap: float | None, interpret: bool, sinks=None):
     """Split-KV with a program per (batch, kv head, row tile, fold group)
     (`_group_split_kernel`), then the fold over groups (`_combine_kernel` over groups of
-    `split x fold_group` keys, as the two-level fold's second level) -> [B, Hkv, Rp, D]."""
+    `split x fold_group` keys, as the two-level fold's second level, which folds `sinks`
+    [Hkv, Rp] in if given) -> [B, Hkv, Rp, D]."""
     batch, num_kv_heads, rows, head_dim = q_rows.shape
     cache_len = k_cache.shape[2]
     groups = fold_groups(cfg, pl.cdiv(cache_len, cfg.split))
@@ -416,7 +432,7 @@ def _group_split_attention(q_rows, k_cache, v_cache, first, last, cfg: Attention
     over_groups = dataclasses.replace(cfg, split=cfg.split * cfg.fold_group, fold_group=0,
                                       skip_empty=False)
     return combine_partials(m, denom, acc, first, last, over_groups, q_rows.dtype,
-                            interpret=interpret)
+                            interpret=interpret, sinks=sinks)
 
 
 def _partition_in_specs(br: int, head_dim: int, cache_len: int) -> list:
@@ -445,7 +461,7 @@ def partial_outputs(batch: int, num_kv_heads: int, n: int, rows: int, br: int,
 
 
 def _split_attention(q_rows, k_cache, v_cache, first, last, cfg: AttentionConfig, *,
-                     scale: float, softcap: float | None, interpret: bool):
+                     scale: float, softcap: float | None, interpret: bool, sinks=None):
     """Split-KV (flash-decoding, rule R3): [B, Hkv, Rp, D] rows -> outputs, in two kernels
     (`_fused_split_attention` does it in one launch, with the same bits).
 
@@ -453,7 +469,8 @@ def _split_attention(q_rows, k_cache, v_cache, first, last, cfg: AttentionConfig
     partials; phase 2 folds them in partition order. Partitions are fixed key ranges
     [c * split, (c + 1) * split) aligned at position 0, so a row's partials and their
     fold depend on its position, its keys and `split` only (the number of partitions
-    grows with S, but partitions past a row's last key are exact no-ops).
+    grows with S, but partitions past a row's last key are exact no-ops). sinks
+    ([Hkv, Rp] f32 per row, or None) join phase 2's normalization only.
     """
     batch, num_kv_heads, rows, head_dim = q_rows.shape
     cache_len = k_cache.shape[2]
@@ -474,15 +491,17 @@ def _split_attention(q_rows, k_cache, v_cache, first, last, cfg: AttentionConfig
         interpret=interpret,
         name="jspec_attention_split",
     )(q_rows, k_cache, v_cache, first, last)
-    return combine_partials(m, denom, acc, first, last, cfg, q_rows.dtype, interpret=interpret)
+    return combine_partials(m, denom, acc, first, last, cfg, q_rows.dtype, interpret=interpret,
+                            sinks=sinks)
 
 
 def combine_partials(m, denom, acc, first, last, cfg: AttentionConfig, dtype, *,
-                     interpret: bool):
+                     interpret: bool, sinks=None):
     """Split-KV phase 2 over partials m, denom [B, Hkv, parts, Rp], acc [.., Rp, D]:
     folded in partition order per row tile -> [B, Hkv, Rp, D] in dtype. Past one group
     of `cfg.fold_group` partitions, in two levels: a kernel folds each group (one program
-    per group and row tile), then the groups' results fold in group order."""
+    per group and row tile), then the groups' results fold in group order. sinks: [Hkv,
+    Rp] f32 (`row_sinks`), folded into the last fold's normalization, or None."""
     batch, num_kv_heads, parts, rows = m.shape
     head_dim = acc.shape[-1]
     br = cfg.split_rows
@@ -515,16 +534,17 @@ def combine_partials(m, denom, acc, first, last, cfg: AttentionConfig, dtype, *,
             name="jspec_attention_group_fold",
         )(m, denom, acc, first, last)
         parts, span_keys = groups, cfg.split * cfg.fold_group
+    extra = () if sinks is None else (sinks,)
     return pl.pallas_call(
         functools.partial(_combine_kernel, split=span_keys, visible_only=cfg.skip_empty),
         grid=(batch, num_kv_heads, rows // br),
-        in_specs=fold_in_specs(parts),
+        in_specs=fold_in_specs(parts) + (sink_spec(br) if extra else []),
         out_specs=pl.BlockSpec((None, None, br, head_dim), lambda b, h, r: (b, h, r, 0)),
         out_shape=jax.ShapeDtypeStruct((batch, num_kv_heads, rows, head_dim), dtype),
         compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=1),
         interpret=interpret,
         name="jspec_attention_combine",
-    )(m, denom, acc, first, last)
+    )(m, denom, acc, first, last, *extra)
 
 
 def split_counters(counters, tiles: int, groups: int = 1):
@@ -542,12 +562,13 @@ def split_counters(counters, tiles: int, groups: int = 1):
 
 
 def _fused_split_attention(q_rows, k_cache, v_cache, first, last, cfg: AttentionConfig,
-                           counters, *, scale: float, softcap: float | None, interpret: bool):
+                           counters, *, scale: float, softcap: float | None, interpret: bool,
+                           sinks=None):
     """`_split_attention` in one launch (`_fused_split_kernel`): the same partials and the
     same fold, the fold run by each row tile's last-arriving partition program -> (out,
     counters). The partials live in whole-array f32 buffers and the counters in a zeroed
     int32 array (one per row tile; `counters`, or fresh zeros when None), all outputs of
-    the call; the counters come back zeroed."""
+    the call; the counters come back zeroed. sinks: [Hkv, Rp] f32 per row, or None."""
     batch, num_kv_heads, rows, head_dim = q_rows.shape
     cache_len = k_cache.shape[2]
     parts = pl.cdiv(cache_len, cfg.split)
@@ -559,7 +580,7 @@ def _fused_split_attention(q_rows, k_cache, v_cache, first, last, cfg: Attention
                                block_k=cfg.block_k, split=cfg.split,
                                v_masked_load=cfg.v_masked_load, interpret=interpret,
                                fold_group=cfg.fold_group if groups > 1 else 0,
-                               skip_empty=cfg.skip_empty)
+                               skip_empty=cfg.skip_empty, sinks=sinks is not None)
     part_shapes = [(batch, num_kv_heads, parts, rows), (batch, num_kv_heads, parts, rows),
                    (batch, num_kv_heads, parts, rows, head_dim)]
     if groups > 1:  # the groups' (m, denom, acc)
@@ -571,10 +592,12 @@ def _fused_split_attention(q_rows, k_cache, v_cache, first, last, cfg: Attention
     def whole(shape):
         return pl.BlockSpec(shape, lambda b, h, r, c: (0,) * len(shape))
 
+    extra = () if sinks is None else (sinks,)
     outs = pl.pallas_call(
         kernel,
         grid=(batch, num_kv_heads, rows // br, parts),
-        in_specs=_partition_in_specs(br, head_dim, cache_len) + [whole((n_count,))],
+        in_specs=_partition_in_specs(br, head_dim, cache_len) + [whole((n_count,))]
+        + (sink_spec(br) if extra else []),
         out_specs=[whole((n_count,))] + [whole(sh) for sh in part_shapes] + [
             pl.BlockSpec((None, None, br, head_dim), lambda b, h, r, c: (b, h, r, 0))],
         out_shape=[jax.ShapeDtypeStruct((n_count,), jnp.int32)]
@@ -585,5 +608,5 @@ def _fused_split_attention(q_rows, k_cache, v_cache, first, last, cfg: Attention
                                              num_stages=cfg.num_stages),
         interpret=interpret,
         name="jspec_attention_fused",
-    )(q_rows, k_cache, v_cache, first, last, counters)
+    )(q_rows, k_cache, v_cache, first, last, counters, *extra)
     return outs[-1], outs[0]

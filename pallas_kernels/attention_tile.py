@@ -227,10 +227,35 @@ def _block_range(first, last, num_blocks: int, block_k: int):
     return lo, hi
 
 
-def _normalize(denom, acc):
-    seen = denom > 0.0  # rows that saw no key (padding) output 0, not 0/0
+def _normalize(denom, acc, m=None, sink=None):
+    """A row's output acc / denom from its final (m, denom, acc), 0 for a row that saw no
+    key (padding), not 0 / 0. `sink` [R] f32 (gpt-oss's learned per-head logit, or None):
+    exp(sink - m) joins the denominator here, once, after every key block and partial has
+    been folded, so it adds one row-local step to an already invariant state (P). Where
+    the sink dominates, exp overflows to inf and the output is 0, the limit."""
+    seen = denom > 0.0
+    if sink is not None:
+        denom = denom + jnp.exp(sink - m)
     out = acc / jnp.where(seen, denom, 1.0)[:, None]
     return jnp.where(seen[:, None], out, 0.0)
+
+
+def row_sinks(sinks, num_kv_heads: int, seq: int, rows: int):
+    """sinks [H] -> [Hkv, rows] f32 in `attention.query_rows`' layout: row t * G + i of kv
+    head h holds query head h * G + i's sink; padding rows 0 (they output 0 anyway)."""
+    group = sinks.shape[0] // num_kv_heads
+    per = jnp.tile(sinks.astype(jnp.float32).reshape(num_kv_heads, group), (1, seq))
+    return jnp.pad(per, ((0, 0), (0, rows - seq * group)))
+
+
+def _sink_out(refs):
+    """A kernel's trailing refs: (sink_ref, o_ref) with sinks, (o_ref,) without ->
+    (sink_ref [R] f32 or None, o_ref)."""
+    return tuple(refs) if len(refs) == 2 else (None, refs[0])
+
+
+def _load(ref):
+    return None if ref is None else ref[...]
 
 
 def _attention_kernel(
@@ -239,38 +264,47 @@ def _attention_kernel(
     v_ref,  # [S, D]
     first_ref,  # [R] int32 first visible key per row (window start, 0 if none)
     last_ref,  # [R] int32 last visible key per row (= its position; -1 for padding)
-    o_ref,  # [R, D]
-    *,
+    *refs,  # (sink_ref [R] f32: each row's sink, with sinks), o_ref [R, D]
     scale: float,
     softcap: float | None,
     block_k: int,
     v_masked_load: bool = False,
 ):
+    sink_ref, o_ref = _sink_out(refs)
     first, last = first_ref[...], last_ref[...]
     lo, hi = _block_range(first, last, k_ref.shape[0] // block_k, block_k)
-    _, denom, acc = _online_softmax(q_ref[...], k_ref, v_ref, first, last, lo, hi,
+    m, denom, acc = _online_softmax(q_ref[...], k_ref, v_ref, first, last, lo, hi,
                                     scale=scale, softcap=softcap, block_k=block_k,
                                     v_masked_load=v_masked_load)
-    o_ref[...] = _normalize(denom, acc).astype(o_ref.dtype)
+    o_ref[...] = _normalize(denom, acc, m, _load(sink_ref)).astype(o_ref.dtype)
+
+
+def sink_spec(rows: int) -> list:
+    """The in_specs entry of `row_sinks`' [Hkv, Rp] for a (b, h, r, ...) grid of `rows`
+    rows a program."""
+    return [pl.BlockSpec((None, rows), lambda b, h, r, *_: (h, r))]
 
 
 def _row_tile_call(kernel, q_rows, k_cache, v_cache, first, last, cfg: AttentionConfig,
-                   rows: int, interpret: bool, name: str):
+                   rows: int, interpret: bool, name: str, sinks=None):
     """`kernel` with one program per (batch, kv head, `rows` query rows), each seeing its
-    rows of q, first and last and the whole K/V cache of its kv head -> [B, Hkv, Rp, D]."""
+    rows of q, first and last (and of sinks [Hkv, Rp], if given) and the whole K/V cache
+    of its kv head -> [B, Hkv, Rp, D]."""
     batch, num_kv_heads, padded_rows, head_dim = q_rows.shape
     cache_len = k_cache.shape[2]
     row_spec = pl.BlockSpec((None, None, rows, head_dim), lambda b, h, r: (b, h, r, 0))
     kv_spec = pl.BlockSpec((None, None, cache_len, head_dim), lambda b, h, r: (b, h, 0, 0))
     pos_spec = pl.BlockSpec((None, rows), lambda b, h, r: (b, r))
+    extra = () if sinks is None else (sinks,)
     return pl.pallas_call(
         kernel,
         grid=(batch, num_kv_heads, padded_rows // rows),
-        in_specs=[row_spec, kv_spec, kv_spec, pos_spec, pos_spec],
+        in_specs=[row_spec, kv_spec, kv_spec, pos_spec, pos_spec]
+        + (sink_spec(rows) if extra else []),
         out_specs=row_spec,
         out_shape=jax.ShapeDtypeStruct(q_rows.shape, q_rows.dtype),
         compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps,
                                              num_stages=cfg.num_stages),
         interpret=interpret,
         name=name,
-    )(q_rows, k_cache, v_cache, first, last)
+    )(q_rows, k_cache, v_cache, first, last, *extra)

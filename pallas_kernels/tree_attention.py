@@ -57,8 +57,12 @@ from pallas_kernels.attention_split import _partition_blocks, combine_partials, 
 from pallas_kernels.attention_tile import (
     AttentionConfig,
     _block_range,
+    _load,
     _normalize,
     _online_softmax,
+    _sink_out,
+    row_sinks,
+    sink_spec,
 )
 
 
@@ -167,15 +171,16 @@ def _softmax(q_ref, k_ref, v_ref, tail_ref, first, last, start, lo, hi, *, scale
                          tokens=tokens)
 
 
-def _tree_kernel(q_ref, k_ref, v_ref, first_ref, last_ref, tail_ref, start_ref, o_ref, *,
+def _tree_kernel(q_ref, k_ref, v_ref, first_ref, last_ref, tail_ref, start_ref, *refs,
                  scale, softcap, block_k, group=None, tokens=None):
+    sink_ref, o_ref = _sink_out(refs)  # (sink_ref [R] f32 with sinks), o_ref
     first, last = first_ref[...], last_ref[...]
     start = jnp.max(start_ref[...])
     lo, hi = _block_range(first, last, k_ref.shape[0] // block_k, block_k)
-    _, denom, acc = _softmax(q_ref, k_ref, v_ref, tail_ref, first, last, start, lo, hi,
+    m, denom, acc = _softmax(q_ref, k_ref, v_ref, tail_ref, first, last, start, lo, hi,
                              scale=scale, softcap=softcap, block_k=block_k, group=group,
                              tokens=tokens)
-    o_ref[...] = _normalize(denom, acc).astype(o_ref.dtype)
+    o_ref[...] = _normalize(denom, acc, m, _load(sink_ref)).astype(o_ref.dtype)
 
 
 def _tree_split_kernel(q_ref, k_ref, v_ref, first_ref, last_ref, tail_ref, start_ref, m_ref,
@@ -192,8 +197,8 @@ def _tree_split_kernel(q_ref, k_ref, v_ref, first_ref, last_ref, tail_ref, start
 
 @functools.partial(jax.jit, static_argnames=("scale", "softcap", "interpret", "config",
                                              "split", "split_rows", "pack"))
-def tree_attention(q, k_cache, v_cache, q_pos, window, root, path, *, scale: float,
-                   softcap: float | None = None, interpret: bool = False,
+def tree_attention(q, k_cache, v_cache, q_pos, window, root, path, sinks=None, *,
+                   scale: float, softcap: float | None = None, interpret: bool = False,
                    config: AttentionConfig | None = None, split: int | None = None,
                    split_rows: int | None = None, pack: bool = True):
     """q [B, T, H, D] at logical positions q_pos [B, T] (root + depth); k_cache, v_cache
@@ -202,8 +207,9 @@ def tree_attention(q, k_cache, v_cache, q_pos, window, root, path, *, scale: flo
     itself at its depth); root [B] -> [B, T, H, D]. `config`, `split`, `split_rows` as in
     `attention`: the same values give the same bits as the chain path's. `pack`: the
     plain kernel's rows, several tokens a tile (the prefix loaded once a tile); False:
-    one token's query heads a tile, every block gathered (the same bits)."""
-    _check_inputs(q, k_cache, v_cache, q_pos, window)
+    one token's query heads a tile, every block gathered (the same bits). `sinks` [H] or
+    None: as `attention`'s, folded in at the normalization."""
+    _check_inputs(q, k_cache, v_cache, q_pos, window, sinks)
     B, T, H, hd = q.shape
     _, Hkv, S, _ = k_cache.shape
     G = H // Hkv
@@ -227,6 +233,8 @@ def tree_attention(q, k_cache, v_cache, q_pos, window, root, path, *, scale: flo
         Rp = T * Rt
         tail_spec = pl.BlockSpec((None, None, L), lambda b, h, r, *c: (b, r // tpt, 0))
         static = {}
+        if sinks is not None:  # [Hkv, T * Rt]: each token's rows, head i at row i
+            sinks = jnp.tile(row_sinks(sinks, Hkv, 1, Rt), (1, T))
     else:
         # The plain kernel's row layout: token t's G query heads of a kv head at rows t * G.
         q_rows, first, last = query_rows(q, q_pos.astype(jnp.int32), window, Hkv, cfg)
@@ -236,6 +244,8 @@ def tree_attention(q, k_cache, v_cache, q_pos, window, root, path, *, scale: flo
         tail = jnp.pad(tail, ((0, 0), (0, Tp - T), (0, 0)))
         tail_spec = pl.BlockSpec((None, Tp, L), lambda b, h, r, *c: (b, 0, 0))
         static = dict(group=G, tokens=T)
+        if sinks is not None:
+            sinks = row_sinks(sinks, Hkv, T, Rp)  # [Hkv, Rp]
     starts = jnp.broadcast_to(start[:, None], (B, Rp))
     row_spec = pl.BlockSpec((None, None, R, hd), lambda b, h, r, *c: (b, h, r, 0))
     kv_spec = pl.BlockSpec((None, None, S, hd), lambda b, h, r, *c: (b, h, 0, 0))
@@ -245,12 +255,13 @@ def tree_attention(q, k_cache, v_cache, q_pos, window, root, path, *, scale: flo
     args = (q_rows, k_cache, v_cache, first, last, tail, starts)
     static.update(scale=float(scale), softcap=softcap, block_k=cfg.block_k)
     if not cfg.split:
+        extra = () if sinks is None else (sinks,)
         out = pl.pallas_call(
             functools.partial(_tree_kernel, **static),
-            grid=(B, Hkv, Rp // R), in_specs=in_specs, out_specs=row_spec,
-            out_shape=jax.ShapeDtypeStruct(q_rows.shape, q_rows.dtype),
+            grid=(B, Hkv, Rp // R), in_specs=in_specs + (sink_spec(R) if extra else []),
+            out_specs=row_spec, out_shape=jax.ShapeDtypeStruct(q_rows.shape, q_rows.dtype),
             compiler_params=params, interpret=interpret, name="jspec_tree_attention",
-        )(*args)
+        )(*args, *extra)
     else:
         parts = pl.cdiv(S, cfg.split)
         out_specs, out_shape = partial_outputs(B, Hkv, parts, Rp, R, hd)
@@ -261,7 +272,7 @@ def tree_attention(q, k_cache, v_cache, q_pos, window, root, path, *, scale: flo
             compiler_params=params, interpret=interpret, name="jspec_tree_attention_split",
         )(*args)
         out = combine_partials(m, denom, acc, first, last, cfg, q_rows.dtype,
-                               interpret=interpret)
+                               interpret=interpret, sinks=sinks)
     if pack:
         return rows_to_heads(out, T, H)
     out = out.reshape(B, Hkv, T, Rt, hd)[:, :, :, :G]  # [B, Hkv, T, G, hd]
@@ -284,13 +295,13 @@ def tree_key_positions(root, q_pos, path, cache_len: int):
 
 @functools.partial(jax.jit, static_argnames=("scale", "softcap", "split", "split_rows",
                                              "config", "interpret"))
-def tree_attention_xla(q, k_cache, v_cache, q_pos, window, root, path, *, scale: float,
-                       softcap: float | None = None, split=None, split_rows=None,
-                       config=None, interpret: bool = False):
+def tree_attention_xla(q, k_cache, v_cache, q_pos, window, root, path, sinks=None, *,
+                       scale: float, softcap: float | None = None, split=None,
+                       split_rows=None, config=None, interpret: bool = False):
     """The xla backend's tree attention: plain jnp over the whole cache with the tree's
     visibility as a mask. Not invariant (XLA picks reduction orders)."""
     del split, split_rows, config, interpret
     key_pos = tree_key_positions(root.astype(jnp.int32), q_pos.astype(jnp.int32),
                                  path.astype(jnp.int32), k_cache.shape[2])
     return _plain_attention(q, k_cache, v_cache, q_pos, window, scale=scale,
-                            softcap=softcap, upcast=False, key_pos=key_pos)
+                            softcap=softcap, upcast=False, key_pos=key_pos, sinks=sinks)

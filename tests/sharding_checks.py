@@ -9,6 +9,8 @@ JSON line of findings; the test states the invariant. `--devices N` simulated de
   matrix FAMILY DTYPE TP[,TP..] [--full]  property P within each degree (jspec.parity)
   degree DTYPE [--preset P] [--full]      logits at TP 1, 2, 4, 8 with row_partials=8,
                                           and the combines that break it
+  sinks                                   attention sinks split with their q heads: TP 2, 4
+                                          and 8 give one device's logits (row_partials=8)
   spec FAMILY TP [--full]                 speculative == serial, target sharded
   load FAMILY:TP[,..]                     load_hf(mesh=...) == shard(load_hf(...))
   lower                                   the sharded forward lowered for CUDA (H200)
@@ -177,13 +179,13 @@ def _psum_row_parallel(ops, model, x, w, out_dtype, **kw):
     return local.astype(out_dtype)
 
 
-def _degree_model(preset, dtype):
+def _degree_model(preset, dtype, **fields):
     """A tiny random model with 8 q heads and 2 kv heads (replicated at TP 4 and 8)."""
     import jspec
     from jspec.random_model import preset_config, random_params
 
     cfg = preset_config(preset, dtype=dtype, num_layers=2)
-    cfg = cfg.replace(num_heads=8, num_kv_heads=2, head_dim=16, vocab_size=250)
+    cfg = cfg.replace(num_heads=8, num_kv_heads=2, head_dim=16, vocab_size=250, **fields)
     return jspec.Model(config=cfg, params=random_params(cfg, seed=3),
                        options=jspec.KernelOptions(interpret=True))
 
@@ -517,7 +519,35 @@ def check_cost(args):
     return out
 
 
+def check_sinks(args):
+    """A model with attention sinks (one per q head, each shard holding its heads'):
+    prefill logits at TP 2, 4 (kv heads replicated) and 8 with row_partials=8 against
+    one device's, and a shard's sinks against its q heads'."""
+    import numpy as np
+
+    import jspec
+    from jspec import parity, sharding
+
+    model = jspec.with_options(_degree_model("tiny-qwen3", "float32", attn_sinks=True),
+                               row_partials=8)
+    seq = np.random.default_rng(5).integers(0, model.config.vocab_size, 20).astype(np.int32)
+
+    def logits(m):
+        return parity.schedule_logits(m, [seq], parity.prefill_schedule(len(seq)), 64)[0]
+
+    ref = logits(model)
+    out = {}
+    for n in (2, 4, 8):
+        tp = sharding.shard(model, sharding.make_mesh(n))
+        out[f"TP={n}"] = bool(np.array_equal(logits(tp).view(np.uint32), ref.view(np.uint32)))
+        sinks = tp.params["layers"][0]["sinks"]
+        out[f"TP={n} shards"] = [np.asarray(s.data).tolist() for s in sinks.addressable_shards]
+    out["sinks"] = np.asarray(model.params["layers"][0]["sinks"]).tolist()
+    return out
+
+
 CHECKS = {"matrix": check_matrix, "degree": check_degree, "cost": check_cost,
+          "sinks": check_sinks,
           "lower": check_lower,
           "spec": check_spec, "load": check_load, "checkpoint": check_checkpoint,
           "mp-worker": check_mp_worker,

@@ -500,3 +500,94 @@ def test_split_size_is_checked():
     for bad in (dict(fold_group=-1), dict(serial_subtiles=0), dict(group_split_programs=-1)):
         with pytest.raises(ValueError, match="fold_group=.* must be >= 0"):
             _attn([[3]], split=SPLIT, config=dataclasses.replace(cfg, **bad))
+
+
+# 5. Attention sinks (gpt-oss): one learned logit a query head in the softmax's
+# denominator, folded in once at the normalization, after every block and partial.
+
+# Per query head: an ordinary sink, one that dominates the scores, one far below them
+# (exp underflows to 0: the no-sink bits exactly) and one past exp's range (inf: 0).
+SINKS = jnp.asarray([0.7, 8.0, -1e4, 1e4], jnp.float32)
+SINK_PATHS = {  # every Triton path of `attention`, by the options that pick it
+    "one-pass": dict(split=0),
+    "two-kernels": dict(split=SPLIT, fused_fold=False),
+    "one-launch": dict(split=SPLIT, fused_fold=True),
+    "serial-split": dict(split=SPLIT, serial_split=True),
+    "group-split": dict(split=SPLIT, group_split=True),
+}
+
+
+def _sink_reference(q, k, v, pos, window, sinks, softcap=None):
+    """transformers' gpt-oss eager attention in f64 numpy: the sink column concatenated
+    to the masked scores, max-subtracted softmax, the column dropped before p @ v."""
+    q, k, v, sinks = (np.asarray(x, np.float64) for x in (q, k, v, sinks))
+    B, T, Hq, _ = q.shape
+    group = Hq // k.shape[1]
+    out = np.zeros(q.shape)
+    for (b, t), p in np.ndenumerate(np.asarray(pos)):
+        if p < 0:
+            continue
+        lo = max(p - window + 1, 0) if window else 0
+        for h in range(Hq):
+            s = k[b, h // group, lo:p + 1] @ q[b, t, h] * SCALE
+            if softcap is not None:
+                s = np.tanh(s / softcap) * softcap
+            s = np.append(s, sinks[h])
+            e = np.exp(s - s.max())
+            out[b, t, h] = e[:-1] @ v[b, h // group, lo:p + 1] / e.sum()
+    return out
+
+
+@pytest.mark.parametrize("path", list(SINK_PATHS))
+def test_sinks_match_the_transformers_formula(path):
+    """Every path with sinks, GQA, windows, softcap, garbage past the keys and padding
+    rows: within f32 rounding of transformers' formula; a negligible sink gives the
+    path's no-sink bits, a sink past exp's range exact zeros (no NaN), padding rows 0."""
+    pos = [[3, 4, 5, 6, 7, 8], [37, 38, 39, 40, 41, 42], [200, 201, 202, -1, -1, -1]]
+    q, k, v, qp = _inputs(pos, S_MAX)
+    for window, softcap in ((0, None), (7, None), (40, 5.0)):
+        kw = dict(scale=SCALE, softcap=softcap, interpret=INTERPRET, **SINK_PATHS[path])
+        out = np.asarray(attention(q, k, v, qp, jnp.int32(window), sinks=SINKS, **kw))
+        plain = np.asarray(attention(q, k, v, qp, jnp.int32(window), **kw))
+        want = _sink_reference(q, k, v, pos, window, SINKS, softcap)
+        np.testing.assert_allclose(out, want, atol=1e-5, rtol=1e-5)
+        assert np.isfinite(out).all() and not out[2, 3:].any()
+        assert np.array_equal(out[..., 2, :].view(np.uint32), plain[..., 2, :].view(np.uint32))
+        assert not out[..., 3, :].any()
+        assert np.abs(out[:2, :, 1]).max() < 0.5 * np.abs(plain[:2, :, 1]).max()
+
+
+@pytest.mark.parametrize("fn", [attention_reference, "xla"])
+def test_sink_references_match_the_transformers_formula(fn):
+    """The xla backend's attention and the f32 reference with sinks: transformers' sink
+    column (f32 caches: the same function)."""
+    from pallas_kernels.attention import attention_xla
+
+    fn = attention_xla if fn == "xla" else fn
+    pos = [[3, 4, 5, 6], [200, 201, -1, -1]]
+    q, k, v, qp = _inputs(pos, 64 * 4)
+    for window, softcap in ((0, None), (7, 5.0)):
+        out = fn(q, k, v, qp, jnp.int32(window), sinks=SINKS, scale=SCALE, softcap=softcap)
+        want = _sink_reference(q, k, v, pos, window, SINKS, softcap)
+        np.testing.assert_allclose(np.asarray(out), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("path", list(SINK_PATHS))
+def test_sink_rows_equal_the_row_alone(path):
+    """Property P with sinks on every path: a row inside a block at any offset, beside
+    other batch rows, over garbage and windows is bitwise the same row alone (a decode
+    step, zeros past it, another cache capacity)."""
+    kw = dict(SINK_PATHS[path], sinks=SINKS)
+    for window, pos in ((0, [list(range(100, 120))]),
+                        (37, [[3, 4, 5, 250, 251, 252], [60, 61, 62, -1, -1, -1]])):
+        out = _attn(pos, window=window, **kw)
+        for (b, t), p in np.ndenumerate(np.asarray(pos)):
+            want = (_attn([[p]], cache_len=min(SPLIT * (p // SPLIT + 2), S_MAX),
+                          window=window, fill="zeros", **kw)[0, 0] if p >= 0
+                    else np.zeros((H, D), np.float32))
+            assert np.array_equal(out[b, t], want), (p, window)
+
+
+def test_sinks_are_checked():
+    with pytest.raises(ValueError, match=r"sinks must be \[H\]"):
+        _attn([[3]], sinks=SINKS[:2])

@@ -55,13 +55,19 @@ def test_matches_the_reference(window, softcap):
     assert not np.asarray(got[1, 2]).any()  # a padding token outputs zeros
 
 
+# Attention sinks (gpt-oss), a query head each: ordinary, dominant, negligible (exp
+# underflows: the no-sink bits) and past exp's range (exact zeros), twice over.
+SINKS = jnp.asarray([0.7, 8.0, -1e4, 1e4] * 2, jnp.bfloat16)
+
+
+@pytest.mark.parametrize("sinks", [None, SINKS], ids=("plain", "sinks"))
 def test_a_tokens_bits_do_not_depend_on_its_block_batch_cache_or_garbage(
-        row_by_row_wgmma):  # noqa: F811
+        row_by_row_wgmma, sinks):  # noqa: F811
     p = 150  # the token: position 150 of row 0, its keys 0..150 the same in every call
     k, v = _cache(1, 256)
     q = _q(1, 18)
     run = functools.partial(attention, window=jnp.int32(0), scale=SCALE, split=128,
-                            interpret=True)
+                            interpret=True, sinks=sinks)
     # A decode step: the token alone (its 4 rows at the top of one tile).
     alone = run(q[:, 5:6], k, v, jnp.asarray([[p]], jnp.int32))[0, 0]
     # A verify block of 18 tokens from p - 5: the token's rows at 20..23 of the first
@@ -80,13 +86,15 @@ def test_a_tokens_bits_do_not_depend_on_its_block_batch_cache_or_garbage(
         assert np.array_equal(np.asarray(got).view(np.uint16), np.asarray(alone).view(np.uint16))
 
 
-def test_the_fold_is_combine_partials_on_the_cpu():
+@pytest.mark.parametrize("sinks", [None, SINKS], ids=("plain", "sinks"))
+def test_the_fold_is_combine_partials_on_the_cpu(sinks):
     # 18 partitions of 64 keys (fold groups of 16 and 2): the Mosaic fold and the Triton
     # fold run the same XLA arithmetic in interpret mode, so the same bits; rows at depth
-    # 1100 fold in two levels, at 600 in one; a padding token outputs zeros.
+    # 1100 fold in two levels, at 600 in one; a padding token outputs zeros. With sinks,
+    # each row's sink joins both folds' normalization.
     import dataclasses
 
-    from pallas_kernels.attention import query_rows
+    from pallas_kernels.attention import query_rows, row_sinks
     from pallas_kernels.attention_split import combine_partials
     from pallas_kernels.mosaic.attention import fold_partials
 
@@ -95,10 +103,43 @@ def test_the_fold_is_combine_partials_on_the_cpu():
     rows, first, last = query_rows(_q(2, 3), jnp.asarray([[1100, 1101, 1102], [600, 601, -1]],
                                                         jnp.int32), jnp.int32(0), HKV, cfg)
     parts = split_partials(rows, k, v, first, last, scale=SCALE, split=64, interpret=True)
-    ours = fold_partials(*parts, dtype=jnp.bfloat16, fold_group=16, interpret=True)
-    theirs = combine_partials(*parts, first, last, cfg, jnp.bfloat16, interpret=True)
+    per_row = None if sinks is None else row_sinks(sinks, HKV, 3, rows.shape[2])  # [Hkv, Rp]
+    ours = fold_partials(*parts, None if sinks is None else jnp.stack([per_row] * 2),
+                         dtype=jnp.bfloat16, fold_group=16, interpret=True)
+    theirs = combine_partials(*parts, first, last, cfg, jnp.bfloat16, interpret=True,
+                              sinks=per_row)
     assert np.array_equal(np.asarray(ours).view(np.uint16), np.asarray(theirs).view(np.uint16))
-    assert np.asarray(ours[1, :, :8]).all(axis=-1).all() and not np.asarray(ours[1, :, 8:]).any()
+    live = np.asarray(ours[1, :, :8]).any(axis=-1)  # [Hkv, 8]: token 1's rows, not padding
+    assert live.all() if sinks is None else live.any()
+    assert not np.asarray(ours[1, :, 8:]).any()
+
+
+@pytest.mark.parametrize("seq", [3, 5], ids=("compact", "full-tiles"))  # 12, 20 rows
+def test_sinks_match_the_reference(seq):
+    # Chains (a tile storing its 16 rows, or whole tiles) and a tree (a token's 4 rows a
+    # tile): within bf16 rounding of transformers' sink column; a negligible sink keeps
+    # the no-sink bits, one past exp's range gives exact zeros.
+    k, v = _cache(2, 256)
+    q = _q(2, seq)
+    q_pos = jnp.asarray([[100 + i for i in range(seq)], [180 + i for i in range(seq)]],
+                        jnp.int32).at[1, -1].set(-1)
+    run = functools.partial(attention, q, k, v, q_pos, jnp.int32(0), scale=SCALE, split=128,
+                            interpret=True)
+    got, plain = np.asarray(run(sinks=SINKS), np.float32), np.asarray(run(), np.float32)
+    ref = attention_reference(q, k, v, q_pos, jnp.int32(0), SINKS, scale=SCALE)
+    np.testing.assert_allclose(got, np.asarray(ref, np.float32), atol=2e-2, rtol=2e-2)
+    heads = np.asarray(SINKS, np.float32)
+    assert np.array_equal(got[:, :, heads < -1e3], plain[:, :, heads < -1e3])
+    assert not got[:, :, heads > 1e3].any() and not got[1, -1].any()
+    if seq == 3:  # the tree
+        trees = [_tree(121), _tree(60)]
+        root, path, tq = (jnp.concatenate([t[i] for t in trees]) for i in range(3))
+        q = _q(2, 8)
+        args = (q, k, v, tq, jnp.int32(0), root, path, SINKS)
+        got = tree_attention(*args, scale=SCALE, split=128, interpret=True)
+        ref = tree_attention_xla(*args, scale=SCALE)
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(ref, np.float32),
+                                   atol=2e-2, rtol=2e-2)
 
 
 def test_the_fold_splits_head_columns_and_keeps_the_bits():
@@ -164,16 +205,18 @@ def test_bad_input_is_refused():
         call(rows.astype(jnp.float32), k, v, fl, fl, split=128)
 
 
-@pytest.mark.parametrize("seq,softcap,heads,kv_heads,head_dim", [
-    (1, None, 32, 8, 128), (5, 50.0, 32, 8, 128), (5, None, 8, 4, 256)])
-def test_lowers_for_cuda(seq, softcap, heads, kv_heads, head_dim):
+@pytest.mark.parametrize("seq,softcap,heads,kv_heads,head_dim,sinks", [
+    (1, None, 32, 8, 128, False), (5, 50.0, 32, 8, 128, False), (5, None, 8, 4, 256, False),
+    (1, None, 64, 8, 64, True), (5, None, 64, 8, 64, True)])  # gpt-oss's heads, with sinks
+def test_lowers_for_cuda(seq, softcap, heads, kv_heads, head_dim, sinks):
     # The Llama-3-8B (and Gemma-3-4B) decode / verify shapes at an 8K cache (64
     # partitions: the two-level fold): Mosaic GPU's lowering runs in Python (PTX is
     # compiled on the device).
     q = jnp.zeros((1, seq, heads, head_dim), jnp.bfloat16)
     k = jnp.zeros((1, kv_heads, 8192, head_dim), jnp.bfloat16)
     pos = jnp.full((1, seq), 100, jnp.int32)
-    fn = functools.partial(attention, scale=head_dim ** -0.5, softcap=softcap, split=128)
+    fn = functools.partial(attention, scale=head_dim ** -0.5, softcap=softcap, split=128,
+                           sinks=jnp.zeros((heads,), jnp.bfloat16) if sinks else None)
     text = jax.jit(fn).trace(q, k, k, pos, jnp.int32(0)).lower(
         lowering_platforms=("cuda",)).as_text()
     assert "jspec_mosaic_attention_split" in text and "jspec_mosaic_attention_fold" in text

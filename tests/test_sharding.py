@@ -65,3 +65,14 @@ def test_row_partials_8_gives_the_same_logits_at_every_degree(dtype, preset, ful
         assert not found["one device S=1"], found
         assert not any(v for k, v in found.items() if k.endswith("psum")), found
         assert not found["TP=4 S=8 by message size: serial == prefill"], found
+
+
+def test_attention_sinks_are_split_with_their_q_heads():
+    """Shard s holds the sinks of its q heads [s H / TP, (s + 1) H / TP) (as wqkv's q
+    columns), and a sharded model with sinks gives one device's logits (row_partials=8)."""
+    found = run("sinks")
+    for n in (2, 4, 8):
+        assert found[f"TP={n}"], n
+        shards = found[f"TP={n} shards"]
+        per = 8 // n
+        assert shards == [found["sinks"][s * per:(s + 1) * per] for s in range(n)], n

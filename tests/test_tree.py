@@ -209,3 +209,28 @@ def test_packed_tiles_give_one_token_tiles_bits(B, n, G, Hkv, hd, S, window, spl
     packed = tree_attention(q, k, v, pos, window, root, path, **kw)
     token = tree_attention(q, k, v, pos, window, root, path, pack=False, **kw)
     assert np.array_equal(bits(packed), bits(token))
+
+
+@pytest.mark.parametrize("B,n,G,Hkv,hd,S,window,split,dtype", [
+    (1, 7, 4, 2, 32, 96, 0, 0, "float32"),
+    (1, 12, 3, 2, 32, 80, 20, 16, "float32"),  # tokens straddling row tiles, a window
+])
+def test_tree_sinks_match_the_xla_tree_in_both_layouts(B, n, G, Hkv, hd, S, window, split,
+                                                       dtype):
+    # Attention sinks (gpt-oss): packed and one-token tiles give the same bits, within f32
+    # rounding of the xla tree (transformers' sink column); a negligible sink keeps the
+    # no-sink bits, one past exp's range gives zeros.
+    from pallas_kernels.tree_attention import tree_attention, tree_attention_xla
+
+    q, k, v, pos, root, path = _kernel_case(B * 100 + n, B, n, G, Hkv, hd, S, dtype)
+    sinks = jnp.asarray(np.resize([0.7, 8.0, -1e4, 1e4], Hkv * G), jnp.float32)
+    kw = dict(scale=hd ** -0.5, interpret=True, split=split)
+    packed = np.asarray(tree_attention(q, k, v, pos, window, root, path, sinks, **kw))
+    token = tree_attention(q, k, v, pos, window, root, path, sinks, pack=False, **kw)
+    assert np.array_equal(bits(packed), bits(token))
+    ref = tree_attention_xla(q, k, v, pos, window, root, path, sinks, scale=hd ** -0.5)
+    np.testing.assert_allclose(packed, np.asarray(ref), atol=1e-5, rtol=1e-5)
+    plain = np.asarray(tree_attention(q, k, v, pos, window, root, path, **kw))
+    heads = np.asarray(sinks)
+    assert np.array_equal(bits(packed[:, :, heads == -1e4]), bits(plain[:, :, heads == -1e4]))
+    assert not packed[:, :, heads == 1e4].any()

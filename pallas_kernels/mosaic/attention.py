@@ -26,8 +26,10 @@ state bit-identical (the module docstring of `attention.py`).
 partitions in order through a TMA pipeline (FOLD_STEPS partials in flight) and folds
 them in registers with `attention._fold_one`'s arithmetic: each group of
 16 partitions from the empty state, then the groups in group order (the two-level fold;
-one group gives the one-level bits), then acc / denom (0 for a row that saw nothing). On
-the CPU it equals `combine_partials` bitwise (both run XLA's arithmetic there).
+one group gives the one-level bits), then acc / denom (0 for a row that saw nothing),
+with a row's sink logit (gpt-oss) added to denom as exp(sink - m) there, once, after the
+whole fold. On the CPU it equals `combine_partials` bitwise (both run XLA's arithmetic
+there).
 
 The bits are this lowering's own (R11): another dot order than Triton's, so other bits;
 each lowering is invariant on its own, proven on the device. On the CPU, Pallas's GPU
@@ -212,10 +214,14 @@ def _compact_rows(tiles: int, store_rows: int) -> int:
     return pl.cdiv(tiles * store_rows, BM) * BM
 
 
-def _fold_compact(m, denom, acc, *, dtype, interpret, shape, fold_group: int = 16):
+def _fold_compact(m, denom, acc, *, dtype, interpret, shape, fold_group: int = 16,
+                  sinks=None):
     """`fold_partials` of compact partials -> [*shape, store_rows, D]: the fold's programs
-    take 64 rows of the compact axis (four tiles' rows at 16), every row folded alone."""
-    out = fold_partials(m, denom, acc, dtype=dtype, fold_group=fold_group,
+    take 64 rows of the compact axis (four tiles' rows at 16), every row folded alone.
+    sinks: [*shape, store_rows] f32 (each tile's rows' sinks) or None."""
+    if sinks is not None:
+        sinks = pad_axis(sinks.reshape(1, 1, -1), 2, m.shape[-1])
+    out = fold_partials(m, denom, acc, sinks, dtype=dtype, fold_group=fold_group,
                         interpret=interpret)
     n = 1
     for dim in shape:
@@ -326,10 +332,11 @@ def _fold_one(carry, part):
             + lax.broadcast_in_dim(b, shape, [0]) * acc_c)
 
 
-def _fold_kernel(m_gmem, l_gmem, acc_gmem, o_gmem, o_smem, *, tiles: int, num_kv_heads: int,
-                 parts: int, fold_group: int):
+def _fold_kernel(m_gmem, l_gmem, acc_gmem, *refs, o_smem, tiles: int, num_kv_heads: int,
+                 parts: int, fold_group: int, sink_smem=None, sink_bar=None):
     # m_gmem, l_gmem [B x Hkv x parts, Rp]; acc_gmem [B x Hkv x parts, Rp, D] (a TMA copy
-    # strides at most 5 dimensions); o_gmem [B, Hkv, Rp, D]. A program owns a row tile's
+    # strides at most 5 dimensions); refs: (sink_gmem [B x Hkv, Rp] f32 with sinks, then)
+    # o_gmem [B, Hkv, Rp, D]. A program owns a row tile's
     # FOLD_D columns d (its m and denom are every column's, the same arithmetic in every
     # program). Each group of `fold_group` partitions folds from the empty state through a
     # TMA pipeline, in partition order; the groups fold into the total in order.
@@ -340,6 +347,9 @@ def _fold_kernel(m_gmem, l_gmem, acc_gmem, o_gmem, o_smem, *, tiles: int, num_kv
     b = lax.div(bh, num_kv_heads)
     cols = o_smem.shape[-1]  # FOLD_D, or the head dimension
     layout = plgpu.Layout.WGMMA
+    *sink_gmem, o_gmem = refs
+    if sink_gmem:
+        plgpu.copy_gmem_to_smem(sink_gmem[0].at[bh, pl.ds(r * BM, BM)], sink_smem, sink_bar)
 
     def empty():
         return (plgpu.layout_cast(jnp.full((BM,), _NEG_INF, jnp.float32), layout.reduce(1)),
@@ -369,8 +379,11 @@ def _fold_kernel(m_gmem, l_gmem, acc_gmem, o_gmem, o_smem, *, tiles: int, num_kv
                           empty())
     if tail:
         total = _fold_one(total, group_fold(full, tail))
-    _, denom, acc = total
+    m, denom, acc = total
     seen = denom > 0.0  # rows that saw no key (padding) output 0, not 0 / 0
+    if sink_gmem:  # the sink joins the denominator after the whole fold (P)
+        plgpu.barrier_wait(sink_bar)
+        denom = denom + jnp.exp(plgpu.load(sink_smem.at[...], layout=layout.reduce(1)) - m)
     out = acc / lax.broadcast_in_dim(jnp.where(seen, denom, 1.0), acc.shape, [0])
     o_smem[...] = jnp.where(lax.broadcast_in_dim(seen, acc.shape, [0]), out,
                             0.0).astype(o_smem.dtype)
@@ -380,14 +393,16 @@ def _fold_kernel(m_gmem, l_gmem, acc_gmem, o_gmem, o_smem, *, tiles: int, num_kv
 
 
 @functools.partial(jax.jit, static_argnames=("dtype", "fold_group", "interpret"))
-def fold_partials(m, denom, acc, *, dtype, fold_group: int = 16, interpret: bool = False):
+def fold_partials(m, denom, acc, sinks=None, *, dtype, fold_group: int = 16,
+                  interpret: bool = False):
     """Split-KV phase 2 on Mosaic GPU: partials m, denom [B, Hkv, parts, Rp], acc [..., Rp,
     D] (`split_partials`) folded in partition order per row, in two levels past one
     group of `fold_group` partitions (groups from the empty state in partition order,
     then the groups in group order: `combine_partials`' order), normalised -> [B, Hkv,
     Rp, D] in dtype (rows that saw nothing: 0). Partitions no row sees are empty states,
     which fold as exact no-ops. A program a row tile and FOLD_D columns (each column's
-    fold is its own: the split moves no arithmetic)."""
+    fold is its own: the split moves no arithmetic). sinks: [B, Hkv, Rp] f32, each row's
+    sink logit (gpt-oss), joining its denominator after the fold, or None."""
     batch, num_kv_heads, parts, rows = m.shape
     head_dim = acc.shape[-1]
     if rows % BM or fold_group < 1:
@@ -397,25 +412,40 @@ def fold_partials(m, denom, acc, *, dtype, fold_group: int = 16, interpret: bool
     cols = FOLD_D if head_dim % FOLD_D == 0 else head_dim
     kernel = functools.partial(_fold_kernel, tiles=tiles, num_kv_heads=num_kv_heads,
                                parts=parts, fold_group=fold_group)
+    scratch, extra = dict(o_smem=plgpu.SMEM((BM, cols), dtype)), ()
+    if sinks is not None:
+        scratch |= dict(sink_smem=plgpu.SMEM((BM,), jnp.float32),
+                        sink_bar=plgpu.Barrier(num_arrivals=1))
+        extra = (sinks.astype(jnp.float32).reshape(-1, rows),)
     return plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct((batch, num_kv_heads, rows, head_dim), dtype),
-        scratch_types=dict(o_smem=plgpu.SMEM((BM, cols), dtype)),
+        scratch_types=scratch,
         grid=(batch * num_kv_heads * tiles, head_dim // cols),
         grid_names=("t", "d"),
         kernel_name="jspec_mosaic_attention_fold",
         interpret=plgpu.InterpretGPUParams() if interpret else None,
-    )(m.reshape(-1, rows), denom.reshape(-1, rows), acc.reshape(-1, rows, head_dim))
+    )(m.reshape(-1, rows), denom.reshape(-1, rows), acc.reshape(-1, rows, head_dim), *extra)
+
+
+def _sinks_of(sinks, num_kv_heads: int, seq: int, rows: int, lead: tuple):
+    """[H] (or None) -> [*lead, Hkv, ...] f32 in `query_rows`' layout of seq tokens in
+    `rows` rows a tile (`row_sinks`), broadcast over the leading axes."""
+    if sinks is None:
+        return None
+    per = triton_attention.row_sinks(sinks, num_kv_heads, seq, rows)  # [Hkv, rows]
+    return jnp.broadcast_to(per, lead + per.shape)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "softcap", "split", "interpret"))
-def attention(q, k_cache, v_cache, q_pos, window, *, scale: float,
+def attention(q, k_cache, v_cache, q_pos, window, sinks=None, *, scale: float,
               softcap: float | None = None, split: int = 128, interpret: bool = False):
     """`pallas_kernels.attention.attention`'s split-KV path on Mosaic GPU: q [B, T, H, D],
     k_cache, v_cache [B, Hkv, S, D], q_pos [B, T] (-1: padding, output 0), window []
     int32 (0: global) -> [B, T, H, D] in q.dtype. Rows in tiles of BM (`query_rows`'
     layout), `split_partials` then `fold_partials` (groups of 16 partitions). `split`
-    keys a partition: one model, one split."""
+    keys a partition: one model, one split. sinks [H] (gpt-oss) or None: folded in by
+    `fold_partials`."""
     batch, seq, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     cfg = triton_attention.attention_config(head_dim, num_heads // num_kv_heads, q.dtype,
@@ -426,8 +456,9 @@ def attention(q, k_cache, v_cache, q_pos, window, *, scale: float,
     if seq * (num_heads // num_kv_heads) > COMPACT_ROWS:
         m, denom, acc = split_partials(q_rows, k_cache, v_cache, first, last, scale=scale,
                                        softcap=softcap, split=split, interpret=interpret)
-        out = fold_partials(m, denom, acc, dtype=q.dtype, fold_group=cfg.fold_group,
-                            interpret=interpret)
+        out = fold_partials(m, denom, acc,
+                            _sinks_of(sinks, num_kv_heads, seq, q_rows.shape[2], (batch,)),
+                            dtype=q.dtype, fold_group=cfg.fold_group, interpret=interpret)
         return triton_attention.rows_to_heads(out, seq, num_heads)
     # A step (or a block) whose rows of a kv head fit in 16: its tile stores those only.
     _check_rows(q_rows, k_cache, v_cache, first, last, split)
@@ -435,13 +466,15 @@ def attention(q, k_cache, v_cache, q_pos, window, *, scale: float,
                         scale=scale, softcap=softcap, split=split, interpret=interpret,
                         store_rows=COMPACT_ROWS)
     out = _fold_compact(*parts, dtype=q.dtype, interpret=interpret,
-                        shape=(batch, num_kv_heads), fold_group=cfg.fold_group)
+                        shape=(batch, num_kv_heads), fold_group=cfg.fold_group,
+                        sinks=_sinks_of(sinks, num_kv_heads, seq, COMPACT_ROWS, (batch,)))
     return triton_attention.rows_to_heads(out, seq, num_heads)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "softcap", "split", "interpret"))
-def tree_attention(q, k_cache, v_cache, q_pos, window, root, path, *, scale: float,
-                   softcap: float | None = None, split: int = SPLIT, interpret: bool = False):
+def tree_attention(q, k_cache, v_cache, q_pos, window, root, path, sinks=None, *,
+                   scale: float, softcap: float | None = None, split: int = SPLIT,
+                   interpret: bool = False):
     """`pallas_kernels.tree_attention.tree_attention` (rule R7) on this lowering: q [B, T,
     H, D] at logical positions q_pos [B, T] (root + depth), k_cache, v_cache [B, Hkv, S,
     D] holding the prefix at slots 0..root-1 and the tree's tokens where `path` [B, T, D +
@@ -453,7 +486,8 @@ def tree_attention(q, k_cache, v_cache, q_pos, window, root, path, *, scale: flo
     gathered by XLA beforehand in logical order (`tail_index`: the prefix, then the
     node's ancestors, then its own slot, which its mask hides). Same blocks, same rows,
     same partitions and fold as `attention` runs for the token alone at that position, so
-    a node's output is bitwise its root path's serial one, whatever the tree."""
+    a node's output is bitwise its root path's serial one, whatever the tree. sinks [H]
+    or None, as `attention`'s."""
     batch, seq, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
@@ -483,12 +517,20 @@ def tree_attention(q, k_cache, v_cache, q_pos, window, root, path, *, scale: flo
         m, denom, acc = _split_call(q_rows, k_cache, v_cache, first, last, span, tails,
                                     scale=scale, softcap=softcap, split=split,
                                     interpret=interpret)
-        out = fold_partials(m, denom, acc, dtype=q.dtype, fold_group=16, interpret=interpret)
+        sink_rows = _sinks_of(sinks, num_kv_heads, 1, BM, (batch, seq))  # [B, T, Hkv, BM]
+        if sink_rows is not None:
+            sink_rows = sink_rows.transpose(0, 2, 1, 3).reshape(batch, num_kv_heads, -1)
+        out = fold_partials(m, denom, acc, sink_rows, dtype=q.dtype, fold_group=16,
+                            interpret=interpret)
         out = out.reshape(batch, num_kv_heads, seq, BM, head_dim)[:, :, :, :group]
     else:  # each token's tile stores its G rows' 16 (a one-token step's, as `attention`)
         parts = _split_call(q_rows, k_cache, v_cache, first, last, span, tails, scale=scale,
                             softcap=softcap, split=split, interpret=interpret,
                             store_rows=COMPACT_ROWS)
+        sink_rows = _sinks_of(sinks, num_kv_heads, 1, COMPACT_ROWS, (batch, seq))
+        if sink_rows is not None:  # [B, Hkv, T, 16]: tile (b, h, t)'s rows
+            sink_rows = sink_rows.transpose(0, 2, 1, 3)
         out = _fold_compact(*parts, dtype=q.dtype, interpret=interpret,
-                            shape=(batch, num_kv_heads, seq))[:, :, :, :group]
+                            shape=(batch, num_kv_heads, seq),
+                            sinks=sink_rows)[:, :, :, :group]
     return out.transpose(0, 2, 1, 3, 4).reshape(batch, seq, num_heads, head_dim)
