@@ -85,7 +85,8 @@ class ModelConfig:
       attn_scale: multiplier of q.k (head_dim**-0.5 or query_pre_attn_scalar**-0.5).
       embed_scale: multiplier of the embeddings (Gemma: sqrt(hidden)), or None.
       attn_softcap, final_softcap: tanh softcapping of attention scores / logits, or None.
-      activation: "silu" or "gelu_tanh" (the GLU's gate).
+      activation: "silu", "gelu_tanh" or "gpt_oss" (the GLU's gate; "gpt_oss": gpt-oss's
+        clamped SwiGLU, (clip(up, -7, 7) + 1) * g sigmoid(1.702 g), g = min(gate, 7)).
       tie_embeddings: the LM head is the embedding's transpose.
       max_position: max_position_embeddings, the longest cache allowed.
       dtype: parameter and activation dtype name; logits are always float32.
@@ -99,6 +100,11 @@ class ModelConfig:
       shared_expert_size: a sparse layer's shared expert's width (Qwen2-MoE; 0: none): a
         GLU MLP every token runs, scaled by sigmoid(x @ its gate) and added to the routed
         experts' sum.
+      expert_bias: the experts' gate/up and down projections carry biases (gpt-oss:
+        b_gate_up [E, 2Fe] in w_gate_up's [gate | up] halves, b_down [E, D]), each added
+        in f32 to its grouped kernel's f32 product before that product's one rounding.
+      topk_softmax: routing takes the top k of the router logits, then a softmax over
+        those k in f32 (gpt-oss's router), instead of a softmax over all experts first.
     """
 
     family: str
@@ -132,6 +138,8 @@ class ModelConfig:
     layer_experts: tuple[bool, ...] = ()
     qkv_bias: bool = False
     shared_expert_size: int = 0
+    expert_bias: bool = False
+    topk_softmax: bool = False
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
