@@ -91,7 +91,7 @@ def _check_16bit(x: jax.Array, name: str) -> None:
 def _bias_rows(b_gmem, e, block) -> jax.Array:
     """[64, 16] f32: expert e's bias entries of the weight's column block `block` (one per
     accumulator row of the swapped design), in every token column."""
-    b = plgpu.load(b_gmem.at[e, pl.ds(block * BM, BM)], layout=plgpu.Layout.WGMMA_ROW,
+    b = plgpu.load(b_gmem.at[e, pl.ds(block * BM, BM)], layout=plgpu.Layout.WGMMA.reduce(1),
                    optimized=False)  # [64]
     return lax.broadcast_in_dim(b.astype(jnp.float32), (BM, BT), [0])
 
