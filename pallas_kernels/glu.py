@@ -15,7 +15,8 @@ to gate.dtype.
 "gpt_oss" (transformers' `GptOssExperts._apply_gate`, gate and up de-interleaved): g =
 min(gate, 7), u = clip(up, -7, 7), out = (u + 1) * (g * sigmoid(1.702 g)), sigmoid(s) =
 1 / (1 + exp(-s)); every op rounded to gate.dtype as torch rounds each op on bf16
-tensors (`gpt_oss_glu`), so in f32 it is transformers' arithmetic op for op.
+tensors (`gpt_oss_glu`), so in f32 it is transformers' arithmetic op for op (up to
+the last bit of exp, which is the kernel's own).
 """
 
 from __future__ import annotations
