@@ -36,7 +36,7 @@ import numbers
 from typing import Any
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text",
-                         "qwen2_moe", "qwen3_moe", "mixtral")
+                         "qwen2_moe", "qwen3_moe", "mixtral", "gpt_oss")
 # Multimodal wrappers whose text model jspec loads: model_type -> the text model's type.
 TEXT_OF_MULTIMODAL = {"gemma3": "gemma3_text"}
 DTYPES = ("float32", "bfloat16")
@@ -105,7 +105,8 @@ class ModelConfig:
       attn_scale: multiplier of q.k (head_dim**-0.5 or query_pre_attn_scalar**-0.5).
       embed_scale: multiplier of the embeddings (Gemma: sqrt(hidden)), or None.
       attn_softcap, final_softcap: tanh softcapping of attention scores / logits, or None.
-      activation: "silu" or "gelu_tanh" (the GLU's gate).
+      activation: "silu", "gelu_tanh" or "gpt_oss" (the GLU's gate; "gpt_oss": gpt-oss's
+        clamped SwiGLU, (clip(up, -7, 7) + 1) * g sigmoid(1.702 g), g = min(gate, 7)).
       tie_embeddings: the LM head is the embedding's transpose.
       max_position: max_position_embeddings, the longest cache allowed.
       dtype: parameter and activation dtype name; logits are always float32.
@@ -125,6 +126,11 @@ class ModelConfig:
         f32 logits.
       attn_sinks: per-head learned sink logits in the softmax's denominator (gpt-oss):
         layer param `sinks` [num_heads].
+      expert_bias: the experts' gate/up and down projections carry biases (gpt-oss:
+        b_gate_up [E, 2Fe] in w_gate_up's [gate | up] halves, b_down [E, D]), each added
+        in f32 to its grouped kernel's f32 product before that product's one rounding.
+      topk_softmax: routing takes the top k of the router logits, then a softmax over
+        those k in f32 (gpt-oss's router), instead of a softmax over all experts first.
     """
 
     family: str

@@ -20,7 +20,8 @@ layer's weights in place rather than a slice copied out of a stacked array):
           post_attn_norm, post_mlp_norm [D] (Gemma 3);
           a mixture-of-experts layer (`ModelConfig.is_moe_layer`) has instead
           router [D, E]; w_gate_up [E, D, 2Fe]; w_down [E, Fe, D] (Fe: expert_size);
-          gpt-oss adds router_bias [E], b_gate_up [E, 2Fe], b_down [E, D]
+          gpt-oss adds router_bias [E]; with `expert_bias` also b_gate_up [E, 2Fe],
+          b_down [E, D]
 """
 
 from __future__ import annotations
@@ -334,7 +335,9 @@ def moe_block(ops, model: Model, lp, h, rows: int):
     same), whose result for a row depends on that row and the expert's weights only (with
     `fuse_glu`, `ops.grouped_mlp` lays the rows out by expert once for both); `combine`
     adds a row's k expert outputs left to right in f32 (with `moe_combine_kernel`, one
-    kernel does it from the output slots, `ops.grouped_mlp_combine`).
+    kernel does it from the output slots, `ops.grouped_mlp_combine`). With
+    `expert_bias` every grouped kernel adds its expert's bias row to its f32 product
+    before the product's rounding; `topk_softmax` routes as gpt-oss does.
     """
     cfg, opt = model.config, model.options
     Mp, D = h.shape
@@ -348,25 +351,30 @@ def moe_block(ops, model: Model, lp, h, rows: int):
                         row_group=opt.matmul_row_group, schedule=opt.matmul_schedule)
     if cfg.router_bias:  # gpt-oss: row-local, the same bits for a row in any block
         logits = logits + lp["router_bias"].astype(jnp.float32)
-    weights, ids = ops.route(logits, k, norm_topk_prob=cfg.norm_topk_prob)
+    weights, ids = ops.route(logits, k, norm_topk_prob=cfg.norm_topk_prob,
+                             topk_softmax=cfg.topk_softmax)
     weights, ids = weights[:rows], ids[:rows]  # [M, k] each
     expert = ids.reshape(-1)  # [M k]: row r's slots at r*k .. r*k + k - 1
     layout_kernel = bool(opt.moe_layout_kernel)  # None: the default, off
+    biases = ({"b_gate_up": lp["b_gate_up"], "b_down": lp["b_down"]} if cfg.expert_bias
+              else {})  # none: the kernels trace as without the feature
     if opt.fuse_glu and opt.backend == "pallas" and opt.moe_combine_kernel:
         out = ops.grouped_mlp_combine(x, lp["w_gate_up"], lp["w_down"], expert, weights,
                                       activation=cfg.activation, rows_out=Mp,
-                                      layout_kernel=layout_kernel)  # [Mp, D]
+                                      layout_kernel=layout_kernel, **biases)  # [Mp, D]
         return shared_expert(ops, model, lp, h, out)
     if opt.fuse_glu and opt.backend == "pallas":  # one layout for both grouped kernels
         y = ops.grouped_mlp(x, lp["w_gate_up"], lp["w_down"], expert,
-                            activation=cfg.activation,
-                            layout_kernel=layout_kernel)  # [M k, D] f32
+                            activation=cfg.activation, layout_kernel=layout_kernel,
+                            **biases)  # [M k, D] f32
     else:
         xr = jnp.repeat(x, k, axis=0)  # [M k, D]
-        gu = ops.grouped_matmul(xr, lp["w_gate_up"], expert, out_dtype=h.dtype)  # [M k, 2Fe]
+        gu = ops.grouped_matmul(xr, lp["w_gate_up"], expert, out_dtype=h.dtype,
+                                bias=biases.get("b_gate_up"))  # [M k, 2Fe]
         gate, up = jnp.split(gu, 2, axis=-1)
         a = ops.glu(gate, up, activation=cfg.activation)  # [M k, Fe]
-        y = ops.grouped_matmul(a, lp["w_down"], expert, out_dtype=jnp.float32)  # [M k, D]
+        y = ops.grouped_matmul(a, lp["w_down"], expert, out_dtype=jnp.float32,
+                               bias=biases.get("b_down"))  # [M k, D]
     out = combine(y.reshape(rows, k, D), weights).astype(h.dtype)  # [M, D]
     out = pad_axis(out, 0, Mp)  # [Mp, D]: the padding rows stay exact zeros
     return shared_expert(ops, model, lp, h, out)

@@ -71,7 +71,8 @@ class Ops(NamedTuple):
                  lengths [B], T, num_q, num_k, eps, offset) -> (qk_norm_rope's [M,Hq+Hk,D],
       k_buf, v_buf with the new K and V written at each sequence's length), one launch;
       None where the backend or lowering has no such kernel (xla, Mosaic GPU);
-    glu(gate [M,F], up [M,F], activation) -> [M,F];
+    glu(gate [M,F], up [M,F], activation) -> [M,F] (activation: "silu", "gelu_tanh" or
+      "gpt_oss", gpt-oss's clamped GLU; `pallas_kernels.glu.ACTIVATIONS`);
     matmul_glu(x [M,K], w [K,2F], activation, row_group=1, schedule=False) -> glu of
       x @ w's halves, [M,F] x.dtype (row_group, schedule: scheduling only);
     softcap(x [M,N], cap) -> [M,N] f32;
@@ -85,24 +86,31 @@ class Ops(NamedTuple):
     tree_attention(q, k, v, q_pos, window, root [B], path [B,T,D+1], scale, softcap, split,
       split_rows): a tree's tokens attend over the prefix and their ancestors in logical
       order (`pallas_kernels.tree_attention`);
-    grouped_matmul(x [R,K], w [E,K,N], expert [R] int32, out_dtype) -> [R,N]: row r is
-      x[r] @ w[expert[r]], bitwise independent of the rows sharing its expert on the
-      pallas backend (rule R9; `pallas_kernels.moe`, whose `combine` both backends
-      share);
-    grouped_matmul_glu(x [R,K], w [E,K,2F], expert [R], activation) -> [R,F] x.dtype:
-      glu of grouped_matmul's halves, bitwise, in one kernel.
+    grouped_matmul(x [R,K], w [E,K,N], expert [R] int32, out_dtype, bias=None) -> [R,N]:
+      row r is x[r] @ w[expert[r]] (+ bias[expert[r]], bias [E,N], added to the f32
+      accumulator before the one rounding), bitwise independent of the rows sharing its
+      expert on the pallas backend (rule R9; `pallas_kernels.moe`, whose `combine` both
+      backends share);
+    grouped_matmul_glu(x [R,K], w [E,K,2F], expert [R], activation, bias=None) -> [R,F]
+      x.dtype: glu of grouped_matmul's halves (bias [E,2F]: the same halves), bitwise, in
+      one kernel.
     grouped_mlp(x [M,D], w_gate_up [E,D,2F], w_down [E,F,D], expert [M k], activation,
-      layout_kernel=False) -> [M k, D] f32: grouped_matmul_glu then grouped_matmul over
-      x's rows repeated per slot, bitwise, on one layout of the rows by expert (from one
-      kernel for small blocks when layout_kernel; the xla backend ignores it).
+      b_gate_up=None, b_down=None, layout_kernel=False) -> [M k, D] f32:
+      grouped_matmul_glu (bias b_gate_up [E,2F]) then grouped_matmul (bias b_down [E,D],
+      added in f32) over x's rows repeated per slot, bitwise, on one layout of the rows by
+      expert (from one kernel for small blocks when layout_kernel; the xla backend
+      ignores it).
     grouped_mlp_combine(x [M,D], w_gate_up, w_down, expert [M k], weights [M,k], activation,
-      rows_out, layout_kernel=False) -> [rows_out, D] x.dtype: grouped_mlp's kernels, then
-      each token's k outputs weighted and added left to right in f32 by one kernel
-      (`combine_kernel`, its own bits) from their slots; rows past M exact zeros.
-    route(router_logits [M,E] f32, k, norm_topk_prob) -> (weights [M,k] f32, ids [M,k]
-      int32): top-k routing, ties to the lowest id, row-local (R9): `route_kernel` (one
-      launch; `mosaic.route.route_kernel` on Mosaic GPU) on pallas, `route` (plain jnp,
-      its reference) on xla;
+      rows_out, b_gate_up=None, b_down=None, layout_kernel=False) -> [rows_out, D]
+      x.dtype: grouped_mlp's kernels, then each token's k outputs weighted and added left
+      to right in f32 by one kernel (`combine_kernel`, its own bits) from their slots;
+      rows past M exact zeros.
+    route(router_logits [M,E] f32, k, norm_topk_prob, topk_softmax=False) -> (weights
+      [M,k] f32, ids [M,k] int32): top-k routing, ties to the lowest id, row-local (R9):
+      softmax over all E then top k (renormalised when norm_topk_prob), or with
+      topk_softmax (gpt-oss) top k of the logits then a softmax over those k;
+      `route_kernel` (one launch; `mosaic.route.route_kernel` on Mosaic GPU) on pallas,
+      `route` (plain jnp, its reference) on xla;
     shared_gate(y [M,D], s [M,D], g [M,1]) -> y + sigmoid(g) * s in their dtype
       (Qwen2-MoE's shared expert, transformers' roundings; sigmoid in a kernel on pallas)."""
 

@@ -199,6 +199,8 @@ def random_params(cfg: ModelConfig, seed: int = 0) -> dict:
             E, Fe = cfg.num_experts, cfg.expert_size
             lp |= {"router": w(D, E, fan_in=D), "w_gate_up": w(E, D, 2 * Fe, fan_in=D),
                    "w_down": w(E, Fe, D, fan_in=Fe)}
+            if cfg.expert_bias:  # gpt-oss: [E, 2Fe] in w_gate_up's halves, [E, D]
+                lp |= {"b_gate_up": w(E, 2 * Fe, fan_in=4), "b_down": w(E, D, fan_in=4)}
         else:
             lp |= {"w_gate_up": w(D, 2 * F, fan_in=D), "w_down": w(F, D, fan_in=F)}
         if cfg.qk_norm:

@@ -58,6 +58,11 @@ from jspec.random_model import preset_config, random_params
 AXIS = "tp"
 COLUMN = ("wqkv", "w_gate_up")  # layer weights split by output column
 ROW = ("wo", "w_down")  # layer weights split by input row
+# A mixture of experts is not sharded (`check_degree` refuses it): its router, stacked
+# experts [E, ...] and their biases (gpt-oss's b_gate_up [E, 2Fe], b_down [E, D]) never
+# reach these specs. When experts split like the dense MLP, b_gate_up splits with
+# w_gate_up's output columns ([gate_s | up_s]) and b_down, whose columns every shard's
+# row-parallel partial covers whole, is added once, in f32 after the fixed-order sum.
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""Row-invariant gated linear unit: out = act(gate) * up (SwiGLU / GeGLU-tanh).
+"""Row-invariant gated linear unit: out = act(gate) * up (SwiGLU / GeGLU-tanh), and
+gpt-oss's clamped SwiGLU.
 
 No reduction, but silu and gelu_tanh are transcendental multi-op glue whose
 rounding would depend on how XLA fuses and vectorises them for a given array
@@ -10,6 +11,12 @@ and rounded to gate.dtype; the product with up is computed in f32 and rounded
 to gate.dtype.
   silu(x)      = x / (1 + exp(-x))
   gelu_tanh(x) = 0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 * x^3)))
+
+"gpt_oss" (transformers' `GptOssExperts._apply_gate`, gate and up de-interleaved): g =
+min(gate, 7), u = clip(up, -7, 7), out = (u + 1) * (g * sigmoid(1.702 g)), sigmoid(s) =
+1 / (1 + exp(-s)); every op rounded to gate.dtype as torch rounds each op on bf16
+tensors (`gpt_oss_glu`), so in f32 it is transformers' arithmetic op for op (up to
+the last bit of exp, which is the kernel's own).
 """
 
 from __future__ import annotations
@@ -31,8 +38,10 @@ from pallas_kernels._common import (
     triton_params,
 )
 
-ACTIVATIONS = ("silu", "gelu_tanh")
+ACTIVATIONS = ("silu", "gelu_tanh", "gpt_oss")
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+GPT_OSS_ALPHA = 1.702  # transformers' GptOssExperts.alpha and .limit (hard-coded there)
+GPT_OSS_LIMIT = 7.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,9 +68,27 @@ def _activation(g: jax.Array, activation: str) -> jax.Array:
     return 0.5 * g * (1.0 + jnp.tanh(inner))
 
 
+def gpt_oss_glu(g: jax.Array, u: jax.Array, dtype) -> jax.Array:
+    """gpt-oss's clamped GLU of f32 gate g and up u (holding dtype values), each op rounded
+    to dtype as transformers' torch ops on dtype tensors are; the last product is
+    returned in f32, before its rounding. The kernels and the reference run these ops."""
+    def rounded(v):
+        return v.astype(dtype).astype(jnp.float32)
+
+    g = jnp.minimum(g, GPT_OSS_LIMIT)  # clamps are exact
+    u = jnp.minimum(jnp.maximum(u, -GPT_OSS_LIMIT), GPT_OSS_LIMIT)
+    s = rounded(g * GPT_OSS_ALPHA)
+    glu = rounded(g * rounded(1.0 / (1.0 + jnp.exp(-s))))
+    return rounded(u + 1.0) * glu
+
+
 def _glu_kernel(gate_ref, up_ref, o_ref, *, activation: str):
     # gate_ref, up_ref, o_ref [bm, bf]
     g = gate_ref[...].astype(jnp.float32)
+    if activation == "gpt_oss":
+        u = up_ref[...].astype(jnp.float32)
+        o_ref[...] = gpt_oss_glu(g, u, o_ref.dtype).astype(o_ref.dtype)
+        return
     act = _activation(g, activation).astype(o_ref.dtype).astype(jnp.float32)
     o_ref[...] = (act * up_ref[...].astype(jnp.float32)).astype(o_ref.dtype)
 
@@ -105,6 +132,9 @@ def glu(gate: jax.Array, up: jax.Array, *, activation: str, interpret: bool = Fa
 
 def glu_reference(gate: jax.Array, up: jax.Array, *, activation: str) -> jax.Array:
     """Plain jnp GLU with the same HF low-precision semantics."""
+    if activation == "gpt_oss":
+        u = up.astype(jnp.float32)
+        return gpt_oss_glu(gate.astype(jnp.float32), u, gate.dtype).astype(gate.dtype)
     if activation == "silu":
         act = jax.nn.silu(gate.astype(jnp.float32))
     else:

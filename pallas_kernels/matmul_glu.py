@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels._common import pad_axis, round_up, triton_params
-from pallas_kernels.glu import ACTIVATIONS, _activation, glu, glu_reference
+from pallas_kernels.glu import ACTIVATIONS, _activation, glu, glu_reference, gpt_oss_glu
 from pallas_kernels.matmul import (
     TUNED_FILE,
     _check_shapes,
@@ -70,6 +70,8 @@ def _kernel(x_ref, wg_ref, wu_ref, o_ref, *, bk: int, nk: int, activation: str,
 def _glu_tile(gate, up, activation: str):
     """`glu`'s arithmetic on one tile of gate and up already rounded to the dtype."""
     dtype = gate.dtype
+    if activation == "gpt_oss":
+        return gpt_oss_glu(gate.astype(jnp.float32), up.astype(jnp.float32), dtype).astype(dtype)
     act = _activation(gate.astype(jnp.float32), activation).astype(dtype).astype(jnp.float32)
     return (act * up.astype(jnp.float32)).astype(dtype)
 

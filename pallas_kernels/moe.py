@@ -29,6 +29,11 @@ reads k experts' weights, not E.
 tile with that loop, rounds both to the dtype and applies `glu`'s arithmetic in the same
 program: bitwise `glu` of `grouped_matmul`'s halves (as `matmul_glu` is of `matmul`).
 
+Expert biases (gpt-oss): `bias` [E, N] (`b_gate_up`, `b_down` of the MLPs): the tile's
+expert's bias row is added to the f32 accumulator after the K loop, before the product's
+one rounding (the gate/up's before the GLU; the f32 down output's in f32), in the kernel.
+Without a bias the kernels trace exactly as before: no operand, no op.
+
 `grouped_matmul_reference` is what a plain JAX MoE runs (the `xla` backend): the rows
 sorted by a stable argsort, then `jax.lax.ragged_dot` with the group sizes. Its reduction
 order is XLA's choice for the whole [R, K] x [E, K, N] problem, so a row's bits change
@@ -111,6 +116,16 @@ def _check_grouped(x: jax.Array, w: jax.Array, expert: jax.Array) -> None:
     if x.dtype != w.dtype or x.dtype not in (jnp.float32, jnp.bfloat16):
         raise ValueError(f"grouped_matmul wants x and w both float32 or both bfloat16; got "
                          f"{x.dtype=} {w.dtype=}")
+
+
+def check_bias(bias, w: jax.Array, name: str) -> None:
+    """ValueError unless bias is None or a float [E, N] for w [E, K, N]."""
+    if bias is None:
+        return
+    want = (w.shape[0], w.shape[2])
+    if bias.shape != want or not jnp.issubdtype(bias.dtype, jnp.floating):
+        raise ValueError(f"{name} wants a float bias [E, N] = {want} for w {w.shape}; got "
+                         f"{bias.shape=} {bias.dtype=}")
 
 
 def num_tiles(R: int, E: int, bm: int) -> int:
@@ -257,51 +272,65 @@ def _expert_k_loop(e, src_ref, x_ref, w_ref, *, bk: int, nk: int, bn: int,
     return lax.fori_loop(0, nk, step, jnp.zeros((src.shape[0], bn), jnp.float32))
 
 
-def _grouped_kernel(e_ref, src_ref, x_ref, w_ref, o_ref, *, bk: int, nk: int,
+def _biased(acc: jax.Array, e, b_ref=None) -> jax.Array:
+    """acc [bm, bn] f32 plus expert e's row of the bias block b_ref [E, bn], in f32 (no
+    b_ref: acc itself, no op)."""
+    if b_ref is None:
+        return acc
+    return acc + b_ref[e, :].astype(jnp.float32)[None, :]
+
+
+def _grouped_kernel(e_ref, src_ref, x_ref, w_ref, *refs, bk: int, nk: int,
                     row_div: int = 1):
     # e_ref [1] int32: the tile's expert (-1: unused tile); src_ref [bm] int32: the row of
-    # x in each slot (-1: none); x_ref [R, Kp]; w_ref [E, Kp, bn]; o_ref [bm, bn].
+    # x in each slot (-1: none); x_ref [R, Kp]; w_ref [E, Kp, bn]; refs: o_ref [bm, bn],
+    # after b_ref [E, bn] with a bias.
+    *b_refs, o_ref = refs
     e = jnp.max(e_ref[...])
 
     @pl.when(e >= 0)
     def _():
         acc = _expert_k_loop(e, src_ref, x_ref, w_ref, bk=bk, nk=nk, bn=o_ref.shape[1],
                              row_div=row_div)
-        o_ref[...] = acc.astype(o_ref.dtype)
+        o_ref[...] = _biased(acc, e, *b_refs).astype(o_ref.dtype)
 
 
-def _grouped_glu_kernel(e_ref, src_ref, x_ref, wg_ref, wu_ref, o_ref, *, bk: int, nk: int,
+def _grouped_glu_kernel(e_ref, src_ref, x_ref, wg_ref, wu_ref, *refs, bk: int, nk: int,
                         activation: str, row_div: int = 1):
-    # `_grouped_kernel` with the gate and up column blocks j of w [E, Kp, 2F]: both
-    # rounded to the dtype, then `glu`'s arithmetic (`matmul_glu`'s tile).
+    # `_grouped_kernel` with the gate and up column blocks j of w [E, Kp, 2F] (refs: o_ref,
+    # after their bias blocks bg_ref, bu_ref with a bias): each biased in f32, rounded to
+    # the dtype, then `glu`'s arithmetic (`matmul_glu`'s tile).
+    *b_refs, o_ref = refs
+    bg_ref, bu_ref = b_refs or (None, None)
     e = jnp.max(e_ref[...])
     bn, dtype = o_ref.shape[1], o_ref.dtype
 
     @pl.when(e >= 0)
     def _():
-        gate = _expert_k_loop(e, src_ref, x_ref, wg_ref, bk=bk, nk=nk, bn=bn,
-                              row_div=row_div).astype(dtype)
-        up = _expert_k_loop(e, src_ref, x_ref, wu_ref, bk=bk, nk=nk, bn=bn,
-                            row_div=row_div).astype(dtype)
+        gate = _biased(_expert_k_loop(e, src_ref, x_ref, wg_ref, bk=bk, nk=nk, bn=bn,
+                                      row_div=row_div), e, bg_ref).astype(dtype)
+        up = _biased(_expert_k_loop(e, src_ref, x_ref, wu_ref, bk=bk, nk=nk, bn=bn,
+                                    row_div=row_div), e, bu_ref).astype(dtype)
         o_ref[...] = _glu_tile(gate, up, activation)
 
 
 def _launch(kernel, x, w, expert, cfg: MatmulConfig, n_out: int, out_dtype, w_blocks,
-            interpret: bool, name: str):
+            interpret: bool, name: str, bias=None):
     """Runs `kernel` over the expert-sorted row tiles x column blocks of n_out columns;
     w_blocks: the column-block index of each weight operand for column block j. Returns
     the [R, n_out] rows in their original order."""
     dest, tile_expert, src = tile_layout(expert.astype(jnp.int32), w.shape[0], cfg.bm)
     return _launch_sorted(kernel, x, w, tile_expert, src, cfg, n_out, out_dtype, w_blocks,
-                          interpret, name)[dest]
+                          interpret, name, bias=bias)[dest]
 
 
 def _launch_sorted(kernel, x, w, tile_expert, src, cfg: MatmulConfig, n_out: int, out_dtype,
                    w_blocks, interpret: bool, name: str, row_div: int = 1,
-                   tiles: int | None = None):
+                   tiles: int | None = None, bias=None):
     """`_launch` on a given layout (`tile_layout`'s tile_expert [T] and src [T bm], or
     longer arrays of which the first `tiles` tiles are used; slot s reads x row
-    src[s] // row_div): the [T bm, n_out] rows in slot order."""
+    src[s] // row_div): the [T bm, n_out] rows in slot order. bias [E, N] (or None): its
+    column blocks go to the kernel beside the weight's, one a weight operand."""
     K = x.shape[1]
     E = w.shape[0]
     bm = cfg.bm
@@ -313,6 +342,10 @@ def _launch_sorted(kernel, x, w, tile_expert, src, cfg: MatmulConfig, n_out: int
     wp = pad_axis(pad_axis(w, 1, kp), 2, round_up(w.shape[2], cfg.bn))  # [E, Kp, Np]
     w_specs = [pl.BlockSpec((E, kp, cfg.bn), lambda i, j, b=b: (0, 0, b(j)))
                for b in w_blocks]
+    b_specs, b_args = [], []
+    if bias is not None:
+        b_specs = [pl.BlockSpec((E, cfg.bn), lambda i, j, b=b: (0, b(j))) for b in w_blocks]
+        b_args = [pad_axis(bias, 1, wp.shape[2])] * len(w_blocks)  # [E, Np]
     extra = {"row_div": row_div} if row_div > 1 else {}
     return pl.pallas_call(
         functools.partial(kernel, bk=cfg.bk, nk=kp // cfg.bk, **extra),
@@ -323,19 +356,22 @@ def _launch_sorted(kernel, x, w, tile_expert, src, cfg: MatmulConfig, n_out: int
             pl.BlockSpec((bm,), lambda i, j: (i,)),
             pl.BlockSpec((x.shape[0], kp), lambda i, j: (0, 0)),
             *w_specs,
+            *b_specs,
         ],
         out_specs=pl.BlockSpec((bm, cfg.bn), lambda i, j: (i, j)),
         compiler_params=triton_params(cfg.num_warps, cfg.num_stages),
         interpret=interpret,
         name=name,
-    )(tile_expert, src, xp, *([wp] * len(w_blocks)))
+    )(tile_expert, src, xp, *([wp] * len(w_blocks)), *b_args)
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "interpret", "config"))
 def grouped_matmul(x: jax.Array, w: jax.Array, expert: jax.Array, *, out_dtype,
-                   interpret: bool = False, config: MatmulConfig | None = None) -> jax.Array:
-    """x [R, K] @ w[expert] -> [R, N] in out_dtype (None: float32): row r is
-    x[r] @ w[expert[r]], K reduced from 0 upward in an f32 accumulator, bitwise
+                   bias: jax.Array | None = None, interpret: bool = False,
+                   config: MatmulConfig | None = None) -> jax.Array:
+    """x [R, K] @ w[expert] (+ bias[expert]) -> [R, N] in out_dtype (None: float32): row r
+    is x[r] @ w[expert[r]], K reduced from 0 upward in an f32 accumulator, plus the
+    expert's bias row in f32 (bias [E, N] or None), then one rounding; bitwise
     independent of the other rows and of which of them share its expert (R9).
 
     w [E, K, N] (x's dtype, float32 or bfloat16); expert [R] integer in [0, E) (traced
@@ -343,6 +379,7 @@ def grouped_matmul(x: jax.Array, w: jax.Array, expert: jax.Array, *, out_dtype,
     overrides `grouped_config(E, K, N, ...)` (split_k must be 1); one weight must always
     use one config."""
     _check_grouped(x, w, expert)
+    check_bias(bias, w, "grouped_matmul")
     out_dtype = jnp.dtype(jnp.float32 if out_dtype is None else out_dtype)
     R, K = x.shape
     E, _, N = w.shape
@@ -352,20 +389,22 @@ def grouped_matmul(x: jax.Array, w: jax.Array, expert: jax.Array, *, out_dtype,
     if R == 0:
         return jnp.zeros((0, N), out_dtype)
     out = _launch(_grouped_kernel, x, w, expert, cfg, round_up(N, cfg.bn), out_dtype,
-                  [lambda j: j], interpret, "jspec_grouped_matmul")
+                  [lambda j: j], interpret, "jspec_grouped_matmul", bias=bias)
     return out[:, :N]
 
 
 @functools.partial(jax.jit, static_argnames=("activation", "interpret", "config"))
 def grouped_matmul_glu(x: jax.Array, w: jax.Array, expert: jax.Array, *, activation: str,
-                       interpret: bool = False, config: MatmulConfig | None = None
-                       ) -> jax.Array:
+                       bias: jax.Array | None = None, interpret: bool = False,
+                       config: MatmulConfig | None = None) -> jax.Array:
     """act(x[r] @ w[e][:, :F]) * (x[r] @ w[e][:, F:]) for e = expert[r]: x [R, K],
-    w [E, K, 2F] (gate columns first) -> [R, F] x.dtype. Bitwise `glu` of
-    `grouped_matmul(x, w, expert, out_dtype=x.dtype)`'s halves (the same tiles,
-    `grouped_config(E, K, 2F)` unless `config` overrides it, and K loops), in one
-    kernel; shapes whose column tile does not divide F take that unfused path."""
+    w [E, K, 2F] (gate columns first), bias [E, 2F] or None (the same halves) -> [R, F]
+    x.dtype. Bitwise `glu` of `grouped_matmul(x, w, expert, out_dtype=x.dtype,
+    bias=bias)`'s halves (the same tiles, `grouped_config(E, K, 2F)` unless `config`
+    overrides it, and K loops), in one kernel; shapes whose column tile does not divide F
+    take that unfused path."""
     _check_grouped(x, w, expert)
+    check_bias(bias, w, "grouped_matmul_glu")
     if w.shape[2] % 2:
         raise ValueError(f"grouped_matmul_glu wants w [E, K, 2F] (gate, then up); got "
                          f"{w.shape=}")
@@ -377,19 +416,21 @@ def grouped_matmul_glu(x: jax.Array, w: jax.Array, expert: jax.Array, *, activat
     if cfg.split_k != 1:
         raise ValueError(f"grouped_matmul_glu takes no split-K; got {cfg.split_k=}")
     if F % cfg.bn or x.shape[0] == 0:
-        gate, up = jnp.split(grouped_matmul(x, w, expert, out_dtype=x.dtype,
+        gate, up = jnp.split(grouped_matmul(x, w, expert, out_dtype=x.dtype, bias=bias,
                                             interpret=interpret, config=cfg), 2, axis=-1)
         return glu(gate, up, activation=activation, interpret=interpret)
     nf = F // cfg.bn  # column blocks of the gate half
     kernel = functools.partial(_grouped_glu_kernel, activation=activation)
     return _launch(kernel, x, w, expert, cfg, F, x.dtype, [lambda j: j, lambda j: j + nf],
-                   interpret, "jspec_grouped_matmul_glu")
+                   interpret, "jspec_grouped_matmul_glu", bias=bias)
 
 
-def check_mlp(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, expert: jax.Array
+def check_mlp(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, expert: jax.Array,
+              b_gate_up: jax.Array | None = None, b_down: jax.Array | None = None
               ) -> tuple[int, int, int, int, int]:
     """`grouped_mlp`'s operands checked -> (M, k, E, D, F): x [M, D] (M > 0), expert
-    [M k], w_gate_up [E, D, 2F], w_down [E, F, D] in x's dtype."""
+    [M k], w_gate_up [E, D, 2F], w_down [E, F, D] in x's dtype, the biases [E, 2F] and
+    [E, D] or None."""
     if x.ndim != 2 or expert.ndim != 1 or x.shape[0] == 0 or expert.shape[0] % x.shape[0]:
         raise ValueError(f"grouped_mlp wants x [M, D] (M > 0) and expert [M k]; got "
                          f"{x.shape=} {expert.shape=}")
@@ -399,6 +440,8 @@ def check_mlp(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, expert: jax
     if w_down.shape != (E, F, D) or w_down.dtype != x.dtype:
         raise ValueError(f"grouped_mlp wants w_down [E, F, D] = {(E, F, D)} in {x.dtype}; got "
                          f"{w_down.shape=} {w_down.dtype=}")
+    check_bias(b_gate_up, w_gate_up, "grouped_mlp (b_gate_up)")
+    check_bias(b_down, w_down, "grouped_mlp (b_down)")
     return M, expert.shape[0] // M, E, D, F
 
 
@@ -413,19 +456,20 @@ def check_combine_weights(x: jax.Array, expert: jax.Array, weights: jax.Array
     return M, k
 
 
-def _grouped_mlp_slots(x, w_gate_up, w_down, expert, *, activation: str, interpret: bool,
-                       layout_kernel: bool) -> tuple[jax.Array, jax.Array | None]:
+def _grouped_mlp_slots(x, w_gate_up, w_down, expert, b_gate_up, b_down, *, activation: str,
+                       interpret: bool, layout_kernel: bool
+                       ) -> tuple[jax.Array, jax.Array | None]:
     """`grouped_mlp`'s work before its last gather: (y, dest), y [S, Dp] f32 in slot
     order and dest [M k] the slot of each routed row; or (y [M k, D], None) in row order
     when the two tilings differ in row tile (the composition)."""
-    M, k, E, D, F = check_mlp(x, w_gate_up, w_down, expert)
+    M, k, E, D, F = check_mlp(x, w_gate_up, w_down, expert, b_gate_up, b_down)
     R = M * k
     cfg_gu = grouped_config(E, D, 2 * F, w_gate_up.dtype, interpret)
     cfg_dn = grouped_config(E, F, D, w_down.dtype, interpret)
     if cfg_gu.bm != cfg_dn.bm:
         a = grouped_matmul_glu(jnp.repeat(x, k, axis=0), w_gate_up, expert,
-                               activation=activation, interpret=interpret)
-        return grouped_matmul(a, w_down, expert, out_dtype=jnp.float32,
+                               activation=activation, bias=b_gate_up, interpret=interpret)
+        return grouped_matmul(a, w_down, expert, out_dtype=jnp.float32, bias=b_down,
                               interpret=interpret), None
     T = num_tiles(R, E, cfg_gu.bm)
     if M == 1:  # one token (a batch-1 decode step): a tile per routed row, no layout ops
@@ -443,29 +487,32 @@ def _grouped_mlp_slots(x, w_gate_up, w_down, expert, *, activation: str, interpr
         a = _launch_sorted(functools.partial(_grouped_glu_kernel, activation=activation), x,
                            w_gate_up, tile_expert, src, cfg_gu, F, x.dtype,
                            [lambda j: j, lambda j: j + nf], interpret,
-                           "jspec_grouped_matmul_glu", row_div=k,
-                           tiles=T)  # [T bm, F], slot order
+                           "jspec_grouped_matmul_glu", row_div=k, tiles=T,
+                           bias=b_gate_up)  # [T bm, F], slot order
     else:  # its unfused path: the grouped matmul, then `glu` (row-local, elementwise)
         gu = _launch_sorted(_grouped_kernel, x, w_gate_up, tile_expert, src, cfg_gu,
                             round_up(2 * F, cfg_gu.bn), x.dtype, [lambda j: j], interpret,
-                            "jspec_grouped_matmul", row_div=k, tiles=T)[:, :2 * F]
+                            "jspec_grouped_matmul", row_div=k, tiles=T,
+                            bias=b_gate_up)[:, :2 * F]
         gate, up = jnp.split(gu, 2, axis=-1)
         a = glu(gate, up, activation=activation, interpret=interpret)  # [T bm, F]
     y = _launch_sorted(_grouped_kernel, a, w_down, tile_expert, slots, cfg_dn,
                        round_up(D, cfg_dn.bn), jnp.float32, [lambda j: j], interpret,
-                       "jspec_grouped_matmul", tiles=T)  # [T bm, Dp]
+                       "jspec_grouped_matmul", tiles=T, bias=b_down)  # [T bm, Dp]
     return y, dest
 
 
 @functools.partial(jax.jit, static_argnames=("activation", "interpret", "layout_kernel"))
 def grouped_mlp(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, expert: jax.Array, *,
-                activation: str, interpret: bool = False, layout_kernel: bool = False
-                ) -> jax.Array:
+                activation: str, b_gate_up: jax.Array | None = None,
+                b_down: jax.Array | None = None, interpret: bool = False,
+                layout_kernel: bool = False) -> jax.Array:
     """A mixture of experts' expert MLPs: x [M, D] (tokens), expert [M k] (token m's k
     routed experts at m k .. m k + k - 1), w_gate_up [E, D, 2F], w_down [E, F, D] ->
     [M k, D] f32, bitwise `grouped_matmul(grouped_matmul_glu(repeat(x, k), w_gate_up,
-    expert), w_down, expert, out_dtype=f32)`: the same kernels, tiles and K loops, and a
-    row's result never depends on the slot it sits in (R9). The rows are laid out by
+    expert, bias=b_gate_up), w_down, expert, out_dtype=f32, bias=b_down)` (the biases
+    [E, 2F], [E, D] or None): the same kernels, tiles and K loops, and a row's result
+    never depends on the slot it sits in (R9). The rows are laid out by
     expert once: the gate/up kernel reads each slot's token row of x itself (no
     repeated copy of x), its output stays in slot order for the down kernel, and one
     gather puts the rows back. Shapes whose two tilings differ in row tile run the
@@ -473,8 +520,9 @@ def grouped_mlp(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, expert: j
     layout work at all, the same bits. `layout_kernel`: other blocks of up to
     LAYOUT_KERNEL_SLOTS slots get their layout from `tile_layout_kernel` (one launch;
     the same integers)."""
-    y, dest = _grouped_mlp_slots(x, w_gate_up, w_down, expert, activation=activation,
-                                 interpret=interpret, layout_kernel=layout_kernel)
+    y, dest = _grouped_mlp_slots(x, w_gate_up, w_down, expert, b_gate_up, b_down,
+                                 activation=activation, interpret=interpret,
+                                 layout_kernel=layout_kernel)
     return y if dest is None else y[dest, :x.shape[1]]
 
 
@@ -482,17 +530,19 @@ def grouped_mlp(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, expert: j
                                              "layout_kernel"))
 def grouped_mlp_combine(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array,
                         expert: jax.Array, weights: jax.Array, *, activation: str,
-                        rows_out: int, interpret: bool = False, layout_kernel: bool = False
-                        ) -> jax.Array:
-    """A mixture of experts' whole expert half: `grouped_mlp`'s kernels, then
+                        rows_out: int, b_gate_up: jax.Array | None = None,
+                        b_down: jax.Array | None = None, interpret: bool = False,
+                        layout_kernel: bool = False) -> jax.Array:
+    """A mixture of experts' whole expert half: `grouped_mlp`'s kernels (biases too), then
     `combine_kernel` straight from their slot-order output (no gather back, no separate
     product, sum, cast and padding launches): x [M, D], expert [M k], weights [M, k] ->
     [rows_out, D] in x.dtype, rows M .. rows_out - 1 exact zeros. Row-local (R9); the
     combine's arithmetic is its kernel's, so its bits are its own (see
     `combine_kernel`)."""
     M, k = check_combine_weights(x, expert, weights)
-    y, dest = _grouped_mlp_slots(x, w_gate_up, w_down, expert, activation=activation,
-                                 interpret=interpret, layout_kernel=layout_kernel)
+    y, dest = _grouped_mlp_slots(x, w_gate_up, w_down, expert, b_gate_up, b_down,
+                                 activation=activation, interpret=interpret,
+                                 layout_kernel=layout_kernel)
     if dest is None:
         dest = jnp.arange(M * k, dtype=jnp.int32)
     out = combine_kernel(y, dest, weights, rows_out=rows_out, out_dtype=x.dtype,
@@ -502,35 +552,40 @@ def grouped_mlp_combine(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array,
 
 def grouped_mlp_combine_reference(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array,
                                   expert: jax.Array, weights: jax.Array, *, activation: str,
-                                  rows_out: int, layout_kernel: bool = False) -> jax.Array:
+                                  rows_out: int, b_gate_up: jax.Array | None = None,
+                                  b_down: jax.Array | None = None,
+                                  layout_kernel: bool = False) -> jax.Array:
     """The `xla` backend's `grouped_mlp_combine`: `grouped_mlp_reference`, `combine`, the
     cast and the zero rows (NOT row-invariant, through the reference grouped matmul)."""
     M, k = weights.shape
     y = grouped_mlp_reference(x, w_gate_up, w_down, expert, activation=activation,
-                              layout_kernel=layout_kernel)
+                              b_gate_up=b_gate_up, b_down=b_down, layout_kernel=layout_kernel)
     out = combine(y.reshape(M, k, x.shape[1]), weights).astype(x.dtype)
     return pad_axis(out, 0, rows_out)
 
 
 def grouped_mlp_reference(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array,
-                          expert: jax.Array, *, activation: str, layout_kernel: bool = False
-                          ) -> jax.Array:
+                          expert: jax.Array, *, activation: str,
+                          b_gate_up: jax.Array | None = None, b_down: jax.Array | None = None,
+                          layout_kernel: bool = False) -> jax.Array:
     """The `xla` backend's expert MLPs (NOT row-invariant): the reference grouped GLU and
     grouped matmul over the token rows repeated per slot (`layout_kernel` is the pallas
     backend's; ignored)."""
     del layout_kernel
     k = expert.shape[0] // x.shape[0]
     a = grouped_matmul_glu_reference(jnp.repeat(x, k, axis=0), w_gate_up, expert,
-                                     activation=activation)
-    return grouped_matmul_reference(a, w_down, expert, out_dtype=jnp.float32)
+                                     activation=activation, bias=b_gate_up)
+    return grouped_matmul_reference(a, w_down, expert, out_dtype=jnp.float32, bias=b_down)
 
 
 def grouped_matmul_reference(x: jax.Array, w: jax.Array, expert: jax.Array, *, out_dtype,
-                             config=None) -> jax.Array:
+                             bias: jax.Array | None = None, config=None) -> jax.Array:
     """What a plain JAX MoE runs (the `xla` backend; NOT row-invariant): rows sorted by
-    expert, `jax.lax.ragged_dot` over the groups with f32 accumulation, unsorted."""
+    expert, `jax.lax.ragged_dot` over the groups with f32 accumulation, unsorted, plus
+    bias[expert] in f32 (bias [E, N] or None), then one rounding."""
     del config  # the kernel's tiling; nothing to tile here
     _check_grouped(x, w, expert)
+    check_bias(bias, w, "grouped_matmul")
     out_dtype = jnp.float32 if out_dtype is None else out_dtype
     E = w.shape[0]
     expert = expert.astype(jnp.int32)
@@ -539,13 +594,17 @@ def grouped_matmul_reference(x: jax.Array, w: jax.Array, expert: jax.Array, *, o
     precision = lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
     y = dot_f32(lax.ragged_dot, x[order], w, precision=precision, group_sizes=sizes)
     back = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
-    return y[back].astype(out_dtype)
+    y = y[back]
+    if bias is not None:
+        y = y + bias[expert].astype(jnp.float32)
+    return y.astype(out_dtype)
 
 
 def grouped_matmul_glu_reference(x: jax.Array, w: jax.Array, expert: jax.Array, *,
-                                 activation: str) -> jax.Array:
-    """Plain jnp: the reference grouped matmul rounded to x.dtype, split, the reference
-    GLU (NOT row-invariant)."""
-    gate, up = jnp.split(grouped_matmul_reference(x, w, expert, out_dtype=x.dtype), 2,
-                         axis=-1)
+                                 activation: str, bias: jax.Array | None = None
+                                 ) -> jax.Array:
+    """Plain jnp: the reference grouped matmul (biased) rounded to x.dtype, split, the
+    reference GLU (NOT row-invariant)."""
+    gate, up = jnp.split(grouped_matmul_reference(x, w, expert, out_dtype=x.dtype,
+                                                  bias=bias), 2, axis=-1)
     return glu_reference(gate, up, activation=activation)

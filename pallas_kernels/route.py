@@ -6,6 +6,11 @@ breaks ties by the lowest expert id; each expert's output for a row is a functio
 row and the expert's weights only (`pallas_kernels.moe`); a token's weighted sum over its
 experts is formed in one fixed order in f32.
 
+Two routing modes: softmax over all E experts, then top k (Qwen3-MoE, Mixtral; the k
+optionally renormalised), or with `topk_softmax` (gpt-oss's router) top k of the logits,
+then a softmax over those k: max-subtracted (the first chosen is their max), exp, summed
+left to right in slot order, divided, in f32. Either way ties go to the lowest id.
+
 `route(logits [M, E], k)` and `combine(y [M, k, D], weights [M, k])` are plain jnp and
 row-local by construction: every reduction is elementwise ops in an order written out
 here (a max, which is exact in any order; sums as a fixed pairwise tree over column
@@ -49,18 +54,33 @@ def _fold_sum(x: jax.Array) -> jax.Array:
     return acc
 
 
-def _check_route(logits: jax.Array, k: int) -> None:
+def _check_route(logits: jax.Array, k: int, norm_topk_prob: bool = False,
+                 topk_softmax: bool = False) -> None:
     if logits.ndim != 2:
         raise ValueError(f"route wants router logits [M, E]; got {logits.shape=}")
     if logits.dtype != jnp.float32:
         raise ValueError(f"route wants float32 router logits; got {logits.dtype=}")
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= logits.shape[1]:
         raise ValueError(f"route: k must be an int in [1, E={logits.shape[1]}]; got {k=}")
+    if topk_softmax and norm_topk_prob:
+        raise ValueError("route: topk_softmax weights are a softmax over the k already; "
+                         "norm_topk_prob must be False with it")
 
 
-@functools.partial(jax.jit, static_argnames=("k", "norm_topk_prob"))
-def route(router_logits: jax.Array, k: int, *, norm_topk_prob: bool
-          ) -> tuple[jax.Array, jax.Array]:
+def topk_softmaxed(ws: list) -> list:
+    """A routing's k chosen logits (one [rows] vector each, in the order chosen, so the
+    first is their max) -> their softmax: exp(l_j - l_0) divided by the left-to-right sum
+    of the k exps, in f32 (gpt-oss's router, `topk_softmax`), written out."""
+    es = [jnp.exp(w - ws[0]) for w in ws]
+    total = es[0]
+    for e in es[1:]:
+        total = total + e
+    return [e / total for e in es]
+
+
+@functools.partial(jax.jit, static_argnames=("k", "norm_topk_prob", "topk_softmax"))
+def route(router_logits: jax.Array, k: int, *, norm_topk_prob: bool,
+          topk_softmax: bool = False) -> tuple[jax.Array, jax.Array]:
     """Top-k routing as transformers' Qwen3-MoE and Mixtral blocks compute it, exactly.
 
     router_logits [M, E] f32 -> (weights [M, k] f32, ids [M, k] int32), ids in the order
@@ -70,19 +90,26 @@ def route(router_logits: jax.Array, k: int, *, norm_topk_prob: bool
     are those p, divided by their left-to-right sum when `norm_topk_prob` (Mixtral always
     renormalises; Qwen3-MoE as its config says). The model casts them as its checkpoint's
     convention says. Every step is row-local with an order fixed by E and k.
+    `topk_softmax` (gpt-oss): the k ids by repeated argmax over the logits themselves,
+    the weights `topk_softmaxed` of their logits (norm_topk_prob must be False).
     """
-    _check_route(router_logits, k)
-    top = jnp.max(router_logits, axis=-1, keepdims=True)  # exact in any order
-    e = jnp.exp(router_logits - top)  # [M, E]
-    p = e / _tree_sum(e)[:, None]
-    col = lax.broadcasted_iota(jnp.int32, p.shape, 1)
-    ids, weights, left = [], [], p
+    _check_route(router_logits, k, norm_topk_prob, topk_softmax)
+    if topk_softmax:
+        score = router_logits
+    else:
+        top = jnp.max(router_logits, axis=-1, keepdims=True)  # exact in any order
+        e = jnp.exp(router_logits - top)  # [M, E]
+        score = e / _tree_sum(e)[:, None]  # p
+    col = lax.broadcasted_iota(jnp.int32, score.shape, 1)
+    ids, weights, left = [], [], score
     for _ in range(k):
         i = jnp.argmax(left, axis=-1).astype(jnp.int32)  # [M], first (lowest) id of the max
         hit = col == i[:, None]
-        weights.append(jnp.max(jnp.where(hit, p, -jnp.inf), axis=-1))  # p[m, i[m]]
+        weights.append(jnp.max(jnp.where(hit, score, -jnp.inf), axis=-1))  # score[m, i[m]]
         ids.append(i)
         left = jnp.where(hit, -jnp.inf, left)
+    if topk_softmax:
+        weights = topk_softmaxed(weights)
     w = jnp.stack(weights, axis=-1)  # [M, k]
     if norm_topk_prob:
         w = w / _fold_sum(w)[:, None]
@@ -123,23 +150,29 @@ def renormalised(ws: list) -> list:
     return [w / total for w in ws]
 
 
-def _route_kernel(l_ref, w_ref, i_ref, *, E: int, k: int, norm_topk_prob: bool):
+def _route_kernel(l_ref, w_ref, i_ref, *, E: int, k: int, norm_topk_prob: bool,
+                  topk_softmax: bool = False):
     # l_ref [bm, Ep] f32 router logits (columns past E: -inf); w_ref, i_ref [bm, kp].
     logits = l_ref[...]
     bm, Ep = logits.shape
-    top = jnp.max(logits, axis=1, keepdims=True)  # exact in any order
-    e = jnp.exp(logits - top)  # the padding columns give exact zeros
-    p = e / _tree_sum_tile(e)[:, None]
+    if topk_softmax:  # the top k of the logits, then their softmax
+        score = logits
+    else:
+        top = jnp.max(logits, axis=1, keepdims=True)  # exact in any order
+        e = jnp.exp(logits - top)  # the padding columns give exact zeros
+        score = e / _tree_sum_tile(e)[:, None]  # p
     col = lax.broadcasted_iota(jnp.int32, (bm, Ep), 1)
     slot = lax.broadcasted_iota(jnp.int32, w_ref.shape, 1)
-    left = jnp.where(col < E, p, -jnp.inf)
+    left = jnp.where(col < E, score, -jnp.inf)
     ws, ids = [], jnp.zeros(i_ref.shape, jnp.int32)
     for j in range(k):
         i = jnp.argmax(left, axis=1).astype(jnp.int32)  # [bm], the lowest id of the max
         hit = col == i[:, None]
-        ws.append(jnp.max(jnp.where(hit, p, -jnp.inf), axis=1))  # p[m, i[m]]
+        ws.append(jnp.max(jnp.where(hit, score, -jnp.inf), axis=1))  # score[m, i[m]]
         ids = jnp.where(slot == j, i[:, None], ids)
         left = jnp.where(hit, -jnp.inf, left)
+    if topk_softmax:
+        ws = topk_softmaxed(ws)
     if norm_topk_prob:
         ws = renormalised(ws)
     out = jnp.zeros(w_ref.shape, jnp.float32)
@@ -149,10 +182,11 @@ def _route_kernel(l_ref, w_ref, i_ref, *, E: int, k: int, norm_topk_prob: bool):
     i_ref[...] = ids
 
 
-@functools.partial(jax.jit, static_argnames=("k", "norm_topk_prob", "interpret", "config"))
+@functools.partial(jax.jit, static_argnames=("k", "norm_topk_prob", "topk_softmax",
+                                             "interpret", "config"))
 def route_kernel(router_logits: jax.Array, k: int, *, norm_topk_prob: bool,
-                 interpret: bool = False, config: RouteConfig | None = None
-                 ) -> tuple[jax.Array, jax.Array]:
+                 topk_softmax: bool = False, interpret: bool = False,
+                 config: RouteConfig | None = None) -> tuple[jax.Array, jax.Array]:
     """`route` in one Pallas kernel (the pallas backend's routing): the same formula, ties
     and orders (max, exp, `_tree_sum`'s pairwise tree, division; k argmax rounds, lowest
     id first; the left-to-right renormalisation), each program holding `config.bm` rows x
@@ -161,15 +195,16 @@ def route_kernel(router_logits: jax.Array, k: int, *, norm_topk_prob: bool,
     only (R9): a row's weights and ids never depend on M or on the other rows. Its
     arithmetic is compiled apart from `route`'s (on the GPU also its exp and division are
     Triton's), so its weights may differ from `route`'s in the last bit; the formula and
-    the ids are the same."""
-    _check_route(router_logits, k)
+    the ids are the same. `topk_softmax`: `route`'s gpt-oss mode, the same ops."""
+    _check_route(router_logits, k, norm_topk_prob, topk_softmax)
     M, E = router_logits.shape
     cfg = config or ROUTE
     bm, Ep, kp = cfg.bm, next_pow2(E), next_pow2(k)
     mp = round_up(max(M, 1), bm)
     x = pad_axis(pad_axis(router_logits, 1, Ep, value=-jnp.inf), 0, mp)
     w, ids = pl.pallas_call(
-        functools.partial(_route_kernel, E=E, k=k, norm_topk_prob=norm_topk_prob),
+        functools.partial(_route_kernel, E=E, k=k, norm_topk_prob=norm_topk_prob,
+                          topk_softmax=topk_softmax),
         out_shape=(jax.ShapeDtypeStruct((mp, kp), jnp.float32),
                    jax.ShapeDtypeStruct((mp, kp), jnp.int32)),
         grid=(mp // bm,),

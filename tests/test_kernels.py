@@ -368,7 +368,7 @@ def test_rope_row_invariant(dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m", ROWS)
-@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh", "gpt_oss"])
 @pytest.mark.parametrize("f", [128, 700])
 def test_glu_matches_reference(dtype, m, activation, f):
     rng = np.random.default_rng(m + f)
@@ -378,7 +378,7 @@ def test_glu_matches_reference(dtype, m, activation, f):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh", "gpt_oss"])
 def test_glu_row_invariant(dtype, activation):
     rng = np.random.default_rng(4)
     f = 700
@@ -388,6 +388,43 @@ def test_glu_row_invariant(dtype, activation):
 
     fn = lambda g, u: glu(g, u, activation=activation, interpret=INTERPRET)  # noqa: E731
     assert_row_invariant(fn, make(ROW_TOTAL), make)
+
+
+def _apply_gate(gate_up: np.ndarray, dtype) -> np.ndarray:
+    """transformers' `GptOssExperts._apply_gate` in numpy, each torch op on dtype tensors
+    computed in f32 and rounded to dtype (a no-op for f32); gate_up interleaved."""
+    def r(v):
+        return v.astype(dtype).astype(np.float32)
+
+    gate, up = gate_up[..., ::2].astype(np.float32), gate_up[..., 1::2].astype(np.float32)
+    gate = np.minimum(gate, np.float32(7.0))  # gate.clamp(min=None, max=limit)
+    up = np.clip(up, np.float32(-7.0), np.float32(7.0))  # up.clamp(min=-limit, max=limit)
+    glu = r(gate * r(np.float32(1) / (np.float32(1) + np.exp(-r(gate * np.float32(1.702))))))
+    return r(r(up + np.float32(1)) * glu)  # (up + 1) * glu
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gpt_oss_glu_is_transformers_apply_gate(dtype):
+    """"gpt_oss" on the de-interleaved halves is transformers' arithmetic: in f32 within
+    numpy's exp (not XLA's) of it, in bf16 bit for bit (every op's rounding); the clamps
+    engage: a gate past 7 gives the bits of 7, an up past +-7 those of +-7."""
+    rng = np.random.default_rng(3)
+    gate_up = (6 * rng.standard_normal((40, 2 * 700))).astype(np.float32).astype(dtype)
+    gate, up = jnp.asarray(gate_up[:, ::2]), jnp.asarray(gate_up[:, 1::2])
+    assert (gate_up.astype(np.float32) > 7).any() and (gate_up.astype(np.float32) < -7).any()
+    got = np.asarray(glu(gate, up, activation="gpt_oss", interpret=INTERPRET), np.float32)
+    want = _apply_gate(gate_up, dtype)
+    if dtype == jnp.float32:
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    else:
+        assert np.array_equal(got, want)
+    ref = glu_reference(gate, up, activation="gpt_oss")
+    assert np.array_equal(np.asarray(ref, np.float32), got)  # the same ops
+    clamped = glu(jnp.minimum(gate, 7.0), jnp.clip(up, -7.0, 7.0), activation="gpt_oss",
+                  interpret=INTERPRET)
+    assert np.array_equal(np.asarray(clamped, np.float32), got)
+    assert not np.array_equal(np.asarray(glu(gate, up, activation="silu",
+                                             interpret=INTERPRET), np.float32), got)
 
 
 # --------------------------------------------------------------------------- softcap

@@ -41,7 +41,7 @@ def _xw(m, k, f, dtype, seed=0):
 
 @pytest.mark.parametrize("dtype", (jnp.float32, jnp.bfloat16))
 @pytest.mark.parametrize("m,k,f,act", [(1, 64, 512, "silu"), (19, 96, 512, "gelu_tanh"),
-                                       (3, 64, 1024, "silu")])
+                                       (3, 64, 1024, "silu"), (5, 64, 512, "gpt_oss")])
 def test_matmul_glu_matches_reference_and_unfused(dtype, m, k, f, act):
     x, w = _xw(m, k, f, dtype)
     assert fusable(k, f, dtype, INTERPRET)

@@ -1,7 +1,10 @@
 """Mixture-of-experts targets (qwen3_moe, mixtral) on the CPU: property P on the pallas
 backend, speculative == serial with every kind of drafter, the parity audit, and the
-config and loading checks. Agreement with transformers is in test_hf_reference.py."""
+config and loading checks. Agreement with transformers is in test_hf_reference.py.
+gpt-oss's expert pieces (biased experts, the clamped GLU, top-k softmax routing) on a
+tiny random target keep P and speculative == serial too."""
 
+import dataclasses
 import json
 import os
 import shutil
@@ -20,19 +23,40 @@ from jspec.feature_head import random_head
 from jspec.loading import CheckpointError
 
 MAX_LEN = 40
+GPT_OSS_EXPERTS = "gpt_oss_experts"  # `gpt_oss_experts()`: random weights, no fixture
+
+
+def gpt_oss_experts(backend: str = "pallas", dtype: str = "bfloat16") -> jspec.Model:
+    """tiny-qwen3-moe with gpt-oss's expert pieces: a bias on each expert projection, the
+    clamped "gpt_oss" GLU (its dense layer's too) and top-k softmax routing; random
+    weights."""
+    from jspec.model import Model
+    from jspec.random_model import preset_config, random_params
+
+    cfg = dataclasses.replace(preset_config("tiny-qwen3-moe", dtype=dtype), expert_bias=True,
+                              activation="gpt_oss", topk_softmax=True, norm_topk_prob=False)
+    return Model(config=cfg, params=random_params(cfg, seed=1),
+                 options=jspec.KernelOptions(backend=backend, interpret=True))
+
+
+def _target(name, backend="pallas"):
+    return gpt_oss_experts(backend) if name == GPT_OSS_EXPERTS else load(name, backend)
 
 
 def _seq(name, n=24):
+    if name == GPT_OSS_EXPERTS:
+        return np.random.default_rng(0).integers(0, 512, n).astype(np.int32)
     e = expected(name)
     return np.concatenate([e["prompt"], e["greedy"]])[:n].astype(np.int32)
 
 
 @pytest.mark.parametrize("name", ["qwen3_moe", pytest.param("mixtral", marks=pytest.mark.slow),
-                                  pytest.param("qwen2_moe", marks=pytest.mark.slow)])
+                                  pytest.param("qwen2_moe", marks=pytest.mark.slow),
+                                  GPT_OSS_EXPERTS])
 def test_pallas_prefill_steps_and_verify_blocks_are_bitwise_equal(name):
     """P on an MoE target: one prefill, one-token steps, verify blocks with rejected
     garbage rolled back, and a ragged batch give the same logits bits at every position."""
-    model = load(name, "pallas")
+    model = _target(name, "pallas")
     seq = _seq(name)
     n = len(seq)
     ref = parity.schedule_logits(model, [seq], parity.prefill_schedule(n), MAX_LEN)[0]
@@ -119,7 +143,34 @@ def test_the_router_on_the_padded_rows_keeps_the_real_rows_bits(combine_kernel):
     assert not np.asarray(got[rows:]).any()
 
 
+def test_gpt_oss_experts_unfused_and_xla_paths():
+    """gpt-oss's expert pieces through every moe_block branch: unfused (grouped matmul,
+    `glu`, grouped matmul) gives the fused path's logits bits, the combine kernel keeps
+    P, and the xla backend (the references) agrees within bf16 rounding."""
+    model = gpt_oss_experts()
+    assert "b_gate_up" in model.params["layers"][0] and "b_gate_up" not in \
+        model.params["layers"][1]  # layer 1 keeps a dense MLP
+    seq = _seq(GPT_OSS_EXPERTS, 12)
+    n = len(seq)
+    ref = parity.schedule_logits(model, [seq], parity.prefill_schedule(n), MAX_LEN)[0]
+    unfused = jspec.with_options(model, fuse_glu=False)
+    got = parity.schedule_logits(unfused, [seq], parity.block_schedule(n, [5, 1, 3, 3]),
+                                 MAX_LEN)[0]
+    assert parity.count_mismatches(got, ref) == (0, None)
+    combined = jspec.with_options(model, moe_combine_kernel=True)
+    want = parity.schedule_logits(combined, [seq], parity.prefill_schedule(n), MAX_LEN)[0]
+    got = parity.schedule_logits(combined, [seq], parity.block_schedule(n, [4, 1, 7]),
+                                 MAX_LEN)[0]
+    assert parity.count_mismatches(got, want) == (0, None)
+    xla = model.replace(options=model.options.replace(backend="xla"))
+    got = parity.schedule_logits(xla, [seq], parity.prefill_schedule(n), MAX_LEN)[0]
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=0.1, atol=0.1)
+
+
 def _prompts(name):
+    if name == GPT_OSS_EXPERTS:
+        p = _seq(name, 12)
+        return [p, p[:4], p[3:10]]
     p = expected(name)["prompt"]
     return [p, p[:4], p[3:10]]  # ragged
 
@@ -138,9 +189,11 @@ def _head(target):
     pytest.param("mixtral", "lookup", 2, marks=pytest.mark.slow),
     pytest.param("mixtral", "dense draft", 4, marks=pytest.mark.slow),
     pytest.param("mixtral", "feature head", 3, marks=pytest.mark.slow),
-    ("qwen2_moe", "dense draft", 3)])  # a shared expert under its sigmoid gate
+    ("qwen2_moe", "dense draft", 3),  # a shared expert under its sigmoid gate
+    (GPT_OSS_EXPERTS, "feature head", 3),
+    pytest.param(GPT_OSS_EXPERTS, "lookup", 2, marks=pytest.mark.slow)])
 def test_exact_greedy_on_moe_target_equals_serial(name, kind, gamma):
-    target = load(name, "pallas")
+    target = _target(name, "pallas")
     prompts = _prompts(name)
     dense = {"mixtral": "mistral", "qwen2_moe": "qwen2"}.get(name, "qwen3")  # same family
     drafter = {"dense draft": lambda: jspec.ModelDrafter(load(dense, "pallas")),

@@ -4,8 +4,11 @@
   BITWISE row invariance over routings chosen to collide (every row on one expert, one
   row per expert, experts with no rows, R not a multiple of the row tile, R = 1): a row's
   output is the same alone, inside its batch and among other rows routed otherwise.
-- route: ties go to the lowest expert id; the weights are transformers' formula; rows
-  are independent (bitwise).
+- expert biases (gpt-oss): added to the f32 product before its one rounding, in the
+  kernels (bitwise), fused paths equal to the unfused composition with biases and the
+  "gpt_oss" GLU; row invariance holds with them.
+- route: ties go to the lowest expert id; the weights are transformers' formula (softmax
+  then top k, or gpt-oss's top k then softmax); rows are independent (bitwise).
 - combine: the left-to-right f32 sum, bitwise; rows independent.
 - the xla backend's grouped matmul (ragged_dot) is shown breaking row invariance.
 - the kernel lowers for the H200 (Triton, sm_90) at the Qwen3-30B-A3B expert shapes.
@@ -53,8 +56,8 @@ def _same_bits(a, b, what):
     assert np.array_equal(_bits(a), _bits(b)), f"{what}: bits differ"
 
 
-def _gmm(x, w, expert, dtype=jnp.float32):
-    return grouped_matmul(x, w, jnp.asarray(expert, jnp.int32), out_dtype=dtype,
+def _gmm(x, w, expert, dtype=jnp.float32, bias=None):
+    return grouped_matmul(x, w, jnp.asarray(expert, jnp.int32), out_dtype=dtype, bias=bias,
                           interpret=INTERPRET)
 
 
@@ -62,6 +65,11 @@ def _gmm(x, w, expert, dtype=jnp.float32):
 def _weights(dtype):
     rng = np.random.default_rng(0)
     return jnp.asarray(rng.standard_normal((E, K, N)) * K**-0.5, dtype)
+
+
+def _bias(rng, e, n, dtype):
+    """An expert bias [e, n] (gpt-oss's b_gate_up / b_down)."""
+    return jnp.asarray(rng.standard_normal((e, n)), dtype)
 
 
 def _rows(rng, r, dtype):
@@ -88,6 +96,22 @@ def test_grouped_matmul_matches_per_row_products(dtype, r):
     _same_bits(_gmm(x, w, expert, jnp.bfloat16), got.astype(jnp.bfloat16), "out_dtype")
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_grouped_matmul_adds_the_bias_to_the_f32_product_before_its_rounding(dtype):
+    rng = np.random.default_rng(11)
+    x, w = _rows(rng, 37, dtype), _weights(dtype)
+    expert = rng.integers(0, E, 37)
+    b = _bias(rng, E, N, dtype)
+    want = np.asarray(_gmm(x, w, expert)) + np.asarray(b, np.float32)[expert]  # one f32 add
+    got = _gmm(x, w, expert, bias=b)
+    _same_bits(got, want, "f32 output")
+    _same_bits(_gmm(x, w, expert, dtype, bias=b), got.astype(dtype), "one rounding")
+    ref = grouped_matmul_reference(x, w, jnp.asarray(expert), out_dtype=jnp.float32, bias=b)
+    np.testing.assert_allclose(np.asarray(ref), want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="bias \\[E, N\\]"):
+        _gmm(x, w, expert, bias=b[:, :-1])
+
+
 def _routing(kind: str, r: int, rng) -> np.ndarray:
     """expert ids [r] of a routing that collides in the named way."""
     if kind == "one_expert":  # every row on one expert: several tiles of one group
@@ -102,17 +126,20 @@ def _routing(kind: str, r: int, rng) -> np.ndarray:
 ROUTINGS = ("one_expert", "one_per_expert", "some_empty", "random")
 
 
+@pytest.mark.parametrize("biased", [False, True])  # gpt-oss's expert biases
 @settings(max_examples=8, deadline=None, derandomize=True,
           suppress_health_check=list(HealthCheck))
 @given(r=st.sampled_from([1, 5, BM + 3, 2 * BM]), kind=st.sampled_from(ROUTINGS),
        seed=st.integers(0, 2**16), bf16=st.booleans())
-def test_grouped_matmul_row_is_independent_of_its_neighbours(r, kind, seed, bf16):
+def test_grouped_matmul_row_is_independent_of_its_neighbours(biased, r, kind, seed, bf16):
     dtype = jnp.bfloat16 if bf16 else jnp.float32
     rng = np.random.default_rng(seed)
     x, w, expert = _rows(rng, r, dtype), _weights(dtype), _routing(kind, r, rng)
-    full = np.asarray(_gmm(x, w, expert))
+    b = _bias(np.random.default_rng(1), E, N, dtype) if biased else None
+    gmm = functools.partial(_gmm, bias=b)
+    full = np.asarray(gmm(x, w, expert))
     for i in sorted({0, r // 2, r - 1}):
-        _same_bits(_gmm(x[i:i + 1], w, expert[i:i + 1])[0], full[i], f"row {i} alone")
+        _same_bits(gmm(x[i:i + 1], w, expert[i:i + 1])[0], full[i], f"row {i} alone")
         # Among BM + 3 new rows, all on row i's expert (its group spans two tiles and
         # row i sits at another slot), or routed at random.
         for other_kind in ("one_expert", "random"):
@@ -121,7 +148,7 @@ def test_grouped_matmul_row_is_independent_of_its_neighbours(r, kind, seed, bf16
                       else rng.integers(0, E, BM + 3))
             others[at] = expert[i]
             xo = _rows(rng, BM + 3, dtype).at[at].set(x[i])
-            _same_bits(_gmm(xo, w, others)[at], full[i],
+            _same_bits(gmm(xo, w, others)[at], full[i],
                        f"row {i} ({kind}) at {at} among {other_kind} rows")
 
 
@@ -259,15 +286,33 @@ def test_ops_dispatch_grouped_matmul():
 # --------------------------------------------------------------------------- route
 
 
-def _route_f64(logits: np.ndarray, k: int, norm: bool):
+def _route_f64(logits: np.ndarray, k: int, norm: bool, topk_softmax: bool = False):
     """transformers' Qwen3-MoE / Mixtral routing in float64: softmax over all experts,
-    top-k (stable: the lowest id first among equals), renormalised when asked."""
+    top-k (stable: the lowest id first among equals), renormalised when asked; or
+    gpt-oss's (`topk_softmax`): top-k of the logits, softmax over those k."""
     z = logits.astype(np.float64)
+    if topk_softmax:
+        ids = np.argsort(-z, axis=-1, kind="stable")[:, :k]
+        top = np.take_along_axis(z, ids, -1)
+        w = np.exp(top - top.max(-1, keepdims=True))
+        return w / w.sum(-1, keepdims=True), ids
     p = np.exp(z - z.max(-1, keepdims=True))
     p /= p.sum(-1, keepdims=True)
     ids = np.argsort(-p, axis=-1, kind="stable")[:, :k]
     w = np.take_along_axis(p, ids, -1)
     return (w / w.sum(-1, keepdims=True) if norm else w), ids
+
+
+def _route_f32(logits: np.ndarray, k: int):
+    """gpt-oss's weights in float32 numpy: the k chosen logits, exp(l_j - l_0), summed
+    left to right, divided (numpy's exp; the kernels' may differ in the last bit)."""
+    _, ids = _route_f64(logits, k, False, topk_softmax=True)
+    top = np.take_along_axis(logits, ids, -1)
+    e = np.exp(top - top[:, :1])
+    total = e[:, 0]
+    for j in range(1, k):
+        total = total + e[:, j]
+    return e / total[:, None], ids
 
 
 def _mosaic_route(*args, **kwargs):
@@ -283,46 +328,58 @@ ROUTES = [pytest.param(route, id="jnp"),
           pytest.param(_mosaic_route, id="mosaic")]
 
 
+# (norm_topk_prob, topk_softmax): Qwen3-MoE / Mixtral renormalised, not, and gpt-oss
+MODES = [(True, False), (False, False), (False, True)]
+
+
 @pytest.mark.parametrize("route_fn", ROUTES)
 @pytest.mark.parametrize("e,k", [(8, 2), (60, 4), (128, 8), (5, 5)])
-@pytest.mark.parametrize("norm", [True, False])
-def test_route_matches_transformers_formula(route_fn, e, k, norm):
+@pytest.mark.parametrize("norm,topk_softmax", MODES)
+def test_route_matches_transformers_formula(route_fn, e, k, norm, topk_softmax):
     rng = np.random.default_rng(e + k)
     logits = (3 * rng.standard_normal((9, e))).astype(np.float32)
-    w, ids = route_fn(jnp.asarray(logits), k, norm_topk_prob=norm)
-    want_w, want_ids = _route_f64(logits, k, norm)
+    w, ids = route_fn(jnp.asarray(logits), k, norm_topk_prob=norm, topk_softmax=topk_softmax)
+    want_w, want_ids = _route_f64(logits, k, norm, topk_softmax)
     assert w.dtype == jnp.float32 and ids.dtype == jnp.int32 and w.shape == ids.shape == (9, k)
     np.testing.assert_array_equal(np.asarray(ids), want_ids)
     np.testing.assert_allclose(np.asarray(w), want_w, rtol=1e-6, atol=1e-7)
+    if topk_softmax:  # the f32 formula: max-subtracted, summed in slot order, divided
+        f32_w, _ = _route_f32(logits, k)
+        np.testing.assert_allclose(np.asarray(w), f32_w, rtol=3e-7, atol=0)
 
 
 @pytest.mark.parametrize("route_fn", ROUTES)
-def test_route_breaks_ties_by_the_lowest_expert_id(route_fn):
+@pytest.mark.parametrize("topk_softmax", [False, True])
+def test_route_breaks_ties_by_the_lowest_expert_id(route_fn, topk_softmax):
     logits = np.zeros((4, 8), np.float32)
     logits[0, [5, 2]] = 1.0  # a tie for first: 2 then 5
     logits[1, [7, 3, 6]] = 2.0  # three-way tie: 3, 6, 7
     logits[2] = [0, 1, 1, 0, 1, 0, 0, 0]  # tie for first (1, 2), then 4
     # row 3: all equal: ids 0, 1, 2 with equal weights
-    w, ids = route_fn(jnp.asarray(logits), 3, norm_topk_prob=True)
+    w, ids = route_fn(jnp.asarray(logits), 3, norm_topk_prob=not topk_softmax,
+                      topk_softmax=topk_softmax)
     np.testing.assert_array_equal(np.asarray(ids), [[2, 5, 0], [3, 6, 7], [1, 2, 4], [0, 1, 2]])
     assert len(set(np.asarray(w)[3].tolist())) == 1
 
 
 @pytest.mark.parametrize("route_fn", ROUTES[1:])
-def test_route_rows_are_independent(route_fn):
+@pytest.mark.parametrize("topk_softmax", [False, True])
+def test_route_rows_are_independent(route_fn, topk_softmax):
     """A row's weights and ids are the same alone, in blocks around it and in a batch of
     130 (nine of the kernel's row tiles, three of the Mosaic kernel's). Plain jnp is not
     (see the next test): the kernels are why the pallas backend keeps P through routing."""
     rng = np.random.default_rng(5)
     e, k = 128, 8
     logits = jnp.asarray(3 * rng.standard_normal((130, e)), jnp.float32)
-    w, ids = route_fn(logits, k, norm_topk_prob=True)
+    fn = functools.partial(route_fn, k=k, norm_topk_prob=not topk_softmax,
+                           topk_softmax=topk_softmax)
+    w, ids = fn(logits)
     for i in (0, 15, 16, 63, 64, 129):
-        wi, idsi = route_fn(logits[i:i + 1], k, norm_topk_prob=True)
+        wi, idsi = fn(logits[i:i + 1])
         _same_bits(wi[0], w[i], f"route weights of row {i}")
         _same_bits(idsi[0], ids[i], f"route ids of row {i}")
         part = slice(max(i - 3, 0), i + 2)
-        _same_bits(route_fn(logits[part], k, norm_topk_prob=True)[0], w[part], "route block")
+        _same_bits(fn(logits[part])[0], w[part], "route block")
 
 
 def test_plain_jnp_routing_picks_the_same_ids_but_not_always_the_same_weight_bits():
@@ -361,6 +418,8 @@ def test_route_rejects_bad_input(route_fn):
         route_fn(jnp.zeros((2, 8), jnp.bfloat16), 2, norm_topk_prob=True)
     with pytest.raises(ValueError, match="router logits \\[M, E\\]"):
         route_fn(jnp.zeros((8,)), 2, norm_topk_prob=True)
+    with pytest.raises(ValueError, match="norm_topk_prob must be False"):
+        route_fn(jnp.zeros((2, 8)), 2, norm_topk_prob=True, topk_softmax=True)
 
 
 def test_ops_dispatch_route():
@@ -419,21 +478,26 @@ def test_grouped_matmul_lowers_for_the_h200(h200, k, n, r):
     assert f"tensor<128x{k}x{n}xbf16>" in text and "stablehlo.pad" not in text
 
 
-@pytest.mark.parametrize("m,e,k", [(1, 128, 8), (40, 128, 8), (2048, 128, 8), (5, 8, 2)])
+@pytest.mark.parametrize("m,e,k", [(1, 128, 8), (40, 128, 8), (2048, 128, 8), (5, 8, 2),
+                                   (3, 32, 4)])
 def test_route_kernel_lowers_for_the_h200(h200, m, e, k):
     args = (jax.ShapeDtypeStruct((m, e), jnp.float32),)
-    fn = functools.partial(route_kernel, k=k, norm_topk_prob=True)
+    topk_softmax = e == 32  # gpt-oss-20b's routing
+    fn = functools.partial(route_kernel, k=k, norm_topk_prob=not topk_softmax,
+                           topk_softmax=topk_softmax)
     text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("__gpu$xla.gpu.triton") == 1
     assert set(re.findall(r'name = "(jspec_[a-z_0-9]*)"', text)) == {"jspec_route"}
 
 
 @pytest.mark.parametrize("m,e,k", [(1, 128, 8), (40, 128, 8), (2048, 128, 8), (5, 8, 2),
-                                   (3, 256, 8)])
+                                   (3, 256, 8), (3, 32, 4)])
 def test_mosaic_route_kernel_lowers_for_cuda(m, e, k):
     from pallas_kernels.mosaic.route import route_kernel as mosaic_route_kernel
 
-    fn = functools.partial(mosaic_route_kernel, k=k, norm_topk_prob=True)
+    topk_softmax = e == 32  # gpt-oss-20b's routing
+    fn = functools.partial(mosaic_route_kernel, k=k, norm_topk_prob=not topk_softmax,
+                           topk_softmax=topk_softmax)
     text = jax.jit(fn).trace(jax.ShapeDtypeStruct((m, e), jnp.float32)).lower(
         lowering_platforms=("cuda",)).as_text()
     assert text.count("jspec_mosaic_route") >= 1 and "__gpu$xla.gpu.triton" not in text
@@ -442,41 +506,55 @@ def test_mosaic_route_kernel_lowers_for_cuda(m, e, k):
 # --------------------------------------------------------------------------- fused GLU
 
 
-@pytest.mark.parametrize("dtype,f", [
-    (jnp.bfloat16, 512),
-    pytest.param(jnp.float32, 512, marks=pytest.mark.slow),
-    pytest.param(jnp.bfloat16, 40, marks=pytest.mark.slow),  # bn does not divide F: unfused
+# gpt-oss's experts: biases on both projections and the clamped GLU
+GPT_OSS = dict(activation="gpt_oss", biased=True)
+SILU = dict(activation="silu", biased=False)
+
+
+@pytest.mark.parametrize("dtype,f,gpt", [
+    (jnp.bfloat16, 512, SILU),
+    (jnp.bfloat16, 512, GPT_OSS),
+    pytest.param(jnp.float32, 512, SILU, marks=pytest.mark.slow),
+    pytest.param(jnp.bfloat16, 40, SILU, marks=pytest.mark.slow),  # bn does not divide F
+    pytest.param(jnp.bfloat16, 40, GPT_OSS, marks=pytest.mark.slow),  # (unfused)
 ])
-def test_grouped_matmul_glu_is_glu_of_the_grouped_matmul(dtype, f):
+def test_grouped_matmul_glu_is_glu_of_the_grouped_matmul(dtype, f, gpt):
     from pallas_kernels.glu import glu
     from pallas_kernels.moe import grouped_matmul_glu, grouped_matmul_glu_reference
 
     rng = np.random.default_rng(f)
     x = _rows(rng, 37, dtype)
     w = jnp.asarray(rng.standard_normal((E, K, 2 * f)) * K**-0.5, dtype)
+    b = _bias(rng, E, 2 * f, dtype) * 4 if gpt["biased"] else None  # gates past 7 too
+    act = gpt["activation"]
     expert = jnp.asarray(rng.choice([0, 2, 5], 37), jnp.int32)
-    fused = functools.partial(grouped_matmul_glu, activation="silu", interpret=INTERPRET)
+    fused = functools.partial(grouped_matmul_glu, activation=act, bias=b, interpret=INTERPRET)
     got = fused(x, w, expert)
     assert ("jspec_grouped_matmul_glu" in str(jax.make_jaxpr(fused)(x, w, expert))) == (
         f == 512)
-    gate, up = jnp.split(grouped_matmul(x, w, expert, out_dtype=dtype, interpret=INTERPRET),
-                         2, axis=-1)
-    _same_bits(got, glu(gate, up, activation="silu", interpret=INTERPRET), "fused vs unfused")
-    alone = grouped_matmul_glu(x[5:6], w, expert[5:6], activation="silu", interpret=INTERPRET)
+    gate, up = jnp.split(grouped_matmul(x, w, expert, out_dtype=dtype, bias=b,
+                                        interpret=INTERPRET), 2, axis=-1)
+    _same_bits(got, glu(gate, up, activation=act, interpret=INTERPRET), "fused vs unfused")
+    alone = fused(x[5:6], w, expert[5:6])
     _same_bits(alone[0], got[5], "row 5 alone")
-    ref = grouped_matmul_glu_reference(x, w, expert, activation="silu")
+    ref = grouped_matmul_glu_reference(x, w, expert, activation=act, bias=b)
     tol = 2e-2 if dtype == jnp.bfloat16 else 1e-5
     np.testing.assert_allclose(np.asarray(ref, np.float32), np.asarray(got, np.float32),
                                rtol=tol, atol=tol)
 
 
-def test_grouped_matmul_glu_lowers_for_the_h200(h200):
+@pytest.mark.parametrize("gpt", [SILU, GPT_OSS])
+def test_grouped_matmul_glu_lowers_for_the_h200(h200, gpt):
     from pallas_kernels.moe import grouped_matmul_glu
 
     args = (jax.ShapeDtypeStruct((8, 2048), jnp.bfloat16),
             jax.ShapeDtypeStruct((128, 2048, 2 * 768), jnp.bfloat16),
             jax.ShapeDtypeStruct((8,), jnp.int32))
-    fn = functools.partial(grouped_matmul_glu, activation="silu")
+    if gpt["biased"]:
+        args += (jax.ShapeDtypeStruct((128, 2 * 768), jnp.bfloat16),)
+    def fn(x, w, expert, bias=None):
+        return grouped_matmul_glu(x, w, expert, activation=gpt["activation"], bias=bias)
+
     text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert set(re.findall(r'name = "(jspec_[a-z_0-9]*)"', text)) == {"jspec_grouped_matmul_glu"}
 
@@ -484,17 +562,22 @@ def test_grouped_matmul_glu_lowers_for_the_h200(h200):
 # --------------------------------------------------------------------------- one layout
 
 
-@pytest.mark.parametrize("m,k,routing,F,layout", [
-    (1, 8, "spread", 512, False), (13, 2, "one", 512, False), (6, 3, "spread", 64, False),
-    (21, 2, "two", 512, False), (1, 8, "spread", 512, True), (21, 2, "two", 512, True),
-    (6, 3, "spread", 64, True), (1, 4, "distinct", 512, False), (1, 2, "one", 64, True)])
-def test_grouped_mlp_is_the_two_grouped_kernels_bitwise(m, k, routing, F, layout):
+@pytest.mark.parametrize("m,k,routing,F,layout,gpt", [
+    (1, 8, "spread", 512, False, SILU), (13, 2, "one", 512, False, SILU),
+    (6, 3, "spread", 64, False, SILU), (21, 2, "two", 512, False, SILU),
+    (1, 8, "spread", 512, True, SILU), (21, 2, "two", 512, True, SILU),
+    (6, 3, "spread", 64, True, SILU), (1, 4, "distinct", 512, False, SILU),
+    (1, 2, "one", 64, True, SILU), (1, 4, "spread", 512, False, GPT_OSS),
+    (13, 2, "one", 512, False, GPT_OSS), (6, 3, "spread", 64, True, GPT_OSS),
+    (21, 2, "two", 512, True, GPT_OSS)])
+def test_grouped_mlp_is_the_two_grouped_kernels_bitwise(m, k, routing, F, layout, gpt):
     # grouped_mlp lays the rows out by expert once: the gate/up kernel reads each slot's
     # token row itself, its output stays in slot order for the down kernel. Every row
     # equals the composition over the repeated rows, bit for bit: routings of one token
     # a slot each, every slot on one expert, and two experts for all (empty experts);
     # F = 512 with the fused GLU kernel, F = 64 with the grouped matmul and `glu`. One
     # token (m = 1) takes `token_layout`: no layout ops or kernel, even with repeated ids.
+    # gpt-oss's experts (biases, the clamped GLU): the same, through the same kernels.
     from pallas_kernels.moe import grouped_matmul_glu, grouped_mlp, grouped_mlp_reference
 
     rng = np.random.default_rng(m * k)
@@ -502,16 +585,20 @@ def test_grouped_mlp_is_the_two_grouped_kernels_bitwise(m, k, routing, F, layout
     x = jnp.asarray(rng.standard_normal((m, D)), jnp.bfloat16)
     wgu = jnp.asarray(rng.standard_normal((E, D, 2 * F)) * D**-0.5, jnp.bfloat16)
     wd = jnp.asarray(rng.standard_normal((E, F, D)) * F**-0.5, jnp.bfloat16)
+    act, biased = gpt["activation"], gpt["biased"]
+    bgu, bd = ((_bias(rng, E, 2 * F, jnp.bfloat16) * 4, _bias(rng, E, D, jnp.bfloat16))
+               if biased else (None, None))
     ids = {"spread": rng.integers(0, E, m * k), "one": np.full(m * k, 3),
            "two": rng.choice([1, 6], m * k),
            "distinct": rng.permutation(E)[:m * k]}[routing]
     expert = jnp.asarray(ids, jnp.int32)
-    fn = functools.partial(grouped_mlp, activation="silu", interpret=INTERPRET,
+    fn = functools.partial(grouped_mlp, activation=act, b_gate_up=bgu, b_down=bd,
+                           interpret=INTERPRET,
                            layout_kernel=layout)  # layout: tile_layout_kernel's (R <= 64)
     got = fn(x, wgu, wd, expert)
-    a = grouped_matmul_glu(jnp.repeat(x, k, axis=0), wgu, expert, activation="silu",
+    a = grouped_matmul_glu(jnp.repeat(x, k, axis=0), wgu, expert, activation=act, bias=bgu,
                            interpret=INTERPRET)
-    want = grouped_matmul(a, wd, expert, out_dtype=jnp.float32, interpret=INTERPRET)
+    want = grouped_matmul(a, wd, expert, out_dtype=jnp.float32, bias=bd, interpret=INTERPRET)
     _same_bits(got, want, "one layout vs the composition")
     jaxpr = str(jax.make_jaxpr(fn)(x, wgu, wd, expert))
     # the GLU kernel when unfused; the layout kernel (whose cumsums sit inside it)
@@ -521,8 +608,8 @@ def test_grouped_mlp_is_the_two_grouped_kernels_bitwise(m, k, routing, F, layout
         lambda e: tile_layout(e, E, BM))(expert)).count("cumsum")  # one layout
     assert kernel or jaxpr.count("cumsum") == layout_ops
     assert m > 1 or "scatter" not in jaxpr
-    ref = grouped_mlp_reference(x, wgu, wd, expert, activation="silu")
-    np.testing.assert_allclose(np.asarray(ref), np.asarray(got), rtol=3e-2, atol=3e-2)
+    ref = grouped_mlp_reference(x, wgu, wd, expert, activation=act, b_gate_up=bgu, b_down=bd)
+    np.testing.assert_allclose(np.asarray(ref), np.asarray(got), rtol=3e-2, atol=6e-2)
     with pytest.raises(ValueError, match="grouped_mlp wants x"):
         fn(x[:0], wgu, wd, expert)
 
@@ -535,15 +622,23 @@ def test_tile_layout_kernel_lowers_for_the_h200(h200, slots):
     assert set(re.findall(r'name = "(jspec_[a-z_0-9]*)"', text)) == {"jspec_moe_layout"}
 
 
-def test_grouped_mlp_lowers_for_the_h200(h200):
+@pytest.mark.parametrize("gpt", [SILU, GPT_OSS])
+def test_grouped_mlp_lowers_for_the_h200(h200, gpt):
     from pallas_kernels.moe import grouped_mlp
 
     args = (jax.ShapeDtypeStruct((1, 2048), jnp.bfloat16),
             jax.ShapeDtypeStruct((128, 2048, 2 * 768), jnp.bfloat16),
             jax.ShapeDtypeStruct((128, 768, 2048), jnp.bfloat16),
             jax.ShapeDtypeStruct((8,), jnp.int32))
-    fn = functools.partial(grouped_mlp, activation="silu")
-    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    biases = (jax.ShapeDtypeStruct((128, 2 * 768), jnp.bfloat16),
+              jax.ShapeDtypeStruct((128, 2048), jnp.bfloat16)) if gpt["biased"] else ()
+
+    def fn(x, wgu, wd, expert, *b):
+        b_gate_up, b_down = b or (None, None)
+        return grouped_mlp(x, wgu, wd, expert, activation=gpt["activation"],
+                           b_gate_up=b_gate_up, b_down=b_down)
+
+    text = jax.jit(fn).trace(*args, *biases).lower(lowering_platforms=("cuda",)).as_text()
     assert set(re.findall(r'name = "(jspec_[a-z_0-9]*)"', text)) == {
         "jspec_grouped_matmul_glu", "jspec_grouped_matmul"}
     assert "stablehlo.pad" not in text
@@ -603,9 +698,10 @@ def test_combine_kernel_rejects_bad_shapes():
     assert none.shape == (3, 16) and none.dtype == jnp.bfloat16 and not none.any()
 
 
-@pytest.mark.parametrize("m,k,layout", [(1, 8, True), (13, 2, False), (5, 3, True),
-                                         (6, 3, True)])
-def test_grouped_mlp_combine_is_grouped_mlp_then_the_combine_kernel(m, k, layout):
+@pytest.mark.parametrize("m,k,layout,gpt", [(1, 8, True, SILU), (13, 2, False, SILU),
+                                             (5, 3, True, SILU), (6, 3, True, SILU),
+                                             (1, 4, True, GPT_OSS), (6, 3, False, GPT_OSS)])
+def test_grouped_mlp_combine_is_grouped_mlp_then_the_combine_kernel(m, k, layout, gpt):
     # No gather back: the combine reads grouped_mlp's slots; the same bits as the kernel
     # over grouped_mlp's rows in token order (row r at slot r).
     from pallas_kernels.moe import grouped_mlp, grouped_mlp_combine
@@ -619,10 +715,14 @@ def test_grouped_mlp_combine_is_grouped_mlp_then_the_combine_kernel(m, k, layout
     expert = jnp.asarray(rng.integers(0, E, m * k), jnp.int32)
     w = jnp.asarray(rng.random((m, k)), jnp.float32)
     rows_out = -(-m // 16) * 16
-    fn = functools.partial(grouped_mlp_combine, activation="silu", rows_out=rows_out,
-                           interpret=INTERPRET, layout_kernel=layout)
+    biases = dict(b_gate_up=_bias(rng, E, 2 * F, jnp.bfloat16),
+                  b_down=_bias(rng, E, D, jnp.bfloat16)) if gpt["biased"] else {}
+    fn = functools.partial(grouped_mlp_combine, activation=gpt["activation"],
+                           rows_out=rows_out, interpret=INTERPRET, layout_kernel=layout,
+                           **biases)
     got = fn(x, wgu, wd, expert, w)
-    y = grouped_mlp(x, wgu, wd, expert, activation="silu", interpret=INTERPRET)
+    y = grouped_mlp(x, wgu, wd, expert, activation=gpt["activation"], interpret=INTERPRET,
+                    **biases)
     want = combine_kernel(y, jnp.arange(m * k, dtype=jnp.int32), w, rows_out=rows_out,
                           out_dtype=jnp.bfloat16, interpret=INTERPRET)
     _same_bits(got, want, "grouped_mlp_combine")

@@ -64,23 +64,23 @@ def main(argv):
     Ms = [int(m) for m in _MS.value]
     if min(Ms) < 1:
         raise app.UsageError("--Ms must be >= 1")
-    E, k, norm = cfg.num_experts, cfg.experts_per_token, cfg.norm_topk_prob
+    E, k = cfg.num_experts, cfg.experts_per_token
+    mode = dict(norm_topk_prob=cfg.norm_topk_prob, topk_softmax=cfg.topk_softmax)
     rng = np.random.default_rng(0)
     blocks = {M: jnp.asarray(rng.standard_normal((M, E)), jnp.float32) for M in Ms}
     cands = candidates()
-    kernel = functools.partial(route_kernel, k=k, norm_topk_prob=norm,
-                               interpret=_INTERPRET.value)
+    kernel = functools.partial(route_kernel, k=k, **mode, interpret=_INTERPRET.value)
     mosaic = None
     if _MOSAIC.value:
         from pallas_kernels.mosaic.route import route_kernel as mosaic_route_kernel
 
-        mosaic = functools.partial(mosaic_route_kernel, k=k, norm_topk_prob=norm,
+        mosaic = functools.partial(mosaic_route_kernel, k=k, **mode,
                                    interpret=_INTERPRET.value)
     rows = []
     kinds = [("xla", None)] + ([("mosaic", None)] if mosaic else [])
     for kind, c in tqdm(kinds + [("kernel", c) for c in cands], desc="tilings",
                         file=sys.stdout):
-        fn = (functools.partial(route, k=k, norm_topk_prob=norm) if kind == "xla"
+        fn = (functools.partial(route, k=k, **mode) if kind == "xla"
               else mosaic if kind == "mosaic" else functools.partial(kernel, config=c))
         times = {M: median_time(dependent_launches(fn, _REPS.value), x, iters=_ITERS.value,
                                 warmup=1) / _REPS.value * 1e6 for M, x in blocks.items()}

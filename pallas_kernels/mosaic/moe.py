@@ -24,6 +24,11 @@ accumulators) and applies `matmul_glu`'s GLU arithmetic to the two rounded tiles
 `mosaic.matmul_glu` does. f32 outputs are stored column-major, as the accumulators lie,
 and transposed back (Mosaic GPU has no layout for an f32 tile's transposed store).
 
+Expert biases (gpt-oss; `bias` [E, N]): the program loads its expert's 64 bias entries
+of each column block it runs straight from memory, one per accumulator row, and adds them
+to the f32 accumulator in the epilogue, before the rounding and the GLU (as the Triton
+kernels do); without a bias nothing is loaded or added.
+
 Only 16-bit operands (bf16, f16), as for `mosaic.matmul`. The two lowerings' bits differ
 (R11); each is row-invariant on its own.
 """
@@ -43,6 +48,7 @@ from pallas_kernels.glu import ACTIVATIONS
 from pallas_kernels.matmul_glu import _glu_tile
 from pallas_kernels.moe import (
     _check_grouped,
+    check_bias,
     check_combine_weights,
     check_mlp,
     tile_layout,
@@ -82,23 +88,43 @@ def _check_16bit(x: jax.Array, name: str) -> None:
                         f"wgmma multiplies in TF32); got {x.dtype=}")
 
 
-def _grouped_kernel(te_gmem, x_gmem, w_gmem, o_gmem, o_smem, *, cfg: MosaicMatmulConfig,
+def _bias_rows(b_gmem, e, block) -> jax.Array:
+    """[64, 16] f32: expert e's bias entries of the weight's column block `block` (one per
+    accumulator row of the swapped design), in every token column."""
+    b = plgpu.load(b_gmem.at[e, pl.ds(block * BM, BM)], layout=plgpu.Layout.WGMMA.reduce(1),
+                   optimized=False)  # [64]
+    return lax.broadcast_in_dim(b.astype(jnp.float32), (BM, BT), [0])
+
+
+def _grouped_kernel(te_gmem, x_gmem, w_gmem, *refs, o_smem, cfg: MosaicMatmulConfig,
                     nk: int, column_offsets: tuple[int, ...], epilogue, columns_major: bool):
     # te_gmem [T] int32: each tile's expert (-1: unused); x_gmem [T 16, Kp] the slots' rows;
-    # w_gmem [E, Kp, Np]; o_gmem [T 16, N'] (columns_major: [N', T 16]).
+    # w_gmem [E, Kp, Np]; refs: o_gmem [T 16, N'] (columns_major: [N', T 16]), after
+    # b_gmem [E, Np] with a bias.
+    *b_gmem, o_gmem = refs
     e = te_gmem[lax.axis_index("m")]
 
     @pl.when(e >= 0)
     def _():
+        epi = epilogue
+        if b_gmem:  # each accumulator (column offset c) plus its bias rows, in f32
+            j = lax.axis_index("n")
+
+            def epi(*accs):
+                return epilogue(*(acc + _bias_rows(b_gmem[0], e, j + c)
+                                  for acc, c in zip(accs, column_offsets, strict=True)))
+
         _kernel_swapped(x_gmem, w_gmem.at[e], o_gmem, o_smem, cfg=cfg, nk=nk, tiles=1,
-                        column_offsets=column_offsets, epilogue=epilogue,
+                        column_offsets=column_offsets, epilogue=epi,
                         columns_major=columns_major)
 
 
 def _launch_sorted(xs, w, tile_expert, cfg: MosaicMatmulConfig, n_out: int, out_dtype,
-                   column_offsets: tuple[int, ...], epilogue, interpret: bool, name: str):
+                   column_offsets: tuple[int, ...], epilogue, interpret: bool, name: str,
+                   bias=None):
     """The kernel over tiles x (n_out / 64) column blocks of slot-ordered rows xs
-    [T 16, K] (T = tile_expert's length) and w [E, K, N] -> [T 16, n_out], slot order."""
+    [T 16, K] (T = tile_expert's length) and w [E, K, N] (bias [E, N] or None) ->
+    [T 16, n_out], slot order."""
     T, K = tile_expert.shape[0], xs.shape[1]
     kp = round_up(K, cfg.bk)  # extra K terms add exact zeros at the end of the sum
     xp = pad_axis(xs, 1, kp)
@@ -119,7 +145,8 @@ def _launch_sorted(xs, w, tile_expert, cfg: MosaicMatmulConfig, n_out: int, out_
         grid_names=("m", "n"),
         kernel_name=name,
         interpret=plgpu.InterpretGPUParams() if interpret else None,
-    )(tile_expert.astype(jnp.int32), xp, wp)
+    )(tile_expert.astype(jnp.int32), xp, wp,
+      *([] if bias is None else [pad_axis(bias, 1, wp.shape[2])]))
     return out.T if columns_major else out
 
 
@@ -135,14 +162,16 @@ def _layout(expert: jax.Array, E: int):
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "interpret", "config"))
 def grouped_matmul(x: jax.Array, w: jax.Array, expert: jax.Array, *, out_dtype,
-                   interpret: bool = False, config: MosaicMatmulConfig | None = None
-                   ) -> jax.Array:
-    """x [R, K] @ w[expert] -> [R, N] in out_dtype (None: float32), on Mosaic GPU: row r
-    is x[r] @ w[expert[r]], K reduced from 0 upward in an f32 accumulator, bitwise
+                   bias: jax.Array | None = None, interpret: bool = False,
+                   config: MosaicMatmulConfig | None = None) -> jax.Array:
+    """x [R, K] @ w[expert] (+ bias[expert]) -> [R, N] in out_dtype (None: float32), on
+    Mosaic GPU: row r is x[r] @ w[expert[r]], K reduced from 0 upward in an f32
+    accumulator, plus the expert's bias row in f32 (bias [E, N] or None), bitwise
     independent of the other rows and of which share its expert (R9). w [E, K, N] in
     x's 16-bit dtype; expert [R] integer in [0, E). `config` overrides `grouped_config`
     (a swapped design of one token tile a program)."""
     _check(x, w, expert, "grouped_matmul")
+    check_bias(bias, w, "grouped_matmul")
     out_dtype = jnp.dtype(jnp.float32 if out_dtype is None else out_dtype)
     E, K, N = w.shape
     if x.shape[0] == 0:
@@ -151,7 +180,7 @@ def grouped_matmul(x: jax.Array, w: jax.Array, expert: jax.Array, *, out_dtype,
     dest, tile_expert, src = _layout(expert, E)
     out = _launch_sorted(_slot_rows(x, src), w, tile_expert, cfg, round_up(N, BM), out_dtype,
                          (0,), lambda acc: acc.astype(out_dtype), interpret,
-                         "jspec_mosaic_grouped_matmul")
+                         "jspec_mosaic_grouped_matmul", bias=bias)
     return out[dest, :N]
 
 
@@ -172,13 +201,15 @@ def _check_glu(w: jax.Array, activation: str, name: str) -> int:
 
 @functools.partial(jax.jit, static_argnames=("activation", "interpret", "config"))
 def grouped_matmul_glu(x: jax.Array, w: jax.Array, expert: jax.Array, *, activation: str,
-                       interpret: bool = False, config: MosaicMatmulConfig | None = None
-                       ) -> jax.Array:
+                       bias: jax.Array | None = None, interpret: bool = False,
+                       config: MosaicMatmulConfig | None = None) -> jax.Array:
     """act(x[r] @ w[e][:, :F]) * (x[r] @ w[e][:, F:]) for e = expert[r] on Mosaic GPU:
-    x [R, K], w [E, K, 2F] (gate columns first) -> [R, F] x.dtype: `matmul_glu`'s GLU
-    arithmetic on `grouped_matmul(x, w, expert, out_dtype=x.dtype)`'s halves (the same
-    tiles and K order), in one kernel. F must be a multiple of 64."""
+    x [R, K], w [E, K, 2F] (gate columns first), bias [E, 2F] or None -> [R, F] x.dtype:
+    `matmul_glu`'s GLU arithmetic on `grouped_matmul(x, w, expert, out_dtype=x.dtype,
+    bias=bias)`'s halves (the same tiles and K order), in one kernel. F must be a
+    multiple of 64."""
     _check(x, w, expert, "grouped_matmul_glu")
+    check_bias(bias, w, "grouped_matmul_glu")
     F = _check_glu(w, activation, "grouped_matmul_glu")
     if F % BM:
         raise ValueError(f"grouped_matmul_glu (Mosaic GPU): F={F} must be a multiple of "
@@ -190,16 +221,17 @@ def grouped_matmul_glu(x: jax.Array, w: jax.Array, expert: jax.Array, *, activat
     dest, tile_expert, src = _layout(expert, E)
     out = _launch_sorted(_slot_rows(x, src), w, tile_expert, cfg, F, x.dtype, (0, F // BM),
                          _glu_epilogue(x.dtype, activation), interpret,
-                         "jspec_mosaic_grouped_matmul_glu")
+                         "jspec_mosaic_grouped_matmul_glu", bias=bias)
     return out[dest]
 
 
-def _mlp_slots(x, w_gate_up, w_down, expert, *, activation: str, interpret: bool):
+def _mlp_slots(x, w_gate_up, w_down, expert, b_gate_up, b_down, *, activation: str,
+               interpret: bool):
     """(y [S, Dp] f32 in slot order, dest [M k]): one layout for both kernels
     (`token_layout` for one token); slot s of the gate/up kernel reads token row
     src[s] // k (the token's k routed copies read its one row), its output stays in slot
     order for the down kernel."""
-    M, k, E, D, F = check_mlp(x, w_gate_up, w_down, expert)
+    M, k, E, D, F = check_mlp(x, w_gate_up, w_down, expert, b_gate_up, b_down)
     _check_16bit(x, "grouped_mlp")
     _check_glu(w_gate_up, activation, "grouped_mlp")
     if F % BM:
@@ -212,26 +244,28 @@ def _mlp_slots(x, w_gate_up, w_down, expert, *, activation: str, interpret: bool
     a = _launch_sorted(_slot_rows(x, src, k), w_gate_up, tile_expert,
                        grouped_config(E, D, 2 * F, x.dtype), F, x.dtype, (0, F // BM),
                        _glu_epilogue(x.dtype, activation), interpret,
-                       "jspec_mosaic_grouped_matmul_glu")  # [S, F]
+                       "jspec_mosaic_grouped_matmul_glu", bias=b_gate_up)  # [S, F]
     y = _launch_sorted(a, w_down, tile_expert, grouped_config(E, F, D, x.dtype),
                        round_up(D, BM), jnp.float32, (0,), lambda acc: acc, interpret,
-                       "jspec_mosaic_grouped_matmul")  # [S, Dp] f32
+                       "jspec_mosaic_grouped_matmul", bias=b_down)  # [S, Dp] f32
     return y, dest
 
 
 @functools.partial(jax.jit, static_argnames=("activation", "interpret", "layout_kernel"))
 def grouped_mlp(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, expert: jax.Array, *,
-                activation: str, interpret: bool = False, layout_kernel: bool = False
-                ) -> jax.Array:
+                activation: str, b_gate_up: jax.Array | None = None,
+                b_down: jax.Array | None = None, interpret: bool = False,
+                layout_kernel: bool = False) -> jax.Array:
     """A mixture of experts' expert MLPs on Mosaic GPU: x [M, D], expert [M k], w_gate_up
-    [E, D, 2F], w_down [E, F, D] -> [M k, D] f32, bitwise `grouped_matmul(
-    grouped_matmul_glu(repeat(x, k), w_gate_up, expert), w_down, expert,
-    out_dtype=f32)` (the same kernels, tiles and K loops), the rows laid out by expert
+    [E, D, 2F], w_down [E, F, D] (biases [E, 2F], [E, D] or None) -> [M k, D] f32, bitwise
+    `grouped_matmul(grouped_matmul_glu(repeat(x, k), w_gate_up, expert, bias=b_gate_up),
+    w_down, expert, out_dtype=f32, bias=b_down)` (the same kernels, tiles and K loops),
+    the rows laid out by expert
     once. `layout_kernel` (the Triton lowering's layout kernel) is accepted and unused:
     the layout is `tile_layout`'s few integer XLA ops."""
     del layout_kernel
-    y, dest = _mlp_slots(x, w_gate_up, w_down, expert, activation=activation,
-                         interpret=interpret)
+    y, dest = _mlp_slots(x, w_gate_up, w_down, expert, b_gate_up, b_down,
+                         activation=activation, interpret=interpret)
     return y[dest, :x.shape[1]]
 
 
@@ -239,12 +273,13 @@ def grouped_mlp(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, expert: j
                                              "layout_kernel"))
 def grouped_mlp_combine(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array,
                         expert: jax.Array, weights: jax.Array, *, activation: str,
-                        rows_out: int, interpret: bool = False, layout_kernel: bool = False
-                        ) -> jax.Array:
+                        rows_out: int, b_gate_up: jax.Array | None = None,
+                        b_down: jax.Array | None = None, interpret: bool = False,
+                        layout_kernel: bool = False) -> jax.Array:
     """`grouped_mlp`, then `combine` (a token's k outputs weighted and added left to right
     in f32), the cast to x.dtype and zero rows to rows_out: [rows_out, D]."""
     M, k = check_combine_weights(x, expert, weights)
-    y = grouped_mlp(x, w_gate_up, w_down, expert, activation=activation,
-                    interpret=interpret, layout_kernel=layout_kernel)
+    y = grouped_mlp(x, w_gate_up, w_down, expert, activation=activation, b_gate_up=b_gate_up,
+                    b_down=b_down, interpret=interpret, layout_kernel=layout_kernel)
     out = combine(y.reshape(M, k, x.shape[1]), weights).astype(x.dtype)
     return pad_axis(out, 0, rows_out)
