@@ -404,7 +404,7 @@ def dequantize_mxfp4(blocks: np.ndarray, scales: np.ndarray, name: str = "") -> 
     a CheckpointError naming `name`."""
     codes = np.stack([blocks & 0x0F, blocks >> 4], axis=-1)  # [N, G, 16, 2]
     values = FP4_VALUES[codes].reshape(*blocks.shape[:2], 32)  # [N, G, 32]
-    with np.errstate(over="ignore"):
+    with np.errstate(over="ignore", invalid="ignore"):
         out = values * np.ldexp(np.float32(1), scales.astype(np.int32) - 127)[..., None]
     if not np.isfinite(out).all() or (scales == 255).any():
         raise CheckpointError(f"{name}: an MXFP4 scale is NaN (255) or overflows float32")

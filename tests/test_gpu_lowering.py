@@ -43,8 +43,9 @@ def _abstract_model(preset: str, layers: int = 2) -> Model:
 
 
 @pytest.mark.parametrize("preset,batch,tokens", slow_except(
-    [("qwen3-8b", 1, 1), ("qwen3-8b", 8, 5), ("gemma3-4b", 8, 9), ("gemma3-4b", 1, 70)],
-    ["qwen3-8b", "gemma3-4b"], [(1, 1), (1, 5), (8, 1), (8, 5), (8, 9), (1, 70)]))
+    [("qwen3-8b", 1, 1), ("qwen3-8b", 8, 5), ("gemma3-4b", 8, 9), ("gemma3-4b", 1, 70),
+     ("gpt-oss-20b", 8, 5)],
+    ["qwen3-8b", "gemma3-4b", "gpt-oss-20b"], [(1, 1), (1, 5), (8, 1), (8, 5), (8, 9), (1, 70)]))
 def test_model_forward_lowers_for_the_h200(preset, batch, tokens):
     model = _abstract_model(preset)
     cache = jax.eval_shape(lambda: init_cache(model, batch, 256))
@@ -53,8 +54,10 @@ def test_model_forward_lowers_for_the_h200(preset, batch, tokens):
     names = set(re.findall(r'name = "(jspec_[a-z_0-9]*)"', text))
     assert text.count("__gpu$xla.gpu.triton") >= 8
     cfg = model.config
-    tiles = batch * -(-tokens * (cfg.num_heads // cfg.num_kv_heads) // 16)  # split row tiles
-    attention = ({"jspec_attention_fused"} if tiles <= 8  # one launch for small grids
+    seq_tiles = -(-tokens * (cfg.num_heads // cfg.num_kv_heads) // 16)  # split row tiles
+    tiles = batch * seq_tiles
+    attention = ({"jspec_attention_serial_split"} if seq_tiles >= 32  # a prefill chunk's
+                 else {"jspec_attention_fused"} if tiles <= 8  # one launch for small grids
                  else {"jspec_attention_split", "jspec_attention_combine"})
     assert attention | {"jspec_qk_norm_rope"} <= names, names
     assert names & {"jspec_matmul", "jspec_matmul_rows"}, names

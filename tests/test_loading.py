@@ -288,6 +288,19 @@ def test_bad_mxfp4_experts_are_named(tmp_path, edit, match):
         _xla(d)
 
 
+@pytest.mark.parametrize("edit,match", [
+    ({"swiglu_limit": 10.0}, "swiglu_limit=10.0 is not supported"),
+    ({"layer_types": ["sliding_attention", "chunked_attention", "full_attention"]},
+     "layer_types=.*chunked_attention"),
+    ({"num_experts_per_tok": 5}, "num_experts_per_tok=5 is not in \\[1, 4\\]"),
+])
+def test_unsupported_gpt_oss_configs_are_named(tmp_path, edit, match):
+    d = _copy_fixture(tmp_path, "gpt_oss")
+    _edit_config(d, **edit)
+    with pytest.raises(jspec.UnsupportedModelError, match=match):
+        _xla(d)
+
+
 def test_a_quantized_checkpoint_other_than_gpt_oss_mxfp4_is_refused(tmp_path):
     d = _copy_fixture(tmp_path)
     _edit_config(d, quantization_config={"quant_method": "mxfp4"})

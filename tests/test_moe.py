@@ -1,8 +1,8 @@
-"""Mixture-of-experts targets (qwen3_moe, mixtral) on the CPU: property P on the pallas
-backend, speculative == serial with every kind of drafter, the parity audit, and the
-config and loading checks. Agreement with transformers is in test_hf_reference.py.
-gpt-oss's expert pieces (biased experts, the clamped GLU, top-k softmax routing) on a
-tiny random target keep P and speculative == serial too."""
+"""Mixture-of-experts targets (qwen3_moe, mixtral, qwen2_moe, gpt_oss) on the CPU:
+property P on the pallas backend, speculative == serial with every kind of drafter, the
+parity audit, and the config and loading checks. Agreement with transformers is in
+test_hf_reference.py. gpt-oss's expert pieces (biased experts, the clamped GLU, top-k
+softmax routing) on a tiny random target keep P and speculative == serial too."""
 
 import dataclasses
 import json
@@ -52,7 +52,8 @@ def _seq(name, n=24):
 
 @pytest.mark.parametrize("name", ["qwen3_moe", pytest.param("mixtral", marks=pytest.mark.slow),
                                   pytest.param("qwen2_moe", marks=pytest.mark.slow),
-                                  GPT_OSS_EXPERTS])
+                                  "gpt_oss",  # sinks, biases, yarn, its experts and routing
+                                  pytest.param(GPT_OSS_EXPERTS, marks=pytest.mark.slow)])
 def test_pallas_prefill_steps_and_verify_blocks_are_bitwise_equal(name):
     """P on an MoE target: one prefill, one-token steps, verify blocks with rejected
     garbage rolled back, and a ragged batch give the same logits bits at every position."""
@@ -190,7 +191,9 @@ def _head(target):
     pytest.param("mixtral", "dense draft", 4, marks=pytest.mark.slow),
     pytest.param("mixtral", "feature head", 3, marks=pytest.mark.slow),
     ("qwen2_moe", "dense draft", 3),  # a shared expert under its sigmoid gate
-    (GPT_OSS_EXPERTS, "feature head", 3),
+    ("gpt_oss", "feature head", 3),
+    pytest.param("gpt_oss", "dense draft", 4, marks=pytest.mark.slow),
+    pytest.param(GPT_OSS_EXPERTS, "feature head", 3, marks=pytest.mark.slow),
     pytest.param(GPT_OSS_EXPERTS, "lookup", 2, marks=pytest.mark.slow)])
 def test_exact_greedy_on_moe_target_equals_serial(name, kind, gamma):
     target = _target(name, "pallas")

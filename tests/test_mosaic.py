@@ -339,7 +339,8 @@ def test_model_forward_lowers_with_mosaic_kernels_only(h200, tree):
     ("qwen2.5-7b", 1, 5, 256, False),  # q/k/v biases (an f32 product), 28 + 4 + 4 heads
     ("mistral-7b", 1, 1, 256, False),
     ("gemma2-9b", 1, 5, 256, False),  # softcapped attention scores
-    ("qwen1.5-moe-a2.7b", 1, 5, 256, False)])  # a shared expert under its sigmoid gate
+    ("qwen1.5-moe-a2.7b", 1, 5, 256, False),  # a shared expert under its sigmoid gate
+    ("gpt-oss-20b", 8, 5, 256, False)])  # sinks, biased experts, hidden 2880
 def test_every_family_lowers_with_mosaic_kernels_only(h200, preset, batch, T, max_len, tree):
     import warnings
 
