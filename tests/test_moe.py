@@ -144,6 +144,7 @@ def test_the_router_on_the_padded_rows_keeps_the_real_rows_bits(combine_kernel):
     assert not np.asarray(got[rows:]).any()
 
 
+@pytest.mark.slow  # further cases: the kernels' fused == unfused is test_moe_kernels.py's
 def test_gpt_oss_experts_unfused_and_xla_paths():
     """gpt-oss's expert pieces through every moe_block branch: unfused (grouped matmul,
     `glu`, grouped matmul) gives the fused path's logits bits, the combine kernel keeps

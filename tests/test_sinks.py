@@ -40,7 +40,8 @@ def test_sinks_change_the_logits_and_the_xla_backend_agrees(model):
     assert rel(parity.schedule_logits(without, [seq], prefill, 64)[0], got) > 1e-3
 
 
-@pytest.mark.parametrize("split", [None, 32], ids=("one-pass", "split-kv"))
+@pytest.mark.parametrize("split", [None, pytest.param(32, marks=pytest.mark.slow)],
+                         ids=("one-pass", "split-kv"))  # split-KV: the gpt_oss fixture's run
 def test_property_p_holds_with_sinks(model, split):
     model = with_options(model, attn_split=split)
     seqs = [_seq(model), _seq(model, 17, seed=1)]
@@ -59,6 +60,7 @@ def test_tree_nodes_equal_serial_with_sinks(model):
     assert check_tree(model, rows, "blocks", seed=5) == 0
 
 
+@pytest.mark.slow  # a further case: test_moe.py's gpt_oss fixture proves it by default
 def test_speculative_equals_serial_with_sinks(model):
     prompts = [_seq(model, 9), _seq(model, 5, seed=2)]
     n = 12
