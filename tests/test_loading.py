@@ -288,6 +288,39 @@ def test_bad_mxfp4_experts_are_named(tmp_path, edit, match):
         _xla(d)
 
 
+def _shard_mxfp4(tmp_path):
+    """The MXFP4 fixture split over two shards with an index; returns (dir, weight_map)."""
+    d = _copy_fixture(tmp_path, "gpt_oss_mxfp4")
+    tensors = load_file(d / "model.safetensors")
+    os.remove(d / "model.safetensors")
+    names = sorted(tensors)
+    weight_map = {n: f"model-0000{1 + (i >= len(names) // 2)}-of-00002.safetensors"
+                  for i, n in enumerate(names)}
+    for fn in set(weight_map.values()):
+        save_file({n: tensors[n] for n in names if weight_map[n] == fn}, d / fn)
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    return d, weight_map
+
+
+def test_sharded_mxfp4_experts_load_and_a_misplaced_block_is_named(tmp_path):
+    """MXFP4 blocks and scales read through a shard index load as the single file does;
+    an index placing a blocks tensor in a shard that lacks it is a CheckpointError naming
+    the shard (it was safetensors' own error)."""
+    d, weight_map = _shard_mxfp4(tmp_path)
+    packed = _xla(d)
+    single = _xla(fixture_path("gpt_oss_mxfp4"))
+    for a, b in zip(jax.tree.leaves(packed.params), jax.tree.leaves(single.params),
+                    strict=True):
+        np.testing.assert_array_equal(bits(a), bits(b))
+    blocks = next(n for n in sorted(weight_map, reverse=True) if n.endswith("_blocks"))
+    other = next(fn for fn in set(weight_map.values()) if fn != weight_map[blocks])
+    weight_map[blocks] = other
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(jspec.CheckpointError,
+                       match=f"{other}: the shard index places tensor '{blocks}'"):
+        _xla(d)
+
+
 @pytest.mark.parametrize("edit,match", [
     ({"swiglu_limit": 10.0}, "swiglu_limit=10.0 is not supported"),
     ({"layer_types": ["sliding_attention", "chunked_attention", "full_attention"]},
