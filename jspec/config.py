@@ -310,6 +310,18 @@ def _get(hf: Any, name: str, default: Any = None) -> Any:
     return default if value is None else value
 
 
+def _rope_parameters(hf: Any) -> Any:
+    """`hf.rope_parameters` as transformers' rotary embeddings read them: they re-run
+    `standardize_rope_params`, where a top-level `original_max_position_embeddings` (Phi-3's
+    layout) replaces that of one llama3 / yarn / longrope dict (not a per-layer-type one)."""
+    params = _get(hf, "rope_parameters", None)
+    old = _get(hf, "original_max_position_embeddings", None)
+    if (isinstance(params, dict) and old is not None
+            and params.get("rope_type", params.get("type")) in ("llama3", "yarn", "longrope")):
+        params = dict(params, original_max_position_embeddings=old)
+    return params
+
+
 def rope_spec(params: dict | None, fallback_theta: float | None, where: str) -> RopeSpec:
     """The RopeSpec of HF `rope_parameters` (theta from `fallback_theta` if they have none),
     checked (`check_rope`); UnsupportedModelError naming `where` and the field."""
@@ -488,7 +500,7 @@ def _from_hf_config(hf: Any, dtype: str, source: str | None) -> ModelConfig:
         max_position=int(_get(hf, "max_position_embeddings", 1 << 20)),
         dtype=dtype,
     )
-    rope_params = _get(hf, "rope_parameters", None)
+    rope_params = _rope_parameters(hf)
     if model_type in ("qwen2_moe", "qwen3_moe", "mixtral"):
         return _moe_config(hf, model_type, common)
     if model_type == "gpt_oss":
@@ -624,7 +636,7 @@ def _moe_config(hf: Any, model_type: str, common: dict) -> ModelConfig:
         family=model_type,
         qkv_bias=model_type == "qwen2_moe" and bool(_get(hf, "qkv_bias", True)),
         shared_expert_size=shared if any(experts) else 0,
-        rope=rope_spec(_get(hf, "rope_parameters", None), _get(hf, "rope_theta", None),
+        rope=rope_spec(_rope_parameters(hf), _get(hf, "rope_theta", None),
                        model_type),
         rope_local=None,
         sliding_window=window,
@@ -667,7 +679,7 @@ def _gpt_oss_config(hf: Any, common: dict) -> ModelConfig:
     bias = bool(_get(hf, "attention_bias", True))
     return ModelConfig(
         family="gpt_oss",
-        rope=rope_spec(_get(hf, "rope_parameters", None), _get(hf, "rope_theta", None),
+        rope=rope_spec(_rope_parameters(hf), _get(hf, "rope_theta", None),
                        "gpt_oss"),
         rope_local=None,
         sliding_window=window,

@@ -244,6 +244,28 @@ def test_yarn_config_loads_and_runs_with_its_table(tmp_path):
     assert np.isfinite(b).all() and np.abs(a - b).max() > 1e-3
 
 
+@pytest.mark.parametrize("scaling", [
+    {"rope_type": "yarn", "factor": 4.0},
+    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}])
+def test_a_top_level_original_max_position_embeddings_wins_as_in_transformers(tmp_path,
+                                                                              scaling):
+    """transformers' rotary embeddings re-run `standardize_rope_params`, where a top-level
+    `original_max_position_embeddings` replaces the rope dict's (Phi-3's layout); jspec
+    read the dict's value (or max_position_embeddings), another table, silently."""
+    from transformers import AutoConfig
+
+    from jspec.config import rope_spec
+
+    d = _copy_fixture(tmp_path)
+    _edit_config(d, rope_parameters={"rope_theta": 1e6, "original_max_position_embeddings": 128,
+                                     **scaling}, original_max_position_embeddings=64)
+    model = _xla(d)
+    hf = AutoConfig.from_pretrained(d)
+    hf.standardize_rope_params()  # what the rotary embedding reads
+    assert hf.rope_parameters["original_max_position_embeddings"] == 64
+    assert model.config.rope == rope_spec(hf.rope_parameters, None, "reference")
+
+
 @pytest.mark.parametrize("params,field", [
     ({"rope_type": "yarn", "rope_theta": 1e4, "original_max_position_embeddings": 64},
      "needs \\['factor'\\]"),
