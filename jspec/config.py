@@ -246,8 +246,10 @@ def check_rope(spec: RopeSpec, where: str = "rope") -> None:
     """ValueError unless the RoPE parameters give finite tables: rope_theta finite > 0;
     linear: factor finite > 0; llama3: factor, low_freq_factor, high_freq_factor finite > 0
     with low < high (transformers' smoothing divides by high - low) and
-    original_max_position_embeddings an integer >= 1. (transformers only warns on these,
-    and on a factor < 1, which jspec accepts as transformers does.)"""
+    original_max_position_embeddings an integer >= 1; yarn: factor, betas and attention
+    factor finite > 0, rope_theta != 1 (its correction range divides by log(rope_theta)).
+    (transformers only warns on these, and on a factor < 1, which jspec accepts as
+    transformers does.)"""
     _positive_float(f"{where}: rope_theta", spec.theta)
     if spec.linear is not None:
         _positive_float(f"{where}: linear factor", spec.linear)
@@ -265,6 +267,9 @@ def check_rope(spec: RopeSpec, where: str = "rope") -> None:
         for name in ("factor", "beta_fast", "beta_slow", "attention_factor"):
             _positive_float(f"{where}: yarn {name}", getattr(y, name))
         _positive_int(f"{where}: yarn original_max_position_embeddings", y.original_max)
+        if spec.theta == 1:  # the correction range divides by log(rope_theta)
+            raise ValueError(f"{where}: rope_theta={spec.theta!r} with yarn: its correction "
+                             "range divides by log(rope_theta), which is 0")
 
 
 def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
