@@ -570,6 +570,17 @@ def _from_hf_config(hf: Any, dtype: str, source: str | None) -> ModelConfig:
             **gemma,
         )
     rope_params = rope_params or {}
+    for layer_type in ("full_attention", "sliding_attention"):
+        params = rope_params.get(layer_type) or {}
+        if (params.get("rope_type", params.get("type")) == "yarn"
+                and params.get("truncate") is False):
+            # transformers' yarn reads `truncate` from the top level of rope_parameters,
+            # never from a per-layer-type dict: the reference would truncate regardless
+            raise UnsupportedModelError(
+                f"gemma3 {layer_type}: yarn truncate=false in a per-layer-type "
+                "rope_parameters is not supported: transformers ignores it there (it reads "
+                "truncate from the top level of rope_parameters), so the reference model "
+                "truncates; drop the field to load the reference's table")
     return ModelConfig(
         family="gemma3",
         rope=rope_spec(rope_params.get("full_attention"), None, "gemma3 full_attention"),

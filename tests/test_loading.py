@@ -244,6 +244,25 @@ def test_yarn_config_loads_and_runs_with_its_table(tmp_path):
     assert np.isfinite(b).all() and np.abs(a - b).max() > 1e-3
 
 
+def test_gemma3_per_layer_type_yarn_loads_and_a_truncate_transformers_ignores_is_refused(
+        tmp_path):
+    """Gemma 3's per-layer-type rope_parameters take yarn on the full layers; transformers
+    reads yarn's `truncate` from the top level of rope_parameters only, so a per-layer
+    truncate=false (which jspec honoured: another table than the reference's) is refused."""
+    d = _copy_fixture(tmp_path, "gemma3")
+    yarn = {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0,
+            "original_max_position_embeddings": 128}
+    local = {"rope_type": "default", "rope_theta": 1e4}
+    _edit_config(d, rope_parameters={"full_attention": yarn, "sliding_attention": local})
+    model = _xla(d)
+    assert model.config.rope.yarn.truncate and model.config.rope_local.yarn is None
+    _edit_config(d, rope_parameters={"full_attention": yarn | {"truncate": False},
+                                     "sliding_attention": local})
+    with pytest.raises(jspec.UnsupportedModelError,
+                       match="gemma3 full_attention: yarn truncate=false .*not supported"):
+        _xla(d)
+
+
 @pytest.mark.parametrize("scaling", [
     {"rope_type": "yarn", "factor": 4.0},
     {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}])
