@@ -689,6 +689,10 @@ def _gpt_oss_config(hf: Any, common: dict) -> ModelConfig:
                                     "'sliding_attention' / 'full_attention'")
     window = int(_get(hf, "sliding_window", 0))
     num_experts, k = int(hf.num_local_experts), int(hf.num_experts_per_tok)
+    alias = _get(hf, "experts_per_token", None)  # the published configs repeat k under it
+    if alias is not None and alias != k:  # transformers reads num_experts_per_tok alone
+        raise UnsupportedModelError(f"gpt_oss: experts_per_token={alias!r} disagrees with "
+                                    f"num_experts_per_tok={k} (the field transformers reads)")
     if not 1 <= k <= num_experts:
         raise UnsupportedModelError(f"gpt_oss: num_experts_per_tok={k} is not in "
                                     f"[1, {num_experts}]")

@@ -369,6 +369,7 @@ def test_sharded_mxfp4_experts_load_and_a_misplaced_block_is_named(tmp_path):
     ({"layer_types": ["sliding_attention", "chunked_attention", "full_attention"]},
      "layer_types=.*chunked_attention"),
     ({"num_experts_per_tok": 5}, "num_experts_per_tok=5 is not in \\[1, 4\\]"),
+    ({"experts_per_token": 1}, "experts_per_token=1 disagrees with num_experts_per_tok=2"),
 ])
 def test_unsupported_gpt_oss_configs_are_named(tmp_path, edit, match):
     d = _copy_fixture(tmp_path, "gpt_oss")
