@@ -233,6 +233,13 @@ class TensorReader:
         beyond the dtype's range (float64 above float32's largest, float32 rounding to
         bfloat16 inf) is an error, not an inf in the weights."""
         if name not in self.where:
+            packed = [n for n in (name + "_blocks", name.removesuffix(".weight") + "_blocks")
+                      if n in self.where]
+            if packed:  # `gpt_oss_experts` reads gpt-oss's MXFP4 experts; nothing else does
+                raise CheckpointError(
+                    f"{self.path}: tensor {name!r} is stored quantized ({packed[0]!r}, "
+                    "MXFP4): jspec dequantizes MXFP4 for gpt-oss's experts only; load the "
+                    "unquantized (bf16 / f16 / f32) checkpoint")
             raise CheckpointError(f"{self.path}: missing tensor {name!r} "
                                   f"(expected shape {shape})")
         arr = self.read(name)

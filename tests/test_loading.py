@@ -364,6 +364,29 @@ def test_sharded_mxfp4_experts_load_and_a_misplaced_block_is_named(tmp_path):
         _xla(d)
 
 
+def _as_mxfp4(name):
+    """An edit storing float tensor `name` [N, K] as zero MXFP4 blocks and scales."""
+    def edit(t):
+        n, k = t.pop(name).shape
+        stem = name.removesuffix(".weight") if "experts" in name else name
+        t[stem + "_blocks"] = np.zeros((n, k // 32, 16), np.uint8)
+        t[stem + "_scales"] = np.full((n, k // 32), 127, np.uint8)
+    return edit
+
+
+@pytest.mark.parametrize("fixture,name", [
+    ("gpt_oss_mxfp4", "model.layers.0.self_attn.q_proj.weight"),
+    ("qwen3_moe", "model.layers.0.mlp.experts.0.gate_proj.weight")])
+def test_mxfp4_where_jspec_reads_floats_is_named_as_quantized(tmp_path, fixture, name):
+    """MXFP4 blocks where jspec reads a float tensor (attention, another family's experts):
+    the error names the tensor as stored quantized, not only as missing."""
+    d = _copy_fixture(tmp_path, fixture)
+    _edit_tensors(d, _as_mxfp4(name))
+    with pytest.raises(jspec.CheckpointError,
+                       match=f"'{name}' is stored quantized .*MXFP4.*gpt-oss's experts only"):
+        _xla(d)
+
+
 @pytest.mark.parametrize("edit,match", [
     ({"swiglu_limit": 10.0}, "swiglu_limit=10.0 is not supported"),
     ({"layer_types": ["sliding_attention", "chunked_attention", "full_attention"]},
