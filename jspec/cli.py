@@ -349,3 +349,10 @@ def backend_line(model, role: str = "target") -> str:
         line += (" (no GPU: the kernels run in Pallas interpret mode: exact, but slower than "
                  "compiled; backend=xla is fast but not bit-exact)")
     return line
+
+
+if __name__ == "__main__":  # `python -m jspec.cli` ran nothing and exited 0
+    print("error: jspec.cli is the entry points' shared option layer, not a command; run "
+          "experiments/generate.py (serial) or experiments/speculative_decode.py "
+          "(speculative) with --help (docs/usage.md)", file=sys.stderr)
+    sys.exit(2)

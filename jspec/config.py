@@ -246,8 +246,10 @@ def check_rope(spec: RopeSpec, where: str = "rope") -> None:
     """ValueError unless the RoPE parameters give finite tables: rope_theta finite > 0;
     linear: factor finite > 0; llama3: factor, low_freq_factor, high_freq_factor finite > 0
     with low < high (transformers' smoothing divides by high - low) and
-    original_max_position_embeddings an integer >= 1. (transformers only warns on these,
-    and on a factor < 1, which jspec accepts as transformers does.)"""
+    original_max_position_embeddings an integer >= 1; yarn: factor, betas and attention
+    factor finite > 0, rope_theta != 1 (its correction range divides by log(rope_theta)).
+    (transformers only warns on these, and on a factor < 1, which jspec accepts as
+    transformers does.)"""
     _positive_float(f"{where}: rope_theta", spec.theta)
     if spec.linear is not None:
         _positive_float(f"{where}: linear factor", spec.linear)
@@ -265,6 +267,9 @@ def check_rope(spec: RopeSpec, where: str = "rope") -> None:
         for name in ("factor", "beta_fast", "beta_slow", "attention_factor"):
             _positive_float(f"{where}: yarn {name}", getattr(y, name))
         _positive_int(f"{where}: yarn original_max_position_embeddings", y.original_max)
+        if spec.theta == 1:  # the correction range divides by log(rope_theta)
+            raise ValueError(f"{where}: rope_theta={spec.theta!r} with yarn: its correction "
+                             "range divides by log(rope_theta), which is 0")
 
 
 def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
@@ -308,6 +313,18 @@ def rope_parameters(spec: RopeSpec) -> dict:
 def _get(hf: Any, name: str, default: Any = None) -> Any:
     value = getattr(hf, name, default)
     return default if value is None else value
+
+
+def _rope_parameters(hf: Any) -> Any:
+    """`hf.rope_parameters` as transformers' rotary embeddings read them: they re-run
+    `standardize_rope_params`, where a top-level `original_max_position_embeddings` (Phi-3's
+    layout) replaces that of one llama3 / yarn / longrope dict (not a per-layer-type one)."""
+    params = _get(hf, "rope_parameters", None)
+    old = _get(hf, "original_max_position_embeddings", None)
+    if (isinstance(params, dict) and old is not None
+            and params.get("rope_type", params.get("type")) in ("llama3", "yarn", "longrope")):
+        params = dict(params, original_max_position_embeddings=old)
+    return params
 
 
 def rope_spec(params: dict | None, fallback_theta: float | None, where: str) -> RopeSpec:
@@ -488,7 +505,7 @@ def _from_hf_config(hf: Any, dtype: str, source: str | None) -> ModelConfig:
         max_position=int(_get(hf, "max_position_embeddings", 1 << 20)),
         dtype=dtype,
     )
-    rope_params = _get(hf, "rope_parameters", None)
+    rope_params = _rope_parameters(hf)
     if model_type in ("qwen2_moe", "qwen3_moe", "mixtral"):
         return _moe_config(hf, model_type, common)
     if model_type == "gpt_oss":
@@ -553,6 +570,17 @@ def _from_hf_config(hf: Any, dtype: str, source: str | None) -> ModelConfig:
             **gemma,
         )
     rope_params = rope_params or {}
+    for layer_type in ("full_attention", "sliding_attention"):
+        params = rope_params.get(layer_type) or {}
+        if (params.get("rope_type", params.get("type")) == "yarn"
+                and params.get("truncate") is False):
+            # transformers' yarn reads `truncate` from the top level of rope_parameters,
+            # never from a per-layer-type dict: the reference would truncate regardless
+            raise UnsupportedModelError(
+                f"gemma3 {layer_type}: yarn truncate=false in a per-layer-type "
+                "rope_parameters is not supported: transformers ignores it there (it reads "
+                "truncate from the top level of rope_parameters), so the reference model "
+                "truncates; drop the field to load the reference's table")
     return ModelConfig(
         family="gemma3",
         rope=rope_spec(rope_params.get("full_attention"), None, "gemma3 full_attention"),
@@ -624,7 +652,7 @@ def _moe_config(hf: Any, model_type: str, common: dict) -> ModelConfig:
         family=model_type,
         qkv_bias=model_type == "qwen2_moe" and bool(_get(hf, "qkv_bias", True)),
         shared_expert_size=shared if any(experts) else 0,
-        rope=rope_spec(_get(hf, "rope_parameters", None), _get(hf, "rope_theta", None),
+        rope=rope_spec(_rope_parameters(hf), _get(hf, "rope_theta", None),
                        model_type),
         rope_local=None,
         sliding_window=window,
@@ -661,13 +689,17 @@ def _gpt_oss_config(hf: Any, common: dict) -> ModelConfig:
                                     "'sliding_attention' / 'full_attention'")
     window = int(_get(hf, "sliding_window", 0))
     num_experts, k = int(hf.num_local_experts), int(hf.num_experts_per_tok)
+    alias = _get(hf, "experts_per_token", None)  # the published configs repeat k under it
+    if alias is not None and alias != k:  # transformers reads num_experts_per_tok alone
+        raise UnsupportedModelError(f"gpt_oss: experts_per_token={alias!r} disagrees with "
+                                    f"num_experts_per_tok={k} (the field transformers reads)")
     if not 1 <= k <= num_experts:
         raise UnsupportedModelError(f"gpt_oss: num_experts_per_tok={k} is not in "
                                     f"[1, {num_experts}]")
     bias = bool(_get(hf, "attention_bias", True))
     return ModelConfig(
         family="gpt_oss",
-        rope=rope_spec(_get(hf, "rope_parameters", None), _get(hf, "rope_theta", None),
+        rope=rope_spec(_rope_parameters(hf), _get(hf, "rope_theta", None),
                        "gpt_oss"),
         rope_local=None,
         sliding_window=window,

@@ -193,15 +193,15 @@ class TensorReader:
     def has(self, name: str) -> bool:
         return name in self.where
 
-    def read(self, name: str) -> np.ndarray:
-        """The tensor as stored, finite or an error (does not mark it used)."""
+    def _stored(self, name: str) -> np.ndarray:
+        """The tensor as stored, unchecked, or a CheckpointError naming its file."""
         fn = self.where[name]
         handle, names = self._open(fn)
         if name not in names:
             raise CheckpointError(f"{fn}: the shard index places tensor {name!r} in this "
                                   "file, which does not hold it")
         try:
-            arr = handle.get_tensor(name)
+            return handle.get_tensor(name)
         except CheckpointError:
             raise
         except Exception as e:
@@ -210,6 +210,11 @@ class TensorReader:
                                       "checkpoints are not supported; load the unquantized "
                                       "(bf16 / f16 / f32) checkpoint") from e
             raise CheckpointError(f"{fn}: could not read tensor {name!r}: {e}") from e
+
+    def read(self, name: str) -> np.ndarray:
+        """The tensor as stored, finite or an error (does not mark it used)."""
+        fn = self.where[name]
+        arr = self._stored(name)
         floating = np.issubdtype(arr.dtype, np.floating) or arr.dtype in (
             ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2)
         if not floating and name not in self.INDEX_TENSORS:
@@ -228,6 +233,13 @@ class TensorReader:
         beyond the dtype's range (float64 above float32's largest, float32 rounding to
         bfloat16 inf) is an error, not an inf in the weights."""
         if name not in self.where:
+            packed = [n for n in (name + "_blocks", name.removesuffix(".weight") + "_blocks")
+                      if n in self.where]
+            if packed:  # `gpt_oss_experts` reads gpt-oss's MXFP4 experts; nothing else does
+                raise CheckpointError(
+                    f"{self.path}: tensor {name!r} is stored quantized ({packed[0]!r}, "
+                    "MXFP4): jspec dequantizes MXFP4 for gpt-oss's experts only; load the "
+                    "unquantized (bf16 / f16 / f32) checkpoint")
             raise CheckpointError(f"{self.path}: missing tensor {name!r} "
                                   f"(expected shape {shape})")
         arr = self.read(name)
@@ -255,8 +267,7 @@ class TensorReader:
         if name not in self.where:
             raise CheckpointError(f"{self.path}: missing tensor {name!r} "
                                   f"(expected shape {shape})")
-        handle, _ = self._open(self.where[name])
-        arr = handle.get_tensor(name)
+        arr = self._stored(name)
         if arr.dtype != np.uint8 or tuple(arr.shape) != tuple(shape):
             raise CheckpointError(f"tensor {name!r} in {self.where[name]} is {arr.dtype} "
                                   f"{tuple(arr.shape)}; MXFP4 wants uint8 {tuple(shape)}")

@@ -106,6 +106,14 @@ def test_cli_errors_are_one_line(tmp_path):
     _one_line_error(_run(*_GEN, f"--config.prompts={tmp_path}/bad.jsonl"), "bad.jsonl:2")
 
 
+def test_running_the_option_module_points_to_the_entry_points():
+    """`python -m jspec.cli --help` printed nothing and exited 0 (it is a module of the
+    entry points, not one); it names them in one line and exits 2."""
+    r = subprocess.run([sys.executable, "-m", "jspec.cli", "--help"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)
+    _one_line_error(r, "experiments/generate.py", "experiments/speculative_decode.py")
+
+
 @pytest.mark.slow  # further mistakes through the same one-line path
 def test_more_cli_errors_are_one_line(tmp_path):
     # --debug shows the traceback instead.

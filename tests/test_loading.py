@@ -244,6 +244,47 @@ def test_yarn_config_loads_and_runs_with_its_table(tmp_path):
     assert np.isfinite(b).all() and np.abs(a - b).max() > 1e-3
 
 
+def test_gemma3_per_layer_type_yarn_loads_and_a_truncate_transformers_ignores_is_refused(
+        tmp_path):
+    """Gemma 3's per-layer-type rope_parameters take yarn on the full layers; transformers
+    reads yarn's `truncate` from the top level of rope_parameters only, so a per-layer
+    truncate=false (which jspec honoured: another table than the reference's) is refused."""
+    d = _copy_fixture(tmp_path, "gemma3")
+    yarn = {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0,
+            "original_max_position_embeddings": 128}
+    local = {"rope_type": "default", "rope_theta": 1e4}
+    _edit_config(d, rope_parameters={"full_attention": yarn, "sliding_attention": local})
+    model = _xla(d)
+    assert model.config.rope.yarn.truncate and model.config.rope_local.yarn is None
+    _edit_config(d, rope_parameters={"full_attention": yarn | {"truncate": False},
+                                     "sliding_attention": local})
+    with pytest.raises(jspec.UnsupportedModelError,
+                       match="gemma3 full_attention: yarn truncate=false .*not supported"):
+        _xla(d)
+
+
+@pytest.mark.parametrize("scaling", [
+    {"rope_type": "yarn", "factor": 4.0},
+    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}])
+def test_a_top_level_original_max_position_embeddings_wins_as_in_transformers(tmp_path,
+                                                                              scaling):
+    """transformers' rotary embeddings re-run `standardize_rope_params`, where a top-level
+    `original_max_position_embeddings` replaces the rope dict's (Phi-3's layout); jspec
+    read the dict's value (or max_position_embeddings), another table, silently."""
+    from transformers import AutoConfig
+
+    from jspec.config import rope_spec
+
+    d = _copy_fixture(tmp_path)
+    _edit_config(d, rope_parameters={"rope_theta": 1e6, "original_max_position_embeddings": 128,
+                                     **scaling}, original_max_position_embeddings=64)
+    model = _xla(d)
+    hf = AutoConfig.from_pretrained(d)
+    hf.standardize_rope_params()  # what the rotary embedding reads
+    assert hf.rope_parameters["original_max_position_embeddings"] == 64
+    assert model.config.rope == rope_spec(hf.rope_parameters, None, "reference")
+
+
 @pytest.mark.parametrize("params,field", [
     ({"rope_type": "yarn", "rope_theta": 1e4, "original_max_position_embeddings": 64},
      "needs \\['factor'\\]"),
@@ -253,6 +294,8 @@ def test_yarn_config_loads_and_runs_with_its_table(tmp_path):
       "original_max_position_embeddings": 64}, "yarn beta_fast=-1.0"),
     ({"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "truncate": "no",
       "original_max_position_embeddings": 64}, "truncate='no'"),
+    ({"rope_type": "yarn", "rope_theta": 1, "factor": 4.0,
+      "original_max_position_embeddings": 64}, "rope_theta=1.0 with yarn.*log"),
     ({"rope_type": "dynamic", "rope_theta": 1e4, "factor": 4.0}, "depend on later tokens"),
     ({"rope_type": "longrope", "rope_theta": 1e4}, "rope_type='longrope' is not supported"),
 ])
@@ -288,11 +331,68 @@ def test_bad_mxfp4_experts_are_named(tmp_path, edit, match):
         _xla(d)
 
 
+def _shard_mxfp4(tmp_path):
+    """The MXFP4 fixture split over two shards with an index; returns (dir, weight_map)."""
+    d = _copy_fixture(tmp_path, "gpt_oss_mxfp4")
+    tensors = load_file(d / "model.safetensors")
+    os.remove(d / "model.safetensors")
+    names = sorted(tensors)
+    weight_map = {n: f"model-0000{1 + (i >= len(names) // 2)}-of-00002.safetensors"
+                  for i, n in enumerate(names)}
+    for fn in set(weight_map.values()):
+        save_file({n: tensors[n] for n in names if weight_map[n] == fn}, d / fn)
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    return d, weight_map
+
+
+def test_sharded_mxfp4_experts_load_and_a_misplaced_block_is_named(tmp_path):
+    """MXFP4 blocks and scales read through a shard index load as the single file does;
+    an index placing a blocks tensor in a shard that lacks it is a CheckpointError naming
+    the shard (it was safetensors' own error)."""
+    d, weight_map = _shard_mxfp4(tmp_path)
+    packed = _xla(d)
+    single = _xla(fixture_path("gpt_oss_mxfp4"))
+    for a, b in zip(jax.tree.leaves(packed.params), jax.tree.leaves(single.params),
+                    strict=True):
+        np.testing.assert_array_equal(bits(a), bits(b))
+    blocks = next(n for n in sorted(weight_map, reverse=True) if n.endswith("_blocks"))
+    other = next(fn for fn in set(weight_map.values()) if fn != weight_map[blocks])
+    weight_map[blocks] = other
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(jspec.CheckpointError,
+                       match=f"{other}: the shard index places tensor '{blocks}'"):
+        _xla(d)
+
+
+def _as_mxfp4(name):
+    """An edit storing float tensor `name` [N, K] as zero MXFP4 blocks and scales."""
+    def edit(t):
+        n, k = t.pop(name).shape
+        stem = name.removesuffix(".weight") if "experts" in name else name
+        t[stem + "_blocks"] = np.zeros((n, k // 32, 16), np.uint8)
+        t[stem + "_scales"] = np.full((n, k // 32), 127, np.uint8)
+    return edit
+
+
+@pytest.mark.parametrize("fixture,name", [
+    ("gpt_oss_mxfp4", "model.layers.0.self_attn.q_proj.weight"),
+    ("qwen3_moe", "model.layers.0.mlp.experts.0.gate_proj.weight")])
+def test_mxfp4_where_jspec_reads_floats_is_named_as_quantized(tmp_path, fixture, name):
+    """MXFP4 blocks where jspec reads a float tensor (attention, another family's experts):
+    the error names the tensor as stored quantized, not only as missing."""
+    d = _copy_fixture(tmp_path, fixture)
+    _edit_tensors(d, _as_mxfp4(name))
+    with pytest.raises(jspec.CheckpointError,
+                       match=f"'{name}' is stored quantized .*MXFP4.*gpt-oss's experts only"):
+        _xla(d)
+
+
 @pytest.mark.parametrize("edit,match", [
     ({"swiglu_limit": 10.0}, "swiglu_limit=10.0 is not supported"),
     ({"layer_types": ["sliding_attention", "chunked_attention", "full_attention"]},
      "layer_types=.*chunked_attention"),
     ({"num_experts_per_tok": 5}, "num_experts_per_tok=5 is not in \\[1, 4\\]"),
+    ({"experts_per_token": 1}, "experts_per_token=1 disagrees with num_experts_per_tok=2"),
 ])
 def test_unsupported_gpt_oss_configs_are_named(tmp_path, edit, match):
     d = _copy_fixture(tmp_path, "gpt_oss")
