@@ -65,7 +65,7 @@ from absl import app, flags  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 import jspec  # noqa: E402
-from jspec import cli  # noqa: E402
+from jspec import cli, mxfp4  # noqa: E402
 from jspec.bench import flag_checks, hf_peers, plotting  # noqa: E402
 from jspec.bench.gpu_monitor import GpuMonitor  # noqa: E402
 from jspec.bench.moe_bytes import uniform_union  # noqa: E402
@@ -283,8 +283,8 @@ def step_bytes(model: jspec.Model, context: float, batch: int = 1) -> tuple[floa
     if cfg.moe:
         unread = 1.0 - uniform_union(cfg.num_experts, cfg.experts_per_token, batch) / \
             cfg.num_experts
-        w -= unread * sum(nbytes(lp["w_gate_up"]) + nbytes(lp["w_down"])
-                          for i, lp in enumerate(params["layers"]) if cfg.is_moe_layer(i))
+        w -= unread * sum(nbytes(x) for i, lp in enumerate(params["layers"])
+                          if cfg.is_moe_layer(i) for x in mxfp4.expert_params(lp).values())
     per_tok = 2 * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(cfg.dtype).itemsize
     kv = sum(per_tok * (min(context, cfg.sliding_window) if s else context)
              for s in cfg.layer_sliding)

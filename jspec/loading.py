@@ -33,11 +33,12 @@ import numpy as np
 from jax.sharding import Mesh
 from safetensors import safe_open
 
-from jspec import hf_names, sharding
+from jspec import hf_names, mxfp4, sharding
 from jspec._checks import CheckpointError, check_bool, check_path, check_type
 from jspec.config import (
     TEXT_OF_MULTIMODAL,
     ModelConfig,
+    UnsupportedModelError,
     canonical_dtype,
     check_model_type,
     from_hf_config,
@@ -294,7 +295,8 @@ def text_prefix(reader: TensorReader) -> str:
 
 
 def convert_params(cfg: ModelConfig, reader: TensorReader, *, progress: bool = False,
-                   place: Callable[[str, np.ndarray], Any] | None = None) -> dict:
+                   place: Callable[[str, np.ndarray], Any] | None = None,
+                   mxfp4_experts: bool = False) -> dict:
     """HF tensors -> jspec params pytree (numpy, cfg.dtype), through `hf_names`' tables.
     `progress`: a tqdm bar over the layers on stderr. `place(key, array)`: applied to
     each param as soon as it is built (`jspec.sharding.load_sharded` puts each device's
@@ -317,7 +319,8 @@ def convert_params(cfg: ModelConfig, reader: TensorReader, *, progress: bool = F
         prefix = hf_names.layer_prefix(pre, i)
         layer = hf_names.build(hf_names.layer_table(cfg, i), widths, get, prefix)
         if cfg.is_moe_layer(i):  # the experts: stacked per family (MOE_LAYERS)
-            layer |= MOE_LAYERS[cfg.family](cfg, reader, get, prefix)
+            layer |= MOE_LAYERS[cfg.family](cfg, reader, get, prefix,
+                                            **({"keep_mxfp4": True} if mxfp4_experts else {}))
         layers.append({k: place(k, np.ascontiguousarray(w)) for k, w in layer.items()})
     bar.close()
     embed = get(pre + hf_names.EMBED, (V, D))
@@ -401,12 +404,6 @@ def mixtral_experts(cfg: ModelConfig, reader: TensorReader, get, lp: str) -> dic
                                      lambda e: f"{ex}{e}.w2.weight"))
 
 
-# MXFP4's e2m1 values by 4-bit code (the OCP microscaling format gpt-oss ships its
-# experts in, as transformers' `integrations.mxfp4.FP4_VALUES`).
-FP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
-                       -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32)
-
-
 def dequantize_mxfp4(blocks: np.ndarray, scales: np.ndarray, name: str = "") -> np.ndarray:
     """MXFP4 [N, G, 16] uint8 blocks (two e2m1 codes a byte, the low nibble first) and
     [N, G] uint8 e8m0 scales (2 ** (s - 127) per 32 values) -> float32 [G * 32, N], i.e.
@@ -414,7 +411,7 @@ def dequantize_mxfp4(blocks: np.ndarray, scales: np.ndarray, name: str = "") -> 
     code times a power of two); a scale of 255 (e8m0's NaN) or one overflowing float32 is
     a CheckpointError naming `name`."""
     codes = np.stack([blocks & 0x0F, blocks >> 4], axis=-1)  # [N, G, 16, 2]
-    values = FP4_VALUES[codes].reshape(*blocks.shape[:2], 32)  # [N, G, 32]
+    values = mxfp4.FP4_VALUES[codes].reshape(*blocks.shape[:2], 32)  # [N, G, 32]
     with np.errstate(over="ignore", invalid="ignore"):
         out = values * np.ldexp(np.float32(1), scales.astype(np.int32) - 127)[..., None]
     if not np.isfinite(out).all() or (scales == 255).any():
@@ -422,35 +419,52 @@ def dequantize_mxfp4(blocks: np.ndarray, scales: np.ndarray, name: str = "") -> 
     return np.ascontiguousarray(out.reshape(blocks.shape[0], -1).T)
 
 
-def _deinterleave(w: np.ndarray) -> np.ndarray:
-    """gpt-oss's gate / up columns alternate (gate even, up odd): jspec's [gate | up]."""
-    return np.concatenate([w[..., 0::2], w[..., 1::2]], axis=-1)
-
-
-def gpt_oss_experts(cfg: ModelConfig, reader: TensorReader, get, lp: str) -> dict:
+def gpt_oss_experts(cfg: ModelConfig, reader: TensorReader, get, lp: str,
+                    keep_mxfp4: bool = False) -> dict:
     """A gpt-oss layer: `mlp.router.{weight,bias}` and `mlp.experts.{gate_up,down}_proj`
     ([E, in, out]) with their `_bias` ([E, out]), stored in the param dtype or as MXFP4
-    (`{name}_blocks` / `{name}_scales`, dequantized exactly one expert at a time)."""
+    (`{name}_blocks` / `{name}_scales`, dequantized exactly one expert at a time, or with
+    `keep_mxfp4` kept packed: `jspec.mxfp4`'s `{key}_mx` / `{key}_scale` params)."""
     D, E, Fe = cfg.hidden_size, cfg.num_experts, cfg.expert_size
     ex, dt = lp + "mlp.experts.", np_dtype(cfg.dtype)
+    # gpt-oss's gate / up columns alternate (gate even, up odd): jspec's [gate | up]
+    gate_up = np.concatenate([np.arange(0, 2 * Fe, 2), np.arange(1, 2 * Fe, 2)])
 
-    def weight(name, K, N):  # [E, K, N] in the param dtype
+    def weight(key, name, K, N, columns=None):  # {key: [E, K, N] in the param dtype}
         if not reader.has(ex + name + "_blocks"):
-            return get(ex + name, (E, K, N))
+            if keep_mxfp4:
+                raise CheckpointError(f"{ex}{name}: mxfp4_experts=True keeps MXFP4 experts "
+                                      "packed, but this checkpoint stores them as floats")
+            w = get(ex + name, (E, K, N))
+            return {key: w if columns is None else w[..., columns]}
         if K % 32:
             raise CheckpointError(f"{ex}{name}_blocks: MXFP4 needs an input width that is a "
                                   f"multiple of 32; it is {K}")
         blocks = reader.get_packed(ex + name + "_blocks", (E, N, K // 32, 16))
         scales = reader.get_packed(ex + name + "_scales", (E, N, K // 32))
-        return np.stack([dequantize_mxfp4(blocks[e], scales[e], ex + name).astype(dt)
-                         for e in range(E)])
+        if keep_mxfp4:
+            big = np.nonzero(scales >= 253)  # only there can a value overflow float32
+            if big[0].size:
+                dequantize_mxfp4(blocks[big][None], scales[big][None], ex + name)
+            if (scales < mxfp4.MIN_SCALE).any():
+                raise CheckpointError(
+                    f"{ex}{name}_scales: a scale below {mxfp4.MIN_SCALE} (2^-125) makes "
+                    "subnormal weights, which packed experts cannot keep exactly; load "
+                    "without mxfp4_experts")
+            codes, scales = mxfp4.pack(blocks, scales)
+            if columns is not None:
+                codes, scales = mxfp4.take_columns(codes, scales, columns)
+            return {f"{key}_mx": codes, f"{key}_scale": scales}
+        w = np.stack([dequantize_mxfp4(blocks[e], scales[e], ex + name).astype(dt)
+                      for e in range(E)])
+        return {key: w if columns is None else w[..., columns]}
 
     return {
         "router": get(lp + "mlp.router.weight", (E, D)).T,
         "router_bias": get(lp + "mlp.router.bias", (E,)),
-        "w_gate_up": _deinterleave(weight("gate_up_proj", D, 2 * Fe)),
-        "b_gate_up": _deinterleave(get(ex + "gate_up_proj_bias", (E, 2 * Fe))),
-        "w_down": weight("down_proj", Fe, D),
+        **weight("w_gate_up", "gate_up_proj", D, 2 * Fe, gate_up),
+        "b_gate_up": get(ex + "gate_up_proj_bias", (E, 2 * Fe))[..., gate_up],
+        **weight("w_down", "down_proj", Fe, D),
         "b_down": get(ex + "down_proj_bias", (E, D)),
     }
 
@@ -638,7 +652,8 @@ def num_params(cfg: ModelConfig) -> int:
 
 
 def load_hf(path: str | os.PathLike, *, dtype: Any = "bfloat16", backend: str = "pallas",
-            interpret: bool | None = None, mesh=None, axis: str = "tp") -> Model:
+            interpret: bool | None = None, mesh=None, axis: str = "tp",
+            mxfp4_experts: bool = False) -> Model:
     """Loads an HF checkpoint directory, or a hub id ("owner/name") from the local
     Hugging Face cache, as a jspec `Model` (no torch).
 
@@ -648,8 +663,12 @@ def load_hf(path: str | os.PathLike, *, dtype: Any = "bfloat16", backend: str = 
       GPU).
     mesh: a `jax.sharding.Mesh`: the model tensor-parallel over its axis `axis`, loaded
       shard by shard (`load_sharded`).
+    mxfp4_experts: keep gpt-oss's MXFP4 experts packed (4.25 bits a weight, `jspec.mxfp4`)
+      and dequantize the routed ones in each layer: the logits bits of the default, which
+      dequantizes them at load, in a quarter of the memory.
     """
     path = check_path("path", path)
+    check_bool("mxfp4_experts", mxfp4_experts)
     if interpret is not None:
         check_bool("interpret", interpret)
     if mesh is not None:
@@ -665,7 +684,11 @@ def load_hf(path: str | os.PathLike, *, dtype: Any = "bfloat16", backend: str = 
     options = KernelOptions(backend=backend, interpret=interpret)
     reader = TensorReader(path)
     nbytes = reader.nbytes()
-    params = convert_params(cfg, reader, progress=nbytes > PROGRESS_MIN_BYTES)
+    if mxfp4_experts and cfg.family != "gpt_oss":
+        raise UnsupportedModelError(f"mxfp4_experts=True: only gpt-oss's experts are read "
+                                    f"as MXFP4; this checkpoint is {cfg.family}")
+    params = convert_params(cfg, reader, progress=nbytes > PROGRESS_MIN_BYTES,
+                            mxfp4_experts=mxfp4_experts)
     model_type = hf.model_type
     check_unused(cfg, reader, model_type, multimodal=model_type in TEXT_OF_MULTIMODAL)
     if backend == "pallas" and interpret:

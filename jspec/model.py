@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jspec import fused_draft
+from jspec import fused_draft, mxfp4
 from jspec._checks import check_bool, check_ints, check_type
 from jspec.cache import KVCache, check_live, write_kv
 from jspec.config import ModelConfig
@@ -358,6 +358,9 @@ def moe_block(ops, model: Model, lp, h, rows: int):
     layout_kernel = bool(opt.moe_layout_kernel)  # None: the default, off
     biases = ({"b_gate_up": lp["b_gate_up"], "b_down": lp["b_down"]} if cfg.expert_bias
               else {})  # none: the kernels trace as without the feature
+    if mxfp4.is_packed(lp, "w_gate_up"):
+        out = packed_experts(ops, model, lp, x, expert, weights, biases)  # [M, D]
+        return shared_expert(ops, model, lp, h, pad_axis(out, 0, Mp))
     if opt.fuse_glu and opt.backend == "pallas" and opt.moe_combine_kernel:
         out = ops.grouped_mlp_combine(x, lp["w_gate_up"], lp["w_down"], expert, weights,
                                       activation=cfg.activation, rows_out=Mp,
@@ -378,6 +381,35 @@ def moe_block(ops, model: Model, lp, h, rows: int):
     out = combine(y.reshape(rows, k, D), weights).astype(h.dtype)  # [M, D]
     out = pad_axis(out, 0, Mp)  # [Mp, D]: the padding rows stay exact zeros
     return shared_expert(ops, model, lp, h, out)
+
+
+def packed_experts(ops, model: Model, lp, x, expert, weights, biases):
+    """`moe_block`'s experts where the layer keeps them MXFP4-packed (`jspec.mxfp4`):
+    x [M, D], expert [M k], weights [M, k] -> [M, D]. Fewer slots than experts (a step, a
+    verify block): each slot's expert is dequantized alone (only routed bytes are read),
+    and the slot is its own expert; else all E at once. The grouped kernels take the
+    model's tiles (`table_experts`), and a row's result depends on its row and its
+    expert's weights only (R9), which are the dequantized model's exactly: so the bits of
+    the model loaded dequantized (`combine` in jnp: `moe_combine_kernel` gives its bits)."""
+    cfg, opt = model.config, model.options
+    E, k, (M, D) = cfg.num_experts, cfg.experts_per_token, x.shape
+    pick = None
+    if M * k < E:
+        pick, expert = expert, jnp.arange(M * k, dtype=expert.dtype)
+        biases = {name: b[pick] for name, b in biases.items()}
+    w_gate_up = mxfp4.weights(lp, "w_gate_up", pick, x.dtype)  # [E or M k, D, 2Fe]
+    w_down = mxfp4.weights(lp, "w_down", pick, x.dtype)  # [E or M k, Fe, D]
+    xr = jnp.repeat(x, k, axis=0)  # [M k, D]
+    if opt.fuse_glu and opt.backend == "pallas":
+        a = ops.grouped_matmul_glu(xr, w_gate_up, expert, activation=cfg.activation,
+                                   bias=biases.get("b_gate_up"), table_experts=E)
+    else:
+        gu = ops.grouped_matmul(xr, w_gate_up, expert, out_dtype=x.dtype,
+                                bias=biases.get("b_gate_up"), table_experts=E)
+        a = ops.glu(*jnp.split(gu, 2, axis=-1), activation=cfg.activation)  # [M k, Fe]
+    y = ops.grouped_matmul(a, w_down, expert, out_dtype=jnp.float32,
+                           bias=biases.get("b_down"), table_experts=E)  # [M k, D]
+    return combine(y.reshape(M, k, D), weights).astype(x.dtype)
 
 
 def shared_expert(ops, model: Model, lp, h, routed):

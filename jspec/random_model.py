@@ -14,6 +14,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from jspec import mxfp4
 from jspec.config import ModelConfig, RopeSpec, Yarn, canonical_dtype
 from jspec.model import Model
 from jspec.options import KernelOptions
@@ -106,6 +107,13 @@ PRESETS: dict[str, dict] = {
                         head_dim=64, rope=RopeSpec(150000.0, yarn=_GPT_OSS_YARN),
                         sliding_window=128, **_GPT_OSS, num_experts=32, experts_per_token=4,
                         expert_size=2880, rms_eps=1e-5),
+    # gpt-oss-120b: gpt-oss-20b's layers, 36 of them, 128 experts (229 GB of bf16 experts:
+    # one GPU holds them MXFP4-packed, `random_model(..., mxfp4_experts=True)`).
+    "gpt-oss-120b": dict(family="gpt_oss", vocab_size=201088, hidden_size=2880,
+                         intermediate_size=2880, num_layers=36, num_heads=64, num_kv_heads=8,
+                         head_dim=64, rope=RopeSpec(150000.0, yarn=_GPT_OSS_YARN),
+                         sliding_window=128, **_GPT_OSS, num_experts=128,
+                         experts_per_token=4, expert_size=2880, rms_eps=1e-5),
     # Tiny MoE shapes for CPU runs; layer 1 of tiny-qwen3-moe keeps a dense MLP.
     "tiny-qwen3-moe": dict(family="qwen3_moe", vocab_size=512, hidden_size=128,
                            intermediate_size=256, num_layers=3, num_heads=4, num_kv_heads=2,
@@ -173,8 +181,9 @@ def weight_shapes(preset: str, head_vocab: int | None = None) -> dict[str, tuple
     return shapes | head | ({"router": (D, c.num_experts)} if c.moe else {})
 
 
-def random_params(cfg: ModelConfig, seed: int = 0) -> dict:
-    """Random params in jspec's layout (see model.py), generated on the default device."""
+def random_params(cfg: ModelConfig, seed: int = 0, mxfp4_experts: bool = False) -> dict:
+    """Random params in jspec's layout (see model.py), generated on the default device;
+    `mxfp4_experts`: the experts as random MXFP4 codes kept packed (`jspec.mxfp4`)."""
     dt = jnp.dtype(cfg.dtype)
     D, F, V, L, hd = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.num_layers,
                       cfg.head_dim)
@@ -197,8 +206,14 @@ def random_params(cfg: ModelConfig, seed: int = 0) -> dict:
         }
         if cfg.is_moe_layer(len(layers)):  # router [D, E], experts [E, D, 2Fe], [E, Fe, D]
             E, Fe = cfg.num_experts, cfg.expert_size
-            lp |= {"router": w(D, E, fan_in=D), "w_gate_up": w(E, D, 2 * Fe, fan_in=D),
-                   "w_down": w(E, Fe, D, fan_in=Fe)}
+            if mxfp4_experts:  # packed codes, never a float copy (gpt-oss-120b's size)
+                lp |= {"router": w(D, E, fan_in=D)}
+                for name, K, N in (("w_gate_up", D, 2 * Fe), ("w_down", Fe, D)):
+                    packed = mxfp4.random_packed(next(keys), E, K, N)
+                    lp |= {f"{name}_{part}": a for part, a in packed.items()}
+            else:
+                lp |= {"router": w(D, E, fan_in=D), "w_gate_up": w(E, D, 2 * Fe, fan_in=D),
+                       "w_down": w(E, Fe, D, fan_in=Fe)}
             if cfg.expert_bias:  # gpt-oss: [E, 2Fe] in w_gate_up's halves, [E, D]
                 lp |= {"b_gate_up": w(E, 2 * Fe, fan_in=4), "b_down": w(E, D, fan_in=4)}
         else:
@@ -226,10 +241,11 @@ def random_params(cfg: ModelConfig, seed: int = 0) -> dict:
 
 
 def random_model(name: str, *, seed: int = 0, backend: str = "pallas",
-                 interpret: bool | None = None, **kw) -> Model:
+                 interpret: bool | None = None, mxfp4_experts: bool = False, **kw) -> Model:
     """A preset's config with random params (`preset_config` takes **kw: num_layers,
     dtype). interpret: Pallas kernels in interpret mode (default: where there is no GPU,
-    as `jspec.load_hf`)."""
+    as `jspec.load_hf`). mxfp4_experts: a gpt-oss preset's experts as MXFP4 codes kept
+    packed (`jspec.mxfp4`)."""
     from jspec._checks import check_bool
     from jspec.options import default_interpret
 
@@ -237,5 +253,9 @@ def random_model(name: str, *, seed: int = 0, backend: str = "pallas",
         interpret = default_interpret()
     check_bool("interpret", interpret)
     cfg = preset_config(name, **kw)
-    return Model(config=cfg, params=random_params(cfg, seed),
+    check_bool("mxfp4_experts", mxfp4_experts)
+    if mxfp4_experts and cfg.family != "gpt_oss":
+        raise ValueError(f"mxfp4_experts=True: only gpt-oss presets keep MXFP4 experts; "
+                         f"{name!r} is {cfg.family}")
+    return Model(config=cfg, params=random_params(cfg, seed, mxfp4_experts),
                  options=KernelOptions(backend=backend, interpret=interpret))

@@ -365,10 +365,12 @@ def _launch_sorted(kernel, x, w, tile_expert, src, cfg: MatmulConfig, n_out: int
     )(tile_expert, src, xp, *([wp] * len(w_blocks)), *b_args)
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype", "interpret", "config"))
+@functools.partial(jax.jit, static_argnames=("out_dtype", "interpret", "config",
+                                             "table_experts"))
 def grouped_matmul(x: jax.Array, w: jax.Array, expert: jax.Array, *, out_dtype,
                    bias: jax.Array | None = None, interpret: bool = False,
-                   config: MatmulConfig | None = None) -> jax.Array:
+                   config: MatmulConfig | None = None,
+                   table_experts: int | None = None) -> jax.Array:
     """x [R, K] @ w[expert] (+ bias[expert]) -> [R, N] in out_dtype (None: float32): row r
     is x[r] @ w[expert[r]], K reduced from 0 upward in an f32 accumulator, plus the
     expert's bias row in f32 (bias [E, N] or None), then one rounding; bitwise
@@ -377,13 +379,15 @@ def grouped_matmul(x: jax.Array, w: jax.Array, expert: jax.Array, *, out_dtype,
     w [E, K, N] (x's dtype, float32 or bfloat16); expert [R] integer in [0, E) (traced
     values are not checked: an id outside it gives an undefined row). `config`
     overrides `grouped_config(E, K, N, ...)` (split_k must be 1); one weight must always
-    use one config."""
+    use one config. `table_experts`: the E whose tiles to take, where w holds some of a
+    model's experts gathered (`jspec.mxfp4`: the tiles of the model's whole weight)."""
     _check_grouped(x, w, expert)
     check_bias(bias, w, "grouped_matmul")
     out_dtype = jnp.dtype(jnp.float32 if out_dtype is None else out_dtype)
     R, K = x.shape
     E, _, N = w.shape
-    cfg = grouped_config(E, K, N, w.dtype, interpret) if config is None else config
+    cfg = (grouped_config(table_experts or E, K, N, w.dtype, interpret) if config is None
+           else config)
     if cfg.split_k != 1:
         raise ValueError(f"grouped_matmul takes no split-K; got {cfg.split_k=}")
     if R == 0:
@@ -393,16 +397,18 @@ def grouped_matmul(x: jax.Array, w: jax.Array, expert: jax.Array, *, out_dtype,
     return out[:, :N]
 
 
-@functools.partial(jax.jit, static_argnames=("activation", "interpret", "config"))
+@functools.partial(jax.jit, static_argnames=("activation", "interpret", "config",
+                                             "table_experts"))
 def grouped_matmul_glu(x: jax.Array, w: jax.Array, expert: jax.Array, *, activation: str,
                        bias: jax.Array | None = None, interpret: bool = False,
-                       config: MatmulConfig | None = None) -> jax.Array:
+                       config: MatmulConfig | None = None,
+                       table_experts: int | None = None) -> jax.Array:
     """act(x[r] @ w[e][:, :F]) * (x[r] @ w[e][:, F:]) for e = expert[r]: x [R, K],
     w [E, K, 2F] (gate columns first), bias [E, 2F] or None (the same halves) -> [R, F]
     x.dtype. Bitwise `glu` of `grouped_matmul(x, w, expert, out_dtype=x.dtype,
     bias=bias)`'s halves (the same tiles, `grouped_config(E, K, 2F)` unless `config`
     overrides it, and K loops), in one kernel; shapes whose column tile does not divide F
-    take that unfused path."""
+    take that unfused path. `table_experts` as `grouped_matmul`'s."""
     _check_grouped(x, w, expert)
     check_bias(bias, w, "grouped_matmul_glu")
     if w.shape[2] % 2:
@@ -412,7 +418,8 @@ def grouped_matmul_glu(x: jax.Array, w: jax.Array, expert: jax.Array, *, activat
         raise ValueError(f"grouped_matmul_glu activation must be one of {ACTIVATIONS}; got "
                          f"{activation=}")
     E, K, F = w.shape[0], w.shape[1], w.shape[2] // 2
-    cfg = grouped_config(E, K, 2 * F, w.dtype, interpret) if config is None else config
+    cfg = (grouped_config(table_experts or E, K, 2 * F, w.dtype, interpret) if config is None
+           else config)
     if cfg.split_k != 1:
         raise ValueError(f"grouped_matmul_glu takes no split-K; got {cfg.split_k=}")
     if F % cfg.bn or x.shape[0] == 0:
@@ -579,7 +586,8 @@ def grouped_mlp_reference(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array,
 
 
 def grouped_matmul_reference(x: jax.Array, w: jax.Array, expert: jax.Array, *, out_dtype,
-                             bias: jax.Array | None = None, config=None) -> jax.Array:
+                             bias: jax.Array | None = None, config=None,
+                             table_experts: int | None = None) -> jax.Array:
     """What a plain JAX MoE runs (the `xla` backend; NOT row-invariant): rows sorted by
     expert, `jax.lax.ragged_dot` over the groups with f32 accumulation, unsorted, plus
     bias[expert] in f32 (bias [E, N] or None), then one rounding."""
@@ -601,8 +609,8 @@ def grouped_matmul_reference(x: jax.Array, w: jax.Array, expert: jax.Array, *, o
 
 
 def grouped_matmul_glu_reference(x: jax.Array, w: jax.Array, expert: jax.Array, *,
-                                 activation: str, bias: jax.Array | None = None
-                                 ) -> jax.Array:
+                                 activation: str, bias: jax.Array | None = None,
+                                 table_experts: int | None = None) -> jax.Array:
     """Plain jnp: the reference grouped matmul (biased) rounded to x.dtype, split, the
     reference GLU (NOT row-invariant)."""
     gate, up = jnp.split(grouped_matmul_reference(x, w, expert, out_dtype=x.dtype,

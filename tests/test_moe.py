@@ -327,3 +327,102 @@ def test_paths_without_experts_refuse_an_moe_model():
 
     with pytest.raises(ValueError, match="mixture of experts"):
         check_degree(model.config, 1)
+
+
+# ------------------------------------------------------------- MXFP4 experts kept packed
+
+
+def test_mxfp4_experts_kept_packed_give_the_dequantized_models_bits():
+    """`load_hf(..., mxfp4_experts=True)` keeps gpt-oss's MXFP4 experts packed (a quarter
+    of the bytes) and dequantizes the routed ones in each layer: one-token steps (each
+    slot's expert alone), verify blocks, a prefill and a ragged batch give the logits
+    bits of the model loaded dequantized."""
+    import jax.numpy as jnp
+
+    from jspec import mxfp4
+
+    plain = load("gpt_oss", "pallas")
+    packed = jspec.load_hf(fixture_path("gpt_oss_mxfp4"), dtype="float32", interpret=True,
+                           mxfp4_experts=True)
+    lp = packed.params["layers"][0]
+    assert "w_gate_up" not in lp and lp["w_gate_up_mx"].dtype == jnp.uint8
+    ratio = (sum(x.nbytes for x in mxfp4.expert_params(lp).values())
+             / sum(x.nbytes for x in mxfp4.expert_params(plain.params["layers"][0]).values()))
+    assert ratio == pytest.approx(4.25 / 32)  # f32 fixture: 4.25 bits against 32
+    seq = _seq("gpt_oss")
+    n = len(seq)
+    ref = parity.schedule_logits(plain, [seq], parity.prefill_schedule(n), MAX_LEN)[0]
+    for steps in (parity.prefill_schedule(n), parity.serial_schedule(n),
+                  parity.verify_schedule(n, 3, prefix=5, seed=1)):
+        got = parity.schedule_logits(packed, [seq], steps, MAX_LEN, seed=3)[0]
+        assert parity.count_mismatches(got, ref) == (0, None)
+    seqs = [seq[:9], seq, seq[3:20]]
+    got = parity.schedule_logits(packed, seqs, parity.batch_schedule([9, n, 17], 3, seed=2),
+                                 MAX_LEN)[1]
+    assert parity.count_mismatches(got, ref) == (0, None)
+
+
+@pytest.mark.slow  # a further case: random bf16 codes, 8 experts (slots and all-E blocks)
+def test_random_packed_experts_give_the_dequantized_bits_and_speculate_exactly():
+    import jax.numpy as jnp
+
+    from jspec import mxfp4
+    from jspec.random_model import random_model
+
+    packed = random_model("tiny-gpt-oss", interpret=True, mxfp4_experts=True)
+    plain = packed.replace(params=mxfp4.unpacked(packed.params, jnp.bfloat16))
+    seq = np.random.default_rng(0).integers(0, 512, 20).astype(np.int32)
+    ref = parity.schedule_logits(plain, [seq], parity.prefill_schedule(20), MAX_LEN)[0]
+    for steps in (parity.serial_schedule(20), parity.verify_schedule(20, 4, prefix=4, seed=1)):
+        got = parity.schedule_logits(packed, [seq], steps, MAX_LEN)[0]
+        assert parity.count_mismatches(got, ref) == (0, None)
+    prompts = [seq[:12], seq[2:9]]
+    serial = jspec.generate(packed, prompts, max_new_tokens=12)
+    out = jspec.speculative_generate(packed, jspec.PromptLookupDrafter(max_ngram=2), prompts,
+                                     jspec.SpecConfig(gamma=3, max_new_tokens=12))
+    assert [out.row(b) for b in range(2)] == [serial.row(b) for b in range(2)]
+
+
+def test_mxfp4_dequantization_is_the_loaders_bit_for_bit():
+    """`jspec.mxfp4.dequantize` of the packed layout equals the load-time dequantization
+    (transformers' values) bitwise, the smallest scale kept (2) and a large one (252)
+    included."""
+    import jax.numpy as jnp
+
+    from jspec import mxfp4
+    from jspec.loading import dequantize_mxfp4
+
+    rng = np.random.default_rng(0)
+    blocks = rng.integers(0, 256, (3, 8, 2, 16), dtype=np.uint8)
+    scales = rng.integers(100, 140, (3, 8, 2), dtype=np.uint8)
+    scales[0, 0, 0], scales[1, 2, 1] = 2, 252
+    want = np.stack([dequantize_mxfp4(blocks[e], scales[e]) for e in range(3)])
+    codes, s = mxfp4.pack(blocks, scales)
+    got = np.asarray(mxfp4.dequantize(jnp.asarray(codes), jnp.asarray(s), jnp.float32))
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    assert np.array_equal(np.asarray(mxfp4.dequantize(jnp.asarray(codes), jnp.asarray(s),
+                                                      jnp.bfloat16)),
+                          want.astype(jnp.bfloat16))  # every value exact in bf16
+
+
+def test_mxfp4_experts_are_refused_where_they_cannot_be_kept(tmp_path):
+    from jspec.random_model import random_model
+
+    with pytest.raises(CheckpointError, match="mxfp4_experts=True keeps MXFP4 experts packed"):
+        jspec.load_hf(fixture_path("gpt_oss"), backend="xla", mxfp4_experts=True)
+    with pytest.raises(UnsupportedModelError, match="only gpt-oss's experts.*qwen3_moe"):
+        jspec.load_hf(fixture_path("qwen3_moe"), backend="xla", mxfp4_experts=True)
+    with pytest.raises(ValueError, match="only gpt-oss presets"):
+        random_model("tiny-qwen3-moe", mxfp4_experts=True)
+    with pytest.raises(TypeError, match="mxfp4_experts='yes' must be True or False"):
+        jspec.load_hf(fixture_path("gpt_oss_mxfp4"), backend="xla", mxfp4_experts="yes")
+    d = tmp_path / "tiny_scale"  # a subnormal weight a GPU may flush: kept only unpacked
+    shutil.copytree(fixture_path("gpt_oss_mxfp4"), d)
+    tensors = load_file(d / "model.safetensors")
+    name = "model.layers.0.mlp.experts.down_proj_scales"
+    tensors[name] = np.where(np.arange(tensors[name].size).reshape(tensors[name].shape) == 3,
+                             np.uint8(1), tensors[name])
+    save_file(tensors, d / "model.safetensors")
+    with pytest.raises(CheckpointError, match="down_proj_scales: a scale below 2"):
+        jspec.load_hf(str(d), backend="xla", mxfp4_experts=True)
+    jspec.load_hf(str(d), backend="xla")  # dequantized at load: exact

@@ -13,6 +13,8 @@ from __future__ import annotations
 import jax
 import numpy as np
 
+from jspec import mxfp4
+
 
 def uniform_union(num_experts: int, k: int, tokens: int) -> float:
     """Expected distinct experts among `tokens` tokens each routed to k of E uniformly:
@@ -26,8 +28,8 @@ def _nbytes(tree) -> int:
 
 def expert_bytes(model, layer: int) -> int:
     """One expert's weights (gate/up and down) in an MoE layer."""
-    lp = model.params["layers"][layer]
-    return (_nbytes(lp["w_gate_up"]) + _nbytes(lp["w_down"])) // model.config.num_experts
+    experts = mxfp4.expert_params(model.params["layers"][layer])  # float or MXFP4-packed
+    return _nbytes(experts) // model.config.num_experts
 
 
 def step_read_bytes(model, batch: int, tokens: int, context: float,
@@ -52,8 +54,8 @@ def step_read_bytes(model, batch: int, tokens: int, context: float,
     experts = 0.0
     for i, lp in enumerate(params["layers"]):
         sparse = cfg.is_moe_layer(i)
-        weights += _nbytes({k: v for k, v in lp.items()
-                            if not (sparse and k in ("w_gate_up", "w_down"))})
+        experts_of = mxfp4.expert_params(lp) if sparse else {}
+        weights += _nbytes({k: v for k, v in lp.items() if k not in experts_of})
     for i, n in zip(moe_layers, experts_read, strict=True):
         experts += float(n) * expert_bytes(model, i)
     item = np.dtype(cfg.dtype).itemsize

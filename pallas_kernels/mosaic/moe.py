@@ -160,23 +160,26 @@ def _layout(expert: jax.Array, E: int):
     return tile_layout(expert.astype(jnp.int32), E, BT)
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype", "interpret", "config"))
+@functools.partial(jax.jit, static_argnames=("out_dtype", "interpret", "config",
+                                             "table_experts"))
 def grouped_matmul(x: jax.Array, w: jax.Array, expert: jax.Array, *, out_dtype,
                    bias: jax.Array | None = None, interpret: bool = False,
-                   config: MosaicMatmulConfig | None = None) -> jax.Array:
+                   config: MosaicMatmulConfig | None = None,
+                   table_experts: int | None = None) -> jax.Array:
     """x [R, K] @ w[expert] (+ bias[expert]) -> [R, N] in out_dtype (None: float32), on
     Mosaic GPU: row r is x[r] @ w[expert[r]], K reduced from 0 upward in an f32
     accumulator, plus the expert's bias row in f32 (bias [E, N] or None), bitwise
     independent of the other rows and of which share its expert (R9). w [E, K, N] in
     x's 16-bit dtype; expert [R] integer in [0, E). `config` overrides `grouped_config`
-    (a swapped design of one token tile a program)."""
+    (a swapped design of one token tile a program); `table_experts`: the E whose config
+    to take where w holds some of a model's experts gathered (`jspec.mxfp4`)."""
     _check(x, w, expert, "grouped_matmul")
     check_bias(bias, w, "grouped_matmul")
     out_dtype = jnp.dtype(jnp.float32 if out_dtype is None else out_dtype)
     E, K, N = w.shape
     if x.shape[0] == 0:
         return jnp.zeros((0, N), out_dtype)
-    cfg = config or grouped_config(E, K, N, w.dtype)
+    cfg = config or grouped_config(table_experts or E, K, N, w.dtype)
     dest, tile_expert, src = _layout(expert, E)
     out = _launch_sorted(_slot_rows(x, src), w, tile_expert, cfg, round_up(N, BM), out_dtype,
                          (0,), lambda acc: acc.astype(out_dtype), interpret,
@@ -199,15 +202,17 @@ def _check_glu(w: jax.Array, activation: str, name: str) -> int:
     return w.shape[2] // 2
 
 
-@functools.partial(jax.jit, static_argnames=("activation", "interpret", "config"))
+@functools.partial(jax.jit, static_argnames=("activation", "interpret", "config",
+                                             "table_experts"))
 def grouped_matmul_glu(x: jax.Array, w: jax.Array, expert: jax.Array, *, activation: str,
                        bias: jax.Array | None = None, interpret: bool = False,
-                       config: MosaicMatmulConfig | None = None) -> jax.Array:
+                       config: MosaicMatmulConfig | None = None,
+                       table_experts: int | None = None) -> jax.Array:
     """act(x[r] @ w[e][:, :F]) * (x[r] @ w[e][:, F:]) for e = expert[r] on Mosaic GPU:
     x [R, K], w [E, K, 2F] (gate columns first), bias [E, 2F] or None -> [R, F] x.dtype:
     `matmul_glu`'s GLU arithmetic on `grouped_matmul(x, w, expert, out_dtype=x.dtype,
     bias=bias)`'s halves (the same tiles and K order), in one kernel. F must be a
-    multiple of 64."""
+    multiple of 64; `table_experts` as `grouped_matmul`'s."""
     _check(x, w, expert, "grouped_matmul_glu")
     check_bias(bias, w, "grouped_matmul_glu")
     F = _check_glu(w, activation, "grouped_matmul_glu")
@@ -217,7 +222,7 @@ def grouped_matmul_glu(x: jax.Array, w: jax.Array, expert: jax.Array, *, activat
     if x.shape[0] == 0:
         return jnp.zeros((0, F), x.dtype)
     E, K = w.shape[:2]
-    cfg = config or grouped_config(E, K, 2 * F, w.dtype)
+    cfg = config or grouped_config(table_experts or E, K, 2 * F, w.dtype)
     dest, tile_expert, src = _layout(expert, E)
     out = _launch_sorted(_slot_rows(x, src), w, tile_expert, cfg, F, x.dtype, (0, F // BM),
                          _glu_epilogue(x.dtype, activation), interpret,

@@ -1,0 +1,105 @@
+"""MXFP4 expert weights kept packed in memory (gpt-oss), dequantized exactly when used.
+
+gpt-oss ships its experts in MXFP4: 4-bit e2m1 codes, one power-of-two scale (e8m0) per
+32 values along the input axis. Every value is a code's value times a power of two, so
+it is exact in bfloat16 and float32: `dequantize` gives the very weights
+`jspec.loading.dequantize_mxfp4` gives at load time, and a model that keeps its experts
+packed computes the bits of the one that loaded them dequantized (the grouped kernels
+see the same weights, with the model's own tiles: `table_experts`).
+
+Packed layout (a layer's params `{name}_mx` and `{name}_scale` for w_gate_up, w_down):
+  codes  uint8 [E, K / 2, N]: byte (j, n) holds row 2j's code (low nibble) and row
+         2j + 1's (high nibble) of the [E, K, N] weight jspec uses;
+  scales uint8 [E, K / 32, N]: the scale of rows 32g .. 32g + 31 of column n, 2 ** (s -
+         127).
+4.25 bits a weight: gpt-oss-120b's experts take 61 GB instead of 229 GB in bfloat16.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# The e2m1 value of each 4-bit code (transformers' `integrations.mxfp4.FP4_VALUES`).
+FP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+                       -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32)
+PACKED = ("w_gate_up", "w_down")  # the expert weights a layer may keep packed
+# The smallest scale kept packed: below it a weight may be subnormal in float32, which
+# arithmetic that flushes subnormals (XLA on a CPU, a GPU's fast paths) would zero.
+MIN_SCALE = 2
+
+
+def pack(blocks: np.ndarray, scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A checkpoint's MXFP4 tensor ([E, N, K / 32, 16] uint8 blocks, two codes a byte
+    along K, low nibble first; [E, N, K / 32] scales) -> (codes [E, K / 2, N], scales
+    [E, K / 32, N]) in the packed layout (the same codes, moved)."""
+    E, N, G, _ = blocks.shape
+    return (np.ascontiguousarray(blocks.reshape(E, N, G * 16).transpose(0, 2, 1)),
+            np.ascontiguousarray(scales.transpose(0, 2, 1)))
+
+
+def take_columns(codes: np.ndarray, scales: np.ndarray, columns: np.ndarray
+                     ) -> tuple[np.ndarray, np.ndarray]:
+    """The packed weight's columns reordered (`columns` [N] indices): codes and scales
+    move together, so the dequantized weight's columns move the same way."""
+    return (np.ascontiguousarray(codes[..., columns]),
+            np.ascontiguousarray(scales[..., columns]))
+
+
+def dequantize(codes: jax.Array, scales: jax.Array, dtype) -> jax.Array:
+    """codes [S, K / 2, N] uint8, scales [S, K / 32, N] uint8 (each in [MIN_SCALE, 252])
+    -> [S, K, N] in dtype, exactly (a code's value times 2 ** (s - 127), formed in
+    float32, where every such product is exact and normal, then cast, which is exact
+    too). Plain integer and exact float ops: any fusion XLA picks gives the same values."""
+    S, half, N = codes.shape
+    lo, hi = codes & 0x0F, codes >> 4
+    idx = jnp.stack([lo, hi], axis=2).reshape(S, 2 * half, N).astype(jnp.int32)
+    values = jnp.asarray(FP4_VALUES)[idx]  # [S, K, N] f32
+    # 2 ** (s - 127) from its bits (s >= 2, `MIN_SCALE`: every product a normal float)
+    factor = jax.lax.bitcast_convert_type(scales.astype(jnp.int32) << 23, jnp.float32)
+    G = scales.shape[1]
+    out = values.reshape(S, G, 32, N) * factor[:, :, None, :]
+    return out.reshape(S, 2 * half, N).astype(dtype)
+
+
+def expert_params(lp: dict) -> dict:
+    """A MoE layer's expert weights, float or packed ({key: array}), biases aside."""
+    names = {n for n in PACKED} | {f"{n}_{part}" for n in PACKED for part in ("mx", "scale")}
+    return {key: w for key, w in lp.items() if key in names}
+
+
+def is_packed(lp: dict, name: str) -> bool:
+    """Whether layer params `lp` hold expert weight `name` packed."""
+    return f"{name}_mx" in lp
+
+
+def weights(lp: dict, name: str, experts: jax.Array | None, dtype) -> jax.Array:
+    """Expert weight `name` of layer params `lp` as [S, K, N] in dtype: all E experts
+    (experts None) or those listed (experts [S] int, gathered before dequantizing, so
+    only their bytes are read). A float weight is returned (or gathered) as it is."""
+    if not is_packed(lp, name):
+        w = lp[name]
+        return w if experts is None else w[experts]
+    codes, scales = lp[f"{name}_mx"], lp[f"{name}_scale"]
+    if experts is not None:
+        codes, scales = codes[experts], scales[experts]
+    return dequantize(codes, scales, dtype)
+
+
+def unpacked(params: dict, dtype) -> dict:
+    """params with every packed expert weight dequantized ({key}_mx / {key}_scale ->
+    {key}): the model loaded the default way, for comparisons."""
+    def layer(lp):
+        out = {k: v for k, v in lp.items() if k not in expert_params(lp) or k in PACKED}
+        return out | {n: weights(lp, n, None, dtype) for n in PACKED if is_packed(lp, n)}
+    return params | {"layers": [layer(lp) for lp in params["layers"]]}
+
+
+def random_packed(key: jax.Array, E: int, K: int, N: int) -> dict[str, jax.Array]:
+    """Random packed codes and scales of an [E, K, N] weight (scales 2^-8 .. 2^-6, so
+    weights of about a 2880-wide layer's initial scale)."""
+    k1, k2 = jax.random.split(key)
+    codes = jax.random.randint(k1, (E, K // 2, N), 0, 256, jnp.int32).astype(jnp.uint8)
+    scales = jax.random.randint(k2, (E, K // 32, N), 119, 122, jnp.int32).astype(jnp.uint8)
+    return {"mx": codes, "scale": scales}
