@@ -55,6 +55,8 @@ from jspec.random_model import PRESETS, preset_config, random_model
 
 _PRESET = flags.DEFINE_string("preset", "qwen3-30b-a3b", "a mixture-of-experts preset")
 _LAYERS = flags.DEFINE_integer("layers", 0, "layers (0: the preset's)")
+_MXFP4 = flags.DEFINE_bool("mxfp4_experts", False, "gpt-oss presets: experts kept "
+                           "MXFP4-packed (jspec.mxfp4), dequantized as routed")
 _BATCHES = flags.DEFINE_list("batches", ["1"], "batch sizes")
 _TS = flags.DEFINE_list("Ts", ["1", "5", "2", "3", "8", "9", "17", "33"],
                         "block sizes T of the first batch (1: decode; in this order, so a run "
@@ -118,7 +120,8 @@ class Run:
     """The model, its prefilled caches and the receipt; `measure` adds one row."""
 
     def __init__(self):
-        kw = dict(interpret=_INTERPRET.value, dtype=_DTYPE.value)
+        kw = dict(interpret=_INTERPRET.value, dtype=_DTYPE.value,
+                  mxfp4_experts=_MXFP4.value)
         if _LAYERS.value:
             kw["num_layers"] = _LAYERS.value
         t0 = time.perf_counter()

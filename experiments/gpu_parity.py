@@ -60,7 +60,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from jspec import parity, sharding
+from jspec import mxfp4, parity, sharding
 from jspec.bench import flag_checks
 from jspec.bench.receipts import write_receipt
 from jspec.cache import rollback
@@ -94,6 +94,8 @@ _BATCHES = flags.DEFINE_list("batches", [], "ragged batches (>= 2) the checked r
 _TREES = flags.DEFINE_list("trees", [], "tree verify sizes (draft nodes), e.g. 8,16,32,64")
 _TREE_DEPTH = flags.DEFINE_integer("tree_depth", 8, "the random trees' greatest depth")
 _TREE_SEEDS = flags.DEFINE_integer("tree_seeds", 1, "random trees checked per size")
+_MXFP4 = flags.DEFINE_bool("mxfp4_experts", False, "gpt-oss presets: the experts kept "
+                           "MXFP4-packed; adds the check against the same model dequantized")
 _TP = flags.DEFINE_integer("tp", 0, "> 0: the models tensor-parallel over this many devices")
 _ROW_PARTIALS = flags.DEFINE_integer(
     "row_partials", 0, "> 0: KernelOptions.row_partials (with --tp: also the degrees check)")
@@ -348,10 +350,25 @@ def build(name: str, layers: int, backend: str):
         model = sharding.random_sharded(name, sharding.make_mesh(_TP.value), **kw)
     else:
         rp = kw.pop("row_partials")
-        model = random_model(name, **kw)
+        model = random_model(name, mxfp4_experts=_MXFP4.value, **kw)
         if rp:
             model = model.replace(options=model.options.replace(row_partials=rp))
     return with_option_string(model, ",".join(_OPTIONS.value))
+
+
+def check_unpacked(model, n: int, window: int) -> dict:
+    """A model with MXFP4-packed experts against the same weights dequantized (the
+    default load): one prefill of n tokens, then `window` tokens as verify blocks of 4
+    (their slots' experts dequantized alone), bitwise."""
+    seq = np.random.default_rng(2).integers(0, model.config.vocab_size, n).astype(np.int32)
+    plain = model.replace(params=mxfp4.unpacked(model.params, jnp.dtype(_DTYPE.value)))
+    ref = parity.schedule_logits(plain, [seq], parity.prefill_schedule(n), n + 64)[0]
+    del plain
+    got = parity.schedule_logits(model, [seq], parity.verify_schedule(n, 4, prefix=n - window,
+                                                                      seed=3), n + 64)[0]
+    bad, first = parity.count_mismatches(got, ref)
+    return {"packed = dequantized": {"positions": n, "mismatches": bad,
+                                     "first_mismatch": first}}
 
 
 def check_degrees(name: str, layers: int, backend: str) -> dict:
@@ -423,6 +440,8 @@ def main(argv):
                 del model
                 continue
             report["results"][key] = check_model(model, _CONTEXT.value, _WINDOW.value, ks, full)
+            if _MXFP4.value:
+                report["results"][key] |= check_unpacked(model, _CONTEXT.value, _WINDOW.value)
             del model
             if _TP.value and _ROW_PARTIALS.value:
                 report["results"][key]["degrees"] = check_degrees(name, int(layers), backend)

@@ -52,7 +52,8 @@
 #   $MOE_PARITY_CONTEXT, $MOE_WINDOW, $MOE_KS, $MOE_TREES, $MOE_PROMPT, $MOE_NEW,
 #   $MOE_E2E_BATCHES, $MOE_E2E_SHAPES, $MOE_TREE, $MOE_HEAD_VOCAB, $MOE_DRAFT (built, never
 #   run: the feature head drafts), $MOE_DTYPE and
-#   $MOE_INTERPRET (non-empty: Pallas interpret mode) resize them ($MOE_OPTIONS: the
+#   $MOE_INTERPRET (non-empty: Pallas interpret mode), $MOE_MXFP4 (non-empty: gpt-oss
+#   experts kept MXFP4-packed; the matrix adds packed = dequantized) resize them ($MOE_OPTIONS: the
 #   cost's and the matrix's kernel options, e.g. moe_layout_kernel=1 or mosaic (the
 #   Mosaic GPU expert kernels), with $MOE_TAG naming their receipts;
 #   $MOE_BACKENDS, default pallas:
@@ -385,7 +386,7 @@ for s in $steps; do
               --batches="${MOE_BATCHES:-1}" --Ts="${MOE_TS:-1,5,2,3,8,9,17,33}" \
               --other_Ts=1,5 --xla_Ts="${MOE_XLA_TS-1,5}" --context="${MOE_CONTEXT:-512}" \
               --iters=5 --dtype="${MOE_DTYPE:-bfloat16}" ${MOE_INTERPRET:+--interpret} \
-              ${MOE_OPTIONS:+--options=$MOE_OPTIONS} \
+              ${MOE_OPTIONS:+--options=$MOE_OPTIONS} ${MOE_MXFP4:+--mxfp4_experts} \
               --out="$OUT" --tag="h200${MOE_TAG:+_$MOE_TAG}" 2>&1 | quiet | tail -30 ;;
     chunk_cost) timeout "${CHUNK_S:-300}" python3 experiments/tuning/chunk_cost.py \
               --batches="${CHUNK_BATCHES:-1,32,64}" --out="$OUT" --tag=h200 2>&1 | quiet | tail -24 ;;
@@ -447,7 +448,7 @@ for s in $steps; do
               --ks="${MOE_KS:-1,2,4,8,16,32}" --trees="${MOE_TREES:-8,32}" \
               --dtype="${MOE_DTYPE:-bfloat16}" ${MOE_INTERPRET:+--interpret} --tag="moe${MOE_TAG:+_$MOE_TAG}" \
               ${MOE_OPTIONS:+--options=$MOE_OPTIONS} --backends="${MOE_BACKENDS:-pallas}" \
-              --out="$OUT" 2>&1 | quiet | tail -24 ;;
+              ${MOE_MXFP4:+--mxfp4_experts} --out="$OUT" 2>&1 | quiet | tail -24 ;;
     moe_e2e) timeout "${MOE_E2E_S:-165}" python3 experiments/bench_e2e.py \
               --target="${MOE_PRESET:-qwen3-30b-a3b}${MOE_LAYERS:+:$MOE_LAYERS}" \
               --draft="${MOE_DRAFT:-qwen3-0.6b:1}" --drafter=feature \

@@ -383,3 +383,24 @@ def test_a_prefill_launch_lowers_with_the_prefill_tile(monkeypatch, glu):
         assert dots, "no dot in the kernel"
         if tile:
             assert all(d.endswith(tile) for d in dots), (m, dots)
+
+
+@pytest.mark.parametrize("lowering,batch,tokens", [
+    ("triton", 1, 1), ("triton", 8, 5), pytest.param("mosaic", 1, 5, marks=pytest.mark.slow)])
+def test_mxfp4_packed_experts_lower_for_the_h200(lowering, batch, tokens):
+    """gpt-oss-120b with its experts MXFP4-packed (`jspec.mxfp4`): the routed experts'
+    dequantization (plain XLA integer and exact float ops) and the grouped kernels lower
+    for CUDA on both lowerings."""
+    from jspec import mxfp4
+
+    cfg = preset_config("gpt-oss-120b", num_layers=2)
+    model = Model(config=cfg, params=jax.eval_shape(lambda: random_params(cfg, 0, True)))
+    model = model.replace(options=model.options.replace(lowering=lowering))
+    assert mxfp4.is_packed(model.params["layers"][0], "w_gate_up")
+    cache = jax.eval_shape(lambda: init_cache(model, batch, 256))
+    text = _lower(apply, model, jax.ShapeDtypeStruct((batch, tokens), jnp.int32), cache)
+    if lowering == "triton":
+        names = set(re.findall(r'name = "(jspec_[a-z_0-9]*)"', text))
+        assert {"jspec_grouped_matmul_glu", "jspec_grouped_matmul"} <= names, names
+    else:
+        assert "__gpu$xla.gpu.triton" not in text and text.count("custom_call @mosaic_gpu") >= 7
