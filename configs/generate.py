@@ -34,6 +34,7 @@ def get_config(arg=None):
     c.stop_at_eos = True  # stop at the generation config's EOS ids (and a chat's end of turn)
     c.backend = "pallas"  # "pallas" (invariant kernels) or "xla" (plain jnp)
     c.dtype = "bfloat16"  # parameter/activation dtype; logits are float32
+    c.mxfp4_experts = False  # gpt-oss: keep MXFP4 experts packed (gpt-oss-120b on one GPU)
     c.stream = False  # print the text as it is generated
     if arg == "runlocal":
         c.max_new_tokens = 8

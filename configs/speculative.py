@@ -63,6 +63,7 @@ def get_config(arg=None):
     c.draft_head = ""
     c.draft_head_size = 32768
     c.dtype = "bfloat16"
+    c.mxfp4_experts = False  # gpt-oss: keep MXFP4 experts packed (gpt-oss-120b on one GPU)
     c.audit_every = 0  # >0: recompute every Nth verify block serially, stop on any difference
     c.check_parity = True  # also run serial decoding and fail unless tokens are identical
     c.timing_runs = 3  # timed runs per prompt (speculative and serial): the median is shown

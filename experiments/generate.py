@@ -34,7 +34,7 @@ def main(argv):
     jspec.make_sampler(c.temperature, c.top_k, c.top_p)  # a bad value fails before loading
     check_seed("seed", c.seed)
     pipe = text.load_text(c.checkpoint or jspec.default_pair()[0], dtype=c.dtype,
-                          backend=c.backend)
+                          backend=c.backend, mxfp4_experts=c.mxfp4_experts)
     model = pipe.target
     chat = any(not isinstance(p, str) for p in prompts)
     stop = (pipe.stop_ids + (pipe.chat_stop_ids if chat else ())) if c.stop_at_eos else ()

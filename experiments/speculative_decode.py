@@ -78,15 +78,16 @@ def build(c) -> text.TextPipeline:
                              f"drafter here is {kind}: use --config.drafter=model")
     if head and c.drafter in ("auto", "feature"):
         return text.load_text(target_path, head=head, dtype=c.dtype, backend=c.backend,
-                              draft_backend=draft_backend)
+                              draft_backend=draft_backend, mxfp4_experts=c.mxfp4_experts)
     if c.drafter == "prompt_lookup":
         return text.load_text(target_path, drafter=jspec.PromptLookupDrafter(c.max_ngram),
-                              dtype=c.dtype, backend=c.backend)
+                              dtype=c.dtype, backend=c.backend,
+                              mxfp4_experts=c.mxfp4_experts)
     # "auto": the library's measured default; an option string applies on top of the
     # defaults (DraftOptions()), as the draft model is loaded.
     auto = c.draft_options == "auto"
     pipe = text.load_text(target_path, draft_path or None, dtype=c.dtype, backend=c.backend,
-                          draft_backend=draft_backend,
+                          draft_backend=draft_backend, mxfp4_experts=c.mxfp4_experts,
                           draft_options=None if auto else jspec.DraftOptions())
     if pipe.drafter is None:  # the target drafts itself
         model = pipe.target.with_backend(draft_backend)

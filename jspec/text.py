@@ -519,7 +519,8 @@ def _check_draft_options(value) -> None:
 def load_text(target: str | os.PathLike, draft: str | os.PathLike | None = None, *,
               drafter=None, head: str | os.PathLike | None = None, dtype: Any = "bfloat16",
               backend: str = "pallas", draft_backend: str = "xla",
-              draft_options: DraftOptions | None = None) -> TextPipeline:
+              draft_options: DraftOptions | None = None,
+              mxfp4_experts: bool = False) -> TextPipeline:
     """Loads a target checkpoint (a directory or a hub id in the local HF cache) with its
     tokenizer and generation config, and optionally a drafter (one of draft, drafter,
     head).
@@ -535,6 +536,7 @@ def load_text(target: str | os.PathLike, draft: str | os.PathLike | None = None,
     draft_options: a `DraftOptions` for the draft model, or None for
       `jspec.options.draft_options_for(draft)` (the fastest measured for the draft on
       this platform).
+    mxfp4_experts: a gpt-oss target keeps its MXFP4 experts packed (`jspec.load_hf`).
     """
     check_path("target", target)
     if isinstance(drafter, str | os.PathLike):
@@ -563,7 +565,7 @@ def load_text(target: str | os.PathLike, draft: str | os.PathLike | None = None,
         draft_path = resolve_checkpoint(draft)
         if _has_tokenizer(draft_path):  # check before loading any weights
             check_same_tokenizer(tok, load_tokenizer(draft_path), target_path, draft_path)
-    model = load_hf(target_path, dtype=dtype, backend=backend)
+    model = load_hf(target_path, dtype=dtype, backend=backend, mxfp4_experts=mxfp4_experts)
     gen = load_generation_config(target_path)
     V = model.config.vocab_size
     stop, chat_stop = stop_ids_of(target_path, tok, gen, V)
