@@ -426,3 +426,16 @@ def test_mxfp4_experts_are_refused_where_they_cannot_be_kept(tmp_path):
     with pytest.raises(CheckpointError, match="down_proj_scales: a scale below 2"):
         jspec.load_hf(str(d), backend="xla", mxfp4_experts=True)
     jspec.load_hf(str(d), backend="xla")  # dequantized at load: exact
+
+
+def test_the_text_api_keeps_mxfp4_experts_packed(tmp_path):
+    from jspec import mxfp4
+    from jspec.tiny import write_tokenizer
+
+    d = tmp_path / "gpt_oss_mxfp4"
+    shutil.copytree(fixture_path("gpt_oss_mxfp4"), d)
+    write_tokenizer(str(d), 256)
+    pipe = jspec.load_text(str(d), drafter=jspec.PromptLookupDrafter(), backend="xla",
+                           dtype="float32", mxfp4_experts=True)
+    assert mxfp4.is_packed(pipe.target.params["layers"][1], "w_down")
+    assert pipe.generate(["hello"], max_new_tokens=4).texts[0]
