@@ -390,8 +390,12 @@ def packed_experts(ops, model: Model, lp, x, expert, weights, biases):
     and the slot is its own expert; else all E at once. The grouped kernels take the
     model's tiles (`table_experts`), and a row's result depends on its row and its
     expert's weights only (R9), which are the dequantized model's exactly: so the bits of
-    the model loaded dequantized (`combine` in jnp: `moe_combine_kernel` gives its bits)."""
+    the model loaded dequantized (`combine` in jnp; `moe_combine_kernel`, whose kernel
+    has bits of its own, is refused here)."""
     cfg, opt = model.config, model.options
+    if opt.moe_combine_kernel and opt.backend == "pallas":
+        raise ValueError("moe_combine_kernel=True does not run with MXFP4-packed experts "
+                         "(mxfp4_experts=True): load the experts dequantized, or drop it")
     E, k, (M, D) = cfg.num_experts, cfg.experts_per_token, x.shape
     pick = None
     if M * k < E:

@@ -426,6 +426,11 @@ def test_mxfp4_experts_are_refused_where_they_cannot_be_kept(tmp_path):
     with pytest.raises(CheckpointError, match="down_proj_scales: a scale below 2"):
         jspec.load_hf(str(d), backend="xla", mxfp4_experts=True)
     jspec.load_hf(str(d), backend="xla")  # dequantized at load: exact
+    packed = jspec.load_hf(fixture_path("gpt_oss_mxfp4"), dtype="float32", interpret=True,
+                           mxfp4_experts=True)
+    with pytest.raises(ValueError, match="moe_combine_kernel=True does not run with MXFP4"):
+        jspec.generate(jspec.with_options(packed, moe_combine_kernel=True), [[1, 2, 3]],
+                       max_new_tokens=2)
 
 
 def test_the_text_api_keeps_mxfp4_experts_packed(tmp_path):
