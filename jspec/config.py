@@ -282,6 +282,11 @@ def _yarn(params: dict) -> Yarn:
     attention = params.get("attention_factor")
     if attention is None:
         mscale, mscale_all = params.get("mscale"), params.get("mscale_all_dim")
+        if mscale and mscale_all:
+            for name, m in (("mscale", mscale), ("mscale_all_dim", mscale_all)):
+                if not _yarn_mscale(factor, m) > 0:  # 0.1 m ln(factor) + 1: a divisor
+                    raise ValueError(f"yarn {name}={m!r} gives 0.1 * {name} * ln(factor) + 1 "
+                                     "<= 0 (its attention factor's terms must be > 0)")
         attention = (_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all)
                      if mscale and mscale_all else _yarn_mscale(factor))
     truncate = params.get("truncate", True)

@@ -296,6 +296,8 @@ def test_a_top_level_original_max_position_embeddings_wins_as_in_transformers(tm
       "original_max_position_embeddings": 64}, "truncate='no'"),
     ({"rope_type": "yarn", "rope_theta": 1, "factor": 4.0,
       "original_max_position_embeddings": 64}, "rope_theta=1.0 with yarn.*log"),
+    ({"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "mscale": -10.0,
+      "mscale_all_dim": 1.0, "original_max_position_embeddings": 64}, "yarn mscale=-10.0"),
     ({"rope_type": "dynamic", "rope_theta": 1e4, "factor": 4.0}, "depend on later tokens"),
     ({"rope_type": "longrope", "rope_theta": 1e4}, "rope_type='longrope' is not supported"),
 ])
