@@ -95,6 +95,8 @@ from pallas_kernels.matmul import (  # noqa: E402
 _TARGET = flags.DEFINE_string("target", "tiny-qwen3", "preset[:layers] or HF dir")
 _DRAFT = flags.DEFINE_string("draft", "tiny-qwen3:1", "preset[:layers] or HF dir")
 _DTYPE = flags.DEFINE_string("dtype", "bfloat16", "parameter dtype")
+_MXFP4 = flags.DEFINE_bool("mxfp4_experts", False, "a gpt-oss target's experts kept "
+                           "MXFP4-packed (jspec.mxfp4; gpt-oss-120b on one GPU)")
 _BATCHES = flags.DEFINE_list("batches", ["1", "8"], "batch sizes")
 _PROMPT_LEN = flags.DEFINE_integer("prompt_len", 32, "prompt tokens")
 _NEW = flags.DEFINE_integer("max_new_tokens", 48, "tokens generated per row")
@@ -177,12 +179,14 @@ flag_checks.require_choices(_DRAFTER, ("model", "feature"))
 flag_checks.require_choices(_SERIAL_BACKENDS, ("pallas", "xla"))
 
 
-def load_model(spec: str, seed: int, mesh=None, row_partials: int = 0) -> jspec.Model:
+def load_model(spec: str, seed: int, mesh=None, row_partials: int = 0,
+               mxfp4_experts: bool = False) -> jspec.Model:
     """A checkpoint or a preset; with a mesh, tensor-parallel over it (never whole on one
-    device)."""
+    device); mxfp4_experts: a gpt-oss model's experts kept packed."""
     rp = {"row_partials": row_partials} if row_partials else {}
     if os.path.isdir(spec):
-        model = jspec.load_hf(spec, dtype=_DTYPE.value, mesh=mesh)
+        model = (jspec.load_hf(spec, dtype=_DTYPE.value, mesh=mesh, mxfp4_experts=True)
+                 if mxfp4_experts else jspec.load_hf(spec, dtype=_DTYPE.value, mesh=mesh))
         if rp:
             model = jspec.with_options(model, **rp)
     else:
@@ -190,7 +194,8 @@ def load_model(spec: str, seed: int, mesh=None, row_partials: int = 0) -> jspec.
         kw = {"num_layers": int(layers)} if layers else {}
         kw |= {"seed": seed, "dtype": _DTYPE.value, "interpret": default_interpret()}
         model = (random_sharded(name, mesh, row_partials=rp.get("row_partials"), **kw)
-                 if mesh is not None else random_model(name, **kw))
+                 if mesh is not None else
+                 random_model(name, mxfp4_experts=mxfp4_experts, **kw))
         if rp and mesh is None:
             model = jspec.with_options(model, **rp)
     return with_option_string(model, ",".join(_OPTIONS.value))
@@ -311,7 +316,8 @@ class Bench:
     def __init__(self):
         t0 = time.perf_counter()
         self.mesh = make_mesh(_TP.value) if _TP.value else None
-        self.target = load_model(_TARGET.value, 0, self.mesh, _ROW_PARTIALS.value)
+        self.target = load_model(_TARGET.value, 0, self.mesh, _ROW_PARTIALS.value,
+                                 _MXFP4.value)
         jax.block_until_ready(self.target.params)
         t1 = time.perf_counter()
         self.draft = load_model(_DRAFT.value, 1).with_backend(_DRAFT_BACKEND.value)

@@ -458,7 +458,8 @@ for s in $steps; do
               --tree=";${MOE_TREE:-spine:5:1,0}" --rank_probs=0.1 \
               --batch_shapes="${MOE_E2E_SHAPES:-1:feature/;1:feature/${MOE_TREE:-spine:5:1,0};8:feature/}" \
               --nolookup --nopeers --serial_backends=pallas --iters=2 \
-              --dtype="${MOE_DTYPE:-bfloat16}" --out="$OUT" --tag=h200_moe 2>&1 | quiet \
+              --dtype="${MOE_DTYPE:-bfloat16}" ${MOE_MXFP4:+--mxfp4_experts} \
+              --out="$OUT" --tag=h200_moe 2>&1 | quiet \
               | grep -v "it/s" | tail -24 ;;
     *) echo "unknown step $s" ;;
   esac
