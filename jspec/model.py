@@ -371,13 +371,7 @@ def moe_block(ops, model: Model, lp, h, rows: int):
                             activation=cfg.activation, layout_kernel=layout_kernel,
                             **biases)  # [M k, D] f32
     else:
-        xr = jnp.repeat(x, k, axis=0)  # [M k, D]
-        gu = ops.grouped_matmul(xr, lp["w_gate_up"], expert, out_dtype=h.dtype,
-                                bias=biases.get("b_gate_up"))  # [M k, 2Fe]
-        gate, up = jnp.split(gu, 2, axis=-1)
-        a = ops.glu(gate, up, activation=cfg.activation)  # [M k, Fe]
-        y = ops.grouped_matmul(a, lp["w_down"], expert, out_dtype=jnp.float32,
-                               bias=biases.get("b_down"))  # [M k, D]
+        y = expert_mlps(ops, model, x, lp["w_gate_up"], lp["w_down"], expert, biases)
     out = combine(y.reshape(rows, k, D), weights).astype(h.dtype)  # [M, D]
     out = pad_axis(out, 0, Mp)  # [Mp, D]: the padding rows stay exact zeros
     return shared_expert(ops, model, lp, h, out)
@@ -403,17 +397,28 @@ def packed_experts(ops, model: Model, lp, x, expert, weights, biases):
         biases = {name: b[pick] for name, b in biases.items()}
     w_gate_up = mxfp4.weights(lp, "w_gate_up", pick, x.dtype)  # [E or M k, D, 2Fe]
     w_down = mxfp4.weights(lp, "w_down", pick, x.dtype)  # [E or M k, Fe, D]
-    xr = jnp.repeat(x, k, axis=0)  # [M k, D]
+    y = expert_mlps(ops, model, x, w_gate_up, w_down, expert, biases, table_experts=E)
+    return combine(y.reshape(M, k, D), weights).astype(x.dtype)
+
+
+def expert_mlps(ops, model: Model, x, w_gate_up, w_down, expert, biases,
+                table_experts: int | None = None):
+    """The expert MLPs as their two grouped kernels (what `ops.grouped_mlp` computes
+    bitwise on one layout): x [M, D]'s rows repeated per slot, gate/up and the GLU (one
+    kernel with `fuse_glu` on pallas, else `ops.glu` after), down in f32 -> [M k, D] f32.
+    `table_experts`: the model's E where w holds gathered experts (`packed_experts`)."""
+    cfg, opt = model.config, model.options
+    tiles = {"table_experts": table_experts} if table_experts else {}
+    xr = jnp.repeat(x, cfg.experts_per_token, axis=0)  # [M k, D]
     if opt.fuse_glu and opt.backend == "pallas":
         a = ops.grouped_matmul_glu(xr, w_gate_up, expert, activation=cfg.activation,
-                                   bias=biases.get("b_gate_up"), table_experts=E)
+                                   bias=biases.get("b_gate_up"), **tiles)  # [M k, Fe]
     else:
         gu = ops.grouped_matmul(xr, w_gate_up, expert, out_dtype=x.dtype,
-                                bias=biases.get("b_gate_up"), table_experts=E)
+                                bias=biases.get("b_gate_up"), **tiles)  # [M k, 2Fe]
         a = ops.glu(*jnp.split(gu, 2, axis=-1), activation=cfg.activation)  # [M k, Fe]
-    y = ops.grouped_matmul(a, w_down, expert, out_dtype=jnp.float32,
-                           bias=biases.get("b_down"), table_experts=E)  # [M k, D]
-    return combine(y.reshape(M, k, D), weights).astype(x.dtype)
+    return ops.grouped_matmul(a, w_down, expert, out_dtype=jnp.float32,
+                              bias=biases.get("b_down"), **tiles)  # [M k, D]
 
 
 def shared_expert(ops, model: Model, lp, h, routed):
