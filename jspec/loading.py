@@ -404,21 +404,6 @@ def mixtral_experts(cfg: ModelConfig, reader: TensorReader, get, lp: str) -> dic
                                      lambda e: f"{ex}{e}.w2.weight"))
 
 
-def dequantize_mxfp4(blocks: np.ndarray, scales: np.ndarray, name: str = "") -> np.ndarray:
-    """MXFP4 [N, G, 16] uint8 blocks (two e2m1 codes a byte, the low nibble first) and
-    [N, G] uint8 e8m0 scales (2 ** (s - 127) per 32 values) -> float32 [G * 32, N], i.e.
-    transformers' `convert_moe_packed_tensors` for one expert: every value is exact (a
-    code times a power of two); a scale of 255 (e8m0's NaN) or one overflowing float32 is
-    a CheckpointError naming `name`."""
-    codes = np.stack([blocks & 0x0F, blocks >> 4], axis=-1)  # [N, G, 16, 2]
-    values = mxfp4.FP4_VALUES[codes].reshape(*blocks.shape[:2], 32)  # [N, G, 32]
-    with np.errstate(over="ignore", invalid="ignore"):
-        out = values * np.ldexp(np.float32(1), scales.astype(np.int32) - 127)[..., None]
-    if not np.isfinite(out).all() or (scales == 255).any():
-        raise CheckpointError(f"{name}: an MXFP4 scale is NaN (255) or overflows float32")
-    return np.ascontiguousarray(out.reshape(blocks.shape[0], -1).T)
-
-
 def gpt_oss_experts(cfg: ModelConfig, reader: TensorReader, get, lp: str,
                     keep_mxfp4: bool = False) -> dict:
     """A gpt-oss layer: `mlp.router.{weight,bias}` and `mlp.experts.{gate_up,down}_proj`
@@ -445,7 +430,7 @@ def gpt_oss_experts(cfg: ModelConfig, reader: TensorReader, get, lp: str,
         if keep_mxfp4:
             big = np.nonzero(scales >= 253)  # only there can a value overflow float32
             if big[0].size:
-                dequantize_mxfp4(blocks[big][None], scales[big][None], ex + name)
+                mxfp4.dequantize_mxfp4(blocks[big][None], scales[big][None], ex + name)
             if (scales < mxfp4.MIN_SCALE).any():
                 raise CheckpointError(
                     f"{ex}{name}_scales: a scale below {mxfp4.MIN_SCALE} (2^-125) makes "
@@ -455,7 +440,7 @@ def gpt_oss_experts(cfg: ModelConfig, reader: TensorReader, get, lp: str,
             if columns is not None:
                 codes, scales = mxfp4.take_columns(codes, scales, columns)
             return {f"{key}_mx": codes, f"{key}_scale": scales}
-        w = np.stack([dequantize_mxfp4(blocks[e], scales[e], ex + name).astype(dt)
+        w = np.stack([mxfp4.dequantize_mxfp4(blocks[e], scales[e], ex + name).astype(dt)
                       for e in range(E)])
         return {key: w if columns is None else w[..., columns]}
 

@@ -3,7 +3,7 @@
 gpt-oss ships its experts in MXFP4: 4-bit e2m1 codes, one power-of-two scale (e8m0) per
 32 values along the input axis. Every value is a code's value times a power of two, so
 it is exact in bfloat16 and float32: `dequantize` gives the very weights
-`jspec.loading.dequantize_mxfp4` gives at load time, and a model that keeps its experts
+`dequantize_mxfp4` gives at load time, and a model that keeps its experts
 packed computes the bits of the one that loaded them dequantized (the grouped kernels
 see the same weights, with the model's own tiles: `table_experts`).
 
@@ -21,6 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jspec._checks import CheckpointError
+
 # The e2m1 value of each 4-bit code (transformers' `integrations.mxfp4.FP4_VALUES`).
 FP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
                        -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32)
@@ -28,6 +30,22 @@ PACKED = ("w_gate_up", "w_down")  # the expert weights a layer may keep packed
 # The smallest scale kept packed: below it a weight may be subnormal in float32, which
 # arithmetic that flushes subnormals (XLA on a CPU, a GPU's fast paths) would zero.
 MIN_SCALE = 2
+
+
+def dequantize_mxfp4(blocks: np.ndarray, scales: np.ndarray, name: str = "") -> np.ndarray:
+    """MXFP4 [N, G, 16] uint8 blocks (two e2m1 codes a byte, the low nibble first) and
+    [N, G] uint8 e8m0 scales (2 ** (s - 127) per 32 values) -> float32 [G * 32, N], i.e.
+    transformers' `convert_moe_packed_tensors` for one expert, on the host at load
+    (`dequantize` is its traced twin on the packed layout): every value is exact (a
+    code times a power of two); a scale of 255 (e8m0's NaN) or one overflowing float32 is
+    a CheckpointError naming `name`."""
+    codes = np.stack([blocks & 0x0F, blocks >> 4], axis=-1)  # [N, G, 16, 2]
+    values = FP4_VALUES[codes].reshape(*blocks.shape[:2], 32)  # [N, G, 32]
+    with np.errstate(over="ignore", invalid="ignore"):
+        out = values * np.ldexp(np.float32(1), scales.astype(np.int32) - 127)[..., None]
+    if not np.isfinite(out).all() or (scales == 255).any():
+        raise CheckpointError(f"{name}: an MXFP4 scale is NaN (255) or overflows float32")
+    return np.ascontiguousarray(out.reshape(blocks.shape[0], -1).T)
 
 
 def pack(blocks: np.ndarray, scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -390,7 +390,7 @@ def test_mxfp4_dequantization_is_the_loaders_bit_for_bit():
     import jax.numpy as jnp
 
     from jspec import mxfp4
-    from jspec.loading import dequantize_mxfp4
+    from jspec.mxfp4 import dequantize_mxfp4
 
     rng = np.random.default_rng(0)
     blocks = rng.integers(0, 256, (3, 8, 2, 16), dtype=np.uint8)
