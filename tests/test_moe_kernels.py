@@ -609,7 +609,9 @@ def test_grouped_mlp_is_the_two_grouped_kernels_bitwise(m, k, routing, F, layout
     assert kernel or jaxpr.count("cumsum") == layout_ops
     assert m > 1 or "scatter" not in jaxpr
     ref = grouped_mlp_reference(x, wgu, wd, expert, activation=act, b_gate_up=bgu, b_down=bd)
-    np.testing.assert_allclose(np.asarray(ref), np.asarray(got), rtol=3e-2, atol=6e-2)
+    # against the xla reference (bf16 roundings apart); biased outputs are ~4x larger
+    np.testing.assert_allclose(np.asarray(ref), np.asarray(got), rtol=3e-2,
+                               atol=6e-2 if biased else 3e-2)
     with pytest.raises(ValueError, match="grouped_mlp wants x"):
         fn(x[:0], wgu, wd, expert)
 
