@@ -379,18 +379,24 @@ def moe_block(ops, model: Model, lp, h, rows: int):
 
 def packed_experts(ops, model: Model, lp, x, expert, weights, biases):
     """`moe_block`'s experts where the layer keeps them MXFP4-packed (`jspec.mxfp4`):
-    x [M, D], expert [M k], weights [M, k] -> [M, D]. Fewer slots than experts (a step, a
-    verify block): each slot's expert is dequantized alone (only routed bytes are read),
-    and the slot is its own expert; else all E at once. The grouped kernels take the
-    model's tiles (`table_experts`), and a row's result depends on its row and its
-    expert's weights only (R9), which are the dequantized model's exactly: so the bits of
-    the model loaded dequantized (`combine` in jnp; `moe_combine_kernel`, whose kernel
-    has bits of its own, is refused here)."""
+    x [M, D], expert [M k], weights [M, k] -> [M, D]. On pallas the grouped kernels read
+    the codes and scales and decode each weight block in their K loop (`scales=`: 4.25
+    bits a weight read, the tiles of the float weight). On xla, with fewer slots than
+    experts (a step, a verify block) each slot's expert is dequantized alone (only routed
+    bytes are read) and the slot is its own expert, else all E at once (`table_experts`:
+    the model's tiles). Either way a row's result depends on its row and its expert's
+    weights only (R9), which are the dequantized model's exactly: so the bits of the model
+    loaded dequantized (`combine` in jnp; `moe_combine_kernel`, whose kernel has bits of
+    its own, is refused here)."""
     cfg, opt = model.config, model.options
     if opt.moe_combine_kernel and opt.backend == "pallas":
         raise ValueError("moe_combine_kernel=True does not run with MXFP4-packed experts "
                          "(mxfp4_experts=True): load the experts dequantized, or drop it")
     E, k, (M, D) = cfg.num_experts, cfg.experts_per_token, x.shape
+    if opt.backend == "pallas":
+        y = expert_mlps(ops, model, x, lp["w_gate_up_mx"], lp["w_down_mx"], expert, biases,
+                        scales=(lp["w_gate_up_scale"], lp["w_down_scale"]))
+        return combine(y.reshape(M, k, D), weights).astype(x.dtype)
     pick = None
     if M * k < E:
         pick, expert = expert, jnp.arange(M * k, dtype=expert.dtype)
@@ -402,23 +408,25 @@ def packed_experts(ops, model: Model, lp, x, expert, weights, biases):
 
 
 def expert_mlps(ops, model: Model, x, w_gate_up, w_down, expert, biases,
-                table_experts: int | None = None):
+                table_experts: int | None = None, scales=None):
     """The expert MLPs as their two grouped kernels (what `ops.grouped_mlp` computes
     bitwise on one layout): x [M, D]'s rows repeated per slot, gate/up and the GLU (one
     kernel with `fuse_glu` on pallas, else `ops.glu` after), down in f32 -> [M k, D] f32.
-    `table_experts`: the model's E where w holds gathered experts (`packed_experts`)."""
+    `table_experts`: the model's E where w holds gathered experts; `scales`: the two
+    weights' MXFP4 scales where w holds their codes (`packed_experts`)."""
     cfg, opt = model.config, model.options
     tiles = {"table_experts": table_experts} if table_experts else {}
+    s_gu, s_dn = ({"scales": s} for s in scales) if scales else ({}, {})
     xr = jnp.repeat(x, cfg.experts_per_token, axis=0)  # [M k, D]
     if opt.fuse_glu and opt.backend == "pallas":
         a = ops.grouped_matmul_glu(xr, w_gate_up, expert, activation=cfg.activation,
-                                   bias=biases.get("b_gate_up"), **tiles)  # [M k, Fe]
+                                   bias=biases.get("b_gate_up"), **tiles, **s_gu)  # [M k, Fe]
     else:
         gu = ops.grouped_matmul(xr, w_gate_up, expert, out_dtype=x.dtype,
-                                bias=biases.get("b_gate_up"), **tiles)  # [M k, 2Fe]
+                                bias=biases.get("b_gate_up"), **tiles, **s_gu)  # [M k, 2Fe]
         a = ops.glu(*jnp.split(gu, 2, axis=-1), activation=cfg.activation)  # [M k, Fe]
     return ops.grouped_matmul(a, w_down, expert, out_dtype=jnp.float32,
-                              bias=biases.get("b_down"), **tiles)  # [M k, D]
+                              bias=biases.get("b_down"), **tiles, **s_dn)  # [M k, D]
 
 
 def shared_expert(ops, model: Model, lp, h, routed):

@@ -90,7 +90,8 @@ class Ops(NamedTuple):
       row r is x[r] @ w[expert[r]] (+ bias[expert[r]], bias [E,N], added to the f32
       accumulator before the one rounding), bitwise independent of the rows sharing its
       expert on the pallas backend (rule R9; `pallas_kernels.moe`, whose `combine` both
-      backends share);
+      backends share); scales=[E,K/32,N] uint8: w is MXFP4 codes [E,K/2,N] uint8, decoded
+      in the kernel (`pallas_kernels.mxfp4`), the bits of the decoded weight;
     grouped_matmul_glu(x [R,K], w [E,K,2F], expert [R], activation, bias=None) -> [R,F]
       x.dtype: glu of grouped_matmul's halves (bias [E,2F]: the same halves), bitwise, in
       one kernel.
@@ -183,13 +184,15 @@ def _by_head_dim(mosaic: Callable, triton: Callable) -> Callable:
 def _experts_by_shape(mosaic: Callable, triton: Callable) -> Callable:
     """A grouped expert kernel (`grouped_matmul`, `grouped_matmul_glu`, `grouped_mlp`,
     `grouped_mlp_combine`) on Mosaic GPU for 16-bit weights whose GLU width is a multiple
-    of its 64-column block, else Triton (shapes and dtypes decide, never rows)."""
+    of its 64-column block, else Triton (shapes and dtypes decide, never rows; MXFP4
+    codes, `scales=`, are decoded in Triton's kernels only)."""
     from pallas_kernels.mosaic.matmul import BM, DTYPES
 
     @functools.wraps(mosaic)
     def run(x, w, *args, **kwargs):
         glu = "activation" in kwargs
-        ok = x.dtype.name in DTYPES and not (glu and (w.shape[2] // 2) % BM)
+        ok = (x.dtype.name in DTYPES and not (glu and (w.shape[2] // 2) % BM)
+              and kwargs.get("scales") is None)
         return (mosaic if ok else triton)(x, w, *args, **kwargs)
 
     return run

@@ -34,6 +34,15 @@ expert's bias row is added to the f32 accumulator after the K loop, before the p
 one rounding (the gate/up's before the GLU; the f32 down output's in f32), in the kernel.
 Without a bias the kernels trace exactly as before: no operand, no op.
 
+MXFP4 experts (gpt-oss kept packed, `scales=`): w is then uint8 codes [E, K / 2, N] with
+scales [E, K / 32, N] (`pallas_kernels.mxfp4`'s layout), and each K step decodes its
+[bk, bn] weight block from the [bk / 2, bn] codes and [bk / 32, bn] scales it reads, in
+integer ops, into the very values the dequantized weight holds; the dot, tiles and K
+loop are the float weight's (the tiles of `grouped_config(E, K, N, x.dtype)`), so the
+bits are those of the dequantized weight, and a step reads 4.25 bits a weight. Where the
+tile's bk is not a multiple of 32 the weight is decoded before the launch (the same
+bits).
+
 `grouped_matmul_reference` is what a plain JAX MoE runs (the `xla` backend): the rows
 sorted by a stable argsort, then `jax.lax.ragged_dot` with the group sizes. Its reduction
 order is XLA's choice for the whole [R, K] x [E, K, N] problem, so a row's bits change
@@ -56,6 +65,7 @@ from pallas_kernels._common import dot_f32, next_pow2, pad_axis, round_up, trito
 from pallas_kernels.glu import ACTIVATIONS, glu, glu_reference
 from pallas_kernels.matmul import TUNED_FILE, MatmulConfig, matmul_config, read_tuned_file
 from pallas_kernels.matmul_glu import _glu_tile
+from pallas_kernels.mxfp4 import GROUP, decode
 from pallas_kernels.route import combine, combine_kernel
 
 
@@ -103,7 +113,10 @@ def grouped_config(E: int, K: int, N: int, dtype, interpret: bool) -> MatmulConf
     return dataclasses.replace(matmul_config(K, N, dtype, interpret), split_k=1)
 
 
-def _check_grouped(x: jax.Array, w: jax.Array, expert: jax.Array) -> None:
+def _check_grouped(x: jax.Array, w: jax.Array, expert: jax.Array, scales=None) -> None:
+    if scales is not None:
+        _check_packed(x, w, scales)
+        w = jax.ShapeDtypeStruct((w.shape[0], x.shape[1], w.shape[2]), x.dtype)
     if x.ndim != 2 or w.ndim != 3 or x.shape[1] != w.shape[1]:
         raise ValueError(f"grouped_matmul wants x [R, K] and w [E, K, N]; got {x.shape=} "
                          f"{w.shape=}")
@@ -116,6 +129,23 @@ def _check_grouped(x: jax.Array, w: jax.Array, expert: jax.Array) -> None:
     if x.dtype != w.dtype or x.dtype not in (jnp.float32, jnp.bfloat16):
         raise ValueError(f"grouped_matmul wants x and w both float32 or both bfloat16; got "
                          f"{x.dtype=} {w.dtype=}")
+
+
+def _check_packed(x: jax.Array, codes: jax.Array, scales: jax.Array) -> None:
+    K = x.shape[-1]
+    if codes.ndim != 3 or codes.dtype != jnp.uint8 or 2 * codes.shape[1] != K:
+        raise ValueError(f"a grouped matmul with MXFP4 scales wants uint8 codes [E, K / 2, N] "
+                         f"for x [R, K]; got {codes.shape=} {codes.dtype=} {x.shape=}")
+    want = (codes.shape[0], K // GROUP, codes.shape[2])
+    if K % GROUP or scales.shape != want or scales.dtype != jnp.uint8:
+        raise ValueError(f"a grouped matmul with MXFP4 codes {codes.shape} wants uint8 scales "
+                         f"{want} (K a multiple of {GROUP}); got {scales.shape=} "
+                         f"{scales.dtype=}")
+
+
+def _packed(w: jax.Array, scales, dtype) -> jax.Array:
+    """w itself, or the float [E, K, N] its MXFP4 codes and scales stand for."""
+    return w if scales is None else decode(w, scales, dtype)
 
 
 def check_bias(bias, w: jax.Array, name: str) -> None:
@@ -252,11 +282,13 @@ def tile_layout_kernel(expert: jax.Array, E: int, bm: int, *, interpret: bool = 
 
 
 def _expert_k_loop(e, src_ref, x_ref, w_ref, *, bk: int, nk: int, bn: int,
-                   row_div: int = 1):
+                   row_div: int = 1, s_ref=None):
     """[bm, bn] f32: the tile's rows (src_ref) of x_ref [R, Kp] times expert e's block
     w_ref [E, Kp, bn], k = 0, 1, ..., nk-1 in bk blocks, sequentially (R2: the K order is
     fixed by K and bk). Empty slots (src -1) read exact zeros. row_div > 1: slot source s
-    reads x row s // row_div (a token's k routed copies read the token's one row)."""
+    reads x row s // row_div (a token's k routed copies read the token's one row).
+    s_ref [E, Kp / 32, bn] (MXFP4): w_ref holds codes [E, Kp / 2, bn], each [bk, bn] block
+    decoded from its codes and scales (`mxfp4.decode`: exact) before the same dot."""
     src = src_ref[...]  # [bm]
     rows, real = jnp.maximum(src, 0), (src >= 0)[:, None]  # [bm], [bm, 1]
     if row_div > 1:
@@ -265,7 +297,11 @@ def _expert_k_loop(e, src_ref, x_ref, w_ref, *, bk: int, nk: int, bn: int,
     def step(k, acc):  # acc [bm, bn] f32
         xs = x_ref[rows, pl.ds(k * bk, bk)]  # [bm, bk] gathered: the tile's rows
         xs = jnp.where(real, xs, jnp.zeros_like(xs))
-        ws = w_ref[e, pl.ds(k * bk, bk), :]  # [bk, bn] of the tile's expert only
+        if s_ref is None:
+            ws = w_ref[e, pl.ds(k * bk, bk), :]  # [bk, bn] of the tile's expert only
+        else:  # its [bk / 2, bn] codes and [bk / 32, bn] scales, decoded
+            ws = decode(w_ref[e, pl.ds(k * (bk // 2), bk // 2), :],
+                        s_ref[e, pl.ds(k * (bk // GROUP), bk // GROUP), :], xs.dtype)
         return acc + jnp.dot(xs, ws, precision=lax.Precision.HIGHEST,
                              preferred_element_type=jnp.float32)
 
@@ -281,25 +317,29 @@ def _biased(acc: jax.Array, e, b_ref=None) -> jax.Array:
 
 
 def _grouped_kernel(e_ref, src_ref, x_ref, w_ref, *refs, bk: int, nk: int,
-                    row_div: int = 1):
+                    row_div: int = 1, packed: bool = False):
     # e_ref [1] int32: the tile's expert (-1: unused tile); src_ref [bm] int32: the row of
     # x in each slot (-1: none); x_ref [R, Kp]; w_ref [E, Kp, bn]; refs: o_ref [bm, bn],
-    # after b_ref [E, bn] with a bias.
+    # after b_ref [E, bn] with a bias, after s_ref [E, Kp / 32, bn] when packed (w_ref
+    # then holds MXFP4 codes [E, Kp / 2, bn]).
+    s_ref, refs = (refs[0], refs[1:]) if packed else (None, refs)
     *b_refs, o_ref = refs
     e = jnp.max(e_ref[...])
 
     @pl.when(e >= 0)
     def _():
         acc = _expert_k_loop(e, src_ref, x_ref, w_ref, bk=bk, nk=nk, bn=o_ref.shape[1],
-                             row_div=row_div)
+                             row_div=row_div, s_ref=s_ref)
         o_ref[...] = _biased(acc, e, *b_refs).astype(o_ref.dtype)
 
 
 def _grouped_glu_kernel(e_ref, src_ref, x_ref, wg_ref, wu_ref, *refs, bk: int, nk: int,
-                        activation: str, row_div: int = 1):
+                        activation: str, row_div: int = 1, packed: bool = False):
     # `_grouped_kernel` with the gate and up column blocks j of w [E, Kp, 2F] (refs: o_ref,
-    # after their bias blocks bg_ref, bu_ref with a bias): each biased in f32, rounded to
-    # the dtype, then `glu`'s arithmetic (`matmul_glu`'s tile).
+    # after their bias blocks bg_ref, bu_ref with a bias, after their scale blocks sg_ref,
+    # su_ref when packed): each biased in f32, rounded to the dtype, then `glu`'s
+    # arithmetic (`matmul_glu`'s tile).
+    (sg_ref, su_ref), refs = (refs[:2], refs[2:]) if packed else ((None, None), refs)
     *b_refs, o_ref = refs
     bg_ref, bu_ref = b_refs or (None, None)
     e = jnp.max(e_ref[...])
@@ -308,29 +348,31 @@ def _grouped_glu_kernel(e_ref, src_ref, x_ref, wg_ref, wu_ref, *refs, bk: int, n
     @pl.when(e >= 0)
     def _():
         gate = _biased(_expert_k_loop(e, src_ref, x_ref, wg_ref, bk=bk, nk=nk, bn=bn,
-                                      row_div=row_div), e, bg_ref).astype(dtype)
+                                      row_div=row_div, s_ref=sg_ref), e, bg_ref).astype(dtype)
         up = _biased(_expert_k_loop(e, src_ref, x_ref, wu_ref, bk=bk, nk=nk, bn=bn,
-                                    row_div=row_div), e, bu_ref).astype(dtype)
+                                    row_div=row_div, s_ref=su_ref), e, bu_ref).astype(dtype)
         o_ref[...] = _glu_tile(gate, up, activation)
 
 
 def _launch(kernel, x, w, expert, cfg: MatmulConfig, n_out: int, out_dtype, w_blocks,
-            interpret: bool, name: str, bias=None):
+            interpret: bool, name: str, bias=None, scales=None):
     """Runs `kernel` over the expert-sorted row tiles x column blocks of n_out columns;
     w_blocks: the column-block index of each weight operand for column block j. Returns
     the [R, n_out] rows in their original order."""
     dest, tile_expert, src = tile_layout(expert.astype(jnp.int32), w.shape[0], cfg.bm)
     return _launch_sorted(kernel, x, w, tile_expert, src, cfg, n_out, out_dtype, w_blocks,
-                          interpret, name, bias=bias)[dest]
+                          interpret, name, bias=bias, scales=scales)[dest]
 
 
 def _launch_sorted(kernel, x, w, tile_expert, src, cfg: MatmulConfig, n_out: int, out_dtype,
                    w_blocks, interpret: bool, name: str, row_div: int = 1,
-                   tiles: int | None = None, bias=None):
+                   tiles: int | None = None, bias=None, scales=None):
     """`_launch` on a given layout (`tile_layout`'s tile_expert [T] and src [T bm], or
     longer arrays of which the first `tiles` tiles are used; slot s reads x row
     src[s] // row_div): the [T bm, n_out] rows in slot order. bias [E, N] (or None): its
-    column blocks go to the kernel beside the weight's, one a weight operand."""
+    column blocks go to the kernel beside the weight's, one a weight operand. scales
+    [E, K / 32, N] (or None): w holds MXFP4 codes [E, K / 2, N] (bk a multiple of 32),
+    their scale blocks go beside them."""
     K = x.shape[1]
     E = w.shape[0]
     bm = cfg.bm
@@ -338,15 +380,25 @@ def _launch_sorted(kernel, x, w, tile_expert, src, cfg: MatmulConfig, n_out: int
     kp = round_up(K, cfg.bk)
     # Zero padding: extra K terms add exact zeros at the end of the sum; the empty slots
     # after each group's last row read zero rows, and their outputs are never read.
+    # (Packed: the code 0 is +0.0 whatever its padded scale.)
     xp = pad_axis(x, 1, kp)  # [R, Kp]
-    wp = pad_axis(pad_axis(w, 1, kp), 2, round_up(w.shape[2], cfg.bn))  # [E, Kp, Np]
-    w_specs = [pl.BlockSpec((E, kp, cfg.bn), lambda i, j, b=b: (0, 0, b(j)))
+    per_row = 1 if scales is None else 2  # weight rows a stored row holds
+    Np = round_up(w.shape[2], cfg.bn)
+    wp = pad_axis(pad_axis(w, 1, kp // per_row), 2, Np)  # [E, Kp (/ 2), Np]
+    w_specs = [pl.BlockSpec((E, kp // per_row, cfg.bn), lambda i, j, b=b: (0, 0, b(j)))
                for b in w_blocks]
+    s_specs, s_args, extra = [], [], {}
+    if scales is not None:
+        s_specs = [pl.BlockSpec((E, kp // GROUP, cfg.bn), lambda i, j, b=b: (0, 0, b(j)))
+                   for b in w_blocks]
+        s_args = [pad_axis(pad_axis(scales, 1, kp // GROUP, 127), 2, Np, 127)] * len(w_blocks)
+        extra["packed"] = True
     b_specs, b_args = [], []
     if bias is not None:
         b_specs = [pl.BlockSpec((E, cfg.bn), lambda i, j, b=b: (0, b(j))) for b in w_blocks]
         b_args = [pad_axis(bias, 1, wp.shape[2])] * len(w_blocks)  # [E, Np]
-    extra = {"row_div": row_div} if row_div > 1 else {}
+    if row_div > 1:
+        extra["row_div"] = row_div
     return pl.pallas_call(
         functools.partial(kernel, bk=cfg.bk, nk=kp // cfg.bk, **extra),
         out_shape=jax.ShapeDtypeStruct((T * bm, n_out), out_dtype),
@@ -356,13 +408,14 @@ def _launch_sorted(kernel, x, w, tile_expert, src, cfg: MatmulConfig, n_out: int
             pl.BlockSpec((bm,), lambda i, j: (i,)),
             pl.BlockSpec((x.shape[0], kp), lambda i, j: (0, 0)),
             *w_specs,
+            *s_specs,
             *b_specs,
         ],
         out_specs=pl.BlockSpec((bm, cfg.bn), lambda i, j: (i, j)),
         compiler_params=triton_params(cfg.num_warps, cfg.num_stages),
         interpret=interpret,
         name=name,
-    )(tile_expert, src, xp, *([wp] * len(w_blocks)), *b_args)
+    )(tile_expert, src, xp, *([wp] * len(w_blocks)), *s_args, *b_args)
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "interpret", "config",
@@ -370,7 +423,8 @@ def _launch_sorted(kernel, x, w, tile_expert, src, cfg: MatmulConfig, n_out: int
 def grouped_matmul(x: jax.Array, w: jax.Array, expert: jax.Array, *, out_dtype,
                    bias: jax.Array | None = None, interpret: bool = False,
                    config: MatmulConfig | None = None,
-                   table_experts: int | None = None) -> jax.Array:
+                   table_experts: int | None = None,
+                   scales: jax.Array | None = None) -> jax.Array:
     """x [R, K] @ w[expert] (+ bias[expert]) -> [R, N] in out_dtype (None: float32): row r
     is x[r] @ w[expert[r]], K reduced from 0 upward in an f32 accumulator, plus the
     expert's bias row in f32 (bias [E, N] or None), then one rounding; bitwise
@@ -380,20 +434,26 @@ def grouped_matmul(x: jax.Array, w: jax.Array, expert: jax.Array, *, out_dtype,
     values are not checked: an id outside it gives an undefined row). `config`
     overrides `grouped_config(E, K, N, ...)` (split_k must be 1); one weight must always
     use one config. `table_experts`: the E whose tiles to take, where w holds some of a
-    model's experts gathered (`jspec.mxfp4`: the tiles of the model's whole weight)."""
-    _check_grouped(x, w, expert)
+    model's experts gathered (`jspec.mxfp4`: the tiles of the model's whole weight).
+    `scales` [E, K / 32, N] uint8: w is MXFP4 codes [E, K / 2, N] uint8 (`mxfp4.decode`'s
+    layout) standing for a weight of x's dtype, decoded block by block in the kernel:
+    the bits of that weight passed as floats."""
+    _check_grouped(x, w, expert, scales)
     check_bias(bias, w, "grouped_matmul")
     out_dtype = jnp.dtype(jnp.float32 if out_dtype is None else out_dtype)
     R, K = x.shape
     E, _, N = w.shape
-    cfg = (grouped_config(table_experts or E, K, N, w.dtype, interpret) if config is None
+    cfg = (grouped_config(table_experts or E, K, N, x.dtype, interpret) if config is None
            else config)
     if cfg.split_k != 1:
         raise ValueError(f"grouped_matmul takes no split-K; got {cfg.split_k=}")
     if R == 0:
         return jnp.zeros((0, N), out_dtype)
-    out = _launch(_grouped_kernel, x, w, expert, cfg, round_up(N, cfg.bn), out_dtype,
-                  [lambda j: j], interpret, "jspec_grouped_matmul", bias=bias)
+    if scales is not None and cfg.bk % GROUP:
+        w, scales = decode(w, scales, x.dtype), None
+    kernel = functools.partial(_grouped_kernel, packed=scales is not None)
+    out = _launch(kernel, x, w, expert, cfg, round_up(N, cfg.bn), out_dtype,
+                  [lambda j: j], interpret, "jspec_grouped_matmul", bias=bias, scales=scales)
     return out[:, :N]
 
 
@@ -402,14 +462,16 @@ def grouped_matmul(x: jax.Array, w: jax.Array, expert: jax.Array, *, out_dtype,
 def grouped_matmul_glu(x: jax.Array, w: jax.Array, expert: jax.Array, *, activation: str,
                        bias: jax.Array | None = None, interpret: bool = False,
                        config: MatmulConfig | None = None,
-                       table_experts: int | None = None) -> jax.Array:
+                       table_experts: int | None = None,
+                       scales: jax.Array | None = None) -> jax.Array:
     """act(x[r] @ w[e][:, :F]) * (x[r] @ w[e][:, F:]) for e = expert[r]: x [R, K],
     w [E, K, 2F] (gate columns first), bias [E, 2F] or None (the same halves) -> [R, F]
     x.dtype. Bitwise `glu` of `grouped_matmul(x, w, expert, out_dtype=x.dtype,
     bias=bias)`'s halves (the same tiles, `grouped_config(E, K, 2F)` unless `config`
     overrides it, and K loops), in one kernel; shapes whose column tile does not divide F
-    take that unfused path. `table_experts` as `grouped_matmul`'s."""
-    _check_grouped(x, w, expert)
+    take that unfused path. `table_experts` and `scales` (MXFP4 codes in w) as
+    `grouped_matmul`'s."""
+    _check_grouped(x, w, expert, scales)
     check_bias(bias, w, "grouped_matmul_glu")
     if w.shape[2] % 2:
         raise ValueError(f"grouped_matmul_glu wants w [E, K, 2F] (gate, then up); got "
@@ -417,19 +479,23 @@ def grouped_matmul_glu(x: jax.Array, w: jax.Array, expert: jax.Array, *, activat
     if activation not in ACTIVATIONS:
         raise ValueError(f"grouped_matmul_glu activation must be one of {ACTIVATIONS}; got "
                          f"{activation=}")
-    E, K, F = w.shape[0], w.shape[1], w.shape[2] // 2
-    cfg = (grouped_config(table_experts or E, K, 2 * F, w.dtype, interpret) if config is None
+    E, K, F = w.shape[0], x.shape[1], w.shape[2] // 2
+    cfg = (grouped_config(table_experts or E, K, 2 * F, x.dtype, interpret) if config is None
            else config)
     if cfg.split_k != 1:
         raise ValueError(f"grouped_matmul_glu takes no split-K; got {cfg.split_k=}")
     if F % cfg.bn or x.shape[0] == 0:
         gate, up = jnp.split(grouped_matmul(x, w, expert, out_dtype=x.dtype, bias=bias,
-                                            interpret=interpret, config=cfg), 2, axis=-1)
+                                            interpret=interpret, config=cfg, scales=scales),
+                             2, axis=-1)
         return glu(gate, up, activation=activation, interpret=interpret)
+    if scales is not None and cfg.bk % GROUP:
+        w, scales = decode(w, scales, x.dtype), None
     nf = F // cfg.bn  # column blocks of the gate half
-    kernel = functools.partial(_grouped_glu_kernel, activation=activation)
+    kernel = functools.partial(_grouped_glu_kernel, activation=activation,
+                               packed=scales is not None)
     return _launch(kernel, x, w, expert, cfg, F, x.dtype, [lambda j: j, lambda j: j + nf],
-                   interpret, "jspec_grouped_matmul_glu", bias=bias)
+                   interpret, "jspec_grouped_matmul_glu", bias=bias, scales=scales)
 
 
 def check_mlp(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, expert: jax.Array,
@@ -587,12 +653,15 @@ def grouped_mlp_reference(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array,
 
 def grouped_matmul_reference(x: jax.Array, w: jax.Array, expert: jax.Array, *, out_dtype,
                              bias: jax.Array | None = None, config=None,
-                             table_experts: int | None = None) -> jax.Array:
+                             table_experts: int | None = None,
+                             scales: jax.Array | None = None) -> jax.Array:
     """What a plain JAX MoE runs (the `xla` backend; NOT row-invariant): rows sorted by
     expert, `jax.lax.ragged_dot` over the groups with f32 accumulation, unsorted, plus
-    bias[expert] in f32 (bias [E, N] or None), then one rounding."""
+    bias[expert] in f32 (bias [E, N] or None), then one rounding. MXFP4 codes (`scales`)
+    are decoded first, all E experts."""
     del config  # the kernel's tiling; nothing to tile here
-    _check_grouped(x, w, expert)
+    _check_grouped(x, w, expert, scales)
+    w = _packed(w, scales, x.dtype)
     check_bias(bias, w, "grouped_matmul")
     out_dtype = jnp.float32 if out_dtype is None else out_dtype
     E = w.shape[0]
@@ -610,9 +679,10 @@ def grouped_matmul_reference(x: jax.Array, w: jax.Array, expert: jax.Array, *, o
 
 def grouped_matmul_glu_reference(x: jax.Array, w: jax.Array, expert: jax.Array, *,
                                  activation: str, bias: jax.Array | None = None,
-                                 table_experts: int | None = None) -> jax.Array:
+                                 table_experts: int | None = None,
+                                 scales: jax.Array | None = None) -> jax.Array:
     """Plain jnp: the reference grouped matmul (biased) rounded to x.dtype, split, the
     reference GLU (NOT row-invariant)."""
     gate, up = jnp.split(grouped_matmul_reference(x, w, expert, out_dtype=x.dtype,
-                                                  bias=bias), 2, axis=-1)
+                                                  bias=bias, scales=scales), 2, axis=-1)
     return glu_reference(gate, up, activation=activation)

@@ -1,0 +1,40 @@
+"""MXFP4 weights (e2m1 codes, e8m0 scales) decoded with integer ops: inside a kernel's K
+loop (`moe.grouped_matmul(..., scales=...)`) or outside one, the same values.
+
+A code c (4 bits: sign, 2 exponent bits e, 1 mantissa bit m) with scale s stands for
+(-1)^sign * (e ? 2^(e-1) (1 + m/2) : m/2) * 2^(s - 127). With s >= 2 that value is a
+normal float32 (or zero) whose bits are built directly: biased exponent e - 1 + s (or
+s - 1 for the code 0.5, 0 for zero), the mantissa's top bit m. Casting it to bfloat16 is
+exact (two significant bits). No table, no rounding: every lowering gives the same
+values, and `jspec.mxfp4.dequantize_mxfp4` (transformers' table) gives them too.
+
+Layout: codes uint8 [..., K / 2, N], byte (j, n) holding row 2j's code in its low nibble
+and row 2j + 1's in its high nibble; scales uint8 [..., K / 32, N], one per 32 rows of a
+column.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+GROUP = 32  # rows of K sharing one scale
+
+
+def decode(codes: jax.Array, scales: jax.Array, dtype) -> jax.Array:
+    """codes uint8 [..., H, N] and scales uint8 [..., H / 16, N] (each >= 2) -> the
+    weight [..., 2 H, N] in dtype, exactly. Plain integer ops, a join of two nibbles, a
+    transpose and reshapes: it lowers inside a Pallas Triton kernel as it runs in jnp."""
+    *lead, H, N = codes.shape
+    c = codes.astype(jnp.int32)
+    pair = jnp.stack([c & 15, lax.shift_right_logical(c, 4)], axis=-1)  # [..., H, N, 2]
+    c = jnp.swapaxes(pair, -1, -2).reshape(*lead, 2 * H, N)  # rows 2j, 2j + 1
+    G = scales.shape[-2]
+    s = scales.astype(jnp.int32)[..., :, None, :]
+    s = jnp.broadcast_to(s, (*lead, G, GROUP, N)).reshape(*lead, G * GROUP, N)
+    e, m = lax.shift_right_logical(c, 1) & 3, c & 1
+    exponent = jnp.where(e > 0, e - 1 + s, jnp.where(m > 0, s - 1, 0))
+    bits = (lax.shift_left(lax.shift_right_logical(c, 3), 31)
+            | lax.shift_left(exponent, 23) | lax.shift_left(jnp.where(e > 0, m, 0), 22))
+    return lax.bitcast_convert_type(bits, jnp.float32).astype(dtype)
