@@ -50,6 +50,7 @@ _VALUED = {
     "attn_skip_empty": ("kernel", "attn_skip_empty", bool),
     "moe_layout_kernel": ("kernel", "moe_layout_kernel", bool),
     "moe_combine_kernel": ("kernel", "moe_combine_kernel", bool),
+    "mxfp4_kernel": ("kernel", "mxfp4_kernel", bool),
     "matmul_row_group": ("kernel", "matmul_row_group", int),
     "matmul_schedule": ("kernel", "matmul_schedule", bool),
     "kv_dus": ("kernel", "kv_dus", bool),

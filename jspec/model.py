@@ -379,21 +379,21 @@ def moe_block(ops, model: Model, lp, h, rows: int):
 
 def packed_experts(ops, model: Model, lp, x, expert, weights, biases):
     """`moe_block`'s experts where the layer keeps them MXFP4-packed (`jspec.mxfp4`):
-    x [M, D], expert [M k], weights [M, k] -> [M, D]. On pallas the grouped kernels read
-    the codes and scales and decode each weight block in their K loop (`scales=`: 4.25
-    bits a weight read, the tiles of the float weight). On xla, with fewer slots than
-    experts (a step, a verify block) each slot's expert is dequantized alone (only routed
-    bytes are read) and the slot is its own expert, else all E at once (`table_experts`:
-    the model's tiles). Either way a row's result depends on its row and its expert's
-    weights only (R9), which are the dequantized model's exactly: so the bits of the model
-    loaded dequantized (`combine` in jnp; `moe_combine_kernel`, whose kernel has bits of
-    its own, is refused here)."""
+    x [M, D], expert [M k], weights [M, k] -> [M, D]. With `mxfp4_kernel` on pallas the
+    grouped kernels read the codes and scales and decode each weight block in their K
+    loop (`scales=`: 4.25 bits a weight read, the tiles of the float weight). Otherwise,
+    with fewer slots than experts (a step, a verify block) each slot's expert is
+    dequantized alone (only routed bytes are read) and the slot is its own expert, else
+    all E at once (`table_experts`: the model's tiles). Either way a row's result
+    depends on its row and its expert's weights only (R9), which are the dequantized
+    model's exactly: so the bits of the model loaded dequantized (`combine` in jnp;
+    `moe_combine_kernel`, whose kernel has bits of its own, is refused here)."""
     cfg, opt = model.config, model.options
     if opt.moe_combine_kernel and opt.backend == "pallas":
         raise ValueError("moe_combine_kernel=True does not run with MXFP4-packed experts "
                          "(mxfp4_experts=True): load the experts dequantized, or drop it")
     E, k, (M, D) = cfg.num_experts, cfg.experts_per_token, x.shape
-    if opt.backend == "pallas":
+    if opt.backend == "pallas" and opt.mxfp4_kernel:
         y = expert_mlps(ops, model, x, lp["w_gate_up_mx"], lp["w_down_mx"], expert, biases,
                         scales=(lp["w_gate_up_scale"], lp["w_down_scale"]))
         return combine(y.reshape(M, k, D), weights).astype(x.dtype)

@@ -90,6 +90,12 @@ class KernelOptions:
         kernel's products and adds are its own, so its bits may differ from the XLA
         combine's; row-invariant either way. Needs fuse_glu (its slots are the fused
         expert MLP's).
+      mxfp4_kernel: pallas: MXFP4-packed experts (`mxfp4_experts=True`) are decoded
+        inside the grouped kernels' K loop, block by block, with the float weight's
+        tiles (True: a step reads 4.25 bits a routed weight, no dequantized copy), or
+        each routed slot's expert is dequantized before the kernels (False or None: the
+        default until the in-kernel decoding is proven on a GPU). Exact integer
+        decoding either way: the same bits.
       matmul_row_group: pallas: up to this many row tiles per matmul program, each
         weight block loaded once for all of them (scheduling only).
       matmul_schedule: pallas: launches of several row tiles use the weight's tuned
@@ -139,6 +145,7 @@ class KernelOptions:
     attn_group_split: bool | None = None
     moe_layout_kernel: bool | None = None
     moe_combine_kernel: bool | None = None
+    mxfp4_kernel: bool | None = None
     matmul_row_group: int = 4
     matmul_schedule: bool = True
     kv_dus: bool = True
@@ -156,7 +163,8 @@ class KernelOptions:
             _bool(name, getattr(self, name))
         for name in ("attn_fused_fold", "attn_serial_split", "attn_skip_empty",
                      "attn_group_split",
-                     "moe_layout_kernel", "moe_combine_kernel", "kv_write_kernel"):
+                     "moe_layout_kernel", "moe_combine_kernel", "kv_write_kernel",
+                     "mxfp4_kernel"):
             if getattr(self, name) is not None:
                 _bool(name, getattr(self, name))
         if self.kv_write_kernel and not self.fuse_qk_rope:
@@ -187,7 +195,7 @@ class KernelOptions:
     def plain(self) -> KernelOptions:
         """The same options with every fusion off (`FUSIONS`): the path each fusion is
         checked against, bit for bit."""
-        return self.replace(kv_write_kernel=None, moe_layout_kernel=None,
+        return self.replace(kv_write_kernel=None, moe_layout_kernel=None, mxfp4_kernel=None,
                             **dict.fromkeys(FUSIONS, False))
 
 

@@ -563,3 +563,13 @@ def test_a_tree_call_must_describe_its_tokens():
                            rf"root \[1\], depth \[1, {T}\]"):
             jspec.apply(model, jnp.ones((1, T), jnp.int32), cache, tree=tree)
     assert jspec.apply(model, jnp.ones((1, 4), jnp.int32), cache, tree=tree).logits.shape[1] == 4
+
+
+def test_mxfp4_kernel_is_a_checked_bool_that_plain_turns_off():
+    with pytest.raises(ValueError, match="mxfp4_kernel"):
+        jspec.KernelOptions(mxfp4_kernel="yes")
+    assert jspec.KernelOptions(mxfp4_kernel=True).plain().mxfp4_kernel is None
+    from jspec.cli import parse_options
+
+    kernel, _ = parse_options("mxfp4_kernel=1")
+    assert kernel.mxfp4_kernel is True

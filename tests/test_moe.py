@@ -332,11 +332,13 @@ def test_paths_without_experts_refuse_an_moe_model():
 # ------------------------------------------------------------- MXFP4 experts kept packed
 
 
-def test_mxfp4_experts_kept_packed_give_the_dequantized_models_bits():
+@pytest.mark.parametrize("in_kernel", [None, True])
+def test_mxfp4_experts_kept_packed_give_the_dequantized_models_bits(in_kernel):
     """`load_hf(..., mxfp4_experts=True)` keeps gpt-oss's MXFP4 experts packed (a quarter
-    of the bytes) and dequantizes the routed ones in each layer: one-token steps (each
-    slot's expert alone), verify blocks, a prefill and a ragged batch give the logits
-    bits of the model loaded dequantized."""
+    of the bytes) and dequantizes the routed ones in each layer (each slot's expert alone
+    before the kernels, or block by block inside them with `mxfp4_kernel=True`):
+    one-token steps, verify blocks, a prefill and a ragged batch give the logits bits of
+    the model loaded dequantized."""
     import jax.numpy as jnp
 
     from jspec import mxfp4
@@ -344,6 +346,7 @@ def test_mxfp4_experts_kept_packed_give_the_dequantized_models_bits():
     plain = load("gpt_oss", "pallas")
     packed = jspec.load_hf(fixture_path("gpt_oss_mxfp4"), dtype="float32", interpret=True,
                            mxfp4_experts=True)
+    packed = jspec.with_options(packed, mxfp4_kernel=in_kernel)
     lp = packed.params["layers"][0]
     assert "w_gate_up" not in lp and lp["w_gate_up_mx"].dtype == jnp.uint8
     ratio = (sum(x.nbytes for x in mxfp4.expert_params(lp).values())
@@ -363,13 +366,15 @@ def test_mxfp4_experts_kept_packed_give_the_dequantized_models_bits():
 
 
 @pytest.mark.slow  # a further case: random bf16 codes, 8 experts (slots and all-E blocks)
-def test_random_packed_experts_give_the_dequantized_bits_and_speculate_exactly():
+@pytest.mark.parametrize("in_kernel", [None, True])
+def test_random_packed_experts_give_the_dequantized_bits_and_speculate_exactly(in_kernel):
     import jax.numpy as jnp
 
     from jspec import mxfp4
     from jspec.random_model import random_model
 
     packed = random_model("tiny-gpt-oss", interpret=True, mxfp4_experts=True)
+    packed = jspec.with_options(packed, mxfp4_kernel=in_kernel)
     plain = packed.replace(params=mxfp4.unpacked(packed.params, jnp.bfloat16))
     seq = np.random.default_rng(0).integers(0, 512, 20).astype(np.int32)
     ref = parity.schedule_logits(plain, [seq], parity.prefill_schedule(20), MAX_LEN)[0]

@@ -16,6 +16,7 @@
 Runs on CPU with interpret=True.
 """
 
+import dataclasses
 import functools
 import inspect
 import os
@@ -786,3 +787,87 @@ def test_shared_gate_lowers_for_the_h200(h200):
     args = [jax.ShapeDtypeStruct(shape, jnp.bfloat16) for shape in ((16, 2048),) * 2 + ((16, 1),)]
     text = jax.jit(shared_gate).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert set(re.findall(r'name = "(jspec_[a-z_0-9]*)"', text)) == {"jspec_shared_gate"}
+
+
+# ------------------------------------------------- MXFP4 codes decoded in the K loop
+
+
+def test_mxfp4_decode_is_the_checkpoint_table_for_every_code_and_scale():
+    """`pallas_kernels.mxfp4.decode` (integer ops, what the kernels run) gives transformers'
+    table values (`jspec.mxfp4.dequantize`) for all 256 bytes under every scale kept
+    packed (2 .. 252), in f32 and bf16, bit for bit: -0.0 included."""
+    from jspec import mxfp4 as table
+    from pallas_kernels.mxfp4 import decode
+
+    codes = jnp.tile(jnp.arange(256, dtype=jnp.uint8)[:, None], (1, 251))[None]  # [1,256,251]
+    scales = jnp.tile(jnp.arange(2, 253, dtype=jnp.uint8)[None], (16, 1))[None]  # [1,16,251]
+    for dtype, view in ((jnp.float32, np.uint32), (jnp.bfloat16, np.uint16)):
+        got = np.asarray(decode(codes, scales, dtype)).view(view)
+        want = np.asarray(table.dequantize(codes, scales, dtype)).view(view)
+        assert np.array_equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("e,k,n,r", [(4, 96, 64, 13), (8, 64, 48, 1)])  # 96: K padded
+def test_grouped_kernels_decode_mxfp4_blocks_to_the_float_weights_bits(dtype, e, k, n, r):
+    """`scales=`: the kernels read MXFP4 codes and decode each [bk, bn] block in the K loop;
+    the result is the float weight's, bitwise (biased, the GLU kernel, its unfused path);
+    a bk that is no multiple of 32 decodes before the launch, the same bits."""
+    from jspec import mxfp4
+    from pallas_kernels.moe import grouped_matmul_glu
+    from pallas_kernels.mxfp4 import decode
+
+    packed = mxfp4.random_packed(jax.random.key(1), e, k, n)
+    codes, scales = packed["mx"], packed["scale"]
+    w = decode(codes, scales, dtype)
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((r, k)), dtype)
+    expert = jnp.asarray(rng.integers(0, e, r), jnp.int32)
+    bias = jnp.asarray(rng.standard_normal((e, n)), jnp.float32)
+    run = functools.partial(grouped_matmul, out_dtype=jnp.float32, bias=bias, interpret=True)
+    want = np.asarray(run(x, w, expert))
+    assert np.array_equal(np.asarray(run(x, codes, expert, scales=scales)), want)
+    cfg = grouped_config(e, k, n, dtype, True)
+    odd = dataclasses.replace(cfg, bk=16)
+    assert np.array_equal(np.asarray(run(x, codes, expert, scales=scales, config=odd)),
+                          np.asarray(run(x, w, expert, config=odd)))
+    glu = functools.partial(grouped_matmul_glu, activation="gpt_oss", interpret=True)
+    for bn in (cfg.bn, 16):  # 64 columns: unfused (bn 64), then fused (F = 32, bn 16)
+        c = dataclasses.replace(cfg, bn=bn)
+        assert np.array_equal(np.asarray(glu(x, codes, expert, scales=scales, config=c)),
+                              np.asarray(glu(x, w, expert, config=c)))
+
+
+def test_grouped_matmul_refuses_malformed_mxfp4():
+    x = jnp.zeros((3, 64), jnp.bfloat16)
+    expert = jnp.zeros((3,), jnp.int32)
+    codes, scales = jnp.zeros((2, 32, 16), jnp.uint8), jnp.zeros((2, 2, 16), jnp.uint8)
+    run = functools.partial(grouped_matmul, out_dtype=None, interpret=True)
+    with pytest.raises(ValueError, match="uint8 codes \\[E, K / 2, N\\]"):
+        run(x, codes.astype(jnp.int8), expert, scales=scales)
+    with pytest.raises(ValueError, match="uint8 codes \\[E, K / 2, N\\]"):
+        run(x, jnp.zeros((2, 16, 16), jnp.uint8), expert, scales=scales)
+    with pytest.raises(ValueError, match="wants uint8 scales \\(2, 2, 16\\)"):
+        run(x, codes, expert, scales=jnp.zeros((2, 4, 16), jnp.uint8))
+
+
+@pytest.mark.parametrize("glu", [False, True])
+def test_grouped_kernels_on_mxfp4_lower_for_the_h200(h200, glu):
+    """gpt-oss-120b's experts (128, K 2880) packed: one Triton kernel that takes the
+    uint8 codes and scales whole (no float copy of the weight, no pad)."""
+    from pallas_kernels.moe import grouped_matmul_glu
+
+    E, K, N = 128, 2880, 5760 if glu else 2880
+    args = (jax.ShapeDtypeStruct((20, K), jnp.bfloat16),
+            jax.ShapeDtypeStruct((E, K // 2, N), jnp.uint8),
+            jax.ShapeDtypeStruct((20,), jnp.int32),
+            jax.ShapeDtypeStruct((E, K // 32, N), jnp.uint8))
+    if glu:
+        fn = functools.partial(grouped_matmul_glu, activation="gpt_oss")
+    else:
+        fn = functools.partial(grouped_matmul, out_dtype=jnp.float32)
+    text = jax.jit(lambda x, w, e, s: fn(x, w, e, scales=s)).trace(*args).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 1
+    assert f"tensor<{E}x{K // 2}x{N}xui8>" in text and "stablehlo.pad" not in text
+    assert f"x{K}x{N}xbf16>" not in text
