@@ -170,6 +170,10 @@ set -u
 export PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # run from the repository root
 OUT=${OUT:-experiments/results}
+# The card's short name in the receipts' tags (h200, h100, ...): nvidia-smi's, else h200.
+GPU=${GPU:-$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 \
+  | grep -o -i -E '\b[ABH][0-9]{2,3}\b' | head -1 | tr 'A-Z' 'a-z')}
+GPU=${GPU:-h200}
 PROF_TS=${PROF_TS-1,5}; PROF_ROUNDS=${PROF_ROUNDS:-}; PROF_PRESET=${PROF_PRESET:-qwen3-30b-a3b}
 mkdir -p "$OUT"
 # Packing (below) replaces $OUT's files by one archive: only for an $OUT that starts empty
@@ -198,11 +202,11 @@ steps=${*:-parity audit kernels spec}
 quiet() { grep -v -i -E "warn|libtpu|^I[0-9]{4}"; }
 audit() {  # preset layers: pallas audit at 512..8192 and a 2048-token generation
   timeout "${AUDIT_S:-190}" python3 experiments/parity_audit.py --preset="$1" --layers="$2" \
-    --contexts=512,2048,8192 --long_tokens=2048 --out="$OUT" --tag="h200_$1" \
+    --contexts=512,2048,8192 --long_tokens=2048 --out="$OUT" --tag="${GPU}_$1" \
     2>&1 | quiet | grep -v "it/s" | tail -30
 }
 top_p() {  # tuning/mosaic_top_p.py: the Mosaic top-p's rows alone and among others
-  timeout "${TOPP_S:-150}" python3 experiments/tuning/mosaic_top_p.py --tag=h200 --out="$OUT" \
+  timeout "${TOPP_S:-150}" python3 experiments/tuning/mosaic_top_p.py --tag=${GPU} --out="$OUT" \
     2>&1 | quiet | tail -8
 }
 pair_dir() { if [ -n "${PAIR:-}" ]; then echo "$PAIR";
@@ -238,7 +242,7 @@ for s in $steps; do
     audit_gemma3) audit gemma3-4b 6 ;;
     audit_xla) timeout 140 python3 experiments/parity_audit.py --preset=qwen3-8b --layers=4 \
               --backend=xla --expect_mismatch --contexts=512,2048 --long_tokens=512 \
-              --out="$OUT" --tag=h200_qwen3-8b_xla 2>&1 | quiet | tail -30 ;;
+              --out="$OUT" --tag=${GPU}_qwen3-8b_xla 2>&1 | quiet | tail -30 ;;
     train) timeout 330 python3 experiments/train_pair.py --time_limit_s=120 \
               --out_dir="$OUT/codepair" --workdir=/tmp/train_pair 2>&1 | quiet \
               | grep -v "it/s" | tail -30
@@ -248,21 +252,21 @@ for s in $steps; do
               --config.workdir=/tmp/train_head 2>&1 | quiet | grep -v "it/s" | tail -30 ;;
     pair_eval) timeout 150 python3 experiments/eval_pair.py --pair="$(pair_dir)" \
               --gammas=1,2,3,4,6 --batch=1 --num_prompts=8 --peer_gammas=2,4 --iters=2 \
-              --out="$OUT" --tag=h200_b1 2>&1 | quiet | grep -v "it/s" | tail -30 ;;
+              --out="$OUT" --tag=${GPU}_b1 2>&1 | quiet | grep -v "it/s" | tail -30 ;;
     pair) P=$(pair_dir)
           timeout 130 python3 experiments/parity_audit.py --checkpoint="$P/target" \
-              --contexts=512,2048 --long_tokens=1024 --out="$OUT" --tag=h200_codepair \
+              --contexts=512,2048 --long_tokens=1024 --out="$OUT" --tag=${GPU}_codepair \
               2>&1 | quiet | grep -v "it/s" | tail -30
           timeout 170 python3 experiments/eval_pair.py --pair="$P" --gammas=1,2,3,4,6 \
               --batch=1 --num_prompts=8 --peer_gammas=2,4 --iters=2 --out="$OUT" \
-              --tag=h200_b1 2>&1 | quiet | grep -v "it/s" | tail -30 ;;
+              --tag=${GPU}_b1 2>&1 | quiet | grep -v "it/s" | tail -30 ;;
     kernels) timeout 300 python3 experiments/bench_kernels.py --preset=qwen3-8b \
               --batches=1,8 --gammas=1,2,4,8 --context=512 --iters=10 --out="$OUT" \
               2>&1 | quiet | tail -60 ;;
     spec) timeout 500 python3 experiments/bench_speculative.py --target=qwen3-8b \
               --draft=qwen3-0.6b --prompt_len=512 --max_new_tokens=256 --batch=1 \
               --gammas=2,4,6,8 --oracle_gammas=2,4,6,8 --accept=0.5,0.7,0.8,0.9 --iters=3 \
-              --out="$OUT" --tag=h200_qwen3-8b_b1 2>&1 | quiet | tail -40 ;;
+              --out="$OUT" --tag=${GPU}_qwen3-8b_b1 2>&1 | quiet | tail -40 ;;
     sweep) timeout "${SWEEP_S:-210}" python3 experiments/tuning/sweep_matmul.py --out="$OUT" \
               --budget_s="${SWEEP_BUDGET:-150}" ${SWEEP_FLAGS:-} 2>&1 | quiet | tail -60 ;;
     e2e) timeout 560 python3 experiments/bench_e2e.py --target=qwen3-8b --draft=qwen3-0.6b \
@@ -271,7 +275,7 @@ for s in $steps; do
     e2e_b1|e2e_b8) B=${s#e2e_b}
            timeout "${E2E_S:-520}" python3 experiments/bench_e2e.py --target=qwen3-8b \
               --draft="${E2E_DRAFT:-qwen3-0.6b}" --batches="$B" --prompt_len=512 --max_new_tokens=256 \
-              --out="$OUT" --tag="h200_b$B${E2E_TAG:-}" ${E2E_FLAGS:-} \
+              --out="$OUT" --tag="${GPU}_b$B${E2E_TAG:-}" ${E2E_FLAGS:-} \
               ${E2E_OPTIONS:+--options=$E2E_OPTIONS} \
               ${E2E_DRAFT_OPTIONS:+--draft_options=$E2E_DRAFT_OPTIONS} \
               ${E2E_GAMMAS:+--gammas=$E2E_GAMMAS} ${E2E_SEEDS:+--oracle_seeds=$E2E_SEEDS} \
@@ -279,7 +283,7 @@ for s in $steps; do
               2>&1 | quiet | grep -v "it/s" | tail -60 ;;
     e2e_peers) timeout "${E2E_S:-500}" python3 experiments/bench_e2e.py --target=qwen3-8b \
               --draft=qwen3-0.6b --batches=1 --prompt_len=512 --max_new_tokens=256 \
-              --gammas=4 --accept=0.8 --nolookup --out="$OUT" --tag=h200_b1_peers \
+              --gammas=4 --accept=0.8 --nolookup --out="$OUT" --tag=${GPU}_b1_peers \
               2>&1 | quiet | grep -v "it/s" | tail -40 ;;
     e2e_decompose)  # the round's cost: draft on pallas, draft on xla, no draft at all
            for v in "pallas:--oracle_draft" "xla:--oracle_draft" "none:--nooracle_draft"; do
@@ -287,13 +291,13 @@ for s in $steps; do
                --draft=qwen3-0.6b --batches=1 --prompt_len=512 --max_new_tokens=256 \
                --gammas=4 --accept=0.8 --nolookup --nopeers --iters=2 \
                --draft_backend="$([ "${v%%:*}" = xla ] && echo xla || echo pallas)" \
-               "${v#*:}" --out="$OUT" --tag="h200_b1_draft_${v%%:*}" 2>&1 | quiet \
+               "${v#*:}" --out="$OUT" --tag="${GPU}_b1_draft_${v%%:*}" 2>&1 | quiet \
                | grep -v "it/s" | tail -8
            done ;;
     e2e_draftpallas) timeout "${E2E_S:-300}" python3 experiments/bench_e2e.py --target=qwen3-8b \
               --draft=qwen3-0.6b --batches=1 --prompt_len=512 --max_new_tokens=256 \
               --gammas=2,4 --accept=0.8,0.9 --nolookup --nopeers --draft_backend=pallas \
-              --out="$OUT" --tag=h200_b1_draftpallas 2>&1 | quiet | grep -v "it/s" | tail -40 ;;
+              --out="$OUT" --tag=${GPU}_b1_draftpallas 2>&1 | quiet | grep -v "it/s" | tail -40 ;;
     groupsweep) timeout "${GSWEEP_S:-240}" python3 experiments/tuning/sweep_grouped.py --write \
               --out="$OUT" ${GSWEEP_FLAGS:-} 2>&1 | quiet | tail -12 ;;
     tuned) found=""  # every sweep's winners in $OUT (a --tag in $SWEEP_FLAGS names the file)
@@ -359,13 +363,13 @@ for s in $steps; do
     pair_head) timeout "${PAIR_S:-150}" python3 experiments/eval_pair.py --pair="$(pair_dir)" \
               --drafters=model,feature --gammas=2,4 --batch=1 --num_prompts=8 --iters=2 \
               --policies=exact_greedy --trees="dynamic:6,60,4" --nopeers \
-              --out="$OUT" --tag=h200_b1_head 2>&1 | quiet | grep -v "it/s" | tail -30 ;;
+              --out="$OUT" --tag=${GPU}_b1_head 2>&1 | quiet | grep -v "it/s" | tail -30 ;;
     e2e_session) timeout "${E2E_S:-470}" python3 experiments/bench_e2e.py --target=qwen3-8b \
               --draft=qwen3-0.6b --batches="${E2E_BATCHES:-1,8}" --prompt_len=512 \
               --max_new_tokens=256 --gammas=4 --accept=0.8,0.9 --drafter=model,feature \
               --tree=";spine:8:4,3,3,2,2,1,1,0" --rank_probs=0.1 --nolookup --nopeers \
               --batch_shapes="1:model/;1:feature/;1:feature/spine:8:4,3,3,2,2,1,1,0;8:feature/" \
-              --serial_backends=pallas --iters=2 --out="$OUT" --tag=h200_session \
+              --serial_backends=pallas --iters=2 --out="$OUT" --tag=${GPU}_session \
               2>&1 | quiet | grep -v "it/s" | tail -40 ;;
     e2e_batch) timeout "${E2E_S:-540}" python3 experiments/bench_e2e.py --target="${E2E_TARGET:-qwen3-8b:12}" \
               --draft="${E2E_DRAFT:-qwen3-0.6b:1}" --drafter="${E2E_DRAFTER:-feature}" \
@@ -373,13 +377,13 @@ for s in $steps; do
               --gammas=4 --accept="${E2E_ACCEPT:-0.8}" \
               --adaptive="${E2E_ADAPTIVE:-0,1,2,4}" --nolookup --nopeers \
               --serial_backends=pallas --iters=2 ${E2E_FLAGS:-} \
-              --out="$OUT" --tag="h200_adaptive${E2E_TAG:-}" 2>&1 | quiet | grep -v "it/s" | tail -30 ;;
+              --out="$OUT" --tag="${GPU}_adaptive${E2E_TAG:-}" 2>&1 | quiet | grep -v "it/s" | tail -30 ;;
     e2e_context) for ctx in ${CTX_LENS:-32768}; do  # speculative speedup at depth (37.4)
                 timeout "${E2E_CTX_S:-540}" python3 experiments/bench_e2e.py --target=llama3-8b \
                   --draft=tiny-qwen3:1 --drafter=feature --head_vocab=16384 --batches=1 \
                   --prompt_len="$ctx" --max_new_tokens=128 --gammas=4 --accept="${CTX_ACCEPT:-0.8,0.9}" \
                   --nolookup --nopeers --serial_backends=pallas --iters=1 --out="$OUT" \
-                  --tag="h200_ctx$ctx" 2>&1 | quiet | grep -v "it/s" | tail -10
+                  --tag="${GPU}_ctx$ctx" 2>&1 | quiet | grep -v "it/s" | tail -10
               done ;;
     moe_cost) timeout "${MOE_COST_S:-150}" python3 experiments/bench_moe.py \
               --preset="${MOE_PRESET:-qwen3-30b-a3b}" --layers="${MOE_LAYERS:-0}" \
@@ -387,30 +391,30 @@ for s in $steps; do
               --other_Ts=1,5 --xla_Ts="${MOE_XLA_TS-1,5}" --context="${MOE_CONTEXT:-512}" \
               --iters=5 --dtype="${MOE_DTYPE:-bfloat16}" ${MOE_INTERPRET:+--interpret} \
               ${MOE_OPTIONS:+--options=$MOE_OPTIONS} ${MOE_MXFP4:+--mxfp4_experts} \
-              --out="$OUT" --tag="h200${MOE_TAG:+_$MOE_TAG}" 2>&1 | quiet | tail -30 ;;
+              --out="$OUT" --tag="${GPU}${MOE_TAG:+_$MOE_TAG}" 2>&1 | quiet | tail -30 ;;
     chunk_cost) timeout "${CHUNK_S:-300}" python3 experiments/tuning/chunk_cost.py \
-              --batches="${CHUNK_BATCHES:-1,32,64}" --out="$OUT" --tag=h200 2>&1 | quiet | tail -24 ;;
+              --batches="${CHUNK_BATCHES:-1,32,64}" --out="$OUT" --tag=${GPU} 2>&1 | quiet | tail -24 ;;
     profile) for t in ${PROF_TS//,/ }; do
               timeout "${PROF_S:-150}" python3 experiments/tuning/profile_step.py \
               --preset="$PROF_PRESET" --T="$t" --batch="${PROF_BATCH:-1}" \
               ${PROF_LAYERS:+--layers=$PROF_LAYERS} ${PROF_FLAGS:-} \
-              --tag="h200_B${PROF_BATCH:-1}_T$t${PROF_TAG:+_$PROF_TAG}" --out="$OUT" 2>&1 | quiet | tail -34; done
+              --tag="${GPU}_B${PROF_BATCH:-1}_T$t${PROF_TAG:+_$PROF_TAG}" --out="$OUT" 2>&1 | quiet | tail -34; done
             for g in ${PROF_ROUNDS//,/ }; do  # speculative rounds, with and without the head
               if [ "$g" = serial ]; then  # serial decoding's loop
                 timeout "${PROF_S:-150}" python3 experiments/tuning/profile_step.py \
                 --preset="$PROF_PRESET" --serial_loop --batch="${PROF_BATCH:-1}" \
                 ${PROF_LAYERS:+--layers=$PROF_LAYERS} ${PROF_FLAGS:-} \
-                --tag="h200_B${PROF_BATCH:-1}_serial${PROF_TAG:+_$PROF_TAG}" \
+                --tag="${GPU}_B${PROF_BATCH:-1}_serial${PROF_TAG:+_$PROF_TAG}" \
                 --out="$OUT" 2>&1 | quiet | tail -24; continue; fi
               for d in draft nodraft; do
                 timeout "${PROF_S:-150}" python3 experiments/tuning/profile_step.py \
                 --preset="$PROF_PRESET" "$([ "$g" = 0 ] && echo --decode_round || echo --round="$g")" \
                 --"$d" --batch="${PROF_BATCH:-1}" \
                 ${PROF_LAYERS:+--layers=$PROF_LAYERS} ${PROF_FLAGS:-} \
-                --tag="h200_B${PROF_BATCH:-1}_round$g${d#draft}${PROF_TAG:+_$PROF_TAG}" \
+                --tag="${GPU}_B${PROF_BATCH:-1}_round$g${d#draft}${PROF_TAG:+_$PROF_TAG}" \
                 --out="$OUT" 2>&1 | quiet | tail -24; done; done ;;
     combinesweep) timeout "${CSWEEP_S:-150}" python3 experiments/tuning/sweep_combine.py \
-              ${CSWEEP_FLAGS:-} --out="$OUT" --tag=h200 2>&1 | quiet | grep -v "it/s" | tail -20 ;;
+              ${CSWEEP_FLAGS:-} --out="$OUT" --tag=${GPU} 2>&1 | quiet | grep -v "it/s" | tail -20 ;;
     mosaic) timeout "${MOSAIC_PARITY_S:-330}" python3 experiments/gpu_parity.py \
               --models="${MOSAIC_MODELS:-qwen3-8b:4,gemma3-4b:6}" --context=8192 --window=48 \
               --batches=4,32 --trees="${MOSAIC_TREES:-8,16,32,64}" --backends=pallas \
@@ -427,7 +431,7 @@ for s in $steps; do
                 --draft=qwen3-0.6b:1 --drafter=feature --batches="${E2E_BATCHES:-1,8}" \
                 --prompt_len=512 --max_new_tokens=128 --gammas=4 --accept=0.8 --nolookup \
                 --nopeers --serial_backends=pallas --iters=2 --options="$low" \
-                --out="$OUT" --tag="h200_lowering-$low" 2>&1 | quiet | grep -v "it/s" | tail -14
+                --out="$OUT" --tag="${GPU}_lowering-$low" 2>&1 | quiet | grep -v "it/s" | tail -14
             done ;;
     mosaic_top_p) top_p ;;
     table) cp pallas_kernels/matmul_tuned.json "$OUT/" ;;  # the device copy's tile table
@@ -435,13 +439,13 @@ for s in $steps; do
               --swapped --noplain_bits --rows=1,16,17,40,64,160 --iters=10 \
               --alone=0,1,7,8,15,16,31,63,64,100 --shapes="${MSW_SHAPES:-wqkv,w_gate_up,w_down,wo,lm_head}" \
               --configs="${MSW_CONFIGS:-s:128:6,s:128:6:10,s:128:6:10:w}" --budget_s="${MSW_BUDGET:-200}" \
-              --write=pallas_kernels/mosaic/matmul_tuned.json --tag=h200_swapped \
+              --write=pallas_kernels/mosaic/matmul_tuned.json --tag=${GPU}_swapped \
               --out="$OUT" 2>&1 | quiet | tail -40
             cp pallas_kernels/mosaic/matmul_tuned.json "$OUT/mosaic_matmul_tuned.json" 2>/dev/null ;;
     mosaic_attention) timeout "${MATT_S:-240}" python3 experiments/tuning/mosaic_attention.py \
-              ${MATT_FLAGS:-} --out="$OUT" --tag=h200 2>&1 | quiet | tail -8 ;;
+              ${MATT_FLAGS:-} --out="$OUT" --tag=${GPU} 2>&1 | quiet | tail -8 ;;
     routesweep) timeout "${RSWEEP_S:-120}" python3 experiments/tuning/sweep_route.py \
-              ${RSWEEP_FLAGS:-} --out="$OUT" --tag=h200 2>&1 | quiet | grep -v "it/s" | tail -14 ;;
+              ${RSWEEP_FLAGS:-} --out="$OUT" --tag=${GPU} 2>&1 | quiet | grep -v "it/s" | tail -14 ;;
     moe_parity) timeout "${MOE_PARITY_S:-120}" python3 experiments/gpu_parity.py \
               --models="${MOE_PRESET:-qwen3-30b-a3b}:${MOE_PARITY_LAYERS:-4}" \
               --context="${MOE_PARITY_CONTEXT:-2048}" --window="${MOE_WINDOW:-48}" \
@@ -459,7 +463,7 @@ for s in $steps; do
               --batch_shapes="${MOE_E2E_SHAPES:-1:feature/;1:feature/${MOE_TREE:-spine:5:1,0};8:feature/}" \
               --nolookup --nopeers --serial_backends=pallas --iters=2 \
               --dtype="${MOE_DTYPE:-bfloat16}" ${MOE_MXFP4:+--mxfp4_experts} \
-              --out="$OUT" --tag=h200_moe 2>&1 | quiet \
+              --out="$OUT" --tag=${GPU}_moe 2>&1 | quiet \
               | grep -v "it/s" | tail -24 ;;
     *) echo "unknown step $s" ;;
   esac

@@ -5,7 +5,8 @@ gpt-oss ships its experts in MXFP4: 4-bit e2m1 codes, one power-of-two scale (e8
 it is exact in bfloat16 and float32: `dequantize` gives the very weights
 `dequantize_mxfp4` gives at load time, and a model that keeps its experts
 packed computes the bits of the one that loaded them dequantized (the grouped kernels
-see the same weights, with the model's own tiles: `table_experts`).
+see the same weights, with the model's own tiles: `table_experts`; or, with
+`KernelOptions.mxfp4_kernel`, read the codes and decode each block in their K loop).
 
 Packed layout (a layer's params `{name}_mx` and `{name}_scale` for w_gate_up, w_down):
   codes  uint8 [E, K / 2, N]: byte (j, n) holds row 2j's code (low nibble) and row
@@ -22,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jspec._checks import CheckpointError
+from pallas_kernels.mxfp4 import decode
 
 # The e2m1 value of each 4-bit code (transformers' `integrations.mxfp4.FP4_VALUES`).
 FP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
@@ -67,18 +69,10 @@ def take_columns(codes: np.ndarray, scales: np.ndarray, columns: np.ndarray
 
 def dequantize(codes: jax.Array, scales: jax.Array, dtype) -> jax.Array:
     """codes [S, K / 2, N] uint8, scales [S, K / 32, N] uint8 (each in [MIN_SCALE, 252])
-    -> [S, K, N] in dtype, exactly (a code's value times 2 ** (s - 127), formed in
-    float32, where every such product is exact and normal, then cast, which is exact
-    too). Plain integer and exact float ops: any fusion XLA picks gives the same values."""
-    S, half, N = codes.shape
-    lo, hi = codes & 0x0F, codes >> 4
-    idx = jnp.stack([lo, hi], axis=2).reshape(S, 2 * half, N).astype(jnp.int32)
-    values = jnp.asarray(FP4_VALUES)[idx]  # [S, K, N] f32
-    # 2 ** (s - 127) from its bits (s >= 2, `MIN_SCALE`: every product a normal float)
-    factor = jax.lax.bitcast_convert_type(scales.astype(jnp.int32) << 23, jnp.float32)
-    G = scales.shape[1]
-    out = values.reshape(S, G, 32, N) * factor[:, :, None, :]
-    return out.reshape(S, 2 * half, N).astype(dtype)
+    -> [S, K, N] in dtype, exactly: `pallas_kernels.mxfp4.decode`, the integer decoding
+    the grouped kernels run in their K loop (`mxfp4_kernel`), whose values are
+    `dequantize_mxfp4`'s (tests/test_moe_kernels.py checks every code and scale)."""
+    return decode(codes, scales, dtype)
 
 
 def expert_params(lp: dict) -> dict:

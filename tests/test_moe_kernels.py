@@ -793,18 +793,21 @@ def test_shared_gate_lowers_for_the_h200(h200):
 
 
 def test_mxfp4_decode_is_the_checkpoint_table_for_every_code_and_scale():
-    """`pallas_kernels.mxfp4.decode` (integer ops, what the kernels run) gives transformers'
-    table values (`jspec.mxfp4.dequantize`) for all 256 bytes under every scale kept
-    packed (2 .. 252), in f32 and bf16, bit for bit: -0.0 included."""
-    from jspec import mxfp4 as table
+    """`pallas_kernels.mxfp4.decode` (integer ops, what the kernels run) gives the load-time
+    values (`jspec.mxfp4.dequantize_mxfp4`: transformers' table) for all 256 bytes under
+    every scale kept packed (2 .. 252), in f32 and bf16, bit for bit: -0.0 included."""
+    from jspec.mxfp4 import dequantize_mxfp4
     from pallas_kernels.mxfp4 import decode
 
-    codes = jnp.tile(jnp.arange(256, dtype=jnp.uint8)[:, None], (1, 251))[None]  # [1,256,251]
-    scales = jnp.tile(jnp.arange(2, 253, dtype=jnp.uint8)[None], (16, 1))[None]  # [1,16,251]
-    for dtype, view in ((jnp.float32, np.uint32), (jnp.bfloat16, np.uint16)):
-        got = np.asarray(decode(codes, scales, dtype)).view(view)
-        want = np.asarray(table.dequantize(codes, scales, dtype)).view(view)
-        assert np.array_equal(got, want)
+    codes = np.tile(np.arange(256, dtype=np.uint8)[:, None], (1, 251))  # [K / 2, N]
+    scales = np.tile(np.arange(2, 253, dtype=np.uint8)[None], (16, 1))  # [K / 32, N]
+    # the checkpoint's layout of the same weight: blocks [N, K / 32, 16], scales [N, K / 32]
+    want = dequantize_mxfp4(codes.T.reshape(251, 16, 16), scales.T)  # [K, N] f32
+    got = decode(jnp.asarray(codes)[None], jnp.asarray(scales)[None], jnp.float32)[0]
+    assert np.array_equal(np.asarray(got).view(np.uint32), want.view(np.uint32))
+    got = decode(jnp.asarray(codes)[None], jnp.asarray(scales)[None], jnp.bfloat16)[0]
+    assert np.array_equal(np.asarray(got).view(np.uint16),
+                          np.asarray(jnp.asarray(want, jnp.bfloat16)).view(np.uint16))
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
