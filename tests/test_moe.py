@@ -449,3 +449,26 @@ def test_the_text_api_keeps_mxfp4_experts_packed(tmp_path):
                            dtype="float32", mxfp4_experts=True)
     assert mxfp4.is_packed(pipe.target.params["layers"][1], "w_down")
     assert pipe.generate(["hello"], max_new_tokens=4).texts[0]
+
+
+@pytest.mark.slow  # a CLI run of the GPU parity lane in interpret mode
+def test_the_packed_parity_lane_runs_with_the_in_kernel_decoding(tmp_path):
+    """`gpu_parity.py --mxfp4_experts --options=mxfp4_kernel=1` (the device's lane for
+    `mxfp4_kernel`): the whole matrix and "packed = dequantized" at 0 mismatches."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "experiments/gpu_parity.py", "--interpret",
+                        "--models=tiny-gpt-oss:2", "--mxfp4_experts",
+                        "--options=mxfp4_kernel=1", "--context=24", "--window=4",
+                        "--ks=1,3", "--trees=3", f"--out={tmp_path}"],
+                       cwd=root, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-2000:]
+    with open(tmp_path / "gpu_parity.json") as f:
+        checks = json.load(f)["results"]["tiny-gpt-oss:2:pallas"]
+    checks = {k: v for k, v in checks.items() if isinstance(v, dict)}
+    assert {"verify k=3", "tree of 3 nodes", "packed = dequantized"} <= set(checks)
+    assert all(v["mismatches"] == 0 and v["positions"] > 0 for v in checks.values()), checks
