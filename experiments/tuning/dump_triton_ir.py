@@ -11,11 +11,13 @@ does not must be proven on the device again (`gpu_parity`, the sweeps). Covered:
 target forward of the Qwen3-8B and Gemma-3-4B shapes at decode, verify, a 17-token block,
 a 70-token and an 1,100-token prefill (B = 1, and B = 8 at decode); decode steps over
 4,096 and 65,536 keys (the two-level fold, a program per fold group); the Qwen3-30B-A3B
-shape at 1, 2, 5 and 70 tokens, with and without the layout and combine kernels; the fused
+shape at 1, 2, 5 and 70 tokens, with and without the layout and combine kernels; gpt-oss-20b
+and gpt-oss-120b (experts packed, `mxfp4_kernel`) at 1 and 5 tokens; the fused
 draft forward of the Qwen3-0.6B and Gemma-3-4B shapes; tree verifies of 17 and 65 tokens.
 Nothing runs on a device: `gpu_info` answers with the H200's entry and jax lowers for
 "cuda" with abstract weights (as tests/test_gpu_lowering.py does). Writes one
-`<case>_<i>_<kernel>.mlir` per kernel and `hashes.txt`.
+`<case>_<i>_<kernel>.mlir` per kernel and `hashes.txt`; `compile_triton_ir.py` compiles
+them to PTX with a standalone Triton.
 """
 
 from __future__ import annotations
@@ -91,6 +93,18 @@ def _cases():
             cache = jax.eval_shape(lambda m=m: init_cache(m, 1, 256))
             yield (f"qwen3-30b-a3b{tag}_B1_T{T}", apply,
                    (m, jax.ShapeDtypeStruct((1, T), jnp.int32), cache))
+    # gpt-oss: sinks, biases, top-k softmax; the 120b's experts MXFP4-packed, decoded in
+    # the grouped kernels (`mxfp4_kernel`).
+    for preset, packed in [("gpt-oss-20b", False), ("gpt-oss-120b", True)]:
+        cfg = preset_config(preset, num_layers=1)
+        model = Model(config=cfg, params=jax.eval_shape(
+            lambda cfg=cfg, packed=packed: random_params(cfg, mxfp4_experts=packed)))
+        if packed:
+            model = model.replace(options=model.options.replace(mxfp4_kernel=True))
+        for T in (1, 5):
+            cache = jax.eval_shape(lambda m=model: init_cache(m, 1, 256))
+            yield (f"{preset}_B1_T{T}", apply,
+                   (model, jax.ShapeDtypeStruct((1, T), jnp.int32), cache))
     for preset in ["qwen3-0.6b", "gemma3-4b"]:
         model = _abstract(preset)
         model = model.replace(options=model.options.replace(backend="xla"),

@@ -1,0 +1,68 @@
+"""Compiles `dump_triton_ir.py`'s kernels to PTX with a standalone Triton, on a CPU.
+
+  python experiments/tuning/dump_triton_ir.py --out=/tmp/ir
+  python -m venv /tmp/tenv && /tmp/tenv/bin/pip install triton==3.6.0
+  /tmp/tenv/bin/python experiments/tuning/compile_triton_ir.py /tmp/ir
+
+Lowering for "cuda" on a CPU stops at the Triton IR; XLA compiles that IR to PTX on the
+GPU with the Triton it bundles. This script runs the rest of the pipeline (TTIR -> TTGIR
+-> LLVM -> PTX for sm_90, ptxas included) with the `triton` package, so a kernel whose IR
+Triton's layout passes refuse (a reshape, transpose or join it cannot place, a dot operand
+it cannot convert) fails here, with no device. It is a smoke test of the compiler, not of
+the bits or the speed: the bundled Triton is not the package's release, and the warps and
+stages are these flags', not the kernels' tables. Prints one line a kernel (OK: the PTX's
+size, its MMA instruction kind and shared memory; FAIL: the error) and exits 1 on a
+failure. Needs only `triton` (no jax).
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import shutil
+import sys
+import tempfile
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("ir_dir", help="a folder of <case>_<i>_<kernel>.mlir files")
+    parser.add_argument("--match", default="", help="only files whose name contains this")
+    parser.add_argument("--capability", type=int, default=90, help="sm_XX (90: Hopper)")
+    parser.add_argument("--num_warps", type=int, default=4)
+    parser.add_argument("--num_stages", type=int, default=4)
+    args = parser.parse_args()
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    target = GPUTarget("cuda", args.capability, 32)
+    files = sorted(f for f in glob.glob(os.path.join(args.ir_dir, "*.mlir"))
+                   if args.match in os.path.basename(f))
+    if not files:
+        print(f"no .mlir files matching {args.match!r} in {args.ir_dir}")
+        return 1
+    failed = 0
+    with tempfile.TemporaryDirectory() as tmp:
+        for path in files:
+            name = os.path.basename(path).removesuffix(".mlir")
+            src = shutil.copy(path, os.path.join(tmp, name + ".ttir"))  # Triton's suffix
+            try:
+                kernel = triton.compile(src, target=target,
+                                        options={"num_warps": args.num_warps,
+                                                 "num_stages": args.num_stages})
+                ptx = kernel.asm["ptx"]
+                mma = ("wgmma" if "wgmma" in ptx else "mma.sync" if "mma.sync" in ptx
+                       else "no mma")
+                print(f"OK   {name}: {len(ptx)} B of PTX, {mma}, "
+                      f"{kernel.metadata.shared} B shared")
+            except Exception as e:  # noqa: BLE001 (report every kernel, then fail)
+                failed += 1
+                print(f"FAIL {name}: {type(e).__name__}: {str(e).splitlines()[0][:300]}")
+    print(f"{len(files) - failed} of {len(files)} compiled (triton {triton.__version__}, "
+          f"sm_{args.capability})")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
