@@ -446,7 +446,7 @@ for s in $steps; do
               ${MATT_FLAGS:-} --out="$OUT" --tag=${GPU} 2>&1 | quiet | tail -8 ;;
     routesweep) timeout "${RSWEEP_S:-120}" python3 experiments/tuning/sweep_route.py \
               ${RSWEEP_FLAGS:-} --out="$OUT" --tag=${GPU} 2>&1 | quiet | grep -v "it/s" | tail -14 ;;
-    moe_parity) timeout "${MOE_PARITY_S:-120}" python3 experiments/gpu_parity.py \
+    moe_parity) timeout "${MOE_PARITY_S:-200}" python3 experiments/gpu_parity.py \
               --models="${MOE_PRESET:-qwen3-30b-a3b}:${MOE_PARITY_LAYERS:-4}" \
               --context="${MOE_PARITY_CONTEXT:-2048}" --window="${MOE_WINDOW:-48}" \
               --ks="${MOE_KS:-1,2,4,8,16,32}" --trees="${MOE_TREES:-8,32}" \

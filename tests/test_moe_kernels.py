@@ -810,8 +810,10 @@ def test_mxfp4_decode_is_the_checkpoint_table_for_every_code_and_scale():
                           np.asarray(jnp.asarray(want, jnp.bfloat16)).view(np.uint16))
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("e,k,n,r", [(4, 96, 64, 13), (8, 64, 48, 1)])  # 96: K padded
+@pytest.mark.parametrize("dtype,e,k,n,r", [  # 96: K padded
+    (jnp.float32, 4, 96, 64, 13), (jnp.bfloat16, 8, 64, 48, 1),
+    pytest.param(jnp.bfloat16, 4, 96, 64, 13, marks=pytest.mark.slow),
+    pytest.param(jnp.float32, 8, 64, 48, 1, marks=pytest.mark.slow)])
 def test_grouped_kernels_decode_mxfp4_blocks_to_the_float_weights_bits(dtype, e, k, n, r):
     """`scales=`: the kernels read MXFP4 codes and decode each [bk, bn] block in the K loop;
     the result is the float weight's, bitwise (biased, the GLU kernel, its unfused path);
