@@ -14,13 +14,13 @@ random tokens:
     tokens/s and MFU = flops / seconds / PEAK_FLOPS, with flops = 2 * (the decoder
     layers' matmul weights: no embedding, no LM head, which a prefill does not compute)
     * n + attention (QK^T and PV, causal: 4 * heads * head_dim per query-key pair, the
-    pairs n (n + 1) / 2 a layer, a sliding window's fewer). PEAK_FLOPS: 989 TFLOP/s,
-    the H200's dense bf16 peak.
+    pairs n (n + 1) / 2 a layer, a sliding window's fewer). PEAK_FLOPS: the card's dense
+    bf16 peak (`jspec.bench.timing.spec_peaks`: 989 TFLOP/s on an H100 or H200).
   - decode: `jspec.generate`'s loop (greedy, one token a step) for --decode_steps steps
     from depth n. Reported: tokens/s against a roofline of the bytes a step reads (every
     matmul weight, the LM head included, and the K and V of every layer at the mean
-    context) over PEAK_BANDWIDTH = 4.8 TB/s (the H200's HBM3e), and against the copy
-    bandwidth measured in this process.
+    context) over PEAK_BANDWIDTH (the card's HBM bandwidth as specified: 4.8 TB/s on an
+    H200, 3.35 on an H100), and against the copy bandwidth measured in this process.
 Contexts in --xla_contexts also run on the xla backend (the same weights), side by side.
 Times are medians of --iters runs after a warm-up (which compiles; its time is
 reported). The JSON receipt is rewritten after every measurement.
@@ -42,14 +42,13 @@ import jspec
 from jspec import cli
 from jspec.bench import flag_checks
 from jspec.bench.receipts import write_receipt
-from jspec.bench.timing import copy_bandwidth
+from jspec.bench.timing import copy_bandwidth, spec_peaks
 from jspec.cli import options_record, parse_options, with_option_string
 from jspec.generate import decode_loop, init_state
 from jspec.generate import prefill as serial_prefill
 from jspec.random_model import random_model
 
-PEAK_FLOPS = 989e12  # H200 SXM, dense bf16 (no sparsity)
-PEAK_BANDWIDTH = 4.8e12  # H200 HBM3e, bytes/s
+PEAK_FLOPS, PEAK_BANDWIDTH, PEAK_CARD = spec_peaks()  # this card's spec sheet
 
 _PRESET = flags.DEFINE_string("preset", "llama3-8b", "random-weight preset (jspec.random_model)")
 _LAYERS = flags.DEFINE_integer("layers", 0, "decoder layers (0: the preset's)")
@@ -191,7 +190,8 @@ def main(argv):
               "date": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(sys.argv),
               "preset": _PRESET.value,
               "layers": model.config.num_layers, "dtype": _DTYPE.value, "batch": 1,
-              "options": options_record(model), "peak_flops": PEAK_FLOPS,
+              "options": options_record(model), "peak_card": PEAK_CARD,
+              "peak_flops": PEAK_FLOPS,
               "peak_bandwidth": PEAK_BANDWIDTH, "copy_bandwidth": bw,
               "layer_weights": layer_weights(model), "build_s": time.perf_counter() - t0,
               "rows": []}

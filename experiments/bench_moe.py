@@ -21,8 +21,9 @@ block size T (--Ts for the first batch, --other_Ts for the others):
     router's tokens share more experts, so real unions are smaller;
   - the bytes the step reads (attention and other dense weights, LM head, the union's
     experts, the KV cache at context + T, the embedding rows) and their roofline time at
-    --peak_TBps (default 4.8 TB/s, the H200's HBM3e bandwidth as specified; the copy
-    bandwidth measured in this process is recorded beside it), and roofline / measured.
+    --peak_TBps (default: the card's HBM bandwidth as specified, `spec_peaks`; the copy
+    bandwidth measured in this process beside it: the table's `copy` column), and roofline /
+    measured.
 At T = 1 that is serial decoding: tokens/s = B / step time against B / roofline time.
 --options sets the pallas rows' kernel options (e.g. `mosaic`: the Mosaic GPU lowering,
 its expert kernels included). Prints a table; writes a JSON receipt (rewritten after
@@ -47,7 +48,7 @@ from jspec import cli
 from jspec.bench import flag_checks
 from jspec.bench.moe_bytes import step_read_bytes, uniform_union
 from jspec.bench.receipts import write_receipt
-from jspec.bench.timing import STEP_REPS, copy_bandwidth, device_steps, median_time
+from jspec.bench.timing import STEP_REPS, copy_bandwidth, device_steps, median_time, spec_peaks
 from jspec.cache import init_cache
 from jspec.cli import options_record, with_option_string
 from jspec.model import COMPILER_OPTIONS, apply, forward_nodonate
@@ -65,7 +66,8 @@ _OTHER_TS = flags.DEFINE_list("other_Ts", ["1", "5"], "block sizes of the other 
 _XLA_TS = flags.DEFINE_list("xla_Ts", ["1", "5"], "block sizes also timed on xla")
 _CONTEXT = flags.DEFINE_integer("context", 512, "tokens already in the cache")
 _ITERS = flags.DEFINE_integer("iters", 5, "timed runs per measurement")
-_PEAK = flags.DEFINE_float("peak_TBps", 4.8, "bandwidth of the roofline (TB/s)")
+_PEAK = flags.DEFINE_float("peak_TBps", None, "bandwidth of the roofline (TB/s; default: "
+                           "the card's as specified, 4.8 on an H200, 3.35 on an H100)")
 _INTERPRET = flags.DEFINE_bool("interpret", None, "Pallas interpret mode (default: where there "
                                "is no GPU: a CPU smoke run, whose tiny timings mean nothing)")
 _DTYPE = flags.DEFINE_string("dtype", "bfloat16", "weights and activations (a CPU smoke run "
@@ -134,6 +136,8 @@ class Run:
         if not cfg.moe:
             raise app.UsageError(f"--preset={_PRESET.value} has no mixture-of-experts layer")
         self.bw = copy_bandwidth(_ITERS.value)
+        _, peak, card = spec_peaks()
+        self.peak = _PEAK.value * 1e12 if _PEAK.value else peak  # bytes/s
         self.report = {
             "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
             "date": time.strftime("%Y-%m-%d %H:%M:%S"), "device": jax.devices()[0].device_kind,
@@ -141,7 +145,8 @@ class Run:
             "moe_layers": sum(map(cfg.is_moe_layer, range(cfg.num_layers))),
             "num_experts": cfg.num_experts, "experts_per_token": cfg.experts_per_token,
             "expert_size": cfg.expert_size, "hidden_size": cfg.hidden_size,
-            "dtype": _DTYPE.value, "context": _CONTEXT.value, "peak_TBps": _PEAK.value,
+            "dtype": _DTYPE.value, "context": _CONTEXT.value, "peak_TBps": self.peak / 1e12,
+            "peak_card": "--peak_TBps" if _PEAK.value else card,
             "copy_TBps": self.bw / 1e12, "build_s": self.build_s,
             "weight_bytes_all": sum(x.size * x.dtype.itemsize
                                     for x in jax.tree.leaves(self.model.params)),
@@ -199,7 +204,7 @@ class Run:
             print(f"B={B} T={T} {backend}: {err['error'][:300]}", flush=True)
             return None
         parts = step_read_bytes(self.model, B, T, _CONTEXT.value, union)
-        roof = parts["total"] / (_PEAK.value * 1e12)
+        roof = parts["total"] / self.peak
         E, k = cfg.num_experts, cfg.experts_per_token
         return {"B": B, "T": T, "backend": backend, "ms": t * 1e3, "warmup_s": warm,
                 "union_mean": float(union.mean()), "union_min": int(union.min()),
@@ -218,7 +223,7 @@ def print_row(r: dict) -> None:
           f"{'-' if vs is None else f'{vs:.2f}':>7s} {r['union_mean']:7.1f} "
           f"{r['union_uniform']:7.1f} {r['union_max_possible']:5d} "
           f"{r['bytes']['total'] / 1e9:7.2f} {r['roofline_ms']:8.3f} "
-          f"{r['roofline_frac']:5.2f}", flush=True)
+          f"{r['roofline_frac']:5.2f} {r['copy_roofline_frac']:5.2f}", flush=True)
 
 
 def main(argv):
@@ -240,9 +245,9 @@ def main(argv):
           f"({r['moe_layers']} MoE: {r['num_experts']} experts, {r['experts_per_token']} a "
           f"token); {r['weight_bytes_all'] / 1e9:.1f} GB of weights built in "
           f"{r['build_s']:.1f} s; copy {r['copy_TBps']:.2f} TB/s; roofline at "
-          f"{r['peak_TBps']} TB/s; context {r['context']}")
+          f"{r['peak_TBps']} TB/s ({r['peak_card']}); context {r['context']}")
     print(f"{'B':>3s} {'T':>3s} {'backend':7s} {'ms':>8s} {'/decode':>7s} {'union':>7s} "
-          f"{'uniform':>7s} {'max':>5s} {'GB read':>7s} {'roof ms':>8s} {'frac':>5s}")
+          f"{'uniform':>7s} {'max':>5s} {'GB read':>7s} {'roof ms':>8s} {'frac':>5s} {'copy':>5s}")
     for i, B in enumerate(int(b) for b in _BATCHES.value):
         run.batch(B, ts if i == 0 else sorted(set(other) | {1}))
     r["complete"] = True
@@ -251,7 +256,7 @@ def main(argv):
         if row["T"] == 1:
             print(f"serial decode B={row['B']} {row['backend']}: {row['tokens_per_s']:.1f} "
                   f"tokens/s = {row['roofline_frac']:.2f} of the roofline of the bytes read "
-                  f"({row['roofline_tokens_per_s']:.1f} tokens/s at {_PEAK.value} TB/s)")
+                  f"({row['roofline_tokens_per_s']:.1f} tokens/s at {r['peak_TBps']} TB/s)")
     if r["errors"]:
         sys.exit(f"{len(r['errors'])} measurement(s) failed; see the receipt's errors")
 

@@ -40,9 +40,11 @@ def require_probabilities(*holders) -> None:
 
 
 def require_positive(*holders) -> None:
-    """Each flag (a number) is finite and > 0."""
+    """Each flag (a number) is finite and > 0, or None (unset: the script's own rule)."""
     for holder in holders:
         def ok(value):
+            if value is None:
+                return True
             try:
                 return 0 < float(value) < float("inf")
             except (TypeError, ValueError):

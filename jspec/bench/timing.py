@@ -120,3 +120,22 @@ def device_steps(model, tokens, cache):
         return rollback(c, lengths), acc + logits[0, -1, 0]
 
     return jax.lax.fori_loop(0, STEP_REPS, body, (cache, jnp.float32(0)))[1]
+
+
+# Spec-sheet peaks of the cards the benchmarks meet, by a substring of jax's
+# `device_kind` (the first match wins): dense bf16 FLOP/s and HBM bytes/s.
+SPEC_PEAKS = (("H200", 989e12, 4.8e12), ("H100 NVL", 835e12, 3.9e12),
+              ("H100 PCIe", 756e12, 2.0e12), ("H100", 989e12, 3.35e12))
+ASSUMED = "H200"  # what a run on an unlisted device (a CPU) is measured against
+
+
+def spec_peaks(kind: str | None = None) -> tuple[float, float, str]:
+    """(bf16 FLOP/s, HBM bytes/s, name) of `kind` (default: the first device's
+    `device_kind`) from SPEC_PEAKS; an unlisted device gets ASSUMED's, its name saying
+    so, so a roofline fraction always names the card it is a fraction of."""
+    kind = jax.devices()[0].device_kind if kind is None else kind
+    for name, flops, bandwidth in SPEC_PEAKS:
+        if name.lower() in kind.lower():
+            return flops, bandwidth, name
+    name, flops, bandwidth = next(p for p in SPEC_PEAKS if p[0] == ASSUMED)
+    return flops, bandwidth, f"{name} (assumed: {kind} is not in SPEC_PEAKS)"
