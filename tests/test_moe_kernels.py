@@ -811,11 +811,12 @@ def test_mxfp4_decode_is_the_checkpoint_table_for_every_code_and_scale():
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("e,k,n,r", [(4, 96, 64, 13), (8, 64, 48, 1)])  # 96: K padded
+@pytest.mark.parametrize("e,k,n,r", [(4, 96, 64, 13), (8, 64, 48, 1)])
 def test_grouped_kernels_decode_mxfp4_blocks_to_the_float_weights_bits(dtype, e, k, n, r):
     """`scales=`: the kernels read MXFP4 codes and decode each [bk, bn] block in the K loop;
-    the result is the float weight's, bitwise (biased, the GLU kernel, its unfused path);
-    a bk that is no multiple of 32 decodes before the launch, the same bits."""
+    the result is the float weight's, bitwise (biased, the GLU kernel, its unfused path,
+    K and N padded past the weight); a bk that is no multiple of 32 decodes before the
+    launch, the same bits."""
     from jspec import mxfp4
     from pallas_kernels.moe import grouped_matmul_glu
     from pallas_kernels.mxfp4 import decode
@@ -834,7 +835,11 @@ def test_grouped_kernels_decode_mxfp4_blocks_to_the_float_weights_bits(dtype, e,
     odd = dataclasses.replace(cfg, bk=16)
     assert np.array_equal(np.asarray(run(x, codes, expert, scales=scales, config=odd)),
                           np.asarray(run(x, w, expert, config=odd)))
-    glu = functools.partial(grouped_matmul_glu, activation="gpt_oss", interpret=True)
+    padded = dataclasses.replace(cfg, bk=128, bn=2 * cfg.bn)  # pad codes 0: +0.0, any scale
+    assert np.array_equal(np.asarray(run(x, codes, expert, scales=scales, config=padded)),
+                          np.asarray(run(x, w, expert, config=padded)))
+    glu = functools.partial(grouped_matmul_glu, activation="gpt_oss", bias=bias,
+                            interpret=True)
     for bn in (cfg.bn, 16):  # 64 columns: unfused (bn 64), then fused (F = 32, bn 16)
         c = dataclasses.replace(cfg, bn=bn)
         assert np.array_equal(np.asarray(glu(x, codes, expert, scales=scales, config=c)),
