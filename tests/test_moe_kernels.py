@@ -857,6 +857,8 @@ def test_grouped_matmul_refuses_malformed_mxfp4():
         run(x, jnp.zeros((2, 16, 16), jnp.uint8), expert, scales=scales)
     with pytest.raises(ValueError, match="wants uint8 scales \\(2, 2, 16\\)"):
         run(x, codes, expert, scales=jnp.zeros((2, 4, 16), jnp.uint8))
+    with pytest.raises(ValueError, match="wants x \\[R, K\\]"):  # x not [R, K]
+        run(x[0], codes, expert, scales=scales)
 
 
 @pytest.mark.parametrize("glu", [False, True])
