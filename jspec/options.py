@@ -90,12 +90,13 @@ class KernelOptions:
         kernel's products and adds are its own, so its bits may differ from the XLA
         combine's; row-invariant either way. Needs fuse_glu (its slots are the fused
         expert MLP's).
-      mxfp4_kernel: pallas: MXFP4-packed experts (`mxfp4_experts=True`) are decoded
-        inside the grouped kernels' K loop, block by block, with the float weight's
-        tiles (True: a step reads 4.25 bits a routed weight, no dequantized copy), or
-        each routed slot's expert is dequantized before the kernels (False or None: the
-        default until the in-kernel decoding is proven on a GPU). Exact integer
-        decoding either way: the same bits.
+      mxfp4_kernel: pallas, Triton lowering: MXFP4-packed experts (`mxfp4_experts=True`)
+        are decoded inside the grouped kernels' K loop, block by block, with the float
+        weight's tiles (True: a step reads 4.25 bits a routed weight, no dequantized
+        copy), or each routed slot's expert is dequantized before the kernels (False or
+        None: the default until the in-kernel decoding is proven on a GPU; always on
+        "mosaic", whose grouped kernels take float weights and whose bits, R11, are not
+        Triton's). Exact integer decoding either way: the same bits.
       matmul_row_group: pallas: up to this many row tiles per matmul program, each
         weight block loaded once for all of them (scheduling only).
       matmul_schedule: pallas: launches of several row tiles use the weight's tuned

@@ -116,7 +116,8 @@ def grouped_config(E: int, K: int, N: int, dtype, interpret: bool) -> MatmulConf
 def _check_grouped(x: jax.Array, w: jax.Array, expert: jax.Array, scales=None) -> None:
     if scales is not None:
         _check_packed(x, w, scales)
-        w = jax.ShapeDtypeStruct((w.shape[0], x.shape[1], w.shape[2]), x.dtype)
+        # the float weight the codes stand for, checked as one passed as floats
+        w = jax.ShapeDtypeStruct((w.shape[0], x.shape[-1], w.shape[2]), x.dtype)
     if x.ndim != 2 or w.ndim != 3 or x.shape[1] != w.shape[1]:
         raise ValueError(f"grouped_matmul wants x [R, K] and w [E, K, N]; got {x.shape=} "
                          f"{w.shape=}")

@@ -810,14 +810,15 @@ def test_mxfp4_decode_is_the_checkpoint_table_for_every_code_and_scale():
                           np.asarray(jnp.asarray(want, jnp.bfloat16)).view(np.uint16))
 
 
-@pytest.mark.parametrize("dtype,e,k,n,r", [  # 96: K padded
+@pytest.mark.parametrize("dtype,e,k,n,r", [
     (jnp.float32, 4, 96, 64, 13), (jnp.bfloat16, 8, 64, 48, 1),
     pytest.param(jnp.bfloat16, 4, 96, 64, 13, marks=pytest.mark.slow),
     pytest.param(jnp.float32, 8, 64, 48, 1, marks=pytest.mark.slow)])
 def test_grouped_kernels_decode_mxfp4_blocks_to_the_float_weights_bits(dtype, e, k, n, r):
     """`scales=`: the kernels read MXFP4 codes and decode each [bk, bn] block in the K loop;
-    the result is the float weight's, bitwise (biased, the GLU kernel, its unfused path);
-    a bk that is no multiple of 32 decodes before the launch, the same bits."""
+    the result is the float weight's, bitwise (biased, the GLU kernel, its unfused path,
+    K and N padded past the weight); a bk that is no multiple of 32 decodes before the
+    launch, the same bits."""
     from jspec import mxfp4
     from pallas_kernels.moe import grouped_matmul_glu
     from pallas_kernels.mxfp4 import decode
@@ -836,7 +837,11 @@ def test_grouped_kernels_decode_mxfp4_blocks_to_the_float_weights_bits(dtype, e,
     odd = dataclasses.replace(cfg, bk=16)
     assert np.array_equal(np.asarray(run(x, codes, expert, scales=scales, config=odd)),
                           np.asarray(run(x, w, expert, config=odd)))
-    glu = functools.partial(grouped_matmul_glu, activation="gpt_oss", interpret=True)
+    padded = dataclasses.replace(cfg, bk=128, bn=2 * cfg.bn)  # pad codes 0: +0.0, any scale
+    assert np.array_equal(np.asarray(run(x, codes, expert, scales=scales, config=padded)),
+                          np.asarray(run(x, w, expert, config=padded)))
+    glu = functools.partial(grouped_matmul_glu, activation="gpt_oss", bias=bias,
+                            interpret=True)
     for bn in (cfg.bn, 16):  # 64 columns: unfused (bn 64), then fused (F = 32, bn 16)
         c = dataclasses.replace(cfg, bn=bn)
         assert np.array_equal(np.asarray(glu(x, codes, expert, scales=scales, config=c)),
@@ -854,6 +859,8 @@ def test_grouped_matmul_refuses_malformed_mxfp4():
         run(x, jnp.zeros((2, 16, 16), jnp.uint8), expert, scales=scales)
     with pytest.raises(ValueError, match="wants uint8 scales \\(2, 2, 16\\)"):
         run(x, codes, expert, scales=jnp.zeros((2, 4, 16), jnp.uint8))
+    with pytest.raises(ValueError, match="wants x \\[R, K\\]"):  # x not [R, K]
+        run(x[0], codes, expert, scales=scales)
 
 
 @pytest.mark.parametrize("glu", [False, True])

@@ -231,3 +231,22 @@ def test_the_shared_expert_gate_keeps_rows_and_lowers_for_cuda():
     args = [jax.ShapeDtypeStruct(sh, jnp.bfloat16) for sh in ((16, 2048), (16, 2048), (16, 1))]
     text = _lower(shared_gate, *args)
     assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 1 and "triton" not in text
+
+
+@pytest.mark.parametrize("M", [1, 5])  # 2 or 10 slots: fewer than the 8 experts, or not
+def test_packed_mxfp4_experts_lower_with_the_dequantized_models_kernels(h200, M):
+    # gpt-oss kept packed (bf16) with lowering="mosaic" and mxfp4_kernel=True: the grouped
+    # kernels take no MXFP4 codes on Mosaic GPU, so the routed experts are dequantized and
+    # run on the Mosaic GPU kernels the dequantized model runs (R11: the Triton kernels'
+    # bits are their own), never on the Triton kernels that decode in the K loop.
+    from jspec.cache import init_cache
+    from jspec.model import apply
+    from jspec.random_model import random_model
+
+    model = random_model("tiny-gpt-oss", interpret=False, mxfp4_experts=True)
+    model = model.replace(options=model.options.replace(lowering="mosaic", mxfp4_kernel=True))
+    cache = jax.eval_shape(lambda: init_cache(model, 1, 64))
+    text = _lower(apply, model, jax.ShapeDtypeStruct((1, M), jnp.int32), cache)
+    names = set(re.findall(r'name = "(jspec_[a-z_0-9]*)"', text))
+    assert not {"jspec_grouped_matmul", "jspec_grouped_matmul_glu"} & names, names
+    assert "jspec_mosaic_grouped_matmul_glu_mosaic_gpu" in text
