@@ -1,5 +1,6 @@
 """A run never replaces an earlier run's receipt: it rewrites its own as it goes, and
-takes the next free `_run<N>` stem where an earlier receipt of its name exists."""
+takes the next free `_run<N>` stem where an earlier receipt of its name exists. A
+roofline names the card whose spec sheet it is a fraction of."""
 
 import json
 import subprocess
@@ -34,3 +35,13 @@ def test_a_benchmark_run_twice_keeps_both_receipts(tmp_path):
     names = sorted(p.name for p in tmp_path.iterdir())
     assert names == ["sweep_matmul_t.json", "sweep_matmul_t_run2.json",
                      "sweep_matmul_t_run2_tuned.json", "sweep_matmul_t_tuned.json"], names
+
+
+def test_rooflines_name_the_card_they_are_a_fraction_of():
+    from jspec.bench.timing import spec_peaks
+
+    assert spec_peaks("NVIDIA H100 80GB HBM3") == (989e12, 3.35e12, "H100")
+    assert spec_peaks("NVIDIA H200")[1:] == (4.8e12, "H200")
+    assert spec_peaks("NVIDIA H100 PCIe")[1:] == (2.0e12, "H100 PCIe")
+    flops, bandwidth, name = spec_peaks("cpu")  # an unlisted device: assumed, and said
+    assert (flops, bandwidth) == spec_peaks("H200")[:2] and "assumed: cpu" in name
