@@ -372,8 +372,10 @@ def _launch_sorted(kernel, x, w, tile_expert, src, cfg: MatmulConfig, n_out: int
     longer arrays of which the first `tiles` tiles are used; slot s reads x row
     src[s] // row_div): the [T bm, n_out] rows in slot order. bias [E, N] (or None): its
     column blocks go to the kernel beside the weight's, one a weight operand. scales
-    [E, K / 32, N] (or None): w holds MXFP4 codes [E, K / 2, N] (bk a multiple of 32),
-    their scale blocks go beside them."""
+    [E, K / 32, N] (or None): w holds MXFP4 codes [E, K / 2, N], their scale blocks go
+    beside them (`packed` kernels); a bk that is no multiple of 32 decodes them here."""
+    if scales is not None and cfg.bk % GROUP:
+        w, scales = _packed(w, scales, x.dtype), None
     K = x.shape[1]
     E = w.shape[0]
     bm = cfg.bm
@@ -450,10 +452,7 @@ def grouped_matmul(x: jax.Array, w: jax.Array, expert: jax.Array, *, out_dtype,
         raise ValueError(f"grouped_matmul takes no split-K; got {cfg.split_k=}")
     if R == 0:
         return jnp.zeros((0, N), out_dtype)
-    if scales is not None and cfg.bk % GROUP:
-        w, scales = decode(w, scales, x.dtype), None
-    kernel = functools.partial(_grouped_kernel, packed=scales is not None)
-    out = _launch(kernel, x, w, expert, cfg, round_up(N, cfg.bn), out_dtype,
+    out = _launch(_grouped_kernel, x, w, expert, cfg, round_up(N, cfg.bn), out_dtype,
                   [lambda j: j], interpret, "jspec_grouped_matmul", bias=bias, scales=scales)
     return out[:, :N]
 
@@ -490,11 +489,8 @@ def grouped_matmul_glu(x: jax.Array, w: jax.Array, expert: jax.Array, *, activat
                                             interpret=interpret, config=cfg, scales=scales),
                              2, axis=-1)
         return glu(gate, up, activation=activation, interpret=interpret)
-    if scales is not None and cfg.bk % GROUP:
-        w, scales = decode(w, scales, x.dtype), None
     nf = F // cfg.bn  # column blocks of the gate half
-    kernel = functools.partial(_grouped_glu_kernel, activation=activation,
-                               packed=scales is not None)
+    kernel = functools.partial(_grouped_glu_kernel, activation=activation)
     return _launch(kernel, x, w, expert, cfg, F, x.dtype, [lambda j: j, lambda j: j + nf],
                    interpret, "jspec_grouped_matmul_glu", bias=bias, scales=scales)
 

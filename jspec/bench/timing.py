@@ -10,6 +10,8 @@ are device-side loops to time.
 from __future__ import annotations
 
 import functools
+import json
+import os
 import statistics
 import time
 
@@ -122,20 +124,19 @@ def device_steps(model, tokens, cache):
     return jax.lax.fori_loop(0, STEP_REPS, body, (cache, jnp.float32(0)))[1]
 
 
-# Spec-sheet peaks of the cards the benchmarks meet, by a substring of jax's
-# `device_kind` (the first match wins): dense bf16 FLOP/s and HBM bytes/s.
-SPEC_PEAKS = (("H200", 989e12, 4.8e12), ("H100 NVL", 835e12, 3.9e12),
-              ("H100 PCIe", 756e12, 2.0e12), ("H100", 989e12, 3.35e12))
-ASSUMED = "H200"  # what a run on an unlisted device (a CPU) is measured against
+SPEC_PEAKS_FILE = os.path.join(os.path.dirname(__file__), "spec_peaks.json")
 
 
 def spec_peaks(kind: str | None = None) -> tuple[float, float, str]:
     """(bf16 FLOP/s, HBM bytes/s, name) of `kind` (default: the first device's
-    `device_kind`) from SPEC_PEAKS; an unlisted device gets ASSUMED's, its name saying
-    so, so a roofline fraction always names the card it is a fraction of."""
+    `device_kind`) from the cards of SPEC_PEAKS_FILE (a substring of the kind, the first
+    match wins); an unlisted device gets the file's assumed card, its name saying so, so
+    a roofline fraction always names the card it is a fraction of."""
     kind = jax.devices()[0].device_kind if kind is None else kind
-    for name, flops, bandwidth in SPEC_PEAKS:
-        if name.lower() in kind.lower():
-            return flops, bandwidth, name
-    name, flops, bandwidth = next(p for p in SPEC_PEAKS if p[0] == ASSUMED)
-    return flops, bandwidth, f"{name} (assumed: {kind} is not in SPEC_PEAKS)"
+    with open(SPEC_PEAKS_FILE) as f:
+        table = json.load(f)
+    cards = {c["name"]: c for c in table["cards"]}
+    name = next((n for n in cards if n.lower() in kind.lower()), None)
+    card = cards[name or table["assumed"]]
+    label = name or f"{table['assumed']} (assumed: {kind} is not in spec_peaks.json)"
+    return float(card["bf16_flops"]), float(card["hbm_bytes_per_s"]), label
