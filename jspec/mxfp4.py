@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jspec._checks import CheckpointError
-from pallas_kernels.mxfp4 import decode
+from pallas_kernels.mxfp4 import decode_planes
 
 # The e2m1 value of each 4-bit code (transformers' `integrations.mxfp4.FP4_VALUES`).
 FP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
@@ -69,10 +69,11 @@ def take_columns(codes: np.ndarray, scales: np.ndarray, columns: np.ndarray
 
 def dequantize(codes: jax.Array, scales: jax.Array, dtype) -> jax.Array:
     """codes [S, K / 2, N] uint8, scales [S, K / 32, N] uint8 (each in [MIN_SCALE, 252])
-    -> [S, K, N] in dtype, exactly: `pallas_kernels.mxfp4.decode`, the integer decoding
-    the grouped kernels run in their K loop (`mxfp4_kernel`), whose values are
-    `dequantize_mxfp4`'s (tests/test_moe_kernels.py checks every code and scale)."""
-    return decode(codes, scales, dtype)
+    -> [S, K, N] in dtype, exactly: the values of `pallas_kernels.mxfp4.decode`, the
+    integer decoding the grouped kernels run in their K loop (`mxfp4_kernel`), which are
+    `dequantize_mxfp4`'s (tests/test_moe_kernels.py checks every code and scale), with
+    no temporary larger than the result (`decode_planes`)."""
+    return decode_planes(codes, scales, dtype)
 
 
 def expert_params(lp: dict) -> dict:

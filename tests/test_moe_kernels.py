@@ -792,13 +792,16 @@ def test_shared_gate_lowers_for_the_h200(h200):
 # ------------------------------------------------- MXFP4 codes decoded in the K loop
 
 
-def test_mxfp4_decode_is_the_checkpoint_table_for_every_code_and_scale():
-    """`pallas_kernels.mxfp4.decode` (integer ops, what the kernels run) gives the load-time
-    values (`jspec.mxfp4.dequantize_mxfp4`: transformers' table) for all 256 bytes under
-    every scale kept packed (2 .. 252), in f32 and bf16, bit for bit: -0.0 included."""
+@pytest.mark.parametrize("which", ["decode", "decode_planes"])
+def test_mxfp4_decode_is_the_checkpoint_table_for_every_code_and_scale(which):
+    """`pallas_kernels.mxfp4.decode` (integer ops, what the kernels run) and its XLA twin
+    `decode_planes` (what `jspec.mxfp4.dequantize` runs) give the load-time values
+    (`jspec.mxfp4.dequantize_mxfp4`: transformers' table) for all 256 bytes under every
+    scale kept packed (2 .. 252), in f32 and bf16, bit for bit: -0.0 included."""
     from jspec.mxfp4 import dequantize_mxfp4
-    from pallas_kernels.mxfp4 import decode
+    from pallas_kernels import mxfp4
 
+    decode = getattr(mxfp4, which)
     codes = np.tile(np.arange(256, dtype=np.uint8)[:, None], (1, 251))  # [K / 2, N]
     scales = np.tile(np.arange(2, 253, dtype=np.uint8)[None], (16, 1))  # [K / 32, N]
     # the checkpoint's layout of the same weight: blocks [N, K / 32, 16], scales [N, K / 32]
@@ -808,6 +811,20 @@ def test_mxfp4_decode_is_the_checkpoint_table_for_every_code_and_scale():
     got = decode(jnp.asarray(codes)[None], jnp.asarray(scales)[None], jnp.bfloat16)[0]
     assert np.array_equal(np.asarray(got).view(np.uint16),
                           np.asarray(jnp.asarray(want, jnp.bfloat16)).view(np.uint16))
+
+
+def test_mxfp4_dequantize_keeps_no_int32_copy_of_the_weight():
+    """`jspec.mxfp4.dequantize` (the slot path and `unpacked`) needs no temporary larger than
+    its bf16 result: `decode`'s int32 join of the nibbles held 2x the result (an
+    out-of-memory on gpt-oss-120b's 128 experts)."""
+    from jspec import mxfp4
+
+    codes = jax.ShapeDtypeStruct((8, 256, 512), jnp.uint8)
+    scales = jax.ShapeDtypeStruct((8, 16, 512), jnp.uint8)
+    out_bytes = 8 * 512 * 512 * 2
+    mem = jax.jit(lambda c, s: mxfp4.dequantize(c, s, jnp.bfloat16)).lower(
+        codes, scales).compile().memory_analysis()
+    assert mem.temp_size_in_bytes <= out_bytes, (mem.temp_size_in_bytes, out_bytes)
 
 
 @pytest.mark.parametrize("dtype,e,k,n,r", [
