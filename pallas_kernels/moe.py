@@ -289,24 +289,44 @@ def _expert_k_loop(e, src_ref, x_ref, w_ref, *, bk: int, nk: int, bn: int,
     fixed by K and bk). Empty slots (src -1) read exact zeros. row_div > 1: slot source s
     reads x row s // row_div (a token's k routed copies read the token's one row).
     s_ref [E, Kp / 32, bn] (MXFP4): w_ref holds codes [E, Kp / 2, bn], each [bk, bn] block
-    decoded from its codes and scales (`mxfp4.decode`: exact) before the same dot."""
+    decoded from its codes and scales (`mxfp4.decode`: exact) before the same dot.
+
+    The packed loop loads block k + 1's codes and scales while it decodes block k, so
+    they reach the decode as loop-carried values. Triton lays a dot's operands out in
+    registers (the MMA operand's kWidth) by the narrowest load it finds feeding them:
+    decoded straight from a uint8 load, the operands took kWidth 8 where the float
+    kernel's take 2, which assigns other K values to each MMA instruction's slots and
+    rounds differently (on an H100: 1,008 of 1,024 positions off the dequantized
+    model's). A carried value ends that search, so the float kernel's layout and bits."""
     src = src_ref[...]  # [bm]
     rows, real = jnp.maximum(src, 0), (src >= 0)[:, None]  # [bm], [bm, 1]
     if row_div > 1:
         rows = rows // row_div
 
-    def step(k, acc):  # acc [bm, bn] f32
-        xs = x_ref[rows, pl.ds(k * bk, bk)]  # [bm, bk] gathered: the tile's rows
-        xs = jnp.where(real, xs, jnp.zeros_like(xs))
-        if s_ref is None:
-            ws = w_ref[e, pl.ds(k * bk, bk), :]  # [bk, bn] of the tile's expert only
-        else:  # its [bk / 2, bn] codes and [bk / 32, bn] scales, decoded
-            ws = decode(w_ref[e, pl.ds(k * (bk // 2), bk // 2), :],
-                        s_ref[e, pl.ds(k * (bk // GROUP), bk // GROUP), :], xs.dtype)
+    def x_block(k):  # [bm, bk] gathered: the tile's rows
+        xs = x_ref[rows, pl.ds(k * bk, bk)]
+        return jnp.where(real, xs, jnp.zeros_like(xs))
+
+    def dot(acc, xs, ws):
         return acc + jnp.dot(xs, ws, precision=lax.Precision.HIGHEST,
                              preferred_element_type=jnp.float32)
 
-    return lax.fori_loop(0, nk, step, jnp.zeros((src.shape[0], bn), jnp.float32))
+    acc = jnp.zeros((src.shape[0], bn), jnp.float32)
+    if s_ref is None:
+        return lax.fori_loop(  # [bk, bn] of the tile's expert only
+            0, nk, lambda k, acc: dot(acc, x_block(k), w_ref[e, pl.ds(k * bk, bk), :]), acc)
+
+    def packed(k):  # block k's [bk / 2, bn] codes and [bk / 32, bn] scales
+        return (w_ref[e, pl.ds(k * (bk // 2), bk // 2), :],
+                s_ref[e, pl.ds(k * (bk // GROUP), bk // GROUP), :])
+
+    def step(k, carry):
+        acc, codes, scales = carry
+        xs = x_block(k)
+        ws = decode(codes, scales, xs.dtype)
+        return (dot(acc, xs, ws), *packed(jnp.minimum(k + 1, nk - 1)))
+
+    return lax.fori_loop(0, nk, step, (acc, *packed(0)))[0]
 
 
 def _biased(acc: jax.Array, e, b_ref=None) -> jax.Array:

@@ -24,12 +24,15 @@ GROUP = 32  # rows of K sharing one scale
 
 def decode(codes: jax.Array, scales: jax.Array, dtype) -> jax.Array:
     """codes uint8 [..., H, N] and scales uint8 [..., H / 16, N] (each >= 2) -> the
-    weight [..., 2 H, N] in dtype, exactly. Plain integer ops, a join of two nibbles, a
-    transpose and reshapes: it lowers inside a Pallas Triton kernel as it runs in jnp."""
+    weight [..., 2 H, N] in dtype, exactly. Plain integer ops, broadcasts and reshapes
+    (row r takes byte r // 2 shifted by 4 (r % 2)): it lowers inside a Pallas Triton
+    kernel as it runs in jnp. No join of the two nibbles: Triton halves the register
+    layout (kWidth) of a dot operand whose inputs pass a join (see `moe._expert_k_loop`)."""
     *lead, H, N = codes.shape
-    c = codes.astype(jnp.int32)
-    pair = jnp.stack([c & 15, lax.shift_right_logical(c, 4)], axis=-1)  # [..., H, N, 2]
-    c = jnp.swapaxes(pair, -1, -2).reshape(*lead, 2 * H, N)  # rows 2j, 2j + 1
+    c = codes.astype(jnp.int32)[..., :, None, :]
+    c = jnp.broadcast_to(c, (*lead, H, 2, N)).reshape(*lead, 2 * H, N)  # row r: byte r // 2
+    odd = lax.broadcasted_iota(jnp.int32, (*lead, 2 * H, N), len(lead)) & 1
+    c = lax.shift_right_logical(c, odd * 4) & 15  # rows 2j: low nibble, 2j + 1: high
     G = scales.shape[-2]
     s = scales.astype(jnp.int32)[..., :, None, :]
     s = jnp.broadcast_to(s, (*lead, G, GROUP, N)).reshape(*lead, G * GROUP, N)

@@ -338,6 +338,55 @@ def test_the_grouped_expert_kernels_k_steps_have_the_same_form(monkeypatch):
     _check_k_loops(kernels[0], loops=1, dots=1)
 
 
+@pytest.mark.parametrize("glu", [False, True])
+def test_packed_expert_dots_see_no_narrow_load_or_join(monkeypatch, glu):
+    # Triton lays a dot's operands out in registers (MMAv2's kWidth) by the narrowest load
+    # it finds walking back from them through elementwise ops, views, broadcasts and
+    # loads, halved if a join is on the way (AccelerateMatmul's computeOrigBitWidth). A
+    # dot whose weight was decoded straight from uint8 codes took kWidth 8 where the
+    # float kernel's take 2: other K values share each MMA instruction and the bits
+    # differ (on an H100, 1,008 of 1,024 positions off the dequantized model). The packed
+    # K loop hands the decode loop-carried codes and scales (block arguments end the
+    # walk) and decodes without a join: the walk meets only the 16-bit activations.
+    from pallas_kernels import mxfp4
+    from pallas_kernels.matmul import MatmulConfig
+    from pallas_kernels.moe import grouped_matmul, grouped_matmul_glu
+
+    cfg = MatmulConfig(bm=16, bn=64, bk=128, num_warps=4, num_stages=3)
+    x = jax.ShapeDtypeStruct((5, 512), jnp.bfloat16)
+    codes = jax.ShapeDtypeStruct((4, 256, 256), jnp.uint8)
+    scales = jax.ShapeDtypeStruct((4, 512 // mxfp4.GROUP, 256), jnp.uint8)
+    expert = jax.ShapeDtypeStruct((5,), jnp.int32)
+    if glu:
+        def fn(x, c, e, s):
+            return grouped_matmul_glu(x, c, e, activation="silu", config=cfg, scales=s)
+    else:
+        def fn(x, c, e, s):
+            return grouped_matmul(x, c, e, out_dtype=jnp.bfloat16, config=cfg, scales=s)
+    (ir,) = [ir for ir in _triton_modules(monkeypatch, fn, x, codes, expert, scales)
+             if "tt.dot" in ir]
+    bodies = [part.split("scf.yield")[0] for part in ir.split("scf.for ")[1:]]
+    bodies = [b for b in bodies if "tt.dot" in b]
+    assert len(bodies) == (2 if glu else 1)
+    for body in bodies:
+        defs = {}  # value -> (op, operands) inside the loop body
+        for m in re.finditer(r"^\s*(%\w+)(?::\d+)? = ([\w.]+)(.*)$", body, re.M):
+            defs[m.group(1)] = (m.group(2), re.findall(r"%\w+", m.group(3)))
+        (dot,) = re.findall(r"= tt\.dot (%\w+), (%\w+), ", body)
+        seen, todo, ops = set(), list(dot), []
+        while todo:  # the walk; values from outside the body or carried end it
+            v = todo.pop()
+            if v in seen or v not in defs:
+                continue
+            seen.add(v)
+            op, operands = defs[v]
+            ops.append(op)
+            todo += operands
+        assert "tt.join" not in ops
+        loads = re.findall(r"(%\w+) = tt\.load .*: tensor<[^>]*x!tt\.ptr<(\w+)>>", body)
+        assert {t for v, t in loads if v in seen} == {"bf16"}, loads
+
+
 def _check_k_loops(ir: str, loops: int, dots: int) -> None:
     """Each of the `loops` K loops of a kernel's IR has `dots` dots, each from a zero
     accumulator, used once, by the addition to one of the loop's carried sums."""
