@@ -5,7 +5,7 @@ string instead (`--options=plain+fuse_glu,attn_split=128`, `--draft_options=draf
 names joined by "+" or ",", applied left to right:
 
   x / no_x       a fusion on or off (fuse_add_norm, pad_rows_once, fuse_qk_rope, fuse_glu)
-  plain          every fusion off
+  plain          every fusion off (KernelOptions.plain(): mxfp4_kernel too)
   draft          `DraftOptions.latency()`: the latency set for a small GPU draft
   name=<int>     a valued option: attn_split, attn_split_rows, attn_fused_fold (0/1),
                  attn_serial_split (0/1), attn_skip_empty (0/1), attn_group_split (0/1),
@@ -86,8 +86,8 @@ def parse_options(text: str, kernel: KernelOptions | None = None,
             if conv is bool and number not in (0, 1):
                 raise ValueError(f"option {name!r}: {key} takes 0 or 1")
             fields[kind][field] = conv(number)
-        elif name == "plain":
-            fields["kernel"] |= dict.fromkeys(FUSIONS, False)
+        elif name == "plain":  # KernelOptions.plain()'s fields
+            fields["kernel"] |= dict.fromkeys(FUSIONS, False) | {"mxfp4_kernel": False}
         elif name in LOWERINGS:  # the GPU lowering of the kernels (KernelOptions.lowering)
             fields["kernel"]["lowering"] = name
         elif name == "draft":

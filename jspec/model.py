@@ -379,10 +379,10 @@ def moe_block(ops, model: Model, lp, h, rows: int):
 
 def packed_experts(ops, model: Model, lp, x, expert, weights, biases):
     """`moe_block`'s experts where the layer keeps them MXFP4-packed (`jspec.mxfp4`):
-    x [M, D], expert [M k], weights [M, k] -> [M, D]. With `mxfp4_kernel` on pallas's
-    Triton lowering the grouped kernels read the codes and scales and decode each weight
-    block in their K loop (`scales=`: 4.25 bits a weight read, the tiles of the float
-    weight; Mosaic GPU's grouped kernels take float weights only, and Triton's bits are
+    x [M, D], expert [M k], weights [M, k] -> [M, D]. On pallas's Triton lowering (unless
+    `mxfp4_kernel=False`) the grouped kernels read the codes and scales and decode each
+    weight block in their K loop (`scales=`: 4.25 bits a weight read, the tiles of the
+    float weight; Mosaic GPU's grouped kernels take float weights only, and Triton's bits are
     not theirs, R11, so that lowering dequantizes as below). Otherwise,
     with fewer slots than experts (a step, a verify block) each slot's expert is
     dequantized alone (only routed bytes are read) and the slot is its own expert, else
@@ -395,7 +395,7 @@ def packed_experts(ops, model: Model, lp, x, expert, weights, biases):
         raise ValueError("moe_combine_kernel=True does not run with MXFP4-packed experts "
                          "(mxfp4_experts=True): load the experts dequantized, or drop it")
     E, k, (M, D) = cfg.num_experts, cfg.experts_per_token, x.shape
-    if opt.backend == "pallas" and opt.lowering == "triton" and opt.mxfp4_kernel:
+    if opt.backend == "pallas" and opt.lowering == "triton" and opt.mxfp4_kernel is not False:
         y = expert_mlps(ops, model, x, lp["w_gate_up_mx"], lp["w_down_mx"], expert, biases,
                         scales=(lp["w_gate_up_scale"], lp["w_down_scale"]))
         return combine(y.reshape(M, k, D), weights).astype(x.dtype)

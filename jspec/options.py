@@ -92,11 +92,11 @@ class KernelOptions:
         expert MLP's).
       mxfp4_kernel: pallas, Triton lowering: MXFP4-packed experts (`mxfp4_experts=True`)
         are decoded inside the grouped kernels' K loop, block by block, with the float
-        weight's tiles (True: a step reads 4.25 bits a routed weight, no dequantized
-        copy), or each routed slot's expert is dequantized before the kernels (False or
-        None: the default until the in-kernel decoding is proven on a GPU; always on
-        "mosaic", whose grouped kernels take float weights and whose bits, R11, are not
-        Triton's). Exact integer decoding either way: the same bits.
+        weight's tiles (True or None: the default; a step reads 4.25 bits a routed
+        weight, no dequantized copy), or each routed slot's expert is dequantized before
+        the kernels (False; always on "mosaic", whose grouped kernels take float weights
+        and whose bits, R11, are not Triton's). Exact integer decoding either way: the
+        same bits (docs/tuning.md).
       matmul_row_group: pallas: up to this many row tiles per matmul program, each
         weight block loaded once for all of them (scheduling only).
       matmul_schedule: pallas: launches of several row tiles use the weight's tuned
@@ -196,7 +196,7 @@ class KernelOptions:
     def plain(self) -> KernelOptions:
         """The same options with every fusion off (`FUSIONS`): the path each fusion is
         checked against, bit for bit."""
-        return self.replace(kv_write_kernel=None, moe_layout_kernel=None, mxfp4_kernel=None,
+        return self.replace(kv_write_kernel=None, moe_layout_kernel=None, mxfp4_kernel=False,
                             **dict.fromkeys(FUSIONS, False))
 
 

@@ -568,7 +568,7 @@ def test_a_tree_call_must_describe_its_tokens():
 def test_mxfp4_kernel_is_a_checked_bool_that_plain_turns_off():
     with pytest.raises(ValueError, match="mxfp4_kernel"):
         jspec.KernelOptions(mxfp4_kernel="yes")
-    assert jspec.KernelOptions(mxfp4_kernel=True).plain().mxfp4_kernel is None
+    assert jspec.KernelOptions(mxfp4_kernel=True).plain().mxfp4_kernel is False
     from jspec.cli import parse_options
 
     kernel, _ = parse_options("mxfp4_kernel=1")
