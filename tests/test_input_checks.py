@@ -1,0 +1,33 @@
+"""Bad input is refused at the boundary with an error naming it, on the host before
+anything is traced (so the file is fast); input that is fine is read as it is."""
+
+import pytest
+
+import jspec
+
+# ------------------------------------------------------------------- parse_tree fields
+
+
+@pytest.mark.parametrize("text, fragment", [
+    ("3,,1", r"branching '3,,1': field 2 of 3 .* is empty"),
+    ("3,2,", r"branching '3,2,': field 3 of 3 .* is empty"),
+    (",3", r"branching ',3': field 1 of 2 .* is empty"),
+    ("dynamic:6,,60,4", r"dynamic '6,,60,4': field 2 of 4 .* is empty"),
+    ("paths:0;;1", r"paths '0;;1': field 2 of 3 .* is empty"),
+    ("paths:0;1;", r"paths '0;1;': field 3 of 3 .* is empty"),
+    ("paths:0;1.;2", r"path '1\.': field 2 of 2 .* is empty"),
+    ("spine:3:1,,0", r"side branches '1,,0': field 2 of 3 .* is empty"),
+])
+def test_parse_tree_refuses_empty_fields(text, fragment):
+    with pytest.raises(ValueError, match=f"tree '{text}': {fragment}"):
+        jspec.parse_tree(text)
+
+
+def test_parse_tree_keeps_its_other_forms():
+    assert jspec.parse_tree(" 3, 2 ").branching == (3, 2)
+    assert jspec.parse_tree("paths:0;1;0.0").num_nodes == 3
+    assert jspec.parse_tree("dynamic:4,16,5").dynamic == (4, 16, 5)
+    assert jspec.parse_tree("spine:3").paths == ((0,), (0, 0), (0, 0, 0))  # no side branch
+    assert jspec.parse_tree("") is None
+    with pytest.raises(ValueError, match="paths is empty"):
+        jspec.parse_tree("paths:")
