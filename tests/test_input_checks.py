@@ -1,6 +1,8 @@
 """Bad input is refused at the boundary with an error naming it, on the host before
 anything is traced (so the file is fast); input that is fine is read as it is."""
 
+import json
+
 import pytest
 
 import jspec
@@ -31,3 +33,29 @@ def test_parse_tree_keeps_its_other_forms():
     assert jspec.parse_tree("") is None
     with pytest.raises(ValueError, match="paths is empty"):
         jspec.parse_tree("paths:")
+
+
+# ------------------------------------------------------------------ read_prompts lines
+
+
+def test_read_prompts_breaks_lines_at_newlines_only(tmp_path):
+    odd = ["a\u2028b", "c\u0085d", "e\u2029f", "g\x1ch", "i\x0bj"]  # str.splitlines breaks
+    jl = tmp_path / "p.jsonl"
+    jl.write_text("".join(json.dumps({"prompt": p}, ensure_ascii=False) + "\n" for p in odd),
+                  encoding="utf-8")
+    assert jspec.read_prompts(jl) == odd
+    txt = tmp_path / "p.txt"
+    txt.write_bytes("def f():\x0c    return 1\nx\u2028y\n".encode())
+    assert jspec.read_prompts(txt) == ["def f():\x0c    return 1", "x\u2028y"]
+
+
+def test_read_prompts_reads_crlf_files(tmp_path):
+    txt = tmp_path / "p.txt"
+    txt.write_bytes(b"first\r\n\r\nsecond\r\n")
+    assert jspec.read_prompts(txt) == ["first", "second"]
+    jl = tmp_path / "p.jsonl"
+    jl.write_bytes(b'{"prompt": "a"}\r\n{"prompt": "b"}\r\n')
+    assert jspec.read_prompts(jl) == ["a", "b"]
+    jl.write_bytes(b'{"prompt": "a"}\r\n{bad\r\n')
+    with pytest.raises(ValueError, match=r"p\.jsonl:2: not a JSON object"):
+        jspec.read_prompts(jl)
