@@ -6,6 +6,7 @@ import json
 import pytest
 
 import jspec
+from jspec.random_model import random_model
 
 # ------------------------------------------------------------------- parse_tree fields
 
@@ -59,3 +60,13 @@ def test_read_prompts_reads_crlf_files(tmp_path):
     jl.write_bytes(b'{"prompt": "a"}\r\n{bad\r\n')
     with pytest.raises(ValueError, match=r"p\.jsonl:2: not a JSON object"):
         jspec.read_prompts(jl)
+
+
+# ------------------------------------------------------------------- random_model seed
+
+
+@pytest.mark.parametrize("seed", [-1, 2**31, 2**32, True, 1.5, "a", None])
+def test_random_model_refuses_seeds_outside_int32(seed):
+    with pytest.raises((ValueError, TypeError), match=r"seed=.* must be an integer in "
+                                                      r"\[0, 2\*\*31\)"):
+        random_model("tiny-qwen3", backend="xla", dtype="float32", seed=seed)
