@@ -1,12 +1,19 @@
 """Bad input is refused at the boundary with an error naming it, on the host before
 anything is traced (so the file is fast); input that is fine is read as it is."""
 
+import functools
 import json
 
 import pytest
 
 import jspec
 from jspec.random_model import random_model
+
+
+@functools.cache
+def _model(seed: int = 0, preset: str = "tiny-qwen3") -> jspec.Model:
+    return random_model(preset, backend="xla", dtype="float32", seed=seed, num_layers=1)
+
 
 # ------------------------------------------------------------------- parse_tree fields
 
@@ -70,3 +77,24 @@ def test_random_model_refuses_seeds_outside_int32(seed):
     with pytest.raises((ValueError, TypeError), match=r"seed=.* must be an integer in "
                                                       r"\[0, 2\*\*31\)"):
         random_model("tiny-qwen3", backend="xla", dtype="float32", seed=seed)
+
+
+# -------------------------------------------------------------------------- attn_split
+
+
+@pytest.mark.parametrize("split", [7, 100, 8, True, False, -16, 1.5, "16"])
+def test_attn_split_the_kernels_refuse_is_refused(split):
+    with pytest.raises(ValueError, match=f"attn_split={split!r}"):
+        jspec.with_options(_model(), attn_split=split)  # interpret mode: key blocks of 16
+
+
+def test_attn_split_follows_the_key_block_of_the_mode():
+    m = _model()
+    assert m.options.interpret
+    for split in (0, 16, 32, 48):  # interpret mode's 16-key blocks
+        assert jspec.with_options(m, attn_split=split).options.attn_split == split
+    with pytest.raises(ValueError, match=r"attn_split=32 .* key block: 64 with interpret=False"):
+        jspec.KernelOptions(attn_split=32)  # a GPU's 64-key blocks
+    with pytest.raises(ValueError, match=r"attn_split=16 .* 64 with interpret=False"):
+        jspec.with_options(m, attn_split=16).with_backend("pallas", interpret=False)
+    assert jspec.KernelOptions(attn_split=128).attn_split == 128
