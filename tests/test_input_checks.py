@@ -98,3 +98,28 @@ def test_attn_split_follows_the_key_block_of_the_mode():
     with pytest.raises(ValueError, match=r"attn_split=16 .* 64 with interpret=False"):
         jspec.with_options(m, attn_split=16).with_backend("pallas", interpret=False)
     assert jspec.KernelOptions(attn_split=128).attn_split == 128
+
+
+# ------------------------------------------------------------- tree ranks past the vocab
+
+
+@pytest.mark.parametrize("tree, field", [("paths:600", r"paths=\(\(600,\),\)"),
+                                         ("dynamic:1000,60,2", r"dynamic=\(1000, 60, 2\)")])
+def test_tree_ranks_past_the_vocabulary_are_refused(tree, field):
+    drafter = jspec.ModelDrafter(_model(1))
+    spec = jspec.SpecConfig(tree=jspec.parse_tree(tree), max_new_tokens=8)
+    with pytest.raises(ValueError, match=f"tree {field} asks for .* the target vocabulary "
+                                         "size is 512: every rank must be < 512"):
+        jspec.speculative_generate(_model(), drafter, [[1, 2, 3, 4], [5, 6]], spec)
+
+
+def test_tree_ranks_past_the_drafts_vocabulary_are_refused():
+    draft = _model(0, "tiny-gemma3")  # 256 tokens: a prefix of the target's 512
+    spec = jspec.SpecConfig(tree=jspec.parse_tree("paths:0;300"), max_new_tokens=8)
+    with pytest.raises(ValueError, match="ranks 0..300.*ModelDrafter's vocabulary size is "
+                                         "256"):
+        jspec.speculative_generate(_model(), jspec.ModelDrafter(draft), [[1, 2, 3]], spec)
+    adaptive = jspec.Adaptive(gammas=(1, 2), tree=jspec.parse_tree("dynamic:300,4,2"))
+    with pytest.raises(ValueError, match=r"dynamic=\(300, 4, 2\).*vocabulary size is 256"):
+        jspec.speculative_generate(_model(), jspec.ModelDrafter(draft), [[1, 2, 3]],
+                                   jspec.SpecConfig(adaptive=adaptive, max_new_tokens=8))
