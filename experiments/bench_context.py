@@ -46,6 +46,7 @@ from jspec.bench.timing import copy_bandwidth, spec_peaks
 from jspec.cli import options_record, parse_options, with_option_string
 from jspec.generate import decode_loop, init_state
 from jspec.generate import prefill as serial_prefill
+from jspec.options import default_interpret
 from jspec.random_model import random_model
 
 PEAK_FLOPS, PEAK_BANDWIDTH, PEAK_CARD = spec_peaks()  # this card's spec sheet
@@ -162,7 +163,8 @@ def check_flags() -> None:
     if os.path.exists(_OUT.value) and not os.path.isdir(_OUT.value):
         raise ValueError(f"--out={_OUT.value!r} is a file, not a directory")
     try:
-        parse_options(_OPTIONS.value)
+        interpret = default_interpret() if _INTERPRET.value is None else _INTERPRET.value
+        parse_options(_OPTIONS.value, jspec.KernelOptions(interpret=interpret))  # attn_split
     except ValueError as e:
         raise ValueError(f"--options: {e}") from None
     cfg = preset_config(_PRESET.value, num_layers=_LAYERS.value or None, dtype=_DTYPE.value)

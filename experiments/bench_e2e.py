@@ -799,7 +799,8 @@ def check_flags() -> None:
             raise ValueError(f"--{flag}={spec!r}: the layers after ':' must be an integer >= 1")
     for flag, names in (("options", _OPTIONS.value), ("draft_options", _DRAFT_OPTIONS.value)):
         try:
-            parse_options(",".join(names))
+            # interpret as the models get it: attn_split's key block depends on it
+            parse_options(",".join(names), jspec.KernelOptions(interpret=default_interpret()))
         except ValueError as e:
             raise ValueError(f"--{flag}: {e}") from None
     trees = []

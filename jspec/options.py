@@ -55,8 +55,9 @@ class KernelOptions:
       fuse_qk_rope: pallas: the q/k norms and RoPE of q and k in one kernel.
       fuse_glu: pallas: the gate/up projection and the GLU in one kernel.
       attn_split: pallas: split-KV attention's keys per partition (a multiple of the
-        key block); 0: one pass; None: the kernel's own (128 on a GPU, one pass in
-        interpret mode). Numeric: each value gives its own bits.
+        key block: 16 in interpret mode, 64 on a GPU); 0: one pass; None: the kernel's
+        own (128 on a GPU, one pass in interpret mode). Numeric: each value gives its
+        own bits.
       attn_split_rows: pallas: split-KV attention's row tile (a power of two >= 16);
         None: the kernel's own (16). Numeric, like attn_split.
       attn_fused_fold: pallas: split-KV attention folds its partials in the same launch
@@ -177,10 +178,8 @@ class KernelOptions:
                                  "(`grouped_mlp`): it needs fuse_glu=True")
         if not isinstance(self.matmul_row_group, int) or self.matmul_row_group < 1:
             raise ValueError(f"matmul_row_group={self.matmul_row_group!r} must be an int >= 1")
-        if self.attn_split is not None and (not isinstance(self.attn_split, int)
-                                            or self.attn_split < 0):
-            raise ValueError(f"attn_split={self.attn_split!r} must be an int >= 0 (0: one "
-                             "pass) or None (the kernel's default)")
+        if self.attn_split is not None:
+            self._check_attn_split()
         if self.attn_split_rows is not None:
             _power_of_two("attn_split_rows", self.attn_split_rows, 16)
         if not isinstance(self.row_partials, int) or self.row_partials < 1:
@@ -189,6 +188,23 @@ class KernelOptions:
                 or self.prefill_chunk < 1):
             raise ValueError(f"prefill_chunk={self.prefill_chunk!r} must be an int >= 1 "
                              "(tokens a prefill chunk)")
+
+    def _check_attn_split(self) -> None:
+        """attn_split: 0 or a positive multiple of the attention kernels' key block, which
+        depends on `interpret` alone (`pallas_kernels.attention_tile.key_block`)."""
+        split = self.attn_split
+        if isinstance(split, bool) or not isinstance(split, int) or split < 0:
+            raise ValueError(f"attn_split={split!r} must be an int >= 0 (0: one pass) or "
+                             "None (the kernel's default)")
+        if split:
+            from pallas_kernels.attention_tile import key_block
+
+            block = key_block(self.interpret)
+            if split % block:
+                raise ValueError(
+                    f"attn_split={split} must be 0 (one pass) or a positive multiple of the "
+                    f"attention kernels' key block: {block} with interpret={self.interpret} "
+                    "(64 on a GPU, 16 in interpret mode)")
 
     def replace(self, **fields) -> KernelOptions:
         return dataclasses.replace(self, **fields)

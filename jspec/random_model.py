@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from jspec import mxfp4
+from jspec._checks import check_seed
 from jspec.config import ModelConfig, RopeSpec, Yarn, canonical_dtype
 from jspec.model import Model
 from jspec.options import KernelOptions
@@ -183,7 +184,9 @@ def weight_shapes(preset: str, head_vocab: int | None = None) -> dict[str, tuple
 
 def random_params(cfg: ModelConfig, seed: int = 0, mxfp4_experts: bool = False) -> dict:
     """Random params in jspec's layout (see model.py), generated on the default device;
-    `mxfp4_experts`: the experts as random MXFP4 codes kept packed (`jspec.mxfp4`)."""
+    `mxfp4_experts`: the experts as random MXFP4 codes kept packed (`jspec.mxfp4`).
+    seed: an int in [0, 2**31) (others refused, never wrapped)."""
+    seed = check_seed("seed", seed)
     dt = jnp.dtype(cfg.dtype)
     D, F, V, L, hd = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.num_layers,
                       cfg.head_dim)
@@ -245,10 +248,11 @@ def random_model(name: str, *, seed: int = 0, backend: str = "pallas",
     """A preset's config with random params (`preset_config` takes **kw: num_layers,
     dtype). interpret: Pallas kernels in interpret mode (default: where there is no GPU,
     as `jspec.load_hf`). mxfp4_experts: a gpt-oss preset's experts as MXFP4 codes kept
-    packed (`jspec.mxfp4`)."""
+    packed (`jspec.mxfp4`). seed: an int in [0, 2**31) (others refused, never wrapped)."""
     from jspec._checks import check_bool
     from jspec.options import default_interpret
 
+    seed = check_seed("seed", seed)
     if interpret is None:
         interpret = default_interpret()
     check_bool("interpret", interpret)

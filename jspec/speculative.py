@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jspec._checks import check_bool, check_type
+from jspec._checks import check_bool, check_type, is_int
 from jspec.adaptive import Controller, snapshot
 from jspec.cache import init_cache, rollback
 from jspec.chunked_prefill import prefill as chunked_prefill
@@ -495,9 +495,28 @@ def _validate(target: Model, drafter, spec: SpecConfig) -> None:
                              f"{d.model.config.vocab_size} > target vocab_size="
                              f"{target.config.vocab_size}; a draft must score a prefix of "
                              "the target's vocabulary")
+    _check_tree_ranks(trees, target, drafters)
     for t in spec.stop_tokens:
         if not 0 <= t < target.config.vocab_size:
             raise ValueError(f"stop token {t} is out of range [0, {target.config.vocab_size})")
+
+
+def _check_tree_ranks(trees, target: Model, drafters) -> None:
+    """A node's children are distinct tokens ranked by the drafter (`top_choices`: the
+    top-K of a row of logits): a tree's largest rank must lie below the vocabulary size,
+    the target's and each drafter's that has one."""
+    vocabs = [("target", target.config.vocab_size)]
+    vocabs += [(f"{type(d).__name__}'s", int(d.vocab_size)) for d in drafters
+               if is_int(getattr(d, "vocab_size", None))]
+    for tree in trees:
+        K = tree.max_children
+        for who, V in vocabs:
+            if K > V:
+                field = next(f for f in ("branching", "paths", "dynamic")
+                             if getattr(tree, f) is not None)
+                raise ValueError(f"tree {field}={getattr(tree, field)!r:.100} asks for {K} "
+                                 f"children of one node (ranks 0..{K - 1}); the {who} "
+                                 f"vocabulary size is {V}: every rank must be < {V}")
 
 
 def _check_oracle(drafter: OracleDrafter) -> None:

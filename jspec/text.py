@@ -177,15 +177,18 @@ def read_prompts(path: str | os.PathLike, *, chat: bool = False) -> list[Prompt]
       .jsonl: one JSON object per line, with "prompt" (a string) or "messages" (a chat);
       .json: one JSON list whose items are strings, chats, or such objects;
       anything else: plain text, one prompt per non-empty line.
-    chat=True wraps every string prompt as one user message. UTF-8, a leading byte-order
-    mark dropped. Errors name the line (the item of a .json list)."""
+    Lines end at "\n" only (a CRLF line's "\r" dropped): U+2028, U+0085, form feeds and
+    the like are text, not line breaks. chat=True wraps every string prompt as one user
+    message. UTF-8, a leading byte-order mark dropped. Errors name the line (the item of a
+    .json list)."""
     path = check_path("path", path)
     chat = check_bool("chat", chat)
     if os.path.isdir(path):
         raise IsADirectoryError(f"prompts file {path!r} is a directory; give a file")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"prompts file {path!r} does not exist")
-    with open(path, encoding="utf-8-sig") as f:  # a leading byte-order mark is no text
+    # a leading byte-order mark is no text; newline="": no "\r" is turned into a break
+    with open(path, encoding="utf-8-sig", newline="") as f:
         text = f.read()
     prompts: list[Prompt] = []
     if path.endswith(".json"):
@@ -199,7 +202,10 @@ def read_prompts(path: str | os.PathLike, *, chat: bool = False) -> list[Prompt]
             raise ValueError(f"{path}: a .json prompts file holds one JSON list of prompts; "
                              f"got a {type(items).__name__}")
         prompts = [_prompt_of(x, f"{path}: item {i}") for i, x in enumerate(items)]
-    for n, line in enumerate(text.splitlines() if not path.endswith(".json") else [], 1):
+    # not str.splitlines: it also breaks at U+2028, U+0085, \x0c, ... inside a prompt
+    lines = text.split("\n") if not path.endswith(".json") else []
+    for n, line in enumerate(lines, 1):
+        line = line.removesuffix("\r")  # CRLF files
         if not line.strip():
             continue
         if not path.endswith(".jsonl"):

@@ -271,12 +271,13 @@ def parse_tree(text: str) -> TreeConfig | None:
     try:
         if text.startswith("spine:"):
             depth, _, rest = text[6:].partition(":")
-            return TreeConfig(paths=spine_paths(_int(depth), _ints(rest, ",")))
+            return TreeConfig(paths=spine_paths(_int(depth), _ints(rest, ",", "side branches")))
         if text.startswith("dynamic:"):
-            return TreeConfig(dynamic=_ints(text[8:], ","))
+            return TreeConfig(dynamic=_ints(text[8:], ",", "dynamic"))
         if text.startswith("paths:"):
-            return TreeConfig(paths=tuple(_ints(p, ".") for p in text[6:].split(";") if p))
-        return TreeConfig(branching=_ints(text, ","))
+            return TreeConfig(paths=tuple(_ints(p, ".", "path")
+                                          for p in _fields(text[6:], ";", "paths")))
+        return TreeConfig(branching=_ints(text, ",", "branching"))
     except (ValueError, TypeError) as e:
         raise ValueError(f"tree {text!r}: {e} (expected '3,2,1', 'dynamic:k,nodes,depth', "
                          "'paths:0;1;0.0' or 'spine:depth:l1,l2,..')") from None
@@ -289,5 +290,18 @@ def _int(word: str) -> int:
         raise ValueError(f"{word.strip()!r} is not an integer") from None
 
 
-def _ints(text: str, sep: str) -> tuple[int, ...]:
-    return tuple(_int(x) for x in text.split(sep) if x.strip())
+def _fields(text: str, sep: str, what: str) -> list[str]:
+    """text split at sep: none for a blank text, else every field non-blank (an empty
+    field, as in '3,,1' or a trailing '3,2,', is an error, never skipped)."""
+    if not text.strip():
+        return []
+    fields = text.split(sep)
+    for i, x in enumerate(fields):
+        if not x.strip():
+            raise ValueError(f"{what} {text.strip()!r}: field {i + 1} of {len(fields)} "
+                             f"(separated by {sep!r}) is empty")
+    return fields
+
+
+def _ints(text: str, sep: str, what: str = "list") -> tuple[int, ...]:
+    return tuple(_int(x) for x in _fields(text, sep, what))

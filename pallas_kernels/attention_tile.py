@@ -80,6 +80,12 @@ class AttentionConfig:
     group_split_programs: int = 0
 
 
+def key_block(interpret: bool) -> int:
+    """`attention_config`'s block_k, the same for every head size, dtype and group: 16 in
+    interpret mode, 64 on a GPU. A split-KV partition (`split`) is a multiple of it."""
+    return 16 if interpret else 64
+
+
 def attention_config(
     head_dim: int, group: int, dtype: jnp.dtype, interpret: bool
 ) -> AttentionConfig:
@@ -94,8 +100,8 @@ def attention_config(
         # (and several row tiles) even for tiny caches, so block skipping is exercised.
         # One pass: the interpreter runs grid points one by one, so splitting only costs.
         # Tests that turn split-KV on get two-level folds from 3 partitions on.
-        return AttentionConfig(block_k=16, block_rows=16, num_warps=4, num_stages=2,
-                               fold_group=2)
+        return AttentionConfig(block_k=key_block(True), block_rows=16, num_warps=4,
+                               num_stages=2, fold_group=2)
     # GPU (Triton): 64-key blocks; fewer rows for head_dim 256 to bound the f32
     # accumulator's registers (block_rows x head_dim x 4 bytes spread over the warps).
     block_rows = 64 if head_dim <= 128 else 32
@@ -112,7 +118,7 @@ def attention_config(
     # Past one fold group (2,048 keys), calls of at least 256 group programs run a
     # program per group (a decode step at 128K keys: 8 kv heads x 64 groups); fewer
     # programs stream too little at once, so they keep a program per partition.
-    return AttentionConfig(block_k=64, block_rows=block_rows, num_warps=4,
+    return AttentionConfig(block_k=key_block(False), block_rows=block_rows, num_warps=4,
                            num_stages=num_stages, split=128, serial_split_tiles=32,
                            group_split_programs=256)
 

@@ -1,0 +1,125 @@
+"""Bad input is refused at the boundary with an error naming it, on the host before
+anything is traced (so the file is fast); input that is fine is read as it is."""
+
+import functools
+import json
+
+import pytest
+
+import jspec
+from jspec.random_model import random_model
+
+
+@functools.cache
+def _model(seed: int = 0, preset: str = "tiny-qwen3") -> jspec.Model:
+    return random_model(preset, backend="xla", dtype="float32", seed=seed, num_layers=1)
+
+
+# ------------------------------------------------------------------- parse_tree fields
+
+
+@pytest.mark.parametrize("text, fragment", [
+    ("3,,1", r"branching '3,,1': field 2 of 3 .* is empty"),
+    ("3,2,", r"branching '3,2,': field 3 of 3 .* is empty"),
+    (",3", r"branching ',3': field 1 of 2 .* is empty"),
+    ("dynamic:6,,60,4", r"dynamic '6,,60,4': field 2 of 4 .* is empty"),
+    ("paths:0;;1", r"paths '0;;1': field 2 of 3 .* is empty"),
+    ("paths:0;1;", r"paths '0;1;': field 3 of 3 .* is empty"),
+    ("paths:0;1.;2", r"path '1\.': field 2 of 2 .* is empty"),
+    ("spine:3:1,,0", r"side branches '1,,0': field 2 of 3 .* is empty"),
+])
+def test_parse_tree_refuses_empty_fields(text, fragment):
+    with pytest.raises(ValueError, match=f"tree '{text}': {fragment}"):
+        jspec.parse_tree(text)
+
+
+def test_parse_tree_keeps_its_other_forms():
+    assert jspec.parse_tree(" 3, 2 ").branching == (3, 2)
+    assert jspec.parse_tree("paths:0;1;0.0").num_nodes == 3
+    assert jspec.parse_tree("dynamic:4,16,5").dynamic == (4, 16, 5)
+    assert jspec.parse_tree("spine:3").paths == ((0,), (0, 0), (0, 0, 0))  # no side branch
+    assert jspec.parse_tree("") is None
+    with pytest.raises(ValueError, match="paths is empty"):
+        jspec.parse_tree("paths:")
+
+
+# ------------------------------------------------------------------ read_prompts lines
+
+
+def test_read_prompts_breaks_lines_at_newlines_only(tmp_path):
+    odd = ["a\u2028b", "c\u0085d", "e\u2029f", "g\x1ch", "i\x0bj"]  # str.splitlines breaks
+    jl = tmp_path / "p.jsonl"
+    jl.write_text("".join(json.dumps({"prompt": p}, ensure_ascii=False) + "\n" for p in odd),
+                  encoding="utf-8")
+    assert jspec.read_prompts(jl) == odd
+    txt = tmp_path / "p.txt"
+    txt.write_bytes("def f():\x0c    return 1\nx\u2028y\n".encode())
+    assert jspec.read_prompts(txt) == ["def f():\x0c    return 1", "x\u2028y"]
+
+
+def test_read_prompts_reads_crlf_files(tmp_path):
+    txt = tmp_path / "p.txt"
+    txt.write_bytes(b"first\r\n\r\nsecond\r\n")
+    assert jspec.read_prompts(txt) == ["first", "second"]
+    jl = tmp_path / "p.jsonl"
+    jl.write_bytes(b'{"prompt": "a"}\r\n{"prompt": "b"}\r\n')
+    assert jspec.read_prompts(jl) == ["a", "b"]
+    jl.write_bytes(b'{"prompt": "a"}\r\n{bad\r\n')
+    with pytest.raises(ValueError, match=r"p\.jsonl:2: not a JSON object"):
+        jspec.read_prompts(jl)
+
+
+# ------------------------------------------------------------------- random_model seed
+
+
+@pytest.mark.parametrize("seed", [-1, 2**31, 2**32, True, 1.5, "a", None])
+def test_random_model_refuses_seeds_outside_int32(seed):
+    with pytest.raises((ValueError, TypeError), match=r"seed=.* must be an integer in "
+                                                      r"\[0, 2\*\*31\)"):
+        random_model("tiny-qwen3", backend="xla", dtype="float32", seed=seed)
+
+
+# -------------------------------------------------------------------------- attn_split
+
+
+@pytest.mark.parametrize("split", [7, 100, 8, True, False, -16, 1.5, "16"])
+def test_attn_split_the_kernels_refuse_is_refused(split):
+    with pytest.raises(ValueError, match=f"attn_split={split!r}"):
+        jspec.with_options(_model(), attn_split=split)  # interpret mode: key blocks of 16
+
+
+def test_attn_split_follows_the_key_block_of_the_mode():
+    m = _model()
+    assert m.options.interpret
+    for split in (0, 16, 32, 48):  # interpret mode's 16-key blocks
+        assert jspec.with_options(m, attn_split=split).options.attn_split == split
+    with pytest.raises(ValueError, match=r"attn_split=32 .* key block: 64 with interpret=False"):
+        jspec.KernelOptions(attn_split=32)  # a GPU's 64-key blocks
+    with pytest.raises(ValueError, match=r"attn_split=16 .* 64 with interpret=False"):
+        jspec.with_options(m, attn_split=16).with_backend("pallas", interpret=False)
+    assert jspec.KernelOptions(attn_split=128).attn_split == 128
+
+
+# ------------------------------------------------------------- tree ranks past the vocab
+
+
+@pytest.mark.parametrize("tree, field", [("paths:600", r"paths=\(\(600,\),\)"),
+                                         ("dynamic:1000,60,2", r"dynamic=\(1000, 60, 2\)")])
+def test_tree_ranks_past_the_vocabulary_are_refused(tree, field):
+    drafter = jspec.ModelDrafter(_model(1))
+    spec = jspec.SpecConfig(tree=jspec.parse_tree(tree), max_new_tokens=8)
+    with pytest.raises(ValueError, match=f"tree {field} asks for .* the target vocabulary "
+                                         "size is 512: every rank must be < 512"):
+        jspec.speculative_generate(_model(), drafter, [[1, 2, 3, 4], [5, 6]], spec)
+
+
+def test_tree_ranks_past_the_drafts_vocabulary_are_refused():
+    draft = _model(0, "tiny-gemma3")  # 256 tokens: a prefix of the target's 512
+    spec = jspec.SpecConfig(tree=jspec.parse_tree("paths:0;300"), max_new_tokens=8)
+    with pytest.raises(ValueError, match="ranks 0..300.*ModelDrafter's vocabulary size is "
+                                         "256"):
+        jspec.speculative_generate(_model(), jspec.ModelDrafter(draft), [[1, 2, 3]], spec)
+    adaptive = jspec.Adaptive(gammas=(1, 2), tree=jspec.parse_tree("dynamic:300,4,2"))
+    with pytest.raises(ValueError, match=r"dynamic=\(300, 4, 2\).*vocabulary size is 256"):
+        jspec.speculative_generate(_model(), jspec.ModelDrafter(draft), [[1, 2, 3]],
+                                   jspec.SpecConfig(adaptive=adaptive, max_new_tokens=8))
