@@ -365,26 +365,59 @@ def test_packed_expert_dots_see_no_narrow_load_or_join(monkeypatch, glu):
             return grouped_matmul(x, c, e, out_dtype=jnp.bfloat16, config=cfg, scales=s)
     (ir,) = [ir for ir in _triton_modules(monkeypatch, fn, x, codes, expert, scales)
              if "tt.dot" in ir]
-    bodies = [part.split("scf.yield")[0] for part in ir.split("scf.for ")[1:]]
-    bodies = [b for b in bodies if "tt.dot" in b]
-    assert len(bodies) == (2 if glu else 1)
-    for body in bodies:
-        defs = {}  # value -> (op, operands) inside the loop body
-        for m in re.finditer(r"^\s*(%\w+)(?::\d+)? = ([\w.]+)(.*)$", body, re.M):
-            defs[m.group(1)] = (m.group(2), re.findall(r"%\w+", m.group(3)))
-        (dot,) = re.findall(r"= tt\.dot (%\w+), (%\w+), ", body)
-        seen, todo, ops = set(), list(dot), []
-        while todo:  # the walk; values from outside the body or carried end it
-            v = todo.pop()
-            if v in seen or v not in defs:
-                continue
-            seen.add(v)
-            op, operands = defs[v]
-            ops.append(op)
-            todo += operands
+    found = _dot_inputs(ir)
+    assert len(found) == (2 if glu else 1)
+    for ops, loads in found:
         assert "tt.join" not in ops
-        loads = re.findall(r"(%\w+) = tt\.load .*: tensor<[^>]*x!tt\.ptr<(\w+)>>", body)
-        assert {t for v, t in loads if v in seen} == {"bf16"}, loads
+        assert loads == {"bf16"}, loads
+
+
+@pytest.mark.parametrize("preset,batch,tokens,packed", [
+    ("qwen3-8b", 8, 5, False), ("qwen3-30b-a3b", 1, 5, False), ("gpt-oss-120b", 1, 5, True)])
+def test_no_dot_sees_a_narrow_load_or_a_join(monkeypatch, preset, batch, tokens, packed):
+    # The rule the packed kernels were fixed for, over a whole forward's kernels: each
+    # dot's operands keep the layout of their own 16- or 32-bit type (a kernel that
+    # loaded int8 or bool data, or joined tensors, on the way to a dot would lay its MMA
+    # operands out otherwise, and its bits could differ from a kernel claimed equal).
+    cfg = preset_config(preset, num_layers=1)
+    model = Model(config=cfg, params=jax.eval_shape(lambda: random_params(cfg, 0, packed)))
+    cache = jax.eval_shape(lambda: init_cache(model, batch, 256))
+    irs = _triton_modules(monkeypatch, apply, model,
+                          jax.ShapeDtypeStruct((batch, tokens), jnp.int32), cache)
+    found = [f for ir in irs for f in _dot_inputs(ir)]
+    assert len(found) >= 4
+    for ops, loads in found:
+        assert "tt.join" not in ops
+        assert not loads & {"i1", "i8", "ui8"}, loads
+
+
+def _dot_inputs(ir: str) -> list[tuple[list[str], set[str]]]:
+    """For each tt.dot in a kernel's Triton IR: the ops on the way to its operands and the
+    element types those ops load, walking back through the loop body (or the kernel) it
+    sits in; loop-carried values and values from outside end the walk, as they end
+    Triton's (AccelerateMatmul's computeOrigBitWidth, which sets the operands' kWidth)."""
+    # Value names restart in each loop's region: walk each body on its own.
+    bodies = [part.split("scf.yield")[0] for part in ir.split("scf.for ")[1:]]
+    bodies = [b for b in bodies if "tt.dot" in b] or [ir]
+    found = []
+    for body in bodies:
+        defs = {}  # value -> (op, operands, line) inside the body
+        for m in re.finditer(r"^\s*(%\w+)(?::\d+)? = ([\w.]+)(.*)$", body, re.M):
+            defs[m.group(1)] = (m.group(2), re.findall(r"%\w+", m.group(3)), m.group(3))
+        for dot in re.findall(r"= tt\.dot (%\w+), (%\w+), ", body):
+            seen, todo, ops, loads = set(), list(dot), [], set()
+            while todo:
+                v = todo.pop()
+                if v in seen or v not in defs:
+                    continue
+                seen.add(v)
+                op, operands, rest = defs[v]
+                ops.append(op)
+                if op == "tt.load":
+                    loads |= set(re.findall(r"!tt\.ptr<(\w+)>", rest)[-1:])
+                todo += operands
+            found.append((ops, loads))
+    return found
 
 
 def _check_k_loops(ir: str, loops: int, dots: int) -> None:
