@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jspec._checks import check_bool, check_type
+from jspec._checks import check_bool, check_type, is_int
 from jspec.adaptive import Controller, snapshot
 from jspec.cache import init_cache, rollback
 from jspec.chunked_prefill import prefill as chunked_prefill
@@ -153,10 +153,52 @@ def _check_proposals(drafter, what: str, x, shape: tuple, kind: str) -> None:
                          f"{list(shape)} (the jspec.Drafter protocol); got {got}")
 
 
+def _unpack(drafter, method: str, out, names: tuple[str, ...]):
+    """A drafter method's answer as the tuple of `names` the `jspec.Drafter` protocol
+    returns, else a ValueError naming the drafter and method (not Python's bare "not
+    enough values to unpack")."""
+    if not isinstance(out, tuple | list) or len(out) != len(names):
+        got = (f"{len(out)} values" if isinstance(out, tuple | list)
+               else f"one {type(out).__name__}")
+        raise ValueError(f"{type(drafter).__name__}.{method} must return the "
+                         f"{len(names)}-tuple ({', '.join(names)}) (the jspec.Drafter "
+                         f"protocol); got {got}")
+    return tuple(out)
+
+
+def _leaf_kind(x) -> str:
+    shape, dtype = getattr(x, "shape", None), getattr(x, "dtype", None)
+    return f"{dtype}{list(shape)}" if shape is not None else type(x).__name__
+
+
+def _check_state(drafter, method: str, new, carry) -> None:
+    """The drafter state `method` returned against the state the loop carries (the one
+    `init`, then the previous round's commit, returned), at trace time: the same pytree
+    structure, leaf shapes and dtypes (the `jspec.Drafter` protocol), else a ValueError
+    naming the drafter, the method and the first leaf that differs (not the while_loop's
+    "carry input and carry output must have equal types")."""
+    name = f"{type(drafter).__name__}.{method}"
+    want, got = jax.tree_util.tree_structure(carry), jax.tree_util.tree_structure(new)
+    if want != got:
+        raise ValueError(f"{name} must return the drafter state in the form init returned "
+                         f"it (the loop carries it from round to round; the jspec.Drafter "
+                         f"protocol): expected a pytree {want}, got {got}")
+    paths = jax.tree_util.tree_flatten_with_path(carry)[0]
+    for (path, a), b in zip(paths, jax.tree_util.tree_leaves(new), strict=True):
+        weak = getattr(a, "weak_type", False)  # the loop promotes a weak-typed carry
+        if (getattr(a, "shape", None) != getattr(b, "shape", None)
+                or (not weak and getattr(a, "dtype", None) != getattr(b, "dtype", None))):
+            raise ValueError(f"{name} must return the drafter state in the form init "
+                             f"returned it (the loop carries it from round to round; the "
+                             f"jspec.Drafter protocol): state{jax.tree_util.keystr(path)} "
+                             f"should be {_leaf_kind(a)}, got {_leaf_kind(b)}")
+
+
 def _draft(drafter, dstate, ctx: ProposeContext, *, draft_logits_read: bool = False):
     """Phase 1: gamma proposals [B, g] (+ the logits they came from [B, g, V], checked
     where the policy reads them)."""
-    drafts, draft_logits, dstate = drafter.propose(dstate, ctx)
+    drafts, draft_logits, dstate = _unpack(drafter, "propose", drafter.propose(dstate, ctx),
+                                           ("drafts", "draft_logits", "state"))
     B, g = ctx.cur.shape[0], ctx.gamma
     _check_proposals(drafter, "propose's drafts", drafts, (B, g), "int")
     if draft_logits_read:
@@ -242,6 +284,7 @@ def _commit(drafter, state: SpecState, ctx: ProposeContext, cache, dstate, draft
         dstate = drafter.commit_tree(dstate, ctx, n_acc, nxt, drafts, **extra)
     else:
         dstate = drafter.commit(dstate, ctx, n_acc, nxt, drafts, **extra)
+    _check_state(drafter, "commit_tree" if tree else "commit", dstate, state.draft)
     depth = state.accepted_at.shape[1]  # the deepest shape's (an adaptive run's state)
     acc_at = state.accepted_at + (
         (jnp.arange(depth)[None, :] < n_acc[:, None]) & live[:, None]).astype(jnp.int32)
@@ -331,7 +374,9 @@ def _tree_round(target: Model, drafter, state: SpecState, seed, *,
     tree = spec.tree
     D, K = tree.depth, tree.max_children
     ctx = _context(target, state, seed, spec)
-    tokens, parents, q, dstate = drafter.propose_tree(state.draft, ctx, tree)  # [B, N + 1]
+    tokens, parents, q, dstate = _unpack(  # [B, N + 1]
+        drafter, "propose_tree", drafter.propose_tree(state.draft, ctx, tree),
+        ("tokens", "parents", "q", "state"))
     V = target.config.vocab_size
     n1 = (ctx.cur.shape[0], tree.num_nodes + 1)
     _check_proposals(drafter, "propose_tree's tokens", tokens, n1, "int")
@@ -511,6 +556,22 @@ def _validate(target: Model, drafter, spec: SpecConfig) -> None:
     for t in spec.stop_tokens:
         if not 0 <= t < target.config.vocab_size:
             raise ValueError(f"stop token {t} is out of range [0, {target.config.vocab_size})")
+    _check_forwards(drafter, spec)
+
+
+def _check_forwards(drafter, spec: SpecConfig) -> None:
+    """forwards_per_round at every depth the run's statistics ask it about: a count, else
+    a ValueError naming the drafter (not a negative or fractional draft_forwards)."""
+    depths = {1, spec.depth}
+    if spec.adaptive is not None:
+        depths |= {s.depth if isinstance(s, TreeConfig) else max(int(s), 1)
+                   for s in spec.adaptive.shapes}
+    for d in sorted(depths):
+        n = drafter.forwards_per_round(d)
+        if not is_int(n) or n < 0:
+            raise ValueError(f"{type(drafter).__name__}.forwards_per_round({d}) must return "
+                             "an integer >= 0 (the draft forwards a round of that depth "
+                             f"runs, for statistics; the jspec.Drafter protocol); got {n!r}")
 
 
 def _check_oracle(drafter: OracleDrafter) -> None:

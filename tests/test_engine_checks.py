@@ -94,3 +94,63 @@ def test_shipped_policies_reject_off_vocabulary_drafts_without_a_flag():
                                      jspec.SpecConfig(gamma=3, max_new_tokens=4))
     assert out.stats["accepted"] == 0
     assert (out.tokens < _model().config.vocab_size).all()
+
+
+# ------------------------------------------------------- 2. the Drafter protocol
+
+
+@struct.dataclass
+class _Echo(jspec.Drafter):
+    """Proposes the last token again; `bend` names the protocol it breaks."""
+
+    bend: str = struct.field(pytree_node=False, default="")
+
+    def forwards_per_round(self, gamma):
+        return -3.5 if self.bend == "forwards" else 1
+
+    def init(self, tokens, lens, max_len, gamma):
+        return jnp.zeros((tokens.shape[0], 4), jnp.float32)
+
+    def propose(self, state, ctx):
+        B, g = ctx.cur.shape[0], ctx.gamma
+        drafts = jnp.broadcast_to(ctx.cur[:, None], (B, g)).astype(jnp.int32)
+        if self.bend == "pair":
+            return drafts, state
+        return drafts, one_hot_logits(drafts, ctx.vocab), state
+
+    def commit(self, state, ctx, n_acc, nxt, drafts):
+        if self.bend == "state":
+            return jnp.zeros((state.shape[0], 5), jnp.float32)
+        return state + 1
+
+
+def _echo(bend):
+    return jspec.speculative_generate(_model(), _Echo(bend=bend), PROMPTS,
+                                      jspec.SpecConfig(gamma=2, max_new_tokens=4))
+
+
+def test_a_commit_returning_another_state_is_named():
+    # Before: "while_loop body function carry input and carry output must have equal types".
+    with pytest.raises(ValueError, match=r"_Echo\.commit must return the drafter state in "
+                       r"the form init returned it .*should be float32\[2, 4\], got "
+                       r"float32\[2, 5\]"):
+        _echo("state")
+
+
+def test_a_propose_returning_a_pair_is_named():
+    # Before: a bare "not enough values to unpack (expected 3, got 2)".
+    with pytest.raises(ValueError, match=r"_Echo\.propose must return the 3-tuple \(drafts, "
+                       r"draft_logits, state\) .*got 2 values"):
+        _echo("pair")
+
+
+def test_a_fractional_forwards_per_round_is_refused():
+    # Before: accepted, and stats["draft_forwards"] read -7.0.
+    with pytest.raises(ValueError, match=r"_Echo\.forwards_per_round\(1\) must return an "
+                       r"integer >= 0 .*got -3\.5"):
+        _echo("forwards")
+
+
+def test_a_drafter_keeping_the_protocol_runs():
+    out = _echo("")
+    assert out.stats["draft_forwards"] >= 0 and out.num_tokens.tolist() == [4, 4]
