@@ -241,7 +241,10 @@ def config_prompts(c) -> list:
     prompt a line; .jsonl, objects with "prompt" or "messages") or else `c.prompt`; with
     `c.chat`, each plain prompt becomes one user message."""
     if c.get("prompts"):
-        return read_prompts(c.prompts, chat=c.get("chat", False))
+        try:
+            return read_prompts(c.prompts, chat=c.get("chat", False))
+        except UnicodeDecodeError as e:
+            raise ValueError(f"prompts file {c.prompts!r} is not UTF-8 text ({e})") from None
     if not c.prompt:
         raise ValueError("no prompt: set --config.prompt or --config.prompts=<file>")
     return [as_chat(c.prompt) if c.get("chat", False) else c.prompt]

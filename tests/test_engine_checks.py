@@ -7,16 +7,26 @@ head files that do not parse are named with the field or file at fault; the expe
 scripts refuse bad flags before they build anything.
 """
 
+import contextlib
 import dataclasses
 import functools
+import importlib.util
+import json
+import os
+import shutil
+import sys
 
 import jax.numpy as jnp
 import pytest
+from absl import app, flags
 from flax import struct
+from ml_collections import ConfigDict
 
 import jspec
+from jspec import cli
 from jspec.drafting import one_hot_logits
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPTS = [[1, 2, 3, 4], [5, 6]]
 
 
@@ -154,3 +164,79 @@ def test_a_fractional_forwards_per_round_is_refused():
 def test_a_drafter_keeping_the_protocol_runs():
     out = _echo("")
     assert out.stats["draft_forwards"] >= 0 and out.num_tokens.tolist() == [4, 4]
+
+
+# ------------------------------------------------ 3. messages naming the real cause
+
+
+def _pair_target(tmp_path, name="config.json", **fields):
+    """A copy of the code pair's target with `fields` set in the file `name`."""
+    path = tmp_path / "target"
+    shutil.copytree(os.path.join(jspec.loading.PAIR_DIR, "target"), path)
+    f = path / name
+    raw = json.loads(f.read_text()) if f.exists() else {}
+    f.write_text(json.dumps(raw | fields))
+    return str(path)
+
+
+def test_a_generation_configs_eos_that_is_no_id_is_named(tmp_path):
+    # Before: ValueError: invalid literal for int() with base 10: 'abc'.
+    path = _pair_target(tmp_path, "generation_config.json", eos_token_id="abc")
+    with pytest.raises(jspec.CheckpointError, match=r"generation_config\.json: "
+                       r"eos_token_id='abc' must be a token id"):
+        jspec.load_text(path, dtype="float32", backend="xla")
+
+
+@pytest.mark.parametrize("field, value, want", [
+    ("vocab_size", 4096.0, "an integer, not a JSON float"),
+    ("num_hidden_layers", 6.5, "an integer, not a JSON float"),
+    ("max_position_embeddings", "4096", "an integer, not a JSON string"),
+    ("rms_norm_eps", "1e-6", "a number, not a JSON string"),
+    ("num_attention_heads", True, "an integer, not a JSON bool"),
+])
+def test_a_config_field_of_the_wrong_type_is_named_before_the_tokenizer(tmp_path, field,
+                                                                        value, want):
+    # Before: CheckpointError: could not load a tokenizer (Validation error for field ...).
+    path = _pair_target(tmp_path, **{field: value})
+    with pytest.raises(jspec.CheckpointError, match=rf"config\.json: {field}=\S+ must be "
+                       f"{want}"):
+        jspec.load_text(path, dtype="float32", backend="xla")
+
+
+def test_a_prompts_file_that_is_not_utf8_is_named(tmp_path):
+    # Before: 'utf-8' codec can't decode byte 0xff in position 0, and no file name.
+    bad = tmp_path / "prompts.txt"
+    bad.write_bytes(b"\xff\xfeabc\n")
+    with pytest.raises(ValueError, match=f"prompts file '{bad}' is not UTF-8 text"):
+        cli.config_prompts(ConfigDict({"prompts": str(bad), "prompt": "", "chat": False}))
+
+
+@contextlib.contextmanager
+def _script(name, *argv):
+    """experiments/<name>.py imported with its absl flags parsed from argv (sys.argv too:
+    a config flag reads its overrides there); the flags it defined are removed afterwards
+    (scripts define flags of the same names)."""
+    before, parsed, sys_argv = set(flags.FLAGS), flags.FLAGS.is_parsed(), sys.argv
+    spec = importlib.util.spec_from_file_location(
+        f"_script_{name}", os.path.join(ROOT, "experiments", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    try:
+        sys.argv = [name, *argv]
+        spec.loader.exec_module(module)
+        flags.FLAGS(sys.argv)
+        yield module
+    finally:
+        sys.argv = sys_argv
+        for flag in set(flags.FLAGS) - before:
+            delattr(flags.FLAGS, flag)
+        if not parsed:
+            flags.FLAGS.unparse_flags()
+
+
+def test_a_draft_head_npy_that_does_not_load_is_named(tmp_path):
+    # Before: numpy's "This file contains pickled (object) data", and no file name.
+    bad = tmp_path / "head.npy"
+    bad.write_bytes(b"garbage, not an array")
+    with _script("speculative_decode") as mod:
+        with pytest.raises(app.UsageError, match=f"--config.draft_head='{bad}': not a .npy"):
+            mod.head_ids(str(bad), 16, None, 512)
