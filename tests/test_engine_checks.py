@@ -240,3 +240,47 @@ def test_a_draft_head_npy_that_does_not_load_is_named(tmp_path):
     with _script("speculative_decode") as mod:
         with pytest.raises(app.UsageError, match=f"--config.draft_head='{bad}': not a .npy"):
             mod.head_ids(str(bad), 16, None, 512)
+
+
+# -------------------------------------------- 4. the scripts' flags, before any work
+
+
+def test_bench_kernels_refuses_an_unknown_option_at_parsing():
+    # Before: the benchmark ran for minutes, then failed at the option's step variant.
+    with pytest.raises(flags.IllegalFlagValueError, match="unknown option 'bogus'"):
+        with _script("bench_kernels", "--preset=tiny-qwen3", "--options=bogus"):
+            pass
+
+
+@pytest.mark.parametrize("tag", ["../../evil", "a/b"])
+def test_a_receipt_tag_with_a_path_separator_is_refused_at_parsing(tag):
+    # Before: parity_audit ran the audit, then wrote its receipt outside --out.
+    with pytest.raises(flags.IllegalFlagValueError, match="takes no path separators"):
+        with _script("parity_audit", f"--tag={tag}"):
+            pass
+
+
+@pytest.mark.parametrize("flag, words", [
+    ("--contexts=999999", r"--contexts: 999999 \+ 130 positions .* exceeds the 131072 "
+                          r"positions of preset tiny-qwen3"),
+    ("--layers=999", r"--layers=999: preset tiny-qwen3 has 2 layers"),
+])
+def test_parity_audit_checks_contexts_and_layers_against_the_preset(flag, words):
+    # Before: --contexts failed after the model loaded, naming max_new_tokens; --layers
+    # built a 999-layer model.
+    with _script("parity_audit", "--preset=tiny-qwen3", flag) as mod:
+        with pytest.raises(ValueError, match=words):
+            mod.check_flags()
+
+
+def test_a_prompt_and_a_prompts_file_together_are_refused(tmp_path):
+    # Before: --config.prompt was dropped without a word.
+    (tmp_path / "p.txt").write_text("hello\n")
+    with _script("speculative_decode", f"--config={ROOT}/configs/speculative.py",
+                 "--config.prompt=x", f"--config.prompts={tmp_path / 'p.txt'}") as mod:
+        with pytest.raises(ValueError, match="--config.prompt and --config.prompts=.* are "
+                           "both set"):
+            cli.config_prompts(mod._CONFIG.value)
+    with _script("speculative_decode", f"--config={ROOT}/configs/speculative.py",
+                 f"--config.prompts={tmp_path / 'p.txt'}") as mod:
+        assert cli.config_prompts(mod._CONFIG.value) == ["hello"]
