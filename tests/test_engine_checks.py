@@ -284,3 +284,24 @@ def test_a_prompt_and_a_prompts_file_together_are_refused(tmp_path):
     with _script("speculative_decode", f"--config={ROOT}/configs/speculative.py",
                  f"--config.prompts={tmp_path / 'p.txt'}") as mod:
         assert cli.config_prompts(mod._CONFIG.value) == ["hello"]
+
+
+# ------------------------------------------------------------- 5. the length limit
+
+
+def test_the_readme_states_the_speculative_length_limit_the_engine_keeps():
+    # Before: README promised generate's output "with the same arguments" with no word of
+    # the gamma + 1 positions a speculative run needs past max_new_tokens.
+    with open(os.path.join(ROOT, "README.md")) as f:
+        readme = " ".join(f.read().split())
+    assert "prompt + max_new_tokens + gamma + 1 <= max positions" in readme
+    m = _model()
+    m = m.replace(config=m.config.replace(max_position=32))
+    prompt, gamma = [[1, 2, 3, 4]], 3
+    limit = 32 - 4 - gamma - 1
+    with pytest.raises(ValueError, match="exceeds the model's max_position_embeddings"):
+        jspec.speculative_generate(m, jspec.PromptLookupDrafter(), prompt,
+                                   jspec.SpecConfig(gamma=gamma, max_new_tokens=limit + 1))
+    out = jspec.speculative_generate(m, jspec.PromptLookupDrafter(), prompt,
+                                     jspec.SpecConfig(gamma=gamma, max_new_tokens=limit))
+    assert out.num_tokens[0] == limit
