@@ -68,6 +68,7 @@ _OUT = flags.DEFINE_string("out", "experiments/results", "receipt dir")
 _TAG = flags.DEFINE_string("tag", "", "receipt name suffix")
 
 flag_checks.require_counts(_CONTEXTS, _XLA, _STEPS, _ITERS)
+flag_checks.require_tag(_TAG)
 
 
 def layer_weights(model: jspec.Model) -> int:

@@ -177,6 +177,7 @@ flag_checks.require_counts(_BATCHES, _GAMMAS, _PROMPT_LEN, _NEW, _ITERS, _ORACLE
 flag_checks.require_probabilities(_ACCEPT)
 flag_checks.require_choices(_DRAFTER, ("model", "feature"))
 flag_checks.require_choices(_SERIAL_BACKENDS, ("pallas", "xla"))
+flag_checks.require_tag(_TAG)
 
 
 def load_model(spec: str, seed: int, mesh=None, row_partials: int = 0,

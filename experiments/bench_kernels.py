@@ -80,6 +80,8 @@ _TAG = flags.DEFINE_string("tag", "", "receipt file name suffix")
 REPS = 20  # kernel launches per timed call, so host dispatch does not dominate
 
 flag_checks.require_counts(_BATCHES, _GAMMAS, _CONTEXT, _ITERS, _TREES, _TREE_DEPTH)
+flag_checks.require_options(_OPTIONS)
+flag_checks.require_tag(_TAG)
 
 
 def looped(fn):

@@ -78,6 +78,7 @@ _OPTIONS = flags.DEFINE_string("options", "", "kernel options of the pallas rows
                                "option string, e.g. mosaic or moe_layout_kernel=1)")
 flag_checks.require_counts(_BATCHES, _TS, _OTHER_TS, _XLA_TS, _CONTEXT, _ITERS)
 flag_checks.require_positive(_PEAK)
+flag_checks.require_tag(_TAG)
 
 
 @functools.partial(jax.jit, compiler_options=COMPILER_OPTIONS)

@@ -50,6 +50,7 @@ _TAG = flags.DEFINE_string("tag", "", "suffix of the receipt's file name")
 
 flag_checks.require_counts(_BATCH, _PROMPT_LEN, _NEW, _GAMMAS, _ORACLE_GAMMAS, _ITERS)
 flag_checks.require_probabilities(_ACCEPT)
+flag_checks.require_tag(_TAG)
 
 
 def load_model(spec: str, seed: int):

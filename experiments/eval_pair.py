@@ -79,6 +79,7 @@ _TAG = flags.DEFINE_string("tag", "", "receipt file name suffix")
 flag_checks.require_counts(_NUM, _BATCH, _PROMPT_LEN, _NEW, _GAMMAS, _ITERS, _PEER_GAMMAS)
 flag_checks.require_counts(_HEADS, least=0)
 flag_checks.require_positive(_TEMP)
+flag_checks.require_tag(_TAG)
 
 
 def load_prompts(pair: str, tok) -> list[np.ndarray]:

@@ -107,6 +107,7 @@ _PROCESS_ID = flags.DEFINE_integer("process_id", 0, "this process's index (jax.d
 
 flag_checks.require_counts(_CONTEXT, _CONTEXTS, _CHUNK2, _WINDOW, _KS, _BATCHES, _TREES,
                            _TREE_DEPTH, _TREE_SEEDS, _DEGREE_TOKENS)
+flag_checks.require_tag(_TAG)
 
 
 def degenerate_count(logits) -> int:

@@ -42,6 +42,7 @@ from tqdm import tqdm
 
 import jspec
 from jspec import audit, cli
+from jspec.bench import flag_checks
 from jspec.bench.receipts import receipt_stem, write_receipt
 from jspec.feature_head import random_head
 from jspec.loading import default_interpret
@@ -66,6 +67,7 @@ _NEAR = flags.DEFINE_integer("near_ties", 4, "near-tie positions re-checked")
 _OUT = flags.DEFINE_string("out", os.environ.get("OUT", "experiments/results"), "receipt dir")
 _TAG = flags.DEFINE_string("tag", "", "receipt file name suffix")
 _EXPECT = flags.DEFINE_bool("expect_mismatch", False, "exit 0 only if a mismatch is found")
+flag_checks.require_tag(_TAG)  # a file name suffix: refused at parsing, not at the receipt
 
 
 def _ints(flag: str, values: list[str], least: int) -> list[int]:
@@ -86,16 +88,24 @@ def _ints(flag: str, values: list[str], least: int) -> list[int]:
 
 def check_flags() -> dict:
     """Every flag checked before anything is loaded; returns the parsed values."""
-    from jspec.config import canonical_dtype
-    from jspec.loading import resolve_checkpoint
-    from jspec.random_model import PRESETS
+    from jspec.config import canonical_dtype, from_hf_config
+    from jspec.loading import read_hf_config, resolve_checkpoint
+    from jspec.random_model import PRESETS, preset_config
     from jspec.spec_config import MAX_GAMMA
 
     if _CKPT.value:
         resolve_checkpoint(_CKPT.value)  # a directory, or a hub id in the local cache
+        cfg = from_hf_config(read_hf_config(_CKPT.value))  # config.json alone, no weights
+        shape = f"the checkpoint {_CKPT.value}"
     elif _PRESET.value not in PRESETS:
         raise ValueError(f"--preset={_PRESET.value!r}: choose from {sorted(PRESETS)} (or "
                          "give --checkpoint)")
+    else:
+        cfg = preset_config(_PRESET.value)
+        shape = f"preset {_PRESET.value}"
+        if _LAYERS.value > cfg.num_layers:  # random_model would build them all
+            raise ValueError(f"--layers={_LAYERS.value}: {shape} has {cfg.num_layers} layers "
+                             "(--layers cuts a preset, 0: all of them)")
     if _HEAD.value:
         resolve_checkpoint(_HEAD.value)
     canonical_dtype(_DTYPE.value)
@@ -110,8 +120,20 @@ def check_flags() -> dict:
                          "e.g. --tree=3,2,1")
     if os.path.exists(_OUT.value) and not os.path.isdir(_OUT.value):
         raise ValueError(f"--out={_OUT.value!r} is a file, not a directory")
-    return {"contexts": _ints("contexts", _CONTEXTS.value, 1),
-            "ks": _ints("ks", _KS.value, 1), "tree": _tree()}
+    contexts, ks = _ints("contexts", _CONTEXTS.value, 1), _ints("ks", _KS.value, 1)
+    limit = cfg.max_position
+    extra = audit.controls_max_len(0, max(ks))  # the controls' cache past a context
+    if max(contexts) + extra > limit:
+        raise ValueError(f"--contexts: {max(contexts)} + {extra} positions of the controls "
+                         f"(blocks up to --ks {max(ks)}) exceeds the {limit} positions of "
+                         f"{shape}: contexts up to {limit - extra} fit")
+    tree = _tree()
+    block = max(_GAMMA.value, tree.num_nodes) + 1  # the largest verify block (chain, tree)
+    if LONG_PROMPT + _LONG.value + block > limit:
+        raise ValueError(f"--long_tokens={_LONG.value}: its {LONG_PROMPT}-token prompt, the "
+                         f"tokens and a verify block of {block} (--gamma, --tree) exceed the "
+                         f"{limit} positions of {shape}")
+    return {"contexts": contexts, "ks": ks, "tree": tree}
 
 
 def _tree():
@@ -151,9 +173,12 @@ def load_head(model):
     return random_head(model, options=options)
 
 
+LONG_PROMPT = 32  # the long generation's prompt tokens
+
+
 def long_generation(model, head, rng, n_tokens, gamma, tree_config):
     V = model.config.vocab_size
-    prompt = rng.integers(0, V, 32).astype(np.int32)
+    prompt = rng.integers(0, V, LONG_PROMPT).astype(np.int32)
     serial = jspec.generate(model, [prompt], max_new_tokens=n_tokens)
     spec = jspec.SpecConfig(gamma=gamma, max_new_tokens=n_tokens)
     res = {"prompt_digest": audit.digest(prompt), "tokens": n_tokens, "gamma": gamma}

@@ -46,9 +46,16 @@ def head_ids(path: str, size: int, tok, vocab: int) -> np.ndarray:
     if not os.path.isfile(path):
         raise app.UsageError(f"--config.draft_head={path!r}: no such file")
     if path.endswith(".npy"):
-        return np.load(path)
-    with open(path, encoding="utf-8") as f:
-        ids = tok.encode(f.read(), add_special_tokens=False)
+        try:
+            return np.load(path)  # no pickles: a .npy of token ids
+        except (ValueError, OSError, EOFError) as e:
+            raise app.UsageError(f"--config.draft_head={path!r}: not a .npy array of token "
+                                 f"ids ({e})") from None
+    try:
+        with open(path, encoding="utf-8") as f:
+            ids = tok.encode(f.read(), add_special_tokens=False)
+    except UnicodeDecodeError as e:
+        raise app.UsageError(f"--config.draft_head={path!r}: not UTF-8 text ({e})") from None
     if not ids:
         raise app.UsageError(f"--config.draft_head={path!r}: the text encodes to no tokens")
     return jspec.frequent_tokens(ids, min(size, vocab), vocab)

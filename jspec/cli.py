@@ -236,12 +236,31 @@ def run(main) -> None:
     app.run(checked, flags_parser=parse)
 
 
+def _overridden(field: str, flag: str = "config") -> bool:
+    """Whether the command line set `--<flag>.<field>` (a config flag's override; False
+    where there is no such flag, as in a library call)."""
+    from absl import flags
+    from ml_collections import config_flags
+
+    try:
+        return field in config_flags.get_override_values(flags.FLAGS[flag])
+    except (KeyError, TypeError):  # no such flag, or not a config flag
+        return False
+
+
 def config_prompts(c) -> list:
     """The prompts a text entry point's config asks for: `c.prompts` (a file: .txt, one
     prompt a line; .jsonl, objects with "prompt" or "messages") or else `c.prompt`; with
-    `c.chat`, each plain prompt becomes one user message."""
+    `c.chat`, each plain prompt becomes one user message. A --config.prompt given with a
+    prompts file is a ValueError (one of them would be dropped)."""
     if c.get("prompts"):
-        return read_prompts(c.prompts, chat=c.get("chat", False))
+        if _overridden("prompt"):
+            raise ValueError(f"--config.prompt and --config.prompts={c.prompts!r} are both "
+                             "set: give one prompt or a prompts file, not both")
+        try:
+            return read_prompts(c.prompts, chat=c.get("chat", False))
+        except UnicodeDecodeError as e:
+            raise ValueError(f"prompts file {c.prompts!r} is not UTF-8 text ({e})") from None
     if not c.prompt:
         raise ValueError("no prompt: set --config.prompt or --config.prompts=<file>")
     return [as_chat(c.prompt) if c.get("chat", False) else c.prompt]

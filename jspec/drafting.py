@@ -94,9 +94,11 @@ class Drafter(Protocol):
       Arrays of the drafter itself that hold a row each are read by `ctx.rows`, the
       rows' ids in the run's batch (as `OracleDrafter.reference` is).
 
-    The engine checks what a drafter returns as it traces the run: drafts and tree tokens
-    and parents of exactly these shapes and integer dtypes, draft logits (where the policy
-    reads them) of these shapes in floating point, else a ValueError naming the drafter;
+    The engine checks what a drafter returns as it traces the run: propose's 3-tuple and
+    propose_tree's 4-tuple, drafts and tree tokens and parents of exactly these shapes and
+    integer dtypes, draft logits (where the policy reads them) of these shapes in floating
+    point, a commit's state of the structure, shapes and dtypes init's had, and before it
+    runs, forwards_per_round an integer >= 0; else a ValueError naming the drafter;
     a tree node outside a well-formed tree of the config's depth (`jspec.tree.well_formed`)
     is never accepted.
 

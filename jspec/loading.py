@@ -525,6 +525,48 @@ def check_unused(cfg: ModelConfig, reader: TensorReader, model_type: str,
 # --------------------------------------------------------------------------- config
 
 
+# config.json fields read as integers and as real numbers (top level and text_config):
+# JSON gives them a type, and a value of another (4096.0, "4096", true) is refused here,
+# naming the field, not cast, nor left to transformers' tokenizer or config loader.
+CONFIG_INTS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+               "num_attention_heads", "num_key_value_heads", "head_dim",
+               "max_position_embeddings", "sliding_window", "num_experts",
+               "num_local_experts", "num_experts_per_tok", "moe_intermediate_size",
+               "shared_expert_intermediate_size", "decoder_sparse_step")
+CONFIG_REALS = ("rms_norm_eps", "rope_theta", "query_pre_attn_scalar",
+                "attn_logit_softcapping", "final_logit_softcapping")
+CONFIG_TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")  # an id or a list
+
+
+def check_config_fields(cfg_path: str, raw: dict, where: str = "") -> None:
+    """CheckpointError naming the file and field unless each of `CONFIG_INTS` present is
+    an integer (not a float, string or bool), each of `CONFIG_REALS` a number (an int or
+    float, not a string or bool) and each of `CONFIG_TOKEN_IDS` an integer or a list of
+    them; null is left to the field's own default. text_config is checked alike."""
+    def integer(v):
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    for key in CONFIG_INTS + CONFIG_REALS + CONFIG_TOKEN_IDS:
+        v = raw.get(key)
+        if v is None:
+            continue
+        if key in CONFIG_INTS:
+            ok, want = integer(v), "an integer"
+        elif key in CONFIG_REALS:
+            ok, want = integer(v) or isinstance(v, float), "a number"
+        else:
+            ok = integer(v) or (isinstance(v, list) and all(integer(x) for x in v))
+            want = "a token id (an integer) or a list of them"
+        if not ok:
+            kind = {bool: "bool", float: "float", str: "string", list: "list",
+                    dict: "object"}.get(type(v), type(v).__name__)
+            raise CheckpointError(f"{cfg_path}: {where}{key}={json.dumps(v)} must be {want}, "
+                                  f"not a JSON {kind}")
+    text = raw.get("text_config")
+    if isinstance(text, dict) and not where:
+        check_config_fields(cfg_path, text, "text_config.")
+
+
 def read_config_json(path: str, missing: str = "") -> dict:
     """The JSON object in `path`/config.json; a CheckpointError naming the file when it is
     missing (`missing` appended to the message), not JSON or not an object."""
@@ -548,6 +590,7 @@ def read_hf_config(path: str):
     path = resolve_checkpoint(path)
     cfg_path = os.path.join(path, "config.json")
     raw = read_config_json(path)
+    check_config_fields(cfg_path, raw)
     check_model_type(raw.get("model_type"), raw.get("architectures"))
     try:
         return AutoConfig.from_pretrained(path, local_files_only=True)
@@ -698,6 +741,8 @@ def load_tokenizer(path: str | os.PathLike):
         raise CheckpointError(f"{path}: no tokenizer files (looked for "
                               f"{', '.join(TOKENIZER_FILES)}); copy the model's tokenizer "
                               "files into the directory")
+    if os.path.isfile(os.path.join(path, "config.json")):  # transformers reads it too:
+        check_config_fields(os.path.join(path, "config.json"), read_config_json(path))
     try:
         return AutoTokenizer.from_pretrained(path, local_files_only=True)
     except Exception as e:  # transformers raises many types here

@@ -97,25 +97,38 @@ def token_bar(enabled: bool, total: int, desc: str, unit: str = "tok"):
 
 
 POLICY_CODE = -2  # a loop's flag code: a policy's answer outside the protocol's ranges
+POLICY_INVALID_CODE = -3  # a loop's flag code: a policy accepted a proposal marked invalid
 
 
-def raise_non_finite(bad, at, what: str, num_layers: int | None = None) -> None:
+def raise_non_finite(bad, at, what: str, num_layers: int | None = None,
+                     policy: object = None) -> None:
     """Raises NonFiniteError if the loop flagged a row: at = (row, position[, code]), code
     -1 (or absent): its logits hold NaN or inf; else a `jspec.model.Forward.bad` code naming
     where the forward's activations went wrong (`jspec.model.describe_bad`). Code
     POLICY_CODE: a ValueError, the policy's answer (values, seen only as the loop runs)
-    lay outside `jspec.Policy`'s ranges."""
+    lay outside `jspec.Policy`'s ranges; POLICY_INVALID_CODE: a ValueError, the policy
+    accepted a proposal its `valid` marked as no token id (outside the vocabulary, or a
+    tree node outside a well-formed tree), which the protocol says it must reject.
+    policy: the run's policy, named in those errors."""
     if not bool(bad):
         return
     at = [int(x) for x in np.asarray(at)]
     row, pos = at[:2]
     code = at[2] if len(at) > 2 else -1
+    name = "" if policy is None else f" ({type(policy).__name__})"
     if code == POLICY_CODE:
         raise ValueError(
             f"{what}: at row {row}, position {pos} the policy answered outside the "
             "jspec.Policy protocol (accept: n_acc in [0, gamma], next in [0, vocab); "
             "accept_tree: node in [0, nodes], n in [0, depth], next in [0, vocab)); the run "
-            "stopped there")
+            f"stopped there{name}")
+    if code == POLICY_INVALID_CODE:
+        raise ValueError(
+            f"{what}: at row {row}, position {pos} the policy"
+            f"{'' if policy is None else ' ' + type(policy).__name__} accepted a draft "
+            "outside the vocabulary (a proposal its `valid` argument marked invalid); the "
+            "jspec.Policy protocol says such a proposal must be rejected, and jspec never "
+            "emits it: the run stopped there")
     if code == -1:
         raise NonFiniteError(
             f"{what}: the logits at row {row}, position {pos} hold NaN or inf; the run "

@@ -221,8 +221,9 @@ class Policy(abc.ABC):
       rows [B], positions [B, g+1], valid [B, g]) -> (n_acc [B], next [B]). Row i of
       logits is the target's after cur, d_1..d_i (bitwise serial decoding's, property
       P); positions[:, i] is the position of the token it predicts; valid is False
-      where a proposal was not a token id (drafts holds 0 there): it must be rejected.
-      n_acc proposals are accepted and `next` is the target's token after them.
+      where a proposal was not a token id (drafts holds 0 there): it must be rejected
+      (a run whose policy accepts one stops with a ValueError naming the policy; trees
+      alike). n_acc proposals are accepted and `next` is the target's token after them.
     Trees: accept_tree(logits [B, N+1, V], tokens [B, N+1], parents [B, N+1],
       depth [B, N+1], q_logits [B, N+1, V], valid [B, N+1], seed, rows [B],
       positions [B, N+1], *, max_depth, max_children) -> (node [B], n [B], next [B]):

@@ -37,7 +37,7 @@ from jspec.compaction import RowBook, batch_for, check_batch_major, compact, pla
 from jspec.drafters import FeatureDrafter, ModelDrafter, OracleDrafter, PromptLookupDrafter
 from jspec.drafting import ProposeContext, check_drafter, grows_trees
 from jspec.generate import PAD, check_not_a_draft, first_non_finite, pad_prompts, plan_shapes
-from jspec.loop import POLICY_CODE, raise_non_finite, run_chunked, token_bar
+from jspec.loop import POLICY_CODE, POLICY_INVALID_CODE, raise_non_finite, run_chunked, token_bar
 from jspec.model import COMPILER_OPTIONS, Forward, Model, apply, row_flags
 from jspec.sampling import with_lowering
 from jspec.spec_config import SpecConfig, shape_spec
@@ -153,10 +153,52 @@ def _check_proposals(drafter, what: str, x, shape: tuple, kind: str) -> None:
                          f"{list(shape)} (the jspec.Drafter protocol); got {got}")
 
 
+def _unpack(drafter, method: str, out, names: tuple[str, ...]):
+    """A drafter method's answer as the tuple of `names` the `jspec.Drafter` protocol
+    returns, else a ValueError naming the drafter and method (not Python's bare "not
+    enough values to unpack")."""
+    if not isinstance(out, tuple | list) or len(out) != len(names):
+        got = (f"{len(out)} values" if isinstance(out, tuple | list)
+               else f"one {type(out).__name__}")
+        raise ValueError(f"{type(drafter).__name__}.{method} must return the "
+                         f"{len(names)}-tuple ({', '.join(names)}) (the jspec.Drafter "
+                         f"protocol); got {got}")
+    return tuple(out)
+
+
+def _leaf_kind(x) -> str:
+    shape, dtype = getattr(x, "shape", None), getattr(x, "dtype", None)
+    return f"{dtype}{list(shape)}" if shape is not None else type(x).__name__
+
+
+def _check_state(drafter, method: str, new, carry) -> None:
+    """The drafter state `method` returned against the state the loop carries (the one
+    `init`, then the previous round's commit, returned), at trace time: the same pytree
+    structure, leaf shapes and dtypes (the `jspec.Drafter` protocol), else a ValueError
+    naming the drafter, the method and the first leaf that differs (not the while_loop's
+    "carry input and carry output must have equal types")."""
+    name = f"{type(drafter).__name__}.{method}"
+    want, got = jax.tree_util.tree_structure(carry), jax.tree_util.tree_structure(new)
+    if want != got:
+        raise ValueError(f"{name} must return the drafter state in the form init returned "
+                         f"it (the loop carries it from round to round; the jspec.Drafter "
+                         f"protocol): expected a pytree {want}, got {got}")
+    paths = jax.tree_util.tree_flatten_with_path(carry)[0]
+    for (path, a), b in zip(paths, jax.tree_util.tree_leaves(new), strict=True):
+        weak = getattr(a, "weak_type", False)  # the loop promotes a weak-typed carry
+        if (getattr(a, "shape", None) != getattr(b, "shape", None)
+                or (not weak and getattr(a, "dtype", None) != getattr(b, "dtype", None))):
+            raise ValueError(f"{name} must return the drafter state in the form init "
+                             f"returned it (the loop carries it from round to round; the "
+                             f"jspec.Drafter protocol): state{jax.tree_util.keystr(path)} "
+                             f"should be {_leaf_kind(a)}, got {_leaf_kind(b)}")
+
+
 def _draft(drafter, dstate, ctx: ProposeContext, *, draft_logits_read: bool = False):
     """Phase 1: gamma proposals [B, g] (+ the logits they came from [B, g, V], checked
     where the policy reads them)."""
-    drafts, draft_logits, dstate = drafter.propose(dstate, ctx)
+    drafts, draft_logits, dstate = _unpack(drafter, "propose", drafter.propose(dstate, ctx),
+                                           ("drafts", "draft_logits", "state"))
     B, g = ctx.cur.shape[0], ctx.gamma
     _check_proposals(drafter, "propose's drafts", drafts, (B, g), "int")
     if draft_logits_read:
@@ -242,6 +284,7 @@ def _commit(drafter, state: SpecState, ctx: ProposeContext, cache, dstate, draft
         dstate = drafter.commit_tree(dstate, ctx, n_acc, nxt, drafts, **extra)
     else:
         dstate = drafter.commit(dstate, ctx, n_acc, nxt, drafts, **extra)
+    _check_state(drafter, "commit_tree" if tree else "commit", dstate, state.draft)
     depth = state.accepted_at.shape[1]  # the deepest shape's (an adaptive run's state)
     acc_at = state.accepted_at + (
         (jnp.arange(depth)[None, :] < n_acc[:, None]) & live[:, None]).astype(jnp.int32)
@@ -306,15 +349,17 @@ def _check_finite(state: SpecState, out: Forward, pos, positions) -> SpecState:
                                                                 state.bad_at))
 
 
-def _check_policy_range(state: SpecState, pos, outside) -> SpecState:
+def _check_policy_range(state: SpecState, pos, outside, code: int = POLICY_CODE) -> SpecState:
     """Flags the first live row whose policy answer lies outside `jspec.Policy`'s ranges
     (outside [B] bool; values, so seen only as the loop runs): the loop stops after the
     round and the host raises a ValueError (`raise_non_finite`, code POLICY_CODE), not an
-    output with holes in it."""
+    output with holes in it. code POLICY_INVALID_CODE: the answer accepted a proposal its
+    `valid` marked as no token id (the protocol says it must be rejected), so an id
+    outside the vocabulary is never emitted."""
     off = outside & ~state.done
     row = jnp.argmax(off).astype(jnp.int32)
     bad = jnp.any(off)
-    at = jnp.stack([state.rows[row], pos[row], jnp.int32(POLICY_CODE)])
+    at = jnp.stack([state.rows[row], pos[row], jnp.int32(code)])
     return state.replace(bad=state.bad | bad, bad_at=jnp.where(bad & ~state.bad, at,
                                                                 state.bad_at))
 
@@ -329,7 +374,9 @@ def _tree_round(target: Model, drafter, state: SpecState, seed, *,
     tree = spec.tree
     D, K = tree.depth, tree.max_children
     ctx = _context(target, state, seed, spec)
-    tokens, parents, q, dstate = drafter.propose_tree(state.draft, ctx, tree)  # [B, N + 1]
+    tokens, parents, q, dstate = _unpack(  # [B, N + 1]
+        drafter, "propose_tree", drafter.propose_tree(state.draft, ctx, tree),
+        ("tokens", "parents", "q", "state"))
     V = target.config.vocab_size
     n1 = (ctx.cur.shape[0], tree.num_nodes + 1)
     _check_proposals(drafter, "propose_tree's tokens", tokens, n1, "int")
@@ -356,6 +403,13 @@ def _tree_round(target: Model, drafter, state: SpecState, seed, *,
     path = jnp.take_along_axis(t_in.path, node[:, None, None], axis=1)[:, 0]  # [B, D + 1]
     idx = jnp.maximum(path - ctx.pos[:, None], 0)  # the path's call indices
     path_tokens = jnp.take_along_axis(tokens, idx[:, 1:], axis=1)  # [B, D]
+    # An accepted node the engine marked invalid (not a token id, or off a well-formed
+    # tree) breaks the protocol: flagged, never committed as if it were a draft.
+    on_path = (jnp.take_along_axis(valid, idx[:, 1:], axis=1)
+               | (jnp.arange(D)[None, :] >= n[:, None]))
+    at_node = jnp.take_along_axis(valid, jnp.clip(node, 0, n1[1] - 1)[:, None], axis=1)[:, 0]
+    state = _check_policy_range(state, ctx.pos, ~jnp.all(on_path, axis=1) | ~at_node,
+                                POLICY_INVALID_CODE)
     if spec.audit_every:
         path_logits = jnp.take_along_axis(logits, idx[:, :, None], axis=1)  # [B, D + 1, V]
         state = _audit(target, state, cache, state.cur, path_tokens, path_logits, spec=spec,
@@ -390,6 +444,10 @@ def _round(target: Model, drafter, state: SpecState, seed, *, spec: SpecConfig) 
     V = target.config.vocab_size
     state = _check_policy_range(state, ctx.pos,
                                 (n_acc < 0) | (n_acc >= G) | (nxt < 0) | (nxt >= V))
+    # The proposals a policy may accept: the leading token ids (`valid`, which it must
+    # honour). Accepting one past them would emit an id outside the vocabulary: flagged.
+    lead = jnp.sum(jnp.cumprod(_in_vocab(drafts, V).astype(jnp.int32), axis=1), axis=1)
+    state = _check_policy_range(state, ctx.pos, n_acc > lead, POLICY_INVALID_CODE)
     # A flagged round still commits (its tokens are never returned: the host raises).
     return _commit(drafter, state, ctx, cache, dstate, drafts, n_acc, nxt, spec=spec,
                    features=feats)
@@ -499,6 +557,22 @@ def _validate(target: Model, drafter, spec: SpecConfig) -> None:
     for t in spec.stop_tokens:
         if not 0 <= t < target.config.vocab_size:
             raise ValueError(f"stop token {t} is out of range [0, {target.config.vocab_size})")
+    _check_forwards(drafter, spec)
+
+
+def _check_forwards(drafter, spec: SpecConfig) -> None:
+    """forwards_per_round at every depth the run's statistics ask it about: a count, else
+    a ValueError naming the drafter (not a negative or fractional draft_forwards)."""
+    depths = {1, spec.depth}
+    if spec.adaptive is not None:
+        depths |= {s.depth if isinstance(s, TreeConfig) else max(int(s), 1)
+                   for s in spec.adaptive.shapes}
+    for d in sorted(depths):
+        n = drafter.forwards_per_round(d)
+        if not is_int(n) or n < 0:
+            raise ValueError(f"{type(drafter).__name__}.forwards_per_round({d}) must return "
+                             "an integer >= 0 (the draft forwards a round of that depth "
+                             f"runs, for statistics; the jspec.Drafter protocol); got {n!r}")
 
 
 def _check_tree_ranks(trees, target: Model, drafters) -> None:
@@ -761,7 +835,7 @@ def speculative_generate(target: Model, drafter, prompts, spec: SpecConfig, *,
                           "batch": sizes[-1]})
     t2 = time.perf_counter()
     raise_non_finite(state.bad, state.bad_at, "speculative decoding (verify)",
-                         target.config.num_layers)
+                         target.config.num_layers, spec.policy)
     _raise_on_audit(state)
     rows = book.merged(read(state))
     stats = _stats(state, spec, drafter, t1 - t0, t2 - t1, rows)
@@ -837,7 +911,7 @@ def _stream(target: Model, drafter, tokens, lens, spec: SpecConfig, max_len: int
         else:  # one round a chunk: the controller picks each round's shape
             state = _adaptive_round(target, drafter, state, seed, spec, ctl, read)
         raise_non_finite(state.bad, state.bad_at, "speculative decoding (verify)",
-                         target.config.num_layers)
+                         target.config.num_layers, spec.policy)
         _raise_on_audit(state)
         num, out = read(state)["num"], np.asarray(state.out)
         yield [out[b, seen[b]: num[b]].tolist() for b in range(len(lens))]

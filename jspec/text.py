@@ -24,7 +24,7 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from jspec._checks import check_bool, check_ints, check_path
+from jspec._checks import check_bool, check_ints, check_path, is_int
 from jspec.drafters import FeatureDrafter, ModelDrafter
 from jspec.drafting import check_drafter
 from jspec.eagle import load_eagle3
@@ -451,10 +451,16 @@ class TextPipeline:
 # ---------------------------------------------------------------------------- loading
 
 
-def _eos_ids(value) -> list[int]:
+def _eos_ids(value, where: str = "eos_token_id") -> list[int]:
+    """An EOS field (an id, a list of ids, or None) as a list; a CheckpointError naming
+    `where` (the file and field) for anything else (never cast: "7" or 7.0 is no id)."""
     if value is None:
         return []
-    return [int(v) for v in (value if isinstance(value, list | tuple) else [value])]
+    ids = list(value) if isinstance(value, list | tuple) else [value]
+    if not all(is_int(v) for v in ids):
+        raise CheckpointError(f"{where}={value!r} must be a token id (an integer) or a list "
+                              "of them")
+    return [int(v) for v in ids]
 
 
 def load_generation_config(path: str):
@@ -476,12 +482,15 @@ def stop_ids_of(path: str, tokenizer, generation_config, vocab_size: int
     (else of config.json, top level or text_config) and the tokenizer's EOS; for chats,
     the end-of-turn tokens of `END_OF_TURN` the vocabulary has. Ids outside the model's
     vocabulary are dropped (the model cannot emit them)."""
-    eos = _eos_ids(getattr(generation_config, "eos_token_id", None))
+    eos = _eos_ids(getattr(generation_config, "eos_token_id", None),
+                   os.path.join(path, "generation_config.json") + ": eos_token_id")
     if generation_config is None:
         raw = read_config_json(path)
-        eos = _eos_ids(raw.get("eos_token_id")) or _eos_ids(
-            (raw.get("text_config") or {}).get("eos_token_id"))
-    eos += _eos_ids(tokenizer.eos_token_id)
+        where = os.path.join(path, "config.json") + ": "
+        eos = _eos_ids(raw.get("eos_token_id"), where + "eos_token_id") or _eos_ids(
+            (raw.get("text_config") or {}).get("eos_token_id"),
+            where + "text_config.eos_token_id")
+    eos += _eos_ids(tokenizer.eos_token_id, f"{path}: the tokenizer's eos_token_id")
     vocab = tokenizer.get_vocab()
     turn = [vocab[t] for t in END_OF_TURN if t in vocab]
     keep = lambda ids: tuple(dict.fromkeys(i for i in ids if 0 <= i < vocab_size))  # noqa: E731

@@ -57,3 +57,33 @@ def require_choices(holder, choices) -> None:
     def ok(value):
         return bool(value) and all(v in choices for v in value)
     flags.register_validator(holder, ok, message=f"must name one or more of {list(choices)}")
+
+
+def require_tag(*holders) -> None:
+    """Each flag is a receipt name suffix: no path separator or '..'
+    (`jspec.bench.receipts.check_tag`)."""
+    from jspec.bench.receipts import check_tag
+
+    for holder in holders:
+        def ok(value, name=holder.name):
+            try:
+                check_tag(value, f"--{name}")
+            except ValueError as e:
+                raise flags.ValidationError(str(e)) from None
+            return True
+        flags.register_validator(holder, ok)
+
+
+def require_options(holder) -> None:
+    """A list flag of option strings (`jspec.cli.parse_options`: names joined by +),
+    each parsed at flag parsing, so an unknown name fails before anything is built."""
+    def ok(value):
+        from jspec.cli import parse_options
+
+        for text in value:
+            try:
+                parse_options(text)
+            except ValueError as e:
+                raise flags.ValidationError(f"{text!r}: {e}") from None
+        return True
+    flags.register_validator(holder, ok)

@@ -14,10 +14,25 @@ import sys
 _STEMS: dict[str, str] = {}  # this process's stems, by the stem asked for
 
 
+def check_tag(tag: str, flag: str = "--tag") -> str:
+    """A receipt name suffix: a file name part, so no path separator, no '..' and no NUL
+    (the directory is --out's); else a ValueError naming `flag`. Scripts call it with
+    their other flag checks, before any work; `receipt_stem` checks again."""
+    if not isinstance(tag, str):
+        raise ValueError(f"{flag}={tag!r} must be a string")
+    seps = {"/", "\\", os.sep} | ({os.altsep} if os.altsep else set())
+    if any(c in tag for c in seps) or ".." in tag or "\0" in tag:
+        raise ValueError(f"{flag}={tag!r}: a receipt name suffix takes no path separators "
+                         "or '..' (it names a file in --out; set --out for another folder)")
+    return tag
+
+
 def receipt_stem(out_dir: str, name: str, tag: str = "") -> str:
     """<out_dir>/<name>[_<tag>] for this run (the folder made if missing): the same stem
     for every write of the run; where an earlier run's <stem>.json exists, the first
-    free <stem>_run<N> (N = 2, 3, ...), printed on stderr."""
+    free <stem>_run<N> (N = 2, 3, ...), printed on stderr. A tag `check_tag` refuses is a
+    ValueError."""
+    check_tag(tag)
     os.makedirs(out_dir, exist_ok=True)
     base = os.path.join(out_dir, name + (f"_{tag}" if tag else ""))
     if base not in _STEMS:
