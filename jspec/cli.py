@@ -257,10 +257,7 @@ def config_prompts(c) -> list:
         if _overridden("prompt"):
             raise ValueError(f"--config.prompt and --config.prompts={c.prompts!r} are both "
                              "set: give one prompt or a prompts file, not both")
-        try:
-            return read_prompts(c.prompts, chat=c.get("chat", False))
-        except UnicodeDecodeError as e:
-            raise ValueError(f"prompts file {c.prompts!r} is not UTF-8 text ({e})") from None
+        return read_prompts(c.prompts, chat=c.get("chat", False))
     if not c.prompt:
         raise ValueError("no prompt: set --config.prompt or --config.prompts=<file>")
     return [as_chat(c.prompt) if c.get("chat", False) else c.prompt]

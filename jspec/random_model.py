@@ -147,6 +147,10 @@ def preset_config(name: str, *, num_layers: int | None = None,
         raise ValueError(f"unknown preset {name!r}; choose from {sorted(PRESETS)}")
     kw = {**_COMMON, **PRESETS[name]}
     if num_layers is not None:
+        if (isinstance(num_layers, bool) or not isinstance(num_layers, int)
+                or not 1 <= num_layers <= kw["num_layers"]):
+            raise ValueError(f"num_layers={num_layers!r}: preset {name!r} has "
+                             f"{kw['num_layers']} layers; take 1 to {kw['num_layers']}")
         kw["num_layers"] = num_layers
     L = kw["num_layers"]
     every = kw.pop("global_every", 6)

@@ -188,8 +188,11 @@ def read_prompts(path: str | os.PathLike, *, chat: bool = False) -> list[Prompt]
     if not os.path.isfile(path):
         raise FileNotFoundError(f"prompts file {path!r} does not exist")
     # a leading byte-order mark is no text; newline="": no "\r" is turned into a break
-    with open(path, encoding="utf-8-sig", newline="") as f:
-        text = f.read()
+    try:
+        with open(path, encoding="utf-8-sig", newline="") as f:
+            text = f.read()
+    except UnicodeDecodeError as e:
+        raise ValueError(f"prompts file {path!r} is not UTF-8 text ({e})") from None
     prompts: list[Prompt] = []
     if path.endswith(".json"):
         try:

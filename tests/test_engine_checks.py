@@ -209,6 +209,8 @@ def test_a_prompts_file_that_is_not_utf8_is_named(tmp_path):
     bad.write_bytes(b"\xff\xfeabc\n")
     with pytest.raises(ValueError, match=f"prompts file '{bad}' is not UTF-8 text"):
         cli.config_prompts(ConfigDict({"prompts": str(bad), "prompt": "", "chat": False}))
+    with pytest.raises(ValueError, match=f"prompts file '{bad}' is not UTF-8 text"):
+        jspec.read_prompts(bad)
 
 
 @contextlib.contextmanager

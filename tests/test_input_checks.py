@@ -123,3 +123,12 @@ def test_tree_ranks_past_the_drafts_vocabulary_are_refused():
     with pytest.raises(ValueError, match=r"dynamic=\(300, 4, 2\).*vocabulary size is 256"):
         jspec.speculative_generate(_model(), jspec.ModelDrafter(draft), [[1, 2, 3]],
                                    jspec.SpecConfig(adaptive=adaptive, max_new_tokens=8))
+
+
+def test_a_preset_takes_at_most_its_own_layers():
+    from jspec.random_model import preset_config
+
+    assert preset_config("qwen3-8b", num_layers=36).num_layers == 36
+    for bad in (37, 0, -1, True, 2.0):
+        with pytest.raises(ValueError, match="num_layers=.* preset 'qwen3-8b' has 36 layers"):
+            preset_config("qwen3-8b", num_layers=bad)
