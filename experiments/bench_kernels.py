@@ -43,7 +43,7 @@ from jspec.bench.timing import STEP_REPS, copy_bandwidth, device_steps, median_t
 from jspec.bench.trace import device_events, traced
 from jspec.cache import init_cache, rollback
 from jspec.chunked_prefill import prefill_jit
-from jspec.cli import with_option_string
+from jspec.cli import require_options, with_option_string
 from jspec.feature_head import head_apply, init_head_cache, random_head
 from jspec.model import COMPILER_OPTIONS, apply, forward_nodonate
 from jspec.ops import get_ops
@@ -80,7 +80,7 @@ _TAG = flags.DEFINE_string("tag", "", "receipt file name suffix")
 REPS = 20  # kernel launches per timed call, so host dispatch does not dominate
 
 flag_checks.require_counts(_BATCHES, _GAMMAS, _CONTEXT, _ITERS, _TREES, _TREE_DEPTH)
-flag_checks.require_options(_OPTIONS)
+require_options(_OPTIONS)
 flag_checks.require_tag(_TAG)
 
 

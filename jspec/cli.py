@@ -106,6 +106,21 @@ def parse_options(text: str, kernel: KernelOptions | None = None,
     return kernel, draft
 
 
+def require_options(holder) -> None:
+    """A list flag of option strings (`parse_options`: names joined by +), each parsed at
+    flag parsing, so an unknown name fails before anything is built."""
+    from absl import flags
+
+    def ok(value):
+        for text in value:
+            try:
+                parse_options(text)
+            except ValueError as e:
+                raise flags.ValidationError(f"{text!r}: {e}") from None
+        return True
+    flags.register_validator(holder, ok)
+
+
 def with_option_string(model, text: str):
     """`jspec.with_options(model, ...)` from an option string, applied on top of the
     model's own options."""

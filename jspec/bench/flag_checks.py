@@ -72,18 +72,3 @@ def require_tag(*holders) -> None:
                 raise flags.ValidationError(str(e)) from None
             return True
         flags.register_validator(holder, ok)
-
-
-def require_options(holder) -> None:
-    """A list flag of option strings (`jspec.cli.parse_options`: names joined by +),
-    each parsed at flag parsing, so an unknown name fails before anything is built."""
-    def ok(value):
-        from jspec.cli import parse_options
-
-        for text in value:
-            try:
-                parse_options(text)
-            except ValueError as e:
-                raise flags.ValidationError(f"{text!r}: {e}") from None
-        return True
-    flags.register_validator(holder, ok)
