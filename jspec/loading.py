@@ -34,7 +34,7 @@ from jax.sharding import Mesh
 from safetensors import safe_open
 
 from jspec import hf_names, mxfp4, sharding
-from jspec._checks import CheckpointError, check_bool, check_path, check_type
+from jspec._checks import CheckpointError, check_bool, check_path, check_type, is_int
 from jspec.config import (
     TEXT_OF_MULTIMODAL,
     ModelConfig,
@@ -543,19 +543,16 @@ def check_config_fields(cfg_path: str, raw: dict, where: str = "") -> None:
     an integer (not a float, string or bool), each of `CONFIG_REALS` a number (an int or
     float, not a string or bool) and each of `CONFIG_TOKEN_IDS` an integer or a list of
     them; null is left to the field's own default. text_config is checked alike."""
-    def integer(v):
-        return isinstance(v, int) and not isinstance(v, bool)
-
     for key in CONFIG_INTS + CONFIG_REALS + CONFIG_TOKEN_IDS:
         v = raw.get(key)
         if v is None:
             continue
         if key in CONFIG_INTS:
-            ok, want = integer(v), "an integer"
+            ok, want = is_int(v), "an integer"
         elif key in CONFIG_REALS:
-            ok, want = integer(v) or isinstance(v, float), "a number"
+            ok, want = is_int(v) or isinstance(v, float), "a number"
         else:
-            ok = integer(v) or (isinstance(v, list) and all(integer(x) for x in v))
+            ok = is_int(v) or (isinstance(v, list) and all(is_int(x) for x in v))
             want = "a token id (an integer) or a list of them"
         if not ok:
             kind = {bool: "bool", float: "float", str: "string", list: "list",
