@@ -299,7 +299,7 @@ for s in $steps; do
               --gammas=2,4 --accept=0.8,0.9 --nolookup --nopeers --draft_backend=pallas \
               --out="$OUT" --tag=${GPU}_b1_draftpallas 2>&1 | quiet | grep -v "it/s" | tail -40 ;;
     groupsweep) timeout "${GSWEEP_S:-240}" python3 experiments/tuning/sweep_grouped.py --write \
-              --out="$OUT" ${GSWEEP_FLAGS:-} 2>&1 | quiet | tail -12 ;;
+              --out="$OUT" --preset="${MOE_PRESET:-qwen3-30b-a3b}" ${MOE_MXFP4:+--mxfp4} ${GSWEEP_FLAGS:-} 2>&1 | quiet | tail -12 ;;
     tuned) found=""  # every sweep's winners in $OUT (a --tag in $SWEEP_FLAGS names the file)
            for f in "$OUT"/sweep_matmul*_tuned.json; do
              [ -f "$f" ] || continue; found=1
@@ -397,7 +397,7 @@ for s in $steps; do
     profile) for t in ${PROF_TS//,/ }; do
               timeout "${PROF_S:-150}" python3 experiments/tuning/profile_step.py \
               --preset="$PROF_PRESET" --T="$t" --batch="${PROF_BATCH:-1}" \
-              ${PROF_LAYERS:+--layers=$PROF_LAYERS} ${PROF_FLAGS:-} \
+              ${PROF_LAYERS:+--layers=$PROF_LAYERS} ${PROF_FLAGS:-} ${MOE_MXFP4:+--mxfp4_experts} \
               --tag="${GPU}_B${PROF_BATCH:-1}_T$t${PROF_TAG:+_$PROF_TAG}" --out="$OUT" 2>&1 | quiet | tail -34; done
             for g in ${PROF_ROUNDS//,/ }; do  # speculative rounds, with and without the head
               if [ "$g" = serial ]; then  # serial decoding's loop

@@ -314,6 +314,25 @@ def test_sweep_grouped_smoke(tmp_path):
 
 
 @pytest.mark.slow  # a sweep script
+def test_sweep_grouped_mxfp4_smoke(tmp_path):
+    """--mxfp4: packed candidates (bk a multiple of 32), and a winner is checked against the
+    float kernels on the dequantized weights."""
+    r = _run("tuning/sweep_grouped.py", "--interpret", "--preset=tiny-gpt-oss", "--mxfp4",
+             "--Ts=1,2", "--max_candidates=3", "--iters=1", "--reps=2", "--min_gain=-9",
+             f"--out={tmp_path}")
+    assert r.returncode == 0, r.stderr[-2000:]
+    rep = json.load(open(tmp_path / "sweep_grouped.json"))
+    assert rep["mxfp4"] and set(rep["weights"]) == {"gate_up", "down"}
+    for w in rep["weights"].values():
+        assert all(c["config"]["bk"] % 32 == 0 for c in w["candidates"][1:])
+        if w["best"] != w["rule"]:
+            assert w["packed_equals_dequantized"] is True
+    r = _run("tuning/sweep_grouped.py", "--interpret", "--preset=tiny-qwen3-moe", "--mxfp4",
+             f"--out={tmp_path}")
+    assert r.returncode != 0 and "only gpt-oss presets" in r.stderr
+
+
+@pytest.mark.slow  # a sweep script
 def test_sweep_combine_smoke(tmp_path):
     r = _run("tuning/sweep_combine.py", "--interpret", "--preset=tiny-qwen3-moe", "--Ts=1,3",
              "--max_candidates=3", "--iters=1", "--reps=2", f"--out={tmp_path}")

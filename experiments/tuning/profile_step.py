@@ -77,6 +77,8 @@ _OPTIONS = flags.DEFINE_string("options", "", "kernel options (jspec.cli's optio
                                "e.g. moe_layout_kernel=1)")
 _INTERPRET = flags.DEFINE_bool("interpret", False, "CPU smoke run")
 _DTYPE = flags.DEFINE_string("dtype", "bfloat16", "weights and activations")
+_MXFP4 = flags.DEFINE_bool("mxfp4_experts", False, "a gpt-oss preset's experts kept "
+                           "MXFP4-packed (jspec.mxfp4)")
 _TOP = flags.DEFINE_integer("top", 25, "kernel names printed")
 _KEEP = flags.DEFINE_bool("keep_trace", False, "copy the Perfetto trace next to the receipt")
 _OUT = flags.DEFINE_string("out", os.environ.get("OUT", "experiments/results"), "receipt dir")
@@ -164,7 +166,7 @@ def main(argv):
         raise app.UsageError(f"--preset={_PRESET.value!r}: choose from {sorted(PRESETS)}")
     if min(_B.value, _T.value, _CONTEXT.value) < 1 or _ROUND.value < 0:
         raise app.UsageError("--batch, --T and --context must be >= 1, --round >= 0")
-    kw = dict(interpret=_INTERPRET.value, dtype=_DTYPE.value)
+    kw = dict(interpret=_INTERPRET.value, dtype=_DTYPE.value, mxfp4_experts=_MXFP4.value)
     if _LAYERS.value:
         kw["num_layers"] = _LAYERS.value
     model = random_model(_PRESET.value, **kw).with_backend(_BACKEND.value)

@@ -18,10 +18,17 @@ Each winner is checked on the device: every routed row computed alone equals the
 row inside the block of max(--Ts) tokens, bitwise. Writes sweep_grouped[_tag].json (every
 candidate's times) and sweep_grouped[_tag]_tuned.json (rows {E, K, N, dtype, config} of
 winners that beat the rule by --min_gain and are row-invariant); --write merges those into
-the "grouped" table of pallas_kernels/matmul_tuned.json. On the GPU a winner with another
-bk keeps the K order (each block's dot accumulates into the running sum, as in the dense
-matmul: `matmul.SCHEDULE_FIELDS`), other fields never touch it; the MoE parity matrix runs
-with the table before it is committed all the same.
+the "grouped" table of pallas_kernels/matmul_tuned.json.
+
+--mxfp4 (gpt-oss presets): the experts as random MXFP4 codes read by the packed kernels
+(decoded in the K loop). Candidates then keep bk a multiple of 32 (else the weight would
+be decoded before every launch), and a winner must also equal, bitwise, the float kernels
+with the same config on the dequantized weights (the packed = dequantized check of the MoE
+matrix); the entry is keyed by the float weight's shape, so both paths take it.
+
+On the GPU a winner with another bk keeps the K order (each block's dot accumulates into
+the running sum, as in the dense matmul: `matmul.SCHEDULE_FIELDS`), other fields never
+touch it; the MoE parity matrix runs with the table before it is committed all the same.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ import numpy as np
 from absl import app, flags
 from tqdm import tqdm
 
+from jspec import mxfp4
 from jspec.bench.receipts import write_receipt
 from jspec.bench.timing import median_time
 from jspec.random_model import preset_config
@@ -61,6 +69,7 @@ _WRITE = flags.DEFINE_bool("write", False, "merge the winners into matmul_tuned.
 _INTERPRET = flags.DEFINE_bool("interpret", False, "CPU smoke run (timings mean nothing)")
 _OUT = flags.DEFINE_string("out", os.environ.get("OUT", "experiments/results"), "receipt dir")
 _TAG = flags.DEFINE_string("tag", "", "receipt name suffix")
+_MXFP4 = flags.DEFINE_bool("mxfp4", False, "experts as MXFP4 codes (gpt-oss presets)")
 
 # (bn, bk, num_warps, num_stages), most promising first: on the H200 (2026-12-02d) wider
 # column tiles won at the Qwen3-30B-A3B experts (bn 64 over 32 over 16, the 16s 1.4-1.8x
@@ -69,19 +78,31 @@ HAND_LIST = ((64, 128, 4, 5), (128, 64, 4, 4), (128, 64, 8, 4), (64, 64, 4, 6),
              (128, 32, 4, 6), (256, 32, 8, 4), (64, 256, 4, 3), (64, 128, 8, 4),
              (128, 64, 4, 3), (32, 128, 4, 4), (32, 256, 4, 3), (32, 128, 2, 5),
              (16, 128, 2, 4))
+# Packed weights (--mxfp4; 2880-wide gpt-oss experts: bk 32 or 64 divide K): the decode
+# is per weight element whatever the row count, so narrower column tiles (more programs
+# for a decode step's few row tiles) and fewer warps come first.
+PACKED_LIST = ((32, 64, 4, 4), (32, 64, 2, 4), (16, 64, 2, 4), (32, 32, 2, 6),
+               (64, 32, 4, 6), (16, 32, 1, 6), (32, 64, 4, 3), (16, 64, 1, 4),
+               (64, 64, 8, 4), (32, 32, 4, 4), (16, 32, 2, 4), (64, 64, 4, 3),
+               (32, 64, 8, 4), (16, 64, 4, 4))
 
 
-def candidates(E: int, K: int, N: int, dtype, interpret: bool) -> list[MatmulConfig]:
-    """The current rule first, then HAND_LIST entries with bm 16 (shared memory within
-    200 KiB, at least 2 K steps, no tile wider than N)."""
+def candidates(E: int, K: int, N: int, dtype, interpret: bool, packed: bool = False,
+               col: int | None = None) -> list[MatmulConfig]:
+    """The current rule first, then HAND_LIST (packed: PACKED_LIST) entries with bm 16
+    (shared memory within 200 KiB, at least 2 K steps, no tile wider than N; bk dividing K
+    and bn dividing `col` (default N; a GLU's half) on the GPU, as a padded weight is
+    copied every launch; packed: bk a multiple of 32)."""
     rule = grouped_config(E, K, N, dtype, interpret)
     out = [rule]
     item = jnp.dtype(dtype).itemsize
-    for bn, bk, warps, stages in HAND_LIST:
+    for bn, bk, warps, stages in PACKED_LIST if packed else HAND_LIST:
         c = MatmulConfig(bm=rule.bm, bn=bn, bk=bk, num_warps=warps, num_stages=stages,
                          split_k=1)
         smem = stages * (c.bm * bk + 2 * bk * bn) * item
-        if c not in out and smem <= 200 * 1024 and K // bk >= 2 and bn <= N:
+        fits = interpret or (K % bk == 0 and (col or N) % bn == 0)
+        if (c not in out and smem <= 200 * 1024 and K // bk >= 2 and bn <= N and fits
+                and (not packed or bk % 32 == 0)):
             out.append(c)
     return out[:max(_MAX.value, 1)]
 
@@ -93,24 +114,33 @@ def routings(rng, reps: int, T: int, E: int, k: int) -> np.ndarray:
 
 
 def kernel_fn(kind: str, cfg: MatmulConfig, activation: str, interpret: bool):
+    """fn(x, ws, expert): ws = (w,) float weights or (codes, scales) MXFP4."""
     if kind == "gate_up":
-        return functools.partial(grouped_matmul_glu, activation=activation,
-                                 interpret=interpret, config=cfg)
-    return functools.partial(grouped_matmul, out_dtype=jnp.float32, interpret=interpret,
-                             config=cfg)
+        f = functools.partial(grouped_matmul_glu, activation=activation,
+                              interpret=interpret, config=cfg)
+    else:
+        f = functools.partial(grouped_matmul, out_dtype=jnp.float32, interpret=interpret,
+                              config=cfg)
+    return lambda x, ws, expert: f(x, ws[0], expert, scales=ws[1] if len(ws) > 1 else None)
 
 
 def looped(fn):
     """One jitted loop of len(experts) launches, each on its own routing."""
 
     @jax.jit
-    def run(x, w, experts):
+    def run(x, ws, experts):
         def body(i, acc):
-            y = fn(x + acc.astype(x.dtype), w, experts[i])
+            y = fn(x + acc.astype(x.dtype), ws, experts[i])
             return acc + y[0, 0].astype(jnp.float32) * 0
         return jax.lax.fori_loop(0, experts.shape[0], body, jnp.float32(0))
 
     return run
+
+
+def same_bits(fn_a, ws_a, fn_b, ws_b, x, expert) -> bool:
+    """Two kernels (configs, or packed and float weights) give the block the same bits."""
+    return (np.asarray(fn_a(x, ws_a, expert)).tobytes()
+            == np.asarray(fn_b(x, ws_b, expert)).tobytes())
 
 
 def row_invariant(fn, x, w, expert) -> bool:
@@ -140,19 +170,29 @@ def main(argv):
               "date": time.strftime("%Y-%m-%d %H:%M:%S"),
               "device": jax.devices()[0].device_kind, "jax": jax.__version__,
               "preset": _PRESET.value, "E": E, "k": k, "Ts": Ts, "dtype": dtype.name,
-              "reps": _REPS.value, "weights": {}}
+              "reps": _REPS.value, "mxfp4": _MXFP4.value, "weights": {}}
+    if _MXFP4.value and cfg.family != "gpt_oss":
+        raise app.UsageError(f"--mxfp4: only gpt-oss presets keep MXFP4 experts; "
+                             f"--preset={_PRESET.value} is {cfg.family}")
     tuned = []
     for kind, (K, N) in weights.items():
-        w = jnp.asarray(rng.standard_normal((E, K, N)) * K**-0.5, dtype)
+        if _MXFP4.value:  # codes and scales; the float weight they stand for beside
+            p = mxfp4.random_packed(jax.random.key(len(report["weights"])), E, K, N)
+            ws = (p["mx"], p["scale"])
+            dense = (mxfp4.dequantize(p["mx"], p["scale"], dtype),)
+        else:
+            ws = (jnp.asarray(rng.standard_normal((E, K, N)) * K**-0.5, dtype),)
         xs = {T: jnp.asarray(rng.standard_normal((T * k, K)), dtype) for T in Ts}
         routes = {T: jnp.asarray(routings(rng, _REPS.value, T, E, k)) for T in Ts}
-        rows, cands = [], candidates(E, K, N, dtype, interpret)
+        rows = []
+        cands = candidates(E, K, N, dtype, interpret, _MXFP4.value,
+                           N // 2 if kind == "gate_up" else N)
         for c in tqdm(cands, desc=f"{kind} [{E}, {K}, {N}]", file=sys.stdout):
             row = {"config": dataclasses.asdict(c), "us": {}}
             try:
                 run = looped(kernel_fn(kind, c, cfg.activation, interpret))
                 for T in Ts:
-                    t = median_time(run, xs[T], w, routes[T], iters=_ITERS.value, warmup=1)
+                    t = median_time(run, xs[T], ws, routes[T], iters=_ITERS.value, warmup=1)
                     row["us"][T] = t / _REPS.value * 1e6
                 row["sum_us"] = sum(row["us"].values())
             except Exception as e:  # noqa: BLE001 - a config that does not compile
@@ -167,9 +207,16 @@ def main(argv):
             gain = 1 - best["sum_us"] / rule["sum_us"]
             c = MatmulConfig(**best["config"])
             T = max(Ts)
-            inv = row_invariant(kernel_fn(kind, c, cfg.activation, interpret), xs[T], w,
-                                routes[T][0])
-            entry.update(gain=gain, row_invariant=inv)
+            fn = kernel_fn(kind, c, cfg.activation, interpret)
+            inv = row_invariant(fn, xs[T], ws, routes[T][0])
+            rule_fn = kernel_fn(kind, MatmulConfig(**rule["config"]), cfg.activation,
+                                interpret)
+            entry.update(gain=gain, row_invariant=inv, same_bits_as_rule=same_bits(
+                fn, ws, rule_fn, ws, xs[T], routes[T][0]))
+            if _MXFP4.value:
+                entry["packed_equals_dequantized"] = same_bits(fn, ws, fn, dense, xs[T],
+                                                               routes[T][0])
+                inv = inv and entry["packed_equals_dequantized"]
             if inv and gain >= _MIN_GAIN.value:
                 tuned.append({"E": E, "K": K, "N": N, "dtype": dtype.name,
                               "config": best["config"]})
@@ -177,7 +224,9 @@ def main(argv):
         write_receipt(_OUT.value, "sweep_grouped", _TAG.value, report)
         print(f"{kind} [{E}, {K}, {N}]: rule {rule.get('us')} -> best {best and best['us']} "
               f"{best and best['config']} gain {entry.get('gain', 0):.3f} "
-              f"invariant {entry.get('row_invariant')}", flush=True)
+              f"invariant {entry.get('row_invariant')} same bits as the rule "
+              f"{entry.get('same_bits_as_rule')} packed = dequantized "
+              f"{entry.get('packed_equals_dequantized')}", flush=True)
     report["tuned"] = tuned
     path = write_receipt(_OUT.value, "sweep_grouped", _TAG.value, report)
     with open(path[:-len(".json")] + "_tuned.json", "w") as f:
