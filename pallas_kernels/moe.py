@@ -65,7 +65,7 @@ from pallas_kernels._common import dot_f32, next_pow2, pad_axis, round_up, trito
 from pallas_kernels.glu import ACTIVATIONS, glu, glu_reference
 from pallas_kernels.matmul import TUNED_FILE, MatmulConfig, matmul_config, read_tuned_file
 from pallas_kernels.matmul_glu import _glu_tile
-from pallas_kernels.mxfp4 import GROUP, decode
+from pallas_kernels.mxfp4 import GROUP, decode, decode_rows
 from pallas_kernels.route import combine, combine_kernel
 
 
@@ -289,7 +289,11 @@ def _expert_k_loop(e, src_ref, x_ref, w_ref, *, bk: int, nk: int, bn: int,
     fixed by K and bk). Empty slots (src -1) read exact zeros. row_div > 1: slot source s
     reads x row s // row_div (a token's k routed copies read the token's one row).
     s_ref [E, Kp / 32, bn] (MXFP4): w_ref holds codes [E, Kp / 2, bn], each [bk, bn] block
-    decoded from its codes and scales (`mxfp4.decode`: exact) before the same dot.
+    decoded from its codes and scales (`mxfp4.decode_rows`: exact) before the same dot.
+    Each row of the block loads its own byte and scale (rows r // 2 and r // 32 of the
+    block's codes and scales, gathered; the repeats hit the cache), so the decode is
+    elementwise in the layout the loads give: expanding [bk / 2, bn] codes by a broadcast
+    and a reshape instead moved both operands through shared memory every step.
 
     The packed loop loads block k + 1's codes and scales while it decodes block k, so
     they reach the decode as loop-carried values. Triton lays a dot's operands out in
@@ -316,14 +320,16 @@ def _expert_k_loop(e, src_ref, x_ref, w_ref, *, bk: int, nk: int, bn: int,
         return lax.fori_loop(  # [bk, bn] of the tile's expert only
             0, nk, lambda k, acc: dot(acc, x_block(k), w_ref[e, pl.ds(k * bk, bk), :]), acc)
 
-    def packed(k):  # block k's [bk / 2, bn] codes and [bk / 32, bn] scales
-        return (w_ref[e, pl.ds(k * (bk // 2), bk // 2), :],
-                s_ref[e, pl.ds(k * (bk // GROUP), bk // GROUP), :])
+    row = lax.broadcasted_iota(jnp.int32, (bk,), 0)
+
+    def packed(k):  # block k's [bk, bn] row bytes and row scales
+        return (w_ref[e, k * (bk // 2) + row // 2, :],
+                s_ref[e, k * (bk // GROUP) + row // GROUP, :])
 
     def step(k, carry):
         acc, codes, scales = carry
         xs = x_block(k)
-        ws = decode(codes, scales, xs.dtype)
+        ws = decode_rows(codes, scales, xs.dtype)
         return (dot(acc, xs, ws), *packed(jnp.minimum(k + 1, nk - 1)))
 
     return lax.fori_loop(0, nk, step, (acc, *packed(0)))[0]

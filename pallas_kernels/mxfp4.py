@@ -24,19 +24,26 @@ GROUP = 32  # rows of K sharing one scale
 
 def decode(codes: jax.Array, scales: jax.Array, dtype) -> jax.Array:
     """codes uint8 [..., H, N] and scales uint8 [..., H / 16, N] (each >= 2) -> the
-    weight [..., 2 H, N] in dtype, exactly. Plain integer ops, broadcasts and reshapes
-    (row r takes byte r // 2 shifted by 4 (r % 2)): it lowers inside a Pallas Triton
-    kernel as it runs in jnp. No join of the two nibbles: Triton halves the register
-    layout (kWidth) of a dot operand whose inputs pass a join (see `moe._expert_k_loop`)."""
+    weight [..., 2 H, N] in dtype, exactly: `decode_rows` on each row's byte and scale,
+    expanded by broadcasts and reshapes (no join of the two nibbles: Triton halves the
+    register layout (kWidth) of a dot operand whose inputs pass a join)."""
     *lead, H, N = codes.shape
-    c = codes.astype(jnp.int32)[..., :, None, :]
-    c = jnp.broadcast_to(c, (*lead, H, 2, N)).reshape(*lead, 2 * H, N)  # row r: byte r // 2
-    odd = lax.broadcasted_iota(jnp.int32, (*lead, 2 * H, N), len(lead)) & 1
-    c = lax.shift_right_logical(c, odd * 4) & 15  # rows 2j: low nibble, 2j + 1: high
+    c = jnp.broadcast_to(codes[..., :, None, :], (*lead, H, 2, N)).reshape(*lead, 2 * H, N)
     G = scales.shape[-2]
-    s = scales.astype(jnp.int32)[..., :, None, :]
-    s = jnp.broadcast_to(s, (*lead, G, GROUP, N)).reshape(*lead, G * GROUP, N)
-    return _values(c, s, dtype)
+    s = jnp.broadcast_to(scales[..., :, None, :], (*lead, G, GROUP, N))
+    return decode_rows(c, s.reshape(*lead, G * GROUP, N), dtype)
+
+
+def decode_rows(codes: jax.Array, scales: jax.Array, dtype) -> jax.Array:
+    """The weight's rows from each row's own byte and scale: codes uint8 [..., R, N] (row
+    r: the byte holding its code, the low nibble for even r, the high for odd r), scales
+    uint8 [..., R, N] (row r's scale, >= 2) -> [..., R, N] in dtype, exactly. Only
+    elementwise integer ops: the grouped kernels load each row's byte and scale straight
+    into this layout (a gather of rows r // 2 and r // 32), so nothing is moved between
+    layouts before the dot."""
+    odd = lax.broadcasted_iota(jnp.int32, codes.shape, codes.ndim - 2) & 1
+    c = lax.shift_right_logical(codes.astype(jnp.int32), odd * 4)
+    return _values(c, scales.astype(jnp.int32), dtype)
 
 
 def decode_planes(codes: jax.Array, scales: jax.Array, dtype) -> jax.Array:
@@ -48,14 +55,18 @@ def decode_planes(codes: jax.Array, scales: jax.Array, dtype) -> jax.Array:
     s = scales.astype(jnp.int32)[..., :, None, :]
     s = jnp.broadcast_to(s, (*lead, G, GROUP // 2, N)).reshape(*lead, H, N)
     c = codes.astype(jnp.int32)
-    low, high = _values(c & 15, s, dtype), _values(lax.shift_right_logical(c, 4), s, dtype)
+    low, high = _values(c, s, dtype), _values(lax.shift_right_logical(c, 4), s, dtype)
     return jnp.stack([low, high], axis=-2).reshape(*lead, 2 * H, N)  # rows 2j, 2j + 1
 
 
 def _values(c: jax.Array, s: jax.Array, dtype) -> jax.Array:
-    """Codes c and scales s (int32, one each a value) -> the values in dtype."""
-    e, m = lax.shift_right_logical(c, 1) & 3, c & 1
-    exponent = jnp.where(e > 0, e - 1 + s, jnp.where(m > 0, s - 1, 0))
-    bits = (lax.shift_left(lax.shift_right_logical(c, 3), 31)
-            | lax.shift_left(exponent, 23) | lax.shift_left(jnp.where(e > 0, m, 0), 22))
+    """Codes c (int32, the code in the low 4 bits; higher bits ignored) and scales s
+    (int32) -> the values in dtype. The magnitude code q = (e, m) placed at bit 22 puts e
+    in the exponent field and m in the mantissa's top bit, so adding (s - 1) << 23 gives
+    the biased exponent e - 1 + s for e > 0; q = 1 (0.5) is (s - 1) << 23 alone, q = 0
+    zero; the sign is bit 3 moved to bit 31."""
+    q = c & 7
+    s1 = lax.shift_left(s - 1, 23)
+    mag = jnp.where(q >= 2, lax.shift_left(q, 22) + s1, q * s1)
+    bits = mag | lax.shift_left(c & 8, 28)
     return lax.bitcast_convert_type(bits, jnp.float32).astype(dtype)
