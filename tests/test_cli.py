@@ -369,6 +369,18 @@ def test_profile_step_smoke(tmp_path):
     assert rep["device_events"] == 0  # a CPU trace has no device timeline
 
 
+@pytest.mark.slow  # a profiling script
+def test_profile_step_mxfp4_smoke(tmp_path):
+    """--mxfp4_experts: a gpt-oss preset's experts packed; another family is refused."""
+    r = _run("tuning/profile_step.py", "--interpret", "--preset=tiny-gpt-oss",
+             "--context=16", "--mxfp4_experts", f"--out={tmp_path}")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert json.load(open(tmp_path / "profile_step_tiny-gpt-oss.json"))["step_ms"] > 0
+    r = _run("tuning/profile_step.py", "--interpret", "--preset=tiny-qwen3-moe",
+             "--mxfp4_experts", f"--out={tmp_path}")
+    assert r.returncode != 0 and "only gpt-oss presets" in r.stderr
+
+
 @pytest.mark.slow  # a profiling script: speculative rounds
 def test_profile_step_rounds_smoke(tmp_path):
     r = _run("tuning/profile_step.py", "--interpret", "--preset=tiny-qwen3", "--dtype=float32",

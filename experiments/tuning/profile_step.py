@@ -58,7 +58,7 @@ from jspec.cli import options_record, with_option_string
 from jspec.feature_head import random_head
 from jspec.generate import decode_loop, init_state
 from jspec.generate import prefill as generate_prefill
-from jspec.random_model import PRESETS, random_model
+from jspec.random_model import PRESETS, preset_config, random_model
 from jspec.sampling import with_lowering
 from jspec.spec_config import shape_spec
 from jspec.speculative import _setup as spec_setup
@@ -166,6 +166,9 @@ def main(argv):
         raise app.UsageError(f"--preset={_PRESET.value!r}: choose from {sorted(PRESETS)}")
     if min(_B.value, _T.value, _CONTEXT.value) < 1 or _ROUND.value < 0:
         raise app.UsageError("--batch, --T and --context must be >= 1, --round >= 0")
+    if _MXFP4.value and preset_config(_PRESET.value, num_layers=1).family != "gpt_oss":
+        raise app.UsageError(f"--mxfp4_experts: only gpt-oss presets keep MXFP4 experts; "
+                             f"--preset={_PRESET.value}")
     kw = dict(interpret=_INTERPRET.value, dtype=_DTYPE.value, mxfp4_experts=_MXFP4.value)
     if _LAYERS.value:
         kw["num_layers"] = _LAYERS.value
