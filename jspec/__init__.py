@@ -7,6 +7,7 @@ token for token.
 """
 
 from jspec import sharding
+from jspec._checks import DeviceMemoryError
 from jspec.adaptive import Adaptive
 from jspec.cache import KVCache, init_cache, rollback
 from jspec.checkpoint import restore_params, save_params
@@ -56,6 +57,7 @@ __all__ = [
     "load_text",
     "read_prompts",
     "CheckpointError",
+    "DeviceMemoryError",
     "DraftOptions",
     "Drafter",
     "ExactGreedy",

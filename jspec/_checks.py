@@ -107,3 +107,34 @@ def check_type(name: str, value, kinds: type | tuple[type, ...], accepted: str,
     if not isinstance(value, kinds):
         raise TypeError(f"{name} must be {accepted}; got {type(value).__name__}"
                         + (f": {hint}" if hint else ""))
+
+
+class DeviceMemoryError(ValueError):
+    """A model's weights would not fit the memory XLA may use on the device they go to
+    (checked before they are moved, so nothing is half-loaded). `jspec.DeviceMemoryError`."""
+
+
+def check_fits_device(what: str, nbytes: int, device=None) -> None:
+    """Raises DeviceMemoryError when `nbytes` of weights exceed the free memory XLA's
+    allocator has on `device` (default: the first device); silent where the platform
+    reports no allocator limit (a CPU)."""
+    import jax
+
+    device = device or jax.devices()[0]
+    try:
+        stats = device.memory_stats()
+    except Exception:  # noqa: BLE001 - a platform without allocator statistics
+        return
+    if not stats or "bytes_limit" not in stats:
+        return
+    limit = int(stats["bytes_limit"])
+    free = limit - int(stats.get("bytes_in_use", 0))
+    if nbytes <= free:
+        return
+    frac = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "unset: 0.75 of the card")
+    raise DeviceMemoryError(
+        f"{what}: its weights take {nbytes / 1e9:.1f} GB, but {device} has "
+        f"{free / 1e9:.1f} GB free of the {limit / 1e9:.1f} GB XLA may use "
+        f"(XLA_PYTHON_CLIENT_MEM_FRACTION {frac}). Start Python with a larger "
+        f"XLA_PYTHON_CLIENT_MEM_FRACTION (e.g. .95), spread the model over several devices "
+        f"(mesh=), or keep gpt-oss experts packed (mxfp4_experts=True)")

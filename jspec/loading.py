@@ -34,7 +34,14 @@ from jax.sharding import Mesh
 from safetensors import safe_open
 
 from jspec import hf_names, mxfp4, sharding
-from jspec._checks import CheckpointError, check_bool, check_path, check_type, is_int
+from jspec._checks import (
+    CheckpointError,
+    check_bool,
+    check_fits_device,
+    check_path,
+    check_type,
+    is_int,
+)
 from jspec.config import (
     TEXT_OF_MULTIMODAL,
     ModelConfig,
@@ -718,6 +725,8 @@ def load_hf(path: str | os.PathLike, *, dtype: Any = "bfloat16", backend: str = 
     check_unused(cfg, reader, model_type, multimodal=model_type in TEXT_OF_MULTIMODAL)
     if backend == "pallas" and interpret:
         warn_interpret(path, cfg)
+    check_fits_device(f"load_hf({path!r})",
+                      sum(int(np.asarray(w).nbytes) for w in jax.tree.leaves(params)))
     return Model(config=cfg, params=jax.tree.map(jnp.asarray, params), options=options)
 
 

@@ -253,7 +253,7 @@ def random_model(name: str, *, seed: int = 0, backend: str = "pallas",
     dtype). interpret: Pallas kernels in interpret mode (default: where there is no GPU,
     as `jspec.load_hf`). mxfp4_experts: a gpt-oss preset's experts as MXFP4 codes kept
     packed (`jspec.mxfp4`). seed: an int in [0, 2**31) (others refused, never wrapped)."""
-    from jspec._checks import check_bool
+    from jspec._checks import check_bool, check_fits_device
     from jspec.options import default_interpret
 
     seed = check_seed("seed", seed)
@@ -265,5 +265,8 @@ def random_model(name: str, *, seed: int = 0, backend: str = "pallas",
     if mxfp4_experts and cfg.family != "gpt_oss":
         raise ValueError(f"mxfp4_experts=True: only gpt-oss presets keep MXFP4 experts; "
                          f"{name!r} is {cfg.family}")
+    shapes = jax.eval_shape(lambda: random_params(cfg, seed, mxfp4_experts))
+    check_fits_device(f"random_model({name!r})",
+                      sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes)))
     return Model(config=cfg, params=random_params(cfg, seed, mxfp4_experts),
                  options=KernelOptions(backend=backend, interpret=interpret))

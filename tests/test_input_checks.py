@@ -132,3 +132,39 @@ def test_a_preset_takes_at_most_its_own_layers():
     for bad in (37, 0, -1, True, 2.0):
         with pytest.raises(ValueError, match="num_layers=.* preset 'qwen3-8b' has 36 layers"):
             preset_config("qwen3-8b", num_layers=bad)
+
+
+class _Card:
+    """A device whose allocator reports a limit (a GPU's `memory_stats`)."""
+
+    def __init__(self, limit, in_use=0):
+        self.stats = {"bytes_limit": limit, "bytes_in_use": in_use}
+
+    def memory_stats(self):
+        return self.stats
+
+    def __str__(self):
+        return "cuda:0"
+
+
+def test_weights_larger_than_the_devices_free_memory_are_refused_before_loading(
+        monkeypatch):
+    """A model whose weights exceed what XLA's allocator has free is refused before any
+    weight is built or moved, naming the sizes and XLA_PYTHON_CLIENT_MEM_FRACTION (an
+    80 GB H100 holds 60 GB by default; gpt-oss-120b packed is 65 GB)."""
+    import jax
+
+    from jspec._checks import DeviceMemoryError, check_fits_device
+
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75")
+    with pytest.raises(DeviceMemoryError, match=r"65\.2 GB.*59\.0 GB free of the 60\.0 GB"
+                       r".*XLA_PYTHON_CLIENT_MEM_FRACTION 0\.75"):
+        check_fits_device("gpt-oss-120b", 65_200_000_000, _Card(60_000_000_000, 10**9))
+    check_fits_device("fits", 10**9, _Card(60_000_000_000))
+    check_fits_device("cpu", 10**15)  # no allocator limit on a CPU: nothing to check
+    monkeypatch.setattr(jax, "devices", lambda *a: [_Card(10_000)])
+    with pytest.raises(DeviceMemoryError, match="random_model\\('tiny-qwen3'\\)"):
+        random_model("tiny-qwen3", interpret=True)
+    with pytest.raises(DeviceMemoryError, match="load_hf"):
+        jspec.load_hf("tests/fixtures/llama3", interpret=True)
+    assert issubclass(DeviceMemoryError, ValueError) and jspec.DeviceMemoryError
