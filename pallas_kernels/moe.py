@@ -288,7 +288,8 @@ def _expert_k_loop(e, src_ref, x_ref, w_ref, *, bk: int, nk: int, bn: int,
     w_ref [E, Kp, bn], k = 0, 1, ..., nk-1 in bk blocks, sequentially (R2: the K order is
     fixed by K and bk). Empty slots (src -1) read exact zeros. row_div > 1: slot source s
     reads x row s // row_div (a token's k routed copies read the token's one row).
-    s_ref [E, Kp / 32, bn] (MXFP4): w_ref holds codes [E, Kp / 2, bn], each [bk, bn] block
+    s_ref [E, Kp / 32, bn] (MXFP4): x_ref is [R + 1, Kp], its last row zeros, which empty
+    slots read (no select a step); w_ref holds codes [E, Kp / 2, bn], each [bk, bn] block
     decoded from its codes and scales (`mxfp4.decode_rows`: exact) before the same dot.
     Each row of the block loads its own byte and scale (rows r // 2 and r // 32 of the
     block's codes and scales, gathered; the repeats hit the cache), so the decode is
@@ -321,6 +322,12 @@ def _expert_k_loop(e, src_ref, x_ref, w_ref, *, bk: int, nk: int, bn: int,
             0, nk, lambda k, acc: dot(acc, x_block(k), w_ref[e, pl.ds(k * bk, bk), :]), acc)
 
     row = lax.broadcasted_iota(jnp.int32, (bk,), 0)
+    # x_ref's last row is zeros (`_launch_sorted`): empty slots read it, no select a step
+    zero_row = x_ref.shape[0] - 1
+    rows = jnp.where(src >= 0, rows, zero_row)
+
+    def x_block(k):  # noqa: F811 - the packed loop's gather, unmasked
+        return x_ref[rows, pl.ds(k * bk, bk)]
 
     def packed(k):  # block k's [bk, bn] row bytes and row scales
         return (w_ref[e, k * (bk // 2) + row // 2, :],
@@ -411,6 +418,8 @@ def _launch_sorted(kernel, x, w, tile_expert, src, cfg: MatmulConfig, n_out: int
     # after each group's last row read zero rows, and their outputs are never read.
     # (Packed: the code 0 is +0.0 whatever its padded scale.)
     xp = pad_axis(x, 1, kp)  # [R, Kp]
+    if scales is not None:  # [R + 1, Kp]: a zero row for the packed loop's empty slots
+        xp = pad_axis(xp, 0, xp.shape[0] + 1)
     per_row = 1 if scales is None else 2  # weight rows a stored row holds
     Np = round_up(w.shape[2], cfg.bn)
     wp = pad_axis(pad_axis(w, 1, kp // per_row), 2, Np)  # [E, Kp (/ 2), Np]
@@ -435,7 +444,7 @@ def _launch_sorted(kernel, x, w, tile_expert, src, cfg: MatmulConfig, n_out: int
         in_specs=[
             pl.BlockSpec((1,), lambda i, j: (i,)),
             pl.BlockSpec((bm,), lambda i, j: (i,)),
-            pl.BlockSpec((x.shape[0], kp), lambda i, j: (0, 0)),
+            pl.BlockSpec((xp.shape[0], kp), lambda i, j: (0, 0)),
             *w_specs,
             *s_specs,
             *b_specs,

@@ -12,17 +12,46 @@ it cannot convert) fails here, with no device. It is a smoke test of the compile
 the bits or the speed: the bundled Triton is not the package's release, and the warps and
 stages are these flags', not the kernels' tables. Prints one line a kernel (OK: the PTX's
 size, its MMA instruction kind and shared memory; FAIL: the error) and exits 1 on a
-failure. Needs only `triton` (no jax).
+failure. `--loops`: also each loop's SASS instruction count and its commonest opcodes
+(nvdisasm from the Triton wheel), a proxy for a K loop's work a step (the MXFP4 decode's,
+docs/tuning.md). Needs only `triton` (no jax).
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import glob
 import os
+import re
 import shutil
+import subprocess
 import sys
 import tempfile
+
+
+def sass_loops(cubin: bytes, tmp: str) -> list[tuple[int, list[tuple[str, int]]]]:
+    """(instructions, commonest opcodes) of each backward-branch loop in a kernel's SASS."""
+    import triton
+
+    path = os.path.join(tmp, "kernel.cubin")
+    with open(path, "wb") as f:
+        f.write(cubin)
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
+                        "nvdisasm")
+    lines = subprocess.run([tool, "-c", path], capture_output=True, text=True,
+                           check=True).stdout.splitlines()
+    labels = {m.group(1): i for i, line in enumerate(lines)
+              if (m := re.match(r"\.(L_x_\d+):", line.strip()))}
+    loops = []
+    for i, line in enumerate(lines):
+        m = re.search(r"BRA\s+`?\(?\.(L_x_\d+)", line)
+        if m and labels.get(m.group(1), i) < i - 1:
+            ops = collections.Counter(
+                op.group(1) for x in lines[labels[m.group(1)]:i + 1]
+                if (op := re.search(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", x)))
+            loops.append((sum(ops.values()), ops.most_common(6)))
+    return loops
 
 
 def main() -> int:
@@ -32,6 +61,7 @@ def main() -> int:
     parser.add_argument("--capability", type=int, default=90, help="sm_XX (90: Hopper)")
     parser.add_argument("--num_warps", type=int, default=4)
     parser.add_argument("--num_stages", type=int, default=4)
+    parser.add_argument("--loops", action="store_true", help="each loop's SASS size")
     args = parser.parse_args()
     import triton
     from triton.backends.compiler import GPUTarget
@@ -56,6 +86,10 @@ def main() -> int:
                        else "no mma")
                 print(f"OK   {name}: {len(ptx)} B of PTX, {mma}, "
                       f"{kernel.metadata.shared} B shared")
+                if args.loops:
+                    for n, ops in sass_loops(kernel.asm["cubin"], tmp):
+                        print(f"       loop: {n} SASS instructions, "
+                              + " ".join(f"{op} {c}" for op, c in ops))
             except Exception as e:  # noqa: BLE001 (report every kernel, then fail)
                 failed += 1
                 print(f"FAIL {name}: {type(e).__name__}: {str(e).splitlines()[0][:300]}")
