@@ -370,6 +370,10 @@ def test_packed_expert_dots_see_no_narrow_load_or_join(monkeypatch, glu):
     for ops, loads in found:
         assert "tt.join" not in ops
         assert loads == {"bf16"}, loads
+        # Each row's byte and scale are gathered, so the decode is elementwise (no reshape:
+        # a [bk / 2, bn] -> [bk, bn] expansion moved the operands through shared memory
+        # every step), and empty slots read x's zero row (the one select: the decode's).
+        assert "tt.reshape" not in ops and ops.count("arith.select") == 1, ops
 
 
 @pytest.mark.parametrize("preset,batch,tokens,packed", [
