@@ -308,9 +308,9 @@ def _expert_k_loop(e, src_ref, x_ref, w_ref, *, bk: int, nk: int, bn: int,
     if row_div > 1:
         rows = rows // row_div
 
-    def x_block(k):  # [bm, bk] gathered: the tile's rows
+    def x_block(k, rows=rows, masked=True):  # [bm, bk] gathered: the tile's rows
         xs = x_ref[rows, pl.ds(k * bk, bk)]
-        return jnp.where(real, xs, jnp.zeros_like(xs))
+        return jnp.where(real, xs, jnp.zeros_like(xs)) if masked else xs
 
     def dot(acc, xs, ws):
         return acc + jnp.dot(xs, ws, precision=lax.Precision.HIGHEST,
@@ -323,11 +323,7 @@ def _expert_k_loop(e, src_ref, x_ref, w_ref, *, bk: int, nk: int, bn: int,
 
     row = lax.broadcasted_iota(jnp.int32, (bk,), 0)
     # x_ref's last row is zeros (`_launch_sorted`): empty slots read it, no select a step
-    zero_row = x_ref.shape[0] - 1
-    rows = jnp.where(src >= 0, rows, zero_row)
-
-    def x_block(k):  # noqa: F811 - the packed loop's gather, unmasked
-        return x_ref[rows, pl.ds(k * bk, bk)]
+    zero_rows = jnp.where(src >= 0, rows, x_ref.shape[0] - 1)
 
     def packed(k):  # block k's [bk, bn] row bytes and row scales
         return (w_ref[e, k * (bk // 2) + row // 2, :],
@@ -335,7 +331,7 @@ def _expert_k_loop(e, src_ref, x_ref, w_ref, *, bk: int, nk: int, bn: int,
 
     def step(k, carry):
         acc, codes, scales = carry
-        xs = x_block(k)
+        xs = x_block(k, zero_rows, masked=False)
         ws = decode_rows(codes, scales, xs.dtype)
         return (dot(acc, xs, ws), *packed(jnp.minimum(k + 1, nk - 1)))
 
