@@ -156,8 +156,9 @@
 # - attnsweep: tuning/sweep_attention.py, whether split-KV attention's warps, stages and
 #   V-tail masking change its bits (B = 1 and 8, T = 1 and 5) and which is fastest;
 #   $ATTN_SWEEP_FLAGS appended, $ATTN_SWEEP_S bounds it.
-# - a step NAME=value (no spaces) exports that variable for the lane's later steps, so
-#   lanes can differ: `E2E_S=170 e2e_b1 :: E2E_S=300 e2e_b8`.
+# - a step NAME=value exports that variable for the lane's later steps, so lanes can
+#   differ: `E2E_S=170 e2e_b1 :: E2E_S=300 e2e_b8`; one lane takes a quoted value with
+#   spaces (`"GSWEEP_FLAGS=--max_candidates=15 --Ts=1,5"`), lanes only values without.
 # - sweep: $SWEEP_FLAGS are appended (e.g. "--presets=qwen3-8b --max_candidates=24"),
 #   $SWEEP_BUDGET (s) and $SWEEP_S (the step's limit) bound it.
 # XLA_FLAGS set by the caller reach every step.
@@ -198,7 +199,7 @@ if [[ " $* " == *" :: "* ]]; then  # lanes: one per GPU, in parallel
   fi
   exit 0
 fi
-steps=${*:-parity audit kernels spec}
+[ $# -gt 0 ] || set -- parity audit kernels spec
 quiet() { grep -v -i -E "warn|libtpu|^I[0-9]{4}"; }
 audit() {  # preset layers: pallas audit at 512..8192 and a 2048-token generation
   timeout "${AUDIT_S:-190}" python3 experiments/parity_audit.py --preset="$1" --layers="$2" \
@@ -212,10 +213,10 @@ top_p() {  # tuning/mosaic_top_p.py: the Mosaic top-p's rows alone and among oth
 pair_dir() { if [ -n "${PAIR:-}" ]; then echo "$PAIR";
              elif [ -d "$OUT/codepair" ]; then echo "$OUT/codepair";
              else echo jspec/assets/codepair; fi; }
-for s in $steps; do
+for s in "$@"; do
   echo "=== $s"
   case $s in
-    *=*) export "${s?}" ;;  # NAME=value (no spaces) sets a variable for the lane's later steps
+    *=*) export "${s?}" ;;  # NAME=value sets a variable for the lane's later steps
     parity) timeout "${PARITY_S:-170}" python3 experiments/gpu_parity.py \
               --models="${PARITY_MODELS:-qwen3-8b:4,gemma3-4b:6}" --context=8192 --window=48 --options="${PARITY_OPTIONS:-}" --tag="${PARITY_TAG:-}" \
               --out="$OUT" 2>&1 | quiet | tail -40 ;;

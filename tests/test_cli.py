@@ -669,3 +669,15 @@ def test_benchmarks_default_to_interpret_mode_without_a_gpu(tmp_path):
              "--Ts=1", "--xla_Ts=1", "--iters=1", "--dtype=float32", f"--out={tmp_path}")
     assert r.returncode == 0, r.stderr[-2000:]
     assert json.load(open(tmp_path / "bench_moe_tiny-qwen3-moe.json"))["complete"]
+
+
+def test_gpu_session_keeps_a_quoted_value_with_spaces_as_one_step(tmp_path):
+    """`gpu_session.sh "GSWEEP_FLAGS=--a=1 --b=2" step`: the variable gets the whole value
+    (it was split at the space into a variable and a step that `export` refused)."""
+    env = os.environ | {"OUT": str(tmp_path), "GPU": "h200", "PATH": os.environ["PATH"]}
+    r = subprocess.run(["bash", "experiments/gpu_session.sh", "X_FLAGS=--a=1 --b=2",
+                        "no_such_step"], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "=== X_FLAGS=--a=1 --b=2\n=== no_such_step\nunknown step no_such_step" in r.stdout
+    assert "export" not in r.stderr
