@@ -114,10 +114,11 @@ class DeviceMemoryError(ValueError):
     (checked before they are moved, so nothing is half-loaded). `jspec.DeviceMemoryError`."""
 
 
-def check_fits_device(what: str, nbytes: int, device=None) -> None:
-    """Raises DeviceMemoryError when `nbytes` of weights exceed the free memory XLA's
-    allocator has on `device` (default: the first device); silent where the platform
-    reports no allocator limit (a CPU)."""
+def check_fits_device(what: str, nbytes, device=None) -> None:
+    """Raises DeviceMemoryError when `nbytes` (an int, or a function giving it, called only
+    where there is a limit) of weights exceed the free memory XLA's allocator has on
+    `device` (default: the first device); silent where the platform reports no allocator
+    limit (a CPU)."""
     import jax
 
     device = device or jax.devices()[0]
@@ -127,6 +128,7 @@ def check_fits_device(what: str, nbytes: int, device=None) -> None:
         return
     if not stats or "bytes_limit" not in stats:
         return
+    nbytes = nbytes() if callable(nbytes) else nbytes
     limit = int(stats["bytes_limit"])
     free = limit - int(stats.get("bytes_in_use", 0))
     if nbytes <= free:
