@@ -543,6 +543,9 @@ def test_dump_triton_ir_smoke(tmp_path):
     assert "_B1_T1100_" in a  # the prefill tier's launches
     assert "jspec_attention_group_split" in a and "jspec_grouped_matmul_glu" in a
     assert "jspec_moe_layout" in a and "jspec_moe_combine" in a and "jspec_route" in a
+    launch = (outs[0] / "launch.txt").read_text().splitlines()  # warps, stages, grid each
+    assert [x.split()[0] for x in launch] == [x.split()[0] for x in a.splitlines()]
+    assert all(x.split()[1].startswith("warps=") for x in launch)
 
 
 @pytest.mark.slow  # an experiment script's run; test_row_group proves its option check

@@ -16,8 +16,9 @@ and gpt-oss-120b (experts packed, `mxfp4_kernel`) at 1 and 5 tokens; the fused
 draft forward of the Qwen3-0.6B and Gemma-3-4B shapes; tree verifies of 17 and 65 tokens.
 Nothing runs on a device: `gpu_info` answers with the H200's entry and jax lowers for
 "cuda" with abstract weights (as tests/test_gpu_lowering.py does). Writes one
-`<case>_<i>_<kernel>.mlir` per kernel and `hashes.txt`; `compile_triton_ir.py` compiles
-them to PTX with a standalone Triton.
+`<case>_<i>_<kernel>.mlir` per kernel, `hashes.txt` (the IR only) and `launch.txt` (each
+kernel's warps, stages and grid, which XLA passes beside the IR); `compile_triton_ir.py`
+compiles them to PTX with a standalone Triton.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import os
 import jax
 import jax.numpy as jnp
 from absl import app, flags
+from jax._src.interpreters import mlir
 from jax._src.pallas.triton import gpu_info, lowering, pallas_call_registration
 
 from jspec import fused_draft
@@ -40,6 +42,7 @@ from jspec.tree import from_parents
 _OUT = flags.DEFINE_string("out", "/tmp/triton_ir", "folder for the IR files and hashes.txt")
 
 _CAPTURED: list[str] = []
+_LAUNCHES: list[str] = []
 
 
 def _capture(lower):
@@ -49,6 +52,21 @@ def _capture(lower):
         return result
 
     return wrapped
+
+
+class _LaunchRecorder:
+    """`mlir` as pallas_call_registration sees it: records each Triton call's launch."""
+
+    def __getattr__(self, name):
+        return getattr(mlir, name)
+
+    def custom_call(self, *args, backend_config=None, **kwargs):
+        if isinstance(backend_config, dict) and "num_warps" in backend_config:
+            value = {k: int(str(backend_config[k]).split(":")[0]) for k in
+                     ("num_warps", "num_stages", "grid_x", "grid_y", "grid_z")}
+            _LAUNCHES.append("warps={num_warps} stages={num_stages} "
+                             "grid={grid_x},{grid_y},{grid_z}".format(**value))
+        return mlir.custom_call(*args, backend_config=backend_config, **kwargs)
 
 
 def _abstract(preset: str) -> Model:
@@ -120,19 +138,25 @@ def main(_):
     pallas_call_registration.gpu_info_lib.get_gpu_info = lambda *a, **k: info
     pallas_call_registration.lowering.lower_jaxpr_to_triton_module = _capture(
         lowering.lower_jaxpr_to_triton_module)
+    pallas_call_registration.mlir = _LaunchRecorder()
     os.makedirs(_OUT.value, exist_ok=True)
-    lines = []
+    lines, launches = [], []
     for name, fn, args in _cases():
         _CAPTURED.clear()
+        _LAUNCHES.clear()
         jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
-        for i, ir in enumerate(_CAPTURED):
+        assert len(_LAUNCHES) == len(_CAPTURED), (name, len(_LAUNCHES), len(_CAPTURED))
+        for i, (ir, launch) in enumerate(zip(_CAPTURED, _LAUNCHES, strict=True)):
             kernel = ir.split("tt.func public @")[1].split("(")[0]
             key = f"{name}_{i}_{kernel}"
             with open(os.path.join(_OUT.value, key + ".mlir"), "w") as f:
                 f.write(ir)
             lines.append(f"{key} {hashlib.sha256(ir.encode()).hexdigest()[:16]}")
+            launches.append(f"{key} {launch}")
     with open(os.path.join(_OUT.value, "hashes.txt"), "w") as f:
         f.write("\n".join(lines) + "\n")
+    with open(os.path.join(_OUT.value, "launch.txt"), "w") as f:
+        f.write("\n".join(launches) + "\n")
     print(f"{len(lines)} kernels -> {_OUT.value}/hashes.txt")
 
 
