@@ -9,8 +9,8 @@ names joined by "+" or ",", applied left to right:
   draft          `DraftOptions.latency()`: the latency set for a small GPU draft
   name=<int>     a valued option: attn_split, attn_split_rows, attn_fused_fold (0/1),
                  attn_serial_split (0/1), attn_skip_empty (0/1), attn_group_split (0/1),
-                 moe_layout_kernel (0/1),
-                 moe_combine_kernel (0/1),
+                 moe_layout_kernel (0/1), moe_combine_kernel (0/1), mxfp4_kernel (0/1),
+                 mxfp4_prmt (0/1),
                  matmul_row_group, matmul_schedule (0/1), kv_dus (0/1),
                  kv_write_kernel (0/1), row_partials,
                  and the draft's xla_two_rows, xla_pallas_attention, draft_fused, draft_programs,
@@ -51,6 +51,7 @@ _VALUED = {
     "moe_layout_kernel": ("kernel", "moe_layout_kernel", bool),
     "moe_combine_kernel": ("kernel", "moe_combine_kernel", bool),
     "mxfp4_kernel": ("kernel", "mxfp4_kernel", bool),
+    "mxfp4_prmt": ("kernel", "mxfp4_prmt", bool),
     "matmul_row_group": ("kernel", "matmul_row_group", int),
     "matmul_schedule": ("kernel", "matmul_schedule", bool),
     "kv_dus": ("kernel", "kv_dus", bool),

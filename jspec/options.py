@@ -98,6 +98,13 @@ class KernelOptions:
         the kernels (False; always on "mosaic", whose grouped kernels take float weights
         and whose bits, R11, are not Triton's). Exact integer decoding either way: the
         same bits (docs/tuning.md).
+      mxfp4_prmt: with `mxfp4_kernel` on, bf16 activations: each block's codes are
+        decoded by a byte-permute table in inline PTX (`mxfp4.decode_rows_prmt`: ~5
+        instructions a weight where the integer decode takes ~15; 406-419 against 603-612
+        SASS instructions a K step of gpt-oss-120b's kernels) (True), or by the integer ops
+        (False or None: the default until its bits and speed are checked on a GPU).
+        Exact either way: the same values, so the same bits (interpret mode, which has
+        no PTX, decodes with the integer ops).
       matmul_row_group: pallas: up to this many row tiles per matmul program, each
         weight block loaded once for all of them (scheduling only).
       matmul_schedule: pallas: launches of several row tiles use the weight's tuned
@@ -148,6 +155,7 @@ class KernelOptions:
     moe_layout_kernel: bool | None = None
     moe_combine_kernel: bool | None = None
     mxfp4_kernel: bool | None = None
+    mxfp4_prmt: bool | None = None
     matmul_row_group: int = 4
     matmul_schedule: bool = True
     kv_dus: bool = True
@@ -166,9 +174,12 @@ class KernelOptions:
         for name in ("attn_fused_fold", "attn_serial_split", "attn_skip_empty",
                      "attn_group_split",
                      "moe_layout_kernel", "moe_combine_kernel", "kv_write_kernel",
-                     "mxfp4_kernel"):
+                     "mxfp4_kernel", "mxfp4_prmt"):
             if getattr(self, name) is not None:
                 _bool(name, getattr(self, name))
+        if self.mxfp4_prmt and self.mxfp4_kernel is False:
+            raise ValueError("mxfp4_prmt=True decodes inside the grouped kernels: it needs "
+                             "mxfp4_kernel on (True or None)")
         if self.kv_write_kernel and not self.fuse_qk_rope:
             raise ValueError("kv_write_kernel=True writes the new K/V from the fused q/k "
                              "norm + RoPE kernel: it needs fuse_qk_rope=True")
@@ -213,7 +224,7 @@ class KernelOptions:
         """The same options with every fusion off (`FUSIONS`): the path each fusion is
         checked against, bit for bit."""
         return self.replace(kv_write_kernel=None, moe_layout_kernel=None, mxfp4_kernel=False,
-                            **dict.fromkeys(FUSIONS, False))
+                            mxfp4_prmt=None, **dict.fromkeys(FUSIONS, False))
 
 
 # The fusions: each gives the plain path's bits (tests/test_fused.py, test_pad_once.py,

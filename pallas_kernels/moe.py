@@ -65,7 +65,7 @@ from pallas_kernels._common import dot_f32, next_pow2, pad_axis, round_up, trito
 from pallas_kernels.glu import ACTIVATIONS, glu, glu_reference
 from pallas_kernels.matmul import TUNED_FILE, MatmulConfig, matmul_config, read_tuned_file
 from pallas_kernels.matmul_glu import _glu_tile
-from pallas_kernels.mxfp4 import GROUP, decode, decode_rows
+from pallas_kernels.mxfp4 import GROUP, decode, decode_rows, decode_rows_prmt, odd_rows
 from pallas_kernels.route import combine, combine_kernel
 
 
@@ -283,7 +283,7 @@ def tile_layout_kernel(expert: jax.Array, E: int, bm: int, *, interpret: bool = 
 
 
 def _expert_k_loop(e, src_ref, x_ref, w_ref, *, bk: int, nk: int, bn: int,
-                   row_div: int = 1, s_ref=None):
+                   row_div: int = 1, s_ref=None, prmt: bool = False):
     """[bm, bn] f32: the tile's rows (src_ref) of x_ref [R, Kp] times expert e's block
     w_ref [E, Kp, bn], k = 0, 1, ..., nk-1 in bk blocks, sequentially (R2: the K order is
     fixed by K and bk). Empty slots (src -1) read exact zeros. row_div > 1: slot source s
@@ -302,7 +302,8 @@ def _expert_k_loop(e, src_ref, x_ref, w_ref, *, bk: int, nk: int, bn: int,
     decoded straight from a uint8 load, the operands took kWidth 8 where the float
     kernel's take 2, which assigns other K values to each MMA instruction's slots and
     rounds differently (on an H100: 1,008 of 1,024 positions off the dequantized
-    model's). A carried value ends that search, so the float kernel's layout and bits."""
+    model's). A carried value ends that search, so the float kernel's layout and bits.
+    prmt: decode by `mxfp4.decode_rows_prmt` (bf16, GPU), the same values."""
     src = src_ref[...]  # [bm]
     rows, real = jnp.maximum(src, 0), (src >= 0)[:, None]  # [bm], [bm, 1]
     if row_div > 1:
@@ -329,10 +330,13 @@ def _expert_k_loop(e, src_ref, x_ref, w_ref, *, bk: int, nk: int, bn: int,
         return (w_ref[e, k * (bk // 2) + row // 2, :],
                 s_ref[e, k * (bk // GROUP) + row // GROUP, :])
 
+    odd = odd_rows((bk, bn)) if prmt else None  # once, outside the loop
+
     def step(k, carry):
         acc, codes, scales = carry
         xs = x_block(k, zero_rows, masked=False)
-        ws = decode_rows(codes, scales, xs.dtype)
+        ws = (decode_rows_prmt(codes, scales, odd) if prmt
+              else decode_rows(codes, scales, xs.dtype))
         return (dot(acc, xs, ws), *packed(jnp.minimum(k + 1, nk - 1)))
 
     return lax.fori_loop(0, nk, step, (acc, *packed(0)))[0]
@@ -347,7 +351,7 @@ def _biased(acc: jax.Array, e, b_ref=None) -> jax.Array:
 
 
 def _grouped_kernel(e_ref, src_ref, x_ref, w_ref, *refs, bk: int, nk: int,
-                    row_div: int = 1, packed: bool = False):
+                    row_div: int = 1, packed: bool = False, prmt: bool = False):
     # e_ref [1] int32: the tile's expert (-1: unused tile); src_ref [bm] int32: the row of
     # x in each slot (-1: none); x_ref [R, Kp]; w_ref [E, Kp, bn]; refs: o_ref [bm, bn],
     # after b_ref [E, bn] with a bias, after s_ref [E, Kp / 32, bn] when packed (w_ref
@@ -359,12 +363,13 @@ def _grouped_kernel(e_ref, src_ref, x_ref, w_ref, *refs, bk: int, nk: int,
     @pl.when(e >= 0)
     def _():
         acc = _expert_k_loop(e, src_ref, x_ref, w_ref, bk=bk, nk=nk, bn=o_ref.shape[1],
-                             row_div=row_div, s_ref=s_ref)
+                             row_div=row_div, s_ref=s_ref, prmt=prmt)
         o_ref[...] = _biased(acc, e, *b_refs).astype(o_ref.dtype)
 
 
 def _grouped_glu_kernel(e_ref, src_ref, x_ref, wg_ref, wu_ref, *refs, bk: int, nk: int,
-                        activation: str, row_div: int = 1, packed: bool = False):
+                        activation: str, row_div: int = 1, packed: bool = False,
+                        prmt: bool = False):
     # `_grouped_kernel` with the gate and up column blocks j of w [E, Kp, 2F] (refs: o_ref,
     # after their bias blocks bg_ref, bu_ref with a bias, after their scale blocks sg_ref,
     # su_ref when packed): each biased in f32, rounded to the dtype, then `glu`'s
@@ -378,31 +383,35 @@ def _grouped_glu_kernel(e_ref, src_ref, x_ref, wg_ref, wu_ref, *refs, bk: int, n
     @pl.when(e >= 0)
     def _():
         gate = _biased(_expert_k_loop(e, src_ref, x_ref, wg_ref, bk=bk, nk=nk, bn=bn,
-                                      row_div=row_div, s_ref=sg_ref), e, bg_ref).astype(dtype)
+                                      row_div=row_div, s_ref=sg_ref, prmt=prmt), e,
+                       bg_ref).astype(dtype)
         up = _biased(_expert_k_loop(e, src_ref, x_ref, wu_ref, bk=bk, nk=nk, bn=bn,
-                                    row_div=row_div, s_ref=su_ref), e, bu_ref).astype(dtype)
+                                    row_div=row_div, s_ref=su_ref, prmt=prmt), e,
+                     bu_ref).astype(dtype)
         o_ref[...] = _glu_tile(gate, up, activation)
 
 
 def _launch(kernel, x, w, expert, cfg: MatmulConfig, n_out: int, out_dtype, w_blocks,
-            interpret: bool, name: str, bias=None, scales=None):
+            interpret: bool, name: str, bias=None, scales=None, prmt: bool = False):
     """Runs `kernel` over the expert-sorted row tiles x column blocks of n_out columns;
     w_blocks: the column-block index of each weight operand for column block j. Returns
     the [R, n_out] rows in their original order."""
     dest, tile_expert, src = tile_layout(expert.astype(jnp.int32), w.shape[0], cfg.bm)
     return _launch_sorted(kernel, x, w, tile_expert, src, cfg, n_out, out_dtype, w_blocks,
-                          interpret, name, bias=bias, scales=scales)[dest]
+                          interpret, name, bias=bias, scales=scales, prmt=prmt)[dest]
 
 
 def _launch_sorted(kernel, x, w, tile_expert, src, cfg: MatmulConfig, n_out: int, out_dtype,
                    w_blocks, interpret: bool, name: str, row_div: int = 1,
-                   tiles: int | None = None, bias=None, scales=None):
+                   tiles: int | None = None, bias=None, scales=None, prmt: bool = False):
     """`_launch` on a given layout (`tile_layout`'s tile_expert [T] and src [T bm], or
     longer arrays of which the first `tiles` tiles are used; slot s reads x row
     src[s] // row_div): the [T bm, n_out] rows in slot order. bias [E, N] (or None): its
     column blocks go to the kernel beside the weight's, one a weight operand. scales
     [E, K / 32, N] (or None): w holds MXFP4 codes [E, K / 2, N], their scale blocks go
-    beside them (`packed` kernels); a bk that is no multiple of 32 decodes them here."""
+    beside them (`packed` kernels); a bk that is no multiple of 32 decodes them here.
+    prmt: the kernels decode bf16 blocks by `mxfp4.decode_rows_prmt` (not in interpret
+    mode, which has no PTX: there `decode_rows`, the same values)."""
     if scales is not None and cfg.bk % GROUP:
         w, scales = _packed(w, scales, x.dtype), None
     K = x.shape[1]
@@ -427,6 +436,8 @@ def _launch_sorted(kernel, x, w, tile_expert, src, cfg: MatmulConfig, n_out: int
                    for b in w_blocks]
         s_args = [pad_axis(pad_axis(scales, 1, kp // GROUP, 127), 2, Np, 127)] * len(w_blocks)
         extra["packed"] = True
+        if prmt and not interpret and x.dtype == jnp.bfloat16:
+            extra["prmt"] = True
     b_specs, b_args = [], []
     if bias is not None:
         b_specs = [pl.BlockSpec((E, cfg.bn), lambda i, j, b=b: (0, b(j))) for b in w_blocks]
@@ -453,12 +464,12 @@ def _launch_sorted(kernel, x, w, tile_expert, src, cfg: MatmulConfig, n_out: int
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "interpret", "config",
-                                             "table_experts"))
+                                             "table_experts", "mxfp4_prmt"))
 def grouped_matmul(x: jax.Array, w: jax.Array, expert: jax.Array, *, out_dtype,
                    bias: jax.Array | None = None, interpret: bool = False,
                    config: MatmulConfig | None = None,
                    table_experts: int | None = None,
-                   scales: jax.Array | None = None) -> jax.Array:
+                   scales: jax.Array | None = None, mxfp4_prmt: bool = False) -> jax.Array:
     """x [R, K] @ w[expert] (+ bias[expert]) -> [R, N] in out_dtype (None: float32): row r
     is x[r] @ w[expert[r]], K reduced from 0 upward in an f32 accumulator, plus the
     expert's bias row in f32 (bias [E, N] or None), then one rounding; bitwise
@@ -471,7 +482,8 @@ def grouped_matmul(x: jax.Array, w: jax.Array, expert: jax.Array, *, out_dtype,
     model's experts gathered (`jspec.mxfp4`: the tiles of the model's whole weight).
     `scales` [E, K / 32, N] uint8: w is MXFP4 codes [E, K / 2, N] uint8 (`mxfp4.decode`'s
     layout) standing for a weight of x's dtype, decoded block by block in the kernel:
-    the bits of that weight passed as floats."""
+    the bits of that weight passed as floats. `mxfp4_prmt`: bf16 blocks decoded by
+    `mxfp4.decode_rows_prmt` (`KernelOptions.mxfp4_prmt`), the same values."""
     _check_grouped(x, w, expert, scales)
     check_bias(bias, w, "grouped_matmul")
     out_dtype = jnp.dtype(jnp.float32 if out_dtype is None else out_dtype)
@@ -484,24 +496,26 @@ def grouped_matmul(x: jax.Array, w: jax.Array, expert: jax.Array, *, out_dtype,
     if R == 0:
         return jnp.zeros((0, N), out_dtype)
     out = _launch(_grouped_kernel, x, w, expert, cfg, round_up(N, cfg.bn), out_dtype,
-                  [lambda j: j], interpret, "jspec_grouped_matmul", bias=bias, scales=scales)
+                  [lambda j: j], interpret, "jspec_grouped_matmul", bias=bias, scales=scales,
+                  prmt=mxfp4_prmt)
     return out[:, :N]
 
 
 @functools.partial(jax.jit, static_argnames=("activation", "interpret", "config",
-                                             "table_experts"))
+                                             "table_experts", "mxfp4_prmt"))
 def grouped_matmul_glu(x: jax.Array, w: jax.Array, expert: jax.Array, *, activation: str,
                        bias: jax.Array | None = None, interpret: bool = False,
                        config: MatmulConfig | None = None,
                        table_experts: int | None = None,
-                       scales: jax.Array | None = None) -> jax.Array:
+                       scales: jax.Array | None = None, mxfp4_prmt: bool = False
+                       ) -> jax.Array:
     """act(x[r] @ w[e][:, :F]) * (x[r] @ w[e][:, F:]) for e = expert[r]: x [R, K],
     w [E, K, 2F] (gate columns first), bias [E, 2F] or None (the same halves) -> [R, F]
     x.dtype. Bitwise `glu` of `grouped_matmul(x, w, expert, out_dtype=x.dtype,
     bias=bias)`'s halves (the same tiles, `grouped_config(E, K, 2F)` unless `config`
     overrides it, and K loops), in one kernel; shapes whose column tile does not divide F
-    take that unfused path. `table_experts` and `scales` (MXFP4 codes in w) as
-    `grouped_matmul`'s."""
+    take that unfused path. `table_experts`, `scales` (MXFP4 codes in w) and `mxfp4_prmt`
+    as `grouped_matmul`'s."""
     _check_grouped(x, w, expert, scales)
     check_bias(bias, w, "grouped_matmul_glu")
     if w.shape[2] % 2:
@@ -517,13 +531,15 @@ def grouped_matmul_glu(x: jax.Array, w: jax.Array, expert: jax.Array, *, activat
         raise ValueError(f"grouped_matmul_glu takes no split-K; got {cfg.split_k=}")
     if F % cfg.bn or x.shape[0] == 0:
         gate, up = jnp.split(grouped_matmul(x, w, expert, out_dtype=x.dtype, bias=bias,
-                                            interpret=interpret, config=cfg, scales=scales),
+                                            interpret=interpret, config=cfg, scales=scales,
+                                            mxfp4_prmt=mxfp4_prmt),
                              2, axis=-1)
         return glu(gate, up, activation=activation, interpret=interpret)
     nf = F // cfg.bn  # column blocks of the gate half
     kernel = functools.partial(_grouped_glu_kernel, activation=activation)
     return _launch(kernel, x, w, expert, cfg, F, x.dtype, [lambda j: j, lambda j: j + nf],
-                   interpret, "jspec_grouped_matmul_glu", bias=bias, scales=scales)
+                   interpret, "jspec_grouped_matmul_glu", bias=bias, scales=scales,
+                   prmt=mxfp4_prmt)
 
 
 def check_mlp(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, expert: jax.Array,

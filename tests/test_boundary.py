@@ -568,8 +568,13 @@ def test_a_tree_call_must_describe_its_tokens():
 def test_mxfp4_kernel_is_a_checked_bool_that_plain_turns_off():
     with pytest.raises(ValueError, match="mxfp4_kernel"):
         jspec.KernelOptions(mxfp4_kernel="yes")
+    with pytest.raises(ValueError, match="mxfp4_prmt"):
+        jspec.KernelOptions(mxfp4_prmt=1)
+    with pytest.raises(ValueError, match="mxfp4_prmt=True .* needs mxfp4_kernel on"):
+        jspec.KernelOptions(mxfp4_kernel=False, mxfp4_prmt=True)
     assert jspec.KernelOptions(mxfp4_kernel=True).plain().mxfp4_kernel is False
+    assert jspec.KernelOptions(mxfp4_prmt=True).plain().mxfp4_prmt is None
     from jspec.cli import parse_options
 
-    kernel, _ = parse_options("mxfp4_kernel=1")
-    assert kernel.mxfp4_kernel is True
+    kernel, _ = parse_options("mxfp4_kernel=1,mxfp4_prmt=1")
+    assert kernel.mxfp4_kernel is True and kernel.mxfp4_prmt is True

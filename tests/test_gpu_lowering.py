@@ -338,8 +338,9 @@ def test_the_grouped_expert_kernels_k_steps_have_the_same_form(monkeypatch):
     _check_k_loops(kernels[0], loops=1, dots=1)
 
 
-@pytest.mark.parametrize("glu", [False, True])
-def test_packed_expert_dots_see_no_narrow_load_or_join(monkeypatch, glu):
+@pytest.mark.parametrize("glu,prmt", [(False, False), (True, False), (False, True),
+                                      (True, True)])
+def test_packed_expert_dots_see_no_narrow_load_or_join(monkeypatch, glu, prmt):
     # Triton lays a dot's operands out in registers (MMAv2's kWidth) by the narrowest load
     # it finds walking back from them through elementwise ops, views, broadcasts and
     # loads, halved if a join is on the way (AccelerateMatmul's computeOrigBitWidth). A
@@ -347,7 +348,9 @@ def test_packed_expert_dots_see_no_narrow_load_or_join(monkeypatch, glu):
     # float kernel's take 2: other K values share each MMA instruction and the bits
     # differ (on an H100, 1,008 of 1,024 positions off the dequantized model). The packed
     # K loop hands the decode loop-carried codes and scales (block arguments end the
-    # walk) and decodes without a join: the walk meets only the 16-bit activations.
+    # walk) and decodes without a join: the walk meets only the 16-bit activations. The
+    # same with the decode in inline PTX (`mxfp4_prmt`): the asm op is elementwise, so the
+    # walk would pass through it to a uint8 load as well.
     from pallas_kernels import mxfp4
     from pallas_kernels.matmul import MatmulConfig
     from pallas_kernels.moe import grouped_matmul, grouped_matmul_glu
@@ -359,10 +362,12 @@ def test_packed_expert_dots_see_no_narrow_load_or_join(monkeypatch, glu):
     expert = jax.ShapeDtypeStruct((5,), jnp.int32)
     if glu:
         def fn(x, c, e, s):
-            return grouped_matmul_glu(x, c, e, activation="silu", config=cfg, scales=s)
+            return grouped_matmul_glu(x, c, e, activation="silu", config=cfg, scales=s,
+                                      mxfp4_prmt=prmt)
     else:
         def fn(x, c, e, s):
-            return grouped_matmul(x, c, e, out_dtype=jnp.bfloat16, config=cfg, scales=s)
+            return grouped_matmul(x, c, e, out_dtype=jnp.bfloat16, config=cfg, scales=s,
+                                  mxfp4_prmt=prmt)
     (ir,) = [ir for ir in _triton_modules(monkeypatch, fn, x, codes, expert, scales)
              if "tt.dot" in ir]
     found = _dot_inputs(ir)
@@ -372,24 +377,33 @@ def test_packed_expert_dots_see_no_narrow_load_or_join(monkeypatch, glu):
         assert loads == {"bf16"}, loads
         # Each row's byte and scale are gathered, so the decode is elementwise (no reshape:
         # a [bk / 2, bn] -> [bk, bn] expansion moved the operands through shared memory
-        # every step), and empty slots read x's zero row (the one select: the decode's).
-        assert "tt.reshape" not in ops and ops.count("arith.select") == 1, ops
+        # every step), and empty slots read x's zero row (the one select: the decode's;
+        # none where the table decodes, in one asm op).
+        assert "tt.reshape" not in ops, ops
+        assert ops.count("arith.select") == (0 if prmt else 1), ops
+        assert ops.count("tt.elementwise_inline_asm") == (1 if prmt else 0), ops
 
 
 @pytest.mark.parametrize("preset,batch,tokens,packed", [
-    ("qwen3-8b", 8, 5, False), ("qwen3-30b-a3b", 1, 5, False), ("gpt-oss-120b", 1, 5, True)])
+    ("qwen3-8b", 8, 5, False), ("qwen3-30b-a3b", 1, 5, False), ("gpt-oss-120b", 1, 5, True),
+    ("gpt-oss-120b", 1, 5, "prmt")])
 def test_no_dot_sees_a_narrow_load_or_a_join(monkeypatch, preset, batch, tokens, packed):
     # The rule the packed kernels were fixed for, over a whole forward's kernels: each
     # dot's operands keep the layout of their own 16- or 32-bit type (a kernel that
     # loaded int8 or bool data, or joined tensors, on the way to a dot would lay its MMA
     # operands out otherwise, and its bits could differ from a kernel claimed equal).
     cfg = preset_config(preset, num_layers=1)
-    model = Model(config=cfg, params=jax.eval_shape(lambda: random_params(cfg, 0, packed)))
+    model = Model(config=cfg, params=jax.eval_shape(lambda: random_params(cfg, 0,
+                                                                          bool(packed))))
+    if packed == "prmt":
+        model = model.replace(options=model.options.replace(mxfp4_prmt=True))
     cache = jax.eval_shape(lambda: init_cache(model, batch, 256))
     irs = _triton_modules(monkeypatch, apply, model,
                           jax.ShapeDtypeStruct((batch, tokens), jnp.int32), cache)
     found = [f for ir in irs for f in _dot_inputs(ir)]
     assert len(found) >= 4
+    if packed == "prmt":
+        assert sum("tt.elementwise_inline_asm" in ops for ops, _ in found) == 3  # gate, up, down
     for ops, loads in found:
         assert "tt.join" not in ops
         assert not loads & {"i1", "i8", "ui8"}, loads

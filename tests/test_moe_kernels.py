@@ -813,6 +813,84 @@ def test_mxfp4_decode_is_the_checkpoint_table_for_every_code_and_scale(which):
                           np.asarray(jnp.asarray(want, jnp.bfloat16)).view(np.uint16))
 
 
+def _run_ptx(asm: str, args: list[np.ndarray]) -> dict[str, np.ndarray]:
+    """Emulates the PTX subset `mxfp4.PRMT_ASM` uses on uint32 lanes (one lane an asm
+    instance): args are $2, $3, ...; returns every register, $0 and $1 included."""
+    regs = {f"${i + 2}": a.astype(np.uint32) for i, a in enumerate(args)}
+    n = args[0].shape
+
+    def val(tok):
+        return regs[tok] if tok in regs else np.full(n, int(tok, 0), np.uint32)
+
+    def bf16(x):  # uint16 bits -> f32 values
+        return (x.astype(np.uint32) << 16).view(np.float32)
+
+    for line in asm.strip().strip("{}").strip().splitlines():
+        op, rest = line.split(None, 1)
+        if op == ".reg":
+            continue
+        ops = [t.strip() for t in rest.rstrip(";").split(",")]
+        d, a = ops[0], [val(t) for t in ops[1:]]
+        if op in ("shr.b32", "shl.b32"):
+            out = (a[0] >> a[1]) if op == "shr.b32" else (a[0] << a[1])
+        elif op == "and.b32":
+            out = a[0] & a[1]
+        elif op == "or.b32":
+            out = a[0] | a[1]
+        elif op == "lop3.b32":  # bit f(a, b, c) = lut's bit (a << 2 | b << 1 | c)
+            lut, out = int(ops[4], 0), np.zeros(n, np.uint32)
+            for bit in range(32):
+                i = (((a[0] >> bit) & 1) << 2) | (((a[1] >> bit) & 1) << 1) | ((a[2] >> bit) & 1)
+                out |= ((np.uint32(lut) >> i) & 1) << np.uint32(bit)
+        elif op == "prmt.b32":  # bytes b3..b0 a3..a0 numbered 7..0; selector bit 3: sign
+            src = [(a[0] >> (8 * i)) & 0xFF for i in range(4)] + [
+                (a[1] >> (8 * i)) & 0xFF for i in range(4)]
+            out = np.zeros(n, np.uint32)
+            for i in range(4):
+                sel = (a[2] >> (4 * i)) & 0xF
+                byte = np.choose(sel & 7, src)
+                byte = np.where(sel & 8, np.where(byte & 0x80, 0xFF, 0), byte)
+                out |= byte.astype(np.uint32) << np.uint32(8 * i)
+        elif op == "mul.rn.bf16x2":  # each half a bfloat16 product, rounded to nearest even
+            halves = []
+            for sh in (0, 16):
+                p = bf16((a[0] >> sh) & 0xFFFF) * bf16((a[1] >> sh) & 0xFFFF)
+                halves.append(np.asarray(jnp.asarray(p, jnp.bfloat16)).view(np.uint16))
+            out = halves[0].astype(np.uint32) | (halves[1].astype(np.uint32) << 16)
+        else:
+            raise AssertionError(f"no emulation of {op}")
+        regs[d] = out.astype(np.uint32)
+    return regs
+
+
+def test_mxfp4_prmt_asm_gives_the_integer_decodes_bits_for_every_code_and_scale():
+    """`mxfp4.PRMT_ASM` (the inline PTX of `decode_rows_prmt`, `mxfp4_prmt`), emulated
+    instruction by instruction on the CPU with Triton's packing (four uint8 elements a
+    32-bit register, element i in byte i; two bf16x2 results, elements 0 and 1 in $0),
+    gives `decode_rows`' bfloat16 bits for all 256 bytes, both nibbles and every scale
+    kept packed (2 .. 252), -0.0 included; the GPU runs the same string."""
+    from pallas_kernels import mxfp4
+
+    rng = np.random.default_rng(0)
+    byte, odd, scale = (a.ravel() for a in np.meshgrid(
+        np.arange(256), np.arange(2), np.arange(2, 253), indexing="ij"))
+    order = rng.permutation(byte.size)  # mixed codes, nibbles and scales in each lane
+    byte, odd, scale = byte[order], odd[order], scale[order]
+    want = np.asarray(mxfp4._values(jnp.asarray((byte >> (4 * odd)).astype(np.int32)),
+                                    jnp.asarray(scale.astype(np.int32)),
+                                    jnp.bfloat16)).view(np.uint16)
+
+    def lanes(x):  # [4 L] bytes -> [L] uint32, element i in byte i
+        x = x.astype(np.uint32).reshape(-1, 4)
+        return x[:, 0] | x[:, 1] << 8 | x[:, 2] << 16 | x[:, 3] << 24
+
+    regs = _run_ptx(mxfp4.PRMT_ASM, [lanes(byte), lanes(scale), lanes(odd * 255)])
+    got = np.stack([regs["$0"] & 0xFFFF, regs["$0"] >> 16, regs["$1"] & 0xFFFF,
+                    regs["$1"] >> 16], axis=1).ravel().astype(np.uint16)
+    assert np.array_equal(got, want)
+    assert np.any(want == 0x8000) and np.any(want == 0)  # -0.0 and +0.0 among them
+
+
 def test_mxfp4_dequantize_keeps_no_int32_copy_of_the_weight():
     """`jspec.mxfp4.dequantize` (the slot path and `unpacked`) needs no temporary larger than
     its bf16 result: `decode`'s int32 join of the nibbles held 2x the result (an
@@ -867,6 +945,9 @@ def test_grouped_kernels_decode_mxfp4_blocks_to_the_float_weights_bits(dtype, e,
     run = functools.partial(grouped_matmul, out_dtype=jnp.float32, bias=bias, interpret=True)
     want = np.asarray(run(x, w, expert))
     assert np.array_equal(np.asarray(run(x, codes, expert, scales=scales)), want)
+    # `mxfp4_prmt` decodes in PTX on a GPU; interpret mode keeps the integer decode
+    assert np.array_equal(np.asarray(run(x, codes, expert, scales=scales, mxfp4_prmt=True)),
+                          want)
     cfg = grouped_config(e, k, n, dtype, True)
     odd = dataclasses.replace(cfg, bk=16)
     assert np.array_equal(np.asarray(run(x, codes, expert, scales=scales, config=odd)),
