@@ -47,7 +47,7 @@ from jspec.cli import require_options, with_option_string
 from jspec.feature_head import head_apply, init_head_cache, random_head
 from jspec.model import COMPILER_OPTIONS, apply, forward_nodonate
 from jspec.ops import get_ops
-from jspec.random_model import random_model
+from jspec.random_model import preset_config, random_model
 from jspec.tree import from_parents
 from pallas_kernels.matmul import TUNED, tuned_to_json
 
@@ -74,6 +74,9 @@ _TREE_DEPTH = flags.DEFINE_integer("tree_depth", 6, "the random trees' greatest 
 _HEAD_VOCAB = flags.DEFINE_integer("head_vocab", 0, "time a feature head's step (one layer at "
                                    "the target's width, this draft vocabulary; 0: skip) on "
                                    "both backends against the target's decode step")
+_MXFP4 = flags.DEFINE_bool("mxfp4_experts", False, "a gpt-oss preset's experts kept "
+                           "MXFP4-packed (jspec.mxfp4; whole steps only: with --noops), so "
+                           "--options can set the packed kernels' (e.g. mxfp4_prmt=1)")
 _TAG = flags.DEFINE_string("tag", "", "receipt file name suffix")
 
 
@@ -345,7 +348,11 @@ def main(argv):
     del argv
     batches = [int(b) for b in _BATCHES.value]
     gammas = [int(g) for g in _GAMMAS.value]
-    kw = dict(interpret=_INTERPRET.value, dtype=_DTYPE.value)
+    kw = dict(interpret=_INTERPRET.value, dtype=_DTYPE.value, mxfp4_experts=_MXFP4.value)
+    if _MXFP4.value and (_OPS.value or preset_config(
+            _PRESET.value, num_layers=1).family != "gpt_oss"):
+        raise app.UsageError(f"--mxfp4_experts: a gpt-oss preset's whole steps (--noops); "
+                             f"got --preset={_PRESET.value} --ops={_OPS.value}")
     if _LAYERS.value:
         kw["num_layers"] = _LAYERS.value
     model = random_model(_PRESET.value, **kw)

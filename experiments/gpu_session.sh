@@ -118,7 +118,9 @@
 #   ($FUSED_OPTIONS, a bench_kernels --options list; default: plain, all four off),
 #   timed device-side and checked bitwise against the default pallas step (all on);
 #   $FUSED_S bounds the step (s), $FUSED_CONTEXT sets the context (default 512),
-#   $FUSED_GAMMAS the verify blocks (default 4: T = 5), $FUSED_BATCHES the batches.
+#   $FUSED_GAMMAS the verify blocks (default 4: T = 5), $FUSED_BATCHES the batches;
+#   $FUSED_PRESET / $FUSED_LAYERS another shape, $FUSED_MXFP4=1 a gpt-oss preset's
+#   experts kept packed (e.g. FUSED_OPTIONS=mxfp4_prmt=1: the PTX decode, bitwise).
 # - train trains the code pair into $OUT/codepair; pair and pair_eval audit / evaluate
 #   $PAIR, else a pair trained in this call, else the embedded one.
 # - parity_trees: the parity matrix with tree verifies of 8-64 nodes ($PARITY_MODELS,
@@ -308,7 +310,9 @@ for s in "$@"; do
              echo "merged into pallas_kernels/matmul_tuned.json:"; cat "$f"
            done
            [ -n "$found" ] || echo "no $OUT/sweep_matmul*_tuned.json: run sweep first" ;;
-    kernels_fused) timeout "${FUSED_S:-280}" python3 experiments/bench_kernels.py --preset=qwen3-8b \
+    kernels_fused) timeout "${FUSED_S:-280}" python3 experiments/bench_kernels.py \
+              --preset="${FUSED_PRESET:-qwen3-8b}" ${FUSED_LAYERS:+--layers=$FUSED_LAYERS} \
+              ${FUSED_MXFP4:+--mxfp4_experts} \
               --batches="${FUSED_BATCHES:-1,8}" --gammas="${FUSED_GAMMAS:-4}" \
               --context="${FUSED_CONTEXT:-512}" \
               --iters=10 --noops \
