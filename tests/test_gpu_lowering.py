@@ -386,7 +386,7 @@ def test_packed_expert_dots_see_no_narrow_load_or_join(monkeypatch, glu, prmt):
 
 @pytest.mark.parametrize("preset,batch,tokens,packed", [
     ("qwen3-8b", 8, 5, False), ("qwen3-30b-a3b", 1, 5, False), ("gpt-oss-120b", 1, 5, True),
-    ("gpt-oss-120b", 1, 5, "prmt")])
+    pytest.param("gpt-oss-120b", 1, 5, "prmt", marks=pytest.mark.slow)])  # the kernels' case
 def test_no_dot_sees_a_narrow_load_or_a_join(monkeypatch, preset, batch, tokens, packed):
     # The rule the packed kernels were fixed for, over a whole forward's kernels: each
     # dot's operands keep the layout of their own 16- or 32-bit type (a kernel that
