@@ -42,6 +42,8 @@ def get_config(arg=None):
     c.timing_runs = 3  # timed runs per prompt, serial and speculative alternated: the median
     c.out = "experiments/results"  # receipt and plot folder
     c.tag = ""  # receipt file name suffix
+    if arg not in (None, "", "runlocal"):
+        raise ValueError(f"configs/bench_prompts.py:{arg}: the one preset is 'runlocal'")
     if arg == "runlocal":
         c.per_category = 1
         c.categories = "writing,coding"

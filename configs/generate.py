@@ -36,6 +36,8 @@ def get_config(arg=None):
     c.dtype = "bfloat16"  # parameter/activation dtype; logits are float32
     c.mxfp4_experts = False  # gpt-oss: keep MXFP4 experts packed (gpt-oss-120b on one GPU)
     c.stream = False  # print the text as it is generated
+    if arg not in (None, "", "runlocal"):
+        raise ValueError(f"configs/generate.py:{arg}: the one preset is 'runlocal'")
     if arg == "runlocal":
         c.max_new_tokens = 8
     return c

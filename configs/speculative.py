@@ -67,6 +67,8 @@ def get_config(arg=None):
     c.audit_every = 0  # >0: recompute every Nth verify block serially, stop on any difference
     c.check_parity = True  # also run serial decoding and fail unless tokens are identical
     c.timing_runs = 3  # timed runs per prompt (speculative and serial): the median is shown
+    if arg not in (None, "", "runlocal"):
+        raise ValueError(f"configs/speculative.py:{arg}: the one preset is 'runlocal'")
     if arg == "runlocal":
         c.max_new_tokens = 16
         c.gamma = 2

@@ -30,7 +30,7 @@ def main(argv):
     del argv
     c = _CONFIG.value
     prompts = cli.config_prompts(c)
-    cli.check_output(c.output)
+    cli.check_output(c.output, c.get("prompts"))
     jspec.make_sampler(c.temperature, c.top_k, c.top_p)  # a bad value fails before loading
     check_seed("seed", c.seed)
     pipe = text.load_text(c.checkpoint or jspec.default_pair()[0], dtype=c.dtype,

@@ -196,7 +196,11 @@ def _flag_error(e: BaseException, argv: list[str]) -> str:
     from absl import flags
 
     if isinstance(e, flags.Error):
-        return str(e)
+        text = str(e)
+        if "Error whilst parsing config file" in text:  # the config's own error: its line
+            cause = text.splitlines()[-1].strip()
+            return f"--config: {cause.split(': ', 1)[-1]}"
+        return text
     if isinstance(e, AttributeError | KeyError):
         msg = e
         while isinstance(msg, BaseException):  # AttributeError(KeyError(message))
@@ -209,6 +213,14 @@ def _flag_error(e: BaseException, argv: list[str]) -> str:
         hint = lines[-1][:1].lower() + lines[-1][1:] if len(lines) > 1 else ""
         return f"{flag}: the config has no key {key!r}" + (f"; {hint}" if hint else "")
     return f"bad command line: {type(e).__name__}: {e}"
+
+
+def _from_config_dict(e: BaseException) -> bool:
+    """Whether e was raised reading an ml_collections ConfigDict (a missing key)."""
+    tb = e.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and "ml_collections" in tb.tb_frame.f_code.co_filename
 
 
 def run(main) -> None:
@@ -241,6 +253,11 @@ def run(main) -> None:
                 raise
             sys.stderr.write("interrupted\n")
             sys.exit(130)
+        except (AttributeError, KeyError) as e:  # a key the --config file lacks
+            if flags.FLAGS.debug or not _from_config_dict(e):
+                raise
+            _fail(_flag_error(e, sys.argv) + " (is --config this entry point's config "
+                  "file, with every key it reads?)", USER_EXIT)
         except (ValueError, OSError, app.UsageError) as e:  # CheckpointError is a ValueError
             if flags.FLAGS.debug:
                 raise
@@ -279,11 +296,16 @@ def config_prompts(c) -> list:
     return [as_chat(c.prompt) if c.get("chat", False) else c.prompt]
 
 
-def check_output(path: str) -> None:
+def check_output(path: str, prompts: str | None = None) -> None:
     """A text entry point's `--config.output` (a .jsonl file written after each prompt):
-    checked before anything loads or runs, so a bad path costs no generation."""
+    checked before anything loads or runs, so a bad path costs no generation; never the
+    prompts file (`--config.prompts`), which the finished run would replace."""
     if not path:
         return
+    if prompts and os.path.exists(prompts) and os.path.exists(path) \
+            and os.path.samefile(prompts, path):
+        raise ValueError(f"output {path!r} is the prompts file: the results would replace "
+                         "the prompts; give another file")
     if os.path.isdir(path):
         raise ValueError(f"output {path!r} is a directory; give a file, e.g. out.jsonl")
     parent = os.path.dirname(os.path.abspath(path))
@@ -306,11 +328,19 @@ class OutputFile:
     """A text entry point's `--config.output` (None: none), a JSON record a line as each
     prompt completes, into `<path>.partial`, renamed over `path` when the loop ends: a run
     that fails leaves an existing `path` as it was and its records so far in the
-    `.partial` file (named on stderr). A context manager."""
+    `.partial` file (named on stderr), which the next run moves to `<path>.partial.<n>`
+    before it starts. A context manager."""
 
     def __init__(self, path: str | None):
         self.path = path or None
         self.partial = None if self.path is None else self.path + ".partial"
+        if self.partial is not None and os.path.exists(self.partial):  # an earlier run's
+            n = 1
+            while os.path.exists(f"{self.partial}.{n}"):
+                n += 1
+            os.replace(self.partial, f"{self.partial}.{n}")
+            print(f"an earlier run's {self.partial} kept as {self.partial}.{n}",
+                  file=sys.stderr)
         self._file = None if self.partial is None else open(self.partial, "w",
                                                             encoding="utf-8")
         self.records = 0

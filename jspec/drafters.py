@@ -86,8 +86,10 @@ def _wait(state, block: int, catch_up, **values):
 def _with_block(max_len: int, block: int, config) -> int:
     """A drafter cache's length: max_len and a catch-up block's padding past it, within
     the model's positions (at the very end a block's padding may then overwrite the
-    last entries, which costs draft quality there, never exactness)."""
-    return min(max_len + block, max(config.max_position, max_len))
+    last entries, which costs draft quality there, never exactness). A target's max_len
+    is a length bucket and may pass a draft's positions where the run's tokens do not
+    (`speculative._setup` refuses a run whose tokens do)."""
+    return min(max_len + block, config.max_position)
 
 
 def frequent_tokens(token_ids, n: int, vocab_size: int) -> np.ndarray:

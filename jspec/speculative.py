@@ -626,6 +626,16 @@ def _setup(target, drafter, prompts, spec, max_len):
                                   max_len, target.config.max_position)
     if padded > tokens.shape[1]:
         tokens = np.pad(tokens, ((0, 0), (0, padded - tokens.shape[1])))
+    need = int(lens.max()) + spec.max_new_tokens + spec.proposals + 1
+    for d in [drafter] + ([drafter.draft] if isinstance(drafter, OracleDrafter) else []):
+        limit = d.model.config.max_position if isinstance(d, ModelDrafter) else need
+        if need > limit:  # its cache stops at its positions (`drafters._with_block`)
+            raise ValueError(f"the draft model's max_position_embeddings ({limit}) is below "
+                             f"this run's {need} positions (the longest prompt, "
+                             f"{int(lens.max())} tokens, + max_new_tokens + the verify "
+                             f"block); the target takes {target.config.max_position}: use a "
+                             "draft of a longer context, a shorter prompt or fewer new "
+                             "tokens")
     if isinstance(drafter, PromptLookupDrafter) and drafter.max_ngram > max_len:
         raise ValueError(f"PromptLookupDrafter(max_ngram={drafter.max_ngram}) exceeds the "
                          f"cache max_len={max_len}: no n-gram that long fits the history")

@@ -578,3 +578,20 @@ def test_mxfp4_kernel_is_a_checked_bool_that_plain_turns_off():
 
     kernel, _ = parse_options("mxfp4_kernel=1,mxfp4_prmt=1")
     assert kernel.mxfp4_kernel is True and kernel.mxfp4_prmt is True
+
+
+def test_a_draft_model_of_a_shorter_context_runs_within_it_and_is_refused_past_it():
+    # The draft's cache took the target's max_len, a length bucket (256 here), and a
+    # draft of 128 positions failed at its prefill ("max_len=256 exceeds the model's
+    # max_position_embeddings (128)") for a run of 102 positions; a run past the draft's
+    # positions now stops before any work, naming the draft.
+    target = random_model("tiny-qwen3", dtype=jnp.float32)
+    draft = random_model("tiny-qwen3", dtype=jnp.float32, seed=1).with_backend("xla")
+    draft = draft.replace(config=dataclasses.replace(draft.config, max_position=128))
+    prompt = [int(x) for x in np.random.default_rng(0).integers(1, 100, 90)]
+    spec = jspec.SpecConfig(gamma=3, max_new_tokens=8)
+    out = jspec.speculative_generate(target, jspec.ModelDrafter(draft), [prompt], spec)
+    assert np.array_equal(out.tokens, jspec.generate(target, [prompt], max_new_tokens=8).tokens)
+    with pytest.raises(ValueError, match=r"the draft model's max_position_embeddings \(128\) "
+                       r"is below this run's 192 positions"):
+        jspec.speculative_generate(target, jspec.ModelDrafter(draft), [prompt * 2], spec)

@@ -82,6 +82,17 @@ def test_speculative_cli_checks_parity(policy, tmp_path):
         assert f"{rec['prompt']}{rec['text']}\n" in r.stdout
 
 
+@pytest.mark.slow  # one more CLI run; the condition is one line of speculative_decode.py
+def test_a_streamed_adaptive_rejection_sampling_run_is_no_engine_bug(tmp_path):
+    # Under an adaptive schedule (round shapes picked by timing) a distribution-exact
+    # policy's tokens may differ between the streamed and the timed run: that was logged
+    # as an engine bug and the run exited 1.
+    r = _run(*_SPEC, "--config.stream=True", "--config.adaptive=0,1,2",
+             "--config.policy=rejection_sampling", "--config.max_new_tokens=32",
+             "--config.check_parity=False")
+    assert r.returncode == 0 and "differ" not in r.stderr, r.stderr[-2000:]
+
+
 def test_draft_options_auto_leave_the_latency_kernels_to_gpus():
     # On a CPU a draft runs without the GPU latency kernels (they ran interpreted: the
     # main command's speculation fell to 0.19x serial); on a GPU a narrow draft gets them.
@@ -104,6 +115,12 @@ def test_cli_errors_are_one_line(tmp_path):
                     "missing: not a checkpoint directory")
     (tmp_path / "bad.jsonl").write_text('{"prompt": "a"}\n{"text": 1}\n')
     _one_line_error(_run(*_GEN, f"--config.prompts={tmp_path}/bad.jsonl"), "bad.jsonl:2")
+    # Another entry point's config (a key it lacks was a traceback, exit 1), and a preset
+    # that does not exist (silently the full run).
+    _one_line_error(_run("generate.py", f"--config={ROOT}/configs/speculative.py"),
+                    "the config has no key 'checkpoint'", "this entry point's config")
+    _one_line_error(_run("generate.py", f"--config={ROOT}/configs/generate.py:runlocl"),
+                    "--config: configs/generate.py:runlocl: the one preset is 'runlocal'")
 
 
 def test_running_the_option_module_points_to_the_entry_points():
@@ -129,6 +146,27 @@ def test_more_cli_errors_are_one_line(tmp_path):
     _one_line_error(_run(*_GEN, f"--config.prompts={tmp_path}"), "is a directory; give a file")
     _one_line_error(_run(*_GEN, "--config.output=/proc/out.jsonl"), "cannot write")
     _one_line_error(_run(*_SPEC, "--config.timing_runs=0"), "timing_runs=0")
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("def f():\n")
+    _one_line_error(_run(*_GEN, f"--config.prompts={prompts}", f"--config.output={prompts}"),
+                    "is the prompts file")
+    assert prompts.read_text() == "def f():\n"
+
+
+def test_an_output_files_partial_records_outlive_the_next_run(tmp_path, capsys):
+    # A failed run leaves its records in out.jsonl.partial; the next run truncated it.
+    from jspec.cli import OutputFile
+
+    out = str(tmp_path / "out.jsonl")
+    with open(out + ".partial", "w") as f:
+        f.write('{"earlier": 1}\n')
+    (tmp_path / "out.jsonl.partial.1").write_text("older\n")
+    with OutputFile(out) as o:
+        o.write({"new": 2})
+    assert (tmp_path / "out.jsonl.partial.2").read_text() == '{"earlier": 1}\n'
+    assert (tmp_path / "out.jsonl.partial.1").read_text() == "older\n"
+    assert (tmp_path / "out.jsonl").read_text() == '{"new": 2}\n'
+    assert "kept as" in capsys.readouterr().err
 
 
 def test_an_output_file_is_replaced_only_by_a_finished_run(tmp_path):
