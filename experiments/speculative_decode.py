@@ -65,6 +65,16 @@ def build(c) -> text.TextPipeline:
     if c.drafter not in ("auto", "model", "feature", "prompt_lookup"):
         raise app.UsageError(f"--config.drafter={c.drafter!r}: use 'auto', 'model', 'feature' "
                              "or 'prompt_lookup'")
+    unused = {"model": ["head"] * bool(c.head), "feature": ["draft"] * bool(c.draft),
+              "prompt_lookup": [k for k in ("draft", "head") if c[k]]}.get(c.drafter, [])
+    if unused:  # a drafter that reads no such checkpoint: never silently dropped
+        raise app.UsageError(f"--config.drafter={c.drafter} drafts without "
+                             f"{' or '.join('--config.' + k for k in unused)}: drop it, or "
+                             "choose the drafter that uses it (model: --config.draft, "
+                             "feature: --config.head)")
+    if c.drafter == "auto" and c.draft and c.head:
+        raise app.UsageError("--config.draft and --config.head are both set: the auto "
+                             "drafter takes one (--config.drafter=model or =feature)")
     head = c.head
     if c.target:
         target_path, draft_path = c.target, c.draft  # no draft: the target drafts for itself

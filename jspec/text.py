@@ -173,8 +173,9 @@ def _prompt_of(obj, where: str) -> Prompt:
 
 
 def read_prompts(path: str | os.PathLike, *, chat: bool = False) -> list[Prompt]:
-    """Prompts from a file, by its extension:
-      .jsonl: one JSON object per line, with "prompt" (a string) or "messages" (a chat);
+    """Prompts from a file, by its extension (in any case):
+      .jsonl or .ndjson: one JSON object per line, with "prompt" (a string) or "messages"
+        (a chat);
       .json: one JSON list whose items are strings, chats, or such objects;
       anything else: plain text, one prompt per non-empty line.
     Lines end at "\n" only (a CRLF line's "\r" dropped): U+2028, U+0085, form feeds and
@@ -194,7 +195,8 @@ def read_prompts(path: str | os.PathLike, *, chat: bool = False) -> list[Prompt]
     except UnicodeDecodeError as e:
         raise ValueError(f"prompts file {path!r} is not UTF-8 text ({e})") from None
     prompts: list[Prompt] = []
-    if path.endswith(".json"):
+    ext = os.path.splitext(path)[1].lower()
+    if ext == ".json":
         try:
             items = json.loads(text)
         except json.JSONDecodeError as e:
@@ -206,12 +208,12 @@ def read_prompts(path: str | os.PathLike, *, chat: bool = False) -> list[Prompt]
                              f"got a {type(items).__name__}")
         prompts = [_prompt_of(x, f"{path}: item {i}") for i, x in enumerate(items)]
     # not str.splitlines: it also breaks at U+2028, U+0085, \x0c, ... inside a prompt
-    lines = text.split("\n") if not path.endswith(".json") else []
+    lines = text.split("\n") if ext != ".json" else []
     for n, line in enumerate(lines, 1):
         line = line.removesuffix("\r")  # CRLF files
         if not line.strip():
             continue
-        if not path.endswith(".jsonl"):
+        if ext not in (".jsonl", ".ndjson"):
             prompts.append(line)
             continue
         try:

@@ -146,6 +146,12 @@ def test_more_cli_errors_are_one_line(tmp_path):
     _one_line_error(_run(*_GEN, f"--config.prompts={tmp_path}"), "is a directory; give a file")
     _one_line_error(_run(*_GEN, "--config.output=/proc/out.jsonl"), "cannot write")
     _one_line_error(_run(*_SPEC, "--config.timing_runs=0"), "timing_runs=0")
+    # A checkpoint the chosen drafter does not read (it was dropped without a word).
+    _one_line_error(_run(*_SPEC, "--config.drafter=feature",
+                         f"--config.draft={ROOT}/jspec/assets/codepair/draft"),
+                    "--config.drafter=feature drafts without --config.draft")
+    _one_line_error(_run(*_SPEC, "--config.drafter=prompt_lookup", f"--config.head={tmp_path}"),
+                    "drafts without --config.head")
     prompts = tmp_path / "p.txt"
     prompts.write_text("def f():\n")
     _one_line_error(_run(*_GEN, f"--config.prompts={prompts}", f"--config.output={prompts}"),

@@ -90,6 +90,11 @@ def test_prompt_forms_and_files(tmp_path):
     jl = tmp_path / "p.jsonl"
     jl.write_text(json.dumps({"prompt": "a"}) + "\n" + json.dumps({"messages": chat}) + "\n")
     assert read_prompts(str(jl)) == ["a", chat]
+    for name in ("P.JSONL", "p.ndjson"):  # were read as plain text: the JSON lines as prompts
+        (tmp_path / name).write_text(jl.read_text())
+        assert read_prompts(str(tmp_path / name)) == ["a", chat]
+    (tmp_path / "P.JSON").write_text(json.dumps(["a", chat]))
+    assert read_prompts(str(tmp_path / "P.JSON")) == ["a", chat]
     jl.write_text(json.dumps({"prompt": "a"}) + "\n{not json\n")
     with pytest.raises(ValueError, match=r"p\.jsonl:2"):
         read_prompts(str(jl))
