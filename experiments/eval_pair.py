@@ -164,6 +164,8 @@ def run_peers(pair, prompts, jtarget, report, save):
         tgt, drf, dev = load_hf_pair(pair, _DTYPE.value)
     except ImportError as e:
         report["peers"] = {"skipped": f"torch/transformers not importable: {e}"}
+        print(f"peers skipped: torch/transformers not importable ({e}); --nopeers "
+              "silences this")
         return
     # Same function? The logits gap on the first prompt (transformers' bf16 logits
     # against jspec's f32 LM-head accumulator) and the argmax agreement.

@@ -160,6 +160,10 @@ def restore_params(path: str, like: Model) -> Model:
                "jspec.load_hf or jspec.random_model of the same config)")
     if not os.path.isdir(path):
         raise FileNotFoundError(f"{path}: no orbax checkpoint directory")
+    if os.path.exists(os.path.join(path, "config.json")) and any(
+            f.endswith((".safetensors", ".bin")) for f in os.listdir(path)):
+        raise CheckpointError(f"{path}: a Hugging Face checkpoint, not one of save_params: "
+                              "load it with jspec.load_hf")
     record = _read_digests(path)
     _check_layout(path, record, like)
     digests = None if record is None else record["arrays"]

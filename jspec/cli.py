@@ -215,12 +215,17 @@ def _flag_error(e: BaseException, argv: list[str]) -> str:
     return f"bad command line: {type(e).__name__}: {e}"
 
 
-def _from_config_dict(e: BaseException) -> bool:
-    """Whether e was raised reading an ml_collections ConfigDict (a missing key)."""
+def _from_file(e: BaseException, name: str) -> bool:
+    """Whether e was raised in a file whose path contains `name`."""
     tb = e.__traceback__
     while tb is not None and tb.tb_next is not None:
         tb = tb.tb_next
-    return tb is not None and "ml_collections" in tb.tb_frame.f_code.co_filename
+    return tb is not None and name in tb.tb_frame.f_code.co_filename
+
+
+def _from_config_dict(e: BaseException) -> bool:
+    """Whether e was raised reading an ml_collections ConfigDict (a missing key)."""
+    return _from_file(e, "ml_collections")
 
 
 def run(main) -> None:
@@ -253,6 +258,12 @@ def run(main) -> None:
                 raise
             sys.stderr.write("interrupted\n")
             sys.exit(130)
+        except AssertionError as e:  # jax's when JAX_PLATFORMS names no startable backend
+            if flags.FLAGS.debug or not _from_file(e, "xla_bridge"):
+                raise
+            _fail(f"JAX_PLATFORMS={os.environ.get('JAX_PLATFORMS', '')!r}: jax started no "
+                  "backend of it on this machine (a GPU platform needs a visible GPU and "
+                  "its jax plugin); unset it to use what is here", USER_EXIT)
         except (AttributeError, KeyError) as e:  # a key the --config file lacks
             if flags.FLAGS.debug or not _from_config_dict(e):
                 raise

@@ -471,6 +471,11 @@ def with_options(model: Model, *options: KernelOptions | DraftOptions, **fields)
     kernel = dataclasses.replace(kernel, **{k: v for k, v in fields.items()
                                             if k in KERNEL_FIELDS})
     draft = dataclasses.replace(draft, **{k: v for k, v in fields.items() if k in DRAFT_FIELDS})
+    dtype = jnp.dtype(model.config.dtype).name
+    if kernel.backend == "pallas" and kernel.lowering == "mosaic" and dtype not in (
+            "bfloat16", "float16"):
+        raise ValueError(f"lowering='mosaic' runs 16-bit models (bfloat16, float16: a "
+                         f"float32 wgmma multiplies in TF32); this model is {dtype}")
     return fused_draft.prepare(model.replace(options=kernel, draft_options=draft))
 
 

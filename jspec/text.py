@@ -536,6 +536,21 @@ def _check_draft_options(value) -> None:
                         "strings are the command line's: jspec.cli.parse_options)")
 
 
+def _check_not_a_head(path: str) -> None:
+    """A draft= checkpoint that is an EAGLE-3 head failed later as a model missing its
+    embedding table: named here, pointing to head=."""
+    from jspec.eagle import ARCHITECTURES, SPECULATORS_ARCHITECTURE
+
+    try:
+        with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+            archs = json.load(f).get("architectures") or []
+    except (OSError, ValueError, AttributeError):
+        return  # load_hf reports a missing or bad config
+    if any(a in (*ARCHITECTURES, SPECULATORS_ARCHITECTURE) for a in archs):
+        raise ValueError(f"draft={path!r} is an EAGLE-3 head (architectures={archs}), not a "
+                         "draft model: pass it as head=")
+
+
 def load_text(target: str | os.PathLike, draft: str | os.PathLike | None = None, *,
               drafter=None, head: str | os.PathLike | None = None, dtype: Any = "bfloat16",
               backend: str = "pallas", draft_backend: str = "xla",
@@ -583,6 +598,7 @@ def load_text(target: str | os.PathLike, draft: str | os.PathLike | None = None,
     draft_path = None
     if draft is not None:
         draft_path = resolve_checkpoint(draft)
+        _check_not_a_head(draft_path)
         if _has_tokenizer(draft_path):  # check before loading any weights
             check_same_tokenizer(tok, load_tokenizer(draft_path), target_path, draft_path)
     model = load_hf(target_path, dtype=dtype, backend=backend, mxfp4_experts=mxfp4_experts)

@@ -595,3 +595,23 @@ def test_a_draft_model_of_a_shorter_context_runs_within_it_and_is_refused_past_i
     with pytest.raises(ValueError, match=r"the draft model's max_position_embeddings \(128\) "
                        r"is below this run's 192 positions"):
         jspec.speculative_generate(target, jspec.ModelDrafter(draft), [prompt * 2], spec)
+
+
+def test_mosaic_lowering_of_a_float32_model_is_refused_by_with_options():
+    # Accepted, then a TypeError inside the first Mosaic GPU kernel traced.
+    with pytest.raises(ValueError, match="lowering='mosaic' runs 16-bit models .* float32"):
+        jspec.with_options(random_model("tiny-qwen3", dtype=jnp.float32), lowering="mosaic")
+    assert jspec.with_options(random_model("tiny-qwen3"), lowering="mosaic").options.lowering \
+        == "mosaic"
+
+
+def test_an_eagle3_head_given_as_a_draft_model_points_to_head():
+    # It failed as a draft model missing 'model.embed_tokens.weight'.
+    import os
+
+    from jspec import text
+
+    target = jspec.default_pair()[0]
+    head = os.path.join(os.path.dirname(target), "head")
+    with pytest.raises(ValueError, match="is an EAGLE-3 head .* pass it as head="):
+        text.load_text(target, head)

@@ -88,3 +88,10 @@ def test_checkpoint_without_digests_restores_with_a_warning(saved, caplog):
     caplog.set_level(logging.WARNING, logger="jspec")
     _equal(jspec.restore_params(path, model), model)
     assert any("cannot be verified" in r.getMessage() for r in caplog.records)
+
+
+def test_a_hugging_face_folder_is_pointed_to_load_hf(saved):
+    # orbax's answer was "could not read the checkpoint's metadata (AttributeError ...)".
+    _, model = saved
+    with pytest.raises(jspec.CheckpointError, match="a Hugging Face checkpoint.*load_hf"):
+        jspec.restore_params(fixture_path("qwen3"), model)

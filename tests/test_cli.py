@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+import jax
 import pytest
 
 import jspec
@@ -152,6 +153,11 @@ def test_more_cli_errors_are_one_line(tmp_path):
                     "--config.drafter=feature drafts without --config.draft")
     _one_line_error(_run(*_SPEC, "--config.drafter=prompt_lookup", f"--config.head={tmp_path}"),
                     "drafts without --config.head")
+    if jax.default_backend() == "cpu":  # JAX_PLATFORMS=cuda without a GPU: jax asserted
+        r = subprocess.run([sys.executable, os.path.join(ROOT, "experiments", _GEN[0]),
+                            _GEN[1]], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                           env={**os.environ, "JAX_PLATFORMS": "cuda"})
+        _one_line_error(r, "JAX_PLATFORMS='cuda': jax started no backend")
     prompts = tmp_path / "p.txt"
     prompts.write_text("def f():\n")
     _one_line_error(_run(*_GEN, f"--config.prompts={prompts}", f"--config.output={prompts}"),
