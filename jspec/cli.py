@@ -162,6 +162,13 @@ def parse_adaptive(text: str, tree=None):
     return Adaptive(gammas=gammas, tree=tree)
 
 
+def streams_must_match(policy, adaptive) -> bool:
+    """Whether a streamed speculative run must give a timed run's tokens (the same seeds):
+    always with an exact policy; a distribution-exact one under an adaptive schedule
+    follows the round shapes, which timing picks."""
+    return bool(policy.exact or adaptive is None)
+
+
 def config_policy(c):
     """`policy_of` a config's policy, temperature, top_k and top_p fields."""
     return policy_of(c.policy, c.temperature, c.top_k, c.top_p)
