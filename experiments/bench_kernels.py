@@ -47,7 +47,7 @@ from jspec.cli import require_options, with_option_string
 from jspec.feature_head import head_apply, init_head_cache, random_head
 from jspec.model import COMPILER_OPTIONS, apply, forward_nodonate
 from jspec.ops import get_ops
-from jspec.random_model import preset_config, random_model
+from jspec.random_model import random_model
 from jspec.tree import from_parents
 from pallas_kernels.matmul import TUNED, tuned_to_json
 
@@ -85,6 +85,7 @@ REPS = 20  # kernel launches per timed call, so host dispatch does not dominate
 flag_checks.require_counts(_BATCHES, _GAMMAS, _CONTEXT, _ITERS, _TREES, _TREE_DEPTH)
 require_options(_OPTIONS)
 flag_checks.require_tag(_TAG)
+flag_checks.require_mxfp4_preset(_MXFP4, _PRESET)
 
 
 def looped(fn):
@@ -349,10 +350,8 @@ def main(argv):
     batches = [int(b) for b in _BATCHES.value]
     gammas = [int(g) for g in _GAMMAS.value]
     kw = dict(interpret=_INTERPRET.value, dtype=_DTYPE.value, mxfp4_experts=_MXFP4.value)
-    if _MXFP4.value and (_OPS.value or preset_config(
-            _PRESET.value, num_layers=1).family != "gpt_oss"):
-        raise app.UsageError(f"--mxfp4_experts: a gpt-oss preset's whole steps (--noops); "
-                             f"got --preset={_PRESET.value} --ops={_OPS.value}")
+    if _MXFP4.value and _OPS.value:
+        raise app.UsageError("--mxfp4_experts times whole steps only: add --noops")
     if _LAYERS.value:
         kw["num_layers"] = _LAYERS.value
     model = random_model(_PRESET.value, **kw)

@@ -230,11 +230,6 @@ def _from_file(e: BaseException, name: str) -> bool:
     return tb is not None and name in tb.tb_frame.f_code.co_filename
 
 
-def _from_config_dict(e: BaseException) -> bool:
-    """Whether e was raised reading an ml_collections ConfigDict (a missing key)."""
-    return _from_file(e, "ml_collections")
-
-
 def run(main) -> None:
     """`absl.app.run(main)` with one-line errors (module docstring) and a --debug flag."""
     from absl import app, flags  # absl: the entry points' dependency only
@@ -272,7 +267,7 @@ def run(main) -> None:
                   "backend of it on this machine (a GPU platform needs a visible GPU and "
                   "its jax plugin); unset it to use what is here", USER_EXIT)
         except (AttributeError, KeyError) as e:  # a key the --config file lacks
-            if flags.FLAGS.debug or not _from_config_dict(e):
+            if flags.FLAGS.debug or not _from_file(e, "ml_collections"):  # a ConfigDict's
                 raise
             _fail(_flag_error(e, sys.argv) + " (is --config this entry point's config "
                   "file, with every key it reads?)", USER_EXIT)

@@ -514,6 +514,12 @@ class SpecOutput:
 STATIC_TREE_DRAFTERS = (PromptLookupDrafter, OracleDrafter)
 
 
+def _drafters(drafter) -> list:
+    """The drafter and, for an `OracleDrafter`, the draft it wraps."""
+    return [drafter] + ([drafter.draft] if isinstance(drafter, OracleDrafter)
+                        and drafter.draft is not None else [])
+
+
 def _validate(target: Model, drafter, spec: SpecConfig) -> None:
     check_type("target", target, Model, "a jspec.Model (jspec.load_hf, jspec.random_model)")
     check_not_a_draft(target)
@@ -529,8 +535,7 @@ def _validate(target: Model, drafter, spec: SpecConfig) -> None:
         raise ValueError(f"{type(drafter).__name__} grows static trees (branching or paths), "
                          "not dynamic ones: TreeConfig(dynamic=...) needs a drafter with "
                          "draft scores (ModelDrafter, FeatureDrafter)")
-    drafters = [drafter] + ([drafter.draft] if isinstance(drafter, OracleDrafter)
-                            and drafter.draft is not None else [])
+    drafters = _drafters(drafter)
     models = [d for d in drafters if isinstance(d, ModelDrafter)]
     for d in drafters:
         if isinstance(d, FeatureDrafter):
@@ -627,7 +632,7 @@ def _setup(target, drafter, prompts, spec, max_len):
     if padded > tokens.shape[1]:
         tokens = np.pad(tokens, ((0, 0), (0, padded - tokens.shape[1])))
     need = int(lens.max()) + spec.max_new_tokens + spec.proposals + 1
-    for d in [drafter] + ([drafter.draft] if isinstance(drafter, OracleDrafter) else []):
+    for d in _drafters(drafter):
         limit = d.model.config.max_position if isinstance(d, ModelDrafter) else need
         if need > limit:  # its cache stops at its positions (`drafters._with_block`)
             raise ValueError(f"the draft model's max_position_embeddings ({limit}) is below "

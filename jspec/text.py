@@ -542,9 +542,8 @@ def _check_not_a_head(path: str) -> None:
     from jspec.eagle import ARCHITECTURES, SPECULATORS_ARCHITECTURE
 
     try:
-        with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
-            archs = json.load(f).get("architectures") or []
-    except (OSError, ValueError, AttributeError):
+        archs = read_config_json(path).get("architectures") or []
+    except CheckpointError:
         return  # load_hf reports a missing or bad config
     if any(a in (*ARCHITECTURES, SPECULATORS_ARCHITECTURE) for a in archs):
         raise ValueError(f"draft={path!r} is an EAGLE-3 head (architectures={archs}), not a "

@@ -48,6 +48,7 @@ import numpy as np
 from absl import app, flags
 
 import jspec
+from jspec.bench import flag_checks
 from jspec.bench.hlo import copy_sources, fusion_sources
 from jspec.bench.receipts import write_receipt
 from jspec.bench.timing import STEP_REPS, device_steps, median_time
@@ -58,7 +59,7 @@ from jspec.cli import options_record, with_option_string
 from jspec.feature_head import random_head
 from jspec.generate import decode_loop, init_state
 from jspec.generate import prefill as generate_prefill
-from jspec.random_model import PRESETS, preset_config, random_model
+from jspec.random_model import PRESETS, random_model
 from jspec.sampling import with_lowering
 from jspec.spec_config import shape_spec
 from jspec.speculative import _setup as spec_setup
@@ -93,6 +94,7 @@ _DECODE_ROUND = flags.DEFINE_bool("decode_round", False, "profile an adaptive ru
                                   "decode rounds (gamma 0) instead of a step")
 _SERIAL_LOOP = flags.DEFINE_bool("serial_loop", False, "profile serial decoding's loop "
                                  "(jspec.generate's decode_loop) instead of a step")
+flag_checks.require_mxfp4_preset(_MXFP4, _PRESET)
 
 
 def round_program(model, B: int, C: int, gamma: int, rng):
@@ -166,9 +168,6 @@ def main(argv):
         raise app.UsageError(f"--preset={_PRESET.value!r}: choose from {sorted(PRESETS)}")
     if min(_B.value, _T.value, _CONTEXT.value) < 1 or _ROUND.value < 0:
         raise app.UsageError("--batch, --T and --context must be >= 1, --round >= 0")
-    if _MXFP4.value and preset_config(_PRESET.value, num_layers=1).family != "gpt_oss":
-        raise app.UsageError(f"--mxfp4_experts: only gpt-oss presets keep MXFP4 experts; "
-                             f"--preset={_PRESET.value}")
     kw = dict(interpret=_INTERPRET.value, dtype=_DTYPE.value, mxfp4_experts=_MXFP4.value)
     if _LAYERS.value:
         kw["num_layers"] = _LAYERS.value

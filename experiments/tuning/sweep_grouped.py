@@ -47,6 +47,7 @@ from absl import app, flags
 from tqdm import tqdm
 
 from jspec import mxfp4
+from jspec.bench import flag_checks
 from jspec.bench.receipts import write_receipt
 from jspec.bench.timing import median_time
 from jspec.random_model import preset_config
@@ -70,6 +71,7 @@ _INTERPRET = flags.DEFINE_bool("interpret", False, "CPU smoke run (timings mean 
 _OUT = flags.DEFINE_string("out", os.environ.get("OUT", "experiments/results"), "receipt dir")
 _TAG = flags.DEFINE_string("tag", "", "receipt name suffix")
 _MXFP4 = flags.DEFINE_bool("mxfp4", False, "experts as MXFP4 codes (gpt-oss presets)")
+flag_checks.require_mxfp4_preset(_MXFP4, _PRESET)
 
 # (bn, bk, num_warps, num_stages), most promising first: on the H200 (2026-12-02d) wider
 # column tiles won at the Qwen3-30B-A3B experts (bn 64 over 32 over 16, the 16s 1.4-1.8x
@@ -172,9 +174,6 @@ def main(argv):
               "device": jax.devices()[0].device_kind, "jax": jax.__version__,
               "preset": _PRESET.value, "E": E, "k": k, "Ts": Ts, "dtype": dtype.name,
               "reps": _REPS.value, "mxfp4": _MXFP4.value, "weights": {}}
-    if _MXFP4.value and cfg.family != "gpt_oss":
-        raise app.UsageError(f"--mxfp4: only gpt-oss presets keep MXFP4 experts; "
-                             f"--preset={_PRESET.value} is {cfg.family}")
     tuned = []
     for kind, (K, N) in weights.items():
         if _MXFP4.value:  # codes and scales; the float weight they stand for beside

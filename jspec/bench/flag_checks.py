@@ -72,3 +72,16 @@ def require_tag(*holders) -> None:
                 raise flags.ValidationError(str(e)) from None
             return True
         flags.register_validator(holder, ok)
+
+
+def require_mxfp4_preset(mxfp4, preset) -> None:
+    """A bool flag keeping experts MXFP4-packed is set only with a gpt-oss preset (an
+    unknown preset is left to the script's own check)."""
+    from jspec.random_model import PRESETS, preset_config
+
+    def ok(values):
+        name = values[preset.name]
+        return not values[mxfp4.name] or name not in PRESETS or preset_config(
+            name, num_layers=1).family == "gpt_oss"
+    flags.register_multi_flags_validator(
+        [mxfp4, preset], ok, message=f"--{mxfp4.name}: only gpt-oss presets keep MXFP4 experts")
