@@ -105,6 +105,12 @@ class KernelOptions:
         (False or None: the default until its bits and speed are checked on a GPU).
         Exact either way: the same values, so the same bits (interpret mode, which has
         no PTX, decodes with the integer ops).
+      mxfp4_prefetch: with `mxfp4_kernel` on: d (1-8): the packed kernels' K loop loads
+        each block's codes and scales d steps before their decode, and a GLU's gate and
+        up blocks share one loop (`pallas_kernels.moe._packed_k_loop`; the loads reach
+        the decode as loop-carried values, which Triton's pipeliner does not stage);
+        None: one step ahead, gate and up in two loops (the default until the device
+        has timed it). Scheduling only: the same dots in the same order, the same bits.
       matmul_row_group: pallas: up to this many row tiles per matmul program, each
         weight block loaded once for all of them (scheduling only).
       matmul_schedule: pallas: launches of several row tiles use the weight's tuned
@@ -156,6 +162,7 @@ class KernelOptions:
     moe_combine_kernel: bool | None = None
     mxfp4_kernel: bool | None = None
     mxfp4_prmt: bool | None = None
+    mxfp4_prefetch: int | None = None
     matmul_row_group: int = 4
     matmul_schedule: bool = True
     kv_dus: bool = True
@@ -180,6 +187,14 @@ class KernelOptions:
         if self.mxfp4_prmt and self.mxfp4_kernel is False:
             raise ValueError("mxfp4_prmt=True decodes inside the grouped kernels: it needs "
                              "mxfp4_kernel on (True or None)")
+        if self.mxfp4_prefetch is not None:
+            depth = self.mxfp4_prefetch
+            if isinstance(depth, bool) or not isinstance(depth, int) or not 1 <= depth <= 8:
+                raise ValueError(f"mxfp4_prefetch={depth!r} must be None or an int in [1, 8] "
+                                 "(blocks the packed K loop loads ahead)")
+            if self.mxfp4_kernel is False:
+                raise ValueError("mxfp4_prefetch schedules the grouped kernels' packed loop: "
+                                 "it needs mxfp4_kernel on (True or None)")
         if self.kv_write_kernel and not self.fuse_qk_rope:
             raise ValueError("kv_write_kernel=True writes the new K/V from the fused q/k "
                              "norm + RoPE kernel: it needs fuse_qk_rope=True")
@@ -224,7 +239,8 @@ class KernelOptions:
         """The same options with every fusion off (`FUSIONS`): the path each fusion is
         checked against, bit for bit."""
         return self.replace(kv_write_kernel=None, moe_layout_kernel=None, mxfp4_kernel=False,
-                            mxfp4_prmt=None, **dict.fromkeys(FUSIONS, False))
+                            mxfp4_prmt=None, mxfp4_prefetch=None,
+                            **dict.fromkeys(FUSIONS, False))
 
 
 # The fusions: each gives the plain path's bits (tests/test_fused.py, test_pad_once.py,

@@ -322,24 +322,71 @@ def _expert_k_loop(e, src_ref, x_ref, w_ref, *, bk: int, nk: int, bn: int,
         return lax.fori_loop(  # [bk, bn] of the tile's expert only
             0, nk, lambda k, acc: dot(acc, x_block(k), w_ref[e, pl.ds(k * bk, bk), :]), acc)
 
+    return _packed_k_loop(e, src, rows, x_ref, [(w_ref, s_ref)], [acc], bk=bk, nk=nk,
+                          prmt=prmt)[0]
+
+
+def _packed_k_loop(e, src, rows, x_ref, weights, accs, *, bk: int, nk: int,
+                   prmt: bool = False, depth: int = 1) -> list[jax.Array]:
+    """`_expert_k_loop`'s MXFP4 loop over one or more packed weights at once (the GLU's
+    gate and up blocks: `weights` [(codes_ref, scales_ref), ...]), one [bm, bn] f32
+    accumulator each (`accs`, their zeros), all sharing each step's x block: accumulator i takes
+    dot(x_k, decode(w_i block k)) for k = 0, 1, ..., nk - 1, the same dots in the same
+    order as a loop of its own, so the same bits.
+
+    depth: how many blocks ahead the codes and scales are loaded. They reach the decode
+    as loop-carried values (see `_expert_k_loop`: the dot operands' layout), which
+    Triton's pipeliner does not stage, so a step's loads have only the steps up to their
+    use to arrive. With depth d the loop body runs d steps, each slot of the carried
+    queue reloaded for the step d later right after its decode (no value moves between
+    slots, so none waits for its load), so a block's bytes have d steps of work to arrive
+    in; the last nk % d steps follow the loop. Scheduling only: the same dots, same order."""
     row = lax.broadcasted_iota(jnp.int32, (bk,), 0)
     # x_ref's last row is zeros (`_launch_sorted`): empty slots read it, no select a step
     zero_rows = jnp.where(src >= 0, rows, x_ref.shape[0] - 1)
+    depth = max(1, min(depth, nk))
 
-    def packed(k):  # block k's [bk, bn] row bytes and row scales
-        return (w_ref[e, k * (bk // 2) + row // 2, :],
-                s_ref[e, k * (bk // GROUP) + row // GROUP, :])
+    def packed(k):  # block k's [bk, bn] row bytes and row scales, each weight
+        return tuple((w_ref[e, k * (bk // 2) + row // 2, :],
+                      s_ref[e, k * (bk // GROUP) + row // GROUP, :]) for w_ref, s_ref in weights)
 
-    odd = odd_rows((bk, bn)) if prmt else None  # once, outside the loop
+    odd = odd_rows((bk, accs[0].shape[1])) if prmt else None  # once, outside the loop
 
-    def step(k, carry):
-        acc, codes, scales = carry
-        xs = x_block(k, zero_rows, masked=False)
-        ws = (decode_rows_prmt(codes, scales, odd) if prmt
-              else decode_rows(codes, scales, xs.dtype))
-        return (dot(acc, xs, ws), *packed(jnp.minimum(k + 1, nk - 1)))
+    def step(k, accs, blocks):  # block k's dots, one a weight
+        xs = x_ref[zero_rows, pl.ds(k * bk, bk)]
+        return tuple(acc + jnp.dot(xs, decode_rows_prmt(c, s, odd) if prmt
+                                   else decode_rows(c, s, xs.dtype),
+                                   precision=lax.Precision.HIGHEST,
+                                   preferred_element_type=jnp.float32)
+                     for acc, (c, s) in zip(accs, blocks, strict=True))
 
-    return lax.fori_loop(0, nk, step, (acc, *packed(0)))[0]
+    def group(g, carry):  # steps g d .. g d + d - 1; slot j holds block g d + j
+        accs, queue = carry
+        queue = list(queue)
+        for j in range(depth):
+            k = g if depth == 1 else g * depth + j
+            accs = step(k, accs, queue[j])
+            queue[j] = packed(jnp.minimum(k + depth, nk - 1))
+        return accs, tuple(queue)
+
+    queue = tuple(packed(j) for j in range(depth))
+    accs, queue = lax.fori_loop(0, nk // depth, group, (tuple(accs), queue))
+    for j in range(nk % depth):  # slot j holds block (nk // depth) d + j
+        accs = step((nk // depth) * depth + j, accs, queue[j])
+    return list(accs)
+
+
+def _packed_loops(e, src_ref, x_ref, weights, *, bk: int, nk: int, bn: int,
+                  row_div: int = 1, prmt: bool = False, depth: int = 1) -> list[jax.Array]:
+    """`_expert_k_loop` for MXFP4 weights [(codes_ref, scales_ref), ...] in one loop
+    (`_packed_k_loop`, blocks `depth` ahead): [bm, bn] f32 each, the same bits."""
+    src = src_ref[...]  # [bm]
+    rows = jnp.maximum(src, 0)
+    if row_div > 1:
+        rows = rows // row_div
+    accs = [jnp.zeros((src.shape[0], bn), jnp.float32) for _ in weights]
+    return _packed_k_loop(e, src, rows, x_ref, weights, accs, bk=bk, nk=nk, prmt=prmt,
+                          depth=depth)
 
 
 def _biased(acc: jax.Array, e, b_ref=None) -> jax.Array:
@@ -351,29 +398,36 @@ def _biased(acc: jax.Array, e, b_ref=None) -> jax.Array:
 
 
 def _grouped_kernel(e_ref, src_ref, x_ref, w_ref, *refs, bk: int, nk: int,
-                    row_div: int = 1, packed: bool = False, prmt: bool = False):
+                    row_div: int = 1, packed: bool = False, prmt: bool = False,
+                    prefetch: int = 0):
     # e_ref [1] int32: the tile's expert (-1: unused tile); src_ref [bm] int32: the row of
     # x in each slot (-1: none); x_ref [R, Kp]; w_ref [E, Kp, bn]; refs: o_ref [bm, bn],
     # after b_ref [E, bn] with a bias, after s_ref [E, Kp / 32, bn] when packed (w_ref
-    # then holds MXFP4 codes [E, Kp / 2, bn]).
+    # then holds MXFP4 codes [E, Kp / 2, bn]); prefetch > 0: `_packed_loops`' schedule.
     s_ref, refs = (refs[0], refs[1:]) if packed else (None, refs)
     *b_refs, o_ref = refs
     e = jnp.max(e_ref[...])
 
     @pl.when(e >= 0)
     def _():
-        acc = _expert_k_loop(e, src_ref, x_ref, w_ref, bk=bk, nk=nk, bn=o_ref.shape[1],
-                             row_div=row_div, s_ref=s_ref, prmt=prmt)
+        if prefetch:
+            [acc] = _packed_loops(e, src_ref, x_ref, [(w_ref, s_ref)], bk=bk, nk=nk,
+                                  bn=o_ref.shape[1], row_div=row_div, prmt=prmt,
+                                  depth=prefetch)
+        else:
+            acc = _expert_k_loop(e, src_ref, x_ref, w_ref, bk=bk, nk=nk, bn=o_ref.shape[1],
+                                 row_div=row_div, s_ref=s_ref, prmt=prmt)
         o_ref[...] = _biased(acc, e, *b_refs).astype(o_ref.dtype)
 
 
 def _grouped_glu_kernel(e_ref, src_ref, x_ref, wg_ref, wu_ref, *refs, bk: int, nk: int,
                         activation: str, row_div: int = 1, packed: bool = False,
-                        prmt: bool = False):
+                        prmt: bool = False, prefetch: int = 0):
     # `_grouped_kernel` with the gate and up column blocks j of w [E, Kp, 2F] (refs: o_ref,
     # after their bias blocks bg_ref, bu_ref with a bias, after their scale blocks sg_ref,
     # su_ref when packed): each biased in f32, rounded to the dtype, then `glu`'s
-    # arithmetic (`matmul_glu`'s tile).
+    # arithmetic (`matmul_glu`'s tile). prefetch > 0 (packed): both in one loop
+    # (`_packed_loops`), the same dots in the same order.
     (sg_ref, su_ref), refs = (refs[:2], refs[2:]) if packed else ((None, None), refs)
     *b_refs, o_ref = refs
     bg_ref, bu_ref = b_refs or (None, None)
@@ -382,6 +436,13 @@ def _grouped_glu_kernel(e_ref, src_ref, x_ref, wg_ref, wu_ref, *refs, bk: int, n
 
     @pl.when(e >= 0)
     def _():
+        if prefetch:
+            gate, up = (_packed_loops(e, src_ref, x_ref, [ws], bk=bk, nk=nk, bn=bn,
+                                      row_div=row_div, prmt=prmt, depth=prefetch)[0]
+                        for ws in ((wg_ref, sg_ref), (wu_ref, su_ref)))
+            o_ref[...] = _glu_tile(_biased(gate, e, bg_ref).astype(dtype),
+                                   _biased(up, e, bu_ref).astype(dtype), activation)
+            return
         gate = _biased(_expert_k_loop(e, src_ref, x_ref, wg_ref, bk=bk, nk=nk, bn=bn,
                                       row_div=row_div, s_ref=sg_ref, prmt=prmt), e,
                        bg_ref).astype(dtype)
@@ -392,18 +453,21 @@ def _grouped_glu_kernel(e_ref, src_ref, x_ref, wg_ref, wu_ref, *refs, bk: int, n
 
 
 def _launch(kernel, x, w, expert, cfg: MatmulConfig, n_out: int, out_dtype, w_blocks,
-            interpret: bool, name: str, bias=None, scales=None, prmt: bool = False):
+            interpret: bool, name: str, bias=None, scales=None, prmt: bool = False,
+            prefetch: int = 0):
     """Runs `kernel` over the expert-sorted row tiles x column blocks of n_out columns;
     w_blocks: the column-block index of each weight operand for column block j. Returns
     the [R, n_out] rows in their original order."""
     dest, tile_expert, src = tile_layout(expert.astype(jnp.int32), w.shape[0], cfg.bm)
     return _launch_sorted(kernel, x, w, tile_expert, src, cfg, n_out, out_dtype, w_blocks,
-                          interpret, name, bias=bias, scales=scales, prmt=prmt)[dest]
+                          interpret, name, bias=bias, scales=scales, prmt=prmt,
+                          prefetch=prefetch)[dest]
 
 
 def _launch_sorted(kernel, x, w, tile_expert, src, cfg: MatmulConfig, n_out: int, out_dtype,
                    w_blocks, interpret: bool, name: str, row_div: int = 1,
-                   tiles: int | None = None, bias=None, scales=None, prmt: bool = False):
+                   tiles: int | None = None, bias=None, scales=None, prmt: bool = False,
+                   prefetch: int = 0):
     """`_launch` on a given layout (`tile_layout`'s tile_expert [T] and src [T bm], or
     longer arrays of which the first `tiles` tiles are used; slot s reads x row
     src[s] // row_div): the [T bm, n_out] rows in slot order. bias [E, N] (or None): its
@@ -411,7 +475,9 @@ def _launch_sorted(kernel, x, w, tile_expert, src, cfg: MatmulConfig, n_out: int
     [E, K / 32, N] (or None): w holds MXFP4 codes [E, K / 2, N], their scale blocks go
     beside them (`packed` kernels); a bk that is no multiple of 32 decodes them here.
     prmt: the kernels decode bf16 blocks by `mxfp4.decode_rows_prmt` (not in interpret
-    mode, which has no PTX: there `decode_rows`, the same values)."""
+    mode, which has no PTX: there `decode_rows`, the same values). prefetch > 0: the
+    packed kernels' loop loads blocks that many steps ahead, a GLU's gate and up in one
+    loop (`_packed_loops`; scheduling only, the same bits)."""
     if scales is not None and cfg.bk % GROUP:
         w, scales = _packed(w, scales, x.dtype), None
     K = x.shape[1]
@@ -438,6 +504,8 @@ def _launch_sorted(kernel, x, w, tile_expert, src, cfg: MatmulConfig, n_out: int
         extra["packed"] = True
         if prmt and not interpret and x.dtype == jnp.bfloat16:
             extra["prmt"] = True
+        if prefetch:
+            extra["prefetch"] = prefetch
     b_specs, b_args = [], []
     if bias is not None:
         b_specs = [pl.BlockSpec((E, cfg.bn), lambda i, j, b=b: (0, b(j))) for b in w_blocks]
@@ -463,13 +531,24 @@ def _launch_sorted(kernel, x, w, tile_expert, src, cfg: MatmulConfig, n_out: int
     )(tile_expert, src, xp, *([wp] * len(w_blocks)), *s_args, *b_args)
 
 
+def _prefetch(depth: int | None) -> int:
+    """`mxfp4_prefetch` checked: 0 (None: the loop's own form) or a depth of 1 to 8."""
+    if depth is None:
+        return 0
+    if isinstance(depth, bool) or not isinstance(depth, int) or not 1 <= depth <= 8:
+        raise ValueError(f"mxfp4_prefetch must be None or an int in [1, 8]; got {depth!r}")
+    return depth
+
+
 @functools.partial(jax.jit, static_argnames=("out_dtype", "interpret", "config",
-                                             "table_experts", "mxfp4_prmt"))
+                                             "table_experts", "mxfp4_prmt",
+                                             "mxfp4_prefetch"))
 def grouped_matmul(x: jax.Array, w: jax.Array, expert: jax.Array, *, out_dtype,
                    bias: jax.Array | None = None, interpret: bool = False,
                    config: MatmulConfig | None = None,
                    table_experts: int | None = None,
-                   scales: jax.Array | None = None, mxfp4_prmt: bool = False) -> jax.Array:
+                   scales: jax.Array | None = None, mxfp4_prmt: bool = False,
+                   mxfp4_prefetch: int | None = None) -> jax.Array:
     """x [R, K] @ w[expert] (+ bias[expert]) -> [R, N] in out_dtype (None: float32): row r
     is x[r] @ w[expert[r]], K reduced from 0 upward in an f32 accumulator, plus the
     expert's bias row in f32 (bias [E, N] or None), then one rounding; bitwise
@@ -483,7 +562,9 @@ def grouped_matmul(x: jax.Array, w: jax.Array, expert: jax.Array, *, out_dtype,
     `scales` [E, K / 32, N] uint8: w is MXFP4 codes [E, K / 2, N] uint8 (`mxfp4.decode`'s
     layout) standing for a weight of x's dtype, decoded block by block in the kernel:
     the bits of that weight passed as floats. `mxfp4_prmt`: bf16 blocks decoded by
-    `mxfp4.decode_rows_prmt` (`KernelOptions.mxfp4_prmt`), the same values."""
+    `mxfp4.decode_rows_prmt` (`KernelOptions.mxfp4_prmt`), the same values.
+    `mxfp4_prefetch` d: the packed loop loads blocks d steps ahead (None: one, in the
+    loop's own form; `KernelOptions.mxfp4_prefetch`), the same bits."""
     _check_grouped(x, w, expert, scales)
     check_bias(bias, w, "grouped_matmul")
     out_dtype = jnp.dtype(jnp.float32 if out_dtype is None else out_dtype)
@@ -497,25 +578,27 @@ def grouped_matmul(x: jax.Array, w: jax.Array, expert: jax.Array, *, out_dtype,
         return jnp.zeros((0, N), out_dtype)
     out = _launch(_grouped_kernel, x, w, expert, cfg, round_up(N, cfg.bn), out_dtype,
                   [lambda j: j], interpret, "jspec_grouped_matmul", bias=bias, scales=scales,
-                  prmt=mxfp4_prmt)
+                  prmt=mxfp4_prmt, prefetch=_prefetch(mxfp4_prefetch))
     return out[:, :N]
 
 
 @functools.partial(jax.jit, static_argnames=("activation", "interpret", "config",
-                                             "table_experts", "mxfp4_prmt"))
+                                             "table_experts", "mxfp4_prmt",
+                                             "mxfp4_prefetch"))
 def grouped_matmul_glu(x: jax.Array, w: jax.Array, expert: jax.Array, *, activation: str,
                        bias: jax.Array | None = None, interpret: bool = False,
                        config: MatmulConfig | None = None,
                        table_experts: int | None = None,
-                       scales: jax.Array | None = None, mxfp4_prmt: bool = False
-                       ) -> jax.Array:
+                       scales: jax.Array | None = None, mxfp4_prmt: bool = False,
+                       mxfp4_prefetch: int | None = None) -> jax.Array:
     """act(x[r] @ w[e][:, :F]) * (x[r] @ w[e][:, F:]) for e = expert[r]: x [R, K],
     w [E, K, 2F] (gate columns first), bias [E, 2F] or None (the same halves) -> [R, F]
     x.dtype. Bitwise `glu` of `grouped_matmul(x, w, expert, out_dtype=x.dtype,
     bias=bias)`'s halves (the same tiles, `grouped_config(E, K, 2F)` unless `config`
     overrides it, and K loops), in one kernel; shapes whose column tile does not divide F
-    take that unfused path. `table_experts`, `scales` (MXFP4 codes in w) and `mxfp4_prmt`
-    as `grouped_matmul`'s."""
+    take that unfused path. `table_experts`, `scales` (MXFP4 codes in w), `mxfp4_prmt`
+    and `mxfp4_prefetch` as `grouped_matmul`'s (with a prefetch the gate and up blocks
+    share one K loop)."""
     _check_grouped(x, w, expert, scales)
     check_bias(bias, w, "grouped_matmul_glu")
     if w.shape[2] % 2:
@@ -532,14 +615,15 @@ def grouped_matmul_glu(x: jax.Array, w: jax.Array, expert: jax.Array, *, activat
     if F % cfg.bn or x.shape[0] == 0:
         gate, up = jnp.split(grouped_matmul(x, w, expert, out_dtype=x.dtype, bias=bias,
                                             interpret=interpret, config=cfg, scales=scales,
-                                            mxfp4_prmt=mxfp4_prmt),
+                                            mxfp4_prmt=mxfp4_prmt,
+                                            mxfp4_prefetch=mxfp4_prefetch),
                              2, axis=-1)
         return glu(gate, up, activation=activation, interpret=interpret)
     nf = F // cfg.bn  # column blocks of the gate half
     kernel = functools.partial(_grouped_glu_kernel, activation=activation)
     return _launch(kernel, x, w, expert, cfg, F, x.dtype, [lambda j: j, lambda j: j + nf],
                    interpret, "jspec_grouped_matmul_glu", bias=bias, scales=scales,
-                   prmt=mxfp4_prmt)
+                   prmt=mxfp4_prmt, prefetch=_prefetch(mxfp4_prefetch))
 
 
 def check_mlp(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, expert: jax.Array,

@@ -574,10 +574,17 @@ def test_mxfp4_kernel_is_a_checked_bool_that_plain_turns_off():
         jspec.KernelOptions(mxfp4_kernel=False, mxfp4_prmt=True)
     assert jspec.KernelOptions(mxfp4_kernel=True).plain().mxfp4_kernel is False
     assert jspec.KernelOptions(mxfp4_prmt=True).plain().mxfp4_prmt is None
+    for bad in (0, 9, True, 2.0):
+        with pytest.raises(ValueError, match="mxfp4_prefetch=.* must be None or an int"):
+            jspec.KernelOptions(mxfp4_prefetch=bad)
+    with pytest.raises(ValueError, match="mxfp4_prefetch .* needs mxfp4_kernel on"):
+        jspec.KernelOptions(mxfp4_kernel=False, mxfp4_prefetch=2)
+    assert jspec.KernelOptions(mxfp4_prefetch=3).plain().mxfp4_prefetch is None
     from jspec.cli import parse_options
 
-    kernel, _ = parse_options("mxfp4_kernel=1,mxfp4_prmt=1")
+    kernel, _ = parse_options("mxfp4_kernel=1,mxfp4_prmt=1,mxfp4_prefetch=3")
     assert kernel.mxfp4_kernel is True and kernel.mxfp4_prmt is True
+    assert kernel.mxfp4_prefetch == 3
 
 
 def test_a_draft_model_of_a_shorter_context_runs_within_it_and_is_refused_past_it():

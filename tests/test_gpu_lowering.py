@@ -338,9 +338,10 @@ def test_the_grouped_expert_kernels_k_steps_have_the_same_form(monkeypatch):
     _check_k_loops(kernels[0], loops=1, dots=1)
 
 
-@pytest.mark.parametrize("glu,prmt", [(False, False), (True, False), (False, True),
-                                      (True, True)])
-def test_packed_expert_dots_see_no_narrow_load_or_join(monkeypatch, glu, prmt):
+@pytest.mark.parametrize("glu,prmt,prefetch", [
+    (False, False, None), (True, False, None), (False, True, None), (True, True, None),
+    (False, True, 3), (True, False, 2)])
+def test_packed_expert_dots_see_no_narrow_load_or_join(monkeypatch, glu, prmt, prefetch):
     # Triton lays a dot's operands out in registers (MMAv2's kWidth) by the narrowest load
     # it finds walking back from them through elementwise ops, views, broadcasts and
     # loads, halved if a join is on the way (AccelerateMatmul's computeOrigBitWidth). A
@@ -350,7 +351,11 @@ def test_packed_expert_dots_see_no_narrow_load_or_join(monkeypatch, glu, prmt):
     # K loop hands the decode loop-carried codes and scales (block arguments end the
     # walk) and decodes without a join: the walk meets only the 16-bit activations. The
     # same with the decode in inline PTX (`mxfp4_prmt`): the asm op is elementwise, so the
-    # walk would pass through it to a uint8 load as well.
+    # walk would pass through it to a uint8 load as well. And with blocks loaded
+    # `mxfp4_prefetch` steps ahead: a queue of carried blocks, one slot a step of a body
+    # of that many K steps, each step's dot added to the running sum (the combine pass's
+    # fold, so bk stays scheduling), the last nk % d steps after the loop (their operands
+    # come from the loop's results, where the walk ends as well).
     from pallas_kernels import mxfp4
     from pallas_kernels.matmul import MatmulConfig
     from pallas_kernels.moe import grouped_matmul, grouped_matmul_glu
@@ -363,15 +368,19 @@ def test_packed_expert_dots_see_no_narrow_load_or_join(monkeypatch, glu, prmt):
     if glu:
         def fn(x, c, e, s):
             return grouped_matmul_glu(x, c, e, activation="silu", config=cfg, scales=s,
-                                      mxfp4_prmt=prmt)
+                                      mxfp4_prmt=prmt, mxfp4_prefetch=prefetch)
     else:
         def fn(x, c, e, s):
             return grouped_matmul(x, c, e, out_dtype=jnp.bfloat16, config=cfg, scales=s,
-                                  mxfp4_prmt=prmt)
+                                  mxfp4_prmt=prmt, mxfp4_prefetch=prefetch)
     (ir,) = [ir for ir in _triton_modules(monkeypatch, fn, x, codes, expert, scales)
              if "tt.dot" in ir]
     found = _dot_inputs(ir)
-    assert len(found) == (2 if glu else 1)
+    depth = prefetch or 1  # K = 512 in blocks of 128: 4 steps, 4 % 3 = 1 after the loop
+    loops = 2 if glu else 1  # (those take the loop's results: the walk ends there too)
+    assert len(found) == loops * depth
+    assert ir.count("tt.dot") == loops * (depth + 4 % depth)
+    _check_k_loops(ir, loops=loops, dots=depth, chained=True)
     for ops, loads in found:
         assert "tt.join" not in ops
         assert loads == {"bf16"}, loads
@@ -438,9 +447,10 @@ def _dot_inputs(ir: str) -> list[tuple[list[str], set[str]]]:
     return found
 
 
-def _check_k_loops(ir: str, loops: int, dots: int) -> None:
+def _check_k_loops(ir: str, loops: int, dots: int, chained: bool = False) -> None:
     """Each of the `loops` K loops of a kernel's IR has `dots` dots, each from a zero
-    accumulator, used once, by the addition to one of the loop's carried sums."""
+    accumulator, used once, by the addition to one of the loop's carried sums (chained:
+    or to the sum an earlier step of the same body left: a body of several K steps)."""
     # Value names restart in each loop's region: check each K loop's body on its own.
     bodies = [part.split("scf.yield")[0] for part in ir.split("scf.for ")[1:]]
     bodies = [b for b in bodies if "tt.dot" in b]
@@ -457,7 +467,9 @@ def _check_k_loops(ir: str, loops: int, dots: int) -> None:
             uses = re.findall(rf"{re.escape(res)}\b(?! =)", body)
             assert len(uses) == 1, f"{res} is used {len(uses)} times"
             (add,) = re.findall(rf"= arith\.addf (%\w+), {re.escape(res)} ", body)
-            assert add in carried, f"{res} is added to {add}, not to the loop's running sum"
+            sums = carried | (set(re.findall(r"(%\w+) = arith\.addf ", body)) if chained
+                              else set())
+            assert add in sums, f"{res} is added to {add}, not to the loop's running sum"
 
 
 @pytest.mark.parametrize("glu", [False, True])

@@ -332,7 +332,7 @@ def test_paths_without_experts_refuse_an_moe_model():
 # ------------------------------------------------------------- MXFP4 experts kept packed
 
 
-@pytest.mark.parametrize("in_kernel", [None, True])
+@pytest.mark.parametrize("in_kernel", [None, True, "prefetch"])  # prefetch: blocks 2 ahead
 def test_mxfp4_experts_kept_packed_give_the_dequantized_models_bits(in_kernel):
     """`load_hf(..., mxfp4_experts=True)` keeps gpt-oss's MXFP4 experts packed (a quarter
     of the bytes) and dequantizes the routed ones in each layer (each slot's expert alone
@@ -346,7 +346,8 @@ def test_mxfp4_experts_kept_packed_give_the_dequantized_models_bits(in_kernel):
     plain = load("gpt_oss", "pallas")
     packed = jspec.load_hf(fixture_path("gpt_oss_mxfp4"), dtype="float32", interpret=True,
                            mxfp4_experts=True)
-    packed = jspec.with_options(packed, mxfp4_kernel=in_kernel)
+    packed = (jspec.with_options(packed, mxfp4_kernel=True, mxfp4_prefetch=2)
+              if in_kernel == "prefetch" else jspec.with_options(packed, mxfp4_kernel=in_kernel))
     lp = packed.params["layers"][0]
     assert "w_gate_up" not in lp and lp["w_gate_up_mx"].dtype == jnp.uint8
     ratio = (sum(x.nbytes for x in mxfp4.expert_params(lp).values())

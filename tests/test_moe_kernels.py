@@ -948,6 +948,11 @@ def test_grouped_kernels_decode_mxfp4_blocks_to_the_float_weights_bits(dtype, e,
     # `mxfp4_prmt` decodes in PTX on a GPU; interpret mode keeps the integer decode
     assert np.array_equal(np.asarray(run(x, codes, expert, scales=scales, mxfp4_prmt=True)),
                           want)
+    # blocks loaded 2 steps ahead (a remainder step after the loop where nk is odd), and
+    # more steps ahead than the loop has: the same dots in the same order
+    for depth in (2, 8):
+        assert np.array_equal(np.asarray(run(x, codes, expert, scales=scales,
+                                             mxfp4_prefetch=depth)), want)
     cfg = grouped_config(e, k, n, dtype, True)
     odd = dataclasses.replace(cfg, bk=16)
     assert np.array_equal(np.asarray(run(x, codes, expert, scales=scales, config=odd)),
@@ -960,6 +965,9 @@ def test_grouped_kernels_decode_mxfp4_blocks_to_the_float_weights_bits(dtype, e,
     for bn in (cfg.bn, 16):  # 64 columns: unfused (bn 64), then fused (F = 32, bn 16)
         c = dataclasses.replace(cfg, bn=bn)
         assert np.array_equal(np.asarray(glu(x, codes, expert, scales=scales, config=c)),
+                              np.asarray(glu(x, w, expert, config=c)))
+        assert np.array_equal(np.asarray(glu(x, codes, expert, scales=scales, config=c,
+                                             mxfp4_prefetch=2)),
                               np.asarray(glu(x, w, expert, config=c)))
 
 
