@@ -184,7 +184,7 @@ def main(argv):
     del argv
     c = _CONFIG.value
     tree = c.tree or None
-    policy = cli.policy_of(c.policy, c.temperature)  # temperature: sampling policies only
+    policy = cli.config_policy(c)  # temperature: sampling policies only
     jspec.SpecConfig(gamma=c.gamma, policy=policy, max_new_tokens=c.max_new_tokens,
                      seed=c.seed, tree=parse_tree(c.tree))  # fail before loading
     check_count("timing_runs", c.timing_runs)  # timed runs a prompt (medians)

@@ -94,6 +94,12 @@ def check_flags() -> dict:
     from jspec.spec_config import MAX_GAMMA
 
     if _CKPT.value:
+        given = [f"--{f}" for f in ("preset", "layers") if flags.FLAGS[f].present]
+        if given:  # they shape a random model; a checkpoint is audited whole, as it is
+            verb = "shape" if len(given) > 1 else "shapes"
+            raise ValueError(f"{' and '.join(given)} {verb} a random preset model; "
+                             f"--checkpoint={_CKPT.value} is audited as it is: drop "
+                             f"{' and '.join(given)}")
         resolve_checkpoint(_CKPT.value)  # a directory, or a hub id in the local cache
         cfg = from_hf_config(read_hf_config(_CKPT.value))  # config.json alone, no weights
         shape = f"the checkpoint {_CKPT.value}"

@@ -158,12 +158,28 @@ def main(argv):
     del argv
     c = _CONFIG.value
     if _CHECK.value is not None:
+        if cli._overridden("check_parity") and c.check_parity != _CHECK.value:
+            raise app.UsageError(f"--check_parity={_CHECK.value} and --config.check_parity="
+                                 f"{c.check_parity} disagree: give one")
         c.check_parity = _CHECK.value
     prompts = cli.config_prompts(c)
     cli.check_output(c.output, c.get("prompts"))
     check_count("timing_runs", c.timing_runs)  # timed runs a prompt (medians shown)
     policy = cli.config_policy(c)
-    adaptive = cli.parse_adaptive(c.get("adaptive", ""), parse_tree(c.get("tree", "")))
+    tree = parse_tree(c.get("tree", ""))
+    if tree is not None and cli._overridden("gamma"):
+        raise app.UsageError(f"--config.gamma={c.gamma} does not apply with a tree "
+                             f"(--config.tree={c.tree!r}: its depth is the draft length): "
+                             "drop one")
+    if tree is not None and tree.dynamic and c.drafter == "prompt_lookup":
+        raise app.UsageError(f"--config.tree={c.tree!r}: prompt lookup grows static trees "
+                             "only (no draft scores to rank a dynamic tree's candidates): "
+                             "give branching, paths or spine, or a model or feature drafter")
+    if c.drafter != "prompt_lookup" and c.draft_options != "auto":  # its names, checked now
+        from jspec.options import KernelOptions, default_interpret
+
+        cli.parse_options(c.draft_options, KernelOptions(interpret=default_interpret()))
+    adaptive = cli.parse_adaptive(c.get("adaptive", ""), tree)
     jspec.SpecConfig(gamma=c.gamma, policy=policy, max_new_tokens=c.max_new_tokens,
                      seed=c.seed, audit_every=c.audit_every,  # bad values fail here,
                      adaptive=adaptive,  # not later
@@ -196,7 +212,7 @@ def main(argv):
                                       if draft is not None else "")
           + (f"; head backend: {head.options.backend}" if head is not None else ""))
     spec = pipe.spec_config(**spec_kw)
-    cli.check_prompt_lengths(pipe, prompts, spec.max_new_tokens + spec.proposals + 1, None)
+    cli.check_prompt_lengths(pipe, prompts, spec.max_new_tokens, None, spec.proposals)
     shapes = {"speculative": set(), "serial": set()}
     records, failed = [], set()
     with cli.OutputFile(c.output) as out_file:

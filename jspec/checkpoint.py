@@ -72,6 +72,9 @@ def save_params(path: str, model: Model) -> None:
     every array (`DIGEST_FILE`)."""
     path = os.path.abspath(check_path("path", path))
     check_type("model", model, Model, "a jspec.Model")
+    if os.path.exists(path):
+        raise FileExistsError(f"{path} exists: save_params writes a new checkpoint directory "
+                              "and replaces nothing: remove it, or give another path")
     import orbax.checkpoint as ocp  # ~0.6 s to import: only when a checkpoint is used
 
     with ocp.StandardCheckpointer() as ckptr:

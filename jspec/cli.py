@@ -171,8 +171,17 @@ def streams_must_match(policy, adaptive) -> bool:
 
 
 def config_policy(c):
-    """`policy_of` a config's policy, temperature, top_k and top_p fields."""
-    return policy_of(c.policy, c.temperature, c.top_k, c.top_p)
+    """`policy_of` a config's policy, temperature, top_k and top_p fields (those a config
+    lacks at their defaults). A temperature set on the command line
+    (--config.temperature) away from 0 under exact_greedy is an error, as top_k and top_p
+    are: only the config file's default is ignored."""
+    if (c.policy == "exact_greedy" and _overridden("temperature")
+            and c.temperature not in (0, None)):
+        raise ValueError(f"policy exact_greedy does not sample, so temperature="
+                         f"{c.temperature!r} would not change its output: use a sampling "
+                         "policy (gumbel_coupled, rejection_sampling), or drop "
+                         "--config.temperature")
+    return policy_of(c.policy, c.temperature, c.get("top_k", 0), c.get("top_p", 1.0))
 
 
 def options_record(model) -> dict:
@@ -380,16 +389,19 @@ class OutputFile:
         return False
 
 
-def check_prompt_lengths(pipe, prompts, extra: int, max_len: int | None) -> None:
-    """Every prompt fits the model with `extra` positions after it (max_new_tokens, and a
-    speculative run's verify block), checked before the first prompt runs: a ValueError
-    naming the prompt."""
-    from jspec.generate import plan_shapes
+def check_prompt_lengths(pipe, prompts, max_new_tokens: int, max_len: int | None,
+                         proposals: int | None = None) -> None:
+    """Every prompt fits the model with the positions after it (max_new_tokens, and with
+    `proposals` a speculative run's last verify block), checked before the first prompt
+    runs: a ValueError naming the prompt."""
+    from jspec.generate import plan_shapes, verify_what
 
     limit = pipe.target.config.max_position
+    extra, what = ((max_new_tokens, "max_new_tokens") if proposals is None else
+                   (max_new_tokens + proposals + 1, verify_what(max_new_tokens, proposals)))
     for i, prompt in enumerate(prompts):
         try:
-            plan_shapes(len(pipe.encode(prompt)), extra, max_len, limit)
+            plan_shapes(len(pipe.encode(prompt)), extra, max_len, limit, what)
         except ValueError as e:
             raise ValueError(f"prompt {i + 1} of {len(prompts)}: {e}") from None
 

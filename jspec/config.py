@@ -35,6 +35,8 @@ import math
 import numbers
 from typing import Any
 
+from jspec._transformers import quiet_import
+
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text",
                          "qwen2_moe", "qwen3_moe", "mixtral", "gpt_oss")
 # Multimodal wrappers whose text model jspec loads: model_type -> the text model's type.
@@ -444,6 +446,7 @@ def text_config(hf: Any) -> Any:
     if text is None:
         raise UnsupportedModelError(f"model_type={model_type!r} has no text_config")
     if isinstance(text, dict):
+        quiet_import()
         from transformers import AutoConfig
 
         text = dict(text)

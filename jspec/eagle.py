@@ -311,6 +311,11 @@ def save_eagle3(path: str, head: FeatureHead, *, save_embedding: bool = False,
     check_bool("overwrite", overwrite)
     if os.path.exists(path) and not os.path.isdir(path):
         raise FileExistsError(f"{path}: a file, not a directory")
+    from jspec.checkpoint import DIGEST_FILE
+
+    if os.path.exists(os.path.join(path, DIGEST_FILE)):  # never mixed into another format
+        raise FileExistsError(f"{path} holds a jspec params checkpoint (save_params); "
+                              "save_eagle3 writes a Hugging Face head: give another directory")
     existing = saved_files(path)
     if existing and not overwrite:
         raise FileExistsError(f"{path} holds a checkpoint already ({', '.join(existing)}); "

@@ -217,26 +217,32 @@ def decode_loop(model: Model, state: DecodeState, seed, stop, *, max_new_tokens:
     return jax.lax.while_loop(cond, body, state)
 
 
-def plan_shapes(longest: int, extra: int, max_len: int | None, max_position: int
-                ) -> tuple[int, int]:
+def plan_shapes(longest: int, extra: int, max_len: int | None, max_position: int,
+                what: str = "max_new_tokens") -> tuple[int, int]:
     """(padded prompt length, cache max_len) for prompts of up to `longest` tokens and
-    `extra` positions after them: both rounded up to length buckets (`jspec.loop`), so
-    other lengths in the same buckets reuse the compiled programs. A given max_len is
-    kept (the prompt bucket then stays within it); bad sizes raise ValueError."""
+    `extra` positions after them (`what` names them in an error): both rounded up to
+    length buckets (`jspec.loop`), so other lengths in the same buckets reuse the compiled
+    programs. A given max_len is kept (the prompt bucket then stays within it); bad sizes
+    raise ValueError."""
     need = longest + extra
+    head = (f"a prompt of {longest} tokens (the longest) + {extra} positions after it "
+            f"({what}) = {need}")
     if max_len is None:
         if need > max_position:
-            raise ValueError(f"the longest prompt ({longest} tokens) + {extra} positions after "
-                             f"it (max_new_tokens, and a speculative run's verify block) = "
-                             f"{need} exceeds the model's max_position_embeddings "
+            raise ValueError(f"{head} exceeds the model's max_position_embeddings "
                              f"({max_position})")
         padded = bucket(longest, cap=max_position - extra)  # near the limit: less padding
         return padded, bucket(padded + extra, cap=max_position)
     check_count("max_len", max_len)
     if need > max_len:
-        raise ValueError(f"the longest prompt ({longest} tokens) + {extra} positions after it "
-                         f"= {need} exceeds max_len={max_len}")
+        raise ValueError(f"{head} exceeds max_len={max_len}")
     return bucket(longest, cap=max_len - extra), max_len
+
+
+def verify_what(max_new_tokens: int, proposals: int) -> str:
+    """`plan_shapes`' name for a speculative run's positions after the prompt."""
+    return (f"max_new_tokens {max_new_tokens} + the last round's verify block of "
+            f"{proposals + 1}")
 
 
 def _vocab(model) -> int:

@@ -42,6 +42,7 @@ from jspec._checks import (
     check_type,
     is_int,
 )
+from jspec._transformers import quiet_import
 from jspec.config import (
     TEXT_OF_MULTIMODAL,
     ModelConfig,
@@ -589,6 +590,7 @@ def read_config_json(path: str, missing: str = "") -> dict:
 
 def read_hf_config(path: str):
     """transformers' config of a checkpoint directory (or a hub id in the local cache)."""
+    quiet_import()
     from transformers import AutoConfig
 
     path = resolve_checkpoint(path)
@@ -739,6 +741,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 def load_tokenizer(path: str | os.PathLike):
     """The checkpoint's tokenizer (transformers' AutoTokenizer) from a directory or a hub id
     in the local Hugging Face cache, or a clear error."""
+    quiet_import()
     from transformers import AutoTokenizer
 
     path = resolve_checkpoint(path)

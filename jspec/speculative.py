@@ -36,7 +36,14 @@ from jspec.chunked_prefill import prefill as chunked_prefill
 from jspec.compaction import RowBook, batch_for, check_batch_major, compact, plan
 from jspec.drafters import FeatureDrafter, ModelDrafter, OracleDrafter, PromptLookupDrafter
 from jspec.drafting import ProposeContext, check_drafter, grows_trees
-from jspec.generate import PAD, check_not_a_draft, first_non_finite, pad_prompts, plan_shapes
+from jspec.generate import (
+    PAD,
+    check_not_a_draft,
+    first_non_finite,
+    pad_prompts,
+    plan_shapes,
+    verify_what,
+)
 from jspec.loop import POLICY_CODE, POLICY_INVALID_CODE, raise_non_finite, run_chunked, token_bar
 from jspec.model import COMPILER_OPTIONS, Forward, Model, apply, row_flags
 from jspec.sampling import with_lowering
@@ -628,7 +635,8 @@ def _setup(target, drafter, prompts, spec, max_len):
     tokens, lens = pad_prompts(prompts, target.config.vocab_size)
     # max_new_tokens + gamma + 1 positions after the prompt: the last round's verify block.
     padded, max_len = plan_shapes(tokens.shape[1], spec.max_new_tokens + spec.proposals + 1,
-                                  max_len, target.config.max_position)
+                                  max_len, target.config.max_position,
+                                  verify_what(spec.max_new_tokens, spec.proposals))
     if padded > tokens.shape[1]:
         tokens = np.pad(tokens, ((0, 0), (0, padded - tokens.shape[1])))
     need = int(lens.max()) + spec.max_new_tokens + spec.proposals + 1

@@ -25,6 +25,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from jspec._checks import check_bool, check_ints, check_path, is_int
+from jspec._transformers import quiet_import
 from jspec.drafters import FeatureDrafter, ModelDrafter
 from jspec.drafting import check_drafter
 from jspec.eagle import load_eagle3
@@ -155,10 +156,14 @@ def as_chat(prompt: Prompt) -> Chat:
     return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
 
 
-def _prompt_of(obj, where: str) -> Prompt:
+def _prompt_of(obj, where: str, line: bool = False) -> Prompt:
     """One prompt of a .json list item or a .jsonl line: a string, a chat, or an object
-    with "prompt" (a string) or "messages" (a chat)."""
-    if isinstance(obj, str) and obj:
+    with "prompt" (a string) or "messages" (a chat). An empty string is refused here
+    (it encodes to no tokens), wherever it sits."""
+    text = obj.get("prompt") if isinstance(obj, dict) else obj
+    if text == "":
+        raise ValueError(f"{where}: an empty prompt (it encodes to no tokens)")
+    if isinstance(obj, str):
         return obj
     if is_chat(obj):
         _check_chat(obj, where)
@@ -168,8 +173,13 @@ def _prompt_of(obj, where: str) -> Prompt:
     if isinstance(obj, dict) and is_chat(obj.get("messages")):
         _check_chat(obj["messages"], where)
         return obj["messages"]
-    raise ValueError(f"{where}: expected an object with \"prompt\" (a string) or "
-                     "\"messages\" (a list of {\"role\", \"content\"} objects)")
+    hint = ""
+    if isinstance(obj, dict) and {"role", "content"} <= set(obj):
+        hint = ("; it looks like one message of a chat: a .json file holds a list of "
+                "prompts, so one chat is [[{\"role\": ..., \"content\": ...}, ...]]")
+    forms = "an object" if line else "a string, a chat, or an object"  # .jsonl: objects
+    raise ValueError(f"{where}: expected {forms} with \"prompt\" (a string) or \"messages\" "
+                     f"(a list of {{\"role\", \"content\"}} objects){hint}")
 
 
 def read_prompts(path: str | os.PathLike, *, chat: bool = False) -> list[Prompt]:
@@ -177,11 +187,12 @@ def read_prompts(path: str | os.PathLike, *, chat: bool = False) -> list[Prompt]
       .jsonl or .ndjson: one JSON object per line, with "prompt" (a string) or "messages"
         (a chat);
       .json: one JSON list whose items are strings, chats, or such objects;
-      anything else: plain text, one prompt per non-empty line.
+      anything else: plain text, one prompt per line, blank (or all-whitespace) lines
+        skipped.
     Lines end at "\n" only (a CRLF line's "\r" dropped): U+2028, U+0085, form feeds and
     the like are text, not line breaks. chat=True wraps every string prompt as one user
-    message. UTF-8, a leading byte-order mark dropped. Errors name the line (the item of a
-    .json list)."""
+    message. UTF-8, a leading byte-order mark dropped. An empty prompt ("") in JSON is
+    refused. Errors name the line (the item of a .json list)."""
     path = check_path("path", path)
     chat = check_bool("chat", chat)
     if os.path.isdir(path):
@@ -223,7 +234,7 @@ def read_prompts(path: str | os.PathLike, *, chat: bool = False) -> list[Prompt]
         if not isinstance(obj, dict):
             raise ValueError(f"{path}:{n}: expected an object with \"prompt\" (a string) or "
                              "\"messages\" (a list of {\"role\", \"content\"} objects)")
-        prompts.append(_prompt_of(obj, f"{path}:{n}"))
+        prompts.append(_prompt_of(obj, f"{path}:{n}", line=True))
     if not prompts:
         raise ValueError(f"prompts file {path!r} holds no prompts")
     return [as_chat(p) for p in prompts] if chat else prompts
@@ -472,6 +483,7 @@ def load_generation_config(path: str):
     """transformers' GenerationConfig of a checkpoint dir, or None without one."""
     if not os.path.isfile(os.path.join(path, "generation_config.json")):
         return None
+    quiet_import()
     from transformers import GenerationConfig
 
     try:
@@ -600,6 +612,11 @@ def load_text(target: str | os.PathLike, draft: str | os.PathLike | None = None,
         _check_not_a_head(draft_path)
         if _has_tokenizer(draft_path):  # check before loading any weights
             check_same_tokenizer(tok, load_tokenizer(draft_path), target_path, draft_path)
+        else:  # the draft's ids are then taken to be the target tokenizer's
+            LOG.warning("%s: no tokenizer files, so the draft's vocabulary is not checked "
+                        "against the target's tokenizer (%s): a draft of another tokenizer "
+                        "drafts tokens the target rejects (the output stays exact, only "
+                        "slower)", draft_path, target_path)
     model = load_hf(target_path, dtype=dtype, backend=backend, mxfp4_experts=mxfp4_experts)
     gen = load_generation_config(target_path)
     V = model.config.vocab_size

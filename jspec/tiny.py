@@ -26,6 +26,8 @@ import ml_dtypes
 import numpy as np
 from safetensors.numpy import save_file
 
+from jspec._transformers import quiet_import
+
 TINY_QWEN3 = dict(
     vocab_size=512,
     hidden_size=128,
@@ -51,6 +53,7 @@ def _training_text() -> list[str]:
 
 def write_tokenizer(path: str, vocab_size: int) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    quiet_import()
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
@@ -66,6 +69,7 @@ def write_tokenizer(path: str, vocab_size: int) -> None:
 
 def write_tiny_qwen3(path: str, *, seed: int = 0, **overrides) -> str:
     """Writes a random tiny Qwen3 checkpoint dir with a tokenizer; returns the path."""
+    quiet_import()
     from transformers import Qwen3Config
 
     kw = {**TINY_QWEN3, **overrides}
@@ -169,6 +173,7 @@ def write_gemma3_tokenizer(path: str, vocab_size: int = TINY_GEMMA3_DRAFT_VOCAB)
         processors,
         trainers,
     )
+    quiet_import()
     from transformers import PreTrainedTokenizerFast
 
     specials = list(GEMMA3_SPECIAL_TOKENS)
@@ -295,6 +300,7 @@ def _write_json(path: str, obj: dict) -> None:
 def _resave_config(src_config: dict, path: str, **fields) -> None:
     """config.json as transformers 5 saves the config `src_config` (legacy keys
     converted), with some fields replaced."""
+    quiet_import()
     from transformers import AutoConfig
 
     with tempfile.TemporaryDirectory() as tmp:

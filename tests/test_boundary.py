@@ -310,12 +310,18 @@ def test_read_prompts_reads_a_json_list(tmp_path):
     assert jspec.read_prompts(str(f)) == ["one", chat, "two", chat]
     assert jspec.read_prompts(f, chat=True)[0] == [{"role": "user", "content": "one"}]
     for text, fragment in ((json.dumps({"prompt": "x"}), "one JSON list of prompts"),
-                           ("[1, 2]", "item 0: expected an object"),
+                           ("[1, 2]", "item 0: expected a string, a chat, or an object"),
+                           ('["", "x"]', "item 0: an empty prompt"),  # none encodes to no ids
+                           ('["x", {"prompt": ""}]', "item 1: an empty prompt"),
+                           (json.dumps(chat), r"one message of a chat: .* one chat is \[\["),
                            ('["a"]\n["b"]', r"not JSON .*use .jsonl"),
                            ("[]", "holds no prompts")):
         f.write_text(text)
         with pytest.raises(ValueError, match=fragment):
             jspec.read_prompts(str(f))
+    (tmp_path / "p.jsonl").write_text('{"prompt": "a"}\n{"prompt": ""}\n')
+    with pytest.raises(ValueError, match=r"p.jsonl:2: an empty prompt"):
+        jspec.read_prompts(str(tmp_path / "p.jsonl"))
     (tmp_path / "p.txt").write_text('["a"]\n')  # any other extension: plain lines
     assert jspec.read_prompts(str(tmp_path / "p.txt")) == ['["a"]']
     bom = b"\xef\xbb\xbf"  # a leading byte-order mark is dropped, whatever the format

@@ -39,6 +39,16 @@ def test_round_trip_is_verified(saved):
     _equal(jspec.restore_params(path, model), model)
 
 
+def test_a_saved_checkpoint_is_never_replaced(saved):
+    # save_params writes a new directory; a head saved into one would mix two formats.
+    path, model = saved
+    with pytest.raises(FileExistsError, match="exists: save_params writes a new checkpoint"):
+        jspec.save_params(path, model)
+    with pytest.raises(FileExistsError, match="holds a jspec params checkpoint"):
+        jspec.save_eagle3(path, None)  # refused before the head is read
+    _equal(jspec.restore_params(path, model), model)
+
+
 def test_a_path_under_home_is_expanded(tmp_path, monkeypatch):
     # "~/ckpt" is the home directory's, as in a shell (not a folder named "~" here).
     monkeypatch.setenv("HOME", str(tmp_path / "home"))

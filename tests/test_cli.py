@@ -7,6 +7,7 @@ import sys
 
 import jax
 import pytest
+from conftest import fixture_path
 
 import jspec
 from jspec.bench import trace
@@ -200,9 +201,11 @@ def test_an_output_file_is_replaced_only_by_a_finished_run(tmp_path):
 
 def test_parity_audit_checks_its_flags_before_loading(tmp_path):
     # Each mistake: one line, exit code 2, and no model loaded (no receipt written).
-    for flag, words in (("--tree=x,2", ("--tree", "'x' is not an integer")),
-                        ("--ks=1,a", ("--ks", "'a' is not an integer"))):
-        _one_line_error(_run("parity_audit.py", flag, f"--out={tmp_path}"), *words)
+    for flags, words in ((["--tree=x,2"], ("--tree", "'x' is not an integer")),
+                         (["--ks=1,a"], ("--ks", "'a' is not an integer")),
+                         ([f"--checkpoint={fixture_path('qwen3')}", "--preset=tiny-llama"],
+                          ("--preset shapes a random preset model", "drop --preset"))):
+        _one_line_error(_run("parity_audit.py", *flags, f"--out={tmp_path}"), *words)
     assert not list(tmp_path.iterdir())
 
 
@@ -657,6 +660,20 @@ def test_exact_greedy_refuses_sampling_flags_it_would_ignore():
     with pytest.raises(ValueError, match="temperature=-3"):
         policy_of("exact_greedy", -3.0)
     assert policy_of("gumbel_coupled", 0.8, 7, 0.5) == jspec.GumbelCoupled(0.8, 7, 0.5)
+
+
+@pytest.mark.parametrize("flags,words", [
+    (["--config.temperature=1.5"], ("exact_greedy does not sample", "temperature=1.5")),
+    (["--config.tree=2,1", "--config.gamma=7"], ("--config.gamma=7 does not apply with a tree",)),
+    pytest.param(["--check_parity=False", "--config.check_parity=True"], ("disagree",),
+                 marks=pytest.mark.slow),
+    pytest.param(["--config.drafter=prompt_lookup", "--config.tree=dynamic:3,8,3"],
+                 ("prompt lookup grows static trees only",), marks=pytest.mark.slow),
+    pytest.param(["--config.draft_options=bogus"], ("unknown option 'bogus'",),
+                 marks=pytest.mark.slow)])
+def test_speculative_cli_refuses_flags_it_would_drop(flags, words):
+    # Each a flag the run would ignore or refuse only after loading: one line, exit 2.
+    _one_line_error(_run(*_SPEC, *flags), *words)
 
 
 def test_text_entry_points_check_seeds_and_timed_runs_before_loading(tmp_path):

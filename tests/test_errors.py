@@ -23,9 +23,15 @@ def test_prompt_longer_than_cache():
     with pytest.raises(ValueError, match="exceeds max_len"):
         jspec.generate(model, [np.arange(30)], max_new_tokens=8, max_len=32)
     P = model.config.max_position  # no max_len given: the model's positions bound the run
-    with pytest.raises(ValueError, match=rf"\(30 tokens\) \+ {P} positions .* exceeds the "
+    with pytest.raises(ValueError, match=rf"a prompt of 30 tokens \(the longest\) \+ {P} "
+                       rf"positions after it \(max_new_tokens\) = {P + 30} exceeds the "
                        rf"model's max_position_embeddings \({P}\)"):
         jspec.generate(model, [np.arange(30)], max_new_tokens=P)
+    draft = load("qwen3", "xla")  # a speculative run names its last verify block too
+    with pytest.raises(ValueError, match=rf"\+ {P + 5} positions after it \(max_new_tokens "
+                       rf"{P} \+ the last round's verify block of 5\)"):
+        jspec.speculative_generate(model, jspec.ModelDrafter(draft), [np.arange(30)],
+                                   jspec.SpecConfig(gamma=4, max_new_tokens=P))
     cache = jspec.init_cache(model, 1, 16)
     with pytest.raises(ValueError, match="exceeds the cache max_len 16"):
         jspec.forward(model, np.zeros((1, 17), np.int32), cache)
