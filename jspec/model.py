@@ -418,7 +418,7 @@ def expert_mlps(ops, model: Model, x, w_gate_up, w_down, expert, biases,
     weights' MXFP4 scales where w holds their codes (`packed_experts`)."""
     cfg, opt = model.config, model.options
     tiles = {"table_experts": table_experts} if table_experts else {}
-    prmt = {"mxfp4_prmt": True} if opt.mxfp4_prmt else {}
+    prmt = {"mxfp4_prmt": True} if opt.mxfp4_prmt is not False else {}  # None: on
     if opt.mxfp4_prefetch is not None:
         prmt["mxfp4_prefetch"] = opt.mxfp4_prefetch
     s_gu, s_dn = ({"scales": s, **prmt} for s in scales) if scales else ({}, {})

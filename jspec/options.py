@@ -98,19 +98,19 @@ class KernelOptions:
         the kernels (False; always on "mosaic", whose grouped kernels take float weights
         and whose bits, R11, are not Triton's). Exact integer decoding either way: the
         same bits (docs/tuning.md).
-      mxfp4_prmt: with `mxfp4_kernel` on, bf16 activations: each block's codes are
-        decoded by a byte-permute table in inline PTX (`mxfp4.decode_rows_prmt`: ~5
+      mxfp4_prmt: with `mxfp4_kernel` on, bf16 activations, on a GPU: each block's codes
+        are decoded by a byte-permute table in inline PTX (`mxfp4.decode_rows_prmt`: ~5
         instructions a weight where the integer decode takes ~15; 406-419 against 603-612
-        SASS instructions a K step of gpt-oss-120b's kernels) (True), or by the integer ops
-        (False or None: the default until its bits and speed are checked on a GPU).
-        Exact either way: the same values, so the same bits (interpret mode, which has
-        no PTX, decodes with the integer ops).
+        SASS instructions a K step of gpt-oss-120b's kernels) (True or None: the
+        default), or by the integer ops (False). Exact either way: the same values, so
+        the same bits (interpret mode, which has no PTX, decodes with the integer ops).
       mxfp4_prefetch: with `mxfp4_kernel` on: d (1-8): the packed kernels' K loop loads
-        each block's codes and scales d steps before their decode, and a GLU's gate and
-        up blocks share one loop (`pallas_kernels.moe._packed_k_loop`; the loads reach
-        the decode as loop-carried values, which Triton's pipeliner does not stage);
-        None: one step ahead, gate and up in two loops (the default until the device
-        has timed it). Scheduling only: the same dots in the same order, the same bits.
+        each block's codes and scales d steps before their decode
+        (`pallas_kernels.moe._packed_k_loop`: the loads reach the decode as loop-carried
+        values, which Triton's pipeliner does not stage); None: 4 where the PTX decode
+        runs (`moe.PRMT_PREFETCH`), else one step ahead in the loop's own form (the
+        integer decode spills at 4). Scheduling only: the same dots in the same order,
+        the same bits.
       matmul_row_group: pallas: up to this many row tiles per matmul program, each
         weight block loaded once for all of them (scheduling only).
       matmul_schedule: pallas: launches of several row tiles use the weight's tuned

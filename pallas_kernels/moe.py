@@ -328,8 +328,9 @@ def _expert_k_loop(e, src_ref, x_ref, w_ref, *, bk: int, nk: int, bn: int,
 
 def _packed_k_loop(e, src, rows, x_ref, weights, accs, *, bk: int, nk: int,
                    prmt: bool = False, depth: int = 1) -> list[jax.Array]:
-    """`_expert_k_loop`'s MXFP4 loop over one or more packed weights at once (the GLU's
-    gate and up blocks: `weights` [(codes_ref, scales_ref), ...]), one [bm, bn] f32
+    """`_expert_k_loop`'s MXFP4 loop over packed weights `weights` [(codes_ref,
+    scales_ref), ...] at once (the kernels pass one: a GLU's gate and up in one loop
+    spilled registers at gpt-oss-120b's tiles), one [bm, bn] f32
     accumulator each (`accs`, their zeros), all sharing each step's x block: accumulator i takes
     dot(x_k, decode(w_i block k)) for k = 0, 1, ..., nk - 1, the same dots in the same
     order as a loop of its own, so the same bits.
@@ -426,8 +427,8 @@ def _grouped_glu_kernel(e_ref, src_ref, x_ref, wg_ref, wu_ref, *refs, bk: int, n
     # `_grouped_kernel` with the gate and up column blocks j of w [E, Kp, 2F] (refs: o_ref,
     # after their bias blocks bg_ref, bu_ref with a bias, after their scale blocks sg_ref,
     # su_ref when packed): each biased in f32, rounded to the dtype, then `glu`'s
-    # arithmetic (`matmul_glu`'s tile). prefetch > 0 (packed): both in one loop
-    # (`_packed_loops`), the same dots in the same order.
+    # arithmetic (`matmul_glu`'s tile). prefetch > 0 (packed): each through
+    # `_packed_loops` (one loop for both spilled registers), the same dots, same order.
     (sg_ref, su_ref), refs = (refs[:2], refs[2:]) if packed else ((None, None), refs)
     *b_refs, o_ref = refs
     bg_ref, bu_ref = b_refs or (None, None)
@@ -454,7 +455,7 @@ def _grouped_glu_kernel(e_ref, src_ref, x_ref, wg_ref, wu_ref, *refs, bk: int, n
 
 def _launch(kernel, x, w, expert, cfg: MatmulConfig, n_out: int, out_dtype, w_blocks,
             interpret: bool, name: str, bias=None, scales=None, prmt: bool = False,
-            prefetch: int = 0):
+            prefetch: int | None = None):
     """Runs `kernel` over the expert-sorted row tiles x column blocks of n_out columns;
     w_blocks: the column-block index of each weight operand for column block j. Returns
     the [R, n_out] rows in their original order."""
@@ -467,7 +468,7 @@ def _launch(kernel, x, w, expert, cfg: MatmulConfig, n_out: int, out_dtype, w_bl
 def _launch_sorted(kernel, x, w, tile_expert, src, cfg: MatmulConfig, n_out: int, out_dtype,
                    w_blocks, interpret: bool, name: str, row_div: int = 1,
                    tiles: int | None = None, bias=None, scales=None, prmt: bool = False,
-                   prefetch: int = 0):
+                   prefetch: int | None = None):
     """`_launch` on a given layout (`tile_layout`'s tile_expert [T] and src [T bm], or
     longer arrays of which the first `tiles` tiles are used; slot s reads x row
     src[s] // row_div): the [T bm, n_out] rows in slot order. bias [E, N] (or None): its
@@ -475,9 +476,10 @@ def _launch_sorted(kernel, x, w, tile_expert, src, cfg: MatmulConfig, n_out: int
     [E, K / 32, N] (or None): w holds MXFP4 codes [E, K / 2, N], their scale blocks go
     beside them (`packed` kernels); a bk that is no multiple of 32 decodes them here.
     prmt: the kernels decode bf16 blocks by `mxfp4.decode_rows_prmt` (not in interpret
-    mode, which has no PTX: there `decode_rows`, the same values). prefetch > 0: the
-    packed kernels' loop loads blocks that many steps ahead, a GLU's gate and up in one
-    loop (`_packed_loops`; scheduling only, the same bits)."""
+    mode, which has no PTX: there `decode_rows`, the same values). prefetch d: the
+    packed kernels' loop loads blocks d steps ahead (`_packed_loops`; scheduling only,
+    the same bits); None: PRMT_PREFETCH where the PTX decode runs, else the loop's own
+    form (one step ahead)."""
     if scales is not None and cfg.bk % GROUP:
         w, scales = _packed(w, scales, x.dtype), None
     K = x.shape[1]
@@ -502,8 +504,11 @@ def _launch_sorted(kernel, x, w, tile_expert, src, cfg: MatmulConfig, n_out: int
                    for b in w_blocks]
         s_args = [pad_axis(pad_axis(scales, 1, kp // GROUP, 127), 2, Np, 127)] * len(w_blocks)
         extra["packed"] = True
-        if prmt and not interpret and x.dtype == jnp.bfloat16:
+        prmt = prmt and not interpret and x.dtype == jnp.bfloat16  # PTX: bf16, GPU
+        if prmt:
             extra["prmt"] = True
+        if prefetch is None and prmt:
+            prefetch = PRMT_PREFETCH
         if prefetch:
             extra["prefetch"] = prefetch
     b_specs, b_args = [], []
@@ -531,11 +536,16 @@ def _launch_sorted(kernel, x, w, tile_expert, src, cfg: MatmulConfig, n_out: int
     )(tile_expert, src, xp, *([wp] * len(w_blocks)), *s_args, *b_args)
 
 
-def _prefetch(depth: int | None) -> int:
-    """`mxfp4_prefetch` checked: 0 (None: the loop's own form) or a depth of 1 to 8."""
-    if depth is None:
-        return 0
-    if isinstance(depth, bool) or not isinstance(depth, int) or not 1 <= depth <= 8:
+# Blocks the packed loop loads ahead by default where the PTX decode runs (H100, 12 layers
+# of gpt-oss-120b: depths 4-6 within 1%, 8 slower; the integer decode at 4 spills and runs
+# 1.7x slower, so it keeps the loop's own form: docs/tuning.md `mxfp4_prefetch`).
+PRMT_PREFETCH = 4
+
+
+def _prefetch(depth: int | None) -> int | None:
+    """`mxfp4_prefetch` checked: None (the default by decode) or a depth of 1 to 8."""
+    if depth is not None and (isinstance(depth, bool) or not isinstance(depth, int)
+                              or not 1 <= depth <= 8):
         raise ValueError(f"mxfp4_prefetch must be None or an int in [1, 8]; got {depth!r}")
     return depth
 
@@ -563,8 +573,9 @@ def grouped_matmul(x: jax.Array, w: jax.Array, expert: jax.Array, *, out_dtype,
     layout) standing for a weight of x's dtype, decoded block by block in the kernel:
     the bits of that weight passed as floats. `mxfp4_prmt`: bf16 blocks decoded by
     `mxfp4.decode_rows_prmt` (`KernelOptions.mxfp4_prmt`), the same values.
-    `mxfp4_prefetch` d: the packed loop loads blocks d steps ahead (None: one, in the
-    loop's own form; `KernelOptions.mxfp4_prefetch`), the same bits."""
+    `mxfp4_prefetch` d: the packed loop loads blocks d steps ahead (None: PRMT_PREFETCH
+    with the PTX decode, else one, in the loop's own form; `KernelOptions.mxfp4_prefetch`),
+    the same bits."""
     _check_grouped(x, w, expert, scales)
     check_bias(bias, w, "grouped_matmul")
     out_dtype = jnp.dtype(jnp.float32 if out_dtype is None else out_dtype)
@@ -597,8 +608,7 @@ def grouped_matmul_glu(x: jax.Array, w: jax.Array, expert: jax.Array, *, activat
     bias=bias)`'s halves (the same tiles, `grouped_config(E, K, 2F)` unless `config`
     overrides it, and K loops), in one kernel; shapes whose column tile does not divide F
     take that unfused path. `table_experts`, `scales` (MXFP4 codes in w), `mxfp4_prmt`
-    and `mxfp4_prefetch` as `grouped_matmul`'s (with a prefetch the gate and up blocks
-    share one K loop)."""
+    and `mxfp4_prefetch` as `grouped_matmul`'s."""
     _check_grouped(x, w, expert, scales)
     check_bias(bias, w, "grouped_matmul_glu")
     if w.shape[2] % 2:

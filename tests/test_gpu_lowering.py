@@ -358,7 +358,7 @@ def test_packed_expert_dots_see_no_narrow_load_or_join(monkeypatch, glu, prmt, p
     # come from the loop's results, where the walk ends as well).
     from pallas_kernels import mxfp4
     from pallas_kernels.matmul import MatmulConfig
-    from pallas_kernels.moe import grouped_matmul, grouped_matmul_glu
+    from pallas_kernels.moe import PRMT_PREFETCH, grouped_matmul, grouped_matmul_glu
 
     cfg = MatmulConfig(bm=16, bn=64, bk=128, num_warps=4, num_stages=3)
     x = jax.ShapeDtypeStruct((5, 512), jnp.bfloat16)
@@ -376,7 +376,9 @@ def test_packed_expert_dots_see_no_narrow_load_or_join(monkeypatch, glu, prmt, p
     (ir,) = [ir for ir in _triton_modules(monkeypatch, fn, x, codes, expert, scales)
              if "tt.dot" in ir]
     found = _dot_inputs(ir)
-    depth = prefetch or 1  # K = 512 in blocks of 128: 4 steps, 4 % 3 = 1 after the loop
+    # K = 512 in blocks of 128: 4 steps, 4 % 3 = 1 after the loop; the PTX decode loads 4
+    # blocks ahead by default
+    depth = prefetch or (PRMT_PREFETCH if prmt else 1)
     loops = 2 if glu else 1  # (those take the loop's results: the walk ends there too)
     assert len(found) == loops * depth
     assert ir.count("tt.dot") == loops * (depth + 4 % depth)
@@ -395,7 +397,7 @@ def test_packed_expert_dots_see_no_narrow_load_or_join(monkeypatch, glu, prmt, p
 
 @pytest.mark.parametrize("preset,batch,tokens,packed", [
     ("qwen3-8b", 8, 5, False), ("qwen3-30b-a3b", 1, 5, False), ("gpt-oss-120b", 1, 5, True),
-    pytest.param("gpt-oss-120b", 1, 5, "prmt", marks=pytest.mark.slow)])  # the kernels' case
+    pytest.param("gpt-oss-120b", 1, 5, "int", marks=pytest.mark.slow)])  # the kernels' case
 def test_no_dot_sees_a_narrow_load_or_a_join(monkeypatch, preset, batch, tokens, packed):
     # The rule the packed kernels were fixed for, over a whole forward's kernels: each
     # dot's operands keep the layout of their own 16- or 32-bit type (a kernel that
@@ -404,15 +406,18 @@ def test_no_dot_sees_a_narrow_load_or_a_join(monkeypatch, preset, batch, tokens,
     cfg = preset_config(preset, num_layers=1)
     model = Model(config=cfg, params=jax.eval_shape(lambda: random_params(cfg, 0,
                                                                           bool(packed))))
-    if packed == "prmt":
-        model = model.replace(options=model.options.replace(mxfp4_prmt=True))
+    if packed == "int":  # the integer decode (the default: the PTX one, 4 blocks ahead)
+        model = model.replace(options=model.options.replace(mxfp4_prmt=False))
     cache = jax.eval_shape(lambda: init_cache(model, batch, 256))
     irs = _triton_modules(monkeypatch, apply, model,
                           jax.ShapeDtypeStruct((batch, tokens), jnp.int32), cache)
     found = [f for ir in irs for f in _dot_inputs(ir)]
     assert len(found) >= 4
-    if packed == "prmt":
-        assert sum("tt.elementwise_inline_asm" in ops for ops, _ in found) == 3  # gate, up, down
+    if packed:  # gate, up, down: a K loop each, a dot a step of a 4-step body
+        from pallas_kernels.moe import PRMT_PREFETCH
+
+        asm = sum("tt.elementwise_inline_asm" in ops for ops, _ in found)
+        assert asm == (0 if packed == "int" else 3 * PRMT_PREFETCH), asm
     for ops, loads in found:
         assert "tt.join" not in ops
         assert not loads & {"i1", "i8", "ui8"}, loads

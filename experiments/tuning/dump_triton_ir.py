@@ -12,9 +12,9 @@ target forward of the Qwen3-8B and Gemma-3-4B shapes at decode, verify, a 17-tok
 a 70-token and an 1,100-token prefill (B = 1, and B = 8 at decode); decode steps over
 4,096 and 65,536 keys (the two-level fold, a program per fold group); the Qwen3-30B-A3B
 shape at 1, 2, 5 and 70 tokens, with and without the layout and combine kernels; gpt-oss-20b
-and gpt-oss-120b (experts packed, `mxfp4_kernel`) at 1 and 5 tokens (and at 1 with
-`mxfp4_prmt`, and with `mxfp4_prefetch` 2 and 3); the fused
-draft forward of the Qwen3-0.6B and Gemma-3-4B shapes; tree verifies of 17 and 65 tokens.
+and gpt-oss-120b (experts packed, `mxfp4_kernel`: the PTX decode, 4 blocks ahead) at 1
+and 5 tokens (and at 1 with the integer decode, `mxfp4_prmt=False`, and 2 blocks ahead);
+the fused draft forward of the Qwen3-0.6B and Gemma-3-4B shapes; tree verifies of 17 and 65 tokens.
 Nothing runs on a device: `gpu_info` answers with the H200's entry and jax lowers for
 "cuda" with abstract weights (as tests/test_gpu_lowering.py does). Writes one
 `<case>_<i>_<kernel>.mlir` per kernel, `hashes.txt` (the IR only) and `launch.txt` (each
@@ -124,10 +124,9 @@ def _cases():
             cache = jax.eval_shape(lambda m=model: init_cache(m, 1, 256))
             yield (f"{preset}_B1_T{T}", apply,
                    (model, jax.ShapeDtypeStruct((1, T), jnp.int32), cache))
-        if packed:  # the decode in inline PTX (`mxfp4_prmt`), then blocks loaded ahead
-            for tag, fields in [("_prmt", {"mxfp4_prmt": True}),
-                                ("_prmt_prefetch2", {"mxfp4_prmt": True, "mxfp4_prefetch": 2}),
-                                ("_prmt_prefetch3", {"mxfp4_prmt": True, "mxfp4_prefetch": 3})]:
+        if packed:  # the integer decode (one block ahead), and the PTX one 2 blocks ahead
+            for tag, fields in [("_int", {"mxfp4_prmt": False}),
+                                ("_prefetch2", {"mxfp4_prefetch": 2})]:
                 m = model.replace(options=model.options.replace(**fields))
                 cache = jax.eval_shape(lambda m=m: init_cache(m, 1, 256))
                 yield (f"{preset}{tag}_B1_T1", apply,
