@@ -165,13 +165,14 @@ def test_the_expert_mlp_lowers_for_cuda(M, gpt_oss):
 
 @pytest.mark.parametrize("schedules", ["blocks", pytest.param("steps, verify",
                                                              marks=pytest.mark.slow)])
-@pytest.mark.parametrize("gpt_oss", [False, True])
+@pytest.mark.parametrize("gpt_oss", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_property_p_holds_for_experts_on_mosaic(schedules, gpt_oss):
     # A tiny bf16 Qwen3-MoE (8 experts, 2 a token, a dense layer between two sparse ones)
     # with lowering="mosaic": blocks of 4, 1, 3, 1, 1 tokens (slow: one-token steps
     # throughout, verify blocks) give the prefill's logits bits (its head size of 32
     # keeps attention on Triton; the next test lowers a real one). gpt_oss: with
-    # gpt-oss's expert pieces (biases, the clamped GLU, top-k softmax routing).
+    # gpt-oss's expert pieces (biases, the clamped GLU, top-k softmax routing; the plain
+    # target in the slow run: the same grouped kernels and routing without them).
     from test_moe import gpt_oss_experts
 
     from jspec import parity

@@ -168,9 +168,11 @@ def test_shipped_head_loads_and_drafts_exactly():
     assert out.stats["accepted"] > 0
 
 
-def test_train_script_checks_its_config_and_workdir_first(tmp_path):
+@pytest.mark.parametrize("more", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_train_script_checks_its_config_and_workdir_first(tmp_path, more):
     # Each mistake: one line, before anything loads; a workdir whose ckpt/ holds other
-    # files is refused and left as it was (its files are never deleted).
+    # files is refused and left as it was (its files are never deleted). more: the other
+    # config ranges and file-for-directory mistakes (a process each).
     (tmp_path / "ckpt").mkdir()
     (tmp_path / "ckpt" / "notes.txt").write_text("keep me")
     base = [sys.executable, os.path.join(ROOT, "experiments", "train_draft_head.py"),
@@ -179,14 +181,16 @@ def test_train_script_checks_its_config_and_workdir_first(tmp_path):
     (tmp_path / "a_file").write_text("x")
     (tmp_path / "shipped").mkdir()
     (tmp_path / "shipped" / "model.safetensors").write_text("a head")
-    for flag, words in (("--config.lr=-1", "lr=-1.0 must be > 0"),
-                        ("--config.b2=1.0", "b2=1.0 must be in [0, 1)"),
-                        ("--config.ttt_steps=0", "ttt_steps=0 must be an integer >= 1"),
-                        (f"--config.workdir={tmp_path}", "not this script's checkpoints"),
-                        (f"--config.workdir={tmp_path / 'a_file'}", "is a file, not a dir"),
-                        (f"--config.out_dir={tmp_path / 'a_file'}", "is a file, not a dir"),
-                        (f"--config.out_dir={tmp_path / 'shipped'}",
-                         "holds a head already; pass --config.overwrite=True")):
+    cases = [("--config.lr=-1", "lr=-1.0 must be > 0"),
+             (f"--config.workdir={tmp_path}", "not this script's checkpoints"),
+             (f"--config.out_dir={tmp_path / 'shipped'}",
+              "holds a head already; pass --config.overwrite=True")]
+    if more:
+        cases = [("--config.b2=1.0", "b2=1.0 must be in [0, 1)"),
+                 ("--config.ttt_steps=0", "ttt_steps=0 must be an integer >= 1"),
+                 (f"--config.workdir={tmp_path / 'a_file'}", "is a file, not a dir"),
+                 (f"--config.out_dir={tmp_path / 'a_file'}", "is a file, not a dir")]
+    for flag, words in cases:
         r = subprocess.run(base + [flag], cwd=ROOT, capture_output=True, text=True,
                            timeout=120)
         assert r.returncode == 2 and words in r.stderr and "Traceback" not in r.stderr, \
