@@ -418,10 +418,9 @@ def expert_mlps(ops, model: Model, x, w_gate_up, w_down, expert, biases,
     weights' MXFP4 scales where w holds their codes (`packed_experts`)."""
     cfg, opt = model.config, model.options
     tiles = {"table_experts": table_experts} if table_experts else {}
-    prmt = {"mxfp4_prmt": True} if opt.mxfp4_prmt is not False else {}  # None: on
-    if opt.mxfp4_prefetch is not None:
-        prmt["mxfp4_prefetch"] = opt.mxfp4_prefetch
-    s_gu, s_dn = ({"scales": s, **prmt} for s in scales) if scales else ({}, {})
+    decode = {"mxfp4_prmt": opt.mxfp4_prmt is not False,  # None: on
+              "mxfp4_prefetch": opt.mxfp4_prefetch}
+    s_gu, s_dn = ({"scales": s, **decode} for s in scales) if scales else ({}, {})
     xr = jnp.repeat(x, cfg.experts_per_token, axis=0)  # [M k, D]
     if opt.fuse_glu and opt.backend == "pallas":
         a = ops.grouped_matmul_glu(xr, w_gate_up, expert, activation=cfg.activation,

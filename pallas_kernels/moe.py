@@ -283,7 +283,7 @@ def tile_layout_kernel(expert: jax.Array, E: int, bm: int, *, interpret: bool = 
 
 
 def _expert_k_loop(e, src_ref, x_ref, w_ref, *, bk: int, nk: int, bn: int,
-                   row_div: int = 1, s_ref=None, prmt: bool = False):
+                   row_div: int = 1, s_ref=None, prmt: bool = False, depth: int = 1):
     """[bm, bn] f32: the tile's rows (src_ref) of x_ref [R, Kp] times expert e's block
     w_ref [E, Kp, bn], k = 0, 1, ..., nk-1 in bk blocks, sequentially (R2: the K order is
     fixed by K and bk). Empty slots (src -1) read exact zeros. row_div > 1: slot source s
@@ -303,7 +303,8 @@ def _expert_k_loop(e, src_ref, x_ref, w_ref, *, bk: int, nk: int, bn: int,
     kernel's take 2, which assigns other K values to each MMA instruction's slots and
     rounds differently (on an H100: 1,008 of 1,024 positions off the dequantized
     model's). A carried value ends that search, so the float kernel's layout and bits.
-    prmt: decode by `mxfp4.decode_rows_prmt` (bf16, GPU), the same values."""
+    prmt: decode by `mxfp4.decode_rows_prmt` (bf16, GPU), the same values. depth: blocks
+    loaded ahead (`_packed_k_loop`)."""
     src = src_ref[...]  # [bm]
     rows, real = jnp.maximum(src, 0), (src >= 0)[:, None]  # [bm], [bm, 1]
     if row_div > 1:
@@ -322,18 +323,14 @@ def _expert_k_loop(e, src_ref, x_ref, w_ref, *, bk: int, nk: int, bn: int,
         return lax.fori_loop(  # [bk, bn] of the tile's expert only
             0, nk, lambda k, acc: dot(acc, x_block(k), w_ref[e, pl.ds(k * bk, bk), :]), acc)
 
-    return _packed_k_loop(e, src, rows, x_ref, [(w_ref, s_ref)], [acc], bk=bk, nk=nk,
-                          prmt=prmt)[0]
+    return _packed_k_loop(e, src, rows, x_ref, w_ref, s_ref, acc, bk=bk, nk=nk, prmt=prmt,
+                          depth=depth)
 
 
-def _packed_k_loop(e, src, rows, x_ref, weights, accs, *, bk: int, nk: int,
-                   prmt: bool = False, depth: int = 1) -> list[jax.Array]:
-    """`_expert_k_loop`'s MXFP4 loop over packed weights `weights` [(codes_ref,
-    scales_ref), ...] at once (the kernels pass one: a GLU's gate and up in one loop
-    spilled registers at gpt-oss-120b's tiles), one [bm, bn] f32
-    accumulator each (`accs`, their zeros), all sharing each step's x block: accumulator i takes
-    dot(x_k, decode(w_i block k)) for k = 0, 1, ..., nk - 1, the same dots in the same
-    order as a loop of its own, so the same bits.
+def _packed_k_loop(e, src, rows, x_ref, w_ref, s_ref, acc, *, bk: int, nk: int,
+                   prmt: bool = False, depth: int = 1) -> jax.Array:
+    """`_expert_k_loop`'s MXFP4 loop: acc (zeros [bm, bn] f32) plus dot(x_k, decode(w
+    block k)) for k = 0, 1, ..., nk - 1.
 
     depth: how many blocks ahead the codes and scales are loaded. They reach the decode
     as loop-carried values (see `_expert_k_loop`: the dot operands' layout), which
@@ -341,53 +338,40 @@ def _packed_k_loop(e, src, rows, x_ref, weights, accs, *, bk: int, nk: int,
     use to arrive. With depth d the loop body runs d steps, each slot of the carried
     queue reloaded for the step d later right after its decode (no value moves between
     slots, so none waits for its load), so a block's bytes have d steps of work to arrive
-    in; the last nk % d steps follow the loop. Scheduling only: the same dots, same order."""
+    in; the last nk % d steps follow the loop. Scheduling only: the same dots in the same
+    order, so the same bits. (A GLU's gate and up in one loop spilled registers at
+    gpt-oss-120b's tiles: each keeps its own.)"""
     row = lax.broadcasted_iota(jnp.int32, (bk,), 0)
     # x_ref's last row is zeros (`_launch_sorted`): empty slots read it, no select a step
     zero_rows = jnp.where(src >= 0, rows, x_ref.shape[0] - 1)
     depth = max(1, min(depth, nk))
 
-    def packed(k):  # block k's [bk, bn] row bytes and row scales, each weight
-        return tuple((w_ref[e, k * (bk // 2) + row // 2, :],
-                      s_ref[e, k * (bk // GROUP) + row // GROUP, :]) for w_ref, s_ref in weights)
+    def packed(k):  # block k's [bk, bn] row bytes and row scales
+        return (w_ref[e, k * (bk // 2) + row // 2, :],
+                s_ref[e, k * (bk // GROUP) + row // GROUP, :])
 
-    odd = odd_rows((bk, accs[0].shape[1])) if prmt else None  # once, outside the loop
+    odd = odd_rows((bk, acc.shape[1])) if prmt else None  # once, outside the loop
 
-    def step(k, accs, blocks):  # block k's dots, one a weight
+    def step(k, acc, block):  # block k's dot
         xs = x_ref[zero_rows, pl.ds(k * bk, bk)]
-        return tuple(acc + jnp.dot(xs, decode_rows_prmt(c, s, odd) if prmt
-                                   else decode_rows(c, s, xs.dtype),
-                                   precision=lax.Precision.HIGHEST,
-                                   preferred_element_type=jnp.float32)
-                     for acc, (c, s) in zip(accs, blocks, strict=True))
+        ws = decode_rows_prmt(*block, odd) if prmt else decode_rows(*block, xs.dtype)
+        return acc + jnp.dot(xs, ws, precision=lax.Precision.HIGHEST,
+                             preferred_element_type=jnp.float32)
 
     def group(g, carry):  # steps g d .. g d + d - 1; slot j holds block g d + j
-        accs, queue = carry
+        acc, queue = carry
         queue = list(queue)
         for j in range(depth):
             k = g if depth == 1 else g * depth + j
-            accs = step(k, accs, queue[j])
+            acc = step(k, acc, queue[j])
             queue[j] = packed(jnp.minimum(k + depth, nk - 1))
-        return accs, tuple(queue)
+        return acc, tuple(queue)
 
     queue = tuple(packed(j) for j in range(depth))
-    accs, queue = lax.fori_loop(0, nk // depth, group, (tuple(accs), queue))
+    acc, queue = lax.fori_loop(0, nk // depth, group, (acc, queue))
     for j in range(nk % depth):  # slot j holds block (nk // depth) d + j
-        accs = step((nk // depth) * depth + j, accs, queue[j])
-    return list(accs)
-
-
-def _packed_loops(e, src_ref, x_ref, weights, *, bk: int, nk: int, bn: int,
-                  row_div: int = 1, prmt: bool = False, depth: int = 1) -> list[jax.Array]:
-    """`_expert_k_loop` for MXFP4 weights [(codes_ref, scales_ref), ...] in one loop
-    (`_packed_k_loop`, blocks `depth` ahead): [bm, bn] f32 each, the same bits."""
-    src = src_ref[...]  # [bm]
-    rows = jnp.maximum(src, 0)
-    if row_div > 1:
-        rows = rows // row_div
-    accs = [jnp.zeros((src.shape[0], bn), jnp.float32) for _ in weights]
-    return _packed_k_loop(e, src, rows, x_ref, weights, accs, bk=bk, nk=nk, prmt=prmt,
-                          depth=depth)
+        acc = step((nk // depth) * depth + j, acc, queue[j])
+    return acc
 
 
 def _biased(acc: jax.Array, e, b_ref=None) -> jax.Array:
@@ -404,20 +388,16 @@ def _grouped_kernel(e_ref, src_ref, x_ref, w_ref, *refs, bk: int, nk: int,
     # e_ref [1] int32: the tile's expert (-1: unused tile); src_ref [bm] int32: the row of
     # x in each slot (-1: none); x_ref [R, Kp]; w_ref [E, Kp, bn]; refs: o_ref [bm, bn],
     # after b_ref [E, bn] with a bias, after s_ref [E, Kp / 32, bn] when packed (w_ref
-    # then holds MXFP4 codes [E, Kp / 2, bn]); prefetch > 0: `_packed_loops`' schedule.
+    # then holds MXFP4 codes [E, Kp / 2, bn]); prefetch > 0: packed blocks loaded that many
+    # steps ahead.
     s_ref, refs = (refs[0], refs[1:]) if packed else (None, refs)
     *b_refs, o_ref = refs
     e = jnp.max(e_ref[...])
 
     @pl.when(e >= 0)
     def _():
-        if prefetch:
-            [acc] = _packed_loops(e, src_ref, x_ref, [(w_ref, s_ref)], bk=bk, nk=nk,
-                                  bn=o_ref.shape[1], row_div=row_div, prmt=prmt,
-                                  depth=prefetch)
-        else:
-            acc = _expert_k_loop(e, src_ref, x_ref, w_ref, bk=bk, nk=nk, bn=o_ref.shape[1],
-                                 row_div=row_div, s_ref=s_ref, prmt=prmt)
+        acc = _expert_k_loop(e, src_ref, x_ref, w_ref, bk=bk, nk=nk, bn=o_ref.shape[1],
+                             row_div=row_div, s_ref=s_ref, prmt=prmt, depth=prefetch or 1)
         o_ref[...] = _biased(acc, e, *b_refs).astype(o_ref.dtype)
 
 
@@ -427,8 +407,7 @@ def _grouped_glu_kernel(e_ref, src_ref, x_ref, wg_ref, wu_ref, *refs, bk: int, n
     # `_grouped_kernel` with the gate and up column blocks j of w [E, Kp, 2F] (refs: o_ref,
     # after their bias blocks bg_ref, bu_ref with a bias, after their scale blocks sg_ref,
     # su_ref when packed): each biased in f32, rounded to the dtype, then `glu`'s
-    # arithmetic (`matmul_glu`'s tile). prefetch > 0 (packed): each through
-    # `_packed_loops` (one loop for both spilled registers), the same dots, same order.
+    # arithmetic (`matmul_glu`'s tile). prefetch: as `_grouped_kernel`'s.
     (sg_ref, su_ref), refs = (refs[:2], refs[2:]) if packed else ((None, None), refs)
     *b_refs, o_ref = refs
     bg_ref, bu_ref = b_refs or (None, None)
@@ -437,19 +416,14 @@ def _grouped_glu_kernel(e_ref, src_ref, x_ref, wg_ref, wu_ref, *refs, bk: int, n
 
     @pl.when(e >= 0)
     def _():
-        if prefetch:
-            gate, up = (_packed_loops(e, src_ref, x_ref, [ws], bk=bk, nk=nk, bn=bn,
-                                      row_div=row_div, prmt=prmt, depth=prefetch)[0]
-                        for ws in ((wg_ref, sg_ref), (wu_ref, su_ref)))
-            o_ref[...] = _glu_tile(_biased(gate, e, bg_ref).astype(dtype),
-                                   _biased(up, e, bu_ref).astype(dtype), activation)
-            return
-        gate = _biased(_expert_k_loop(e, src_ref, x_ref, wg_ref, bk=bk, nk=nk, bn=bn,
-                                      row_div=row_div, s_ref=sg_ref, prmt=prmt), e,
-                       bg_ref).astype(dtype)
-        up = _biased(_expert_k_loop(e, src_ref, x_ref, wu_ref, bk=bk, nk=nk, bn=bn,
-                                    row_div=row_div, s_ref=su_ref, prmt=prmt), e,
-                     bu_ref).astype(dtype)
+        loop = functools.partial(_expert_k_loop, e, src_ref, x_ref, bk=bk, nk=nk, bn=bn,
+                                 row_div=row_div, prmt=prmt, depth=prefetch or 1)
+        if prefetch:  # both loops, then both epilogues: the order the device proved
+            g, u = loop(wg_ref, s_ref=sg_ref), loop(wu_ref, s_ref=su_ref)
+            gate, up = _biased(g, e, bg_ref).astype(dtype), _biased(u, e, bu_ref).astype(dtype)
+        else:
+            gate = _biased(loop(wg_ref, s_ref=sg_ref), e, bg_ref).astype(dtype)
+            up = _biased(loop(wu_ref, s_ref=su_ref), e, bu_ref).astype(dtype)
         o_ref[...] = _glu_tile(gate, up, activation)
 
 
@@ -477,7 +451,7 @@ def _launch_sorted(kernel, x, w, tile_expert, src, cfg: MatmulConfig, n_out: int
     beside them (`packed` kernels); a bk that is no multiple of 32 decodes them here.
     prmt: the kernels decode bf16 blocks by `mxfp4.decode_rows_prmt` (not in interpret
     mode, which has no PTX: there `decode_rows`, the same values). prefetch d: the
-    packed kernels' loop loads blocks d steps ahead (`_packed_loops`; scheduling only,
+    packed kernels' loop loads blocks d steps ahead (`_packed_k_loop`; scheduling only,
     the same bits); None: PRMT_PREFETCH where the PTX decode runs, else the loop's own
     form (one step ahead)."""
     if scales is not None and cfg.bk % GROUP:
