@@ -81,13 +81,13 @@ HAND_LIST = ((64, 128, 4, 5), (128, 64, 4, 4), (128, 64, 8, 4), (64, 64, 4, 6),
              (128, 64, 4, 3), (32, 128, 4, 4), (32, 256, 4, 3), (32, 128, 2, 5),
              (16, 128, 2, 4))
 # Packed weights (--mxfp4; 2880-wide gpt-oss experts: bk 32 or 64 divide K): the decode
-# is per weight element whatever the row count. On an H100 (2026-12-05f, block decode)
-# none of the first list beat the rule (bn 64, bk 64, 4 warps, 4 stages) and bn 16 took
-# 32-58% longer at T = 1, so bn 64 with other warps and stages, and bn 32, come first now.
-PACKED_LIST = ((64, 64, 2, 4), (64, 64, 2, 3), (64, 64, 8, 3), (64, 64, 4, 5),
-               (64, 32, 2, 6), (64, 32, 4, 6), (32, 64, 4, 4), (32, 64, 2, 4),
-               (32, 64, 4, 3), (64, 64, 8, 4), (64, 64, 4, 3), (32, 32, 2, 6),
-               (32, 64, 8, 4), (16, 64, 2, 4))
+# is per weight element whatever the row count. The packed loop carries its blocks 4 ahead
+# (`moe.PRMT_PREFETCH`), [bk, bn] codes and scales each: compiled for sm_90, the rule (bn 64,
+# bk 64, 4 warps) spills ~72 registers a loop body at that depth, and half the elements a
+# thread (bn 32, bk 32 or 8 warps) fit without spills; 2 warps spill more. So those come first.
+PACKED_LIST = ((32, 64, 4, 4), (64, 64, 8, 4), (64, 32, 4, 4), (32, 32, 4, 4),
+               (32, 64, 4, 3), (64, 64, 8, 3), (32, 64, 8, 4), (64, 32, 4, 6),
+               (32, 32, 4, 6), (64, 64, 4, 5), (64, 64, 2, 4), (16, 64, 2, 4))
 
 
 def candidates(E: int, K: int, N: int, dtype, interpret: bool, packed: bool = False,
