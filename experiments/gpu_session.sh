@@ -8,6 +8,7 @@
 # e2e_session tree_sweep parity_long parity_long_xla context_bench context_bench_128k
 # e2e_batch chunk_cost moe_cost moe_parity moe_e2e tallsweep prefillsweep serial_split e2e_context profile groupsweep
 # combinesweep routesweep mosaic_attention mosaic mosaic_top_p mosaic_swapped e2e_mosaic table
+# loop_cmdbuf
 # (default: parity audit kernels spec); table copies the device's matmul_tuned.json to $OUT.
 # - mosaic_swapped: tuning/mosaic_matmul.py --swapped (the swapped design's bits and time
 #   against the plain one and Triton, Qwen3-8B weights), writing the passing, faster configs
@@ -24,6 +25,8 @@
 #   T = 1 / 5 / 17, contexts $MOSAIC_CONTEXTS (default "512 8192"; $MOSAIC_KERNELS_S).
 #   e2e_mosaic: bench_e2e.py at the Qwen3-8B shape (36 layers), serial and a feature
 #   head (gamma 4, a = 0.8), batches $E2E_BATCHES (default 1,8), once a lowering.
+#   loop_cmdbuf: the same on Triton at batches $E2E_BATCHES (default 1), with XLA's
+#   default command buffers, then with while loops and conditionals inside them too.
 # - mosaic_attention: tuning/mosaic_attention.py, split-KV attention on Mosaic GPU at the
 #   Llama-3-8B attention shape, contexts 2K and 8K: each token's bits alone, in verify
 #   blocks of 5 / 17 / 33, in a batch of 8 and a doubled cache of garbage; speed against
@@ -437,6 +440,15 @@ for s in "$@"; do
                 --prompt_len=512 --max_new_tokens=128 --gammas=4 --accept=0.8 --nolookup \
                 --nopeers --serial_backends=pallas --iters=2 --options="$low" \
                 --out="$OUT" --tag="${GPU}_lowering-$low" 2>&1 | quiet | grep -v "it/s" | tail -14
+            done ;;
+    loop_cmdbuf) for cb in default while; do  # the host loop's while in a command buffer
+              flags=${XLA_FLAGS:-}
+              [ $cb = while ] && flags="$flags --xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,WHILE,CONDITIONAL"
+              XLA_FLAGS="$flags" timeout "${E2E_S:-200}" python3 experiments/bench_e2e.py \
+                --target=qwen3-8b --draft=qwen3-0.6b:1 --drafter=feature \
+                --batches="${E2E_BATCHES:-1}" --prompt_len=512 --max_new_tokens=128 --gammas=4 \
+                --accept=0.8 --nolookup --nopeers --serial_backends=pallas --iters=2 \
+                --out="$OUT" --tag="${GPU}_cmdbuf-$cb" 2>&1 | quiet | grep -v "it/s" | tail -10
             done ;;
     mosaic_top_p) top_p ;;
     table) cp pallas_kernels/matmul_tuned.json "$OUT/" ;;  # the device copy's tile table
