@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import re
+import tempfile
 
 import jax
 import numpy as np
@@ -75,6 +76,7 @@ def save_params(path: str, model: Model) -> None:
     if os.path.exists(path):
         raise FileExistsError(f"{path} exists: save_params writes a new checkpoint directory "
                               "and replaces nothing: remove it, or give another path")
+    _check_writable(path)
     import orbax.checkpoint as ocp  # ~0.6 s to import: only when a checkpoint is used
 
     with ocp.StandardCheckpointer() as ckptr:
@@ -86,6 +88,26 @@ def save_params(path: str, model: Model) -> None:
     with open(tmp, "w") as f:
         json.dump(record, f, indent=1, sort_keys=True)
     os.replace(tmp, os.path.join(path, DIGEST_FILE))
+
+
+def _check_writable(path: str) -> None:
+    """That a directory can be created at `path` (its parents made as needed), before orbax
+    is called: a path orbax cannot create fails in its background threads, which then
+    keep the process alive for minutes."""
+    parent = os.path.dirname(path)
+    ancestor = parent
+    while not os.path.exists(ancestor):
+        ancestor = os.path.dirname(ancestor)
+    if not os.path.isdir(ancestor):
+        raise CheckpointError(f"cannot create the checkpoint directory {path}: {ancestor} is "
+                              "a file, not a directory")
+    try:
+        os.makedirs(parent, exist_ok=True)
+        os.rmdir(tempfile.mkdtemp(prefix=".jspec_probe_", dir=parent))
+    except OSError as e:
+        where = f" ({e.filename})" if e.filename else ""
+        raise CheckpointError(f"cannot create the checkpoint directory {path}: "
+                              f"{e.strerror or e}{where}") from None
 
 
 def _degree(model: Model) -> int:

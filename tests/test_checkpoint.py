@@ -49,6 +49,19 @@ def test_a_saved_checkpoint_is_never_replaced(saved):
     _equal(jspec.restore_params(path, model), model)
 
 
+def test_a_path_that_cannot_be_created_is_refused_before_orbax(tmp_path):
+    # Orbax fails such a path in background threads that then keep the process alive for
+    # minutes; save_params names the problem first, and leaves nothing behind.
+    model = _model()
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(jspec.CheckpointError, match="afile is a file, not a directory"):
+        jspec.save_params(str(tmp_path / "afile" / "sub" / "ckpt"), model)
+    if os.path.isdir("/proc/self"):  # a directory no one (root included) can write into
+        with pytest.raises(jspec.CheckpointError, match="cannot create the checkpoint"):
+            jspec.save_params("/proc/jspec_ckpt", model)
+    jspec.save_params(str(tmp_path / "new" / "deeper" / "ckpt"), model)  # parents made
+
+
 def test_a_path_under_home_is_expanded(tmp_path, monkeypatch):
     # "~/ckpt" is the home directory's, as in a shell (not a folder named "~" here).
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
