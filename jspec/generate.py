@@ -30,9 +30,16 @@ from flax import struct
 from jspec._checks import check_bool, check_ints, check_seed, check_type
 from jspec.cache import KVCache, init_cache
 from jspec.chunked_prefill import prefill as chunked_prefill
-from jspec.loop import bucket, check_count, raise_non_finite, run_chunked, token_bar
+from jspec.loop import (
+    SAMPLER_CODE,
+    bucket,
+    check_count,
+    raise_non_finite,
+    run_chunked,
+    token_bar,
+)
 from jspec.model import COMPILER_OPTIONS, Model, apply, check_tokens, row_flags
-from jspec.sampling import Greedy, Sample, with_lowering
+from jspec.sampling import Greedy, check_sampler, with_lowering
 
 PAD = -1  # marks output slots after a row stopped
 GREEDY = Greedy()
@@ -175,7 +182,10 @@ def _step(model: Model, state: DecodeState, seed, sampler, stop_tokens: tuple[in
                       row_flags(fwd.bad, cache.lengths[:, None] - 1))  # [B, 2]
     bad, row, flag = first_non_finite(logits, live, flags)
     live = live & ~bad  # nothing is sampled from broken logits
-    tok = sampler(logits, seed, rows, cache.lengths)  # [B], at position cache.lengths
+    tok = check_sampled(sampler, sampler(logits, seed, rows, cache.lengths), B)
+    # [B], at position cache.lengths; an id outside the vocabulary stops the run there
+    off = live & ((tok < 0) | (tok >= logits.shape[-1]))
+    live = live & ~off
     out = state.out.at[:, state.step].set(jnp.where(live, tok, PAD))
     is_stop = jnp.isin(tok, jnp.asarray(stop_tokens, jnp.int32)) if stop_tokens else False
     done = state.done | (live & is_stop)
@@ -183,8 +193,27 @@ def _step(model: Model, state: DecodeState, seed, sampler, stop_tokens: tuple[in
     at = jnp.where(flag[0] >= 0, jnp.stack([row, flag[1], flag[0]]),
                    jnp.stack([row, cache.lengths[row] - 1, jnp.int32(-1)]))
     bad_at = jnp.where(bad & ~state.bad, at, state.bad_at)
+    orow = jnp.argmax(off).astype(jnp.int32)
+    oat = jnp.stack([orow, cache.lengths[orow], jnp.int32(SAMPLER_CODE)])
+    bad_at = jnp.where(jnp.any(off) & ~(state.bad | bad), oat, bad_at)
     return DecodeState(state.step + 1, cache, jnp.where(live, tok, 0), out, done, num,
-                       flags, state.bad | bad, bad_at)
+                       flags, state.bad | bad | jnp.any(off), bad_at)
+
+
+def check_sampled(sampler, tok, B: int):
+    """A sampler's answer, at trace time: integer token ids of shape [B] (as int32; the
+    values are checked as the loop runs, `SAMPLER_CODE`)."""
+    dtype, shape = getattr(tok, "dtype", None), getattr(tok, "shape", None)
+    if dtype is None or not jnp.issubdtype(dtype, jnp.integer) or shape != (B,):
+        raise TypeError(f"sampler {sampler!r:.80} must return integer token ids of shape "
+                        f"[B] = ({B},) (sampler(logits [B, V], seed, rows [B], positions "
+                        f"[B]) -> [B]); got {_kind(tok)}")
+    return tok.astype(jnp.int32)
+
+
+def _kind(x) -> str:
+    dtype, shape = getattr(x, "dtype", None), getattr(x, "shape", None)
+    return f"{dtype} {tuple(shape)}" if shape is not None else type(x).__name__
 
 
 def _init_state(cache, cur, max_new_tokens, flags=None):
@@ -247,16 +276,6 @@ def verify_what(max_new_tokens: int, proposals: int) -> str:
 
 def _vocab(model) -> int:
     return model.config.vocab_size if isinstance(model, Model) else 0
-
-
-def check_sampler(sampler) -> None:
-    """A sampler object (Greedy, Sample or a hashable callable of the same signature)."""
-    if isinstance(sampler, Greedy | Sample):
-        return
-    if isinstance(sampler, str) or not callable(sampler) or sampler.__hash__ is None:
-        raise TypeError(f"sampler must be a jspec sampler (jspec.Greedy(), jspec.Sample(...) "
-                        f"or jspec.make_sampler(...)); got {type(sampler).__name__} "
-                        f"{sampler!r:.100}")
 
 
 def check_not_a_draft(model: Model) -> None:

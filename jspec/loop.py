@@ -98,6 +98,7 @@ def token_bar(enabled: bool, total: int, desc: str, unit: str = "tok"):
 
 POLICY_CODE = -2  # a loop's flag code: a policy's answer outside the protocol's ranges
 POLICY_INVALID_CODE = -3  # a loop's flag code: a policy accepted a proposal marked invalid
+SAMPLER_CODE = -4  # a loop's flag code: a sampler returned an id outside the vocabulary
 
 
 def raise_non_finite(bad, at, what: str, num_layers: int | None = None,
@@ -108,7 +109,8 @@ def raise_non_finite(bad, at, what: str, num_layers: int | None = None,
     POLICY_CODE: a ValueError, the policy's answer (values, seen only as the loop runs)
     lay outside `jspec.Policy`'s ranges; POLICY_INVALID_CODE: a ValueError, the policy
     accepted a proposal its `valid` marked as no token id (outside the vocabulary, or a
-    tree node outside a well-formed tree), which the protocol says it must reject.
+    tree node outside a well-formed tree), which the protocol says it must reject;
+    SAMPLER_CODE: a ValueError, a sampler returned an id outside the vocabulary.
     policy: the run's policy, named in those errors."""
     if not bool(bad):
         return
@@ -129,6 +131,11 @@ def raise_non_finite(bad, at, what: str, num_layers: int | None = None,
             "outside the vocabulary (a proposal its `valid` argument marked invalid); the "
             "jspec.Policy protocol says such a proposal must be rejected, and jspec never "
             "emits it: the run stopped there")
+    if code == SAMPLER_CODE:
+        raise ValueError(
+            f"{what}: at row {row}, position {pos} the sampler returned a token id outside "
+            "[0, vocab) (a sampler answers token ids of the model's vocabulary); the run "
+            "stopped there")
     if code == -1:
         raise NonFiniteError(
             f"{what}: the logits at row {row}, position {pos} hold NaN or inf; the run "

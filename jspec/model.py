@@ -38,7 +38,14 @@ from jspec._checks import check_bool, check_ints, check_type
 from jspec.cache import KVCache, check_live, write_kv
 from jspec.config import ModelConfig
 from jspec.ops import get_ops, ops_for
-from jspec.options import DRAFT_FIELDS, KERNEL_FIELDS, DraftOptions, KernelOptions, Parallel
+from jspec.options import (
+    DRAFT_FIELDS,
+    KERNEL_FIELDS,
+    DraftOptions,
+    KernelOptions,
+    Parallel,
+    default_interpret,
+)
 from jspec.rope import rope_tables
 from jspec.tree import TreeInput
 from pallas_kernels._common import pad_axis, pad_rows
@@ -472,6 +479,13 @@ def with_options(model: Model, *options: KernelOptions | DraftOptions, **fields)
     kernel = dataclasses.replace(kernel, **{k: v for k, v in fields.items()
                                             if k in KERNEL_FIELDS})
     draft = dataclasses.replace(draft, **{k: v for k, v in fields.items() if k in DRAFT_FIELDS})
+    if (kernel.backend == "pallas" and not kernel.interpret and model.options.interpret
+            and default_interpret()):
+        raise ValueError("with_options: the new options have interpret=False (a "
+                         "KernelOptions' default), but this machine has no GPU and Pallas "
+                         "kernels run here only in interpret mode: give KernelOptions(..., "
+                         "interpret=True), or change single fields and keep the rest: "
+                         "with_options(model, fuse_glu=False)")
     dtype = jnp.dtype(model.config.dtype).name
     if kernel.backend == "pallas" and kernel.lowering == "mosaic" and dtype not in (
             "bfloat16", "float16"):

@@ -20,13 +20,25 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 BACKENDS = ("xla", "pallas")
 LOWERINGS = ("triton", "mosaic")
 
 
 def _power_of_two(name: str, value: int, least: int = 1) -> None:
-    if not isinstance(value, int) or value < least or value & (value - 1):
+    if isinstance(value, bool) or not isinstance(value, int) or value < least or value & (
+            value - 1):
         raise ValueError(f"{name}={value!r} must be a power of two >= {least}")
+
+
+def _ints(options, names: tuple[str, ...]) -> None:
+    """A numpy integer given for one of `names` is kept as the Python int it equals (the
+    options are static, hashed config); bools stay as given, for the checks to refuse."""
+    for name in names:
+        value = getattr(options, name)
+        if isinstance(value, np.integer):
+            object.__setattr__(options, name, int(value))
 
 
 def _bool(name: str, value) -> None:
@@ -172,6 +184,8 @@ class KernelOptions:
     prefill_chunk: int = 2048
 
     def __post_init__(self):
+        _ints(self, ("matmul_row_group", "row_partials", "prefill_chunk", "attn_split",
+                     "attn_split_rows", "mxfp4_prefetch"))
         if self.backend not in BACKENDS:
             raise ValueError(f"backend={self.backend!r}; expected one of {BACKENDS}")
         if self.lowering not in LOWERINGS:
@@ -202,13 +216,15 @@ class KernelOptions:
             if getattr(self, name) and not self.fuse_glu:
                 raise ValueError(f"{name}=True works on the fused expert MLP's one layout "
                                  "(`grouped_mlp`): it needs fuse_glu=True")
-        if not isinstance(self.matmul_row_group, int) or self.matmul_row_group < 1:
+        if (isinstance(self.matmul_row_group, bool) or not isinstance(self.matmul_row_group, int)
+                or self.matmul_row_group < 1):
             raise ValueError(f"matmul_row_group={self.matmul_row_group!r} must be an int >= 1")
         if self.attn_split is not None:
             self._check_attn_split()
         if self.attn_split_rows is not None:
             _power_of_two("attn_split_rows", self.attn_split_rows, 16)
-        if not isinstance(self.row_partials, int) or self.row_partials < 1:
+        if (isinstance(self.row_partials, bool) or not isinstance(self.row_partials, int)
+                or self.row_partials < 1):
             raise ValueError(f"row_partials={self.row_partials!r} must be an int >= 1")
         if (isinstance(self.prefill_chunk, bool) or not isinstance(self.prefill_chunk, int)
                 or self.prefill_chunk < 1):
@@ -280,11 +296,13 @@ class DraftOptions:
     fold_unroll: int = 4
 
     def __post_init__(self):
+        _ints(self, ("programs", "warps", "attn_stages", "fold_unroll"))
         for name in ("xla_two_rows", "xla_pallas_attention", "fused", "rope_attention"):
             _bool(name, getattr(self, name))
         for name in ("programs", "warps", "fold_unroll"):
             _power_of_two(name, getattr(self, name))
-        if not isinstance(self.attn_stages, int) or not 0 <= self.attn_stages <= 4:
+        if (isinstance(self.attn_stages, bool) or not isinstance(self.attn_stages, int)
+                or not 0 <= self.attn_stages <= 4):
             raise ValueError(f"attn_stages={self.attn_stages!r} must be 0 (the kernel's "
                              "own) or 1..4")
 

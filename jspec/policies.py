@@ -37,7 +37,7 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
-from jspec.sampling import Greedy, Sample, gumbel_noise, uniform_noise
+from jspec.sampling import Greedy, Sample, check_sampler, gumbel_noise, uniform_noise
 
 _SALT_UNIFORM = 0x5EED1
 _SALT_RESIDUAL = 0x5EED2
@@ -392,6 +392,11 @@ def resolve_policy(policy=None, temperature=None, top_k=None, top_p=None) -> Pol
                         "config of the compiled loop, so make it a frozen dataclass "
                         "(@dataclasses.dataclass(frozen=True))") from None
     sampler = policy.serial_sampler()
+    try:
+        check_sampler(sampler)
+    except TypeError as e:
+        raise TypeError(f"policy {type(policy).__name__}: serial_sampler() returned no "
+                        f"sampler: {e}") from None
     if isinstance(sampler, Greedy):
         _check_greedy(repr(policy), given)
         return policy

@@ -207,3 +207,13 @@ def top_choices(sampler, logits, k: int, seed, rows, positions):
     x = sampler.filtered_logits(logits)
     g = gumbel_noise(seed, rows, positions, x.shape[-1])
     return jax.lax.top_k(x + g, k)[1].astype(jnp.int32)
+
+
+def check_sampler(sampler) -> None:
+    """A sampler object (Greedy, Sample or a hashable callable of the same signature)."""
+    if isinstance(sampler, Greedy | Sample):
+        return
+    if isinstance(sampler, str) or not callable(sampler) or sampler.__hash__ is None:
+        raise TypeError(f"sampler must be a jspec sampler (jspec.Greedy(), jspec.Sample(...) "
+                        f"or jspec.make_sampler(...)); got {type(sampler).__name__} "
+                        f"{sampler!r:.100}")

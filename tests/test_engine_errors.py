@@ -96,6 +96,37 @@ def test_out_of_range_proposals_are_rejected_and_never_reach_the_cache(policy):
         assert all(0 <= t < model.config.vocab_size for b in range(2) for t in out.row(b))
 
 
+@struct.dataclass
+class _Const:
+    """A hand-written sampler: every row gets `value` (of `dtype`, `shape` [B] by default)."""
+    value: int = struct.field(pytree_node=False)
+    dtype: object = struct.field(pytree_node=False, default=jnp.int32)
+    wide: bool = struct.field(pytree_node=False, default=False)
+
+    def __call__(self, logits, seed, rows, positions):
+        return jnp.full(logits.shape[:1] + ((1,) if self.wide else ()), self.value, self.dtype)
+
+
+def test_a_samplers_answer_is_checked():
+    # A sampler is a protocol like a drafter's: ids outside the vocabulary (a negative id,
+    # PAD itself, V) stop the run naming the sampler, never reaching the output or the
+    # next step's embedding; the wrong dtype or shape is refused as the loop traces.
+    model = load("qwen3", "xla")
+    V = model.config.vocab_size
+    for value in (-2, -1, V):
+        with pytest.raises(ValueError, match="position 5 the sampler returned a token id "
+                                             "outside"):
+            jspec.generate(model, [[1, 2, 3, 4, 5]], max_new_tokens=3, sampler=_Const(value))
+        with pytest.raises(ValueError, match="the sampler returned a token id outside"):
+            list(jspec.generate_stream(model, [[1, 2, 3]], max_new_tokens=3,
+                                       sampler=_Const(value)))
+    for bad in (_Const(3, jnp.float32), _Const(3, wide=True)):
+        with pytest.raises(TypeError, match=r"must return integer token ids of shape \[B\]"):
+            jspec.generate(model, [[1, 2, 3]], max_new_tokens=3, sampler=bad)
+    out = jspec.generate(model, [[1, 2, 3]], max_new_tokens=3, sampler=_Const(V - 1))
+    assert out.tokens.tolist() == [[V - 1] * 3]
+
+
 def test_gamma_and_counts_are_bounded_and_typed():
     with pytest.raises(ValueError, match="gamma=1000 exceeds MAX_GAMMA=32"):
         jspec.SpecConfig(gamma=1000)

@@ -100,6 +100,34 @@ def test_attn_split_follows_the_key_block_of_the_mode():
     assert jspec.KernelOptions(attn_split=128).attn_split == 128
 
 
+def test_whole_kernel_options_keep_interpret_mode_on_a_cpu():
+    # KernelOptions() defaults to interpret=False (a GPU's): handing a whole set to a model
+    # that runs interpreted here would fail inside Pallas at the first call.
+    m = _model()
+    with pytest.raises(ValueError, match="has no GPU and Pallas kernels run here only in "
+                                         "interpret mode"):
+        jspec.with_options(m, jspec.KernelOptions(fuse_glu=False))
+    with pytest.raises(ValueError, match="interpret=False"):
+        jspec.with_options(m, backend="pallas", interpret=False)
+    kept = jspec.with_options(m, jspec.KernelOptions(fuse_glu=False, interpret=True))
+    assert kept.options.interpret and not kept.options.fuse_glu
+    assert jspec.with_options(m, backend="pallas", fuse_glu=False).options.interpret
+    assert jspec.with_options(m, jspec.KernelOptions(backend="xla")).options.backend == "xla"
+
+
+def test_option_counts_refuse_bools_and_take_numpy_ints():
+    import numpy as np
+
+    for kind, name in [(jspec.KernelOptions, "matmul_row_group"),
+                       (jspec.KernelOptions, "row_partials"),
+                       (jspec.KernelOptions, "prefill_chunk"),
+                       (jspec.DraftOptions, "programs"), (jspec.DraftOptions, "attn_stages")]:
+        with pytest.raises(ValueError, match=f"{name}=True must be"):
+            kind(**{name: True})
+        value = getattr(kind(**{name: np.int64(2)}), name)
+        assert value == 2 and type(value) is int, (name, value)
+
+
 # ------------------------------------------------------------- tree ranks past the vocab
 
 
