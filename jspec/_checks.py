@@ -31,18 +31,27 @@ def is_int(value) -> bool:
     return isinstance(value, int | np.integer) and not isinstance(value, bool | np.bool_)
 
 
+def _array_hint(value) -> str:
+    """The words for a jax Array given where a Python number is expected (a host argument
+    is static config, read before anything is traced)."""
+    if type(value).__module__.startswith(("jax", "jaxlib")) and hasattr(value, "shape"):
+        return " (a Python or numpy number, not a jax Array: pass int(x) or float(x))"
+    return ""
+
+
 def check_count(name: str, value, least: int = 1, most: int | None = None) -> int:
     """An int in [least, most] (bools and floats such as 2.5 are errors naming `name`)."""
     if not is_int(value) or value < least or (most is not None and value > most):
         bound = f">= {least}" if most is None else f"in [{least}, {most}]"
-        raise ValueError(f"{name}={value!r} must be an integer {bound}")
+        raise ValueError(f"{name}={value!r} must be an integer {bound}{_array_hint(value)}")
     return int(value)
 
 
 def check_seed(name: str, value) -> int:
     """An int in [0, SEED_LIMIT): a seed travels as an int32."""
     if not is_int(value) or not 0 <= value < SEED_LIMIT:
-        raise ValueError(f"{name}={value!r} must be an integer in [0, 2**31)")
+        raise ValueError(f"{name}={value!r} must be an integer in [0, 2**31)"
+                         f"{_array_hint(value)}")
     return int(value)
 
 
@@ -59,7 +68,8 @@ def check_real(name: str, value, *, low: float | None = None, high: float | None
         lo = "" if low is None else ("(" if low_open else "[") + f"{low}"
         hi = "" if high is None else f"{high}" + (")" if high_open else "]")
         where = f" in {lo or '(-inf'}, {hi or 'inf)'}" if lo or hi else ""
-        raise ValueError(f"{name}={value!r} must be a finite number{where}")
+        raise ValueError(f"{name}={value!r} must be a finite number{where}"
+                         f"{_array_hint(value)}")
     return float(value)
 
 

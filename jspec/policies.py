@@ -37,6 +37,7 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
+from jspec._checks import check_count, check_real
 from jspec.sampling import Greedy, Sample, check_sampler, gumbel_noise, uniform_noise
 
 _SALT_UNIFORM = 0x5EED1
@@ -363,6 +364,12 @@ def resolve_policy(policy=None, temperature=None, top_k=None, top_p=None) -> Pol
     both."""
     given = {k: v for k, v in (("temperature", temperature), ("top_k", top_k),
                                ("top_p", top_p)) if v is not None}
+    if "temperature" in given:  # the values' own ranges first, then how they combine
+        check_real("temperature", given["temperature"], low=0)
+    if "top_k" in given:
+        check_count("top_k", given["top_k"], least=0)
+    if "top_p" in given:
+        check_real("top_p", given["top_p"], low=0, high=1, low_open=True)
     if policy is None:
         policy = "exact_greedy" if given.get("temperature", 0) == 0 else "gumbel_coupled"
         if policy == "exact_greedy":  # temperature 0 with top_k / top_p defaults: greedy

@@ -104,7 +104,15 @@ def check_parents(parents, max_depth: int) -> None:
 def from_parents(parents, lengths, max_depth: int) -> TreeInput:
     """The layout of a call whose tokens are one tree per row: token 0 the root (parent
     -1) at the row's length, token t at slot lengths + t; parents [B, T] as in `depths`.
-    Concrete parents are checked (`check_parents`)."""
+    Concrete parents are checked (`check_parents`); lists are read as arrays."""
+    if isinstance(parents, list | tuple):
+        parents = np.asarray(parents)
+    if isinstance(lengths, list | tuple):
+        lengths = np.asarray(lengths)
+    if not isinstance(lengths, jax.core.Tracer) and getattr(lengths, "ndim", None) != 1:
+        raise ValueError(f"lengths must be a 1-D array of each row's cache length [B]; got "
+                         f"{type(lengths).__name__} of shape {getattr(lengths, 'shape', None)}")
+    lengths = jnp.asarray(lengths)
     if not isinstance(parents, jax.core.Tracer):
         check_parents(parents, max_depth)
     depth = depths(parents, max_depth)

@@ -128,6 +128,31 @@ def test_option_counts_refuse_bools_and_take_numpy_ints():
         assert value == 2 and type(value) is int, (name, value)
 
 
+def test_a_jax_scalar_for_a_host_number_is_named():
+    import jax.numpy as jnp
+
+    with pytest.raises(ValueError, match="not a jax Array: pass int"):
+        jspec.Sample(temperature=jnp.float32(0.7))
+    with pytest.raises(ValueError, match="not a jax Array"):
+        jspec.SpecConfig(seed=jnp.int32(3))
+    with pytest.raises(ValueError, match=r"temperature=-1 must be a finite number in \[0"):
+        jspec.SpecConfig(temperature=-1)  # its range before the policy's advice
+    with pytest.raises(ValueError, match=r"top_p=1.5 must be a finite number in \(0, 1\]"):
+        jspec.SpecConfig(policy="gumbel_coupled", temperature=1.0, top_p=1.5)
+
+
+def test_tree_from_parents_reads_lists():
+    import jax.numpy as jnp
+    import numpy as np
+
+    a = jspec.tree.from_parents([[-1, 0, 0, 1]], [5], 2)
+    b = jspec.tree.from_parents(jnp.asarray([[-1, 0, 0, 1]]), jnp.asarray([5]), 2)
+    for x, y in zip((a.root, a.depth, a.path), (b.root, b.depth, b.path), strict=True):
+        np.testing.assert_array_equal(x, y)
+    with pytest.raises(ValueError, match="lengths must be a 1-D array"):
+        jspec.tree.from_parents([[-1, 0]], 5, 2)
+
+
 # ------------------------------------------------------------- tree ranks past the vocab
 
 
