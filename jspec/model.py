@@ -489,8 +489,9 @@ def with_options(model: Model, *options: KernelOptions | DraftOptions, **fields)
     dtype = jnp.dtype(model.config.dtype).name
     if kernel.backend == "pallas" and kernel.lowering == "mosaic" and dtype not in (
             "bfloat16", "float16"):
-        raise ValueError(f"lowering='mosaic' runs 16-bit models (bfloat16, float16: a "
-                         f"float32 wgmma multiplies in TF32); this model is {dtype}")
+        raise ValueError(f"lowering='mosaic' runs 16-bit models (bfloat16, the dtype "
+                         f"jspec loads them in: a float32 wgmma multiplies in TF32); this "
+                         f"model is {dtype}")
     return fused_draft.prepare(model.replace(options=kernel, draft_options=draft))
 
 
@@ -535,6 +536,8 @@ def apply(model: Model, tokens: jax.Array, cache: KVCache, *, features: tuple[in
                                     logits=logits)
     cfg, opt = model.config, model.options
     check_call_shape(tokens, cache)
+    if model.parallel is None:  # (a shard's cache holds its share of the kv heads)
+        check_cache_fits(model, cache)
     if not isinstance(tokens, jax.core.Tracer):  # an eager call: ids checked as forward's
         check_token_ids(tokens, cfg.vocab_size)
         if not isinstance(tokens, jax.Array):
@@ -542,6 +545,12 @@ def apply(model: Model, tokens: jax.Array, cache: KVCache, *, features: tuple[in
     B, T = tokens.shape
     if tree is not None:
         check_tree_shape(tree, B, T)
+        if not isinstance(tree.root, jax.core.Tracer) and not isinstance(
+                cache.lengths, jax.core.Tracer) and not bool(jnp.all(tree.root == cache.lengths)):
+            raise ValueError(f"the tree's root {np.asarray(tree.root).tolist()} is not the "
+                             f"cache's lengths {np.asarray(cache.lengths).tolist()}: a tree's "
+                             "tokens are written at each row's length (build it with "
+                             "jspec.tree.from_parents(parents, cache.lengths, max_depth))")
     fused_draft.check_layout(model)
     bad = [i for i in features if not 0 <= i <= cfg.num_layers]
     if bad:
@@ -694,8 +703,16 @@ def check_tree_shape(tree: TreeInput, B: int, T: int) -> None:
 
 def check_tokens(model: Model, tokens, cache: KVCache) -> None:
     """Host-side checks of a forward call; raises ValueError naming the problem."""
-    cfg = model.config
     check_call_shape(tokens, cache)
+    check_cache_fits(model, cache)
+    if not isinstance(tokens, jax.core.Tracer):
+        check_token_ids(tokens, model.config.vocab_size)
+
+
+def check_cache_fits(model: Model, cache: KVCache) -> None:
+    """The cache's K buffers have the model's layers, kv heads, head_dim and dtype (static:
+    checked wherever a forward is traced)."""
+    cfg = model.config
     k0 = cache.k[0] if cache.k else None
     if len(cache.k) != cfg.num_layers or k0 is None or k0.ndim != 4 \
             or k0.shape[1] != cfg.num_kv_heads or k0.shape[3] != cfg.head_dim \
@@ -706,8 +723,6 @@ def check_tokens(model: Model, tokens, cache: KVCache) -> None:
                          f"model needs {cfg.num_layers} x [B, {cfg.num_kv_heads}, S, "
                          f"{cfg.head_dim}] {jnp.dtype(cfg.dtype).name} (one a layer: "
                          "jspec.init_cache(model, ...))")
-    if not isinstance(tokens, jax.core.Tracer):
-        check_token_ids(tokens, cfg.vocab_size)
 
 
 def check_token_ids(tokens, vocab_size: int) -> None:

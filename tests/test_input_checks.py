@@ -153,6 +153,23 @@ def test_tree_from_parents_reads_lists():
         jspec.tree.from_parents([[-1, 0]], 5, 2)
 
 
+def test_apply_checks_the_cache_and_the_trees_root():
+    import jax.numpy as jnp
+
+    m = _model()
+    other = random_model("tiny-qwen3", backend="xla", dtype="float32", num_layers=2)
+    toks = jnp.asarray([[1, 2, 3, 4]], jnp.int32)
+    with pytest.raises(ValueError, match="the cache does not fit this model"):
+        jspec.apply(m, toks, jspec.init_cache(other, 1, 32))  # as forward says it
+    cache = jspec.forward(m, jnp.asarray([[5, 6, 7]]), jspec.init_cache(m, 1, 32)).cache
+    parents = jnp.asarray([[-1, 0, 0, 1]])
+    wrong = jspec.tree.from_parents(parents, cache.lengths + 3, 2)
+    with pytest.raises(ValueError, match=r"the tree's root \[6\] is not the cache's lengths"):
+        jspec.apply(m, toks, cache, tree=wrong)
+    right = jspec.tree.from_parents(parents, cache.lengths, 2)
+    assert jspec.apply(m, toks, cache, tree=right).logits.shape == (1, 4, m.config.vocab_size)
+
+
 # ------------------------------------------------------------- tree ranks past the vocab
 
 
