@@ -92,8 +92,9 @@ class Forward:
       features: [B, T, n D] the hidden states entering the layers asked for with
         `features=` (concatenated in that order), or None when none were asked for.
       bad: [B, T] int32, where each position's activations first went wrong: -1 nowhere
-        (or not checked: a draft's latency path), else a `bad_code` (see `describe_bad`).
-        Computed beside the forward from values it has anyway; never on the logits path.
+        (or not checked: a draft's latency path), else a `bad_code` (see `describe_bad`;
+        also a traced call that ran past the cache's max_len). Computed beside the forward
+        from values it has anyway; never on the logits path.
 
     It unpacks as the pair (logits, cache): `logits, cache = jspec.forward(...)`.
     """
@@ -115,7 +116,9 @@ class Forward:
 #   2 i      the residual stream entering layer i (i = L: the final norm) holds NaN or inf,
 #            or its f32 sum of squares overflows (RMSNorm would then return exact zeros:
 #            an embedding scaled by 1e38 gives all-equal logits, not NaN);
-#   2 i + 1  layer i's attention inputs (q or k after RoPE) hold NaN or inf.
+#   2 i + 1  layer i's attention inputs (q or k after RoPE) hold NaN or inf;
+#   2 L + 1  (last) a traced call ran past the cache: the row's length + T exceeds max_len,
+#            so its K/V writes were clamped onto earlier slots (an eager call is refused).
 FINE = -1
 
 
@@ -127,6 +130,10 @@ def describe_bad(code: int, num_layers: int) -> str:
     """The words for a `Forward.bad` code (-1: the logits themselves)."""
     if code < 0:
         return "the logits hold NaN or inf"
+    if code == bad_code(num_layers, True):
+        return ("the row's cache was full: its length + the call's tokens exceed the cache's "
+                "max_len, so the new K/V were written over earlier slots (give the cache "
+                "more room: jspec.init_cache(model, batch, max_len))")
     layer = code // 2
     if code % 2:
         return f"the attention inputs (q or k after RoPE) of layer {layer} hold NaN or inf"
@@ -624,6 +631,8 @@ def apply(model: Model, tokens: jax.Array, cache: KVCache, *, features: tuple[in
     if cfg.num_layers in features:
         hidden[cfg.num_layers] = x[: B * T]
     bad = flag(bad, residual_bad(x), bad_code(cfg.num_layers, False))[: B * T].reshape(B, T)
+    full = (lengths + T > cache.max_len)[:, None]  # [B, 1]: a traced call past the cache
+    bad = jnp.where(full & (bad == FINE), jnp.int32(bad_code(cfg.num_layers, True)), bad)
     new_cache = cache.replace(k=tuple(new_k), v=tuple(new_v), lengths=lengths + T)
     out = lm_head(ops, model, h, B, T) if logits else None  # [B, T, V] or None
     if not features:

@@ -127,6 +127,25 @@ def test_a_samplers_answer_is_checked():
     assert out.tokens.tolist() == [[V - 1] * 3]
 
 
+def test_a_traced_call_past_the_cache_is_flagged():
+    # An eager call past max_len is refused; a traced one cannot be, and its K/V writes
+    # clamp onto earlier slots (finite, wrong logits): every position of that row carries
+    # the cache-full code in Forward.bad, and the engine would stop on it by name.
+    from jspec.model import bad_code, describe_bad
+
+    model = load("qwen3", "xla")
+    L = model.config.num_layers
+    cache = jspec.init_cache(model, 2, 16)
+    cache = jspec.forward(model, jnp.ones((2, 14), jnp.int32), cache).cache
+    cache = cache.replace(lengths=jnp.asarray([14, 9], jnp.int32))
+    toks = jnp.full((2, 4), 3, jnp.int32)
+    with pytest.raises(ValueError, match="exceed"):
+        jspec.apply(model, toks, cache)  # eager: refused
+    out = jax.jit(lambda t, c: jspec.apply(model, t, c))(toks, cache)
+    assert out.bad.tolist() == [[bad_code(L, True)] * 4, [-1] * 4]
+    assert "cache was full" in describe_bad(bad_code(L, True), L)
+
+
 def test_gamma_and_counts_are_bounded_and_typed():
     with pytest.raises(ValueError, match="gamma=1000 exceeds MAX_GAMMA=32"):
         jspec.SpecConfig(gamma=1000)
