@@ -25,8 +25,9 @@
 #   T = 1 / 5 / 17, contexts $MOSAIC_CONTEXTS (default "512 8192"; $MOSAIC_KERNELS_S).
 #   e2e_mosaic: bench_e2e.py at the Qwen3-8B shape (36 layers), serial and a feature
 #   head (gamma 4, a = 0.8), batches $E2E_BATCHES (default 1,8), once a lowering.
-#   loop_cmdbuf: the same on Triton at batches $E2E_BATCHES (default 1), with XLA's
-#   default command buffers, then with while loops and conditionals inside them too.
+#   loop_cmdbuf: the same on Triton at batches $E2E_BATCHES (default 1; $E2E_TARGET, e.g.
+#   qwen3-8b:12), with XLA's default command buffers, then with while loops and
+#   conditionals inside them too.
 # - mosaic_attention: tuning/mosaic_attention.py, split-KV attention on Mosaic GPU at the
 #   Llama-3-8B attention shape, contexts 2K and 8K: each token's bits alone, in verify
 #   blocks of 5 / 17 / 33, in a batch of 8 and a doubled cache of garbage; speed against
@@ -445,7 +446,7 @@ for s in "$@"; do
               flags=${XLA_FLAGS:-}
               [ $cb = while ] && flags="$flags --xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,WHILE,CONDITIONAL"
               XLA_FLAGS="$flags" timeout "${E2E_S:-200}" python3 experiments/bench_e2e.py \
-                --target=qwen3-8b --draft=qwen3-0.6b:1 --drafter=feature \
+                --target="${E2E_TARGET:-qwen3-8b}" --draft=qwen3-0.6b:1 --drafter=feature \
                 --batches="${E2E_BATCHES:-1}" --prompt_len=512 --max_new_tokens=128 --gammas=4 \
                 --accept=0.8 --nolookup --nopeers --serial_backends=pallas --iters=2 \
                 --out="$OUT" --tag="${GPU}_cmdbuf-$cb" 2>&1 | quiet | grep -v "it/s" | tail -10
