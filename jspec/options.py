@@ -22,13 +22,14 @@ import dataclasses
 
 import numpy as np
 
+from jspec._checks import is_int
+
 BACKENDS = ("xla", "pallas")
 LOWERINGS = ("triton", "mosaic")
 
 
 def _power_of_two(name: str, value: int, least: int = 1) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < least or value & (
-            value - 1):
+    if not is_int(value) or value < least or value & (value - 1):
         raise ValueError(f"{name}={value!r} must be a power of two >= {least}")
 
 
@@ -203,7 +204,7 @@ class KernelOptions:
                              "mxfp4_kernel on (True or None)")
         if self.mxfp4_prefetch is not None:
             depth = self.mxfp4_prefetch
-            if isinstance(depth, bool) or not isinstance(depth, int) or not 1 <= depth <= 8:
+            if not is_int(depth) or not 1 <= depth <= 8:
                 raise ValueError(f"mxfp4_prefetch={depth!r} must be None or an int in [1, 8] "
                                  "(blocks the packed K loop loads ahead)")
             if self.mxfp4_kernel is False:
@@ -216,18 +217,15 @@ class KernelOptions:
             if getattr(self, name) and not self.fuse_glu:
                 raise ValueError(f"{name}=True works on the fused expert MLP's one layout "
                                  "(`grouped_mlp`): it needs fuse_glu=True")
-        if (isinstance(self.matmul_row_group, bool) or not isinstance(self.matmul_row_group, int)
-                or self.matmul_row_group < 1):
+        if not is_int(self.matmul_row_group) or self.matmul_row_group < 1:
             raise ValueError(f"matmul_row_group={self.matmul_row_group!r} must be an int >= 1")
         if self.attn_split is not None:
             self._check_attn_split()
         if self.attn_split_rows is not None:
             _power_of_two("attn_split_rows", self.attn_split_rows, 16)
-        if (isinstance(self.row_partials, bool) or not isinstance(self.row_partials, int)
-                or self.row_partials < 1):
+        if not is_int(self.row_partials) or self.row_partials < 1:
             raise ValueError(f"row_partials={self.row_partials!r} must be an int >= 1")
-        if (isinstance(self.prefill_chunk, bool) or not isinstance(self.prefill_chunk, int)
-                or self.prefill_chunk < 1):
+        if not is_int(self.prefill_chunk) or self.prefill_chunk < 1:
             raise ValueError(f"prefill_chunk={self.prefill_chunk!r} must be an int >= 1 "
                              "(tokens a prefill chunk)")
 
@@ -235,7 +233,7 @@ class KernelOptions:
         """attn_split: 0 or a positive multiple of the attention kernels' key block, which
         depends on `interpret` alone (`pallas_kernels.attention_tile.key_block`)."""
         split = self.attn_split
-        if isinstance(split, bool) or not isinstance(split, int) or split < 0:
+        if not is_int(split) or split < 0:
             raise ValueError(f"attn_split={split!r} must be an int >= 0 (0: one pass) or "
                              "None (the kernel's default)")
         if split:
@@ -301,8 +299,7 @@ class DraftOptions:
             _bool(name, getattr(self, name))
         for name in ("programs", "warps", "fold_unroll"):
             _power_of_two(name, getattr(self, name))
-        if (isinstance(self.attn_stages, bool) or not isinstance(self.attn_stages, int)
-                or not 0 <= self.attn_stages <= 4):
+        if not is_int(self.attn_stages) or not 0 <= self.attn_stages <= 4:
             raise ValueError(f"attn_stages={self.attn_stages!r} must be 0 (the kernel's "
                              "own) or 1..4")
 
