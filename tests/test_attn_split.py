@@ -10,7 +10,6 @@ are folded, not accumulated), so it is compared with itself, never with one pass
 
 import json
 import os
-import subprocess
 import sys
 
 import jax
@@ -18,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import bits, eqn_counts, model_and_tokens, xla_f32
+from script_runner import run_script
 
 from jspec import DraftOptions, parity, with_options
 from jspec.cache import init_cache
@@ -244,11 +244,11 @@ def test_gpu_parity_matrix_runs_with_split_options(tmp_path):
     # The H200 parity harness with split-KV on (`gpu_parity.py --options=attn_split=N`),
     # smoke-run in interpret mode: every check finds 0 mismatches.
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    r = subprocess.run([sys.executable, os.path.join(root, "experiments", "gpu_parity.py"),
-                        "--interpret", "--models=tiny-qwen3:1", "--context=64", "--window=6",
-                        "--ks=1,4", "--backends=pallas", f"--options=attn_split={SPLIT}",
-                        "--tag=split", f"--out={tmp_path}"],
-                       cwd=root, capture_output=True, text=True, timeout=300)
+    r = run_script([sys.executable, os.path.join(root, "experiments", "gpu_parity.py"),
+                    "--interpret", "--models=tiny-qwen3:1", "--context=64", "--window=6",
+                    "--ks=1,4", "--backends=pallas", f"--options=attn_split={SPLIT}",
+                    "--tag=split", f"--out={tmp_path}"],
+                   cwd=root, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     with open(tmp_path / "gpu_parity_split.json") as f:
         rep = json.load(f)

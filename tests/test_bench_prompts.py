@@ -3,10 +3,10 @@ benchmark end to end on the embedded pair: receipt fields, and parity on every p
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
+from script_runner import run_script
 
 from jspec.bench import prompt_sets
 
@@ -60,7 +60,7 @@ def test_bench_prompts_smoke(tmp_path):
     cmd = [sys.executable, os.path.join(ROOT, "experiments", "bench_prompts.py"),
            f"--config={ROOT}/configs/bench_prompts.py:runlocal",
            "--config.categories=extraction", f"--config.out={tmp_path}", "--config.tag=smoke"]
-    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    r = run_script(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "PARITY: OK (2 prompts, 16 tokens" in r.stdout
     assert "compiled programs for 2 shapes over 2 prompts" in r.stdout
@@ -72,6 +72,6 @@ def test_bench_prompts_smoke(tmp_path):
     for g in rep["groups"].values():
         assert g["parity"] and g["tokens"] == 8 * g["prompts"] and g["speedup"] > 0
         assert 1.0 <= g["tau"] <= 3.0 and len(g["acceptance_by_position"]) == 2
-    bad = subprocess.run(cmd[:3] + ["--config.sets=mtbench,alpaca"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=300)
+    bad = run_script(cmd[:3] + ["--config.sets=mtbench,alpaca"], cwd=ROOT,
+                     capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "error: sets must name" in bad.stderr.splitlines()[-1]

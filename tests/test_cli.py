@@ -8,6 +8,7 @@ import sys
 import jax
 import pytest
 from conftest import fixture_path
+from script_runner import run_script
 
 import jspec
 from jspec.bench import trace
@@ -19,7 +20,7 @@ PLOT_EXTRA = "the benchmark plots need the plot extra: pip install 'jspec[plot]'
 
 def _run(script, *flags):
     cmd = [sys.executable, os.path.join(ROOT, "experiments", script), *flags]
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    return run_script(cmd, cwd=ROOT, timeout=300)
 
 
 def _one_line_error(r, *words, code=2):

@@ -17,7 +17,6 @@ import hashlib
 import inspect
 import json
 import os
-import subprocess
 import sys
 
 import jax
@@ -25,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import slow_except
+from script_runner import run_script
 
 from jspec.sampling import Sample
 from pallas_kernels import (
@@ -225,7 +225,7 @@ def test_sweep_matmul_cli_smoke(tmp_path):
     cmd = [sys.executable, os.path.join(root, "experiments/tuning/sweep_matmul.py"), "--interpret",
            "--presets=qwen3-0.6b", "--shapes=wo", "--rows=1,3", "--max_candidates=2",
            "--finalists=0", "--iters=1", "--reps=1", f"--out={tmp_path}"]
-    r = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=120)
+    r = run_script(cmd, cwd=root, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "TUNED: dict[tuple[int, int, str], MatmulConfig] = {" in r.stdout
     with open(tmp_path / "sweep_matmul.json") as f:

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from conftest import expected, fixture_path, load
 from safetensors.numpy import load_file, save_file
+from script_runner import run_script
 
 import jspec
 from jspec import audit, parity
@@ -458,15 +459,14 @@ def test_the_packed_parity_lane_runs_with_the_in_kernel_decoding(tmp_path):
     `mxfp4_kernel`): the whole matrix and "packed = dequantized" at 0 mismatches."""
     import json
     import os
-    import subprocess
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    r = subprocess.run([sys.executable, "experiments/gpu_parity.py", "--interpret",
-                        "--models=tiny-gpt-oss:2", "--mxfp4_experts",
-                        "--options=mxfp4_kernel=1", "--context=24", "--window=4",
-                        "--ks=1,3", "--trees=3", f"--out={tmp_path}"],
-                       cwd=root, capture_output=True, text=True, timeout=900)
+    r = run_script([sys.executable, "experiments/gpu_parity.py", "--interpret",
+                    "--models=tiny-gpt-oss:2", "--mxfp4_experts",
+                    "--options=mxfp4_kernel=1", "--context=24", "--window=4",
+                    "--ks=1,3", "--trees=3", f"--out={tmp_path}"],
+                   cwd=root, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-2000:]
     with open(tmp_path / "gpu_parity.json") as f:
         checks = json.load(f)["results"]["tiny-gpt-oss:2:pallas"]

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+from script_runner import run_script
 
 from jspec.ops import get_ops
 from jspec.options import KernelOptions
@@ -466,13 +467,12 @@ def test_qk_norm_rope_lowers_for_cuda(m, nq, nk, d):
 def test_mosaic_norms_script_smoke(tmp_path):
     import json
     import os
-    import subprocess
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     cmd = [sys.executable, os.path.join(root, "experiments/tuning/mosaic_norms.py"), "--smoke",
            "--iters=1", "--reps=1", f"--out={tmp_path}"]
-    r = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=600)
+    r = run_script(cmd, cwd=root, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     report = json.loads((tmp_path / "mosaic_norms.json").read_text())
     for entry in report["widths"]:

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import bits, expected, load
+from script_runner import run_script
 
 import jspec
 from jspec.chunked_prefill import prefill_jit
@@ -152,13 +153,12 @@ def test_prefill_chunk_is_checked_and_parsed():
 def _experiment(tmp_path, script, *flags):
     import json
     import os
-    import subprocess
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    r = subprocess.run([sys.executable, os.path.join(root, "experiments", script), *flags,
-                        f"--out={tmp_path}"], cwd=root, capture_output=True, text=True,
-                       timeout=600)
+    r = run_script([sys.executable, os.path.join(root, "experiments", script), *flags,
+                    f"--out={tmp_path}"], cwd=root, capture_output=True, text=True,
+                   timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     name = script.removesuffix(".py")
     with open(tmp_path / f"{name}.json") as f:

@@ -3,8 +3,9 @@ takes the next free `_run<N>` stem where an earlier receipt of its name exists. 
 roofline names the card whose spec sheet it is a fraction of."""
 
 import json
-import subprocess
 import sys
+
+from script_runner import run_script
 
 from jspec.bench import receipts
 
@@ -31,7 +32,7 @@ def test_a_benchmark_run_twice_keeps_both_receipts(tmp_path):
            "--presets=tiny-qwen3", "--shapes=wo", "--rows=1", "--max_candidates=1",
            "--iters=1", "--reps=1", "--noxla_probe", f"--out={tmp_path}", "--tag=t"]
     for _ in range(2):
-        subprocess.run(cmd, check=True, capture_output=True)
+        run_script(cmd, check=True, capture_output=True)
     names = sorted(p.name for p in tmp_path.iterdir())
     assert names == ["sweep_matmul_t.json", "sweep_matmul_t_run2.json",
                      "sweep_matmul_t_run2_tuned.json", "sweep_matmul_t_tuned.json"], names

@@ -10,7 +10,6 @@ its row and its own row's later keys. The shipped head drafts exactly (speculati
 
 import json
 import os
-import subprocess
 import sys
 
 import jax
@@ -20,6 +19,7 @@ import optax
 import pytest
 from conftest import load
 from flax import nnx
+from script_runner import run_script
 
 import jspec
 from jspec.feature_head import head_apply, head_apply_jit, head_config, init_head_cache
@@ -135,7 +135,7 @@ def test_train_script_cpu_smoke_writes_a_loadable_head(tmp_path):
            "--config.steps=2", "--config.eval_every=1", "--config.max_files=3",
            "--config.seq_len=16", f"--config.out_dir={out}",
            f"--config.workdir={tmp_path / 'work'}"]
-    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    r = run_script(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     log = json.load(open(out / "train_log.json"))
     assert log["steps"] == 2 and len(log["best"]["heldout"]["agree"]) == 3
@@ -191,8 +191,8 @@ def test_train_script_checks_its_config_and_workdir_first(tmp_path, more):
                  (f"--config.workdir={tmp_path / 'a_file'}", "is a file, not a dir"),
                  (f"--config.out_dir={tmp_path / 'a_file'}", "is a file, not a dir")]
     for flag, words in cases:
-        r = subprocess.run(base + [flag], cwd=ROOT, capture_output=True, text=True,
-                           timeout=120)
+        r = run_script(base + [flag], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120)
         assert r.returncode == 2 and words in r.stderr and "Traceback" not in r.stderr, \
             r.stderr[-2000:]
     assert (tmp_path / "ckpt" / "notes.txt").read_text() == "keep me"

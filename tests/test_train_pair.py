@@ -2,13 +2,13 @@
 
 import json
 import os
-import subprocess
 import sys
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from script_runner import run_script
 
 import jspec
 from jspec.train.nnx_qwen3 import PairModelConfig, Qwen3, export_hf, hf_tensors
@@ -62,7 +62,7 @@ def test_train_pair_smoke_run(tmp_path):
     cmd = [sys.executable, os.path.join(ROOT, "experiments", "train_pair.py"), "--preset=cpu",
            "--models=draft", "--steps=3", "--max_files=12", "--vocab_size=300",
            "--seq_len=32", "--batch=2", f"--out_dir={out}", f"--workdir={tmp_path / 'work'}"]
-    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    r = run_script(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     log = json.load(open(out / "train_log.json"))
     assert log["models"]["draft"]["steps"] == 3
@@ -83,8 +83,8 @@ def test_train_pair_keeps_an_exported_pair(tmp_path):
             "--models=draft", f"--workdir={tmp_path / 'work'}"]
     for flag, words in ((f"--out_dir={tmp_path / 'pair'}", "holds a trained draft already"),
                         (f"--out_dir={tmp_path / 'a_file'}", "is a file, not a directory")):
-        r = subprocess.run(base + [flag], cwd=ROOT, capture_output=True, text=True,
-                           timeout=120)
+        r = run_script(base + [flag], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120)
         assert r.returncode != 0 and words in r.stderr, r.stderr[-2000:]
     assert (tmp_path / "pair" / "draft" / "model.safetensors").read_text() == "trained"
     assert not (tmp_path / "work").exists()  # nothing started
