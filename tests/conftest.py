@@ -27,6 +27,23 @@ if _OWN_CACHE:
     os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
     _CACHE_OWNER = os.getpid()
 
+# Where bytecode is not written (PYTHONDONTWRITEBYTECODE, as on some CI machines), every
+# new Python compiles jax's, flax's and jspec's sources again: ~5 s for each worker and
+# each script a test starts. The run then keeps one bytecode cache of its own, outside
+# the source tree (PYTHONPYCACHEPREFIX: a temporary directory, inherited like the
+# compilation cache, removed with it); the caller's setting is theirs everywhere else.
+import sys  # noqa: E402
+
+_OWN_PYCACHE = sys.dont_write_bytecode and "PYTHONPYCACHEPREFIX" not in os.environ
+if _OWN_PYCACHE:
+    import tempfile
+
+    sys.pycache_prefix = tempfile.mkdtemp(prefix="jspec-tests-pycache-")
+    os.environ["PYTHONPYCACHEPREFIX"] = sys.pycache_prefix
+    os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+    sys.dont_write_bytecode = False
+    _PYCACHE_OWNER = os.getpid()
+
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -215,21 +232,24 @@ def qkv_inputs(rng, m: int, hq: int, hk: int, hd: int):
 
 
 def pytest_unconfigure(config):
-    """The process that made this run's compilation cache removes it."""
-    if _OWN_CACHE and os.getpid() == _CACHE_OWNER:
-        import shutil
+    """The process that made this run's compilation and bytecode caches removes them."""
+    import shutil
 
+    if _OWN_CACHE and os.getpid() == _CACHE_OWNER:
         shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+    if _OWN_PYCACHE and os.getpid() == _PYCACHE_OWNER:
+        shutil.rmtree(os.environ["PYTHONPYCACHEPREFIX"], ignore_errors=True)
 
 
 # The files whose default cases take longest on 2 CPU cores (`--durations`), heaviest
 # first. Run first, so the parallel workers (`-n 2 --dist loadfile`, with xdist's
 # reordering by test count turned off in pyproject) do not end on one long file while the
 # other waits. Order only: every file still runs whole in one worker.
-HEAVY_FIRST = ("test_speculative", "test_kernels", "test_kernel_attention", "test_property",
-               "test_cli", "test_tree", "test_hf_reference", "test_attn_split",
-               "test_engine_errors", "test_fused", "test_fused_draft", "test_feature_drafter",
-               "test_parity", "test_row_group", "test_moe", "test_tree_speculative")
+HEAVY_FIRST = ("test_speculative", "test_kernel_attention", "test_moe", "test_moe_kernels",
+               "test_attn_split", "test_kernels", "test_feature_drafter", "test_engine_errors",
+               "test_tree", "test_mosaic_attention", "test_hf_reference", "test_adaptive",
+               "test_boundary", "test_cli", "test_property", "test_qk_rope", "test_parity",
+               "test_audit", "test_tree_speculative")
 
 
 def pytest_collection_modifyitems(session, config, items):

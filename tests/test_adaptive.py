@@ -395,22 +395,35 @@ def test_decode_shape_state_is_the_engine_state():
     assert int(s0.num[0]) == 1 and int(s0.proposed[0]) == 0
 
 
-def test_a_draft_model_catches_up_on_decode_steps_in_blocks():
-    # Plain decode steps leave the draft model's tokens pending; it runs them in blocks of
-    # catch_up (when full, or before its next proposal). The draft runs on pallas, so by
-    # property P a block gives it the bits of one token at a time: the proposals, and so
-    # the acceptance, are the same whatever catch_up, and the output is serial's. (The
-    # feature head's blocks: tests/test_feature_drafter.py.)
+def _catch_up_runs(ks):
+    """Adaptive runs of a draft model with decode runs of 2 and 4 (catch_up 3), one per
+    catch_up in ks, each checked against serial decoding."""
     target = load("qwen3", "pallas")
     prompts = _prompts("qwen3")
     serial = jspec.generate(target, prompts, max_new_tokens=16)
-    sched = (2, 0, 0, 2, 0, 0, 0, 0, TREE, 0, 2)  # decode runs of 2 and 4 (catch_up 3)
+    sched = (2, 0, 0, 2, 0, 0, 0, 0, TREE, 0, 2)
     ad = jspec.Adaptive(gammas=(0, 2), tree=TREE, chunk_rounds=1, schedule=sched)
     spec = jspec.SpecConfig(max_new_tokens=16, adaptive=ad)
     runs = {k: _check(target, jspec.ModelDrafter(target, catch_up=k), prompts, spec, serial)
-            for k in (1, 3)}
+            for k in ks}
+    return target, spec, runs
+
+
+@pytest.mark.slow  # a second run (catch_up 1) beside the default run's (3)
+def test_catch_up_changes_no_proposal():
+    # The draft runs on pallas, so by property P a block gives it the bits of one token at
+    # a time: the proposals, and so the acceptance, are the same whatever catch_up.
+    _, _, runs = _catch_up_runs((1, 3))
     for key in ("proposed", "accepted", "acceptance_by_position"):
         assert runs[1].stats[key] == runs[3].stats[key], key
+    assert runs[3].stats["draft_forwards"] < runs[1].stats["draft_forwards"]
+
+
+def test_a_draft_model_catches_up_on_decode_steps_in_blocks():
+    # Plain decode steps leave the draft model's tokens pending; it runs them in blocks of
+    # catch_up (when full, or before its next proposal); the output is serial's. (The
+    # feature head's blocks: tests/test_feature_drafter.py.)
+    target, spec, runs = _catch_up_runs((3,))
     assert runs[3].stats["adaptive"]["shapes"]["decode"]["rounds"] >= 6
     # Draft forwards: a block of catch_up decode steps is one, and a flush before a
     # proposal another (hand-counted: init 1, then per chunk below).
@@ -428,7 +441,6 @@ def test_a_draft_model_catches_up_on_decode_steps_in_blocks():
                for h in out.stats["adaptive"]["history"]]
         assert out.stats["draft_forwards"] == draft_forwards(
             jspec.ModelDrafter(target, catch_up=k), ran)
-    assert runs[3].stats["draft_forwards"] < runs[1].stats["draft_forwards"]
     # Two decode rounds run no draft forward: their tokens wait, the draft cache stays put.
     from jspec.spec_config import shape_spec
     from jspec.speculative import one_round, prefill

@@ -67,6 +67,9 @@ def test_a_compacted_run_equals_serial_and_the_uncompacted_run():
     assert len(packed.stats["timeline"]["calls"]) > len(moves)
 
 
+# Slow: every piece is the default run's alone (compaction keeping row ids: the test above;
+# sampling, adaptive shapes and trees equal to serial: test_speculative, test_adaptive).
+@pytest.mark.slow
 def test_compaction_keeps_row_ids_under_sampling_adaptive_shapes_and_trees():
     # gumbel_coupled keys its noise by (seed, row id, position): a row that moved to
     # another slot must still draw serial Sample's tokens. The draft model's state (a KV
@@ -139,6 +142,7 @@ class _Odd(jspec.Drafter):
         return state
 
 
+@pytest.mark.slow  # what warm-up compiles (speed), not the output
 def test_warm_up_compiles_what_a_compacted_adaptive_run_meets():
     # Which sizes and shapes a compacted adaptive run reaches depends on when its rows
     # finish and what the controller picks; jspec.warm_up compiles every one of them, so

@@ -473,7 +473,7 @@ def test_save_eagle3_replaces_no_checkpoint_unless_asked(published, tmp_path):
     save_eagle3(str(tmp_path / "new" / "dir"), head)  # a new directory: no flag needed
 
 
-@pytest.mark.parametrize("chunk", [3, 4])
+@pytest.mark.parametrize("chunk", [3, pytest.param(4, marks=pytest.mark.slow)])
 def test_head_prefill_in_chunks_is_the_one_call_bitwise(chunk):
     # The head's prefill runs in chunks of its prefill_chunk (a 32K prompt would make
     # [P, P] attention scores in one call); on pallas every chunk size gives the one

@@ -236,6 +236,7 @@ def test_random_tiles_equal_decode(pos, window, fill):
     )
 
 
+@pytest.mark.slow  # random calls; test_group_split_is_invariant_and_accurate: the default run's
 @settings(max_examples=6, deadline=None)
 @given(
     pos=st.lists(st.integers(-1, 255), min_size=8, max_size=8),
@@ -401,8 +402,9 @@ def test_two_level_fold(fused):
     np.testing.assert_allclose(two_level, ref, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("fused", [False, True])
-@pytest.mark.parametrize("fold_group", [0, 2])
+# By default two kernels with one fold level and one launch with two (each value once).
+@pytest.mark.parametrize("fused,fold_group", slow_except([(False, 0), (True, 2)],
+                                                         [False, True], [0, 2]))
 def test_skip_empty_writes_no_partial_and_keeps_the_bits(fused, fold_group):
     """`skip_empty`: split-KV writes no partial for a partition a row tile cannot see and
     the fold reads only the partitions the tile sees, so every row keeps its bits: rows
@@ -453,7 +455,7 @@ def _assert_rows_alone_and_accurate(kw):
         np.testing.assert_allclose(out, ref, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("subtiles", [2, 3])
+@pytest.mark.parametrize("subtiles", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_serial_split_is_invariant_and_accurate(subtiles):
     """Split-KV without partials in memory (`serial_split`: programs of several row tiles
     walk every partition, folding in registers in two levels): every row of a call with

@@ -563,14 +563,18 @@ def test_grouped_matmul_glu_lowers_for_the_h200(h200, gpt):
 # --------------------------------------------------------------------------- one layout
 
 
+_SLOW = pytest.mark.slow  # the default run: every m, routing, width, layout and GLU once
+
+
 @pytest.mark.parametrize("m,k,routing,F,layout,gpt", [
     (1, 8, "spread", 512, False, SILU), (13, 2, "one", 512, False, SILU),
-    (6, 3, "spread", 64, False, SILU), (21, 2, "two", 512, False, SILU),
-    (1, 8, "spread", 512, True, SILU), (21, 2, "two", 512, True, SILU),
-    (6, 3, "spread", 64, True, SILU), (1, 4, "distinct", 512, False, SILU),
-    (1, 2, "one", 64, True, SILU), (1, 4, "spread", 512, False, GPT_OSS),
+    pytest.param(6, 3, "spread", 64, False, SILU, marks=_SLOW), (21, 2, "two", 512, False, SILU),
+    pytest.param(1, 8, "spread", 512, True, SILU, marks=_SLOW), (21, 2, "two", 512, True, SILU),
+    pytest.param(6, 3, "spread", 64, True, SILU, marks=_SLOW), (1, 4, "distinct", 512, False, SILU),
+    pytest.param(1, 2, "one", 64, True, SILU, marks=_SLOW),
+    pytest.param(1, 4, "spread", 512, False, GPT_OSS, marks=_SLOW),
     (13, 2, "one", 512, False, GPT_OSS), (6, 3, "spread", 64, True, GPT_OSS),
-    (21, 2, "two", 512, True, GPT_OSS)])
+    pytest.param(21, 2, "two", 512, True, GPT_OSS, marks=_SLOW)])
 def test_grouped_mlp_is_the_two_grouped_kernels_bitwise(m, k, routing, F, layout, gpt):
     # grouped_mlp lays the rows out by expert once: the gate/up kernel reads each slot's
     # token row itself, its output stays in slot order for the down kernel. Every row

@@ -86,7 +86,9 @@ def test_a_tokens_bits_do_not_depend_on_its_block_batch_cache_or_garbage(
         assert np.array_equal(np.asarray(got).view(np.uint16), np.asarray(alone).view(np.uint16))
 
 
-@pytest.mark.parametrize("sinks", [None, SINKS], ids=("plain", "sinks"))
+# Sinks in the slow run (the kernel's sinks against the reference: test_sinks_match_...).
+@pytest.mark.parametrize("sinks", [None, pytest.param(SINKS, marks=pytest.mark.slow)],
+                         ids=("plain", "sinks"))
 def test_the_fold_is_combine_partials_on_the_cpu(sinks):
     # 18 partitions of 64 keys (fold groups of 16 and 2): the Mosaic fold and the Triton
     # fold run the same XLA arithmetic in interpret mode, so the same bits; rows at depth

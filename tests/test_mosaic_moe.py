@@ -79,9 +79,10 @@ def test_matches_the_reference(activation, biased):
 
 
 @pytest.mark.parametrize("M,ids,activation", [
-    (5, [1, 3, 3, 1, 0, 3, 1, 1, 3, 0], "gelu_tanh"), (1, [3, 0, 2, 1], "gelu_tanh"),
-    (1, [2, 2], "gelu_tanh"), (5, [1, 3, 3, 1, 0, 3, 1, 1, 3, 0], "gpt_oss"),
-    (1, [2, 2], "gpt_oss")])
+    (5, [1, 3, 3, 1, 0, 3, 1, 1, 3, 0], "gelu_tanh"),
+    pytest.param(1, [3, 0, 2, 1], "gelu_tanh", marks=pytest.mark.slow),
+    pytest.param(1, [2, 2], "gelu_tanh", marks=pytest.mark.slow),  # gpt_oss's below
+    (5, [1, 3, 3, 1, 0, 3, 1, 1, 3, 0], "gpt_oss"), (1, [2, 2], "gpt_oss")])
 def test_the_expert_mlp_is_its_two_kernels_and_combines(M, ids, activation):
     # One token (M = 1) takes `token_layout` (a tile per routed row), even on repeated ids.
     # "gpt_oss": gpt-oss's experts, with a bias on each projection.
@@ -165,8 +166,9 @@ def test_the_expert_mlp_lowers_for_cuda(M, gpt_oss):
 
 @pytest.mark.parametrize("schedules", ["blocks", pytest.param("steps, verify",
                                                              marks=pytest.mark.slow)])
-@pytest.mark.parametrize("gpt_oss", [pytest.param(False, marks=pytest.mark.slow), True])
-def test_property_p_holds_for_experts_on_mosaic(schedules, gpt_oss):
+@pytest.mark.parametrize("gpt_oss", [False, True])
+@pytest.mark.slow  # ~75 s interpreted; the default run: each Mosaic expert kernel's rows
+def test_property_p_holds_for_experts_on_mosaic(schedules, gpt_oss):  # (tests above, below)
     # A tiny bf16 Qwen3-MoE (8 experts, 2 a token, a dense layer between two sparse ones)
     # with lowering="mosaic": blocks of 4, 1, 3, 1, 1 tokens (slow: one-token steps
     # throughout, verify blocks) give the prefill's logits bits (its head size of 32

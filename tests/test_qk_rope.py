@@ -132,7 +132,7 @@ def case(request):
     return model_and_tokens(request.param, N, seed=8)
 
 
-# Gemma 3 (q/k norms, windows, softcap) by default for the two model-level equalities;
+# Gemma 3 (q/k norms, windows, softcap) by default for the model-level equalities;
 # tiny-qwen3 and Llama 3 in the slow run (the kernel-level tests cover both norms).
 _GEMMA_BY_DEFAULT = pytest.mark.parametrize(
     "case", [pytest.param("llama3", marks=pytest.mark.slow),
@@ -169,6 +169,7 @@ def test_fused_qk_rope_has_fewer_kernels(case):
     assert plain["jspec_rmsnorm"] - fused["jspec_rmsnorm"] == qk_norms, (plain, fused)
 
 
+@_GEMMA_BY_DEFAULT
 def test_kv_write_kernel_logits_and_caches_equal_default(case):
     # The K/V written by the q/k kernel (kv_write_kernel): the same logits at prefill,
     # one-token steps and verify blocks, and the same caches for a ragged batch.

@@ -67,6 +67,7 @@ def test_row_partials_8_gives_the_same_logits_at_every_degree(dtype, preset, ful
         assert not found["TP=4 S=8 by message size: serial == prefill"], found
 
 
+@pytest.mark.slow  # a further case of the degrees' property above (sinks: test_sinks.py)
 def test_attention_sinks_are_split_with_their_q_heads():
     """Shard s holds the sinks of its q heads [s H / TP, (s + 1) H / TP) (as wqkv's q
     columns), and a sharded model with sinks gives one device's logits (row_partials=8)."""

@@ -252,6 +252,7 @@ def _depends_on_inputs(jaxpr) -> list[bool]:
     return [id(v) in dep for v in jaxpr.jaxpr.outvars]
 
 
+@pytest.mark.slow  # a benchmark's timing realism, not the output (equal either way)
 def test_oracle_proposals_wait_for_the_draft_model():
     # The oracle runs its draft model for the draft's cost: its proposals must depend on
     # the draft's forwards (as a real drafter's do), or the compiler may overlap those
