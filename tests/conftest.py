@@ -174,7 +174,11 @@ def eqn_counts(jaxpr, counts: collections.Counter | None = None) -> collections.
 def h200(monkeypatch):
     """Pallas's Triton lowering answers `gpu_info` with the H200's entry (sm_90), so
     kernels lower for CUDA on a CPU (no GPU needed)."""
-    from jax._src.pallas.triton import gpu_info, pallas_call_registration
+    from jax._src.pallas.triton import pallas_call_registration
+    try:  # jax 0.12.1 moved it out of pallas
+        from jax._src import gpu_info
+    except ImportError:
+        from jax._src.pallas.triton import gpu_info
 
     info = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200)
     monkeypatch.setattr(pallas_call_registration.gpu_info_lib, "get_gpu_info",

@@ -417,7 +417,11 @@ def check_lower(args):
 
     import jax
     import jax.numpy as jnp
-    from jax._src.pallas.triton import gpu_info, pallas_call_registration
+    from jax._src.pallas.triton import pallas_call_registration
+    try:  # jax 0.12.1 moved it out of pallas
+        from jax._src import gpu_info
+    except ImportError:
+        from jax._src.pallas.triton import gpu_info
     from jax.sharding import NamedSharding
 
     import jspec

@@ -29,8 +29,10 @@ def full_sequence(name):
     return np.concatenate([e["prompt"], e["greedy"]]).astype(np.int32)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("name", ALL)
+# pallas on every family; the xla baseline on the three main ones (the rest: slow).
+@pytest.mark.parametrize("name,backend", [
+    (n, b) if b == "pallas" or n in FAMILIES else pytest.param(n, b, marks=pytest.mark.slow)
+    for n in ALL for b in BACKENDS])
 def test_logits_match_transformers(name, backend):
     model = load(name, backend)
     seq = full_sequence(name)

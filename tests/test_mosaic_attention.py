@@ -60,7 +60,8 @@ def test_matches_the_reference(window, softcap):
 SINKS = jnp.asarray([0.7, 8.0, -1e4, 1e4] * 2, jnp.bfloat16)
 
 
-@pytest.mark.parametrize("sinks", [None, SINKS], ids=("plain", "sinks"))
+@pytest.mark.parametrize("sinks", [None, pytest.param(SINKS, marks=pytest.mark.slow)],
+                         ids=("plain", "sinks"))
 def test_a_tokens_bits_do_not_depend_on_its_block_batch_cache_or_garbage(
         row_by_row_wgmma, sinks):  # noqa: F811
     p = 150  # the token: position 150 of row 0, its keys 0..150 the same in every call

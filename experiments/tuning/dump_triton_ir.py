@@ -31,7 +31,12 @@ import jax
 import jax.numpy as jnp
 from absl import app, flags
 from jax._src.interpreters import mlir
-from jax._src.pallas.triton import gpu_info, lowering, pallas_call_registration
+from jax._src.pallas.triton import lowering, pallas_call_registration
+
+try:  # jax 0.12.1 moved it out of pallas
+    from jax._src import gpu_info
+except ImportError:
+    from jax._src.pallas.triton import gpu_info
 
 from jspec import fused_draft
 from jspec.cache import init_cache
