@@ -86,6 +86,21 @@ def _split_row_tile(jaxpr) -> int | None:
     return None
 
 
+def test_serial_and_group_split_options_pick_their_kernels():
+    # The two register-folding split paths' options: each forward runs its kernel a layer
+    # (the kernels' rows: tests/test_kernel_attention.py; P at model level: slow below).
+    for name, option, kernel, T in (("gemma3", "attn_serial_split", "serial_split", 9),
+                                    ("tiny-qwen3", "attn_group_split", "group_split", 1)):
+        model, _ = model_and_tokens(name, N, seed=11)
+        model = with_options(model, attn_split=SPLIT if T > 1 else 16, **{option: True})
+        counts = eqn_counts(jax.make_jaxpr(apply)(model, jnp.zeros((1, T), jnp.int32),
+                                                     init_cache(model, 1, MAX_LEN)).jaxpr)
+        assert counts[f"pallas_call:jspec_attention_{kernel}"] == model.config.num_layers
+        with pytest.raises(ValueError, match=f"{option}=1 must be a bool"):
+            with_options(model, **{option: 1})
+
+
+@pytest.mark.slow  # model-level P on a path whose kernel rows the default run proves
 def test_serial_split_logits_schedule_invariant():
     # attn_serial_split: every split-KV call keeps its partials in registers (programs of
     # two row tiles over every partition): P within that path, prefill == steps == blocks
@@ -104,6 +119,7 @@ def test_serial_split_logits_schedule_invariant():
         with_options(model, attn_serial_split=1)
 
 
+@pytest.mark.slow  # model-level P on a path whose kernel rows the default run proves
 def test_group_split_logits_schedule_invariant():
     # attn_group_split: past one fold group, a program per (row tile, group) folds its
     # partitions' partials in registers: P within that path, prefill == steps == verify
