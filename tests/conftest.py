@@ -3,6 +3,8 @@
 import collections
 import functools
 import os
+import sys
+import tempfile
 
 # The CPU suite is compile-bound: interpret-mode Pallas kernels become large XLA
 # programs that run once or twice each. LLVM's optimisation level 0 compiles them ~25%
@@ -20,8 +22,6 @@ os.environ["XLA_FLAGS"] = " ".join(
 # caller's own JAX_COMPILATION_CACHE_DIR wins.
 _OWN_CACHE = "JAX_COMPILATION_CACHE_DIR" not in os.environ
 if _OWN_CACHE:
-    import tempfile
-
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jspec-tests-jax-cache-")
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
     os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
@@ -32,12 +32,8 @@ if _OWN_CACHE:
 # each script a test starts. The run then keeps one bytecode cache of its own, outside
 # the source tree (PYTHONPYCACHEPREFIX: a temporary directory, inherited like the
 # compilation cache, removed with it); the caller's setting is theirs everywhere else.
-import sys  # noqa: E402
-
 _OWN_PYCACHE = sys.dont_write_bytecode and "PYTHONPYCACHEPREFIX" not in os.environ
 if _OWN_PYCACHE:
-    import tempfile
-
     sys.pycache_prefix = tempfile.mkdtemp(prefix="jspec-tests-pycache-")
     os.environ["PYTHONPYCACHEPREFIX"] = sys.pycache_prefix
     os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
@@ -174,15 +170,9 @@ def eqn_counts(jaxpr, counts: collections.Counter | None = None) -> collections.
 def h200(monkeypatch):
     """Pallas's Triton lowering answers `gpu_info` with the H200's entry (sm_90), so
     kernels lower for CUDA on a CPU (no GPU needed)."""
-    from jax._src.pallas.triton import pallas_call_registration
-    try:  # jax 0.12.1 moved it out of pallas
-        from jax._src import gpu_info
-    except ImportError:
-        from jax._src.pallas.triton import gpu_info
+    from jspec.bench.h200_lowering import pretend_h200
 
-    info = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200)
-    monkeypatch.setattr(pallas_call_registration.gpu_info_lib, "get_gpu_info",
-                        lambda *a, **k: info)
+    pretend_h200(monkeypatch.setattr)
 
 
 @pytest.fixture(params=FAMILIES)

@@ -77,7 +77,6 @@ def run_script(cmd, *, cwd=None, timeout=None, env=None, capture_output=True, te
 
 def _child(req: dict) -> None:
     """In the forked child: become `python argv...` and never return."""
-    import atexit as _atexit
     import runpy
 
     code = 1
@@ -110,7 +109,7 @@ def _child(req: dict) -> None:
             e = e.with_traceback(tb or e.__traceback__)
             sys.excepthook(type(e), e, e.__traceback__)
             code = 1
-        _atexit._run_exitfuncs()
+        atexit._run_exitfuncs()
     finally:
         try:
             sys.stdout.flush()

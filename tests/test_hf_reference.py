@@ -7,7 +7,7 @@ compare two different implementations, not two computations of jspec.
 
 import numpy as np
 import pytest
-from conftest import FAMILIES, MOE_FAMILIES, expected, fixture_path, load
+from conftest import FAMILIES, MOE_FAMILIES, expected, fixture_path, load, slow_except
 
 import jspec
 
@@ -30,9 +30,8 @@ def full_sequence(name):
 
 
 # pallas on every family; the xla baseline on the three main ones (the rest: slow).
-@pytest.mark.parametrize("name,backend", [
-    (n, b) if b == "pallas" or n in FAMILIES else pytest.param(n, b, marks=pytest.mark.slow)
-    for n in ALL for b in BACKENDS])
+@pytest.mark.parametrize("name,backend", slow_except(
+    [(n, "pallas") for n in ALL] + [(n, "xla") for n in FAMILIES], ALL, BACKENDS))
 def test_logits_match_transformers(name, backend):
     model = load(name, backend)
     seq = full_sequence(name)

@@ -541,9 +541,8 @@ def _sink_reference(q, k, v, pos, window, sinks, softcap=None):
 
 
 # The fused fold's and group programs' sinks in the slow run (their rows: the tests below).
-@pytest.mark.parametrize("path", [pytest.param(p, marks=pytest.mark.slow)
-                                  if p in ("one-launch", "group-split") else p
-                                  for p in SINK_PATHS])
+@pytest.mark.parametrize("path", slow_except(
+    [("one-pass",), ("two-kernels",), ("serial-split",)], list(SINK_PATHS)))
 def test_sinks_match_the_transformers_formula(path):
     """Every path with sinks, GQA, windows, softcap, garbage past the keys and padding
     rows: within f32 rounding of transformers' formula; a negligible sink gives the

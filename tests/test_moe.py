@@ -195,7 +195,7 @@ def _head(target):
     pytest.param("mixtral", "dense draft", 4, marks=pytest.mark.slow),
     pytest.param("mixtral", "feature head", 3, marks=pytest.mark.slow),
     ("qwen2_moe", "dense draft", 3),  # a shared expert under its sigmoid gate
-    pytest.param("gpt_oss", "feature head", 3, marks=pytest.mark.slow),  # P: [gpt_oss] above
+    pytest.param("gpt_oss", "feature head", 3, marks=pytest.mark.slow),
     pytest.param("gpt_oss", "dense draft", 4, marks=pytest.mark.slow),
     pytest.param(GPT_OSS_EXPERTS, "feature head", 3, marks=pytest.mark.slow),
     pytest.param(GPT_OSS_EXPERTS, "lookup", 2, marks=pytest.mark.slow)])
