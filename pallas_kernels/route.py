@@ -125,10 +125,12 @@ class RouteConfig:
     of a row is written out (max, the pairwise tree, argmax), the same for every tiling."""
 
     bm: int = ROUTE_ROWS
-    num_warps: int = 4
+    num_warps: int = 8
 
 
-ROUTE = RouteConfig()  # the default (experiments/tuning/sweep_route.py times others)
+# The default: 8 warps were the fastest of sweep_route.py's tilings on an H200 and an H100
+# (docs/tuning.md); the bits are the same for every tiling.
+ROUTE = RouteConfig()
 
 
 def _tree_sum_tile(x: jax.Array) -> jax.Array:
