@@ -84,7 +84,8 @@
 #   XLA_FLAGS=--xla_gpu_enable_command_buffer= and PROF_TAG=nocmdbuf.
 # - e2e_context: bench_e2e.py at the Llama-3-8B shape (32 layers), batch 1, prompts of
 #   $CTX_LENS tokens (default 32768; 128K wants a call of its own and a prompt within the
-#   model's 131,072 positions: CTX_LENS=130944 CTX_ACCEPT=0.8, four ~71 s prefills),
+#   model's 131,072 positions with the run's 133 after it: CTX_LENS=130816 CTX_ACCEPT=0.8,
+#   four ~70 s prefills, the serial prefill's own timing left out: --noprefill_timing),
 #   feature head at a = $CTX_ACCEPT (default 0.8,0.9) against serial, parity checked
 #   (the draft preset is built, never run: the head drafts).
 # - serial_split: split-KV without partials in memory (attn_serial_split, off by default):
@@ -391,8 +392,8 @@ for s in "$@"; do
                 timeout "${E2E_CTX_S:-540}" python3 experiments/bench_e2e.py --target=llama3-8b \
                   --draft=tiny-qwen3:1 --drafter=feature --head_vocab=16384 --batches=1 \
                   --prompt_len="$ctx" --max_new_tokens=128 --gammas=4 --accept="${CTX_ACCEPT:-0.8,0.9}" \
-                  --nolookup --nopeers --serial_backends=pallas --iters=1 --out="$OUT" \
-                  --tag="${GPU}_ctx$ctx" 2>&1 | quiet | grep -v "it/s" | tail -10
+                  --nolookup --nopeers --serial_backends=pallas --iters=1 --noprefill_timing \
+                  --out="$OUT" --tag="${GPU}_ctx$ctx" 2>&1 | quiet | grep -v "it/s" | tail -10
               done ;;
     moe_cost) timeout "${MOE_COST_S:-150}" python3 experiments/bench_moe.py \
               --preset="${MOE_PRESET:-qwen3-30b-a3b}" --layers="${MOE_LAYERS:-0}" \

@@ -269,7 +269,8 @@ def test_bench_e2e_smoke(tmp_path):
     assert {(s["backend"], s["batch"]) for s in rep["serial"]} == {("pallas", 1), ("xla", 1)}
     assert all(s["roofline_tokens_per_s"] > 0 for s in rep["serial"])
     # the prefill timed at generate's own cache capacity, so decode = run - prefill
-    assert all(s["generate_stats"]["max_len"] >= 24 for s in rep["serial"])
+    assert all(s["generate_stats"]["max_len"] >= 24 and s["prefill_timed_alone"]
+               for s in rep["serial"])
     assert all("decode_speedup" in s for s in rep["speculative"])
     # The speculative prefill in its two parts, once a drafter kind and batch.
     parts = [s["prefill_parts"] for s in rep["speculative"] if "prefill_parts" in s]
