@@ -788,6 +788,26 @@ def merge_receipts(paths: list[str]) -> dict:
     return rep
 
 
+def check_positions(trees: list) -> None:
+    """A preset target's positions against the longest run: the prompt, max_new_tokens and
+    the largest verify block of the gammas, trees and adaptive shapes (the library checks
+    each run too, but only as it starts: after the serial runs before it)."""
+    if os.path.isdir(_TARGET.value):
+        return
+    from jspec.random_model import preset_config
+
+    limit = preset_config(_TARGET.value.partition(":")[0]).max_position
+    specs = [jspec.SpecConfig(gamma=int(g), tree=t) for g in _GAMMAS.value for t in trees]
+    if _ADAPTIVE.value:
+        specs += [jspec.SpecConfig(adaptive=parse_adaptive(_ADAPTIVE.value, t)) for t in trees]
+    block = max(s.proposals for s in specs) + 1
+    need = _PROMPT_LEN.value + _NEW.value + block
+    if need > limit:
+        raise ValueError(f"--prompt_len={_PROMPT_LEN.value} + --max_new_tokens={_NEW.value} "
+                         f"+ the largest verify block ({block}) = {need} positions exceed "
+                         f"--target={_TARGET.value}'s max_position_embeddings ({limit})")
+
+
 def check_flags() -> None:
     """The flags parsed only as the runs reach them, checked before any model is built: a
     bad one is a ValueError naming it (a tree, an option string, a preset, --out)."""
@@ -826,6 +846,7 @@ def check_flags() -> None:
             parse_adaptive(_ADAPTIVE.value, t)
         except ValueError as e:
             raise ValueError(f"--adaptive: {e}") from None
+    check_positions(trees)
     for entry in filter(None, _BATCH_SHAPES.value.split(";")):
         b, _, shape = entry.partition(":")
         d, _, t = shape.partition("/")

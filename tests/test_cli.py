@@ -695,10 +695,13 @@ def test_text_entry_points_check_seeds_and_timed_runs_before_loading(tmp_path):
 def test_bench_e2e_checks_its_flags_before_building(tmp_path):
     # A misspelled drafter ran the draft model under the wrong label; serial runs without
     # pallas (the oracle's reference) ended in a KeyError; a bad tree was a traceback after
-    # the serial runs. Now each is one line before any model is built (no receipt).
+    # the serial runs; so was a prompt whose run outgrew the target's positions (after its
+    # serial runs). Now each is one line before any model is built (no receipt).
     for flag, words in (("--drafter=featur", "--drafter=['featur']"),
                         ("--serial_backends=xla", "must hold pallas"),
-                        ("--tree=8,8", "--tree: tree '8,8'")):
+                        ("--tree=8,8", "--tree: tree '8,8'"),
+                        ("--prompt_len=131072", "+ the largest verify block (9) = 131129 "
+                         "positions exceed --target=tiny-qwen3's max_position_embeddings")):
         _one_line_error(_run("bench_e2e.py", "--nopeers", flag, f"--out={tmp_path}"), *words)
     assert not list(tmp_path.iterdir())
 
