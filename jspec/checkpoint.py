@@ -37,6 +37,9 @@ from jspec.model import Model
 LOG = logging.getLogger("jspec")
 DIGEST_FILE = "jspec_digests.json"
 DIGEST_FORMAT = 1
+# orbax's temporary directory beside the one it saves (`atomicity_types.TMP_DIR_SUFFIX`),
+# renamed into place when the save finishes; orbax removes whatever already has the name.
+TMP_SUFFIX = ".orbax-checkpoint-tmp"
 
 
 def _name(path) -> str:
@@ -73,9 +76,22 @@ def save_params(path: str, model: Model) -> None:
     every array (`DIGEST_FILE`)."""
     path = os.path.abspath(check_path("path", path))
     check_type("model", model, Model, "a jspec.Model")
-    if os.path.exists(path):
+    if TMP_SUFFIX in os.path.basename(path):
+        raise ValueError(f"{path}: a name orbax keeps for an unfinished save (*{TMP_SUFFIX}"
+                         "*): it would refuse to restore it; give another name")
+    if os.path.lexists(path):  # lexists: a dangling symbolic link is there too
         raise FileExistsError(f"{path} exists: save_params writes a new checkpoint directory "
                               "and replaces nothing: remove it, or give another path")
+    # orbax writes into path + TMP_SUFFIX and removes whatever it finds there first.
+    tmp_dir = path + TMP_SUFFIX
+    if os.path.lexists(tmp_dir):
+        raise FileExistsError(f"{tmp_dir} exists: save_params({path!r}) would write there "
+                              "first, and orbax removes what it finds (an unfinished save, or "
+                              "anything else of that name): move it, or give another path")
+    inside = _enclosing_checkpoint(path)
+    if inside:
+        raise FileExistsError(f"{path} is inside the checkpoint {inside}: save_params "
+                              "changes no checkpoint; give a path outside it")
     _check_writable(path)
     import orbax.checkpoint as ocp  # ~0.6 s to import: only when a checkpoint is used
 
@@ -88,6 +104,18 @@ def save_params(path: str, model: Model) -> None:
     with open(tmp, "w") as f:
         json.dump(record, f, indent=1, sort_keys=True)
     os.replace(tmp, os.path.join(path, DIGEST_FILE))
+
+
+def _enclosing_checkpoint(path: str) -> str | None:
+    """The nearest directory above `path` that is a jspec checkpoint (holds a digest
+    file), or None."""
+    d = os.path.dirname(path)
+    while True:
+        if os.path.isfile(os.path.join(d, DIGEST_FILE)):
+            return d
+        if os.path.dirname(d) == d:
+            return None
+        d = os.path.dirname(d)
 
 
 def _check_writable(path: str) -> None:
@@ -126,6 +154,10 @@ def _read_digests(path: str) -> dict | None:
         arrays = record["arrays"]
         if record.get("algorithm") != "sha256" or not isinstance(arrays, dict):
             raise ValueError(f"algorithm {record.get('algorithm')!r}")
+        bad = [n for n, d in arrays.items()
+               if not (isinstance(d, dict) and isinstance(d.get("sha256"), str))]
+        if bad:
+            raise ValueError(f"array {bad[0]!r} has no sha256 entry")
     except (ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"{fn}: not a jspec digest file ({e})") from e
     return record

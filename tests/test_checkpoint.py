@@ -49,6 +49,31 @@ def test_a_saved_checkpoint_is_never_replaced(saved):
     _equal(jspec.restore_params(path, model), model)
 
 
+def test_nothing_beside_or_around_a_path_is_lost(saved, tmp_path):
+    # orbax writes into path + ".orbax-checkpoint-tmp" and removed whatever held that name
+    # (a finished checkpoint, a file); a dangling link passed os.path.exists and failed in
+    # orbax's threads after the whole save; a save inside a checkpoint added to it.
+    path, model = saved
+    # A name orbax takes for an unfinished save is refused: it would not restore.
+    with pytest.raises(ValueError, match="orbax-checkpoint-tmp: a name orbax keeps for"):
+        jspec.save_params(str(tmp_path / "run.orbax-checkpoint-tmp"), model)
+    os.mkdir(tmp_path / "run.orbax-checkpoint-tmp")
+    (tmp_path / "run.orbax-checkpoint-tmp" / "data").write_text("kept")
+    (tmp_path / "x.orbax-checkpoint-tmp").write_text("notes")
+    for where in ("run", "x"):
+        with pytest.raises(FileExistsError, match=r"orbax-checkpoint-tmp exists: save_params"):
+            jspec.save_params(str(tmp_path / where), model)
+    assert (tmp_path / "run.orbax-checkpoint-tmp" / "data").read_text() == "kept"
+    assert (tmp_path / "x.orbax-checkpoint-tmp").read_text() == "notes"
+    os.symlink(tmp_path / "nowhere", tmp_path / "dangling")
+    with pytest.raises(FileExistsError, match="dangling exists"):
+        jspec.save_params(str(tmp_path / "dangling"), model)
+    with pytest.raises(FileExistsError, match=r"is inside the checkpoint .*ckpt"):
+        jspec.save_params(os.path.join(path, "inner"), model)
+    assert sorted(os.listdir(tmp_path)) == ["ckpt", "dangling", "run.orbax-checkpoint-tmp",
+                                            "x.orbax-checkpoint-tmp"]
+
+
 def test_a_path_that_cannot_be_created_is_refused_before_orbax(tmp_path):
     # Orbax fails such a path in background threads that then keep the process alive for
     # minutes; save_params names the problem first, and leaves nothing behind.
@@ -87,6 +112,19 @@ def test_corrupted_data_file_names_the_array(saved):
     with pytest.raises(jspec.CheckpointError,
                        match=r"array '[\w.]+' (differs from the digest written at save"
                              r"|could not be read)"):
+        jspec.restore_params(path, model)
+
+
+def test_a_damaged_digest_entry_is_a_checkpoint_error(saved):
+    import json
+
+    path, model = saved
+    fn = os.path.join(path, DIGEST_FILE)
+    record = json.load(open(fn))
+    record["arrays"][next(iter(record["arrays"]))] = "xx"
+    json.dump(record, open(fn, "w"))
+    with pytest.raises(jspec.CheckpointError, match=r"not a jspec digest file \(array '.*' "
+                                                   r"has no sha256 entry\)"):
         jspec.restore_params(path, model)
 
 
