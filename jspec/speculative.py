@@ -531,6 +531,8 @@ def _validate(target: Model, drafter, spec: SpecConfig) -> None:
     check_type("target", target, Model, "a jspec.Model (jspec.load_hf, jspec.random_model)")
     check_not_a_draft(target)
     check_drafter(drafter)
+    if isinstance(drafter, OracleDrafter) and drafter.draft is not None:
+        check_drafter(drafter.draft, "OracleDrafter.draft")
     if not isinstance(spec, SpecConfig):
         raise TypeError(f"spec must be a jspec.SpecConfig; got {type(spec).__name__}")
     trees = [t for t in (spec.tree, spec.adaptive.tree if spec.adaptive is not None else None)
@@ -605,14 +607,20 @@ def _check_tree_ranks(trees, target: Model, drafters) -> None:
                                  f"vocabulary size is {V}: every rank must be < {V}")
 
 
-def _check_oracle(drafter: OracleDrafter) -> None:
-    """An oracle's reference is [B, R] integer ids; its probabilities lie in [0, 1]."""
+def _check_oracle(drafter: OracleDrafter, vocab: int) -> None:
+    """An oracle's reference is [B, R] token ids in [0, vocab) (or -1, generate's padding
+    after a stop); its probabilities lie in [0, 1]."""
     ref = drafter.reference
     if getattr(ref, "ndim", None) != 2 or not np.issubdtype(np.dtype(ref.dtype), np.integer):
         raise ValueError(f"OracleDrafter.reference must be a [B, R] integer array (each "
                          f"row's prompt and serial output); got "
                          f"{type(ref).__name__} {getattr(ref, 'shape', '')} "
                          f"{getattr(ref, 'dtype', '')}")
+    ids = np.asarray(ref)
+    bad = ids[(ids < -1) | (ids >= vocab)]
+    if bad.size:
+        raise ValueError(f"OracleDrafter.reference holds token id {int(bad[0])}, out of range "
+                         f"[0, {vocab}) (-1, generate's padding after a stop, is allowed)")
     p = np.asarray(drafter.corrupt_prob)
     numeric = np.issubdtype(p.dtype, np.floating) or np.issubdtype(p.dtype, np.integer)
     if p.ndim != 0 or not numeric or not 0 <= float(p) <= 1:
@@ -633,6 +641,7 @@ def _setup(target, drafter, prompts, spec, max_len):
     spec = dataclasses.replace(spec, policy=with_lowering(spec.policy,
                                                           target.options.lowering))
     tokens, lens = pad_prompts(prompts, target.config.vocab_size)
+    given_max_len = max_len
     # max_new_tokens + gamma + 1 positions after the prompt: the last round's verify block.
     padded, max_len = plan_shapes(tokens.shape[1], spec.max_new_tokens + spec.proposals + 1,
                                   max_len, target.config.max_position,
@@ -650,10 +659,13 @@ def _setup(target, drafter, prompts, spec, max_len):
                              "draft of a longer context, a shorter prompt or fewer new "
                              "tokens")
     if isinstance(drafter, PromptLookupDrafter) and drafter.max_ngram > max_len:
+        how = ("given" if given_max_len is not None else
+               "planned from the longest prompt and max_new_tokens; a larger max_len= fits it")
         raise ValueError(f"PromptLookupDrafter(max_ngram={drafter.max_ngram}) exceeds the "
-                         f"cache max_len={max_len}: no n-gram that long fits the history")
+                         f"cache max_len={max_len} ({how}): no n-gram that long fits the "
+                         "history; use a smaller max_ngram")
     if isinstance(drafter, OracleDrafter):
-        _check_oracle(drafter)
+        _check_oracle(drafter, target.config.vocab_size)
         R = drafter.reference.shape
         if R[0] != tokens.shape[0] or R[1] < int(lens.max()) + spec.max_new_tokens:
             raise ValueError(f"OracleDrafter.reference has shape {R}; need [B={tokens.shape[0]}, "

@@ -191,10 +191,16 @@ def test_bad_speculative_configs_get_clear_errors():
                       (dict(reference=ref.astype(jnp.float32)), "integer array"),
                       (dict(corrupt_prob=1.5), "corrupt_prob=1.5"),
                       (dict(corrupt_prob=float("nan")), "corrupt_prob=nan"),
-                      (dict(rank_probs=[0.8, 0.3]), "summing to at most 1")]:
+                      (dict(rank_probs=[0.8, 0.3]), "summing to at most 1"),
+                      (dict(reference=ref + 1000), "token id 1000, out of range \\[0, 256\\)"),
+                      (dict(reference=ref - 2), "token id -2, out of range")]:
         with pytest.raises(ValueError, match=what):
             jspec.speculative_generate(target, jspec.OracleDrafter(**({"reference": ref} | bad)),
                                        p, jspec.SpecConfig())
+    with pytest.raises(TypeError, match="OracleDrafter.draft must be a jspec drafter .* "
+                                        "wrap it: ModelDrafter"):  # was an AttributeError
+        jspec.speculative_generate(target, jspec.OracleDrafter(ref, draft=target), p,
+                                   jspec.SpecConfig())
     with pytest.raises(ValueError, match="exceeds max_len"):
         jspec.speculative_generate(target, jspec.PromptLookupDrafter(), p,
                                    jspec.SpecConfig(max_new_tokens=8), max_len=16)
