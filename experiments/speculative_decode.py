@@ -58,6 +58,9 @@ def head_ids(path: str, size: int, tok, vocab: int) -> np.ndarray:
         raise app.UsageError(f"--config.draft_head={path!r}: not UTF-8 text ({e})") from None
     if not ids:
         raise app.UsageError(f"--config.draft_head={path!r}: the text encodes to no tokens")
+    if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size:
+        raise app.UsageError(f"--config.draft_head_size={size!r}: must be an integer >= 1 "
+                             "(the head's most frequent tokens)")
     return jspec.frequent_tokens(ids, min(size, vocab), vocab)
 
 
@@ -189,8 +192,9 @@ def main(argv):
     chat = any(not isinstance(p, str) for p in prompts)
     stop = (pipe.stop_ids + (pipe.chat_stop_ids if chat else ())) if c.stop_at_eos else ()
     kw = dict(max_new_tokens=c.max_new_tokens, seed=c.seed, stop_tokens=stop)
-    spec_kw = kw | dict(gamma=c.gamma, policy=policy, audit_every=c.audit_every,
-                        tree=c.get("tree", "") or None, adaptive=adaptive)
+    tree = c.get("tree", "") or None
+    spec_kw = kw | dict(gamma=None if tree else c.gamma, policy=policy,
+                        audit_every=c.audit_every, tree=tree, adaptive=adaptive)
     sampler = policy.serial_sampler()  # the serial run the policy reproduces
     serial_kw = kw | (dict(temperature=0.0) if isinstance(sampler, jspec.Greedy) else
                       dict(temperature=sampler.temperature, top_k=sampler.top_k,

@@ -32,7 +32,7 @@ import json
 import os
 import sys
 
-from jspec._checks import check_real
+from jspec._checks import check_count, check_real
 from jspec.loop import NonFiniteError
 from jspec.model import with_options
 from jspec.options import FUSIONS, LOWERINGS, DraftOptions, KernelOptions
@@ -396,6 +396,8 @@ def check_prompt_lengths(pipe, prompts, max_new_tokens: int, max_len: int | None
     runs: a ValueError naming the prompt."""
     from jspec.generate import plan_shapes, verify_what
 
+    if max_len is not None:  # its own error, not one of the first prompt's
+        check_count("max_len", max_len)
     limit = pipe.target.config.max_position
     extra, what = ((max_new_tokens, "max_new_tokens") if proposals is None else
                    (max_new_tokens + proposals + 1, verify_what(max_new_tokens, proposals)))

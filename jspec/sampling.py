@@ -97,8 +97,11 @@ class Sample:
                              "where the logits are divided by it: give one in [1e-38, 3e38]")
         object.__setattr__(self, "temperature", t)
         object.__setattr__(self, "top_k", check_count("top_k", self.top_k, least=0))
-        object.__setattr__(self, "top_p", check_real("top_p", self.top_p, low=0, high=1,
-                                                     low_open=True))
+        top_p = check_real("top_p", self.top_p, low=0, high=1, low_open=True)
+        if np.float32(top_p) == 0:
+            raise ValueError(f"top_p={self.top_p!r} is 0.0 in float32, where the kept mass is "
+                             "compared with it: give one in [1e-38, 1]")
+        object.__setattr__(self, "top_p", top_p)
 
     def filtered_logits(self, logits):
         """logits [B, V] f32 -> (logits - the row's max) / T with filtered entries at -inf:
@@ -187,6 +190,8 @@ def make_sampler(temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0):
     `jspec.policies.resolve_policy` has it), never be ignored."""
     temperature = check_real("temperature", temperature, low=0)
     if temperature == 0:
+        check_count("top_k", top_k, least=0)  # a bad value is named as such first
+        check_real("top_p", top_p, low=0, high=1, low_open=True)
         set_ = [f"{k}={v!r}" for k, v, d in (("top_k", top_k, 0), ("top_p", top_p, 1.0))
                 if v != d]
         if set_:

@@ -124,11 +124,23 @@ def is_chat(prompt) -> bool:
             and all(isinstance(m, dict) for m in prompt))
 
 
+def _check_text(text: str, where: str) -> None:
+    """Text a tokenizer can take: encodable as UTF-8 (no lone surrogate, which is how
+    Python decodes bytes that were not UTF-8, e.g. from a command line)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{where} is not valid Unicode text: a lone surrogate "
+                         f"{text[e.start]!r} at character {e.start} (bytes that were not "
+                         "UTF-8?)") from None
+
+
 def _check_chat(chat, where: str) -> None:
     for i, m in enumerate(chat):
         if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             raise ValueError(f"{where}: message {i} must be a dict with a \"role\" string and "
                              f"a \"content\" string; got {m!r:.200}")
+        _check_text(m["content"], f"{where}: message {i}'s content")
 
 
 def as_prompts(prompts) -> list[Prompt]:
@@ -141,6 +153,7 @@ def as_prompts(prompts) -> list[Prompt]:
     out = []
     for i, p in enumerate(prompts):
         if isinstance(p, str):
+            _check_text(p, f"prompt {i}")
             out.append(p)
         elif is_chat(p):
             _check_chat(p, f"prompt {i}")
@@ -328,8 +341,10 @@ class TextPipeline:
         chat template (add_generation_prompt=True)."""
         tok = self.tokenizer
         if isinstance(prompt, str):
+            _check_text(prompt, "the prompt")
             ids = list(tok(prompt)["input_ids"])
         else:
+            _check_chat(prompt, "the chat")
             if not getattr(tok, "chat_template", None):
                 raise ValueError(f"{self.name}: the tokenizer has no chat template, so a chat "
                                  "prompt cannot be rendered; pass plain text instead")
@@ -371,7 +386,7 @@ class TextPipeline:
                        seed=seed, max_len=max_len, progress=progress)
         return self._output(out, ids, stop)
 
-    def spec_config(self, *, gamma: int = 4, policy: Policy | str | None = None,
+    def spec_config(self, *, gamma: int | None = None, policy: Policy | str | None = None,
                     max_new_tokens: int = 128, temperature: float | None = None,
                     top_k: int | None = None, top_p: float | None = None, seed: int = 0,
                     stop_tokens: Sequence[int] = (), audit_every: int = 0,
@@ -382,6 +397,8 @@ class TextPipeline:
         built with the sampling arguments; a `jspec.Policy` carries its own (arguments
         given must equal them). A greedy policy with temperature > 0, or a sampling one
         with temperature 0, is a ValueError naming both.
+        gamma: drafts a chain (None: 4); with a tree, which sets its own drafts, it is
+        left None (a ValueError otherwise: never ignored).
         tree: a `jspec.TreeConfig` or its command-line form ("3,2,1", "dynamic:4,16,5")
         to verify draft trees instead of chains of gamma.
         adaptive: a `jspec.Adaptive`: the round shape chosen per chunk of rounds (a tree
@@ -390,6 +407,10 @@ class TextPipeline:
         (`SpecConfig.compact`)."""
         if isinstance(tree, str):
             tree = parse_tree(tree)
+        if tree is not None and gamma is not None:
+            raise ValueError(f"gamma={gamma!r} does not apply with a tree (the tree sets a "
+                             "round's drafts): give one of them")
+        gamma = 4 if gamma is None else gamma
         if adaptive is not None and tree is not None:
             adaptive, tree = dataclasses.replace(adaptive, tree=tree), None
         return SpecConfig(gamma=gamma, policy=resolve_policy(policy, temperature, top_k, top_p),
@@ -404,7 +425,7 @@ class TextPipeline:
                              "jspec.Drafter) for speculative decoding")
         return self.drafter
 
-    def speculative_generate(self, prompts, *, gamma: int = 4,
+    def speculative_generate(self, prompts, *, gamma: int | None = None,
                              policy: Policy | str | None = None, max_new_tokens: int = 128,
                              temperature: float | None = None, top_k: int | None = None,
                              top_p: float | None = None, seed: int = 0,
@@ -426,7 +447,8 @@ class TextPipeline:
                                    progress=progress)
         return self._output(out, ids, stop)
 
-    def stream(self, prompt: Prompt, *, speculative: bool | None = None, gamma: int = 4,
+    def stream(self, prompt: Prompt, *, speculative: bool | None = None,
+               gamma: int | None = None,
                policy: Policy | str | None = None, max_new_tokens: int = 128,
                temperature: float | None = None, top_k: int | None = None,
                top_p: float | None = None, seed: int = 0,
@@ -451,6 +473,13 @@ class TextPipeline:
             steps = (rows[0] for rows in speculative_stream(
                 self.target, self._need_drafter(), [ids], spec, max_len=max_len))
         else:  # the serial decoding the same policy reproduces (`speculative_generate`'s)
+            given = [f"{k}={v!r}" for k, v, d in (("gamma", gamma, None), ("tree", tree, None),
+                                                 ("adaptive", adaptive, None),
+                                                 ("audit_every", audit_every, 0)) if v != d]
+            if given:
+                raise ValueError(f"{', '.join(given)}: speculative settings, for a serial "
+                                 "stream (speculative=False); leave them out, or stream "
+                                 "speculatively")
             sampler = resolve_policy(policy, temperature, top_k, top_p).serial_sampler()
             steps = ([int(t[0])] for t in generate_stream(
                 self.target, [ids], max_new_tokens=max_new_tokens, sampler=sampler,

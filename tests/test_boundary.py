@@ -392,7 +392,10 @@ def test_forward_inside_jit_names_apply():
 @pytest.mark.parametrize("call, fragment", [
     (lambda: jspec.make_sampler(0.0, top_p=0.5), "temperature=0 is greedy decoding, which "
      "top_p=0.5 would not change"),
-    (lambda: jspec.make_sampler(0, top_k=-5, top_p=7.0), "top_k=-5 and top_p=7.0"),
+    (lambda: jspec.make_sampler(0, top_k=-5, top_p=7.0), "top_k=-5 must be"),
+    (lambda: jspec.make_sampler(0, top_p=7.0), "top_p=7.0 must"),
+    (lambda: jspec.make_sampler(0, top_k=5, top_p=0.5), "top_k=5 and top_p=0.5 would not"),
+    (lambda: jspec.Sample(top_p=1e-50), r"top_p=1e-50 is 0.0 in float32"),
     (lambda: jspec.Sample(temperature=1e300), r"temperature=1e\+300 is inf in float32"),
     (lambda: jspec.Sample(temperature=1e-50), r"temperature=1e-50 is 0.0 in float32"),
 ])

@@ -672,6 +672,11 @@ def test_exact_greedy_refuses_sampling_flags_it_would_ignore():
     pytest.param(["--config.drafter=prompt_lookup", "--config.tree=dynamic:3,8,3"],
                  ("prompt lookup grows static trees only",), marks=pytest.mark.slow),
     pytest.param(["--config.draft_options=bogus"], ("unknown option 'bogus'",),
+                 marks=pytest.mark.slow),
+    # a prompt byte that is not UTF-8 was the tokenizer's TypeError, as a traceback
+    (["--config.prompt=ab\udcff"], ("prompt 1 of 1: the prompt is not valid Unicode text",)),
+    pytest.param(["--config.drafter=model", f"--config.draft_head={ROOT}/README.md",
+                  "--config.draft_head_size=0"], ("--config.draft_head_size=0: must be",),
                  marks=pytest.mark.slow)])
 def test_speculative_cli_refuses_flags_it_would_drop(flags, words):
     # Each a flag the run would ignore or refuse only after loading: one line, exit 2.

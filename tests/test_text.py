@@ -83,6 +83,13 @@ def test_prompt_forms_and_files(tmp_path):
     for bad in ([], [1], [{"content": "no role"}], 3):
         with pytest.raises(ValueError):
             as_prompts(bad)
+    # A lone surrogate (how Python decodes a byte that was not UTF-8, e.g. on a command
+    # line) reached the tokenizer, whose TypeError named nothing.
+    with pytest.raises(ValueError, match=r"prompt 1 is not valid Unicode text: a lone "
+                                         r"surrogate '\\udcff' at character 2"):
+        as_prompts(["ok", "ab\udcff"])
+    with pytest.raises(ValueError, match="prompt 0: message 0's content is not valid Unicode"):
+        as_prompts([[{"role": "user", "content": "\ud800"}]])
     txt = tmp_path / "p.txt"
     txt.write_text("first\n\nsecond é\n")
     assert read_prompts(str(txt)) == ["first", "second é"]
@@ -227,6 +234,13 @@ def test_a_serial_stream_decodes_as_its_policy_says():
     for speculative in (False, True):
         with pytest.raises(ValueError, match="top_k"):
             pipe.stream(prompt, speculative=speculative, top_k=5, max_new_tokens=8)
+    # Settings that do not apply are refused, never ignored: a chain's gamma with a tree,
+    # speculative settings in a serial stream.
+    with pytest.raises(ValueError, match="gamma=3 does not apply with a tree"):
+        pipe.speculative_generate(prompt, max_new_tokens=4, tree="2,1", gamma=3)
+    with pytest.raises(ValueError, match=r"gamma=2, tree='2,1': speculative settings, for a "
+                                         r"serial stream"):
+        pipe.stream(prompt, speculative=False, gamma=2, tree="2,1")
 
 
 @pytest.mark.slow  # tests/test_feature_drafter.py proves the feature drafter's exactness
