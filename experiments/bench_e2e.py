@@ -802,10 +802,15 @@ def check_positions(trees: list) -> None:
         specs += [jspec.SpecConfig(adaptive=parse_adaptive(_ADAPTIVE.value, t)) for t in trees]
     block = max(s.proposals for s in specs) + 1
     need = _PROMPT_LEN.value + _NEW.value + block
-    if need > limit:
-        raise ValueError(f"--prompt_len={_PROMPT_LEN.value} + --max_new_tokens={_NEW.value} "
-                         f"+ the largest verify block ({block}) = {need} positions exceed "
-                         f"--target={_TARGET.value}'s max_position_embeddings ({limit})")
+    models = [("target", _TARGET.value, limit)]
+    if "model" in _DRAFTER.value and not os.path.isdir(_DRAFT.value):  # the draft runs too
+        models.append(("draft", _DRAFT.value,
+                       preset_config(_DRAFT.value.partition(":")[0]).max_position))
+    for flag, name, most in models:
+        if need > most:
+            raise ValueError(f"--prompt_len={_PROMPT_LEN.value} + --max_new_tokens={_NEW.value}"
+                             f" + the largest verify block ({block}) = {need} positions exceed "
+                             f"--{flag}={name}'s max_position_embeddings ({most})")
 
 
 def check_flags() -> None:

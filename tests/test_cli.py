@@ -708,6 +708,9 @@ def test_bench_e2e_checks_its_flags_before_building(tmp_path):
                         ("--prompt_len=131072", "+ the largest verify block (9) = 131129 "
                          "positions exceed --target=tiny-qwen3's max_position_embeddings")):
         _one_line_error(_run("bench_e2e.py", "--nopeers", flag, f"--out={tmp_path}"), *words)
+    _one_line_error(_run("bench_e2e.py", "--nopeers", "--drafter=model", "--draft=mistral-7b:1",
+                         "--prompt_len=40000", f"--out={tmp_path}"),
+                    "exceed --draft=mistral-7b:1's max_position_embeddings (32768)")
     assert not list(tmp_path.iterdir())
 
 
