@@ -419,16 +419,28 @@ def test_catch_up_changes_no_proposal():
     assert runs[3].stats["draft_forwards"] < runs[1].stats["draft_forwards"]
 
 
-def test_a_draft_model_catches_up_on_decode_steps_in_blocks():
+@pytest.mark.slow  # whole runs; the default run checks the pending state and the counts
+def test_a_draft_model_catching_up_gives_serial_output_and_its_counted_forwards():
     # Plain decode steps leave the draft model's tokens pending; it runs them in blocks of
     # catch_up (when full, or before its next proposal); the output is serial's. (The
     # feature head's blocks: tests/test_feature_drafter.py.)
     target, spec, runs = _catch_up_runs((3,))
     assert runs[3].stats["adaptive"]["shapes"]["decode"]["rounds"] >= 6
+    from jspec.speculative import draft_forwards
+
+    for k, out in runs.items():
+        ran = [[{"decode": 0, "gamma2": 2, "tree": TREE}[h[0]], h[1]]
+               for h in out.stats["adaptive"]["history"]]
+        assert out.stats["draft_forwards"] == draft_forwards(
+            jspec.ModelDrafter(target, catch_up=k), ran)
+
+
+def test_a_draft_model_catches_up_on_decode_steps_in_blocks():
     # Draft forwards: a block of catch_up decode steps is one, and a flush before a
     # proposal another (hand-counted: init 1, then per chunk below).
     from jspec.speculative import draft_forwards
 
+    target = load("qwen3", "pallas")
     seq = [[2, 1], [0, 2], [2, 1], [0, 4], [TREE, 1], [0, 1], [2, 1]]
     d1, d3 = (jspec.ModelDrafter(target, catch_up=k) for k in (1, 3))
     assert draft_forwards(d3, seq) == 1 + 2 + 0 + (1 + 2) + 1 + (1 + 2) + 0 + (1 + 2)
@@ -436,11 +448,9 @@ def test_a_draft_model_catches_up_on_decode_steps_in_blocks():
     assert draft_forwards(jspec.OracleDrafter(jnp.zeros((1, 4), jnp.int32), draft=d3),
                           seq) == draft_forwards(d3, seq)
     assert draft_forwards(jspec.PromptLookupDrafter(), seq) == 0
-    for k, out in runs.items():
-        ran = [[{"decode": 0, "gamma2": 2, "tree": TREE}[h[0]], h[1]]
-               for h in out.stats["adaptive"]["history"]]
-        assert out.stats["draft_forwards"] == draft_forwards(
-            jspec.ModelDrafter(target, catch_up=k), ran)
+    sched = (2, 0, 0, 2, 0, 0, 0, 0, TREE, 0, 2)  # `_catch_up_runs`' spec
+    spec = jspec.SpecConfig(max_new_tokens=16, adaptive=jspec.Adaptive(
+        gammas=(0, 2), tree=TREE, chunk_rounds=1, schedule=sched))
     # Two decode rounds run no draft forward: their tokens wait, the draft cache stays put.
     from jspec.spec_config import shape_spec
     from jspec.speculative import one_round, prefill
