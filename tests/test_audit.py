@@ -13,6 +13,7 @@ def _seq():
     return np.concatenate([e["prompt"], e["greedy"]]).astype(np.int32)
 
 
+@pytest.mark.slow  # the audit's controls; the engine's audit by default: test_speculative.py
 def test_same_prefix_controls_equal_on_pallas_and_explained_on_xla():
     seq = _seq()
     ok = audit.same_prefix_controls(load("qwen3", "pallas"), seq[:14], seq[14:], 4)

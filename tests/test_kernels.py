@@ -523,7 +523,8 @@ def test_top_p_config_depends_on_vocabulary_only():
     assert list(inspect.signature(top_p_config).parameters) == ["V", "interpret"]
 
 
-def test_sample_with_top_p_row_invariant():
+@pytest.mark.slow  # the top-p cut's rows: test_top_p_kept_row_invariant; a sampled verify
+def test_sample_with_top_p_row_invariant():  # equal to serial: test_gumbel_coupled_...
     """The sampler itself (temperature, top-k, top-p, Gumbel noise, argmax): a row's
     filtered logits and token do not depend on the rows sampled with it."""
     rng = np.random.default_rng(8)

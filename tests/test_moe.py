@@ -190,7 +190,7 @@ def _head(target):
 @pytest.mark.parametrize("name,kind,gamma", [  # gamma 3 on qwen3_moe: one verify shape
     pytest.param("qwen3_moe", "dense draft", 3, marks=pytest.mark.slow),
     pytest.param("qwen3_moe", "lookup", 3, marks=pytest.mark.slow),
-    ("qwen3_moe", "feature head", 3),
+    pytest.param("qwen3_moe", "feature head", 3, marks=pytest.mark.slow),  # qwen2_moe's run
     pytest.param("mixtral", "lookup", 2, marks=pytest.mark.slow),
     pytest.param("mixtral", "dense draft", 4, marks=pytest.mark.slow),
     pytest.param("mixtral", "feature head", 3, marks=pytest.mark.slow),
@@ -335,7 +335,8 @@ def test_paths_without_experts_refuse_an_moe_model():
 # ------------------------------------------------------------- MXFP4 experts kept packed
 
 
-@pytest.mark.parametrize("in_kernel", [None, True, "prefetch"])  # prefetch: blocks 2 ahead
+@pytest.mark.parametrize("in_kernel", [None, pytest.param(True, marks=pytest.mark.slow),
+                                       "prefetch"])  # None is True's path; prefetch: 2 ahead
 def test_mxfp4_experts_kept_packed_give_the_dequantized_models_bits(in_kernel):
     """`load_hf(..., mxfp4_experts=True)` keeps gpt-oss's MXFP4 experts packed (a quarter
     of the bytes) and dequantizes the routed ones in each layer (each slot's expert alone

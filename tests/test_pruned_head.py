@@ -37,6 +37,7 @@ def _round(drafter, prompts, gamma=3):
     return drafter._full(state.next_logits, drafter.vocab_size), drafts, dlogits
 
 
+@pytest.mark.slow  # an opt-in head; its proposals' bits by default (the spread logits below)
 def test_a_head_of_every_token_is_the_full_head_bitwise():
     draft = load("qwen3", "pallas")
     prompts = [expected("qwen3")["prompt"][:8]]

@@ -169,7 +169,9 @@ def test_fused_qk_rope_has_fewer_kernels(case):
     assert plain["jspec_rmsnorm"] - fused["jspec_rmsnorm"] == qk_norms, (plain, fused)
 
 
-@_GEMMA_BY_DEFAULT
+@pytest.mark.parametrize(  # opt-in; its kernel's writes by default (kv_writes_what_...)
+    "case", [pytest.param(c, marks=pytest.mark.slow) for c in ("llama3", "tiny-qwen3", "gemma3")],
+    indirect=True)
 def test_kv_write_kernel_logits_and_caches_equal_default(case):
     # The K/V written by the q/k kernel (kv_write_kernel): the same logits at prefill,
     # one-token steps and verify blocks, and the same caches for a ragged batch.
