@@ -128,8 +128,8 @@ class RouteConfig:
     num_warps: int = 8
 
 
-# The default: 8 warps were the fastest of sweep_route.py's tilings on an H200 and an H100
-# (docs/tuning.md); the bits are the same for every tiling.
+# The default: sweep_route.py's fastest tiling (docs/tuning.md); the bits are the same for
+# every tiling.
 ROUTE = RouteConfig()
 
 
