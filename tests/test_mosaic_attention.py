@@ -171,6 +171,30 @@ def test_the_fold_splits_head_columns_and_keeps_the_bits():
     assert np.asarray(ours[0, :, :8]).all()
 
 
+@pytest.mark.parametrize("parts,fold_group,sinks", [(18, 16, False), (40, 8, True)],
+                         ids=("tail-group", "sinks"))
+def test_the_fold_in_group_programs_keeps_the_one_launch_bits(parts, fold_group, sinks):
+    # Group programs then a fold of the group states (the default) against one launch
+    # walking every partition: the same bits, a last group shorter than the others
+    # included; empty partitions (m = -inf) among them. Another fold_group (other
+    # arithmetic) gives other bits: the comparison can fail.
+    from pallas_kernels.mosaic.attention import fold_partials
+
+    keys = jax.random.split(jax.random.key(5), 4)
+    m = (jax.random.normal(keys[0], (2, HKV, parts, BM)) * 3).at[:, :, ::5].set(-jnp.inf)
+    denom = jnp.where(jnp.isinf(m), 0.0, jax.random.uniform(keys[1], m.shape) * 10)
+    acc = jnp.where(jnp.isinf(m)[..., None], 0.0,
+                    jax.random.normal(keys[2], (*m.shape, 2 * D)))
+    sink = jax.random.normal(keys[3], (2, HKV, BM)) if sinks else None
+    run = functools.partial(fold_partials, m, denom, acc, sink, dtype=jnp.bfloat16,
+                            interpret=True)
+    grouped = np.asarray(run(fold_group=fold_group)).view(np.uint16)
+    assert np.array_equal(grouped, np.asarray(run(fold_group=fold_group,
+                                                  group_programs=False)).view(np.uint16))
+    assert not np.array_equal(grouped, np.asarray(run(fold_group=fold_group // 2 + 1))
+                              .view(np.uint16))
+
+
 def test_partials_of_partitions_a_tile_cannot_see_are_empty():
     k, v = _cache(1, 256)
     q = _q(1, 1)
@@ -223,6 +247,7 @@ def test_lowers_for_cuda(seq, softcap, heads, kv_heads, head_dim, sinks):
     text = jax.jit(fn).trace(q, k, k, pos, jnp.int32(0)).lower(
         lowering_platforms=("cuda",)).as_text()
     assert "jspec_mosaic_attention_split" in text and "jspec_mosaic_attention_fold" in text
+    assert "jspec_mosaic_attention_fold_groups" in text  # 4 groups in their own programs
     assert "triton" not in text  # no Triton kernel on the path
 
 

@@ -17,7 +17,10 @@ slot's garbage might):
 3. Speed: `pallas_kernels.mosaic.attention.attention` against the Triton split path
    (`pallas_kernels.attention.attention`, split 128) at batch 1 and 8, T = 1 and 5: each
    a jitted loop of --reps dependent calls (the output feeds the next query), median of
-   --iters after warm-up with `block_until_ready`; us per call.
+   --iters after warm-up with `block_until_ready`; us per call. With --variants, also
+   the Mosaic kernels' scheduling variants (one K/V slot a split program: `KV_SLOTS` 1;
+   the fold in one launch: `GROUP_PROGRAMS` False), each output checked bitwise against
+   the default's (`variant_bits_equal`).
 
 Writes --out/mosaic_attention[_tag].json. --smoke: a tiny shape in interpret mode (a test
 of the script; its timings mean nothing).
@@ -39,6 +42,7 @@ from jspec.bench.receipts import receipt_stem, write_receipt
 from jspec.bench.timing import median_time
 from pallas_kernels.attention import attention as triton_attention
 from pallas_kernels.attention import attention_reference
+from pallas_kernels.mosaic import attention as mosaic_module
 from pallas_kernels.mosaic.attention import attention as mosaic_attention
 
 _CONTEXTS = flags.DEFINE_list("contexts", ["2048", "8192"], "cache positions of the block")
@@ -48,6 +52,25 @@ _REPS = flags.DEFINE_integer("reps", 20, "dependent attention calls per timed ca
 _SMOKE = flags.DEFINE_bool("smoke", False, "CPU: a tiny shape, interpret mode")
 _OUT = flags.DEFINE_string("out", os.environ.get("OUT", "experiments/results"), "receipt dir")
 _TAG = flags.DEFINE_string("tag", "", "receipt name suffix")
+_VARIANTS = flags.DEFINE_bool("variants", True, "also time the scheduling variants")
+
+# Scheduling variants: module settings of pallas_kernels.mosaic.attention (same bits).
+VARIANTS = {"mosaic_kv_slots_1": {"KV_SLOTS": 1},
+            "mosaic_fold_one_launch": {"GROUP_PROGRAMS": False}}
+
+
+def with_settings(settings: dict, fn, *args):
+    """fn(*args) compiled under the module settings (restored after; caches cleared)."""
+    old = {name: getattr(mosaic_module, name) for name in settings}
+    try:
+        for name, value in settings.items():
+            setattr(mosaic_module, name, value)
+        jax.clear_caches()
+        return fn(*args)
+    finally:
+        for name, value in old.items():
+            setattr(mosaic_module, name, value)
+        jax.clear_caches()
 
 SPLIT = 128
 
@@ -63,6 +86,10 @@ def cache(key, batch, heads, length, d, valid):
     v = jax.random.normal(kv, (batch, heads, length, d), jnp.float32).astype(jnp.bfloat16)
     past = jnp.arange(length)[:, None] >= valid
     return jnp.where(past, jnp.nan, k).astype(k.dtype), jnp.where(past, jnp.inf, v).astype(v.dtype)
+
+
+def run_bits(fn, *args) -> np.ndarray:
+    return bits(jax.jit(fn)(*args))
 
 
 def check_bits(run, q, k, v, c: int, Ts: list[int], key) -> dict:
@@ -141,9 +168,18 @@ def main(argv):
                 kb, vb = (jnp.broadcast_to(x, (B,) + x.shape[1:]) for x in (kc, vc))
                 qb = jnp.broadcast_to(q[:, :T], (B, T, heads, d))
                 pb = jnp.broadcast_to(jnp.arange(c - T, c, dtype=jnp.int32), (B, T))
-                entry["us"][f"B{B}_T{T}"] = {
-                    name: time_us(lambda q, k, v, p, f=f: f(q, k, v, p, win), qb, kb, vb, pb)
-                    for name, f in (("mosaic", mosaic), ("triton", triton))}
+                call = lambda q, k, v, p, f=mosaic: f(q, k, v, p, win)  # noqa: E731
+                times = {name: time_us(lambda q, k, v, p, f=f: f(q, k, v, p, win), qb, kb,
+                                       vb, pb)
+                         for name, f in (("mosaic", mosaic), ("triton", triton))}
+                if _VARIANTS.value:
+                    want = run_bits(call, qb, kb, vb, pb)
+                    for name, settings in VARIANTS.items():
+                        times[name] = with_settings(settings, time_us, call, qb, kb, vb, pb)
+                        got = with_settings(settings, run_bits, call, qb, kb, vb, pb)
+                        entry.setdefault("variant_bits_equal", {})[
+                            f"B{B}_T{T}_{name}"] = bool(np.array_equal(got, want))
+                entry["us"][f"B{B}_T{T}"] = times
         report["contexts"].append(entry)
         print(json.dumps(entry))
         # after every context: a time-out keeps what ran

@@ -9,7 +9,8 @@ One program owns one (batch, kv head, row tile, partition): a tile is BM = 64 qu
 (one warpgroup MMA M; rows are tokens x query heads of the kv head, as `query_rows` lays
 them out, padded with rows that see nothing), a partition `split` keys aligned at
 position 0, walked in blocks of BK = 64 keys from the tile's first visible block upward.
-Per block: TMA copies K and V into shared memory; S = q @ K^T is one wgmma (K order:
+Per block: TMA copies K and V into shared memory (the next block's copies start before
+this block computes: `KV_SLOTS`); S = q @ K^T is one wgmma (K order:
 the head dimension, the wgmma's own fixed k16 order); the scale, the mask by `where`
 (each row's [first, last]), the safe max, exp and the row sums run in f32 in the
 accumulator's register layout, whose reduction order is set by the layout, i.e. by the
@@ -22,11 +23,13 @@ and there are no atomics (R2); the grid, the block range and the row padding dep
 T and the other rows, never a row's arithmetic: a block a row cannot see leaves its
 state bit-identical (the module docstring of `attention.py`).
 
-`fold_partials`: one program a row tile and FOLD_D head-dimension columns walks the
+`fold_partials`: one program a row tile and FOLD_D head-dimension columns walks
 partitions in order through a TMA pipeline (FOLD_STEPS partials in flight) and folds
 them in registers with `attention._fold_one`'s arithmetic: each group of
 16 partitions from the empty state, then the groups in group order (the two-level fold;
-one group gives the one-level bits), then acc / denom (0 for a row that saw nothing),
+one group gives the one-level bits). Past one group, each group folds in programs of its
+own and stores its state, and a second launch folds the states in group order (the same
+terms in the same order: `GROUP_PROGRAMS`); then acc / denom (0 for a row that saw nothing),
 with a row's sink logit (gpt-oss) added to denom as exp(sink - m) there, once, after the
 whole fold. On the CPU it equals `combine_partials` bitwise (both run XLA's arithmetic
 there).
@@ -60,6 +63,10 @@ BK = 64  # keys a block
 SPLIT = 128  # keys a partition when the model names none (Triton's GPU default)
 FOLD_D = 64  # head-dimension columns a fold program owns
 FOLD_STEPS = 4  # partials a fold program has in flight
+KV_SLOTS = 2  # key blocks a split program has in shared memory (2: the next one's copy
+# runs during this one's compute); 1 or 2, scheduling only (the same bits)
+GROUP_PROGRAMS = True  # `fold_partials`' default: past one group, the groups in their own
+# programs, then a launch folding the group states; scheduling only
 DTYPES = ("bfloat16", "float16")
 
 
@@ -82,7 +89,7 @@ def _transforms(dtype) -> tuple:
 def _kernel(q_gmem, k_gmem, v_gmem, first_gmem, last_gmem, span_gmem, *refs, q_smem,
             first_smem, last_smem, span_smem, bar, kv_bar, scale: float,
             softcap: float | None, split: int, tiles: int, num_kv_heads: int, blocks: int,
-            tree: bool = False, store_rows: int | None = None):
+            tree: bool = False, store_rows: int | None = None, kv_slots: int = 2):
     # q_gmem [B, Hkv, Rp, D]; k_gmem, v_gmem [B, Hkv, S, D]; first/last_gmem [B, Rp];
     # span_gmem [B, tiles, 16] int32 (the tile's first and last visible key, the tail's
     # first position (trees), then pad); with `tree`, then k/v_tail_gmem [B x Hkv x T, L,
@@ -115,34 +122,50 @@ def _kernel(q_gmem, k_gmem, v_gmem, first_gmem, last_gmem, span_gmem, *refs, q_s
     head_dim = q_smem.shape[-1]
     dt, tr = q_smem.dtype, _transforms(q_smem.dtype)
     # Shared memory in two scopes (scheduling only: the same arithmetic): the key loop's
-    # K, V and P buffers, then the partial's staging in the same space, so a program
-    # holds ~56 KB at D = 128 (not 88) and more programs share an SM.
-    loop_smem = (plgpu.SMEM((BK, head_dim), dt, transforms=tr),
-                 plgpu.SMEM((BK, head_dim), dt, transforms=tr),
+    # K, V (kv_slots of each: with 2, block j + 1's copies run while block j computes;
+    # with 1 a program holds ~56 KB at D = 128, not 88, and more programs share an SM)
+    # and P buffers, then the partial's staging in the same space.
+    loop_smem = (plgpu.SMEM((kv_slots, BK, head_dim), dt, transforms=tr),
+                 plgpu.SMEM((kv_slots, BK, head_dim), dt, transforms=tr),
                  plgpu.SMEM((BM, BK), dt, transforms=tr))
 
-    def block(j, carry, k_smem, v_smem, p_smem):
+    def issue(j, slot, k_slots, v_slots):
+        """Starts block j's K and V copies into `slot` (arriving on kv_bar.at[slot])."""
+        keys = pl.ds(j * BK, BK)
+        k_smem, v_smem, bar_ = k_slots.at[slot], v_slots.at[slot], kv_bar.at[slot]
+        if not tree:
+            plgpu.copy_gmem_to_smem(k_gmem.at[b, h, keys], k_smem, bar_)
+            plgpu.copy_gmem_to_smem(v_gmem.at[b, h, keys], v_smem, bar_)
+            return
+        # The prefix from the cache, the tail's blocks from the token's own keys.
+        tail_block = lax.div(span_smem[2], BK)  # the tail's first block (root's)
+
+        @pl.when(j < tail_block)
+        def _prefix():
+            plgpu.copy_gmem_to_smem(k_gmem.at[b, h, keys], k_smem, bar_)
+            plgpu.copy_gmem_to_smem(v_gmem.at[b, h, keys], v_smem, bar_)
+
+        @pl.when(j >= tail_block)
+        def _tail():
+            own = (b * num_kv_heads + h) * tiles + r, pl.ds((j - tail_block) * BK, BK)
+            plgpu.copy_gmem_to_smem(k_tail_gmem.at[own], k_smem, bar_)
+            plgpu.copy_gmem_to_smem(v_tail_gmem.at[own], v_smem, bar_)
+
+    def block(j, carry, k_slots, v_slots, p_smem):
         m, denom, acc = carry  # [BM], [BM], [BM, D] f32
         start = j * BK
-        keys = pl.ds(start, BK)
-        if not tree:
-            plgpu.copy_gmem_to_smem(k_gmem.at[b, h, keys], k_smem, kv_bar)
-            plgpu.copy_gmem_to_smem(v_gmem.at[b, h, keys], v_smem, kv_bar)
-        else:  # the prefix from the cache, the tail's blocks from the token's own keys
-            tail_block = lax.div(span_smem[2], BK)  # the tail's first block (root's)
+        if kv_slots == 1:
+            slot = 0
+            issue(j, slot, k_slots, v_slots)
+        else:
+            slot = lax.rem(j - lo, 2)
 
-            @pl.when(j < tail_block)
-            def _prefix():
-                plgpu.copy_gmem_to_smem(k_gmem.at[b, h, keys], k_smem, kv_bar)
-                plgpu.copy_gmem_to_smem(v_gmem.at[b, h, keys], v_smem, kv_bar)
+            @pl.when(j + 1 < hi)  # the next block's copies, into the other slot
+            def _prefetch():
+                issue(j + 1, 1 - slot, k_slots, v_slots)
 
-            @pl.when(j >= tail_block)
-            def _tail():
-                own = (b * num_kv_heads + h) * tiles + r, pl.ds((j - tail_block) * BK, BK)
-                plgpu.copy_gmem_to_smem(k_tail_gmem.at[own], k_smem, kv_bar)
-                plgpu.copy_gmem_to_smem(v_tail_gmem.at[own], v_smem, kv_bar)
-
-        plgpu.barrier_wait(kv_bar)
+        plgpu.barrier_wait(kv_bar.at[slot])
+        k_smem, v_smem = k_slots.at[slot], v_slots.at[slot]
 
         def qk(acc_ref):
             plgpu.wgmma(acc_ref, q_smem, k_smem.transpose((1, 0)))
@@ -183,9 +206,16 @@ def _kernel(q_gmem, k_gmem, v_gmem, first_gmem, last_gmem, span_gmem, *refs, q_s
     init = (plgpu.layout_cast(jnp.full((BM,), _NEG_INF, jnp.float32), layout.reduce(1)),
             plgpu.layout_cast(jnp.zeros((BM,), jnp.float32), layout.reduce(1)),
             plgpu.layout_cast(jnp.zeros((BM, head_dim), jnp.float32), layout))
-    m, denom, acc = pl.run_scoped(
-        lambda *bufs: lax.fori_loop(lo, hi, lambda j, carry: block(j, carry, *bufs), init),
-        *loop_smem)
+    def key_loop(k_slots, v_slots, p_smem):
+        if kv_slots == 2:
+            @pl.when(lo < hi)
+            def _first():
+                issue(lo, 0, k_slots, v_slots)
+
+        return lax.fori_loop(lo, hi, lambda j, carry: block(j, carry, k_slots, v_slots,
+                                                            p_smem), init)
+
+    m, denom, acc = pl.run_scoped(key_loop, *loop_smem)
 
     def store(m_smem, l_smem, acc_smem):
         m_smem[...], l_smem[...], acc_smem[...] = m, denom, acc
@@ -293,7 +323,7 @@ def _split_call(q_rows, k_cache, v_cache, first, last, span, tails, *, scale, so
     kernel = functools.partial(_kernel, scale=float(scale), softcap=softcap, split=split,
                                tiles=tiles, num_kv_heads=num_kv_heads,
                                blocks=cache_len // BK, tree=tails is not None,
-                               store_rows=store_rows)
+                               store_rows=store_rows, kv_slots=KV_SLOTS)
     dt = q_rows.dtype
     f32 = jnp.float32
     lead, rows_out = (batch, num_kv_heads), rows
@@ -310,7 +340,7 @@ def _split_call(q_rows, k_cache, v_cache, first, last, span, tails, *, scale, so
             last_smem=plgpu.SMEM((BM,), jnp.int32),
             span_smem=plgpu.SMEM((16,), jnp.int32),
             bar=plgpu.Barrier(num_arrivals=4),
-            kv_bar=plgpu.Barrier(num_arrivals=2),
+            kv_bar=plgpu.Barrier(num_arrivals=2, num_barriers=KV_SLOTS),
         ),
         grid=(batch * num_kv_heads * tiles, parts),
         grid_names=("t", "c"),
@@ -333,13 +363,20 @@ def _fold_one(carry, part):
 
 
 def _fold_kernel(m_gmem, l_gmem, acc_gmem, *refs, o_smem, tiles: int, num_kv_heads: int,
-                 parts: int, fold_group: int, sink_smem=None, sink_bar=None):
+                 parts: int, fold_group: int, stage: str = "whole", sink_smem=None,
+                 sink_bar=None, gm_smem=None, gl_smem=None):
     # m_gmem, l_gmem [B x Hkv x parts, Rp]; acc_gmem [B x Hkv x parts, Rp, D] (a TMA copy
     # strides at most 5 dimensions); refs: (sink_gmem [B x Hkv, Rp] f32 with sinks, then)
-    # o_gmem [B, Hkv, Rp, D]. A program owns a row tile's
-    # FOLD_D columns d (its m and denom are every column's, the same arithmetic in every
-    # program). Each group of `fold_group` partitions folds from the empty state through a
-    # TMA pipeline, in partition order; the groups fold into the total in order.
+    # the output(s). A program owns a row tile's FOLD_D columns d (its m and denom are every
+    # column's, the same arithmetic in every program). Stages:
+    # - "whole": each group of `fold_group` partitions folds from the empty state through
+    #   a TMA pipeline, in partition order; the groups fold into the total in order; then
+    #   the normalization. Output o_gmem [B, Hkv, Rp, D].
+    # - "groups": program axis g folds group g alone, as "whole" does, and stores it
+    #   unnormalized: outputs gm_gmem, gl_gmem [B x Hkv x G, Rp], gacc_gmem [..., Rp, D].
+    # - "total": the input holds those G group states; the total is the empty state
+    #   folded with them in group order ("whole"'s total, term for term); then the
+    #   normalization.
     t, d = lax.axis_index("t"), lax.axis_index("d")
     r = lax.rem(t, tiles)
     bh = lax.div(t, tiles)
@@ -347,7 +384,10 @@ def _fold_kernel(m_gmem, l_gmem, acc_gmem, *refs, o_smem, tiles: int, num_kv_hea
     b = lax.div(bh, num_kv_heads)
     cols = o_smem.shape[-1]  # FOLD_D, or the head dimension
     layout = plgpu.Layout.WGMMA
-    *sink_gmem, o_gmem = refs
+    if stage == "groups":  # the three group-state outputs; sinks join in "total"
+        sink_gmem, o_gmem = [], refs
+    else:
+        *sink_gmem, o_gmem = refs
     if sink_gmem:
         plgpu.copy_gmem_to_smem(sink_gmem[0].at[bh, pl.ds(r * BM, BM)], sink_smem, sink_bar)
 
@@ -362,10 +402,9 @@ def _fold_kernel(m_gmem, l_gmem, acc_gmem, *refs, o_smem, tiles: int, num_kv_hea
                                  plgpu.load(l_ref.at[0], layout=layout.reduce(1)),
                                  plgpu.load(acc_ref.at[0], layout=layout)))
 
-    def group_fold(g, size: int):
-        """Group g's `size` partitions in order, from the empty state."""
-        first = g * fold_group
-        base = bh * parts + first
+    def fold_from_empty(base, size: int):
+        """The `size` states at rows base, base + 1, ... of the inputs, in order, folded
+        into the empty state."""
         specs = [plgpu.BlockSpec((1, BM), lambda c: (base + c, r)),
                  plgpu.BlockSpec((1, BM), lambda c: (base + c, r)),
                  plgpu.BlockSpec((1, BM, cols), lambda c: (base + c, r, d))]
@@ -374,11 +413,53 @@ def _fold_kernel(m_gmem, l_gmem, acc_gmem, *refs, o_smem, tiles: int, num_kv_hea
                                    init_carry=empty())(
             m_gmem, l_gmem, acc_gmem)
 
+    def group_fold(g, size: int):
+        """Group g's `size` partitions in order, from the empty state."""
+        return fold_from_empty(bh * parts + g * fold_group, size)
+
     full, tail = divmod(parts, fold_group)
-    total = lax.fori_loop(0, full, lambda g, total: _fold_one(total, group_fold(g, fold_group)),
-                          empty())
-    if tail:
-        total = _fold_one(total, group_fold(full, tail))
+    if stage == "groups":
+        g = lax.axis_index("g")
+        groups = full + (tail > 0)
+        gm_gmem, gl_gmem, gacc_gmem = o_gmem
+        out_row = bh * groups + g
+
+        def store(state):
+            m, denom, acc = state
+            o_smem[...] = acc
+
+            @pl.when(d == 0)  # every column program's m and denom are the same
+            def _():
+                gm_smem[...], gl_smem[...] = m, denom
+
+            plgpu.commit_smem()
+
+            @pl.when(d == 0)
+            def _():
+                plgpu.copy_smem_to_gmem(gm_smem, gm_gmem.at[out_row, pl.ds(r * BM, BM)])
+                plgpu.copy_smem_to_gmem(gl_smem, gl_gmem.at[out_row, pl.ds(r * BM, BM)])
+
+            plgpu.copy_smem_to_gmem(o_smem, gacc_gmem.at[out_row, pl.ds(r * BM, BM),
+                                                         pl.ds(d * cols, cols)])
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(g < full)
+        def _():
+            store(group_fold(g, fold_group))
+
+        if tail:
+            @pl.when(g == full)
+            def _():
+                store(group_fold(full, tail))
+        return
+    if stage == "total":
+        total = fold_from_empty(bh * parts, parts)  # parts: the G group states
+    else:
+        total = lax.fori_loop(0, full,
+                              lambda g, total: _fold_one(total, group_fold(g, fold_group)),
+                              empty())
+        if tail:
+            total = _fold_one(total, group_fold(full, tail))
     m, denom, acc = total
     seen = denom > 0.0  # rows that saw no key (padding) output 0, not 0 / 0
     if sink_gmem:  # the sink joins the denominator after the whole fold (P)
@@ -392,9 +473,10 @@ def _fold_kernel(m_gmem, l_gmem, acc_gmem, *refs, o_smem, tiles: int, num_kv_hea
     plgpu.wait_smem_to_gmem(0)
 
 
-@functools.partial(jax.jit, static_argnames=("dtype", "fold_group", "interpret"))
+@functools.partial(jax.jit, static_argnames=("dtype", "fold_group", "interpret",
+                                             "group_programs"))
 def fold_partials(m, denom, acc, sinks=None, *, dtype, fold_group: int = 16,
-                  interpret: bool = False):
+                  interpret: bool = False, group_programs: bool | None = None):
     """Split-KV phase 2 on Mosaic GPU: partials m, denom [B, Hkv, parts, Rp], acc [..., Rp,
     D] (`split_partials`) folded in partition order per row, in two levels past one
     group of `fold_group` partitions (groups from the empty state in partition order,
@@ -402,7 +484,12 @@ def fold_partials(m, denom, acc, sinks=None, *, dtype, fold_group: int = 16,
     Rp, D] in dtype (rows that saw nothing: 0). Partitions no row sees are empty states,
     which fold as exact no-ops. A program a row tile and FOLD_D columns (each column's
     fold is its own: the split moves no arithmetic). sinks: [B, Hkv, Rp] f32, each row's
-    sink logit (gpt-oss), joining its denominator after the fold, or None."""
+    sink logit (gpt-oss), joining its denominator after the fold, or None.
+
+    group_programs (scheduling: the same bits): past one group, each group folds in its
+    own programs and a second launch folds the group states in order (a row's serial
+    chain of parts / fold_group + fold_group steps, not parts); False: one launch walks
+    every partition; None: GROUP_PROGRAMS."""
     batch, num_kv_heads, parts, rows = m.shape
     head_dim = acc.shape[-1]
     if rows % BM or fold_group < 1:
@@ -410,22 +497,44 @@ def fold_partials(m, denom, acc, sinks=None, *, dtype, fold_group: int = 16,
                          f"fold_group={fold_group} >= 1")
     tiles = rows // BM
     cols = FOLD_D if head_dim % FOLD_D == 0 else head_dim
+    groups = pl.cdiv(parts, fold_group)
+    grid = (batch * num_kv_heads * tiles, head_dim // cols)
+    flat = (m.reshape(-1, rows), denom.reshape(-1, rows), acc.reshape(-1, rows, head_dim))
+    f32 = jnp.float32
+    if groups > 1 and (GROUP_PROGRAMS if group_programs is None else group_programs):
+        flat = plgpu.kernel(
+            functools.partial(_fold_kernel, tiles=tiles, num_kv_heads=num_kv_heads,
+                              parts=parts, fold_group=fold_group, stage="groups"),
+            out_type=(jax.ShapeDtypeStruct((batch * num_kv_heads * groups, rows), f32),
+                      jax.ShapeDtypeStruct((batch * num_kv_heads * groups, rows), f32),
+                      jax.ShapeDtypeStruct((batch * num_kv_heads * groups, rows, head_dim),
+                                           f32)),
+            scratch_types=dict(o_smem=plgpu.SMEM((BM, cols), f32),
+                               gm_smem=plgpu.SMEM((BM,), f32), gl_smem=plgpu.SMEM((BM,), f32)),
+            grid=(*grid, groups),
+            grid_names=("t", "d", "g"),
+            kernel_name="jspec_mosaic_attention_fold_groups",
+            interpret=plgpu.InterpretGPUParams() if interpret else None,
+        )(*flat)
+        stage, parts = "total", groups
+    else:
+        stage = "whole"
     kernel = functools.partial(_fold_kernel, tiles=tiles, num_kv_heads=num_kv_heads,
-                               parts=parts, fold_group=fold_group)
+                               parts=parts, fold_group=fold_group, stage=stage)
     scratch, extra = dict(o_smem=plgpu.SMEM((BM, cols), dtype)), ()
     if sinks is not None:
-        scratch |= dict(sink_smem=plgpu.SMEM((BM,), jnp.float32),
+        scratch |= dict(sink_smem=plgpu.SMEM((BM,), f32),
                         sink_bar=plgpu.Barrier(num_arrivals=1))
-        extra = (sinks.astype(jnp.float32).reshape(-1, rows),)
+        extra = (sinks.astype(f32).reshape(-1, rows),)
     return plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct((batch, num_kv_heads, rows, head_dim), dtype),
         scratch_types=scratch,
-        grid=(batch * num_kv_heads * tiles, head_dim // cols),
+        grid=grid,
         grid_names=("t", "d"),
         kernel_name="jspec_mosaic_attention_fold",
         interpret=plgpu.InterpretGPUParams() if interpret else None,
-    )(m.reshape(-1, rows), denom.reshape(-1, rows), acc.reshape(-1, rows, head_dim), *extra)
+    )(*flat, *extra)
 
 
 def _sinks_of(sinks, num_kv_heads: int, seq: int, rows: int, lead: tuple):
