@@ -31,7 +31,9 @@
 # - mosaic_attention: tuning/mosaic_attention.py, split-KV attention on Mosaic GPU at the
 #   Llama-3-8B attention shape, contexts 2K and 8K: each token's bits alone, in verify
 #   blocks of 5 / 17 / 33, in a batch of 8 and a doubled cache of garbage; speed against
-#   the Triton split path at batch 1 / 8, T = 1 / 5 ($MATT_FLAGS, $MATT_S).
+#   the Triton split path at batch 1 / 8, T = 1 / 5, and its scheduling variants (one K/V
+#   slot, the fold in one launch) timed in turn, their bits against the default's
+#   ($MATT_FLAGS, $MATT_S).
 # - parity_long: the long-context lane of the parity matrix (pallas): a chunked prefill to
 #   depth, then one-token steps, blocks, verify blocks of 1-32 and trees of 16 and 32
 #   nodes at that depth, against serial decoding there ($LONG_MODELS, default

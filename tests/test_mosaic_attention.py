@@ -171,8 +171,9 @@ def test_the_fold_splits_head_columns_and_keeps_the_bits():
     assert np.asarray(ours[0, :, :8]).all()
 
 
-@pytest.mark.parametrize("parts,fold_group,sinks", [(18, 16, False), (40, 8, True)],
-                         ids=("tail-group", "sinks"))
+@pytest.mark.parametrize("parts,fold_group,sinks", [
+    (18, 16, False), pytest.param(40, 8, True, marks=pytest.mark.slow)],
+    ids=("tail-group", "sinks"))
 def test_the_fold_in_group_programs_keeps_the_one_launch_bits(parts, fold_group, sinks):
     # Group programs then a fold of the group states (the default) against one launch
     # walking every partition: the same bits, a last group shorter than the others

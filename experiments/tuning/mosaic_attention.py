@@ -17,7 +17,8 @@ slot's garbage might):
 3. Speed: `pallas_kernels.mosaic.attention.attention` against the Triton split path
    (`pallas_kernels.attention.attention`, split 128) at batch 1 and 8, T = 1 and 5: each
    a jitted loop of --reps dependent calls (the output feeds the next query), median of
-   --iters after warm-up with `block_until_ready`; us per call. With --variants, also
+   --iters rounds after warm-up with `block_until_ready`, the kernels taking turns in a
+   round (a drifting clock favours none); us per call. With --variants, also
    the Mosaic kernels' scheduling variants (one K/V slot a split program: `KV_SLOTS` 1;
    the fold in one launch: `GROUP_PROGRAMS` False), each output checked bitwise against
    the default's (`variant_bits_equal`).
@@ -31,6 +32,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import statistics
 import time
 
 import jax
@@ -39,7 +41,6 @@ import numpy as np
 from absl import app, flags
 
 from jspec.bench.receipts import receipt_stem, write_receipt
-from jspec.bench.timing import median_time
 from pallas_kernels.attention import attention as triton_attention
 from pallas_kernels.attention import attention_reference
 from pallas_kernels.mosaic import attention as mosaic_module
@@ -56,7 +57,8 @@ _VARIANTS = flags.DEFINE_bool("variants", True, "also time the scheduling varian
 
 # Scheduling variants: module settings of pallas_kernels.mosaic.attention (same bits).
 VARIANTS = {"mosaic_kv_slots_1": {"KV_SLOTS": 1},
-            "mosaic_fold_one_launch": {"GROUP_PROGRAMS": False}}
+            "mosaic_fold_one_launch": {"GROUP_PROGRAMS": False},
+            "mosaic_kv_slots_1_fold_one_launch": {"KV_SLOTS": 1, "GROUP_PROGRAMS": False}}
 
 
 def with_settings(settings: dict, fn, *args):
@@ -123,14 +125,29 @@ def check_bits(run, q, k, v, c: int, Ts: list[int], key) -> dict:
     return out
 
 
-def time_us(fn, q, k, v, pos) -> float:
-    reps, iters = (2, 1) if _SMOKE.value else (_REPS.value, _ITERS.value)
+def compile_loop(fn, q, k, v, pos):
+    """fn as a jitted loop of --reps dependent calls (the output feeds the next query)."""
+    reps = 2 if _SMOKE.value else _REPS.value
 
     def loop(q, k, v, pos):
         return jax.lax.fori_loop(0, reps, lambda _, q: fn(q, k, v, pos), q)
 
-    f = jax.jit(loop).lower(q, k, v, pos).compile()
-    return median_time(f, q, k, v, pos, iters=iters, warmup=1) / reps * 1e6
+    return jax.jit(loop).lower(q, k, v, pos).compile()
+
+
+def interleaved_us(compiled: dict, *args) -> dict:
+    """us per call of each compiled loop: one warm-up each, then --iters rounds in which
+    every loop runs once in turn (a drifting clock favours none); medians."""
+    reps, iters = (2, 1) if _SMOKE.value else (_REPS.value, _ITERS.value)
+    for fn in compiled.values():
+        jax.block_until_ready(fn(*args))
+    times = {name: [] for name in compiled}
+    for _ in range(iters):
+        for name, fn in compiled.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(ts) / reps * 1e6 for name, ts in times.items()}
 
 
 def main(argv):
@@ -169,17 +186,18 @@ def main(argv):
                 qb = jnp.broadcast_to(q[:, :T], (B, T, heads, d))
                 pb = jnp.broadcast_to(jnp.arange(c - T, c, dtype=jnp.int32), (B, T))
                 call = lambda q, k, v, p, f=mosaic: f(q, k, v, p, win)  # noqa: E731
-                times = {name: time_us(lambda q, k, v, p, f=f: f(q, k, v, p, win), qb, kb,
-                                       vb, pb)
+                args = (qb, kb, vb, pb)
+                loops = {name: compile_loop(lambda q, k, v, p, f=f: f(q, k, v, p, win),
+                                            *args)
                          for name, f in (("mosaic", mosaic), ("triton", triton))}
                 if _VARIANTS.value:
-                    want = run_bits(call, qb, kb, vb, pb)
+                    want = run_bits(call, *args)
                     for name, settings in VARIANTS.items():
-                        times[name] = with_settings(settings, time_us, call, qb, kb, vb, pb)
-                        got = with_settings(settings, run_bits, call, qb, kb, vb, pb)
+                        loops[name] = with_settings(settings, compile_loop, call, *args)
+                        got = with_settings(settings, run_bits, call, *args)
                         entry.setdefault("variant_bits_equal", {})[
                             f"B{B}_T{T}_{name}"] = bool(np.array_equal(got, want))
-                entry["us"][f"B{B}_T{T}"] = times
+                entry["us"][f"B{B}_T{T}"] = interleaved_us(loops, *args)
         report["contexts"].append(entry)
         print(json.dumps(entry))
         # after every context: a time-out keeps what ran
