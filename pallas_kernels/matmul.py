@@ -26,14 +26,16 @@ tile to a [s, Mp, Np] buffer. A second Pallas kernel then forms
 `out_dtype`. Every output element therefore sees the same additions in the
 same order whatever M is. No atomics, no reduction across rows.
 
-Row groups (`row_group` g > 1, split_k == 1 only): one program computes g row
-tiles of one column tile, loading each weight block once for all g of them, so a
+Row groups (`row_group` g > 1): one program computes g row tiles of one column tile
+(with split-K: of one K chunk), loading each weight block once for all g of them, so a
 block of 40 rows (a batch-8 verify) reads the weights once rather than once per
-row tile. Row tile r's sum has the terms of `_k_loop` in its order, each the
-same [bm, bk] x [bk, bn] dot, so the bits are the grid kernel's; g only changes
-which program computes a tile. The row tiles are spread evenly over the fewest
-programs of at most `row_group` tiles (`row_group_size`; 1 row tile: the grid
-kernel itself); tiles of the last program past the rows are masked.
+row tile. Row tile r's sum has the terms of `_k_loop` in its order, each the same [bm,
+bk] x [bk, bn] dot, so the bits are the grid kernel's; g only changes which program
+computes a tile. The row tiles are spread evenly over the fewest programs of at most
+`row_group` tiles (`row_group_size`; 1 row tile: the grid kernel itself); tiles of the
+last program past the rows are masked (split-K: rows padded to whole programs). A split
+config takes row groups from the caller's config and row_group (the sweeps) or from a
+schedule entry that names its row_group; else one row tile a program.
 
 Schedules (`schedule=True`): a launch of more than one row tile may take other bm, bn,
 warps, stages, row group and (on the GPU) bk than the config (`MULTI_TILE`; above
@@ -432,6 +434,8 @@ def scheduled(cfg: MatmulConfig, m: int, K: int, N: int, dtype, row_group: int,
     group = pick.get(key, {}).get(ROW_GROUP_FIELD)
     if group is not None:
         return out, min(group, row_group)
+    if cfg.split_k > 1:  # a split launch groups rows only where its entry says so
+        return out, 1
     return out, scheduled_row_group(cfg.bm, out.bm, row_group)
 
 
@@ -453,7 +457,8 @@ def matmul(
     tuning sweep and the tests do). Any fixed config is row-invariant, but two
     configs give different bits, so one weight must always use one config.
     `row_group` > 1 lets one program compute up to that many row tiles, each weight
-    block loaded once for them (split_k == 1 only); the bits do not change.
+    block loaded once for them (a split config: with `config` given, or a schedule
+    entry's row_group); the bits do not change.
     `schedule` lets a launch of more than one row tile take the overrides of its tier
     (`scheduled`: MULTI_TILE, TALL_TILE, PREFILL_TILE or `prefill_rule`; the row tile,
     column tile, K tile, warps and stages: scheduling only on the GPU).
@@ -464,11 +469,13 @@ def matmul(
     n = w.shape[1]
     cfg = matmul_config(k, n, w.dtype, interpret) if config is None else config
     s = cfg.split_k
+    split_group = row_group if config is not None else 1  # see the module docstring
 
     # Zero padding: extra K terms add exact zeros at the end of the (last chunk's)
     # sum; extra columns (and split-K's extra rows) are sliced away.
     if schedule and config is None and not interpret:
         cfg, row_group = scheduled(cfg, m, k, n, w.dtype, row_group)
+        split_group = row_group  # 1 for a split config unless its entry names a group
     kp = round_up(k, s * cfg.bk)
     kc = kp // s  # K elements per chunk
     wp = pad_axis(pad_axis(w, 0, kp), 1, round_up(n, cfg.bn))  # [Kp, Np]
@@ -503,9 +510,10 @@ def matmul(
         )(xp, wp)
         return out[:, :n]
 
-    xp = pad_rows(pad_axis(x, 1, kp), cfg.bm)  # [Mp, Kp]
+    g = row_group_size(-(-m // cfg.bm), split_group)
+    xp = pad_rows(pad_axis(x, 1, kp), g * cfg.bm)  # [Mp, Kp]: whole programs of g tiles
     mp = xp.shape[0]
-    partials = _chunk_partials(xp, wp, cfg, s, kc, interpret, "jspec_matmul_splitk")
+    partials = _chunk_partials(xp, wp, cfg, s, kc, interpret, "jspec_matmul_splitk", g)
     # The combine is elementwise, so its column tile only sets the launch size.
     bnc = pow2_tile(np_, cfg.bn, max(cfg.bn, 1024))
     out = pl.pallas_call(
@@ -547,20 +555,27 @@ def matmul_partials(x: jax.Array, w: jax.Array, *, splits: int, interpret: bool 
 
 
 def _chunk_partials(xp, wp, cfg: MatmulConfig, chunks: int, kc: int, interpret: bool,
-                    name: str):
+                    name: str, g: int = 1):
     """xp [Mp, chunks * kc] @ wp [chunks * kc, Np] as `chunks` f32 partials [chunks, Mp,
     Np]: partial c is the sequential K loop over the c-th kc-wide chunk (split-K's first
-    kernel, and `matmul_partials`)."""
+    kernel, and `matmul_partials`). g: row tiles a program (Mp a multiple of g * bm), each
+    of the chunk's weight blocks loaded once for them (`_k_loop_rows`: the same sums)."""
     mp, np_ = xp.shape[0], wp.shape[1]
+    rows = g * cfg.bm
+    if g > 1:
+        kernel = functools.partial(_matmul_rows_kernel, bm=cfg.bm, bk=cfg.bk, nk=kc // cfg.bk,
+                                   g=g)
+    else:
+        kernel = functools.partial(_matmul_kernel, bk=cfg.bk, nk=kc // cfg.bk)
     return pl.pallas_call(
-        functools.partial(_matmul_kernel, bk=cfg.bk, nk=kc // cfg.bk),
+        kernel,
         out_shape=jax.ShapeDtypeStruct((chunks, mp, np_), jnp.float32),
-        grid=(mp // cfg.bm, np_ // cfg.bn, chunks),
+        grid=(mp // rows, np_ // cfg.bn, chunks),
         in_specs=[
-            pl.BlockSpec((cfg.bm, kc), lambda i, j, c: (i, c)),
+            pl.BlockSpec((rows, kc), lambda i, j, c: (i, c)),
             pl.BlockSpec((kc, cfg.bn), lambda i, j, c: (c, j)),
         ],
-        out_specs=pl.BlockSpec((None, cfg.bm, cfg.bn), lambda i, j, c: (c, i, j)),
+        out_specs=pl.BlockSpec((None, rows, cfg.bn), lambda i, j, c: (c, i, j)),
         compiler_params=triton_params(cfg.num_warps, cfg.num_stages),
         interpret=interpret,
         name=name,

@@ -321,6 +321,20 @@ def test_each_k_step_is_a_dot_from_zero_added_once_to_the_running_sum(monkeypatc
     _check_k_loops(ir, loops=2 if glu else 1, dots=3 if rows == 40 else 1)
 
 
+def test_split_k_row_groups_lower_with_the_same_k_steps(monkeypatch):
+    # A split config's partials of 3 row tiles a program (40 rows, row_group 4): each
+    # chunk's K loop feeds one weight block to 3 dots of the same form, then the combine.
+    from pallas_kernels.matmul import MatmulConfig, matmul
+
+    cfg = MatmulConfig(bm=16, bn=64, bk=128, num_warps=4, num_stages=3, split_k=2)
+    x = jax.ShapeDtypeStruct((40, 512), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((512, 256), jnp.bfloat16)
+    partials, combine = _triton_modules(monkeypatch, functools.partial(
+        matmul, out_dtype=jnp.bfloat16, config=cfg, row_group=4), x, w)
+    _check_k_loops(partials, loops=1, dots=3)
+    assert "tt.dot" not in combine
+
+
 def test_the_grouped_expert_kernels_k_steps_have_the_same_form(monkeypatch):
     # The mixture-of-experts kernels walk K with the same loop (R9): a schedule may one day
     # set their K tile on the same grounds.

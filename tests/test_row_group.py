@@ -3,7 +3,7 @@
 One program computing g row tiles (each weight block loaded once for all of them) must
 give the bits of the grid kernel, which computes each row tile in its own program:
 (a) `matmul` and `matmul_glu` at 1 to 4 row tiles and groups of 2..4,
-    bf16 and f32, against row_group=1, bitwise (and split-K configs, which ignore it);
+    bf16 and f32, against row_group=1, bitwise (split-K configs' partials too);
 (b) the group size spreads the row tiles evenly over the fewest programs of at most
     row_group tiles (the last program's tiles past the rows are masked);
 (c) a model with matmul_row_group=4 (the default): prefill and a verify block bitwise
@@ -55,12 +55,22 @@ def test_matmul_row_group_is_bitwise_the_grid_kernel(dtype, m):
         assert np.array_equal(bits(got), bits(base)), (m, g)
 
 
-def test_matmul_row_group_ignored_by_split_k():
-    x, w = _rand((40, 128), jnp.float32, 2), _rand((128, 48), jnp.float32, 3)
+@pytest.mark.parametrize("m", [17, 40, 100])
+def test_split_k_row_groups_give_the_grid_kernels_bits(m):
+    # A split config's partials of g row tiles a program (each chunk's weight blocks
+    # loaded once for them): the bits of one row tile a program, and the launch does
+    # group them (its grid has fewer row programs).
+    x, w = _rand((m, 128), jnp.float32, 2), _rand((128, 48), jnp.float32, 3)
     cfg = MatmulConfig(bm=16, bn=16, bk=32, num_warps=4, num_stages=2, split_k=2)
     base = matmul(x, w, interpret=INTERPRET, config=cfg)
-    got = matmul(x, w, interpret=INTERPRET, config=cfg, row_group=4)
-    assert np.array_equal(bits(got), bits(base))
+    for g in (2, 4):
+        got = matmul(x, w, interpret=INTERPRET, config=cfg, row_group=g)
+        assert np.array_equal(bits(got), bits(base)), (m, g)
+    tiles = -(-m // 16)
+    text = str(jax.make_jaxpr(functools.partial(matmul, interpret=INTERPRET, config=cfg,
+                                                row_group=4))(x, w))
+    programs = -(-tiles // row_group_size(tiles, 4))
+    assert f"grid=({programs}, 3, 2)" in text.replace("grid_mapping=", ""), text[:2000]
 
 
 @pytest.mark.parametrize("m", [1, 40, 72, 96, 100])
@@ -157,6 +167,11 @@ def test_tall_launches_take_the_tall_schedule():
         dataclasses.replace(base, bm=64), 3)
     assert scheduled(base, 160, 256, 128, jnp.bfloat16, 2, multi, grouped)[1] == 2
     assert scheduled(base, 40, 256, 128, jnp.bfloat16, 4, multi, grouped)[1] == 4
+    # A split config's launch groups rows only where its entry names a row_group.
+    split = dataclasses.replace(base, split_k=2)
+    assert scheduled(split, 160, 256, 128, jnp.bfloat16, 4, multi, tall)[1] == 1
+    assert scheduled(split, 40, 256, 128, jnp.bfloat16, 4, multi, tall)[1] == 1
+    assert scheduled(split, 160, 256, 128, jnp.bfloat16, 4, multi, grouped)[1] == 3
     # The data file's own tables (the defaults), as the model calls it.
     for K, N, dt in (256, 128, jnp.bfloat16), (4096, 24576, jnp.bfloat16):
         for m in (17, 160, 2048):

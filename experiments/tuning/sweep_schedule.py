@@ -258,8 +258,9 @@ def sweep_weight(name: str, K: int, N: int, rows: list[int], timed: list[int], r
           for m in sorted(set(rows) | set(timed))}
 
     def call(x, w, cfg, g=None):
-        if g is None:  # as the model's schedule runs it without a row_group field
-            g = scheduled_row_group(base.bm, cfg.bm, rg)
+        if g is None:  # as the model's schedule runs it without a row_group field (a
+            # split config: one row tile a program)
+            g = 1 if base.split_k > 1 else scheduled_row_group(base.bm, cfg.bm, rg)
         if glu:
             return matmul_glu(x, w, activation="silu", interpret=interp, config=cfg,
                               row_group=g)
