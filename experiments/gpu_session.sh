@@ -8,6 +8,7 @@
 # e2e_session tree_sweep parity_long parity_long_xla context_bench context_bench_128k
 # e2e_batch chunk_cost moe_cost moe_parity moe_e2e tallsweep prefillsweep serial_split e2e_context profile groupsweep
 # combinesweep routesweep mosaic_attention mosaic mosaic_top_p mosaic_swapped e2e_mosaic table
+# splitk_sweep
 # loop_cmdbuf
 # (default: parity audit kernels spec); table copies the device's matmul_tuned.json to $OUT.
 # - mosaic_swapped: tuning/mosaic_matmul.py --swapped (the swapped design's bits and time
@@ -102,6 +103,11 @@
 #   64,128); $TALL_BK adds K tiles to the grid
 #   (e.g. 64,128: bk is scheduling on the GPU, the sweep checks the bits); $TALL_FLAGS
 #   passes more (e.g. "--nogrid --row_groups=2,3": today's schedule in row groups).
+# - splitk_sweep: one weight ($SPLITK_NAME / $SPLITK_SHAPE, default w_down 12288,4096) on a
+#   split-K config ($SPLITK_CONFIG bm,bn,bk,warps,stages,split; its other schedule entries
+#   dropped, in this copy's table only), then sweep_schedule.py's tall tier with row groups
+#   2 and 3 and its multi tier timed at 32 and 40 rows, each variant's bits against the
+#   base's: whether split-K serves batch 32's steps without losing the 160-row verify.
 # - prefillsweep: sweep_schedule.py --prefill, the compute-bound tiles of launches of more
 #   than 1,024 rows (prefill chunks), bits at M = 1, 40, 160, 2048, time at 2048 and 8192,
 #   merged like tallsweep's ($PREFILL_SHAPES, default the four weights a prefill runs;
@@ -346,6 +352,29 @@ for s in "$@"; do
               --budget_s="$(( ${TALL_S:-330} - 60 ))" \
               --write=pallas_kernels/matmul_tuned.json 2>&1 | quiet | grep -v "it/s" | tail -14
               cp pallas_kernels/matmul_tuned.json "$OUT/" ;;
+    splitk_sweep)  # a split-K base for one weight (this copy's table), then its tall tier
+              # with row groups and its multi tier at 32 / 40 rows, bits against the base
+              python3 - "${SPLITK_SHAPE:-12288,4096}" "${SPLITK_CONFIG:-16,128,128,4,4,2}" <<'PY'
+import json, sys
+path = "pallas_kernels/matmul_tuned.json"
+K, N = map(int, sys.argv[1].split(","))
+bm, bn, bk, warps, stages, split = map(int, sys.argv[2].split(","))
+data = json.load(open(path))
+other = lambda r: (r["K"], r["N"], r["dtype"]) != (K, N, "bfloat16")  # noqa: E731
+for tier in [t for t in data if isinstance(data[t], list) and t != "grouped"]:
+    data[tier] = [r for r in data[tier] if other(r)]
+data["tuned"].append({"K": K, "N": N, "dtype": "bfloat16", "config": dict(
+    bm=bm, bn=bn, bk=bk, num_warps=warps, num_stages=stages, split_k=split)})
+json.dump(data, open(path, "w"), indent=1)
+PY
+              timeout "${SPLITK_S:-330}" python3 experiments/tuning/sweep_schedule.py --tall \
+                --shapes="${SPLITK_NAME:-w_down}" --iters=3 --bm=64 --row_groups=2,3 \
+                --budget_s="$(( ${SPLITK_S:-330} - 60 ))" --out="$OUT" \
+                2>&1 | quiet | grep -v "it/s" | tail -10
+              timeout "${SPLITK_MULTI_S:-150}" python3 experiments/tuning/sweep_schedule.py \
+                --shapes="${SPLITK_NAME:-w_down}" --rows=1,32,40 --timed=32,40 --iters=5 \
+                --budget_s="$(( ${SPLITK_MULTI_S:-150} - 40 ))" --out="$OUT" \
+                2>&1 | quiet | grep -v "it/s" | tail -8 ;;
     prefillsweep) timeout "${PREFILL_SWEEP_S:-300}" python3 experiments/tuning/sweep_schedule.py \
               --prefill --preset="${PREFILL_PRESET:-qwen3-8b}" \
               --shapes="${PREFILL_SHAPES:-w_gate_up:glu,w_down,wqkv,wo}" --iters=3 \
