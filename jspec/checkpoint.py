@@ -158,6 +158,9 @@ def _read_digests(path: str) -> dict | None:
                if not (isinstance(d, dict) and isinstance(d.get("sha256"), str))]
         if bad:
             raise ValueError(f"array {bad[0]!r} has no sha256 entry")
+        degree = record.get("tensor_parallel")
+        if degree is not None and not (type(degree) is int and degree >= 1):
+            raise ValueError(f"tensor_parallel={degree!r} is not a degree (an integer >= 1)")
     except (ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"{fn}: not a jspec digest file ({e})") from e
     return record
@@ -179,10 +182,16 @@ def _check_layout(path: str, record: dict | None, like: Model) -> None:
 def _stored_specs(ckptr, path: str) -> dict[str, tuple]:
     """Per array path: (shape, dtype name) as stored, from orbax's metadata."""
     try:
-        tree = ckptr.metadata(path).item_metadata.tree
+        item = ckptr.metadata(path).item_metadata
+        tree = None if item is None else item.tree
     except Exception as e:  # orbax raises many types for a damaged directory
         raise CheckpointError(f"{path}: orbax could not read the checkpoint's metadata "
                               f"({type(e).__name__}: {e})") from e
+    if tree is None:  # it was "AttributeError: 'NoneType' object has no attribute 'tree'"
+        what = "it is an empty directory" if not os.listdir(path) else (
+            "orbax finds no metadata in it (_METADATA, _CHECKPOINT_METADATA)")
+        raise CheckpointError(f"{path}: not a params checkpoint of save_params, or a damaged "
+                              f"one: {what}")
     return {name: (tuple(m.shape), str(np.dtype(m.dtype))) for name, m in _leaves(tree).items()}
 
 
@@ -247,8 +256,12 @@ def restore_params(path: str, like: Model) -> Model:
     if unknown:
         raise CheckpointError(f"{path}: {DIGEST_FILE} lists array {unknown[0]!r}, which the "
                               "checkpoint does not hold")
-    bad = [n for n, x in restored.items()
-           if n not in digests or digests[n].get("sha256") != array_digest(x)]
+    unlisted = sorted(set(restored) - set(digests))
+    if unlisted:  # it was reported as an array that differs from its digest
+        raise CheckpointError(f"{path}: {DIGEST_FILE} has no digest of array {unlisted[0]!r} "
+                              f"({len(unlisted)} unlisted): the digest file is damaged or "
+                              "not this checkpoint's")
+    bad = [n for n, x in restored.items() if digests[n].get("sha256") != array_digest(x)]
     if bad:
         raise CheckpointError(
             f"{path}: array {bad[0]!r} differs from the digest written at save "

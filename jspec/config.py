@@ -557,9 +557,10 @@ def _from_hf_config(hf: Any, dtype: str, source: str | None) -> ModelConfig:
     unknown = set(layer_types) - {"sliding_attention", "full_attention"}
     if unknown:
         raise UnsupportedModelError(f"{model_type}: unknown layer_types {sorted(unknown)}")
+    sliding = tuple(t == "sliding_attention" for t in layer_types)
     gemma = dict(  # the layers Gemma 2 and Gemma 3 share
-        sliding_window=int(_get(hf, "sliding_window", 0)),
-        layer_sliding=tuple(t == "sliding_attention" for t in layer_types),
+        sliding_window=_window_of_sliding_layers(hf, model_type, sliding),
+        layer_sliding=sliding,
         norm_offset=1.0,
         sandwich_norms=True,
         attn_scale=_checked_float("query_pre_attn_scalar", hf.query_pre_attn_scalar) ** -0.5,
@@ -695,7 +696,8 @@ def _gpt_oss_config(hf: Any, common: dict) -> ModelConfig:
     if len(types) != L or set(types) - {"sliding_attention", "full_attention"}:
         raise UnsupportedModelError(f"gpt_oss: layer_types={types!r}: expected {L} of "
                                     "'sliding_attention' / 'full_attention'")
-    window = int(_get(hf, "sliding_window", 0))
+    window = _window_of_sliding_layers(
+        hf, "gpt_oss", tuple(t == "sliding_attention" for t in types))
     num_experts, k = int(hf.num_local_experts), int(hf.num_experts_per_tok)
     alias = _get(hf, "experts_per_token", None)  # the published configs repeat k under it
     if alias is not None and alias != k:  # transformers reads num_experts_per_tok alone
@@ -747,6 +749,22 @@ def _no_sliding_layers(hf: Any, model_type: str) -> None:
             f"{model_type}: layer_types asks for layers {sliding} to be "
             f"{_get(hf, 'layer_types')[sliding[0]]!r}; jspec runs {model_type} layers with "
             "full attention only")
+
+
+def _window_of_sliding_layers(hf: Any, model_type: str, sliding: tuple[bool, ...]) -> int:
+    """`sliding_window` of a config whose `layer_types` name its sliding layers (Gemma 2 and
+    3, gpt-oss): a window >= 1 where any layer is sliding. transformers raises on a null
+    window there and masks every key with a window of 0; jspec's 0 means no window, so
+    either would run those layers with full attention, silently unlike the reference."""
+    window = _get(hf, "sliding_window", None)
+    layers = [i for i, s in enumerate(sliding) if s]
+    if layers and not window:
+        raise UnsupportedModelError(
+            f"{model_type}: layer_types makes layers {layers} 'sliding_attention' but "
+            f"sliding_window={window!r}: a sliding layer needs a window of at least 1 key "
+            "(transformers raises on null and masks every key with 0); set sliding_window, "
+            "or make those layers 'full_attention'")
+    return int(window or 0)
 
 
 def _checked_float(name: str, x: Any) -> float:

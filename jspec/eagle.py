@@ -37,7 +37,7 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from jspec import hf_names
-from jspec._checks import check_bool, check_path
+from jspec._checks import check_bool, check_path, check_type
 from jspec.config import UnsupportedModelError, canonical_dtype, rope_parameters, rope_spec
 from jspec.feature_head import FeatureHead, eagle3_layers, head_config, slot_map
 from jspec.loading import (
@@ -69,12 +69,23 @@ SPECULATORS_KEYS = ("speculators_model_type", "speculators_config", "speculators
 
 # The fields the head's layer is built from (the rest default as transformers' do).
 REQUIRED_KEYS = ("vocab_size", "hidden_size", "num_attention_heads", "intermediate_size")
+# Optional integer fields (absent or null: their defaults); a value that is not a positive
+# integer (2.5, "16", 0) was cast or replaced by the default without a word.
+OPTIONAL_INT_KEYS = ("num_key_value_heads", "head_dim", "draft_vocab_size",
+                     "target_hidden_size")
+# Optional flags: a string ("false") read as a truth value was true.
+BOOL_KEYS = ("norm_before_residual", "tie_word_embeddings")
 
 
-def _read_config(path: str) -> dict:
+def read_head_config(path: str) -> dict:
+    """An EAGLE-3 head directory's config.json, checked (a CheckpointError or
+    UnsupportedModelError naming the file and field)."""
     fn = os.path.join(path, "config.json")
     cfg = read_config_json(path, " (an EAGLE-3 head directory has one)")
     if "transformer_layer_config" in cfg:  # the speculators layout: the layer nested
+        if not isinstance(cfg["transformer_layer_config"], dict):
+            raise CheckpointError(f"{fn}: transformer_layer_config must be a JSON object (the "
+                                  "head's layer config, in the speculators layout)")
         top = {k: v for k, v in cfg.items() if k != "transformer_layer_config"}
         cfg = {**cfg["transformer_layer_config"], **top}
         cfg["architectures"] = [ARCHITECTURES[0] if a == SPECULATORS_ARCHITECTURE else a
@@ -95,17 +106,47 @@ def _read_config(path: str) -> dict:
     eps = cfg.get("rms_norm_eps", 1e-6)
     if isinstance(eps, bool) or not isinstance(eps, int | float) or not 0 < eps < math.inf:
         raise CheckpointError(f"{fn}: rms_norm_eps={eps!r} must be a finite number > 0")
-    if not isinstance(cfg.get("norm_before_residual", False), bool):
-        raise CheckpointError(f"{fn}: norm_before_residual={cfg['norm_before_residual']!r} "
-                              "must be true or false")
-    for key in REQUIRED_KEYS:
+    for key in BOOL_KEYS:  # null: the default for tie_word_embeddings alone
+        if key in cfg and not isinstance(cfg[key], bool) and not (
+                key == "tie_word_embeddings" and cfg[key] is None):
+            raise CheckpointError(f"{fn}: {key}={cfg[key]!r} must be true or false")
+    for key in REQUIRED_KEYS + OPTIONAL_INT_KEYS:
         value = cfg.get(key)
         if value is None:
+            if key in OPTIONAL_INT_KEYS:
+                continue
             raise CheckpointError(f"{fn}: no {key!r}; an EAGLE-3 head's config names "
                                   f"{', '.join(REQUIRED_KEYS)}")
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise CheckpointError(f"{fn}: {key}={value!r} must be a positive integer")
+    _check_eagle_config(fn, cfg)
     return cfg
+
+
+def _check_eagle_config(fn: str, cfg: dict) -> None:
+    """`eagle_config` an object (or absent) with its layer ids a list, its
+    `use_aux_hidden_state` a bool and its `layer_ids_convention` one jspec writes: each
+    was an AttributeError or TypeError, or a value read as another (the string "false"
+    as true, a misspelt convention as "auto")."""
+    eagle = cfg.get("eagle_config")
+    if eagle is not None and not isinstance(eagle, dict):
+        raise CheckpointError(f"{fn}: eagle_config={eagle!r} must be a JSON object (with "
+                              "eagle_aux_hidden_state_layer_ids, use_aux_hidden_state)")
+    eagle = eagle or {}
+    for where, holder in (("eagle_config.", eagle), ("", cfg)):
+        ids = holder.get("eagle_aux_hidden_state_layer_ids")
+        if ids is not None and not isinstance(ids, list):
+            raise CheckpointError(f"{fn}: {where}eagle_aux_hidden_state_layer_ids={ids!r} "
+                                  "must be a list of target layer ids")
+    flag = eagle.get("use_aux_hidden_state")
+    if flag is not None and not isinstance(flag, bool):
+        raise CheckpointError(f"{fn}: eagle_config.use_aux_hidden_state={flag!r} must be true "
+                              "or false")
+    convention = eagle.get(CONVENTION_KEY)
+    if convention is not None and convention not in ("entering", "after"):
+        raise CheckpointError(f"{fn}: eagle_config.{CONVENTION_KEY}={convention!r}; expected "
+                              "'entering' or 'after' (or leave it out: see "
+                              "jspec.eagle.feature_layers)")
 
 
 def _rope(cfg: dict, where: str):
@@ -174,11 +215,15 @@ def load_eagle3(path: str, target: Model, *, dtype=None,
     "auto" (the default: decided from the config, see `feature_layers`). Wrap the result
     in `jspec.FeatureDrafter` to draft with it.
     """
+    check_type("target", target, Model, "the jspec.Model the head drafts for (jspec.load_hf)")
+    if options is not None:
+        check_type("options", options, KernelOptions, "a jspec.KernelOptions or None (the "
+                   "target's backend)")
     if aux_layers_convention not in CONVENTIONS:
         raise ValueError(f"aux_layers_convention={aux_layers_convention!r}; expected one of "
                          f"{CONVENTIONS}")
     path = resolve_checkpoint(path)
-    cfg = _read_config(path)
+    cfg = read_head_config(path)
     tcfg = target.config
     Dt = int(cfg.get("target_hidden_size") or cfg["hidden_size"])
     if Dt != tcfg.hidden_size:
@@ -309,6 +354,7 @@ def save_eagle3(path: str, head: FeatureHead, *, save_embedding: bool = False,
     """
     path = check_path("path", path)
     check_bool("overwrite", overwrite)
+    check_bool("save_embedding", save_embedding)
     if os.path.exists(path) and not os.path.isdir(path):
         raise FileExistsError(f"{path}: a file, not a directory")
     from jspec.checkpoint import DIGEST_FILE
@@ -321,6 +367,8 @@ def save_eagle3(path: str, head: FeatureHead, *, save_embedding: bool = False,
         raise FileExistsError(f"{path} holds a checkpoint already ({', '.join(existing)}); "
                               "save_eagle3 replaces none without overwrite=True: pass it, or "
                               "another directory")
+    check_type("head", head, FeatureHead, "a jspec FeatureHead (load_eagle3, random_head, "
+               "or a trained head)")
     cfg, p = head.config, head.params
     L = cfg.layer
     D = L.hidden_size

@@ -323,8 +323,10 @@ def convert_params(cfg: ModelConfig, reader: TensorReader, *, progress: bool = F
     bar = tqdm(range(cfg.num_layers), desc=f"loading {display_name(reader.path)}",
                unit="layer", file=sys.stderr, disable=not progress, leave=False)
     layers = []
+    sparse_in_checkpoint = _layers_with_experts(reader, pre)
     for i in bar:
         prefix = hf_names.layer_prefix(pre, i)
+        _check_mlp_kind(cfg, reader, prefix, i, i in sparse_in_checkpoint)
         layer = hf_names.build(hf_names.layer_table(cfg, i), widths, get, prefix)
         if cfg.is_moe_layer(i):  # the experts: stacked per family (MOE_LAYERS)
             layer |= MOE_LAYERS[cfg.family](cfg, reader, get, prefix,
@@ -346,6 +348,41 @@ def convert_params(cfg: ModelConfig, reader: TensorReader, *, progress: bool = F
 
 
 # ------------------------------------------------------------------ experts (MoE)
+
+# Where a sparse layer's router and experts live (every family of MOE_LAYERS).
+EXPERT_PARTS = ("mlp.experts.", "mlp.gate.weight", "mlp.router.", "block_sparse_moe.")
+DENSE_MLP = "mlp.gate_proj.weight"
+
+
+def _layers_with_experts(reader: TensorReader, pre: str) -> set[int]:
+    """The ids of the layers that hold a router or experts in the checkpoint."""
+    found = re.compile(re.escape(pre) + r"layers\.(\d+)\.(?:"
+                       + "|".join(map(re.escape, EXPERT_PARTS)) + ")")
+    return {int(m.group(1)) for n in reader.where if (m := found.match(n))}
+
+
+def _check_mlp_kind(cfg: ModelConfig, reader: TensorReader, prefix: str, i: int,
+                    has_experts: bool) -> None:
+    """A CheckpointError naming the config fields where config.json makes layer i dense
+    and the checkpoint holds experts there, or sparse where it holds a dense MLP (it was a
+    missing tensor, with no word of why)."""
+    has_dense = reader.has(prefix + DENSE_MLP)
+    if cfg.family in ("mixtral", "gpt_oss"):
+        why = "by num_local_experts"
+    elif cfg.family in MOE_LAYERS:
+        why = "by num_experts, decoder_sparse_step and mlp_only_layers"
+    else:
+        why = f"model_type {cfg.family} has no experts: is this a mixture-of-experts checkpoint?"
+    if cfg.is_moe_layer(i) and has_dense and not has_experts:
+        raise CheckpointError(
+            f"{reader.path}: config.json makes layer {i} a mixture of experts ({why}) but "
+            f"the checkpoint holds a dense MLP there ({prefix}{DENSE_MLP}) and no experts: "
+            "config.json does not match the weights")
+    if not cfg.is_moe_layer(i) and has_experts and not has_dense:
+        raise CheckpointError(
+            f"{reader.path}: config.json makes layer {i} dense ({why}) but the checkpoint "
+            f"holds a router and experts there and no {prefix}{DENSE_MLP}: config.json does "
+            "not match the weights")
 
 
 def _stack_experts(cfg: ModelConfig, get, names) -> dict:
@@ -389,6 +426,14 @@ def qwen2_moe_experts(cfg: ModelConfig, reader: TensorReader, get, lp: str) -> d
     [Fs, D]) with its gate `mlp.shared_expert_gate.weight` (w_shared_gate [D, 1])."""
     D, Fs = cfg.hidden_size, cfg.shared_expert_size
     se = lp + "mlp.shared_expert."
+    if not Fs:  # it was a tensor "expected (0, D)", or a missing one of that shape
+        stored = (f"; the checkpoint's {se}gate_proj.weight is "
+                  f"{tuple(reader.read(se + 'gate_proj.weight').shape)} ([width, hidden])"
+                  if reader.has(se + "gate_proj.weight") else "")
+        raise CheckpointError(
+            f"{reader.path}: config.json has shared_expert_intermediate_size=0, but a "
+            f"Qwen2-MoE sparse layer has a shared expert ({se}*){stored}: set the field to "
+            "the shared expert's width")
     return qwen3_moe_experts(cfg, reader, get, lp) | {
         "w_shared_gate_up": np.ascontiguousarray(np.concatenate(
             [get(se + "gate_proj.weight", (Fs, D)).T, get(se + "up_proj.weight", (Fs, D)).T],
@@ -577,6 +622,12 @@ def read_config_json(path: str, missing: str = "") -> dict:
     missing (`missing` appended to the message), not JSON or not an object."""
     cfg_path = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_path):
+        from jspec.checkpoint import DIGEST_FILE
+
+        if os.path.isfile(os.path.join(path, DIGEST_FILE)):
+            raise CheckpointError(f"{path}: no config.json: this is a params checkpoint of "
+                                  "jspec.checkpoint.save_params, not a Hugging Face one: "
+                                  "restore it with jspec.checkpoint.restore_params(path, like)")
         raise CheckpointError(f"{path}: no config.json{missing}")
     try:
         with open(cfg_path) as f:
@@ -707,6 +758,9 @@ def load_hf(path: str | os.PathLike, *, dtype: Any = "bfloat16", backend: str = 
         check_bool("interpret", interpret)
     if mesh is not None:
         check_type("mesh", mesh, Mesh, "a jax.sharding.Mesh (jspec.sharding.make_mesh) or None")
+        if mxfp4_experts:  # it was ignored: the model loaded dense, or as the default MoE
+            raise ValueError("mxfp4_experts=True with a mesh: the sharded path takes no "
+                             "mixture of experts; load a gpt-oss target without a mesh")
         return load_sharded(path, mesh, axis=axis, dtype=dtype, backend=backend,
                             interpret=interpret)
     dtype = canonical_dtype(dtype)
@@ -773,7 +827,7 @@ def load_sharded(path: str, mesh: Mesh, *, axis: str = "tp", dtype="bfloat16",
         interpret = default_interpret()
     path = resolve_checkpoint(path)
     hf = read_hf_config(path)
-    cfg = from_hf_config(hf, dtype=dtype)
+    cfg = from_hf_config(hf, dtype=dtype, source=os.path.join(path, "config.json"))
     size = sharding.degree(mesh, axis)
     options = sharding.parallel_options(KernelOptions(backend=backend, interpret=interpret),
                                         size, row_partials)

@@ -26,9 +26,10 @@ from typing import Any
 
 from jspec._checks import check_bool, check_ints, check_path, is_int
 from jspec._transformers import quiet_import
+from jspec.config import canonical_dtype
 from jspec.drafters import FeatureDrafter, ModelDrafter
 from jspec.drafting import check_drafter
-from jspec.eagle import load_eagle3
+from jspec.eagle import load_eagle3, read_head_config
 from jspec.generate import generate, generate_stream
 from jspec.loading import (
     TOKENIZER_FILES,
@@ -39,7 +40,7 @@ from jspec.loading import (
     resolve_checkpoint,
 )
 from jspec.model import Model, with_options
-from jspec.options import DraftOptions, KernelOptions, draft_options_for
+from jspec.options import BACKENDS, DraftOptions, KernelOptions, draft_options_for
 from jspec.policies import Policy, resolve_policy
 from jspec.sampling import make_sampler
 from jspec.spec_config import SpecConfig
@@ -633,7 +634,16 @@ def load_text(target: str | os.PathLike, draft: str | os.PathLike | None = None,
     if drafter is not None:
         check_drafter(drafter)
     _check_draft_options(draft_options)
+    # Checked before any weights load: a misspelt draft_backend or a head's bad config.json
+    # was found only once the target was loaded (minutes for a large one).
+    for name, value in (("backend", backend), ("draft_backend", draft_backend)):
+        if not isinstance(value, str) or value not in BACKENDS:
+            raise ValueError(f"{name}={value!r}; expected one of {BACKENDS}")
+    canonical_dtype(dtype)
+    check_bool("mxfp4_experts", mxfp4_experts)
     target_path = resolve_checkpoint(target)
+    if head is not None:
+        read_head_config(resolve_checkpoint(head))
     tok = load_tokenizer(target_path)
     draft_path = None
     if draft is not None:

@@ -156,3 +156,39 @@ def test_a_hugging_face_folder_is_pointed_to_load_hf(saved):
     _, model = saved
     with pytest.raises(jspec.CheckpointError, match="a Hugging Face checkpoint.*load_hf"):
         jspec.restore_params(fixture_path("qwen3"), model)
+
+
+def test_a_directory_without_orbax_metadata_is_named_not_an_attribute_error(saved, tmp_path):
+    """An empty directory, or a checkpoint whose orbax metadata files are gone, was
+    "orbax could not read the checkpoint's metadata (AttributeError: 'NoneType' object
+    has no attribute 'tree')"."""
+    path, model = saved
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(jspec.CheckpointError, match="not a params checkpoint of save_params, "
+                                                    "or a damaged one: it is an empty"):
+        jspec.restore_params(str(tmp_path / "empty"), model)
+    for name in ("_METADATA", "_CHECKPOINT_METADATA"):
+        os.remove(os.path.join(path, name))
+    with pytest.raises(jspec.CheckpointError, match="orbax finds no metadata in it"):
+        jspec.restore_params(path, model)
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda r: r["arrays"].pop("embed"),
+     f"{DIGEST_FILE} has no digest of array 'embed' \\(1 unlisted\\)"),
+    (lambda r: r.update(tensor_parallel="1"),
+     r"not a jspec digest file \(tensor_parallel='1' is not a degree"),
+])
+def test_a_digest_file_that_lists_too_little_is_named_as_such(saved, edit, match):
+    """An array missing from the digest file was reported as differing from its digest
+    (a corrupt data file), and a tensor_parallel of "1" as a checkpoint "tensor-parallel
+    over 1 devices"."""
+    import json
+
+    path, model = saved
+    fn = os.path.join(path, DIGEST_FILE)
+    record = json.load(open(fn))
+    edit(record)
+    json.dump(record, open(fn, "w"))
+    with pytest.raises(jspec.CheckpointError, match=match):
+        jspec.restore_params(path, model)

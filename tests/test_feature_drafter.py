@@ -365,7 +365,10 @@ def _edit(d, tmp_path, *, config=None, drop=(), add=None, change=None):
 
 @pytest.mark.parametrize("kind", ["hidden", "vocab", "missing", "extra", "shape", "d2t",
                                   "t2d", "arch", "layers", "no field", "bad field", "act",
-                                  "eps", "residual flag", "overflow"])
+                                  "eps", "residual flag", "overflow", "kv heads",
+                                  "head dim", "draft vocab", "target width", "eagle config",
+                                  "layer ids", "aux flag", "convention", "tie flag",
+                                  "speculators layer"])
 def test_bad_heads_are_rejected_naming_the_problem(published, tmp_path, kind):
     target, head, d = published
     D, V = target.config.hidden_size, target.config.vocab_size
@@ -396,10 +399,47 @@ def test_bad_heads_are_rejected_naming_the_problem(published, tmp_path, kind):
                           "norm_before_residual='false' must be true or false"),
         "overflow": (dict(change={"norm.weight": lambda w: w.astype(np.float64) * 1e300}),
                      "'norm.weight'.*64 values beyond the range of float32"),
+        # Each of these was cast (2.5 -> 2, "32" -> 32, 64.5 -> 64), replaced by its
+        # default (0), read as true ("false") or ignored (a misspelt convention), or was an
+        # AttributeError / TypeError naming no file.
+        "kv heads": (dict(config={"num_key_value_heads": 2.5}),
+                     "num_key_value_heads=2.5 must be a positive integer"),
+        "head dim": (dict(config={"head_dim": "32"}), "head_dim='32' must be a positive integer"),
+        "draft vocab": (dict(config={"draft_vocab_size": 0}),
+                        "draft_vocab_size=0 must be a positive integer"),
+        "target width": (dict(config={"target_hidden_size": D + 0.5}),
+                         f"target_hidden_size={D + 0.5} must be a positive integer"),
+        "eagle config": (dict(config={"eagle_config": [0, 1, 2]}),
+                         r"eagle_config=\[0, 1, 2\] must be a JSON object"),
+        "layer ids": (dict(config={"eagle_config": {"eagle_aux_hidden_state_layer_ids": 2}}),
+                      "eagle_aux_hidden_state_layer_ids=2 must be a list"),
+        "aux flag": (dict(config={"eagle_config": {"use_aux_hidden_state": "false"}}),
+                     "use_aux_hidden_state='false' must be true or false"),
+        "convention": (dict(config={"eagle_config": {
+            "eagle_aux_hidden_state_layer_ids": [0, 1, 2], "layer_ids_convention": "before"}}),
+            "layer_ids_convention='before'; expected 'entering' or 'after'"),
+        "tie flag": (dict(config={"tie_word_embeddings": "false"}),
+                     "tie_word_embeddings='false' must be true or false"),
+        "speculators layer": (dict(config={"transformer_layer_config": [1]}),
+                              "transformer_layer_config must be a JSON object"),
     }
     edit, match = cases[kind]
     with pytest.raises(ValueError, match=match):
         load_eagle3(_edit(d, tmp_path, **edit), target)
+
+
+def test_load_and_save_eagle3_check_their_objects(published, tmp_path):
+    """A target that is not a Model was an AttributeError ('str' object has no attribute
+    'config'), options of another kind loaded a head that failed later, and save_eagle3
+    of a Model an AttributeError on its config."""
+    target, head, d = published
+    with pytest.raises(TypeError, match="target must be the jspec.Model the head drafts for"):
+        load_eagle3(d, "target")
+    with pytest.raises(TypeError, match="options must be a jspec.KernelOptions or None"):
+        load_eagle3(d, target, options="xla")
+    with pytest.raises(TypeError, match="head must be a jspec FeatureHead"):
+        save_eagle3(str(tmp_path / "out"), target)
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_speculators_head_loads_as_its_published_layout(published, tmp_path):

@@ -5,6 +5,7 @@ layout and a vocabulary-prefix draft (jspec.tiny's fixtures), and one clear
 import json
 import logging
 import os
+import re
 import shutil
 
 import jax
@@ -635,3 +636,42 @@ def test_partial_rotary_factor_with_scaled_rope_is_refused(tmp_path, rope_type):
     with pytest.raises(jspec.UnsupportedModelError,
                        match=f"partial_rotary_factor=0.5 with rope_type='{rope_type}'"):
         _xla(d)
+
+
+@pytest.mark.parametrize("fixture, window, layers", [
+    ("gemma3", None, "[0, 1]"), ("gemma3", 0, "[0, 1]"), ("gemma2", 0, "[0, 2]"),
+    ("gpt_oss", None, "[0, 2]")])
+def test_sliding_layers_without_a_window_are_refused(tmp_path, fixture, window, layers):
+    """layer_types with sliding layers and sliding_window null or 0 loaded those layers
+    with full attention (jspec's window 0 is none), where transformers raises (null) or
+    masks every key (0)."""
+    d = _copy_fixture(tmp_path, fixture)
+    _edit_config(d, sliding_window=window)
+    with pytest.raises(jspec.UnsupportedModelError,
+                       match=rf"layers {re.escape(layers)} 'sliding_attention' but "
+                             rf"sliding_window={window!r}: a sliding layer needs a window"):
+        _xla(d)
+
+
+def test_a_mesh_neither_drops_mxfp4_experts_nor_the_config_files_name(tmp_path):
+    """load_hf(mesh=...) ignored mxfp4_experts=True, and its config errors began
+    "config:" where those without a mesh name config.json."""
+    from jspec import sharding
+
+    mesh = sharding.make_mesh(1)
+    with pytest.raises(ValueError, match="mxfp4_experts=True with a mesh"):
+        jspec.load_hf(fixture_path("qwen3"), mesh=mesh, backend="xla", mxfp4_experts=True)
+    d = _copy_fixture(tmp_path)
+    _edit_config(d, rms_norm_eps=0.0)
+    with pytest.raises(jspec.UnsupportedModelError,
+                       match=re.escape(os.path.join(str(d), "config.json")) + ": rms_norm_eps"):
+        jspec.load_hf(str(d), mesh=mesh, backend="xla")
+
+
+def test_a_params_checkpoint_given_to_load_hf_points_to_restore_params(tmp_path):
+    from jspec.checkpoint import DIGEST_FILE
+
+    (tmp_path / DIGEST_FILE).write_text("{}")
+    with pytest.raises(jspec.CheckpointError, match="params checkpoint of jspec.checkpoint."
+                                                    "save_params.*restore_params"):
+        _xla(tmp_path)

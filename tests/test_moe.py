@@ -322,6 +322,29 @@ def test_missing_and_extra_expert_tensors_are_named(tmp_path):
         jspec.load_hf(_copy_fixture("mixtral", tmp_path / "extra", extra), backend="xla")
 
 
+@pytest.mark.parametrize("name, config, match", [
+    ("qwen3_moe", dict(decoder_sparse_step=5),
+     "makes layer 0 dense \\(by num_experts, decoder_sparse_step and mlp_only_layers\\) but "
+     "the checkpoint holds a router and experts there"),
+    ("qwen3_moe", dict(mlp_only_layers=[]),
+     "makes layer 1 a mixture of experts .* holds a dense MLP there"),
+    ("mixtral", dict(model_type="mistral", architectures=["MistralForCausalLM"]),
+     "makes layer 0 dense \\(model_type mistral has no experts"),
+    ("qwen2_moe", dict(shared_expert_intermediate_size=0),
+     "shared_expert_intermediate_size=0, but a Qwen2-MoE sparse layer has a shared expert"),
+])
+def test_a_config_whose_sparse_layers_are_not_the_weights_names_them(tmp_path, name, config,
+                                                                     match):
+    """Which layers are sparse comes from config.json; where it disagreed with the
+    weights the error was a missing tensor of the other kind (a shared expert of
+    "expected shape (0, 64)"), naming no field."""
+    d = shutil.copytree(fixture_path(name), tmp_path / name)
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps(cfg | config))
+    with pytest.raises(CheckpointError, match=match):
+        jspec.load_hf(str(d), dtype="float32", backend="xla")
+
+
 def test_paths_without_experts_refuse_an_moe_model():
     model = load("mixtral", "xla")
     with pytest.raises(ValueError, match="DraftOptions.fused.*mixtral"):

@@ -276,3 +276,26 @@ def test_load_text_takes_objects(gemma):
         load_text(gemma[0], drafter="prompt_lookup")
     with pytest.raises(ValueError, match=r"'exact_greedy'.*temperature=0.8"):
         pipe.speculative_generate("Hi", policy="exact_greedy", temperature=0.8)
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(draft_backend="jax"), r"draft_backend='jax'; expected one of \('xla', 'pallas'\)"),
+    (dict(head="BAD_HEAD"), "eagle_config=\\[1\\] must be a JSON object"),
+])
+def test_load_text_checks_its_drafter_before_loading_the_target(tmp_path, monkeypatch, kw,
+                                                               match):
+    """A misspelt draft_backend (named as "backend") and a head's bad config.json were
+    found only after the target's weights had loaded (minutes for a large one)."""
+    if kw.get("head") == "BAD_HEAD":
+        head = tmp_path / "head"
+        head.mkdir()
+        cfg = json.load(open(os.path.join(jspec.loading.default_head(), "config.json")))
+        (head / "config.json").write_text(json.dumps(cfg | {"eagle_config": [1]}))
+        kw = {"head": str(head)}
+
+    def no_weights(*a, **k):
+        raise AssertionError("load_hf ran before the drafter's arguments were checked")
+
+    monkeypatch.setattr(jspec.text, "load_hf", no_weights)
+    with pytest.raises(ValueError, match=match):
+        load_text(jspec.default_pair()[0], **kw)
