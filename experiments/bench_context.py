@@ -28,7 +28,6 @@ reported). The JSON receipt is rewritten after every measurement.
 
 from __future__ import annotations
 
-import os
 import statistics
 import sys
 import time
@@ -41,7 +40,7 @@ from absl import flags
 import jspec
 from jspec import cli
 from jspec.bench import flag_checks
-from jspec.bench.receipts import write_receipt
+from jspec.bench.receipts import check_out_dir, write_receipt
 from jspec.bench.timing import copy_bandwidth, spec_peaks
 from jspec.cli import options_record, parse_options, with_option_string
 from jspec.generate import decode_loop, init_state
@@ -161,8 +160,7 @@ def check_flags() -> None:
         raise ValueError(f"--preset={_PRESET.value!r}: choose from {sorted(PRESETS)}")
     if _LAYERS.value < 0:
         raise ValueError(f"--layers={_LAYERS.value} must be >= 0 (0: the preset's)")
-    if os.path.exists(_OUT.value) and not os.path.isdir(_OUT.value):
-        raise ValueError(f"--out={_OUT.value!r} is a file, not a directory")
+    check_out_dir(_OUT.value)  # a folder it can write: before any work
     try:
         interpret = default_interpret() if _INTERPRET.value is None else _INTERPRET.value
         parse_options(_OPTIONS.value, jspec.KernelOptions(interpret=interpret))  # attn_split

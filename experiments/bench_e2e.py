@@ -69,7 +69,7 @@ from jspec import cli, mxfp4  # noqa: E402
 from jspec.bench import flag_checks, hf_peers, plotting  # noqa: E402
 from jspec.bench.gpu_monitor import GpuMonitor  # noqa: E402
 from jspec.bench.moe_bytes import uniform_union  # noqa: E402
-from jspec.bench.receipts import receipt_stem, write_receipt  # noqa: E402
+from jspec.bench.receipts import check_out_dir, receipt_stem, write_receipt  # noqa: E402
 from jspec.bench.timing import copy_bandwidth  # noqa: E402
 from jspec.chunked_prefill import prefill_jit as chunked_prefill  # noqa: E402
 from jspec.cli import (  # noqa: E402
@@ -178,7 +178,10 @@ _COORDINATOR = flags.DEFINE_string("coordinator_address", None, "host:port of pr
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", 1, "processes (jax.distributed)")
 _PROCESS_ID = flags.DEFINE_integer("process_id", 0, "this process's index (jax.distributed)")
 
-flag_checks.require_counts(_BATCHES, _GAMMAS, _PROMPT_LEN, _NEW, _ITERS, _ORACLE_SEEDS, _PEER_GAMMA)
+flag_checks.require_counts(_PROMPT_LEN, _NEW, _ITERS, _ORACLE_SEEDS, _PEER_GAMMA)
+# every run is per batch, and the headline gamma is the first: an empty list was a
+# matplotlib or max() error after the models were built (and, for --batches, the runs)
+flag_checks.require_counts(_BATCHES, _GAMMAS, nonempty=True)
 flag_checks.require_probabilities(_ACCEPT)
 flag_checks.require_choices(_DRAFTER, ("model", "feature"))
 flag_checks.require_choices(_SERIAL_BACKENDS, ("pallas", "xla"))
@@ -818,8 +821,7 @@ def check_flags() -> None:
     bad one is a ValueError naming it (a tree, an option string, a preset, --out)."""
     from jspec.random_model import PRESETS
 
-    if os.path.exists(_OUT.value) and not os.path.isdir(_OUT.value):
-        raise ValueError(f"--out={_OUT.value!r} is a file, not a directory")
+    check_out_dir(_OUT.value)  # a folder it can write: before any work
     if _REPLOT.value:
         return
     if "pallas" not in _SERIAL_BACKENDS.value:

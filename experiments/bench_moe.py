@@ -47,7 +47,7 @@ import jspec.model as jspec_model
 from jspec import cli
 from jspec.bench import flag_checks
 from jspec.bench.moe_bytes import step_read_bytes, uniform_union
-from jspec.bench.receipts import write_receipt
+from jspec.bench.receipts import check_out_dir, write_receipt
 from jspec.bench.timing import STEP_REPS, copy_bandwidth, device_steps, median_time, spec_peaks
 from jspec.cache import init_cache
 from jspec.cli import options_record, with_option_string
@@ -233,8 +233,7 @@ def main(argv):
         raise app.UsageError(f"--preset={_PRESET.value!r}: choose from {sorted(PRESETS)}")
     if not preset_config(_PRESET.value).moe:
         raise app.UsageError(f"--preset={_PRESET.value} has no mixture-of-experts layer")
-    if os.path.exists(_OUT.value) and not os.path.isdir(_OUT.value):
-        raise app.UsageError(f"--out={_OUT.value!r} is a file, not a directory")
+    check_out_dir(_OUT.value)  # a folder it can write: before any work
     ts = [int(t) for t in _TS.value]
     other = [int(t) for t in _OTHER_TS.value]
     if min(ts + other) < 1 or 1 not in ts:

@@ -22,15 +22,17 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import app, flags
+from absl import flags
 from tqdm import tqdm
 
 import jspec
+from jspec import cli
 from jspec.bench import flag_checks, plotting
-from jspec.bench.receipts import write_receipt
+from jspec.bench.receipts import check_out_dir, write_receipt
 from jspec.bench.timing import timed
 from jspec.loading import default_interpret
 from jspec.random_model import random_model
+from jspec.spec_config import MAX_GAMMA
 from pallas_kernels.matmul import TUNED, tuned_to_json
 
 _TARGET = flags.DEFINE_string("target", "tiny-qwen3", "preset[:layers] or HF dir")
@@ -48,9 +50,47 @@ _ITERS = flags.DEFINE_integer("iters", 3, "timed repetitions (median)")
 _OUT = flags.DEFINE_string("out", os.environ.get("OUT", "experiments/results"), "output dir")
 _TAG = flags.DEFINE_string("tag", "", "suffix of the receipt's file name")
 
-flag_checks.require_counts(_BATCH, _PROMPT_LEN, _NEW, _GAMMAS, _ORACLE_GAMMAS, _ITERS)
+DRAFTERS = ("model", "oracle", "lookup")
+flag_checks.require_counts(_BATCH, _PROMPT_LEN, _NEW, _ITERS)
+flag_checks.require_counts(_GAMMAS, _ORACLE_GAMMAS, most=MAX_GAMMA)  # was: after the serial run
 flag_checks.require_probabilities(_ACCEPT)
+# a misspelled drafter ("modle") or none ran no speculative run at all, and exited 0
+flag_checks.require_choices(_DRAFTERS, DRAFTERS)
 flag_checks.require_tag(_TAG)
+
+
+def check_flags() -> None:
+    """The flags read only as the run reaches them, checked before any model is built
+    (they failed with a traceback after the serial run, or --out after every run): a bad
+    one is a ValueError naming it."""
+    from jspec.config import canonical_dtype
+    from jspec.options import BACKENDS
+    from jspec.random_model import PRESETS
+
+    check_out_dir(_OUT.value)
+    # an empty list a drafter sweeps ran none of its runs, and said nothing
+    used = {"--gammas": ({"model", "lookup"} & set(_DRAFTERS.value), _GAMMAS.value),
+            "--oracle_gammas": ({"oracle"} & set(_DRAFTERS.value), _ORACLE_GAMMAS.value),
+            "--accept": ({"oracle"} & set(_DRAFTERS.value), _ACCEPT.value)}
+    for flag, (drafters, values) in used.items():
+        if drafters and not values:
+            raise ValueError(f"{flag} is empty, so --drafters={','.join(sorted(drafters))} "
+                             "would run nothing: give at least one value, or drop the drafter")
+    if _BACKEND.value not in BACKENDS:
+        raise ValueError(f"--backend={_BACKEND.value!r}: choose from {list(BACKENDS)}")
+    try:
+        canonical_dtype(_DTYPE.value)
+    except ValueError as e:
+        raise ValueError(f"--dtype: {e}") from None
+    for flag, spec in (("target", _TARGET.value), ("draft", _DRAFT.value)):
+        if os.path.isdir(spec):
+            continue
+        name, _, layers = spec.partition(":")
+        if name not in PRESETS:
+            raise ValueError(f"--{flag}={spec!r}: not a directory, and {name!r} is not a "
+                             f"preset; choose from {sorted(PRESETS)}")
+        if layers and not (layers.isdigit() and int(layers) >= 1):
+            raise ValueError(f"--{flag}={spec!r}: the layers after ':' must be an integer >= 1")
 
 
 def load_model(spec: str, seed: int):
@@ -80,6 +120,7 @@ def reference_seqs(prompts, serial) -> jax.Array:
 
 def main(argv):
     del argv
+    check_flags()
     plotting.require_pyplot()  # the plots come after the measuring: fail before it
     target = load_model(_TARGET.value, 0)
     draft = load_model(_DRAFT.value, 1)
@@ -184,4 +225,4 @@ def plot(report, stem):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

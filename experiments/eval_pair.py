@@ -42,7 +42,7 @@ from tqdm import tqdm
 import jspec
 from jspec import cli
 from jspec.bench import flag_checks, plotting
-from jspec.bench.receipts import receipt_stem, write_receipt
+from jspec.bench.receipts import check_out_dir, receipt_stem, write_receipt
 from jspec.bench.timing import timed
 from jspec.loading import default_pair
 from jspec.train.corpus import read, stdlib_files
@@ -213,8 +213,7 @@ def check_flags() -> None:
             jspec.SpecConfig(gamma=int(g), policy=p, max_new_tokens=_NEW.value)
         for tree in trees:
             jspec.SpecConfig(policy=p, max_new_tokens=_NEW.value, tree=tree)
-    if os.path.exists(_OUT.value) and not os.path.isdir(_OUT.value):
-        raise ValueError(f"--out={_OUT.value!r} is a file, not a directory")
+    check_out_dir(_OUT.value)  # a folder it can write: before any work
 
 
 def main(argv):

@@ -18,7 +18,7 @@ from ml_collections import config_flags
 
 import jspec
 from jspec import cli, text
-from jspec._checks import check_seed
+from jspec._checks import check_count, check_seed
 from jspec.generate import plan_shapes
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -33,6 +33,8 @@ def main(argv):
     cli.check_output(c.output, c.get("prompts"))
     jspec.make_sampler(c.temperature, c.top_k, c.top_p)  # a bad value fails before loading
     check_seed("seed", c.seed)
+    check_count("max_new_tokens", c.max_new_tokens)  # were checked after the model loaded
+    check_count("max_len", c.get("max_len", 0), least=0)  # (0: prompt + max_new_tokens)
     pipe = text.load_text(c.checkpoint or jspec.default_pair()[0], dtype=c.dtype,
                           backend=c.backend, mxfp4_experts=c.mxfp4_experts)
     model = pipe.target

@@ -43,7 +43,7 @@ from tqdm import tqdm
 import jspec
 from jspec import audit, cli
 from jspec.bench import flag_checks
-from jspec.bench.receipts import receipt_stem, write_receipt
+from jspec.bench.receipts import check_out_dir, receipt_stem, write_receipt
 from jspec.feature_head import random_head
 from jspec.loading import default_interpret
 from jspec.random_model import random_model
@@ -124,8 +124,7 @@ def check_flags() -> dict:
     if not _TREE.value.strip():
         raise ValueError("--tree is empty: the long generation's tree runs need a tree, "
                          "e.g. --tree=3,2,1")
-    if os.path.exists(_OUT.value) and not os.path.isdir(_OUT.value):
-        raise ValueError(f"--out={_OUT.value!r} is a file, not a directory")
+    check_out_dir(_OUT.value)  # a folder it can write: before any work
     contexts, ks = _ints("contexts", _CONTEXTS.value, 1), _ints("ks", _KS.value, 1)
     limit = cfg.max_position
     extra = audit.controls_max_len(0, max(ks))  # the controls' cache past a context

@@ -41,6 +41,7 @@ from tqdm import tqdm
 import jspec
 from jspec import cli
 from jspec._checks import check_count, check_seed
+from jspec.bench.receipts import check_out_dir
 from jspec.config import canonical_dtype
 from jspec.eagle import saved_files
 from jspec.feature_head import eagle3_layers, head_config
@@ -219,14 +220,11 @@ def check_config(c) -> None:
 
 
 def check_paths(c) -> None:
-    """out_dir and workdir usable before anything loads: directories (or absent), and an
-    out_dir holding a head already only with --config.overwrite=True (no head is lost)."""
-    for name in ("out_dir", "workdir"):
-        path = c[name]
-        if not isinstance(path, str) or not path:
-            raise ValueError(f"--config.{name}={path!r} must be a directory path")
-        if os.path.exists(path) and not os.path.isdir(path):
-            raise ValueError(f"--config.{name}={path!r} is a file, not a directory")
+    """out_dir and workdir usable before anything loads: directories (or absent) that can
+    be written (`check_out_dir`), and an out_dir holding a head already only with
+    --config.overwrite=True (no head is lost)."""
+    for name in ("out_dir", "workdir"):  # writable too: the head was lost after training
+        check_out_dir(c[name], f"--config.{name}")
     if not isinstance(c.overwrite, bool):
         raise ValueError(f"--config.overwrite={c.overwrite!r} must be True or False")
     if saved_files(c.out_dir) and not c.overwrite:

@@ -36,8 +36,9 @@ from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from jspec._checks import check_count, check_real
+from jspec._checks import check_count, check_real, is_int
 from jspec.sampling import Greedy, Sample, check_sampler, gumbel_noise, uniform_noise
 
 _SALT_UNIFORM = 0x5EED1
@@ -404,6 +405,7 @@ def resolve_policy(policy=None, temperature=None, top_k=None, top_p=None) -> Pol
     except TypeError as e:
         raise TypeError(f"policy {type(policy).__name__}: serial_sampler() returned no "
                         f"sampler: {e}") from None
+    _check_policy_members(policy)
     if isinstance(sampler, Greedy):
         _check_greedy(repr(policy), given)
         return policy
@@ -413,6 +415,29 @@ def resolve_policy(policy=None, temperature=None, top_k=None, top_p=None) -> Pol
                              "was given: set sampling parameters on the policy, or pass a "
                              "name with the arguments")
     return policy
+
+
+def _check_policy_members(policy: Policy) -> None:
+    """A policy object's other members against the `Policy` protocol, before anything is
+    traced: draft_sampler() a sampler (drafters call it; None or a name failed inside
+    the trace, or went unnoticed where the drafter draws without it), draft_seed_salt
+    an integer in the int32 range (it is added to the int32 seed: a float or a larger
+    one failed inside the trace, as jax's overflow of an argument "y"), and the flags
+    bools (a string such as "no" is true)."""
+    name = type(policy).__name__
+    try:
+        check_sampler(policy.draft_sampler())
+    except TypeError as e:
+        raise TypeError(f"policy {name}: draft_sampler() returned no sampler: {e}") from None
+    salt = policy.draft_seed_salt
+    if not is_int(salt) or not -2**31 <= salt < 2**31:
+        raise ValueError(f"policy {name}: draft_seed_salt={salt!r} must be an integer in "
+                         "[-2**31, 2**31) (it is added to the int32 seed drafters get)")
+    for flag in ("uses_draft_logits", "dynamic_trees", "exact"):
+        value = getattr(policy, flag)
+        if not isinstance(value, bool | np.bool_):
+            raise TypeError(f"policy {name}: {flag}={value!r} must be True or False (the "
+                            "jspec.Policy protocol's class attributes)")
 
 
 def _check_greedy(name: str, given: dict) -> None:

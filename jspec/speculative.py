@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jspec._checks import check_bool, check_type, is_int
+from jspec._checks import check_bool, check_ints, check_type, is_int
 from jspec.adaptive import Controller, snapshot
 from jspec.cache import init_cache, rollback
 from jspec.chunked_prefill import prefill as chunked_prefill
@@ -567,11 +567,25 @@ def _validate(target: Model, drafter, spec: SpecConfig) -> None:
                              f"{d.model.config.vocab_size} > target vocab_size="
                              f"{target.config.vocab_size}; a draft must score a prefix of "
                              "the target's vocabulary")
+    _check_feature_layers(drafter, target)
     _check_tree_ranks(trees, target, drafters)
     for t in spec.stop_tokens:
         if not 0 <= t < target.config.vocab_size:
             raise ValueError(f"stop token {t} is out of range [0, {target.config.vocab_size})")
     _check_forwards(drafter, spec)
+
+
+def _check_feature_layers(drafter, target: Model) -> None:
+    """A drafter's feature_layers: target layer ids in [0, L] (the hidden state entering
+    layer i; L: the final norm's input), else an error naming the drafter (it surfaced
+    as the target's own `features=` argument, deep in the prefill's trace)."""
+    L = target.config.num_layers
+    name = f"{type(drafter).__name__}.feature_layers"
+    try:
+        check_ints(name, drafter.feature_layers, least=0, high=L + 1)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"{e} (the target layers whose hidden states the drafter reads, ids "
+                      f"0..{L} for this {L}-layer target; the jspec.Drafter protocol)") from None
 
 
 def _check_forwards(drafter, spec: SpecConfig) -> None:

@@ -691,6 +691,10 @@ def test_text_entry_points_check_seeds_and_timed_runs_before_loading(tmp_path):
     _one_line_error(r, "seed=-1")
     assert "embedded code pair" not in r.stdout
     _one_line_error(_run(*_GEN, "--config.temperature=0.5", "--config.seed=-4"), "seed=-4")
+    for flag in ("--config.max_new_tokens=-3", "--config.max_len=-5"):  # were after loading
+        r = _run(*_GEN, flag)
+        _one_line_error(r, flag.split(".")[1])
+        assert "model:" not in r.stdout and "rgb_to_hls" not in r.stdout
     bp = ("bench_prompts.py", f"--config={ROOT}/configs/bench_prompts.py:runlocal")
     _one_line_error(_run(*bp, "--config.timing_runs=0"), "timing_runs=0")
     (tmp_path / "afile").write_text("")
@@ -705,12 +709,17 @@ def test_bench_e2e_checks_its_flags_before_building(tmp_path):
     for flag, words in (("--drafter=featur", "--drafter=['featur']"),
                         ("--serial_backends=xla", "must hold pallas"),
                         ("--tree=8,8", "--tree: tree '8,8'"),
+                        # an empty list: a matplotlib error, or max()'s, after the builds
+                        ("--batches=", "--batches=[]: must hold integers >= 1, at least one"),
+                        ("--gammas=", "--gammas=[]: must hold integers >= 1, at least one"),
                         ("--prompt_len=131072", "+ the largest verify block (9) = 131129 "
                          "positions exceed --target=tiny-qwen3's max_position_embeddings")):
         _one_line_error(_run("bench_e2e.py", "--nopeers", flag, f"--out={tmp_path}"), *words)
     _one_line_error(_run("bench_e2e.py", "--nopeers", "--drafter=model", "--draft=mistral-7b:1",
                          "--prompt_len=40000", f"--out={tmp_path}"),
                     "exceed --draft=mistral-7b:1's max_position_embeddings (32768)")
+    _one_line_error(_run("bench_e2e.py", "--nopeers", "--out=/proc/jspec_out"),
+                    "--out='/proc/jspec_out' is not writable")  # was: after the builds
     assert not list(tmp_path.iterdir())
 
 
@@ -729,6 +738,22 @@ def test_benchmarks_check_their_flags_before_building(tmp_path):
     assert not list(tmp_path.iterdir())
 
 
+@pytest.mark.parametrize("flags,words", [
+    # a misspelled or empty --drafters ran no speculative run, wrote a receipt, exit 0
+    (["--drafters=modle"], ("--drafters=['modle']: must name one or more of",)),
+    (["--drafters=oracle", "--accept="], ("--accept is empty, so --drafters=oracle",)),
+    # each of these was a traceback, after the serial run (gamma) or every run (--out)
+    (["--target=tiny-foo"], ("--target='tiny-foo': not a directory, and 'tiny-foo' is not",)),
+    (["--draft=tiny-qwen3:x"], ("--draft='tiny-qwen3:x': the layers after ':'",)),
+    (["--backend=plas"], ("--backend='plas': choose from",)),
+    (["--gammas=2,40"], ("--gammas=['2', '40']: must hold integers in [1, 32]",)),
+    (["--out=/proc/jspec_out"], ("--out='/proc/jspec_out' is not writable",)),
+])
+def test_bench_speculative_checks_its_flags_before_building(tmp_path, flags, words):
+    _one_line_error(_run("bench_speculative.py", f"--out={tmp_path}", *flags), *words)
+    assert not list(tmp_path.iterdir())
+
+
 def test_train_draft_head_checks_its_dtypes_before_training(tmp_path):
     # An export dtype it cannot write was found only at the export, after the training.
     r = _run("train_draft_head.py",
@@ -736,6 +761,12 @@ def test_train_draft_head_checks_its_dtypes_before_training(tmp_path):
              f"--config.out_dir={tmp_path / 'head'}", f"--config.workdir={tmp_path / 'w'}",
              "--config.export_dtype=int8")
     _one_line_error(r, "--config.export_dtype: dtype='int8'")
+    assert "train head" not in r.stderr and not list(tmp_path.iterdir())
+    # An out_dir it cannot write failed at the export, after the training.
+    r = _run("train_draft_head.py",
+             f"--config={ROOT}/configs/train_draft_head.py:cpu,runlocal",
+             "--config.out_dir=/proc/jspec_head", f"--config.workdir={tmp_path / 'w'}")
+    _one_line_error(r, "--config.out_dir='/proc/jspec_head' is not writable")
     assert "train head" not in r.stderr and not list(tmp_path.iterdir())
 
 

@@ -11,6 +11,7 @@ and the boundary: a non-drafter is a TypeError naming what it lacks; a policy an
 sampling arguments that disagree are a ValueError naming both.
 """
 
+import dataclasses
 import os
 import re
 
@@ -158,6 +159,65 @@ def test_policies_and_sampling_arguments_agree():
     assert pipe.spec_config(temperature=0.8).policy == jspec.GumbelCoupled(0.8)
     with pytest.raises(ValueError, match="temperature=0.8"):
         pipe.spec_config(policy="exact_greedy", temperature=0.8)
+
+
+def _policy(**members):
+    """TopKAllowance with some members of the jspec.Policy protocol replaced."""
+    ns = {k: (lambda self, v=v: v) if k.endswith("sampler") else v for k, v in members.items()}
+    return dataclasses.dataclass(frozen=True)(type("Odd", (EX["TopKAllowance"],), ns))()
+
+
+@pytest.mark.parametrize("members,error,words", [
+    # a float salt was added to the int32 seed without a word; a larger one was jax's
+    # OverflowError about an argument "y", a string a TypeError deep in the trace
+    (dict(draft_seed_salt=0.5), ValueError, "Odd: draft_seed_salt=0.5 must be an integer"),
+    (dict(draft_seed_salt=2**40), ValueError, "draft_seed_salt=1099511627776 must be"),
+    # a draft sampler that is none failed as "'NoneType' object is not callable" inside a
+    # drafter's trace, or never where the drafter draws without it
+    (dict(draft_sampler=None), TypeError, "Odd: draft_sampler() returned no sampler"),
+    (dict(draft_sampler="greedy"), TypeError, "draft_sampler() returned no sampler"),
+    # a string flag is true: exact="no" asked the entry points for token parity
+    (dict(exact="no"), TypeError, "Odd: exact='no' must be True or False"),
+    (dict(uses_draft_logits=1), TypeError, "uses_draft_logits=1 must be True or False"),
+])
+def test_a_policys_members_are_checked_before_tracing(members, error, words):
+    with pytest.raises(error, match=re.escape(words)):
+        jspec.SpecConfig(gamma=2, policy=_policy(**members))
+
+
+@struct.dataclass
+class _Reads(jspec.Drafter):
+    """BigramDrafter, claiming to read the target layers `feature_layers`."""
+
+    inner: object
+    feature_layers: object = struct.field(pytree_node=False, default=())
+
+    def init(self, tokens, lens, max_len, gamma, features=None):
+        return self.inner.init(tokens, lens, max_len, gamma)
+
+    def forwards_per_round(self, gamma):
+        return 0
+
+    def propose(self, state, ctx):
+        return self.inner.propose(state, ctx)
+
+    def commit(self, state, ctx, n_acc, nxt, drafts, features=None):
+        return state
+
+
+@pytest.mark.parametrize("layers,error,words", [
+    # these were the target's own `features=` argument, failing in the prefill's trace
+    ((99,), ValueError, "_Reads.feature_layers[0]=99 is out of range [0, 3)"),
+    ((-1,), ValueError, "_Reads.feature_layers[0]=-1 is out of range [0, 3)"),
+    ((1.0,), ValueError, "_Reads.feature_layers[0]=1.0 must be an integer"),
+    ("12", TypeError, "_Reads.feature_layers must be a list or tuple of integers"),
+])
+def test_a_drafters_feature_layers_are_checked_naming_it(setup, layers, error, words):
+    target, _, drafter = setup
+    spec = jspec.SpecConfig(gamma=2, max_new_tokens=2)
+    with pytest.raises(error, match=re.escape(words) + r".*ids 0\.\.2 for this 2-layer"):
+        jspec.speculative_generate(target, _Reads(drafter, feature_layers=layers),
+                                   _prompts(), spec)
 
 
 @struct.dataclass

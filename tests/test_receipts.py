@@ -3,8 +3,11 @@ takes the next free `_run<N>` stem where an earlier receipt of its name exists. 
 roofline names the card whose spec sheet it is a fraction of."""
 
 import json
+import os
+import re
 import sys
 
+import pytest
 from script_runner import run_script
 
 from jspec.bench import receipts
@@ -24,6 +27,26 @@ def test_a_run_rewrites_its_own_receipt_and_keeps_earlier_ones(tmp_path, monkeyp
     monkeypatch.setattr(receipts, "_STEMS", {})
     assert receipts.receipt_stem(out, "bench_x", "h200") == f"{out}/bench_x_h200_run3"
     assert receipts.receipt_stem(out, "bench_y") == f"{out}/bench_y"  # no tag, no receipt yet
+
+
+@pytest.mark.parametrize("where,words", [
+    ("afile", "is a file, not a directory"),
+    ("afile/sub", "is a file, so the directory cannot be made"),
+    ("/proc/jspec_out", "is not writable (in '/proc', to make it)"),
+    ("", "must be a directory path"),
+])
+def test_an_output_folder_is_checked_before_any_work(tmp_path, where, words):
+    # An --out (or train_draft_head's --config.out_dir) that could not be written failed
+    # at the first receipt or at the export: after the models were built, or after the
+    # training. Now a ValueError naming the flag, before anything runs, and nothing made.
+    (tmp_path / "afile").write_text("")
+    path = where if where.startswith("/") or not where else str(tmp_path / where)
+    with pytest.raises(ValueError, match=re.escape(words)) as e:
+        receipts.check_out_dir(path, "--out")
+    assert str(e.value).startswith("--out=")
+    new = str(tmp_path / "a" / "b")  # a folder still to make, under a writable one: fine
+    assert receipts.check_out_dir(new) == new and not os.path.exists(tmp_path / "a")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]  # no probe file left
 
 
 def test_a_benchmark_run_twice_keeps_both_receipts(tmp_path):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import tempfile
 
 _STEMS: dict[str, str] = {}  # this process's stems, by the stem asked for
 
@@ -25,6 +26,32 @@ def check_tag(tag: str, flag: str = "--tag") -> str:
         raise ValueError(f"{flag}={tag!r}: a receipt name suffix takes no path separators "
                          "or '..' (it names a file in --out; set --out for another folder)")
     return tag
+
+
+def check_out_dir(path: str, flag: str = "--out") -> str:
+    """An output folder the run can write, checked before any work (a receipt, plot or
+    head written only at the end would otherwise be lost with the run): `path` is a
+    directory or absent, and the nearest folder that exists at or above it takes a new
+    file (tried with a temporary file, removed again: no permission bits assumed, and
+    nothing made). Else a ValueError naming `flag`."""
+    if not isinstance(path, str) or not path:
+        raise ValueError(f"{flag}={path!r} must be a directory path")
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"{flag}={path!r} is a file, not a directory")
+    probe = os.path.abspath(path)
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        raise ValueError(f"{flag}={path!r}: {probe!r} is a file, so the directory cannot be "
+                         "made")
+    try:
+        with tempfile.TemporaryFile(dir=probe):
+            pass
+    except OSError as e:
+        where = "" if probe == os.path.abspath(path) else f" (in {probe!r}, to make it)"
+        raise ValueError(f"{flag}={path!r} is not writable{where}: "
+                         f"{e.strerror or e}") from None
+    return path
 
 
 def receipt_stem(out_dir: str, name: str, tag: str = "") -> str:
