@@ -31,11 +31,10 @@ import jax
 import numpy as np
 
 from jspec._checks import check_path, check_type
-from jspec.loading import CheckpointError
+from jspec.loading import DIGEST_FILE, CheckpointError
 from jspec.model import Model
 
 LOG = logging.getLogger("jspec")
-DIGEST_FILE = "jspec_digests.json"
 DIGEST_FORMAT = 1
 # orbax's temporary directory beside the one it saves (`atomicity_types.TMP_DIR_SUFFIX`),
 # renamed into place when the save finishes; orbax removes whatever already has the name.

@@ -65,6 +65,8 @@ BIN_FILE = "pytorch_model.bin"
 # Within a format the single file wins over an index, as in transformers (a directory
 # holding both loads the single file there, and so here).
 WEIGHT_FILES = ((INDEX_FILE, SINGLE_FILE), (BIN_INDEX_FILE, BIN_FILE))
+# The digest file of a params checkpoint (`jspec.checkpoint.save_params` writes it there).
+DIGEST_FILE = "jspec_digests.json"
 # Checkpoints with more safetensors bytes than this show a progress bar (on stderr).
 PROGRESS_MIN_BYTES = 500 * 2**20
 TEXT_PREFIXES, LM_HEAD_NAMES = hf_names.TEXT_PREFIXES, hf_names.LM_HEAD_NAMES
@@ -622,8 +624,6 @@ def read_config_json(path: str, missing: str = "") -> dict:
     missing (`missing` appended to the message), not JSON or not an object."""
     cfg_path = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_path):
-        from jspec.checkpoint import DIGEST_FILE
-
         if os.path.isfile(os.path.join(path, DIGEST_FILE)):
             raise CheckpointError(f"{path}: no config.json: this is a params checkpoint of "
                                   "jspec.checkpoint.save_params, not a Hugging Face one: "
