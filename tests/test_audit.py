@@ -53,6 +53,7 @@ def test_near_ties_uses_one_bf16_ulp_at_the_logit_magnitude():
     assert audit.near_ties(rows) == [0, 2]
 
 
+@pytest.mark.slow  # the audit's bookkeeping; its bits: the tests above and below
 def test_prefix_controls_share_histories_across_ks_and_check_capacity():
     seq = _seq()
     model = load("qwen3", "pallas")

@@ -778,6 +778,7 @@ def test_parity_audit_loads_its_head_before_the_controls(tmp_path):
     assert "same-prefix controls" not in r.stderr and not list(tmp_path.iterdir())
 
 
+@pytest.mark.slow  # four scripts run end to end
 def test_benchmarks_default_to_interpret_mode_without_a_gpu(tmp_path):
     # Without --interpret on a CPU the kernels failed deep inside JAX ("Only interpret
     # mode is supported on CPU backend"); now the default is interpret mode where there

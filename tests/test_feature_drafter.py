@@ -595,6 +595,7 @@ def test_a_catch_up_block_gives_the_heads_one_step_bits():
     assert np.array_equal(bits(out[1][1]), bits(out[3][1]))
 
 
+@pytest.mark.slow  # a head's own embedding: its loading is in the default run
 def test_a_head_narrower_than_the_target_brings_its_own_embedding():
     # random_head(hidden_size=D < Dt) gave the head the target's [V, Dt] embedding under a
     # D-wide layer: the first draft step died on a broadcasting error deep in the trace.
@@ -616,6 +617,7 @@ def test_a_head_narrower_than_the_target_brings_its_own_embedding():
                                    jspec.SpecConfig(gamma=2, max_new_tokens=6))
 
 
+@pytest.mark.slow  # a dtype cast of the shared embedding
 def test_a_head_in_another_dtype_than_its_target_casts_the_shared_embedding():
     # The code pair's head ties its LM head to the target's embedding, which it shares.
     # load_eagle3(dtype=...) other than the target's left that embedding (and so the LM

@@ -42,9 +42,9 @@ def _drafter(kind, target):
     return jspec.PromptLookupDrafter()
 
 
-_CASES = [(DYNAMIC, "feature", "exact_greedy"), (STATIC, "lookup", "gumbel_coupled")] + [
+_CASES = [(DYNAMIC, "feature", "exact_greedy")] + [
     pytest.param(t, k, p, marks=pytest.mark.slow)
-    for t, k, p in [(STATIC, "model", "exact_greedy"),
+    for t, k, p in [(STATIC, "lookup", "gumbel_coupled"), (STATIC, "model", "exact_greedy"),
                     (DYNAMIC, "model", "exact_greedy"), (STATIC, "feature", "exact_greedy"),
                     (STATIC, "model", "gumbel_coupled"), (DYNAMIC, "model", "gumbel_coupled"),
                     (STATIC, "feature", "gumbel_coupled"),
