@@ -110,6 +110,14 @@ def check_path(name: str, value) -> str:
     return os.path.expanduser(os.fspath(value))
 
 
+def existing_ancestor(path: str) -> str:
+    """The nearest path at or above the absolute `path` that exists (a directory to make
+    `path` in, or a file that stands in the way)."""
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    return path
+
+
 def check_type(name: str, value, kinds: type | tuple[type, ...], accepted: str,
                hint: str = "") -> None:
     """isinstance(value, kinds), else a TypeError naming `name`, what it accepts, and a

@@ -30,7 +30,7 @@ import tempfile
 import jax
 import numpy as np
 
-from jspec._checks import check_path, check_type
+from jspec._checks import check_path, check_type, existing_ancestor
 from jspec.loading import DIGEST_FILE, CheckpointError
 from jspec.model import Model
 
@@ -122,9 +122,7 @@ def _check_writable(path: str) -> None:
     is called: a path orbax cannot create fails in its background threads, which then
     keep the process alive for minutes."""
     parent = os.path.dirname(path)
-    ancestor = parent
-    while not os.path.exists(ancestor):
-        ancestor = os.path.dirname(ancestor)
+    ancestor = existing_ancestor(parent)
     if not os.path.isdir(ancestor):
         raise CheckpointError(f"cannot create the checkpoint directory {path}: {ancestor} is "
                               "a file, not a directory")

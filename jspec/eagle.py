@@ -41,6 +41,7 @@ from jspec._checks import check_bool, check_path, check_type
 from jspec.config import UnsupportedModelError, canonical_dtype, rope_parameters, rope_spec
 from jspec.feature_head import FeatureHead, eagle3_layers, head_config, slot_map
 from jspec.loading import (
+    DIGEST_FILE,
     WEIGHT_FILES,
     CheckpointError,
     TensorReader,
@@ -357,7 +358,6 @@ def save_eagle3(path: str, head: FeatureHead, *, save_embedding: bool = False,
     check_bool("save_embedding", save_embedding)
     if os.path.exists(path) and not os.path.isdir(path):
         raise FileExistsError(f"{path}: a file, not a directory")
-    from jspec.checkpoint import DIGEST_FILE
 
     if os.path.exists(os.path.join(path, DIGEST_FILE)):  # never mixed into another format
         raise FileExistsError(f"{path} holds a jspec params checkpoint (save_params); "

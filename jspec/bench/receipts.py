@@ -12,6 +12,8 @@ import os
 import sys
 import tempfile
 
+from jspec._checks import existing_ancestor
+
 _STEMS: dict[str, str] = {}  # this process's stems, by the stem asked for
 
 
@@ -38,9 +40,7 @@ def check_out_dir(path: str, flag: str = "--out") -> str:
         raise ValueError(f"{flag}={path!r} must be a directory path")
     if os.path.exists(path) and not os.path.isdir(path):
         raise ValueError(f"{flag}={path!r} is a file, not a directory")
-    probe = os.path.abspath(path)
-    while not os.path.exists(probe):
-        probe = os.path.dirname(probe)
+    probe = existing_ancestor(os.path.abspath(path))
     if not os.path.isdir(probe):
         raise ValueError(f"{flag}={path!r}: {probe!r} is a file, so the directory cannot be "
                          "made")
