@@ -526,7 +526,7 @@ def _from_hf_config(hf: Any, dtype: str, source: str | None) -> ModelConfig:
             _no_sliding_layers(hf, model_type)
         # Mistral is Llama with one sliding window on every layer (null: none);
         # transformers' Mistral ignores `layer_types`, and so does jspec.
-        window = int(_get(hf, "sliding_window", 0)) if model_type == "mistral" else 0
+        window = _window_of_every_layer(hf, model_type) if model_type == "mistral" else 0
         return ModelConfig(
             family=model_type,
             rope=rope_spec(rope_params, _get(hf, "rope_theta", None), model_type),
@@ -651,7 +651,7 @@ def _moe_config(hf: Any, model_type: str, common: dict) -> ModelConfig:
         experts = (num_experts > 0,) * L
         expert_size = int(hf.intermediate_size)
         norm_topk = True
-        window = int(_get(hf, "sliding_window", 0))
+        window = _window_of_every_layer(hf, model_type)
     k = int(hf.num_experts_per_tok) if any(experts) else 0
     if any(experts) and not 1 <= k <= num_experts:
         raise UnsupportedModelError(f"{model_type}: num_experts_per_tok={k} is not in "
@@ -765,6 +765,20 @@ def _window_of_sliding_layers(hf: Any, model_type: str, sliding: tuple[bool, ...
             "(transformers raises on null and masks every key with 0); set sliding_window, "
             "or make those layers 'full_attention'")
     return int(window or 0)
+
+
+def _window_of_every_layer(hf: Any, model_type: str) -> int:
+    """Mistral's and Mixtral's `sliding_window`, one window on every layer: null means none
+    (full attention). transformers masks every key with a window of 0, where jspec's 0
+    means no window: refused rather than run unlike the reference."""
+    window = _get(hf, "sliding_window", None)
+    if window is None:
+        return 0
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise UnsupportedModelError(
+            f"{model_type}: sliding_window={window!r}: a window is a whole number of keys >= 1, "
+            "or null for full attention (transformers masks every key with 0)")
+    return window
 
 
 def _checked_float(name: str, x: Any) -> float:

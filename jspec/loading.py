@@ -171,6 +171,11 @@ class TensorReader:
                     isinstance(fn, str) for fn in weight_map.values()):
                 raise CheckpointError(f"{index_path}: no \"weight_map\" object (the shard "
                                       "index maps each tensor name to its file name)")
+            outside = sorted({fn for fn in weight_map.values() if os.path.isabs(fn) or
+                              os.path.normpath(fn).split(os.sep)[0] == os.pardir})
+            if outside:
+                raise CheckpointError(f"{index_path}: shard {outside[0]!r} is outside the "
+                                      "checkpoint's folder (the index names files in it)")
             self.where = {name: os.path.join(path, fn) for name, fn in weight_map.items()}
         else:
             raise CheckpointError(f"{path}: no {SINGLE_FILE}, {INDEX_FILE}, {BIN_FILE} or "

@@ -99,6 +99,7 @@ def token_bar(enabled: bool, total: int, desc: str, unit: str = "tok"):
 POLICY_CODE = -2  # a loop's flag code: a policy's answer outside the protocol's ranges
 POLICY_INVALID_CODE = -3  # a loop's flag code: a policy accepted a proposal marked invalid
 SAMPLER_CODE = -4  # a loop's flag code: a sampler returned an id outside the vocabulary
+DRAFT_CODE = -5  # a loop's flag code: draft logits a policy reads hold NaN or +inf
 
 
 def raise_non_finite(bad, at, what: str, num_layers: int | None = None,
@@ -110,7 +111,9 @@ def raise_non_finite(bad, at, what: str, num_layers: int | None = None,
     lay outside `jspec.Policy`'s ranges; POLICY_INVALID_CODE: a ValueError, the policy
     accepted a proposal its `valid` marked as no token id (outside the vocabulary, or a
     tree node outside a well-formed tree), which the protocol says it must reject;
-    SAMPLER_CODE: a ValueError, a sampler returned an id outside the vocabulary.
+    SAMPLER_CODE: a ValueError, a sampler returned an id outside the vocabulary;
+    DRAFT_CODE: NonFiniteError, the drafter's draft logits (or a tree's q), which the policy
+    reads as the draft's distribution, hold NaN or +inf, or are -inf at every token.
     policy: the run's policy, named in those errors."""
     if not bool(bad):
         return
@@ -136,6 +139,13 @@ def raise_non_finite(bad, at, what: str, num_layers: int | None = None,
             f"{what}: at row {row}, position {pos} the sampler returned a token id outside "
             "[0, vocab) (a sampler answers token ids of the model's vocabulary); the run "
             "stopped there")
+    if code == DRAFT_CODE:
+        raise NonFiniteError(
+            f"{what}: at row {row}, position {pos} the drafter's draft logits hold NaN or "
+            "+inf, or are -inf at every token, where the policy"
+            f"{'' if policy is None else ' ' + type(policy).__name__} reads them as the "
+            "draft's distribution; the run stopped there (a draft model's activations "
+            "overflowing, or a drafter's bug: -inf is how a drafter rules a token out)")
     if code == -1:
         raise NonFiniteError(
             f"{what}: the logits at row {row}, position {pos} hold NaN or inf; the run "

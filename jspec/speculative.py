@@ -44,7 +44,14 @@ from jspec.generate import (
     plan_shapes,
     verify_what,
 )
-from jspec.loop import POLICY_CODE, POLICY_INVALID_CODE, raise_non_finite, run_chunked, token_bar
+from jspec.loop import (
+    DRAFT_CODE,
+    POLICY_CODE,
+    POLICY_INVALID_CODE,
+    raise_non_finite,
+    run_chunked,
+    token_bar,
+)
 from jspec.model import COMPILER_OPTIONS, Forward, Model, apply, row_flags
 from jspec.sampling import with_lowering
 from jspec.spec_config import SpecConfig, shape_spec
@@ -371,6 +378,17 @@ def _check_policy_range(state: SpecState, pos, outside, code: int = POLICY_CODE)
                                                                 state.bad_at))
 
 
+def _check_draft_logits(state: SpecState, pos, q, valid) -> SpecState:
+    """Flags the first live row whose draft logits q [B, n, V] (a policy with
+    `uses_draft_logits` reads them as the draft's distribution) hold NaN or +inf, or are
+    -inf at every token, at a valid proposal (valid [B, n]): the loop stops after the
+    round and the host raises NonFiniteError (code DRAFT_CODE), where a policy would
+    otherwise sample its corrections from a NaN residual."""
+    broken = (jnp.any(jnp.isnan(q) | (q == jnp.inf), axis=-1)
+              | jnp.all(q == -jnp.inf, axis=-1))  # [B, n]
+    return _check_policy_range(state, pos, jnp.any(broken & valid, axis=1), DRAFT_CODE)
+
+
 def _tree_round(target: Model, drafter, state: SpecState, seed, *,
                 spec: SpecConfig) -> SpecState:
     """A tree round: the drafter grows a tree under cur (`propose_tree`); one target
@@ -401,6 +419,8 @@ def _tree_round(target: Model, drafter, state: SpecState, seed, *,
     out = apply(target, tokens, state.cache, tree=t_in, features=layers)
     logits, cache = out.logits, out.cache
     state = _check_finite(state, out, ctx.pos, ctx.pos[:, None] + t_in.depth)
+    if spec.policy.uses_draft_logits:  # node 0's q is the root's: no proposal reads it
+        state = _check_draft_logits(state, ctx.pos, q[:, 1:], valid[:, 1:])
     positions = ctx.pos[:, None] + 1 + t_in.depth  # of the token after each node
     node, n, nxt = _check_answer(spec.policy, "accept_tree", spec.policy.accept_tree(
         logits, tokens, parents, t_in.depth, q, valid, seed, ctx.rows, positions, max_depth=D,
@@ -445,6 +465,9 @@ def _round(target: Model, drafter, state: SpecState, seed, *, spec: SpecConfig) 
     logits, cache, feats = out.logits, out.cache, out.features
     G = logits.shape[1]
     state = _check_finite(state, out, ctx.pos, ctx.pos[:, None] + jnp.arange(G)[None, :])
+    if spec.proposals and spec.policy.uses_draft_logits:
+        state = _check_draft_logits(state, ctx.pos, draft_logits,
+                                    _in_vocab(drafts, target.config.vocab_size))
     if spec.audit_every:
         state = _audit(target, state, cache, state.cur, drafts, logits, spec=spec)
     n_acc, nxt = _accept(logits, drafts, draft_logits, seed, ctx.pos, spec=spec, rows=ctx.rows)

@@ -7,6 +7,7 @@ batches on the CPU; length buckets share compiled programs without changing a to
 loop runs in chunks; a draft may score a prefix of the target's vocabulary.
 """
 
+import dataclasses
 import importlib
 
 import jax
@@ -47,6 +48,45 @@ def test_non_finite_logits_stop_serial_and_speculative_runs(value):
         list(jspec.generate_stream(model, _prompts(), max_new_tokens=4))
 
 
+@struct.dataclass
+class _BrokenQDrafter(jspec.ModelDrafter):
+    """The draft model's proposals, with one slot's draft logits (a tree's q) replaced:
+    `value` at every token (NaN, +inf: a draft that overflowed; -inf: nothing allowed)."""
+
+    value: float = struct.field(pytree_node=False, default=np.nan)
+
+    def propose(self, state, ctx):
+        drafts, logits, state = super().propose(state, ctx)
+        return drafts, logits.at[:, 1].set(self.value), state
+
+    def propose_tree(self, state, ctx, tree):
+        tokens, parents, q, state = super().propose_tree(state, ctx, tree)
+        return tokens, parents, q.at[:, 2].set(self.value), state
+
+
+@pytest.mark.parametrize("tree,value", [
+    (None, np.nan) if (t, v) == (None, np.nan) else pytest.param(t, v, marks=pytest.mark.slow)
+    for t in (None, jspec.TreeConfig(branching=(2, 1))) for v in (np.nan, np.inf, -np.inf)],
+    ids=[f"{t}-{v}" for t in ("chain", "tree") for v in ("nan", "inf", "-inf")])
+def test_broken_draft_logits_stop_a_policy_that_reads_them(value, tree):
+    """Rejection sampling read NaN draft logits as the draft's distribution: every draft
+    was rejected and each correction drawn from a NaN residual, silently. The run now
+    stops, naming the drafter; a policy that never reads them runs as before."""
+    model = load("qwen3", "xla")
+    drafter = _BrokenQDrafter(model, value=value)
+    spec = jspec.SpecConfig(gamma=2, max_new_tokens=6, policy="rejection_sampling",
+                            temperature=1.0, tree=tree)
+    with pytest.raises(jspec.NonFiniteError, match=r"the drafter's draft logits hold NaN or "
+                       r"\+inf, or are -inf at every token, where the policy "
+                       "RejectionSampling reads them"):
+        jspec.speculative_generate(model, drafter, _prompts(), spec)
+    greedy = dataclasses.replace(spec, policy="exact_greedy", temperature=None)
+    out = jspec.speculative_generate(model, drafter, _prompts(), greedy)
+    serial = jspec.generate(model, _prompts(), max_new_tokens=6)
+    rows = range(len(_prompts()))
+    assert [out.row(b) for b in rows] == [serial.row(b) for b in rows]
+
+
 def test_a_non_finite_input_is_named_where_it_entered():
     # Token 5's embedding is NaN. Attention's p @ v carries it back to position 0 (0 x NaN)
     # a layer later; the error names position 1 and the residual stream entering layer 0,
@@ -81,7 +121,8 @@ class _WildDrafter(jspec.Drafter):
         return state
 
 
-@pytest.mark.parametrize("policy", ["exact_greedy", "rejection_sampling"])
+@pytest.mark.parametrize("policy", ["exact_greedy",  # the check is the engine's, not a policy's
+                                    pytest.param("rejection_sampling", marks=pytest.mark.slow)])
 def test_out_of_range_proposals_are_rejected_and_never_reach_the_cache(policy):
     model = load("qwen3", "pallas")
     spec = jspec.SpecConfig(gamma=3, max_new_tokens=6, policy=policy,

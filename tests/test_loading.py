@@ -502,6 +502,24 @@ def test_bad_shard_index(tmp_path, text, match):
         _xla(d)
 
 
+@pytest.mark.parametrize("where", ["outside", "absolute"])
+def test_a_shard_outside_the_checkpoints_folder_is_refused(tmp_path, where):
+    """An index naming a shard by an absolute path or through '..' read a file outside the
+    checkpoint's folder (a moved or tampered index); it is named, nothing is read."""
+    d = _copy_fixture(tmp_path, "qwen3_sharded")
+    index_path = d / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    first = sorted(set(index["weight_map"].values()))[0]
+    shutil.copy(d / first, tmp_path / first)
+    name = f"../{first}" if where == "outside" else str(tmp_path / first)
+    index["weight_map"] = {k: name if v == first else v for k, v in index["weight_map"].items()}
+    index_path.write_text(json.dumps(index))
+    with pytest.raises(jspec.CheckpointError,
+                       match=rf"index.json: shard {re.escape(repr(name))} is outside the "
+                             "checkpoint's folder"):
+        _xla(d)
+
+
 def test_config_not_json(tmp_path):
     d = _copy_fixture(tmp_path)
     (d / "config.json").write_text("{\"model_type\": \"qwen3\",")
@@ -651,6 +669,23 @@ def test_sliding_layers_without_a_window_are_refused(tmp_path, fixture, window, 
                        match=rf"layers {re.escape(layers)} 'sliding_attention' but "
                              rf"sliding_window={window!r}: a sliding layer needs a window"):
         _xla(d)
+
+
+@pytest.mark.parametrize("fixture, window", [("mistral", 0), ("mixtral", 0), ("mistral", -4)])
+def test_a_window_on_every_layer_is_at_least_one_key(tmp_path, fixture, window):
+    """Mistral's and Mixtral's sliding_window of 0 loaded as full attention (jspec's window
+    0 is none), where transformers masks every key."""
+    d = _copy_fixture(tmp_path, fixture)
+    _edit_config(d, sliding_window=window)
+    with pytest.raises(jspec.UnsupportedModelError,
+                       match=rf"{fixture}: sliding_window={window!r}: a window is a whole number"):
+        _xla(d)
+
+
+def test_a_null_window_on_every_layer_is_full_attention(tmp_path):
+    d = _copy_fixture(tmp_path, "mistral")
+    _edit_config(d, sliding_window=None)
+    assert _xla(d).config.sliding_window == 0
 
 
 def test_a_mesh_neither_drops_mxfp4_experts_nor_the_config_files_name(tmp_path):
