@@ -37,10 +37,12 @@ def case(request):
     return with_options(model, attn_split=SPLIT, attn_split_rows=rows), seq
 
 
-# The plain case by default (the ragged-batch test below keeps Gemma 3's windows, softcap
-# and q/k norm); Gemma 3 and the 32-row tile in the slow run.
+# In the slow run: the default run proves the split path's P by its other schedules (serial
+# steps against trees: test_tree.py's test_split_kv_trees_equal_serial), batches and cache
+# (test_split_row_alone_equals_row_in_ragged_batch below) and, at the kernel, blocks and
+# calls of any size (test_kernel_attention.py's test_split_rows_equal_decode_whatever_the_call).
 @pytest.mark.parametrize("case", [pytest.param(("gemma3", None), marks=pytest.mark.slow),
-                                  ("tiny-qwen3", None),
+                                  pytest.param(("tiny-qwen3", None), marks=pytest.mark.slow),
                                   pytest.param(("tiny-qwen3", 32), marks=pytest.mark.slow)],
                          indirect=True, ids=("gemma3", "tiny-qwen3", "tiny-qwen3-rows32"))
 def test_split_logits_schedule_invariant(case):

@@ -596,18 +596,27 @@ def test_mxfp4_kernel_is_a_checked_bool_that_plain_turns_off():
     assert kernel.mxfp4_prefetch == 3
 
 
-def test_a_draft_model_of_a_shorter_context_runs_within_it_and_is_refused_past_it():
-    # The draft's cache took the target's max_len, a length bucket (256 here), and a
-    # draft of 128 positions failed at its prefill ("max_len=256 exceeds the model's
-    # max_position_embeddings (128)") for a run of 102 positions; a run past the draft's
-    # positions now stops before any work, naming the draft.
+def _short_draft_case():
     target = random_model("tiny-qwen3", dtype=jnp.float32)
     draft = random_model("tiny-qwen3", dtype=jnp.float32, seed=1).with_backend("xla")
     draft = draft.replace(config=dataclasses.replace(draft.config, max_position=128))
     prompt = [int(x) for x in np.random.default_rng(0).integers(1, 100, 90)]
-    spec = jspec.SpecConfig(gamma=3, max_new_tokens=8)
+    return target, draft, prompt, jspec.SpecConfig(gamma=3, max_new_tokens=8)
+
+
+@pytest.mark.slow  # a run within the draft's positions (the check below: the default run's)
+def test_a_draft_model_of_a_shorter_context_runs_within_it():
+    # The draft's cache took the target's max_len, a length bucket (256 here), and a
+    # draft of 128 positions failed at its prefill ("max_len=256 exceeds the model's
+    # max_position_embeddings (128)") for a run of 102 positions.
+    target, draft, prompt, spec = _short_draft_case()
     out = jspec.speculative_generate(target, jspec.ModelDrafter(draft), [prompt], spec)
     assert np.array_equal(out.tokens, jspec.generate(target, [prompt], max_new_tokens=8).tokens)
+
+
+def test_a_draft_model_of_a_shorter_context_is_refused_past_it():
+    # A run past the draft's positions stops before any work, naming the draft.
+    target, draft, prompt, spec = _short_draft_case()
     with pytest.raises(ValueError, match=r"the draft model's max_position_embeddings \(128\) "
                        r"is below this run's 192 positions"):
         jspec.speculative_generate(target, jspec.ModelDrafter(draft), [prompt * 2], spec)

@@ -33,7 +33,7 @@ def _steps(model, seq, n_prompt):
     return np.concatenate(out), cache
 
 
-@pytest.mark.parametrize("backend", ["pallas", "xla"])
+@pytest.mark.parametrize("backend", ["pallas", pytest.param("xla", marks=pytest.mark.slow)])
 def test_kv_dus_gives_the_same_logits_and_cache(backend):
     model, seq = model_and_tokens("tiny-qwen3", 14, seed=3)
     model = model.with_backend(backend)

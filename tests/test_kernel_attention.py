@@ -576,9 +576,10 @@ def test_sink_references_match_the_transformers_formula(fn):
         np.testing.assert_allclose(np.asarray(out), want, atol=1e-5, rtol=1e-5)
 
 
-# P with sinks on the default split paths; the other three are further cases (the fold
-# and its sink step are shared: test_sinks_match_the_transformers_formula covers them).
-@pytest.mark.parametrize("path", [p if p in ("one-pass", "two-kernels") else
+# P with sinks on the one-pass split path; the other four are further cases (the fold and
+# its sink step are shared: test_sinks_match_the_transformers_formula covers them, and the
+# two kernels' rows without sinks: test_split_rows_equal_decode_whatever_the_call).
+@pytest.mark.parametrize("path", [p if p == "one-pass" else
                                   pytest.param(p, marks=pytest.mark.slow) for p in SINK_PATHS])
 def test_sink_rows_equal_the_row_alone(path):
     """Property P with sinks on every path: a row inside a block at any offset, beside

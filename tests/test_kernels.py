@@ -136,8 +136,10 @@ def test_matmul_out_dtype_is_one_rounding_of_the_f32_result():
     _same_bits(got, matmul(x, w, interpret=INTERPRET).astype(jnp.bfloat16), "out_dtype")
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("k,n", [(256, 512), (1000, 300)])
+# One shape a dtype by default (the ragged one, K and N not multiples of a tile, in bf16)
+@pytest.mark.parametrize("dtype,k,n", [
+    pytest.param(d, k, n, marks=pytest.mark.slow) if (d is jnp.float32) == (k == 1000)
+    else (d, k, n) for d in DTYPES for k, n in [(256, 512), (1000, 300)]])
 def test_matmul_row_invariant(dtype, k, n):
     rng = np.random.default_rng(k + n)
     w = _rand(rng, (k, n), dtype, scale=k**-0.5)

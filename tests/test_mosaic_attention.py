@@ -117,7 +117,8 @@ def test_the_fold_is_combine_partials_on_the_cpu(sinks):
     assert not np.asarray(ours[1, :, 8:]).any()
 
 
-@pytest.mark.parametrize("seq", [3, 5], ids=("compact", "full-tiles"))  # 12, 20 rows
+@pytest.mark.parametrize("seq", [3, pytest.param(5, marks=pytest.mark.slow)],  # 12, 20 rows
+                         ids=("compact", "full-tiles"))
 def test_sinks_match_the_reference(seq):
     # Chains (a tile storing its 16 rows, or whole tiles) and a tree (a token's 4 rows a
     # tile): within bf16 rounding of transformers' sink column; a negligible sink keeps

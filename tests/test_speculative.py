@@ -60,7 +60,7 @@ CASES = [  # (gamma, family, drafter): every gamma 1..8, every drafter, every fa
     pytest.param(4, "gemma3", "perfect", marks=_slow),
     pytest.param(3, "mistral", "oracle+draft", marks=_slow),  # every layer windowed (16)
     pytest.param(4, "qwen2", "oracle", marks=_slow),  # q/k/v biases
-    (3, "gemma2", "lookup"),  # softcapped attention scores
+    pytest.param(3, "gemma2", "lookup", marks=_slow),  # softcapped attention scores
 ]
 
 
