@@ -62,8 +62,8 @@ class Drafter(Protocol):
         deterministic drafter returns `one_hot_logits(drafts, ctx.vocab)`. Only policies
         with `uses_draft_logits` (rejection sampling) read them: under the others XLA
         never builds them; under those, a proposal's logits holding NaN or +inf, or -inf
-        at every token, stop the run (NonFiniteError). A proposal outside [0, V) is rejected by every policy and never
-        reaches the target's cache.
+        at every token, stop the run (NonFiniteError). A proposal outside [0, V) is
+        rejected by every policy and never reaches the target's cache.
       commit(state, ctx, n_acc [B], nxt [B], drafts [B, g], features=None) -> state
         the verify accepted drafts[:, :n_acc] and the target's next token nxt
         (correction or bonus): the committed sequence is now ..., cur, d_1..d_n_acc, nxt
