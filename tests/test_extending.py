@@ -69,7 +69,9 @@ def setup():
     return target, serial, EX["BigramDrafter"](_bigram_table(target, serial))
 
 
-@pytest.mark.parametrize("tree", [None, TreeConfig(branching=(2, 2, 1))])
+# The research drafter's tree in the slow run (trees: test_tree_speculative.py's drafters)
+@pytest.mark.parametrize("tree", [None, pytest.param(TreeConfig(branching=(2, 2, 1)),
+                                                     marks=pytest.mark.slow)])
 def test_a_research_drafter_gives_serial_output(setup, tree):
     target, serial, drafter = setup
     assert isinstance(drafter, jspec.Drafter)

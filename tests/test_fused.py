@@ -134,6 +134,7 @@ def test_fused_forward_uses_the_fused_kernel(pair):
     assert plain[1] - fused_counts[1] == 2 * L, (plain, fused_counts)
 
 
+@pytest.mark.slow  # the fusion is the default: test_parity.py's schedules run it
 def test_fused_logits_schedule_invariant(pair):
     _, fused, seq = pair
     ref = _prefill(fused, [seq])[0]
