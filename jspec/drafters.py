@@ -116,7 +116,8 @@ class ModelDrafter(Drafter):
 
     Its vocabulary may be a prefix of the target's (the same tokenizer with a padded
     embedding, e.g. Gemma 3 270M/1B's 262,144 against 4B's 262,208): the ids past it get
-    draft logit -inf and are never proposed.
+    draft logit -inf and are never proposed, and reach the draft as id 0 (their embedding
+    is the draft's row 0: its proposals after them are only less likely to be accepted).
 
     Per round: gamma - 1 one-token draft steps in `propose`, and one two-token
     step in `commit` (the last accepted token again, at its own position, plus
@@ -181,6 +182,15 @@ class ModelDrafter(Drafter):
     def forwards_per_round(self, gamma: int) -> int:
         return gamma
 
+    def _own_ids(self, tokens):
+        """The target's ids as the draft embeds them: an id past the draft's vocabulary (a
+        prefix of the target's) as 0, which it has, for an embedding it lacks would be NaN
+        (`jnp.take`'s fill) and poison its cache for the rest of the row."""
+        return jnp.where(tokens < self.model.config.vocab_size, tokens, 0)
+
+    def _apply(self, tokens, cache, **kw):
+        return apply(self.model, self._own_ids(tokens), cache, **kw)
+
     def _full(self, logits, vocab: int):
         """[..., n] logits of the head's columns -> [..., vocab] in the target's ids (-inf
         off the head and past the draft's vocabulary)."""
@@ -189,9 +199,10 @@ class ModelDrafter(Drafter):
     def init(self, tokens, lens, max_len: int, gamma: int, features=None) -> ModelDraftState:
         B, K = tokens.shape[0], self.catch_up
         cache = init_cache(self.model, B, _with_block(max_len, K, self.model.config))
-        cache = prefill(self.model, tokens, lens, cache).cache  # chunked, no LM head: at lens - 1
+        # chunked, no LM head: at lens - 1
+        cache = prefill(self.model, self._own_ids(tokens), lens, cache).cache
         last = jnp.take_along_axis(tokens, (lens - 1)[:, None], axis=1)  # [B, 1]
-        logits, cache = apply(self.model, last, cache)  # the last prompt token's logits
+        logits, cache = self._apply(last, cache)  # the last prompt token's logits
         return ModelDraftState(cache=cache, next_logits=logits[:, 0],
                                pending=jnp.zeros((B, K), jnp.int32), n_pending=jnp.int32(0))
 
@@ -199,7 +210,7 @@ class ModelDrafter(Drafter):
         """The pending tokens run through the draft in one forward of `catch_up` tokens (the
         slots past n_pending are padding, written past the new lengths and never read)."""
         n = state.n_pending
-        logits, cache = apply(self.model, state.pending, state.cache)
+        logits, cache = self._apply(state.pending, state.cache)
         cache = rollback(cache, state.cache.lengths + n)
         nl = jax.lax.dynamic_index_in_dim(logits, n - 1, axis=1, keepdims=False)
         return state.replace(cache=cache, next_logits=nl, n_pending=jnp.int32(0))
@@ -211,7 +222,7 @@ class ModelDrafter(Drafter):
 
         def step(carry, i):
             cache, tok = carry
-            logits, cache = apply(self.model, tok[:, None], cache)
+            logits, cache = self._apply(tok[:, None], cache)
             nxt, logits = draw(logits[:, 0], ctx.pos + 2 + i)
             return (cache, nxt), (nxt, logits)
 
@@ -234,7 +245,7 @@ class ModelDrafter(Drafter):
             prev = jnp.take_along_axis(drafts, jnp.maximum(n_acc - 1, 0)[:, None], 1)[:, 0]
             last = jnp.where(n_acc == 0, ctx.cur, prev)
         cache = rollback(state.cache, ctx.pos + n_acc)
-        logits, cache = apply(self.model, jnp.stack([last, nxt], axis=1), cache)
+        logits, cache = self._apply(jnp.stack([last, nxt], axis=1), cache)
         return state.replace(cache=cache, next_logits=logits[:, 1])
 
 
@@ -246,7 +257,7 @@ class ModelDrafter(Drafter):
         root = ctx.pos
         if tree.dynamic is None:
             def step(d, toks, lo, hi, cache):  # node i at slot pos + i
-                logits, cache = apply(self.model, toks, cache,
+                logits, cache = self._apply(toks, cache,
                                       tree=static_tree_input(tree, lo, hi, root, ctx.pos))
                 return self._full(logits, ctx.vocab), cache
 
@@ -265,7 +276,7 @@ class ModelDrafter(Drafter):
             path = jnp.where(jnp.arange(D + 1)[None, None] == d, own[:, :, None], parent)
             paths = paths.at[jnp.arange(B)[:, None], ids].set(path)
             t_in = TreeInput(root=root, depth=jnp.full((B, k), d, jnp.int32), path=path)
-            logits, cache = apply(self.model, toks, cache, tree=t_in)
+            logits, cache = self._apply(toks, cache, tree=t_in)
             return self._full(logits, ctx.vocab), (cache, paths)
 
         B = ctx.cur.shape[0]
@@ -278,7 +289,7 @@ class ModelDrafter(Drafter):
         """Rewrites the accepted path and nxt after cur (slots pos + 1 ..) in one forward;
         the logits after nxt are the next round's first."""
         cache = rollback(state.cache, ctx.pos + 1)
-        logits, cache = apply(self.model, emitted(path, n, nxt), cache)
+        logits, cache = self._apply(emitted(path, n, nxt), cache)
         nl = jnp.take_along_axis(logits, n[:, None, None], axis=1)[:, 0]
         return state.replace(cache=rollback(cache, ctx.pos + n + 2), next_logits=nl)
 

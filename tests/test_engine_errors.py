@@ -309,6 +309,19 @@ def test_a_draft_over_a_prefix_of_the_vocabulary(gemma_pair, policy):
     assert out.stats["accepted"] > 0
 
 
+def test_ids_past_a_draft_vocabulary_never_poison_the_draft(gemma_pair):
+    # The draft embedded an id of the target's past its own vocabulary as NaN (jnp.take's
+    # fill): its cache then held NaN for the rest of the row, every later draft logit was
+    # NaN, and rejection sampling drew from a NaN residual. Such ids now reach it as 0.
+    _, draft = gemma_pair
+    V = draft.config.vocab_size
+    drafter = jspec.ModelDrafter(draft)
+    state = drafter.init(jnp.asarray([[2, 40, V + 3, 41]], jnp.int32), jnp.asarray([4]), 32, 2)
+    assert np.isfinite(np.asarray(state.next_logits)).all()
+    want = drafter.init(jnp.asarray([[2, 40, 0, 41]], jnp.int32), jnp.asarray([4]), 32, 2)
+    assert np.array_equal(np.asarray(state.next_logits), np.asarray(want.next_logits))
+
+
 def test_a_draft_wider_than_the_target_is_an_error(gemma_pair):
     target, draft = gemma_pair
     V = target.config.vocab_size
