@@ -26,7 +26,7 @@ def _prompts(name):
 
 def _poor_draft(name):
     # Another family's tiny model with the same vocabulary: mostly rejected.
-    other = {"qwen3": "llama3", "llama3": "gemma3", "gemma3": "qwen3", "mistral": "llama3",
+    other = {"qwen3": "llama3", "llama3": "qwen3", "gemma3": "qwen3", "mistral": "llama3",
              "qwen2": "qwen3", "gemma2": "gemma3"}[name]
     return jspec.ModelDrafter(load(other, "pallas"))
 
