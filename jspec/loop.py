@@ -31,8 +31,8 @@ from jspec._checks import check_count  # noqa: F401  (re-exported: the loops' ca
 # 768-slot cache, not 1,024; a 1025-token prompt pads to 1536, not 2048) and quarter
 # steps from 16K on (a 32K prompt's cache holds 40,960 slots, not 49,152): split-KV's
 # partitions cover the capacity, so a looser bucket costs every step time as well as
-# memory (a batch-64 step over 1,024 slots for 576 positions: ~10 us a layer more than
-# over 529); a bucket more an octave costs a compile more at most.
+# memory (docs/tuning.md, `attn_skip_empty`); a bucket more an octave costs a compile more
+# at most.
 BUCKETS = tuple(sorted({16 * 2**i for i in range(20)}
                        | {3 * 2**i for i in range(7, 20)}
                        | {q * 2**i for q in (5, 7) for i in range(12, 20)}))

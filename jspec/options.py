@@ -319,7 +319,7 @@ DRAFT_FIELDS = tuple(f.name for f in dataclasses.fields(DraftOptions))
 
 # The widest draft (hidden size) at which `DraftOptions.latency()` was measured to beat
 # the plain path on a GPU: a Qwen3-0.6B draft (1024). At the Qwen3-8B width (4096) the
-# latency kernels made a one-layer draft ~10x slower (docs/tuning.md).
+# latency kernels lost to it (docs/tuning.md, `fused`).
 LATENCY_MAX_HIDDEN = 1024
 
 

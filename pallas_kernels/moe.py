@@ -301,8 +301,8 @@ def _expert_k_loop(e, src_ref, x_ref, w_ref, *, bk: int, nk: int, bn: int,
     registers (the MMA operand's kWidth) by the narrowest load it finds feeding them:
     decoded straight from a uint8 load, the operands took kWidth 8 where the float
     kernel's take 2, which assigns other K values to each MMA instruction's slots and
-    rounds differently (on an H100: 1,008 of 1,024 positions off the dequantized
-    model's). A carried value ends that search, so the float kernel's layout and bits.
+    rounds differently (docs/tuning.md `mxfp4_kernel`). A carried value ends that search,
+    so the float kernel's layout and bits.
     prmt: decode by `mxfp4.decode_rows_prmt` (bf16, GPU), the same values. depth: blocks
     loaded ahead (`_packed_k_loop`)."""
     src = src_ref[...]  # [bm]
@@ -510,9 +510,9 @@ def _launch_sorted(kernel, x, w, tile_expert, src, cfg: MatmulConfig, n_out: int
     )(tile_expert, src, xp, *([wp] * len(w_blocks)), *s_args, *b_args)
 
 
-# Blocks the packed loop loads ahead by default where the PTX decode runs (H100, 12 layers
-# of gpt-oss-120b: depths 4-6 within 1%, 8 slower; the integer decode at 4 spills and runs
-# 1.7x slower, so it keeps the loop's own form: docs/tuning.md `mxfp4_prefetch`).
+# Blocks the packed loop loads ahead by default where the PTX decode runs (the depth a sweep
+# chose; the integer decode spills at it, so it keeps the loop's own form: docs/tuning.md
+# `mxfp4_prefetch`).
 PRMT_PREFETCH = 4
 
 
