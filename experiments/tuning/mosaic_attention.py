@@ -22,6 +22,10 @@ slot's garbage might):
    the Mosaic kernels' scheduling variants (one K/V slot a split program: `KV_SLOTS` 1;
    the fold in one launch: `GROUP_PROGRAMS` False), each output checked bitwise against
    the default's (`variant_bits_equal`).
+4. With --splits, other partition sizes (a numeric choice: each split is its own bits):
+   for each, Mosaic's and Triton's kernels at that split timed beside the rest
+   (`mosaic_split<S>`, `triton_split<S>`), and Mosaic's P check of 1. at that split
+   (`mismatching_tokens_split<S>`).
 
 Writes --out/mosaic_attention[_tag].json. --smoke: a tiny shape in interpret mode (a test
 of the script; its timings mean nothing).
@@ -54,6 +58,7 @@ _SMOKE = flags.DEFINE_bool("smoke", False, "CPU: a tiny shape, interpret mode")
 _OUT = flags.DEFINE_string("out", os.environ.get("OUT", "experiments/results"), "receipt dir")
 _TAG = flags.DEFINE_string("tag", "", "receipt name suffix")
 _VARIANTS = flags.DEFINE_bool("variants", True, "also time the scheduling variants")
+_SPLITS = flags.DEFINE_list("splits", [], "other keys-a-partition values to check and time")
 
 # Scheduling variants: module settings of pallas_kernels.mosaic.attention (same bits).
 VARIANTS = {"mosaic_kv_slots_1": {"KV_SLOTS": 1},
@@ -179,6 +184,15 @@ def main(argv):
         ref = attention_reference(q, kc, vc, pos, win, scale=scale)
         entry["max_abs_err_vs_reference"] = float(jnp.max(jnp.abs(
             run(q, k, v, pos).astype(jnp.float32) - ref.astype(jnp.float32))))
+        splits = [int(x) for x in _SPLITS.value if int(x) != SPLIT]
+        others = {}
+        for S in splits:
+            ms = functools.partial(mosaic_attention, scale=scale, split=S, interpret=smoke)
+            ts = functools.partial(triton_attention, scale=scale, split=S, interpret=smoke)
+            others[f"mosaic_split{S}"], others[f"triton_split{S}"] = ms, ts
+            run_s = jax.jit(lambda q, k, v, pos, f=ms: f(q, k, v, pos, win))
+            entry[f"mismatching_tokens_split{S}"] = check_bits(
+                run_s, q, k, v, c, Ts, jax.random.fold_in(key, 2))
         entry["us"] = {}
         for B in ([1] if smoke else [1, 8]):
             for T in ([1] if smoke else [1, 5]):
@@ -189,7 +203,8 @@ def main(argv):
                 args = (qb, kb, vb, pb)
                 loops = {name: compile_loop(lambda q, k, v, p, f=f: f(q, k, v, p, win),
                                             *args)
-                         for name, f in (("mosaic", mosaic), ("triton", triton))}
+                         for name, f in (("mosaic", mosaic), ("triton", triton),
+                                         *others.items())}
                 if _VARIANTS.value:
                     want = run_bits(call, *args)
                     for name, settings in VARIANTS.items():
