@@ -26,6 +26,8 @@
 #   T = 1 / 5 / 17, contexts $MOSAIC_CONTEXTS (default "512 8192"; $MOSAIC_KERNELS_S).
 #   e2e_mosaic: bench_e2e.py at the Qwen3-8B shape (36 layers), serial and a feature
 #   head (gamma 4, a = 0.8), batches $E2E_BATCHES (default 1,8), once a lowering.
+#   $MOSAIC_OPTIONS (default mosaic, e.g. mosaic,attn_split=512) is the Mosaic model's
+#   options string in both steps; $MOSAIC_TAG names the matrix's receipts.
 #   loop_cmdbuf: the same on Triton at batches $E2E_BATCHES (default 1; $E2E_TARGET, e.g.
 #   qwen3-8b:12), with XLA's default command buffers, then with while loops and
 #   conditionals inside them too.
@@ -459,19 +461,22 @@ PY
     mosaic) timeout "${MOSAIC_PARITY_S:-330}" python3 experiments/gpu_parity.py \
               --models="${MOSAIC_MODELS:-qwen3-8b:4,gemma3-4b:6}" --context=8192 --window=48 \
               --batches=4,32 --trees="${MOSAIC_TREES:-8,16,32,64}" --backends=pallas \
-              --options=mosaic --tag=mosaic --out="$OUT" 2>&1 | quiet | tail -40
+              --options="${MOSAIC_OPTIONS:-mosaic}" --tag="mosaic${MOSAIC_TAG:+_$MOSAIC_TAG}" \
+              --out="$OUT" 2>&1 | quiet | tail -40
             [ "${MOSAIC_TOPP:-1}" = 1 ] && top_p
             for ctx in ${MOSAIC_CONTEXTS:-512 8192}; do
               timeout "${MOSAIC_KERNELS_S:-150}" python3 experiments/bench_kernels.py \
                 --preset=qwen3-8b --batches=1,8 --gammas=4,16 --context="$ctx" --iters=5 \
-                --options=mosaic --noops --tag="mosaic_ctx$ctx" --out="$OUT" 2>&1 \
+                --options="${MOSAIC_OPTIONS:-mosaic}" --noops \
+                --tag="mosaic${MOSAIC_TAG:+_$MOSAIC_TAG}_ctx$ctx" --out="$OUT" 2>&1 \
                 | quiet | tail -16
             done ;;
     e2e_mosaic) for low in triton mosaic; do  # serial and speculative, the two lowerings
+              opts=$low; [ $low = mosaic ] && opts=${MOSAIC_OPTIONS:-mosaic}
               timeout "${E2E_S:-270}" python3 experiments/bench_e2e.py --target=qwen3-8b \
                 --draft=qwen3-0.6b:1 --drafter=feature --batches="${E2E_BATCHES:-1,8}" \
                 --prompt_len=512 --max_new_tokens=128 --gammas=4 --accept=0.8 --nolookup \
-                --nopeers --serial_backends=pallas --iters=2 --options="$low" \
+                --nopeers --serial_backends=pallas --iters=2 --options="$opts" \
                 --out="$OUT" --tag="${GPU}_lowering-$low" 2>&1 | quiet | grep -v "it/s" | tail -14
             done ;;
     loop_cmdbuf) for cb in default while; do  # the host loop's while in a command buffer
