@@ -4,7 +4,9 @@
   python experiments/tuning/mosaic_matmul.py --smoke --out=/tmp/r  # CPU, interpret mode
 
 For the Qwen3-8B weights (wqkv 4096x6144, wo 4096x4096, w_gate_up 4096x24576, w_down
-12288x4096, lm_head 4096x151936; random bf16 values) and M in --rows:
+12288x4096, lm_head 4096x151936; random bf16 values; --shapes may also name the default
+feature head's own, head_wqkv 8192x6144, head_fc 12288x4096 and head_lm_head 4096x32768,
+bench_e2e.py's head vocabulary) and M in --rows:
 
 1. Bits (rule R1/R11): `pallas_kernels.mosaic.matmul` at max(rows) rows; at every other M
    the rows must be bitwise the first M rows of that (`prefix_mismatch_rows`), and the
@@ -83,9 +85,12 @@ _OUT = flags.DEFINE_string("out", os.environ.get("OUT", "experiments/results"), 
 _TAG = flags.DEFINE_string("tag", "", "receipt name suffix")
 
 QWEN3_8B = {"wqkv": (4096, 6144), "wo": (4096, 4096), "w_gate_up": (4096, 24576),
-            "w_down": (12288, 4096), "lm_head": (4096, 151936)}
+            "w_down": (12288, 4096), "lm_head": (4096, 151936),
+            # the default feature head's own (`random_model.weight_shapes`, head vocab 32768)
+            "head_wqkv": (8192, 6144), "head_fc": (12288, 4096), "head_lm_head": (4096, 32768)}
 SMOKE = {"wqkv": (128, 192), "wo": (128, 128), "w_gate_up": (128, 256), "w_down": (256, 128),
-         "lm_head": (128, 320)}
+         "lm_head": (128, 320), "head_wqkv": (256, 192), "head_fc": (384, 128),
+         "head_lm_head": (128, 256)}
 
 
 def bits(a) -> np.ndarray:
@@ -199,7 +204,7 @@ def same_bits(fn, ref, x, w, rows) -> bool | str:
 def run_shape(name: str, K: int, N: int, rows: list[int], alone: list[int], bw: float,
               interpret: bool) -> dict:
     dtype = jnp.bfloat16
-    out_dtype = jnp.float32 if name == "lm_head" else dtype
+    out_dtype = jnp.float32 if name.endswith("lm_head") else dtype
     key = jax.random.key(list(QWEN3_8B).index(name))
     w = (jax.random.normal(key, (K, N), jnp.float32) * K**-0.5).astype(dtype)
     wb = K * N * 2
