@@ -177,6 +177,7 @@ def config_policy(c):
     are: only the config file's default is ignored."""
     if (c.policy == "exact_greedy" and _overridden("temperature")
             and c.temperature not in (0, None)):
+        check_real("temperature", c.temperature, low=0)  # a bad value first, as itself
         raise ValueError(f"policy exact_greedy does not sample, so temperature="
                          f"{c.temperature!r} would not change its output: use a sampling "
                          "policy (gumbel_coupled, rejection_sampling), or drop "

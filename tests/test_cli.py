@@ -666,6 +666,8 @@ def test_exact_greedy_refuses_sampling_flags_it_would_ignore():
 
 @pytest.mark.parametrize("flags,words", [
     (["--config.temperature=1.5"], ("exact_greedy does not sample", "temperature=1.5")),
+    # a temperature out of range is named as such, not as one greedy would ignore
+    (["--config.temperature=-1"], ("temperature=-1.0 must be a finite number in [0",)),
     (["--config.tree=2,1", "--config.gamma=7"], ("--config.gamma=7 does not apply with a tree",)),
     pytest.param(["--check_parity=False", "--config.check_parity=True"], ("disagree",),
                  marks=pytest.mark.slow),
