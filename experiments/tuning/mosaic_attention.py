@@ -166,6 +166,14 @@ def main(argv):
     mosaic = functools.partial(mosaic_attention, scale=scale, split=SPLIT, interpret=smoke)
     triton = functools.partial(triton_attention, scale=scale, split=SPLIT, interpret=smoke)
     run = jax.jit(lambda q, k, v, pos: mosaic(q, k, v, pos, win))
+    others, split_runs = {}, {}  # --splits: both kernels timed, Mosaic's bits checked
+    for S in sorted({int(x) for x in _SPLITS.value} - {SPLIT}):
+        others[f"mosaic_split{S}"] = functools.partial(mosaic_attention, scale=scale, split=S,
+                                                       interpret=smoke)
+        others[f"triton_split{S}"] = functools.partial(triton_attention, scale=scale, split=S,
+                                                       interpret=smoke)
+        split_runs[S] = jax.jit(lambda q, k, v, pos, f=others[f"mosaic_split{S}"]:
+                                f(q, k, v, pos, win))
     report = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
               "date": time.strftime("%Y-%m-%d %H:%M:%S"), "smoke": smoke,
               "shape": {"heads": heads, "kv_heads": kv_heads, "head_dim": d, "split": SPLIT},
@@ -184,13 +192,7 @@ def main(argv):
         ref = attention_reference(q, kc, vc, pos, win, scale=scale)
         entry["max_abs_err_vs_reference"] = float(jnp.max(jnp.abs(
             run(q, k, v, pos).astype(jnp.float32) - ref.astype(jnp.float32))))
-        splits = [int(x) for x in _SPLITS.value if int(x) != SPLIT]
-        others = {}
-        for S in splits:
-            ms = functools.partial(mosaic_attention, scale=scale, split=S, interpret=smoke)
-            ts = functools.partial(triton_attention, scale=scale, split=S, interpret=smoke)
-            others[f"mosaic_split{S}"], others[f"triton_split{S}"] = ms, ts
-            run_s = jax.jit(lambda q, k, v, pos, f=ms: f(q, k, v, pos, win))
+        for S, run_s in split_runs.items():
             entry[f"mismatching_tokens_split{S}"] = check_bits(
                 run_s, q, k, v, c, Ts, jax.random.fold_in(key, 2))
         entry["us"] = {}
