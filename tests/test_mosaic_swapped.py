@@ -256,7 +256,12 @@ def test_swapped_lowers_for_cuda(m, k, n):
 def test_the_library_table_serves_both_output_dtypes():
     tuned = read_tuned_file()
     assert {(k, n) for k, n, _ in tuned} <= {(4096, 6144), (4096, 24576), (12288, 4096),
-                                              (4096, 4096)}  # Qwen3-8B weights, H200-proven
+                                              (4096, 4096),  # Qwen3-8B weights, H200-proven
+                                              (8192, 6144)}  # its feature head's, H100
+    for k, n, _ in tuned:  # each entry's config lowers for one token and for a block of 5
+        for m in (1, 5):
+            _lower(matmul, jax.ShapeDtypeStruct((m, k), jnp.bfloat16),
+                   jax.ShapeDtypeStruct((k, n), jnp.bfloat16))
     x = jax.ShapeDtypeStruct((1, 4096), jnp.bfloat16)
     w = jax.ShapeDtypeStruct((4096, 6144), jnp.bfloat16)
     assert mosaic_matmul_config(4096, 6144, jnp.bfloat16).swapped
