@@ -32,6 +32,7 @@ def get_config(arg=None):
     c.top_p = 1.0
     c.seed = 0
     c.stop_at_eos = True  # stop at the generation config's EOS ids (and a chat's end of turn)
+    c.stop_strings = ()  # end a row where its text holds one: "('\\n\\n', 'END')" (a Python tuple)
     c.backend = "pallas"  # "pallas" (invariant kernels) or "xla" (plain jnp)
     c.dtype = "bfloat16"  # parameter/activation dtype; logits are float32
     c.mxfp4_experts = False  # gpt-oss: keep MXFP4 experts packed (gpt-oss-120b on one GPU)

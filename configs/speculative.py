@@ -46,6 +46,7 @@ def get_config(arg=None):
     c.top_p = 1.0
     c.seed = 0
     c.stop_at_eos = True  # stop at the generation config's EOS ids (and a chat's end of turn)
+    c.stop_strings = ()  # end a row where its text holds one: "('\\n\\n', 'END')" (a Python tuple)
     c.backend = "pallas"
     # The draft model's backend ("" = c.backend). The draft only proposes tokens; the
     # target's verify decides every output token, so "xla" (faster for a small model,

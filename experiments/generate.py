@@ -20,6 +20,7 @@ import jspec
 from jspec import cli, text
 from jspec._checks import check_count, check_seed
 from jspec.generate import plan_shapes
+from jspec.stop_strings import check_stop_strings
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", os.path.join(os.path.dirname(__file__), "..", "configs", "generate.py"),
@@ -35,16 +36,19 @@ def main(argv):
     check_seed("seed", c.seed)
     check_count("max_new_tokens", c.max_new_tokens)  # were checked after the model loaded
     check_count("max_len", c.get("max_len", 0), least=0)  # (0: prompt + max_new_tokens)
+    stop_strings = check_stop_strings(c.stop_strings)
     pipe = text.load_text(c.checkpoint or jspec.default_pair()[0], dtype=c.dtype,
                           backend=c.backend, mxfp4_experts=c.mxfp4_experts)
     model = pipe.target
     chat = any(not isinstance(p, str) for p in prompts)
     stop = (pipe.stop_ids + (pipe.chat_stop_ids if chat else ())) if c.stop_at_eos else ()
     kw = dict(max_new_tokens=c.max_new_tokens, temperature=c.temperature, top_k=c.top_k,
-              top_p=c.top_p, seed=c.seed, stop_tokens=stop, max_len=c.max_len or None)
+              top_p=c.top_p, seed=c.seed, stop_tokens=stop, stop_strings=stop_strings,
+              max_len=c.max_len or None)
     print(f"model: {model.config.family} L={model.config.num_layers} "
           f"D={model.config.hidden_size} V={model.config.vocab_size} dtype={c.dtype} "
-          f"device={jax.devices()[0].platform}; stop ids {list(stop)}")
+          f"device={jax.devices()[0].platform}; stop ids {list(stop)}"
+          + (f", stop strings {list(stop_strings)}" if stop_strings else ""))
     print(cli.backend_line(model, "model"))
     cli.check_prompt_lengths(pipe, prompts, c.max_new_tokens, c.max_len or None)
     shapes = {"serial": set()}

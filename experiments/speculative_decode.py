@@ -30,6 +30,7 @@ from jspec._checks import check_count
 from jspec.bench.timing import run_seconds as seconds
 from jspec.bench.timing import side_by_side
 from jspec.loading import default_head
+from jspec.stop_strings import check_stop_strings
 from jspec.tree import parse_tree
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -183,6 +184,7 @@ def main(argv):
 
         cli.parse_options(c.draft_options, KernelOptions(interpret=default_interpret()))
     adaptive = cli.parse_adaptive(c.get("adaptive", ""), tree)
+    stop_strings = check_stop_strings(c.stop_strings)
     jspec.SpecConfig(gamma=c.gamma, policy=policy, max_new_tokens=c.max_new_tokens,
                      seed=c.seed, audit_every=c.audit_every,  # bad values fail here,
                      adaptive=adaptive,  # not later
@@ -191,7 +193,8 @@ def main(argv):
     target = pipe.target
     chat = any(not isinstance(p, str) for p in prompts)
     stop = (pipe.stop_ids + (pipe.chat_stop_ids if chat else ())) if c.stop_at_eos else ()
-    kw = dict(max_new_tokens=c.max_new_tokens, seed=c.seed, stop_tokens=stop)
+    kw = dict(max_new_tokens=c.max_new_tokens, seed=c.seed, stop_tokens=stop,
+              stop_strings=stop_strings)
     tree = c.get("tree", "") or None
     spec_kw = kw | dict(gamma=None if tree else c.gamma, policy=policy,
                         audit_every=c.audit_every, tree=tree, adaptive=adaptive)
@@ -209,7 +212,8 @@ def main(argv):
           f"drafter={kind} "
           f"{'tree=' + c.tree if c.get('tree', '') else f'gamma={c.gamma}'}"
           f"{' adaptive=' + c.adaptive if adaptive else ''} policy={c.policy}; "
-          f"stop ids {list(stop)}")
+          f"stop ids {list(stop)}"
+          + (f", stop strings {list(stop_strings)}" if stop_strings else ""))
     print(cli.backend_line(target) + (f"; draft backend: {draft.options.backend}, draft "
                                       f"options {c.draft_options!r}: "
                                       f"{cli.draft_options_text(draft.draft_options)}"
@@ -286,7 +290,7 @@ def run_prompt(c, pipe, target, policy, prompts, i, prompt, spec_kw, serial_kw, 
         elif not policy.exact:
             print(f"parity: {c.policy} is distribution-exact; tokens identical: {same}")
         elif same:
-            print(f"PARITY: OK ({n} tokens identical to serial decoding)")
+            print(f"PARITY: OK ({len(tokens)} tokens identical to serial decoding)")
         else:
             a, b = serial.ids[0], tokens
             first = next((j for j in range(min(len(a), len(b))) if a[j] != b[j]),

@@ -34,7 +34,9 @@ from jspec.loop import (
     SAMPLER_CODE,
     bucket,
     check_count,
+    check_until,
     raise_non_finite,
+    rows_until,
     run_chunked,
     token_bar,
 )
@@ -326,15 +328,21 @@ def _stats(num, tokens, max_len: int, prefill_s: float, decode_s: float) -> dict
 
 def generate(model: Model, prompts, *, max_new_tokens: int, sampler=GREEDY,
              stop_tokens: Sequence[int] = (), seed: int = 0, max_len: int | None = None,
-             progress: bool = False) -> GenerateOutput:
+             progress: bool = False, until=None) -> GenerateOutput:
     """Serial decoding of ragged prompts ([B] token lists or a [B, P] array).
 
     The loop runs on the device a chunk of steps at a time, so Ctrl-C answers within
     about a second; progress=True shows a bar of generated tokens. Raises
     `jspec.NonFiniteError` if the model produces NaN or inf logits. seed: an int in
     [0, 2**31); stop_tokens: token ids in [0, vocab_size).
+    until: None, or a host-side check until(row, ids) -> bool, asked after every chunk
+    of steps with each live row's generated ids so far: a row it answers True for
+    stops there (`jspec.stop_strings` uses it). Its tokens are those of a run without
+    `until` as far as they go, and it may hold some generated after the point the check
+    looks for (the rest of that chunk): the caller cuts them.
     """
     check_sampler(sampler)
+    check_until(until)
     seed, stop_tokens = check_run_args(model, seed=seed, stop_tokens=stop_tokens,
                                        vocab_size=_vocab(model), max_len=max_len,
                                        progress=progress)
@@ -356,6 +364,11 @@ def generate(model: Model, prompts, *, max_new_tokens: int, sampler=GREEDY,
                                               max_new_tokens=max_new_tokens,
                                               sampler=sampler, stop_tokens=stop_tokens))
         calls.append([int(stop), time.perf_counter() - t])  # the call's stop, for now
+        if until is not None:
+            out, num, done = jax.device_get((s.out, s.num, s.done))
+            ended = rows_until(until, out, num, np.arange(B), done)
+            if ended.any():
+                s = s.replace(done=s.done | jnp.asarray(ended))
         return s
 
     with token_bar(progress, B * max_new_tokens, "generate") as update:

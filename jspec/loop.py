@@ -80,6 +80,29 @@ def run_chunked(run: Callable, state, *, step: Callable, finished: Callable,
             chunk //= 2
 
 
+def check_until(until) -> None:
+    """`until` is None or a callable (row, ids) -> bool; else TypeError."""
+    if until is not None and not callable(until):
+        raise TypeError(f"until must be a callable until(row, ids) -> bool (or None); got "
+                        f"{type(until).__name__} {until!r:.80}")
+
+
+def rows_until(until: Callable, out: np.ndarray, num: np.ndarray, rows: np.ndarray,
+               done: np.ndarray) -> np.ndarray:
+    """[B] bool: the live rows that `until(row, ids)` ends, asked with each live row's id
+    in the run's batch and its generated ids so far (out[row, :num]); an answer that is
+    not a bool is a TypeError."""
+    stop = np.zeros(done.shape, bool)
+    for i in np.flatnonzero(~done):
+        row = int(rows[i])
+        answer = until(row, out[row, : int(num[i])])
+        if not isinstance(answer, bool | np.bool_):
+            raise TypeError(f"until(row, ids) must return a bool; it returned "
+                            f"{type(answer).__name__} {answer!r:.80} for row {row}")
+        stop[i] = bool(answer)
+    return stop
+
+
 @contextlib.contextmanager
 def token_bar(enabled: bool, total: int, desc: str, unit: str = "tok"):
     """A tqdm bar of generated tokens, or other `unit`s (a no-op when not enabled); yields

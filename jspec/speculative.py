@@ -48,7 +48,9 @@ from jspec.loop import (
     DRAFT_CODE,
     POLICY_CODE,
     POLICY_INVALID_CODE,
+    check_until,
     raise_non_finite,
+    rows_until,
     run_chunked,
     token_bar,
 )
@@ -850,15 +852,18 @@ def catch_up_block(drafter) -> int | None:
 
 
 def speculative_generate(target: Model, drafter, prompts, spec: SpecConfig, *,
-                         max_len: int | None = None, progress: bool = False) -> SpecOutput:
+                         max_len: int | None = None, progress: bool = False,
+                         until=None) -> SpecOutput:
     """Speculative decoding of ragged prompts; see the module docstring.
 
     The loop runs on the device a chunk of rounds at a time, so Ctrl-C answers within
     about a second; progress=True shows a bar of generated tokens. Raises
     `jspec.NonFiniteError` if the target produces NaN or inf logits and `ParityError` if a
-    runtime audit (spec.audit_every) finds a difference.
+    runtime audit (spec.audit_every) finds a difference. until: a host-side check of
+    each live row after every chunk, as `jspec.generate`'s (row: the prompt's index).
     """
     check_bool("progress", progress)
+    check_until(until)
     ts = time.perf_counter()
     tokens, lens, max_len, spec = _setup(target, drafter, prompts, spec, max_len)
     compacting = spec.compact
@@ -890,6 +895,12 @@ def speculative_generate(target: Model, drafter, prompts, spec: SpecConfig, *,
         s = jax.block_until_ready(run(s, stop))
         dt = time.perf_counter() - t  # the snapshot after it is the host's time
         calls.append([read(s)["step"] - before, dt])
+        if until is not None:
+            snap = read(s)
+            ended = rows_until(until, np.asarray(s.out), snap["num"], snap["rows"],
+                               snap["done"])
+            if ended.any():
+                s = s.replace(done=s.done | jnp.asarray(ended))
         return s
 
     with token_bar(progress, B * N, "speculative") as update:

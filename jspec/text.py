@@ -27,6 +27,7 @@ from typing import Any
 from jspec._checks import check_bool, check_ints, check_path, is_int
 from jspec._transformers import quiet_import
 from jspec.config import canonical_dtype
+from jspec.detokenize import IncrementalDecoder, decode_continuation
 from jspec.drafters import FeatureDrafter, ModelDrafter
 from jspec.drafting import check_drafter
 from jspec.eagle import load_eagle3, read_head_config
@@ -45,6 +46,7 @@ from jspec.policies import Policy, resolve_policy
 from jspec.sampling import make_sampler
 from jspec.spec_config import SpecConfig
 from jspec.speculative import speculative_generate, speculative_stream
+from jspec.stop_strings import RowText, StopWatch, check_stop_strings
 from jspec.tree import parse_tree
 
 LOG = logging.getLogger("jspec")
@@ -54,66 +56,6 @@ END_OF_TURN = ("<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|eom_id|>", "<|end
 
 Chat = list[dict]
 Prompt = str | Chat
-
-
-# --------------------------------------------------------------------------- decoding
-
-
-class IncrementalDecoder:
-    """Token ids in, fed a few at a time; text pieces out that never split a character.
-
-    As HF's TextStreamer and text-generation-inference do: every push decodes the ids
-    again and emits only the new suffix, holding it back while the text ends in U+FFFD
-    (an unfinished UTF-8 sequence: a character split over byte tokens). The decoded
-    window starts at the last emitted boundary (after `CONTEXT` ids of `context`, the
-    prompt's tail, so a leading space decodes as it does after the prompt), so a push
-    costs the ids since then. `text` is everything emitted; `flush()` emits what is still
-    held (an unfinished character then shows as U+FFFD, as a plain decode shows it).
-    """
-
-    CONTEXT = 5
-
-    def __init__(self, tokenizer, context: Sequence[int] = (), *,
-                 skip_special_tokens: bool = True):
-        self.tokenizer = tokenizer
-        self.skip_special_tokens = skip_special_tokens
-        self._ids = [int(t) for t in context][-self.CONTEXT:]
-        self._prefix = 0  # window start: a boundary already emitted (or the context's start)
-        self._read = len(self._ids)  # ids before this are emitted
-        self.text = ""
-
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens,
-                                     clean_up_tokenization_spaces=False)
-
-    def push(self, ids: Sequence[int]) -> str:
-        """Adds ids; returns the text that is now complete ("" while a character is open)."""
-        self._ids.extend(int(t) for t in ids)
-        return self._emit(final=False)
-
-    def flush(self) -> str:
-        """Returns whatever is still held back (the end of a generation)."""
-        return self._emit(final=True)
-
-    def _emit(self, final: bool) -> str:
-        if len(self._ids) == self._read:
-            return ""
-        before = self._decode(self._ids[self._prefix:self._read])
-        after = self._decode(self._ids[self._prefix:])
-        if not final and (len(after) <= len(before) or after.endswith("\ufffd")):
-            return ""
-        piece = after[len(before):]
-        self._prefix, self._read = self._read, len(self._ids)
-        self.text += piece
-        return piece
-
-
-def decode_continuation(tokenizer, prompt_ids: Sequence[int], ids: Sequence[int]) -> str:
-    """The text of generated `ids` after `prompt_ids`, exactly as streaming prints it."""
-    dec = IncrementalDecoder(tokenizer, prompt_ids)
-    dec.push(ids)
-    dec.flush()
-    return dec.text
 
 
 # ---------------------------------------------------------------------------- prompts
@@ -279,18 +221,22 @@ class TextStream:
     `text` (the pieces joined), `ids`, `prompt_ids`, `finish_reason` and `seconds`."""
 
     def __init__(self, tokenizer, prompt_ids: list[int], steps: Iterator[list[int]],
-                 stop_ids: Sequence[int]):
+                 stop_ids: Sequence[int], stop_strings: tuple[str, ...] = ()):
         self.prompt_ids = prompt_ids
         self.ids: list[int] = []
         self.text = ""
         self.finish_reason = "length"
         self.seconds = 0.0
         self._tokenizer, self._steps, self._stop = tokenizer, steps, set(stop_ids)
+        self._stop_strings = stop_strings
 
     def __iter__(self) -> Iterator[str]:
         if self._steps is None:
             raise RuntimeError("a TextStream can be iterated once")
         steps, self._steps = self._steps, None
+        if self._stop_strings:
+            yield from self._iter_stops(steps)
+            return
         dec = IncrementalDecoder(self._tokenizer, self.prompt_ids)
         t0 = time.perf_counter()
         for new in steps:
@@ -305,6 +251,33 @@ class TextStream:
             yield piece
         self.seconds = time.perf_counter() - t0
         self.text = dec.text
+
+    def _iter_stops(self, steps) -> Iterator[str]:
+        """As __iter__, with stop strings: the text a stop string may still complete is
+        held back; the first one completed ends the stream there (its generator closed)."""
+        row = RowText(self._tokenizer, self.prompt_ids, self._stop_strings)
+        shown, t0 = 0, time.perf_counter()
+        try:
+            for new in steps:
+                new = [int(t) for t in new if t >= 0]
+                ended = bool(new) and new[-1] in self._stop
+                self.ids += new
+                if row.feed(self.ids[:-1] if ended else self.ids):
+                    self.ids = self.ids[:row.hit[1]]
+                    ended = True
+                if ended:
+                    self.finish_reason = "stop"
+                    break
+                if (safe := row.safe()) > shown:
+                    yield row.text[shown:safe]
+                    shown = safe
+        finally:
+            if hasattr(steps, "close"):
+                steps.close()
+        self.text = row.text[:row.hit[0]] if row.hit is not None else row.flush()
+        if len(self.text) > shown:
+            yield self.text[shown:]
+        self.seconds = time.perf_counter() - t0
 
 
 # --------------------------------------------------------------------------- pipeline
@@ -366,26 +339,42 @@ class TextPipeline:
             stop_tokens = self.stop_ids + (self.chat_stop_ids if chat else ())
         return ids, tuple(dict.fromkeys(check_ints("stop_tokens", stop_tokens, least=0)))
 
-    def _output(self, out, prompt_ids, stop) -> TextOutput:
-        rows = [out.row(b) for b in range(len(prompt_ids))]
-        ended = [bool(r) and r[-1] in stop for r in rows]
-        texts = [decode_continuation(self.tokenizer, p, r[:-1] if e else r)
-                 for p, r, e in zip(prompt_ids, rows, ended, strict=True)]
-        return TextOutput(texts=texts, ids=rows, prompt_ids=prompt_ids,
-                          finish_reasons=["stop" if e else "length" for e in ended],
-                          stats=dict(out.stats))
+    def _output(self, out, prompt_ids, stop, watch: StopWatch | None) -> TextOutput:
+        texts, ids, reasons = [], [], []
+        for b, p in enumerate(prompt_ids):
+            r = out.row(b)
+            ended = bool(r) and r[-1] in stop
+            cut = watch.cut(b, r[:-1] if ended else r) if watch is not None else None
+            if cut is not None:  # a stop string ended the row
+                r, text = r[:cut[0]], cut[1]
+            else:
+                text = decode_continuation(self.tokenizer, p, r[:-1] if ended else r)
+            texts.append(text)
+            ids.append(r)
+            reasons.append("stop" if ended or cut is not None else "length")
+        return TextOutput(texts=texts, ids=ids, prompt_ids=prompt_ids,
+                          finish_reasons=reasons, stats=dict(out.stats))
+
+    def _watch(self, ids, stop_strings) -> StopWatch | None:
+        stops = check_stop_strings(stop_strings)
+        return StopWatch(self.tokenizer, ids, stops) if stops else None
 
     def generate(self, prompts, *, max_new_tokens: int = 128, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, seed: int = 0,
-                 stop_tokens: Sequence[int] | None = None, max_len: int | None = None,
+                 stop_tokens: Sequence[int] | None = None,
+                 stop_strings: str | Sequence[str] | None = None, max_len: int | None = None,
                  progress: bool = False) -> TextOutput:
         """Serial decoding of one prompt or a batch (greedy at temperature 0).
-        stop_tokens: None for the pipeline's stop ids, () for none."""
+        stop_tokens: None for the pipeline's stop ids, () for none. stop_strings: a row
+        ends where its generated text first holds one (`jspec.stop_strings`: the text is
+        cut before it; the run stops at the end of the chunk where every row has ended)."""
         ids, stop = self._encode_all(prompts, stop_tokens)
+        watch = self._watch(ids, stop_strings)
         out = generate(self.target, ids, max_new_tokens=max_new_tokens,
                        sampler=make_sampler(temperature, top_k, top_p), stop_tokens=stop,
-                       seed=seed, max_len=max_len, progress=progress)
-        return self._output(out, ids, stop)
+                       seed=seed, max_len=max_len, progress=progress,
+                       until=watch and watch.until)
+        return self._output(out, ids, stop, watch)
 
     def spec_config(self, *, gamma: int | None = None, policy: Policy | str | None = None,
                     max_new_tokens: int = 128, temperature: float | None = None,
@@ -430,39 +419,47 @@ class TextPipeline:
                              policy: Policy | str | None = None, max_new_tokens: int = 128,
                              temperature: float | None = None, top_k: int | None = None,
                              top_p: float | None = None, seed: int = 0,
-                             stop_tokens: Sequence[int] | None = None, audit_every: int = 0,
-                             max_len: int | None = None, progress: bool = False,
-                             tree=None, adaptive=None, compact: bool = False) -> TextOutput:
+                             stop_tokens: Sequence[int] | None = None,
+                             stop_strings: str | Sequence[str] | None = None,
+                             audit_every: int = 0, max_len: int | None = None,
+                             progress: bool = False, tree=None, adaptive=None,
+                             compact: bool = False) -> TextOutput:
         """Speculative decoding with the pipeline's drafter: the same tokens as
         `generate` with the same arguments (policy None, or an exact one: exact_greedy,
         gumbel_coupled). Policy and sampling arguments as `spec_config`; tree: verify
         draft trees; adaptive: a `jspec.Adaptive` (round shapes chosen as the run goes);
-        compact: a batch goes on with its live rows alone once half of it is done."""
+        compact: a batch goes on with its live rows alone once half of it is done;
+        stop_strings: as `generate`'s."""
         drafter = self._need_drafter()
         ids, stop = self._encode_all(prompts, stop_tokens)
+        watch = self._watch(ids, stop_strings)
         spec = self.spec_config(gamma=gamma, policy=policy, max_new_tokens=max_new_tokens,
                                 temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                                 stop_tokens=stop, audit_every=audit_every, tree=tree,
                                 adaptive=adaptive, compact=compact)
         out = speculative_generate(self.target, drafter, ids, spec, max_len=max_len,
-                                   progress=progress)
-        return self._output(out, ids, stop)
+                                   progress=progress, until=watch and watch.until)
+        return self._output(out, ids, stop, watch)
 
     def stream(self, prompt: Prompt, *, speculative: bool | None = None,
                gamma: int | None = None,
                policy: Policy | str | None = None, max_new_tokens: int = 128,
                temperature: float | None = None, top_k: int | None = None,
                top_p: float | None = None, seed: int = 0,
-               stop_tokens: Sequence[int] | None = None, audit_every: int = 0,
+               stop_tokens: Sequence[int] | None = None,
+               stop_strings: str | Sequence[str] | None = None, audit_every: int = 0,
                max_len: int | None = None, tree=None, adaptive=None) -> TextStream:
         """One prompt's text as it is produced: iterate the returned `TextStream` for
         pieces (a step or a speculative round at a time). speculative None: if the
         pipeline has a drafter. The tokens are those of `generate` (or
-        `speculative_generate`) with the same arguments."""
+        `speculative_generate`) with the same arguments. With stop_strings, text that
+        may be the start of one is held back until it is known not to be, and the
+        generation stops at the step (round) that completes one."""
         prompts = as_prompts(prompt)
         if len(prompts) != 1:
             raise ValueError(f"stream takes one prompt; got {len(prompts)}")
         (ids,), stop = self._encode_all(prompts, stop_tokens)
+        stops = check_stop_strings(stop_strings)
         if speculative is None:
             speculative = self.drafter is not None
         check_bool("speculative", speculative)
@@ -485,7 +482,7 @@ class TextPipeline:
             steps = ([int(t[0])] for t in generate_stream(
                 self.target, [ids], max_new_tokens=max_new_tokens, sampler=sampler,
                 stop_tokens=stop, seed=seed, max_len=max_len))
-        return TextStream(self.tokenizer, ids, steps, stop)
+        return TextStream(self.tokenizer, ids, steps, stop, stops)
 
     def chat(self, messages: Chat, **kw) -> str:
         """The reply to a chat (speculative when the pipeline has a drafter); keyword

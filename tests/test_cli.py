@@ -42,9 +42,11 @@ def test_generate_cli_chat_prompts_stream_and_jsonl(tmp_path):
     out = tmp_path / "out.jsonl"
     r = _run("generate.py", f"--config={ROOT}/configs/generate.py:runlocal",
              f"--config.checkpoint={target}", f"--config.prompts={tmp_path / 'prompts.txt'}",
-             "--config.chat=True", "--config.stream=True", f"--config.output={out}")
+             "--config.chat=True", "--config.stream=True", f"--config.output={out}",
+             "--config.stop_strings=('never seen',)")
     assert r.returncode == 0, r.stderr[-2000:]
-    assert "stop ids [1, 106]" in r.stdout and "Pallas interpret mode" in r.stdout
+    assert "stop ids [1, 106], stop strings ['never seen']" in r.stdout
+    assert "Pallas interpret mode" in r.stdout
     assert "compiled programs for 1 shape over 2 prompts: serial 1 (32/" in r.stdout
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert [rec["prompt"][0]["content"] for rec in records] == ["Say é", 'Write x = "éé"']
@@ -121,6 +123,8 @@ def test_cli_errors_are_one_line(tmp_path):
                     "missing: not a checkpoint directory")
     (tmp_path / "bad.jsonl").write_text('{"prompt": "a"}\n{"text": 1}\n')
     _one_line_error(_run(*_GEN, f"--config.prompts={tmp_path}/bad.jsonl"), "bad.jsonl:2")
+    _one_line_error(_run(*_SPEC, "--config.stop_strings=('\\n', '')"),
+                    "stop_strings[1] is empty")
     # Another entry point's config (a key it lacks was a traceback, exit 1), and a preset
     # that does not exist (silently the full run).
     _one_line_error(_run("generate.py", f"--config={ROOT}/configs/speculative.py"),

@@ -67,6 +67,42 @@ def test_a_compacted_run_equals_serial_and_the_uncompacted_run():
     assert len(packed.stats["timeline"]["calls"]) > len(moves)
 
 
+def test_until_ends_rows_where_the_host_says_and_the_rest_run_on():
+    # A host-side check between chunks (what stop strings use): a row it ends keeps the
+    # tokens it had (the free run's, as far as they go) and, compacted, leaves the batch;
+    # the other rows are the free run's. The same shapes as the test above (no compile).
+    target = load("llama3", "pallas")
+    prompts = _batch("llama3")
+    free = jspec.generate(target, prompts, max_new_tokens=N)
+    seqs = np.zeros((8, max(len(p) for p in prompts) + N), np.int32)
+    for b, p in enumerate(prompts):
+        seqs[b, : len(p) + N] = np.concatenate([p, free.tokens[b]])
+    at = {0: 2, 3: 5, 5: 1, 6: 9, 7: 4}  # row -> the tokens after which it may end
+    asked = []
+
+    def until(row, ids):
+        asked.append((row, len(ids)))
+        return len(ids) >= at.get(row, N + 1)
+
+    drafter = jspec.OracleDrafter(jnp.asarray(seqs), corrupt_prob=0.3)
+    outs = [jspec.generate(target, prompts, max_new_tokens=N, until=until),
+            jspec.speculative_generate(target, drafter, prompts,
+                                       jspec.SpecConfig(gamma=2, max_new_tokens=N,
+                                                        compact=True), until=until)]
+    for out in outs:
+        for b in range(8):
+            row = out.row(b)
+            assert row == free.row(b)[:len(row)], b
+            assert len(row) >= at[b] if b in at else len(row) == N, (b, len(row))
+    assert len(outs[1].stats["batch_sizes"]) >= 2, outs[1].stats["compactions"]
+    assert outs[0].num_tokens.sum() < free.num_tokens.sum()  # ended, not only cut
+    assert {r for r, _ in asked} == set(range(8))
+    for bad, err in ((lambda r, ids: 1, "must return a bool; it returned int 1 for row 0"),
+                     ("stop", "until must be a callable")):
+        with pytest.raises(TypeError, match=err):
+            jspec.generate(target, prompts, max_new_tokens=N, until=bad)
+
+
 # Slow: every piece is the default run's alone (compaction keeping row ids: the test above;
 # sampling, adaptive shapes and trees equal to serial: test_speculative, test_adaptive).
 @pytest.mark.slow

@@ -243,6 +243,30 @@ def test_a_serial_stream_decodes_as_its_policy_says():
         pipe.stream(prompt, speculative=False, gamma=2, tree="2,1")
 
 
+def test_stop_strings_end_text_alike_serial_speculative_and_streamed():
+    # A row ends where its text first holds a stop string: cut before it, its ids kept
+    # to the token that completed it, the run over once every row has ended; the same
+    # text and ids serial, speculative and streamed (where text a stop string may still
+    # complete is held back). The shapes of the test above (max_new_tokens=8).
+    pipe = load_text(*jspec.default_pair())
+    prompts = ["def rgb_to_hls(r, g, b):\n", "import os\n"]
+    free = pipe.generate(prompts, max_new_tokens=8)
+    stop = free.texts[0][3:6]  # completes inside row 0's text; maybe not in row 1's
+    out = pipe.generate(prompts, max_new_tokens=8, stop_strings=[stop, "\x00"])
+    spec = pipe.speculative_generate(prompts, max_new_tokens=8, stop_strings=stop, gamma=2)
+    assert out.texts[0] == free.texts[0][:free.texts[0].index(stop)]
+    assert out.finish_reasons[0] == "stop" and out.ids[0] == free.ids[0][:len(out.ids[0])]
+    assert len(out.ids[0]) < 8 and out.stats["tokens"] < free.stats["tokens"] + 8
+    assert (out.ids, out.texts, out.finish_reasons) == (spec.ids, spec.texts,
+                                                         spec.finish_reasons)
+    s = pipe.stream(prompts[0], speculative=False, max_new_tokens=8, stop_strings=(stop,))
+    pieces = list(s)  # (a speculative stream's pieces: tests/test_stop_strings.py)
+    assert "".join(pieces) == s.text == out.texts[0] and s.ids == out.ids[0]
+    assert s.finish_reason == "stop" and not any(stop in p for p in pieces)
+    with pytest.raises(ValueError, match=r"stop_strings\[0\] is empty"):
+        pipe.generate(prompts, max_new_tokens=8, stop_strings=[""])
+
+
 @pytest.mark.slow  # tests/test_feature_drafter.py proves the feature drafter's exactness
 def test_a_text_pipeline_drafts_with_an_eagle3_head(gemma, tmp_path):
     from jspec.eagle import save_eagle3
