@@ -66,8 +66,9 @@ _COLD = flags.DEFINE_float("cold_mb", 256.0, "weight copies to read at least thi
 _CONFIGS = flags.DEFINE_list("configs", [], "extra Mosaic tiles bn:bk:stages (or "
                              "s:bk:stages[:token_tiles[:w]], the swapped design; w: the "
                              "program's tokens in one wide accumulator) timed at M=1 and "
-                             "17 (token_tiles: also at the largest M) for every shape "
-                             "(scheduling study; bk changes bits)")
+                             "17 (token_tiles: also at the largest M; a plain bn:bk:stages "
+                             "also past 160 rows, with its bits against the library's "
+                             "config) for every shape (scheduling study; bk changes bits)")
 _SWAPPED = flags.DEFINE_bool("swapped", False, "also the swapped design (weight columns as the "
                              "wgmma M, 16 tokens as N): its bits checked like the plain "
                              "design's, timed at every M")
@@ -247,6 +248,11 @@ def run_shape(name: str, K: int, N: int, rows: list[int], alone: list[int], bw: 
             tall[f"mosaic[{spec}]"] = True
         fns[f"mosaic[{spec}]"] = (lambda c: lambda a, b: mosaic.matmul(
             a, b, out_dtype=out_dtype, interpret=interpret, config=c))(cfg)
+        if not cfg.swapped:  # a plain tile for tall launches: timed past 160 rows too,
+            tall[f"mosaic[{spec}]"] = "tall"  # its bits against the library's config
+            rep.setdefault("plain_variants", {})[spec] = {
+                "config": dataclasses.asdict(cfg),
+                "equals_library": same_bits(fns[f"mosaic[{spec}]"], fns["mosaic"], x, w, rows)}
         if cfg.swapped and _SWAPPED.value:  # a candidate for the table: its bits checked
             same = same_bits(fns[f"mosaic[{spec}]"], fns["mosaic_swapped"], x, w, rows)
             rep["swapped"].setdefault("variants", {})[spec] = {
@@ -264,7 +270,8 @@ def run_shape(name: str, K: int, N: int, rows: list[int], alone: list[int], bw: 
             if meth.startswith("mosaic_glu[") and m != max(rows):  # token tiles only
                 continue
             if meth.startswith("mosaic[") and m not in (1, 17) and not (
-                    meth in tall and m == max(rows)):
+                    meth in tall and m == max(rows)) and not (tall.get(meth) == "tall"
+                                                              and m > 160):
                 continue
             r = time_us(fn, x[:m], ws)
             if "us" in r:
@@ -360,6 +367,9 @@ def table(report: dict) -> str:
                      f"{b.get('alone_mismatch_rows')}  other bn same bits "
                      f"{rep['other_bn'].get('equal')}" + (f"  glu {rep['glu']}"
                                                           if "glu" in rep else ""))
+        if rep.get("plain_variants"):
+            lines.append(f"{name} plain variants' bits equal the library's: " + ", ".join(
+                f"{k} {v['equals_library']}" for k, v in rep["plain_variants"].items()))
         for m, per in rep["time"].items():
             cells = [f"{k} {v['us']:8.1f}us {v['GBps']:6.0f}GB/s {v['of_copy_bw'] or 0:.2f}"
                      if "us" in v else f"{k} ERROR" for k, v in per.items()]
