@@ -219,7 +219,7 @@ def main(argv):
                                       f"{cli.draft_options_text(draft.draft_options)}"
                                       if draft is not None else "")
           + (f"; head backend: {head.options.backend}" if head is not None else ""))
-    spec = pipe.spec_config(**spec_kw)
+    spec = pipe.spec_config(**{k: v for k, v in spec_kw.items() if k != "stop_strings"})
     cli.check_prompt_lengths(pipe, prompts, spec.max_new_tokens, None, spec.proposals)
     shapes = {"speculative": set(), "serial": set()}
     records, failed = [], set()

@@ -202,10 +202,12 @@ def read_prompts(path: str | os.PathLike, *, chat: bool = False) -> list[Prompt]
 @dataclasses.dataclass(frozen=True)
 class TextOutput:
     """Attributes:
-    texts: the generated text per prompt (special tokens skipped, the stop token left out).
-    ids: generated token ids per prompt (a stop token, where one ended the row, included).
+    texts: the generated text per prompt (special tokens skipped, the stop token left out,
+      cut before a stop string).
+    ids: generated token ids per prompt (a stop token, where one ended the row, included;
+      with a stop string, up to the token that completed it).
     prompt_ids: the prompt's token ids as the model saw them.
-    finish_reasons: "stop" (a stop token) or "length" (max_new_tokens) per prompt.
+    finish_reasons: "stop" (a stop token or string) or "length" (max_new_tokens).
     stats: the engine's statistics of the run (`GenerateOutput.stats` / `SpecOutput.stats`).
     """
 

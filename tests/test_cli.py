@@ -70,8 +70,9 @@ def test_speculative_cli_checks_parity(policy, tmp_path):
     out = tmp_path / "out.jsonl"
     r = _run("speculative_decode.py", f"--config={ROOT}/configs/speculative.py:runlocal",
              f"--config.policy={policy}", f"--config.prompts={tmp_path / 'prompts.jsonl'}",
-             f"--config.output={out}")
+             f"--config.output={out}", "--config.stop_strings='never seen'")
     assert r.returncode == 0, r.stderr[-2000:]
+    assert "stop strings ['never seen']" in r.stdout  # reaches both runs (none ends)
     assert "embedded code pair" in r.stdout and "acceptance" in r.stdout
     assert r.stdout.count("PARITY: OK") == 3 and "PARITY: OK (2 prompts" in r.stdout
     assert "speedup" in r.stdout and "summary over 2 prompts" in r.stdout
