@@ -7,7 +7,8 @@
 # pair_eval schedsweep attnsweep train_head parity_trees kernels_trees main pair_head
 # e2e_session tree_sweep parity_long parity_long_xla context_bench context_bench_128k
 # e2e_batch chunk_cost moe_cost moe_parity moe_e2e tallsweep prefillsweep serial_split e2e_context profile groupsweep
-# combinesweep routesweep mosaic_attention mosaic mosaic_top_p mosaic_swapped e2e_mosaic table
+# combinesweep routesweep mosaic_attention mosaic mosaic_top_p mosaic_swapped mosaic_prefill
+# e2e_mosaic table
 # splitk_sweep
 # loop_cmdbuf
 # (default: parity audit kernels spec); table copies the device's matmul_tuned.json to $OUT.
@@ -17,6 +18,10 @@
 #   ($MOSAIC_TOPP=0 skips its top-p) to prove. $MSW_CONFIGS: the variants, s:bk:stages
 #   (timed at M = 1, 17) or s:bk:stages:token_tiles[:w] (also at 160: one program a column
 #   block; w: one wgmma of N = 160); $MSW_SHAPES (default all five), $MSW_S, $MSW_BUDGET.
+# - mosaic_prefill: tuning/mosaic_matmul.py's plain tiles for prefill launches (past
+#   PREFILL_ROWS rows) at M = 512 / 2,048, each's bits against the library config's, the
+#   winners written as the weights' `prefill` tiles for a `mosaic` step to prove
+#   ($MPF_SHAPES, $MPF_CONFIGS bn:bk:stages, $MPF_S, $MPF_BUDGET).
 # - mosaic: the lowering="mosaic" model (every kernel of a dense forward on Mosaic GPU,
 #   attention and trees included): the parity matrix at 8K on Qwen3-8B:4 and
 #   Gemma-3-4B:6 with ragged batches and trees of 8-64 nodes ($MOSAIC_MODELS,
@@ -496,6 +501,13 @@ PY
               --configs="${MSW_CONFIGS:-s:128:6,s:128:6:10,s:128:6:10:w}" --budget_s="${MSW_BUDGET:-200}" \
               --write=pallas_kernels/mosaic/matmul_tuned.json --tag=${GPU}_swapped \
               --out="$OUT" 2>&1 | quiet | tail -40
+            cp pallas_kernels/mosaic/matmul_tuned.json "$OUT/mosaic_matmul_tuned.json" 2>/dev/null ;;
+    mosaic_prefill) timeout "${MPF_S:-240}" python3 experiments/tuning/mosaic_matmul.py \
+              --noplain_bits --rows=1,17,512,2048 --alone=0,1,511 --iters=10 \
+              --shapes="${MPF_SHAPES:-wqkv,w_gate_up,w_down,wo}" \
+              --configs="${MPF_CONFIGS:-64:128:4,128:128:4,256:128:2}" \
+              --budget_s="${MPF_BUDGET:-180}" --tag=${GPU}_prefill --out="$OUT" \
+              --write_prefill=pallas_kernels/mosaic/matmul_tuned.json 2>&1 | quiet | tail -40
             cp pallas_kernels/mosaic/matmul_tuned.json "$OUT/mosaic_matmul_tuned.json" 2>/dev/null ;;
     mosaic_attention) timeout "${MATT_S:-240}" python3 experiments/tuning/mosaic_attention.py \
               ${MATT_FLAGS:-} --out="$OUT" --tag=${GPU} 2>&1 | quiet | tail -8 ;;

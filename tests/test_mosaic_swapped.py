@@ -284,10 +284,9 @@ def test_an_f32_tile_transposed_store_finds_no_layout():
                jax.ShapeDtypeStruct((4096, 1024), jnp.bfloat16))
 
 
-def test_the_sweep_writes_only_passing_faster_configs(tmp_path):
-    """tuning/mosaic_matmul.py --write: a weight enters the table only when every bit check
-    of its swapped design passed and it (or a bit-equal variant) beat the plain design at
-    M = 1 and 17; the provenance names the run's command and receipt."""
+@functools.cache
+def _sweep():
+    """experiments/tuning/mosaic_matmul.py as a module, loaded once (its absl flags)."""
     import importlib.util
     import os
 
@@ -296,6 +295,14 @@ def test_the_sweep_writes_only_passing_faster_configs(tmp_path):
         "_mosaic_matmul_sweep", os.path.join(root, "experiments/tuning/mosaic_matmul.py"))
     sweep = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(sweep)
+    return sweep
+
+
+def test_the_sweep_writes_only_passing_faster_configs(tmp_path):
+    """tuning/mosaic_matmul.py --write: a weight enters the table only when every bit check
+    of its swapped design passed and it (or a bit-equal variant) beat the plain design at
+    M = 1 and 17; the provenance names the run's command and receipt."""
+    sweep = _sweep()
     clean = {"prefix_mismatch_rows": {"1": 0, "160": 0}, "alone_mismatch_rows": 0}
     base = dict(bn=64, bk=128, stages=4, swapped=True)
     six = dict(base, stages=6)
@@ -348,3 +355,80 @@ def test_the_sweep_writes_only_passing_faster_configs(tmp_path):
                    (2048, 2048): wide, (4096, 24576): dict(base, token_tiles=10)}
     assert data["provenance"][-1]["command"] == "python sweep --write"
     assert data["provenance"][-1]["receipt"] == "r.json"
+
+
+def test_prefill_launches_take_the_prefill_tile_and_nothing_else_does(monkeypatch, tmp_path):
+    """A table entry's `prefill` tile (the plain design, the entry's bk: scheduling) serves
+    launches past PREFILL_ROWS rows with schedule on, never in interpret mode; a tile of
+    another bk or of the swapped design is refused when the table is read."""
+    mm = importlib.import_module("pallas_kernels.mosaic.matmul")
+    entry = {"K": 4096, "N": 6144, "dtype": "bfloat16",
+             "config": dict(bn=64, bk=128, stages=4, swapped=True),
+             "prefill": dict(bn=128, bk=128, stages=4)}
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"tuned": [entry]}))
+    tile = MosaicMatmulConfig(bn=128, bk=128, stages=4)
+    assert mm.read_prefill_tiles(str(path)) == {(4096, 6144, "bfloat16"): tile}
+    for i, bad in enumerate((dict(bn=128, bk=64, stages=4),
+                             dict(bn=64, bk=128, stages=4, swapped=True))):
+        path = tmp_path / f"bad{i}.json"  # (the table is read once a path)
+        path.write_text(json.dumps({"tuned": [dict(entry, prefill=bad)]}))
+        with pytest.raises(ValueError, match="must be the plain design with the entry's bk"):
+            mm.read_prefill_tiles(str(path))
+    monkeypatch.setattr(mm, "read_prefill_tiles", lambda: {(4096, 6144, "bfloat16"): tile})
+    library = mm.mosaic_matmul_config(4096, 6144, jnp.bfloat16)
+    assert mm.mosaic_launch_config(4096, 6144, jnp.bfloat16, mm.PREFILL_ROWS + 1) == tile
+    assert mm.mosaic_launch_config(4096, 6144, jnp.bfloat16, mm.PREFILL_ROWS) == library
+    assert mm.mosaic_launch_config(4096, 6144, jnp.bfloat16, 2048, schedule=False) == library
+    seen = []
+    launch = mm._launch
+    monkeypatch.setattr(mm, "_launch", lambda x, w, cfg, *a, **k: (seen.append(cfg),
+                                                                   launch(x, w, cfg, *a, **k))[1])
+    w = jax.ShapeDtypeStruct((4096, 6144), jnp.bfloat16)
+    for m, schedule, interpret, want in ((400, True, False, tile), (401, False, False, library),
+                                         (402, True, True, library), (17, True, False, library)):
+        x = jax.ShapeDtypeStruct((m, 4096), jnp.bfloat16)
+        fn = functools.partial(matmul, out_dtype=jnp.bfloat16, schedule=schedule,
+                               interpret=interpret)
+        jax.jit(fn).trace(x, w) if interpret else _lower(fn, x, w)
+        assert seen.pop() == want, (m, schedule, interpret)
+
+
+def test_the_sweep_writes_a_prefill_tile_only_where_bit_equal_and_faster(tmp_path):
+    """tuning/mosaic_matmul.py --write_prefill: the fastest plain variant past PREFILL_ROWS
+    whose bits (and the fused GLU's) equal the library config's, if it beats it there."""
+    sweep = _sweep()
+    cfg = lambda bn: dict(bn=bn, bk=128, stages=4, swapped=False, token_tiles=4, wide=False)  # noqa: E731
+
+    def shape(K, N, times, equal=True, glu_equal=None):
+        variants = {f"{bn}:128:4": {"config": cfg(bn), "equals_library": equal}
+                    for bn in (64, 128)}
+        if glu_equal is not None:
+            for v in variants.values():
+                v["glu_equals_library"] = glu_equal
+        return {"K": K, "N": N, "plain_variants": variants,
+                "time": {m: {k: {"us": t} for k, t in ts.items()} for m, ts in times.items()}}
+
+    fast = {"17": {"mosaic": 10.0, "mosaic[128:128:4]": 1.0},  # short launches: not counted
+            "512": {"mosaic": 100.0, "mosaic[64:128:4]": 80.0, "mosaic[128:128:4]": 60.0},
+            "2048": {"mosaic": 400.0, "mosaic[64:128:4]": 300.0, "mosaic[128:128:4]": 250.0}}
+    glu = {m: {k.replace("mosaic", "mosaic_glu"): v for k, v in ts.items()} | ts
+           for m, ts in fast.items()}
+    report = {"device": "d", "jax": "j", "command": "python sweep --write_prefill", "shapes": {
+        "a": shape(4096, 6144, fast),  # bn 128 wins
+        "b": shape(4096, 4096, fast, equal="ValueError: smem"),  # no variant ran
+        "c": shape(12288, 4096, {m: dict(ts, mosaic=ts["mosaic[128:128:4]"] * 1.01)
+                                 for m, ts in fast.items() if m != "17"}),  # within 3%
+        "g": shape(4096, 24576, glu, glu_equal=False),  # its GLU's bits differ
+        "n": shape(2048, 8192, fast)}}  # no entry yet: one with the rule's config
+    table = tmp_path / "t.json"
+    table.write_text(json.dumps({"provenance": [], "tuned": [
+        {"K": 4096, "N": 6144, "dtype": "bfloat16",
+         "config": dict(bn=64, bk=128, stages=6, swapped=True)}]}))
+    assert sweep.write_prefill(str(table), report, receipt="r.json") == ["a", "n"]
+    data = json.loads(table.read_text())
+    a, n = data["tuned"]
+    assert a["prefill"] == dict(bn=128, bk=128, stages=4) and a["config"]["swapped"]
+    assert a["prefill_us"] == {"rows": [512, 2048], "config": 500.0, "prefill": 310.0}
+    assert n["config"]["bk"] == 128 and not n["config"]["swapped"] and "prefill" in n
+    assert data["provenance"][-1]["prefill_tiles"] == ["a", "n"]

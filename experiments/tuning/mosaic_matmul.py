@@ -24,6 +24,11 @@ bench_e2e.py's head vocabulary) and M in --rows:
    with `block_until_ready`; us per launch and GB/s of weight bytes, and the fraction
    of a copy's bandwidth (`copy_bandwidth`, read + write of a 4 GiB array).
 
+3. Prefill tiles (--configs bn:bk:stages, plain): timed past 160 rows too (the fused GLU
+   for w_gate_up), each's bits against the library config's at M = 1, 40 and the largest;
+   --write_prefill keeps the fastest bit-equal one past PREFILL_ROWS as the weight's
+   `prefill` tile where it beats the library config there.
+
 Prints a table; writes the JSON receipt to --out/mosaic_matmul[_tag].json after every
 shape. --smoke runs tiny shapes with every kernel in interpret mode on the CPU (the
 Mosaic kernel in Pallas's GPU interpret mode): a test of the script, whose timings mean
@@ -52,7 +57,9 @@ from pallas_kernels import mosaic
 from pallas_kernels.glu import glu
 from pallas_kernels.matmul import matmul as triton_matmul
 from pallas_kernels.matmul import matmul_reference
-from pallas_kernels.mosaic.matmul import TOKEN_TILES, pipeline_stages
+from pallas_kernels.mosaic.matmul import PREFILL_ROWS, TOKEN_TILES, pipeline_stages
+
+MIN_PREFILL_GAIN = 0.03  # a prefill tile must beat the library config by this much
 
 _ROWS = flags.DEFINE_list("rows", ["1", "16", "17", "40", "64", "160", "320"], "row counts M")
 _ALONE = flags.DEFINE_list("alone", ["0", "1", "7", "8", "31", "63", "64", "100", "319"],
@@ -80,6 +87,11 @@ _WRITE = flags.DEFINE_string("write", "", "with --swapped: a data file "
                              "over M = 1 and 17 of the swapped config and the s: --configs "
                              "with its bits (at M = 1, 40, max), where faster than the plain "
                              "design (the GLU's time for w_gate_up)")
+_WRITE_PREFILL = flags.DEFINE_string(
+    "write_prefill", "", "a data file (pallas_kernels/mosaic/matmul_tuned.json) that takes, "
+    "for each weight, the plain bn:bk:stages --configs variant with the library config's bits "
+    "(and bk) fastest past PREFILL_ROWS rows, as its prefill tile, where faster there than "
+    "the library config by MIN_PREFILL_GAIN")
 _BUDGET = flags.DEFINE_float("budget_s", 200.0, "no new shape is started after this many s")
 _SMOKE = flags.DEFINE_bool("smoke", False, "CPU: tiny shapes, interpret mode")
 _OUT = flags.DEFINE_string("out", os.environ.get("OUT", "experiments/results"), "receipt dir")
@@ -248,11 +260,18 @@ def run_shape(name: str, K: int, N: int, rows: list[int], alone: list[int], bw: 
             tall[f"mosaic[{spec}]"] = True
         fns[f"mosaic[{spec}]"] = (lambda c: lambda a, b: mosaic.matmul(
             a, b, out_dtype=out_dtype, interpret=interpret, config=c))(cfg)
-        if not cfg.swapped:  # a plain tile for tall launches: timed past 160 rows too,
-            tall[f"mosaic[{spec}]"] = "tall"  # its bits against the library's config
+        if not cfg.swapped:  # a plain tile for prefill launches: timed past 160 rows
+            tall[f"mosaic[{spec}]"] = "tall"  # too, its bits against the library config's
             rep.setdefault("plain_variants", {})[spec] = {
                 "config": dataclasses.asdict(cfg),
                 "equals_library": same_bits(fns[f"mosaic[{spec}]"], fns["mosaic"], x, w, rows)}
+            if "mosaic_glu" in fns:  # the fused GLU on that tile (the model's call)
+                glu = f"mosaic_glu[{spec}]"
+                fns[glu] = (lambda c: lambda a, b: mosaic.matmul_glu(
+                    a, b, activation="silu", interpret=interpret, config=c))(cfg)
+                tall[glu] = "tall"
+                rep["plain_variants"][spec]["glu_equals_library"] = same_bits(
+                    fns[glu], fns["mosaic_glu"], x, w, rows)
         if cfg.swapped and _SWAPPED.value:  # a candidate for the table: its bits checked
             same = same_bits(fns[f"mosaic[{spec}]"], fns["mosaic_swapped"], x, w, rows)
             rep["swapped"].setdefault("variants", {})[spec] = {
@@ -267,7 +286,8 @@ def run_shape(name: str, K: int, N: int, rows: list[int], alone: list[int], bw: 
                     "config": dataclasses.asdict(cfg), "equals_swapped": same}
     for m in rows:
         for meth, fn in fns.items():
-            if meth.startswith("mosaic_glu[") and m != max(rows):  # token tiles only
+            if meth.startswith("mosaic_glu[") and m != max(rows) and not (
+                    tall.get(meth) == "tall" and m > 160):  # token tiles; prefill tiles
                 continue
             if meth.startswith("mosaic[") and m not in (1, 17) and not (
                     meth in tall and m == max(rows)) and not (tall.get(meth) == "tall"
@@ -351,6 +371,65 @@ def write_tuned(path: str, report: dict, receipt: str | None = None) -> list[str
     return written
 
 
+def prefill_winner(rep: dict) -> dict | None:
+    """The plain tile a weight's launches past PREFILL_ROWS take: among the variants whose
+    bits equal the library config's (the fused GLU's too, for the GLU weight), the fastest
+    summed over the timed row counts past PREFILL_ROWS, if faster there than the library
+    config by MIN_PREFILL_GAIN; else None."""
+    big = [m for m in rep["time"] if int(m) > PREFILL_ROWS]
+    glu = any("mosaic_glu" in rep["time"][m] for m in big)
+    base = "mosaic_glu" if glu else "mosaic"
+
+    def total(meth):
+        ts = [rep["time"][m].get(meth, {}).get("us") for m in big]
+        return sum(ts) if big and all(t is not None for t in ts) else None
+
+    best, best_t = None, None
+    for spec, v in rep.get("plain_variants", {}).items():
+        if v["equals_library"] is not True or (glu and v.get("glu_equals_library") is not True):
+            continue
+        t = total(f"mosaic_glu[{spec}]" if glu else f"mosaic[{spec}]")
+        if t is not None and (best_t is None or t < best_t):
+            best, best_t = v["config"], t
+    t0 = total(base)
+    if best is None or t0 is None or best_t > t0 * (1 - MIN_PREFILL_GAIN):
+        return None
+    return {"config": best, "us": [t0, best_t], "rows": sorted(int(m) for m in big)}
+
+
+def write_prefill(path: str, report: dict, receipt: str | None = None) -> list[str]:
+    """Sets each weight's `prefill` tile (`prefill_winner`) in the data file, adding an
+    entry with the rule's config where the weight has none; returns the weights
+    written. The provenance records the run; the matrix that proves it is added by hand."""
+    with open(path) as f:
+        data = json.load(f)
+    written = []
+    for name, rep in report["shapes"].items():
+        win = prefill_winner(rep)
+        if win is None:
+            continue
+        entry = next((e for e in data["tuned"] if (e["K"], e["N"]) == (rep["K"], rep["N"])),
+                     None)
+        if entry is None:
+            rule = mosaic.mosaic_matmul_config(rep["K"], rep["N"], jnp.bfloat16, tuned=False)
+            entry = {"K": rep["K"], "N": rep["N"], "dtype": "bfloat16",
+                     "config": dataclasses.asdict(rule)}
+            data["tuned"].append(entry)
+        if entry["config"]["bk"] != win["config"]["bk"]:
+            continue  # bk sets bits: a tile of another bk is never a schedule
+        entry["prefill"] = {k: win["config"][k] for k in ("bn", "bk", "stages")}
+        entry["prefill_us"] = {"rows": win["rows"], "config": win["us"][0],
+                               "prefill": win["us"][1]}
+        written.append(name)
+    data["provenance"].append({"date": time.strftime("%Y-%m-%d"), "device": report["device"],
+                               "jax": report["jax"], "prefill_tiles": written,
+                               "command": report["command"], "receipt": receipt})
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1)
+        f.write("\n")
+    return written
+
+
 def table(report: dict) -> str:
     lines = []
     for name, rep in report["shapes"].items():
@@ -400,6 +479,10 @@ def main(argv):
         report["shapes"][name] = run_shape(name, K, N, rows, alone, bw, interpret)
         report["shapes"][name]["elapsed_s"] = time.perf_counter() - t0
         path = write_receipt(_OUT.value, "mosaic_matmul", _TAG.value, report)
+    if _WRITE_PREFILL.value and not interpret:
+        report["prefill_written"] = write_prefill(_WRITE_PREFILL.value, report, receipt=path)
+        path = write_receipt(_OUT.value, "mosaic_matmul", _TAG.value, report)
+        print(f"{_WRITE_PREFILL.value}: prefill tiles written for {report['prefill_written']}")
     if _WRITE.value and _SWAPPED.value and not interpret:
         report["written"] = write_tuned(_WRITE.value, report, receipt=path)
         path = write_receipt(_OUT.value, "mosaic_matmul", _TAG.value, report)

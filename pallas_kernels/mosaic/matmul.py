@@ -78,6 +78,8 @@ MAX_TOKEN_TILES = 16
 SMEM_MAX = 232448  # bytes of shared memory a Hopper program may hold (the opt-in limit)
 TUNED_FILE = os.path.join(os.path.dirname(__file__), "matmul_tuned.json")
 BK_TILES = (128, 64, 32, 16)  # bk: the largest that divides K
+PREFILL_ROWS = 320  # a launch of more rows (a prefill chunk) may take its weight's prefill
+# tile (`mosaic_launch_config`); 320: a batch-64 verify block of 5 tokens a row
 BN_TILES = (128, 64, 32)  # bn: the largest that divides N and leaves MIN_COLUMN_TILES
 MIN_COLUMN_TILES = 128  # column tiles wanted at decode, where they are the whole grid
 SMEM_BUDGET = 192 * 1024  # bytes of pipeline buffers a program may hold
@@ -168,12 +170,45 @@ def swapped_stages(cfg: MosaicMatmulConfig, tiles: int, dtype, out_dtype, weight
 @functools.cache
 def read_tuned_file(path: str = TUNED_FILE) -> dict:
     """{(K, N, dtype name): MosaicMatmulConfig} from the data file (none: {})."""
+    return {key: cfg for key, (cfg, _) in _read_entries(path).items()}
+
+
+@functools.cache
+def read_prefill_tiles(path: str = TUNED_FILE) -> dict:
+    """{(K, N, dtype name): MosaicMatmulConfig} of the entries' `prefill` tiles: the plain
+    design with the entry's bk (bk sets bits; the column tile and stages do not, which
+    the sweep's bit checks confirm on the device before it writes one)."""
+    return {key: tile for key, (_, tile) in _read_entries(path).items() if tile is not None}
+
+
+@functools.cache
+def _read_entries(path: str) -> dict:
     if not os.path.exists(path):
         return {}
     with open(path) as f:
         data = json.load(f)
-    return {(e["K"], e["N"], e["dtype"]): MosaicMatmulConfig(**e["config"])
-            for e in data.get("tuned", [])}
+    out = {}
+    for e in data.get("tuned", []):
+        key, cfg = (e["K"], e["N"], e["dtype"]), MosaicMatmulConfig(**e["config"])
+        tile = MosaicMatmulConfig(**e["prefill"]) if "prefill" in e else None
+        if tile is not None and (tile.swapped or tile.bk != cfg.bk):
+            raise ValueError(f"{path}: the prefill tile of K={key[0]}, N={key[1]} must be the "
+                             f"plain design with the entry's bk={cfg.bk} (bk sets bits); got "
+                             f"{tile}")
+        out[key] = (cfg, tile)
+    return out
+
+
+def mosaic_launch_config(K: int, N: int, dtype, m: int, schedule: bool = True
+                         ) -> MosaicMatmulConfig:
+    """The tiles a launch of m rows runs: `mosaic_matmul_config`'s, or with schedule, past
+    PREFILL_ROWS rows (prefill chunks), the weight's `prefill` tile where the table has
+    one (scheduling: the same bk, so the same bits)."""
+    if schedule and m > PREFILL_ROWS:
+        tile = read_prefill_tiles().get((K, N, jnp.dtype(dtype).name))
+        if tile is not None:
+            return tile
+    return mosaic_matmul_config(K, N, dtype)
 
 
 def mosaic_matmul_config(K: int, N: int, dtype, tuned: bool = True) -> MosaicMatmulConfig:
@@ -286,9 +321,10 @@ def _check(x: jax.Array, w: jax.Array, name: str) -> None:
                         f"f32 wgmma multiplies in TF32); got {x.dtype=} {w.dtype=}")
 
 
-def _config(config, K: int, N: int, dtype, name: str) -> MosaicMatmulConfig:
+def _config(config, K: int, N: int, dtype, name: str, m: int = 1, schedule: bool = False
+            ) -> MosaicMatmulConfig:
     if config is None:
-        return mosaic_matmul_config(K, N, dtype)
+        return mosaic_launch_config(K, N, dtype, m, schedule)
     if not isinstance(config, MosaicMatmulConfig):
         raise TypeError(f"{name} (Mosaic GPU) takes a MosaicMatmulConfig or None; got "
                         f"{type(config).__name__} (the Triton lowering's tiles, e.g. a "
@@ -340,17 +376,19 @@ def matmul(x: jax.Array, w: jax.Array, *, out_dtype=None, interpret: bool = Fals
            schedule: bool = False) -> jax.Array:
     """x [M, K] @ w [K, N] -> [M, N] in out_dtype (default float32), on Mosaic GPU.
 
-    `config` overrides `mosaic_matmul_config(K, N, dtype)` (sweeps and tests). Any fixed
-    config is row-invariant; two bk give different bits. `row_group` and `schedule` are
-    the Triton lowering's scheduling knobs, accepted and unused: a 64-row tile already
-    holds a batch-8 verify block. `interpret`: run in Pallas's GPU interpret mode (CPU).
+    `config` overrides `mosaic_launch_config(K, N, dtype, M, schedule)` (sweeps and
+    tests). Any fixed config is row-invariant; two bk give different bits. `schedule`: a
+    launch past PREFILL_ROWS rows takes the weight's prefill tile (never in interpret
+    mode, where numpy's products may round by block shape). `row_group`, the Triton
+    lowering's other knob, is accepted and unused: a 64-row tile already holds a batch-8
+    verify block. `interpret`: run in Pallas's GPU interpret mode (CPU).
     """
-    del row_group, schedule
+    del row_group
     _check(x, w, "matmul")
     out_dtype = jnp.dtype(jnp.float32 if out_dtype is None else out_dtype)
     m, k = x.shape
     n = w.shape[1]
-    cfg = _config(config, k, n, w.dtype, "matmul")
+    cfg = _config(config, k, n, w.dtype, "matmul", m, schedule and not interpret)
     # Mosaic GPU finds no layout for an f32 tile's transposed store: the swapped design
     # stores f32 outputs column-major, as its accumulators lie, and the result is their
     # transpose (the same values: a layout change, no arithmetic).
@@ -371,14 +409,14 @@ def matmul_glu(x: jax.Array, w: jax.Array, *, activation: str, interpret: bool =
 
     Bitwise `glu`'s arithmetic on this lowering's `matmul(x, w, out_dtype=x.dtype)`
     halves: the tiles of the [K, 2F] weight (`config` overrides them), the same K order.
-    F must be a multiple of the column tile. `row_group`, `schedule`: unused, as in
-    `matmul`."""
-    del row_group, schedule
+    F must be a multiple of the column tile. `schedule` as in `matmul`; `row_group`
+    unused."""
+    del row_group
     _check(x, w, "matmul_glu")
     check_glu_weight(w, activation)
     m, k = x.shape
     f = w.shape[1] // 2
-    cfg = _config(config, k, 2 * f, w.dtype, "matmul_glu")
+    cfg = _config(config, k, 2 * f, w.dtype, "matmul_glu", m, schedule and not interpret)
     if f % cfg.bn:
         raise ValueError(f"matmul_glu (Mosaic GPU): F={f} must be a multiple of the column "
                          f"tile bn={cfg.bn} of w {w.shape}")
