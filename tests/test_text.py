@@ -76,6 +76,22 @@ def test_incremental_decoder_holds_an_unfinished_character(gemma_tok):
     assert dec.flush() == "\ufffd" == dec.text  # the generation ended inside it
 
 
+def test_a_stop_string_inside_a_character_split_over_byte_tokens(gemma_tok):
+    # "é" is two byte tokens on Gemma: a stop string ending in it completes at the second
+    # (never matched on half a character, never missed), and the text is cut before it.
+    from jspec.stop_strings import RowText
+
+    prompt = gemma_tok.encode('x = "')
+    gen = gemma_tok.encode('aé" and é', add_special_tokens=False)
+    first, second = gemma_tok.encode("é", add_special_tokens=False)
+    row = RowText(gemma_tok, prompt, ('é"', "\ufffd"))
+    assert row.feed(gen) and row.text[:row.hit[0]] == "a"
+    assert gen[row.hit[1] - 1] not in (first, second)  # the quote's token completed it
+    row = RowText(gemma_tok, prompt, (" é",))
+    assert row.feed(gen) and row.text[:row.hit[0]] == 'aé" and'
+    assert gen[row.hit[1] - 1] == second and row.hit[1] == len(gen)
+
+
 def test_prompt_forms_and_files(tmp_path):
     chat = [{"role": "user", "content": "hi"}]
     assert as_prompts("a") == ["a"] and as_prompts(chat) == [chat]
