@@ -27,7 +27,7 @@ from typing import Any
 from jspec._checks import check_bool, check_ints, check_path, is_int
 from jspec._transformers import quiet_import
 from jspec.config import canonical_dtype
-from jspec.detokenize import IncrementalDecoder, decode_continuation
+from jspec.detokenize import IncrementalDecoder, decode_continuation  # noqa: F401 (re-exported)
 from jspec.drafters import FeatureDrafter, ModelDrafter
 from jspec.drafting import check_drafter
 from jspec.eagle import load_eagle3, read_head_config
@@ -233,30 +233,11 @@ class TextStream:
         self._stop_strings = stop_strings
 
     def __iter__(self) -> Iterator[str]:
+        """Each step's new text; with stop strings, text one may still complete is held
+        back, and the first one completed ends the stream there (its generator closed)."""
         if self._steps is None:
             raise RuntimeError("a TextStream can be iterated once")
         steps, self._steps = self._steps, None
-        if self._stop_strings:
-            yield from self._iter_stops(steps)
-            return
-        dec = IncrementalDecoder(self._tokenizer, self.prompt_ids)
-        t0 = time.perf_counter()
-        for new in steps:
-            new = [int(t) for t in new if t >= 0]
-            self.ids += new
-            if new and new[-1] in self._stop:
-                self.finish_reason = "stop"
-                new = new[:-1]
-            if piece := dec.push(new):
-                yield piece
-        if piece := dec.flush():
-            yield piece
-        self.seconds = time.perf_counter() - t0
-        self.text = dec.text
-
-    def _iter_stops(self, steps) -> Iterator[str]:
-        """As __iter__, with stop strings: the text a stop string may still complete is
-        held back; the first one completed ends the stream there (its generator closed)."""
         row = RowText(self._tokenizer, self.prompt_ids, self._stop_strings)
         shown, t0 = 0, time.perf_counter()
         try:
