@@ -30,16 +30,22 @@ def _stops(rows, at):
     return tuple(sorted({rows[b][k] for b, k in at}))
 
 
+def _free_run(target, prompts):
+    """Serial decoding without stops, and each row's prompt + tokens for an oracle."""
+    free = jspec.generate(target, prompts, max_new_tokens=N)
+    seqs = np.zeros((len(prompts), max(len(p) for p in prompts) + N), np.int32)
+    for b, p in enumerate(prompts):
+        seqs[b, : len(p) + N] = np.concatenate([p, free.tokens[b]])
+    return free, seqs
+
+
 def test_a_compacted_run_equals_serial_and_the_uncompacted_run():
     # Eight rows that stop at different rounds: the batch goes 8 -> 4 (three live rows
     # and a padding row) -> 1. Oracle drafts are keyed by row id and position, so the
     # compacted run proposes and accepts exactly what the uncompacted one does.
     target = load("llama3", "pallas")
     prompts = _batch("llama3")
-    free = jspec.generate(target, prompts, max_new_tokens=N)
-    seqs = np.zeros((8, max(len(p) for p in prompts) + N), np.int32)
-    for b, p in enumerate(prompts):
-        seqs[b, : len(p) + N] = np.concatenate([p, free.tokens[b]])
+    free, seqs = _free_run(target, prompts)
     stops = _stops([free.row(b) for b in range(8)], ((0, 2), (1, 3), (2, 5), (3, 6), (4, 8)))
     serial = jspec.generate(target, prompts, max_new_tokens=N, stop_tokens=list(stops))
     drafter = jspec.OracleDrafter(jnp.asarray(seqs), corrupt_prob=0.3)
@@ -73,10 +79,7 @@ def test_until_ends_rows_where_the_host_says_and_the_rest_run_on():
     # the other rows are the free run's. The same shapes as the test above (no compile).
     target = load("llama3", "pallas")
     prompts = _batch("llama3")
-    free = jspec.generate(target, prompts, max_new_tokens=N)
-    seqs = np.zeros((8, max(len(p) for p in prompts) + N), np.int32)
-    for b, p in enumerate(prompts):
-        seqs[b, : len(p) + N] = np.concatenate([p, free.tokens[b]])
+    free, seqs = _free_run(target, prompts)
     at = {0: 2, 3: 5, 5: 1, 6: 9, 7: 4}  # row -> the tokens after which it may end
     asked = []
 

@@ -363,11 +363,19 @@ def write_tuned(path: str, report: dict, receipt: str | None = None) -> list[str
             data["tuned"].append({"K": rep["K"], "N": rep["N"], "dtype": "bfloat16",
                                   "config": config, "us_m1_m17": [t[plain], t[best]]})
             written.append(name)
+    return _save(path, data, report, receipt, "weights", written)
+
+
+def _save(path: str, data: dict, report: dict, receipt: str | None, what: str,
+          written: list[str]) -> list[str]:
+    """Writes the data file with this run's provenance entry (`what`: the weights it
+    wrote); returns them."""
     data["provenance"].append({"date": time.strftime("%Y-%m-%d"), "device": report["device"],
-                               "jax": report["jax"], "weights": written,
+                               "jax": report["jax"], what: written,
                                "command": report["command"], "receipt": receipt})
     with open(path, "w") as f:
         json.dump(data, f, indent=1)
+        f.write("\n")
     return written
 
 
@@ -421,13 +429,7 @@ def write_prefill(path: str, report: dict, receipt: str | None = None) -> list[s
         entry["prefill_us"] = {"rows": win["rows"], "config": win["us"][0],
                                "prefill": win["us"][1]}
         written.append(name)
-    data["provenance"].append({"date": time.strftime("%Y-%m-%d"), "device": report["device"],
-                               "jax": report["jax"], "prefill_tiles": written,
-                               "command": report["command"], "receipt": receipt})
-    with open(path, "w") as f:
-        json.dump(data, f, indent=1)
-        f.write("\n")
-    return written
+    return _save(path, data, report, receipt, "prefill_tiles", written)
 
 
 def table(report: dict) -> str:
