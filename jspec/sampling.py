@@ -25,6 +25,8 @@ from jspec._checks import check_count, check_real
 from jspec.options import LOWERINGS
 from pallas_kernels.top_p import top_p_kept
 
+_TINY = np.finfo(np.float32).tiny  # the smallest normal float32
+
 
 @dataclasses.dataclass(frozen=True)
 class Greedy:
@@ -92,15 +94,17 @@ class Sample:
                              "Greedy for 0)")
         with np.errstate(over="ignore"):
             t32 = np.float32(t)
-        if not np.isfinite(t32) or t32 == 0:
+        if not np.isfinite(t32) or t32 < _TINY:  # subnormals flush to 0 on the device
             raise ValueError(f"temperature={self.temperature!r} is {float(t32)} in float32, "
-                             "where the logits are divided by it: give one in [1e-38, 3e38]")
+                             "where the logits are divided by it (subnormal values flush "
+                             "to zero): give one in [1.2e-38, 3e38]")
         object.__setattr__(self, "temperature", t)
         object.__setattr__(self, "top_k", check_count("top_k", self.top_k, least=0))
         top_p = check_real("top_p", self.top_p, low=0, high=1, low_open=True)
-        if np.float32(top_p) == 0:
-            raise ValueError(f"top_p={self.top_p!r} is 0.0 in float32, where the kept mass is "
-                             "compared with it: give one in [1e-38, 1]")
+        if np.float32(top_p) < _TINY:
+            raise ValueError(f"top_p={self.top_p!r} is {float(np.float32(top_p))} in float32, "
+                             "where the kept mass is compared with it (subnormal values "
+                             "flush to zero): give one in [1.2e-38, 1]")
         object.__setattr__(self, "top_p", top_p)
 
     def filtered_logits(self, logits):

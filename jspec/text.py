@@ -208,7 +208,9 @@ class TextOutput:
       with a stop string, up to the token that completed it).
     prompt_ids: the prompt's token ids as the model saw them.
     finish_reasons: "stop" (a stop token or string) or "length" (max_new_tokens).
-    stats: the engine's statistics of the run (`GenerateOutput.stats` / `SpecOutput.stats`).
+    stats: the engine's statistics of the run (`GenerateOutput.stats` / `SpecOutput.stats`);
+      where stop strings cut rows, `tokens` and `tokens_per_s` count the ids returned and
+      `tokens_generated` those the engine made (a row runs to its chunk's end).
     """
 
     texts: list[str]
@@ -220,14 +222,16 @@ class TextOutput:
 
 class TextStream:
     """One generation's text pieces as they are produced (iterate once). Afterwards:
-    `text` (the pieces joined), `ids`, `prompt_ids`, `finish_reason` and `seconds`."""
+    `text` (the pieces joined), `ids`, `prompt_ids`, `finish_reason` and `seconds`; a
+    loop that leaves early (break) closes the generation there: `text` is the pieces it
+    took, `ids` the tokens generated until then, `finish_reason` None."""
 
     def __init__(self, tokenizer, prompt_ids: list[int], steps: Iterator[list[int]],
                  stop_ids: Sequence[int], stop_strings: tuple[str, ...] = ()):
         self.prompt_ids = prompt_ids
         self.ids: list[int] = []
         self.text = ""
-        self.finish_reason = "length"
+        self.finish_reason: str | None = "length"
         self.seconds = 0.0
         self._tokenizer, self._steps, self._stop = tokenizer, steps, set(stop_ids)
         self._stop_strings = stop_strings
@@ -252,15 +256,19 @@ class TextStream:
                     self.finish_reason = "stop"
                     break
                 if (safe := row.safe()) > shown:
-                    yield row.text[shown:safe]
-                    shown = safe
+                    piece, shown = row.text[shown:safe], safe
+                    yield piece
+        except GeneratorExit:  # the consumer left the loop: what it took is the result
+            self.text, self.finish_reason = row.text[:shown], None
+            self.seconds = time.perf_counter() - t0
+            raise
         finally:
             if hasattr(steps, "close"):
                 steps.close()
         self.text = row.text[:row.hit[0]] if row.hit is not None else row.flush()
+        self.seconds = time.perf_counter() - t0
         if len(self.text) > shown:
             yield self.text[shown:]
-        self.seconds = time.perf_counter() - t0
 
 
 # --------------------------------------------------------------------------- pipeline
@@ -335,8 +343,14 @@ class TextPipeline:
             texts.append(text)
             ids.append(r)
             reasons.append("stop" if ended or cut is not None else "length")
+        stats, kept = dict(out.stats), sum(len(r) for r in ids)
+        if watch is not None and "tokens" in stats:
+            # A row a stop string ends runs on to its chunk's end: count what is returned.
+            made = stats["tokens"]
+            stats.update(tokens=kept, tokens_generated=made,
+                         tokens_per_s=stats["tokens_per_s"] * kept / max(made, 1))
         return TextOutput(texts=texts, ids=ids, prompt_ids=prompt_ids,
-                          finish_reasons=reasons, stats=dict(out.stats))
+                          finish_reasons=reasons, stats=stats)
 
     def _watch(self, ids, stop_strings) -> StopWatch | None:
         stops = check_stop_strings(stop_strings)

@@ -398,6 +398,11 @@ def test_forward_inside_jit_names_apply():
     (lambda: jspec.Sample(top_p=1e-50), r"top_p=1e-50 is 0.0 in float32"),
     (lambda: jspec.Sample(temperature=1e300), r"temperature=1e\+300 is inf in float32"),
     (lambda: jspec.Sample(temperature=1e-50), r"temperature=1e-50 is 0.0 in float32"),
+    # Subnormal float32 values flush to zero on the device: with top-p they made every
+    # draw token 0.
+    (lambda: jspec.Sample(temperature=1e-40, top_p=0.9), r"temperature=1e-40 .*subnormal"),
+    (lambda: jspec.GumbelCoupled(temperature=1e-39, top_k=5), r"temperature=1e-39 .*subnormal"),
+    (lambda: jspec.Sample(top_p=1e-40), r"top_p=1e-40 .*subnormal"),
 ])
 def test_sampling_arguments_are_never_ignored_or_overflowed(call, fragment):
     with pytest.raises(ValueError, match=fragment):

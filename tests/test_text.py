@@ -259,6 +259,20 @@ def test_a_serial_stream_decodes_as_its_policy_says():
         pipe.stream(prompt, speculative=False, gamma=2, tree="2,1")
 
 
+def test_a_stream_left_early_keeps_what_it_showed():
+    # Before, a loop that broke out of a stream left text "" and finish_reason "length".
+    pipe = load_text(*jspec.default_pair())
+    prompt = "def rgb_to_hls(r, g, b):\n"
+    for speculative in (False, True):
+        stream, taken = pipe.stream(prompt, speculative=speculative, max_new_tokens=32), []
+        for piece in stream:
+            taken.append(piece)
+            if len(taken) == 2:
+                break
+        assert stream.text == "".join(taken) and stream.finish_reason is None
+        assert stream.seconds > 0 and len(stream.ids) >= 2
+
+
 def test_stop_strings_end_text_alike_serial_speculative_and_streamed():
     # A row ends where its text first holds a stop string: cut before it, its ids kept
     # to the token that completed it, the run over once every row has ended; the same
@@ -273,6 +287,8 @@ def test_stop_strings_end_text_alike_serial_speculative_and_streamed():
     assert out.texts[0] == free.texts[0][:free.texts[0].index(stop)]
     assert out.finish_reasons[0] == "stop" and out.ids[0] == free.ids[0][:len(out.ids[0])]
     assert len(out.ids[0]) < 8 and out.stats["tokens"] < free.stats["tokens"] + 8
+    for o in (out, spec):  # the ids returned, never those past a cut (before: counted)
+        assert o.stats["tokens"] == sum(map(len, o.ids)) <= o.stats["tokens_generated"]
     assert (out.ids, out.texts, out.finish_reasons) == (spec.ids, spec.texts,
                                                          spec.finish_reasons)
     s = pipe.stream(prompts[0], speculative=False, max_new_tokens=8, stop_strings=(stop,))
