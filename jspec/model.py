@@ -115,7 +115,8 @@ class Forward:
 # is where it first went wrong):
 #   2 i      the residual stream entering layer i (i = L: the final norm) holds NaN or inf,
 #            or its f32 sum of squares overflows (RMSNorm would then return exact zeros:
-#            an embedding scaled by 1e38 gives all-equal logits, not NaN);
+#            an embedding scaled by 1e38 gives all-equal logits, not NaN); 0 also flags a
+#            token id out of range (a traced call's);
 #   2 i + 1  layer i's attention inputs (q or k after RoPE) hold NaN or inf;
 #   2 L + 1  (last) a traced call ran past the cache: the row's length + T exceeds max_len,
 #            so its K/V writes were clamped onto earlier slots (an eager call is refused).
@@ -138,6 +139,8 @@ def describe_bad(code: int, num_layers: int) -> str:
     if code % 2:
         return f"the attention inputs (q or k after RoPE) of layer {layer} hold NaN or inf"
     where = ("the residual stream entering the final norm" if layer >= num_layers
+             else "the residual stream entering layer 0 (the token's embedding: an id out of "
+             "range, or its row)" if layer == 0
              else f"the residual stream entering layer {layer}")
     return f"{where} holds NaN or inf or overflows f32 (sum of squares not finite)"
 
@@ -582,7 +585,12 @@ def apply(model: Model, tokens: jax.Array, cache: KVCache, *, features: tuple[in
     else:
         pos = tree.root[:, None] + tree.depth  # [B, T] logical positions
 
-    x = jnp.take(params["embed"], tokens.reshape(-1), axis=0)  # [B*T, D]
+    ids = tokens.reshape(-1)
+    # An id out of range (a traced call: eager calls are checked on the host) reads a
+    # clamped row and is flagged at its own position; a NaN row would also reach the
+    # positions before it, through the masked keys' zero weights times NaN values.
+    x = jnp.take(params["embed"], ids, axis=0, mode="clip")  # [B*T, D]
+    id_bad = (ids < 0) | (ids >= params["embed"].shape[0])
     if opt.pad_rows_once and opt.backend == "pallas":
         x = pad_rows(x, ROW_TILE)  # [Mp, D]: zero rows, which every layer keeps zero
     elif model.draft_options.xla_two_rows and opt.backend == "xla" and B * T == 1:
@@ -603,6 +611,7 @@ def apply(model: Model, tokens: jax.Array, cache: KVCache, *, features: tuple[in
     counters = None  # split-KV arrival counters, zeroed once a forward (attention_counted)
     hidden = {}  # layer index -> the residual stream entering it [B*T, D]
     bad = jnp.full((x.shape[0],), FINE, jnp.int32)  # Forward.bad, flattened, [Mp]
+    bad = flag(bad, pad_axis(id_bad, 0, x.shape[0]), bad_code(0, False))
     for i, lp in enumerate(params["layers"]):  # unrolled: L is static
         with jax.named_scope(f"layer_{i}"):
             sliding = cfg.layer_sliding[i]

@@ -69,6 +69,21 @@ def test_a_healthy_forward_flags_nothing():
     assert fwd.bad.shape == (2, 3) and np.all(np.asarray(fwd.bad) == -1)
 
 
+@pytest.mark.parametrize("backend", ["xla", "pallas"])
+def test_a_traced_id_out_of_range_is_flagged_at_its_position_alone(backend):
+    # Before, its NaN embedding reached the positions before it (their masked key's zero
+    # weight times NaN values): NaN logits flagged where the input was valid.
+    model = load("qwen3", backend)
+    V = model.config.vocab_size
+    run = jax.jit(lambda t, c: jspec.apply(model, t, c))
+    good = run(np.array([[1, 2, 3, 4]], np.int32), jspec.init_cache(model, 1, 8))
+    for wrong in (V, -3):
+        fwd = run(np.array([[1, 2, wrong, 4]], np.int32), jspec.init_cache(model, 1, 8))
+        assert fwd.bad.tolist() == [[-1, -1, 0, -1]]
+        assert np.isfinite(np.asarray(fwd.logits)).all()
+        assert np.array_equal(np.asarray(fwd.logits)[0, :2], np.asarray(good.logits)[0, :2])
+
+
 @pytest.mark.parametrize("name,layer,where", [
     ("wqkv", 1, "the attention inputs .* of layer 1 hold NaN"),
     ("w_down", 0, "the residual stream entering layer 1 holds NaN"),
