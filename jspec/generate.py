@@ -93,7 +93,13 @@ def pad_prompts(prompts, vocab_size: int, length: int | None = None
                 if i is not None:
                     raise ValueError(f"prompt {b}: token {i} is {r[i]!r}, a bool, not a "
                                      "token id")
-        rows = [np.asarray(r) for r in prompts]
+        rows = []
+        for b, r in enumerate(prompts):
+            try:
+                rows.append(np.asarray(r))
+            except ValueError:  # nested and ragged: numpy's own words name no prompt
+                raise ValueError(f"prompt {b} is not a flat list of token ids: "
+                                 f"{r!r:.80}") from None
     if not rows:
         raise ValueError("prompts is empty: need at least one prompt")
     for b, r in enumerate(rows):

@@ -324,7 +324,12 @@ class TextPipeline:
 
     def _encode_all(self, prompts, stop_tokens) -> tuple[list[list[int]], tuple[int, ...]]:
         prompts = as_prompts(prompts)
-        ids = [self.encode(p) for p in prompts]
+        ids = []
+        for i, p in enumerate(prompts):
+            try:
+                ids.append(self.encode(p))
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e}" if len(prompts) > 1 else str(e)) from None
         if stop_tokens is None:
             chat = any(not isinstance(p, str) for p in prompts)
             stop_tokens = self.stop_ids + (self.chat_stop_ids if chat else ())

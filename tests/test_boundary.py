@@ -99,6 +99,8 @@ SEQUENCES = {  # strings for lists, bare numbers, float entries, empty lists, ou
                        ValueError, "prompt 0: token 1 is True, a bool"),
     "prompts flat": (lambda: jspec.generate(_model(), [5, 6], max_new_tokens=2), ValueError,
                      r"prompt 0 is one token id \(5\), not a list of them: .* \[prompt\]"),
+    "prompt ragged": (lambda: jspec.generate(_model(), [[1, [2, 3]], [4]], max_new_tokens=2),
+                      ValueError, r"prompt 0 is not a flat list of token ids: \[1, \[2, 3\]\]"),
     "prompts None": (lambda: jspec.generate(_model(), None, max_new_tokens=2), TypeError,
                      "prompts must be a list of prompts, each a list of token ids"),
     "spine extra": (lambda: jspec.parse_tree("spine:2:4,3,2"), ValueError,

@@ -297,6 +297,8 @@ def test_stop_strings_end_text_alike_serial_speculative_and_streamed():
     assert s.finish_reason == "stop" and not any(stop in p for p in pieces)
     with pytest.raises(ValueError, match=r"stop_strings\[0\] is empty"):
         pipe.generate(prompts, max_new_tokens=8, stop_strings=[""])
+    with pytest.raises(ValueError, match=r"^prompt 1: the prompt '' encodes to no tokens"):
+        pipe.generate([prompts[0], ""], max_new_tokens=8)
 
 
 @pytest.mark.slow  # tests/test_feature_drafter.py proves the feature drafter's exactness
