@@ -73,7 +73,8 @@ class Drafter(Protocol):
 
     Trees (`SpecConfig(tree=TreeConfig(...))`), one round:
       propose_tree(state, ctx, tree) -> (tokens [B, N + 1], parents [B, N + 1],
-        q [B, N + 1, V], state): node 0 is the root (ctx.cur, parent -1), the others
+        q [B, N + 1, V], state): node 0 is the root (ctx.cur, parent -1; the engine
+        verifies cur there whatever the drafter returns), the others
         the draft nodes, parents before children; q[:, i] the draft logits node i's
         children were drawn from (rejection sampling reads them). Node ids outside
         [0, V) are never accepted. `jspec.tree_drafting` has the shared growth

@@ -415,7 +415,8 @@ def _tree_round(target: Model, drafter, state: SpecState, seed, *,
     formed = well_formed(parents, D).at[:, 0].set(True)
     parents = jnp.where(formed, parents, -1).at[:, 0].set(-1).astype(jnp.int32)
     valid = (_in_vocab(tokens, V) & formed).at[:, 0].set(True)
-    tokens = jnp.where(valid, tokens.astype(jnp.int32), 0)
+    # Node 0 is cur, whatever the drafter put there (a wrong root was verified as given).
+    tokens = jnp.where(valid, tokens.astype(jnp.int32), 0).at[:, 0].set(ctx.cur)
     t_in = from_parents(parents, state.cache.lengths, D)
     layers = feature_layers(drafter)
     out = apply(target, tokens, state.cache, tree=t_in, features=layers)

@@ -17,6 +17,7 @@ import shutil
 import sys
 
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from absl import app, flags
 from flax import struct
@@ -97,6 +98,24 @@ def test_a_tree_policy_accepting_an_invalid_node_stops_the_run():
     with pytest.raises(ValueError, match=r"the policy _AcceptsAll accepted a draft outside"):
         jspec.speculative_generate(_model(), _OffVocab(), PROMPTS, jspec.SpecConfig(
             policy=_AcceptsAll(), max_new_tokens=4, tree=jspec.TreeConfig(branching=(1, 1))))
+
+
+@struct.dataclass
+class _WrongRoot(_OffVocab):
+    """A tree whose root (node 0) is not ctx.cur."""
+
+    def propose_tree(self, state, ctx, tree):
+        tokens, parents, q, state = _OffVocab.propose_tree(self, state, ctx, tree)
+        return tokens.at[:, 0].set((ctx.cur + 1) % ctx.vocab), parents, q, state
+
+
+def test_a_tree_root_that_is_not_cur_is_verified_as_cur():
+    # Before: the engine verified the drafter's root, and the output differed from
+    # serial decoding's with no error (the audit then blamed the kernels).
+    serial = jspec.generate(_model(), PROMPTS, max_new_tokens=6)
+    out = jspec.speculative_generate(_model(), _WrongRoot(), PROMPTS, jspec.SpecConfig(
+        max_new_tokens=6, tree=jspec.TreeConfig(branching=(1, 1))))
+    assert np.array_equal(out.tokens, serial.tokens)
 
 
 def test_shipped_policies_reject_off_vocabulary_drafts_without_a_flag():
