@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
+from jspec import cli
 from jspec.bench import flag_checks
 from jspec.bench.receipts import write_receipt
 from jspec.bench.timing import STEP_REPS, copy_bandwidth, device_steps, median_time
@@ -427,4 +428,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

@@ -128,7 +128,9 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    from absl import app, flags
+    from absl import flags
+
+    from jspec import cli
 
     flags.DEFINE_string("pair", "jspec/assets/codepair", "dir with target/ and draft/")
     flags.DEFINE_string("dtype", "bfloat16", "bfloat16 | float32")
@@ -139,4 +141,4 @@ if __name__ == "__main__":
     flags.DEFINE_integer("iters", 2, "timed repetitions (median)")
     flags.DEFINE_string("out", os.environ.get("OUT", "experiments/results"), "receipt dir")
     flags.DEFINE_string("tag", "", "receipt file name suffix")
-    app.run(main)
+    cli.run(main)

@@ -60,7 +60,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from jspec import mxfp4, parity, sharding
+from jspec import cli, mxfp4, parity, sharding
 from jspec.bench import flag_checks
 from jspec.bench.receipts import write_receipt
 from jspec.cache import rollback
@@ -477,4 +477,4 @@ def print_table(report):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

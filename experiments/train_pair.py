@@ -35,6 +35,7 @@ from absl import app, flags, logging
 from flax import nnx
 from tqdm import tqdm
 
+from jspec import cli
 from jspec.bench import flag_checks
 from jspec.loop import NonFiniteError
 from jspec.train.corpus import HELD_OUT, read, stdlib_files
@@ -307,4 +308,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

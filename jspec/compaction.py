@@ -47,8 +47,9 @@ def check_batch_major(drafter, state, batch: int) -> None:
         shape = jnp.shape(leaf)
         if shape and shape[0] != batch:
             raise ValueError(
-                f"SpecConfig(compact=True): {type(drafter).__name__}'s state leaf "
-                f"{jax.tree_util.keystr(path)} has shape {shape}, not [B={batch}, ...]; give "
+                f"SpecConfig(compact=True): {type(drafter).__name__}'s state "
+                f"{'leaf ' + jax.tree_util.keystr(path) if path else '(one array)'} has shape "
+                f"{shape}, not [B={batch}, ...]; give "
                 "the drafter a select_rows(state, idx) that cuts its rows (jspec.Drafter)")
 
 

@@ -197,8 +197,9 @@ def feature_layers(cfg: dict, num_layers: int, convention: Convention = "auto",
     bad = [i for i in layers if not 0 <= i <= num_layers]
     if bad:
         shown = bad if convention == "entering" else [i - 1 for i in bad]
+        lo = 0 if convention == "entering" else -1
         raise CheckpointError(f"{where}: feature layers {shown} are outside the target's "
-                              f"0..{num_layers} (ids read as {convention!r})")
+                              f"{lo}..{num_layers + lo} (ids read as {convention!r})")
     return layers
 
 

@@ -761,6 +761,9 @@ def load_hf(path: str | os.PathLike, *, dtype: Any = "bfloat16", backend: str = 
     check_bool("mxfp4_experts", mxfp4_experts)
     if interpret is not None:
         check_bool("interpret", interpret)
+    if mesh is None and axis != "tp":  # never ignored
+        raise ValueError(f"axis={axis!r} names a mesh axis, but mesh is None: pass the "
+                         "jax.sharding.Mesh it belongs to (or leave axis out)")
     if mesh is not None:
         check_type("mesh", mesh, Mesh, "a jax.sharding.Mesh (jspec.sharding.make_mesh) or None")
         if mxfp4_experts:  # it was ignored: the model loaded dense, or as the default MoE

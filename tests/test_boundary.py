@@ -647,3 +647,9 @@ def test_an_eagle3_head_given_as_a_draft_model_points_to_head():
     head = os.path.join(os.path.dirname(target), "head")
     with pytest.raises(ValueError, match="is an EAGLE-3 head .* pass it as head="):
         text.load_text(target, head)
+
+
+def test_a_mesh_axis_without_a_mesh_is_refused():
+    # Before: axis= was ignored without a mesh.
+    with pytest.raises(ValueError, match=r"axis='model' names a mesh axis, but mesh is None"):
+        jspec.load_hf(fixture_path("qwen3"), axis="model")

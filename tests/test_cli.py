@@ -806,3 +806,12 @@ def test_gpu_session_keeps_a_quoted_value_with_spaces_as_one_step(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "=== X_FLAGS=--a=1 --b=2\n=== no_such_step\nunknown step no_such_step" in r.stdout
     assert "export" not in r.stderr
+
+
+@pytest.mark.parametrize("script, flags, words", [
+    # each was absl's traceback with exit code 1, gpu_parity's code for failed parity
+    ("gpu_parity.py", ["--models=nosuch:2", "--interpret"], ("nosuch",)),
+    ("bench_kernels.py", ["--preset=tiny-qwen3", "--dtype=fp16"], ("fp16",)),
+])
+def test_the_gpu_scripts_name_a_bad_flag_in_one_line(tmp_path, script, flags, words):
+    _one_line_error(_run(script, f"--out={tmp_path}", *flags), *words)

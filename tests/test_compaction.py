@@ -158,7 +158,7 @@ def test_the_plan_and_the_book():
         jspec.speculative_stream(target, jspec.PromptLookupDrafter(), [[1, 2, 3]],
                                  jspec.SpecConfig(compact=True))
     # A drafter state that is not batch-major, and no select_rows: named before any round.
-    with pytest.raises(ValueError, match=r"state leaf .* has shape \(7,\), not \[B=2"):
+    with pytest.raises(ValueError, match=r"_Odd.s state \(one array\) has shape \(7,\), not \[B=2"):
         jspec.speculative_generate(target, _Odd(), [[1, 2, 3], [4, 5]],
                                    jspec.SpecConfig(gamma=2, max_new_tokens=4, compact=True))
 

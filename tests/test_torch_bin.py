@@ -154,7 +154,8 @@ def test_feature_layer_conventions():
     assert feature_layers(entering, L, "after") == (3, 17, 30)
     assert feature_layers(speculators, L) == (1, 16, 29)
     assert feature_layers({}, L, "after") == (2, 16, 29)  # no ids: the shared default
-    with pytest.raises(CheckpointError, match=r"feature layers \[32\].*'after'"):
+    with pytest.raises(CheckpointError, match=r"feature layers \[32\] are outside the "
+                       r"target's -1\.\.31 \(ids read as 'after'\)"):
         feature_layers({"eagle_aux_hidden_state_layer_ids": [2, 32]}, L, "after")
 
 
