@@ -328,8 +328,10 @@ class TextPipeline:
         for i, p in enumerate(prompts):
             try:
                 ids.append(self.encode(p))
-            except ValueError as e:
-                raise ValueError(f"prompt {i}: {e}" if len(prompts) > 1 else str(e)) from None
+            except ValueError as e:  # named by index (a subclass, e.g. CheckpointError, kept)
+                if type(e) is not ValueError or len(prompts) == 1:
+                    raise
+                raise ValueError(f"prompt {i}: {e}") from None
         if stop_tokens is None:
             chat = any(not isinstance(p, str) for p in prompts)
             stop_tokens = self.stop_ids + (self.chat_stop_ids if chat else ())
