@@ -69,7 +69,7 @@ def test_a_healthy_forward_flags_nothing():
     assert fwd.bad.shape == (2, 3) and np.all(np.asarray(fwd.bad) == -1)
 
 
-@pytest.mark.parametrize("backend", ["xla", "pallas"])
+@pytest.mark.parametrize("backend", ["xla", pytest.param("pallas", marks=pytest.mark.slow)])
 def test_a_traced_id_out_of_range_is_flagged_at_its_position_alone(backend):
     # Before, its NaN embedding reached the positions before it (their masked key's zero
     # weight times NaN values): NaN logits flagged where the input was valid.
