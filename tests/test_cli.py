@@ -812,6 +812,18 @@ def test_gpu_session_keeps_a_quoted_value_with_spaces_as_one_step(tmp_path):
     # each was absl's traceback with exit code 1, gpu_parity's code for failed parity
     ("gpu_parity.py", ["--models=nosuch:2", "--interpret"], ("nosuch",)),
     ("bench_kernels.py", ["--preset=tiny-qwen3", "--dtype=fp16"], ("fp16",)),
+    ("tuning/profile_step.py", ["--batch=0"], ("--batch",)),  # a tuning script's own check
 ])
 def test_the_gpu_scripts_name_a_bad_flag_in_one_line(tmp_path, script, flags, words):
     _one_line_error(_run(script, f"--out={tmp_path}", *flags), *words)
+
+
+def test_every_absl_entry_point_runs_through_cli_run():
+    # cli.run turns a bad flag or a refused value into one `error:` line with exit code 2;
+    # a script on absl's app.run prints a traceback with exit code 1 instead.
+    import glob
+
+    scripts = glob.glob(os.path.join(ROOT, "experiments", "**", "*.py"), recursive=True)
+    bare = [os.path.relpath(s, ROOT) for s in scripts if "app.run(" in open(s).read()]
+    assert not bare, bare
+    assert len([s for s in scripts if "cli.run(main)" in open(s).read()]) >= 20

@@ -36,6 +36,7 @@ import numpy as np
 from absl import app, flags
 
 import jspec
+from jspec import cli
 from jspec.adaptive import shape_name
 from jspec.bench import flag_checks
 from jspec.bench.receipts import write_receipt
@@ -193,4 +194,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

@@ -29,11 +29,11 @@ import os
 
 import jax
 import jax.numpy as jnp
-from absl import app, flags
+from absl import flags
 from jax._src.interpreters import mlir
 from jax._src.pallas.triton import lowering, pallas_call_registration
 
-from jspec import fused_draft
+from jspec import cli, fused_draft
 from jspec.bench.h200_lowering import pretend_h200
 from jspec.cache import init_cache
 from jspec.model import Model, apply
@@ -168,4 +168,4 @@ def main(_):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

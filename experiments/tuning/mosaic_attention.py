@@ -42,8 +42,9 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import app, flags
+from absl import flags
 
+from jspec import cli
 from jspec.bench.receipts import receipt_stem, write_receipt
 from pallas_kernels.attention import attention as triton_attention
 from pallas_kernels.attention import attention_reference
@@ -225,4 +226,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

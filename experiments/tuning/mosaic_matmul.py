@@ -49,8 +49,9 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import app, flags
+from absl import flags
 
+from jspec import cli
 from jspec.bench.receipts import write_receipt
 from jspec.bench.timing import copy_bandwidth, median_time
 from pallas_kernels import mosaic
@@ -494,4 +495,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

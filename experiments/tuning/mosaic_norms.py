@@ -28,8 +28,9 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import app, flags
+from absl import flags
 
+from jspec import cli
 from jspec.bench.receipts import receipt_stem, write_receipt
 from jspec.bench.timing import median_time
 from pallas_kernels import add_rmsnorm as triton_add_rmsnorm
@@ -122,4 +123,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

@@ -26,8 +26,9 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import app, flags
+from absl import flags
 
+from jspec import cli
 from jspec.bench.receipts import receipt_stem, write_receipt
 from jspec.bench.timing import median_time
 from pallas_kernels.mosaic.top_p import top_p_kept
@@ -93,4 +94,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

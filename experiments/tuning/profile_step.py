@@ -48,6 +48,7 @@ import numpy as np
 from absl import app, flags
 
 import jspec
+from jspec import cli
 from jspec.bench import flag_checks
 from jspec.bench.hlo import copy_sources, fusion_sources
 from jspec.bench.receipts import write_receipt
@@ -250,4 +251,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

@@ -32,6 +32,7 @@ import numpy as np
 from absl import app, flags
 from tqdm import tqdm
 
+from jspec import cli
 from jspec.bench.receipts import write_receipt
 from jspec.bench.timing import dependent_launches, median_time
 from jspec.random_model import preset_config
@@ -139,4 +140,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

@@ -46,7 +46,7 @@ import numpy as np
 from absl import app, flags
 from tqdm import tqdm
 
-from jspec import mxfp4
+from jspec import cli, mxfp4
 from jspec.bench import flag_checks
 from jspec.bench.receipts import write_receipt
 from jspec.bench.timing import median_time
@@ -238,4 +238,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

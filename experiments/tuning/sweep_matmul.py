@@ -38,8 +38,9 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import app, flags
+from absl import flags
 
+from jspec import cli
 from jspec.bench.receipts import receipt_stem, write_receipt
 from jspec.bench.timing import copy_bandwidth, median_time
 from jspec.random_model import weight_shapes
@@ -446,4 +447,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

@@ -61,6 +61,7 @@ import numpy as np
 from absl import app, flags
 from tqdm import tqdm
 
+from jspec import cli
 from jspec.bench.receipts import write_receipt
 from jspec.bench.timing import median_time
 from jspec.bench.trace import device_events, summarize, traced
@@ -457,4 +458,4 @@ def main(_):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)
