@@ -355,11 +355,15 @@ def main(argv):
         raise app.UsageError("--mxfp4_experts times whole steps only: add --noops")
     if _LAYERS.value:
         kw["num_layers"] = _LAYERS.value
+    device = jax.devices()[0]
+    print(f"device {device.device_kind}, jax {jax.__version__}; random {_PRESET.value} weights"
+          + (f", {_LAYERS.value} layers" if _LAYERS.value else "")
+          + ("; kernels in interpret mode: slow at a real model's shape (--preset=tiny-qwen3 "
+             "to try the script)" if device.platform == "cpu" else ""), flush=True)
     model = random_model(_PRESET.value, **kw)
     iters = _ITERS.value
     bw = copy_bandwidth(iters)
-    print(f"device {jax.devices()[0].device_kind}, jax {jax.__version__}, "
-          f"copy {bw / 1e12:.2f} TB/s")
+    print(f"copy {bw / 1e12:.2f} TB/s")
     mm = bench_matmuls(model, batches, iters) if _OPS.value else []
     if mm:
         print(f"\nsingle ops, us per call ({mm[0]['timing']} time; see the docstring)")

@@ -132,19 +132,41 @@ class DeviceMemoryError(ValueError):
     (checked before they are moved, so nothing is half-loaded). `jspec.DeviceMemoryError`."""
 
 
-def check_fits_device(what: str, nbytes, device=None) -> None:
+def host_available_bytes() -> int | None:
+    """The memory this host can still give (Linux's MemAvailable), or None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def check_fits_device(what: str, nbytes, device=None, host: bool = False) -> None:
     """Raises DeviceMemoryError when `nbytes` (an int, or a function giving it, called only
     where there is a limit) of weights exceed the free memory XLA's allocator has on
-    `device` (default: the first device); silent where the platform reports no allocator
-    limit (a CPU)."""
+    `device` (default: the first device). Where the platform reports no allocator limit (a
+    CPU) it is silent, unless `host`: then weights made in place (not copied from host
+    arrays) are checked against the host's available memory."""
     import jax
 
     device = device or jax.devices()[0]
     try:
         stats = device.memory_stats()
     except Exception:  # noqa: BLE001 - a platform without allocator statistics
-        return
+        stats = None
     if not stats or "bytes_limit" not in stats:
+        free = host_available_bytes() if host and device.platform == "cpu" else None
+        if free is None:
+            return
+        nbytes = nbytes() if callable(nbytes) else nbytes
+        if nbytes > free:
+            raise DeviceMemoryError(
+                f"{what}: its weights take {nbytes / 1e9:.1f} GB, but this host has "
+                f"{free / 1e9:.1f} GB of memory available; take fewer layers (num_layers=, "
+                f"the scripts' --layers) or a smaller preset")
         return
     nbytes = nbytes() if callable(nbytes) else nbytes
     limit = int(stats["bytes_limit"])

@@ -238,3 +238,18 @@ def test_weights_larger_than_the_devices_free_memory_are_refused_before_loading(
     with pytest.raises(DeviceMemoryError, match="load_hf"):
         jspec.load_hf("tests/fixtures/llama3", interpret=True)
     assert issubclass(DeviceMemoryError, ValueError) and jspec.DeviceMemoryError
+
+
+def test_random_weights_larger_than_the_hosts_memory_are_refused_on_a_cpu(monkeypatch):
+    """On a CPU (no allocator limit) a random model is made in host memory: weights larger
+    than the host has available are refused before any is made (was a silent build of a
+    61 GB preset on a 24 GB machine, ended by the kernel's OOM killer)."""
+    from jspec import _checks
+
+    monkeypatch.setattr(_checks, "host_available_bytes", lambda: 1000)
+    with pytest.raises(_checks.DeviceMemoryError,
+                       match=r"random_model\('tiny-qwen3'\): .* GB, but this host has 0\.0 GB"
+                             r".*num_layers="):
+        random_model("tiny-qwen3", interpret=True)
+    monkeypatch.setattr(_checks, "host_available_bytes", lambda: None)  # unknown: no check
+    random_model("tiny-qwen3", interpret=True)
