@@ -286,7 +286,8 @@ class TextPipeline:
         the tokenizer's EOS).
       chat_stop_ids: further stop ids for chat prompts (the template's end of turn).
       generation_config: transformers' `GenerationConfig` of the checkpoint, or None (its
-        sampling defaults are not applied: jspec's defaults are greedy).
+        sampling defaults are not applied: jspec's defaults are greedy; nor are its logits
+        processors, e.g. repetition_penalty: `load_text` names those it sets).
       name: the target's path, for messages.
     """
 
@@ -524,6 +525,28 @@ def load_generation_config(path: str):
                               f"({e})") from e
 
 
+# generation_config.json settings transformers' generate applies even when greedy (logits
+# processors over the tokens before a position), with the value that does nothing.
+UNAPPLIED_SETTINGS = {"repetition_penalty": 1.0, "no_repeat_ngram_size": 0,
+                      "min_new_tokens": 0, "min_length": 0, "suppress_tokens": [],
+                      "begin_suppress_tokens": [], "bad_words_ids": [],
+                      "forced_bos_token_id": None, "forced_eos_token_id": None,
+                      "sequence_bias": {}, "exponential_decay_length_penalty": None}
+
+
+def unapplied_settings(generation_config) -> dict[str, Any]:
+    """The settings of a generation config that transformers' `generate` applies to every
+    decode (greedy too) and jspec does not: jspec's output is the model's own greedy (or
+    sampled) output. Empty for None."""
+    out = {}
+    for name, noop in UNAPPLIED_SETTINGS.items():
+        value = getattr(generation_config, name, None)
+        if value is None or value == noop or (isinstance(noop, list | dict) and not value):
+            continue
+        out[name] = value
+    return out
+
+
 def stop_ids_of(path: str, tokenizer, generation_config, vocab_size: int
                 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(stop ids, chat stop ids) of a checkpoint: every EOS id of its generation config
@@ -659,6 +682,11 @@ def load_text(target: str | os.PathLike, draft: str | os.PathLike | None = None,
                         "slower)", draft_path, target_path)
     model = load_hf(target_path, dtype=dtype, backend=backend, mxfp4_experts=mxfp4_experts)
     gen = load_generation_config(target_path)
+    if unapplied := unapplied_settings(gen):
+        LOG.warning("%s/generation_config.json sets %s, which jspec does not apply "
+                    "(transformers' generate does, greedy too): the text is the model's own "
+                    "greedy or sampled output", target_path,
+                    ", ".join(f"{k}={v!r}" for k, v in unapplied.items()))
     V = model.config.vocab_size
     stop, chat_stop = stop_ids_of(target_path, tok, gen, V)
     if len(tok) > V:  # a tokenizer of another model, or tokens added without resizing

@@ -357,3 +357,29 @@ def test_load_text_checks_its_drafter_before_loading_the_target(tmp_path, monkey
     monkeypatch.setattr(jspec.text, "load_hf", no_weights)
     with pytest.raises(ValueError, match=match):
         load_text(jspec.default_pair()[0], **kw)
+
+
+def test_generation_config_settings_jspec_does_not_apply_are_named_at_load(gemma, tmp_path,
+                                                                          caplog):
+    # transformers' generate applies repetition_penalty & co. even when greedy; jspec gives
+    # the model's own output, and says so at load (was silent: the text differed from
+    # transformers' with no word of why).
+    import json
+    import logging
+    import shutil
+
+    from jspec.text import load_generation_config, unapplied_settings
+
+    d = tmp_path / "target"
+    shutil.copytree(gemma[0], d)
+    with open(d / "generation_config.json", "w") as f:
+        json.dump({"eos_token_id": 1, "repetition_penalty": 1.3, "no_repeat_ngram_size": 0,
+                   "suppress_tokens": [], "bad_words_ids": [[5]]}, f)
+    assert unapplied_settings(load_generation_config(str(d))) == {
+        "repetition_penalty": 1.3, "bad_words_ids": [[5]]}
+    assert unapplied_settings(None) == {}
+    caplog.set_level(logging.WARNING, logger="jspec")
+    load_text(str(d))
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("sets repetition_penalty=1.3, bad_words_ids=[[5]], which jspec does not "
+               "apply" in m for m in messages), messages
