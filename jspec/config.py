@@ -37,7 +37,8 @@ from typing import Any
 
 from jspec._transformers import quiet_import
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text",
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "qwen2", "qwen3", "gemma2",
+                         "gemma3_text",
                          "qwen2_moe", "qwen3_moe", "mixtral", "gpt_oss")
 # Multimodal wrappers whose text model jspec loads: model_type -> the text model's type.
 TEXT_OF_MULTIMODAL = {"gemma3": "gemma3_text"}
@@ -91,7 +92,7 @@ class ModelConfig:
     `jspec.KernelOptions` and `jspec.DraftOptions`.
 
     Attributes:
-      family: "llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "qwen2_moe",
+      family: "llama", "mistral", "ministral", "qwen2", "qwen3", "gemma2", "gemma3", "qwen2_moe",
         "qwen3_moe", "mixtral" or "gpt_oss".
       vocab_size, hidden_size, intermediate_size, num_layers: the usual sizes.
       num_heads, num_kv_heads, head_dim: grouped-query attention's shape.
@@ -518,21 +519,28 @@ def _from_hf_config(hf: Any, dtype: str, source: str | None) -> ModelConfig:
         return _moe_config(hf, model_type, common)
     if model_type == "gpt_oss":
         return _gpt_oss_config(hf, common)
-    if model_type in ("llama", "mistral", "qwen2", "qwen3"):
+    if model_type in ("llama", "mistral", "ministral", "qwen2", "qwen3"):
         act = _get(hf, "hidden_act", "silu")
         if act != "silu":
             raise UnsupportedModelError(f"{model_type}: hidden_act={act!r} is not supported")
         if model_type in ("qwen2", "qwen3"):
             _no_sliding_layers(hf, model_type)
-        # Mistral is Llama with one sliding window on every layer (null: none);
-        # transformers' Mistral ignores `layer_types`, and so does jspec.
-        window = _window_of_every_layer(hf, model_type) if model_type == "mistral" else 0
+        # Mistral is Llama with one sliding window on every layer (null: none); Ministral
+        # (transformers' reading of a Mistral config with `layer_types`) windows the layers
+        # `layer_types` names.
+        window = (_window_of_every_layer(hf, model_type)
+                  if model_type in ("mistral", "ministral") else 0)
+        sliding = (window > 0,) * num_layers
+        if model_type == "ministral":
+            sliding = tuple(window > 0 and t for t in _sliding_layers(hf, model_type,
+                                                                      num_layers))
+            window = window if any(sliding) else 0
         return ModelConfig(
             family=model_type,
             rope=rope_spec(rope_params, _get(hf, "rope_theta", None), model_type),
             rope_local=None,
             sliding_window=window,
-            layer_sliding=(window > 0,) * num_layers,
+            layer_sliding=sliding,
             qk_norm=model_type == "qwen3",
             norm_offset=0.0,
             sandwich_norms=False,
@@ -551,13 +559,7 @@ def _from_hf_config(hf: Any, dtype: str, source: str | None) -> ModelConfig:
     if _get(hf, "use_bidirectional_attention", False):
         raise UnsupportedModelError(
             f"{model_type}: use_bidirectional_attention=True is not supported")
-    layer_types = list(_get(hf, "layer_types", []))
-    if len(layer_types) != num_layers:
-        raise UnsupportedModelError(f"{model_type}: {len(layer_types)=} != {num_layers=}")
-    unknown = set(layer_types) - {"sliding_attention", "full_attention"}
-    if unknown:
-        raise UnsupportedModelError(f"{model_type}: unknown layer_types {sorted(unknown)}")
-    sliding = tuple(t == "sliding_attention" for t in layer_types)
+    sliding = _sliding_layers(hf, model_type, num_layers)
     gemma = dict(  # the layers Gemma 2 and Gemma 3 share
         sliding_window=_window_of_sliding_layers(hf, model_type, sliding),
         layer_sliding=sliding,
@@ -765,6 +767,17 @@ def _window_of_sliding_layers(hf: Any, model_type: str, sliding: tuple[bool, ...
             "(transformers raises on null and masks every key with 0); set sliding_window, "
             "or make those layers 'full_attention'")
     return int(window or 0)
+
+
+def _sliding_layers(hf: Any, model_type: str, num_layers: int) -> tuple[bool, ...]:
+    """Which layers `layer_types` makes 'sliding_attention' (the others 'full_attention')."""
+    layer_types = list(_get(hf, "layer_types", None) or [])
+    if len(layer_types) != num_layers:
+        raise UnsupportedModelError(f"{model_type}: {len(layer_types)=} != {num_layers=}")
+    unknown = set(layer_types) - {"sliding_attention", "full_attention"}
+    if unknown:
+        raise UnsupportedModelError(f"{model_type}: unknown layer_types {sorted(unknown)}")
+    return tuple(t == "sliding_attention" for t in layer_types)
 
 
 def _window_of_every_layer(hf: Any, model_type: str) -> int:

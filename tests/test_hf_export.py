@@ -33,7 +33,8 @@ def test_random_preset_round_trip_bitwise(preset, tmp_path):
     _assert_same(model, jspec.load_hf(str(tmp_path), dtype="bfloat16", interpret=True))
 
 
-@pytest.mark.parametrize("name", ["llama3", "qwen3", "gemma3", "mistral", "qwen2", "gemma2"])
+@pytest.mark.parametrize("name", ["llama3", "qwen3", "gemma3", "mistral", "ministral", "qwen2",
+                                  "gemma2"])
 def test_fixture_checkpoint_round_trip_bitwise(name, tmp_path):
     model = jspec.load_hf(fixture_path(name), dtype="float32", interpret=True)
     save_hf_dir(model.config, model.params, str(tmp_path))

@@ -15,12 +15,13 @@ BACKENDS = ("xla", "pallas")
 # gemma3_mm: a multimodal Gemma 3 checkpoint (Gemma3ForConditionalGeneration), its text
 # model read out of it; that class applies no final softcap where its text_config sets one.
 # mistral: Llama with one sliding window on every layer (the dense draft of a Mixtral);
+# ministral: windowed and full layers by layer_types;
 # qwen2: q/k/v biases; gemma2: softcapped attention scores.
 # qwen2_moe: Qwen2's attention, a shared expert under a sigmoid gate; gpt_oss: biases
 # everywhere, attention sinks, a clamped SwiGLU, yarn RoPE; gpt_oss_mxfp4: the same model
 # with its experts stored as MXFP4 (gpt_oss's expected values).
 MOE = MOE_FAMILIES + ("qwen2_moe", "gpt_oss", "gpt_oss_mxfp4")
-ALL = FAMILIES + ("mistral", "qwen2", "gemma2") + MOE + ("gemma3_mm",)
+ALL = FAMILIES + ("mistral", "ministral", "qwen2", "gemma2") + MOE + ("gemma3_mm",)
 SAME_MODEL = {"gpt_oss_mxfp4": "gpt_oss"}  # fixtures of one model, one expected.npz
 
 
@@ -96,6 +97,27 @@ def test_mistral_features_are_read():
     raw = AutoConfig.from_pretrained(fixture_path("mistral"))
     raw.sliding_window = None  # Mistral v0.2+: no window
     cfg = jspec.from_hf_config(raw)
+    assert cfg.sliding_window == 0 and not any(cfg.layer_sliding)
+
+
+def test_ministral_layer_types_are_read(tmp_path):
+    # transformers reads a Mistral config with layer_types as Ministral (windowed and full
+    # layers); jspec does too (was refused as model_type='ministral', a name the file lacks).
+    import json
+    import shutil
+
+    cfg = load("ministral", "xla").config
+    assert cfg.family == "ministral" and cfg.layer_sliding == (True, False, True)
+    assert cfg.sliding_window == 16 < len(full_sequence("ministral"))
+    d = tmp_path / "mistral_with_layer_types"
+    shutil.copytree(fixture_path("ministral"), d)
+    raw = json.loads((d / "config.json").read_text())
+    raw |= {"model_type": "mistral", "architectures": ["MistralForCausalLM"]}
+    (d / "config.json").write_text(json.dumps(raw))
+    assert jspec.load_hf(str(d), dtype="float32", backend="xla").config == cfg
+    raw |= {"sliding_window": None}  # no window: every layer full, as transformers masks
+    (d / "config.json").write_text(json.dumps(raw))
+    cfg = jspec.load_hf(str(d), dtype="float32", backend="xla").config
     assert cfg.sliding_window == 0 and not any(cfg.layer_sliding)
 
 

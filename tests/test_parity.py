@@ -52,7 +52,7 @@ def _mismatches(model, seq):
 # q/k/v biases, Gemma 2: softcapped attention scores) and f32 in the slow run.
 @pytest.mark.parametrize("name,dtype", [
     (n, d) if d == "bfloat16" and n == "qwen3" else pytest.param(n, d, marks=pytest.mark.slow)
-    for n in FAMILIES + ("mistral", "qwen2", "gemma2") for d in DTYPES])
+    for n in FAMILIES + ("mistral", "ministral", "qwen2", "gemma2") for d in DTYPES])
 def test_pallas_logits_are_schedule_invariant(name, dtype):
     model = load(name, "pallas", dtype)
     found = _mismatches(model, _seq(name)[:44])

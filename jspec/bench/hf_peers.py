@@ -28,6 +28,7 @@ from jspec.config import rope_parameters
 
 ARCHITECTURES = {"llama": ("llama", "LlamaForCausalLM"),
                  "mistral": ("mistral", "MistralForCausalLM"),
+                 "ministral": ("ministral", "MinistralForCausalLM"),
                  "qwen2": ("qwen2", "Qwen2ForCausalLM"),
                  "qwen3": ("qwen3", "Qwen3ForCausalLM"),
                  "gemma2": ("gemma2", "Gemma2ForCausalLM"),
@@ -46,7 +47,7 @@ def hf_config_dict(cfg) -> dict:
          "rms_norm_eps": cfg.rms_eps, "tie_word_embeddings": cfg.tie_embeddings,
          "max_position_embeddings": cfg.max_position, "attention_bias": False,
          "dtype": cfg.dtype, "bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
-    if cfg.family in ("llama", "mistral", "qwen2", "qwen3"):
+    if cfg.family in ("llama", "mistral", "ministral", "qwen2", "qwen3"):
         if abs(cfg.attn_scale - cfg.head_dim**-0.5) > 0:
             raise ValueError(f"{cfg.family}: attn_scale {cfg.attn_scale} != head_dim**-0.5")
         d |= {"hidden_act": "silu", "rope_parameters": rope_parameters(cfg.rope)}
@@ -54,6 +55,10 @@ def hf_config_dict(cfg) -> dict:
             d["mlp_bias"] = False
         elif cfg.family == "mistral":
             d["sliding_window"] = cfg.sliding_window or None
+        elif cfg.family == "ministral":
+            d["sliding_window"] = cfg.sliding_window or None
+            d["layer_types"] = ["sliding_attention" if s else "full_attention"
+                                for s in cfg.layer_sliding]
         else:
             d["use_sliding_window"] = False
         return d
