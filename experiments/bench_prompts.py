@@ -72,9 +72,12 @@ def build(c) -> text.TextPipeline:
     head = c.head
     if not c.target and not c.draft and c.drafter in ("auto", "feature") and not head:
         head = default_head()
-    kw = dict(dtype=c.dtype, backend=c.backend, draft_backend=c.draft_backend or c.backend)
+    cli.check_drafter_fields(c, "prompt_lookup" if c.drafter == "prompt_lookup" else
+                             "feature" if head and c.drafter != "model" else "model")
+    kw = dict(dtype=c.dtype, backend=c.backend)
     if c.drafter == "prompt_lookup":
-        return text.load_text(target, "prompt_lookup", max_ngram=c.max_ngram, **kw)
+        return text.load_text(target, drafter=jspec.PromptLookupDrafter(c.max_ngram), **kw)
+    kw["draft_backend"] = c.draft_backend or c.backend
     if c.drafter == "feature" and not head:
         raise app.UsageError("--config.drafter=feature needs --config.head=<dir>")
     if head and c.drafter != "model":

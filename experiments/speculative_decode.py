@@ -97,6 +97,8 @@ def build(c) -> text.TextPipeline:
         kind = "prompt lookup" if c.drafter == "prompt_lookup" else "a feature head"
         raise app.UsageError(f"--config.draft_head prunes a draft model's LM head; the "
                              f"drafter here is {kind}: use --config.drafter=model")
+    cli.check_drafter_fields(c, "prompt_lookup" if c.drafter == "prompt_lookup" else
+                             "feature" if head and c.drafter in ("auto", "feature") else "model")
     if head and c.drafter in ("auto", "feature"):
         return text.load_text(target_path, head=head, dtype=c.dtype, backend=c.backend,
                               draft_backend=draft_backend, mxfp4_experts=c.mxfp4_experts)
@@ -108,8 +110,9 @@ def build(c) -> text.TextPipeline:
     # defaults (DraftOptions()), as the draft model is loaded.
     auto = c.draft_options == "auto"
     pipe = text.load_text(target_path, draft_path or None, dtype=c.dtype, backend=c.backend,
-                          draft_backend=draft_backend, mxfp4_experts=c.mxfp4_experts,
-                          draft_options=None if auto else jspec.DraftOptions())
+                          draft_backend=draft_backend if draft_path else None,
+                          mxfp4_experts=c.mxfp4_experts,
+                          draft_options=None if auto or not draft_path else jspec.DraftOptions())
     if pipe.drafter is None:  # the target drafts itself
         model = pipe.target.with_backend(draft_backend)
         pipe = pipe.with_drafter(jspec.ModelDrafter(

@@ -293,6 +293,26 @@ def run(main) -> None:
     app.run(checked, flags_parser=parse)
 
 
+# A --config field -> the drafters that read it (speculative_decode, bench_prompts).
+DRAFTER_FIELDS = {"max_ngram": ("prompt_lookup",), "draft_options": ("model",),
+                  "draft_backend": ("model", "feature"), "draft_head_size": ("model",)}
+DRAFTER_NAMES = {"model": "a draft model", "feature": "a feature head",
+                 "prompt_lookup": "prompt lookup"}
+
+
+def check_drafter_fields(c, kind: str) -> None:
+    """ValueError naming a --config field the command line set that the drafter `kind`
+    ("model", "feature" or "prompt_lookup") never reads: a setting is never dropped."""
+    for field, kinds in DRAFTER_FIELDS.items():
+        if field in c and kind not in kinds and _overridden(field):
+            raise ValueError(f"--config.{field} does not apply: the drafter here is "
+                             f"{DRAFTER_NAMES[kind]}, and only "
+                             f"{' or '.join(DRAFTER_NAMES[k] for k in kinds)} reads it")
+    if "draft_head_size" in c and not c.get("draft_head") and _overridden("draft_head_size"):
+        raise ValueError("--config.draft_head_size does not apply without --config.draft_head "
+                         "(the file whose most frequent tokens the pruned head keeps)")
+
+
 def _overridden(field: str, flag: str = "config") -> bool:
     """Whether the command line set `--<flag>.<field>` (a config flag's override; False
     where there is no such flag, as in a library call)."""

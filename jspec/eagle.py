@@ -243,13 +243,18 @@ def load_eagle3(path: str, target: Model, *, dtype=None,
     D, H = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
     head_dim = int(cfg.get("head_dim") or D // H)
     dtype = canonical_dtype(dtype) if dtype is not None else tcfg.dtype
-    hcfg = head_config(
-        tcfg, hidden_size=D, intermediate_size=int(cfg["intermediate_size"]), num_heads=H,
-        num_kv_heads=int(cfg.get("num_key_value_heads") or H), head_dim=head_dim,
-        draft_vocab_size=int(cfg.get("draft_vocab_size") or cfg["vocab_size"]),
-        feature_layers=layers, rope=_rope(cfg, path),
-        rms_eps=float(cfg.get("rms_norm_eps", 1e-6)), dtype=dtype,
-        norm_before_residual=bool(cfg.get("norm_before_residual", False)))
+    try:
+        hcfg = head_config(
+            tcfg, hidden_size=D, intermediate_size=int(cfg["intermediate_size"]), num_heads=H,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or H), head_dim=head_dim,
+            draft_vocab_size=int(cfg.get("draft_vocab_size") or cfg["vocab_size"]),
+            feature_layers=layers, rope=_rope(cfg, path),
+            rms_eps=float(cfg.get("rms_norm_eps", 1e-6)), dtype=dtype,
+            norm_before_residual=bool(cfg.get("norm_before_residual", False)))
+    except CheckpointError:
+        raise
+    except ValueError as e:  # the head's shapes, checked by its config: name the head
+        raise UnsupportedModelError(f"{path}/config.json: {e}") from e
     L, V, Vd = hcfg.layer, hcfg.vocab_size, hcfg.layer.vocab_size
     reader = TensorReader(path)
     pre = next((p for p in hf_names.EAGLE3_LAYER_PREFIXES
@@ -268,6 +273,13 @@ def load_eagle3(path: str, target: Model, *, dtype=None,
     layer = hf_names.build(hf_names.EAGLE3_LAYER, hf_names.dims(L), get, pre)
     params = {"layer": layer, "norm": get("norm.weight", (D,))}
     if hcfg.has_fc:
+        if reader.has("fc.weight"):  # its width says how many feature layers it was made for
+            width = reader.read("fc.weight").shape[-1]
+            if width != hcfg.feature_width and width % tcfg.hidden_size == 0:
+                raise CheckpointError(
+                    f"{path}: fc.weight reads {width // tcfg.hidden_size} feature layers "
+                    f"({width} = {width // tcfg.hidden_size} x {tcfg.hidden_size}), but the "
+                    f"config names {len(layers)} (eagle_aux_hidden_state_layer_ids)")
         params["fc"] = lin("fc.weight", D, hcfg.feature_width)
     if reader.has("lm_head.weight"):
         params["lm_head"] = lin("lm_head.weight", Vd, D)

@@ -189,6 +189,7 @@ class TensorReader:
             for name in sorted(self._open(fn)[1] - self.where.keys()):
                 self.where[name] = fn
         self.used: set[str] = set()
+        self.stored_dtypes: set[str] = set()  # of the tensors `get` cast
 
     def _open(self, fn: str):
         if fn not in self._files and fn.endswith(".bin"):
@@ -265,6 +266,7 @@ class TensorReader:
         self.used.add(name)
         if dtype is None:
             return arr
+        self.stored_dtypes.add(np.dtype(arr.dtype).name)
         with np.errstate(over="ignore"):
             out = arr.astype(dtype)
         if _narrows(arr.dtype, out.dtype):
@@ -741,6 +743,19 @@ def num_params(cfg: ModelConfig) -> int:
 # ------------------------------------------------------------------------- loading
 
 
+def log_cast(path: str, reader: TensorReader, dtype: str) -> None:
+    """Says which stored dtypes the weights were cast from: a warning for float16 to
+    bfloat16 (a narrower mantissa), else at INFO."""
+    changed = sorted(d for d in reader.stored_dtypes if d != dtype)
+    if not changed:
+        return
+    lossy = dtype == "bfloat16" and "float16" in changed
+    LOG.log(logging.WARNING if lossy else logging.INFO, "%s: weights stored as %s load as %s%s",
+            path, " and ".join(changed), dtype,
+            " (3 mantissa bits fewer than float16; dtype='float32' holds every float16 "
+            "value exactly)" if lossy else "")
+
+
 def load_hf(path: str | os.PathLike, *, dtype: Any = "bfloat16", backend: str = "pallas",
             interpret: bool | None = None, mesh=None, axis: str = "tp",
             mxfp4_experts: bool = False) -> Model:
@@ -785,6 +800,7 @@ def load_hf(path: str | os.PathLike, *, dtype: Any = "bfloat16", backend: str = 
                                     f"as MXFP4; this checkpoint is {cfg.family}")
     params = convert_params(cfg, reader, progress=nbytes > PROGRESS_MIN_BYTES,
                             mxfp4_experts=mxfp4_experts)
+    log_cast(path, reader, dtype)
     model_type = hf.model_type
     check_unused(cfg, reader, model_type, multimodal=model_type in TEXT_OF_MULTIMODAL)
     if backend == "pallas" and interpret:
@@ -847,6 +863,7 @@ def load_sharded(path: str, mesh: Mesh, *, axis: str = "tp", dtype="bfloat16",
 
     params = convert_params(cfg, reader, progress=reader.nbytes() > PROGRESS_MIN_BYTES,
                             place=put)
+    log_cast(path, reader, cfg.dtype)
     check_unused(cfg, reader, hf.model_type, multimodal=hf.model_type in TEXT_OF_MULTIMODAL)
     if backend == "pallas" and interpret:
         warn_interpret(path, cfg)

@@ -618,7 +618,7 @@ def _check_not_a_head(path: str) -> None:
 
 def load_text(target: str | os.PathLike, draft: str | os.PathLike | None = None, *,
               drafter=None, head: str | os.PathLike | None = None, dtype: Any = "bfloat16",
-              backend: str = "pallas", draft_backend: str = "xla",
+              backend: str = "pallas", draft_backend: str | None = None,
               draft_options: DraftOptions | None = None,
               mxfp4_experts: bool = False) -> TextPipeline:
     """Loads a target checkpoint (a directory or a hub id in the local HF cache) with its
@@ -631,11 +631,12 @@ def load_text(target: str | os.PathLike, draft: str | os.PathLike | None = None,
       your own), or a checkpoint path (the same as draft=).
     head: an EAGLE-3 head directory (`jspec.load_eagle3`), drafting with `FeatureDrafter`
       on draft_backend.
-    draft_backend: the draft model's backend: its numerics only change what is proposed,
-      never the output, so "xla" (fast, no interpret mode on a CPU) is the default.
+    draft_backend: the backend of the draft model or head (None: "xla"): its numerics only
+      change what is proposed, never the output, so "xla" (fast, no interpret mode on a
+      CPU) is the default. Refused with a drafter object or no drafter (nothing reads it).
     draft_options: a `DraftOptions` for the draft model, or None for
       `jspec.options.draft_options_for(draft)` (the fastest measured for the draft on
-      this platform).
+      this platform). Only with draft= (a head or a drafter object reads none).
     mxfp4_experts: a gpt-oss target keeps its MXFP4 experts packed (`jspec.load_hf`).
     """
     check_path("target", target)
@@ -658,11 +659,21 @@ def load_text(target: str | os.PathLike, draft: str | os.PathLike | None = None,
     if drafter is not None:
         check_drafter(drafter)
     _check_draft_options(draft_options)
+    if draft_options is not None and draft is None:  # never silently dropped
+        raise ValueError("draft_options= applies to a draft model (draft=); "
+                         + ("a head" if head is not None else "a drafter object"
+                            if drafter is not None else "no drafter") + " reads none")
     # Checked before any weights load: a misspelt draft_backend or a head's bad config.json
     # was found only once the target was loaded (minutes for a large one).
-    for name, value in (("backend", backend), ("draft_backend", draft_backend)):
+    for name, value in (("backend", backend),
+                        ("draft_backend", "xla" if draft_backend is None else draft_backend)):
         if not isinstance(value, str) or value not in BACKENDS:
             raise ValueError(f"{name}={value!r}; expected one of {BACKENDS}")
+    if draft_backend is not None and draft is None and head is None:
+        raise ValueError("draft_backend= applies to a draft model (draft=) or head (head=); "
+                         + ("a drafter object" if drafter is not None else "no drafter")
+                         + " reads none (give it its own model's backend)")
+    draft_backend = "xla" if draft_backend is None else draft_backend
     canonical_dtype(dtype)
     check_bool("mxfp4_experts", mxfp4_experts)
     target_path = resolve_checkpoint(target)

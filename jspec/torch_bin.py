@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import os
 import pickle
 import zipfile
 
@@ -109,6 +110,23 @@ class _Unpickler(pickle.Unpickler):
         return _Storage(str(key), kind.dtype, int(numel))
 
 
+def _not_a_zip(fn: str, e: Exception) -> str:
+    """Why `fn` is not a readable torch.save zip archive, from its first bytes."""
+    try:
+        with open(fn, "rb") as f:
+            head = f.read(4)
+        size = os.path.getsize(fn)
+    except OSError:
+        return f"{fn}: cannot be read ({e})"
+    if head == b"PK\x03\x04":  # a zip's first entry, but no readable directory at its end
+        return (f"{fn}: a zip archive that is truncated or corrupt ({e}; {size} bytes): "
+                "download or copy it again")
+    if head[:1] == b"\x80":  # a bare pickle: torch.save before torch 1.6
+        return (f"{fn}: the legacy torch.save format (torch < 1.6), which jspec does not "
+                "read: re-save it with torch")
+    return f"{fn}: not a torch.save archive ({e}; it starts with {head!r}, {size} bytes)"
+
+
 class TorchBin:
     """The tensors of one `torch.save` zip file: `keys()`, `get_tensor(name)` (numpy)."""
 
@@ -117,8 +135,7 @@ class TorchBin:
         try:
             self._zip = zipfile.ZipFile(fn)
         except (zipfile.BadZipFile, OSError) as e:
-            raise _error(f"{fn}: not a torch.save zip archive ({e}); files from torch < 1.6 "
-                         "(the legacy format) are not read: re-save them with torch") from e
+            raise _error(_not_a_zip(fn, e)) from e
         pkl = [n for n in self._zip.namelist() if n.endswith("/data.pkl") and n.count("/") == 1]
         if len(pkl) != 1:
             raise _error(f"{fn}: no <name>/data.pkl entry (not a torch.save archive)")

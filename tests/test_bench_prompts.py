@@ -75,3 +75,32 @@ def test_bench_prompts_smoke(tmp_path):
     bad = run_script(cmd[:3] + ["--config.sets=mtbench,alpaca"], cwd=ROOT,
                      capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "error: sets must name" in bad.stderr.splitlines()[-1]
+
+
+def test_bench_prompts_builds_each_drafter_and_refuses_a_setting_it_does_not_read():
+    # --config.drafter=prompt_lookup was a TypeError (load_text has no max_ngram); a
+    # --config field the chosen drafter never reads is named (it was dropped).
+    code = f"""
+import importlib.util, sys
+sys.path.insert(0, {os.path.join(ROOT, 'experiments')!r})
+import bench_prompts
+from jspec import cli
+spec = importlib.util.spec_from_file_location("cfg", {os.path.join(ROOT, 'configs',
+                                                                'bench_prompts.py')!r})
+cfg = importlib.util.module_from_spec(spec); spec.loader.exec_module(cfg)
+c = cfg.get_config("runlocal")
+c.drafter, c.max_ngram = "prompt_lookup", 2
+print(bench_prompts.build(c).drafter)
+cli._overridden = lambda field, flag="config": field == "max_ngram"  # as if --config.max_ngram
+c.drafter = "auto"
+try:
+    bench_prompts.build(c)
+except ValueError as e:
+    print("refused:", e)
+"""
+    r = run_script([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                   timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "PromptLookupDrafter(max_ngram=2" in r.stdout, r.stdout
+    assert ("refused: --config.max_ngram does not apply: the drafter here is a feature head, "
+            "and only prompt lookup reads it") in r.stdout, r.stdout

@@ -142,6 +142,13 @@ def test_running_the_option_module_points_to_the_entry_points():
     _one_line_error(r, "experiments/generate.py", "experiments/speculative_decode.py")
 
 
+def test_a_setting_the_drafter_does_not_read_is_one_line():
+    # The default drafter (the pair's feature head) reads no --config.max_ngram: it was
+    # dropped, exit 0; the slow run checks the other fields of jspec.cli.DRAFTER_FIELDS.
+    _one_line_error(_run(*_SPEC, "--config.max_ngram=9"), "--config.max_ngram does not "
+                    "apply: the drafter here is a feature head, and only prompt lookup reads it")
+
+
 @pytest.mark.slow  # further mistakes through the same one-line path
 def test_more_cli_errors_are_one_line(tmp_path):
     # --debug shows the traceback instead.
@@ -163,6 +170,13 @@ def test_more_cli_errors_are_one_line(tmp_path):
                     "--config.drafter=feature drafts without --config.draft")
     _one_line_error(_run(*_SPEC, "--config.drafter=prompt_lookup", f"--config.head={tmp_path}"),
                     "drafts without --config.head")
+    # A setting the chosen drafter never reads (each was dropped, exit 0).
+    _one_line_error(_run(*_SPEC, "--config.draft_options=draft_warps=8"),
+                    "--config.draft_options does not apply: the drafter here is a feature head")
+    _one_line_error(_run(*_SPEC, "--config.drafter=prompt_lookup", "--config.draft_backend=xla"),
+                    "--config.draft_backend does not apply: the drafter here is prompt lookup")
+    _one_line_error(_run(*_SPEC, "--config.drafter=model", "--config.draft_head_size=5"),
+                    "--config.draft_head_size does not apply without --config.draft_head")
     if jax.default_backend() == "cpu":  # JAX_PLATFORMS=cuda without a GPU: jax asserted
         r = subprocess.run([sys.executable, os.path.join(ROOT, "experiments", _GEN[0]),
                             _GEN[1]], cwd=ROOT, capture_output=True, text=True, timeout=300,

@@ -710,3 +710,22 @@ def test_a_params_checkpoint_given_to_load_hf_points_to_restore_params(tmp_path)
     with pytest.raises(jspec.CheckpointError, match="params checkpoint of jspec.checkpoint."
                                                     "save_params.*restore_params"):
         _xla(tmp_path)
+
+
+def test_a_cast_from_the_stored_dtype_is_said(tmp_path, caplog):
+    # float16 weights loaded as bfloat16 lose 3 mantissa bits: a warning (was silent, even
+    # at INFO); any other cast is said at INFO; a load in the stored dtype says nothing.
+    d = _copy_fixture(tmp_path, "qwen3")
+    _edit_tensors(d, lambda t: t.update({k: v.astype(np.float16) for k, v in t.items()}))
+    caplog.set_level(logging.INFO, logger="jspec")
+    jspec.load_hf(str(d), dtype="bfloat16", backend="xla")
+    warned = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("weights stored as float16 load as bfloat16 (3 mantissa bits fewer" in
+               r.getMessage() for r in warned), [r.getMessage() for r in caplog.records]
+    caplog.clear()
+    jspec.load_hf(str(d), dtype="float32", backend="xla")
+    assert [r.levelno for r in caplog.records if "stored as float16 load as float32"
+            in r.getMessage()] == [logging.INFO]
+    caplog.clear()
+    jspec.load_hf(fixture_path("qwen3"), dtype="float32", backend="xla")
+    assert not [r for r in caplog.records if "stored as" in r.getMessage()]

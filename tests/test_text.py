@@ -332,6 +332,16 @@ def test_load_text_takes_objects(gemma):
         load_text(gemma[0], gemma[1], drafter=lookup)
     with pytest.raises(ValueError, match=r"not a command-line name; use jspec.PromptLookup"):
         load_text(gemma[0], drafter="prompt_lookup")
+    # Settings no drafter here reads are refused, never dropped (both were ignored).
+    with pytest.raises(ValueError, match="draft_options= applies to a draft model.*a drafter "
+                                         "object reads none"):
+        load_text(gemma[0], drafter=lookup, draft_options=jspec.DraftOptions())
+    with pytest.raises(ValueError, match="draft_options=.*a head reads none"):
+        load_text(gemma[0], head=gemma[1], draft_options=jspec.DraftOptions())
+    with pytest.raises(ValueError, match="draft_backend= applies to .*a drafter object"):
+        load_text(gemma[0], drafter=lookup, draft_backend="pallas")
+    with pytest.raises(ValueError, match="draft_backend= applies to .*no drafter"):
+        load_text(gemma[0], draft_backend="xla")
     with pytest.raises(ValueError, match=r"'exact_greedy'.*temperature=0.8"):
         pipe.speculative_generate("Hi", policy="exact_greedy", temperature=0.8)
 

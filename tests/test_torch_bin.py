@@ -79,7 +79,25 @@ def test_a_pickle_naming_anything_else_is_refused(tmp_path, payload):
         TorchBin(fn)
     with open(fn, "wb") as f:
         f.write(b"\x80\x02}q\x00.")  # a bare pickle: the legacy (pre-zip) layout
-    with pytest.raises(CheckpointError, match="not a torch.save zip archive"):
+    with pytest.raises(CheckpointError, match=r"the legacy torch.save format \(torch < 1.6\)"):
+        TorchBin(fn)
+
+
+def test_a_truncated_bin_is_named_as_such(tmp_path):
+    # A cut download was reported as the legacy pre-zip format ("re-save it with torch").
+    fn = str(tmp_path / "pytorch_model.bin")
+    flat = np.arange(4000, dtype=np.float32)
+    torch_save.write_archive(fn, torch_save.pickle_state_dict(
+        {"w": ("0", 0, (4000,), (1,))}, {"0": flat}), {"0": flat})
+    TorchBin(fn)
+    data = open(fn, "rb").read()
+    with open(fn, "wb") as f:
+        f.write(data[:-5000])
+    with pytest.raises(CheckpointError, match=r"a zip archive that is truncated or corrupt"):
+        TorchBin(fn)
+    with open(fn, "wb") as f:
+        f.write(b"<html>not found</html>")
+    with pytest.raises(CheckpointError, match=r"not a torch.save archive .*b'<htm'"):
         TorchBin(fn)
 
 
@@ -173,6 +191,29 @@ def test_load_eagle3_reads_specforge_ids_one_layer_later(target, tmp_path):
         1, 0, 1)
     with pytest.raises(ValueError, match="aux_layers_convention='before'; expected one of"):
         load_eagle3(d, target, aux_layers_convention="before")
+
+
+def test_a_head_config_that_does_not_fit_names_the_head(target, tmp_path):
+    # Each was a bare ValueError (no path), or a shape error on fc.weight instead of the
+    # number of feature layers the config names.
+    from jspec.config import UnsupportedModelError
+
+    d = save_eagle3(str(tmp_path / "h"), _bf16_head(target))
+    cfg = json.load(open(os.path.join(d, "config.json")))
+
+    def edited(**changes):
+        eagle = changes.pop("eagle_config", {})
+        with open(os.path.join(d, "config.json"), "w") as f:
+            json.dump(cfg | changes | {"eagle_config": cfg["eagle_config"] | eagle}, f)
+        return d
+
+    with pytest.raises(UnsupportedModelError, match=f"{d}/config.json: draft vocabulary"):
+        load_eagle3(edited(draft_vocab_size=cfg["vocab_size"] + 1), target)
+    with pytest.raises(UnsupportedModelError, match=f"{d}/config.json: head_dim=48"):
+        load_eagle3(edited(head_dim=48), target)
+    with pytest.raises(CheckpointError, match=f"{d}: fc.weight reads 3 feature layers .* the "
+                                              "config names 2"):
+        load_eagle3(edited(eagle_config={"eagle_aux_hidden_state_layer_ids": [0, 1]}), target)
 
 
 def _consumer_view(config: dict, names: set[str], consumer: str) -> dict:
