@@ -526,7 +526,8 @@ class Bench:
         per_seed, warm, gpu = [], None, []
         shapes = parse_adaptive(_ADAPTIVE.value, self.tree) if adaptive else None
         for seed in seeds:  # the seed is a runtime array: one compile serves them all
-            spec = jspec.SpecConfig(gamma=gamma, max_new_tokens=self.N, seed=seed,
+            spec = jspec.SpecConfig(gamma=None if adaptive or self.tree else gamma,
+                                    max_new_tokens=self.N, seed=seed,
                                     tree=None if adaptive else self.tree, adaptive=shapes,
                                     compact=_COMPACT.value, stop_tokens=self.stops_at(B))
 
@@ -800,7 +801,8 @@ def check_positions(trees: list) -> None:
     from jspec.random_model import preset_config
 
     limit = preset_config(_TARGET.value.partition(":")[0]).max_position
-    specs = [jspec.SpecConfig(gamma=int(g), tree=t) for g in _GAMMAS.value for t in trees]
+    specs = [jspec.SpecConfig(gamma=None if t else int(g), tree=t)
+             for g in _GAMMAS.value for t in trees]
     if _ADAPTIVE.value:
         specs += [jspec.SpecConfig(adaptive=parse_adaptive(_ADAPTIVE.value, t)) for t in trees]
     block = max(s.proposals for s in specs) + 1

@@ -188,8 +188,9 @@ def main(argv):
     c = _CONFIG.value
     tree = c.tree or None
     policy = cli.config_policy(c)  # temperature: sampling policies only
-    jspec.SpecConfig(gamma=c.gamma, policy=policy, max_new_tokens=c.max_new_tokens,
-                     seed=c.seed, tree=parse_tree(c.tree))  # fail before loading
+    jspec.SpecConfig(gamma=None if tree else c.gamma, policy=policy,
+                     max_new_tokens=c.max_new_tokens, seed=c.seed,
+                     tree=parse_tree(c.tree))  # fail before loading
     check_count("timing_runs", c.timing_runs)  # timed runs a prompt (medians)
     if os.path.exists(c.out) and not os.path.isdir(c.out):
         raise app.UsageError(f"--config.out={c.out!r} is a file, not a directory")
@@ -198,7 +199,7 @@ def main(argv):
     chat = bool(c.chat and getattr(pipe.tokenizer, "chat_template", None))
     stop = (pipe.stop_ids + (pipe.chat_stop_ids if chat else ())) if c.stop_at_eos else ()
     kw = dict(max_new_tokens=c.max_new_tokens, seed=c.seed, stop_tokens=stop)
-    spec_kw = kw | dict(gamma=c.gamma, policy=policy, tree=tree)
+    spec_kw = kw | dict(gamma=None if tree else c.gamma, policy=policy, tree=tree)
     sampler = policy.serial_sampler()  # the serial run the policy reproduces
     serial_kw = kw | dict(temperature=getattr(sampler, "temperature", 0.0))
     platform = jax.devices()[0].platform

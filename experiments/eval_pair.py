@@ -131,7 +131,8 @@ def run_jspec(target, drafters, prompts, report, save):
         sweep += [(lab | {"tree": t}, d, parse_tree(t).depth, parse_tree(t))
                   for lab, d in drafters for t in _TREES.value.split(";") if t]
         for labels, drafter, g, tree in tqdm(sweep, desc=f"{policy} drafters x gammas"):
-            spec = jspec.SpecConfig(gamma=g, policy=policy_obj, max_new_tokens=N, tree=tree)
+            spec = jspec.SpecConfig(gamma=None if tree else g, policy=policy_obj,
+                                    max_new_tokens=N, tree=tree)
 
             def spec_all(spec=spec, drafter=drafter):
                 return [jspec.speculative_generate(target, drafter, b, spec) for b in batches]

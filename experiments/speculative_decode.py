@@ -188,7 +188,8 @@ def main(argv):
         cli.parse_options(c.draft_options, KernelOptions(interpret=default_interpret()))
     adaptive = cli.parse_adaptive(c.get("adaptive", ""), tree)
     stop_strings = check_stop_strings(c.stop_strings)
-    jspec.SpecConfig(gamma=c.gamma, policy=policy, max_new_tokens=c.max_new_tokens,
+    jspec.SpecConfig(gamma=None if adaptive or tree else c.gamma, policy=policy,
+                     max_new_tokens=c.max_new_tokens,
                      seed=c.seed, audit_every=c.audit_every,  # bad values fail here,
                      adaptive=adaptive,  # not later
                      tree=None if adaptive else parse_tree(c.get("tree", "")))
@@ -199,7 +200,7 @@ def main(argv):
     kw = dict(max_new_tokens=c.max_new_tokens, seed=c.seed, stop_tokens=stop,
               stop_strings=stop_strings)
     tree = c.get("tree", "") or None
-    spec_kw = kw | dict(gamma=None if tree else c.gamma, policy=policy,
+    spec_kw = kw | dict(gamma=None if tree or adaptive else c.gamma, policy=policy,
                         audit_every=c.audit_every, tree=tree, adaptive=adaptive)
     sampler = policy.serial_sampler()  # the serial run the policy reproduces
     serial_kw = kw | (dict(temperature=0.0) if isinstance(sampler, jspec.Greedy) else

@@ -222,6 +222,11 @@ def check_sampler(sampler) -> None:
     """A sampler object (Greedy, Sample or a hashable callable of the same signature)."""
     if isinstance(sampler, Greedy | Sample):
         return
+    if isinstance(sampler, type) or sampler is make_sampler:  # the class, not an instance
+        name = getattr(sampler, "__name__", "")
+        raise TypeError(f"sampler must be a sampler object, not the "
+                        f"{'class' if isinstance(sampler, type) else 'function'} {name}: "
+                        f"call it (jspec.{name}({'' if name == 'Greedy' else '...'}))")
     if isinstance(sampler, str) or not callable(sampler) or sampler.__hash__ is None:
         raise TypeError(f"sampler must be a jspec sampler (jspec.Greedy(), jspec.Sample(...) "
                         f"or jspec.make_sampler(...)); got {type(sampler).__name__} "

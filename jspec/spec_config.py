@@ -18,12 +18,24 @@ from jspec.tree import TreeConfig
 MAX_GAMMA = 32
 
 
+class _DefaultGamma(int):
+    """The gamma no one gave (4): a chain's default, and what a tree or an adaptive run
+    carries, so that a gamma given beside them is told from it (an error, never ignored)."""
+
+    def __repr__(self):
+        return "4"
+
+
+DEFAULT_GAMMA = _DefaultGamma(4)
+
+
 @dataclasses.dataclass(frozen=True)
 class SpecConfig:
     """Static settings of a speculative run (gamma decides shapes).
 
     Attributes:
-      gamma: draft proposals per round (1..MAX_GAMMA).
+      gamma: draft proposals per round (1..MAX_GAMMA; None or left out: 4). Not with a
+        tree or adaptive shapes, which set a round's drafts (a ValueError: never ignored).
       policy: a `jspec.Policy` (`ExactGreedy()`, `GumbelCoupled(temperature, top_k,
         top_p)`, `RejectionSampling(...)`, or your own) or a name, "exact_greedy",
         "gumbel_coupled" or "rejection_sampling" (a shorthand resolved here:
@@ -40,17 +52,17 @@ class SpecConfig:
         serial steps and compared bitwise, every row and position (trees: the accepted
         path); the run stops with a `ParityError` report on any difference.
       tree: a `jspec.tree.TreeConfig`: each round verifies a tree of drafts in one
-        forward instead of a chain of gamma (gamma is then unused).
+        forward instead of a chain of gamma (give no gamma).
       adaptive: a `jspec.Adaptive`: the round shape (plain decode steps, gammas, a tree)
         is chosen per chunk of rounds from measured costs and running acceptance
-        (`jspec.adaptive`); gamma and tree are then unused (give the tree in Adaptive).
+        (`jspec.adaptive`); give no gamma or tree (the tree goes in Adaptive).
       compact: `speculative_generate` continues with the live rows alone, in a batch of
         the next power of two, once at most half of the batch is live (rows that finish
         early no longer ride along). Each smaller batch compiles its loop once; property
         P makes the output the same. The drafter must implement `select_rows`.
     """
 
-    gamma: int = 4
+    gamma: int | None = DEFAULT_GAMMA
     policy: Policy | str = "exact_greedy"
     max_new_tokens: int = 64
     seed: int = 0
@@ -64,8 +76,16 @@ class SpecConfig:
     compact: bool = False
 
     def __post_init__(self):
+        given = self.gamma is not None and type(self.gamma) is not _DefaultGamma
+        if given and (self.tree is not None or self.adaptive is not None):
+            raise ValueError(f"gamma={self.gamma!r} does not apply with "
+                             f"{'a tree' if self.tree is not None else 'adaptive shapes'} "
+                             "(they set a round's drafts): give one of them")
+        if not given:
+            object.__setattr__(self, "gamma", DEFAULT_GAMMA)
         for name, least in (("audit_every", 0), ("gamma", 1), ("max_new_tokens", 1)):
-            object.__setattr__(self, name, check_count(name, getattr(self, name), least))
+            if name != "gamma" or given:
+                object.__setattr__(self, name, check_count(name, getattr(self, name), least))
         if self.gamma > MAX_GAMMA:
             raise ValueError(f"gamma={self.gamma} exceeds MAX_GAMMA={MAX_GAMMA} (a verify "
                              f"block of at most {MAX_GAMMA + 1} positions)")
@@ -132,7 +152,7 @@ def shape_spec(spec: SpecConfig, shape) -> SpecConfig:
     """The static config of one round shape of an adaptive run: gamma `shape` (0: a plain
     decode step, a shape only Adaptive asks for) or a TreeConfig."""
     tree = shape if isinstance(shape, TreeConfig) else None
-    gamma = spec.gamma if tree is not None else max(int(shape), 1)
+    gamma = None if tree is not None else max(int(shape), 1)
     one = dataclasses.replace(spec, adaptive=None, tree=tree, gamma=gamma)
     if tree is None and shape == 0:
         object.__setattr__(one, "gamma", 0)  # verify [cur] alone: T = 1, no proposals

@@ -486,7 +486,9 @@ def _round(target: Model, drafter, state: SpecState, seed, *, spec: SpecConfig) 
                    features=feats)
 
 
-# The phases as jitted functions, for research scripts that compose them.
+# The phases as jitted functions, for research scripts that compose them. `one_round` and
+# `spec_loop` donate `state` (its buffers are reused): continue from the state they return;
+# the one passed in is deleted (reading it raises "Array has been deleted").
 prefill = jax.jit(_prefill, static_argnames=("spec", "max_len"),
                   compiler_options=COMPILER_OPTIONS)
 draft_step = jax.jit(_draft, compiler_options=COMPILER_OPTIONS)

@@ -405,7 +405,6 @@ class TextPipeline:
         if tree is not None and gamma is not None:
             raise ValueError(f"gamma={gamma!r} does not apply with a tree (the tree sets a "
                              "round's drafts): give one of them")
-        gamma = 4 if gamma is None else gamma
         if adaptive is not None and tree is not None:
             adaptive, tree = dataclasses.replace(adaptive, tree=tree), None
         return SpecConfig(gamma=gamma, policy=resolve_policy(policy, temperature, top_k, top_p),

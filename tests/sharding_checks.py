@@ -266,7 +266,7 @@ def check_spec(args):
     serial = {}
     for label, drafter, policy, gamma in runs:
         tree = gamma if isinstance(gamma, TreeConfig) else None
-        spec = jspec.SpecConfig(gamma=3 if tree else gamma, max_new_tokens=N, policy=policy,
+        spec = jspec.SpecConfig(gamma=None if tree else gamma, max_new_tokens=N, policy=policy,
                                 temperature=None if policy == "exact_greedy" else 0.8,
                                 audit_every=2 if args.full else 0, tree=tree)
         if policy not in serial:

@@ -159,6 +159,11 @@ OBJECTS = {  # wrong objects: None, a raw Model where a drafter is wanted, strin
     "ModelDrafter None": (lambda: jspec.ModelDrafter(None), "ModelDrafter's model"),
     "FeatureDrafter Model": (lambda: jspec.FeatureDrafter(_model()), "FeatureDrafter's head"),
     "sampler str": (_gen(sampler="greedy"), "sampler must be a jspec sampler"),
+    # Before: a TypeError from inside the trace ("takes 1 positional argument but 5 were
+    # given", "replace() should be called on dataclass instances").
+    "sampler class": (_gen(sampler=jspec.Greedy), r"not the class Greedy: call it "
+                      r"\(jspec.Greedy\(\)\)"),
+    "sampler factory": (_gen(sampler=jspec.make_sampler), "not the function make_sampler"),
     "model None": (lambda: jspec.generate(None, _p(), max_new_tokens=2), "model must be"),
     "target None": (lambda: jspec.speculative_generate(None, jspec.PromptLookupDrafter(), _p(),
                                                        jspec.SpecConfig()), "target must be"),

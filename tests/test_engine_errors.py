@@ -74,7 +74,8 @@ def test_broken_draft_logits_stop_a_policy_that_reads_them(value, tree):
     stops, naming the drafter; a policy that never reads them runs as before."""
     model = load("qwen3", "xla")
     drafter = _BrokenQDrafter(model, value=value)
-    spec = jspec.SpecConfig(gamma=2, max_new_tokens=6, policy="rejection_sampling",
+    spec = jspec.SpecConfig(gamma=None if tree else 2, max_new_tokens=6,
+                            policy="rejection_sampling",
                             temperature=1.0, tree=tree)
     with pytest.raises(jspec.NonFiniteError, match=r"the drafter's draft logits hold NaN or "
                        r"\+inf, or are -inf at every token, where the policy "

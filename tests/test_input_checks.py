@@ -253,3 +253,20 @@ def test_random_weights_larger_than_the_hosts_memory_are_refused_on_a_cpu(monkey
         random_model("tiny-qwen3", interpret=True)
     monkeypatch.setattr(_checks, "host_available_bytes", lambda: None)  # unknown: no check
     random_model("tiny-qwen3", interpret=True)
+
+
+def test_a_gamma_given_beside_a_tree_or_adaptive_shapes_is_refused():
+    # It was accepted and ignored (the tree or the shapes set a round's drafts).
+    import dataclasses
+
+    tree = jspec.TreeConfig(branching=(2, 1))
+    for kw, what in ((dict(tree=tree), "a tree"),
+                     (dict(adaptive=jspec.Adaptive(gammas=(0, 2))), "adaptive shapes")):
+        for gamma in (4, 5):
+            with pytest.raises(ValueError, match=f"gamma={gamma} does not apply with {what}"):
+                jspec.SpecConfig(gamma=gamma, **kw)
+        spec = jspec.SpecConfig(gamma=None, **kw)
+        assert spec == jspec.SpecConfig(**kw)
+        assert dataclasses.replace(spec, seed=3).seed == 3 and spec.static() == spec.static()
+    assert jspec.SpecConfig().gamma == jspec.SpecConfig(gamma=None).gamma == 4
+    assert jspec.SpecConfig(gamma=4) == jspec.SpecConfig()  # one compile for both

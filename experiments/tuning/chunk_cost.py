@@ -93,7 +93,7 @@ def batch_costs(model, B: int, rng) -> dict:
     head = random_head(model, draft_vocab_size=hv if 0 < hv < V else None)
     drafter = jspec.OracleDrafter(ref, corrupt_prob=jnp.float32(0.2),
                                   draft=jspec.FeatureDrafter(head, catch_up=_CATCH_UP.value))
-    spec = jspec.SpecConfig(gamma=max(max(shapes), 1), max_new_tokens=N,
+    spec = jspec.SpecConfig(max_new_tokens=N,
                             adaptive=jspec.Adaptive(gammas=tuple(shapes)))
     tokens, lens, max_len, spec = spec_setup(model, drafter, prompt, spec, None)
     seed, spec = jnp.int32(0), spec.static()
@@ -120,7 +120,7 @@ def batch_costs(model, B: int, rng) -> dict:
                                         "s_per_round": slope, "intercept_s": icpt}
     out["engine_runs"] = []
     if _ENGINE_RUNS.value:
-        spec = jspec.SpecConfig(gamma=max(max(shapes), 1), max_new_tokens=N,
+        spec = jspec.SpecConfig(max_new_tokens=N,
                                 adaptive=jspec.Adaptive(gammas=tuple(shapes)))
         jspec.warm_up(model, drafter, prompt, spec)
         for _ in range(_ENGINE_RUNS.value):

@@ -113,7 +113,8 @@ def round_program(model, B: int, C: int, gamma: int, rng):
                                                  else None))
     drafter = jspec.OracleDrafter(ref, corrupt_prob=jnp.float32(0.2), draft=draft)
     adaptive = jspec.Adaptive(gammas=(0, 1)) if gamma == 0 else None  # 0: decode rounds
-    spec = jspec.SpecConfig(gamma=max(gamma, 1), max_new_tokens=N, adaptive=adaptive)
+    spec = jspec.SpecConfig(gamma=None if adaptive else max(gamma, 1), max_new_tokens=N,
+                            adaptive=adaptive)
     tokens, lens, max_len, spec = spec_setup(model, drafter, prompt, spec, None)
     seed, spec = jnp.int32(0), spec.static()
     state = spec_prefill(model, drafter, jnp.asarray(tokens), jnp.asarray(lens), seed,
