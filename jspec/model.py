@@ -206,6 +206,25 @@ def column_config(model: Model, w):
     return matmul_config(K, N, w.dtype, model.options.interpret)
 
 
+def check_row_partials(model: Model) -> None:
+    """ValueError unless the model's row_partials (at least its parallel degree) is a
+    multiple of that degree and divides the K of every row-parallel weight (`row_parallel`):
+    checked where the option is set, not first while tracing."""
+    size = model.parallel.size if model.parallel is not None else 1
+    S = max(model.options.row_partials, size)
+    if S == 1:
+        return
+    if S % size:
+        raise ValueError(f"row_partials={S} is not a multiple of the parallel degree {size}")
+    for lp in model.params["layers"]:
+        for name in ("wo", "w_down"):
+            w = lp.get(name)
+            if w is not None and w.ndim == 2 and w.shape[0] % (S // size):
+                raise ValueError(f"row_partials={S} must divide the K of every row-parallel "
+                                 f"weight (wo, w_down); this model's {name} has "
+                                 f"K={w.shape[0] * size}")
+
+
 def row_parallel(ops, model: Model, x, w, out_dtype, **kw):
     """x [M, K] @ w [K, N] for a row-parallel weight (wo, w_down). With row_partials S > 1
     (or tensor parallelism): S f32 partials over equal K chunks, gathered from the shards
@@ -218,10 +237,9 @@ def row_parallel(ops, model: Model, x, w, out_dtype, **kw):
         return ops.matmul(x, w, out_dtype=out_dtype, **kw)
     if S % size:
         raise ValueError(f"row_partials={S} is not a multiple of the parallel degree {size}")
-    if w.shape[0] % S:
+    if w.shape[0] % (S // size):  # this shard's K rows make S / size of the S partials
         raise ValueError(f"row_partials={S} must divide the K of every row-parallel weight "
-                         f"(wo, w_down); this model's [{w.shape[0]}, {w.shape[1]}] has "
-                         f"K={w.shape[0]}")
+                         f"(wo, w_down); this model's has K={w.shape[0] * size}")
     parts = ops.matmul_partials(x, w, splits=S // size)  # [S / size, M, N] f32
     if par is not None:
         parts = jax.lax.all_gather(parts, par.axis, axis=0, tiled=True)  # [S, M, N]
@@ -502,7 +520,9 @@ def with_options(model: Model, *options: KernelOptions | DraftOptions, **fields)
         raise ValueError(f"lowering='mosaic' runs 16-bit models (bfloat16, the dtype "
                          f"jspec loads them in: a float32 wgmma multiplies in TF32); this "
                          f"model is {dtype}")
-    return fused_draft.prepare(model.replace(options=kernel, draft_options=draft))
+    out = model.replace(options=kernel, draft_options=draft)
+    check_row_partials(out)
+    return fused_draft.prepare(out)
 
 
 def apply(model: Model, tokens: jax.Array, cache: KVCache, *, features: tuple[int, ...] = (),

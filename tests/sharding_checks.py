@@ -222,6 +222,20 @@ def check_degree(args):
     out["one device S=1"] = same(logits(model))
     tp4 = tp(4, row_partials=8)
     out["TP=4 S=8 serial == prefill"] = same(logits(tp4, serial))
+    # An MLP width TP divides but whose shards' K TP does not (45 = 90 / 2 rows a shard,
+    # one partial each): it was refused while tracing (K=45 checked against S=2).
+    odd = _degree_model(args.preset, args.dtype, intermediate_size=90)
+    out["TP=2 F=90 S=2 == one device S=2"] = same(
+        logits(sharding.shard(odd, sharding.make_mesh(2))),
+        logits(jspec.with_options(odd, row_partials=2)))
+    import tempfile
+
+    from jspec.bench.hf_peers import save_hf_dir
+    try:  # a sharded model's params are in its layout: refused, never exported wrong
+        save_hf_dir(tp4.config, tp4.params, tempfile.mkdtemp())
+        out["export refuses a sharded model"] = False
+    except ValueError as e:
+        out["export refuses a sharded model"] = "sharded over several devices" in str(e)
     if args.full:
         out["TP=2 S=2 (the default)"] = same(logits(tp(2)))
         out["TP=2 S=8 verify == prefill"] = same(logits(

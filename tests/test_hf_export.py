@@ -53,3 +53,22 @@ def test_real_shape_configs_convert():
         d = hf_config_dict(cfg)
         hf = AutoConfig.for_model(d.pop("model_type"), **d)
         assert jspec.from_hf_config(hf) == cfg, name
+
+
+def test_export_refuses_before_writing_and_never_overwrites_silently(tmp_path):
+    # A refused model emptied an existing config.json (opened for writing first); an
+    # existing checkpoint was replaced without a word.
+    import shutil
+
+    d = tmp_path / "ckpt"
+    shutil.copytree(fixture_path("llama3"), d)
+    before = {f: (d / f).read_bytes() for f in ("config.json", "model.safetensors")}
+    moe = jspec.load_hf(fixture_path("qwen3_moe"), dtype="float32", interpret=True)
+    with pytest.raises(ValueError, match="no HF architecture for family 'qwen3_moe'"):
+        save_hf_dir(moe.config, moe.params, str(d), overwrite=True)
+    dense = jspec.load_hf(fixture_path("qwen3"), dtype="float32", interpret=True)
+    with pytest.raises(FileExistsError, match="holds a checkpoint already"):
+        save_hf_dir(dense.config, dense.params, str(d))
+    assert {f: (d / f).read_bytes() for f in before} == before
+    save_hf_dir(dense.config, dense.params, str(d), overwrite=True)
+    _assert_same(dense, jspec.load_hf(str(d), dtype="float32", interpret=True))

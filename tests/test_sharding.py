@@ -61,6 +61,8 @@ def test_row_partials_8_gives_the_same_logits_at_every_degree(dtype, preset, ful
     same = [k for k in found if k.endswith("S=8")]
     assert len(same) >= 3 and all(found[k] for k in same), found
     assert found["TP=4 S=8 serial == prefill"], found
+    assert found["TP=2 F=90 S=2 == one device S=2"], found
+    assert found["export refuses a sharded model"], found
     if dtype == "float32":  # bf16 x bf16 products are exact in f32: orders rarely show
         assert not found["one device S=1"], found
         assert not any(v for k, v in found.items() if k.endswith("psum")), found

@@ -112,14 +112,35 @@ def hf_tensors(cfg, params) -> Iterator[tuple[str, np.ndarray]]:
         yield hf_names.LM_HEAD_NAMES[0], _t(lm_head)
 
 
-def save_hf_dir(cfg, params, path: str) -> None:
-    """A checkpoint directory (config.json + model.safetensors) that jspec.load_hf reads."""
+def save_hf_dir(cfg, params, path: str, overwrite: bool = False) -> None:
+    """A checkpoint directory (config.json + model.safetensors) that jspec.load_hf reads.
+    Everything is built before a file is written (a refused model leaves `path` as it
+    was); a directory holding a checkpoint is refused unless `overwrite`; so are a
+    tensor-parallel model's params (its sharded layout: export the one-device model)."""
+    import jax
     from safetensors.numpy import save_file
 
+    for x in jax.tree.leaves(params):
+        sharding = getattr(x, "sharding", None)
+        if sharding is not None and len(sharding.device_set) > 1 and not (
+                sharding.is_fully_replicated):
+            raise ValueError("save_hf_dir: the params are sharded over several devices (a "
+                             "tensor-parallel model's layout); export the one-device model")
+    files = ("config.json", "model.safetensors")
+    found = [f for f in files + ("model.safetensors.index.json", "pytorch_model.bin")
+             if os.path.exists(os.path.join(path, f))]
+    if found and not overwrite:
+        raise FileExistsError(f"{path} holds a checkpoint already ({', '.join(found)}); pass "
+                              "overwrite=True to replace it")
+    config = json.dumps(hf_config_dict(cfg), indent=1)
+    tensors = dict(hf_tensors(cfg, params))
     os.makedirs(path, exist_ok=True)
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(hf_config_dict(cfg), f, indent=1)
-    save_file(dict(hf_tensors(cfg, params)), os.path.join(path, "model.safetensors"))
+    tmp = [os.path.join(path, f"{f}.tmp") for f in files]
+    with open(tmp[0], "w") as f:
+        f.write(config)
+    save_file(tensors, tmp[1])
+    for t, f in zip(tmp, files, strict=True):
+        os.replace(t, os.path.join(path, f))
 
 
 def to_torch(a: np.ndarray):
