@@ -261,6 +261,13 @@ def run(main) -> None:
 
     def checked(argv):
         try:
+            # --out and --tag name where the receipt goes: checked before any work (a
+            # receipt written at the end would be lost with the run).
+            from jspec.bench.receipts import check_out_dir, check_tag
+
+            for name, check in (("out", check_out_dir), ("tag", check_tag)):
+                if name in flags.FLAGS and isinstance(flags.FLAGS[name].value, str):
+                    check(flags.FLAGS[name].value, f"--{name}")
             return main(argv)
         except (NonFiniteError, ParityError) as e:
             if flags.FLAGS.debug:

@@ -15,6 +15,7 @@ import tempfile
 from jspec._checks import existing_ancestor
 
 _STEMS: dict[str, str] = {}  # this process's stems, by the stem asked for
+MAX_TAG_BYTES = 120
 
 
 def check_tag(tag: str, flag: str = "--tag") -> str:
@@ -27,6 +28,9 @@ def check_tag(tag: str, flag: str = "--tag") -> str:
     if any(c in tag for c in seps) or ".." in tag or "\0" in tag:
         raise ValueError(f"{flag}={tag!r}: a receipt name suffix takes no path separators "
                          "or '..' (it names a file in --out; set --out for another folder)")
+    if len(tag.encode()) > MAX_TAG_BYTES:  # the file name, with a name and _run<N>.json
+        raise ValueError(f"{flag}: {len(tag.encode())} bytes; a receipt name suffix takes at "
+                         f"most {MAX_TAG_BYTES} (file names stop at 255)")
     return tag
 
 
@@ -74,9 +78,38 @@ def receipt_stem(out_dir: str, name: str, tag: str = "") -> str:
     return _STEMS[base]
 
 
+def _plain(value):
+    """A flag's value as JSON holds it (a config or other object: its text)."""
+    try:
+        json.dumps(value)
+        return value
+    except (TypeError, ValueError):
+        return str(value)
+
+
+def run_record() -> dict:
+    """What ran: the command line and, in an absl entry point, the value of every flag
+    its main module defines (defaults included)."""
+    record = {"command": " ".join(sys.argv)}
+    try:
+        from absl import flags
+
+        by_module = flags.FLAGS.flags_by_module_dict()  # a script's flags: by its argv[0]
+        defined = by_module.get(sys.argv[0]) or by_module.get(
+            getattr(sys.modules["__main__"], "__file__", ""), [])
+        if flags.FLAGS.is_parsed() and defined:
+            record["flags"] = {f.name: _plain(f.value) for f in defined}
+    except Exception:  # noqa: BLE001 - no absl, or no flags: the command line alone
+        pass
+    return record
+
+
 def write_receipt(out_dir: str, name: str, tag: str, report: dict) -> str:
     """Writes report to `receipt_stem(out_dir, name, tag)`.json, whole (a temporary file
-    replaced), and returns the path."""
+    replaced), and returns the path. A report without them gets `run_record()`'s command
+    and flags."""
+    for key, value in run_record().items():
+        report.setdefault(key, value)
     path = receipt_stem(out_dir, name, tag) + ".json"
     with open(path + ".tmp", "w") as f:
         json.dump(report, f, indent=1)
