@@ -827,6 +827,9 @@ def test_gpu_session_keeps_a_quoted_value_with_spaces_as_one_step(tmp_path):
     ("gpu_parity.py", ["--models=nosuch:2", "--interpret"], ("nosuch",)),
     ("bench_kernels.py", ["--preset=tiny-qwen3", "--dtype=fp16"], ("fp16",)),
     ("tuning/profile_step.py", ["--batch=0"], ("--batch",)),  # a tuning script's own check
+    # --out is checked before any work in every entry point (the sweep ran, then its
+    # receipt could not be written).
+    ("tuning/sweep_attention.py", ["--out=README.md"], ("--out='README.md' is a file",)),
 ])
 def test_the_gpu_scripts_name_a_bad_flag_in_one_line(tmp_path, script, flags, words):
     _one_line_error(_run(script, f"--out={tmp_path}", *flags), *words)

@@ -18,11 +18,11 @@ def test_a_run_rewrites_its_own_receipt_and_keeps_earlier_ones(tmp_path, monkeyp
     out = str(tmp_path / "out")
     first = receipts.write_receipt(out, "bench_x", "h200", {"step": 1})
     assert receipts.write_receipt(out, "bench_x", "h200", {"step": 2}) == first  # as it goes
-    assert json.loads(open(first).read()) == {"step": 2}
+    assert json.loads(open(first).read()) == {"step": 2, "command": " ".join(sys.argv)}
     monkeypatch.setattr(receipts, "_STEMS", {})  # a second run of the same command
     second = receipts.write_receipt(out, "bench_x", "h200", {"run": 2})
     assert second == f"{out}/bench_x_h200_run2.json"
-    assert json.loads(open(first).read()) == {"step": 2}  # the earlier run's, kept
+    assert json.loads(open(first).read())["step"] == 2  # the earlier run's, kept
     assert "earlier run's receipt, kept" in capsys.readouterr().err
     monkeypatch.setattr(receipts, "_STEMS", {})
     assert receipts.receipt_stem(out, "bench_x", "h200") == f"{out}/bench_x_h200_run3"
@@ -59,6 +59,9 @@ def test_a_benchmark_run_twice_keeps_both_receipts(tmp_path):
     names = sorted(p.name for p in tmp_path.iterdir())
     assert names == ["sweep_matmul_t.json", "sweep_matmul_t_run2.json",
                      "sweep_matmul_t_run2_tuned.json", "sweep_matmul_t_tuned.json"], names
+    rep = json.load(open(tmp_path / "sweep_matmul_t.json"))  # what ran, every flag
+    assert rep["command"].startswith("experiments/tuning/sweep_matmul.py --interpret")
+    assert rep["flags"]["presets"] == ["tiny-qwen3"] and rep["flags"]["iters"] == 1
 
 
 def test_rooflines_name_the_card_they_are_a_fraction_of():
