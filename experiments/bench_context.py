@@ -66,7 +66,8 @@ _INTERPRET = flags.DEFINE_bool("interpret", None, "Pallas interpret mode (defaul
 _OUT = flags.DEFINE_string("out", "experiments/results", "receipt dir")
 _TAG = flags.DEFINE_string("tag", "", "receipt name suffix")
 
-flag_checks.require_counts(_CONTEXTS, _XLA, _STEPS, _ITERS)
+flag_checks.require_counts(_XLA, _STEPS, _ITERS)
+flag_checks.require_counts(_CONTEXTS, nonempty=True)
 flag_checks.require_tag(_TAG)
 
 

@@ -748,8 +748,9 @@ def jobs_for(bench: Bench) -> list[tuple[str, object]]:
                     jobs.append((f"oracle B={B} {d} adaptive {_ADAPTIVE.value} a={a}",
                                  lambda B=B, a=a: bench.record_spec("oracle", B, head, a,
                                                                     adaptive=True)))
-        bench_last = shapes[-1]
-        for g in [g for g in gammas if g != head]:  # other gammas: the last sweep's shape
+        chains = [s for s in shapes if not s[1]]  # a tree sets its own drafts: no gamma
+        bench_last = chains[-1] if chains else None
+        for g in [g for g in gammas if g != head and chains]:  # other gammas: a chain's
             for a in accepts:
                 tail.append((f"oracle B={B} g={g} a={a}",
                              lambda B=B, g=g, a=a, s=bench_last: (bench.sweep(*s),
@@ -878,10 +879,13 @@ def main(argv):
                              "one device): add --nopeers")
     if _REPLOT.value:
         rep = merge_receipts(_REPLOT.value)
-        stem = os.path.join(_OUT.value, "bench_e2e" + (f"_{_TAG.value}" if _TAG.value else ""))
+        # Its own name (a run's plots are never replaced), the folder made if missing, and
+        # the merged receipt beside the plots.
+        path = write_receipt(_OUT.value, "bench_e2e_replot", _TAG.value, rep)
+        stem = path.removesuffix(".json")
         print_tables(rep)
         plot(rep, stem)
-        print(f"plots: {stem}_*.png")
+        print(f"receipt: {path}; plots: {stem}_*.png")
         return
     if _DRAFT_HEAD.value < 0:
         raise app.UsageError(f"--draft_head must be >= 0; got {_DRAFT_HEAD.value}")

@@ -175,9 +175,10 @@ class Run:
         self.report.setdefault("phases_s", {})[f"B={B} prefill + routing"] = (
             time.perf_counter() - t0)
         decode = {}
+        xla_ts = {int(t) for t in _XLA_TS.value}
         for T in Ts:
             u = unions(ids, T)
-            for backend in ["pallas"] + (["xla"] if str(T) in _XLA_TS.value else []):
+            for backend in ["pallas"] + (["xla"] if T in xla_ts else []):
                 row = self.measure(B, T, backend, block[:, :T], cache, u, row_unions(ids, T))
                 if row is None:
                     continue
@@ -239,6 +240,9 @@ def main(argv):
     if min(ts + other) < 1 or 1 not in ts:
         raise app.UsageError(f"--Ts must hold 1 (decode) and values >= 1; got {_TS.value}")
     ts = [1] + [t for t in ts if t != 1]  # decode first: the other rows' reference
+    if extra := sorted({int(t) for t in _XLA_TS.value} - set(ts)):
+        raise app.UsageError(f"--xla_Ts {extra} are not among --Ts {ts} (xla times the "
+                             "block sizes pallas does)")
     run = Run()
     r = run.report
     print(f"device {r['device']}, jax {r['jax']}; {r['preset']} with {r['layers']} layers "

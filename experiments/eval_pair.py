@@ -76,7 +76,8 @@ _TREES = flags.DEFINE_string("trees", "", "draft trees verified too, separated b
 _OUT = flags.DEFINE_string("out", os.environ.get("OUT", "experiments/results"), "receipt dir")
 _TAG = flags.DEFINE_string("tag", "", "receipt file name suffix")
 
-flag_checks.require_counts(_NUM, _BATCH, _PROMPT_LEN, _NEW, _GAMMAS, _ITERS, _PEER_GAMMAS)
+flag_checks.require_counts(_NUM, _BATCH, _PROMPT_LEN, _NEW, _ITERS, _PEER_GAMMAS)
+flag_checks.require_counts(_GAMMAS, nonempty=True)
 flag_checks.require_counts(_HEADS, least=0)
 flag_checks.require_positive(_TEMP)
 flag_checks.require_tag(_TAG)

@@ -108,6 +108,26 @@ _PROCESS_ID = flags.DEFINE_integer("process_id", 0, "this process's index (jax.d
 flag_checks.require_counts(_CONTEXT, _CONTEXTS, _CHUNK2, _WINDOW, _KS, _BATCHES, _TREES,
                            _TREE_DEPTH, _TREE_SEEDS, _DEGREE_TOKENS)
 flag_checks.require_tag(_TAG)
+flag_checks.require_choices(_BACKENDS, ("pallas", "xla"))
+
+
+def model_specs() -> list[tuple[str, int]]:
+    """--models as (preset, layers), checked before any model is built."""
+    out = []
+    for spec in FLAGS.value.split(","):
+        name, sep, layers = spec.partition(":")
+        if not name or not sep or not layers.isdigit() or int(layers) < 1:
+            raise app.UsageError(f"--models={FLAGS.value!r}: each entry is PRESET:LAYERS (e.g. "
+                                 f"qwen3-8b:4), layers >= 1; got {spec!r}")
+        out.append((name, int(layers)))
+    if _CONTEXTS.value and _CONTEXT.present:
+        raise app.UsageError("--context and --contexts: the long-context lane checks "
+                             "--contexts only; give one")
+    for n in [int(c) for c in _CONTEXTS.value] or [_CONTEXT.value]:
+        if n <= _WINDOW.value:
+            raise app.UsageError(f"--window={_WINDOW.value} checks the last positions of a "
+                                 f"context of {n}: it must be shorter than the context")
+    return out
 
 
 def degenerate_count(logits) -> int:
@@ -412,6 +432,7 @@ def batch_sizes() -> list[int]:
 
 def main(argv):
     del argv
+    specs = model_specs()
     sharding.init_distributed(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
     report = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
               "matmul_tuned": tuned_to_json(TUNED),
@@ -427,8 +448,7 @@ def main(argv):
               "results": {}}
     ks = [int(k) for k in _KS.value]
     batch_sizes()  # checked before any model is built
-    for spec in FLAGS.value.split(","):
-        name, layers = spec.split(":")
+    for name, layers in specs:
         for backend in _BACKENDS.value:
             model = build(name, int(layers), backend)
             report["speed_options"] = options_record(model)["kernel"]

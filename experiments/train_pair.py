@@ -37,6 +37,7 @@ from tqdm import tqdm
 
 from jspec import cli
 from jspec.bench import flag_checks
+from jspec.bench.receipts import check_out_dir
 from jspec.loop import NonFiniteError
 from jspec.train.corpus import HELD_OUT, read, stdlib_files
 from jspec.train.nnx_qwen3 import PairModelConfig, Qwen3, export_hf
@@ -233,15 +234,19 @@ def out_dir() -> str:
     out = _OUT_DIR.value or ("jspec/assets/codepair" if ship else
                              f"/tmp/jspec_pair_{_PRESET.value}")
     overwrite = ship if _OVERWRITE.value is None else _OVERWRITE.value
-    if os.path.exists(out) and not os.path.isdir(out):
-        raise app.UsageError(f"--out_dir={out!r} is a file, not a directory")
-    held = [m for m in _MODELS.value
+    check_out_dir(out, "--out_dir")
+    check_out_dir(_WORKDIR.value, "--workdir")
+    held = [m for m in ("target", "draft")
             if os.path.exists(os.path.join(out, m, "model.safetensors"))]
+    kept = [m for m in held if m not in _MODELS.value]
+    if kept:  # one tokenizer for the pair, trained anew by every run
+        raise app.UsageError(f"--out_dir={out!r} holds a trained {kept[0]} that --models="
+                             f"{','.join(_MODELS.value)} would leave on another tokenizer (a "
+                             "run trains the pair's tokenizer anew, and rewrites its card and "
+                             "log): train both models, or give another --out_dir")
     if held and not overwrite:
         raise app.UsageError(f"--out_dir={out!r} holds a trained {held[0]} already; pass "
                              "--overwrite to replace it, or another --out_dir")
-    if os.path.exists(_WORKDIR.value) and not os.path.isdir(_WORKDIR.value):
-        raise app.UsageError(f"--workdir={_WORKDIR.value!r} is a file, not a directory")
     return out
 
 

@@ -321,7 +321,9 @@ def test_bench_e2e_smoke(tmp_path):
     r = _run("bench_e2e.py", f"--replot={tmp_path / 'bench_e2e.json'}", f"--out={tmp_path}",
              "--tag=again")
     assert r.returncode == 0 and "serial greedy" in r.stdout, r.stderr[-2000:]
-    assert (tmp_path / "bench_e2e_again_speedup_vs_gamma.png").exists()
+    # Under its own name, beside the merged receipt: the run's plots are never replaced.
+    assert (tmp_path / "bench_e2e_replot_again_speedup_vs_gamma.png").exists()
+    assert json.load(open(tmp_path / "bench_e2e_replot_again.json"))["speculative"]
     bad = _run("bench_e2e.py", "--target=tiny-qwen3", "--draft=tiny-qwen3:1", "--nopeers",
                "--draft_head=100000", f"--out={tmp_path}")
     assert bad.returncode != 0 and "exceeds the draft's vocabulary (512)" in bad.stderr

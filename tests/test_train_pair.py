@@ -81,9 +81,14 @@ def test_train_pair_keeps_an_exported_pair(tmp_path):
     (tmp_path / "a_file").write_text("x")
     base = [sys.executable, os.path.join(ROOT, "experiments", "train_pair.py"), "--preset=cpu",
             "--models=draft", f"--workdir={tmp_path / 'work'}"]
-    for flag, words in ((f"--out_dir={tmp_path / 'pair'}", "holds a trained draft already"),
-                        (f"--out_dir={tmp_path / 'a_file'}", "is a file, not a directory")):
-        r = run_script(base + [flag], cwd=ROOT, capture_output=True, text=True,
+    for flags, words in (
+            ([f"--out_dir={tmp_path / 'pair'}"], "holds a trained draft already"),
+            ([f"--out_dir={tmp_path / 'a_file'}"], "is a file, not a directory"),
+            # One model beside the other's: a run retrains the pair's tokenizer (and wrote
+            # its card and log over the draft's, exit 0).
+            ([f"--out_dir={tmp_path / 'pair'}", "--models=target", "--overwrite"],
+             "holds a trained draft that --models=target would leave on another tokenizer")):
+        r = run_script(base + flags, cwd=ROOT, capture_output=True, text=True,
                        timeout=120)
         assert r.returncode != 0 and words in r.stderr, r.stderr[-2000:]
     assert (tmp_path / "pair" / "draft" / "model.safetensors").read_text() == "trained"

@@ -13,7 +13,8 @@ def _values(value) -> list:
 def require_counts(*holders, least: int = 1, most: int | None = None,
                    nonempty: bool = False) -> None:
     """Each flag (an integer, or a list of them) holds integers in [least, most] (and,
-    with nonempty, at least one)."""
+    with nonempty, at least one); a list names each value once (a repeat would be run
+    and recorded twice)."""
     span = f">= {least}" if most is None else f"in [{least}, {most}]"
     for holder in holders:
         def ok(value):
@@ -21,11 +22,12 @@ def require_counts(*holders, least: int = 1, most: int | None = None,
             try:
                 return (bool(values) or not nonempty) and all(
                     not isinstance(v, bool) and float(v) == int(v) and int(v) >= least
-                    and (most is None or int(v) <= most) for v in values)
+                    and (most is None or int(v) <= most) for v in values) and len(
+                    {int(float(v)) for v in values}) == len(values)
             except (TypeError, ValueError):
                 return False
         flags.register_validator(holder, ok, message=f"must hold integers {span}"
-                                 + (", at least one" if nonempty else ""))
+                                 + (", at least one" if nonempty else "") + ", each once")
 
 
 def require_probabilities(*holders) -> None:
