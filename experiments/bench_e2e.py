@@ -167,7 +167,8 @@ _ORACLE_SEEDS = flags.DEFINE_integer(
 _OUT = flags.DEFINE_string("out", os.environ.get("OUT", "experiments/results"), "output dir")
 _TAG = flags.DEFINE_string("tag", "", "suffix of the receipt's file name")
 _REPLOT = flags.DEFINE_list("replot", [], "no runs: merge these receipts (runs cut short "
-                            "too), print the tables and draw the plots under --out/--tag")
+                            "too), print the tables and write the merged receipt and its "
+                            "plots as bench_e2e_replot[_<tag>] under --out")
 _TP = flags.DEFINE_integer("tp", 0, "> 0: the target tensor-parallel over this many devices "
                            "(jspec.sharding), the draft replicated on them; 0: one device")
 _ROW_PARTIALS = flags.DEFINE_integer(
