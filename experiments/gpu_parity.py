@@ -67,6 +67,7 @@ from jspec.cache import rollback
 from jspec.chunked_prefill import prefill_jit
 from jspec.cli import options_record, with_option_string
 from jspec.model import COMPILER_OPTIONS, apply, forward
+from jspec.options import BACKENDS
 from jspec.random_model import random_model
 from jspec.sharding import init_cache  # the sharded cache for a sharded model
 from jspec.tree import from_parents
@@ -108,7 +109,7 @@ _PROCESS_ID = flags.DEFINE_integer("process_id", 0, "this process's index (jax.d
 flag_checks.require_counts(_CONTEXT, _CONTEXTS, _CHUNK2, _WINDOW, _KS, _BATCHES, _TREES,
                            _TREE_DEPTH, _TREE_SEEDS, _DEGREE_TOKENS)
 flag_checks.require_tag(_TAG)
-flag_checks.require_choices(_BACKENDS, ("pallas", "xla"))
+flag_checks.require_choices(_BACKENDS, BACKENDS)
 
 
 def model_specs() -> list[tuple[str, int]]:

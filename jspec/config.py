@@ -38,8 +38,7 @@ from typing import Any
 from jspec._transformers import quiet_import
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "qwen2", "qwen3", "gemma2",
-                         "gemma3_text",
-                         "qwen2_moe", "qwen3_moe", "mixtral", "gpt_oss")
+                         "gemma3_text", "qwen2_moe", "qwen3_moe", "mixtral", "gpt_oss")
 # Multimodal wrappers whose text model jspec loads: model_type -> the text model's type.
 TEXT_OF_MULTIMODAL = {"gemma3": "gemma3_text"}
 DTYPES = ("float32", "bfloat16")
@@ -92,8 +91,8 @@ class ModelConfig:
     `jspec.KernelOptions` and `jspec.DraftOptions`.
 
     Attributes:
-      family: "llama", "mistral", "ministral", "qwen2", "qwen3", "gemma2", "gemma3", "qwen2_moe",
-        "qwen3_moe", "mixtral" or "gpt_oss".
+      family: "llama", "mistral", "ministral", "qwen2", "qwen3", "gemma2", "gemma3",
+        "qwen2_moe", "qwen3_moe", "mixtral" or "gpt_oss".
       vocab_size, hidden_size, intermediate_size, num_layers: the usual sizes.
       num_heads, num_kv_heads, head_dim: grouped-query attention's shape.
       rms_eps: RMSNorm epsilon.

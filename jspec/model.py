@@ -212,17 +212,21 @@ def check_row_partials(model: Model) -> None:
     checked where the option is set, not first while tracing."""
     size = model.parallel.size if model.parallel is not None else 1
     S = max(model.options.row_partials, size)
-    if S == 1:
-        return
-    if S % size:
-        raise ValueError(f"row_partials={S} is not a multiple of the parallel degree {size}")
-    for lp in model.params["layers"]:
+    for lp in model.params["layers"] if S > 1 else ():
         for name in ("wo", "w_down"):
             w = lp.get(name)
-            if w is not None and w.ndim == 2 and w.shape[0] % (S // size):
-                raise ValueError(f"row_partials={S} must divide the K of every row-parallel "
-                                 f"weight (wo, w_down); this model's {name} has "
-                                 f"K={w.shape[0] * size}")
+            if w is not None and w.ndim == 2:
+                _check_row_split(S, size, w, name)
+
+
+def _check_row_split(S: int, size: int, w, name: str) -> None:
+    """S partials at degree `size`: S a multiple of it, and this shard's K rows of `w`
+    (one shard's: K / size of them) cut into S / size equal chunks."""
+    if S % size:
+        raise ValueError(f"row_partials={S} is not a multiple of the parallel degree {size}")
+    if w.shape[0] % (S // size):
+        raise ValueError(f"row_partials={S} must divide the K of every row-parallel weight "
+                         f"(wo, w_down); this model's {name} has K={w.shape[0] * size}")
 
 
 def row_parallel(ops, model: Model, x, w, out_dtype, **kw):
@@ -235,11 +239,7 @@ def row_parallel(ops, model: Model, x, w, out_dtype, **kw):
     S = max(model.options.row_partials, size)
     if S == 1:
         return ops.matmul(x, w, out_dtype=out_dtype, **kw)
-    if S % size:
-        raise ValueError(f"row_partials={S} is not a multiple of the parallel degree {size}")
-    if w.shape[0] % (S // size):  # this shard's K rows make S / size of the S partials
-        raise ValueError(f"row_partials={S} must divide the K of every row-parallel weight "
-                         f"(wo, w_down); this model's has K={w.shape[0] * size}")
+    _check_row_split(S, size, w, "wo or w_down")
     parts = ops.matmul_partials(x, w, splits=S // size)  # [S / size, M, N] f32
     if par is not None:
         parts = jax.lax.all_gather(parts, par.axis, axis=0, tiled=True)  # [S, M, N]

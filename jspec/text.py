@@ -662,17 +662,17 @@ def load_text(target: str | os.PathLike, draft: str | os.PathLike | None = None,
         raise ValueError("draft_options= applies to a draft model (draft=); "
                          + ("a head" if head is not None else "a drafter object"
                             if drafter is not None else "no drafter") + " reads none")
+    backend_given = draft_backend is not None
+    draft_backend = draft_backend if backend_given else "xla"
     # Checked before any weights load: a misspelt draft_backend or a head's bad config.json
     # was found only once the target was loaded (minutes for a large one).
-    for name, value in (("backend", backend),
-                        ("draft_backend", "xla" if draft_backend is None else draft_backend)):
+    for name, value in (("backend", backend), ("draft_backend", draft_backend)):
         if not isinstance(value, str) or value not in BACKENDS:
             raise ValueError(f"{name}={value!r}; expected one of {BACKENDS}")
-    if draft_backend is not None and draft is None and head is None:
+    if backend_given and draft is None and head is None:
         raise ValueError("draft_backend= applies to a draft model (draft=) or head (head=); "
                          + ("a drafter object" if drafter is not None else "no drafter")
                          + " reads none (give it its own model's backend)")
-    draft_backend = "xla" if draft_backend is None else draft_backend
     canonical_dtype(dtype)
     check_bool("mxfp4_experts", mxfp4_experts)
     target_path = resolve_checkpoint(target)

@@ -53,12 +53,11 @@ def hf_config_dict(cfg) -> dict:
         d |= {"hidden_act": "silu", "rope_parameters": rope_parameters(cfg.rope)}
         if cfg.family == "llama":
             d["mlp_bias"] = False
-        elif cfg.family == "mistral":
+        elif cfg.family in ("mistral", "ministral"):
             d["sliding_window"] = cfg.sliding_window or None
-        elif cfg.family == "ministral":
-            d["sliding_window"] = cfg.sliding_window or None
-            d["layer_types"] = ["sliding_attention" if s else "full_attention"
-                                for s in cfg.layer_sliding]
+            if cfg.family == "ministral":
+                d["layer_types"] = ["sliding_attention" if s else "full_attention"
+                                    for s in cfg.layer_sliding]
         else:
             d["use_sliding_window"] = False
         return d
