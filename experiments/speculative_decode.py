@@ -187,6 +187,10 @@ def main(argv):
 
         cli.parse_options(c.draft_options, KernelOptions(interpret=default_interpret()))
     adaptive = cli.parse_adaptive(c.get("adaptive", ""), tree)
+    if adaptive is not None and cli._overridden("gamma"):
+        raise app.UsageError(f"--config.gamma={c.gamma} does not apply with adaptive shapes "
+                             f"(--config.adaptive={c.adaptive!r}: its gammas are the draft "
+                             "lengths): drop one")
     stop_strings = check_stop_strings(c.stop_strings)
     jspec.SpecConfig(gamma=None if adaptive or tree else c.gamma, policy=policy,
                      max_new_tokens=c.max_new_tokens,

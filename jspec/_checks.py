@@ -26,6 +26,20 @@ class CheckpointError(ValueError):
 SEED_LIMIT = 2**31
 
 
+def check_x32() -> None:
+    """A ValueError if JAX's 64-bit mode is on where jspec computes. jspec's programs are
+    32-bit by construction (int32 ids and lengths, bf16/f32 values); with
+    `jax_enable_x64` on, jnp's defaults turn 64-bit and the programs either fail deep in
+    a trace or compute in other dtypes. Checked where a model computes (traced calls
+    too), so the message names the setting instead."""
+    import jax
+
+    if jax.config.jax_enable_x64:
+        raise ValueError("JAX's 64-bit mode is on (jax_enable_x64): jspec computes in 32 "
+                         "bits. Run jspec's calls inside `with jax.enable_x64(False):` "
+                         "(the rest of your program keeps 64-bit), or turn the mode off")
+
+
 def is_int(value) -> bool:
     """A Python or numpy integer, not a bool."""
     return isinstance(value, int | np.integer) and not isinstance(value, bool | np.bool_)

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jspec._checks import check_count, check_type
+from jspec._checks import check_count, check_type, check_x32
 
 # Key-block granularity of the cache capacity: every attention kernel
 # configuration uses a key block that divides this.
@@ -62,6 +62,7 @@ def init_cache(model, batch_size: int, max_len: int) -> KVCache:
                         f"{type(model).__name__}")
     batch_size = check_count("batch_size", batch_size)
     max_len = check_count("max_len", max_len)
+    check_x32()
     par = getattr(model, "parallel", None)
     if par is not None and not par.inside:  # a sharded model: its own layout
         return par.init_cache(model, batch_size, max_len)

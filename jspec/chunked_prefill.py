@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jspec._checks import check_ints, check_type
+from jspec._checks import check_ints, check_type, check_x32
 from jspec.cache import KVCache, check_live, rollback
 from jspec.model import COMPILER_OPTIONS, Model, apply, check_tokens, row_flags
 
@@ -114,6 +114,7 @@ def prefill_jit(model: Model, tokens, lens, cache: KVCache, *,
     check_type("model", model, Model, "a jspec.Model (jspec.load_hf, jspec.random_model)")
     check_type("cache", cache, KVCache, "a jspec.KVCache (jspec.init_cache)")
     check_live(cache)
+    check_x32()
     if any(isinstance(x, jax.core.Tracer) for x in (tokens, lens, cache.lengths)):
         raise TypeError("prefill_jit is called from the host; inside jax.jit, lax.scan or "
                         "vmap call jspec.chunked_prefill.prefill, which returns the same "

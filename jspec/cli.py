@@ -361,7 +361,8 @@ def check_output(path: str, prompts: str | None = None) -> None:
         raise ValueError(f"output {path!r} is a directory; give a file, e.g. out.jsonl")
     parent = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(parent):
-        raise ValueError(f"output {path!r}: the directory {parent!r} does not exist")
+        what = "is a file, not a directory" if os.path.exists(parent) else "does not exist"
+        raise ValueError(f"output {path!r}: {parent!r} {what}")
     if not os.access(parent, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
         raise ValueError(f"output {path!r} is not writable")
     partial = path + ".partial"  # what OutputFile writes first: opened here, not assumed

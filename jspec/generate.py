@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jspec._checks import check_bool, check_ints, check_seed, check_type
+from jspec._checks import check_bool, check_ints, check_seed, check_type, check_x32
 from jspec.cache import KVCache, init_cache
 from jspec.chunked_prefill import prefill as chunked_prefill
 from jspec.loop import (
@@ -306,6 +306,7 @@ def check_run_args(model, *, seed, stop_tokens, vocab_size: int, max_len=None,
     (seed, stop_tokens as a tuple of ids in [0, vocab_size))."""
     check_type("model", model, Model, "a jspec.Model (jspec.load_hf, jspec.random_model)")
     check_not_a_draft(model)
+    check_x32()
     if max_len is not None:
         check_count("max_len", max_len)
     check_bool("progress", progress)

@@ -34,7 +34,7 @@ import numpy as np
 from flax import struct
 
 from jspec import fused_draft, mxfp4
-from jspec._checks import check_bool, check_ints, check_type
+from jspec._checks import check_bool, check_ints, check_type, check_x32
 from jspec.cache import KVCache, check_live, write_kv
 from jspec.config import ModelConfig
 from jspec.ops import get_ops, ops_for
@@ -561,6 +561,7 @@ def apply(model: Model, tokens: jax.Array, cache: KVCache, *, features: tuple[in
         check_type("tree", tree, TreeInput, "None or a jspec.tree.TreeInput "
                    "(jspec.tree.from_parents)")
     check_live(cache)
+    check_x32()
     if model.parallel is not None and not model.parallel.inside:  # per shard, shard_map
         return model.parallel.apply(model, tokens, cache, features=features, tree=tree,
                                     logits=logits)
@@ -765,8 +766,9 @@ def check_cache_fits(model: Model, cache: KVCache) -> None:
 
 def check_token_ids(tokens, vocab_size: int) -> None:
     """Concrete tokens [B, T] (their shape and dtype already checked): every id in
-    [0, vocab_size), else a ValueError naming the first one out of range (an id past the
-    embedding would be read as NaN)."""
+    [0, vocab_size), else a ValueError naming the first one out of range (a traced call
+    cannot be refused: it reads the clamped row and flags the position in `Forward.bad`,
+    code 0)."""
     arr = np.asarray(tokens)
     bad = (arr < 0) | (arr >= vocab_size)
     if bad.any():
@@ -786,6 +788,7 @@ def forward(model: Model, tokens, cache: KVCache, *, donate: bool = True) -> For
     check_type("cache", cache, KVCache, "a jspec.KVCache (jspec.init_cache)")
     check_bool("donate", donate)
     check_live(cache)
+    check_x32()
     if any(isinstance(x, jax.core.Tracer) for x in (tokens, cache.lengths)):
         raise TypeError("jspec.forward is called from the host (it checks its arguments and "
                         "runs its own compiled program); inside jax.jit, lax.scan or vmap "

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jspec._checks import check_bool, check_ints, check_type, is_int
+from jspec._checks import check_bool, check_ints, check_type, check_x32, is_int
 from jspec.adaptive import Controller, snapshot
 from jspec.cache import init_cache, rollback
 from jspec.chunked_prefill import prefill as chunked_prefill
@@ -488,7 +488,8 @@ def _round(target: Model, drafter, state: SpecState, seed, *, spec: SpecConfig) 
 
 # The phases as jitted functions, for research scripts that compose them. `one_round` and
 # `spec_loop` donate `state` (its buffers are reused): continue from the state they return;
-# the one passed in is deleted (reading it raises "Array has been deleted").
+# the one passed in is deleted (reading it raises "Array has been deleted"). They flag a
+# broken round in the state and stop; `check_state` raises what the engine would.
 prefill = jax.jit(_prefill, static_argnames=("spec", "max_len"),
                   compiler_options=COMPILER_OPTIONS)
 draft_step = jax.jit(_draft, compiler_options=COMPILER_OPTIONS)
@@ -517,14 +518,30 @@ def spec_loop(target: Model, drafter, state: SpecState, seed, stop, live_floor=N
     return jax.lax.while_loop(cond, lambda s: _round(target, drafter, s, seed, spec=spec), state)
 
 
+def check_state(state: SpecState, target: Model, spec: SpecConfig) -> None:
+    """What `speculative_generate` checks after each call of its loop, for a loop of your
+    own around `one_round` or `spec_loop`, which only flag a broken round in the state
+    (`bad`, `audit_bad`) and stop: raises `jspec.NonFiniteError` (NaN or inf logits, or a
+    forward's flag such as a full cache, with its layer), a ValueError (a policy's,
+    drafter's or sampler's answer out of range) or `jspec.ParityError` (the runtime
+    audit)."""
+    check_type("state", state, SpecState, "a jspec.speculative.SpecState (prefill)")
+    raise_non_finite(state.bad, state.bad_at, "speculative decoding (verify)",
+                     target.config.num_layers, spec.policy)
+    _raise_on_audit(state)
+
+
 @dataclasses.dataclass(frozen=True)
 class SpecOutput:
     """Attributes:
     tokens: [B, max_new_tokens] int32, PAD (-1) after a row's stop token.
     num_tokens: [B] int32.
     prompt_lens: [B] int32.
-    stats: proposed, accepted, acceptance_rate, acceptance_by_position,
-      tokens_per_target_step, target_forwards, draft_forwards, ttft_s, tpot_s,
+    stats: proposed, accepted, acceptance_rate, acceptance_by_position (the policy's
+      verdicts on the drafts: an accepted draft counts even where the row's stop token
+      or max_new_tokens then cut it, so they measure the drafter, not the output;
+      tokens and tokens_per_target_step count the tokens returned), target_forwards,
+      draft_forwards, ttft_s, tpot_s,
       tokens_per_s (timings include compilation on the first call of a shape),
       prompt_bucket, max_len (the padded prompt length and cache capacity: the shapes
       the compiled programs are keyed by), batch_sizes (the batch, then each size a
@@ -558,6 +575,7 @@ def _drafters(drafter) -> list:
 def _validate(target: Model, drafter, spec: SpecConfig) -> None:
     check_type("target", target, Model, "a jspec.Model (jspec.load_hf, jspec.random_model)")
     check_not_a_draft(target)
+    check_x32()
     check_drafter(drafter)
     if isinstance(drafter, OracleDrafter) and drafter.draft is not None:
         check_drafter(drafter.draft, "OracleDrafter.draft")
@@ -920,9 +938,7 @@ def speculative_generate(target: Model, drafter, prompts, spec: SpecConfig, *,
             moves.append({"round": int(snap["step"]), "live": int(np.sum(~snap["done"])),
                           "batch": sizes[-1]})
     t2 = time.perf_counter()
-    raise_non_finite(state.bad, state.bad_at, "speculative decoding (verify)",
-                         target.config.num_layers, spec.policy)
-    _raise_on_audit(state)
+    check_state(state, target, spec)
     rows = book.merged(read(state))
     stats = _stats(state, spec, drafter, t1 - t0, t2 - t1, rows)
     if ctl is not None:
@@ -996,9 +1012,7 @@ def _stream(target: Model, drafter, tokens, lens, spec: SpecConfig, max_len: int
             state = one_round(target, drafter, state, seed, spec=spec)
         else:  # one round a chunk: the controller picks each round's shape
             state = _adaptive_round(target, drafter, state, seed, spec, ctl, read)
-        raise_non_finite(state.bad, state.bad_at, "speculative decoding (verify)",
-                         target.config.num_layers, spec.policy)
-        _raise_on_audit(state)
+        check_state(state, target, spec)
         num, out = read(state)["num"], np.asarray(state.out)
         yield [out[b, seen[b]: num[b]].tolist() for b in range(len(lens))]
         seen = num

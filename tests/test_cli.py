@@ -11,6 +11,7 @@ from conftest import fixture_path
 from script_runner import run_script
 
 import jspec
+from jspec import cli
 from jspec.bench import trace
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -147,6 +148,15 @@ def test_a_setting_the_drafter_does_not_read_is_one_line():
     # dropped, exit 0; the slow run checks the other fields of jspec.cli.DRAFTER_FIELDS.
     _one_line_error(_run(*_SPEC, "--config.max_ngram=9"), "--config.max_ngram does not "
                     "apply: the drafter here is a feature head, and only prompt lookup reads it")
+
+
+def test_an_output_under_a_file_is_called_a_file(tmp_path):
+    # It was "the directory ... does not exist" of a path that exists: a file.
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(ValueError, match="afile' is a file, not a directory"):
+        cli.check_output(str(tmp_path / "afile" / "out.jsonl"))
+    with pytest.raises(ValueError, match="no' does not exist"):
+        cli.check_output(str(tmp_path / "no" / "out.jsonl"))
 
 
 @pytest.mark.slow  # further mistakes through the same one-line path
@@ -690,6 +700,8 @@ def test_exact_greedy_refuses_sampling_flags_it_would_ignore():
     # a temperature out of range is named as such, not as one greedy would ignore
     (["--config.temperature=-1"], ("temperature=-1.0 must be a finite number in [0",)),
     (["--config.tree=2,1", "--config.gamma=7"], ("--config.gamma=7 does not apply with a tree",)),
+    (["--config.adaptive=0,1,2", "--config.gamma=3"],  # the header showed gamma=3, unused
+     ("--config.gamma=3 does not apply with adaptive shapes",)),
     pytest.param(["--check_parity=False", "--config.check_parity=True"], ("disagree",),
                  marks=pytest.mark.slow),
     pytest.param(["--config.drafter=prompt_lookup", "--config.tree=dynamic:3,8,3"],

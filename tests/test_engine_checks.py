@@ -188,6 +188,50 @@ def test_a_drafter_keeping_the_protocol_runs():
 # ------------------------------------------------ 3. messages naming the real cause
 
 
+def test_jax_64_bit_mode_is_named_and_scoping_it_off_gives_the_same_bits():
+    # With jax_enable_x64 on, every forward failed deep in a trace (int64 indices beside
+    # the cache's int32 lengths in dynamic_update_slice). It is refused where a model
+    # computes, traced calls included; jax.enable_x64(False) around the calls runs them.
+    import jax
+
+    model = _model()
+    toks = np.asarray([[1, 2, 3], [4, 5, 6]], np.int64)
+    ref = jspec.forward(model, toks, jspec.init_cache(model, 2, 8)).logits
+    with jax.enable_x64(True):
+        for call in (lambda: jspec.init_cache(model, 2, 8),
+                     lambda: jspec.generate(model, PROMPTS, max_new_tokens=2),
+                     lambda: jspec.speculative_generate(model, jspec.PromptLookupDrafter(),
+                                                        PROMPTS, jspec.SpecConfig())):
+            with pytest.raises(ValueError, match=r"64-bit mode is on \(jax_enable_x64\)"):
+                call()
+        with jax.enable_x64(False):
+            cache = jspec.init_cache(model, 2, 8)
+        with pytest.raises(ValueError, match="64-bit mode"):
+            jax.jit(lambda t, c: jspec.apply(model, t, c))(toks, cache)
+        with jax.enable_x64(False):
+            out = jspec.forward(model, toks, cache).logits
+    assert out.dtype == jnp.float32 and np.array_equal(np.asarray(out), np.asarray(ref))
+
+
+def test_a_hand_written_loop_past_the_cache_is_named_by_check_state():
+    # one_round only flags a broken round in its state and stops; a loop of one's own
+    # read the flag by hand (jspec.loop.raise_non_finite, undocumented) or not at all.
+    from jspec import speculative as S
+
+    model, spec = _model(), jspec.SpecConfig(gamma=3, max_new_tokens=8)
+    drafter = jspec.PromptLookupDrafter()
+    state = S.prefill(model, drafter, jnp.asarray([[1, 2, 3, 1, 2, 3]]), jnp.asarray([6]),
+                      jnp.int32(0), spec=spec, max_len=8)
+    S.check_state(state, model, spec)  # a sound state passes
+    for _ in range(3):
+        state = S.one_round(model, drafter, state, jnp.int32(0), spec=spec)
+    assert bool(state.bad)
+    with pytest.raises(jspec.NonFiniteError, match="cache"):
+        S.check_state(state, model, spec)
+    with pytest.raises(TypeError, match="state must be a jspec.speculative.SpecState"):
+        S.check_state(state.cache, model, spec)
+
+
 def _pair_target(tmp_path, name="config.json", **fields):
     """A copy of the code pair's target with `fields` set in the file `name`."""
     path = tmp_path / "target"
