@@ -69,9 +69,7 @@ def test_forced_shape_changes_mid_run_equal_serial_greedy(kind):
     used = {k for k, s in out.stats["adaptive"]["shapes"].items() if s["chunks"]}
     assert used == {"decode", "gamma2", "tree" if tree else "gamma1"}
     _check_timeline(serial.stats["timeline"], N)  # serial: a step a token, no stop tokens
-    fixed = jspec.speculative_generate(target, drafter, prompts,
-                                       jspec.SpecConfig(gamma=2, max_new_tokens=N))
-    _check_timeline(fixed.stats["timeline"], fixed.stats["rounds"])
+    # (a fixed shape's timeline: test_speculative.py's test_exact_greedy_equals_serial_greedy)
 
 
 @pytest.mark.slow  # a further case of a property the default run proves

@@ -264,7 +264,7 @@ def test_a_stream_left_early_keeps_what_it_showed():
     pipe = load_text(*jspec.default_pair())
     prompt = "def rgb_to_hls(r, g, b):\n"
     for speculative in (False, True):
-        stream, taken = pipe.stream(prompt, speculative=speculative, max_new_tokens=32), []
+        stream, taken = pipe.stream(prompt, speculative=speculative, max_new_tokens=8), []
         for piece in stream:
             taken.append(piece)
             if len(taken) == 2:
