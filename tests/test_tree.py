@@ -115,7 +115,7 @@ def test_tree_nodes_equal_serial_decoding_bitwise(name):
     assert check_tree(model, rows, "blocks", seed=1) == 0
 
 
-@settings(max_examples=3, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=2, deadline=None, suppress_health_check=list(HealthCheck))
 @given(seed=st.integers(0, 10_000), n=st.integers(1, 9),
        history=st.sampled_from(["prefill", "serial", "blocks"]),
        dtype=st.sampled_from(["float32", "bfloat16"]))
