@@ -174,10 +174,12 @@ def main(argv):
     check_count("timing_runs", c.timing_runs)  # timed runs a prompt (medians shown)
     policy = cli.config_policy(c)
     tree = parse_tree(c.get("tree", ""))
-    if tree is not None and cli._overridden("gamma"):
-        raise app.UsageError(f"--config.gamma={c.gamma} does not apply with a tree "
-                             f"(--config.tree={c.tree!r}: its depth is the draft length): "
-                             "drop one")
+    adaptive = cli.parse_adaptive(c.get("adaptive", ""), tree)
+    if (tree is not None or adaptive is not None) and cli._overridden("gamma"):
+        what = (f"a tree (--config.tree={c.tree!r}: its depth is the draft length)"
+                if tree is not None else f"adaptive shapes (--config.adaptive={c.adaptive!r}: "
+                "its gammas are the draft lengths)")
+        raise app.UsageError(f"--config.gamma={c.gamma} does not apply with {what}: drop one")
     if tree is not None and tree.dynamic and c.drafter == "prompt_lookup":
         raise app.UsageError(f"--config.tree={c.tree!r}: prompt lookup grows static trees "
                              "only (no draft scores to rank a dynamic tree's candidates): "
@@ -186,17 +188,12 @@ def main(argv):
         from jspec.options import KernelOptions, default_interpret
 
         cli.parse_options(c.draft_options, KernelOptions(interpret=default_interpret()))
-    adaptive = cli.parse_adaptive(c.get("adaptive", ""), tree)
-    if adaptive is not None and cli._overridden("gamma"):
-        raise app.UsageError(f"--config.gamma={c.gamma} does not apply with adaptive shapes "
-                             f"(--config.adaptive={c.adaptive!r}: its gammas are the draft "
-                             "lengths): drop one")
     stop_strings = check_stop_strings(c.stop_strings)
     jspec.SpecConfig(gamma=None if adaptive or tree else c.gamma, policy=policy,
                      max_new_tokens=c.max_new_tokens,
                      seed=c.seed, audit_every=c.audit_every,  # bad values fail here,
                      adaptive=adaptive,  # not later
-                     tree=None if adaptive else parse_tree(c.get("tree", "")))
+                     tree=None if adaptive else tree)
     pipe = build(c)
     target = pipe.target
     chat = any(not isinstance(p, str) for p in prompts)
