@@ -8,6 +8,7 @@
 # e2e_session tree_sweep parity_long parity_long_xla context_bench context_bench_128k
 # e2e_batch chunk_cost moe_cost moe_parity moe_e2e tallsweep prefillsweep serial_split e2e_context profile groupsweep
 # combinesweep routesweep mosaic_attention mosaic mosaic_top_p mosaic_swapped mosaic_prefill
+# mosaic_ws
 # e2e_mosaic table
 # splitk_sweep
 # loop_cmdbuf
@@ -22,6 +23,11 @@
 #   PREFILL_ROWS rows) at M = 512 / 2,048, each's bits against the library config's, the
 #   winners written as the weights' `prefill` tiles for a `mosaic` step to prove
 #   ($MPF_SHAPES, $MPF_CONFIGS bn:bk:stages, $MPF_S, $MPF_BUDGET).
+# - mosaic_ws: tuning/mosaic_prefill.py, the warp-specialized prefill matmul's variants at
+#   M = 511 / 2,048 against the library launch, Triton and XLA's dot, each's bits against
+#   the library launch's and decode rows alone; the winners written as the weights'
+#   `prefill` tiles (design ws) for a `mosaic` step to prove ($MPW_SHAPES, $MPW_FLAGS,
+#   $MPW_S, $MPW_BUDGET, $MPW_TAG).
 # - mosaic: the lowering="mosaic" model (every kernel of a dense forward on Mosaic GPU,
 #   attention and trees included): the parity matrix at 8K on Qwen3-8B:4 and
 #   Gemma-3-4B:6 with ragged batches and trees of 8-64 nodes ($MOSAIC_MODELS,
@@ -508,6 +514,11 @@ PY
               --configs="${MPF_CONFIGS:-64:128:4,128:128:4,256:128:2}" \
               --budget_s="${MPF_BUDGET:-180}" --tag=${GPU}_prefill --out="$OUT" \
               --write_prefill=pallas_kernels/mosaic/matmul_tuned.json 2>&1 | quiet | tail -40
+            cp pallas_kernels/mosaic/matmul_tuned.json "$OUT/mosaic_matmul_tuned.json" 2>/dev/null ;;
+    mosaic_ws) timeout "${MPW_S:-300}" python3 experiments/tuning/mosaic_prefill.py \
+              --shapes="${MPW_SHAPES:-wqkv,w_gate_up,w_down,wo}" ${MPW_FLAGS:-} \
+              --budget_s="${MPW_BUDGET:-200}" --tag=${GPU}${MPW_TAG:+_$MPW_TAG} --out="$OUT" \
+              --write=pallas_kernels/mosaic/matmul_tuned.json 2>&1 | quiet | tail -24
             cp pallas_kernels/mosaic/matmul_tuned.json "$OUT/mosaic_matmul_tuned.json" 2>/dev/null ;;
     mosaic_attention) timeout "${MATT_S:-240}" python3 experiments/tuning/mosaic_attention.py \
               ${MATT_FLAGS:-} --out="$OUT" --tag=${GPU} 2>&1 | quiet | tail -8 ;;

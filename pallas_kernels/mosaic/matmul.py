@@ -65,6 +65,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels._common import pad_axis, round_up
 from pallas_kernels.matmul import matmul_reference
 from pallas_kernels.matmul_glu import _glu_tile, check_glu_weight, matmul_glu_reference
+from pallas_kernels.mosaic.prefill_matmul import PrefillConfig, prefill_matmul, prefill_matmul_glu
 
 __all__ = ["BM", "MosaicMatmulConfig", "matmul", "matmul_glu", "matmul_glu_reference",
            "matmul_reference", "mosaic_matmul_config"]
@@ -190,7 +191,15 @@ def _read_entries(path: str) -> dict:
     out = {}
     for e in data.get("tuned", []):
         key, cfg = (e["K"], e["N"], e["dtype"]), MosaicMatmulConfig(**e["config"])
-        tile = MosaicMatmulConfig(**e["prefill"]) if "prefill" in e else None
+        fields = dict(e.get("prefill", {}))
+        design = fields.pop("design", "plain")
+        if design not in ("plain", "ws"):
+            raise ValueError(f"{path}: the prefill tile of K={key[0]}, N={key[1]} names "
+                             f"design={design!r} ('plain' or 'ws')")
+        if design == "ws":  # written by tuning/mosaic_prefill.py only where its bits equal
+            out[key] = (cfg, PrefillConfig(**fields))  # the library's and decode rows'
+            continue
+        tile = MosaicMatmulConfig(**fields) if fields else None
         if tile is not None and (tile.swapped or tile.bk != cfg.bk):
             raise ValueError(f"{path}: the prefill tile of K={key[0]}, N={key[1]} must be the "
                              f"plain design with the entry's bk={cfg.bk} (bk sets bits); got "
@@ -200,10 +209,11 @@ def _read_entries(path: str) -> dict:
 
 
 def mosaic_launch_config(K: int, N: int, dtype, m: int, schedule: bool = True
-                         ) -> MosaicMatmulConfig:
+                         ) -> MosaicMatmulConfig | PrefillConfig:
     """The tiles a launch of m rows runs: `mosaic_matmul_config`'s, or with schedule, past
     PREFILL_ROWS rows (prefill chunks), the weight's `prefill` tile where the table has
-    one (scheduling: the same bk, so the same bits)."""
+    one: the plain design with the same bk, or a `PrefillConfig` (the warp-specialized
+    design), each written only where the device showed the library launch's bits."""
     if schedule and m > PREFILL_ROWS:
         tile = read_prefill_tiles().get((K, N, jnp.dtype(dtype).name))
         if tile is not None:
@@ -325,7 +335,7 @@ def _config(config, K: int, N: int, dtype, name: str, m: int = 1, schedule: bool
             ) -> MosaicMatmulConfig:
     if config is None:
         return mosaic_launch_config(K, N, dtype, m, schedule)
-    if not isinstance(config, MosaicMatmulConfig):
+    if not isinstance(config, (MosaicMatmulConfig, PrefillConfig)):
         raise TypeError(f"{name} (Mosaic GPU) takes a MosaicMatmulConfig or None; got "
                         f"{type(config).__name__} (the Triton lowering's tiles, e.g. a "
                         "tensor-parallel column config, which this lowering lacks so far)")
@@ -389,6 +399,10 @@ def matmul(x: jax.Array, w: jax.Array, *, out_dtype=None, interpret: bool = Fals
     m, k = x.shape
     n = w.shape[1]
     cfg = _config(config, k, n, w.dtype, "matmul", m, schedule and not interpret)
+    if isinstance(cfg, PrefillConfig):  # a prefill chunk on the warp-specialized design
+        if n % cfg.cta_n == 0:
+            return prefill_matmul(x, w, config=cfg, out_dtype=out_dtype, interpret=interpret)
+        cfg = mosaic_matmul_config(k, n, w.dtype)
     # Mosaic GPU finds no layout for an f32 tile's transposed store: the swapped design
     # stores f32 outputs column-major, as its accumulators lie, and the result is their
     # transpose (the same values: a layout change, no arithmetic).
@@ -417,6 +431,11 @@ def matmul_glu(x: jax.Array, w: jax.Array, *, activation: str, interpret: bool =
     m, k = x.shape
     f = w.shape[1] // 2
     cfg = _config(config, k, 2 * f, w.dtype, "matmul_glu", m, schedule and not interpret)
+    if isinstance(cfg, PrefillConfig):  # a prefill chunk on the warp-specialized design
+        if f % cfg.cta_n == 0:
+            return prefill_matmul_glu(x, w, activation=activation, config=cfg,
+                                      interpret=interpret)
+        cfg = mosaic_matmul_config(k, 2 * f, w.dtype)
     if f % cfg.bn:
         raise ValueError(f"matmul_glu (Mosaic GPU): F={f} must be a multiple of the column "
                          f"tile bn={cfg.bn} of w {w.shape}")

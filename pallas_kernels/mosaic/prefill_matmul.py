@@ -1,0 +1,267 @@
+"""The prefill matmul on Mosaic GPU: warp-specialized and persistent, the same sums.
+
+`pallas_kernels/mosaic/matmul.py`'s plain design gives one program one [64, bn] tile and
+walks K in a pipeline the program's one warpgroup both feeds and consumes. That suits a
+decode step (a few rows, the weight's column tiles the whole grid) and wastes a prefill
+chunk's: a 2,048-row launch is compute-bound, and a warpgroup that waits on its own
+copies leaves the tensor cores idle. This kernel is the Hopper matmul design of JAX's
+`pallas.ops.gpu.hopper_matmul_mgpu` written for jspec's rules:
+
+- one CTA per SM (persistent), walking its output tiles [cta_m, cta_n] in a fixed
+  order (`plgpu.nd_loop`, `planar_snake`: scheduling);
+- three warpgroups: a memory warpgroup issues the TMA copies of x's [cta_m, bk] block and
+  the weight's [bk, cta_n] block(s), `stages` steps ahead
+  (`plgpu.emit_pipeline_warp_specialized`); two compute warpgroups each own half of the
+  tile (split along M or N) and issue its wgmmas into an f32 accumulator in registers.
+
+**The sums are the plain design's** (rules R1, R2): every output element is one
+accumulator fed K from 0 upward in bk-wide steps, each step the wgmma's own fixed k16
+order, nothing else added, no split-K, no atomics, nothing reduced across rows. The tile
+sizes, the warpgroup split, the pipeline depth and the tile order decide where and when
+a sum is computed, not its terms or their order. So a row's result does not depend on M
+or on the other rows, and equals the plain design's with the same bk, bitwise: the claim
+`experiments/tuning/mosaic_matmul.py --ws` checks on the device (rows alone, prefixes,
+against the library config) before the table may name this design for a weight. The
+epilogue casts the f32 sum as `matmul` does; the GLU variant runs `matmul_glu`'s
+arithmetic on the two rounded tiles (gate and up accumulators a warpgroup, the weight's
+two column blocks copied side by side).
+
+Rows past M are TMA's zero fill and are not stored; K is padded with zeros (extra exact
+zero terms at the end of the sum, as in the plain design).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels._common import pad_axis, round_up
+from pallas_kernels.matmul_glu import _glu_tile, check_glu_weight
+
+__all__ = ["PrefillConfig", "prefill_matmul", "prefill_matmul_glu"]
+
+SMEM_MAX = 227 * 1024  # bytes of shared memory a Hopper CTA may hold
+DTYPES = ("bfloat16", "float16")
+MEMORY_REGISTERS = 40  # registers a thread of the memory warpgroup keeps
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillConfig:
+    """A warp-specialized launch's tiles; every field is scheduling except bk (R11)."""
+    tile_m: int = 128  # rows a compute warpgroup owns (64 or 128: wgmma M multiples)
+    tile_n: int = 128  # columns a compute warpgroup owns (the wgmma N)
+    bk: int = 128  # K elements a pipeline step: the library config's (bits)
+    stages: int = 4  # pipeline steps in flight
+    wg_split: str = "n"  # the two compute warpgroups split the CTA tile along "m" or "n"
+    minor: str = "n"  # the tile order's fast dimension
+    band: int = 8  # the tile order's band width (tiles of the slow dimension a band)
+    epi_m: int = 64  # the epilogue's store tile
+    epi_n: int = 64
+
+    def __post_init__(self):
+        for name in ("tile_m", "tile_n", "bk", "epi_m", "epi_n"):
+            t = getattr(self, name)
+            if not isinstance(t, int) or t < 16 or t > 256 or t & (t - 1):
+                raise ValueError(f"PrefillConfig.{name}={t!r} must be a power of 2 in 16..256")
+        if self.tile_m % 64:
+            raise ValueError(f"PrefillConfig.tile_m={self.tile_m} must be a multiple of 64 "
+                             "(the wgmma M)")
+        if self.tile_m % self.epi_m or self.tile_n % self.epi_n:
+            raise ValueError(f"PrefillConfig: the epilogue tile {self.epi_m}x{self.epi_n} "
+                             f"must divide the warpgroup's {self.tile_m}x{self.tile_n}")
+        if not isinstance(self.stages, int) or self.stages < 2:
+            raise ValueError(f"PrefillConfig.stages={self.stages!r} must be an int >= 2")
+        for name in ("wg_split", "minor"):
+            if getattr(self, name) not in ("m", "n"):
+                raise ValueError(f"PrefillConfig.{name}={getattr(self, name)!r} must be "
+                                 "'m' or 'n'")
+        if not isinstance(self.band, int) or self.band < 1:
+            raise ValueError(f"PrefillConfig.band={self.band!r} must be an int >= 1")
+
+    @property
+    def cta_m(self) -> int:
+        return self.tile_m * (2 if self.wg_split == "m" else 1)
+
+    @property
+    def cta_n(self) -> int:
+        return self.tile_n * (2 if self.wg_split == "n" else 1)
+
+    def smem_bytes(self, dtype, out_dtype, weights: int = 1) -> int:
+        size = jnp.dtype(dtype).itemsize
+        step = (self.cta_m * self.bk + weights * self.bk * self.cta_n) * size
+        slots = min(2, (self.tile_m * self.tile_n) // (self.epi_m * self.epi_n))
+        return (self.stages * step
+                + 2 * slots * self.epi_m * self.epi_n * jnp.dtype(out_dtype).itemsize)
+
+
+def _transforms(width: int, dtype) -> tuple:
+    swizzle = plgpu.find_swizzle(width * jnp.dtype(dtype).itemsize * 8)
+    elems = swizzle // jnp.dtype(dtype).itemsize
+    return plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(swizzle)
+
+
+def _num_sms() -> int:
+    try:
+        return jax.devices()[0].core_count
+    except Exception:  # noqa: BLE001 - no device attribute (CPU, export): one SM a tile
+        return 132
+
+
+def _kernel(x_gmem, w_gmem, o_gmem, *, cfg: PrefillConfig, nk: int, m_tiles: int,
+            n_tiles: int, column_offset: int | None, epilogue):
+    # x_gmem [Mr, Kp], w_gmem [Kp, Np], o_gmem [Mr, N']. column_offset: the GLU's up half
+    # starts this many CTA column tiles after the gate's (None: one accumulator).
+    dtype, out_dtype = x_gmem.dtype, o_gmem.dtype
+    tm, tn, bk = cfg.tile_m, cfg.tile_n, cfg.bk
+    weights = 1 if column_offset is None else 2
+    transforms = _transforms(bk, dtype)
+    w_transforms = _transforms(min(bk, cfg.cta_n), dtype)
+    slots = min(2, (tm * tn) // (cfg.epi_m * cfg.epi_n))
+    out_transforms = _transforms(cfg.epi_n, out_dtype)
+
+    def pipeline(body, context):
+        specs = [plgpu.BlockSpec((cfg.cta_m, bk), lambda k: (0, k), transforms=transforms,
+                                 memory_space=plgpu.SMEM)]
+        specs += [plgpu.BlockSpec((bk, cfg.cta_n), lambda k: (k, 0), transforms=w_transforms,
+                                  memory_space=plgpu.SMEM) for _ in range(weights)]
+        return plgpu.emit_pipeline_warp_specialized(
+            body, grid=(nk,), memory_registers=MEMORY_REGISTERS, in_specs=specs,
+            wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=min(cfg.stages, max(nk, 2)),
+            compute_context=context)
+
+    ignore = lambda *_, **__: None  # noqa: E731 - the allocations only need the specs
+    allocs = pipeline(ignore, ignore).get_allocations(x_gmem, *([w_gmem] * weights))
+
+    @functools.partial(pl.run_scoped, allocs=allocs,
+                       out_smem=plgpu.SMEM((2, slots, cfg.epi_m, cfg.epi_n), out_dtype,
+                                           transforms=out_transforms),
+                       collective_axes="wg")
+    def _scope(allocs, out_smem):
+        wg = lax.axis_index("wg")
+
+        @plgpu.nd_loop((m_tiles * n_tiles,), collective_axes="sm")
+        def _tiles(info):
+            (lin,) = info.index
+            mi, ni = plgpu.planar_snake(lin, (m_tiles, n_tiles),
+                                        0 if cfg.minor == "m" else 1, cfg.band)
+            cta_rows = pl.ds(mi * cfg.cta_m, cfg.cta_m)
+            if cfg.wg_split == "m":
+                wg_rows, wg_cols = pl.ds(wg * tm, tm), slice(None)
+            else:
+                wg_rows, wg_cols = slice(None), pl.ds(wg * tn, tn)
+
+            def context(run):
+                @functools.partial(pl.run_scoped,
+                                   accs=[plgpu.ACC((tm, tn), jnp.float32)] * weights)
+                def _acc(accs):
+                    run(tuple(accs))
+                    out = epilogue(*(acc[...] for acc in accs))  # [tm, tn] out_dtype
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                    for a in range(tm // cfg.epi_m):
+                        for b in range(tn // cfg.epi_n):
+                            em = slice(a * cfg.epi_m, (a + 1) * cfg.epi_m)
+                            en = slice(b * cfg.epi_n, (b + 1) * cfg.epi_n)
+                            slot = (a * (tn // cfg.epi_n) + b) % 2
+                            plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+                            out_smem[wg, slot] = out[em, en]
+                            plgpu.commit_smem()
+                            # Rows past the array's end are not stored (TMA skips them).
+                            plgpu.copy_smem_to_gmem(
+                                out_smem.at[wg, slot],
+                                o_gmem.at[cta_rows, pl.ds(ni * cfg.cta_n, cfg.cta_n)]
+                                .at[wg_rows, wg_cols].at[em, en])
+
+            def body(_, x_smem, *rest):
+                *w_smem, accs = rest
+                for acc, w in zip(accs, w_smem, strict=True):
+                    plgpu.wgmma(acc, x_smem.at[wg_rows], w.at[:, wg_cols])  # in issue order
+                plgpu.wgmma_wait(0)
+                return accs
+
+            gate = w_gmem.at[:, pl.ds(ni * cfg.cta_n, cfg.cta_n)]
+            ws = [gate] if column_offset is None else [
+                gate, w_gmem.at[:, pl.ds((ni + column_offset) * cfg.cta_n, cfg.cta_n)]]
+            pipeline(body, context)(x_gmem.at[cta_rows, :], *ws, allocations=allocs)
+
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _check(x, w, cfg, name: str) -> None:
+    if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[0]:
+        raise ValueError(f"{name} wants x [M, K] and w [K, N]; got {x.shape=} {w.shape=}")
+    if x.dtype != w.dtype or x.dtype.name not in DTYPES:
+        raise TypeError(f"{name} (Mosaic GPU) wants x and w of one dtype in {DTYPES}; got "
+                        f"{x.dtype=} {w.dtype=}")
+    if not isinstance(cfg, PrefillConfig):
+        raise TypeError(f"{name} takes a PrefillConfig; got {type(cfg).__name__}")
+
+
+def _launch(x, w, cfg: PrefillConfig, n_out: int, out_dtype, column_offset, epilogue,
+            interpret: bool, name: str, num_sms: int | None):
+    m, k = x.shape
+    kp = round_up(k, cfg.bk)  # extra K terms add exact zeros at the end of the sum
+    xp = pad_axis(pad_axis(x, 1, kp), 0, round_up(m, 8))  # TMA's 8-row tiles
+    wp = pad_axis(w, 0, kp)
+    weights = 1 if column_offset is None else 2
+    need = cfg.smem_bytes(x.dtype, out_dtype, weights)
+    if need > SMEM_MAX:
+        raise ValueError(f"{name}: {cfg} needs {need} bytes of shared memory ({SMEM_MAX} "
+                         "at most): fewer stages or smaller tiles")
+    m_tiles, n_tiles = -(-xp.shape[0] // cfg.cta_m), n_out // cfg.cta_n
+    sms = num_sms or _num_sms()
+    kernel = functools.partial(_kernel, cfg=cfg, nk=kp // cfg.bk, m_tiles=m_tiles,
+                               n_tiles=n_tiles, column_offset=column_offset,
+                               epilogue=epilogue)
+    return plgpu.kernel(
+        kernel,
+        out_type=jax.ShapeDtypeStruct((xp.shape[0], n_out), out_dtype),
+        grid=(min(sms, m_tiles * n_tiles),), grid_names=("sm",),
+        num_threads=3, thread_name="wg", kernel_name=name,
+        compiler_params=plgpu.CompilerParams(
+            lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
+    )(xp, wp)
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype", "config", "interpret", "num_sms"))
+def prefill_matmul(x: jax.Array, w: jax.Array, *, config: PrefillConfig, out_dtype=None,
+                   interpret: bool = False, num_sms: int | None = None) -> jax.Array:
+    """x [M, K] @ w [K, N] -> [M, N] in out_dtype (default float32): the plain design's
+    sums with `config.bk`, warp-specialized. N must be a multiple of `config.cta_n`.
+    `num_sms`: the persistent grid's CTAs (default: the device's SMs)."""
+    _check(x, w, config, "prefill_matmul")
+    out_dtype = jnp.dtype(jnp.float32 if out_dtype is None else out_dtype)
+    m, n = x.shape[0], w.shape[1]
+    if n % config.cta_n:
+        raise ValueError(f"prefill_matmul: N={n} must be a multiple of the CTA's column tile "
+                         f"{config.cta_n}")
+    out = _launch(x, w, config, n, out_dtype, None, lambda acc: acc.astype(out_dtype),
+                  interpret, "jspec_mosaic_prefill_matmul", num_sms)
+    return out[:m]
+
+
+@functools.partial(jax.jit, static_argnames=("activation", "config", "interpret", "num_sms"))
+def prefill_matmul_glu(x: jax.Array, w: jax.Array, *, activation: str, config: PrefillConfig,
+                       interpret: bool = False, num_sms: int | None = None) -> jax.Array:
+    """act(x @ w[:, :F]) * (x @ w[:, F:]) for x [M, K], w [K, 2F] -> x.dtype: `matmul_glu`'s
+    arithmetic on the rounded halves. F must be a multiple of `config.cta_n`."""
+    _check(x, w, config, "prefill_matmul_glu")
+    check_glu_weight(w, activation)
+    m, f = x.shape[0], w.shape[1] // 2
+    if f % config.cta_n:
+        raise ValueError(f"prefill_matmul_glu: F={f} must be a multiple of the CTA's column "
+                         f"tile {config.cta_n}")
+    dtype = x.dtype
+
+    def epilogue(gate, up):
+        return _glu_tile(gate.astype(dtype), up.astype(dtype), activation)
+
+    out = _launch(x, w, config, f, dtype, f // config.cta_n, epilogue, interpret,
+                  "jspec_mosaic_prefill_matmul_glu", num_sms)
+    return out[:m]
