@@ -8,7 +8,7 @@
 # e2e_session tree_sweep parity_long parity_long_xla context_bench context_bench_128k
 # e2e_batch chunk_cost moe_cost moe_parity moe_e2e tallsweep prefillsweep serial_split e2e_context profile groupsweep
 # combinesweep routesweep mosaic_attention mosaic mosaic_top_p mosaic_swapped mosaic_prefill
-# mosaic_ws
+# mosaic_ws profile_prefill
 # e2e_mosaic table
 # splitk_sweep
 # loop_cmdbuf
@@ -23,6 +23,8 @@
 #   PREFILL_ROWS rows) at M = 512 / 2,048, each's bits against the library config's, the
 #   winners written as the weights' `prefill` tiles for a `mosaic` step to prove
 #   ($MPF_SHAPES, $MPF_CONFIGS bn:bk:stages, $MPF_S, $MPF_BUDGET).
+# - profile_prefill: profile_step.py --prefill, one prompt's chunked prefill ($PP_CONTEXT
+#   tokens, default 512; $PROF_PRESET, default qwen3-8b) on each of $PP_LOWERINGS.
 # - mosaic_ws: tuning/mosaic_prefill.py, the warp-specialized prefill matmul's variants at
 #   M = 511 / 2,048 against the library launch, Triton and XLA's dot, each's bits against
 #   the library launch's and decode rows alone; the winners written as the weights'
@@ -467,6 +469,11 @@ PY
                 ${PROF_LAYERS:+--layers=$PROF_LAYERS} ${PROF_FLAGS:-} \
                 --tag="${GPU}_B${PROF_BATCH:-1}_round$g${d#draft}${PROF_TAG:+_$PROF_TAG}" \
                 --out="$OUT" 2>&1 | quiet | tail -24; done; done ;;
+    profile_prefill) for low in ${PP_LOWERINGS:-triton mosaic}; do  # a prompt's prefill
+              timeout "${PROF_S:-150}" python3 experiments/tuning/profile_step.py \
+              --preset="${PROF_PRESET:-qwen3-8b}" --prefill --context="${PP_CONTEXT:-512}" \
+              --options="$low" --tag="${GPU}_prefill${PP_CONTEXT:-512}_$low${PROF_TAG:+_$PROF_TAG}" \
+              --out="$OUT" 2>&1 | quiet | tail -22; done ;;
     combinesweep) timeout "${CSWEEP_S:-150}" python3 experiments/tuning/sweep_combine.py \
               ${CSWEEP_FLAGS:-} --out="$OUT" --tag=${GPU} 2>&1 | quiet | grep -v "it/s" | tail -20 ;;
     mosaic) timeout "${MOSAIC_PARITY_S:-330}" python3 experiments/gpu_parity.py \

@@ -32,6 +32,8 @@ decode round adds to a forward step. --serial_loop profiles serial decoding's ow
 (`jspec.generate.decode_loop`, greedy, STEP_REPS steps, the loop's stop read on the device
 each step as in `jspec.generate`): what its loop adds to a forward step, beside a decode
 round's.
+--prefill profiles one chunked prefill of --context tokens a row instead (`prefill_jit`'s
+program on a fresh cache; no LM head): where a prompt's time to first token goes.
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ from jspec.bench.receipts import write_receipt
 from jspec.bench.timing import STEP_REPS, device_steps, median_time
 from jspec.bench.trace import device_events, summarize, traced
 from jspec.cache import init_cache
-from jspec.chunked_prefill import prefill_jit
+from jspec.chunked_prefill import _prefill_jit, prefill_jit
 from jspec.cli import options_record, with_option_string
 from jspec.feature_head import random_head
 from jspec.generate import decode_loop, init_state
@@ -95,6 +97,8 @@ _DECODE_ROUND = flags.DEFINE_bool("decode_round", False, "profile an adaptive ru
                                   "decode rounds (gamma 0) instead of a step")
 _SERIAL_LOOP = flags.DEFINE_bool("serial_loop", False, "profile serial decoding's loop "
                                  "(jspec.generate's decode_loop) instead of a step")
+_PREFILL = flags.DEFINE_bool("prefill", False, "profile one chunked prefill of --context "
+                             "tokens a row (no LM head) instead of a step")
 flag_checks.require_mxfp4_preset(_MXFP4, _PRESET)
 
 
@@ -182,9 +186,24 @@ def main(argv):
     max_len = _MAX_LEN.value or C + T + 16
     if max_len < C + T:
         raise app.UsageError(f"--max_len={max_len} must hold --context + --T = {C + T}")
-    if sum(map(bool, (_ROUND.value, _DECODE_ROUND.value, _SERIAL_LOOP.value))) > 1:
-        raise app.UsageError("--round, --decode_round and --serial_loop: pick one")
-    if _SERIAL_LOOP.value:
+    if sum(map(bool, (_ROUND.value, _DECODE_ROUND.value, _SERIAL_LOOP.value,
+                      _PREFILL.value))) > 1:
+        raise app.UsageError("--round, --decode_round, --serial_loop and --prefill: pick one")
+    per = STEP_REPS  # steps or rounds in the traced call
+    if _PREFILL.value:  # one prefill a call, on a fresh cache (it is donated)
+        prompt = jnp.asarray(rng.integers(0, cfg.vocab_size, (B, C)).astype(np.int32))
+        lens = jnp.full((B,), C, jnp.int32)
+        steps = _prefill_jit.lower(model, prompt, lens, init_cache(model, B, max_len)).compile()
+        times = []
+        for _ in range(6):
+            cache = jax.block_until_ready(init_cache(model, B, max_len))
+            t0 = time.perf_counter()
+            jax.block_until_ready(steps(model, prompt, lens, cache))
+            times.append(time.perf_counter() - t0)
+        step_s, per, T = float(np.median(times[1:])), 1, C
+        fresh = init_cache(model, B, max_len)
+        run = lambda: jax.block_until_ready(steps(model, prompt, lens, fresh))  # noqa: E731
+    elif _SERIAL_LOOP.value:
         steps, make, max_len = serial_program(model, B, C, rng)
         T = 1
         step_s = round_seconds(steps, make, iters=5) / STEP_REPS
@@ -212,7 +231,7 @@ def main(argv):
             kept = os.path.join(_OUT.value, f"profile_step_{_PRESET.value}"
                                 f"{'_' + _TAG.value if _TAG.value else ''}.trace.json.gz")
             shutil.copyfile(path, kept)
-    summary = summarize(device_events(trace), STEP_REPS, top=10_000)
+    summary = summarize(device_events(trace), per, top=10_000)
     hlo = steps.as_text() or ""
     sources = fusion_sources(hlo)
     for r in summary.get("top", []):  # an XLA fusion's opcodes and the lines behind it
@@ -223,17 +242,18 @@ def main(argv):
         "date": time.strftime("%Y-%m-%d %H:%M:%S"), "device": jax.devices()[0].device_kind,
         "jax": jax.__version__, "preset": _PRESET.value, "layers": cfg.num_layers,
         "batch": B, "T": T, "context": C, "max_len": max_len, "dtype": _DTYPE.value,
-        "serial_loop": _SERIAL_LOOP.value,
+        "serial_loop": _SERIAL_LOOP.value, "prefill": _PREFILL.value,
         "round": (_ROUND.value or _DECODE_ROUND.value) and {
             "gamma": _ROUND.value, "draft": "feature head" if _DRAFT.value else None,
             "head_vocab": min(_HEAD_VOCAB.value or cfg.vocab_size, cfg.vocab_size)},
         "speed_options": options_record(model)["kernel"], "step_ms": step_s * 1e3,
-        "steps_traced": STEP_REPS, "trace": kept, **summary,
+        "steps_traced": per, "trace": kept, **summary,
         "copies": copy_sources(hlo)}  # what the memcpy kernels may be
     out = write_receipt(_OUT.value, f"profile_step_{_PRESET.value}", _TAG.value, report)
     what = (f"round of gamma {_ROUND.value} ({'head' if _DRAFT.value else 'no draft'})"
             if _ROUND.value or _DECODE_ROUND.value
-            else "step of serial decoding's loop" if _SERIAL_LOOP.value else "step")
+            else "step of serial decoding's loop" if _SERIAL_LOOP.value
+            else "prefill (one chunked call)" if _PREFILL.value else "step")
     print(f"{_PRESET.value} ({cfg.num_layers} layers), B={B} T={T} context {C} of {max_len}, "
           f"{_BACKEND.value}: {what} {step_s * 1e3:.3f} ms timed; traced per {what.split()[0]}: "
           f"{summary.get('events_per_step', 0):.0f} device events, busy "
