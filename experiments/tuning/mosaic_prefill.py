@@ -196,6 +196,7 @@ def winner(rep: dict, rows: list[int]) -> tuple[str, float, float] | None:
 
 
 def write_table(path: str, report: dict, rows: list[int], receipt: str) -> list[str]:
+    """Each weight's `winner` as its table entry's prefill tile, and a provenance record."""
     with open(path) as f:
         data = json.load(f)
     written = []
@@ -211,10 +212,12 @@ def write_table(path: str, report: dict, rows: list[int], receipt: str) -> list[
                 e["prefill_us"] = {"rows": rows, "config": lib_us, "prefill": ws_us}
                 written.append(name)
     if written:
-        data.setdefault("provenance", {}).setdefault("prefill_ws", {}).update({
-            "command": " ".join(sys.argv), "receipt": receipt,
-            "finding": "warp-specialized prefill tiles, bit-equal to the library launch and "
-                       "to decode rows alone, faster summed over rows: " + ", ".join(written)})
+        data.setdefault("provenance", []).append({
+            "device": report["device"], "jax": report["jax"], "prefill_ws": written,
+            "command": report.get("command", " ".join(sys.argv)), "receipt": receipt,
+            "finding": "warp-specialized prefill tiles (design ws), each bit-equal to the "
+                       "library launch and to decode rows alone, the fastest summed over "
+                       f"M = {', '.join(map(str, rows))} and faster than the library launch"})
         with open(path, "w") as f:
             json.dump(data, f, indent=1)
             f.write("\n")
