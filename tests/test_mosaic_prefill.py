@@ -129,3 +129,25 @@ def test_a_ws_prefill_tile_serves_prefill_launches_only(monkeypatch, tmp_path):
                 jax.ShapeDtypeStruct((4096, n), jnp.bfloat16))
         _lower(functools.partial(matmul, out_dtype=jnp.bfloat16, schedule=True), x, w)
         assert (seen.pop() if seen else None) == want, (n, m)
+
+
+def test_a_qwen3_prefill_chunk_lowers_with_the_prefill_kernels(h200):
+    # A Qwen3-8B-shaped prefill chunk (2 layers, 2,048 rows, no LM head) with
+    # lowering="mosaic" runs the table's ws tiles for wqkv, wo, w_down and the fused GLU;
+    # a decode step of the same model runs none of them.
+    from jspec.cache import init_cache
+    from jspec.chunked_prefill import prefill
+    from jspec.model import Model, apply
+    from jspec.random_model import preset_config, random_params
+
+    cfg = preset_config("qwen3-8b", num_layers=2)
+    model = Model(config=cfg, params=jax.eval_shape(lambda: random_params(cfg)))
+    model = model.replace(options=model.options.replace(lowering="mosaic"))
+    cache = jax.eval_shape(lambda: init_cache(model, 1, 4096))
+    tokens = jax.ShapeDtypeStruct((1, 2048), jnp.int32)
+    lens = jax.ShapeDtypeStruct((1,), jnp.int32)
+    text = _lower(prefill, model, tokens, lens, cache)
+    assert text.count("jspec_mosaic_prefill_matmul_mosaic_gpu") == 3
+    assert text.count("jspec_mosaic_prefill_matmul_glu_mosaic_gpu") == 1
+    text = _lower(apply, model, jax.ShapeDtypeStruct((1, 1), jnp.int32), cache)
+    assert "jspec_mosaic_prefill_matmul" not in text
