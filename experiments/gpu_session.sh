@@ -24,7 +24,7 @@
 #   winners written as the weights' `prefill` tiles for a `mosaic` step to prove
 #   ($MPF_SHAPES, $MPF_CONFIGS bn:bk:stages, $MPF_S, $MPF_BUDGET).
 # - profile_prefill: profile_step.py --prefill, one prompt's chunked prefill ($PP_CONTEXT
-#   tokens, default 512; $PROF_PRESET, default qwen3-8b) on each of $PP_LOWERINGS.
+#   tokens, default 512; $PP_PRESET, default qwen3-8b) on each of $PP_LOWERINGS.
 # - mosaic_ws: tuning/mosaic_prefill.py, the warp-specialized prefill matmul's variants at
 #   M = 511 / 2,048 against the library launch, Triton and XLA's dot, each's bits against
 #   the library launch's and decode rows alone; the winners written as the weights'
@@ -471,7 +471,7 @@ PY
                 --out="$OUT" 2>&1 | quiet | tail -24; done; done ;;
     profile_prefill) for low in ${PP_LOWERINGS:-triton mosaic}; do  # a prompt's prefill
               timeout "${PROF_S:-150}" python3 experiments/tuning/profile_step.py \
-              --preset="${PROF_PRESET:-qwen3-8b}" --prefill --context="${PP_CONTEXT:-512}" \
+              --preset="${PP_PRESET:-qwen3-8b}" --prefill --context="${PP_CONTEXT:-512}" \
               --options="$low" --tag="${GPU}_prefill${PP_CONTEXT:-512}_$low${PROF_TAG:+_$PROF_TAG}" \
               --out="$OUT" 2>&1 | quiet | tail -22; done ;;
     combinesweep) timeout "${CSWEEP_S:-150}" python3 experiments/tuning/sweep_combine.py \

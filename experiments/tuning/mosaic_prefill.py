@@ -34,9 +34,10 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import app, flags
+from absl import flags
 from tqdm import tqdm
 
+from jspec import cli
 from jspec.bench.receipts import write_receipt
 from jspec.bench.timing import median_time
 from pallas_kernels import mosaic
@@ -260,4 +261,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)
