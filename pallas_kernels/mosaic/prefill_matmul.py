@@ -20,8 +20,10 @@ order, nothing else added, no split-K, no atomics, nothing reduced across rows. 
 sizes, the warpgroup split, the pipeline depth and the tile order decide where and when
 a sum is computed, not its terms or their order. So a row's result does not depend on M
 or on the other rows, and equals the plain design's with the same bk, bitwise: the claim
-`experiments/tuning/mosaic_matmul.py --ws` checks on the device (rows alone, prefixes,
-against the library config) before the table may name this design for a weight. The
+`experiments/tuning/mosaic_prefill.py` checks on the device (rows alone against decode
+rows, prefixes, against the library launch) before the table may name this design for a
+weight; a `mosaic` parity matrix with the table then proves it. The CTA count (the
+device's SMs) only decides which CTA computes a tile, never its sum. The
 epilogue casts the f32 sum as `matmul` does; the GLU variant runs `matmul_glu`'s
 arithmetic on the two rounded tiles (gate and up accumulators a warpgroup, the weight's
 two column blocks copied side by side).
@@ -107,10 +109,9 @@ def _transforms(width: int, dtype) -> tuple:
 
 
 def _num_sms() -> int:
-    try:
-        return jax.devices()[0].core_count
-    except Exception:  # noqa: BLE001 - no device attribute (CPU, export): one SM a tile
-        return 132
+    """The default device's SMs; 132 (an H100 / H200) where it has none (a CPU lowering
+    for CUDA): scheduling only."""
+    return getattr(jax.devices()[0], "core_count", None) or 132
 
 
 def _kernel(x_gmem, w_gmem, o_gmem, *, cfg: PrefillConfig, nk: int, m_tiles: int,
