@@ -70,6 +70,8 @@ def test_bad_configs_and_shapes_are_named():
     x, w = _inputs(8, 64, 96)
     with pytest.raises(ValueError, match="N=96 must be a multiple of the CTA's column tile 128"):
         prefill_matmul(x, w, config=WS, interpret=True)
+    with pytest.raises(ValueError, match="N=96 must be a multiple"):  # given, not dropped
+        matmul(x, w, config=WS, interpret=True)
     x, w = jax.ShapeDtypeStruct((512, 4096), jnp.bfloat16), jax.ShapeDtypeStruct(
         (4096, 6144), jnp.bfloat16)
     with pytest.raises(ValueError, match="needs 458752 bytes of shared memory"):

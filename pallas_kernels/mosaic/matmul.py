@@ -336,7 +336,8 @@ def _config(config, K: int, N: int, dtype, name: str, m: int = 1, schedule: bool
     if config is None:
         return mosaic_launch_config(K, N, dtype, m, schedule)
     if not isinstance(config, (MosaicMatmulConfig, PrefillConfig)):
-        raise TypeError(f"{name} (Mosaic GPU) takes a MosaicMatmulConfig or None; got "
+        raise TypeError(f"{name} (Mosaic GPU) takes a MosaicMatmulConfig, a PrefillConfig "
+                        f"or None; got "
                         f"{type(config).__name__} (the Triton lowering's tiles, e.g. a "
                         "tensor-parallel column config, which this lowering lacks so far)")
     return config
@@ -400,7 +401,7 @@ def matmul(x: jax.Array, w: jax.Array, *, out_dtype=None, interpret: bool = Fals
     n = w.shape[1]
     cfg = _config(config, k, n, w.dtype, "matmul", m, schedule and not interpret)
     if isinstance(cfg, PrefillConfig):  # a prefill chunk on the warp-specialized design
-        if n % cfg.cta_n == 0:
+        if config is not None or n % cfg.cta_n == 0:  # (a given one refuses a bad N)
             return prefill_matmul(x, w, config=cfg, out_dtype=out_dtype, interpret=interpret)
         cfg = mosaic_matmul_config(k, n, w.dtype)
     # Mosaic GPU finds no layout for an f32 tile's transposed store: the swapped design
@@ -432,7 +433,7 @@ def matmul_glu(x: jax.Array, w: jax.Array, *, activation: str, interpret: bool =
     f = w.shape[1] // 2
     cfg = _config(config, k, 2 * f, w.dtype, "matmul_glu", m, schedule and not interpret)
     if isinstance(cfg, PrefillConfig):  # a prefill chunk on the warp-specialized design
-        if f % cfg.cta_n == 0:
+        if config is not None or f % cfg.cta_n == 0:  # (a given one refuses a bad F)
             return prefill_matmul_glu(x, w, activation=activation, config=cfg,
                                       interpret=interpret)
         cfg = mosaic_matmul_config(k, 2 * f, w.dtype)
