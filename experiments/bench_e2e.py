@@ -222,15 +222,22 @@ def make_prompts(V: int, B: int, P: int) -> np.ndarray:
     return prompts
 
 
+WARMUP_RUNS = 2  # untimed runs first: a program's second execution after its compile may
+# still pay one-time costs (Mosaic GPU's prefill: ~12 ms more than steady state on an H100,
+# WORKSPACE_NOTES), which a median of two timed runs would take in
+
+
 def timed(fn, iters: int, warmup: bool = True, monitor: list | None = None):
-    """(output, median seconds, seconds of the warm-up run or None); fn must block. With
-    `monitor` (a list) the timed calls, not the warm-up, run under a `GpuMonitor`, whose
-    summary is appended to it."""
+    """(output, median seconds, seconds of the first warm-up run or None); fn must block.
+    With warmup, WARMUP_RUNS untimed runs come first. With `monitor` (a list) the timed
+    calls, not the warm-up, run under a `GpuMonitor`, whose summary is appended to it."""
     warm = None
     if warmup:
         t0 = time.perf_counter()
         fn()
         warm = time.perf_counter() - t0
+        for _ in range(WARMUP_RUNS - 1):
+            fn()
     ts, out = [], None
     with GpuMonitor() if monitor is not None else contextlib.nullcontext() as mon:
         for _ in range(iters):
