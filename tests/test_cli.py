@@ -493,6 +493,14 @@ def test_profile_step_rounds_smoke(tmp_path):
     r = _run("tuning/profile_step.py", "--interpret", "--preset=tiny-qwen3", "--serial_loop",
              "--round=2", f"--out={tmp_path}")
     assert r.returncode != 0 and "pick one" in r.stderr
+    r = _run("tuning/profile_step.py", "--interpret", "--preset=tiny-qwen3", "--dtype=float32",
+             "--context=16", "--prefill", f"--out={tmp_path}")
+    assert r.returncode == 0, r.stderr[-2000:]
+    rep = json.load(open(tmp_path / "profile_step_tiny-qwen3_run4.json"))
+    assert rep["prefill"] is True and rep["T"] == 16 and rep["steps_traced"] == 1
+    r = _run("tuning/profile_step.py", "--interpret", "--preset=tiny-qwen3", "--prefill",
+             "--T=4", f"--out={tmp_path}")
+    assert r.returncode != 0 and "--T is a step's block" in r.stderr
 
 
 @pytest.mark.slow  # a timing script: chunks of rounds, then the engine's own chunks
@@ -841,6 +849,8 @@ def test_gpu_session_keeps_a_quoted_value_with_spaces_as_one_step(tmp_path):
     ("gpu_parity.py", ["--models=nosuch:2", "--interpret"], ("nosuch",)),
     ("bench_kernels.py", ["--preset=tiny-qwen3", "--dtype=fp16"], ("fp16",)),
     ("tuning/profile_step.py", ["--batch=0"], ("--batch",)),  # a tuning script's own check
+    # (was exit 0 after the whole sweep: a variant that did not parse just read False)
+    ("tuning/mosaic_prefill.py", ["--configs=garbage"], ("--configs", "'garbage'")),
     # --out is checked before any work in every entry point (the sweep ran, then its
     # receipt could not be written).
     ("tuning/sweep_attention.py", ["--out=README.md"], ("--out='README.md' is a file",)),

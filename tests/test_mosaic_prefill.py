@@ -27,7 +27,7 @@ from pallas_kernels.mosaic.prefill_matmul import (
 )
 
 PLAIN = MosaicMatmulConfig(bn=64, bk=64, stages=2)
-WS = PrefillConfig(tile_m=64, tile_n=64, bk=64, stages=2, epi_m=64, epi_n=64)
+WS = PrefillConfig(tile_m=64, tile_n=64, bk=64, stages=2, wg_split="n", epi_m=64, epi_n=64)
 
 
 def _bits(a):
@@ -65,8 +65,12 @@ def test_bad_configs_and_shapes_are_named():
         PrefillConfig(tile_m=32)
     with pytest.raises(ValueError, match="wg_split='k' must be 'm' or 'n'"):
         PrefillConfig(wg_split="k")
-    with pytest.raises(ValueError, match="epilogue tile 64x64 must divide"):
-        PrefillConfig(tile_n=32, epi_n=64)
+    with pytest.raises(ValueError, match="epilogue tile 64x128 must divide"):
+        PrefillConfig(tile_n=64, epi_n=128)
+    with pytest.raises(ValueError, match="tile_n=32 and epi_m=64 must be >= 64"):
+        PrefillConfig(tile_n=32, epi_n=32)  # runs interpreted, has no GPU layout
+    with pytest.raises(ValueError, match="stages=True"):
+        PrefillConfig(stages=True)
     x, w = _inputs(8, 64, 96)
     with pytest.raises(ValueError, match="N=96 must be a multiple of the CTA's column tile 128"):
         prefill_matmul(x, w, config=WS, interpret=True)
@@ -77,6 +81,11 @@ def test_bad_configs_and_shapes_are_named():
     with pytest.raises(ValueError, match="needs 458752 bytes of shared memory"):
         jax.jit(functools.partial(prefill_matmul, config=PrefillConfig(bk=128, stages=4))
                 ).trace(x, w)
+    for bad in (0, -1, 2.5):  # -1 ran a grid of (-1,) and returned NaN
+        with pytest.raises(ValueError, match=f"num_sms={bad!r} must be an int >= 1"):
+            prefill_matmul(x, w, config=WS, interpret=True, num_sms=bad)
+    with pytest.raises(TypeError, match="out_dtype=int8 must be float32"):
+        prefill_matmul(x, w, config=WS, out_dtype=jnp.int8, interpret=True)
     with pytest.raises(TypeError, match="wants x and w of one dtype"):
         prefill_matmul(jnp.ones((8, 64), jnp.float32), jnp.ones((64, 128), jnp.float32),
                        config=WS, interpret=True)
@@ -88,6 +97,7 @@ def _lower(fn, *args) -> str:
 
 @pytest.mark.parametrize("m,k,n,glu", [(2048, 4096, 6144, False), (511, 4096, 24576, True)])
 def test_lowers_for_cuda_at_qwen3_shapes(m, k, n, glu):
+    # The default config (an f32 output's epilogue included) and the table's tiles.
     x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
     w = jax.ShapeDtypeStruct((k, n), jnp.bfloat16)
     if glu:
@@ -97,6 +107,7 @@ def test_lowers_for_cuda_at_qwen3_shapes(m, k, n, glu):
         cfg = PrefillConfig(bk=64, stages=4, wg_split="m")
         fn = functools.partial(prefill_matmul, config=cfg, out_dtype=jnp.bfloat16,
                                num_sms=132)
+        _lower(functools.partial(prefill_matmul, config=PrefillConfig()), x, w)
     text = _lower(fn, x, w)
     assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 1
     assert f"tensor<{m}x{n // 2 if glu else n}xbf16>" in text
@@ -120,6 +131,17 @@ def test_a_ws_prefill_tile_serves_prefill_launches_only(monkeypatch, tmp_path):
     bad.write_text(json.dumps({"tuned": [dict(entry, prefill=dict(design="fast", **ws))]}))
     with pytest.raises(ValueError, match="design='fast'"):
         mm.read_prefill_tiles(str(bad))
+    for i, (n, fields, match) in enumerate((  # each names the file and the entry
+            (6144, dict(ws, foo=1), "got an unexpected keyword argument 'foo'"),
+            (6144, dict(ws, tile_m=64.0), "tile_m=64.0 must be a power of 2"),
+            (6144, {}, "names design 'ws' without its tiles"),
+            (6000, ws, "column tile 128 does not divide N"),
+            (6144, dict(ws, bk=256, stages=8), "bytes of shared memory"))):
+        bad = tmp_path / f"bad{i}.json"
+        bad.write_text(json.dumps({"tuned": [dict(entry, N=n,
+                                                  prefill=dict(design="ws", **fields))]}))
+        with pytest.raises(ValueError, match=f"K=4096, N={n}.*{match}"):
+            mm.read_prefill_tiles(str(bad))
     monkeypatch.setattr(mm, "read_prefill_tiles", lambda: {(4096, 6144, "bfloat16"): tile,
                                                            (4096, 6000, "bfloat16"): tile})
     seen = []

@@ -78,11 +78,49 @@ def bits(a) -> np.ndarray:
 
 
 def parse(spec: str, glu: bool) -> PrefillConfig:
-    tm, tn, bk, st, split, *rest = spec.split(":")
-    extra = {} if not rest else {"minor": rest[0], "band": int(rest[1])}
-    tn = int(tn) // (2 if glu else 1)  # two accumulators a warpgroup
-    return PrefillConfig(tile_m=int(tm), tile_n=tn, bk=int(bk), stages=int(st), wg_split=split,
-                         epi_m=min(64, int(tm)), epi_n=min(64, tn), **extra)
+    """tile_m:tile_n:bk:stages:split[:minor:band] -> PrefillConfig (the GLU: tile_n halved)."""
+    parts = spec.split(":")
+    if len(parts) not in (5, 7):
+        raise ValueError(f"--configs: {spec!r} is not tile_m:tile_n:bk:stages:split"
+                         "[:minor:band]")
+    tm, tn, bk, st, split, *rest = parts
+    try:
+        extra = {} if not rest else {"minor": rest[0], "band": int(rest[1])}
+        tn = int(tn) // (2 if glu else 1)  # two accumulators a warpgroup
+        return PrefillConfig(tile_m=int(tm), tile_n=tn, bk=int(bk), stages=int(st),
+                             wg_split=split, epi_m=64, epi_n=min(64, tn), **extra)
+    except ValueError as e:
+        raise ValueError(f"--configs: {spec!r}: {e}") from None
+
+
+def check_flags(interpret: bool) -> tuple[list[int], list[int], list[str]]:
+    """(rows, alone, variant specs), each flag checked before any work."""
+    def ints(flag, values):
+        try:
+            out = [int(v) for v in values]
+        except ValueError:
+            raise ValueError(f"--{flag}={','.join(values)} must be integers") from None
+        if not out or min(out) < (1 if flag == "rows" else 0):
+            raise ValueError(f"--{flag}={','.join(values)} must name at least one row "
+                             f"count >= {1 if flag == 'rows' else 0}")
+        return out
+
+    rows, alone = ints("rows", _ROWS.value), ints("alone", _ALONE.value)
+    unknown = [s for s in _SHAPES.value if s not in SHAPES]
+    if unknown or not _SHAPES.value:
+        raise ValueError(f"--shapes={','.join(_SHAPES.value)}: choose from {', '.join(SHAPES)}")
+    given = flags.FLAGS["configs"].present
+    specs = _CONFIGS.value if given or not interpret else ["64:128:64:2:n", "64:64:64:2:m"]
+    if not specs:
+        raise ValueError("--configs names no variant")
+    for spec in specs:
+        parse(spec, glu=False)  # (a GLU's halved tile may still fail: recorded per variant)
+    if _WRITE.value:
+        if interpret:
+            raise ValueError("--write takes a device sweep's winners; --smoke times nothing")
+        if not os.path.isfile(_WRITE.value):
+            raise ValueError(f"--write={_WRITE.value}: no such table file")
+    return rows, alone, specs
 
 
 def methods(glu: bool, interpret: bool) -> dict:
@@ -229,11 +267,9 @@ def main(argv):
     del argv
     interpret = _SMOKE.value
     shapes = SMOKE if interpret else SHAPES
-    rows = [int(r) for r in _ROWS.value]
+    rows, alone, specs = check_flags(interpret)
     if interpret:
         rows = [min(r, 130) for r in rows[:1]] + [200]
-    alone = [int(r) for r in _ALONE.value]
-    specs = ["64:128:64:2:n", "64:64:64:2:m"] if interpret else _CONFIGS.value
     report = {"device": str(jax.devices()[0].device_kind),
               "jax": jax.__version__, "rows": rows, "alone": alone, "smoke": interpret,
               "shapes": {}}

@@ -174,6 +174,11 @@ def main(argv):
         raise app.UsageError(f"--preset={_PRESET.value!r}: choose from {sorted(PRESETS)}")
     if min(_B.value, _T.value, _CONTEXT.value) < 1 or _ROUND.value < 0:
         raise app.UsageError("--batch, --T and --context must be >= 1, --round >= 0")
+    if sum(map(bool, (_ROUND.value, _DECODE_ROUND.value, _SERIAL_LOOP.value,
+                      _PREFILL.value))) > 1:
+        raise app.UsageError("--round, --decode_round, --serial_loop and --prefill: pick one")
+    if _PREFILL.value and flags.FLAGS["T"].present:
+        raise app.UsageError("--T is a step's block; --prefill profiles --context tokens")
     kw = dict(interpret=_INTERPRET.value, dtype=_DTYPE.value, mxfp4_experts=_MXFP4.value)
     if _LAYERS.value:
         kw["num_layers"] = _LAYERS.value
@@ -186,9 +191,6 @@ def main(argv):
     max_len = _MAX_LEN.value or C + T + 16
     if max_len < C + T:
         raise app.UsageError(f"--max_len={max_len} must hold --context + --T = {C + T}")
-    if sum(map(bool, (_ROUND.value, _DECODE_ROUND.value, _SERIAL_LOOP.value,
-                      _PREFILL.value))) > 1:
-        raise app.UsageError("--round, --decode_round, --serial_loop and --prefill: pick one")
     per = STEP_REPS  # steps or rounds in the traced call
     if _PREFILL.value:  # one prefill a call, on a fresh cache (it is donated)
         prompt = jnp.asarray(rng.integers(0, cfg.vocab_size, (B, C)).astype(np.int32))

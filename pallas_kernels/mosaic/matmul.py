@@ -197,7 +197,7 @@ def _read_entries(path: str) -> dict:
             raise ValueError(f"{path}: the prefill tile of K={key[0]}, N={key[1]} names "
                              f"design={design!r} ('plain' or 'ws')")
         if design == "ws":  # written by tuning/mosaic_prefill.py only where its bits equal
-            out[key] = (cfg, PrefillConfig(**fields))  # the library's and decode rows'
+            out[key] = (cfg, _ws_tile(path, key, fields))  # the library's and decode rows'
             continue
         tile = MosaicMatmulConfig(**fields) if fields else None
         if tile is not None and (tile.swapped or tile.bk != cfg.bk):
@@ -206,6 +206,24 @@ def _read_entries(path: str) -> dict:
                              f"{tile}")
         out[key] = (cfg, tile)
     return out
+
+
+def _ws_tile(path: str, key: tuple, fields: dict) -> PrefillConfig:
+    """A table entry's warp-specialized prefill tile, checked as the kernel will need it."""
+    where = f"{path}: the prefill tile of K={key[0]}, N={key[1]}"
+    try:
+        tile = PrefillConfig(**fields)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{where}: {e}") from None
+    if not fields:
+        raise ValueError(f"{where} names design 'ws' without its tiles")
+    if key[1] % tile.cta_n:
+        raise ValueError(f"{where}: the CTA's column tile {tile.cta_n} does not divide N")
+    need = tile.smem_bytes(key[2], key[2])  # one weight block (a GLU's two: its launch checks)
+    if need > SMEM_MAX:
+        raise ValueError(f"{where}: {tile} needs {need} bytes of shared memory ({SMEM_MAX} "
+                         "at most)")
+    return tile
 
 
 def mosaic_launch_config(K: int, N: int, dtype, m: int, schedule: bool = True

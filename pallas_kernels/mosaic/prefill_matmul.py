@@ -56,11 +56,11 @@ MEMORY_REGISTERS = 40  # registers a thread of the memory warpgroup keeps
 @dataclasses.dataclass(frozen=True)
 class PrefillConfig:
     """A warp-specialized launch's tiles; every field is scheduling except bk (R11)."""
-    tile_m: int = 128  # rows a compute warpgroup owns (64 or 128: wgmma M multiples)
-    tile_n: int = 128  # columns a compute warpgroup owns (the wgmma N)
-    bk: int = 128  # K elements a pipeline step: the library config's (bits)
-    stages: int = 4  # pipeline steps in flight
-    wg_split: str = "n"  # the two compute warpgroups split the CTA tile along "m" or "n"
+    tile_m: int = 128  # rows a compute warpgroup owns (a multiple of the wgmma's 64)
+    tile_n: int = 128  # columns a compute warpgroup owns (the wgmma N; >= 64)
+    bk: int = 64  # K elements a pipeline step (the device sweep checks its bits)
+    stages: int = 3  # pipeline steps in flight (the defaults fit an f32 output's epilogue)
+    wg_split: str = "m"  # the two compute warpgroups split the CTA tile along "m" or "n"
     minor: str = "n"  # the tile order's fast dimension
     band: int = 8  # the tile order's band width (tiles of the slow dimension a band)
     epi_m: int = 64  # the epilogue's store tile
@@ -69,21 +69,27 @@ class PrefillConfig:
     def __post_init__(self):
         for name in ("tile_m", "tile_n", "bk", "epi_m", "epi_n"):
             t = getattr(self, name)
-            if not isinstance(t, int) or t < 16 or t > 256 or t & (t - 1):
+            if (not isinstance(t, int) or isinstance(t, bool) or t < 16 or t > 256
+                    or t & (t - 1)):
                 raise ValueError(f"PrefillConfig.{name}={t!r} must be a power of 2 in 16..256")
         if self.tile_m % 64:
             raise ValueError(f"PrefillConfig.tile_m={self.tile_m} must be a multiple of 64 "
                              "(the wgmma M)")
+        # Narrower tiles run interpreted but find no layout on the GPU (a warpgroup's
+        # column slice must hold a 128-byte swizzle, an epilogue tile the wgmma's 64 rows).
+        if self.tile_n < 64 or self.epi_m < 64:
+            raise ValueError(f"PrefillConfig: tile_n={self.tile_n} and epi_m={self.epi_m} "
+                             "must be >= 64 (no GPU layout for narrower tiles)")
         if self.tile_m % self.epi_m or self.tile_n % self.epi_n:
             raise ValueError(f"PrefillConfig: the epilogue tile {self.epi_m}x{self.epi_n} "
                              f"must divide the warpgroup's {self.tile_m}x{self.tile_n}")
-        if not isinstance(self.stages, int) or self.stages < 2:
+        if not isinstance(self.stages, int) or isinstance(self.stages, bool) or self.stages < 2:
             raise ValueError(f"PrefillConfig.stages={self.stages!r} must be an int >= 2")
         for name in ("wg_split", "minor"):
             if getattr(self, name) not in ("m", "n"):
                 raise ValueError(f"PrefillConfig.{name}={getattr(self, name)!r} must be "
                                  "'m' or 'n'")
-        if not isinstance(self.band, int) or self.band < 1:
+        if not isinstance(self.band, int) or isinstance(self.band, bool) or self.band < 1:
             raise ValueError(f"PrefillConfig.band={self.band!r} must be an int >= 1")
 
     @property
@@ -193,6 +199,13 @@ def _kernel(x_gmem, w_gmem, o_gmem, *, cfg: PrefillConfig, nk: int, m_tiles: int
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
+def _check_sms(num_sms, name: str) -> None:
+    if num_sms is not None and (not isinstance(num_sms, int) or isinstance(num_sms, bool)
+                                or num_sms < 1):
+        raise ValueError(f"{name}: num_sms={num_sms!r} must be an int >= 1 (the persistent "
+                         "grid's CTAs) or None (the device's SMs)")
+
+
 def _check(x, w, cfg, name: str) -> None:
     if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[0]:
         raise ValueError(f"{name} wants x [M, K] and w [K, N]; got {x.shape=} {w.shape=}")
@@ -237,7 +250,11 @@ def prefill_matmul(x: jax.Array, w: jax.Array, *, config: PrefillConfig, out_dty
     sums with `config.bk`, warp-specialized. N must be a multiple of `config.cta_n`.
     `num_sms`: the persistent grid's CTAs (default: the device's SMs)."""
     _check(x, w, config, "prefill_matmul")
+    _check_sms(num_sms, "prefill_matmul")
     out_dtype = jnp.dtype(jnp.float32 if out_dtype is None else out_dtype)
+    if out_dtype.name not in ("float32", *DTYPES):
+        raise TypeError(f"prefill_matmul: out_dtype={out_dtype.name} must be float32, "
+                        "bfloat16 or float16")
     m, n = x.shape[0], w.shape[1]
     if n % config.cta_n:
         raise ValueError(f"prefill_matmul: N={n} must be a multiple of the CTA's column tile "
@@ -253,6 +270,7 @@ def prefill_matmul_glu(x: jax.Array, w: jax.Array, *, activation: str, config: P
     """act(x @ w[:, :F]) * (x @ w[:, F:]) for x [M, K], w [K, 2F] -> x.dtype: `matmul_glu`'s
     arithmetic on the rounded halves. F must be a multiple of `config.cta_n`."""
     _check(x, w, config, "prefill_matmul_glu")
+    _check_sms(num_sms, "prefill_matmul_glu")
     check_glu_weight(w, activation)
     m, f = x.shape[0], w.shape[1] // 2
     if f % config.cta_n:
