@@ -306,7 +306,9 @@ class GumbelCoupled(TokenMatching):
     lowering: str | None = None  # the top-p kernel's (`Sample.lowering`)
 
     def __post_init__(self):
-        self.serial_sampler()  # checks the values, naming a bad one
+        s = self.serial_sampler()  # checks the values, naming a bad one
+        for name in ("temperature", "top_k", "top_p"):  # as Sample keeps them (a numpy
+            object.__setattr__(self, name, getattr(s, name))  # float: equal, hashed alike)
 
     def serial_sampler(self) -> Sample:
         return Sample(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
@@ -331,7 +333,9 @@ class RejectionSampling(Policy):
     exact: ClassVar[bool] = False
 
     def __post_init__(self):
-        self.serial_sampler()  # checks the values, naming a bad one
+        s = self.serial_sampler()  # checks the values, naming a bad one
+        for name in ("temperature", "top_k", "top_p"):  # as Sample keeps them (a numpy
+            object.__setattr__(self, name, getattr(s, name))  # float: equal, hashed alike)
 
     def serial_sampler(self) -> Sample:
         return Sample(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,

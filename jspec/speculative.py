@@ -54,7 +54,7 @@ from jspec.loop import (
     run_chunked,
     token_bar,
 )
-from jspec.model import COMPILER_OPTIONS, Forward, Model, apply, row_flags
+from jspec.model import COMPILER_OPTIONS, Forward, Model, apply, check_token_ids, row_flags
 from jspec.sampling import with_lowering
 from jspec.spec_config import SpecConfig, shape_spec
 from jspec.tree import TreeConfig, commit_path, from_parents, well_formed
@@ -452,6 +452,21 @@ def _tree_round(target: Model, drafter, state: SpecState, seed, *,
                    features=feats, tree=True)
 
 
+def _check_phase(state: SpecState, spec: SpecConfig, name: str) -> None:
+    """A phase's state against its spec, at trace time (shapes and static fields): a
+    research loop's mismatch named, never a round that runs with the wrong widths."""
+    check_type("spec", spec, SpecConfig, "a jspec.SpecConfig")
+    if spec.seed:
+        raise ValueError(f"{name}: spec.seed={spec.seed} is not read here; the phases take "
+                         "the seed as their `seed` argument (pass spec.static())")
+    # (an adaptive run's shapes are shallower than the state's depth: theirs is the most)
+    if state.out.shape[1] != spec.max_new_tokens or state.accepted_at.shape[1] < spec.depth:
+        raise ValueError(f"{name}: the state was made for max_new_tokens="
+                         f"{state.out.shape[1]}, depth {state.accepted_at.shape[1]}; this spec "
+                         f"has max_new_tokens={spec.max_new_tokens}, depth {spec.depth} (run "
+                         "a state with the spec `prefill` made it with)")
+
+
 def _round(target: Model, drafter, state: SpecState, seed, *, spec: SpecConfig) -> SpecState:
     """draft -> verify -> accept -> commit."""
     if spec.tree is not None:
@@ -490,13 +505,56 @@ def _round(target: Model, drafter, state: SpecState, seed, *, spec: SpecConfig) 
 # `spec_loop` donate `state` (its buffers are reused): continue from the state they return;
 # the one passed in is deleted (reading it raises "Array has been deleted"). They flag a
 # broken round in the state and stop; `check_state` raises what the engine would.
-prefill = jax.jit(_prefill, static_argnames=("spec", "max_len"),
-                  compiler_options=COMPILER_OPTIONS)
+_prefill_jit = jax.jit(_prefill, static_argnames=("spec", "max_len"),
+                      compiler_options=COMPILER_OPTIONS)
+
+
+def prefill(target: Model, drafter, tokens, lens, seed, *, spec: SpecConfig,
+            max_len: int) -> SpecState:
+    """The first phase from the host: a chunked prefill of tokens [B, P] (row b's prompt
+    tokens[b, :lens[b]]) into a cache of max_len and the drafter's state -> SpecState.
+    Concrete arguments are checked first (ids in the vocabulary, lens in [1, P], a spec
+    without a seed: pass spec.static() and the seed as `seed`), each error naming the
+    problem: traced, a length of 0 would read as a cache of length -1 without a word.
+    `prefill.lower` lowers it (the arguments unchecked)."""
+    check_type("target", target, Model, "a jspec.Model (jspec.load_hf, jspec.random_model)")
+    check_type("spec", spec, SpecConfig, "a jspec.SpecConfig")
+    if spec.seed:
+        raise ValueError(f"prefill: spec.seed={spec.seed} is not read here; the phases take "
+                         "the seed as their `seed` argument (pass spec.static())")
+    if not any(isinstance(x, jax.core.Tracer) for x in (tokens, lens)):
+        toks, arr = np.asarray(tokens), np.asarray(lens)
+        if toks.ndim != 2 or not np.issubdtype(toks.dtype, np.integer) \
+                or toks.dtype == np.bool_:
+            raise ValueError(f"tokens must be integer ids [B, P]; got shape {toks.shape}, "
+                             f"dtype {toks.dtype}")
+        B, P = toks.shape
+        if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer) \
+                or arr.shape != (B,):
+            raise ValueError(f"lens must be B={B} integers (one length a row); got shape "
+                             f"{arr.shape}, dtype {arr.dtype}")
+        bad = (arr < 1) | (arr > P)
+        if bad.any():
+            b = int(np.argmax(bad))
+            raise ValueError(f"lens[{b}]={int(arr[b])} must lie in [1, P={P}] (row b's prompt "
+                             "is tokens[b, :lens[b]])")
+        check_token_ids(toks, target.config.vocab_size)  # (a max_len too small for the
+        # run is the rounds' flag: check_state names the full cache)
+    return _prefill_jit(target, drafter, tokens, lens, seed, spec=spec, max_len=max_len)
+
+
+prefill.lower = _prefill_jit.lower
 draft_step = jax.jit(_draft, compiler_options=COMPILER_OPTIONS)
 verify_step = jax.jit(_verify, static_argnames=("layers",), compiler_options=COMPILER_OPTIONS)
 accept_step = jax.jit(_accept, static_argnames=("spec",), compiler_options=COMPILER_OPTIONS)
 commit_step = jax.jit(_commit, static_argnames=("spec",), compiler_options=COMPILER_OPTIONS)
-one_round = jax.jit(_round, static_argnames=("spec",), donate_argnames=("state",),
+def _one_round(target: Model, drafter, state: SpecState, seed, *, spec: SpecConfig
+               ) -> SpecState:
+    _check_phase(state, spec, "one_round")
+    return _round(target, drafter, state, seed, spec=spec)
+
+
+one_round = jax.jit(_one_round, static_argnames=("spec",), donate_argnames=("state",),
                     compiler_options=COMPILER_OPTIONS)
 
 
@@ -515,6 +573,7 @@ def spec_loop(target: Model, drafter, state: SpecState, seed, stop, live_floor=N
             go = go & (jnp.sum(~s.done) > live_floor)
         return go
 
+    _check_phase(state, spec, "spec_loop")
     return jax.lax.while_loop(cond, lambda s: _round(target, drafter, s, seed, spec=spec), state)
 
 
@@ -890,7 +949,7 @@ def speculative_generate(target: Model, drafter, prompts, spec: SpecConfig, *,
     compacting = spec.compact
     adaptive, seed, spec = spec.adaptive, jnp.int32(spec.seed), spec.static()
     t0 = time.perf_counter()
-    state = prefill(target, drafter, jnp.asarray(tokens), jnp.asarray(lens), seed,
+    state = _prefill_jit(target, drafter, jnp.asarray(tokens), jnp.asarray(lens), seed,
                     spec=spec, max_len=max_len)
     jax.block_until_ready(state)
     t1 = time.perf_counter()
@@ -1001,7 +1060,7 @@ def _adaptive_round(target: Model, drafter, state: SpecState, seed, spec: SpecCo
 
 def _stream(target: Model, drafter, tokens, lens, spec: SpecConfig, max_len: int):
     adaptive, seed, spec = spec.adaptive, jnp.int32(spec.seed), spec.static()
-    state = prefill(target, drafter, jnp.asarray(tokens), jnp.asarray(lens), seed,
+    state = _prefill_jit(target, drafter, jnp.asarray(tokens), jnp.asarray(lens), seed,
                     spec=spec, max_len=max_len)
     seen = np.zeros(len(lens), np.int64)
     ctl = (Controller(adaptive, len(lens), spec.max_new_tokens)

@@ -32,7 +32,7 @@ from jspec.adaptive import shape_name
 from jspec.compaction import batch_for, compact
 from jspec.loop import token_bar
 from jspec.spec_config import SpecConfig, shape_spec
-from jspec.speculative import _cache_size, _setup, prefill, spec_loop
+from jspec.speculative import _cache_size, _prefill_jit, _setup, spec_loop
 
 
 def compaction_sizes(batch: int) -> list[int]:
@@ -95,7 +95,7 @@ def warm_up(target, drafter, prompts, spec: SpecConfig, *, max_len: int | None =
     counted = (spec_loop, compaction._compact, compaction._take)
     before = [_cache_size(f) for f in counted]
 
-    state = prefill(target, drafter, jnp.asarray(tokens), jnp.asarray(lens), seed,
+    state = _prefill_jit(target, drafter, jnp.asarray(tokens), jnp.asarray(lens), seed,
                     spec=spec, max_len=max_len)
     sizes = compaction_sizes(B) if compacting else []
     done = [0]

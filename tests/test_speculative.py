@@ -244,6 +244,20 @@ def test_phases_compose_in_a_research_script():
         state = S.commit_step(drafter, state, ctx, cache, dstate, drafts, n_acc, nxt, spec=spec)
     serial = jspec.generate(target, prompts, max_new_tokens=12)
     assert np.array_equal(np.asarray(state.out), serial.tokens)
+    # What the phases refuse before any work (each ran: a row of length 0 read as a cache
+    # of length -1 and decoded garbage; spec.seed was silently unread; a state of gamma 3
+    # ran under gamma 5 with its acceptance columns wrong).
+    tok, ml = jnp.asarray(tokens), tokens.shape[1] + 12 + 4
+    for bad_lens, match in (([0, 3, 3], r"lens\[0\]=0 must lie in \[1, P="),
+                            ([3, 3], "lens must be B=3 integers")):
+        with pytest.raises(ValueError, match=match):
+            S.prefill(target, drafter, tok, jnp.asarray(bad_lens), seed, spec=spec, max_len=ml)
+    with pytest.raises(ValueError, match="spec.seed=7 is not read here"):
+        S.prefill(target, drafter, tok, jnp.asarray(lens), seed,
+                  spec=jspec.SpecConfig(gamma=3, max_new_tokens=12, seed=7), max_len=ml)
+    with pytest.raises(ValueError, match="the state was made for max_new_tokens=12, depth 3"):
+        S.one_round(target, drafter, state, seed,
+                    spec=jspec.SpecConfig(gamma=5, max_new_tokens=12))
 
 
 def test_runtime_audit_passes_on_pallas_and_stops_xla_with_a_report():

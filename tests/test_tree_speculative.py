@@ -164,8 +164,8 @@ def test_a_tree_no_drafter_can_grow_is_named_before_any_program_runs(monkeypatch
     def no_program(*a, **k):
         raise AssertionError("a program ran before the arguments were checked")
 
-    monkeypatch.setattr(speculative, "prefill", no_program)
-    monkeypatch.setattr(warm, "prefill", no_program)
+    monkeypatch.setattr(speculative, "_prefill_jit", no_program)  # the engine's prefill
+    monkeypatch.setattr(warm, "_prefill_jit", no_program)
     target = load("qwen3", "xla")
     ref = jnp.zeros((2, 12 + 4), jnp.int32)
 
