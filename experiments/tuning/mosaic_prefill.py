@@ -8,7 +8,8 @@ each variant of --configs (`pallas_kernels.mosaic.prefill_matmul.PrefillConfig`s
 
 1. Bits. At the largest of --rows, the variant's output must be bitwise the library
    launch's (`pallas_kernels.mosaic.matmul` as the model runs a prefill chunk, i.e. the
-   table's prefill tile), its first 511 rows bitwise its own output at M = 511, and each
+   table's prefill tile), its first 1,000 rows bitwise its own output at M = 1,000 (a
+   CTA tile past the array's end), and each
    of --alone rows bitwise the row computed alone by the decode step's launch (M = 1,
    the library's decode config): a prefill row equals a decode row (property P).
 2. Speed: each variant against the library launch, the Triton lowering (its prefill
@@ -175,12 +176,13 @@ def time_us(fn, x, ws) -> dict:
 
 
 def check_bits(fn, lib, row, x, w, alone) -> dict:
-    """The variant against the library launch at the largest M, its own prefix of 511
-    rows, and rows computed alone by the decode launch."""
+    """The variant against the library launch at the largest M, its own prefix of 1,000
+    rows (a CTA tile past the array's end: TMA's zero fill, a clipped store), and rows
+    computed alone by the decode launch."""
     try:
         full = bits(fn(x, w))
         out = {"equals_library": bool(np.array_equal(full, bits(lib(x, w))))}
-        m = min(511, x.shape[0] - 1)
+        m = min(1000, x.shape[0] - 1)
         out["prefix_mismatch_rows"] = int((bits(fn(x[:m], w)) != full[:m]).any(axis=1).sum())
         bad = [r for r in alone if r < x.shape[0]
                and (bits(row(x[r:r + 1], w))[0] != full[r]).any()]
