@@ -104,6 +104,23 @@ _prefill_jit = jax.jit(prefill, static_argnames=("features",), donate_argnames=(
                        compiler_options=COMPILER_OPTIONS)
 
 
+def check_lens(lens, B: int, P: int) -> np.ndarray:
+    """Concrete prompt lengths of tokens [B, P]: B integers in [1, P] (row b's prompt is
+    tokens[b, :lens[b]]), a ValueError naming the first bad one; -> lens as numpy."""
+    arr = np.asarray(lens)
+    if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
+        raise ValueError(f"lens must be integers; got dtype {arr.dtype}")
+    if arr.shape != (B,):
+        raise ValueError(f"lens must be B={B} integers, one length a row ([{B}]); got shape "
+                         f"{arr.shape}")
+    bad = (arr < 1) | (arr > P)
+    if bad.any():
+        b = int(np.argmax(bad))
+        raise ValueError(f"lens[{b}]={int(arr[b])} must lie in [1, P={P}] (row b's prompt "
+                         "is tokens[b, :lens[b]])")
+    return arr
+
+
 def prefill_jit(model: Model, tokens, lens, cache: KVCache, *,
                 features: tuple[int, ...] = ()) -> Prefilled:
     """`prefill` from the host: compiled, the cache donated, and the arguments checked
@@ -120,17 +137,7 @@ def prefill_jit(model: Model, tokens, lens, cache: KVCache, *,
                         "vmap call jspec.chunked_prefill.prefill, which returns the same "
                         "Prefilled")
     check_tokens(model, tokens, cache)
-    B, P = np.shape(tokens)
-    arr = np.asarray(lens)
-    if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
-        raise ValueError(f"lens must be integers; got dtype {arr.dtype}")
-    if arr.shape != (B,):
-        raise ValueError(f"lens must hold one length a row ([{B}]); got shape {arr.shape}")
-    bad = (arr < 1) | (arr > P)
-    if bad.any():
-        b = int(np.argmax(bad))
-        raise ValueError(f"lens[{b}]={int(arr[b])} must lie in [1, P={P}] (row b's prompt "
-                         "is tokens[b, :lens[b]])")
+    arr = check_lens(lens, *np.shape(tokens))
     features = check_ints("features", features)
     return _prefill_jit(model, jnp.asarray(tokens, jnp.int32), jnp.asarray(arr, jnp.int32),
                         cache, features=features)

@@ -32,6 +32,7 @@ from flax import struct
 from jspec._checks import check_bool, check_ints, check_type, check_x32, is_int
 from jspec.adaptive import Controller, snapshot
 from jspec.cache import init_cache, rollback
+from jspec.chunked_prefill import check_lens
 from jspec.chunked_prefill import prefill as chunked_prefill
 from jspec.compaction import RowBook, batch_for, check_batch_major, compact, plan
 from jspec.drafters import FeatureDrafter, ModelDrafter, OracleDrafter, PromptLookupDrafter
@@ -452,13 +453,17 @@ def _tree_round(target: Model, drafter, state: SpecState, seed, *,
                    features=feats, tree=True)
 
 
-def _check_phase(state: SpecState, spec: SpecConfig, name: str) -> None:
-    """A phase's state against its spec, at trace time (shapes and static fields): a
-    research loop's mismatch named, never a round that runs with the wrong widths."""
+def _check_phase_spec(spec: SpecConfig, name: str) -> None:
     check_type("spec", spec, SpecConfig, "a jspec.SpecConfig")
     if spec.seed:
         raise ValueError(f"{name}: spec.seed={spec.seed} is not read here; the phases take "
                          "the seed as their `seed` argument (pass spec.static())")
+
+
+def _check_phase(state: SpecState, spec: SpecConfig, name: str) -> None:
+    """A phase's state against its spec, at trace time (shapes and static fields): a
+    research loop's mismatch named, never a round that runs with the wrong widths."""
+    _check_phase_spec(spec, name)
     # (an adaptive run's shapes are shallower than the state's depth: theirs is the most)
     if state.out.shape[1] != spec.max_new_tokens or state.accepted_at.shape[1] < spec.depth:
         raise ValueError(f"{name}: the state was made for max_new_tokens="
@@ -518,26 +523,14 @@ def prefill(target: Model, drafter, tokens, lens, seed, *, spec: SpecConfig,
     problem: traced, a length of 0 would read as a cache of length -1 without a word.
     `prefill.lower` lowers it (the arguments unchecked)."""
     check_type("target", target, Model, "a jspec.Model (jspec.load_hf, jspec.random_model)")
-    check_type("spec", spec, SpecConfig, "a jspec.SpecConfig")
-    if spec.seed:
-        raise ValueError(f"prefill: spec.seed={spec.seed} is not read here; the phases take "
-                         "the seed as their `seed` argument (pass spec.static())")
+    _check_phase_spec(spec, "prefill")
     if not any(isinstance(x, jax.core.Tracer) for x in (tokens, lens)):
-        toks, arr = np.asarray(tokens), np.asarray(lens)
+        toks = np.asarray(tokens)
         if toks.ndim != 2 or not np.issubdtype(toks.dtype, np.integer) \
                 or toks.dtype == np.bool_:
             raise ValueError(f"tokens must be integer ids [B, P]; got shape {toks.shape}, "
                              f"dtype {toks.dtype}")
-        B, P = toks.shape
-        if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer) \
-                or arr.shape != (B,):
-            raise ValueError(f"lens must be B={B} integers (one length a row); got shape "
-                             f"{arr.shape}, dtype {arr.dtype}")
-        bad = (arr < 1) | (arr > P)
-        if bad.any():
-            b = int(np.argmax(bad))
-            raise ValueError(f"lens[{b}]={int(arr[b])} must lie in [1, P={P}] (row b's prompt "
-                             "is tokens[b, :lens[b]])")
+        check_lens(lens, *toks.shape)
         check_token_ids(toks, target.config.vocab_size)  # (a max_len too small for the
         # run is the rounds' flag: check_state names the full cache)
     return _prefill_jit(target, drafter, tokens, lens, seed, spec=spec, max_len=max_len)

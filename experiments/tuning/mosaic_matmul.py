@@ -371,8 +371,8 @@ def _save(path: str, data: dict, report: dict, receipt: str | None, what: str,
           written: list[str]) -> list[str]:
     """Writes the data file with this run's provenance entry (`what`: the weights it
     wrote); returns them."""
-    data["provenance"].append({"date": time.strftime("%Y-%m-%d"), "device": report["device"],
-                               "jax": report["jax"], what: written,
+    # No date or device in the library's data file: the receipt holds them, docs cite it.
+    data["provenance"].append({"jax": report["jax"], what: written,
                                "command": report["command"], "receipt": receipt})
     with open(path, "w") as f:
         json.dump(data, f, indent=1)

@@ -253,8 +253,8 @@ def write_table(path: str, report: dict, rows: list[int], receipt: str) -> list[
                 e["prefill_us"] = {"rows": rows, "config": lib_us, "prefill": ws_us}
                 written.append(name)
     if written:
-        data.setdefault("provenance", []).append({
-            "device": report["device"], "jax": report["jax"], "prefill_ws": written,
+        data.setdefault("provenance", []).append({  # (the receipt holds date and device)
+            "jax": report["jax"], "prefill_ws": written,
             "command": report.get("command", " ".join(sys.argv)), "receipt": receipt,
             "finding": "warp-specialized prefill tiles (design ws), each bit-equal to the "
                        "library launch and to decode rows alone, the fastest summed over "

@@ -196,13 +196,9 @@ def main(argv):
         prompt = jnp.asarray(rng.integers(0, cfg.vocab_size, (B, C)).astype(np.int32))
         lens = jnp.full((B,), C, jnp.int32)
         steps = _prefill_jit.lower(model, prompt, lens, init_cache(model, B, max_len)).compile()
-        times = []
-        for _ in range(6):
-            cache = jax.block_until_ready(init_cache(model, B, max_len))
-            t0 = time.perf_counter()
-            jax.block_until_ready(steps(model, prompt, lens, cache))
-            times.append(time.perf_counter() - t0)
-        step_s, per, T = float(np.median(times[1:])), 1, C
+        step_s = round_seconds(steps, lambda: (model, prompt, lens, jax.block_until_ready(
+            init_cache(model, B, max_len))), iters=5)
+        per, T = 1, C
         fresh = init_cache(model, B, max_len)
         run = lambda: jax.block_until_ready(steps(model, prompt, lens, fresh))  # noqa: E731
     elif _SERIAL_LOOP.value:

@@ -115,8 +115,8 @@ def _transforms(width: int, dtype) -> tuple:
 
 
 def _num_sms() -> int:
-    """The default device's SMs; 132 (an H100 / H200) where it has none (a CPU lowering
-    for CUDA): scheduling only."""
+    """The default device's SMs; 132 where it has none (a CPU lowering for CUDA):
+    scheduling only."""
     return getattr(jax.devices()[0], "core_count", None) or 132
 
 
