@@ -12,7 +12,10 @@ the device by `experiments/tuning/mosaic_prefill.py` before the table may name o
 import functools
 import importlib
 import json
+import os
 import re
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +29,7 @@ from pallas_kernels.mosaic.prefill_matmul import (
     prefill_matmul_glu,
 )
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PLAIN = MosaicMatmulConfig(bn=64, bk=64, stages=2)
 WS = PrefillConfig(tile_m=64, tile_n=64, bk=64, stages=2, wg_split="n", epi_m=64, epi_n=64)
 
@@ -133,7 +137,7 @@ def test_a_ws_prefill_tile_serves_prefill_launches_only(monkeypatch, tmp_path):
         mm.read_prefill_tiles(str(bad))
     for i, (n, fields, match) in enumerate((  # each names the file and the entry
             (6144, dict(ws, foo=1), "got an unexpected keyword argument 'foo'"),
-            (6144, dict(ws, tile_m=64.0), "tile_m=64.0 must be a power of 2"),
+            (6144, dict(ws, tile_m=64.0), "tile_m=64.0 must be a multiple of 64"),
             (6144, {}, "names design 'ws' without its tiles"),
             (6000, ws, "column tile 128 does not divide N"),
             (6144, dict(ws, bk=256, stages=8), "bytes of shared memory"))):
@@ -144,6 +148,7 @@ def test_a_ws_prefill_tile_serves_prefill_launches_only(monkeypatch, tmp_path):
             mm.read_prefill_tiles(str(bad))
     monkeypatch.setattr(mm, "read_prefill_tiles", lambda: {(4096, 6144, "bfloat16"): tile,
                                                            (4096, 6000, "bfloat16"): tile})
+    monkeypatch.setattr(mm, "read_tall_tiles", dict)  # (the tall tier: its own test)
     seen = []
     real = pm._launch
     monkeypatch.setattr(pm, "_launch", lambda x, w, cfg, *a, **k: (seen.append(cfg),
@@ -175,3 +180,104 @@ def test_a_qwen3_prefill_chunk_lowers_with_the_prefill_kernels(h200):
     assert text.count("jspec_mosaic_prefill_matmul_glu_mosaic_gpu") == 1
     text = _lower(apply, model, jax.ShapeDtypeStruct((1, 1), jnp.int32), cache)
     assert "jspec_mosaic_prefill_matmul" not in text
+    # A batch-32 verify block of 5 tokens (160 rows) takes the table's tall tiles where
+    # their `above` lies below 160: the GLU, w_down and wo (wqkv's serves past 160 rows).
+    mm = importlib.import_module("pallas_kernels.mosaic.matmul")
+    tall = mm.read_tall_tiles()
+    assert tall[(4096, 24576, "bfloat16")][0] < 160 <= tall[(4096, 6144, "bfloat16")][0]
+    cache = jax.eval_shape(lambda: init_cache(model, 32, 4096))
+    text = _lower(apply, model, jax.ShapeDtypeStruct((32, 5), jnp.int32), cache)
+    assert text.count("jspec_mosaic_prefill_matmul_mosaic_gpu") == 2  # a kernel a shape
+    assert text.count("jspec_mosaic_prefill_matmul_glu_mosaic_gpu") == 1
+
+
+def test_a_tall_tile_serves_the_rows_past_its_above_only(monkeypatch, tmp_path):
+    """A table entry's `tall` tile (design ws) serves launches of above < M <=
+    PREFILL_ROWS rows with schedule on; M past PREFILL_ROWS takes the prefill tier; a tall
+    tile of another design or an `above` outside TALL_ROWS..PREFILL_ROWS - 1 is refused,
+    naming the file and the entry."""
+    mm = importlib.import_module("pallas_kernels.mosaic.matmul")
+    ws = dict(tile_m=192, tile_n=64, bk=64, stages=4, wg_split="n")
+    entry = {"K": 4096, "N": 6144, "dtype": "bfloat16",
+             "config": dict(bn=64, bk=128, stages=4, swapped=True),
+             "tall": dict(design="ws", above=160, **ws)}
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"tuned": [entry]}))
+    tile = PrefillConfig(**ws)
+    assert mm.read_tall_tiles(str(path)) == {(4096, 6144, "bfloat16"): (160, tile)}
+    assert mm.read_prefill_tiles(str(path)) == {}
+    no_above = dict(entry, tall=dict(design="ws", **ws))  # above defaults to TALL_ROWS
+    path = tmp_path / "t2.json"  # (the reader caches by path)
+    path.write_text(json.dumps({"tuned": [no_above]}))
+    assert mm.read_tall_tiles(str(path))[(4096, 6144, "bfloat16")][0] == mm.TALL_ROWS
+    for i, (tall, match) in enumerate((
+            (dict(ws, above=80), "must name design 'ws'"),
+            (dict(ws, design="plain"), "must name design 'ws'"),
+            (dict(ws, design="ws", above=32), "above=32 must be an int in 64..319"),
+            (dict(ws, design="ws", above=320), "above=320 must be an int"),
+            (dict(ws, design="ws", above=True), "above=True must be an int"),
+            (dict(ws, design="ws", tile_m=96), "tile_m=96 must be a multiple of 64"))):
+        bad = tmp_path / f"bad{i}.json"
+        bad.write_text(json.dumps({"tuned": [dict(entry, tall=tall)]}))
+        where = f"{bad.name}: the tall tile of K=4096, N=6144"
+        with pytest.raises(ValueError, match=f"{where}.*{match}"):
+            mm.read_tall_tiles(str(bad))
+    prefill = PrefillConfig(tile_m=128, tile_n=128, bk=64, stages=4, wg_split="m")
+    monkeypatch.setattr(mm, "read_tall_tiles", lambda: {(4096, 6144, "bfloat16"): (160, tile)})
+    monkeypatch.setattr(mm, "read_prefill_tiles", lambda: {(4096, 6144, "bfloat16"): prefill})
+    library = mm.mosaic_matmul_config(4096, 6144, jnp.bfloat16)
+    for m, want in ((1, library), (64, library), (160, library), (161, tile), (320, tile),
+                    (321, prefill)):
+        assert mm.mosaic_launch_config(4096, 6144, jnp.bfloat16, m) == want, m
+    assert mm.mosaic_launch_config(4096, 6144, jnp.bfloat16, 200, schedule=False) == library
+
+
+def test_the_sweep_picks_each_tiers_winner_and_where_it_starts(tmp_path):
+    """tuning/mosaic_prefill.py --from_receipt (the table re-decided from a sweep's receipt,
+    no device work): a tall tile serves the timed rows from some count up where it is no
+    slower at each and saves the most there (`above`: the timed row below, or TALL_ROWS);
+    a prefill tile must win at every timed row; a variant whose bits failed is never
+    written. (Run as the CLI: the script's absl flags clash with mosaic_matmul.py's.)"""
+    rows = [80, 160, 320]
+
+    def shape(K, N, a, b, c=(1, 1, 1)):  # us at each row: library 40 / 60 / 90
+        times = {str(m): {"mosaic": {"us": t}, "ws[a]": {"us": ta}, "ws[b]": {"us": tb},
+                          "ws[c]": {"us": tc}}
+                 for m, t, ta, tb, tc in zip(rows, (40, 60, 90), a, b, c, strict=True)}
+        cfg = lambda tm: dict(tile_m=tm, tile_n=128, bk=64, stages=4)  # noqa: E731
+        return {"K": K, "N": N, "time": times, "variants": {
+            "a": {"passes": True, "config": cfg(64)}, "b": {"passes": True, "config": cfg(128)},
+            "c": {"passes": False, "config": cfg(192)}}}
+
+    shapes = {"wo": shape(4096, 4096, (45, 40, 50), (39, 58, 88)),  # a from 160 up
+              "wqkv": shape(4096, 6144, (30, 40, 50), (39, 58, 88)),  # a everywhere
+              "w_down": shape(12288, 4096, (41, 61, 91), (41, 61, 91))}  # only c (failed)
+
+    def run(tier):
+        receipt, table = tmp_path / f"r_{tier}.json", tmp_path / f"t_{tier}.json"
+        receipt.write_text(json.dumps({"jax": "0.11.2", "rows": rows, "tier": tier,
+                                       "shapes": shapes}))
+        table.write_text(json.dumps({"tuned": [
+            {"K": sh["K"], "N": sh["N"], "dtype": "bfloat16",
+             "config": dict(bn=64, bk=128, stages=4)} for sh in shapes.values()]}))
+        r = subprocess.run([sys.executable, "experiments/tuning/mosaic_prefill.py",
+                            f"--from_receipt={receipt}", f"--write={table}"],
+                           cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-1500:]
+        return {(e["K"], e["N"]): e for e in json.loads(table.read_text())["tuned"]}, table
+
+    tuned, table = run("tall")
+    cfg = shapes["wo"]["variants"]["a"]["config"]
+    assert tuned[4096, 4096]["tall"] == {"design": "ws", "above": 80, **cfg}
+    assert tuned[4096, 4096]["tall_us"] == {"rows": [160, 320], "config": 150, "tall": 90}
+    assert tuned[4096, 6144]["tall"]["above"] == 64
+    assert "tall" not in tuned[12288, 4096] and "prefill" not in tuned[4096, 4096]
+    mm = importlib.import_module("pallas_kernels.mosaic.matmul")
+    assert mm.read_tall_tiles(str(table))[(4096, 4096, "bfloat16")][0] == 80
+    tuned, _ = run("prefill")  # (rows of either tier: the rule is what is tested)
+    assert "prefill" not in tuned[4096, 4096]  # a loses at 80, b gains under 3%
+    assert tuned[4096, 6144]["prefill"] == {"design": "ws", **cfg} | {"tile_m": 64}
+    r = subprocess.run([sys.executable, "experiments/tuning/mosaic_prefill.py",
+                        f"--from_receipt={table}", f"--write={table}"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "not a mosaic_prefill receipt" in r.stderr, r.stderr[-1500:]

@@ -376,6 +376,7 @@ def test_prefill_launches_take_the_prefill_tile_and_nothing_else_does(monkeypatc
         with pytest.raises(ValueError, match="must be the plain design with the entry's bk"):
             mm.read_prefill_tiles(str(path))
     monkeypatch.setattr(mm, "read_prefill_tiles", lambda: {(4096, 6144, "bfloat16"): tile})
+    monkeypatch.setattr(mm, "read_tall_tiles", dict)  # (the tall tier: test_mosaic_prefill)
     library = mm.mosaic_matmul_config(4096, 6144, jnp.bfloat16)
     assert mm.mosaic_launch_config(4096, 6144, jnp.bfloat16, mm.PREFILL_ROWS + 1) == tile
     assert mm.mosaic_launch_config(4096, 6144, jnp.bfloat16, mm.PREFILL_ROWS) == library

@@ -17,9 +17,13 @@ each variant of --configs (`pallas_kernels.mosaic.prefill_matmul.PrefillConfig`s
    over two weight copies, median of --iters calls after warm-up, us a launch and
    TFLOP/s.
 
---write=FILE keeps, for each weight, the fastest bit-equal variant as the table's prefill
-tile where it beats the library launch by MIN_GAIN summed over --rows (the table then
-needs a parity matrix run with it before it is proven: `proven_by`). Writes
+--write=FILE keeps, for each weight, the fastest bit-equal variant as the table's tile of
+--tier (`prefill`: launches past PREFILL_ROWS rows; `tall`: TALL_ROWS < M <= PREFILL_ROWS,
+verify blocks at batch 16-64) where it is no slower than the library launch at any of
+--rows and beats it by MIN_GAIN summed over them (the table then needs a parity matrix
+run with it before it is proven: `proven_by`).
+
+  python experiments/tuning/mosaic_prefill.py --tier=tall --out=$OUT  # rows 80 / 160 / 320 Writes
 mosaic_prefill[_tag].json under --out after every weight. --smoke: tiny shapes in Pallas's
 GPU interpret mode on the CPU, a test of the script (its timings mean nothing).
 """
@@ -46,6 +50,7 @@ from pallas_kernels.matmul import matmul as triton_matmul
 from pallas_kernels.matmul import matmul_reference
 from pallas_kernels.matmul_glu import matmul_glu as triton_glu
 from pallas_kernels.matmul_glu import matmul_glu_reference
+from pallas_kernels.mosaic.matmul import PREFILL_ROWS, TALL_ROWS
 from pallas_kernels.mosaic.prefill_matmul import PrefillConfig, prefill_matmul, prefill_matmul_glu
 
 MIN_GAIN = 0.03  # a variant must beat the library launch by this much to be written
@@ -54,10 +59,17 @@ SHAPES = {"wqkv": (4096, 6144), "w_gate_up": (4096, 24576), "w_down": (12288, 40
           "wo": (4096, 4096)}
 SMOKE = {"wqkv": (128, 256), "w_gate_up": (128, 512), "w_down": (256, 256), "wo": (128, 256)}
 
+TIER_ROWS = {"prefill": (["511", "2048"], ["0", "1", "63", "64", "510", "2047"]),
+             "tall": (["80", "160", "320"], ["0", "1", "63", "64", "79", "159", "319"])}
+
 _SHAPES = flags.DEFINE_list("shapes", list(SHAPES), "weights, in this order")
-_ROWS = flags.DEFINE_list("rows", ["511", "2048"], "row counts M timed (the largest: bits)")
-_ALONE = flags.DEFINE_list("alone", ["0", "1", "63", "64", "510", "2047"],
-                           "rows computed alone by the decode launch and compared")
+_TIER = flags.DEFINE_enum("tier", "prefill", list(TIER_ROWS),
+                          "the launches swept and written: prefill (past PREFILL_ROWS rows) or "
+                          "tall (TALL_ROWS < M <= PREFILL_ROWS, verify blocks)")
+_ROWS = flags.DEFINE_list("rows", None, "row counts M timed (the largest: bits; default: the "
+                          "tier's, 511,2048 or 80,160,320)")
+_ALONE = flags.DEFINE_list("alone", None, "rows computed alone by the decode launch and "
+                           "compared (default: the tier's)")
 _CONFIGS = flags.DEFINE_list(
     "configs", ["128:128:128:2:n", "128:128:64:4:n", "128:128:64:4:m", "128:64:64:5:n",
                 "64:128:64:4:m", "128:256:64:3:m"],
@@ -69,6 +81,8 @@ _WRITE = flags.DEFINE_string("write", "", "a data file: keep each weight's winne
                              "prefill tile (the Mosaic table)")
 _BUDGET = flags.DEFINE_float("budget_s", 240.0, "no new weight is started after this many s")
 _SMOKE = flags.DEFINE_bool("smoke", False, "CPU: tiny shapes, interpret mode")
+_FROM = flags.DEFINE_string("from_receipt", "", "no device work: decide --write's tiles from "
+                            "this receipt of an earlier sweep (its tier and rows)")
 _OUT = flags.DEFINE_string("out", os.environ.get("OUT", "experiments/results"), "receipt dir")
 _TAG = flags.DEFINE_string("tag", "", "receipt name suffix")
 
@@ -106,7 +120,13 @@ def check_flags(interpret: bool) -> tuple[list[int], list[int], list[str]]:
                              f"count >= {1 if flag == 'rows' else 0}")
         return out
 
-    rows, alone = ints("rows", _ROWS.value), ints("alone", _ALONE.value)
+    tier_rows, tier_alone = TIER_ROWS[_TIER.value]
+    rows = ints("rows", tier_rows if _ROWS.value is None else _ROWS.value)
+    alone = ints("alone", tier_alone if _ALONE.value is None else _ALONE.value)
+    lo, hi = (PREFILL_ROWS, None) if _TIER.value == "prefill" else (TALL_ROWS, PREFILL_ROWS)
+    if not interpret and any(m <= lo or (hi and m > hi) for m in rows):
+        raise ValueError(f"--rows={','.join(map(str, rows))}: the {_TIER.value} tier serves "
+                         f"launches of {lo + 1}" + (f"..{hi}" if hi else " or more") + " rows")
     unknown = [s for s in _SHAPES.value if s not in SHAPES]
     if unknown or not _SHAPES.value:
         raise ValueError(f"--shapes={','.join(_SHAPES.value)}: choose from {', '.join(SHAPES)}")
@@ -222,57 +242,102 @@ def run_shape(name, K, N, rows, alone, specs, interpret) -> dict:
     return rep
 
 
-def winner(rep: dict, rows: list[int]) -> tuple[str, float, float] | None:
-    """The fastest passing variant summed over rows, if MIN_GAIN faster than the library."""
-    def total(meth):
+def winner(rep: dict, rows: list[int], tier: str = "prefill"
+           ) -> tuple[str, float, float, int | None] | None:
+    """(variant, library us, its us, above) of the passing variant that saves the most time
+    over the rows it would serve, if no slower than the library launch at any of them and
+    MIN_GAIN faster summed. The prefill tier serves every timed row (above: None); a tall
+    tile serves the rows past `above`: the timed rows from some row count up (above the
+    timed row below it, or TALL_ROWS)."""
+    def times(meth):
         ts = [rep["time"][str(m)].get(meth, {}).get("us") for m in rows]
-        return sum(ts) if all(t is not None for t in ts) else None
+        return ts if all(t is not None for t in ts) else None
 
-    lib = total("mosaic")
-    best = min(((total(f"ws[{s}]"), s) for s, v in rep["variants"].items()
-                if v.get("passes") and total(f"ws[{s}]") is not None), default=None)
-    if lib is None or best is None or best[0] > lib * (1 - MIN_GAIN):
+    lib = times("mosaic")
+    if lib is None:
         return None
-    return best[1], lib, best[0]
+    best = None
+    starts = range(len(rows)) if tier == "tall" else [0]
+    for spec, v in rep["variants"].items():
+        ws = times(f"ws[{spec}]")
+        if not v.get("passes") or ws is None:
+            continue
+        for i in starts:
+            lib_i, ws_i = sum(lib[i:]), sum(ws[i:])
+            if (any(t > t_lib for t, t_lib in zip(ws[i:], lib[i:], strict=True))
+                    or ws_i > lib_i * (1 - MIN_GAIN)):
+                continue
+            if best is None or lib_i - ws_i > best[1] - best[2]:
+                above = None if tier != "tall" else (rows[i - 1] if i else TALL_ROWS)
+                best = (spec, lib_i, ws_i, above)
+    return best
 
 
-def write_table(path: str, report: dict, rows: list[int], receipt: str) -> list[str]:
-    """Each weight's `winner` as its table entry's prefill tile, and a provenance record."""
+def write_table(path: str, report: dict, rows: list[int], receipt: str,
+                tier: str = "prefill") -> list[str]:
+    """Each weight's `winner` as its table entry's tile of `tier` (prefill or tall), and a
+    provenance record."""
     with open(path) as f:
         data = json.load(f)
     written = []
     for name, rep in report["shapes"].items():
-        win = winner(rep, rows)
+        win = winner(rep, rows, tier)
         if win is None:
             continue
-        spec, lib_us, ws_us = win
+        spec, lib_us, ws_us, above = win
         for e in data["tuned"]:
             if (e["K"], e["N"], e["dtype"]) == (rep["K"], rep["N"], "bfloat16"):
                 cfg = rep["variants"][spec]["config"]
-                e["prefill"] = {"design": "ws", **cfg}
-                e["prefill_us"] = {"rows": rows, "config": lib_us, "prefill": ws_us}
+                e[tier] = {"design": "ws", **({} if above is None else {"above": above}),
+                           **cfg}
+                served = rows if above is None else [m for m in rows if m > above]
+                e[f"{tier}_us"] = {"rows": served, "config": lib_us, tier: ws_us}
                 written.append(name)
     if written:
         data.setdefault("provenance", []).append({  # (the receipt holds date and device)
-            "jax": report["jax"], "prefill_ws": written,
+            "jax": report["jax"], f"{tier}_ws": written,
             "command": report.get("command", " ".join(sys.argv)), "receipt": receipt,
-            "finding": "warp-specialized prefill tiles (design ws), each bit-equal to the "
-                       "library launch and to decode rows alone, the fastest summed over "
-                       f"M = {', '.join(map(str, rows))} and faster than the library launch"})
+            "finding": f"warp-specialized {tier} tiles (design ws), each bit-equal to the "
+                       "library launch and to decode rows alone at "
+                       f"M = {', '.join(map(str, rows))}, the most time saved over the rows "
+                       "it serves (a tall tile: past its `above`), no slower than the "
+                       "library launch at any of them"})
         with open(path, "w") as f:
             json.dump(data, f, indent=1)
             f.write("\n")
     return written
 
 
+def from_receipt(path: str) -> None:
+    """--from_receipt: the table's tiles re-decided from a sweep's receipt (the rule may have
+    changed since it ran), written with --write."""
+    if not _WRITE.value:
+        raise ValueError("--from_receipt decides --write's tiles: name the table with --write")
+    if not os.path.isfile(_WRITE.value):
+        raise ValueError(f"--write={_WRITE.value}: no such table file")
+    try:
+        with open(path) as f:
+            report = json.load(f)
+        rows, tier, shapes = report["rows"], report.get("tier", "prefill"), report["shapes"]
+        report["jax"]  # noqa: B018 - a receipt names its jax
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"--from_receipt={path}: not a mosaic_prefill receipt ({e})") from None
+    if report.get("smoke") or not isinstance(shapes, dict):
+        raise ValueError(f"--from_receipt={path}: a --smoke receipt times nothing")
+    report["command"] = " ".join(sys.argv)
+    print("written:", write_table(_WRITE.value, report, rows, path, tier))
+
+
 def main(argv):
     del argv
+    if _FROM.value:
+        return from_receipt(_FROM.value)
     interpret = _SMOKE.value
     shapes = SMOKE if interpret else SHAPES
     rows, alone, specs = check_flags(interpret)
     if interpret:
         rows = [min(r, 130) for r in rows[:1]] + [200]
-    report = {"device": str(jax.devices()[0].device_kind),
+    report = {"device": str(jax.devices()[0].device_kind), "tier": _TIER.value,
               "jax": jax.__version__, "rows": rows, "alone": alone, "smoke": interpret,
               "shapes": {}}
     t0 = time.perf_counter()
@@ -292,7 +357,7 @@ def main(argv):
         print(f"{name} bits: " + "  ".join(f"{s}={v.get('passes')}"
                                           for s, v in rep["variants"].items()))
     if _WRITE.value and not interpret:
-        report["written"] = write_table(_WRITE.value, report, rows, path or "")
+        report["written"] = write_table(_WRITE.value, report, rows, path or "", _TIER.value)
         path = write_receipt(_OUT.value, "mosaic_prefill", _TAG.value, report)
         print("written:", report["written"])
     print("receipt:", path)

@@ -81,6 +81,9 @@ TUNED_FILE = os.path.join(os.path.dirname(__file__), "matmul_tuned.json")
 BK_TILES = (128, 64, 32, 16)  # bk: the largest that divides K
 PREFILL_ROWS = 320  # a launch of more rows (a prefill chunk) may take its weight's prefill
 # tile (`mosaic_launch_config`); 320: a batch-64 verify block of 5 tokens a row
+TALL_ROWS = 64  # a launch of more rows, up to PREFILL_ROWS (verify blocks at batch 16-64),
+# may take its weight's `tall` tile (the warp-specialized design; scheduling, its bits the
+# decode config's where the device sweep wrote it), past the tile's own `above` rows
 BN_TILES = (128, 64, 32)  # bn: the largest that divides N and leaves MIN_COLUMN_TILES
 MIN_COLUMN_TILES = 128  # column tiles wanted at decode, where they are the whole grid
 SMEM_BUDGET = 192 * 1024  # bytes of pipeline buffers a program may hold
@@ -171,15 +174,26 @@ def swapped_stages(cfg: MosaicMatmulConfig, tiles: int, dtype, out_dtype, weight
 @functools.cache
 def read_tuned_file(path: str = TUNED_FILE) -> dict:
     """{(K, N, dtype name): MosaicMatmulConfig} from the data file (none: {})."""
-    return {key: cfg for key, (cfg, _) in _read_entries(path).items()}
+    return {key: cfg for key, (cfg, _, _) in _read_entries(path).items()}
 
 
 @functools.cache
 def read_prefill_tiles(path: str = TUNED_FILE) -> dict:
-    """{(K, N, dtype name): MosaicMatmulConfig} of the entries' `prefill` tiles: the plain
-    design with the entry's bk (bk sets bits; the column tile and stages do not, which
-    the sweep's bit checks confirm on the device before it writes one)."""
-    return {key: tile for key, (_, tile) in _read_entries(path).items() if tile is not None}
+    """{(K, N, dtype name): MosaicMatmulConfig | PrefillConfig} of the entries' `prefill`
+    tiles: the plain design with the entry's bk (bk sets bits; the column tile and stages
+    do not), or the warp-specialized design (`"design": "ws"`), each written only where the
+    sweep's bit checks showed the library launch's bits on the device."""
+    return {key: tile for key, (_, tile, _) in _read_entries(path).items() if tile is not None}
+
+
+@functools.cache
+def read_tall_tiles(path: str = TUNED_FILE) -> dict:
+    """{(K, N, dtype name): (above, PrefillConfig)} of the entries' `tall` tiles: the
+    warp-specialized design for launches of `above` < M <= PREFILL_ROWS rows (verify
+    blocks at batch 16-64; TALL_ROWS <= above), written by `tuning/mosaic_prefill.py
+    --tier=tall` only where its bits equal the library launch's and decode rows' and it
+    was no slower at any row count timed past `above`."""
+    return {key: tall for key, (_, _, tall) in _read_entries(path).items() if tall is not None}
 
 
 @functools.cache
@@ -196,21 +210,35 @@ def _read_entries(path: str) -> dict:
         if design not in ("plain", "ws"):
             raise ValueError(f"{path}: the prefill tile of K={key[0]}, N={key[1]} names "
                              f"design={design!r} ('plain' or 'ws')")
+        tall = None
+        if "tall" in e:  # the ws design only: below PREFILL_ROWS the plain one is the
+            tall = dict(e["tall"])  # decode config itself
+            where = f"{path}: the tall tile of K={key[0]}, N={key[1]}"
+            if tall.pop("design", None) != "ws":
+                raise ValueError(f"{where} must name design 'ws' (the warp-specialized "
+                                 "design)")
+            above = tall.pop("above", TALL_ROWS)
+            if (not isinstance(above, int) or isinstance(above, bool)
+                    or not TALL_ROWS <= above < PREFILL_ROWS):
+                raise ValueError(f"{where}: above={above!r} must be an int in "
+                                 f"{TALL_ROWS}..{PREFILL_ROWS - 1} (the rows it serves "
+                                 f"start past it, end at {PREFILL_ROWS})")
+            tall = (above, _ws_tile(path, key, tall, "tall"))
         if design == "ws":  # written by tuning/mosaic_prefill.py only where its bits equal
-            out[key] = (cfg, _ws_tile(path, key, fields))  # the library's and decode rows'
-            continue
+            out[key] = (cfg, _ws_tile(path, key, fields), tall)  # the library's and decode
+            continue  # rows'
         tile = MosaicMatmulConfig(**fields) if fields else None
         if tile is not None and (tile.swapped or tile.bk != cfg.bk):
             raise ValueError(f"{path}: the prefill tile of K={key[0]}, N={key[1]} must be the "
                              f"plain design with the entry's bk={cfg.bk} (bk sets bits); got "
                              f"{tile}")
-        out[key] = (cfg, tile)
+        out[key] = (cfg, tile, tall)
     return out
 
 
-def _ws_tile(path: str, key: tuple, fields: dict) -> PrefillConfig:
-    """A table entry's warp-specialized prefill tile, checked as the kernel will need it."""
-    where = f"{path}: the prefill tile of K={key[0]}, N={key[1]}"
+def _ws_tile(path: str, key: tuple, fields: dict, tier: str = "prefill") -> PrefillConfig:
+    """A table entry's warp-specialized tile, checked as the kernel will need it."""
+    where = f"{path}: the {tier} tile of K={key[0]}, N={key[1]}"
     try:
         tile = PrefillConfig(**fields)
     except (TypeError, ValueError) as e:
@@ -230,11 +258,18 @@ def mosaic_launch_config(K: int, N: int, dtype, m: int, schedule: bool = True
                          ) -> MosaicMatmulConfig | PrefillConfig:
     """The tiles a launch of m rows runs: `mosaic_matmul_config`'s, or with schedule, past
     PREFILL_ROWS rows (prefill chunks), the weight's `prefill` tile where the table has
-    one: the plain design with the same bk, or a `PrefillConfig` (the warp-specialized
-    design), each written only where the device showed the library launch's bits."""
+    one (the plain design with the same bk, or a `PrefillConfig`: the warp-specialized
+    design), and past its `tall` tile's `above` rows (tall verify blocks) that tile (a
+    `PrefillConfig`), each written only where the device showed the library launch's
+    bits. The tiers are scheduling: every tier's row has the decode config's bits."""
+    key = (K, N, jnp.dtype(dtype).name)
     if schedule and m > PREFILL_ROWS:
-        tile = read_prefill_tiles().get((K, N, jnp.dtype(dtype).name))
+        tile = read_prefill_tiles().get(key)
         if tile is not None:
+            return tile
+    elif schedule and m > TALL_ROWS:
+        above, tile = read_tall_tiles().get(key, (PREFILL_ROWS, None))
+        if m > above:
             return tile
     return mosaic_matmul_config(K, N, dtype)
 
@@ -407,7 +442,7 @@ def matmul(x: jax.Array, w: jax.Array, *, out_dtype=None, interpret: bool = Fals
 
     `config` overrides `mosaic_launch_config(K, N, dtype, M, schedule)` (sweeps and
     tests). Any fixed config is row-invariant; two bk give different bits. `schedule`: a
-    launch past PREFILL_ROWS rows takes the weight's prefill tile (never in interpret
+    launch past TALL_ROWS rows takes the weight's tall or prefill tile (never in interpret
     mode, where numpy's products may round by block shape). `row_group`, the Triton
     lowering's other knob, is accepted and unused: a 64-row tile already holds a batch-8
     verify block. `interpret`: run in Pallas's GPU interpret mode (CPU).
@@ -418,7 +453,7 @@ def matmul(x: jax.Array, w: jax.Array, *, out_dtype=None, interpret: bool = Fals
     m, k = x.shape
     n = w.shape[1]
     cfg = _config(config, k, n, w.dtype, "matmul", m, schedule and not interpret)
-    if isinstance(cfg, PrefillConfig):  # a prefill chunk on the warp-specialized design
+    if isinstance(cfg, PrefillConfig):  # a tall launch on the warp-specialized design
         if config is not None or n % cfg.cta_n == 0:  # (a given one refuses a bad N)
             return prefill_matmul(x, w, config=cfg, out_dtype=out_dtype, interpret=interpret)
         cfg = mosaic_matmul_config(k, n, w.dtype)
@@ -450,7 +485,7 @@ def matmul_glu(x: jax.Array, w: jax.Array, *, activation: str, interpret: bool =
     m, k = x.shape
     f = w.shape[1] // 2
     cfg = _config(config, k, 2 * f, w.dtype, "matmul_glu", m, schedule and not interpret)
-    if isinstance(cfg, PrefillConfig):  # a prefill chunk on the warp-specialized design
+    if isinstance(cfg, PrefillConfig):  # a tall launch on the warp-specialized design
         if config is not None or f % cfg.cta_n == 0:  # (a given one refuses a bad F)
             return prefill_matmul_glu(x, w, activation=activation, config=cfg,
                                       interpret=interpret)

@@ -56,7 +56,7 @@ MEMORY_REGISTERS = 40  # registers a thread of the memory warpgroup keeps
 @dataclasses.dataclass(frozen=True)
 class PrefillConfig:
     """A warp-specialized launch's tiles; every field is scheduling except bk (R11)."""
-    tile_m: int = 128  # rows a compute warpgroup owns (a multiple of the wgmma's 64)
+    tile_m: int = 128  # rows a compute warpgroup owns (64, 128, 192 or 256: wgmma Ms)
     tile_n: int = 128  # columns a compute warpgroup owns (the wgmma N; >= 64)
     bk: int = 64  # K elements a pipeline step (the device sweep checks its bits)
     stages: int = 3  # pipeline steps in flight (the defaults fit an f32 output's epilogue)
@@ -67,14 +67,15 @@ class PrefillConfig:
     epi_n: int = 64
 
     def __post_init__(self):
-        for name in ("tile_m", "tile_n", "bk", "epi_m", "epi_n"):
+        for name in ("tile_n", "bk", "epi_m", "epi_n"):
             t = getattr(self, name)
             if (not isinstance(t, int) or isinstance(t, bool) or t < 16 or t > 256
                     or t & (t - 1)):
                 raise ValueError(f"PrefillConfig.{name}={t!r} must be a power of 2 in 16..256")
-        if self.tile_m % 64:
-            raise ValueError(f"PrefillConfig.tile_m={self.tile_m} must be a multiple of 64 "
-                             "(the wgmma M)")
+        t = self.tile_m  # (192: a 160-row verify block in one row tile)
+        if not isinstance(t, int) or isinstance(t, bool) or t not in (64, 128, 192, 256):
+            raise ValueError(f"PrefillConfig.tile_m={t!r} must be a multiple of 64 (the "
+                             "wgmma M) in 64..256 (a TMA box)")
         # Narrower tiles run interpreted but find no layout on the GPU (a warpgroup's
         # column slice must hold a 128-byte swizzle, an epilogue tile the wgmma's 64 rows).
         if self.tile_n < 64 or self.epi_m < 64:
