@@ -30,7 +30,8 @@
 #   the library launch's and decode rows alone; the winners written as the weights'
 #   `prefill` tiles (design ws) for a `mosaic` step to prove ($MPW_SHAPES, $MPW_FLAGS,
 #   $MPW_S, $MPW_BUDGET, $MPW_TAG); MPW_FLAGS=--tier=tall: the tall verify blocks' tiles
-#   (M = 80 / 160 / 320, each weight's tile from the row count it wins at up).
+#   (M = 80 / 160 / 320, each weight's tile from the row count it wins at up); a variant
+#   ending in :c2 runs CTA pairs that share x's block (TMA multicast).
 # - mosaic: the lowering="mosaic" model (every kernel of a dense forward on Mosaic GPU,
 #   attention and trees included): the parity matrix at 8K on Qwen3-8B:4 and
 #   Gemma-3-4B:6 with ragged batches and trees of 8-64 nodes ($MOSAIC_MODELS,

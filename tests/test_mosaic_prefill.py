@@ -57,6 +57,19 @@ def test_the_prefill_matmul_gives_the_plain_designs_bits(split):
     np.testing.assert_array_equal(_bits(got), _bits(want))
 
 
+def test_a_cta_pair_sharing_x_gives_the_same_bits():
+    # cluster_n 2: two CTAs a cluster take neighbouring column tiles and x's block is
+    # multicast to both (interpreted too): scheduling, the plain design's bits.
+    x, w = _inputs(72, 160, 512, seed=2)
+    cfg = PrefillConfig(**{**WS.__dict__, "cluster_n": 2})
+    got = prefill_matmul(x, w, config=cfg, out_dtype=jnp.bfloat16, interpret=True, num_sms=4)
+    want = matmul(x, w, out_dtype=jnp.bfloat16, interpret=True, config=PLAIN)
+    np.testing.assert_array_equal(_bits(got), _bits(want))
+    with pytest.raises(ValueError, match="N=384 must be a multiple of the CTA's column tile "
+                                         "128 x cluster_n 2"):
+        prefill_matmul(x, w[:, :384], config=cfg, interpret=True)
+
+
 def test_the_prefill_glu_gives_the_fused_glus_bits():
     x, w = _inputs(40, 128, 256, seed=1)  # F = 128: one CTA's two 64-column halves
     got = prefill_matmul_glu(x, w, activation="silu", config=WS, interpret=True, num_sms=3)
@@ -75,6 +88,9 @@ def test_bad_configs_and_shapes_are_named():
         PrefillConfig(tile_n=32, epi_n=32)  # runs interpreted, has no GPU layout
     with pytest.raises(ValueError, match="stages=True"):
         PrefillConfig(stages=True)
+    for bad in (3, True, 2.0):
+        with pytest.raises(ValueError, match=f"cluster_n={bad!r} must be 1 or 2"):
+            PrefillConfig(cluster_n=bad)
     x, w = _inputs(8, 64, 96)
     with pytest.raises(ValueError, match="N=96 must be a multiple of the CTA's column tile 128"):
         prefill_matmul(x, w, config=WS, interpret=True)
@@ -99,12 +115,20 @@ def _lower(fn, *args) -> str:
     return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
-@pytest.mark.parametrize("m,k,n,glu", [(2048, 4096, 6144, False), (511, 4096, 24576, True)])
+@pytest.mark.parametrize("m,k,n,glu", [(2048, 4096, 6144, False), (511, 4096, 24576, True),
+                                       (160, 12288, 4096, False), (160, 4096, 24576, True)])
 def test_lowers_for_cuda_at_qwen3_shapes(m, k, n, glu):
-    # The default config (an f32 output's epilogue included) and the table's tiles.
+    # The default config (an f32 output's epilogue included) and the table's tiles; 160
+    # rows (a batch-32 verify block): tall tiles, 192 rows a warpgroup, CTA pairs.
     x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
     w = jax.ShapeDtypeStruct((k, n), jnp.bfloat16)
-    if glu:
+    if m == 160:
+        cfg = PrefillConfig(tile_m=192 if glu else 64, tile_n=64 if glu else 128, bk=64,
+                            stages=3 if glu else 4, wg_split="n" if glu else "m", cluster_n=2)
+        fn = functools.partial(prefill_matmul_glu, activation="silu", config=cfg, num_sms=132) \
+            if glu else functools.partial(prefill_matmul, config=cfg, out_dtype=jnp.bfloat16,
+                                          num_sms=132)
+    elif glu:
         cfg = PrefillConfig(tile_n=64, bk=64, stages=4)
         fn = functools.partial(prefill_matmul_glu, activation="silu", config=cfg, num_sms=132)
     else:
@@ -139,7 +163,7 @@ def test_a_ws_prefill_tile_serves_prefill_launches_only(monkeypatch, tmp_path):
             (6144, dict(ws, foo=1), "got an unexpected keyword argument 'foo'"),
             (6144, dict(ws, tile_m=64.0), "tile_m=64.0 must be a multiple of 64"),
             (6144, {}, "names design 'ws' without its tiles"),
-            (6000, ws, "column tile 128 does not divide N"),
+            (6000, ws, r"column tile 128 \(x cluster_n 1\) does not divide N"),
             (6144, dict(ws, bk=256, stages=8), "bytes of shared memory"))):
         bad = tmp_path / f"bad{i}.json"
         bad.write_text(json.dumps({"tuned": [dict(entry, N=n,
@@ -206,20 +230,28 @@ def test_a_tall_tile_serves_the_rows_past_its_above_only(monkeypatch, tmp_path):
     tile = PrefillConfig(**ws)
     assert mm.read_tall_tiles(str(path)) == {(4096, 6144, "bfloat16"): (160, tile)}
     assert mm.read_prefill_tiles(str(path)) == {}
-    no_above = dict(entry, tall=dict(design="ws", **ws))  # above defaults to TALL_ROWS
-    path = tmp_path / "t2.json"  # (the reader caches by path)
-    path.write_text(json.dumps({"tuned": [no_above]}))
-    assert mm.read_tall_tiles(str(path))[(4096, 6144, "bfloat16")][0] == mm.TALL_ROWS
+    glu = {**entry, "N": 24576, "tall": dict(design="ws", above=64, glu=True, **ws)}
     for i, (tall, match) in enumerate((
+            (dict(ws, design="ws"), "above=None must be an int"),  # never a default
+            ("ws", "must be an object of fields; got 'ws'"),
+            (dict(ws, design="ws", above=80, tile_m=None) | {"tile_m": None},
+             "tile_m=None must be a multiple of 64"),
+            ({k: v for k, v in dict(ws, design="ws", above=80).items() if k != "bk"},
+             "lacks bk"),
+            (dict(glu["tall"], N=0) | {"glu": 1}, "glu=1 must be a bool"),
+            (glu["tall"] | {"stages": 4}, "needs 262144 bytes of shared memory"),
             (dict(ws, above=80), "must name design 'ws'"),
             (dict(ws, design="plain"), "must name design 'ws'"),
             (dict(ws, design="ws", above=32), "above=32 must be an int in 64..319"),
             (dict(ws, design="ws", above=320), "above=320 must be an int"),
             (dict(ws, design="ws", above=True), "above=True must be an int"),
-            (dict(ws, design="ws", tile_m=96), "tile_m=96 must be a multiple of 64"))):
+            (dict(ws, design="ws", above=80, tile_m=96), "tile_m=96 must be a multiple of 64"))):
         bad = tmp_path / f"bad{i}.json"
-        bad.write_text(json.dumps({"tuned": [dict(entry, tall=tall)]}))
-        where = f"{bad.name}: the tall tile of K=4096, N=6144"
+        base = glu if isinstance(tall, dict) and "glu" in tall else entry
+        if isinstance(tall, dict):
+            tall.pop("N", None)
+        bad.write_text(json.dumps({"tuned": [dict(base, tall=tall)]}))
+        where = f"{bad.name}: the tall tile of K=4096, N={base['N']}"
         with pytest.raises(ValueError, match=f"{where}.*{match}"):
             mm.read_tall_tiles(str(bad))
     prefill = PrefillConfig(tile_m=128, tile_n=128, bk=64, stages=4, wg_split="m")
@@ -237,47 +269,67 @@ def test_the_sweep_picks_each_tiers_winner_and_where_it_starts(tmp_path):
     no device work): a tall tile serves the timed rows from some count up where it is no
     slower at each and saves the most there (`above`: the timed row below, or TALL_ROWS);
     a prefill tile must win at every timed row; a variant whose bits failed is never
-    written. (Run as the CLI: the script's absl flags clash with mosaic_matmul.py's.)"""
-    rows = [80, 160, 320]
-
-    def shape(K, N, a, b, c=(1, 1, 1)):  # us at each row: library 40 / 60 / 90
+    written; a winner already in the table adds nothing; a receipt or flags that do not
+    fit are refused before anything is written. (Run as the CLI: the script's absl flags
+    clash with mosaic_matmul.py's.)"""
+    def shape(K, N, rows, a, b, c=(1, 1, 1)):  # us at each row: library 40 / 60 / 90
         times = {str(m): {"mosaic": {"us": t}, "ws[a]": {"us": ta}, "ws[b]": {"us": tb},
                           "ws[c]": {"us": tc}}
                  for m, t, ta, tb, tc in zip(rows, (40, 60, 90), a, b, c, strict=True)}
-        cfg = lambda tm: dict(tile_m=tm, tile_n=128, bk=64, stages=4)  # noqa: E731
+        cfg = lambda tm: dict(tile_m=tm, tile_n=128, bk=64, stages=4, wg_split="m")  # noqa: E731
         return {"K": K, "N": N, "time": times, "variants": {
             "a": {"passes": True, "config": cfg(64)}, "b": {"passes": True, "config": cfg(128)},
             "c": {"passes": False, "config": cfg(192)}}}
 
-    shapes = {"wo": shape(4096, 4096, (45, 40, 50), (39, 58, 88)),  # a from 160 up
-              "wqkv": shape(4096, 6144, (30, 40, 50), (39, 58, 88)),  # a everywhere
-              "w_down": shape(12288, 4096, (41, 61, 91), (41, 61, 91))}  # only c (failed)
+    def shapes(rows):
+        return {"wo": shape(4096, 4096, rows, (45, 40, 50), (39, 58, 88)),  # a from 160 up
+                "wqkv": shape(4096, 6144, rows, (30, 40, 50), (39, 58, 88)),  # a everywhere
+                "w_down": shape(12288, 4096, rows, (41, 61, 91), (41, 61, 91))}  # c failed
 
-    def run(tier):
+    def cli(receipt, table, *flags):
+        return subprocess.run([sys.executable, "experiments/tuning/mosaic_prefill.py",
+                               f"--from_receipt={receipt}", f"--write={table}", *flags],
+                              cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+    def run(tier, rows, **extra):
         receipt, table = tmp_path / f"r_{tier}.json", tmp_path / f"t_{tier}.json"
         receipt.write_text(json.dumps({"jax": "0.11.2", "rows": rows, "tier": tier,
-                                       "shapes": shapes}))
+                                       "shapes": shapes(rows), **extra}))
         table.write_text(json.dumps({"tuned": [
             {"K": sh["K"], "N": sh["N"], "dtype": "bfloat16",
-             "config": dict(bn=64, bk=128, stages=4)} for sh in shapes.values()]}))
-        r = subprocess.run([sys.executable, "experiments/tuning/mosaic_prefill.py",
-                            f"--from_receipt={receipt}", f"--write={table}"],
-                           cwd=ROOT, capture_output=True, text=True, timeout=300)
-        assert r.returncode == 0, r.stderr[-1500:]
-        return {(e["K"], e["N"]): e for e in json.loads(table.read_text())["tuned"]}, table
+             "config": dict(bn=64, bk=128, stages=4)} for sh in shapes(rows).values()]}))
+        return receipt, table
 
-    tuned, table = run("tall")
-    cfg = shapes["wo"]["variants"]["a"]["config"]
+    receipt, table = run("tall", [80, 160, 320])
+    r = cli(receipt, table)
+    assert r.returncode == 0, r.stderr[-1500:]
+    tuned = {(e["K"], e["N"]): e for e in json.loads(table.read_text())["tuned"]}
+    cfg = shapes([80, 160, 320])["wo"]["variants"]["a"]["config"]
     assert tuned[4096, 4096]["tall"] == {"design": "ws", "above": 80, **cfg}
     assert tuned[4096, 4096]["tall_us"] == {"rows": [160, 320], "config": 150, "tall": 90}
     assert tuned[4096, 6144]["tall"]["above"] == 64
     assert "tall" not in tuned[12288, 4096] and "prefill" not in tuned[4096, 4096]
     mm = importlib.import_module("pallas_kernels.mosaic.matmul")
     assert mm.read_tall_tiles(str(table))[(4096, 4096, "bfloat16")][0] == 80
-    tuned, _ = run("prefill")  # (rows of either tier: the rule is what is tested)
-    assert "prefill" not in tuned[4096, 4096]  # a loses at 80, b gains under 3%
-    assert tuned[4096, 6144]["prefill"] == {"design": "ws", **cfg} | {"tile_m": 64}
-    r = subprocess.run([sys.executable, "experiments/tuning/mosaic_prefill.py",
-                        f"--from_receipt={table}", f"--write={table}"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 2 and "not a mosaic_prefill receipt" in r.stderr, r.stderr[-1500:]
+    before = table.read_text()
+    r = cli(receipt, table)  # again: nothing new, no second provenance record
+    assert r.returncode == 0 and "written: []" in r.stdout and table.read_text() == before
+    receipt, table = run("prefill", [400, 800, 1600])
+    assert cli(receipt, table).returncode == 0
+    tuned = {(e["K"], e["N"]): e for e in json.loads(table.read_text())["tuned"]}
+    assert "prefill" not in tuned[4096, 4096]  # a loses at 400, b gains under 3%
+    assert tuned[4096, 6144]["prefill"] == {"design": "ws", **cfg}
+    for tier, rows, extra, flags, words in (
+            ("tall", [320, 160, 80], {}, (), "must be ascending row counts of the tall"),
+            ("prefill", [80, 160, 320], {}, (), "row counts of the prefill tier (321..)"),
+            ("tall", [80, 160, 320], {}, ("--smoke",), "--smoke would be ignored"),
+            ("bogus", [80, 160, 320], {}, (), "tier='bogus' is not one of"),
+            ("tall", [80, 160, 320], {"shapes": {"wo": {"K": 1, "N": 2, "time": {},
+                                                        "variants": {}}}}, (),
+             "weight 'wo' lacks its variants or a time at every row")):
+        receipt, table = run(tier, rows, **extra)
+        before = table.read_text()
+        r = cli(receipt, table, *flags)
+        assert r.returncode == 2 and words in r.stderr and "Traceback" not in r.stderr, \
+            r.stderr[-1500:]
+        assert table.read_text() == before

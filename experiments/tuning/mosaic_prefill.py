@@ -31,6 +31,7 @@ GPU interpret mode on the CPU, a test of the script (its timings mean nothing).
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 import os
 import sys
@@ -53,6 +54,8 @@ from pallas_kernels.matmul_glu import matmul_glu_reference
 from pallas_kernels.mosaic.matmul import PREFILL_ROWS, TALL_ROWS
 from pallas_kernels.mosaic.prefill_matmul import PrefillConfig, prefill_matmul, prefill_matmul_glu
 
+mosaic_matmul = importlib.import_module("pallas_kernels.mosaic.matmul")  # (the package's
+# `matmul` attribute is the function)
 MIN_GAIN = 0.03  # a variant must beat the library launch by this much to be written
 
 SHAPES = {"wqkv": (4096, 6144), "w_gate_up": (4096, 24576), "w_down": (12288, 4096),
@@ -73,8 +76,9 @@ _ALONE = flags.DEFINE_list("alone", None, "rows computed alone by the decode lau
 _CONFIGS = flags.DEFINE_list(
     "configs", ["128:128:128:2:n", "128:128:64:4:n", "128:128:64:4:m", "128:64:64:5:n",
                 "64:128:64:4:m", "128:256:64:3:m"],
-    "variants tile_m:tile_n:bk:stages:split[:minor:band] (split: the two compute "
-    "warpgroups along m or n; the GLU runs each with tile_n halved)")
+    "variants tile_m:tile_n:bk:stages:split[:minor:band][:c2] (split: the two compute "
+    "warpgroups along m or n; the GLU runs each with tile_n halved; c2: CTA pairs sharing "
+    "x's block)")
 _ITERS = flags.DEFINE_integer("iters", 10, "timed calls a measurement (median)")
 _REPS = flags.DEFINE_integer("reps", 10, "launches a timed call")
 _WRITE = flags.DEFINE_string("write", "", "a data file: keep each weight's winner as its "
@@ -93,14 +97,19 @@ def bits(a) -> np.ndarray:
 
 
 def parse(spec: str, glu: bool) -> PrefillConfig:
-    """tile_m:tile_n:bk:stages:split[:minor:band] -> PrefillConfig (the GLU: tile_n halved)."""
+    """tile_m:tile_n:bk:stages:split[:minor:band][:c2] -> PrefillConfig (the GLU: tile_n
+    halved; c2: two CTAs a cluster sharing x's block)."""
     parts = spec.split(":")
+    cluster = 1
+    if len(parts) in (6, 8) and parts[-1].startswith("c"):
+        cluster = parts.pop()[1:]
     if len(parts) not in (5, 7):
         raise ValueError(f"--configs: {spec!r} is not tile_m:tile_n:bk:stages:split"
-                         "[:minor:band]")
+                         "[:minor:band][:c2]")
     tm, tn, bk, st, split, *rest = parts
     try:
         extra = {} if not rest else {"minor": rest[0], "band": int(rest[1])}
+        extra["cluster_n"] = int(cluster)
         tn = int(tn) // (2 if glu else 1)  # two accumulators a warpgroup
         return PrefillConfig(tile_m=int(tm), tile_n=tn, bk=int(bk), stages=int(st),
                              wg_split=split, epi_m=64, epi_n=min(64, tn), **extra)
@@ -121,7 +130,7 @@ def check_flags(interpret: bool) -> tuple[list[int], list[int], list[str]]:
         return out
 
     tier_rows, tier_alone = TIER_ROWS[_TIER.value]
-    rows = ints("rows", tier_rows if _ROWS.value is None else _ROWS.value)
+    rows = sorted(set(ints("rows", tier_rows if _ROWS.value is None else _ROWS.value)))
     alone = ints("alone", tier_alone if _ALONE.value is None else _ALONE.value)
     lo, hi = (PREFILL_ROWS, None) if _TIER.value == "prefill" else (TALL_ROWS, PREFILL_ROWS)
     if not interpret and any(m <= lo or (hi and m > hi) for m in rows):
@@ -273,12 +282,25 @@ def winner(rep: dict, rows: list[int], tier: str = "prefill"
     return best
 
 
+def read_table(path: str) -> dict:
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--write={path}: not a readable table ({e})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("tuned"), list):
+        raise ValueError(f"--write={path}: not a Mosaic tile table (an object with a "
+                         "'tuned' list)")
+    return data
+
+
 def write_table(path: str, report: dict, rows: list[int], receipt: str,
                 tier: str = "prefill") -> list[str]:
     """Each weight's `winner` as its table entry's tile of `tier` (prefill or tall), and a
-    provenance record."""
-    with open(path) as f:
-        data = json.load(f)
+    provenance record; the weights whose tile changed. The new table is read back as the
+    library reads it before it replaces the file, so a tile the library would refuse is
+    never written; a winner already in the table changes nothing (no new record)."""
+    data = read_table(path)
     written = []
     for name, rep in report["shapes"].items():
         win = winner(rep, rows, tier)
@@ -287,9 +309,12 @@ def write_table(path: str, report: dict, rows: list[int], receipt: str,
         spec, lib_us, ws_us, above = win
         for e in data["tuned"]:
             if (e["K"], e["N"], e["dtype"]) == (rep["K"], rep["N"], "bfloat16"):
-                cfg = rep["variants"][spec]["config"]
-                e[tier] = {"design": "ws", **({} if above is None else {"above": above}),
-                           **cfg}
+                tile = {"design": "ws", **({} if above is None else {"above": above}),
+                        **({"glu": True} if rep.get("glu") else {}),
+                        **rep["variants"][spec]["config"]}
+                if e.get(tier) == tile:
+                    continue
+                e[tier] = tile
                 served = rows if above is None else [m for m in rows if m > above]
                 e[f"{tier}_us"] = {"rows": served, "config": lib_us, tier: ws_us}
                 written.append(name)
@@ -302,30 +327,76 @@ def write_table(path: str, report: dict, rows: list[int], receipt: str,
                        f"M = {', '.join(map(str, rows))}, the most time saved over the rows "
                        "it serves (a tall tile: past its `above`), no slower than the "
                        "library launch at any of them"})
+        text = json.dumps(data, indent=1) + "\n"
+        check = f"{path}.check.json"  # read back as the library will, then moved in place
+        with open(check, "w") as f:
+            f.write(text)
+        try:
+            mosaic_matmul._read_entries.__wrapped__(check)
+        except (TypeError, ValueError, KeyError) as e:
+            raise ValueError(f"--write={path}: the new tiles would not load "
+                             f"({str(e).replace(check, path)}); nothing written") from None
+        finally:
+            os.remove(check)
         with open(path, "w") as f:
-            json.dump(data, f, indent=1)
-            f.write("\n")
+            f.write(text)
     return written
+
+
+def check_receipt(path: str, table: dict) -> dict:
+    """A sweep's receipt for --from_receipt, checked as a device run checks its flags."""
+    def bad(why):
+        return ValueError(f"--from_receipt={path}: {why}")
+
+    try:
+        with open(path) as f:
+            report = json.load(f)
+    except (OSError, ValueError) as e:
+        raise bad(f"not a readable receipt ({e})") from None
+    if not isinstance(report, dict) or not all(k in report for k in ("rows", "shapes", "jax")):
+        raise bad("not a mosaic_prefill receipt (rows, shapes and jax)")
+    if report.get("smoke"):
+        raise bad("a --smoke receipt times nothing")
+    tier, rows, shapes = report.get("tier", "prefill"), report["rows"], report["shapes"]
+    if tier not in TIER_ROWS:
+        raise bad(f"tier={tier!r} is not one of {', '.join(TIER_ROWS)}")
+    lo, hi = (PREFILL_ROWS, 1 << 30) if tier == "prefill" else (TALL_ROWS, PREFILL_ROWS)
+    if (not isinstance(rows, list) or not rows
+            or not all(isinstance(m, int) and not isinstance(m, bool) for m in rows)
+            or rows != sorted(set(rows)) or rows[0] <= lo or rows[-1] > hi):
+        raise bad(f"rows={rows!r} must be ascending row counts of the {tier} tier "
+                  f"({lo + 1}.." + (f"{hi})" if tier == "tall" else ")"))
+    if not isinstance(shapes, dict) or not shapes:
+        raise bad("names no weights")
+    keys = {(e.get("K"), e.get("N")) for e in table["tuned"] if isinstance(e, dict)}
+    for name, rep in shapes.items():
+        ok = (isinstance(rep, dict) and isinstance(rep.get("variants"), dict)
+              and isinstance(rep.get("time"), dict)
+              and all(isinstance(rep["time"].get(str(m)), dict) for m in rows))
+        if not ok:
+            raise bad(f"weight {name!r} lacks its variants or a time at every row")
+        if (rep.get("K"), rep.get("N")) not in keys:
+            raise bad(f"weight {name!r} (K={rep.get('K')}, N={rep.get('N')}) has no entry in "
+                      "the table")
+    return report
 
 
 def from_receipt(path: str) -> None:
     """--from_receipt: the table's tiles re-decided from a sweep's receipt (the rule may have
-    changed since it ran), written with --write."""
+    changed since it ran), written with --write; the receipt's own tier and rows."""
+    given = [f"--{n}" for n in ("smoke", "tier", "rows", "alone", "configs", "shapes")
+             if flags.FLAGS[n].present]
+    if given:
+        raise ValueError(f"--from_receipt takes the receipt's tier, rows and variants; "
+                         f"{', '.join(given)} would be ignored")
     if not _WRITE.value:
         raise ValueError("--from_receipt decides --write's tiles: name the table with --write")
     if not os.path.isfile(_WRITE.value):
         raise ValueError(f"--write={_WRITE.value}: no such table file")
-    try:
-        with open(path) as f:
-            report = json.load(f)
-        rows, tier, shapes = report["rows"], report.get("tier", "prefill"), report["shapes"]
-        report["jax"]  # noqa: B018 - a receipt names its jax
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"--from_receipt={path}: not a mosaic_prefill receipt ({e})") from None
-    if report.get("smoke") or not isinstance(shapes, dict):
-        raise ValueError(f"--from_receipt={path}: a --smoke receipt times nothing")
+    report = check_receipt(path, read_table(_WRITE.value))
     report["command"] = " ".join(sys.argv)
-    print("written:", write_table(_WRITE.value, report, rows, path, tier))
+    print("written:", write_table(_WRITE.value, report, report["rows"], path,
+                                  report.get("tier", "prefill")))
 
 
 def main(argv):

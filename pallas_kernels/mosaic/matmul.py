@@ -205,19 +205,19 @@ def _read_entries(path: str) -> dict:
     out = {}
     for e in data.get("tuned", []):
         key, cfg = (e["K"], e["N"], e["dtype"]), MosaicMatmulConfig(**e["config"])
-        fields = dict(e.get("prefill", {}))
+        fields = _tile_fields(path, key, e, "prefill")
         design = fields.pop("design", "plain")
         if design not in ("plain", "ws"):
             raise ValueError(f"{path}: the prefill tile of K={key[0]}, N={key[1]} names "
                              f"design={design!r} ('plain' or 'ws')")
         tall = None
         if "tall" in e:  # the ws design only: below PREFILL_ROWS the plain one is the
-            tall = dict(e["tall"])  # decode config itself
+            tall = _tile_fields(path, key, e, "tall")  # decode config itself
             where = f"{path}: the tall tile of K={key[0]}, N={key[1]}"
             if tall.pop("design", None) != "ws":
                 raise ValueError(f"{where} must name design 'ws' (the warp-specialized "
                                  "design)")
-            above = tall.pop("above", TALL_ROWS)
+            above = tall.pop("above", None)  # (the sweep writes it: never a default)
             if (not isinstance(above, int) or isinstance(above, bool)
                     or not TALL_ROWS <= above < PREFILL_ROWS):
                 raise ValueError(f"{where}: above={above!r} must be an int in "
@@ -236,18 +236,40 @@ def _read_entries(path: str) -> dict:
     return out
 
 
+def _tile_fields(path: str, key: tuple, entry: dict, tier: str) -> dict:
+    fields = entry.get(tier, {})
+    if not isinstance(fields, dict):
+        raise ValueError(f"{path}: the {tier} tile of K={key[0]}, N={key[1]} must be an object "
+                         f"of fields; got {fields!r}")
+    return dict(fields)
+
+
+WS_FIELDS = ("tile_m", "tile_n", "bk", "stages", "wg_split")  # a ws tile names them all
+
+
 def _ws_tile(path: str, key: tuple, fields: dict, tier: str = "prefill") -> PrefillConfig:
-    """A table entry's warp-specialized tile, checked as the kernel will need it."""
+    """A table entry's warp-specialized tile, checked as the kernel will need it. `glu`
+    (written by the sweep for a fused gate/up weight [K, 2F]): the launch's two weight
+    blocks and F are checked too."""
     where = f"{path}: the {tier} tile of K={key[0]}, N={key[1]}"
+    if not fields:
+        raise ValueError(f"{where} names design 'ws' without its tiles")
+    missing = [f for f in WS_FIELDS if f not in fields]
+    if missing:
+        raise ValueError(f"{where} lacks {', '.join(missing)} (a sweep writes every field; "
+                         "a tile nobody swept is not read)")
+    glu = fields.pop("glu", False)
+    if not isinstance(glu, bool):
+        raise ValueError(f"{where}: glu={glu!r} must be a bool")
     try:
         tile = PrefillConfig(**fields)
     except (TypeError, ValueError) as e:
         raise ValueError(f"{where}: {e}") from None
-    if not fields:
-        raise ValueError(f"{where} names design 'ws' without its tiles")
-    if key[1] % tile.cta_n:
-        raise ValueError(f"{where}: the CTA's column tile {tile.cta_n} does not divide N")
-    need = tile.smem_bytes(key[2], key[2])  # one weight block (a GLU's two: its launch checks)
+    width = key[1] // 2 if glu else key[1]
+    if key[1] % (2 if glu else 1) or width % tile.cluster_cols:
+        raise ValueError(f"{where}: the CTA's column tile {tile.cta_n} (x cluster_n "
+                         f"{tile.cluster_n}) does not divide {'F' if glu else 'N'}")
+    need = tile.smem_bytes(key[2], key[2], 2 if glu else 1)
     if need > SMEM_MAX:
         raise ValueError(f"{where}: {tile} needs {need} bytes of shared memory ({SMEM_MAX} "
                          "at most)")
@@ -453,8 +475,10 @@ def matmul(x: jax.Array, w: jax.Array, *, out_dtype=None, interpret: bool = Fals
     m, k = x.shape
     n = w.shape[1]
     cfg = _config(config, k, n, w.dtype, "matmul", m, schedule and not interpret)
+    if m == 0:  # no rows: no launch (a grid of no row tiles)
+        return jnp.zeros((0, n), out_dtype)
     if isinstance(cfg, PrefillConfig):  # a tall launch on the warp-specialized design
-        if config is not None or n % cfg.cta_n == 0:  # (a given one refuses a bad N)
+        if config is not None or n % cfg.cluster_cols == 0:  # (a given one refuses a bad N)
             return prefill_matmul(x, w, config=cfg, out_dtype=out_dtype, interpret=interpret)
         cfg = mosaic_matmul_config(k, n, w.dtype)
     # Mosaic GPU finds no layout for an f32 tile's transposed store: the swapped design
@@ -485,8 +509,10 @@ def matmul_glu(x: jax.Array, w: jax.Array, *, activation: str, interpret: bool =
     m, k = x.shape
     f = w.shape[1] // 2
     cfg = _config(config, k, 2 * f, w.dtype, "matmul_glu", m, schedule and not interpret)
+    if m == 0:
+        return jnp.zeros((0, f), x.dtype)
     if isinstance(cfg, PrefillConfig):  # a tall launch on the warp-specialized design
-        if config is not None or f % cfg.cta_n == 0:  # (a given one refuses a bad F)
+        if config is not None or f % cfg.cluster_cols == 0:  # (a given one refuses a bad F)
             return prefill_matmul_glu(x, w, activation=activation, config=cfg,
                                       interpret=interpret)
         cfg = mosaic_matmul_config(k, 2 * f, w.dtype)

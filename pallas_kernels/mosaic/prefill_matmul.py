@@ -8,7 +8,10 @@ copies leaves the tensor cores idle. This kernel is the Hopper matmul design of 
 `pallas.ops.gpu.hopper_matmul_mgpu` written for jspec's rules:
 
 - one CTA per SM (persistent), walking its output tiles [cta_m, cta_n] in a fixed
-  order (`plgpu.nd_loop`, `planar_snake`: scheduling);
+  order (`plgpu.nd_loop`, `planar_snake`: scheduling); with `cluster_n` 2, CTAs in
+  pairs (a cluster) take neighbouring column tiles of the same rows, and x's block is
+  copied once for both (TMA multicast): half the reads of x, which a tall verify block's
+  narrow grid re-reads per column tile;
 - three warpgroups: a memory warpgroup issues the TMA copies of x's [cta_m, bk] block and
   the weight's [bk, cta_n] block(s), `stages` steps ahead
   (`plgpu.emit_pipeline_warp_specialized`); two compute warpgroups each own half of the
@@ -65,6 +68,7 @@ class PrefillConfig:
     band: int = 8  # the tile order's band width (tiles of the slow dimension a band)
     epi_m: int = 64  # the epilogue's store tile
     epi_n: int = 64
+    cluster_n: int = 1  # CTAs a cluster along N sharing x's block (1 or 2: TMA multicast)
 
     def __post_init__(self):
         for name in ("tile_n", "bk", "epi_m", "epi_n"):
@@ -92,6 +96,10 @@ class PrefillConfig:
                                  "'m' or 'n'")
         if not isinstance(self.band, int) or isinstance(self.band, bool) or self.band < 1:
             raise ValueError(f"PrefillConfig.band={self.band!r} must be an int >= 1")
+        if (not isinstance(self.cluster_n, int) or isinstance(self.cluster_n, bool)
+                or self.cluster_n not in (1, 2)):
+            raise ValueError(f"PrefillConfig.cluster_n={self.cluster_n!r} must be 1 or 2 (CTAs "
+                             "a cluster sharing x's block)")
 
     @property
     def cta_m(self) -> int:
@@ -100,6 +108,11 @@ class PrefillConfig:
     @property
     def cta_n(self) -> int:
         return self.tile_n * (2 if self.wg_split == "n" else 1)
+
+    @property
+    def cluster_cols(self) -> int:
+        """Columns a cluster covers: N (a GLU's F) must be a multiple."""
+        return self.cta_n * self.cluster_n
 
     def smem_bytes(self, dtype, out_dtype, weights: int = 1) -> int:
         size = jnp.dtype(dtype).itemsize
@@ -133,9 +146,11 @@ def _kernel(x_gmem, w_gmem, o_gmem, *, cfg: PrefillConfig, nk: int, m_tiles: int
     slots = min(2, (tm * tn) // (cfg.epi_m * cfg.epi_n))
     out_transforms = _transforms(cfg.epi_n, out_dtype)
 
+    shared = ("cluster",) if cfg.cluster_n > 1 else ()  # x's block multicast to the pair
+
     def pipeline(body, context):
         specs = [plgpu.BlockSpec((cfg.cta_m, bk), lambda k: (0, k), transforms=transforms,
-                                 memory_space=plgpu.SMEM)]
+                                 memory_space=plgpu.SMEM, collective_axes=shared)]
         specs += [plgpu.BlockSpec((bk, cfg.cta_n), lambda k: (k, 0), transforms=w_transforms,
                                   memory_space=plgpu.SMEM) for _ in range(weights)]
         return plgpu.emit_pipeline_warp_specialized(
@@ -152,12 +167,15 @@ def _kernel(x_gmem, w_gmem, o_gmem, *, cfg: PrefillConfig, nk: int, m_tiles: int
                        collective_axes="wg")
     def _scope(allocs, out_smem):
         wg = lax.axis_index("wg")
+        pairs = n_tiles // cfg.cluster_n  # the column tiles a cluster walks
 
-        @plgpu.nd_loop((m_tiles * n_tiles,), collective_axes="sm")
+        @plgpu.nd_loop((m_tiles * pairs,), collective_axes="sm")
         def _tiles(info):
             (lin,) = info.index
-            mi, ni = plgpu.planar_snake(lin, (m_tiles, n_tiles),
+            mi, ni = plgpu.planar_snake(lin, (m_tiles, pairs),
                                         0 if cfg.minor == "m" else 1, cfg.band)
+            if cfg.cluster_n > 1:
+                ni = ni * cfg.cluster_n + lax.axis_index("cluster")
             cta_rows = pl.ds(mi * cfg.cta_m, cfg.cta_m)
             if cfg.wg_split == "m":
                 wg_rows, wg_cols = pl.ds(wg * tm, tm), slice(None)
@@ -229,14 +247,16 @@ def _launch(x, w, cfg: PrefillConfig, n_out: int, out_dtype, column_offset, epil
         raise ValueError(f"{name}: {cfg} needs {need} bytes of shared memory ({SMEM_MAX} "
                          "at most): fewer stages or smaller tiles")
     m_tiles, n_tiles = -(-xp.shape[0] // cfg.cta_m), n_out // cfg.cta_n
-    sms = num_sms or _num_sms()
+    sms = max(1, (num_sms or _num_sms()) // cfg.cluster_n)  # clusters
+    cluster = dict(cluster=(cfg.cluster_n,), cluster_names=("cluster",)) \
+        if cfg.cluster_n > 1 else {}
     kernel = functools.partial(_kernel, cfg=cfg, nk=kp // cfg.bk, m_tiles=m_tiles,
                                n_tiles=n_tiles, column_offset=column_offset,
                                epilogue=epilogue)
     return plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct((xp.shape[0], n_out), out_dtype),
-        grid=(min(sms, m_tiles * n_tiles),), grid_names=("sm",),
+        grid=(min(sms, m_tiles * n_tiles // cfg.cluster_n),), grid_names=("sm",), **cluster,
         num_threads=3, thread_name="wg", kernel_name=name,
         compiler_params=plgpu.CompilerParams(
             lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
@@ -257,9 +277,11 @@ def prefill_matmul(x: jax.Array, w: jax.Array, *, config: PrefillConfig, out_dty
         raise TypeError(f"prefill_matmul: out_dtype={out_dtype.name} must be float32, "
                         "bfloat16 or float16")
     m, n = x.shape[0], w.shape[1]
-    if n % config.cta_n:
+    if n % config.cluster_cols:
         raise ValueError(f"prefill_matmul: N={n} must be a multiple of the CTA's column tile "
-                         f"{config.cta_n}")
+                         f"{config.cta_n} x cluster_n {config.cluster_n}")
+    if m == 0:  # no rows: no launch (a grid of no tiles)
+        return jnp.zeros((0, n), out_dtype)
     out = _launch(x, w, config, n, out_dtype, None, lambda acc: acc.astype(out_dtype),
                   interpret, "jspec_mosaic_prefill_matmul", num_sms)
     return out[:m]
@@ -274,14 +296,16 @@ def prefill_matmul_glu(x: jax.Array, w: jax.Array, *, activation: str, config: P
     _check_sms(num_sms, "prefill_matmul_glu")
     check_glu_weight(w, activation)
     m, f = x.shape[0], w.shape[1] // 2
-    if f % config.cta_n:
+    if f % config.cluster_cols:
         raise ValueError(f"prefill_matmul_glu: F={f} must be a multiple of the CTA's column "
-                         f"tile {config.cta_n}")
+                         f"tile {config.cta_n} x cluster_n {config.cluster_n}")
     dtype = x.dtype
 
     def epilogue(gate, up):
         return _glu_tile(gate.astype(dtype), up.astype(dtype), activation)
 
+    if m == 0:
+        return jnp.zeros((0, f), dtype)
     out = _launch(x, w, config, f, dtype, f // config.cta_n, epilogue, interpret,
                   "jspec_mosaic_prefill_matmul_glu", num_sms)
     return out[:m]
