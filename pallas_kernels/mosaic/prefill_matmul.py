@@ -1,4 +1,5 @@
-"""The prefill matmul on Mosaic GPU: warp-specialized and persistent, the same sums.
+"""The prefill and tall-verify matmul on Mosaic GPU: warp-specialized, persistent, the same
+sums (the table's `prefill` and `tall` tiers: `mosaic/matmul.py`'s `mosaic_launch_config`).
 
 `pallas_kernels/mosaic/matmul.py`'s plain design gives one program one [64, bn] tile and
 walks K in a pipeline the program's one warpgroup both feeds and consumes. That suits a
