@@ -9,6 +9,7 @@ H200's wgmma gives them for every variant (and rows alone equal decode rows) is 
 the device by `experiments/tuning/mosaic_prefill.py` before the table may name one.
 """
 
+import dataclasses
 import functools
 import importlib
 import json
@@ -215,6 +216,33 @@ def test_a_qwen3_prefill_chunk_lowers_with_the_prefill_kernels(h200):
     assert text.count("jspec_mosaic_prefill_matmul_glu_mosaic_gpu") == 1
 
 
+def test_a_table_tile_fits_the_launchs_output_or_steps_aside(tmp_path):
+    # The table's ws tiles were swept for a 16-bit output; an f32 output (matmul's
+    # default) needs a bigger epilogue: the pipeline is made shallower (scheduling).
+    mm = importlib.import_module("pallas_kernels.mosaic.matmul")
+    tile = mm.read_prefill_tiles()[(4096, 6144, "bfloat16")]
+    assert tile.smem_bytes(jnp.bfloat16, jnp.float32) > mm.SMEM_MAX
+    fit = mm._fit_table_tile(tile, 6144, jnp.bfloat16, jnp.float32, 1)
+    assert fit == dataclasses.replace(tile, stages=fit.stages) and fit.stages < tile.stages
+    assert mm._fit_table_tile(tile, 6000, jnp.bfloat16, jnp.bfloat16, 1) is None  # width
+    x, w = (jax.ShapeDtypeStruct((512, 4096), jnp.bfloat16),
+            jax.ShapeDtypeStruct((4096, 6144), jnp.bfloat16))
+    text = _lower(functools.partial(matmul, schedule=True), x, w)  # f32 out: lowers
+    assert "jspec_mosaic_prefill_matmul" in text
+    # The loader names the file and entry for a table's structure too.
+    for i, (data, words) in enumerate((
+            ([], "not a Mosaic tile table"),
+            ({"tuned": ["x"]}, "entry 0: TypeError"),
+            ({"tuned": [{"K": 64, "N": 64, "dtype": "float32", "config": {}}]},
+             "dtype='float32' one of"),
+            ({"tuned": [{"K": 64, "N": 64, "dtype": "bfloat16",
+                         "config": dict(bn=64, bk=64, stages=2)}] * 2}, "two entries for"))):
+        path = tmp_path / f"s{i}.json"
+        path.write_text(json.dumps(data))
+        with pytest.raises(ValueError, match=f"{path.name}: .*{words}"):
+            mm.read_tuned_file(str(path))
+
+
 def test_a_tall_tile_serves_the_rows_past_its_above_only(monkeypatch, tmp_path):
     """A table entry's `tall` tile (design ws) serves launches of above < M <=
     PREFILL_ROWS rows with schedule on; M past PREFILL_ROWS takes the prefill tier; a tall
@@ -324,6 +352,13 @@ def test_the_sweep_picks_each_tiers_winner_and_where_it_starts(tmp_path):
             ("prefill", [80, 160, 320], {}, (), "row counts of the prefill tier (321..)"),
             ("tall", [80, 160, 320], {}, ("--smoke",), "--smoke would be ignored"),
             ("bogus", [80, 160, 320], {}, (), "tier='bogus' is not one of"),
+            ("tall", [80, 160, 320], {"shapes": {
+                "wo": shape(4096, 4096, [80, 160, 320], (45, 40, 50), (1, 1, 1)),
+                "wqkv": shape(4096, 4096, [80, 160, 320], (1, 1, 1), (1, 1, 1))}}, (),
+             "weight 'wqkv': a second weight of K=4096, N=4096"),
+            ("tall", [80, 160, 320], {"shapes": {
+                "wo": shape(4096, 4096, [80, 160, 320], (45, float("nan"), 50), (1, 1, 1))}},
+             (), "M=160, ws[a]: a time must be a positive finite us"),
             ("tall", [80, 160, 320], {"shapes": {"wo": {"K": 1, "N": 2, "time": {},
                                                         "variants": {}}}}, (),
              "weight 'wo' lacks its variants or a time at every row")):

@@ -33,8 +33,10 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import json
+import math
 import os
 import sys
+import tempfile
 import time
 
 import jax
@@ -283,15 +285,31 @@ def winner(rep: dict, rows: list[int], tier: str = "prefill"
 
 
 def read_table(path: str) -> dict:
+    """The table at --write, loaded as the library loads it (every entry checked)."""
     try:
         with open(path) as f:
             data = json.load(f)
+        mosaic_matmul._read_entries.__wrapped__(path)
     except (OSError, ValueError) as e:
-        raise ValueError(f"--write={path}: not a readable table ({e})") from None
-    if not isinstance(data, dict) or not isinstance(data.get("tuned"), list):
-        raise ValueError(f"--write={path}: not a Mosaic tile table (an object with a "
-                         "'tuned' list)")
+        raise ValueError(f"--write={path}: not a loadable Mosaic tile table ({e})") from None
+    if not isinstance(data.get("provenance", []), list):
+        raise ValueError(f"--write={path}: its provenance is not a list")
     return data
+
+
+def _same_tile(a, b) -> bool:
+    """Two written tiles alike once PrefillConfig's defaults are filled in."""
+    if not isinstance(a, dict) or not isinstance(b, dict):
+        return False
+    fields = {f.name for f in dataclasses.fields(PrefillConfig)}
+
+    def norm(t):
+        cfg = PrefillConfig(**{k: v for k, v in t.items() if k in fields})
+        return dataclasses.asdict(cfg), {k: v for k, v in t.items() if k not in fields}
+    try:
+        return norm(a) == norm(b)
+    except (TypeError, ValueError):
+        return False
 
 
 def write_table(path: str, report: dict, rows: list[int], receipt: str,
@@ -309,10 +327,10 @@ def write_table(path: str, report: dict, rows: list[int], receipt: str,
         spec, lib_us, ws_us, above = win
         for e in data["tuned"]:
             if (e["K"], e["N"], e["dtype"]) == (rep["K"], rep["N"], "bfloat16"):
-                tile = {"design": "ws", **({} if above is None else {"above": above}),
-                        **({"glu": True} if rep.get("glu") else {}),
-                        **rep["variants"][spec]["config"]}
-                if e.get(tier) == tile:
+                tile = {**rep["variants"][spec]["config"], "design": "ws",
+                        **({} if above is None else {"above": above}),
+                        **({"glu": True} if rep.get("glu") else {})}
+                if _same_tile(e.get(tier), tile):
                     continue
                 e[tier] = tile
                 served = rows if above is None else [m for m in rows if m > above]
@@ -327,19 +345,17 @@ def write_table(path: str, report: dict, rows: list[int], receipt: str,
                        f"M = {', '.join(map(str, rows))}, the most time saved over the rows "
                        "it serves (a tall tile: past its `above`), no slower than the "
                        "library launch at any of them"})
-        text = json.dumps(data, indent=1) + "\n"
-        check = f"{path}.check.json"  # read back as the library will, then moved in place
-        with open(check, "w") as f:
-            f.write(text)
-        try:
+        text = json.dumps(data, indent=1, allow_nan=False) + "\n"
+        fd, check = tempfile.mkstemp(suffix=".json", dir=os.path.dirname(path) or ".")
+        try:  # read back as the library will, then moved in place
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
             mosaic_matmul._read_entries.__wrapped__(check)
         except (TypeError, ValueError, KeyError) as e:
+            os.remove(check)
             raise ValueError(f"--write={path}: the new tiles would not load "
                              f"({str(e).replace(check, path)}); nothing written") from None
-        finally:
-            os.remove(check)
-        with open(path, "w") as f:
-            f.write(text)
+        os.replace(check, path)
     return written
 
 
@@ -358,7 +374,7 @@ def check_receipt(path: str, table: dict) -> dict:
     if report.get("smoke"):
         raise bad("a --smoke receipt times nothing")
     tier, rows, shapes = report.get("tier", "prefill"), report["rows"], report["shapes"]
-    if tier not in TIER_ROWS:
+    if not isinstance(tier, str) or tier not in TIER_ROWS:
         raise bad(f"tier={tier!r} is not one of {', '.join(TIER_ROWS)}")
     lo, hi = (PREFILL_ROWS, 1 << 30) if tier == "prefill" else (TALL_ROWS, PREFILL_ROWS)
     if (not isinstance(rows, list) or not rows
@@ -368,16 +384,37 @@ def check_receipt(path: str, table: dict) -> dict:
                   f"({lo + 1}.." + (f"{hi})" if tier == "tall" else ")"))
     if not isinstance(shapes, dict) or not shapes:
         raise bad("names no weights")
-    keys = {(e.get("K"), e.get("N")) for e in table["tuned"] if isinstance(e, dict)}
+    keys = {(e["K"], e["N"]) for e in table["tuned"] if e["dtype"] == "bfloat16"}
+    fields = {f.name for f in dataclasses.fields(PrefillConfig)}
+    seen = set()
     for name, rep in shapes.items():
         ok = (isinstance(rep, dict) and isinstance(rep.get("variants"), dict)
               and isinstance(rep.get("time"), dict)
               and all(isinstance(rep["time"].get(str(m)), dict) for m in rows))
         if not ok:
             raise bad(f"weight {name!r} lacks its variants or a time at every row")
-        if (rep.get("K"), rep.get("N")) not in keys:
-            raise bad(f"weight {name!r} (K={rep.get('K')}, N={rep.get('N')}) has no entry in "
-                      "the table")
+        key = (rep.get("K"), rep.get("N"))
+        if not all(isinstance(v, int) for v in key) or key not in keys:
+            raise bad(f"weight {name!r} (K={key[0]!r}, N={key[1]!r}) has no bfloat16 entry "
+                      "in the table")
+        if key in seen:
+            raise bad(f"weight {name!r}: a second weight of K={key[0]}, N={key[1]}")
+        seen.add(key)
+        for spec, v in rep["variants"].items():
+            if not isinstance(v, dict) or not isinstance(v.get("passes", False), bool):
+                raise bad(f"weight {name!r}, variant {spec!r}: passes must be a bool")
+            if v.get("passes") and (not isinstance(v.get("config"), dict)
+                                    or set(v["config"]) - fields):
+                raise bad(f"weight {name!r}, variant {spec!r}: its config must hold "
+                          "PrefillConfig's fields only")
+        for m in rows:
+            for meth, t in rep["time"][str(m)].items():
+                us = t.get("us") if isinstance(t, dict) else None
+                if not (isinstance(t, dict) and ("error" in t or (
+                        isinstance(us, (int, float)) and not isinstance(us, bool)
+                        and math.isfinite(us) and us > 0))):
+                    raise bad(f"weight {name!r}, M={m}, {meth}: a time must be a positive "
+                              f"finite us (or an error); got {t!r}")
     return report
 
 
@@ -395,8 +432,13 @@ def from_receipt(path: str) -> None:
         raise ValueError(f"--write={_WRITE.value}: no such table file")
     report = check_receipt(path, read_table(_WRITE.value))
     report["command"] = " ".join(sys.argv)
-    print("written:", write_table(_WRITE.value, report, report["rows"], path,
-                                  report.get("tier", "prefill")))
+    try:
+        written = write_table(_WRITE.value, report, report["rows"], path,
+                              report.get("tier", "prefill"))
+    except (TypeError, KeyError, AttributeError) as e:  # a receipt shape check_receipt
+        raise ValueError(f"--from_receipt={path}: not a sweep's receipt ({e!r}); nothing "
+                         "written") from None  # did not foresee
+    print("written:", written)
 
 
 def main(argv):

@@ -200,40 +200,65 @@ def read_tall_tiles(path: str = TUNED_FILE) -> dict:
 def _read_entries(path: str) -> dict:
     if not os.path.exists(path):
         return {}
-    with open(path) as f:
-        data = json.load(f)
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except ValueError as e:
+        raise ValueError(f"{path}: not JSON ({e})") from None
+    tuned = data.get("tuned", []) if isinstance(data, dict) else None
+    if not isinstance(tuned, list):
+        raise ValueError(f"{path}: not a Mosaic tile table (an object with a 'tuned' list)")
     out = {}
-    for e in data.get("tuned", []):
-        key, cfg = (e["K"], e["N"], e["dtype"]), MosaicMatmulConfig(**e["config"])
-        fields = _tile_fields(path, key, e, "prefill")
-        design = fields.pop("design", "plain")
-        if design not in ("plain", "ws"):
-            raise ValueError(f"{path}: the prefill tile of K={key[0]}, N={key[1]} names "
-                             f"design={design!r} ('plain' or 'ws')")
-        tall = None
-        if "tall" in e:  # the ws design only: below PREFILL_ROWS the plain one is the
-            tall = _tile_fields(path, key, e, "tall")  # decode config itself
-            where = f"{path}: the tall tile of K={key[0]}, N={key[1]}"
-            if tall.pop("design", None) != "ws":
-                raise ValueError(f"{where} must name design 'ws' (the warp-specialized "
-                                 "design)")
-            above = tall.pop("above", None)  # (the sweep writes it: never a default)
-            if (not isinstance(above, int) or isinstance(above, bool)
-                    or not TALL_ROWS <= above < PREFILL_ROWS):
-                raise ValueError(f"{where}: above={above!r} must be an int in "
-                                 f"{TALL_ROWS}..{PREFILL_ROWS - 1} (the rows it serves "
-                                 f"start past it, end at {PREFILL_ROWS})")
-            tall = (above, _ws_tile(path, key, tall, "tall"))
-        if design == "ws":  # written by tuning/mosaic_prefill.py only where its bits equal
-            out[key] = (cfg, _ws_tile(path, key, fields), tall)  # the library's and decode
-            continue  # rows'
-        tile = MosaicMatmulConfig(**fields) if fields else None
-        if tile is not None and (tile.swapped or tile.bk != cfg.bk):
-            raise ValueError(f"{path}: the prefill tile of K={key[0]}, N={key[1]} must be the "
-                             f"plain design with the entry's bk={cfg.bk} (bk sets bits); got "
-                             f"{tile}")
-        out[key] = (cfg, tile, tall)
+    for i, e in enumerate(tuned):
+        try:
+            key, entry = _read_entry(path, e)
+        except (TypeError, KeyError, ValueError) as err:
+            msg = str(err) if str(err).startswith(path) else f"{path}: entry {i}: {err!r}"
+            raise ValueError(msg) from None
+        if key in out:
+            raise ValueError(f"{path}: two entries for K={key[0]}, N={key[1]}, {key[2]}")
+        out[key] = entry
     return out
+
+
+def _read_entry(path: str, e: dict) -> tuple:
+    """(key, (config, prefill tile, tall tile)) of one table entry."""
+    key = (e["K"], e["N"], e["dtype"])
+    if (not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in key[:2])
+            or key[2] not in DTYPES):
+        raise ValueError(f"K={key[0]!r}, N={key[1]!r} must be positive ints and "
+                         f"dtype={key[2]!r} one of {DTYPES}")
+    cfg = MosaicMatmulConfig(**e["config"])
+    fields = _tile_fields(path, key, e, "prefill")
+    design = fields.pop("design", "plain")
+    if design not in ("plain", "ws"):
+        raise ValueError(f"{path}: the prefill tile of K={key[0]}, N={key[1]} names "
+                         f"design={design!r} ('plain' or 'ws')")
+    tall = None
+    if "tall" in e:  # the ws design only: below PREFILL_ROWS the plain one is the
+        tall = _tile_fields(path, key, e, "tall")  # decode config itself
+        where = f"{path}: the tall tile of K={key[0]}, N={key[1]}"
+        if tall.pop("design", None) != "ws":
+            raise ValueError(f"{where} must name design 'ws' (the warp-specialized "
+                             "design)")
+        above = tall.pop("above", None)  # (the sweep writes it: never a default)
+        if (not isinstance(above, int) or isinstance(above, bool)
+                or not TALL_ROWS <= above < PREFILL_ROWS):
+            raise ValueError(f"{where}: above={above!r} must be an int in "
+                             f"{TALL_ROWS}..{PREFILL_ROWS - 1} (the rows it serves "
+                             f"start past it, end at {PREFILL_ROWS})")
+        tall = (above, _ws_tile(path, key, tall, "tall"))
+    if design == "ws":  # written by tuning/mosaic_prefill.py only where its bits equal
+        return key, (cfg, _ws_tile(path, key, fields), tall)  # the library's, decode rows'
+    if not fields and e.get("prefill"):
+        raise ValueError(f"{path}: the prefill tile of K={key[0]}, N={key[1]} names its "
+                         "design without its tile")
+    tile = MosaicMatmulConfig(**fields) if fields else None
+    if tile is not None and (tile.swapped or tile.bk != cfg.bk):
+        raise ValueError(f"{path}: the prefill tile of K={key[0]}, N={key[1]} must be the "
+                         f"plain design with the entry's bk={cfg.bk} (bk sets bits); got "
+                         f"{tile}")
+    return key, (cfg, tile, tall)
 
 
 def _tile_fields(path: str, key: tuple, entry: dict, tier: str) -> dict:
@@ -406,6 +431,21 @@ def _check(x: jax.Array, w: jax.Array, name: str) -> None:
                         f"f32 wgmma multiplies in TF32); got {x.dtype=} {w.dtype=}")
 
 
+def _fit_table_tile(cfg: PrefillConfig, width: int, dtype, out_dtype, weights: int
+                    ) -> PrefillConfig | None:
+    """A table's ws tile for this launch: its pipeline made shallower where this output
+    dtype's epilogue needs the room (stages are scheduling; the sweep wrote the tile for
+    a 16-bit output), or None where it cannot run here (the width, or no 2 stages fit):
+    the launch keeps the library config, whose bits it has."""
+    if width % cfg.cluster_cols:
+        return None
+    for stages in range(cfg.stages, 1, -1):
+        fit = dataclasses.replace(cfg, stages=stages)
+        if fit.smem_bytes(dtype, out_dtype, weights) <= SMEM_MAX:
+            return fit
+    return None
+
+
 def _config(config, K: int, N: int, dtype, name: str, m: int = 1, schedule: bool = False
             ) -> MosaicMatmulConfig:
     if config is None:
@@ -475,12 +515,14 @@ def matmul(x: jax.Array, w: jax.Array, *, out_dtype=None, interpret: bool = Fals
     m, k = x.shape
     n = w.shape[1]
     cfg = _config(config, k, n, w.dtype, "matmul", m, schedule and not interpret)
-    if m == 0:  # no rows: no launch (a grid of no row tiles)
-        return jnp.zeros((0, n), out_dtype)
     if isinstance(cfg, PrefillConfig):  # a tall launch on the warp-specialized design
-        if config is not None or n % cfg.cluster_cols == 0:  # (a given one refuses a bad N)
+        if config is None:
+            cfg = _fit_table_tile(cfg, n, w.dtype, out_dtype, 1)
+        if cfg is not None:  # (a given one runs as given: a bad N or size is its error)
             return prefill_matmul(x, w, config=cfg, out_dtype=out_dtype, interpret=interpret)
         cfg = mosaic_matmul_config(k, n, w.dtype)
+    if m == 0:  # no rows: no launch (a grid of no row tiles)
+        return jnp.zeros((0, n), out_dtype)
     # Mosaic GPU finds no layout for an f32 tile's transposed store: the swapped design
     # stores f32 outputs column-major, as its accumulators lie, and the result is their
     # transpose (the same values: a layout change, no arithmetic).
@@ -509,16 +551,18 @@ def matmul_glu(x: jax.Array, w: jax.Array, *, activation: str, interpret: bool =
     m, k = x.shape
     f = w.shape[1] // 2
     cfg = _config(config, k, 2 * f, w.dtype, "matmul_glu", m, schedule and not interpret)
-    if m == 0:
-        return jnp.zeros((0, f), x.dtype)
     if isinstance(cfg, PrefillConfig):  # a tall launch on the warp-specialized design
-        if config is not None or f % cfg.cluster_cols == 0:  # (a given one refuses a bad F)
+        if config is None:
+            cfg = _fit_table_tile(cfg, f, w.dtype, x.dtype, 2)
+        if cfg is not None:  # (a given one runs as given: a bad F or size is its error)
             return prefill_matmul_glu(x, w, activation=activation, config=cfg,
                                       interpret=interpret)
         cfg = mosaic_matmul_config(k, 2 * f, w.dtype)
     if f % cfg.bn:
         raise ValueError(f"matmul_glu (Mosaic GPU): F={f} must be a multiple of the column "
                          f"tile bn={cfg.bn} of w {w.shape}")
+    if m == 0:
+        return jnp.zeros((0, f), x.dtype)
     # Two weight blocks a step: a shallower pipeline in the same shared memory.
     cfg = dataclasses.replace(cfg, stages=min(cfg.stages,
                                               pipeline_stages(cfg.bk, cfg.bn, w.dtype, 2)))
