@@ -491,6 +491,9 @@ def with_options(model: Model, *options: KernelOptions | DraftOptions, **fields)
     `fused=True`). `DraftOptions.fused` stores the layer weights transposed
     (`<name>_t` [out, in]): save or export a model before giving it that option.
     """
+    if not isinstance(model, Model):
+        raise TypeError(f"with_options takes a Model (jspec.load_hf, random_model); got "
+                        f"{type(model).__name__}")
     kernel, draft = model.options, model.draft_options
     for o in options:
         if isinstance(o, KernelOptions):

@@ -640,6 +640,8 @@ def test_mosaic_lowering_of_a_float32_model_is_refused_by_with_options():
         jspec.with_options(random_model("tiny-qwen3", dtype=jnp.float32), lowering="mosaic")
     assert jspec.with_options(random_model("tiny-qwen3"), lowering="mosaic").options.lowering \
         == "mosaic"
+    with pytest.raises(TypeError, match="with_options takes a Model .*; got str"):
+        jspec.with_options("tiny-qwen3", lowering="mosaic")  # (was an AttributeError)
 
 
 def test_an_eagle3_head_given_as_a_draft_model_points_to_head():
