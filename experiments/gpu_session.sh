@@ -8,7 +8,7 @@
 # e2e_session tree_sweep parity_long parity_long_xla context_bench context_bench_128k
 # e2e_batch chunk_cost moe_cost moe_parity moe_e2e tallsweep prefillsweep serial_split e2e_context profile groupsweep
 # combinesweep routesweep mosaic_attention mosaic mosaic_top_p mosaic_swapped mosaic_prefill
-# mosaic_ws profile_prefill
+# mosaic_ws mosaic_unfused profile_prefill
 # e2e_mosaic table
 # splitk_sweep
 # loop_cmdbuf
@@ -39,6 +39,8 @@
 #   alone and among 160, against Triton), then bench_kernels.py's whole steps at the
 #   Qwen3-8B shape (36 layers), Triton and Mosaic GPU side by side at batches 1 / 8,
 #   T = 1 / 5 / 17, contexts $MOSAIC_CONTEXTS (default "512 8192"; $MOSAIC_KERNELS_S).
+#   mosaic_unfused: the matrix on Qwen3-8B:4 with the kernels a default forward skips,
+#   the unfused GLU and row-parallel partials (mosaic+no_fuse_glu, --row_partials=2).
 #   e2e_mosaic: bench_e2e.py at the Qwen3-8B shape (36 layers), serial and a feature
 #   head (gamma 4, a = 0.8), batches $E2E_BATCHES (default 1,8), once a lowering.
 #   $MOSAIC_OPTIONS (default mosaic, e.g. mosaic,attn_split=512) is the Mosaic model's
@@ -491,6 +493,11 @@ PY
                 --tag="mosaic${MOSAIC_TAG:+_$MOSAIC_TAG}_ctx$ctx" --out="$OUT" 2>&1 \
                 | quiet | tail -16
             done ;;
+    mosaic_unfused) timeout "${MOSAIC_PARITY_S:-240}" python3 experiments/gpu_parity.py \
+              --models="${MOSAIC_MODELS:-qwen3-8b:4}" --context=8192 --window=48 --batches=4,32 \
+              --trees="${MOSAIC_TREES:-8,32}" --backends=pallas --options=mosaic+no_fuse_glu \
+              --row_partials=2 --tag="mosaic_unfused-rp2${MOSAIC_TAG:+_$MOSAIC_TAG}" \
+              --out="$OUT" 2>&1 | quiet | tail -30 ;;
     e2e_mosaic) for low in triton mosaic; do  # serial and speculative, the two lowerings
               opts=$low; [ $low = mosaic ] && opts=${MOSAIC_OPTIONS:-mosaic}
               timeout "${E2E_S:-270}" python3 experiments/bench_e2e.py --target=qwen3-8b \

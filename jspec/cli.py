@@ -5,7 +5,8 @@ string instead (`--options=plain+fuse_glu,attn_split=128`, `--draft_options=draf
 names joined by "+" or ",", applied left to right:
 
   x / no_x       a fusion on or off (fuse_add_norm, pad_rows_once, fuse_qk_rope, fuse_glu)
-  plain          every fusion off (KernelOptions.plain(): mxfp4_kernel too)
+  plain          `KernelOptions.plain()`: every fusion off, and kv_write_kernel,
+                 moe_layout_kernel and the mxfp4 choices back to their plain values
   draft          `DraftOptions.latency()`: the latency set for a small GPU draft
   name=<int>     a valued option: attn_split, attn_split_rows, attn_fused_fold (0/1),
                  attn_serial_split (0/1), attn_skip_empty (0/1), attn_group_split (0/1),
@@ -30,12 +31,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import sys
 
 from jspec._checks import check_count, check_real
 from jspec.loop import NonFiniteError
 from jspec.model import with_options
-from jspec.options import FUSIONS, LOWERINGS, DraftOptions, KernelOptions
+from jspec.options import FUSIONS, LOWERINGS, PLAIN, DraftOptions, KernelOptions
 from jspec.policies import resolve_policy
 from jspec.speculative import ParityError
 from jspec.text import as_chat, read_prompts
@@ -81,15 +83,14 @@ def parse_options(text: str, kernel: KernelOptions | None = None,
         key, eq, value = name.partition("=")
         if eq and key in _VALUED:
             kind, field, conv = _VALUED[key]
-            try:
-                number = int(value)
-            except ValueError:
-                raise ValueError(f"option {name!r}: {key} takes an integer") from None
+            if not re.fullmatch(r"[+-]?[0-9]+", value):  # int() takes "1_6" and spaces
+                raise ValueError(f"option {name!r}: {key} takes an integer")
+            number = int(value)
             if conv is bool and number not in (0, 1):
                 raise ValueError(f"option {name!r}: {key} takes 0 or 1")
             fields[kind][field] = conv(number)
         elif name == "plain":  # KernelOptions.plain()'s fields
-            fields["kernel"] |= dict.fromkeys(FUSIONS, False) | {"mxfp4_kernel": False}
+            fields["kernel"] |= PLAIN
         elif name in LOWERINGS:  # the GPU lowering of the kernels (KernelOptions.lowering)
             fields["kernel"]["lowering"] = name
         elif name == "draft":
@@ -114,11 +115,18 @@ def require_options(holder) -> None:
     from absl import flags
 
     def ok(value):
+        # A value one setting of --interpret takes (attn_split: 16 interpreted, 64 on a
+        # GPU) passes here; the script's own options check it when applied.
         for text in value:
-            try:
-                parse_options(text)
-            except ValueError as e:
-                raise flags.ValidationError(f"{text!r}: {e}") from None
+            errors = []
+            for interpret in (False, True):
+                try:
+                    parse_options(text, KernelOptions(interpret=interpret))
+                    break
+                except ValueError as e:
+                    errors.append(e)
+            else:
+                raise flags.ValidationError(f"{text!r}: {errors[0]}") from None
         return True
     flags.register_validator(holder, ok)
 

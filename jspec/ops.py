@@ -291,8 +291,10 @@ def get_ops(backend: str, interpret: bool = False, lowering: str = "triton") -> 
         # Mosaic GPU for the matmuls, norms, RoPE, attention and experts; imported here, as its
         # modules take ~1.6 s to import.
         from pallas_kernels.mosaic import attention as mosaic_attention
+        from pallas_kernels.mosaic import glu as mosaic_glu
         from pallas_kernels.mosaic import matmul as mosaic_matmul
         from pallas_kernels.mosaic import matmul_glu as mosaic_matmul_glu
+        from pallas_kernels.mosaic import matmul_partials as mosaic_matmul_partials
         from pallas_kernels.mosaic import moe as mosaic_moe
         from pallas_kernels.mosaic import route as mosaic_route
         from pallas_kernels.mosaic.norms import add_rmsnorm as mosaic_add_rmsnorm
@@ -304,6 +306,8 @@ def get_ops(backend: str, interpret: bool = False, lowering: str = "triton") -> 
 
         return ops._replace(
             matmul=p(mosaic_matmul, interpret=interpret),
+            matmul_partials=p(mosaic_matmul_partials, interpret=interpret),
+            glu=p(mosaic_glu.glu, interpret=interpret),
             rmsnorm=p(mosaic_rmsnorm, interpret=interpret),
             add_norm=p(mosaic_add_rmsnorm, interpret=interpret),
             rope=_by_head_dim(p(mosaic_rope, interpret), ops.rope),

@@ -252,14 +252,15 @@ class KernelOptions:
     def plain(self) -> KernelOptions:
         """The same options with every fusion off (`FUSIONS`): the path each fusion is
         checked against, bit for bit."""
-        return self.replace(kv_write_kernel=None, moe_layout_kernel=None, mxfp4_kernel=False,
-                            mxfp4_prmt=None, mxfp4_prefetch=None,
-                            **dict.fromkeys(FUSIONS, False))
+        return self.replace(**PLAIN)
 
 
 # The fusions: each gives the plain path's bits (tests/test_fused.py, test_pad_once.py,
 # test_qk_rope.py, test_matmul_glu.py).
 FUSIONS = ("fuse_add_norm", "pad_rows_once", "fuse_qk_rope", "fuse_glu")
+# The fields `KernelOptions.plain` sets (the option string's `plain` too).
+PLAIN = dict(kv_write_kernel=None, moe_layout_kernel=None, mxfp4_kernel=False, mxfp4_prmt=None,
+             mxfp4_prefetch=None, **dict.fromkeys(FUSIONS, False))
 
 
 @dataclasses.dataclass(frozen=True)

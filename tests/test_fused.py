@@ -186,3 +186,26 @@ def test_speed_options_are_on_by_default_and_named():
         parse_options("attn_split=many")
     with pytest.raises(ValueError, match="unknown option 'fuse_glu=1'"):
         parse_options("fuse_glu=1")
+    for text in ("attn_split=1_6", "attn_split= 16", "attn_split=0x10", "attn_split="):
+        with pytest.raises(ValueError, match="attn_split takes an integer"):
+            parse_options(text)
+    # `plain` is `KernelOptions.plain()` on any options, the kernel choices it resets too.
+    chosen = default.replace(kv_write_kernel=True, moe_layout_kernel=True, mxfp4_prmt=True,
+                             mxfp4_prefetch=2)
+    assert parse_options("plain", chosen)[0] == chosen.plain()
+
+
+def test_an_option_string_for_either_interpret_passes_flag_parsing():
+    # attn_split=16 is a key block interpreted (a GPU's is 64): `--interpret` scripts take
+    # it; a value neither takes fails at flag parsing.
+    from absl import flags
+
+    from jspec.cli import require_options
+
+    fv = flags.FlagValues()
+    holder = flags.DEFINE_list("options", [], "", flag_values=fv)
+    require_options(holder)
+    fv(["prog", "--options=attn_split=16,attn_split=64"])
+    assert fv.options == ["attn_split=16", "attn_split=64"]
+    with pytest.raises(flags.IllegalFlagValueError, match="attn_split=17"):
+        fv(["prog", "--options=attn_split=17"])

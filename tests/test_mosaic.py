@@ -40,6 +40,7 @@ from pallas_kernels.mosaic import (
     add_rmsnorm,
     matmul,
     matmul_glu,
+    matmul_partials,
     mosaic_matmul_config,
     qk_norm_rope,
     rmsnorm,
@@ -169,7 +170,11 @@ def test_ops_dispatch_by_lowering():
     from pallas_kernels import route as triton_route
 
     assert kernel(triton.route) is triton_route.route_kernel
-    assert kernel(mosaic.matmul_partials) is kernel(triton.matmul_partials)  # still Triton
+    assert kernel(mosaic.matmul_partials) is matmul_partials  # row-parallel weights
+    assert kernel(triton.matmul_partials) is not matmul_partials
+    from pallas_kernels.mosaic import glu as mosaic_glu
+
+    assert kernel(mosaic.glu) is mosaic_glu.glu and kernel(triton.glu) is not mosaic_glu.glu
     from pallas_kernels.mosaic import softcap as mosaic_softcap
 
     assert kernel(mosaic.softcap) is mosaic_softcap.softcap
@@ -282,6 +287,49 @@ def test_matmul_lowers_for_cuda(m, k, n):
     assert ("stablehlo.pad" in text) == (m > 8 and m % 8 != 0)
 
 
+def test_matmul_partials_are_the_chunks_matmuls():
+    # Row-parallel weights (row_partials, tensor parallelism): partial c is this lowering's
+    # matmul of the c-th K chunk with an f32 output, bitwise; a row alone keeps its bits.
+    x, w = _inputs(17, k=256)
+    parts = matmul_partials(x, w, splits=2, interpret=True)
+    assert parts.shape == (2, 17, N) and parts.dtype == jnp.float32
+    for c in range(2):
+        chunk = matmul(x[:, c * 128:(c + 1) * 128], w[c * 128:(c + 1) * 128], interpret=True)
+        assert np.array_equal(np.asarray(parts[c]), np.asarray(chunk)), c
+    alone = matmul_partials(x[:1], w, splits=2, interpret=True)
+    assert np.array_equal(np.asarray(alone[:, 0]), np.asarray(parts[:, 0]))
+    np.testing.assert_allclose(np.asarray(parts[0] + parts[1]),
+                               np.asarray(matmul_reference(x, w)), rtol=1e-5, atol=1e-5)
+    assert np.array_equal(np.asarray(matmul_partials(x, w, splits=1, interpret=True)[0]),
+                          np.asarray(matmul(x, w, interpret=True)))
+    for bad in (3, 0, True):
+        with pytest.raises(ValueError, match="equal chunks"):
+            matmul_partials(x, w, splits=bad, interpret=True)
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh", "gpt_oss"])
+def test_glu_is_the_formula_and_keeps_rows(activation):
+    # The unfused GLU (fuse_glu off, a tensor-parallel column shard): every element alone,
+    # whatever the rows and columns beside it.
+    from pallas_kernels.glu import glu_reference
+    from pallas_kernels.mosaic.glu import glu
+
+    kg, ku = jax.random.split(jax.random.key(3))
+    gate = (jax.random.normal(kg, (3, 5000), jnp.float32) * 4).astype(jnp.bfloat16)
+    up = (jax.random.normal(ku, (3, 5000), jnp.float32) * 4).astype(jnp.bfloat16)
+    y = glu(gate, up, activation=activation, interpret=True)
+    assert y.shape == gate.shape and y.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(y, np.float32),
+                               np.asarray(glu_reference(gate, up, activation=activation),
+                                          np.float32), rtol=1e-2, atol=1e-2)
+    alone = glu(gate[2:, 7:300], up[2:, 7:300], activation=activation, interpret=True)
+    assert np.array_equal(np.asarray(alone[0]).view(np.uint16),
+                          np.asarray(y[2, 7:300]).view(np.uint16))
+    assert glu(gate[:0], up[:0], activation=activation, interpret=True).shape == (0, 5000)
+    with pytest.raises(ValueError, match="activation"):
+        glu(gate, up, activation="relu", interpret=True)
+
+
 def test_matmul_glu_lowers_for_cuda():
     x = jax.ShapeDtypeStruct((40, 4096), jnp.bfloat16)
     w = jax.ShapeDtypeStruct((4096, 24576), jnp.bfloat16)
@@ -325,6 +373,31 @@ def test_model_forward_lowers_with_mosaic_kernels_only(h200, tree):
                     ("qk_norm_rope", 1), (f"{attention}_split", 1), ("attention_fold", 1)):
         assert text.count(f"jspec_mosaic_{name}_mosaic_gpu") == n, name
     assert text.count("custom_call @mosaic_gpu") == 10
+    assert "__gpu$xla.gpu.triton" not in text and "jspec_matmul" not in text
+
+
+def test_unfused_glu_and_row_partials_lower_with_mosaic_kernels_only(h200):
+    # The options that take the kernels a default forward does not: fuse_glu off (gate/up
+    # as a matmul, then the GLU) and row_partials 2 (wo and w_down as two f32 partials
+    # each, added left to right). Every kernel on Mosaic GPU still.
+    import warnings
+
+    from jspec.cache import init_cache
+    from jspec.model import Model, apply
+    from jspec.random_model import preset_config, random_params
+
+    cfg = preset_config("qwen3-8b", num_layers=2)
+    model = Model(config=cfg, params=jax.eval_shape(lambda: random_params(cfg)))
+    model = model.replace(options=model.options.replace(lowering="mosaic", fuse_glu=False,
+                                                        row_partials=2))
+    cache = jax.eval_shape(lambda: init_cache(model, 1, 256))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*Pallas Triton backend is deprecated")
+        text = _lower(apply, model, jax.ShapeDtypeStruct((1, 5), jnp.int32), cache)
+    # wqkv, gate/up, a chunk of wo and of w_down (both chunks of a weight are one shape,
+    # lowered once), the LM head
+    assert text.count("jspec_mosaic_matmul_mosaic_gpu") == 5
+    assert text.count("jspec_mosaic_glu_mosaic_gpu") == 1
     assert "__gpu$xla.gpu.triton" not in text and "jspec_matmul" not in text
 
 
@@ -480,15 +553,19 @@ def test_mosaic_norms_script_smoke(tmp_path):
             assert k["alone_mismatch_rows"] == 0 and not any(k["prefix_mismatch_rows"].values())
 
 
-@pytest.mark.slow  # ~50 s: every kernel of a forward interpreted on Mosaic GPU or Triton
-def test_property_p_holds_with_the_mosaic_lowering():
+@pytest.mark.slow  # ~50 s each: every kernel of a forward interpreted on Mosaic GPU or Triton
+@pytest.mark.parametrize("extra", [{}, {"fuse_glu": False, "row_partials": 2}])
+def test_property_p_holds_with_the_mosaic_lowering(row_by_row_wgmma, extra):
     # A tiny bf16 Qwen3 (8 q/k/v heads of 32: the Mosaic q/k norm + RoPE takes them) with
-    # lowering="mosaic": one-token steps and verify blocks give the prefill's logits bits.
+    # lowering="mosaic": one-token steps and verify blocks give the prefill's logits bits;
+    # also with the unfused GLU and row-parallel partials. The interpreter's wgmma forms
+    # each row alone, as the hardware does (the module docstring: numpy's own product
+    # rounds a row by its place in the tile, which moved position 6's logits here).
     from jspec import parity
     from jspec.random_model import random_model
 
     model = random_model("tiny-qwen3", interpret=True, dtype="bfloat16")
-    model = model.replace(options=model.options.replace(lowering="mosaic"))
+    model = model.replace(options=model.options.replace(lowering="mosaic", **extra))
     seq = np.random.default_rng(0).integers(0, model.config.vocab_size, 12).astype(np.int32)
     ref = parity.schedule_logits(model, [seq], parity.prefill_schedule(len(seq)), 24)[0]
     for steps in (parity.serial_schedule(len(seq)),

@@ -9,7 +9,8 @@ from 0 upward into one accumulator, no atomics, no reduction across rows. The tw
 lowerings may give different bits from each other; each is row-invariant on its own.
 
 So far, every kernel of a dense forward, which `jspec.KernelOptions.lowering` selects:
-the matmul family (`matmul`, `matmul_glu`), the norms (`rmsnorm`, `add_rmsnorm`), RoPE
+the matmul family (`matmul`, `matmul_glu`, and `matmul_partials` for row-parallel
+weights), an unfused GLU (`glu.py`), the norms (`rmsnorm`, `add_rmsnorm`), RoPE
 with the q/k norms (`qk_norm_rope`, `rope`), and split-KV and tree attention
 (`attention.attention`, `attention.tree_attention`, for the shapes `attention.takes`),
 and a mixture of experts' grouped kernels (`moe.py`: gate/up + GLU and down, 16-bit
@@ -23,10 +24,11 @@ from pallas_kernels.mosaic.matmul import (
     MosaicMatmulConfig,
     matmul,
     matmul_glu,
+    matmul_partials,
     mosaic_matmul_config,
 )
 from pallas_kernels.mosaic.norms import add_rmsnorm, rmsnorm
 from pallas_kernels.mosaic.qk_rope import qk_norm_rope, rope
 
-__all__ = ["MosaicMatmulConfig", "add_rmsnorm", "matmul", "matmul_glu", "mosaic_matmul_config",
-           "qk_norm_rope", "rmsnorm", "rope"]
+__all__ = ["MosaicMatmulConfig", "add_rmsnorm", "matmul", "matmul_glu", "matmul_partials",
+           "mosaic_matmul_config", "qk_norm_rope", "rmsnorm", "rope"]

@@ -68,7 +68,7 @@ from pallas_kernels.matmul_glu import _glu_tile, check_glu_weight, matmul_glu_re
 from pallas_kernels.mosaic.prefill_matmul import PrefillConfig, prefill_matmul, prefill_matmul_glu
 
 __all__ = ["BM", "MosaicMatmulConfig", "matmul", "matmul_glu", "matmul_glu_reference",
-           "matmul_reference", "mosaic_matmul_config"]
+           "matmul_partials", "matmul_reference", "mosaic_matmul_config"]
 
 BM = 64  # rows per program tile: one wgmma M (fixed: the row count changes only the grid)
 BT = 16  # swapped: tokens per wgmma N (fixed: every M runs the same instruction)
@@ -532,6 +532,30 @@ def matmul(x: jax.Array, w: jax.Array, *, out_dtype=None, interpret: bool = Fals
                   lambda acc: acc.astype(out_dtype), interpret, "jspec_mosaic_matmul",
                   columns_major=columns_major)
     return out[:n, :m].T if columns_major else out[:m, :n]
+
+
+@functools.partial(jax.jit, static_argnames=("splits", "interpret", "config"))
+def matmul_partials(x: jax.Array, w: jax.Array, *, splits: int, interpret: bool = False,
+                    config: MosaicMatmulConfig | None = None) -> jax.Array:
+    """x [M, K] @ w [K, N] as `splits` f32 partials [splits, M, N], NOT summed, on Mosaic
+    GPU: partial c is this lowering's `matmul` of the c-th of `splits` equal K chunks
+    (x[:, cK':(c+1)K'] @ w[cK':(c+1)K'], K' = K / splits) with an f32 output, so each is
+    one sequential K walk with the tiles of (K', N) (`config` overrides them) and its f32
+    accumulator unrounded. A caller adds the partials left to right, with others from
+    other devices in between (row-parallel tensor parallelism, `row_partials`): the chunk
+    boundaries and each chunk's arithmetic are the same however the chunks are spread
+    over devices. With more than one chunk a launch, each chunk's slice of w is a copy
+    (XLA hands a kernel whole buffers): `row_partials` above the device count is a
+    setting for the bits of a tensor-parallel degree, not a fast path.
+    `pallas_kernels.matmul.matmul_partials` is the Triton lowering's."""
+    _check(x, w, "matmul_partials")
+    k = x.shape[1]
+    if isinstance(splits, bool) or not isinstance(splits, int) or splits < 1 or k % splits:
+        raise ValueError(f"matmul_partials: K={k} must split into {splits=} equal chunks")
+    kc = k // splits
+    return jnp.stack([matmul(x[:, c * kc:(c + 1) * kc], w[c * kc:(c + 1) * kc],
+                             out_dtype=jnp.float32, interpret=interpret, config=config)
+                      for c in range(splits)])
 
 
 @functools.partial(jax.jit, static_argnames=("activation", "interpret", "row_group", "config",
