@@ -65,8 +65,9 @@ _DTYPE = flags.DEFINE_string("dtype", "bfloat16", "weights and activations (a CP
                              "needs float32: XLA's CPU runtime has no bf16 x bf16 -> f32 dot)")
 _OPTIONS = flags.DEFINE_list(
     "options", [], "speed-option variants of the pallas step to time (jspec.cli option "
-    "names: x, no_x, plain; a+b: both), each checked bitwise against the default pallas "
-    "step (all options on); e.g. plain,no_fuse_glu")
+    "names: x, no_x, plain; a+b: both), each checked bitwise against the first step of its "
+    "numerics (the default pallas step, all options on; or e.g. mosaic for "
+    "mosaic+no_fuse_glu); e.g. plain,no_fuse_glu")
 _OPS = flags.DEFINE_bool("ops", True, "time single ops (matmuls, norms, ...) before steps")
 _TREES = flags.DEFINE_list("trees", [], "tree verify sizes to time (draft nodes, e.g. 16,32): "
                            "one target forward over a random tree of that many nodes under "
@@ -292,32 +293,37 @@ def bench_head(model, batches, vocab, context, iters):
     return rows
 
 
+NUMERIC = ("attn_split", "attn_split_rows", "row_partials", "lowering")  # R11: own bits
+
+
 def bench_steps(model, batches, gammas, context, iters, options=()):
     """Whole forward steps on pallas and xla, plus pallas variants with the speed options
-    set as each entry of `options` says (jspec.cli option names), whose logits must
-    equal the default pallas logits bit for bit ("bits_equal_pallas"); variants that change
-    the numerics by design (attn_split=N) record their largest logit difference instead
-    (their own parity is the parity matrix's job: gpu_parity.py --options)."""
+    set as each entry of `options` says (jspec.cli option names). A variant's logits must
+    equal bit for bit those of the first step with its numerics (`NUMERIC`: the default
+    pallas step, or an earlier variant, e.g. `mosaic` for `mosaic+no_fuse_glu`):
+    "bits_equal_pallas" and "bits_reference". The first variant of numerics of its own
+    (attn_split=N, lowering=mosaic) records its largest logit difference from the default
+    pallas step instead (its own parity is the parity matrix's job: gpu_parity.py
+    --options)."""
     cfg = model.config
     rows = []
     variants = {"pallas": model.with_backend("pallas"), "xla": model.with_backend("xla")}
-    numeric = set()  # variants whose options change the numerics (attn_split=N, ...)
+    reference = {}  # variant -> the variant whose bits it must have (None: no check)
+    first = {tuple(getattr(variants["pallas"].options, k) for k in NUMERIC): "pallas"}
     for opt in options:  # "a+no_b": a on and b off together
-        base = variants["pallas"]
-        variant = with_option_string(base, opt)
-        variants[f"pallas+{opt}"] = variant
-        if any(getattr(variant.options, k) != getattr(base.options, k)
-               for k in ("attn_split", "attn_split_rows", "row_partials", "lowering")):
-            # numeric (rule R11: each lowering its own bits)
-            numeric.add(f"pallas+{opt}")
+        name = f"pallas+{opt}"
+        variants[name] = with_option_string(variants["pallas"], opt)
+        key = tuple(getattr(variants[name].options, k) for k in NUMERIC)
+        reference[name] = first.setdefault(key, name)
     for B in batches:
-        ref_logits = {}
+        logits_of = {}  # variant -> {T: logits}
         for backend, m in variants.items():
             cache = init_cache(m, B, context + 16)
             prompt = (jnp.arange(B * context, dtype=jnp.int32).reshape(B, context) * 7919
                       % cfg.vocab_size)
             cache = _prefilled(m, prompt, cache)
             times, equal, host = {}, {}, {}
+            ref = reference.get(backend)
             for T in [1] + [g + 1 for g in gammas]:
                 tok = jnp.ones((B, T), jnp.int32)
                 # Device-side: STEP_REPS forwards in one jitted loop (each rolls the cache
@@ -327,18 +333,18 @@ def bench_steps(model, batches, gammas, context, iters, options=()):
                 host[T] = median_time(forward_nodonate, m, tok, cache, iters=iters)
                 if options and backend != "xla":
                     logits = np.asarray(forward_nodonate(m, tok, cache).logits)
-                    if backend == "pallas":
-                        ref_logits[T] = logits
-                    elif backend in numeric:  # other bits by design: how far, for the record
-                        equal[T] = float(np.max(np.abs(logits - ref_logits[T])))
-                    else:
+                    logits_of.setdefault(backend, {})[T] = logits
+                    if ref == backend:  # other bits by design: how far, for the record
+                        equal[T] = float(np.max(np.abs(logits - logits_of["pallas"][T])))
+                    elif ref is not None:
                         equal[T] = bool(np.array_equal(logits.view(np.uint32),
-                                                       ref_logits[T].view(np.uint32)))
+                                                       logits_of[ref][T].view(np.uint32)))
             for T, t in times.items():
-                key = "max_abs_diff_vs_pallas" if backend in numeric else "bits_equal_pallas"
+                key = "max_abs_diff_vs_pallas" if ref == backend else "bits_equal_pallas"
                 rows.append({"backend": backend, "B": B, "T": T, "ms": t * 1e3,
                              "vs_decode": t / times[1], "host_dispatched_ms": host[T] * 1e3} | (
-                                 {key: equal[T]} if T in equal else {}))
+                                 {key: equal[T]} if T in equal else {}) | (
+                                 {"bits_reference": ref} if ref not in (None, backend) else {}))
     # Bytes a decode step must read: every weight once, plus the KV cache.
     wbytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(model.params))
     wbytes -= model.params["embed"].size * model.params["embed"].dtype.itemsize  # gathered
@@ -390,7 +396,8 @@ def main(argv):
         r["tax"] = r["ms"] / xla
         r["TBps"] = (wbytes + r["B"] * kv) / (r["ms"] / 1e3) / 1e12
         r["roofline_frac"] = r["TBps"] * 1e12 / bw
-        bits = {True: "  bits == pallas", False: "  BITS != PALLAS"}.get(
+        ref = r.get("bits_reference", "pallas")
+        bits = {True: f"  bits == {ref}", False: f"  BITS != {ref.upper()}"}.get(
             r.get("bits_equal_pallas"), "")
         if "max_abs_diff_vs_pallas" in r:  # a numerics-changing option: not a parity check
             bits = f"  max |diff| vs pallas {r['max_abs_diff_vs_pallas']:.3g} (other numerics)"
@@ -427,8 +434,8 @@ def main(argv):
     path = write_receipt(_OUT.value, f"bench_kernels_{_PRESET.value}", _TAG.value, report)
     print(f"receipt: {path}")
     if not report["options_bits_equal_pallas"]:
-        sys.exit(f"PARITY FAILURE: logits with {_OPTIONS.value} differ from the default "
-                 "pallas path")
+        sys.exit(f"PARITY FAILURE: logits with {_OPTIONS.value} differ from their reference "
+                 "step's (bits_reference, else the default pallas step)")
 
 
 if __name__ == "__main__":

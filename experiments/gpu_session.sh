@@ -40,7 +40,8 @@
 #   Qwen3-8B shape (36 layers), Triton and Mosaic GPU side by side at batches 1 / 8,
 #   T = 1 / 5 / 17, contexts $MOSAIC_CONTEXTS (default "512 8192"; $MOSAIC_KERNELS_S).
 #   mosaic_unfused: the matrix on Qwen3-8B:4 with the kernels a default forward skips,
-#   the unfused GLU and row-parallel partials (mosaic+no_fuse_glu, --row_partials=2).
+#   the unfused GLU and row-parallel partials (mosaic+no_fuse_glu, --row_partials=2);
+#   then bench_kernels.py's steps (4 layers), mosaic+no_fuse_glu's bits against mosaic's.
 #   e2e_mosaic: bench_e2e.py at the Qwen3-8B shape (36 layers), serial and a feature
 #   head (gamma 4, a = 0.8), batches $E2E_BATCHES (default 1,8), once a lowering.
 #   $MOSAIC_OPTIONS (default mosaic, e.g. mosaic,attn_split=512) is the Mosaic model's
@@ -497,7 +498,11 @@ PY
               --models="${MOSAIC_MODELS:-qwen3-8b:4}" --context=8192 --window=48 --batches=4,32 \
               --trees="${MOSAIC_TREES:-8,32}" --backends=pallas --options=mosaic+no_fuse_glu \
               --row_partials=2 --tag="mosaic_unfused-rp2${MOSAIC_TAG:+_$MOSAIC_TAG}" \
-              --out="$OUT" 2>&1 | quiet | tail -30 ;;
+              --out="$OUT" 2>&1 | quiet | tail -30
+            timeout "${MOSAIC_KERNELS_S:-200}" python3 experiments/bench_kernels.py \
+              --preset=qwen3-8b --layers=4 --batches=1,8 --gammas=4,16 --context=512 --iters=3 \
+              --noops --options=mosaic,mosaic+no_fuse_glu --tag="mosaic_unfused" --out="$OUT" \
+              2>&1 | quiet | tail -20 ;;
     e2e_mosaic) for low in triton mosaic; do  # serial and speculative, the two lowerings
               opts=$low; [ $low = mosaic ] && opts=${MOSAIC_OPTIONS:-mosaic}
               timeout "${E2E_S:-270}" python3 experiments/bench_e2e.py --target=qwen3-8b \

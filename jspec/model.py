@@ -189,7 +189,8 @@ def column_config(model: Model, w):
     """Under tensor parallelism, the tiles of a column-parallel weight [K, N / size]: those
     of the whole model's weight [K, N] (`parallel.global_config`: before kv heads are
     replicated or the vocabulary padded), so a column's K loop and tiles are the ones one
-    device runs, at every degree. None on one device (the weight's own)."""
+    device runs, at every degree (on either lowering). None on one device (the weight's
+    own)."""
     par = model.parallel
     if par is None:
         return None
@@ -203,6 +204,11 @@ def column_config(model: Model, w):
         N = g.q_size + 2 * g.kv_size
     else:
         N *= par.size
+    if model.options.lowering == "mosaic" and model.options.backend == "pallas":
+        from pallas_kernels.mosaic.matmul import mosaic_matmul_config
+
+        # The decode tiles: a launch of any row count on one device has their bits.
+        return mosaic_matmul_config(K, N, w.dtype)
     return matmul_config(K, N, w.dtype, model.options.interpret)
 
 

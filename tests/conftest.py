@@ -239,10 +239,14 @@ def pytest_unconfigure(config):
 # first. Run first, so the parallel workers (`-n 2 --dist loadfile`, with xdist's
 # reordering by test count turned off in pyproject) do not end on one long file while the
 # other waits. Order only: every file still runs whole in one worker.
-HEAVY_FIRST = ("test_speculative", "test_kernel_attention", "test_moe", "test_moe_kernels",
-               "test_attn_split", "test_kernels", "test_feature_drafter", "test_engine_errors",
-               "test_tree", "test_mosaic_attention", "test_hf_reference", "test_adaptive",
-               "test_boundary", "test_cli", "test_property", "test_qk_rope", "test_parity",
+HEAVY_FIRST = ("test_moe_kernels", "test_speculative", "test_kernel_attention", "test_moe",
+               "test_mosaic_attention", "test_engine_errors", "test_kernels",
+               "test_feature_drafter", "test_cli", "test_tree", "test_attn_split",
+               "test_hf_reference", "test_text", "test_boundary", "test_gpu_lowering",
+               "test_compaction", "test_mosaic_moe", "test_row_group", "test_adaptive",
+               "test_mosaic_swapped", "test_fused_draft", "test_sharding_engine",
+               "test_mosaic", "test_parity", "test_pad_once", "test_mosaic_prefill",
+               "test_engine_checks", "test_sharding", "test_serial", "test_property",
                "test_audit", "test_tree_speculative")
 
 

@@ -648,18 +648,27 @@ def test_dump_triton_ir_smoke(tmp_path):
 @pytest.mark.slow  # an experiment script's run; test_row_group proves its option check
 def test_bench_kernels_smoke(tmp_path):
     # The kernel benchmark end to end on a tiny model (CPU: host timings, f32): single
-    # ops, steps at T = 1 and 2, and an option variant checked bitwise.
+    # ops, steps at T = 1 and 2, and option variants checked bitwise: against the default
+    # step, or a variant of numerics of its own (attn_split=16) against its first variant.
     r = _run("bench_kernels.py", "--interpret", "--dtype=float32", "--preset=tiny-qwen3",
              "--batches=2", "--gammas=1", "--iters=1", "--context=16",
-             "--options=matmul_row_group=1", "--tag=smoke", f"--out={tmp_path}")
+             "--options=matmul_row_group=1,attn_split=16,attn_split=16+matmul_row_group=1",
+             "--tag=smoke", f"--out={tmp_path}")
     assert r.returncode == 0, r.stderr[-2000:]
     rep = json.load(open(tmp_path / "bench_kernels_tiny-qwen3_smoke.json"))
     assert {m["timing"] for m in rep["matmuls"]} == {"host"}  # no device timeline on a CPU
     assert all(m["pallas_us"] > 0 and m["xla_us"] > 0 for m in rep["matmuls"])
     steps = {(s["backend"], s["T"]) for s in rep["steps"]}
-    assert steps == {(b, t) for b in ("pallas", "xla", "pallas+matmul_row_group=1")
-                     for t in (1, 2)}
+    variants = ("pallas+matmul_row_group=1", "pallas+attn_split=16",
+                "pallas+attn_split=16+matmul_row_group=1")
+    assert steps == {(b, t) for b in ("pallas", "xla", *variants) for t in (1, 2)}
     assert rep["options_bits_equal_pallas"] is True
+    by = {s["backend"]: s for s in rep["steps"] if s["T"] == 2}
+    assert by[variants[0]]["bits_equal_pallas"] is True and "bits_reference" not in by[
+        variants[0]]
+    assert "max_abs_diff_vs_pallas" in by[variants[1]]
+    assert by[variants[2]]["bits_reference"] == variants[1]
+    assert by[variants[2]]["bits_equal_pallas"] is True
 
 
 def test_flag_checks_fail_at_parsing():

@@ -15,13 +15,13 @@ import importlib
 import json
 import os
 import re
-import subprocess
 import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from script_runner import run_script
 
 from pallas_kernels.mosaic import MosaicMatmulConfig, matmul, matmul_glu
 from pallas_kernels.mosaic.prefill_matmul import (
@@ -315,9 +315,9 @@ def test_the_sweep_picks_each_tiers_winner_and_where_it_starts(tmp_path):
                 "w_down": shape(12288, 4096, rows, (41, 61, 91), (41, 61, 91))}  # c failed
 
     def cli(receipt, table, *flags):
-        return subprocess.run([sys.executable, "experiments/tuning/mosaic_prefill.py",
-                               f"--from_receipt={receipt}", f"--write={table}", *flags],
-                              cwd=ROOT, capture_output=True, text=True, timeout=300)
+        return run_script([sys.executable, "experiments/tuning/mosaic_prefill.py",
+                           f"--from_receipt={receipt}", f"--write={table}", *flags],
+                          cwd=ROOT, timeout=300)
 
     def run(tier, rows, **extra):
         receipt, table = tmp_path / f"r_{tier}.json", tmp_path / f"t_{tier}.json"

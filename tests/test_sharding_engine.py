@@ -60,8 +60,15 @@ def test_the_sharded_forward_lowers_for_the_h200():
     in, nothing compiled or run; see tests/test_gpu_lowering.py): Llama-3-70B- and
     Gemma-3-4B-shaped targets (2 layers) at TP=2 with S=2 and S=8 at decode, verify and
     prefill shapes, and a replicated draft with the latency kernels. The only collectives
-    are all-gathers, two a layer and one for the head; no all-reduce adds anything."""
+    are all-gathers, two a layer and one for the head; no all-reduce adds anything. On the
+    Mosaic GPU lowering (the 70B at S=2) no kernel is Triton's."""
     found = run("lower", devices=2)
+    mosaic = {k: found.pop(k) for k in list(found) if k.startswith("mosaic")}
+    assert len(mosaic) == 3
+    for key, res in mosaic.items():  # every kernel on Mosaic GPU: partials, unfused GLU
+        assert res["triton calls"] == 0, (key, res)
+        assert "jspec_mosaic_glu" in res["kernels"], (key, res)
+        assert (res["all_gathers"], res["all_reduces"]) == (2 * 2 + 1, 0), (key, res)
     targets = {k: v for k, v in found.items() if not k.startswith("replicated")}
     assert len(targets) == 16
     for key, res in targets.items():
