@@ -105,7 +105,12 @@ def parse_options(text: str, kernel: KernelOptions | None = None,
                              f"no_<fusion>, 'plain', 'draft', {' or '.join(LOWERINGS)} or "
                              f"{'|'.join(f'{k}=<int>' for k in _VALUED)}")
     kernel = (kernel or KernelOptions()).replace(**fields["kernel"])
-    draft = (draft or DraftOptions()).replace(**fields["draft"])
+    try:
+        draft = (draft or DraftOptions()).replace(**fields["draft"])
+    except ValueError as e:  # DraftOptions names its fields; the string named draft_<field>
+        typed = [k for k, (kind, _, _) in _VALUED.items() if kind == "draft" and k in text]
+        raise ValueError(f"{e} (the DraftOptions field of option "
+                         f"{' or '.join(typed) or 'draft'})") from None
     return kernel, draft
 
 
