@@ -344,7 +344,8 @@ def bench_steps(model, batches, gammas, context, iters, options=()):
                 rows.append({"backend": backend, "B": B, "T": T, "ms": t * 1e3,
                              "vs_decode": t / times[1], "host_dispatched_ms": host[T] * 1e3} | (
                                  {key: equal[T]} if T in equal else {}) | (
-                                 {"bits_reference": ref} if ref not in (None, backend) else {}))
+                                 {"bits_reference": ref} if ref not in (None, backend, "pallas")
+                                 else {}))
     # Bytes a decode step must read: every weight once, plus the KV cache.
     wbytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(model.params))
     wbytes -= model.params["embed"].size * model.params["embed"].dtype.itemsize  # gathered

@@ -8,7 +8,7 @@ JSON line of findings; the test states the invariant. `--devices N` simulated de
 
   matrix FAMILY DTYPE TP[,TP..] [--full]  property P within each degree (jspec.parity)
   degree DTYPE [--preset P] [--full]      logits at TP 1, 2, 4, 8 with row_partials=8,
-         [--lowering mosaic]              and the combines that break it
+                                          and the combines that break it
   sinks                                   attention sinks split with their q heads: TP 2, 4
                                           and 8 give one device's logits (row_partials=8)
   spec FAMILY TP [--full]                 speculative == serial, target sharded
@@ -179,7 +179,7 @@ def _psum_row_parallel(ops, model, x, w, out_dtype, **kw):
     return local.astype(out_dtype)
 
 
-def _degree_model(preset, dtype, lowering="triton", **fields):
+def _degree_model(preset, dtype, **fields):
     """A tiny random model with 8 q heads and 2 kv heads (replicated at TP 4 and 8)."""
     import jspec
     from jspec.random_model import preset_config, random_params
@@ -187,7 +187,7 @@ def _degree_model(preset, dtype, lowering="triton", **fields):
     cfg = preset_config(preset, dtype=dtype, num_layers=2)
     cfg = cfg.replace(num_heads=8, num_kv_heads=2, head_dim=16, vocab_size=250, **fields)
     return jspec.Model(config=cfg, params=random_params(cfg, seed=3),
-                       options=jspec.KernelOptions(interpret=True, lowering=lowering))
+                       options=jspec.KernelOptions(interpret=True))
 
 
 def check_degree(args):
@@ -202,13 +202,7 @@ def check_degree(args):
     import jspec.model
     from jspec import parity, sharding
 
-    if args.lowering == "mosaic":  # the interpreter's wgmma forms each row alone, as the
-        # hardware does (tests/test_mosaic.py)
-        from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
-        from test_mosaic import _RowByRow
-
-        gpu_callbacks.np = _RowByRow()
-    model = _degree_model(args.preset, args.dtype, args.lowering)
+    model = _degree_model(args.preset, args.dtype)
     seq = np.random.default_rng(5).integers(0, model.config.vocab_size, 20).astype(np.int32)
     prefill, serial = parity.prefill_schedule(len(seq)), parity.serial_schedule(len(seq))
 
@@ -230,11 +224,10 @@ def check_degree(args):
     out["TP=4 S=8 serial == prefill"] = same(logits(tp4, serial))
     # An MLP width TP divides but whose shards' K TP does not (45 = 90 / 2 rows a shard,
     # one partial each): it was refused while tracing (K=45 checked against S=2).
-    if args.lowering == "triton":  # (Mosaic GPU's fused GLU takes F a multiple of 32)
-        odd = _degree_model(args.preset, args.dtype, intermediate_size=90)
-        out["TP=2 F=90 S=2 == one device S=2"] = same(
-            logits(sharding.shard(odd, sharding.make_mesh(2))),
-            logits(jspec.with_options(odd, row_partials=2)))
+    odd = _degree_model(args.preset, args.dtype, intermediate_size=90)
+    out["TP=2 F=90 S=2 == one device S=2"] = same(
+        logits(sharding.shard(odd, sharding.make_mesh(2))),
+        logits(jspec.with_options(odd, row_partials=2)))
     import tempfile
 
     from jspec.bench.hf_peers import save_hf_dir
@@ -432,8 +425,10 @@ def check_lower(args):
     """The sharded forward lowered for CUDA on the CPU (nothing allocated or run), with
     the H200's GPU info standing in (as tests/test_gpu_lowering.py): a Llama-3-70B- and a
     Gemma-3-4B-shaped target (2 layers) at TP=2, S=TP and S=8, at decode, verify and
-    prefill shapes (the 70B at S=2 on the Mosaic GPU lowering too), and a replicated draft
-    with the latency options. Reports the Pallas kernels and collectives in each program."""
+    prefill shapes (the 70B at S=2 on the Mosaic GPU lowering too: Pallas's GPU interpret
+    mode cannot run its kernels under shard_map, two simulated devices racing on the
+    interpreter's shared state), and a replicated draft with the latency options. Reports
+    the Pallas kernels and collectives in each program."""
     import re
 
     import jax
@@ -589,7 +584,6 @@ def main():
     ap.add_argument("--n", type=int, default=16)
     ap.add_argument("--preset", default="tiny-qwen3")
     ap.add_argument("--options", default="", help="matrix: a jspec.cli option string")
-    ap.add_argument("--lowering", default="triton", help="degree: KernelOptions.lowering")
     args = ap.parse_args()
     if args.check in ("matrix", "spec"):
         args.family = args.rest[0]

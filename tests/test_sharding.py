@@ -69,14 +69,6 @@ def test_row_partials_8_gives_the_same_logits_at_every_degree(dtype, preset, ful
         assert not found["TP=4 S=8 by message size: serial == prefill"], found
 
 
-@pytest.mark.slow  # the property above on the Mosaic GPU lowering, interpreted (bf16)
-def test_the_degrees_give_one_devices_bits_on_mosaic_gpu():
-    found = run("degree", "bfloat16", "--lowering", "mosaic")
-    same = [k for k in found if k.endswith("S=8")]
-    assert len(same) >= 3 and all(found[k] for k in same), found
-    assert found["TP=4 S=8 serial == prefill"], found
-
-
 @pytest.mark.slow  # a further case of the degrees' property above (sinks: test_sinks.py)
 def test_attention_sinks_are_split_with_their_q_heads():
     """Shard s holds the sinks of its q heads [s H / TP, (s + 1) H / TP) (as wqkv's q
