@@ -65,7 +65,12 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels._common import pad_axis, round_up
 from pallas_kernels.matmul import matmul_reference
 from pallas_kernels.matmul_glu import _glu_tile, check_glu_weight, matmul_glu_reference
-from pallas_kernels.mosaic.prefill_matmul import PrefillConfig, prefill_matmul, prefill_matmul_glu
+from pallas_kernels.mosaic.prefill_matmul import (
+    SMEM_MAX,
+    PrefillConfig,
+    prefill_matmul,
+    prefill_matmul_glu,
+)
 
 __all__ = ["BM", "MosaicMatmulConfig", "matmul", "matmul_glu", "matmul_glu_reference",
            "matmul_partials", "matmul_reference", "mosaic_matmul_config"]
@@ -76,7 +81,6 @@ TOKEN_TILES = BM // BT  # swapped: token tiles a program at most by default (sch
 # function of M), so x's block is the plain design's [64, bk] and `pipeline_stages` serves
 # both designs; a config may take up to MAX_TOKEN_TILES (16 tiles: a TMA box's 256 rows)
 MAX_TOKEN_TILES = 16
-SMEM_MAX = 232448  # bytes of shared memory a Hopper program may hold (the opt-in limit)
 TUNED_FILE = os.path.join(os.path.dirname(__file__), "matmul_tuned.json")
 BK_TILES = (128, 64, 32, 16)  # bk: the largest that divides K
 PREFILL_ROWS = 320  # a launch of more rows (a prefill chunk) may take its weight's prefill
