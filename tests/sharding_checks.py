@@ -475,9 +475,7 @@ def check_lower(args):
                 out[f"{preset} S={S} B={B} T={T}"] = lower(model, B, T, sharding.cache_specs)
             if preset == "llama3-70b" and S == 2:  # the Mosaic GPU lowering too
                 mosaic = model.replace(options=model.options.replace(lowering="mosaic"))
-                for B, T in ((1, 1), (8, 5), (1, 70)):
-                    out[f"mosaic {preset} S={S} B={B} T={T}"] = lower(
-                        mosaic, B, T, sharding.cache_specs)
+                out[f"mosaic {preset} S={S} B=8 T=5"] = lower(mosaic, 8, 5, sharding.cache_specs)
     cfg = preset_config("qwen3-0.6b", num_layers=2)
     like = jax.eval_shape(lambda: random_params(cfg))
     latency = jspec.DraftOptions.latency()

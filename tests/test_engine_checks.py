@@ -13,6 +13,7 @@ import functools
 import importlib.util
 import json
 import os
+import re
 import shutil
 import sys
 
@@ -281,9 +282,16 @@ def _script(name, *argv):
     """experiments/<name>.py imported with its absl flags parsed from argv (sys.argv too:
     a config flag reads its overrides there); the flags it defined are removed afterwards
     (scripts define flags of the same names)."""
+    path = os.path.join(ROOT, "experiments", f"{name}.py")
+    # Flags of the same names another test left defined (a tuning script loaded once as a
+    # module) step aside while this script runs, and come back after.
+    with open(path) as f:
+        names = set(re.findall(r'DEFINE_\w+\(\s*"(\w+)"', f.read()))
+    stashed = {n: flags.FLAGS[n] for n in names if n in flags.FLAGS}
+    for n in stashed:
+        delattr(flags.FLAGS, n)
     before, parsed, sys_argv = set(flags.FLAGS), flags.FLAGS.is_parsed(), sys.argv
-    spec = importlib.util.spec_from_file_location(
-        f"_script_{name}", os.path.join(ROOT, "experiments", f"{name}.py"))
+    spec = importlib.util.spec_from_file_location(f"_script_{name}", path)
     module = importlib.util.module_from_spec(spec)
     try:
         sys.argv = [name, *argv]
@@ -294,6 +302,8 @@ def _script(name, *argv):
         sys.argv = sys_argv
         for flag in set(flags.FLAGS) - before:
             delattr(flags.FLAGS, flag)
+        for n, flag in stashed.items():
+            flags.FLAGS[n] = flag
         if not parsed:
             flags.FLAGS.unparse_flags()
 

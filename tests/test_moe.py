@@ -358,8 +358,8 @@ def test_paths_without_experts_refuse_an_moe_model():
 # ------------------------------------------------------------- MXFP4 experts kept packed
 
 
-@pytest.mark.parametrize("in_kernel", [None, pytest.param(True, marks=pytest.mark.slow),
-                                       pytest.param("prefetch", marks=pytest.mark.slow)])
+@pytest.mark.slow  # the kernels' packed = float bits: test_moe_kernels.py (default run)
+@pytest.mark.parametrize("in_kernel", [None, True, "prefetch"])
 # None is True's path; prefetch: 2 ahead (its kernel's bits: test_moe_kernels.py)
 def test_mxfp4_experts_kept_packed_give_the_dequantized_models_bits(in_kernel):
     """`load_hf(..., mxfp4_experts=True)` keeps gpt-oss's MXFP4 experts packed (a quarter

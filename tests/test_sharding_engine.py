@@ -64,7 +64,7 @@ def test_the_sharded_forward_lowers_for_the_h200():
     Mosaic GPU lowering (the 70B at S=2) no kernel is Triton's."""
     found = run("lower", devices=2)
     mosaic = {k: found.pop(k) for k in list(found) if k.startswith("mosaic")}
-    assert len(mosaic) == 3
+    assert len(mosaic) == 1
     for key, res in mosaic.items():  # every kernel on Mosaic GPU: partials, unfused GLU
         assert res["triton calls"] == 0, (key, res)
         assert "jspec_mosaic_glu" in res["kernels"], (key, res)
