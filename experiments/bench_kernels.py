@@ -293,7 +293,8 @@ def bench_head(model, batches, vocab, context, iters):
     return rows
 
 
-NUMERIC = ("attn_split", "attn_split_rows", "row_partials", "lowering")  # R11: own bits
+# Options whose values give bits of their own (KernelOptions' docstring: "Numeric").
+NUMERIC = ("attn_split", "attn_split_rows", "row_partials", "lowering", "moe_combine_kernel")
 
 
 def bench_steps(model, batches, gammas, context, iters, options=()):

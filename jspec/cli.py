@@ -5,8 +5,8 @@ string instead (`--options=plain+fuse_glu,attn_split=128`, `--draft_options=draf
 names joined by "+" or ",", applied left to right:
 
   x / no_x       a fusion on or off (fuse_add_norm, pad_rows_once, fuse_qk_rope, fuse_glu)
-  plain          `KernelOptions.plain()`: every fusion off, and kv_write_kernel,
-                 moe_layout_kernel and the mxfp4 choices back to their plain values
+  plain          `KernelOptions.plain()`: every fusion off, and kv_write_kernel, the
+                 MoE layout and combine kernels and the mxfp4 choices back to their defaults
   draft          `DraftOptions.latency()`: the latency set for a small GPU draft
   name=<int>     a valued option: attn_split, attn_split_rows, attn_fused_fold (0/1),
                  attn_serial_split (0/1), attn_skip_empty (0/1), attn_group_split (0/1),
@@ -83,8 +83,9 @@ def parse_options(text: str, kernel: KernelOptions | None = None,
         key, eq, value = name.partition("=")
         if eq and key in _VALUED:
             kind, field, conv = _VALUED[key]
-            if not re.fullmatch(r"[+-]?[0-9]+", value):  # int() takes "1_6" and spaces
-                raise ValueError(f"option {name!r}: {key} takes an integer")
+            if not re.fullmatch(r"-?[0-9]+", value):  # int() takes "1_6" and spaces
+                joined = " ('+' joins options: a value takes no sign)" if not value else ""
+                raise ValueError(f"option {name!r}: {key} takes an integer{joined}")
             number = int(value)
             if conv is bool and number not in (0, 1):
                 raise ValueError(f"option {name!r}: {key} takes 0 or 1")
@@ -108,9 +109,10 @@ def parse_options(text: str, kernel: KernelOptions | None = None,
     try:
         draft = (draft or DraftOptions()).replace(**fields["draft"])
     except ValueError as e:  # DraftOptions names its fields; the string named draft_<field>
-        typed = [k for k, (kind, _, _) in _VALUED.items() if kind == "draft" and k in text]
+        field = str(e).split("=", 1)[0]
+        typed = [k for k, (kind, f, _) in _VALUED.items() if kind == "draft" and f == field]
         raise ValueError(f"{e} (the DraftOptions field of option "
-                         f"{' or '.join(typed) or 'draft'})") from None
+                         f"{typed[0] if typed else 'draft'})") from None
     return kernel, draft
 
 

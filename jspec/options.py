@@ -146,8 +146,8 @@ class KernelOptions:
         attn_split_rows / fused-fold / serial-split / skip-empty / group-split
         options); a mixture of experts' grouped kernels where the weights are 16-bit
         and the expert width a multiple of 64, and routing over up to 256 experts (the
-        layout and combine kernel options do not apply); top-p, `row_partials` > 1 and
-        tensor-parallel column tiles stay on Triton. Numeric (rule R11): each lowering
+        layout and combine kernel options do not apply); the unfused GLU, `row_partials`
+        > 1, tensor-parallel shards and top-p too. Numeric (rule R11): each lowering
         gives its own bits, each row-invariant.
       row_partials: S > 1 computes the row-parallel weights (wo, a dense MLP's w_down;
         S must divide their K) as S f32 partials over equal K chunks, added left to
@@ -259,8 +259,9 @@ class KernelOptions:
 # test_qk_rope.py, test_matmul_glu.py).
 FUSIONS = ("fuse_add_norm", "pad_rows_once", "fuse_qk_rope", "fuse_glu")
 # The fields `KernelOptions.plain` sets (the option string's `plain` too).
-PLAIN = dict(kv_write_kernel=None, moe_layout_kernel=None, mxfp4_kernel=False, mxfp4_prmt=None,
-             mxfp4_prefetch=None, **dict.fromkeys(FUSIONS, False))
+PLAIN = dict(kv_write_kernel=None, moe_layout_kernel=None, moe_combine_kernel=None,
+             mxfp4_kernel=False, mxfp4_prmt=None, mxfp4_prefetch=None,
+             **dict.fromkeys(FUSIONS, False))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -109,6 +109,8 @@ def _check_args(gate: jax.Array, up: jax.Array, activation: str) -> None:
 def glu(gate: jax.Array, up: jax.Array, *, activation: str, interpret: bool = False) -> jax.Array:
     """act(gate) * up for gate, up [M, F]; returns gate.dtype."""
     _check_args(gate, up, activation)
+    if gate.size == 0:  # no rows or no features: nothing to launch
+        return gate
     m, f = gate.shape
     cfg = glu_config(f, gate.dtype, interpret)
     fp = round_up(f, cfg.bf)

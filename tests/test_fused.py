@@ -191,8 +191,11 @@ def test_speed_options_are_on_by_default_and_named():
             parse_options(text)
     # `plain` is `KernelOptions.plain()` on any options, the kernel choices it resets too.
     chosen = default.replace(kv_write_kernel=True, moe_layout_kernel=True, mxfp4_prmt=True,
-                             mxfp4_prefetch=2)
-    assert parse_options("plain", chosen)[0] == chosen.plain()
+                             mxfp4_prefetch=2, moe_combine_kernel=True)
+    assert parse_options("plain", chosen)[0] == chosen.plain() == plain
+    assert parse_options("moe_combine_kernel=1+plain")[0] == plain
+    with pytest.raises(ValueError, match="joins options"):
+        parse_options("attn_split=+16")
 
 
 def test_an_option_string_for_either_interpret_passes_flag_parsing():

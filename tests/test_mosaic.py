@@ -302,9 +302,14 @@ def test_matmul_partials_are_the_chunks_matmuls():
                                np.asarray(matmul_reference(x, w)), rtol=1e-5, atol=1e-5)
     assert np.array_equal(np.asarray(matmul_partials(x, w, splits=1, interpret=True)[0]),
                           np.asarray(matmul(x, w, interpret=True)))
-    for bad in (3, 0, True):
+    assert np.array_equal(np.asarray(matmul_partials(x, w, splits=np.int64(2), interpret=True)),
+                          np.asarray(parts))
+    for bad in (3, 0, True, 2.0):
         with pytest.raises(ValueError, match="equal chunks"):
             matmul_partials(x, w, splits=bad, interpret=True)
+    with pytest.raises(TypeError, match="matmul_partials"):
+        matmul_partials(x, w, splits=2, config=MatmulConfig(bm=16, bn=32, bk=32, num_warps=4,
+                                                            num_stages=2))
 
 
 @pytest.mark.parametrize("activation", ["silu", "gelu_tanh", "gpt_oss"])
@@ -326,6 +331,7 @@ def test_glu_is_the_formula_and_keeps_rows(activation):
     assert np.array_equal(np.asarray(alone[0]).view(np.uint16),
                           np.asarray(y[2, 7:300]).view(np.uint16))
     assert glu(gate[:0], up[:0], activation=activation, interpret=True).shape == (0, 5000)
+    assert glu(gate[:, :0], up[:, :0], activation=activation, interpret=True).shape == (3, 0)
     with pytest.raises(ValueError, match="activation"):
         glu(gate, up, activation="relu", interpret=True)
 

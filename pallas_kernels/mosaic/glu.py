@@ -28,7 +28,7 @@ def glu(gate: jax.Array, up: jax.Array, *, activation: str, interpret: bool = Fa
     """act(gate) * up for gate, up [M, F]; returns gate.dtype, on Mosaic GPU.
     `interpret`: Pallas's GPU interpret mode (CPU)."""
     _check_args(gate, up, activation)
-    if gate.shape[0] == 0:
+    if gate.size == 0:  # no rows or no features: nothing to launch
         return gate
     return elementwise(lambda g, u: _glu_tile(g, u, activation), (gate, up), gate.dtype,
                        name="jspec_mosaic_glu", interpret=interpret)

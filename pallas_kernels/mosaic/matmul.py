@@ -58,6 +58,7 @@ import os
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -554,9 +555,12 @@ def matmul_partials(x: jax.Array, w: jax.Array, *, splits: int, interpret: bool 
     `pallas_kernels.matmul.matmul_partials` is the Triton lowering's."""
     _check(x, w, "matmul_partials")
     k = x.shape[1]
-    if isinstance(splits, bool) or not isinstance(splits, int) or splits < 1 or k % splits:
+    if (isinstance(splits, (bool, np.bool_)) or not isinstance(splits, (int, np.integer))
+            or splits < 1 or k % splits):
         raise ValueError(f"matmul_partials: K={k} must split into {splits=} equal chunks")
-    kc = k // splits
+    splits, kc = int(splits), k // int(splits)
+    if config is not None:  # checked here, so the error names this function
+        _config(config, kc, w.shape[1], w.dtype, "matmul_partials")
     return jnp.stack([matmul(x[:, c * kc:(c + 1) * kc], w[c * kc:(c + 1) * kc],
                              out_dtype=jnp.float32, interpret=interpret, config=config)
                       for c in range(splits)])
