@@ -18,7 +18,9 @@
 #   into pallas_kernels/mosaic/matmul_tuned.json (copied to $OUT) for a later `mosaic` step
 #   ($MOSAIC_TOPP=0 skips its top-p) to prove. $MSW_CONFIGS: the variants, s:bk:stages
 #   (timed at M = 1, 17) or s:bk:stages:token_tiles[:w] (also at 160: one program a column
-#   block; w: one wgmma of N = 160); $MSW_SHAPES (default all five), $MSW_S, $MSW_BUDGET.
+#   block; w: one wgmma of N = 160; :kS: K in S chunks, its own bits); $MSW_SHAPES
+#   (default the model's: Qwen3-8B's five), $MSW_MODEL (qwen3-30b-a3b: the mixture of
+#   experts' dense weights), $MSW_ROWS, $MSW_ALONE, $MSW_TAG, $MSW_S, $MSW_BUDGET.
 # - mosaic_prefill: tuning/mosaic_matmul.py's plain tiles for prefill launches (past
 #   PREFILL_ROWS rows) at M = 512 / 2,048, each's bits against the library config's, the
 #   winners written as the weights' `prefill` tiles for a `mosaic` step to prove
@@ -523,10 +525,12 @@ PY
     mosaic_top_p) top_p ;;
     table) cp pallas_kernels/matmul_tuned.json "$OUT/" ;;  # the device copy's tile table
     mosaic_swapped) timeout "${MSW_S:-270}" python3 experiments/tuning/mosaic_matmul.py \
-              --swapped --noplain_bits --rows=1,16,17,40,64,160 --iters=10 \
-              --alone=0,1,7,8,15,16,31,63,64,100 --shapes="${MSW_SHAPES:-wqkv,w_gate_up,w_down,wo,lm_head}" \
+              --swapped --noplain_bits --rows="${MSW_ROWS:-1,16,17,40,64,160}" --iters=10 \
+              --alone="${MSW_ALONE:-0,1,7,8,15,16,31,63,64,100}" ${MSW_MODEL:+--model=$MSW_MODEL} \
+              ${MSW_SHAPES:+--shapes=$MSW_SHAPES} \
+              $([ -z "${MSW_SHAPES:-}${MSW_MODEL:-}" ] && echo --shapes=wqkv,w_gate_up,w_down,wo,lm_head) \
               --configs="${MSW_CONFIGS:-s:128:6,s:128:6:10,s:128:6:10:w}" --budget_s="${MSW_BUDGET:-200}" \
-              --write=pallas_kernels/mosaic/matmul_tuned.json --tag=${GPU}_swapped \
+              --write=pallas_kernels/mosaic/matmul_tuned.json --tag=${GPU}_swapped${MSW_TAG:+_$MSW_TAG} \
               --out="$OUT" 2>&1 | quiet | tail -40
             cp pallas_kernels/mosaic/matmul_tuned.json "$OUT/mosaic_matmul_tuned.json" 2>/dev/null ;;
     mosaic_prefill) timeout "${MPF_S:-240}" python3 experiments/tuning/mosaic_matmul.py \

@@ -6,7 +6,9 @@
 For the Qwen3-8B weights (wqkv 4096x6144, wo 4096x4096, w_gate_up 4096x24576, w_down
 12288x4096, lm_head 4096x151936; random bf16 values; --shapes may also name the default
 feature head's own, head_wqkv 8192x6144, head_fc 12288x4096 and head_lm_head 4096x32768,
-bench_e2e.py's head vocabulary) and M in --rows:
+bench_e2e.py's head vocabulary), or with --model=qwen3-30b-a3b the mixture of experts'
+dense weights (wqkv 2048x5120, wo 4096x2048, router 2048x128, lm_head 2048x151936), and M
+in --rows:
 
 1. Bits (rule R1/R11): `pallas_kernels.mosaic.matmul` at max(rows) rows; at every other M
    the rows must be bitwise the first M rows of that (`prefix_mismatch_rows`), and the
@@ -24,7 +26,12 @@ bench_e2e.py's head vocabulary) and M in --rows:
    with `block_until_ready`; us per launch and GB/s of weight bytes, and the fraction
    of a copy's bandwidth (`copy_bandwidth`, read + write of a 4 GiB array).
 
-3. Prefill tiles (--configs bn:bk:stages, plain): timed past 160 rows too (the fused GLU
+3. Split-K variants (--configs s:bk:stages:kS, the swapped design with K in S chunks added
+   left to right: a weight of few column blocks): their own bits (R11), checked for row
+   invariance as the swapped design is (`invariance`); --write may take one for the
+   table (a parity matrix must then prove it).
+
+4. Prefill tiles (--configs bn:bk:stages, plain): timed past 160 rows too (the fused GLU
    for w_gate_up), each's bits against the library config's at M = 1, 40 and the largest;
    --write_prefill keeps the fastest bit-equal one past PREFILL_ROWS as the weight's
    `prefill` tile where it beats the library config there.
@@ -66,14 +73,18 @@ _ROWS = flags.DEFINE_list("rows", ["1", "16", "17", "40", "64", "160", "320"], "
 _ALONE = flags.DEFINE_list("alone", ["0", "1", "7", "8", "31", "63", "64", "100", "319"],
                            "rows computed alone (M = 1) and compared with max(rows)")
 _SHAPES = flags.DEFINE_list("shapes", ["wqkv", "wo", "w_gate_up", "w_down", "lm_head"],
-                            "weights, in this order")
+                            "weights, in this order (--model=qwen3-30b-a3b: its four when "
+                            "not given)")
+_MODEL = flags.DEFINE_enum("model", "qwen3-8b", ["qwen3-8b", "qwen3-30b-a3b"],
+                           "whose weight shapes")
 _ITERS = flags.DEFINE_integer("iters", 20, "timed calls per measurement (median)")
 _REPS = flags.DEFINE_integer("reps", 20, "kernel launches per timed call")
 _COLD = flags.DEFINE_float("cold_mb", 256.0, "weight copies to read at least this many MB "
                            "per loop, so no weight is served from L2 (0: one copy)")
 _CONFIGS = flags.DEFINE_list("configs", [], "extra Mosaic tiles bn:bk:stages (or "
-                             "s:bk:stages[:token_tiles[:w]], the swapped design; w: the "
-                             "program's tokens in one wide accumulator) timed at M=1 and "
+                             "s:bk:stages[:token_tiles[:w]][:kS], the swapped design; w: the "
+                             "program's tokens in one wide accumulator; kS: K in S chunks, "
+                             "added left to right: its own bits) timed at M=1 and "
                              "17 (token_tiles: also at the largest M; a plain bn:bk:stages "
                              "also past 160 rows, with its bits against the library's "
                              "config) for every shape (scheduling study; bk changes bits)")
@@ -102,6 +113,11 @@ QWEN3_8B = {"wqkv": (4096, 6144), "wo": (4096, 4096), "w_gate_up": (4096, 24576)
             "w_down": (12288, 4096), "lm_head": (4096, 151936),
             # the default feature head's own (`random_model.weight_shapes`, head vocab 32768)
             "head_wqkv": (8192, 6144), "head_fc": (12288, 4096), "head_lm_head": (4096, 32768)}
+# The mixture of experts' dense weights (Qwen3-30B-A3B: hidden 2048, 32 + 2 x 4 heads of
+# 128, 128 experts); its experts run the grouped kernels (`mosaic/moe.py`, no table).
+QWEN3_30B_A3B = {"wqkv": (2048, 5120), "wo": (4096, 2048), "router": (2048, 128),
+                 "lm_head": (2048, 151936)}
+MODELS = {"qwen3-8b": QWEN3_8B, "qwen3-30b-a3b": QWEN3_30B_A3B}
 SMOKE = {"wqkv": (128, 192), "wo": (128, 128), "w_gate_up": (128, 256), "w_down": (256, 128),
          "lm_head": (128, 320), "head_wqkv": (256, 192), "head_fc": (384, 128),
          "head_lm_head": (128, 256)}
@@ -215,11 +231,24 @@ def same_bits(fn, ref, x, w, rows) -> bool | str:
         return f"{type(e).__name__}: {str(e)[:300]}"
 
 
+def parse_config(spec: str, K: int, dtype) -> tuple[mosaic.MosaicMatmulConfig, bool]:
+    """A --configs entry -> (config, whether it takes token tiles past the default)."""
+    bn, bk, st, *rest = spec.split(":")
+    splits = [int(r[1:]) for r in rest if r.startswith("k")]
+    tiles = [r for r in rest if not r.startswith("k")]
+    cfg = (swapped_config(K, dtype, int(st)) if bn == "s" else
+           mosaic.MosaicMatmulConfig(bn=int(bn), bk=int(bk), stages=int(st)))
+    cfg = dataclasses.replace(cfg, bk=int(bk), splits=splits[0] if splits else 1)
+    if tiles:
+        cfg = dataclasses.replace(cfg, token_tiles=int(tiles[0]), wide=tiles[1:] == ["w"])
+    return cfg, bool(tiles)
+
+
 def run_shape(name: str, K: int, N: int, rows: list[int], alone: list[int], bw: float,
-              interpret: bool) -> dict:
+              interpret: bool, seed: int = 0) -> dict:
     dtype = jnp.bfloat16
-    out_dtype = jnp.float32 if name.endswith("lm_head") else dtype
-    key = jax.random.key(list(QWEN3_8B).index(name))
+    out_dtype = jnp.float32 if name.endswith("lm_head") or name == "router" else dtype
+    key = jax.random.key(seed)
     w = (jax.random.normal(key, (K, N), jnp.float32) * K**-0.5).astype(dtype)
     wb = K * N * 2
     copies = max(1, math.ceil(_COLD.value * 1e6 / wb)) if _COLD.value > 0 and not interpret else 1
@@ -252,12 +281,8 @@ def run_shape(name: str, K: int, N: int, rows: list[int], alone: list[int], bw: 
             rep["swapped"]["glu"] = glu_checks(x, w, rows, alone, interpret, config=sw)
     tall = {}  # variants with more token tiles: timed at the largest M too
     for spec in _CONFIGS.value:
-        bn, bk, st, *tiles = spec.split(":")
-        cfg = (swapped_config(K, dtype, int(st)) if bn == "s" else
-               mosaic.MosaicMatmulConfig(bn=int(bn), bk=int(bk), stages=int(st)))
-        cfg = dataclasses.replace(cfg, bk=int(bk))
+        cfg, tiles = parse_config(spec, K, dtype)
         if tiles:
-            cfg = dataclasses.replace(cfg, token_tiles=int(tiles[0]), wide=tiles[1:] == ["w"])
             tall[f"mosaic[{spec}]"] = True
         fns[f"mosaic[{spec}]"] = (lambda c: lambda a, b: mosaic.matmul(
             a, b, out_dtype=out_dtype, interpret=interpret, config=c))(cfg)
@@ -277,6 +302,10 @@ def run_shape(name: str, K: int, N: int, rows: list[int], alone: list[int], bw: 
             same = same_bits(fns[f"mosaic[{spec}]"], fns["mosaic_swapped"], x, w, rows)
             rep["swapped"].setdefault("variants", {})[spec] = {
                 "config": dataclasses.asdict(cfg), "equals_swapped": same}
+            if cfg.splits > 1:  # its own bits: row invariance checked as the design's
+                fn = fns[f"mosaic[{spec}]"]
+                rep["swapped"]["variants"][spec]["bits"] = invariance(
+                    lambda a, fn=fn: fn(a, w), x, rows, alone)
             if tiles and "mosaic_swapped_glu" in fns:  # the GLU at more token tiles
                 glu = f"mosaic_glu[{spec}]"
                 fns[glu] = (lambda c: lambda a, b: mosaic.matmul_glu(
@@ -310,6 +339,14 @@ def swapped_passes(rep: dict) -> bool:
                and c["alone_mismatch_rows"] == 0 for c in checks)
 
 
+def own_bits_pass(variant: dict) -> bool:
+    """A split-K variant (its own bits, R11): every row-invariance check clean."""
+    c = variant.get("bits")
+    return (variant["config"].get("splits", 1) > 1 and isinstance(c, dict)
+            and "error" not in c and not any(c["prefix_mismatch_rows"].values())
+            and c["alone_mismatch_rows"] == 0)
+
+
 def write_tuned(path: str, report: dict, receipt: str | None = None) -> list[str]:
     """Merges each passing, faster swapped config into the data file; returns the
     weights written. Its provenance entry records this run's command and `receipt`;
@@ -331,7 +368,7 @@ def write_tuned(path: str, report: dict, receipt: str | None = None) -> list[str
         if not glu:  # the GLU's depth is capped by its two weight blocks: variants time
             configs.update({f"mosaic[{spec}]": v["config"]  # the plain matmul only
                             for spec, v in rep["swapped"].get("variants", {}).items()
-                            if v["equals_swapped"] is True})
+                            if v["equals_swapped"] is True or own_bits_pass(v)})
         else:  # its token tiles: the GLU itself, timed at the largest M
             configs.update({f"mosaic_glu[{spec}]": v["config"]
                             for spec, v in rep["swapped"].get("glu_variants", {}).items()
@@ -352,7 +389,8 @@ def write_tuned(path: str, report: dict, receipt: str | None = None) -> list[str
             m_max = str(max(int(m) for m in rep["time"]))
             at = {k: rep["time"][m_max][k]["us"] for k, c in configs.items()
                   if k in rep["time"][m_max] and "us" in rep["time"][m_max][k]
-                  and c["bk"] == config["bk"]}
+                  and c["bk"] == config["bk"]
+                  and c.get("splits", 1) == config.get("splits", 1)}
             tiles = min(at, key=at.get, default=None)
             if tiles is not None and configs[tiles].get("token_tiles", TOKEN_TILES) != \
                     TOKEN_TILES:
@@ -462,7 +500,13 @@ def table(report: dict) -> str:
 def main(argv):
     del argv
     interpret = _SMOKE.value
-    shapes = SMOKE if interpret else QWEN3_8B
+    shapes = SMOKE if interpret else MODELS[_MODEL.value]
+    names = (_SHAPES.value if flags.FLAGS["shapes"].present or _MODEL.value == "qwen3-8b"
+             or interpret else list(shapes))
+    unknown = [n for n in names if n not in shapes]
+    if unknown:
+        raise SystemExit(f"--shapes: {unknown} are not {_MODEL.value}'s weights "
+                         f"({', '.join(shapes)})")
     rows = [int(r) for r in _ROWS.value]
     alone = [int(r) for r in _ALONE.value if int(r) < max(rows)]
     if interpret:  # the interpreter runs a grid step in ~0.1 s: keep the smoke short
@@ -471,15 +515,17 @@ def main(argv):
     bw = copy_bandwidth(5)
     report = {"command": " ".join(["python"] + sys.argv), "date": time.strftime("%Y-%m-%d"),
               "device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
-              "smoke": interpret, "rows": rows, "alone": alone, "copy_bw_GBps": bw / 1e9,
+              "smoke": interpret, "model": _MODEL.value, "rows": rows, "alone": alone,
+              "copy_bw_GBps": bw / 1e9,
               "cold_mb": _COLD.value, "shapes": {}, "skipped": []}
     t0, path = time.perf_counter(), None
-    for name in _SHAPES.value:
+    for name in names:
         if time.perf_counter() - t0 > _BUDGET.value:
             report["skipped"].append(name)
             continue
         K, N = shapes[name]
-        report["shapes"][name] = run_shape(name, K, N, rows, alone, bw, interpret)
+        report["shapes"][name] = run_shape(name, K, N, rows, alone, bw, interpret,
+                                           seed=list(shapes).index(name))
         report["shapes"][name]["elapsed_s"] = time.perf_counter() - t0
         path = write_receipt(_OUT.value, "mosaic_matmul", _TAG.value, report)
     if _WRITE_PREFILL.value and not interpret:

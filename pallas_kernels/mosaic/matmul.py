@@ -12,9 +12,14 @@ memory (`stages` steps in flight), and one wgmma adds their product into the f32
 accumulator, which stays in registers for the whole loop. wgmmas on one accumulator
 run in issue order, so every output element is the same sum in the same order
 (k = 0, 1, ..., nk - 1; within a step, the wgmma's own fixed k16 order) whatever M,
-the row's place in its tile or the other rows are. No split-K, no atomics, nothing
-reduced across rows (R2). The f32 sum is cast to out_dtype in the kernel's epilogue
-and stored through shared memory by TMA.
+the row's place in its tile or the other rows are. No atomics, nothing reduced across
+rows (R2). A config may split K (`splits`: a weight with few column tiles, whose decode
+step would leave most of the GPU idle): K is zero-padded to a multiple of splits * bk
+and cut into equal contiguous chunks, a third grid axis walks each chunk as above into
+an f32 partial, and the partials are added left to right (`add_partials`, as the Triton
+lowering's split-K and row-parallel partials are), so a split config is
+`add_partials(matmul_partials(...))` of its chunks, whatever M is. Otherwise the f32 sum
+is cast to out_dtype in the kernel's epilogue and stored through shared memory by TMA.
 
 `mosaic_matmul_config` is a function of (K, N, dtype) only; bk of K alone, so the
 order of a column's sum does not depend on its column tile. The pipeline depth
@@ -64,7 +69,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels._common import pad_axis, round_up
-from pallas_kernels.matmul import matmul_reference
+from pallas_kernels.matmul import add_partials, matmul_reference
 from pallas_kernels.matmul_glu import _glu_tile, check_glu_weight, matmul_glu_reference
 from pallas_kernels.mosaic.prefill_matmul import (
     SMEM_MAX,
@@ -93,6 +98,7 @@ BN_TILES = (128, 64, 32)  # bn: the largest that divides N and leaves MIN_COLUMN
 MIN_COLUMN_TILES = 128  # column tiles wanted at decode, where they are the whole grid
 SMEM_BUDGET = 192 * 1024  # bytes of pipeline buffers a program may hold
 MAX_STAGES = 4
+MAX_SPLITS = 16  # K chunks of a split config at most
 DTYPES = ("bfloat16", "float16")
 
 
@@ -111,6 +117,11 @@ class MosaicMatmulConfig:
     # N = 16 tiles a step (not one [64, 16] each). Numeric until the device shows a
     # column's bits do not depend on the instruction's N: the sweep's bit checks decide.
     wide: bool = False
+    # Fixed K partitions (rule R2): K is zero-padded to a multiple of splits * bk and cut
+    # into `splits` equal contiguous chunks; a third grid axis walks each chunk in order
+    # into an f32 partial, and `add_partials` adds them left to right. Numeric (R11: the
+    # split's own bits), chosen per weight shape; 1: one walk over K.
+    splits: int = 1
 
     def __post_init__(self):
         for name in ("bn", "bk"):
@@ -131,6 +142,10 @@ class MosaicMatmulConfig:
         if not isinstance(self.wide, bool) or (self.wide and not self.swapped):
             raise ValueError(f"MosaicMatmulConfig.wide={self.wide!r} is the swapped design's "
                              "(a bool)")
+        if (isinstance(self.splits, bool) or not isinstance(self.splits, int)
+                or not 1 <= self.splits <= MAX_SPLITS):
+            raise ValueError(f"MosaicMatmulConfig.splits={self.splits!r} must be an int in "
+                             f"1..{MAX_SPLITS} (K chunks, added left to right)")
         if self.swapped and (self.bn != BM or self.bk < 64):
             raise ValueError(f"MosaicMatmulConfig(swapped=True) takes bn={BM} (the wgmma M) "
                              f"and bk >= 64 (both operands' 128-byte swizzle); got bn={self.bn}, "
@@ -234,6 +249,9 @@ def _read_entry(path: str, e: dict) -> tuple:
         raise ValueError(f"K={key[0]!r}, N={key[1]!r} must be positive ints and "
                          f"dtype={key[2]!r} one of {DTYPES}")
     cfg = MosaicMatmulConfig(**e["config"])
+    if cfg.splits > 1 and ("prefill" in e or "tall" in e):
+        raise ValueError(f"{path}: K={key[0]}, N={key[1]} splits K ({cfg.splits} chunks): "
+                         "its prefill and tall tiles would not have its bits")
     fields = _tile_fields(path, key, e, "prefill")
     design = fields.pop("design", "plain")
     if design not in ("plain", "ws"):
@@ -346,18 +364,29 @@ def _operand_transforms(cfg: MosaicMatmulConfig, dtype) -> tuple:
     return plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(swizzle)
 
 
+def _chunk(nk: int, splits: int):
+    """(this program's K chunk, its first K step): chunk s of a split config (grid axis
+    "s") starts at step s * nk; without a split there is one chunk."""
+    if splits == 1:
+        return None, 0
+    s = lax.axis_index("s")
+    return s, s * nk
+
+
 def _kernel(x_gmem, w_gmem, o_gmem, o_smem, *, cfg: MosaicMatmulConfig, nk: int,
             column_offsets: tuple[int, ...], epilogue):
     # x_gmem [Mr, Kp], w_gmem [Kp, Np], o_gmem [Mr, N'] in GMEM; o_smem [BM, bn].
     # column_offsets: the column tiles of w this program reads, relative to its own (0,):
     # one accumulator; (0, F / bn): the gate and the up tile of a fused GLU weight.
+    # A split config: o_gmem [splits, Mr, N'], nk the steps of one chunk.
     i, j = lax.axis_index("m"), lax.axis_index("n")
+    s, k0 = _chunk(nk, cfg.splits)
     transforms = _operand_transforms(cfg, x_gmem.dtype)
     # delay_release=1: a step's buffers are refilled only after the wgmma of the next
     # step has been issued, since wgmma_wait(1) leaves one wgmma reading them.
-    x_spec = plgpu.BlockSpec((BM, cfg.bk), lambda k: (i, k), transforms=transforms,
+    x_spec = plgpu.BlockSpec((BM, cfg.bk), lambda k: (i, k0 + k), transforms=transforms,
                              delay_release=1)
-    w_specs = [plgpu.BlockSpec((cfg.bk, cfg.bn), lambda k, c=c: (k, j + c),
+    w_specs = [plgpu.BlockSpec((cfg.bk, cfg.bn), lambda k, c=c: (k0 + k, j + c),
                                transforms=transforms, delay_release=1)
                for c in column_offsets]
 
@@ -376,7 +405,8 @@ def _kernel(x_gmem, w_gmem, o_gmem, o_smem, *, cfg: MosaicMatmulConfig, nk: int,
     pl.run_scoped(scope, *(plgpu.ACC((BM, cfg.bn), jnp.float32) for _ in column_offsets))
     plgpu.commit_smem()
     # Rows of the tile past the array's end are not stored (TMA skips them).
-    plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[pl.ds(i * BM, BM), pl.ds(j * cfg.bn, cfg.bn)])
+    o = o_gmem if s is None else o_gmem.at[s]
+    plgpu.copy_smem_to_gmem(o_smem, o.at[pl.ds(i * BM, BM), pl.ds(j * cfg.bn, cfg.bn)])
     plgpu.wait_smem_to_gmem(0)
 
 
@@ -388,11 +418,13 @@ def _kernel_swapped(x_gmem, w_gmem, o_gmem, o_smem, *, cfg: MosaicMatmulConfig, 
     # j * 64 ... (and j + c for each column offset c: the GLU's up half).
     # columns_major: o_gmem is the product's transpose [N', Mo] and o_smem [64, 16 tiles]:
     # each [64, 16] accumulator is stored as it lies (f32 outputs: `matmul` transposes).
+    # A split config: o_gmem [splits, ...], nk the steps of one chunk.
     g, j = lax.axis_index("m"), lax.axis_index("n")
+    s, k0 = _chunk(nk, cfg.splits)
     transforms = _operand_transforms(cfg, x_gmem.dtype)
-    x_spec = plgpu.BlockSpec((BT * tiles, cfg.bk), lambda k: (g, k), transforms=transforms,
-                             delay_release=1)
-    w_specs = [plgpu.BlockSpec((cfg.bk, BM), lambda k, c=c: (k, j + c),
+    x_spec = plgpu.BlockSpec((BT * tiles, cfg.bk), lambda k: (g, k0 + k),
+                             transforms=transforms, delay_release=1)
+    w_specs = [plgpu.BlockSpec((cfg.bk, BM), lambda k, c=c: (k0 + k, j + c),
                                transforms=transforms, delay_release=1)
                for c in column_offsets]
     n_acc = len(column_offsets)
@@ -423,8 +455,9 @@ def _kernel_swapped(x_gmem, w_gmem, o_gmem, o_smem, *, cfg: MosaicMatmulConfig, 
     plgpu.commit_smem()
     # Tokens past the array's end are not stored (TMA skips them).
     tokens, columns = pl.ds(g * tiles * BT, tiles * BT), pl.ds(j * BM, BM)
-    plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[(columns, tokens) if columns_major
-                                              else (tokens, columns)])
+    o = o_gmem if s is None else o_gmem.at[s]
+    plgpu.copy_smem_to_gmem(o_smem, o.at[(columns, tokens) if columns_major
+                                         else (tokens, columns)])
     plgpu.wait_smem_to_gmem(0)
 
 
@@ -467,34 +500,41 @@ def _launch(x, w, cfg: MosaicMatmulConfig, n_out: int, out_dtype, column_offsets
             interpret: bool, name: str, columns_major: bool = False):
     """Pads K (and rows to a multiple of 8, which TMA's 8-row tiles need) with zeros where
     needed and runs `_kernel` over a (row tiles, n_out / bn) grid. -> [Mr, n_out]
-    (columns_major, swapped only: the transpose [n_out, Mo], Mo the programs' tokens)."""
+    (columns_major, swapped only: the transpose [n_out, Mo], Mo the programs' tokens); a
+    split config: the (row tiles, n_out / bn, splits) grid's [splits, ...] partials."""
     m, k = x.shape
-    kp = round_up(k, cfg.bk)  # extra K terms add exact zeros at the end of the sum
+    # Extra K terms add exact zeros at the end of the (last chunk's) sum.
+    kp = round_up(k, cfg.splits * cfg.bk)
+    nk = kp // (cfg.splits * cfg.bk)  # K steps a program (of its chunk)
     xp = pad_axis(pad_axis(x, 1, kp), 0, m if m <= 8 else round_up(m, 8))  # [Mr, Kp]
     wp = pad_axis(w, 0, kp)
     if cfg.swapped:  # up to cfg.token_tiles 16-token tiles a program
         tiles = min(cfg.token_tiles, -(-xp.shape[0] // BT))
         stages = swapped_stages(cfg, tiles, x.dtype, out_dtype, len(column_offsets))
         kernel = functools.partial(_kernel_swapped, cfg=dataclasses.replace(cfg, stages=stages),
-                                   nk=kp // cfg.bk, tiles=tiles,
+                                   nk=nk, tiles=tiles,
                                    column_offsets=column_offsets, epilogue=epilogue,
                                    columns_major=columns_major)
         o_tile, m_tile = (BT * tiles, BM), BT * tiles
     else:
         if columns_major:
             raise ValueError("columns_major is the swapped design's store")
-        kernel = functools.partial(_kernel, cfg=cfg, nk=kp // cfg.bk,
+        kernel = functools.partial(_kernel, cfg=cfg, nk=nk,
                                    column_offsets=column_offsets, epilogue=epilogue)
         o_tile, m_tile = (BM, cfg.bn), BM
     out_shape = (xp.shape[0], n_out)
     if columns_major:  # every program's token box inside the array (none clipped)
         o_tile, out_shape = o_tile[::-1], (n_out, round_up(xp.shape[0], m_tile))
+    # Row tiles first: the tiles of one weight column block run side by side.
+    grid, names = (-(-xp.shape[0] // m_tile), n_out // cfg.bn), ("m", "n")
+    if cfg.splits > 1:  # the f32 partials [splits, ...] of the K chunks
+        out_shape, grid, names = (cfg.splits, *out_shape), (*grid, cfg.splits), (*names, "s")
     return plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct(out_shape, out_dtype),
         scratch_types=dict(o_smem=plgpu.SMEM(o_tile, out_dtype)),
-        grid=(-(-xp.shape[0] // m_tile), n_out // cfg.bn),  # row tiles first: the tiles
-        grid_names=("m", "n"),  # of one weight column block run side by side
+        grid=grid,
+        grid_names=names,
         kernel_name=name,
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )(xp, wp)
@@ -531,8 +571,13 @@ def matmul(x: jax.Array, w: jax.Array, *, out_dtype=None, interpret: bool = Fals
     # Mosaic GPU finds no layout for an f32 tile's transposed store: the swapped design
     # stores f32 outputs column-major, as its accumulators lie, and the result is their
     # transpose (the same values: a layout change, no arithmetic).
-    columns_major = cfg.swapped and out_dtype.itemsize != 2
     wp = pad_axis(w, 1, round_up(n, cfg.bn))  # [K, Np]; real model widths divide bn
+    if cfg.splits > 1:  # f32 partials of the K chunks, added left to right
+        parts = _launch(x, wp, cfg, wp.shape[1], jnp.float32, (0,), lambda acc: acc,
+                        interpret, "jspec_mosaic_matmul_splitk", columns_major=cfg.swapped)
+        parts = jnp.swapaxes(parts[:, :n, :m], 1, 2) if cfg.swapped else parts[:, :m, :n]
+        return add_partials(parts, out_dtype)
+    columns_major = cfg.swapped and out_dtype.itemsize != 2
     out = _launch(x, wp, cfg, wp.shape[1], out_dtype, (0,),
                   lambda acc: acc.astype(out_dtype), interpret, "jspec_mosaic_matmul",
                   columns_major=columns_major)
@@ -590,6 +635,9 @@ def matmul_glu(x: jax.Array, w: jax.Array, *, activation: str, interpret: bool =
             return prefill_matmul_glu(x, w, activation=activation, config=cfg,
                                       interpret=interpret)
         cfg = mosaic_matmul_config(k, 2 * f, w.dtype)
+    if cfg.splits > 1:  # the GLU needs each half's rounded sum in the program
+        raise ValueError(f"matmul_glu (Mosaic GPU) takes no split config (splits="
+                         f"{cfg.splits}): the GLU runs on each half's whole K sum")
     if f % cfg.bn:
         raise ValueError(f"matmul_glu (Mosaic GPU): F={f} must be a multiple of the column "
                          f"tile bn={cfg.bn} of w {w.shape}")
