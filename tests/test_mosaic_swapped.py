@@ -257,7 +257,9 @@ def test_the_library_table_serves_both_output_dtypes():
     tuned = read_tuned_file()
     assert {(k, n) for k, n, _ in tuned} <= {(4096, 6144), (4096, 24576), (12288, 4096),
                                               (4096, 4096),  # Qwen3-8B weights, H200-proven
-                                              (8192, 6144)}  # its feature head's, H100
+                                              (8192, 6144),  # its feature head's, H100
+                                              # Qwen3-30B-A3B's wqkv, wo, router (H200)
+                                              (2048, 5120), (4096, 2048), (2048, 128)}
     for k, n, _ in tuned:  # each entry's config lowers for one token and for a block of 5
         for m in (1, 5):
             _lower(matmul, jax.ShapeDtypeStruct((m, k), jnp.bfloat16),
