@@ -132,8 +132,11 @@ def require_options(holder) -> None:
                     break
                 except ValueError as e:
                     errors.append(e)
-            else:
-                raise flags.ValidationError(f"{text!r}: {errors[0]}") from None
+            else:  # (this validator cannot see --interpret: each setting's error)
+                gpu, cpu = (str(e) for e in errors)
+                raise flags.ValidationError(
+                    f"{text!r}: {gpu}" if gpu == cpu else
+                    f"{text!r}: on a GPU: {gpu}; interpreted (--interpret): {cpu}") from None
         return True
     flags.register_validator(holder, ok)
 

@@ -210,5 +210,8 @@ def test_an_option_string_for_either_interpret_passes_flag_parsing():
     require_options(holder)
     fv(["prog", "--options=attn_split=16,attn_split=64"])
     assert fv.options == ["attn_split=16", "attn_split=64"]
-    with pytest.raises(flags.IllegalFlagValueError, match="attn_split=17"):
-        fv(["prog", "--options=attn_split=17"])
+    with pytest.raises(flags.IllegalFlagValueError, match=r"attn_split=17.*on a GPU: .*64 "
+                       r"with interpret=False.*interpreted \(--interpret\): .*16 with"):
+        fv(["prog", "--options=attn_split=17"])  # each setting's reason: the flag's unseen
+    with pytest.raises(flags.IllegalFlagValueError, match=r"'nonsense': unknown option"):
+        fv(["prog", "--options=nonsense"])
