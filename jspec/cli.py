@@ -77,10 +77,17 @@ def parse_options(text: str, kernel: KernelOptions | None = None,
     """Applies an option string to `kernel` and `draft` (defaults: the dataclasses'
     defaults); returns both. Raises ValueError naming an unknown or malformed name."""
     fields: dict[str, dict] = {"kernel": {}, "draft": {}}
+    typed: dict[str, str] = {}  # a setting's name -> the option that set it
     for name in (n.strip() for n in text.replace(",", "+").split("+")):
         if not name:
             continue
         key, eq, value = name.partition("=")
+        setting = ("lowering" if name in LOWERINGS else name.removeprefix("no_")
+                   if not eq else key)
+        if setting in typed and setting not in ("plain", "draft"):
+            raise ValueError(f"option {name!r}: {setting} is already set by "
+                             f"{typed[setting]!r} in {text!r} (one value a setting)")
+        typed[setting] = name
         if eq and key in _VALUED:
             kind, field, conv = _VALUED[key]
             if not re.fullmatch(r"-?[0-9]+", value):  # int() takes "1_6" and spaces
@@ -110,9 +117,9 @@ def parse_options(text: str, kernel: KernelOptions | None = None,
         draft = (draft or DraftOptions()).replace(**fields["draft"])
     except ValueError as e:  # DraftOptions names its fields; the string named draft_<field>
         field = str(e).split("=", 1)[0]
-        typed = [k for k, (kind, f, _) in _VALUED.items() if kind == "draft" and f == field]
+        named = [k for k, (kind, f, _) in _VALUED.items() if kind == "draft" and f == field]
         raise ValueError(f"{e} (the DraftOptions field of option "
-                         f"{typed[0] if typed else 'draft'})") from None
+                         f"{named[0] if named else 'draft'})") from None
     return kernel, draft
 
 

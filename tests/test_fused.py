@@ -196,6 +196,13 @@ def test_speed_options_are_on_by_default_and_named():
     assert parse_options("moe_combine_kernel=1+plain")[0] == plain
     with pytest.raises(ValueError, match="joins options"):
         parse_options("attn_split=+16")
+    # One value a setting in a string (the last no longer wins silently); the presets
+    # plain and draft may be refined after.
+    for text, first in (("attn_split=17+attn_split=16", "attn_split=17"),
+                        ("mosaic+triton", "mosaic"), ("fuse_glu+no_fuse_glu", "fuse_glu")):
+        with pytest.raises(ValueError, match=f"already set by '{first}'"):
+            parse_options(text)
+    assert parse_options("plain+fuse_glu")[0] == plain.replace(fuse_glu=True)
 
 
 def test_an_option_string_for_either_interpret_passes_flag_parsing():

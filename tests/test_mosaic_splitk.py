@@ -36,8 +36,13 @@ def _bits(a) -> np.ndarray:
     return a.view(np.uint16 if a.dtype.itemsize == 2 else np.uint32)
 
 
-@pytest.mark.parametrize("base", [SWAPPED, PLAIN], ids=["swapped", "plain"])
-@pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
+# The swapped design's f32 output (stored column-major) and the plain design's bf16 one;
+# the other two in the slow run.
+@pytest.mark.parametrize("base,out_dtype", [
+    (SWAPPED, jnp.float32), (PLAIN, jnp.bfloat16),
+    pytest.param(SWAPPED, jnp.bfloat16, marks=pytest.mark.slow),
+    pytest.param(PLAIN, jnp.float32, marks=pytest.mark.slow)],
+    ids=["swapped-f32", "plain-bf16", "swapped-bf16", "plain-f32"])
 def test_a_split_is_its_chunks_added_left_to_right(base, out_dtype):
     x, w = _inputs(5, k=256, n=128)
     split = dataclasses.replace(base, splits=2)
@@ -87,6 +92,9 @@ def test_splits_are_checked():
     with pytest.raises(ValueError, match="no split config"):
         matmul_glu(x, w, activation="silu", interpret=True,
                    config=dataclasses.replace(SWAPPED, splits=2))
+    with pytest.raises(ValueError, match="matmul_partials .* no split config"):
+        matmul_partials(x, w, splits=2, interpret=True,
+                        config=dataclasses.replace(SWAPPED, splits=2))
 
 
 def test_a_table_entry_that_splits_takes_no_prefill_or_tall_tile(tmp_path):
@@ -99,6 +107,12 @@ def test_a_table_entry_that_splits_takes_no_prefill_or_tall_tile(tmp_path):
     bad.write_text(json.dumps({"tuned": [dict(entry, prefill=dict(bn=64, bk=128,
                                                                    stages=4))]}))
     with pytest.raises(ValueError, match="splits K"):
+        _read_entries(str(bad))
+    # Nor does a prefill tile of an entry without one split (the decode rows' bits).
+    plain = dict(entry, config=dict(entry["config"], splits=1),
+                 prefill=dict(bn=64, bk=128, stages=4, splits=2))
+    bad.write_text(json.dumps({"tuned": [plain]}))
+    with pytest.raises(ValueError, match="no split"):
         _read_entries(str(bad))
 
 
@@ -113,7 +127,7 @@ def test_a_split_lowers_for_cuda_in_one_kernel():
             assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 1
 
 
-def test_the_sweep_takes_a_split_variant_on_its_own_bits(tmp_path):
+def test_the_sweep_takes_a_split_variant_on_its_own_bits(tmp_path, monkeypatch):
     """tuning/mosaic_matmul.py --write: a split variant (never the swapped design's bits)
     enters the table where its own row-invariance checks pass and it is fastest."""
     sweep = _sweep()
@@ -137,3 +151,19 @@ def test_the_sweep_takes_a_split_variant_on_its_own_bits(tmp_path):
     assert got == {(4096, 2048): split, (2048, 128): base}
     cfg, tiles = sweep.parse_config("s:128:4:k4", 4096, jnp.bfloat16)
     assert (cfg.splits, cfg.swapped, cfg.bk, tiles) == (4, True, 128, False)
+    cfg, tiles = sweep.parse_config("s:128:6:10:w:k2", 4096, jnp.bfloat16)
+    assert (cfg.splits, cfg.token_tiles, cfg.wide, tiles) == (2, 10, True, True)
+    for bad in ("s:64:2:kx", "s:64:2:k2:k3", "s:64:2:4:x", "s:64", "64:64:2:k2",
+                "s:64:2:4:w:junk", "s:64:2:k0"):
+        with pytest.raises(ValueError, match=re.escape(f"--configs entry {bad!r}")):
+            sweep.parse_config(bad, 4096, jnp.bfloat16)
+    # A prefill tile never joins an entry that splits K (its bits are the split's).
+    table = tmp_path / "p.json"
+    table.write_text(json.dumps({"provenance": [], "tuned": [
+        {"K": 4096, "N": 2048, "dtype": "bfloat16", "config": split}]}))
+    plain_win = {"K": 4096, "N": 2048, "time": {}, "plain_variants": {}}
+    monkeypatch.setattr(sweep, "prefill_winner", lambda rep: {
+        "config": dict(bn=64, bk=128, stages=4), "rows": [511], "us": [2.0, 1.0]})
+    assert sweep.write_prefill(str(table), {"jax": "j", "command": "c", "shapes": {
+        "wo": plain_win}}) == []
+    assert _read_entries(str(table))[(4096, 2048, "bfloat16")][0].splits == 4

@@ -50,6 +50,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import sys
 import time
 
@@ -121,6 +122,9 @@ MODELS = {"qwen3-8b": QWEN3_8B, "qwen3-30b-a3b": QWEN3_30B_A3B}
 SMOKE = {"wqkv": (128, 192), "wo": (128, 128), "w_gate_up": (128, 256), "w_down": (256, 128),
          "lm_head": (128, 320), "head_wqkv": (256, 192), "head_fc": (384, 128),
          "head_lm_head": (128, 256)}
+SMOKES = {"qwen3-8b": SMOKE,  # --smoke: each model's weights, tiny
+          "qwen3-30b-a3b": {"wqkv": (128, 192), "wo": (256, 128), "router": (128, 128),
+                            "lm_head": (128, 320)}}
 
 
 def bits(a) -> np.ndarray:
@@ -231,17 +235,44 @@ def same_bits(fn, ref, x, w, rows) -> bool | str:
         return f"{type(e).__name__}: {str(e)[:300]}"
 
 
+CONFIG_SPEC = re.compile(r"(?P<bn>s|[0-9]+):(?P<bk>[0-9]+):(?P<stages>[0-9]+)"
+                         r"(?::(?P<tiles>[0-9]+)(?P<wide>:w)?)?(?::k(?P<splits>[0-9]+))?")
+
+
 def parse_config(spec: str, K: int, dtype) -> tuple[mosaic.MosaicMatmulConfig, bool]:
-    """A --configs entry -> (config, whether it takes token tiles past the default)."""
-    bn, bk, st, *rest = spec.split(":")
-    splits = [int(r[1:]) for r in rest if r.startswith("k")]
-    tiles = [r for r in rest if not r.startswith("k")]
-    cfg = (swapped_config(K, dtype, int(st)) if bn == "s" else
-           mosaic.MosaicMatmulConfig(bn=int(bn), bk=int(bk), stages=int(st)))
-    cfg = dataclasses.replace(cfg, bk=int(bk), splits=splits[0] if splits else 1)
-    if tiles:
-        cfg = dataclasses.replace(cfg, token_tiles=int(tiles[0]), wide=tiles[1:] == ["w"])
-    return cfg, bool(tiles)
+    """A --configs entry -> (config, whether it takes token tiles past the default).
+    Grammar: bn:bk:stages (the plain design, a prefill tile candidate) or
+    s:bk:stages[:token_tiles[:w]][:kS] (the swapped design; kS: K in S chunks)."""
+    m = CONFIG_SPEC.fullmatch(spec)
+    if m is None:
+        raise ValueError(f"--configs entry {spec!r}: expected bn:bk:stages or "
+                         "s:bk:stages[:token_tiles[:w]][:kS]")
+    swapped = m["bn"] == "s"
+    if not swapped and (m["tiles"] or m["splits"]):
+        raise ValueError(f"--configs entry {spec!r}: token tiles and kS are the swapped "
+                         "design's (s:...); a plain bn:bk:stages is a prefill tile candidate")
+    try:
+        cfg = (swapped_config(K, dtype, int(m["stages"])) if swapped else
+               mosaic.MosaicMatmulConfig(bn=int(m["bn"]), bk=int(m["bk"]),
+                                         stages=int(m["stages"])))
+        cfg = dataclasses.replace(cfg, bk=int(m["bk"]), splits=int(m["splits"] or 1))
+        if m["tiles"]:
+            cfg = dataclasses.replace(cfg, token_tiles=int(m["tiles"]), wide=bool(m["wide"]))
+    except ValueError as e:
+        raise ValueError(f"--configs entry {spec!r}: {e}") from None
+    return cfg, bool(m["tiles"])
+
+
+def _check_configs(specs: list[str]) -> bool:
+    for spec in specs:  # at flag parsing: a bad entry fails before anything runs
+        try:
+            parse_config(spec, 4096, jnp.bfloat16)
+        except ValueError as e:
+            raise flags.ValidationError(str(e)) from None
+    return True
+
+
+flags.register_validator("configs", _check_configs)
 
 
 def run_shape(name: str, K: int, N: int, rows: list[int], alone: list[int], bw: float,
@@ -462,8 +493,8 @@ def write_prefill(path: str, report: dict, receipt: str | None = None) -> list[s
             entry = {"K": rep["K"], "N": rep["N"], "dtype": "bfloat16",
                      "config": dataclasses.asdict(rule)}
             data["tuned"].append(entry)
-        if entry["config"]["bk"] != win["config"]["bk"]:
-            continue  # bk sets bits: a tile of another bk is never a schedule
+        if entry["config"]["bk"] != win["config"]["bk"] or entry["config"].get("splits", 1) > 1:
+            continue  # bk and a split set bits: a tile of another is never a schedule
         entry["prefill"] = {k: win["config"][k] for k in ("bn", "bk", "stages")}
         entry["prefill_us"] = {"rows": win["rows"], "config": win["us"][0],
                                "prefill": win["us"][1]}
@@ -487,6 +518,11 @@ def table(report: dict) -> str:
                      f"{b.get('alone_mismatch_rows')}  other bn same bits "
                      f"{rep['other_bn'].get('equal')}" + (f"  glu {rep['glu']}"
                                                           if "glu" in rep else ""))
+        for spec, v in rep.get("swapped", {}).get("variants", {}).items():
+            if "bits" in v:  # a split variant: its own bits' checks
+                lines.append(f"{name} {spec}: prefix mismatches "
+                             f"{v['bits'].get('prefix_mismatch_rows')}  alone mismatches "
+                             f"{v['bits'].get('alone_mismatch_rows')}")
         if rep.get("plain_variants"):
             lines.append(f"{name} plain variants' bits equal the library's: " + ", ".join(
                 f"{k} {v['equals_library']}" for k, v in rep["plain_variants"].items()))
@@ -500,9 +536,11 @@ def table(report: dict) -> str:
 def main(argv):
     del argv
     interpret = _SMOKE.value
-    shapes = SMOKE if interpret else MODELS[_MODEL.value]
+    shapes = (SMOKES if interpret else MODELS)[_MODEL.value]
     names = (_SHAPES.value if flags.FLAGS["shapes"].present or _MODEL.value == "qwen3-8b"
-             or interpret else list(shapes))
+             else list(shapes))
+    if not names:
+        raise SystemExit("--shapes: no weights named")
     unknown = [n for n in names if n not in shapes]
     if unknown:
         raise SystemExit(f"--shapes: {unknown} are not {_MODEL.value}'s weights "

@@ -17,9 +17,10 @@ rows (R2). A config may split K (`splits`: a weight with few column tiles, whose
 step would leave most of the GPU idle): K is zero-padded to a multiple of splits * bk
 and cut into equal contiguous chunks, a third grid axis walks each chunk as above into
 an f32 partial, and the partials are added left to right (`add_partials`, as the Triton
-lowering's split-K and row-parallel partials are), so a split config is
-`add_partials(matmul_partials(...))` of its chunks, whatever M is. Otherwise the f32 sum
-is cast to out_dtype in the kernel's epilogue and stored through shared memory by TMA.
+lowering's split-K and row-parallel partials are): whatever M is, a split config is
+`add_partials(matmul_partials(...))` over the zero-padded K (over K itself where splits * bk
+divides it, so its chunks are then row-parallel partials' of that degree). Otherwise the f32
+sum is cast to out_dtype in the kernel's epilogue and stored through shared memory by TMA.
 
 `mosaic_matmul_config` is a function of (K, N, dtype) only; bk of K alone, so the
 order of a column's sum does not depend on its column tile. The pipeline depth
@@ -277,10 +278,10 @@ def _read_entry(path: str, e: dict) -> tuple:
         raise ValueError(f"{path}: the prefill tile of K={key[0]}, N={key[1]} names its "
                          "design without its tile")
     tile = MosaicMatmulConfig(**fields) if fields else None
-    if tile is not None and (tile.swapped or tile.bk != cfg.bk):
+    if tile is not None and (tile.swapped or tile.bk != cfg.bk or tile.splits != 1):
         raise ValueError(f"{path}: the prefill tile of K={key[0]}, N={key[1]} must be the "
-                         f"plain design with the entry's bk={cfg.bk} (bk sets bits); got "
-                         f"{tile}")
+                         f"plain design with the entry's bk={cfg.bk} and no split (bk and "
+                         f"a split set bits); got {tile}")
     return key, (cfg, tile, tall)
 
 
@@ -606,6 +607,9 @@ def matmul_partials(x: jax.Array, w: jax.Array, *, splits: int, interpret: bool 
     splits, kc = int(splits), k // int(splits)
     if config is not None:  # checked here, so the error names this function
         _config(config, kc, w.shape[1], w.dtype, "matmul_partials")
+        if getattr(config, "splits", 1) > 1:
+            raise ValueError(f"matmul_partials (Mosaic GPU) takes no split config (splits="
+                             f"{config.splits}): each partial is one walk over its chunk")
     return jnp.stack([matmul(x[:, c * kc:(c + 1) * kc], w[c * kc:(c + 1) * kc],
                              out_dtype=jnp.float32, interpret=interpret, config=config)
                       for c in range(splits)])
