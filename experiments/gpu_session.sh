@@ -9,7 +9,7 @@
 # e2e_batch chunk_cost moe_cost moe_parity moe_e2e tallsweep prefillsweep serial_split e2e_context profile groupsweep
 # combinesweep routesweep mosaic_attention mosaic mosaic_top_p mosaic_swapped mosaic_prefill
 # mosaic_ws mosaic_unfused profile_prefill
-# e2e_mosaic table
+# e2e_mosaic moe_mosaic table
 # splitk_sweep
 # loop_cmdbuf
 # (default: parity audit kernels spec); table copies the device's matmul_tuned.json to $OUT.
@@ -88,7 +88,8 @@
 #   $MOE_BACKENDS, default pallas:
 #   add xla (pallas,xla, with MOE_PARITY_S=240) to show it breaking) (tests/test_moe_bench.py
 #   runs the three at tiny-qwen3-moe on a CPU); $MOE_COST_S, $MOE_PARITY_S, $MOE_E2E_S
-#   bound them.
+#   bound them. moe_mosaic: moe_parity on Mosaic GPU, then moe_cost at T = $MOE_TS
+#   (default 1,5) on Triton and on Mosaic side by side ($MOE_MOSAIC_TAG names them).
 # - groupsweep: tuning/sweep_grouped.py, the grouped expert kernels' tiles at the
 #   Qwen3-30B-A3B shape ($GSWEEP_FLAGS), merged into the device copy's "grouped" table
 #   of pallas_kernels/matmul_tuned.json so the lane's later steps (moe_parity first)
@@ -513,6 +514,12 @@ PY
                 --nopeers --serial_backends=pallas --iters=2 --options="$opts" \
                 --out="$OUT" --tag="${GPU}_lowering-$low" 2>&1 | quiet | grep -v "it/s" | tail -14
             done ;;
+    moe_mosaic) # the MoE on Mosaic GPU: its matrix, then a step beside Triton's (one call)
+              MOE_OPTIONS=mosaic MOE_TAG=mosaic${MOE_MOSAIC_TAG:+-$MOE_MOSAIC_TAG} \
+                bash "$0" moe_parity | tail -n +2
+              for low in triton mosaic; do
+                MOE_OPTIONS=$low MOE_TAG=$low${MOE_MOSAIC_TAG:+-$MOE_MOSAIC_TAG} \
+                MOE_TS=${MOE_TS:-1,5} MOE_XLA_TS= bash "$0" moe_cost | tail -n +2; done ;;
     loop_cmdbuf) for cb in default while; do  # the host loop's while in a command buffer
               flags=${XLA_FLAGS:-}
               [ $cb = while ] && flags="$flags --xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,WHILE,CONDITIONAL"

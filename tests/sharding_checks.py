@@ -467,7 +467,7 @@ def check_lower(args):
         tp_cfg = sharding.sharded_config(cfg, 2)
         like = jax.eval_shape(lambda tp_cfg=tp_cfg: random_params(tp_cfg))
         params = placed(like, sharding.param_specs(like))
-        for S in (2, 8):
+        for S in (2, 8) if preset == "llama3-70b" else (2,):  # (the same partials' code)
             model = Model(config=tp_cfg, params=params,
                           options=jspec.KernelOptions(row_partials=S),
                           parallel=sharding.mesh_parallel(cfg, mesh, sharding.AXIS))

@@ -540,9 +540,10 @@ def _sink_reference(q, k, v, pos, window, sinks, softcap=None):
     return out
 
 
-# The fused fold's and group programs' sinks in the slow run (their rows: the tests below).
+# The fused fold's, group programs' and the serial split's sinks in the slow run (their
+# rows: the tests below; the serial split's bits are the two kernels', its own tests).
 @pytest.mark.parametrize("path", slow_except(
-    [("one-pass",), ("two-kernels",), ("serial-split",)], list(SINK_PATHS)))
+    [("one-pass",), ("two-kernels",)], list(SINK_PATHS)))
 def test_sinks_match_the_transformers_formula(path):
     """Every path with sinks, GQA, windows, softcap, garbage past the keys and padding
     rows: within f32 rounding of transformers' formula; a negligible sink gives the

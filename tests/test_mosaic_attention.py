@@ -146,6 +146,8 @@ def test_sinks_match_the_reference(seq):
                                    atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.slow  # the fold of one program a row tile: the test above; the H200 matrices
+# run head_dim 128's two
 def test_the_fold_splits_head_columns_and_keeps_the_bits():
     # head_dim 128: two fold programs a row tile (FOLD_D columns each), every column folded
     # as one program would.
@@ -234,9 +236,13 @@ def test_bad_input_is_refused():
         call(rows.astype(jnp.float32), k, v, fl, fl, split=128)
 
 
+# Default: a decode step and a softcapped verify block of Qwen3-8B's heads, gpt-oss's heads
+# with sinks; Gemma's head_dim 256 and a one-token sink step in the slow run.
 @pytest.mark.parametrize("seq,softcap,heads,kv_heads,head_dim,sinks", [
-    (1, None, 32, 8, 128, False), (5, 50.0, 32, 8, 128, False), (5, None, 8, 4, 256, False),
-    (1, None, 64, 8, 64, True), (5, None, 64, 8, 64, True)])  # gpt-oss's heads, with sinks
+    (1, None, 32, 8, 128, False), (5, 50.0, 32, 8, 128, False),
+    pytest.param(5, None, 8, 4, 256, False, marks=pytest.mark.slow),
+    pytest.param(1, None, 64, 8, 64, True, marks=pytest.mark.slow),
+    (5, None, 64, 8, 64, True)])  # gpt-oss's heads, with sinks
 def test_lowers_for_cuda(seq, softcap, heads, kv_heads, head_dim, sinks):
     # The Llama-3-8B (and Gemma-3-4B) decode / verify shapes at an 8K cache (64
     # partitions: the two-level fold): Mosaic GPU's lowering runs in Python (PTX is
@@ -268,8 +274,10 @@ def _tree(root: int):
             jnp.asarray([[root + d for d in depth]], jnp.int32), path)
 
 
-@pytest.mark.parametrize("window,softcap", [(0, None),
-                                            pytest.param(70, 30.0, marks=pytest.mark.slow)])
+# Slow: a tree node's bits are its root path's serial step (the test below), whose values
+# match the reference (test_matches_the_reference).
+@pytest.mark.parametrize("window,softcap", [(0, None), (70, 30.0)])
+@pytest.mark.slow
 def test_tree_attention_matches_the_xla_tree(window, softcap):
     # Two batch rows, roots 121 and 60: each token's tail from its own row's keys.
     k, v = _cache(2, 256)

@@ -58,7 +58,7 @@ def test_checkpoints_restore_only_into_their_layout():
 def test_the_sharded_forward_lowers_for_the_h200():
     """shard_map around the Pallas kernels lowers for CUDA (Triton IR, H200 info standing
     in, nothing compiled or run; see tests/test_gpu_lowering.py): Llama-3-70B- and
-    Gemma-3-4B-shaped targets (2 layers) at TP=2 with S=2 and S=8 at decode, verify and
+    Gemma-3-4B-shaped targets (2 layers) at TP=2 with S=2 (the 70B also S=8) at decode, verify and
     prefill shapes, and a replicated draft with the latency kernels. The only collectives
     are all-gathers, two a layer and one for the head; no all-reduce adds anything. On the
     Mosaic GPU lowering (the 70B at S=2) no kernel is Triton's."""
@@ -70,7 +70,7 @@ def test_the_sharded_forward_lowers_for_the_h200():
         assert "jspec_mosaic_glu" in res["kernels"], (key, res)
         assert (res["all_gathers"], res["all_reduces"]) == (2 * 2 + 1, 0), (key, res)
     targets = {k: v for k, v in found.items() if not k.startswith("replicated")}
-    assert len(targets) == 16
+    assert len(targets) == 12
     for key, res in targets.items():
         assert "jspec_matmul_partials" in res["kernels"], (key, res)
         assert any(k.startswith("jspec_attention") for k in res["kernels"]), (key, res)
