@@ -73,6 +73,7 @@ def test_a_compacted_run_equals_serial_and_the_uncompacted_run():
     assert len(packed.stats["timeline"]["calls"]) > len(moves)
 
 
+@pytest.mark.slow  # `until` ends rows in test_text.py's stop strings by default
 def test_until_ends_rows_where_the_host_says_and_the_rest_run_on():
     # A host-side check between chunks (what stop strings use): a row it ends keeps the
     # tokens it had (the free run's, as far as they go) and, compacted, leaves the batch;

@@ -236,7 +236,7 @@ def test_random_tiles_equal_decode(pos, window, fill):
     )
 
 
-@pytest.mark.slow  # random calls; test_group_split_is_invariant_and_accurate: the default run's
+@pytest.mark.slow  # random calls; test_group_split_is_invariant_and_accurate's fixed ones
 @settings(max_examples=6, deadline=None)
 @given(
     pos=st.lists(st.integers(-1, 255), min_size=8, max_size=8),
@@ -472,6 +472,7 @@ def test_serial_split_is_invariant_and_accurate(subtiles):
     assert np.array_equal(out, _attn([[29, 30, 31, 32]], **kw))
 
 
+@pytest.mark.slow  # a GPU-only schedule at >= 256 group programs (128K), its bits proven there
 def test_group_split_is_invariant_and_accurate():
     """Split-KV with a program per fold group (`group_split`: each computes its group's
     partition partials in turn and folds them in registers; the fold over groups reads

@@ -87,9 +87,10 @@ def test_a_tokens_bits_do_not_depend_on_its_block_batch_cache_or_garbage(
         assert np.array_equal(np.asarray(got).view(np.uint16), np.asarray(alone).view(np.uint16))
 
 
-# Sinks in the slow run (the kernel's sinks against the reference: test_sinks_match_...).
-@pytest.mark.parametrize("sinks", [None, pytest.param(SINKS, marks=pytest.mark.slow)],
-                         ids=("plain", "sinks"))
+# Slow: the Mosaic fold's arithmetic against the Triton fold's (the rows' invariance with it:
+# the test above; the device's matrices run it).
+@pytest.mark.parametrize("sinks", [None, SINKS], ids=("plain", "sinks"))
+@pytest.mark.slow
 def test_the_fold_is_combine_partials_on_the_cpu(sinks):
     # 18 partitions of 64 keys (fold groups of 16 and 2): the Mosaic fold and the Triton
     # fold run the same XLA arithmetic in interpret mode, so the same bits; rows at depth
@@ -117,8 +118,10 @@ def test_the_fold_is_combine_partials_on_the_cpu(sinks):
     assert not np.asarray(ours[1, :, 8:]).any()
 
 
-@pytest.mark.parametrize("seq", [3, pytest.param(5, marks=pytest.mark.slow)],  # 12, 20 rows
-                         ids=("compact", "full-tiles"))
+# Slow: sinks on the Mosaic lowering (gpt-oss's matrix on it ran on the device; the Triton
+# kernels' sinks: tests/test_kernel_attention.py).
+@pytest.mark.parametrize("seq", [3, 5], ids=("compact", "full-tiles"))  # 12, 20 rows
+@pytest.mark.slow
 def test_sinks_match_the_reference(seq):
     # Chains (a tile storing its 16 rows, or whole tiles) and a tree (a token's 4 rows a
     # tile): within bf16 rounding of transformers' sink column; a negligible sink keeps
@@ -174,9 +177,10 @@ def test_the_fold_splits_head_columns_and_keeps_the_bits():
     assert np.asarray(ours[0, :, :8]).all()
 
 
-@pytest.mark.parametrize("parts,fold_group,sinks", [
-    (18, 16, False), pytest.param(40, 8, True, marks=pytest.mark.slow)],
-    ids=("tail-group", "sinks"))
+# Slow: a scheduling variant's bits (the device's too: mosaic_attention.py).
+@pytest.mark.parametrize("parts,fold_group,sinks", [(18, 16, False), (40, 8, True)],
+                         ids=("tail-group", "sinks"))
+@pytest.mark.slow
 def test_the_fold_in_group_programs_keeps_the_one_launch_bits(parts, fold_group, sinks):
     # Group programs then a fold of the group states (the default) against one launch
     # walking every partition: the same bits, a last group shorter than the others

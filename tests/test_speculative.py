@@ -109,6 +109,7 @@ def test_gumbel_coupled_equals_serial_sampling(name, drafters):
         assert 0 < out.stats["accepted"] < out.stats["proposed"]
 
 
+@pytest.mark.slow  # stops: test_text.py's stop strings serial, speculative and streamed
 def test_stop_tokens_and_stream_match_serial():
     target = load("qwen3", "pallas")  # the free serial run: test_exact_greedy_...'s
     prompts = _prompts("qwen3")
