@@ -76,6 +76,7 @@ def test_speculative_equals_serial_with_sinks(model):
     assert 0 < out.stats["acceptance_rate"] < 1
 
 
+@pytest.mark.slow  # a draft's numerics never reach the output (its speed path)
 def test_fused_draft_path_takes_the_sinks(model):
     # The draft's latency path (DraftOptions.fused) runs the rows' split-KV attention
     # with the sinks (its one-kernel q/k + attention has none and is not taken).

@@ -77,6 +77,7 @@ def test_gemma_trees_with_sliding_windows_equal_serial():
     assert out.stats["tokens_per_target_step"] > 1.5
 
 
+@pytest.mark.slow  # the benchmarks' oracle (their acceptance, never the output)
 def test_oracle_trees_hold_the_truth_at_the_asked_ranks():
     target = load("qwen3", "xla")
     p = expected("qwen3")["prompt"]
