@@ -362,20 +362,24 @@ def run_shape(name: str, K: int, N: int, rows: list[int], alone: list[int], bw: 
     return rep
 
 
+def invariant(c: dict) -> bool:
+    """An `invariance` result with no error and no mismatching row."""
+    return ("error" not in c and not any(c["prefix_mismatch_rows"].values())
+            and c["alone_mismatch_rows"] == 0)
+
+
 def swapped_passes(rep: dict) -> bool:
     """Every bit check of the swapped design clean (the GLU's too, for w_gate_up)."""
     checks = [rep["swapped"]["bits"]] + ([rep["swapped"]["glu"]["invariance"]]
                                          if "glu" in rep["swapped"] else [])
-    return all("error" not in c and not any(c["prefix_mismatch_rows"].values())
-               and c["alone_mismatch_rows"] == 0 for c in checks)
+    return all(invariant(c) for c in checks)
 
 
 def own_bits_pass(variant: dict) -> bool:
     """A split-K variant (its own bits, R11): every row-invariance check clean."""
     c = variant.get("bits")
     return (variant["config"].get("splits", 1) > 1 and isinstance(c, dict)
-            and "error" not in c and not any(c["prefix_mismatch_rows"].values())
-            and c["alone_mismatch_rows"] == 0)
+            and invariant(c))
 
 
 def write_tuned(path: str, report: dict, receipt: str | None = None) -> list[str]:
