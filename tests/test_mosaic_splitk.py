@@ -88,7 +88,17 @@ def test_splits_are_checked():
     for bad in (0, 17, True, 2.0):
         with pytest.raises(ValueError, match="splits"):
             dataclasses.replace(SWAPPED, splits=bad)
+    # numpy ints are ints (a config built from a sweep's arrays), stored as ints
+    cfg = dataclasses.replace(SWAPPED, splits=np.int64(2), bk=np.int32(64))
+    assert cfg == dataclasses.replace(SWAPPED, splits=2) and type(cfg.splits) is int
     x, w = _inputs(2, k=128, n=256)
+    # K = 128 is 2 steps of 64: a third chunk would be padding only (5 steps: 2 a chunk
+    # leave a fourth chunk of padding)
+    for k, splits in ((128, 3), (320, 4)):
+        with pytest.raises(ValueError, match="chunks of padding only"):
+            matmul(x[:, :k] if k <= 128 else jnp.tile(x, (1, 3))[:, :k],
+                   jnp.tile(w, (3, 1))[:k], interpret=True,
+                   config=dataclasses.replace(SWAPPED, splits=splits))
     with pytest.raises(ValueError, match="no split config"):
         matmul_glu(x, w, activation="silu", interpret=True,
                    config=dataclasses.replace(SWAPPED, splits=2))
@@ -113,6 +123,9 @@ def test_a_table_entry_that_splits_takes_no_prefill_or_tall_tile(tmp_path):
                  prefill=dict(bn=64, bk=128, stages=4, splits=2))
     bad.write_text(json.dumps({"tuned": [plain]}))
     with pytest.raises(ValueError, match="no split"):
+        _read_entries(str(bad))
+    bad.write_text(json.dumps({"tuned": [dict(entry, K=256)]}))  # 2 steps of 128, 4 chunks
+    with pytest.raises(ValueError, match="chunks of padding only"):
         _read_entries(str(bad))
 
 

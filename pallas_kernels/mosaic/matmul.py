@@ -125,6 +125,10 @@ class MosaicMatmulConfig:
     splits: int = 1
 
     def __post_init__(self):
+        for name in ("bn", "bk", "stages", "token_tiles", "splits"):  # numpy ints as ints
+            v = getattr(self, name)
+            if isinstance(v, np.integer) and not isinstance(v, np.bool_):
+                object.__setattr__(self, name, int(v))
         for name in ("bn", "bk"):
             t = getattr(self, name)
             if not isinstance(t, int) or t < 16 or t > 256 or t & (t - 1):
@@ -250,6 +254,8 @@ def _read_entry(path: str, e: dict) -> tuple:
         raise ValueError(f"K={key[0]!r}, N={key[1]!r} must be positive ints and "
                          f"dtype={key[2]!r} one of {DTYPES}")
     cfg = MosaicMatmulConfig(**e["config"])
+    if cfg.splits > 1:
+        _check_chunks(cfg, key[0])
     if cfg.splits > 1 and ("prefill" in e or "tall" in e):
         raise ValueError(f"{path}: K={key[0]}, N={key[1]} splits K ({cfg.splits} chunks): "
                          "its prefill and tall tiles would not have its bits")
@@ -363,6 +369,16 @@ def _operand_transforms(cfg: MosaicMatmulConfig, dtype) -> tuple:
     swizzle = plgpu.find_swizzle(min(cfg.bk, cfg.bn) * jnp.dtype(dtype).itemsize * 8)
     elems = swizzle // jnp.dtype(dtype).itemsize
     return plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(swizzle)
+
+
+def _check_chunks(cfg: MosaicMatmulConfig, k: int):
+    """A split whose last chunk would hold only padding is refused (not silently run):
+    K = k takes ceil(k / bk) steps, each chunk ceil(steps / splits) of them."""
+    steps = -(-k // cfg.bk)
+    per = -(-steps // cfg.splits)
+    if (cfg.splits - 1) * per >= steps:
+        raise ValueError(f"MosaicMatmulConfig(splits={cfg.splits}, bk={cfg.bk}) cuts K={k} "
+                         f"({steps} K steps, {per} a chunk) into chunks of padding only")
 
 
 def _chunk(nk: int, splits: int):
@@ -574,6 +590,7 @@ def matmul(x: jax.Array, w: jax.Array, *, out_dtype=None, interpret: bool = Fals
     # transpose (the same values: a layout change, no arithmetic).
     wp = pad_axis(w, 1, round_up(n, cfg.bn))  # [K, Np]; real model widths divide bn
     if cfg.splits > 1:  # f32 partials of the K chunks, added left to right
+        _check_chunks(cfg, k)
         parts = _launch(x, wp, cfg, wp.shape[1], jnp.float32, (0,), lambda acc: acc,
                         interpret, "jspec_mosaic_matmul_splitk", columns_major=cfg.swapped)
         parts = jnp.swapaxes(parts[:, :n, :m], 1, 2) if cfg.swapped else parts[:, :m, :n]
