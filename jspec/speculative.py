@@ -145,6 +145,29 @@ def _prefill(target: Model, drafter, tokens, lens, seed, *, spec: SpecConfig, ma
                      rows=jnp.arange(B, dtype=jnp.int32))
 
 
+def context(target: Model, state: SpecState, seed, *, spec: SpecConfig) -> ProposeContext:
+    """The round's `ProposeContext` (cur, positions, row ids, the drafter's seed, gamma,
+    the vocabulary, the draft sampler) from a state, for a loop of your own around the
+    phases: `draft_step(drafter, state.draft, context(...))`, then `commit_step`."""
+    check_type("state", state, SpecState, "a jspec.speculative.SpecState (prefill)")
+    _check_phase_spec(spec, "context")
+    _check_seed_arg(seed, "context")
+    return _context(target, state, seed, spec)
+
+
+def _check_seed_arg(seed, name: str) -> None:
+    """A phase's seed: an integer scalar (traced: its dtype and shape; concrete: also its
+    value in [0, 2**31)), not a float or a negative int wrapped silently."""
+    shape, dtype = np.shape(seed), getattr(seed, "dtype", None)
+    if dtype is None:
+        dtype = np.asarray(seed).dtype
+    if shape != () or not np.issubdtype(dtype, np.integer) or dtype == np.bool_:
+        raise ValueError(f"{name}: seed must be an integer scalar (e.g. jnp.int32(0)); got "
+                         f"shape {shape}, dtype {dtype}")
+    if not isinstance(seed, jax.core.Tracer) and not 0 <= int(seed) < 2**31:
+        raise ValueError(f"{name}: seed={int(seed)} must lie in [0, 2**31)")
+
+
 def _context(target: Model, state: SpecState, seed, spec: SpecConfig) -> ProposeContext:
     draft_seed = seed + spec.policy.draft_seed_salt if spec.policy.draft_seed_salt else seed
     return ProposeContext(cur=state.cur, pos=state.cache.lengths,
@@ -273,14 +296,23 @@ def _check_answer(policy, method: str, out, names: tuple[str, ...], B: int):
 
 
 def _commit(drafter, state: SpecState, ctx: ProposeContext, cache, dstate, drafts, n_acc, nxt,
-            *, spec: SpecConfig, features=None, tree: bool = False) -> SpecState:
+            *, spec: SpecConfig, features=None, tree: bool = False,
+            forward: Forward | None = None) -> SpecState:
     """Phase 4: emit d_1..d_{n_acc}, nxt (cut at max_new_tokens and stop tokens), roll the
-    target back to pos + n_acc + 1, catch the drafter up, update statistics."""
+    target back to pos + n_acc + 1, catch the drafter up, update statistics. An answer
+    outside n_acc in [0, g], nxt in [0, V) is flagged (`check_state` raises) and n_acc
+    clipped, so a flagged state never holds a negative length; `forward` (the verify
+    block's `Forward`): its NaN / inf logits and activation flags are flagged too."""
     g, N = drafts.shape[1], spec.max_new_tokens
     B = state.cur.shape[0]
     rows, pos = ctx.rows, ctx.pos
+    if forward is not None:
+        G = forward.logits.shape[1]
+        state = _check_finite(state, forward, pos, pos[:, None] + jnp.arange(G)[None, :])
+    state = _check_policy_range(state, pos, (n_acc < 0) | (n_acc > g) | (nxt < 0)
+                                | (nxt >= ctx.vocab))
     live = ~state.done
-    n_acc = jnp.where(live, n_acc, 0)
+    n_acc = jnp.where(live, jnp.clip(n_acc, 0, g), 0)
     slot = jnp.arange(g + 1)[None, :]
     emit = jnp.where(slot < n_acc[:, None], jnp.pad(drafts, ((0, 0), (0, 1))), nxt[:, None])
     count = jnp.minimum(n_acc + 1, N - state.num)
@@ -522,8 +554,9 @@ def prefill(target: Model, drafter, tokens, lens, seed, *, spec: SpecConfig,
     without a seed: pass spec.static() and the seed as `seed`), each error naming the
     problem: traced, a length of 0 would read as a cache of length -1 without a word.
     `prefill.lower` lowers it (the arguments unchecked)."""
-    check_type("target", target, Model, "a jspec.Model (jspec.load_hf, jspec.random_model)")
+    _validate(target, drafter, spec)  # what speculative_generate checks first
     _check_phase_spec(spec, "prefill")
+    _check_seed_arg(seed, "prefill")
     if not any(isinstance(x, jax.core.Tracer) for x in (tokens, lens)):
         toks = np.asarray(tokens)
         if toks.ndim != 2 or not np.issubdtype(toks.dtype, np.integer) \
@@ -538,9 +571,83 @@ def prefill(target: Model, drafter, tokens, lens, seed, *, spec: SpecConfig,
 
 prefill.lower = _prefill_jit.lower
 draft_step = jax.jit(_draft, compiler_options=COMPILER_OPTIONS)
-verify_step = jax.jit(_verify, static_argnames=("layers",), compiler_options=COMPILER_OPTIONS)
-accept_step = jax.jit(_accept, static_argnames=("spec",), compiler_options=COMPILER_OPTIONS)
-commit_step = jax.jit(_commit, static_argnames=("spec",), compiler_options=COMPILER_OPTIONS)
+_verify_jit = jax.jit(_verify, static_argnames=("layers",), compiler_options=COMPILER_OPTIONS)
+_accept_jit = jax.jit(_accept, static_argnames=("spec",), compiler_options=COMPILER_OPTIONS)
+_commit_jit = jax.jit(_commit, static_argnames=("spec",), compiler_options=COMPILER_OPTIONS)
+
+
+def _concrete(*xs) -> bool:
+    return not any(isinstance(x, jax.core.Tracer) for x in xs)
+
+
+def _check_rows(name: str, B: int, **arrays) -> None:
+    """Each named array's shape: [B] or [B, ...] as `want` says, before tracing."""
+    for what, (x, want) in arrays.items():
+        shape = np.shape(x)
+        if len(shape) != len(want) or shape[0] != B or any(
+                w is not None and s_ != w for s_, w in zip(shape[1:], want[1:], strict=True)):
+            spelled = ", ".join("B" if i == 0 else ("*" if w is None else str(w))
+                                for i, w in enumerate(want))
+            raise ValueError(f"{name}: {what} must be [{spelled}] with B={B}; got shape "
+                             f"{shape}")
+
+
+def verify_step(target: Model, cache, cur, drafts, layers: tuple[int, ...] = ()) -> Forward:
+    """Phase 2: one target forward over [cur, d_1..d_g] (cur [B], drafts [B, g]) -> its
+    `Forward` (logits [B, g+1, V], the cache; it unpacks as (logits, cache)). Proposals
+    outside the vocabulary are fed as 0 (no policy accepts them); cur is checked on the
+    host when concrete (traced, a bad id reads a clamped row and is flagged)."""
+    check_type("target", target, Model, "a jspec.Model (jspec.load_hf, jspec.random_model)")
+    if np.ndim(cur) != 1:
+        raise ValueError(f"verify_step: cur must be [B] (one token a row); got shape "
+                         f"{np.shape(cur)}")
+    B = np.shape(cur)[0]
+    _check_rows("verify_step", B, drafts=(drafts, (B, None)))
+    if _concrete(cur):
+        check_token_ids(np.asarray(cur)[:, None], target.config.vocab_size)
+    return _verify_jit(target, cache, cur, drafts, layers=layers)
+
+
+def accept_step(logits, drafts, draft_logits, seed, pos, *, spec: SpecConfig, rows=None):
+    """Phase 3: the policy's (n_acc [B], next [B]) for verify logits [B, g+1, V], drafts [B,
+    g], pos [B] (cur's positions); draft_logits [B, g, V] where the policy reads them."""
+    _check_phase_spec(spec, "accept_step")
+    _check_seed_arg(seed, "accept_step")
+    B = np.shape(logits)[0] if np.ndim(logits) == 3 else -1
+    if B < 0:
+        raise ValueError(f"accept_step: logits must be [B, g+1, V]; got shape "
+                         f"{np.shape(logits)}")
+    G, V = np.shape(logits)[1:]
+    _check_rows("accept_step", B, drafts=(drafts, (B, G - 1)), pos=(pos, (B,)))
+    if spec.policy.uses_draft_logits:
+        if draft_logits is None:
+            raise ValueError(f"accept_step: {type(spec.policy).__name__} reads the draft's "
+                             "logits; pass draft_step's draft_logits [B, g, V]")
+        _check_rows("accept_step", B, draft_logits=(draft_logits, (B, G - 1, V)))
+    return _accept_jit(logits, drafts, draft_logits, seed, pos, spec=spec, rows=rows)
+
+
+def commit_step(drafter, state: SpecState, ctx: ProposeContext, cache, dstate, drafts, n_acc,
+                nxt, *, spec: SpecConfig, forward: Forward | None = None) -> SpecState:
+    """Phase 4 (see `_commit`): n_acc [B] in [0, g] and nxt [B] in [0, V), checked on the
+    host when concrete (traced: flagged in the state, `check_state` raises); pass the
+    verify block's `forward` to have its NaN / inf logits flagged as the engine's rounds
+    do (without it, accept_step reads NaN logits as it reads any)."""
+    check_type("state", state, SpecState, "a jspec.speculative.SpecState (prefill)")
+    _check_phase(state, spec, "commit_step")
+    B = state.cur.shape[0]
+    _check_rows("commit_step", B, drafts=(drafts, (B, None)), n_acc=(n_acc, (B,)),
+                nxt=(nxt, (B,)))
+    g = np.shape(drafts)[1]
+    if _concrete(n_acc, nxt, state.done):
+        live = ~np.asarray(state.done)  # (a done row's answer is never read)
+        for what, v, hi in (("n_acc", np.asarray(n_acc), g + 1),
+                            ("nxt", np.asarray(nxt), ctx.vocab)):
+            if not np.issubdtype(v.dtype, np.integer) or np.any(((v < 0) | (v >= hi)) & live):
+                raise ValueError(f"commit_step: {what}={v.tolist()} must be integers in "
+                                 f"[0, {hi}) (accept_step's answer)")
+    return _commit_jit(drafter, state, ctx, cache, dstate, drafts, n_acc, nxt, spec=spec,
+                       forward=forward)
 def _one_round(target: Model, drafter, state: SpecState, seed, *, spec: SpecConfig
                ) -> SpecState:
     _check_phase(state, spec, "one_round")

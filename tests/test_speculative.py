@@ -236,13 +236,30 @@ def test_phases_compose_in_a_research_script():
     seed = jnp.int32(0)
     state = S.prefill(target, drafter, jnp.asarray(tokens), jnp.asarray(lens), seed, spec=spec,
                       max_len=tokens.shape[1] + 12 + 4)
+    first = None
     while not bool(jnp.all(state.done)):
-        ctx = S._context(target, state, seed, spec)
+        ctx = S.context(target, state, seed, spec=spec)
         drafts, dlogits, dstate = S.draft_step(drafter, state.draft, ctx)
-        logits, cache = S.verify_step(target, state.cache, state.cur, drafts)
+        fwd = S.verify_step(target, state.cache, state.cur, drafts)
+        logits, cache = fwd
         assert logits.shape == (3, 4, target.config.vocab_size)
         n_acc, nxt = S.accept_step(logits, drafts, dlogits, seed, ctx.pos, spec=spec)
-        state = S.commit_step(drafter, state, ctx, cache, dstate, drafts, n_acc, nxt, spec=spec)
+        if first is None:  # the answers a research loop might pass by mistake, refused
+            first = state  # before they reach the state (they wrote negative lengths,
+            for bad in ((n_acc - 10, nxt), (n_acc + 10, nxt), (n_acc, nxt + 10_000)):
+                with pytest.raises(ValueError, match="commit_step: (n_acc|nxt)=.* must be "
+                                   r"integers in \[0, "):  # made-up tokens in out)
+                    S.commit_step(drafter, state, ctx, cache, dstate, drafts, *bad, spec=spec)
+            with pytest.raises(ValueError, match=r"accept_step: drafts must be \[B, 3\]"):
+                S.accept_step(logits, drafts[:, :2], dlogits, seed, ctx.pos, spec=spec)
+            with pytest.raises(ValueError, match="verify_step: cur must be"):
+                S.verify_step(target, state.cache, state.cur[:, None], drafts)
+            with pytest.raises(ValueError, match="out of range"):
+                S.verify_step(target, state.cache, state.cur.at[0].set(10**6), drafts)
+            with pytest.raises(ValueError, match="seed must be an integer scalar"):
+                S.accept_step(logits, drafts, dlogits, 0.5, ctx.pos, spec=spec)
+        state = S.commit_step(drafter, state, ctx, cache, dstate, drafts, n_acc, nxt,
+                              spec=spec, forward=fwd)
     serial = jspec.generate(target, prompts, max_new_tokens=12)
     assert np.array_equal(np.asarray(state.out), serial.tokens)
     # What the phases refuse before any work (each ran: a row of length 0 read as a cache
@@ -253,6 +270,10 @@ def test_phases_compose_in_a_research_script():
                             ([3, 3], "lens must be B=3 integers")):
         with pytest.raises(ValueError, match=match):
             S.prefill(target, drafter, tok, jnp.asarray(bad_lens), seed, spec=spec, max_len=ml)
+    with pytest.raises(ValueError, match=r"prefill: seed=-5 must lie in \[0, 2\*\*31\)"):
+        S.prefill(target, drafter, tok, jnp.asarray(lens), jnp.int32(-5), spec=spec, max_len=ml)
+    with pytest.raises(TypeError, match="wrap it"):  # what speculative_generate says
+        S.prefill(target, target, tok, jnp.asarray(lens), seed, spec=spec, max_len=ml)
     with pytest.raises(ValueError, match="spec.seed=7 is not read here"):
         S.prefill(target, drafter, tok, jnp.asarray(lens), seed,
                   spec=jspec.SpecConfig(gamma=3, max_new_tokens=12, seed=7), max_len=ml)
