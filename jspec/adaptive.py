@@ -47,7 +47,7 @@ import jax
 import numpy as np
 
 from jspec._checks import check_count, check_ints
-from jspec.tree import TreeConfig
+from jspec.tree import MAX_GAMMA, TreeConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,8 +91,9 @@ class Adaptive:
     costs: tuple = ()
 
     def __post_init__(self):
-        # (SpecConfig checks each shape as its own config: gamma <= MAX_GAMMA, the tree.)
-        gammas = check_ints("Adaptive.gammas", self.gammas, least=0, nonempty=True)
+        # (SpecConfig checks each shape as its own config too: the tree.)
+        gammas = check_ints("Adaptive.gammas", self.gammas, least=0, high=MAX_GAMMA + 1,
+                            nonempty=True)
         object.__setattr__(self, "gammas", tuple(sorted(set(gammas))))
         if self.tree is not None and not isinstance(self.tree, TreeConfig):
             raise TypeError(f"Adaptive.tree must be a jspec.TreeConfig; got "

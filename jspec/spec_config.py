@@ -10,12 +10,11 @@ from jspec._checks import check_ints, check_seed
 from jspec.adaptive import Adaptive
 from jspec.loop import check_count
 from jspec.policies import Policy, resolve_policy
-from jspec.tree import TreeConfig
+from jspec.tree import MAX_GAMMA, TreeConfig
 
-# The largest gamma: a verify block of up to 33 positions (the block sizes the parity
-# matrix proves); the draft's gamma steps are unrolled into the compiled round, so an
-# unbounded gamma would only find the compiler's memory limit.
-MAX_GAMMA = 32
+# MAX_GAMMA (jspec.tree, 32), the largest gamma: a verify block of up to 33 positions (the
+# block sizes the parity matrix proves); the draft's gamma steps are unrolled into the
+# compiled round, so an unbounded gamma would only find the compiler's memory limit.
 
 
 class _DefaultGamma(int):

@@ -142,6 +142,7 @@ def commit_path(cache, root, path, n):
 
 # Bounds on a tree's shape: a verify of at most MAX_TREE_NODES + 1 positions, paths of at
 # most MAX_TREE_DEPTH drafts (each depth is a draft forward and a step of the accept walk).
+MAX_GAMMA = 32  # a chain round's drafts at most (SpecConfig.gamma; see spec_config)
 MAX_TREE_NODES = 64
 MAX_TREE_DEPTH = 16
 
@@ -193,6 +194,10 @@ class TreeConfig:
                 raise ValueError(f"dynamic={dyn} must be three integers (top_k, nodes, depth)")
             k, n, d = dyn
             object.__setattr__(self, "dynamic", dyn)
+            if n < d:
+                raise ValueError(f"dynamic=(top_k={k}, nodes={n}, depth={d}): {n} nodes never "
+                                 f"reach depth {d} (a path of depth d is d nodes): nodes >= "
+                                 "depth")
             if n > k + (d - 1) * k * k:
                 raise ValueError(f"dynamic=(top_k={k}, nodes={n}, depth={d}) needs 1 <= nodes "
                                  f"<= {k + (d - 1) * k * k} (the candidates it expands)")

@@ -10,9 +10,11 @@ compiler parameters.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental.pallas import triton as plgpu
 
@@ -60,6 +62,22 @@ def pad_rows(x: jax.Array, tile: int, value: float = 0.0) -> jax.Array:
 def triton_params(num_warps: int, num_stages: int) -> plgpu.CompilerParams:
     """Triton compiler parameters; ignored by interpret mode."""
     return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def check_eps(name: str, eps) -> None:
+    """A norm's epsilon: a finite number > 0 (0 gives NaN on a zero row, < 0 NaN on any
+    row whose mean square is below -eps): checked as the kernel traces."""
+    if (isinstance(eps, bool) or not isinstance(eps, int | float | np.integer | np.floating)
+            or not math.isfinite(float(eps)) or eps <= 0):
+        raise ValueError(f"{name}: eps={eps!r} must be a finite number > 0")
+
+
+def check_out_dtype(name: str, out_dtype) -> None:
+    """A matmul's out_dtype: None (float32) or a float dtype, never a silent cast of the
+    f32 accumulator to an integer type."""
+    if out_dtype is not None and not jnp.issubdtype(jnp.dtype(out_dtype), jnp.floating):
+        raise ValueError(f"{name}: out_dtype={jnp.dtype(out_dtype)} must be a float dtype "
+                         "(the f32 accumulator's rounding)")
 
 
 def check_float(name: str, x: jax.Array) -> None:

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels._common import check_float, pad_axis, pad_rows, triton_params
+from pallas_kernels._common import check_eps, check_float, pad_axis, pad_rows, triton_params
 from pallas_kernels.rmsnorm import norm_rows, rmsnorm_config, rmsnorm_reference
 
 
@@ -71,6 +71,7 @@ def add_rmsnorm(
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """(x + o, rmsnorm(x + o) * (offset + w)) for rows of x, o [M, D]; both x.dtype."""
+    check_eps("add_rmsnorm", eps)
     _check_args(x, o, w, offset)
     m, d = x.shape
     cfg = rmsnorm_config(d, x.dtype, interpret)  # the plain RMSNorm's tiling

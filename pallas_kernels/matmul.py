@@ -61,6 +61,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._common import (
     check_float,
+    check_out_dtype,
     dot_f32,
     pad_axis,
     pad_rows,
@@ -463,6 +464,7 @@ def matmul(
     (`scheduled`: MULTI_TILE, TALL_TILE, PREFILL_TILE or `prefill_rule`; the row tile,
     column tile, K tile, warps and stages: scheduling only on the GPU).
     """
+    check_out_dtype("matmul", out_dtype)
     _check_shapes(x, w)
     out_dtype = jnp.dtype(jnp.float32 if out_dtype is None else out_dtype)
     m, k = x.shape

@@ -33,7 +33,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels._common import check_float, pad_axis, pad_rows, triton_params
+from pallas_kernels._common import check_eps, check_float, pad_axis, pad_rows, triton_params
 from pallas_kernels.rmsnorm import rmsnorm, rmsnorm_config
 from pallas_kernels.rope import rope, rope_config, rope_reference
 
@@ -171,6 +171,7 @@ def qk_norm_rope(qkv: jax.Array, q_w: jax.Array | None, k_w: jax.Array | None, c
     """qkv [M, >= num_q + num_k, D] (q heads, then k heads, then anything, e.g. v)
     -> [M, num_q + num_k, D]: each head RMSNorm-ed (q_w for q heads, k_w for k heads;
     both None: no norm) then rotated by per-row cos, sin [M, D/2]; qkv.dtype."""
+    check_eps("qk_norm_rope", eps)
     _check(qkv, q_w, k_w, cos, sin, num_q, num_k, offset)
     m, _, d = qkv.shape
     cfg = rope_config(d, interpret)
@@ -227,6 +228,7 @@ def qk_norm_rope_kv(qkv: jax.Array, q_w: jax.Array | None, k_w: jax.Array | None
     lengths + T <= S). qk is `qk_norm_rope`'s, the same arithmetic and tiles. The
     caches are updated in place (input_output_aliases). Head sizes whose halves need
     padding (odd D / 2) take `qk_norm_rope` and the writes separately."""
+    check_eps("qk_norm_rope_kv", eps)
     _check(qkv, q_w, k_w, cos, sin, num_q, 2 * num_k, offset)
     m, _, d = qkv.shape
     B, _, S, _ = k_buf.shape

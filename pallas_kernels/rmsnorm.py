@@ -25,7 +25,14 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels._common import check_float, next_pow2, pad_axis, pad_rows, triton_params
+from pallas_kernels._common import (
+    check_eps,
+    check_float,
+    next_pow2,
+    pad_axis,
+    pad_rows,
+    triton_params,
+)
 
 _MAX_WHOLE_ROW = 8192  # widest feature axis held in one tile
 _LOOP_BLOCK = 4096  # feature block when the row is wider than that
@@ -115,6 +122,7 @@ def rmsnorm(
     x: jax.Array, w: jax.Array, *, eps: float, offset: float = 0.0, interpret: bool = False
 ) -> jax.Array:
     """RMSNorm of each row of x [M, D] with weight w [D]; returns x.dtype."""
+    check_eps("rmsnorm", eps)
     _check_shapes(x, w)
     if offset not in (0.0, 1.0):
         raise ValueError(f"rmsnorm supports offset 0.0 (Llama) or 1.0 (Gemma); got {offset=}")

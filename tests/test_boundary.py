@@ -69,7 +69,17 @@ REALS = {  # NaN, inf, bools and strings where a finite number is wanted
     "temperature str": (lambda: jspec.make_sampler("0.5"), "temperature='0.5'"),
     "top_p nan": (lambda: jspec.Sample(top_p=float("nan")), r"top_p=nan .* in \(0, 1\]"),
     "top_p over": (lambda: jspec.Sample(top_p=1.5), "top_p=1.5"),
+    # a kernel's own epsilon (0: NaN on a zero row; < 0: NaN on small rows), as it traces
+    "rmsnorm eps 0": (lambda: _kernel_norm("rmsnorm", 0.0), "rmsnorm: eps=0.0 must be"),
+    "mosaic rmsnorm eps": (lambda: _kernel_norm("mosaic", -1.0), "rmsnorm: eps=-1.0"),
 }
+
+
+def _kernel_norm(which: str, eps: float):
+    from pallas_kernels import mosaic, rmsnorm
+    fn = mosaic.rmsnorm if which == "mosaic" else rmsnorm
+    return fn(jnp.zeros((2, 64), jnp.bfloat16), jnp.ones((64,), jnp.bfloat16), eps=eps,
+              interpret=True)
 
 SEEDS = {  # seeds are int32 on the device: [0, 2**31), never wrapped
     "huge": (_gen(seed=2**31), r"seed=2147483648 must be an integer in \[0, 2\*\*31\)"),
@@ -93,6 +103,10 @@ SEQUENCES = {  # strings for lists, bare numbers, float entries, empty lists, ou
     "dynamic two": (lambda: jspec.parse_tree("dynamic:4,16"), ValueError, "three integers"),
     "tree word": (lambda: jspec.parse_tree("3,x"), ValueError, "'x' is not an integer"),
     "tree not str": (lambda: jspec.parse_tree(3), TypeError, "tree must be a string"),
+    "dynamic shallow": (lambda: jspec.TreeConfig(dynamic=(6, 2, 4)), ValueError,
+                        "2 nodes never reach depth 4"),
+    "adaptive gamma": (lambda: jspec.Adaptive(gammas=(0, 33)), ValueError,
+                       r"Adaptive.gammas\[1\]=33 is out of range \[0, 33\)"),
     "prompts empty": (lambda: jspec.generate(_model(), [], max_new_tokens=2), ValueError,
                       "prompts is empty"),
     "prompt bool id": (lambda: jspec.generate(_model(), [[5, True]], max_new_tokens=2),
@@ -237,6 +251,14 @@ def test_flags_are_bools(name):
     call, fragment = BOOLS[name]
     with pytest.raises(TypeError, match=fragment):
         call()
+
+
+def test_a_matmul_never_casts_its_accumulator_to_integers():
+    from pallas_kernels import matmul, mosaic
+    x, w = jnp.ones((2, 64), jnp.bfloat16), jnp.ones((64, 64), jnp.bfloat16)
+    for fn in (matmul, mosaic.matmul):  # (saturated int8 before: 127 for 595.8)
+        with pytest.raises(ValueError, match="matmul: out_dtype=int8 must be a float dtype"):
+            fn(x, w, out_dtype=jnp.int8, interpret=True)
 
 
 def test_numpy_integers_are_accepted_and_normalised():

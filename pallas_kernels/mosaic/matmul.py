@@ -69,7 +69,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels._common import pad_axis, round_up
+from pallas_kernels._common import check_out_dtype, pad_axis, round_up
 from pallas_kernels.matmul import add_partials, matmul_reference
 from pallas_kernels.matmul_glu import _glu_tile, check_glu_weight, matmul_glu_reference
 from pallas_kernels.mosaic.prefill_matmul import (
@@ -571,6 +571,7 @@ def matmul(x: jax.Array, w: jax.Array, *, out_dtype=None, interpret: bool = Fals
     lowering's other knob, is accepted and unused: a 64-row tile already holds a batch-8
     verify block. `interpret`: run in Pallas's GPU interpret mode (CPU).
     """
+    check_out_dtype("matmul", out_dtype)
     del row_group
     _check(x, w, "matmul")
     out_dtype = jnp.dtype(jnp.float32 if out_dtype is None else out_dtype)

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels._common import pad_axis, round_up
+from pallas_kernels._common import check_eps, pad_axis, round_up
 from pallas_kernels.add_rmsnorm import _check_args as _check_add_args
 from pallas_kernels.add_rmsnorm import add_rmsnorm_reference
 from pallas_kernels.rmsnorm import _check_shapes, rmsnorm_reference
@@ -120,6 +120,7 @@ def rmsnorm(x: jax.Array, w: jax.Array, *, eps: float, offset: float = 0.0,
             interpret: bool = False) -> jax.Array:
     """RMSNorm of each row of x [M, D] with weight w [D] on Mosaic GPU; returns x.dtype.
     `interpret`: Pallas's GPU interpret mode (CPU)."""
+    check_eps("rmsnorm", eps)
     _check_shapes(x, w)
     if offset not in (0.0, 1.0):
         raise ValueError(f"rmsnorm supports offset 0.0 (Llama) or 1.0 (Gemma); got {offset=}")
@@ -139,6 +140,7 @@ def rmsnorm(x: jax.Array, w: jax.Array, *, eps: float, offset: float = 0.0,
 def add_rmsnorm(x: jax.Array, o: jax.Array, w: jax.Array, *, eps: float, offset: float = 0.0,
                 interpret: bool = False) -> tuple[jax.Array, jax.Array]:
     """(x + o, rmsnorm(x + o) * (offset + w)) for rows of x, o [M, D] on Mosaic GPU."""
+    check_eps("add_rmsnorm", eps)
     _check_add_args(x, o, w, offset)  # o: x's dtype, so a float too
     m, d = x.shape
     if m == 0:

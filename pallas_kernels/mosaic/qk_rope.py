@@ -29,7 +29,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels._common import pad_axis
+from pallas_kernels._common import check_eps, pad_axis
 from pallas_kernels.qk_rope import _check, qk_norm_rope_reference
 from pallas_kernels.rope import _check_shapes, rope_reference
 
@@ -130,6 +130,7 @@ def qk_norm_rope(qkv: jax.Array, q_w: jax.Array | None, k_w: jax.Array | None,
     """`pallas_kernels.qk_rope.qk_norm_rope` on Mosaic GPU: qkv [M, >= num_q + num_k, D]
     -> [M, num_q + num_k, D], each q and k head normed (q_w, k_w [D]; both None: no norm)
     and rotated by per-row cos, sin [M, D/2]. `interpret`: Pallas's GPU interpret mode."""
+    check_eps("qk_norm_rope", eps)
     _check(qkv, q_w, k_w, cos, sin, num_q, num_k, offset)
     m, heads, d = qkv.shape
     if not takes(heads, d):
