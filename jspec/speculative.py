@@ -628,11 +628,13 @@ def accept_step(logits, drafts, draft_logits, seed, pos, *, spec: SpecConfig, ro
 
 
 def commit_step(drafter, state: SpecState, ctx: ProposeContext, cache, dstate, drafts, n_acc,
-                nxt, *, spec: SpecConfig, forward: Forward | None = None) -> SpecState:
+                nxt, *, spec: SpecConfig, features=None,
+                forward: Forward | None = None) -> SpecState:
     """Phase 4 (see `_commit`): n_acc [B] in [0, g] and nxt [B] in [0, V), checked on the
     host when concrete (traced: flagged in the state, `check_state` raises); pass the
     verify block's `forward` to have its NaN / inf logits flagged as the engine's rounds
-    do (without it, accept_step reads NaN logits as it reads any)."""
+    do (without it, accept_step reads NaN logits as it reads any) and its `features` (a
+    feature drafter's: `verify_step(..., layers=feature_layers(drafter))`) handed on."""
     check_type("state", state, SpecState, "a jspec.speculative.SpecState (prefill)")
     _check_phase(state, spec, "commit_step")
     B = state.cur.shape[0]
@@ -646,8 +648,10 @@ def commit_step(drafter, state: SpecState, ctx: ProposeContext, cache, dstate, d
             if not np.issubdtype(v.dtype, np.integer) or np.any(((v < 0) | (v >= hi)) & live):
                 raise ValueError(f"commit_step: {what}={v.tolist()} must be integers in "
                                  f"[0, {hi}) (accept_step's answer)")
+    if features is None and forward is not None:
+        features = forward.features
     return _commit_jit(drafter, state, ctx, cache, dstate, drafts, n_acc, nxt, spec=spec,
-                       forward=forward)
+                       features=features, forward=forward)
 def _one_round(target: Model, drafter, state: SpecState, seed, *, spec: SpecConfig
                ) -> SpecState:
     _check_phase(state, spec, "one_round")
