@@ -92,8 +92,11 @@ class Adaptive:
 
     def __post_init__(self):
         # (SpecConfig checks each shape as its own config too: the tree.)
-        gammas = check_ints("Adaptive.gammas", self.gammas, least=0, high=MAX_GAMMA + 1,
-                            nonempty=True)
+        gammas = check_ints("Adaptive.gammas", self.gammas, least=0, nonempty=True)
+        if max(gammas) > MAX_GAMMA:  # (SpecConfig's words for a chain's gamma)
+            raise ValueError(f"Adaptive.gammas: gamma={max(gammas)} exceeds MAX_GAMMA="
+                             f"{MAX_GAMMA} (a verify block of at most {MAX_GAMMA + 1} "
+                             "positions)")
         object.__setattr__(self, "gammas", tuple(sorted(set(gammas))))
         if self.tree is not None and not isinstance(self.tree, TreeConfig):
             raise TypeError(f"Adaptive.tree must be a jspec.TreeConfig; got "

@@ -47,7 +47,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels._common import check_out_dtype, pad_axis, round_up
+from pallas_kernels._common import pad_axis, round_up
 from pallas_kernels.matmul_glu import _glu_tile, check_glu_weight
 
 __all__ = ["PrefillConfig", "prefill_matmul", "prefill_matmul_glu"]
@@ -271,7 +271,6 @@ def prefill_matmul(x: jax.Array, w: jax.Array, *, config: PrefillConfig, out_dty
     """x [M, K] @ w [K, N] -> [M, N] in out_dtype (default float32): the plain design's
     sums with `config.bk`, warp-specialized. N must be a multiple of `config.cta_n`.
     `num_sms`: the persistent grid's CTAs (default: the device's SMs)."""
-    check_out_dtype("prefill_matmul", out_dtype)
     _check(x, w, config, "prefill_matmul")
     _check_sms(num_sms, "prefill_matmul")
     out_dtype = jnp.dtype(jnp.float32 if out_dtype is None else out_dtype)
