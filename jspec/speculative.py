@@ -155,6 +155,10 @@ def context(target: Model, state: SpecState, seed, *, spec: SpecConfig) -> Propo
     return _context(target, state, seed, spec)
 
 
+def _concrete(*xs) -> bool:
+    return not any(isinstance(x, jax.core.Tracer) for x in xs)
+
+
 def _check_seed_arg(seed, name: str) -> None:
     """A phase's seed: an integer scalar (traced: its dtype and shape; concrete: also its
     value in [0, 2**31)), not a float or a negative int wrapped silently."""
@@ -164,7 +168,7 @@ def _check_seed_arg(seed, name: str) -> None:
     if shape != () or not np.issubdtype(dtype, np.integer) or dtype == np.bool_:
         raise ValueError(f"{name}: seed must be an integer scalar (e.g. jnp.int32(0)); got "
                          f"shape {shape}, dtype {dtype}")
-    if not isinstance(seed, jax.core.Tracer) and not 0 <= int(seed) < 2**31:
+    if _concrete(seed) and not 0 <= int(seed) < 2**31:
         raise ValueError(f"{name}: seed={int(seed)} must lie in [0, 2**31)")
 
 
@@ -296,23 +300,14 @@ def _check_answer(policy, method: str, out, names: tuple[str, ...], B: int):
 
 
 def _commit(drafter, state: SpecState, ctx: ProposeContext, cache, dstate, drafts, n_acc, nxt,
-            *, spec: SpecConfig, features=None, tree: bool = False,
-            forward: Forward | None = None) -> SpecState:
+            *, spec: SpecConfig, features=None, tree: bool = False) -> SpecState:
     """Phase 4: emit d_1..d_{n_acc}, nxt (cut at max_new_tokens and stop tokens), roll the
-    target back to pos + n_acc + 1, catch the drafter up, update statistics. An answer
-    outside n_acc in [0, g], nxt in [0, V) is flagged (`check_state` raises) and n_acc
-    clipped, so a flagged state never holds a negative length; `forward` (the verify
-    block's `Forward`): its NaN / inf logits and activation flags are flagged too."""
+    target back to pos + n_acc + 1, catch the drafter up, update statistics."""
     g, N = drafts.shape[1], spec.max_new_tokens
     B = state.cur.shape[0]
     rows, pos = ctx.rows, ctx.pos
-    if forward is not None:
-        G = forward.logits.shape[1]
-        state = _check_finite(state, forward, pos, pos[:, None] + jnp.arange(G)[None, :])
-    state = _check_policy_range(state, pos, (n_acc < 0) | (n_acc > g) | (nxt < 0)
-                                | (nxt >= ctx.vocab))
     live = ~state.done
-    n_acc = jnp.where(live, jnp.clip(n_acc, 0, g), 0)
+    n_acc = jnp.where(live, n_acc, 0)
     slot = jnp.arange(g + 1)[None, :]
     emit = jnp.where(slot < n_acc[:, None], jnp.pad(drafts, ((0, 0), (0, 1))), nxt[:, None])
     count = jnp.minimum(n_acc + 1, N - state.num)
@@ -557,7 +552,7 @@ def prefill(target: Model, drafter, tokens, lens, seed, *, spec: SpecConfig,
     _validate(target, drafter, spec)  # what speculative_generate checks first
     _check_phase_spec(spec, "prefill")
     _check_seed_arg(seed, "prefill")
-    if not any(isinstance(x, jax.core.Tracer) for x in (tokens, lens)):
+    if _concrete(tokens, lens):
         toks = np.asarray(tokens)
         if toks.ndim != 2 or not np.issubdtype(toks.dtype, np.integer) \
                 or toks.dtype == np.bool_:
@@ -573,11 +568,27 @@ prefill.lower = _prefill_jit.lower
 draft_step = jax.jit(_draft, compiler_options=COMPILER_OPTIONS)
 _verify_jit = jax.jit(_verify, static_argnames=("layers",), compiler_options=COMPILER_OPTIONS)
 _accept_jit = jax.jit(_accept, static_argnames=("spec",), compiler_options=COMPILER_OPTIONS)
-_commit_jit = jax.jit(_commit, static_argnames=("spec",), compiler_options=COMPILER_OPTIONS)
 
 
-def _concrete(*xs) -> bool:
-    return not any(isinstance(x, jax.core.Tracer) for x in xs)
+def _commit_phase(drafter, state: SpecState, ctx: ProposeContext, cache, dstate, drafts,
+                  n_acc, nxt, *, spec: SpecConfig, features=None,
+                  forward: Forward | None = None) -> SpecState:
+    """`commit_step`'s body: the checks the engine's rounds make before their commit (a
+    loop of one's own skips them), then `_commit`. An answer outside n_acc in [0, g], nxt
+    in [0, V) is flagged (`check_state` raises) and n_acc clipped, so a flagged state
+    never holds a negative length; `forward`'s NaN / inf logits and flags are flagged."""
+    g, pos = drafts.shape[1], ctx.pos
+    if forward is not None:
+        G = forward.logits.shape[1]
+        state = _check_finite(state, forward, pos, pos[:, None] + jnp.arange(G)[None, :])
+    state = _check_policy_range(state, pos, (n_acc < 0) | (n_acc > g) | (nxt < 0)
+                                | (nxt >= ctx.vocab))
+    return _commit(drafter, state, ctx, cache, dstate, drafts, jnp.clip(n_acc, 0, g), nxt,
+                   spec=spec, features=features)
+
+
+_commit_jit = jax.jit(_commit_phase, static_argnames=("spec",),
+                      compiler_options=COMPILER_OPTIONS)
 
 
 def _check_rows(name: str, B: int, **arrays) -> None:
@@ -613,11 +624,10 @@ def accept_step(logits, drafts, draft_logits, seed, pos, *, spec: SpecConfig, ro
     g], pos [B] (cur's positions); draft_logits [B, g, V] where the policy reads them."""
     _check_phase_spec(spec, "accept_step")
     _check_seed_arg(seed, "accept_step")
-    B = np.shape(logits)[0] if np.ndim(logits) == 3 else -1
-    if B < 0:
+    if np.ndim(logits) != 3:
         raise ValueError(f"accept_step: logits must be [B, g+1, V]; got shape "
                          f"{np.shape(logits)}")
-    G, V = np.shape(logits)[1:]
+    B, G, V = np.shape(logits)
     _check_rows("accept_step", B, drafts=(drafts, (B, G - 1)), pos=(pos, (B,)))
     if spec.policy.uses_draft_logits:
         if draft_logits is None:
@@ -630,7 +640,7 @@ def accept_step(logits, drafts, draft_logits, seed, pos, *, spec: SpecConfig, ro
 def commit_step(drafter, state: SpecState, ctx: ProposeContext, cache, dstate, drafts, n_acc,
                 nxt, *, spec: SpecConfig, features=None,
                 forward: Forward | None = None) -> SpecState:
-    """Phase 4 (see `_commit`): n_acc [B] in [0, g] and nxt [B] in [0, V), checked on the
+    """Phase 4 (`_commit_phase`): n_acc [B] in [0, g] and nxt [B] in [0, V), checked on the
     host when concrete (traced: flagged in the state, `check_state` raises); pass the
     verify block's `forward` to have its NaN / inf logits flagged as the engine's rounds
     do (without it, accept_step reads NaN logits as it reads any) and its `features` (a
