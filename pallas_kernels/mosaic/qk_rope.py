@@ -54,17 +54,20 @@ def _tma_heads(n: int) -> int:
     return n if n <= 8 else -(-n // 8) * 8
 
 
-def _kernel(x_gmem, w_gmem, cos_gmem, sin_gmem, o_gmem, x1_s, x2_s, w_s, c_s, s_s, o1_s,
-            o2_s, bar, *, d: int, eps: float, offset: float, num_q: int, norm: bool):
-    # x_gmem [M, Hin, 2, half]; w_gmem [2, 2, half] (q's weight halves, then k's);
-    # cos_gmem, sin_gmem [M, half] f32; o_gmem [M, Hout, 2, half]; *_s: one program's tiles.
+def _kernel(x_gmem, wq_gmem, wk_gmem, cos_gmem, sin_gmem, o_gmem, x1_s, x2_s, w_s, c_s,
+            s_s, o1_s, o2_s, bar, *, d: int, eps: float, offset: float, num_q: int,
+            norm: bool):
+    # x_gmem [M, Hin, 2, half]; wq_gmem, wk_gmem [2, half] (q's and k's weight halves: two
+    # inputs, so a call stacks nothing); cos_gmem, sin_gmem [M, half] f32; o_gmem [M, Hout,
+    # 2, half]; *_s: one program's tiles (w_s [2, 2, half]: q's, then k's).
     m, blk = lax.axis_index("m"), lax.axis_index("h")
     heads = pl.ds(blk * HEADS, HEADS)
     plgpu.copy_gmem_to_smem(x_gmem.at[m, heads, 0], x1_s, bar)
     plgpu.copy_gmem_to_smem(x_gmem.at[m, heads, 1], x2_s, bar)
     plgpu.copy_gmem_to_smem(cos_gmem.at[m], c_s, bar)
     plgpu.copy_gmem_to_smem(sin_gmem.at[m], s_s, bar)
-    plgpu.copy_gmem_to_smem(w_gmem, w_s, bar)
+    plgpu.copy_gmem_to_smem(wq_gmem, w_s.at[0], bar)
+    plgpu.copy_gmem_to_smem(wk_gmem, w_s.at[1], bar)
     plgpu.barrier_wait(bar)
     dtype = o1_s.dtype
     tile = plgpu.Layout.WGMMA
@@ -97,9 +100,9 @@ def _kernel(x_gmem, w_gmem, cos_gmem, sin_gmem, o_gmem, x1_s, x2_s, w_s, c_s, s_
     plgpu.wait_smem_to_gmem(0)
 
 
-def _launch(x, w, cos, sin, heads_out: int, *, eps: float, offset: float, num_q: int,
+def _launch(x, wq, wk, cos, sin, heads_out: int, *, eps: float, offset: float, num_q: int,
             norm: bool, interpret: bool, name: str) -> jax.Array:
-    """x [M, Hin, D], w [2, D] (q's, k's) -> [M, heads_out, D]: the first heads_out heads,
+    """x [M, Hin, D], wq, wk [D] (q's, k's) -> [M, heads_out, D]: the first heads_out heads,
     each normed (when `norm`) and rotated."""
     x = pad_axis(x, 1, _tma_heads(x.shape[1]))  # zero heads, never stored (module doc)
     m, hin, d = x.shape
@@ -113,13 +116,13 @@ def _launch(x, w, cos, sin, heads_out: int, *, eps: float, offset: float, num_q:
         out_type=jax.ShapeDtypeStruct((m, hout, 2, half), x.dtype),
         scratch_types=dict(x1_s=tile, x2_s=tile, w_s=plgpu.SMEM((2, 2, half), x.dtype),
                            c_s=row, s_s=row, o1_s=tile, o2_s=tile,
-                           bar=plgpu.Barrier(num_arrivals=5)),
+                           bar=plgpu.Barrier(num_arrivals=6)),
         grid=(m, -(-heads_out // HEADS)),
         grid_names=("m", "h"),
         kernel_name=name,
         interpret=plgpu.InterpretGPUParams() if interpret else None,
-    )(x.reshape(m, hin, 2, half), w.astype(x.dtype).reshape(2, 2, half),
-      cos.astype(jnp.float32), sin.astype(jnp.float32))
+    )(x.reshape(m, hin, 2, half), wq.astype(x.dtype).reshape(2, half),
+      wk.astype(x.dtype).reshape(2, half), cos.astype(jnp.float32), sin.astype(jnp.float32))
     return out.reshape(m, hout, d)[:, :heads_out]  # the heads the caller slices anyway
 
 
@@ -137,10 +140,11 @@ def qk_norm_rope(qkv: jax.Array, q_w: jax.Array | None, k_w: jax.Array | None,
         raise ValueError(f"the Mosaic GPU qk_norm_rope takes head_dim with halves of 8-256 "
                          f"elements in multiples of 8; got {heads} heads of {d}")
     norm = q_w is not None
-    w = jnp.stack([q_w, k_w]) if norm else jnp.zeros((2, d), qkv.dtype)
+    if not norm:
+        q_w = k_w = jnp.zeros((d,), qkv.dtype)
     if m == 0:
         return qkv[:, : num_q + num_k]
-    return _launch(qkv, w, cos, sin, num_q + num_k, eps=eps, offset=offset, num_q=num_q,
+    return _launch(qkv, q_w, k_w, cos, sin, num_q + num_k, eps=eps, offset=offset, num_q=num_q,
                    norm=norm, interpret=interpret, name="jspec_mosaic_qk_norm_rope")
 
 
@@ -155,5 +159,6 @@ def rope(x: jax.Array, cos: jax.Array, sin: jax.Array, *, interpret: bool = Fals
                          f"in multiples of 8; got {h} heads of {d}")
     if m == 0:
         return x
-    return _launch(x, jnp.zeros((2, d), x.dtype), cos, sin, h, eps=0.0, offset=0.0, num_q=h,
+    zeros = jnp.zeros((d,), x.dtype)
+    return _launch(x, zeros, zeros, cos, sin, h, eps=0.0, offset=0.0, num_q=h,
                    norm=False, interpret=interpret, name="jspec_mosaic_rope")
