@@ -40,6 +40,14 @@ def check_x32() -> None:
                          "(the rest of your program keeps 64-bit), or turn the mode off")
 
 
+def holds_bool(value) -> bool:
+    """Whether value is a bool or a (nested) list or tuple holding one: numpy would turn it
+    into the integer 1 or 0 without a word."""
+    if isinstance(value, bool | np.bool_):
+        return True
+    return isinstance(value, list | tuple) and any(holds_bool(v) for v in value)
+
+
 def is_int(value) -> bool:
     """A Python or numpy integer, not a bool."""
     return isinstance(value, int | np.integer) and not isinstance(value, bool | np.bool_)
@@ -73,7 +81,11 @@ def check_real(name: str, value, *, low: float | None = None, high: float | None
                low_open: bool = False, high_open: bool = False) -> float:
     """A finite int or float within the bounds given (NaN, inf and bools are errors)."""
     ok = (isinstance(value, int | float | np.integer | np.floating)
-          and not isinstance(value, bool | np.bool_) and math.isfinite(float(value)))
+          and not isinstance(value, bool | np.bool_))
+    try:
+        ok = ok and math.isfinite(float(value))
+    except OverflowError:  # an int past float's range
+        ok = False
     if ok:
         v = float(value)
         ok = ((low is None or (v > low if low_open else v >= low))
@@ -121,6 +133,9 @@ def check_path(name: str, value) -> str:
     if not isinstance(value, str | os.PathLike) or not os.fspath(value):
         raise TypeError(f"{name} must be a path (a str or os.PathLike); got "
                         f"{type(value).__name__} {value!r:.100}")
+    if "\0" in os.fspath(value):
+        raise ValueError(f"{name}={os.fspath(value)!r:.100} holds a NUL character: no file "
+                         "system takes it")
     return os.path.expanduser(os.fspath(value))
 
 

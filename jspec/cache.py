@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jspec._checks import check_count, check_type, check_x32
+from jspec._checks import check_count, check_type, check_x32, holds_bool
 
 # Key-block granularity of the cache capacity: every attention kernel
 # configuration uses a key block that divides this.
@@ -111,12 +111,17 @@ def check_live(cache: KVCache, name: str = "cache") -> None:
 
 def _check_rollback(cache: KVCache, lengths) -> None:
     arr = np.asarray(lengths)
-    if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
-        raise ValueError(f"rollback lengths must be integers; got dtype {arr.dtype}")
     B = cache.batch_size
-    if arr.ndim > 1 or (arr.ndim == 1 and arr.shape[0] != B):
+    if arr.dtype != object and (arr.ndim > 1 or (arr.ndim == 1 and arr.shape[0] != B)):
         raise ValueError(f"rollback lengths must be a scalar or one per row ([{B}]); got "
                          f"shape {arr.shape}")
+    if arr.dtype == object:  # ints past int64, or ragged lists
+        raise ValueError(f"rollback lengths must be int32 integers, a scalar or one per row "
+                         f"([{B}]); got {lengths!r:.100}")
+    if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
+        raise ValueError(f"rollback lengths must be integers; got dtype {arr.dtype}")
+    if holds_bool(lengths):  # [True, 1]: numpy makes it [1, 1]
+        raise ValueError("rollback lengths must be integers; got a bool among them")
     arr = np.broadcast_to(arr, (B,))
     if isinstance(cache.lengths, jax.core.Tracer):  # only the capacity is known
         high, bound = np.full((B,), cache.max_len), f"max_len={cache.max_len}"

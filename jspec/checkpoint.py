@@ -25,12 +25,12 @@ import json
 import logging
 import os
 import re
-import tempfile
 
 import jax
 import numpy as np
 
 from jspec._checks import check_path, check_type, existing_ancestor
+from jspec.fused_draft import in_layout, is_transposed
 from jspec.loading import DIGEST_FILE, CheckpointError
 from jspec.model import Model
 
@@ -91,14 +91,15 @@ def save_params(path: str, model: Model) -> None:
     if inside:
         raise FileExistsError(f"{path} is inside the checkpoint {inside}: save_params "
                               "changes no checkpoint; give a path outside it")
-    _check_writable(path)
+    _check_writable(path, tmp_dir)
     import orbax.checkpoint as ocp  # ~0.6 s to import: only when a checkpoint is used
 
+    params = in_layout(model.params, False)  # [in, out], whatever DraftOptions.fused says
     with ocp.StandardCheckpointer() as ckptr:
-        ckptr.save(path, model.params)
+        ckptr.save(path, params)
         ckptr.wait_until_finished()
     record = {"format": DIGEST_FORMAT, "algorithm": "sha256",
-              "tensor_parallel": _degree(model), "arrays": param_digests(model.params)}
+              "tensor_parallel": _degree(model), "arrays": param_digests(params)}
     tmp = os.path.join(path, DIGEST_FILE + ".tmp")
     with open(tmp, "w") as f:
         json.dump(record, f, indent=1, sort_keys=True)
@@ -117,10 +118,11 @@ def _enclosing_checkpoint(path: str) -> str | None:
         d = os.path.dirname(d)
 
 
-def _check_writable(path: str) -> None:
-    """That a directory can be created at `path` (its parents made as needed), before orbax
-    is called: a path orbax cannot create fails in its background threads, which then
-    keep the process alive for minutes."""
+def _check_writable(path: str, tmp_dir: str) -> None:
+    """That orbax's directory `tmp_dir` (path + TMP_SUFFIX: a name the file system must take
+    too) can be created beside `path` (its parents made as needed), before orbax is called:
+    a path orbax cannot create fails in its background threads, which then keep the process
+    alive for minutes."""
     parent = os.path.dirname(path)
     ancestor = existing_ancestor(parent)
     if not os.path.isdir(ancestor):
@@ -128,7 +130,8 @@ def _check_writable(path: str) -> None:
                               "a file, not a directory")
     try:
         os.makedirs(parent, exist_ok=True)
-        os.rmdir(tempfile.mkdtemp(prefix=".jspec_probe_", dir=parent))
+        os.mkdir(tmp_dir)  # absent (checked by the caller): the exact name orbax makes
+        os.rmdir(tmp_dir)
     except OSError as e:
         where = f" ({e.filename})" if e.filename else ""
         raise CheckpointError(f"cannot create the checkpoint directory {path}: "
@@ -192,9 +195,9 @@ def _stored_specs(ckptr, path: str) -> dict[str, tuple]:
     return {name: (tuple(m.shape), str(np.dtype(m.dtype))) for name, m in _leaves(tree).items()}
 
 
-def _check_like(path: str, stored: dict[str, tuple], like: Model) -> None:
+def _check_like(path: str, stored: dict[str, tuple], like_params) -> None:
     want = {name: (tuple(np.shape(x)), str(np.dtype(x.dtype)))
-            for name, x in _leaves(like.params).items()}
+            for name, x in _leaves(like_params).items()}
     missing = [n for n in want if n not in stored]
     extra = [n for n in stored if n not in want]
     if missing:
@@ -232,9 +235,15 @@ def restore_params(path: str, like: Model) -> Model:
     digests = None if record is None else record["arrays"]
     import orbax.checkpoint as ocp
 
-    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, like.params)
     with ocp.StandardCheckpointer() as ckptr:
-        _check_like(path, _stored_specs(ckptr, path), like)
+        stored = _stored_specs(ckptr, path)
+        # save_params writes the [in, out] layout (a checkpoint of a model with
+        # DraftOptions.fused written before it did holds the transposed one): restore the
+        # stored layout, then give `like`'s.
+        stored_t = any(name.endswith(".wqkv_t") for name in stored)
+        want = in_layout(like.params, stored_t)
+        _check_like(path, stored, want)
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, want)
         try:
             params = ckptr.restore(path, abstract)
         except Exception as e:  # orbax/tensorstore raise many types for damaged data
@@ -247,7 +256,7 @@ def restore_params(path: str, like: Model) -> Model:
     if digests is None:
         LOG.warning("%s: no %s (written before jspec stored digests): the restored params "
                     "cannot be verified", path, DIGEST_FILE)
-        return like.replace(params=params)
+        return like.replace(params=_layout_of(params, like))
     restored = _leaves(params)
     unknown = sorted(set(digests) - set(restored))
     if unknown:
@@ -264,4 +273,9 @@ def restore_params(path: str, like: Model) -> Model:
             f"{path}: array {bad[0]!r} differs from the digest written at save "
             f"({len(bad)} of {len(restored)} arrays differ: {', '.join(bad[:10])}): a data "
             f"file under {path} is corrupt or was changed")
-    return like.replace(params=params)
+    return like.replace(params=_layout_of(params, like))
+
+
+def _layout_of(params, like: Model):
+    """Restored params in `like`'s layer-weight layout (`DraftOptions.fused`: transposed)."""
+    return in_layout(params, is_transposed(like.params))

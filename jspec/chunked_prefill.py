@@ -27,7 +27,7 @@ from flax import struct
 
 from jspec._checks import check_ints, check_type, check_x32
 from jspec.cache import KVCache, check_live, rollback
-from jspec.model import COMPILER_OPTIONS, Model, apply, check_tokens, row_flags
+from jspec.model import COMPILER_OPTIONS, Model, apply, check_runs_here, check_tokens, row_flags
 
 
 @struct.dataclass
@@ -132,6 +132,7 @@ def prefill_jit(model: Model, tokens, lens, cache: KVCache, *,
     check_type("cache", cache, KVCache, "a jspec.KVCache (jspec.init_cache)")
     check_live(cache)
     check_x32()
+    check_runs_here(model)
     if any(isinstance(x, jax.core.Tracer) for x in (tokens, lens, cache.lengths)):
         raise TypeError("prefill_jit is called from the host; inside jax.jit, lax.scan or "
                         "vmap call jspec.chunked_prefill.prefill, which returns the same "

@@ -65,6 +65,12 @@ def _swap(params: dict, to_t: bool) -> dict:
     return {**params, "layers": layers}
 
 
+def in_layout(params: dict, transposed: bool) -> dict:
+    """params with the layer weights transposed ([out, in], `<name>_t`) or not ([in, out]);
+    a no-op when they already are (outside jit a transposition copies)."""
+    return params if is_transposed(params) == transposed else _swap(params, transposed)
+
+
 def prepare(model):
     """The model with its layer weights in the layout its config asks for: transposed
     ([out, in], `<name>_t`) when `DraftOptions.fused` is on, [in, out] otherwise. A no-op when
@@ -79,7 +85,7 @@ def prepare(model):
                          f"({model.config.family}); leave it off for this model")
     if is_transposed(model.params) == want:
         return model
-    return model.replace(params=_swap(model.params, want))
+    return model.replace(params=in_layout(model.params, want))
 
 
 def check_layout(model) -> None:

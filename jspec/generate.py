@@ -40,7 +40,7 @@ from jspec.loop import (
     run_chunked,
     token_bar,
 )
-from jspec.model import COMPILER_OPTIONS, Model, apply, check_tokens, row_flags
+from jspec.model import COMPILER_OPTIONS, Model, apply, check_runs_here, check_tokens, row_flags
 from jspec.sampling import Greedy, check_sampler, with_lowering
 
 PAD = -1  # marks output slots after a row stopped
@@ -307,6 +307,7 @@ def check_run_args(model, *, seed, stop_tokens, vocab_size: int, max_len=None,
     check_type("model", model, Model, "a jspec.Model (jspec.load_hf, jspec.random_model)")
     check_not_a_draft(model)
     check_x32()
+    check_runs_here(model)
     if max_len is not None:
         check_count("max_len", max_len)
     check_bool("progress", progress)

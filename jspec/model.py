@@ -34,7 +34,7 @@ import numpy as np
 from flax import struct
 
 from jspec import fused_draft, mxfp4
-from jspec._checks import check_bool, check_ints, check_type, check_x32
+from jspec._checks import check_bool, check_ints, check_type, check_x32, holds_bool
 from jspec.cache import KVCache, check_live, write_kv
 from jspec.config import ModelConfig
 from jspec.ops import get_ops, ops_for
@@ -495,12 +495,17 @@ def with_options(model: Model, *options: KernelOptions | DraftOptions, **fields)
     A `KernelOptions` or `DraftOptions` replaces the model's whole set of that kind;
     keyword arguments then replace single fields of either (`fuse_glu=False`,
     `fused=True`). `DraftOptions.fused` stores the layer weights transposed
-    (`<name>_t` [out, in]): save or export a model before giving it that option.
+    (`<name>_t` [out, in]); `save_params` writes the [in, out] layout either way.
     """
     if not isinstance(model, Model):
         raise TypeError(f"with_options takes a Model (jspec.load_hf, random_model); got "
                         f"{type(model).__name__}")
     kernel, draft = model.options, model.draft_options
+    for kind in (KernelOptions, DraftOptions):
+        if sum(isinstance(o, kind) for o in options) > 1:
+            raise TypeError(f"with_options takes one {kind.__name__} (a whole set: a second "
+                            "would replace the first); merge them, or give single fields as "
+                            "keywords (fuse_glu=False)")
     for o in options:
         if isinstance(o, KernelOptions):
             kernel = o
@@ -516,8 +521,9 @@ def with_options(model: Model, *options: KernelOptions | DraftOptions, **fields)
     kernel = dataclasses.replace(kernel, **{k: v for k, v in fields.items()
                                             if k in KERNEL_FIELDS})
     draft = dataclasses.replace(draft, **{k: v for k, v in fields.items() if k in DRAFT_FIELDS})
-    if (kernel.backend == "pallas" and not kernel.interpret and model.options.interpret
-            and default_interpret()):
+    was = model.options  # a set that compiles for a GPU on purpose (a lowering) stays so
+    if (kernel.backend == "pallas" and not kernel.interpret and default_interpret()
+            and not (was.backend == "pallas" and not was.interpret)):
         raise ValueError("with_options: the new options have interpret=False (a "
                          "KernelOptions' default), but this machine has no GPU and Pallas "
                          "kernels run here only in interpret mode: give KernelOptions(..., "
@@ -717,6 +723,8 @@ def check_call_shape(tokens, cache: KVCache) -> None:
     dtype = np.asarray(tokens).dtype if dtype is None else np.dtype(dtype)
     if not np.issubdtype(dtype, np.integer):  # static: checked inside jit too
         raise ValueError(f"tokens must be integers; got dtype {dtype}")
+    if holds_bool(tokens):  # a list [[1, True]]: numpy makes the bool an id
+        raise ValueError("tokens must be integers; got a bool among them")
     B, T = shape
     if B != cache.batch_size:
         raise ValueError(f"tokens has batch {B} but the cache has {cache.batch_size} rows")
@@ -786,6 +794,17 @@ def check_token_ids(tokens, vocab_size: int) -> None:
                          f"[0, {vocab_size})")
 
 
+def check_runs_here(model: Model, name: str = "model") -> None:
+    """A host entry point's check that the model's kernels can run on this machine: Pallas
+    runs on a CPU only in interpret mode. (A model that compiles for a GPU, `interpret=False`
+    on a CPU, can still be traced and lowered, e.g. exported for CUDA.)"""
+    opt = model.options
+    if opt.backend == "pallas" and not opt.interpret and default_interpret():
+        raise ValueError(f"{name}'s Pallas kernels compile for a GPU (interpret=False), but "
+                         "JAX runs on the CPU here, where Pallas runs only in interpret "
+                         f"mode: jspec.with_options({name}, interpret=True)")
+
+
 def forward(model: Model, tokens, cache: KVCache, *, donate: bool = True) -> Forward:
     """Appends tokens [B, T] at each row's length; returns a `Forward`, which unpacks as
     (logits [B, T, V] f32, cache).
@@ -798,6 +817,7 @@ def forward(model: Model, tokens, cache: KVCache, *, donate: bool = True) -> For
     check_bool("donate", donate)
     check_live(cache)
     check_x32()
+    check_runs_here(model)
     if any(isinstance(x, jax.core.Tracer) for x in (tokens, cache.lengths)):
         raise TypeError("jspec.forward is called from the host (it checks its arguments and "
                         "runs its own compiled program); inside jax.jit, lax.scan or vmap "

@@ -55,7 +55,15 @@ from jspec.loop import (
     run_chunked,
     token_bar,
 )
-from jspec.model import COMPILER_OPTIONS, Forward, Model, apply, check_token_ids, row_flags
+from jspec.model import (
+    COMPILER_OPTIONS,
+    Forward,
+    Model,
+    apply,
+    check_runs_here,
+    check_token_ids,
+    row_flags,
+)
 from jspec.sampling import with_lowering
 from jspec.spec_config import SpecConfig, shape_spec
 from jspec.tree import TreeConfig, commit_path, from_parents, well_formed
@@ -749,6 +757,7 @@ def _validate(target: Model, drafter, spec: SpecConfig) -> None:
     check_type("target", target, Model, "a jspec.Model (jspec.load_hf, jspec.random_model)")
     check_not_a_draft(target)
     check_x32()
+    check_runs_here(target, "target")
     check_drafter(drafter)
     if isinstance(drafter, OracleDrafter) and drafter.draft is not None:
         check_drafter(drafter.draft, "OracleDrafter.draft")

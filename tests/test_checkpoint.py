@@ -192,3 +192,41 @@ def test_a_digest_file_that_lists_too_little_is_named_as_such(saved, edit, match
     json.dump(record, open(fn, "w"))
     with pytest.raises(jspec.CheckpointError, match=match):
         jspec.restore_params(path, model)
+
+
+def test_a_name_the_file_system_refuses_is_refused_before_orbax(tmp_path):
+    # A name within the limit that orbax's ".orbax-checkpoint-tmp" pushes past it, or a NUL:
+    # orbax's threads would fail and then keep the process from exiting.
+    model = _model()
+    with pytest.raises(jspec.CheckpointError, match="cannot create the checkpoint"):
+        jspec.save_params(str(tmp_path / ("y" * 240)), model)
+    with pytest.raises(ValueError, match="NUL character"):
+        jspec.save_params(str(tmp_path / "a\0b"), model)
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_fused_draft_layout_saves_and_restores_as_the_plain_one(tmp_path):
+    # DraftOptions.fused keeps the layer weights transposed; a checkpoint holds [in, out]
+    # whatever the model's options, and restores into either layout.
+    plain = jspec.with_options(_model(), backend="xla")
+    fused = jspec.with_options(plain, jspec.DraftOptions(fused=True))
+    jspec.save_params(str(tmp_path / "f"), fused)
+    jspec.save_params(str(tmp_path / "p"), plain)
+    for path in ("f", "p"):
+        _equal(jspec.restore_params(str(tmp_path / path), plain), plain)
+        _equal(jspec.restore_params(str(tmp_path / path), fused), fused)
+    # One written in the transposed layout (as save_params once wrote a fused model's).
+    import json
+
+    import orbax.checkpoint as ocp
+
+    from jspec.checkpoint import DIGEST_FORMAT, param_digests
+    old = str(tmp_path / "t")
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(old, fused.params)
+        ckptr.wait_until_finished()
+    with open(os.path.join(old, DIGEST_FILE), "w") as f:
+        json.dump({"format": DIGEST_FORMAT, "algorithm": "sha256", "tensor_parallel": 1,
+                   "arrays": param_digests(fused.params)}, f)
+    _equal(jspec.restore_params(old, plain), plain)
+    _equal(jspec.restore_params(old, fused), fused)

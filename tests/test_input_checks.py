@@ -270,3 +270,37 @@ def test_a_gamma_given_beside_a_tree_or_adaptive_shapes_is_refused():
         assert dataclasses.replace(spec, seed=3).seed == 3 and spec.static() == spec.static()
     assert jspec.SpecConfig().gamma == jspec.SpecConfig(gamma=None).gamma == 4
     assert jspec.SpecConfig(gamma=4) == jspec.SpecConfig()  # one compile for both
+
+
+def test_a_cpu_model_never_reaches_pallas_uninterpreted():
+    # With_options from an xla model (interpret False) to pallas would pass the old guard;
+    # a model built to compile for a GPU is refused where it would run, naming the fix.
+    m = _model()
+    xla = jspec.with_options(m, jspec.KernelOptions(backend="xla"))
+    with pytest.raises(ValueError, match="interpret mode"):
+        jspec.with_options(xla, backend="pallas")
+    gpu = m.with_backend("pallas", interpret=False)  # kept for lowering (export for CUDA)
+    assert jspec.with_options(gpu, fuse_glu=False).options.interpret is False
+    cache = jspec.init_cache(gpu, 1, 32)
+    with pytest.raises(ValueError, match=r"with_options\(model, interpret=True\)"):
+        jspec.forward(gpu, [[1, 2]], cache)
+    with pytest.raises(ValueError, match="compile for a GPU"):
+        jspec.generate(gpu, [[1, 2]], max_new_tokens=2)
+    with pytest.raises(TypeError, match="takes one KernelOptions"):
+        jspec.with_options(m, jspec.KernelOptions(fuse_glu=False, interpret=True),
+                           jspec.KernelOptions(backend="xla"))
+
+
+def test_bools_in_token_lists_and_lengths_are_refused():
+    m = _model()
+    cache = jspec.init_cache(m, 2, 32)
+    with pytest.raises(ValueError, match="got a bool among them"):
+        jspec.forward(m, [[1, True], [3, 4]], cache, donate=False)
+    with pytest.raises(ValueError, match="got a bool"):
+        jspec.rollback(cache, [True, 0])
+    with pytest.raises(ValueError, match=r"one per row \(\[2\]\); got shape \(0,\)"):
+        jspec.rollback(cache, [])
+    with pytest.raises(ValueError, match="int32 integers"):
+        jspec.rollback(cache, 2**70)
+    with pytest.raises(ValueError, match="temperature=.* must be a finite number"):
+        jspec.Sample(temperature=2**2000)

@@ -119,6 +119,9 @@ def save_hf_dir(cfg, params, path: str, overwrite: bool = False) -> None:
     import jax
     from safetensors.numpy import save_file
 
+    from jspec.fused_draft import in_layout
+
+    params = in_layout(params, False)  # DraftOptions.fused's transposed weights: [in, out]
     for x in jax.tree.leaves(params):
         sharding = getattr(x, "sharding", None)
         if sharding is not None and len(sharding.device_set) > 1 and not (
