@@ -198,8 +198,19 @@ def check_flags() -> None:
         if value and value not in BACKENDS:
             raise ValueError(f"--{flag}={value!r}: expected one of {BACKENDS}")
     canonical_dtype(_DTYPE.value)
-    if not _POLICIES.value:
-        raise ValueError("--policies is empty: give exact_greedy and/or gumbel_coupled")
+    if not _POLICIES.value or set(_POLICIES.value) - {"exact_greedy", "gumbel_coupled"}:
+        raise ValueError(f"--policies={','.join(_POLICIES.value)!r}: give exact_greedy "
+                         "and/or gumbel_coupled (each run's tokens are checked equal to "
+                         "serial output; rejection_sampling is exact in distribution only)")
+    given = {name for name in ("temperature", "draft_heads", "head")
+             if flags.FLAGS[name].present}
+    for name, needs, ok in (("temperature", "--policies with gumbel_coupled",
+                             "gumbel_coupled" in _POLICIES.value),
+                            ("draft_heads", "--drafters with model",
+                             "model" in _DRAFTERS.value),
+                            ("head", "--drafters with feature", "feature" in _DRAFTERS.value)):
+        if name in given and not ok:
+            raise ValueError(f"--{name} does not apply: only {needs} reads it")
     trees = []
     for t in filter(None, _TREES.value.split(";")):
         try:

@@ -42,7 +42,7 @@ def held_out_prompts(pair: str, encode, prompt_len: int, num: int) -> list[np.nd
     rows = [np.asarray(encode(it["text"])) for it in items]
     rows = [r[-prompt_len:].astype(np.int32) for r in rows if len(r) >= prompt_len]
     if len(rows) < num:
-        raise SystemExit(f"--num_prompts={num}: {len(rows)} of the pair's {len(items)} "
+        raise ValueError(f"--num_prompts={num}: {len(rows)} of the pair's {len(items)} "
                          f"held-out prompts have {prompt_len} tokens (--prompt_len); ask "
                          "for at most that many")
     return rows[:num]

@@ -187,7 +187,17 @@ def main(argv):
     if c.drafter != "prompt_lookup" and c.draft_options != "auto":  # its names, checked now
         from jspec.options import KernelOptions, default_interpret
 
-        cli.parse_options(c.draft_options, KernelOptions(interpret=default_interpret()))
+        base = KernelOptions(interpret=default_interpret())
+        kernel, _ = cli.parse_options(c.draft_options, base)
+        if kernel != base and (c.draft_backend or c.backend) == "xla":
+            raise app.UsageError(
+                f"--config.draft_options={c.draft_options!r} sets kernel options, which the "
+                "draft's xla backend never reads: give --config.draft_backend=pallas, or "
+                "drop them (DraftOptions' names, e.g. 'draft', apply on xla)")
+        if kernel.lowering == "mosaic" and default_interpret():
+            print("warning: --config.draft_options: the Mosaic GPU lowering on a CPU runs in "
+                  "Pallas's GPU interpret mode, a test mode hundreds of times slower than "
+                  "the default lowering's interpreter", file=sys.stderr)
     stop_strings = check_stop_strings(c.stop_strings)
     jspec.SpecConfig(gamma=None if adaptive or tree else c.gamma, policy=policy,
                      max_new_tokens=c.max_new_tokens,

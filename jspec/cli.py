@@ -240,10 +240,21 @@ def _flag_error(e: BaseException, argv: list[str]) -> str:
 
     if isinstance(e, flags.Error):
         text = str(e)
+        if "is defined twice" in text:  # a --config flag given twice defines its fields twice
+            return "--config is given twice: give one config file"
         if "Error whilst parsing config file" in text:  # the config's own error: its line
             cause = text.splitlines()[-1].strip()
             return f"--config: {cause.split(': ', 1)[-1]}"
         return text
+    if isinstance(e, AttributeError) and "has no attribute 'get_config'" in str(e):
+        return ("--config: the file defines no get_config() (a config file's get_config "
+                "returns its ml_collections.ConfigDict: configs/*.py)")
+    if isinstance(e, TypeError):  # an override through a value that has no fields
+        nested = [a.split("=", 1)[0] for a in argv[1:]
+                  if a.startswith("--config.") and a.split("=", 1)[0].count(".") > 1]
+        if nested:
+            return (f"{nested[0]}: {nested[0].rsplit('.', 1)[0]} is a value, not a group of "
+                    "fields")
     if isinstance(e, AttributeError | KeyError):
         msg = e
         while isinstance(msg, BaseException):  # AttributeError(KeyError(message))
@@ -285,6 +296,11 @@ def run(main) -> None:
             _fail(_flag_error(e, argv), USER_EXIT)
 
     def checked(argv):
+        if len(argv) > 1:  # absl leaves what is not a flag: "--flag False" drops "False"
+            _fail(f"unexpected argument(s) {' '.join(argv[1:])!r}: flags take their value "
+                  "after '=' (--config.check_parity=False; a bool flag also as --name / "
+                  "--noname), and the entry points take no positional arguments",
+                  USER_EXIT)
         try:
             # --out and --tag name where the receipt goes: checked before any work (a
             # receipt written at the end would be lost with the run).
@@ -450,9 +466,12 @@ def check_prompt_lengths(pipe, prompts, max_new_tokens: int, max_len: int | None
     runs: a ValueError naming the prompt."""
     from jspec.generate import plan_shapes, verify_what
 
+    limit = pipe.target.config.max_position
     if max_len is not None:  # its own error, not one of the first prompt's
         check_count("max_len", max_len)
-    limit = pipe.target.config.max_position
+        if max_len > limit:
+            raise ValueError(f"max_len={max_len} exceeds the model's max_position_embeddings "
+                             f"({limit})")
     extra, what = ((max_new_tokens, "max_new_tokens") if proposals is None else
                    (max_new_tokens + proposals + 1, verify_what(max_new_tokens, proposals)))
     for i, prompt in enumerate(prompts):

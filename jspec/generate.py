@@ -271,6 +271,9 @@ def plan_shapes(longest: int, extra: int, max_len: int | None, max_position: int
         padded = bucket(longest, cap=max_position - extra)  # near the limit: less padding
         return padded, bucket(padded + extra, cap=max_position)
     check_count("max_len", max_len)
+    if max_len > max_position:
+        raise ValueError(f"max_len={max_len} exceeds the model's max_position_embeddings "
+                         f"({max_position})")
     if need > max_len:
         raise ValueError(f"{head} exceeds max_len={max_len}")
     return bucket(longest, cap=max_len - extra), max_len

@@ -124,6 +124,9 @@ def _prompt_of(obj, where: str, line: bool = False) -> Prompt:
     if is_chat(obj):
         _check_chat(obj, where)
         return list(obj)
+    if isinstance(obj, dict) and "prompt" in obj and "messages" in obj:
+        raise ValueError(f"{where}: both \"prompt\" and \"messages\": give one (a string "
+                         "or a chat)")
     if isinstance(obj, dict) and isinstance(obj.get("prompt"), str):
         return obj["prompt"]
     if isinstance(obj, dict) and is_chat(obj.get("messages")):

@@ -730,6 +730,12 @@ def test_exact_greedy_refuses_sampling_flags_it_would_ignore():
     (["--config.prompt=ab\udcff"], ("prompt 1 of 1: the prompt is not valid Unicode text",)),
     pytest.param(["--config.drafter=model", f"--config.draft_head={ROOT}/README.md",
                   "--config.draft_head_size=0"], ("--config.draft_head_size=0: must be",),
+                 marks=pytest.mark.slow),
+    # "--flag False": absl kept "False" as an argument, dropped it, and the flag stayed on
+    (["--config.check_parity", "False"], ("unexpected argument(s) 'False'",)),
+    # kernel options for a draft on xla, which reads none (the header said "none")
+    pytest.param(["--config.drafter=model", "--config.draft_options=mosaic"],
+                 ("sets kernel options, which the draft's xla backend never reads",),
                  marks=pytest.mark.slow)])
 def test_speculative_cli_refuses_flags_it_would_drop(flags, words):
     # Each a flag the run would ignore or refuse only after loading: one line, exit 2.
@@ -878,3 +884,18 @@ def test_every_absl_entry_point_runs_through_cli_run():
     bare = [os.path.relpath(s, ROOT) for s in scripts if "app.run(" in open(s).read()]
     assert not bare, bare
     assert len([s for s in scripts if "cli.run(main)" in open(s).read()]) >= 20
+
+
+def test_config_file_and_eval_pair_mistakes_are_one_line(tmp_path):
+    bare = tmp_path / "bare.py"
+    bare.write_text("X = 1\n")
+    _one_line_error(_run(_GEN[0], f"--config={bare}"), "the file defines no get_config()")
+    _one_line_error(_run(*_GEN, "--config.max_len=100000"),
+                    "max_len=100000 exceeds the model's max_position_embeddings (4096)")
+    # Checked tokens against serial output and reported a parity failure (exit 1).
+    _one_line_error(_run("eval_pair.py", "--policies=rejection_sampling", "--nopeers",
+                         f"--out={tmp_path}"), "exact in distribution only")
+    _one_line_error(_run("eval_pair.py", "--drafters=model", f"--head={tmp_path}",
+                         "--nopeers", f"--out={tmp_path}"),
+                    "--head does not apply: only --drafters with feature reads it")
+
