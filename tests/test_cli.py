@@ -886,6 +886,7 @@ def test_every_absl_entry_point_runs_through_cli_run():
     assert len([s for s in scripts if "cli.run(main)" in open(s).read()]) >= 20
 
 
+@pytest.mark.slow  # four entry-point runs; the one-line error path itself: the fast tier's
 def test_config_file_and_eval_pair_mistakes_are_one_line(tmp_path):
     bare = tmp_path / "bare.py"
     bare.write_text("X = 1\n")
