@@ -200,14 +200,12 @@ def check_flags() -> None:
     canonical_dtype(_DTYPE.value)
     if not _POLICIES.value:
         raise ValueError("--policies is empty: give exact_greedy and/or gumbel_coupled")
-    given = {name for name in ("temperature", "draft_heads", "head")
-             if flags.FLAGS[name].present}
     for name, needs, ok in (("temperature", "--policies with gumbel_coupled",
                              "gumbel_coupled" in _POLICIES.value),
                             ("draft_heads", "--drafters with model",
                              "model" in _DRAFTERS.value),
                             ("head", "--drafters with feature", "feature" in _DRAFTERS.value)):
-        if name in given and not ok:
+        if flags.FLAGS[name].present and not ok:
             raise ValueError(f"--{name} does not apply: only {needs} reads it")
     trees = []
     for t in filter(None, _TREES.value.split(";")):

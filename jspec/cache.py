@@ -67,9 +67,7 @@ def init_cache(model, batch_size: int, max_len: int) -> KVCache:
     if par is not None and not par.inside:  # a sharded model: its own layout
         return par.init_cache(model, batch_size, max_len)
     cfg = model.config
-    if max_len > cfg.max_position:
-        raise ValueError(f"{max_len=} exceeds the model's max_position_embeddings "
-                         f"({cfg.max_position})")
+    check_max_len(max_len, cfg.max_position)
     capacity = -(-max_len // CACHE_ALIGN) * CACHE_ALIGN
     shape = (batch_size, cfg.num_kv_heads, capacity, cfg.head_dim)
     dtype = jnp.dtype(cfg.dtype)
@@ -77,6 +75,15 @@ def init_cache(model, batch_size: int, max_len: int) -> KVCache:
     return KVCache(k=tuple(jnp.zeros(shape, dtype) for _ in range(L)),
                    v=tuple(jnp.zeros(shape, dtype) for _ in range(L)),
                    lengths=jnp.zeros((batch_size,), jnp.int32), max_len=max_len)
+
+
+def check_max_len(max_len, max_position: int) -> int:
+    """A cache length: a count within the model's positions, else a ValueError naming it."""
+    max_len = check_count("max_len", max_len)
+    if max_len > max_position:
+        raise ValueError(f"{max_len=} exceeds the model's max_position_embeddings "
+                         f"({max_position})")
+    return max_len
 
 
 def rollback(cache: KVCache, lengths) -> KVCache:

@@ -34,7 +34,8 @@ import os
 import re
 import sys
 
-from jspec._checks import check_count, check_real
+from jspec._checks import check_real
+from jspec.cache import check_max_len
 from jspec.loop import NonFiniteError
 from jspec.model import with_options
 from jspec.options import FUSIONS, LOWERINGS, PLAIN, DraftOptions, KernelOptions
@@ -468,10 +469,7 @@ def check_prompt_lengths(pipe, prompts, max_new_tokens: int, max_len: int | None
 
     limit = pipe.target.config.max_position
     if max_len is not None:  # its own error, not one of the first prompt's
-        check_count("max_len", max_len)
-        if max_len > limit:
-            raise ValueError(f"max_len={max_len} exceeds the model's max_position_embeddings "
-                             f"({limit})")
+        check_max_len(max_len, limit)
     extra, what = ((max_new_tokens, "max_new_tokens") if proposals is None else
                    (max_new_tokens + proposals + 1, verify_what(max_new_tokens, proposals)))
     for i, prompt in enumerate(prompts):

@@ -28,7 +28,7 @@ import numpy as np
 from flax import struct
 
 from jspec._checks import check_bool, check_ints, check_seed, check_type, check_x32
-from jspec.cache import KVCache, init_cache
+from jspec.cache import KVCache, check_max_len, init_cache
 from jspec.chunked_prefill import prefill as chunked_prefill
 from jspec.loop import (
     SAMPLER_CODE,
@@ -270,10 +270,7 @@ def plan_shapes(longest: int, extra: int, max_len: int | None, max_position: int
                              f"({max_position})")
         padded = bucket(longest, cap=max_position - extra)  # near the limit: less padding
         return padded, bucket(padded + extra, cap=max_position)
-    check_count("max_len", max_len)
-    if max_len > max_position:
-        raise ValueError(f"max_len={max_len} exceeds the model's max_position_embeddings "
-                         f"({max_position})")
+    check_max_len(max_len, max_position)
     if need > max_len:
         raise ValueError(f"{head} exceeds max_len={max_len}")
     return bucket(longest, cap=max_len - extra), max_len
